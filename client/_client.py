@@ -1,0 +1,340 @@
+"""The agent-side client: one gRPC channel, typed errors, safe retries, sessions."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf import json_format
+from tenacity import (
+    Retrying,
+    retry_if_exception_type,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_random_exponential,
+)
+
+from . import errors
+from .errors import SessionExpired, Unavailable
+from .v1 import baton_pb2 as pb
+from .v1 import baton_pb2_grpc as pb_grpc
+
+log = logging.getLogger("baton.client")
+
+#: where `baton up` serves the registry
+DEFAULT_REGISTRY = "127.0.0.1:7390"
+VERSION = "0.1.0"
+
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How ``UNAVAILABLE`` calls are retried: exponential backoff with full jitter.
+
+    Every mutating call carries a request id that stays the same across its
+    retries, so the registry applies it at most once.
+    """
+
+    attempts: int = 6
+    initial: float = 0.1
+    cap: float = 2.0
+    deadline: float = 30.0
+    sleep: Callable[[float], None] = time.sleep
+
+    def retrying(self) -> Retrying:
+        return Retrying(
+            retry=retry_if_exception_type(Unavailable),
+            stop=stop_after_attempt(self.attempts) | stop_after_delay(self.deadline),
+            wait=wait_random_exponential(multiplier=self.initial, max=self.cap),
+            sleep=self.sleep,
+            reraise=True,
+        )
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A producer's claim: write ``path``, then commit or fail with ``token``."""
+
+    task_id: str
+    file_id: str
+    token: int
+    path: str
+    entry: pb.Entry
+    session_id: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"task": self.task_id, "file_id": self.file_id, "token": self.token,
+                "path": self.path, "session": self.session_id}
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A consumer's hold on a verified entry: read ``path``, then ack or nack."""
+
+    task_id: str
+    file_id: str
+    group: str
+    token: int
+    path: str
+    size: int
+    digest: str
+    entry: pb.Entry
+    session_id: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"task": self.task_id, "file_id": self.file_id, "group": self.group,
+                "token": self.token, "path": self.path, "size": self.size,
+                "digest": self.digest, "session": self.session_id}
+
+
+def _raise_from_rpc(e: grpc.RpcError) -> errors.BatonError:
+    code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
+    details = e.details() if hasattr(e, "details") else str(e)
+    trailing = e.trailing_metadata() if hasattr(e, "trailing_metadata") else ()
+    return errors.from_status(code, details, trailing)
+
+
+@dataclass
+class Session:
+    """An agent session: an etcd lease the client keeps alive in the background.
+
+    Once the lease is lost (the registry says so, or no refresh succeeded for
+    a whole TTL), ``lost`` is set and the client refuses to use the session's
+    claims: their fencing tokens may already be dead.
+    """
+
+    client: Client
+    session_id: int
+    agent: str
+    ttl: int
+    keepalive: bool = True
+    lost: threading.Event = field(default_factory=threading.Event)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+    _last_ok: float = field(default_factory=time.monotonic)
+
+    def start(self) -> None:
+        if self.keepalive:
+            self._thread = threading.Thread(
+                target=self._run, name=f"baton-keepalive-{self.session_id:x}", daemon=True
+            )
+            self._thread.start()
+
+    def check(self) -> None:
+        """Raise ``SessionExpired`` if this session can no longer be trusted."""
+        if self.lost.is_set() or (
+            self.keepalive and time.monotonic() - self._last_ok > self.ttl
+        ):
+            self.lost.set()
+            raise SessionExpired(f"session {self.session_id:x} of {self.agent} was lost",
+                                 session_id=self.session_id)
+
+    def _run(self) -> None:
+        interval = max(self.ttl / 3, 0.2)
+        while not self._stop.wait(interval):
+            try:
+                self.client.keepalive(self.session_id)
+                self._last_ok = time.monotonic()
+            except SessionExpired:
+                log.warning("session %x lost: lease expired", self.session_id)
+                self.lost.set()
+                return
+            except errors.BatonError as e:
+                if time.monotonic() - self._last_ok > self.ttl:
+                    log.warning("session %x lost: no keepalive for %ds (%s)", self.session_id,
+                                self.ttl, e)
+                    self.lost.set()
+                    return
+                interval = max(self.ttl / 10, 0.1)
+                continue
+            interval = max(self.ttl / 3, 0.2)
+
+    def close(self, revoke: bool = True) -> None:
+        """Stop the keepalive; with ``revoke`` end the lease (claims go back now)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if revoke and not self.lost.is_set():
+            try:
+                self.client.close_session(self.session_id)
+            except errors.BatonError as e:
+                log.warning("closing session %x: %s", self.session_id, e)
+        self.lost.set()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Client:
+    """A connection to a registry. Thread-safe; one per process is enough."""
+
+    def __init__(
+        self,
+        target: str = DEFAULT_REGISTRY,
+        *,
+        timeout: float = 10.0,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        self.target = target
+        self.timeout = timeout
+        self.retry = retry or RetryPolicy()
+        self._channel = grpc.insecure_channel(
+            target,
+            options=[("grpc.max_receive_message_length", 256 * 1024 * 1024),
+                     ("grpc.max_send_message_length", 256 * 1024 * 1024)],
+        )
+        self._stub = pb_grpc.RegistryStub(self._channel)  # type: ignore[no-untyped-call]
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, method: str, request: Any) -> Any:
+        if hasattr(request, "request_id") and not request.request_id:
+            request.request_id = uuid.uuid4().hex  # the same across retries
+        rpc = getattr(self._stub, method)
+        for attempt in self.retry.retrying():
+            with attempt:
+                try:
+                    return rpc(request, timeout=self.timeout)
+                except grpc.RpcError as e:
+                    raise _raise_from_rpc(e) from None
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    # tasks -----------------------------------------------------------------
+
+    def create_task(self, spec: pb.TaskSpec | dict[str, Any]) -> tuple[pb.Task, bool]:
+        """Create a task from a manifest; (task, created). Same manifest again: no-op."""
+        if isinstance(spec, dict):
+            spec = parse_manifest(spec)
+        resp = self._call("CreateTask", pb.CreateTaskRequest(spec=spec))
+        return resp.task, resp.created
+
+    def get_task(self, task_id: str) -> pb.Task:
+        return self._call("GetTask", pb.GetTaskRequest(task_id=task_id))  # type: ignore[no-any-return]
+
+    def list_tasks(self) -> list[pb.Task]:
+        return list(self._call("ListTasks", pb.ListTasksRequest()).tasks)
+
+    def get_entry(self, task_id: str, file_id: str) -> pb.Entry:
+        req = pb.GetEntryRequest(task_id=task_id, file_id=file_id)
+        return self._call("GetEntry", req)  # type: ignore[no-any-return]
+
+    def list_entries(self, task_id: str, state: int = 0, limit: int = 0) -> list[pb.Entry]:
+        req = pb.ListEntriesRequest(task_id=task_id, state=state, limit=limit)  # type: ignore[arg-type]
+        return list(self._call("ListEntries", req).entries)
+
+    # sessions --------------------------------------------------------------
+
+    def open_session(self, agent: str, ttl: int = 10, *, keepalive: bool = True) -> Session:
+        """Open an agent session; with ``keepalive`` a thread refreshes it every TTL/3."""
+        req = pb.OpenSessionRequest(agent=agent, ttl=ttl, host=socket.gethostname(),
+                                    pid=os.getpid(), version=VERSION)
+        resp = self._call("OpenSession", req)
+        session = Session(self, resp.session_id, resp.agent, resp.ttl, keepalive=keepalive)
+        session.start()
+        return session
+
+    def keepalive(self, session_id: int) -> int:
+        """Refresh a session's lease once; the TTL it now has."""
+        return int(self._call("KeepAlive", pb.KeepAliveRequest(session_id=session_id)).ttl)
+
+    def close_session(self, session_id: int) -> None:
+        self._call("CloseSession", pb.CloseSessionRequest(session_id=session_id))
+
+    # producers -------------------------------------------------------------
+
+    def claim(self, task_id: str, file_id: str = "", *, session: Session | int) -> Claim:
+        """Claim an entry (or the next claimable one) for writing."""
+        sid = _session_id(session)
+        resp = self._call("Claim", pb.ClaimRequest(task_id=task_id, file_id=file_id,
+                                                   session_id=sid))
+        return Claim(task_id, resp.entry.file_id, resp.token, resp.path, resp.entry, sid)
+
+    def commit(self, task_id: str, file_id: str, token: int, size: int,
+               digest: str = "") -> pb.Entry:
+        req = pb.CommitRequest(task_id=task_id, file_id=file_id, token=token, size=size,
+                               digest=digest)
+        return self._call("Commit", req).entry  # type: ignore[no-any-return]
+
+    def fail(self, task_id: str, file_id: str, token: int, reason: str = "") -> pb.Entry:
+        req = pb.FailRequest(task_id=task_id, file_id=file_id, token=token, reason=reason)
+        return self._call("Fail", req).entry  # type: ignore[no-any-return]
+
+    def report(self, task_id: str, file_id: str, size: int, digest: str,
+               identity: pb.FileIdentity | None = None, reporter: str = "") -> pb.Entry:
+        """Report what a watcher hashed on disk (the registry verifies against it)."""
+        req = pb.VerificationReport(task_id=task_id, file_id=file_id, size=size, digest=digest,
+                                    identity=identity, reporter=reporter)
+        return self._call("ReportVerification", req).entry  # type: ignore[no-any-return]
+
+    # consumers -------------------------------------------------------------
+
+    def consume(self, task_id: str, group: str = "default", file_id: str = "", *,
+                session: Session | int) -> Lease:
+        """Take a verified entry (or the next one) for ``group``."""
+        sid = _session_id(session)
+        req = pb.ConsumeRequest(task_id=task_id, group=group, file_id=file_id, session_id=sid)
+        r = self._call("Consume", req)
+        return Lease(task_id, r.entry.file_id, r.group, r.token, r.path, r.size, r.digest,
+                     r.entry, sid)
+
+    def ack(self, task_id: str, file_id: str, group: str, token: int) -> pb.Entry:
+        req = pb.AckRequest(task_id=task_id, file_id=file_id, group=group, token=token)
+        return self._call("Ack", req).entry  # type: ignore[no-any-return]
+
+    def nack(self, task_id: str, file_id: str, group: str, token: int,
+             reason: str = "") -> pb.Entry:
+        req = pb.NackRequest(task_id=task_id, file_id=file_id, group=group, token=token,
+                             reason=reason)
+        return self._call("Nack", req).entry  # type: ignore[no-any-return]
+
+    # events ----------------------------------------------------------------
+
+    def watch(self, task_id: str, start_revision: int = 0,
+              timeout: float | None = None) -> Generator[pb.TaskEvent, None, None]:
+        """The task's events (see ``WatchRequest``); ends quietly when ``timeout`` passes."""
+        call = self._stub.Watch(pb.WatchRequest(task_id=task_id, start_revision=start_revision),
+                                timeout=timeout)
+        try:
+            yield from call
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return
+            if e.code() == grpc.StatusCode.CANCELLED:
+                return
+            raise _raise_from_rpc(e) from None
+        finally:
+            call.cancel()
+
+
+def _session_id(session: Session | int) -> int:
+    if isinstance(session, Session):
+        session.check()
+        return session.session_id
+    return int(session)
+
+
+def parse_manifest(data: dict[str, Any]) -> pb.TaskSpec:
+    """A manifest (JSON object) as a ``TaskSpec``; unknown fields are an error."""
+    try:
+        return json_format.ParseDict(data, pb.TaskSpec())
+    except json_format.ParseError as e:
+        raise errors.InvalidManifest(f"invalid manifest: {e}", problems=[str(e)]) from None

@@ -1,0 +1,322 @@
+"""The only module that talks to etcd (through aetcd's channel and v3 stubs).
+
+It exposes a small typed surface (``KV``, compares, ops, ``Etcd``) and turns
+every client error into a Baton error here, keeping the cause, so nothing else
+in the registry needs to know which etcd client library is underneath.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, ParamSpec, TypeVar
+
+import aetcd
+import grpc
+from aetcd import rpc
+
+from client.errors import Internal, SessionExpired, Unavailable
+
+from .keys import prefix_end
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+_RETRYABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+}
+
+
+class Compacted(Unavailable):
+    """A watch asked for a revision etcd has already compacted away."""
+
+
+def _translate(exc: BaseException) -> Exception:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        details = exc.details() or ""
+        if "lease not found" in details:
+            return SessionExpired(f"etcd lease not found ({details})")
+        if exc.code() in _RETRYABLE:
+            return Unavailable(f"etcd unavailable: {details or exc.code().name}")
+        return Internal(f"etcd error {exc.code().name}: {details}")
+    if isinstance(exc, aetcd.ClientError):
+        return Unavailable(f"etcd client error: {exc}")
+    return Internal(f"etcd error: {exc!r}")
+
+
+def _etcd_errors(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
+    @functools.wraps(fn)
+    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return await fn(*args, **kwargs)
+        except (grpc.aio.AioRpcError, aetcd.ClientError) as e:
+            raise _translate(e) from e
+
+    return wrapper
+
+
+@dataclass(frozen=True, slots=True)
+class KV:
+    key: bytes
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    version: int
+    lease: int
+
+    @classmethod
+    def _from_pb(cls, kv: Any) -> KV:
+        return cls(kv.key, kv.value, kv.create_revision, kv.mod_revision, kv.version, kv.lease)
+
+
+Target = Literal["version", "create", "mod", "value"]
+Op = Literal["==", "!=", ">", "<"]
+
+
+@dataclass(frozen=True, slots=True)
+class Compare:
+    key: bytes
+    target: Target
+    op: Op
+    operand: int | bytes
+
+    def _pb(self) -> Any:
+        result = {
+            "==": rpc.Compare.EQUAL,
+            "!=": rpc.Compare.NOT_EQUAL,
+            ">": rpc.Compare.GREATER,
+            "<": rpc.Compare.LESS,
+        }[self.op]
+        msg = rpc.Compare(key=self.key, result=result)
+        if self.target == "version":
+            msg.target, msg.version = rpc.Compare.VERSION, self.operand
+        elif self.target == "create":
+            msg.target, msg.create_revision = rpc.Compare.CREATE, self.operand
+        elif self.target == "mod":
+            msg.target, msg.mod_revision = rpc.Compare.MOD, self.operand
+        else:
+            msg.target, msg.value = rpc.Compare.VALUE, self.operand
+        return msg
+
+
+def absent(key: bytes) -> Compare:
+    return Compare(key, "version", "==", 0)
+
+
+def present(key: bytes) -> Compare:
+    return Compare(key, "version", ">", 0)
+
+
+def unchanged(kv: KV) -> Compare:
+    """The key still holds exactly the revision ``kv`` was read at."""
+    return Compare(kv.key, "mod", "==", kv.mod_revision)
+
+
+def created_at(key: bytes, revision: int) -> Compare:
+    return Compare(key, "create", "==", revision)
+
+
+@dataclass(frozen=True, slots=True)
+class Put:
+    key: bytes
+    value: bytes
+    lease: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Delete:
+    key: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Get:
+    key: bytes
+
+
+TxnOp = Put | Delete | Get
+
+
+def _op_pb(op: TxnOp) -> Any:
+    if isinstance(op, Put):
+        return rpc.RequestOp(request_put=rpc.PutRequest(key=op.key, value=op.value, lease=op.lease))
+    if isinstance(op, Delete):
+        return rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=op.key))
+    return rpc.RequestOp(request_range=rpc.RangeRequest(key=op.key))
+
+
+@dataclass(frozen=True, slots=True)
+class TxnResult:
+    succeeded: bool
+    revision: int
+    #: one list per ``Get`` op of the branch that ran, in order
+    gets: list[list[KV]]
+
+
+@dataclass(frozen=True, slots=True)
+class WatchEvent:
+    kind: Literal["put", "delete"]
+    kv: KV
+
+
+class Etcd:
+    """An asyncio connection to one etcd endpoint (``host:port``)."""
+
+    def __init__(self, endpoint: str, timeout: float = 5.0) -> None:
+        host, _, port = endpoint.rpartition(":")
+        self.endpoint = endpoint
+        self._timeout = timeout
+        self._client = aetcd.Client(host=host or "127.0.0.1", port=int(port), timeout=timeout)
+
+    @_etcd_errors
+    async def connect(self) -> None:
+        await self._client.connect()
+        self._kv = self._client.kvstub
+        self._lease = self._client.leasestub
+        self._watch = rpc.WatchStub(self._client.channel)
+        self._maint = self._client.maintenancestub
+
+    async def close(self) -> None:
+        await self._client.close()
+
+    @_etcd_errors
+    async def status(self) -> str:
+        """The etcd server version (also a cheap liveness probe)."""
+        resp = await self._maint.Status(rpc.StatusRequest(), timeout=self._timeout)
+        return str(resp.version)
+
+    @_etcd_errors
+    async def get(self, key: bytes) -> KV | None:
+        resp = await self._kv.Range(rpc.RangeRequest(key=key), timeout=self._timeout)
+        return KV._from_pb(resp.kvs[0]) if resp.kvs else None
+
+    @_etcd_errors
+    async def range(
+        self,
+        prefix: bytes,
+        *,
+        start: bytes | None = None,
+        limit: int = 0,
+        keys_only: bool = False,
+        revision: int = 0,
+    ) -> tuple[list[KV], int, bool]:
+        """Keys under ``prefix`` from ``start`` (inclusive), sorted by key.
+
+        ``revision`` reads an older snapshot (0 = now). Returns (kvs, revision
+        of the read, whether more keys follow).
+        """
+        req = rpc.RangeRequest(
+            key=start or prefix,
+            range_end=prefix_end(prefix),
+            limit=limit,
+            keys_only=keys_only,
+            revision=revision,
+        )
+        resp = await self._kv.Range(req, timeout=self._timeout)
+        return [KV._from_pb(kv) for kv in resp.kvs], resp.header.revision, bool(resp.more)
+
+    @_etcd_errors
+    async def count(self, prefix: bytes) -> int:
+        req = rpc.RangeRequest(key=prefix, range_end=prefix_end(prefix), count_only=True)
+        resp = await self._kv.Range(req, timeout=self._timeout)
+        return int(resp.count)
+
+    @_etcd_errors
+    async def txn(
+        self,
+        compares: Sequence[Compare],
+        success: Sequence[TxnOp],
+        failure: Sequence[TxnOp] = (),
+    ) -> TxnResult:
+        req = rpc.TxnRequest(
+            compare=[c._pb() for c in compares],
+            success=[_op_pb(op) for op in success],
+            failure=[_op_pb(op) for op in failure],
+        )
+        resp = await self._kv.Txn(req, timeout=self._timeout)
+        gets = [
+            [KV._from_pb(kv) for kv in r.response_range.kvs]
+            for r in resp.responses
+            if r.WhichOneof("response") == "response_range"
+        ]
+        return TxnResult(bool(resp.succeeded), int(resp.header.revision), gets)
+
+    # leases -------------------------------------------------------------
+
+    @_etcd_errors
+    async def grant(self, ttl: int) -> tuple[int, int]:
+        resp = await self._lease.LeaseGrant(rpc.LeaseGrantRequest(TTL=ttl), timeout=self._timeout)
+        if resp.error:
+            raise Internal(f"lease grant failed: {resp.error}")
+        return int(resp.ID), int(resp.TTL)
+
+    @_etcd_errors
+    async def keepalive(self, lease_id: int) -> int:
+        """Refresh a lease once; the TTL it now has, or 0 if it is gone."""
+
+        async def one() -> Any:
+            yield rpc.LeaseKeepAliveRequest(ID=lease_id)
+
+        call = self._lease.LeaseKeepAlive(one(), timeout=self._timeout)
+        async for reply in call:
+            return int(reply.TTL)
+        return 0
+
+    @_etcd_errors
+    async def time_to_live(self, lease_id: int) -> int:
+        """Seconds left on a lease; -1 if it does not exist."""
+        resp = await self._lease.LeaseTimeToLive(
+            rpc.LeaseTimeToLiveRequest(ID=lease_id), timeout=self._timeout
+        )
+        return int(resp.TTL)
+
+    @_etcd_errors
+    async def revoke(self, lease_id: int) -> None:
+        try:
+            await self._lease.LeaseRevoke(
+                rpc.LeaseRevokeRequest(ID=lease_id), timeout=self._timeout
+            )
+        except grpc.aio.AioRpcError as e:
+            if "lease not found" not in (e.details() or ""):
+                raise
+
+    # watches ------------------------------------------------------------
+
+    async def watch(self, prefix: bytes, start_revision: int) -> AsyncIterator[list[WatchEvent]]:
+        """Batches of events under ``prefix`` from ``start_revision`` (inclusive).
+
+        Raises ``Compacted`` if that revision is gone, ``Unavailable`` if the
+        stream breaks; the caller re-lists and watches again.
+        """
+        stop = asyncio.Event()
+
+        async def requests() -> Any:
+            yield rpc.WatchRequest(
+                create_request=rpc.WatchCreateRequest(
+                    key=prefix, range_end=prefix_end(prefix), start_revision=start_revision
+                )
+            )
+            await stop.wait()
+
+        call = self._watch.Watch(requests())
+        try:
+            async for resp in call:
+                if resp.compact_revision:
+                    raise Compacted(
+                        f"revision {start_revision} compacted (now {resp.compact_revision})"
+                    )
+                if resp.canceled:
+                    raise Unavailable(f"etcd cancelled the watch: {resp.cancel_reason}")
+                if resp.events:
+                    yield [
+                        WatchEvent("delete" if ev.type == 1 else "put", KV._from_pb(ev.kv))
+                        for ev in resp.events
+                    ]
+        except grpc.aio.AioRpcError as e:
+            raise _translate(e) from e
+        finally:
+            stop.set()
+            call.cancel()

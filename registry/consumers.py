@@ -1,0 +1,154 @@
+"""Consumer transitions: consume (lease a verified entry to one agent of a group), ack, nack."""
+
+from __future__ import annotations
+
+from client.errors import IllegalTransition, InvalidArgument, NothingToClaim, StaleToken
+from client.v1 import baton_pb2 as pb
+
+from ._etcd import KV, Compare, Delete, Put, TxnOp, created_at, present, unchanged
+from .core import Core, Plan, Retry, claim_value, entry_replay, session_agent
+from .keys import ClaimRef
+from .manifest import check_id
+from .model import CONSUMED, VERIFIED, EntryRecord
+
+PAGE = 64
+
+
+class Consumers:
+    def __init__(self, core: Core) -> None:
+        self.core = core
+        self.keys = core.keys
+
+    async def consume(self, req: pb.ConsumeRequest) -> pb.ConsumeResponse:
+        check_id("task_id", req.task_id)
+        check_id("group", req.group)
+        if req.file_id:
+            check_id("file_id", req.file_id)
+        await self.core.task(req.task_id)
+        agent_key, agent = await session_agent(self.core, req.session_id)
+        staging = self.core.staging_dir(req.task_id)
+
+        def plan_for(kv: KV, rec: EntryRecord) -> Plan[pb.ConsumeResponse]:
+            ref = ClaimRef("c", rec.task_id, rec.file_id, req.group)
+            cready = self.keys.cready(rec.task_id, req.group, rec.file_id)
+            value = claim_value(agent, req.session_id)
+            compares = [unchanged(kv), present(cready), present(agent_key)]
+            ops: list[TxnOp] = [
+                Delete(cready),
+                Put(self.keys.claim(ref), value, lease=req.session_id),
+                Put(self.keys.inflight(ref), value),
+            ]
+
+            def reply(rev: int) -> pb.ConsumeResponse:
+                entry = rec.to_pb(staging, revision=kv.mod_revision)
+                return pb.ConsumeResponse(
+                    entry=entry, token=rev, path=entry.abs_path, size=rec.size,
+                    digest=rec.digest, group=req.group,
+                )
+
+            return Plan(compares, ops, reply)
+
+        def consumable(rec: EntryRecord) -> bool:
+            return (rec.state == VERIFIED and req.group in rec.consumers
+                    and req.group not in rec.consumed_by)
+
+        async def planner() -> Plan[pb.ConsumeResponse]:
+            if req.file_id:
+                kv, rec = await self.core.entry(req.task_id, req.file_id)
+                if req.group not in rec.consumers:
+                    raise InvalidArgument(
+                        f"group {req.group!r} is not a consumer of {rec.file_id!r} "
+                        f"(consumers: {rec.consumers})"
+                    )
+                cready = await self.core.etcd.get(
+                    self.keys.cready(req.task_id, req.group, req.file_id))
+                if not consumable(rec) or cready is None:
+                    raise IllegalTransition(
+                        f"entry {rec.file_id!r} is {rec.state} and not available to group "
+                        f"{req.group!r} (consumed by {rec.consumed_by}, or held by another "
+                        "agent)", task_id=rec.task_id, file_id=rec.file_id, state=rec.state,
+                    )
+                return plan_for(kv, rec)
+            prefix = self.keys.cready_all(req.task_id, req.group)
+            start: bytes | None = None
+            saw_any = False
+            while True:
+                kvs, _, more = await self.core.etcd.range(
+                    prefix, start=start, limit=PAGE, keys_only=True)
+                order = list(kvs)
+                self.core.rng.shuffle(order)
+                for ready in order:
+                    saw_any = True
+                    file_id = ready.key[len(prefix):].decode()
+                    kv_ = await self.core.etcd.get(self.keys.entry(req.task_id, file_id))
+                    if kv_ is not None:
+                        rec_ = EntryRecord.load(kv_.value)
+                        if consumable(rec_):
+                            return plan_for(kv_, rec_)
+                if not more:
+                    break
+                start = kvs[-1].key + b"\0"
+            if saw_any:
+                raise Retry()
+            raise NothingToClaim(
+                f"nothing to consume for group {req.group!r} in task {req.task_id!r}",
+                task_id=req.task_id, group=req.group,
+            )
+
+        def replay(raw: bytes, rev: int) -> pb.ConsumeResponse:
+            resp = pb.ConsumeResponse.FromString(raw)
+            resp.token = rev
+            return resp
+
+        return await self.core.apply(planner, req.request_id, replay)
+
+    async def _live(
+        self, task_id: str, file_id: str, group: str, token: int
+    ) -> tuple[KV, EntryRecord, list[Compare], list[TxnOp]]:
+        check_id("task_id", task_id)
+        check_id("file_id", file_id)
+        check_id("group", group)
+        kv, rec = await self.core.entry(task_id, file_id)
+        ref = ClaimRef("c", task_id, file_id, group)
+        claim_key = self.keys.claim(ref)
+        claim = await self.core.etcd.get(claim_key)
+        if token <= 0 or claim is None or claim.create_revision != token:
+            raise StaleToken(
+                f"token {token} is not the live consume-claim of group {group!r} on "
+                f"{task_id}/{file_id} (lost, superseded or already acked)",
+                task_id=task_id, file_id=file_id, group=group, token=token,
+            )
+        compares = [unchanged(kv), created_at(claim_key, token)]
+        ops: list[TxnOp] = [Delete(claim_key), Delete(self.keys.inflight(ref))]
+        return kv, rec, compares, ops
+
+    async def ack(self, req: pb.AckRequest) -> pb.Entry:
+        staging = self.core.staging_dir(req.task_id)
+
+        async def planner() -> Plan[pb.Entry]:
+            kv, rec, compares, ops = await self._live(
+                req.task_id, req.file_id, req.group, req.token)
+            if req.group not in rec.consumed_by:
+                rec.consumed_by.append(req.group)
+            rec.remember("acked", group=req.group, token=req.token)
+            if all(g in rec.consumed_by for g in rec.consumers):
+                rec.state = CONSUMED
+            ops.insert(0, Put(kv.key, rec.dump()))
+            return Plan(compares, ops, lambda rev: rec.to_pb(staging, revision=rev))
+
+        return await self.core.apply(planner, req.request_id, entry_replay)
+
+    async def nack(self, req: pb.NackRequest) -> pb.Entry:
+        staging = self.core.staging_dir(req.task_id)
+
+        async def planner() -> Plan[pb.Entry]:
+            kv, rec, compares, ops = await self._live(
+                req.task_id, req.file_id, req.group, req.token)
+            rec.remember("nacked", group=req.group, reason=req.reason)
+            ops.insert(0, Put(kv.key, rec.dump()))
+            if rec.state == VERIFIED:
+                ops.append(Put(self.keys.cready(rec.task_id, req.group, rec.file_id), b""))
+            return Plan(compares, ops, lambda rev: rec.to_pb(staging, revision=rev))
+
+        return await self.core.apply(planner, req.request_id, entry_replay)
+

@@ -1,0 +1,204 @@
+"""Shared machinery of the state machine: guarded retries, request outcomes, retry path.
+
+Every transition follows one pattern: read what the decision depends on,
+decide, then write with ONE etcd transaction whose compares pin every key the
+decision read (entry mod revision, claim create revision = fencing token). If
+the compares fail, someone else moved first: read again and decide again. The
+decision is never applied unguarded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from google.protobuf.message import Message
+
+from client.errors import Conflict, InvalidArgument, NotFound, SessionExpired, TaskNotActive
+from client.v1 import baton_pb2 as pb
+
+from ._etcd import KV, Compare, Etcd, Put, TxnOp, TxnResult, absent
+from .keys import Keys
+from .model import DEAD, PENDING, EntryRecord, TaskRecord
+
+log = logging.getLogger("baton.registry")
+
+M = TypeVar("M", bound=Message)
+
+#: how long the outcome of a mutating call is kept for retries of that call
+REQUEST_TTL = 3600
+#: guarded attempts before a call gives up with ``Conflict``
+MAX_ATTEMPTS = 32
+
+
+@dataclass
+class Plan(Generic[M]):
+    """One guarded write: what must still hold, what to write, what to answer."""
+
+    compares: list[Compare]
+    ops: list[TxnOp]
+    #: builds the reply from the revision the transaction commits at
+    reply: Callable[[int], M]
+
+
+class Retry(Exception):
+    """Raised by a planner when what it read changed under it: read again."""
+
+
+class Core:
+    """State shared by every handler of one registry replica."""
+
+    def __init__(
+        self,
+        etcd: Etcd,
+        keys: Keys,
+        staging_root: str,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.etcd = etcd
+        self.keys = keys
+        self.staging_root = staging_root.rstrip("/") or "/"
+        self.sleep = sleep
+        self.rng = rng or random.Random()
+        self._request_lease = 0
+        self._request_lease_until = 0.0
+        self._lease_lock = asyncio.Lock()
+
+    def staging_dir(self, task_id: str) -> str:
+        return f"{self.staging_root}/{task_id}"
+
+    # reading -------------------------------------------------------------
+
+    async def task(self, task_id: str) -> tuple[KV, TaskRecord]:
+        kv = await self.etcd.get(self.keys.task(task_id))
+        if kv is None:
+            raise NotFound(f"no task {task_id!r}", task_id=task_id)
+        return kv, TaskRecord.load(kv.value)
+
+    async def active_task(self, task_id: str) -> TaskRecord:
+        _, task = await self.task(task_id)
+        if task.status != "active":
+            raise TaskNotActive(
+                f"task {task_id!r} is {task.status}", task_id=task_id, status=task.status
+            )
+        return task
+
+    async def entry(self, task_id: str, file_id: str) -> tuple[KV, EntryRecord]:
+        kv = await self.etcd.get(self.keys.entry(task_id, file_id))
+        if kv is None:
+            raise NotFound(f"no entry {file_id!r} in task {task_id!r}", task_id=task_id,
+                           file_id=file_id)
+        return kv, EntryRecord.load(kv.value)
+
+    # writing -------------------------------------------------------------
+
+    async def _lease_for_requests(self) -> int:
+        """A lease for request-outcome keys, replaced well before it expires."""
+        async with self._lease_lock:
+            if time.monotonic() > self._request_lease_until:
+                self._request_lease, ttl = await self.etcd.grant(REQUEST_TTL)
+                self._request_lease_until = time.monotonic() + ttl / 2
+            return self._request_lease
+
+    async def apply(
+        self,
+        planner: Callable[[], Awaitable[Plan[M]]],
+        request_id: str = "",
+        replay: Callable[[bytes, int], M] | None = None,
+    ) -> M:
+        """Run ``planner`` and its transaction until it applies (or must give up).
+
+        With a ``request_id``, the reply is recorded by the same transaction;
+        a retry of the same call finds it and gets ``replay(record, revision)``
+        (the original reply) instead of applying a second time.
+        """
+        req_key = self.keys.request(request_id) if request_id and replay else b""
+        for attempt in range(MAX_ATTEMPTS):
+            if req_key and replay:
+                done = await self.etcd.get(req_key)
+                if done is not None:
+                    return replay(done.value, done.create_revision)
+            try:
+                plan = await planner()
+            except Retry:
+                await self._backoff(attempt)
+                continue
+            compares, ops = list(plan.compares), list(plan.ops)
+            if req_key:
+                # The reply may name the commit revision, unknown until the
+                # transaction applies: record it as of revision 0; ``replay``
+                # substitutes the request key's create revision, the same one.
+                compares.append(absent(req_key))
+                lease = await self._lease_for_requests()
+                ops.append(Put(req_key, plan.reply(0).SerializeToString(), lease=lease))
+            result = await self.etcd.txn(compares, ops)
+            if result.succeeded:
+                return plan.reply(result.revision)
+            await self._backoff(attempt)
+        raise Conflict("gave up after repeated concurrent changes; retry the call")
+
+    async def _backoff(self, attempt: int) -> None:
+        if attempt:
+            await self.sleep(min(0.05, 0.001 * (2**attempt)) * self.rng.random())
+
+    async def txn(self, compares: Sequence[Compare], ops: Sequence[TxnOp]) -> TxnResult:
+        return await self.etcd.txn(compares, ops)
+
+    # the retry path --------------------------------------------------------
+
+    def retry_or_dead(self, rec: EntryRecord, reason: str, ops: list[TxnOp]) -> None:
+        """Send an entry back to ``pending`` (retry_count + 1) or to ``dead``.
+
+        Appends the index write to ``ops``; the caller's transaction applies it.
+        """
+        rec.remember("failed", reason=reason, owner=rec.owner, attempt=rec.retry_count)
+        rec.error = reason
+        rec.owner, rec.session = "", 0
+        rec.size, rec.digest, rec.committed_digest, rec.observed = 0, "", "", None
+        if rec.retry_count < rec.max_retries:
+            rec.retry_count += 1
+            rec.state = PENDING
+            ops.append(Put(self.keys.ready(rec.task_id, rec.file_id), b""))
+        else:
+            rec.state = DEAD
+            log.warning("entry dead: %s/%s after %d retries: %s", rec.task_id, rec.file_id,
+                        rec.retry_count, reason)
+
+
+def claim_value(agent: str, session: int) -> bytes:
+    return json.dumps({"agent": agent, "session": session}).encode()
+
+
+def claim_holder(kv: KV | None) -> str:
+    if kv is None:
+        return ""
+    try:
+        return str(json.loads(kv.value).get("agent", ""))
+    except ValueError:
+        return ""
+
+
+def entry_replay(raw: bytes, revision: int) -> pb.Entry:
+    """The recorded reply of an entry-returning call, as first sent."""
+    entry = pb.Entry.FromString(raw)
+    entry.revision = revision
+    return entry
+
+
+async def session_agent(core: Core, session_id: int) -> tuple[bytes, str]:
+    """The session's key and agent name; ``SessionExpired`` if it is gone."""
+    if session_id <= 0:
+        raise InvalidArgument("this call needs a session_id (open a session first)")
+    key = core.keys.agent(session_id)
+    kv = await core.etcd.get(key)
+    if kv is None:
+        raise SessionExpired(f"session {session_id:x} has expired or never existed",
+                             session_id=session_id)
+    return key, claim_holder(kv) or "?"

@@ -1,0 +1,131 @@
+"""Every etcd key Baton uses, built in this one module.
+
+Layout under the prefix (default ``/baton/v1/``)::
+
+    tasks/{task}                       task header (JSON)
+    entries/{task}/{file}              one entry per file (JSON)
+    ready/{task}/{file}                index: entry is pending and may be claimed
+    cready/{task}/{group}/{file}       index: entry is verified, group has not consumed it
+    claims/p/{task}/{file}             leased producer claim   (lease = agent session)
+    claims/c/{task}/{group}/{file}     leased consume-claim    (lease = agent session)
+    inflight/p/{task}/{file}           durable twin of a claim; same create revision
+    inflight/c/{task}/{group}/{file}   durable twin of a consume-claim
+    agents/{session}                   leased agent session
+    requests/{request_id}              outcome of a mutating call, for retries (leased, 1 h)
+
+A claim key and its inflight twin are written by the same transaction, so both
+carry the same create revision: that revision is the fencing token. When the
+lease dies etcd deletes the claim but not its twin; the reaper finds twins
+without a claim and moves their entries on.
+
+Ids are restricted to ``[A-Za-z0-9._-]`` by validation, so a ``/`` can never
+appear inside one path segment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ClaimRef:
+    """What a claim (or inflight) key names, parsed back from the key."""
+
+    kind: str  # "p" producer, "c" consumer
+    task_id: str
+    file_id: str
+    group: str = ""
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key builder bound to one prefix (tests give each case its own)."""
+
+    prefix: str = "/baton/v1/"
+
+    def __post_init__(self) -> None:
+        if not self.prefix.startswith("/") or not self.prefix.endswith("/"):
+            raise ValueError(f"key prefix must start and end with '/': {self.prefix!r}")
+
+    def _k(self, *parts: str) -> bytes:
+        return (self.prefix + "/".join(parts)).encode()
+
+    # tasks and entries
+    def task(self, task_id: str) -> bytes:
+        return self._k("tasks", task_id)
+
+    def tasks(self) -> bytes:
+        return self._k("tasks", "")
+
+    def entry(self, task_id: str, file_id: str) -> bytes:
+        return self._k("entries", task_id, file_id)
+
+    def entries(self, task_id: str) -> bytes:
+        return self._k("entries", task_id, "")
+
+    # claimable indexes
+    def ready(self, task_id: str, file_id: str) -> bytes:
+        return self._k("ready", task_id, file_id)
+
+    def ready_all(self, task_id: str) -> bytes:
+        return self._k("ready", task_id, "")
+
+    def cready(self, task_id: str, group: str, file_id: str) -> bytes:
+        return self._k("cready", task_id, group, file_id)
+
+    def cready_all(self, task_id: str, group: str) -> bytes:
+        return self._k("cready", task_id, group, "")
+
+    # claims and their durable twins
+    def claim(self, ref: ClaimRef) -> bytes:
+        return self._k("claims", *self._ref_parts(ref))
+
+    def inflight(self, ref: ClaimRef) -> bytes:
+        return self._k("inflight", *self._ref_parts(ref))
+
+    def claims_all(self) -> bytes:
+        return self._k("claims", "")
+
+    def inflight_all(self) -> bytes:
+        return self._k("inflight", "")
+
+    def parse_inflight(self, key: bytes) -> ClaimRef:
+        return self._parse_ref(key, self.inflight_all())
+
+    def parse_claim(self, key: bytes) -> ClaimRef:
+        return self._parse_ref(key, self.claims_all())
+
+    @staticmethod
+    def _ref_parts(ref: ClaimRef) -> tuple[str, ...]:
+        if ref.kind == "p":
+            return ("p", ref.task_id, ref.file_id)
+        return ("c", ref.task_id, ref.group, ref.file_id)
+
+    @staticmethod
+    def _parse_ref(key: bytes, base: bytes) -> ClaimRef:
+        parts = key[len(base) :].decode().split("/")
+        if parts[0] == "p" and len(parts) == 3:
+            return ClaimRef("p", parts[1], parts[2])
+        if parts[0] == "c" and len(parts) == 4:
+            return ClaimRef("c", parts[1], parts[3], group=parts[2])
+        raise ValueError(f"not a claim key: {key!r}")
+
+    # sessions and request outcomes
+    def agent(self, session_id: int) -> bytes:
+        return self._k("agents", f"{session_id:016x}")
+
+    def agents(self) -> bytes:
+        return self._k("agents", "")
+
+    def request(self, request_id: str) -> bytes:
+        return self._k("requests", request_id)
+
+
+def prefix_end(prefix: bytes) -> bytes:
+    """The ``range_end`` that covers every key starting with ``prefix``."""
+    end = bytearray(prefix)
+    for i in reversed(range(len(end))):
+        if end[i] < 0xFF:
+            end[i] += 1
+            return bytes(end[: i + 1])
+    return b"\0"

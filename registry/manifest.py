@@ -1,0 +1,198 @@
+"""Validation of task manifests: every problem found is reported at once.
+
+Limits (documented in docs/manifest.md):
+
+- ids (task, file, consumer group): ``[A-Za-z0-9][A-Za-z0-9._-]{0,127}``
+- at most ``MAX_ENTRIES`` entries; paths at most ``MAX_PATH`` bytes, relative,
+  normalised, never leaving the task's directory, unique within the task
+- ``max_retries`` between 0 and ``MAX_RETRIES``; ``expected_size`` between 0
+  and ``MAX_SIZE``; ``expected_digest`` empty or 64 lower-case hex digits
+- at most ``MAX_LABELS`` labels per object, keys ≤ 63 and values ≤ 256 chars
+- ``depends_on`` names entries of the same task, never itself, and no cycles
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+
+from client.errors import InvalidArgument, InvalidManifest
+from client.v1 import baton_pb2 as pb
+
+from .model import SCHEMA_VERSION, EntryRecord, now
+
+MAX_ENTRIES = 100_000
+MAX_PATH = 1024
+MAX_RETRIES = 100
+MAX_SIZE = 1 << 50
+MAX_LABELS = 32
+MAX_GROUPS = 16
+DEFAULT_MAX_RETRIES = 3
+DEFAULT_GROUP = "default"
+
+ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+def check_id(kind: str, value: str) -> None:
+    """Raise ``InvalidArgument`` unless ``value`` is a valid task/file/group id."""
+    if not ID_RE.match(value):
+        raise InvalidArgument(f"invalid {kind} {value!r}: expected {ID_RE.pattern}", kind=kind)
+
+
+def path_problem(path: str) -> str | None:
+    """Why ``path`` is not an acceptable staging path, or None."""
+    if not path:
+        return "is empty"
+    if len(path.encode()) > MAX_PATH:
+        return f"is longer than {MAX_PATH} bytes"
+    if "\0" in path:
+        return "contains a NUL byte"
+    if path.startswith("/"):
+        return "is absolute"
+    parts = path.split("/")
+    if ".." in parts:
+        return "contains '..'"
+    if any(p in ("", ".") for p in parts):
+        return "is not normalised (empty or '.' component)"
+    if str(PurePosixPath(path)) != path:
+        return "is not normalised"
+    return None
+
+
+@dataclass(frozen=True)
+class ValidTask:
+    task_id: str
+    consumers: list[str]
+    max_retries: int
+    labels: dict[str, str]
+    entries: list[EntryRecord]
+    digest: str
+
+
+def _labels_problems(where: str, labels: dict[str, str]) -> list[str]:
+    out = []
+    if len(labels) > MAX_LABELS:
+        out.append(f"{where}: more than {MAX_LABELS} labels")
+    for k, v in labels.items():
+        if not 0 < len(k) <= 63 or len(v) > 256:
+            out.append(f"{where}: label {k!r} too long or empty (key ≤ 63, value ≤ 256)")
+    return out
+
+
+def _groups_problems(where: str, groups: list[str]) -> list[str]:
+    out = [f"{where}: invalid consumer group {g!r}" for g in groups if not ID_RE.match(g)]
+    if len(groups) > MAX_GROUPS:
+        out.append(f"{where}: more than {MAX_GROUPS} consumer groups")
+    if len(set(groups)) != len(groups):
+        out.append(f"{where}: consumer groups repeated")
+    return out
+
+
+def _cycle(deps: dict[str, list[str]]) -> list[str] | None:
+    """One dependency cycle, if any (iterative DFS: manifests can be long)."""
+    colour: dict[str, int] = {}
+    for root in deps:
+        if colour.get(root):
+            continue
+        stack = [(root, iter(deps[root]))]
+        path = [root]
+        colour[root] = 1
+        while stack:
+            node, children = stack[-1]
+            child = next(children, None)
+            if child is None:
+                colour[node] = 2
+                stack.pop()
+                path.pop()
+            elif colour.get(child) == 1:
+                return [*path[path.index(child) :], child]
+            elif not colour.get(child) and child in deps:
+                colour[child] = 1
+                stack.append((child, iter(deps[child])))
+                path.append(child)
+    return None
+
+
+def validate(spec: pb.TaskSpec) -> ValidTask:
+    """Check a manifest and build its entry records; raise ``InvalidManifest``."""
+    problems: list[str] = []
+    if not ID_RE.match(spec.task_id):
+        problems.append(f"task_id {spec.task_id!r} is not a valid id ({ID_RE.pattern})")
+    if spec.schema_version not in (0, SCHEMA_VERSION):
+        problems.append(
+            f"schema_version {spec.schema_version} is not supported (this registry: "
+            f"{SCHEMA_VERSION})"
+        )
+    if not spec.entries:
+        problems.append("a task needs at least one entry")
+    if len(spec.entries) > MAX_ENTRIES:
+        problems.append(f"{len(spec.entries)} entries: at most {MAX_ENTRIES} per task")
+    task_retries = spec.max_retries if spec.HasField("max_retries") else DEFAULT_MAX_RETRIES
+    if not 0 <= task_retries <= MAX_RETRIES:
+        problems.append(f"max_retries {task_retries} not within 0..{MAX_RETRIES}")
+    groups = list(spec.consumers) or [DEFAULT_GROUP]
+    problems += _groups_problems("task", groups)
+    problems += _labels_problems("task", dict(spec.labels))
+
+    seen_ids: set[str] = set()
+    seen_paths: set[str] = set()
+    for i, e in enumerate(spec.entries):
+        where = f"entries[{i}] ({e.file_id!r})"
+        if not ID_RE.match(e.file_id):
+            problems.append(f"{where}: file_id is not a valid id ({ID_RE.pattern})")
+        elif e.file_id in seen_ids:
+            problems.append(f"{where}: duplicate file_id")
+        seen_ids.add(e.file_id)
+        why = path_problem(e.path)
+        if why:
+            problems.append(f"{where}: path {e.path!r} {why}")
+        elif e.path in seen_paths:
+            problems.append(f"{where}: path {e.path!r} used by another entry")
+        seen_paths.add(e.path)
+        if not 0 <= e.expected_size <= MAX_SIZE:
+            problems.append(f"{where}: expected_size {e.expected_size} out of range")
+        if e.expected_digest and not DIGEST_RE.match(e.expected_digest):
+            problems.append(f"{where}: expected_digest is not 64 lower-case hex digits")
+        if e.HasField("max_retries") and not 0 <= e.max_retries <= MAX_RETRIES:
+            problems.append(f"{where}: max_retries {e.max_retries} not within 0..{MAX_RETRIES}")
+        problems += _groups_problems(where, list(e.consumers))
+        problems += _labels_problems(where, dict(e.labels))
+    ids = {e.file_id for e in spec.entries}
+    for e in spec.entries:
+        for dep in e.depends_on:
+            if dep == e.file_id:
+                problems.append(f"entry {e.file_id!r} depends on itself")
+            elif dep not in ids:
+                problems.append(f"entry {e.file_id!r} depends on unknown entry {dep!r}")
+    if not problems:
+        cycle = _cycle({e.file_id: list(e.depends_on) for e in spec.entries})
+        if cycle:
+            problems.append("dependency cycle: " + " -> ".join(cycle))
+    if problems:
+        shown = problems[:20]
+        more = f" (and {len(problems) - 20} more)" if len(problems) > 20 else ""
+        raise InvalidManifest(
+            "invalid manifest: " + "; ".join(shown) + more, problems=problems
+        )
+
+    created = now()
+    entries = [
+        EntryRecord(
+            task_id=spec.task_id,
+            file_id=e.file_id,
+            path=e.path,
+            consumers=list(e.consumers) or groups,
+            depends_on=list(e.depends_on),
+            max_retries=e.max_retries if e.HasField("max_retries") else task_retries,
+            expected_size=e.expected_size,
+            expected_digest=e.expected_digest,
+            labels=dict(e.labels),
+            created_at=created,
+        )
+        for e in spec.entries
+    ]
+    digest = hashlib.sha256(spec.SerializeToString(deterministic=True)).hexdigest()
+    return ValidTask(spec.task_id, groups, task_retries, dict(spec.labels), entries, digest)

@@ -1,0 +1,250 @@
+"""Producer transitions: claim (pending → writing), commit, fail, and watcher reports."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from client.errors import (
+    AlreadyClaimed,
+    IllegalTransition,
+    InvalidArgument,
+    NothingToClaim,
+    StaleToken,
+)
+from client.v1 import baton_pb2 as pb
+
+from ._etcd import KV, Compare, Delete, Put, TxnOp, created_at, present, unchanged
+from .core import Core, Plan, Retry, claim_value, entry_replay, session_agent
+from .keys import ClaimRef
+from .manifest import DIGEST_RE, check_id
+from .model import CONSUMED, PENDING, VERIFIED, WRITING, WRITTEN, EntryRecord, now
+
+#: ready keys read per page when looking for the next claimable entry
+PAGE = 64
+
+
+class Producers:
+    def __init__(self, core: Core) -> None:
+        self.core = core
+        self.keys = core.keys
+
+    # dependencies ----------------------------------------------------------
+
+    async def _deps_ready(self, rec: EntryRecord) -> bool:
+        for dep in rec.depends_on:
+            _, d = await self.core.entry(rec.task_id, dep)
+            if d.state not in (VERIFIED, CONSUMED):
+                return False
+        return True
+
+    # claim -----------------------------------------------------------------
+
+    async def claim(self, req: pb.ClaimRequest) -> pb.ClaimResponse:
+        check_id("task_id", req.task_id)
+        if req.file_id:
+            check_id("file_id", req.file_id)
+        await self.core.active_task(req.task_id)
+        staging = self.core.staging_dir(req.task_id)
+        agent_key, agent = await session_agent(self.core, req.session_id)
+
+        def plan_for(kv: KV, rec: EntryRecord) -> Plan[pb.ClaimResponse]:
+            ref = ClaimRef("p", rec.task_id, rec.file_id)
+            rec.state, rec.owner, rec.session = WRITING, agent, req.session_id
+            rec.observed, rec.error = None, ""
+            rec.remember("claimed", owner=agent, attempt=rec.retry_count)
+            value = claim_value(agent, req.session_id)
+            ready = self.keys.ready(rec.task_id, rec.file_id)
+            compares = [unchanged(kv), present(ready), present(agent_key)]
+            ops: list[TxnOp] = [
+                Put(kv.key, rec.dump()),
+                Delete(ready),
+                Put(self.keys.claim(ref), value, lease=req.session_id),
+                Put(self.keys.inflight(ref), value),
+            ]
+
+            def reply(rev: int) -> pb.ClaimResponse:
+                entry = rec.to_pb(staging, revision=rev, token=rev)
+                return pb.ClaimResponse(entry=entry, token=rev, path=entry.abs_path)
+
+            return Plan(compares, ops, reply)
+
+        async def planner() -> Plan[pb.ClaimResponse]:
+            if req.file_id:
+                kv, rec = await self.core.entry(req.task_id, req.file_id)
+                if rec.state != PENDING:
+                    cls = AlreadyClaimed if rec.state == WRITING else IllegalTransition
+                    raise cls(
+                        f"entry {rec.file_id!r} is {rec.state}, not pending",
+                        task_id=rec.task_id, file_id=rec.file_id, state=rec.state,
+                    )
+                if not await self._deps_ready(rec):
+                    raise IllegalTransition(
+                        f"entry {rec.file_id!r} waits for its dependencies {rec.depends_on}",
+                        task_id=rec.task_id, file_id=rec.file_id,
+                    )
+                return plan_for(kv, rec)
+            return await self._next(req.task_id, plan_for)
+
+        def replay(raw: bytes, rev: int) -> pb.ClaimResponse:
+            resp = pb.ClaimResponse.FromString(raw)
+            resp.token = resp.entry.token = resp.entry.revision = rev
+            return resp
+
+        return await self.core.apply(planner, req.request_id, replay)
+
+    async def _next(
+        self, task_id: str, plan_for: Callable[[KV, EntryRecord], Plan[pb.ClaimResponse]]
+    ) -> Plan[pb.ClaimResponse]:
+        """Pick a claimable entry from the ready index, never scanning the task.
+
+        Concurrent claimers read the same first page; each tries the page in a
+        random order so they rarely collide on one entry.
+        """
+        prefix = self.keys.ready_all(task_id)
+        start: bytes | None = None
+        saw_any = False
+        while True:
+            kvs, _, more = await self.core.etcd.range(
+                prefix, start=start, limit=PAGE, keys_only=True
+            )
+            order = list(kvs)
+            self.core.rng.shuffle(order)
+            for ready in order:
+                saw_any = True
+                file_id = ready.key[len(prefix) :].decode()
+                entry_kv = await self.core.etcd.get(self.keys.entry(task_id, file_id))
+                if entry_kv is None:
+                    continue
+                rec = EntryRecord.load(entry_kv.value)
+                if rec.state != PENDING or not await self._deps_ready(rec):
+                    continue
+                return plan_for(entry_kv, rec)
+            if not more:
+                break
+            start = kvs[-1].key + b"\0"
+        if saw_any:
+            # Every candidate moved while we looked; look again.
+            raise Retry()
+        raise NothingToClaim(f"nothing to claim in task {task_id!r}", task_id=task_id)
+
+    # commit and fail -------------------------------------------------------------
+
+    async def _live_claim(self, task_id: str, file_id: str, token: int) -> tuple[KV, EntryRecord]:
+        """The entry, if ``token`` is the live producer claim on it."""
+        check_id("task_id", task_id)
+        check_id("file_id", file_id)
+        kv, rec = await self.core.entry(task_id, file_id)
+        claim = await self.core.etcd.get(self.keys.claim(ClaimRef("p", task_id, file_id)))
+        if token <= 0 or claim is None or claim.create_revision != token:
+            raise StaleToken(
+                f"token {token} is not the live claim on {task_id}/{file_id} "
+                "(the claim was lost, superseded or already finished)",
+                task_id=task_id, file_id=file_id, token=token,
+            )
+        if rec.state != WRITING:  # cannot happen while the claim lives; refuse anyway
+            raise IllegalTransition(f"entry {file_id!r} is {rec.state}, not writing")
+        return kv, rec
+
+    def _finish_claim(
+        self, kv: KV, rec: EntryRecord, token: int
+    ) -> tuple[list[Compare], list[TxnOp]]:
+        ref = ClaimRef("p", rec.task_id, rec.file_id)
+        claim = self.keys.claim(ref)
+        compares = [unchanged(kv), created_at(claim, token)]
+        ops: list[TxnOp] = [Delete(claim), Delete(self.keys.inflight(ref))]
+        return compares, ops
+
+    async def commit(self, req: pb.CommitRequest) -> pb.Entry:
+        if req.size < 0:
+            raise InvalidArgument(f"size {req.size} is negative")
+        if req.digest and not DIGEST_RE.match(req.digest):
+            raise InvalidArgument("digest must be 64 lower-case hex digits (BLAKE3)")
+        staging = self.core.staging_dir(req.task_id)
+
+        async def planner() -> Plan[pb.Entry]:
+            kv, rec = await self._live_claim(req.task_id, req.file_id, req.token)
+            if rec.expected_size and req.size != rec.expected_size:
+                raise InvalidArgument(
+                    f"size {req.size} differs from the manifest's expected_size "
+                    f"{rec.expected_size}", task_id=rec.task_id, file_id=rec.file_id,
+                )
+            if rec.expected_digest and req.digest and req.digest != rec.expected_digest:
+                raise InvalidArgument(
+                    "digest differs from the manifest's expected_digest",
+                    task_id=rec.task_id, file_id=rec.file_id,
+                )
+            compares, ops = self._finish_claim(kv, rec, req.token)
+            rec.state, rec.size, rec.committed_digest = WRITTEN, req.size, req.digest
+            rec.remember("committed", size=req.size, token=req.token)
+            obs = rec.observation()
+            if obs is not None and obs.size == req.size:
+                # The watcher's report came first; settle it now.
+                self._settle(rec, obs.size, obs.digest, ops)
+            ops.insert(0, Put(kv.key, rec.dump()))
+            return Plan(compares, ops, lambda rev: rec.to_pb(staging, revision=rev))
+
+        return await self.core.apply(planner, req.request_id, entry_replay)
+
+    async def fail(self, req: pb.FailRequest) -> pb.Entry:
+        staging = self.core.staging_dir(req.task_id)
+
+        async def planner() -> Plan[pb.Entry]:
+            kv, rec = await self._live_claim(req.task_id, req.file_id, req.token)
+            compares, ops = self._finish_claim(kv, rec, req.token)
+            self.core.retry_or_dead(rec, f"producer failed: {req.reason or 'no reason given'}",
+                                    ops)
+            ops.insert(0, Put(kv.key, rec.dump()))
+            return Plan(compares, ops, lambda rev: rec.to_pb(staging, revision=rev))
+
+        return await self.core.apply(planner, req.request_id, entry_replay)
+
+    # verification ------------------------------------------------------------------
+
+    def _settle(self, rec: EntryRecord, size: int, digest: str, ops: list[TxnOp]) -> None:
+        """A written entry meets what is on disk: verified, or the retry path."""
+        expected = rec.committed_digest or rec.expected_digest
+        if size == rec.size and (not expected or expected == digest):
+            rec.state, rec.digest = VERIFIED, digest
+            rec.remember("verified", digest=digest)
+            for group in rec.consumers:
+                if group not in rec.consumed_by:
+                    ops.append(Put(self.keys.cready(rec.task_id, group, rec.file_id), b""))
+        else:
+            self.core.retry_or_dead(
+                rec,
+                f"checksum mismatch: producer declared size {rec.size} digest "
+                f"{expected or '-'}, file has size {size} digest {digest}",
+                ops,
+            )
+
+    async def report(self, req: pb.VerificationReport) -> pb.Entry:
+        check_id("task_id", req.task_id)
+        check_id("file_id", req.file_id)
+        if req.size < 0 or not DIGEST_RE.match(req.digest):
+            raise InvalidArgument("a report needs size ≥ 0 and a 64-hex-digit BLAKE3 digest")
+        staging = self.core.staging_dir(req.task_id)
+
+        async def planner() -> Plan[pb.Entry]:
+            kv, rec = await self.core.entry(req.task_id, req.file_id)
+            ops: list[TxnOp] = []
+            if rec.state in (PENDING, WRITING):
+                rec.observed = {
+                    "size": req.size, "digest": req.digest, "inode": req.identity.inode,
+                    "device": req.identity.device, "mtime_ns": req.identity.mtime_ns,
+                    "reporter": req.reporter, "at": now(),
+                }
+            elif rec.state == WRITTEN:
+                self._settle(rec, req.size, req.digest, ops)
+            elif rec.state == VERIFIED and req.digest != rec.digest:
+                for group in rec.consumers:
+                    ops.append(Delete(self.keys.cready(rec.task_id, group, rec.file_id)))
+                self.core.retry_or_dead(rec, "verified file changed on disk", ops)
+            else:  # consumed, dead, or a repeat of what is known: nothing to do
+                return Plan([unchanged(kv)], [], lambda rev: rec.to_pb(staging, revision=rev))
+            ops.insert(0, Put(kv.key, rec.dump()))
+            return Plan([unchanged(kv)], ops, lambda rev: rec.to_pb(staging, revision=rev))
+
+        return await self.core.apply(planner, req.request_id, entry_replay)
+
+
+

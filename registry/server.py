@@ -1,0 +1,117 @@
+"""Building, running and stopping a registry replica."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from client.errors import BatonError
+from client.v1 import baton_pb2, baton_pb2_grpc
+
+from ._etcd import Etcd
+from .config import RegistryConfig, load_config
+from .core import Core
+from .keys import Keys
+from .service import RegistryService
+from .sessions import Reaper
+
+log = logging.getLogger("baton.registry")
+
+#: large manifests travel in one CreateTask call
+MAX_MESSAGE = 256 * 1024 * 1024
+SERVICE_NAME = baton_pb2.DESCRIPTOR.services_by_name["Registry"].full_name
+
+
+@dataclass
+class Running:
+    """A started replica: its bound port and how to stop it."""
+
+    port: int
+    server: grpc.aio.Server
+    etcd: Etcd
+    reaper: Reaper
+    health: health.HealthServicer
+    _stop: asyncio.Event
+    _reaper_task: asyncio.Task[None]
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        """Stop taking calls, let in-flight ones finish within ``grace``, then close."""
+        self.health.enter_graceful_shutdown()
+        self._stop.set()
+        await self.server.stop(grace)
+        await self._reaper_task
+        await self.etcd.close()
+
+
+async def start(config: RegistryConfig) -> Running:
+    """Connect to etcd and serve on ``config.listen`` (port 0 picks a free port)."""
+    etcd = Etcd(config.etcd)
+    await etcd.connect()
+    version = await etcd.status()
+    core = Core(etcd, Keys(config.prefix), config.staging)
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE),
+            ("grpc.max_send_message_length", MAX_MESSAGE),
+        ]
+    )
+    baton_pb2_grpc.add_RegistryServicer_to_server(  # type: ignore[no-untyped-call]
+        RegistryService(core), server
+    )
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME),
+        server,
+    )
+    port = server.add_insecure_port(config.listen)
+    if port == 0:
+        raise BatonError(f"cannot listen on {config.listen}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    stop = asyncio.Event()
+    reaper = Reaper(core, config.reap_interval)
+    reaper_task = asyncio.create_task(reaper.run(stop))
+    log.info("registry on port %d, etcd %s (v%s), prefix %s, staging %s", port, config.etcd,
+             version, config.prefix, config.staging)
+    return Running(port, server, etcd, reaper, health_servicer, stop, reaper_task)
+
+
+async def serve(config: RegistryConfig) -> None:
+    running = await start(config)
+    host = config.listen.rpartition(":")[0] or "0.0.0.0"
+    # `baton up` and operators read this line to learn the bound address.
+    print(f"baton-registry listening on {host}:{running.port}", flush=True)
+    done = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, done.set)
+    await done.wait()
+    log.info("shutting down (grace %.1fs)", config.grace)
+    await running.stop(config.grace)
+    log.info("stopped")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = load_config(sys.argv[1:] if argv is None else argv, os.environ)
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+    )
+    try:
+        asyncio.run(serve(config))
+    except BatonError as e:
+        print(f"baton-registry: {e}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,130 @@
+"""The gRPC face of the registry: thin handlers over the state machine.
+
+Each handler turns a domain error into its status code and trailing metadata
+through the shared table in ``client.errors``; anything unexpected is logged
+with its traceback and sent as ``INTERNAL``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from client.errors import BatonError, Internal, to_status
+from client.v1 import baton_pb2 as pb
+from client.v1 import baton_pb2_grpc as pb_grpc
+
+from .consumers import Consumers
+from .core import Core
+from .producers import Producers
+from .sessions import Sessions
+from .tasks import Tasks
+
+log = logging.getLogger("baton.registry")
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
+
+async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: Exception) -> None:
+    if not isinstance(exc, BatonError):
+        log.exception("unexpected error", exc_info=exc)
+        exc = Internal(f"internal error: {type(exc).__name__}: {exc}")
+    code, details, metadata = to_status(exc)
+    context.set_trailing_metadata(metadata)
+    await context.abort(code, details)
+
+
+def unary(
+    fn: Callable[[Any, Req], Awaitable[Resp]],
+) -> Callable[[Any, Req, grpc.aio.ServicerContext[Any, Any]], Awaitable[Resp]]:
+    @functools.wraps(fn)
+    async def handler(self: Any, request: Req, context: grpc.aio.ServicerContext[Any, Any]) -> Resp:
+        try:
+            return await fn(self, request)
+        except Exception as e:
+            await _abort(context, e)
+            raise  # unreachable: abort raises
+
+    return handler
+
+
+class RegistryService(pb_grpc.RegistryServicer):
+    def __init__(self, core: Core) -> None:
+        self.tasks = Tasks(core)
+        self.producers = Producers(core)
+        self.consumers = Consumers(core)
+        self.sessions = Sessions(core)
+
+    @unary
+    async def CreateTask(self, request: pb.CreateTaskRequest) -> pb.CreateTaskResponse:
+        return await self.tasks.create(request)
+
+    @unary
+    async def GetTask(self, request: pb.GetTaskRequest) -> pb.Task:
+        return await self.tasks.get(request.task_id)
+
+    @unary
+    async def ListTasks(self, request: pb.ListTasksRequest) -> pb.ListTasksResponse:
+        return await self.tasks.list()
+
+    @unary
+    async def GetEntry(self, request: pb.GetEntryRequest) -> pb.Entry:
+        return await self.tasks.get_entry(request)
+
+    @unary
+    async def ListEntries(self, request: pb.ListEntriesRequest) -> pb.ListEntriesResponse:
+        return await self.tasks.list_entries(request)
+
+    @unary
+    async def OpenSession(self, request: pb.OpenSessionRequest) -> pb.Session:
+        return await self.sessions.open(request)
+
+    @unary
+    async def KeepAlive(self, request: pb.KeepAliveRequest) -> pb.KeepAliveResponse:
+        return await self.sessions.keepalive(request)
+
+    @unary
+    async def CloseSession(self, request: pb.CloseSessionRequest) -> pb.CloseSessionResponse:
+        return await self.sessions.close(request)
+
+    @unary
+    async def Claim(self, request: pb.ClaimRequest) -> pb.ClaimResponse:
+        return await self.producers.claim(request)
+
+    @unary
+    async def Commit(self, request: pb.CommitRequest) -> pb.CommitResponse:
+        return pb.CommitResponse(entry=await self.producers.commit(request))
+
+    @unary
+    async def Fail(self, request: pb.FailRequest) -> pb.FailResponse:
+        return pb.FailResponse(entry=await self.producers.fail(request))
+
+    @unary
+    async def ReportVerification(self, request: pb.VerificationReport) -> pb.ReportResponse:
+        return pb.ReportResponse(entry=await self.producers.report(request))
+
+    @unary
+    async def Consume(self, request: pb.ConsumeRequest) -> pb.ConsumeResponse:
+        return await self.consumers.consume(request)
+
+    @unary
+    async def Ack(self, request: pb.AckRequest) -> pb.AckResponse:
+        return pb.AckResponse(entry=await self.consumers.ack(request))
+
+    @unary
+    async def Nack(self, request: pb.NackRequest) -> pb.NackResponse:
+        return pb.NackResponse(entry=await self.consumers.nack(request))
+
+    async def Watch(
+        self, request: pb.WatchRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[pb.TaskEvent]:
+        try:
+            async for event in self.tasks.watch(request):
+                yield event
+        except Exception as e:
+            await _abort(context, e)

@@ -1,0 +1,188 @@
+"""Tasks: create-only manifests, reads, listings and the per-task event stream."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+from client.errors import InvalidArgument, TaskExists
+from client.v1 import baton_pb2 as pb
+
+from ._etcd import KV, Put, TxnOp, absent, unchanged
+from .core import Core, claim_holder
+from .keys import ClaimRef
+from .manifest import check_id, validate
+from .model import STATE_FROM_PB, STATES, EntryRecord, TaskRecord, now
+
+log = logging.getLogger("baton.registry")
+
+#: entries written per transaction: two puts each, under etcd's default 128 ops
+CHUNK = 60
+#: transactions in flight while a large task is written
+PARALLEL = 8
+#: entries read per page when listing
+LIST_PAGE = 1000
+
+
+class Tasks:
+    def __init__(self, core: Core) -> None:
+        self.core = core
+        self.keys = core.keys
+
+    async def create(self, req: pb.CreateTaskRequest) -> pb.CreateTaskResponse:
+        """Create a task, or finish creating it, or confirm it exists unchanged.
+
+        The header goes first in state ``creating``; entries follow in chunks
+        (each chunk one create-only transaction); the header turns ``active``
+        last. A create interrupted anywhere is completed by sending the same
+        manifest again; no claim is handed out until the task is active.
+        """
+        valid = validate(req.spec)
+        key = self.keys.task(valid.task_id)
+        record = TaskRecord(
+            task_id=valid.task_id,
+            status="creating",
+            staging_dir=self.core.staging_dir(valid.task_id),
+            entry_count=len(valid.entries),
+            manifest_digest=valid.digest,
+            consumers=valid.consumers,
+            max_retries=valid.max_retries,
+            labels=valid.labels,
+            created_at=now(),
+        )
+        result = await self.core.txn([absent(key)], [Put(key, record.dump())])
+        created = result.succeeded
+        if not created:
+            _, existing = await self.core.task(valid.task_id)
+            if existing.manifest_digest != valid.digest:
+                raise TaskExists(
+                    f"task {valid.task_id!r} already exists with a different manifest",
+                    task_id=valid.task_id,
+                )
+            if existing.status != "creating":
+                return pb.CreateTaskResponse(task=existing.to_pb(), created=False)
+            record = existing
+        await self._write_entries(valid.entries)
+        kv, record = await self.core.task(valid.task_id)
+        if record.status == "creating":
+            record.status = "active"
+            await self.core.txn([unchanged(kv)], [Put(kv.key, record.dump())])
+            kv, record = await self.core.task(valid.task_id)
+        log.info("task created: %s (%d entries)", record.task_id, record.entry_count)
+        return pb.CreateTaskResponse(task=record.to_pb(), created=created)
+
+    async def _write_entries(self, entries: list[EntryRecord]) -> None:
+        gate = asyncio.Semaphore(PARALLEL)
+
+        async def chunk(batch: list[EntryRecord]) -> None:
+            compares = [absent(self.keys.entry(e.task_id, e.file_id)) for e in batch]
+            ops: list[TxnOp] = []
+            for e in batch:
+                ops.append(Put(self.keys.entry(e.task_id, e.file_id), e.dump()))
+                ops.append(Put(self.keys.ready(e.task_id, e.file_id), b""))
+            async with gate:
+                # A failed compare means this chunk was written by an earlier,
+                # interrupted create of the same manifest: chunks are atomic.
+                await self.core.txn(compares, ops)
+
+        await asyncio.gather(
+            *(chunk(entries[i : i + CHUNK]) for i in range(0, len(entries), CHUNK))
+        )
+
+    async def get(self, task_id: str) -> pb.Task:
+        check_id("task_id", task_id)
+        _, record = await self.core.task(task_id)
+        counts = dict.fromkeys(STATES, 0)
+        async for kv in self._entries(task_id):
+            counts[EntryRecord.load(kv.value).state] += 1
+        return record.to_pb(states=counts)
+
+    async def list(self) -> pb.ListTasksResponse:
+        kvs, _, _ = await self.core.etcd.range(self.keys.tasks())
+        return pb.ListTasksResponse(tasks=[TaskRecord.load(kv.value).to_pb() for kv in kvs])
+
+    async def _entries(self, task_id: str, revision: int = 0,
+                       start_after: str = "") -> AsyncIterator[KV]:
+        prefix = self.keys.entries(task_id)
+        start = self.keys.entry(task_id, start_after) + b"\0" if start_after else None
+        while True:
+            kvs, rev, more = await self.core.etcd.range(
+                prefix, start=start, limit=LIST_PAGE, revision=revision
+            )
+            revision = revision or rev
+            for kv in kvs:
+                yield kv
+            if not more:
+                return
+            start = kvs[-1].key + b"\0"
+
+    async def get_entry(self, req: pb.GetEntryRequest) -> pb.Entry:
+        check_id("task_id", req.task_id)
+        check_id("file_id", req.file_id)
+        kv, rec = await self.core.entry(req.task_id, req.file_id)
+        return await self._entry_pb(kv, rec)
+
+    async def _entry_pb(self, kv: KV, rec: EntryRecord) -> pb.Entry:
+        claim = await self.core.etcd.get(self.keys.claim(ClaimRef("p", rec.task_id, rec.file_id)))
+        consuming = {}
+        for group in rec.consumers:
+            c = await self.core.etcd.get(
+                self.keys.claim(ClaimRef("c", rec.task_id, rec.file_id, group)))
+            if c is not None:
+                consuming[group] = claim_holder(c)
+        return rec.to_pb(
+            self.core.staging_dir(rec.task_id),
+            revision=kv.mod_revision,
+            token=claim.create_revision if claim else 0,
+            consuming=consuming,
+        )
+
+    async def list_entries(self, req: pb.ListEntriesRequest) -> pb.ListEntriesResponse:
+        check_id("task_id", req.task_id)
+        await self.core.task(req.task_id)
+        if req.start_after:
+            check_id("file_id", req.start_after)
+        if req.limit < 0:
+            raise InvalidArgument("limit must be ≥ 0")
+        want = STATE_FROM_PB.get(req.state) if req.state else None
+        staging = self.core.staging_dir(req.task_id)
+        out: list[pb.Entry] = []
+        async for kv in self._entries(req.task_id, start_after=req.start_after):
+            rec = EntryRecord.load(kv.value)
+            if want is None or rec.state == want:
+                out.append(rec.to_pb(staging, revision=kv.mod_revision))
+                if req.limit and len(out) >= req.limit:
+                    break
+        return pb.ListEntriesResponse(entries=out)
+
+    async def watch(self, req: pb.WatchRequest) -> AsyncIterator[pb.TaskEvent]:
+        """A snapshot of the task's entries (unless resuming), then every change."""
+        check_id("task_id", req.task_id)
+        await self.core.task(req.task_id)
+        staging = self.core.staging_dir(req.task_id)
+        start = req.start_revision
+        if start < 0:
+            _, at, _ = await self.core.etcd.range(self.keys.task(req.task_id), limit=1)
+            yield pb.TaskEvent(kind=pb.TaskEvent.SYNCED, revision=at)
+            start = at + 1
+        elif start == 0:
+            # One consistent snapshot at revision ``at``, then changes after it.
+            _, at, _ = await self.core.etcd.range(self.keys.task(req.task_id), limit=1)
+            async for kv in self._entries(req.task_id, revision=at):
+                yield pb.TaskEvent(
+                    kind=pb.TaskEvent.SNAPSHOT,
+                    entry=EntryRecord.load(kv.value).to_pb(staging, revision=kv.mod_revision),
+                    revision=kv.mod_revision,
+                )
+            yield pb.TaskEvent(kind=pb.TaskEvent.SYNCED, revision=at)
+            start = at + 1
+        async for batch in self.core.etcd.watch(self.keys.entries(req.task_id), start):
+            for ev in batch:
+                if ev.kind == "put":
+                    rec = EntryRecord.load(ev.kv.value)
+                    yield pb.TaskEvent(
+                        kind=pb.TaskEvent.CHANGED,
+                        entry=rec.to_pb(staging, revision=ev.kv.mod_revision),
+                        revision=ev.kv.mod_revision,
+                    )
