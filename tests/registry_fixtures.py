@@ -1,0 +1,114 @@
+"""Real registry replicas for tests: each runs in its own thread and event loop.
+
+Loaded as a pytest plugin by ``conftest.py``. Every test gets its own key
+prefix (``prefix`` fixture) on the one session-wide etcd, so replicas of one
+test share state and tests never see each other's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from client import Client, RetryPolicy
+from registry import RegistryConfig, Running, start
+
+
+@dataclass
+class RegistryHandle:
+    """One live registry replica serving on loopback."""
+
+    address: str
+    port: int
+    staging: Path
+    prefix: str
+    etcd: str
+    _loop: asyncio.AbstractEventLoop
+    _running: Running
+    _thread: threading.Thread
+    stopped: bool = field(default=False)
+
+    @property
+    def reaper(self) -> Any:
+        return self._running.reaper
+
+    def stop(self, grace: float = 0.5) -> None:
+        if self.stopped:
+            return
+        self.stopped = True
+        fut = asyncio.run_coroutine_threadsafe(self._running.stop(grace), self._loop)
+        fut.result(timeout=30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)
+
+
+def start_registry(
+    etcd: str, prefix: str, staging: Path, reap_interval: float = 0.2
+) -> RegistryHandle:
+    loop = asyncio.new_event_loop()
+    ready: dict[str, Any] = {}
+    started = threading.Event()
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        config = RegistryConfig(etcd=etcd, listen="127.0.0.1:0", staging=str(staging),
+                                prefix=prefix, reap_interval=reap_interval)
+        try:
+            ready["running"] = loop.run_until_complete(start(config))
+        except BaseException as e:  # surfaced to the test below
+            ready["error"] = e
+            started.set()
+            return
+        started.set()
+        loop.run_forever()
+        loop.close()
+
+    thread = threading.Thread(target=run, name="registry", daemon=True)
+    thread.start()
+    if not started.wait(30):
+        raise RuntimeError("registry did not start within 30 s")
+    if "error" in ready:
+        raise ready["error"]
+    running: Running = ready["running"]
+    return RegistryHandle(f"127.0.0.1:{running.port}", running.port, staging, prefix, etcd,
+                          loop, running, thread)
+
+
+#: tests fail fast instead of retrying for the default 30 s
+TEST_RETRY = RetryPolicy(attempts=3, initial=0.05, cap=0.2, deadline=3.0)
+
+
+@pytest.fixture
+def registry_factory(
+    etcd: Any, prefix: str, staging: Path
+) -> Iterator[Callable[..., RegistryHandle]]:
+    """Start any number of replicas on this test's prefix; all stopped at teardown."""
+    handles: list[RegistryHandle] = []
+
+    def make(**kw: Any) -> RegistryHandle:
+        handle = start_registry(etcd.endpoint, prefix, staging, **kw)
+        handles.append(handle)
+        return handle
+
+    yield make
+    for h in handles:
+        h.stop()
+
+
+@pytest.fixture
+def registry(registry_factory: Callable[..., RegistryHandle]) -> RegistryHandle:
+    """One real registry replica for this test."""
+    return registry_factory()
+
+
+@pytest.fixture
+def client(registry: RegistryHandle) -> Iterator[Client]:
+    """A client of the ``registry`` fixture, with short retries."""
+    with Client(registry.address, timeout=10, retry=TEST_RETRY) as c:
+        yield c

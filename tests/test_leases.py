@@ -1,0 +1,165 @@
+"""Leases give liveness, tokens give safety: lost agents, paused agents, dead consumers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from client import Client, Lease, errors
+from client.v1 import baton_pb2 as pb
+
+AGENT = Path(__file__).with_name("agent_proc.py")
+
+
+def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> float:
+    """Poll ``condition`` until true; the seconds it took. Fails after ``timeout``."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if condition():
+            return time.monotonic() - start
+        time.sleep(0.05)
+    pytest.fail(f"timed out after {timeout}s waiting for {what}")
+
+
+@pytest.fixture
+def agent(registry: object) -> Iterator[Callable[[str, int], subprocess.Popen[str]]]:
+    procs: list[subprocess.Popen[str]] = []
+
+    def spawn(task: str, ttl: int) -> subprocess.Popen[str]:
+        p = subprocess.Popen(
+            [sys.executable, str(AGENT), registry.address, task, str(ttl)],  # type: ignore[attr-defined]
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+        procs.append(p)
+        return p
+
+    yield spawn
+    for p in procs:
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGCONT)
+            p.kill()
+        p.wait()
+
+
+def test_sigkilled_agent_entry_returns_to_pending(client: Client, agent: Callable) -> None:  # type: ignore[type-arg]
+    """An agent killed with SIGKILL: its entry is pending again within TTL + a margin."""
+    ttl = 2
+    client.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "a"}]})
+    proc = agent("t1", ttl)
+    claim = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
+    assert client.get_entry("t1", "a").state == pb.WRITING
+    killed = time.monotonic()
+    proc.kill()
+    wait_for(lambda: client.get_entry("t1", "a").state == pb.PENDING, ttl + 3, "pending")
+    # A lease is kept for its TTL after the last keepalive, at most ttl + margin after the kill.
+    assert time.monotonic() - killed <= ttl + 3
+    entry = client.get_entry("t1", "a")
+    assert entry.retry_count == 1 and "lost" in entry.error and entry.token == 0
+    with pytest.raises(errors.StaleToken):
+        client.commit("t1", "a", claim["token"], 1)
+
+
+def test_paused_agent_cannot_commit_with_stale_token(client: Client, agent: Callable) -> None:  # type: ignore[type-arg]
+    """An agent paused past its TTL wakes up to find its token refused."""
+    client.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "a"}]})
+    proc = agent("t1", 2)
+    claim = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
+    os.kill(proc.pid, signal.SIGSTOP)
+    wait_for(lambda: client.get_entry("t1", "a").state == pb.PENDING, 6, "reap")
+    # Someone else claims the entry meanwhile.
+    with client.open_session("other", ttl=10) as s:
+        fresh = client.claim("t1", "a", session=s)
+        assert fresh.token > claim["token"]
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.stdin.write("commit\n")  # type: ignore[union-attr]
+        proc.stdin.flush()  # type: ignore[union-attr]
+        outcome = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
+        assert outcome == {"ok": False, "error": outcome["error"]}
+        assert outcome["error"] in ("StaleToken", "SessionExpired")
+        entry = client.get_entry("t1", "a")
+        assert entry.state == pb.WRITING and entry.owner == "other" and entry.token == fresh.token
+        assert client.commit("t1", "a", fresh.token, 1).state == pb.WRITTEN
+
+
+def test_registry_refuses_token_of_expired_session_before_reap(
+    registry_factory: Callable,  # type: ignore[type-arg]
+) -> None:
+    """Even before any reaper runs, a commit after the lease expired is refused."""
+    slow = registry_factory(reap_interval=3600.0)
+    with Client(slow.address) as c:
+        c.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "a"}]})
+        s = c.open_session("p", ttl=2, keepalive=False)
+        claim = c.claim("t1", session=s)
+        wait_for(lambda: c.get_entry("t1", "a").token == 0, 6, "claim key to expire")
+        with pytest.raises(errors.StaleToken):
+            c.commit("t1", "a", claim.token, 1)
+        assert c.get_entry("t1", "a").state == pb.WRITING  # nobody reaped yet
+
+
+def test_client_stops_trusting_lost_session(client: Client) -> None:
+    """Once the lease is gone the client refuses to use the session at all."""
+    client.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "a"}]})
+    s = client.open_session("p", ttl=2)
+    client.close_session(s.session_id)  # the lease dies behind the keepalive's back
+    wait_for(s.lost.is_set, 5, "keepalive to notice")
+    with pytest.raises(errors.SessionExpired):
+        client.claim("t1", session=s)
+
+
+def test_keepalive_holds_claim_beyond_ttl(client: Client) -> None:
+    """A kept-alive session keeps its claim well past one TTL."""
+    client.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "a"}]})
+    with client.open_session("p", ttl=2) as s:
+        claim = client.claim("t1", session=s)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:  # 2.5 TTLs, checking all along
+            assert client.get_entry("t1", "a").token == claim.token
+            time.sleep(0.25)
+        assert client.commit("t1", "a", claim.token, 1).state == pb.WRITTEN
+
+
+def test_dead_consumer_returns_entry_to_group(client: Client) -> None:
+    """A consumer whose lease dies hands the entry back to its group."""
+    client.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "a"}]})
+    with client.open_session("p", ttl=10) as s:
+        c = client.claim("t1", session=s)
+        client.commit("t1", "a", c.token, 1, "0" * 64)
+        client.report("t1", "a", 1, "0" * 64)
+    dying = client.open_session("c1", ttl=2, keepalive=False)
+    lease = client.consume("t1", "default", session=dying)
+    with client.open_session("c2", ttl=10) as s2:
+        got: list[Lease] = []
+
+        def handed_back() -> bool:
+            try:
+                got.append(client.consume("t1", "default", session=s2))
+                return True
+            except errors.NothingToClaim:
+                return False
+
+        wait_for(handed_back, 6, "the entry to come back to the group")
+        again = got[0]
+        assert again.file_id == "a" and again.token > lease.token
+        with pytest.raises(errors.StaleToken):
+            client.ack("t1", "a", "default", lease.token)
+        assert client.ack("t1", "a", "default", again.token).state == pb.CONSUMED
+
+
+def test_lease_losses_exhaust_retries_to_dead(client: Client) -> None:
+    """Each lost lease costs a retry; after max_retries the entry is dead, with history."""
+    client.create_task({"task_id": "t1", "max_retries": 1,
+                        "entries": [{"file_id": "a", "path": "a"}]})
+    for expected in (pb.PENDING, pb.DEAD):
+        s = client.open_session("p", ttl=10, keepalive=False)
+        client.claim("t1", session=s)
+        client.close_session(s.session_id)
+        wait_for(lambda e=expected: client.get_entry("t1", "a").state == e, 5, "reap")
+    assert client.get_entry("t1", "a").retry_count == 1

@@ -1,0 +1,106 @@
+"""Manifest validation: every bad manifest is refused with its reasons and changes nothing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from client import Client, errors, parse_manifest
+from registry.manifest import MAX_ENTRIES, MAX_PATH, path_problem, validate
+
+
+def spec(entries: list[dict[str, Any]], **fields: Any) -> Any:
+    return parse_manifest({"task_id": "t1", "entries": entries, **fields})
+
+
+@pytest.mark.parametrize(
+    ("path", "why"),
+    [
+        ("../escape", "'..'"),
+        ("a/../../b", "'..'"),
+        ("/etc/passwd", "absolute"),
+        ("a//b", "normalised"),
+        ("./a", "normalised"),
+        ("a/", "normalised"),
+        ("", "empty"),
+        ("a\0b", "NUL"),
+        ("x" * (MAX_PATH + 1), "longer"),
+    ],
+)
+def test_bad_paths_are_refused(path: str, why: str) -> None:
+    """Paths that are absolute, escape the task dir or are not normalised are refused."""
+    problem = path_problem(path)
+    assert problem is not None and why in problem
+    with pytest.raises(errors.InvalidManifest, match="path"):
+        validate(spec([{"file_id": "a", "path": path}]))
+
+
+def test_smallest_manifest_gets_defaults() -> None:
+    """The smallest manifest is valid; consumers, retries and sizes get their defaults."""
+    valid = validate(spec([{"file_id": "a", "path": "a.json"}]))
+    (entry,) = valid.entries
+    assert valid.consumers == ["default"] and valid.max_retries == 3
+    assert (entry.consumers, entry.max_retries, entry.state) == (["default"], 3, "pending")
+
+
+def test_entry_settings_override_task_defaults() -> None:
+    """An entry's consumers and max_retries (even 0) override the task's."""
+    valid = validate(spec([{"file_id": "a", "path": "a", "consumers": ["x"], "max_retries": 0}],
+                          consumers=["y"], max_retries=5))
+    assert (valid.entries[0].consumers, valid.entries[0].max_retries) == (["x"], 0)
+
+
+@pytest.mark.parametrize(
+    ("entries", "fields", "match"),
+    [
+        ([{"file_id": "a", "path": "a"}, {"file_id": "a", "path": "b"}], {}, "duplicate file_id"),
+        ([{"file_id": "a", "path": "x"}, {"file_id": "b", "path": "x"}], {}, "used by another"),
+        ([{"file_id": "a/b", "path": "a"}], {}, "file_id"),
+        ([{"file_id": "a", "path": "a"}], {"schema_version": 2}, "schema_version"),
+        ([{"file_id": "a", "path": "a", "depends_on": ["zz"]}], {}, "unknown entry"),
+        ([{"file_id": "a", "path": "a", "depends_on": ["a"]}], {}, "itself"),
+        ([{"file_id": "a", "path": "a", "depends_on": ["b"]},
+          {"file_id": "b", "path": "b", "depends_on": ["a"]}], {}, "cycle"),
+        ([{"file_id": "a", "path": "a", "expected_digest": "abc"}], {}, "expected_digest"),
+        ([{"file_id": "a", "path": "a"}], {"max_retries": 1000}, "max_retries"),
+        ([{"file_id": "a", "path": "a"}], {"consumers": ["bad group"]}, "consumer group"),
+        ([], {}, "at least one entry"),
+    ],
+)
+def test_invalid_manifests(entries: list[dict[str, Any]], fields: dict[str, Any],
+                           match: str) -> None:
+    """Each kind of bad manifest is refused with a reason that names the problem."""
+    with pytest.raises(errors.InvalidManifest, match=match):
+        validate(spec(entries, **fields))
+
+
+def test_every_problem_is_reported() -> None:
+    """A manifest with several problems lists all of them at once."""
+    with pytest.raises(errors.InvalidManifest) as info:
+        validate(spec([{"file_id": "a", "path": "/abs"}, {"file_id": "a", "path": "../up"}]))
+    assert len(info.value.problems) == 3  # type: ignore[attr-defined]
+
+
+def test_oversize_manifest_is_refused() -> None:
+    """More than MAX_ENTRIES entries is refused."""
+    big = [{"file_id": f"e{i}", "path": f"e{i}"} for i in range(MAX_ENTRIES + 1)]
+    with pytest.raises(errors.InvalidManifest, match="at most"):
+        validate(spec(big))
+
+
+def test_unknown_manifest_field_is_refused() -> None:
+    """A typo in a manifest field is an error, not silently ignored."""
+    with pytest.raises(errors.InvalidManifest, match="priorty"):
+        parse_manifest({"task_id": "t", "entries": [{"file_id": "a", "path": "a", "priorty": 1}]})
+
+
+def test_refused_manifest_changes_nothing(client: Client) -> None:
+    """The registry refuses a bad manifest over the wire and creates no task."""
+    with pytest.raises(errors.InvalidManifest) as info:
+        client.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "../x"}]})
+    assert "'..'" in str(info.value)
+    assert info.value.problems  # type: ignore[attr-defined]  # the list survives the wire
+    with pytest.raises(errors.NotFound):
+        client.get_task("t1")
+    assert client.list_tasks() == []

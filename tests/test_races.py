@@ -1,0 +1,83 @@
+"""Many agents racing through two registry replicas: every entry claimed exactly once."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+
+from client import Client, errors
+from client.v1 import baton_pb2 as pb
+from registry_fixtures import TEST_RETRY
+
+AGENTS = 16
+ENTRIES = 200
+
+
+def test_concurrent_claims_through_two_replicas_are_exclusive(
+    registry_factory: Callable,  # type: ignore[type-arg]
+) -> None:
+    """16 agents on 2 replicas claim 200 entries: each exactly once, none left over."""
+    replicas = [registry_factory(), registry_factory()]
+    setup = Client(replicas[0].address)
+    setup.create_task({
+        "task_id": "race",
+        "entries": [{"file_id": f"e{i:04d}", "path": f"e{i:04d}"} for i in range(ENTRIES)],
+    })
+    claims: list[tuple[str, int, str]] = []
+    failures: list[BaseException] = []
+    lock = threading.Lock()
+    go = threading.Barrier(AGENTS)
+
+    def agent(n: int) -> None:
+        try:
+            with Client(replicas[n % 2].address, retry=TEST_RETRY) as c, \
+                    c.open_session(f"agent-{n}", ttl=30) as s:
+                go.wait()
+                while True:
+                    try:
+                        claim = c.claim("race", session=s)
+                    except errors.NothingToClaim:
+                        return
+                    with lock:
+                        claims.append((claim.file_id, claim.token, f"agent-{n}"))
+                    c.commit("race", claim.file_id, claim.token, 1)
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            failures.append(e)
+
+    threads = [threading.Thread(target=agent, args=(n,)) for n in range(AGENTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not failures, failures
+    counts = Counter(file_id for file_id, _, _ in claims)
+    assert len(counts) == ENTRIES and set(counts.values()) == {1}
+    assert len({token for _, token, _ in claims}) == ENTRIES  # tokens are unique revisions
+    states = Counter(e.state for e in setup.list_entries("race"))
+    assert states == {pb.WRITTEN: ENTRIES}
+    assert len({agent for _, _, agent in claims}) > 1  # the work really was shared
+
+
+def test_replicas_reap_a_lost_claim_exactly_once(
+    registry_factory: Callable,  # type: ignore[type-arg]
+) -> None:
+    """Three replicas sweeping at once move a lost claim's entry on once (one retry)."""
+    replicas = [registry_factory(reap_interval=0.05) for _ in range(3)]
+    c = Client(replicas[0].address)
+    c.create_task({"task_id": "t", "entries": [{"file_id": f"e{i}", "path": f"e{i}"}
+                                                for i in range(20)]})
+    s = c.open_session("doomed", ttl=10, keepalive=False)
+    for _ in range(20):
+        c.claim("t", session=s)
+    c.close_session(s.session_id)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        entries = c.list_entries("t")
+        if all(e.state == pb.PENDING for e in entries):
+            break
+        time.sleep(0.05)
+    entries = c.list_entries("t")
+    assert [e.retry_count for e in entries] == [1] * 20
+    assert sum(r.reaper.reaped for r in replicas) == 20

@@ -1,0 +1,260 @@
+"""Every legal transition of the entry state machine, and a sample of illegal ones."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import blake3
+import pytest
+
+from client import Client, errors, produce
+from client.v1 import baton_pb2 as pb
+
+
+def manifest(task: str = "t1", n: int = 2, **task_fields: object) -> dict[str, object]:
+    entries = [{"file_id": f"f{i}", "path": f"out/f{i}.bin"} for i in range(n)]
+    return {"task_id": task, "entries": entries, **task_fields}
+
+
+def digest(data: bytes) -> str:
+    return blake3.blake3(data).hexdigest()
+
+
+def write(path: str, data: bytes) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_bytes(data)
+
+
+def test_create_is_create_only(client: Client) -> None:
+    """The same manifest twice is a no-op; a different one under the id is ALREADY_EXISTS."""
+    task, created = client.create_task(manifest())
+    assert created and task.status == pb.TASK_ACTIVE and task.entry_count == 2
+    again, created_again = client.create_task(manifest())
+    assert not created_again and again.manifest_digest == task.manifest_digest
+    with pytest.raises(errors.TaskExists):
+        client.create_task(manifest(n=3))
+    assert client.get_task("t1").entry_count == 2
+
+
+def test_claim_returns_token_and_absolute_path(client: Client, registry: object) -> None:
+    """Claim moves pending → writing with a fencing token and the staging path."""
+    client.create_task(manifest())
+    with client.open_session("p1", ttl=10) as s:
+        claim = client.claim("t1", "f0", session=s)
+        assert claim.token > 0
+        assert claim.path == f"{registry.staging}/t1/out/f0.bin"  # type: ignore[attr-defined]
+        entry = client.get_entry("t1", "f0")
+        assert entry.state == pb.WRITING and entry.owner == "p1" and entry.token == claim.token
+
+
+def test_full_lifecycle_commit_then_report(client: Client) -> None:
+    """pending → writing → written → verified → consumed, with the report after the commit."""
+    client.create_task(manifest(n=1))
+    data = b"payload"
+    with client.open_session("agent", ttl=10) as s:
+        c = client.claim("t1", session=s)
+        write(c.path, data)
+        assert client.commit("t1", c.file_id, c.token, len(data), digest(data)).state == pb.WRITTEN
+        assert client.report("t1", c.file_id, len(data), digest(data)).state == pb.VERIFIED
+        lease = client.consume("t1", "default", session=s)
+        assert (lease.file_id, lease.size, lease.digest) == ("f0", len(data), digest(data))
+        assert client.get_entry("t1", "f0").consuming == {"default": "agent"}
+        assert client.ack("t1", "f0", "default", lease.token).state == pb.CONSUMED
+
+
+def test_report_before_commit_verifies_at_commit(client: Client) -> None:
+    """A watcher report that arrives first is kept; the commit then verifies at once."""
+    client.create_task(manifest(n=1))
+    data = b"early"
+    with client.open_session("agent", ttl=10) as s:
+        c = client.claim("t1", session=s)
+        assert client.report("t1", "f0", len(data), digest(data)).state == pb.WRITING
+        entry = client.commit("t1", "f0", c.token, len(data), digest(data))
+        assert entry.state == pb.VERIFIED and entry.digest == digest(data)
+
+
+def test_commit_without_digest_takes_the_watchers(client: Client) -> None:
+    """A producer may commit only the size; the watcher's digest becomes the entry's."""
+    client.create_task(manifest(n=1))
+    with client.open_session("agent", ttl=10) as s:
+        c = client.claim("t1", session=s)
+        client.commit("t1", "f0", c.token, 3)
+        entry = client.report("t1", "f0", 3, digest(b"abc"))
+        assert entry.state == pb.VERIFIED and entry.digest == digest(b"abc")
+
+
+def test_mismatched_report_takes_the_retry_path(client: Client) -> None:
+    """A report whose digest differs from the commit sends the entry back to pending."""
+    client.create_task(manifest(n=1))
+    with client.open_session("agent", ttl=10) as s:
+        c = client.claim("t1", session=s)
+        client.commit("t1", "f0", c.token, 3, digest(b"abc"))
+        entry = client.report("t1", "f0", 3, digest(b"xyz"))
+        assert entry.state == pb.PENDING and entry.retry_count == 1
+        assert "mismatch" in entry.error
+
+
+def test_fail_retries_then_dead(client: Client) -> None:
+    """Fail sends the entry back to pending until max_retries, then to dead."""
+    client.create_task(manifest(n=1, max_retries=1))
+    with client.open_session("agent", ttl=10) as s:
+        c = client.claim("t1", session=s)
+        entry = client.fail("t1", "f0", c.token, "disk full")
+        assert entry.state == pb.PENDING and entry.retry_count == 1 and "disk full" in entry.error
+        c = client.claim("t1", session=s)
+        assert client.fail("t1", "f0", c.token, "again").state == pb.DEAD
+        with pytest.raises(errors.NothingToClaim):
+            client.claim("t1", session=s)
+
+
+def test_nack_returns_entry_to_group(client: Client) -> None:
+    """Nack hands a consumed entry back so another agent of the group can take it."""
+    client.create_task(manifest(n=1))
+    with client.open_session("a", ttl=10) as s:
+        c = client.claim("t1", session=s)
+        client.commit("t1", "f0", c.token, 1, digest(b"x"))
+        client.report("t1", "f0", 1, digest(b"x"))
+        first = client.consume("t1", "default", session=s)
+        with pytest.raises(errors.NothingToClaim):
+            client.consume("t1", "default", session=s)
+        client.nack("t1", "f0", "default", first.token, "try later")
+        second = client.consume("t1", "default", session=s)
+        assert second.file_id == "f0" and second.token > first.token
+        with pytest.raises(errors.StaleToken):
+            client.ack("t1", "f0", "default", first.token)
+        assert client.ack("t1", "f0", "default", second.token).state == pb.CONSUMED
+
+
+def test_every_group_must_ack(client: Client) -> None:
+    """With two consumer groups the entry is consumed only after both acked."""
+    client.create_task(manifest(n=1, consumers=["index", "archive"]))
+    with client.open_session("a", ttl=10) as s:
+        c = client.claim("t1", session=s)
+        client.commit("t1", "f0", c.token, 1, digest(b"x"))
+        client.report("t1", "f0", 1, digest(b"x"))
+        a = client.consume("t1", "index", session=s)
+        b = client.consume("t1", "archive", session=s)
+        assert client.ack("t1", "f0", "index", a.token).state == pb.VERIFIED
+        entry = client.ack("t1", "f0", "archive", b.token)
+        assert entry.state == pb.CONSUMED and sorted(entry.consumed_by) == ["archive", "index"]
+
+
+@pytest.mark.parametrize("state", ["writing", "verified"])
+def test_claiming_a_non_pending_entry_is_refused(client: Client, state: str) -> None:
+    """Claim of an entry that is not pending fails and changes nothing."""
+    client.create_task(manifest(n=1))
+    with client.open_session("a", ttl=10) as s:
+        c = client.claim("t1", "f0", session=s)
+        if state == "verified":
+            client.commit("t1", "f0", c.token, 1, digest(b"x"))
+            client.report("t1", "f0", 1, digest(b"x"))
+        before = client.get_entry("t1", "f0")
+        with pytest.raises(errors.IllegalTransition):
+            client.claim("t1", "f0", session=s)
+        assert client.get_entry("t1", "f0") == before
+
+
+def test_commit_twice_and_commit_after_fail_are_refused(client: Client) -> None:
+    """A token is good for one commit or fail only."""
+    client.create_task(manifest(n=1))
+    with client.open_session("a", ttl=10) as s:
+        c = client.claim("t1", session=s)
+        client.commit("t1", "f0", c.token, 1)
+        with pytest.raises(errors.StaleToken):
+            client.commit("t1", "f0", c.token, 1)
+        with pytest.raises(errors.StaleToken):
+            client.fail("t1", "f0", c.token, "late")
+        assert client.get_entry("t1", "f0").state == pb.WRITTEN
+
+
+def test_wrong_token_changes_nothing(client: Client) -> None:
+    """A commit with a token that is not the live claim's is refused as StaleToken."""
+    client.create_task(manifest(n=1))
+    with client.open_session("a", ttl=10) as s:
+        c = client.claim("t1", session=s)
+        before = client.get_entry("t1", "f0")
+        for bad in (c.token - 1, c.token + 1, 0):
+            with pytest.raises(errors.StaleToken):
+                client.commit("t1", "f0", bad, 1)
+        assert client.get_entry("t1", "f0") == before
+
+
+def test_commit_checks_input(client: Client) -> None:
+    """Negative sizes, malformed digests and sizes against expected_size are refused."""
+    m = manifest(n=1)
+    m["entries"][0]["expected_size"] = 5  # type: ignore[index]
+    client.create_task(m)
+    with client.open_session("a", ttl=10) as s:
+        c = client.claim("t1", session=s)
+        with pytest.raises(errors.InvalidArgument):
+            client.commit("t1", "f0", c.token, -1)
+        with pytest.raises(errors.InvalidArgument):
+            client.commit("t1", "f0", c.token, 5, "not-hex")
+        with pytest.raises(errors.InvalidArgument, match="expected_size"):
+            client.commit("t1", "f0", c.token, 4)
+        assert client.get_entry("t1", "f0").state == pb.WRITING
+        assert client.commit("t1", "f0", c.token, 5).state == pb.WRITTEN
+
+
+def test_unknown_task_entry_and_session(client: Client) -> None:
+    """Calls naming things that do not exist get NotFound / SessionExpired."""
+    with pytest.raises(errors.NotFound):
+        client.get_task("nope")
+    client.create_task(manifest(n=1))
+    with pytest.raises(errors.NotFound):
+        client.get_entry("t1", "nope")
+    with pytest.raises(errors.SessionExpired):
+        client.claim("t1", session=0x7FFF_0000_0000)
+
+
+def test_producer_helper_publishes_atomically(client: Client) -> None:
+    """produce() writes a temp file, renames it into place and commits size + digest."""
+    client.create_task(manifest(n=1))
+    with client.open_session("a", ttl=10) as s:
+        with produce(client, s, "t1") as out:
+            out.write(b"hello ")
+            out.write(b"world")
+            assert not Path(out.claim.path).exists()  # not visible before the rename
+        assert Path(out.claim.path).read_bytes() == b"hello world"
+        assert list(Path(out.claim.path).parent.iterdir()) == [Path(out.claim.path)]
+        assert out.entry is not None and out.entry.state == pb.WRITTEN
+        assert out.entry.size == 11
+
+
+def test_producer_helper_fails_entry_when_body_raises(client: Client) -> None:
+    """If the body of produce() raises, the temp file is removed and the entry failed."""
+    client.create_task(manifest(n=1))
+    with client.open_session("a", ttl=10) as s:
+        with pytest.raises(RuntimeError), produce(client, s, "t1") as out:
+            out.write(b"half")
+            raise RuntimeError("model crashed")
+        entry = client.get_entry("t1", "f0")
+        assert entry.state == pb.PENDING and "model crashed" in entry.error
+        assert not any(Path(out.claim.path).parent.iterdir())
+
+
+def test_retried_claim_applies_once(client: Client) -> None:
+    """The same request id sent twice claims once and returns the same answer."""
+    client.create_task(manifest(n=3))
+    with client.open_session("a", ttl=10) as s:
+        req = pb.ClaimRequest(task_id="t1", session_id=s.session_id, request_id="r-123")
+        first = client._call("Claim", req)
+        second = client._call("Claim", pb.ClaimRequest(task_id="t1", session_id=s.session_id,
+                                                       request_id="r-123"))
+        assert (first.entry.file_id, first.token) == (second.entry.file_id, second.token)
+        states = [e.state for e in client.list_entries("t1")]
+        assert states.count(pb.WRITING) == 1
+
+
+def test_watch_streams_snapshot_then_changes(client: Client) -> None:
+    """Watch sends every entry, SYNCED, then each change as it happens."""
+    client.create_task(manifest(n=2))
+    events = client.watch("t1", timeout=10)
+    kinds = [next(events).kind for _ in range(3)]
+    assert kinds == [pb.TaskEvent.SNAPSHOT, pb.TaskEvent.SNAPSHOT, pb.TaskEvent.SYNCED]
+    with client.open_session("a", ttl=10) as s:
+        c = client.claim("t1", "f1", session=s)
+        ev = next(events)
+        assert ev.kind == pb.TaskEvent.CHANGED
+        assert (ev.entry.file_id, ev.entry.state, ev.revision) == ("f1", pb.WRITING, c.token)
+    events.close()
