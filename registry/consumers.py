@@ -128,6 +128,12 @@ class Consumers:
         async def planner() -> Plan[pb.Entry]:
             kv, rec, compares, ops = await self._live(
                 req.task_id, req.file_id, req.group, req.token)
+            if rec.state != VERIFIED:
+                raise IllegalTransition(
+                    f"entry {rec.file_id!r} is {rec.state}: its verified bytes are gone "
+                    f"({rec.error or 'no reason recorded'})", task_id=rec.task_id,
+                    file_id=rec.file_id, state=rec.state,
+                )
             if req.group not in rec.consumed_by:
                 rec.consumed_by.append(req.group)
             rec.remember("acked", group=req.group, token=req.token)

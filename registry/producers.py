@@ -236,9 +236,16 @@ class Producers:
             elif rec.state == WRITTEN:
                 self._settle(rec, req.size, req.digest, ops)
             elif rec.state == VERIFIED and req.digest != rec.digest:
+                # The verified bytes are gone: nobody may be handed them any more,
+                # and consumers holding them lose their tokens.
                 for group in rec.consumers:
+                    ref = ClaimRef("c", rec.task_id, rec.file_id, group)
                     ops.append(Delete(self.keys.cready(rec.task_id, group, rec.file_id)))
-                self.core.retry_or_dead(rec, "verified file changed on disk", ops)
+                    ops.append(Delete(self.keys.claim(ref)))
+                    ops.append(Delete(self.keys.inflight(ref)))
+                self.core.retry_or_dead(
+                    rec, f"verified file changed on disk (now size {req.size} digest "
+                    f"{req.digest})", ops)
             else:  # consumed, dead, or a repeat of what is known: nothing to do
                 return Plan([unchanged(kv)], [], lambda rev: rec.to_pb(staging, revision=rev))
             ops.insert(0, Put(kv.key, rec.dump()))

@@ -258,3 +258,19 @@ def test_watch_streams_snapshot_then_changes(client: Client) -> None:
         assert ev.kind == pb.TaskEvent.CHANGED
         assert (ev.entry.file_id, ev.entry.state, ev.revision) == ("f1", pb.WRITING, c.token)
     events.close()
+
+
+def test_changed_verified_file_revokes_consumers(client: Client) -> None:
+    """A report that a verified file changed takes it out of verified; its consumers' tokens die."""
+    client.create_task(manifest(n=1))
+    with client.open_session("a", ttl=10) as s:
+        c = client.claim("t1", session=s)
+        client.commit("t1", "f0", c.token, 1, digest(b"x"))
+        client.report("t1", "f0", 1, digest(b"x"))
+        lease = client.consume("t1", "default", session=s)
+        entry = client.report("t1", "f0", 1, digest(b"y"))
+        assert entry.state == pb.PENDING and "changed on disk" in entry.error
+        with pytest.raises(errors.StaleToken):
+            client.ack("t1", "f0", "default", lease.token)
+        with pytest.raises(errors.NothingToClaim):
+            client.consume("t1", "default", session=s)
