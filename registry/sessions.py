@@ -97,9 +97,9 @@ class Reaper:
             try:
                 if await self._reap(ref, kv.create_revision):
                     moved += 1
+                    self.reaped += 1
             except BatonError as e:
                 log.warning("could not reap %s: %s", ref, e)
-        self.reaped += moved
         return moved
 
     async def _reap(self, ref: ClaimRef, token: int) -> bool:

@@ -1,0 +1,1 @@
+"""Baton benchmarks (run as ``python -m bench.<scenario>``); separate from the tests."""

@@ -1,0 +1,366 @@
+"""``baton up``: a private etcd plus the Baton daemons, supervised in the foreground.
+
+The stack is etcd first, then every :class:`ChildSpec` that :func:`child_specs`
+returns, in order (today the registry; the watcher joins the list later). Each is
+started only once the previous one is ready, and they are stopped in reverse.
+If any of them dies on its own, the rest are stopped and ``run_up`` returns 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import grpc
+
+from client.errors import BatonError
+from client.etcdproc import (
+    DaemonFailed,
+    EtcdProcess,
+    StartCancelled,
+    etcd_version,
+    port_in_use,
+    terminate,
+    wait_ready,
+    write_banner,
+)
+
+__all__ = [
+    "ChildSpec",
+    "ExtraNotInstalled",
+    "StackAlreadyRunning",
+    "UpOptions",
+    "child_specs",
+    "default_data_dir",
+    "default_staging",
+    "grpc_health_probe",
+    "run_up",
+]
+
+READY_TIMEOUT = 30.0
+STOP_TIMEOUT = 10.0
+#: how often a running stack checks that none of its processes died
+SUPERVISE_INTERVAL = 0.2
+
+
+class ExtraNotInstalled(BatonError):
+    """A server-side dependency is missing; ``extra`` names the pip extra providing it."""
+
+    extra: str
+
+
+class StackAlreadyRunning(BatonError):
+    """Another ``baton up`` holds the data directory ``data_dir`` (its pid is ``pid``)."""
+
+    data_dir: str
+    pid: str
+
+
+@dataclass(frozen=True)
+class UpOptions:
+    """What ``baton up`` runs and where; see :func:`default_data_dir`, :func:`default_staging`."""
+
+    data_dir: Path
+    staging: Path
+    etcd_port: int = 2479
+    registry_port: int = 7390
+    prefix: str = "/baton/v1/"
+
+
+def default_data_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """``$XDG_DATA_HOME/baton``, else ``~/.local/share/baton``."""
+    env = os.environ if environ is None else environ
+    xdg = env.get("XDG_DATA_HOME", "")
+    # The XDG spec says relative values are invalid and must be ignored.
+    if xdg and os.path.isabs(xdg):
+        return Path(xdg) / "baton"
+    return Path.home() / ".local" / "share" / "baton"
+
+
+def default_staging(data_dir: Path) -> Path:
+    return data_dir / "staging"
+
+
+# --- the daemons beside etcd ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    """One daemon of the stack: how to run it and how to tell it is ready."""
+
+    name: str
+    argv: tuple[str, ...]
+    log_path: Path
+    #: returns True once the daemon serves; polled every 50 ms while it starts
+    ready: Callable[[], bool]
+    #: where it listens, for the summary printed once the stack is up
+    address: str
+    #: the rest of its summary line, e.g. "staging: /srv/baton/staging"
+    details: str = ""
+
+
+def child_specs(opts: UpOptions, etcd_endpoint: str) -> list[ChildSpec]:
+    """The daemons run after etcd, in start order (stopped in reverse).
+
+    The watcher will be appended here, after the registry it reports to.
+    """
+    registry_address = f"127.0.0.1:{opts.registry_port}"
+    registry_log = opts.data_dir / "registry.log"
+    registry_argv = (
+        sys.executable,
+        "-u",  # unbuffered, so registry.log is current when we quote its tail
+        "-m", "registry",
+        "--etcd", etcd_endpoint,
+        "--listen", registry_address,
+        "--staging", str(opts.staging),
+        "--prefix", opts.prefix,
+    )  # fmt: skip
+    registry = ChildSpec(
+        name="registry",
+        argv=registry_argv,
+        log_path=registry_log,
+        ready=grpc_health_probe(registry_address),
+        address=registry_address,
+        details=f"staging: {opts.staging}, log: {registry_log}",
+    )
+    return [registry]
+
+
+def _health_modules() -> tuple[Any, Any]:
+    """``grpc_health.v1.health_pb2`` and ``health_pb2_grpc``, imported on first need."""
+    try:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+    except ImportError as e:
+        raise ExtraNotInstalled(
+            "`baton up` needs the registry's dependencies (grpcio-health-checking, ...); "
+            "install them with: pip install 'baton[registry]'",
+            extra="registry",
+        ) from e
+    return health_pb2, health_pb2_grpc
+
+
+def grpc_health_probe(target: str, service: str = "") -> Callable[[], bool]:
+    """A probe that is True when ``target``'s gRPC health service says SERVING."""
+    health_pb2, health_pb2_grpc = _health_modules()
+    request = health_pb2.HealthCheckRequest(service=service)
+    serving = health_pb2.HealthCheckResponse.SERVING
+
+    def probe() -> bool:
+        # A fresh channel per attempt: a reused one would back off for up to seconds
+        # after the first refused connection, delaying "ready" long after it is true.
+        # No proxy: an http_proxy setting must not intercept a loopback call.
+        with grpc.insecure_channel(target, options=[("grpc.enable_http_proxy", 0)]) as channel:
+            try:
+                reply = health_pb2_grpc.HealthStub(channel).Check(request, timeout=1.0)
+            except grpc.RpcError:
+                return False
+        return bool(reply.status == serving)
+
+    return probe
+
+
+class _Child:
+    """A started :class:`ChildSpec`."""
+
+    def __init__(self, spec: ChildSpec) -> None:
+        self.spec = spec
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float, cancel: threading.Event) -> None:
+        argv = list(self.spec.argv)
+        write_banner(self.spec.log_path, argv)
+        with self.spec.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                # Own session: Ctrl-C in the terminal reaches only run_up, which stops
+                # the stack in order.
+                start_new_session=True,
+            )
+        wait_ready(
+            self.spec.ready,
+            self.process,
+            daemon=self.spec.name,
+            log_path=self.spec.log_path,
+            timeout=timeout,
+            cancel=cancel,
+        )
+
+    def returncode(self) -> int | None:
+        return self.process.poll() if self.process is not None else None
+
+    def stop(self) -> None:
+        if self.process is not None:
+            terminate(self.process, STOP_TIMEOUT)
+
+
+# --- run_up -----------------------------------------------------------------------
+
+
+@contextmanager
+def _exclusive(data_dir: Path) -> Iterator[None]:
+    """Hold a lock on ``data_dir`` so two stacks never share one etcd data dir."""
+    with (data_dir / "up.lock").open("a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "unknown"
+            raise StackAlreadyRunning(
+                f"another `baton up` (pid {holder}) is using {data_dir}",
+                data_dir=str(data_dir),
+                pid=holder,
+            ) from None
+        lock.truncate(0)
+        lock.write(f"{os.getpid()}\n")
+        lock.flush()
+        try:
+            yield
+        finally:
+            lock.truncate(0)
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@contextmanager
+def _stop_on_signals(stop: threading.Event) -> Iterator[None]:
+    """Turn SIGINT/SIGTERM into ``stop.set()`` for the duration (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be installed there; the caller sets ``stop``
+        return
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _check_installed() -> None:
+    _health_modules()
+    # find_spec of the top-level name only: it locates without importing anything.
+    if importlib.util.find_spec("registry") is None:
+        raise ExtraNotInstalled(
+            "the `registry` package is not importable; install Baton with its server "
+            "side: pip install 'baton[registry]'",
+            extra="registry",
+        )
+
+
+def run_up(
+    opts: UpOptions,
+    out: Callable[[str], None] = print,
+    *,
+    stop: threading.Event | None = None,
+    ready_timeout: float = READY_TIMEOUT,
+) -> int:
+    """Run the stack until SIGINT/SIGTERM (or ``stop`` is set); the exit status.
+
+    Returns 0 after a requested stop, 1 if a daemon died on its own (its log tail is
+    printed). Raises :class:`DaemonFailed`, :class:`ExtraNotInstalled` or
+    :class:`StackAlreadyRunning` when the stack cannot start; whatever had started
+    is stopped first.
+    """
+    stop = stop if stop is not None else threading.Event()
+    opts = dataclasses.replace(
+        opts,
+        data_dir=opts.data_dir.expanduser().absolute(),
+        staging=opts.staging.expanduser().absolute(),
+    )
+    _check_installed()
+    for port, daemon in ((opts.etcd_port, "etcd"), (opts.registry_port, "registry")):
+        if port_in_use(port):
+            raise DaemonFailed(
+                f"127.0.0.1:{port} is already in use (another `baton up`?); "
+                "free it or choose another port",
+                daemon=daemon,
+            )
+    opts.data_dir.mkdir(parents=True, exist_ok=True)
+    opts.staging.mkdir(parents=True, exist_ok=True)
+
+    with _exclusive(opts.data_dir), _stop_on_signals(stop):
+        etcd = EtcdProcess(
+            opts.data_dir / "etcd",
+            client_port=opts.etcd_port,
+            log_path=opts.data_dir / "etcd.log",
+        )
+        children: list[_Child] = []
+        failure: str | None = None
+        try:
+            etcd.start(ready_timeout, cancel=stop)
+            for spec in child_specs(opts, etcd.endpoint):
+                child = _Child(spec)
+                children.append(child)  # before start: a failed start is cleaned up too
+                child.start(ready_timeout, stop)
+            _print_summary(out, etcd, children)
+            failure = _supervise(etcd, children, stop)
+        except StartCancelled:
+            pass
+        finally:
+            _stop_all(etcd, children)
+    if failure is not None:
+        out(f"error: {failure}")
+    out("stopped")
+    return 0 if failure is None else 1
+
+
+def _print_summary(out: Callable[[str], None], etcd: EtcdProcess, children: list[_Child]) -> None:
+    version = etcd_version(etcd.binary)
+    out(
+        f"{'etcd':<9} {etcd.endpoint}  "
+        f"(etcd {version}, data: {etcd.data_dir}, log: {etcd.log_path})"
+    )
+    for child in children:
+        out(f"{child.spec.name:<9} {child.spec.address}  ({child.spec.details})")
+        if child.spec.name == "registry":
+            out(f"export BATON_REGISTRY={child.spec.address}")
+    out("ready; press Ctrl-C to stop")
+
+
+def _supervise(etcd: EtcdProcess, children: list[_Child], stop: threading.Event) -> str | None:
+    """Wait for ``stop``; if a process dies first, the error (with its log tail)."""
+    while not stop.wait(SUPERVISE_INTERVAL):
+        if (code := etcd.returncode) is not None:
+            return str(
+                DaemonFailed(
+                    f"exited unexpectedly with status {code}",
+                    daemon="etcd",
+                    log_path=etcd.log_path,
+                    returncode=code,
+                )
+            )
+        for child in children:
+            if (code := child.returncode()) is not None:
+                return str(
+                    DaemonFailed(
+                        f"exited unexpectedly with status {code}",
+                        daemon=child.spec.name,
+                        log_path=child.spec.log_path,
+                        returncode=code,
+                    )
+                )
+    return None
+
+
+def _stop_all(etcd: EtcdProcess, children: list[_Child]) -> None:
+    """Stop the daemons in reverse start order, etcd last (they need it to drain)."""
+    for child in reversed(children):
+        child.stop()
+    etcd.stop(STOP_TIMEOUT)

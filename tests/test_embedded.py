@@ -1,0 +1,223 @@
+"""client.embedded (``baton up``) with a real etcd and real child processes."""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import socket
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from client import embedded
+from client.embedded import (
+    ChildSpec,
+    StackAlreadyRunning,
+    UpOptions,
+    child_specs,
+    default_data_dir,
+    default_staging,
+    grpc_health_probe,
+    run_up,
+)
+from client.etcdproc import DaemonFailed, free_port, port_in_use
+
+
+class Stack:
+    """``run_up`` on a background thread, with its output on a queue."""
+
+    def __init__(self, opts: UpOptions) -> None:
+        self.opts = opts
+        self.stop = threading.Event()
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.result: int | BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="run_up", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.result = run_up(self.opts, self.lines.put, stop=self.stop)
+        except BaseException as e:
+            self.result = e
+        finally:
+            self.lines.put("<returned>")
+
+    def start(self) -> Stack:
+        self.thread.start()
+        return self
+
+    def wait_for_line(self, start: str, timeout: float = 30.0) -> list[str]:
+        """Every line printed until one that starts with ``start``."""
+        seen: list[str] = []
+        while True:
+            try:
+                line = self.lines.get(timeout=timeout)
+            except queue.Empty:
+                pytest.fail(f"no line starting with {start!r} within {timeout} s; saw {seen}")
+            seen.append(line)
+            if line.startswith(start):
+                return seen
+            if line == "<returned>":
+                pytest.fail(f"run_up returned {self.result!r} before {start!r}; saw {seen}")
+
+    def join(self, timeout: float = 30.0) -> int | BaseException | None:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "run_up did not return"
+        return self.result
+
+
+@pytest.fixture
+def opts(tmp_path: Path) -> UpOptions:
+    data_dir = tmp_path / "baton"
+    return UpOptions(
+        data_dir,
+        default_staging(data_dir),
+        etcd_port=free_port(),
+        registry_port=free_port(),
+        prefix="/baton-up-test/",
+    )
+
+
+@pytest.fixture
+def stacks() -> Iterator[Callable[[UpOptions], Stack]]:
+    """Start ``run_up`` threads; any still running are stopped at teardown."""
+    started: list[Stack] = []
+
+    def make(opts: UpOptions) -> Stack:
+        stack = Stack(opts).start()
+        started.append(stack)
+        return stack
+
+    yield make
+    for stack in started:
+        stack.stop.set()
+        stack.thread.join(60)
+
+
+def fake_children(argv: list[str]) -> Callable[[UpOptions, str], list[ChildSpec]]:
+    """A child_specs replacement running ``argv`` (ready as soon as it runs)."""
+
+    def specs(opts: UpOptions, etcd_endpoint: str) -> list[ChildSpec]:
+        return [
+            ChildSpec(
+                name="fake",
+                argv=tuple(argv),
+                log_path=opts.data_dir / "fake.log",
+                ready=lambda: True,
+                address="-",
+            )
+        ]
+
+    return specs
+
+
+def test_default_data_dir_follows_xdg(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The data dir is $XDG_DATA_HOME/baton, else ~/.local/share/baton (relative XDG ignored)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert default_data_dir({"XDG_DATA_HOME": "/srv/data"}) == Path("/srv/data/baton")
+    assert default_data_dir({}) == tmp_path / ".local" / "share" / "baton"
+    assert default_data_dir({"XDG_DATA_HOME": "rel"}) == tmp_path / ".local" / "share" / "baton"
+    assert default_staging(Path("/d")) == Path("/d/staging")
+
+
+def test_registry_command_line(opts: UpOptions) -> None:
+    """The registry is run as `python -m registry` with the documented flags."""
+    [registry] = child_specs(opts, "127.0.0.1:2479")
+    assert registry.name == "registry"
+    assert registry.argv[0] == sys.executable
+    assert registry.argv[registry.argv.index("-m") + 1 :] == (
+        "registry",
+        "--etcd", "127.0.0.1:2479",
+        "--listen", f"127.0.0.1:{opts.registry_port}",
+        "--staging", str(opts.staging),
+        "--prefix", "/baton-up-test/",
+    )  # fmt: skip
+    assert registry.log_path == opts.data_dir / "registry.log"
+
+
+def test_up_serves_then_stops_cleanly(
+    opts: UpOptions, stacks: Callable[[UpOptions], Stack]
+) -> None:
+    """baton up starts etcd and a SERVING registry, prints where, and stops both on request."""
+    stack = stacks(opts)
+    lines = stack.wait_for_line("ready")
+    registry_address = f"127.0.0.1:{opts.registry_port}"
+    assert any(line.startswith(f"etcd      127.0.0.1:{opts.etcd_port}") for line in lines)
+    assert any(line.startswith(f"registry  {registry_address}") for line in lines)
+    assert f"export BATON_REGISTRY={registry_address}" in lines
+    assert grpc_health_probe(registry_address)()
+    assert opts.staging.is_dir()
+
+    stack.stop.set()
+    assert stack.join() == 0
+    assert stack.wait_for_line("stopped")
+    assert not port_in_use(opts.etcd_port)
+    assert not port_in_use(opts.registry_port)
+
+
+def test_a_child_that_dies_stops_the_stack(
+    opts: UpOptions, stacks: Callable[[UpOptions], Stack], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When a daemon exits on its own, the others are stopped and run_up returns 1 with its log."""
+    trigger = opts.data_dir.parent / "die-now"
+    script = (
+        "import os, sys, time\n"
+        f"while not os.path.exists({str(trigger)!r}): time.sleep(0.02)\n"
+        "print('fake daemon giving up')\n"
+        "sys.exit(7)\n"
+    )
+    monkeypatch.setattr(embedded, "child_specs", fake_children([sys.executable, "-c", script]))
+    stack = stacks(opts)
+    stack.wait_for_line("ready")
+    trigger.touch()
+    assert stack.join() == 1
+    output = []
+    while not stack.lines.empty():
+        output.append(stack.lines.get())
+    text = "\n".join(output)
+    assert "fake: exited unexpectedly with status 7" in text
+    assert "fake daemon giving up" in text
+    assert not port_in_use(opts.etcd_port)
+
+
+def test_a_child_that_fails_to_start_raises(
+    opts: UpOptions, stacks: Callable[[UpOptions], Stack], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A daemon that never gets ready raises DaemonFailed and etcd is stopped again."""
+    specs = fake_children([sys.executable, "-c", "print('cannot start'); raise SystemExit(3)"])
+
+    def never_ready(opts: UpOptions, endpoint: str) -> list[ChildSpec]:
+        return [dataclasses.replace(spec, ready=lambda: False) for spec in specs(opts, endpoint)]
+
+    monkeypatch.setattr(embedded, "child_specs", never_ready)
+    result = stacks(opts).join()
+    assert isinstance(result, DaemonFailed)
+    assert "cannot start" in str(result)
+    assert not port_in_use(opts.etcd_port)
+
+
+def test_one_stack_per_data_dir(
+    opts: UpOptions, stacks: Callable[[UpOptions], Stack], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second baton up on a data dir in use is refused before it starts anything."""
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    monkeypatch.setattr(embedded, "child_specs", fake_children(sleeper))
+    first = stacks(opts)
+    first.wait_for_line("ready")
+    other_ports = UpOptions(opts.data_dir, opts.staging, free_port(), free_port())
+    with pytest.raises(StackAlreadyRunning, match="is using"):
+        run_up(other_ports, lambda line: None, stop=threading.Event())
+    first.stop.set()
+    assert first.join() == 0
+
+
+def test_port_in_use_is_refused_up_front(opts: UpOptions) -> None:
+    """A taken registry port is reported before etcd is started."""
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", opts.registry_port))
+        squatter.listen()
+        with pytest.raises(DaemonFailed, match=f"{opts.registry_port} is already in use"):
+            run_up(opts, lambda line: None, stop=threading.Event())
+    assert not (opts.data_dir / "etcd").exists()
