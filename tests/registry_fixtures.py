@@ -49,7 +49,11 @@ class RegistryHandle:
 
 
 def start_registry(
-    etcd: str, prefix: str, staging: Path, reap_interval: float = 0.2
+    etcd: str,
+    prefix: str,
+    staging: Path,
+    reap_interval: float = 0.2,
+    listen: str = "127.0.0.1:0",
 ) -> RegistryHandle:
     loop = asyncio.new_event_loop()
     ready: dict[str, Any] = {}
@@ -57,7 +61,7 @@ def start_registry(
 
     def run() -> None:
         asyncio.set_event_loop(loop)
-        config = RegistryConfig(etcd=etcd, listen="127.0.0.1:0", staging=str(staging),
+        config = RegistryConfig(etcd=etcd, listen=listen, staging=str(staging),
                                 prefix=prefix, reap_interval=reap_interval)
         try:
             ready["running"] = loop.run_until_complete(start(config))

@@ -1,0 +1,104 @@
+"""The client library: retries, waiting for work through Watch, end-to-end digest checks."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import blake3
+import pytest
+from registry_fixtures import start_registry
+
+from client import Client, RetryPolicy, consume, errors, next_lease, produce
+from client.etcdproc import free_port
+from client.v1 import baton_pb2 as pb
+
+
+def one_entry(client: Client, task: str = "t1") -> None:
+    client.create_task({"task_id": task, "entries": [{"file_id": "a", "path": "a.bin"}]})
+
+
+def test_unavailable_is_retried_with_jittered_backoff() -> None:
+    """A call to a registry that is down is retried with growing, capped, jittered waits."""
+    slept: list[float] = []
+    policy = RetryPolicy(attempts=5, initial=0.1, cap=0.4, deadline=60, sleep=slept.append)
+    with Client(f"127.0.0.1:{free_port()}", timeout=1, retry=policy) as c, \
+            pytest.raises(errors.Unavailable):
+        c.list_tasks()
+    assert len(slept) == 4  # five attempts, four waits between them
+    assert all(0 <= s <= 0.4 for s in slept)
+    assert len(set(slept)) > 1  # jitter: not a fixed schedule
+
+
+def test_call_succeeds_once_the_registry_comes_up(etcd: Any, prefix: str, staging: Path) -> None:
+    """A client started before its registry gets through when the registry appears."""
+    port = free_port()
+    handles: list[Any] = []
+
+    def late() -> None:
+        time.sleep(0.5)  # the registry is late on purpose: that is the scenario
+        handles.append(start_registry(etcd.endpoint, prefix, staging,
+                                      listen=f"127.0.0.1:{port}"))
+
+    starter = threading.Thread(target=late)
+    starter.start()
+    try:
+        policy = RetryPolicy(attempts=100, initial=0.05, cap=0.2, deadline=30)
+        with Client(f"127.0.0.1:{port}", timeout=2, retry=policy) as c:
+            assert c.list_tasks() == []
+    finally:
+        starter.join()
+        for h in handles:
+            h.stop()
+
+
+def test_consumer_waits_for_work_without_polling(client: Client) -> None:
+    """A consumer blocked in next_lease wakes when a producer's entry becomes verified."""
+    one_entry(client)
+    got: list[Any] = []
+    with client.open_session("consumer", ttl=10) as cs:
+        waiter = threading.Thread(
+            target=lambda: got.append(next_lease(client, cs, "t1", "default", timeout=20)))
+        waiter.start()
+        with client.open_session("producer", ttl=10) as ps:
+            with produce(client, ps, "t1") as out:
+                out.write(b"data")
+            client.report("t1", "a", out.size, out.digest)  # what the watcher does
+        waiter.join(25)
+        assert got and got[0].file_id == "a" and got[0].digest == out.digest
+
+
+def test_consumer_times_out_when_nothing_comes(client: Client) -> None:
+    """next_lease gives up with NothingToClaim when its timeout passes."""
+    one_entry(client)
+    with client.open_session("c", ttl=10) as s, pytest.raises(errors.NothingToClaim):
+        next_lease(client, s, "t1", timeout=0.5)
+
+
+def test_consume_refuses_bytes_that_differ_from_the_verified_digest(client: Client) -> None:
+    """consume() checks the file against the verified digest, and nacks on a mismatch."""
+    one_entry(client)
+    with client.open_session("a", ttl=10) as s:
+        with produce(client, s, "t1") as out:
+            out.write(b"original")
+        client.report("t1", "a", out.size, out.digest)
+        Path(out.claim.path).write_bytes(b"tampered")  # same size, other bytes
+        with pytest.raises(errors.ChecksumMismatch), consume(client, s, "t1", timeout=5):
+            pytest.fail("the body must not run with unverified bytes")
+        entry = client.get_entry("t1", "a")
+        assert entry.state == pb.VERIFIED and not entry.consumed_by  # handed back, not acked
+
+
+def test_consume_acks_on_success(client: Client) -> None:
+    """consume() yields the checked bytes and acks when the block ends."""
+    one_entry(client)
+    with client.open_session("a", ttl=10) as s:
+        with produce(client, s, "t1") as out:
+            out.write(b"payload")
+        client.report("t1", "a", 7, blake3.blake3(b"payload").hexdigest())
+        with consume(client, s, "t1", timeout=5) as delivery:
+            assert delivery.data == b"payload"
+        assert client.get_entry("t1", "a").state == pb.CONSUMED
+
