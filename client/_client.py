@@ -285,6 +285,13 @@ class Client:
                                     identity=identity, reporter=reporter)
         return self._call("ReportVerification", req).entry  # type: ignore[no-any-return]
 
+    def report_problem(self, task_id: str, file_id: str, kind: int, reason: str,
+                       reporter: str = "") -> pb.Entry:
+        """Report that a file cannot be vouched for (``pb.ProblemReport.CORRUPTED``/``MISSING``)."""
+        req = pb.ProblemReport(task_id=task_id, file_id=file_id, kind=kind,  # type: ignore[arg-type]
+                               reason=reason, reporter=reporter)
+        return self._call("ReportProblem", req).entry  # type: ignore[no-any-return]
+
     # consumers -------------------------------------------------------------
 
     def consume(self, task_id: str, group: str = "default", file_id: str = "", *,

@@ -217,6 +217,43 @@ class Producers:
                 ops,
             )
 
+    def _unverify(self, rec: EntryRecord, reason: str, ops: list[TxnOp]) -> None:
+        """The verified bytes are gone: nobody may be handed them any more, and
+        consumers holding them lose their tokens; the entry takes the retry path."""
+        for group in rec.consumers:
+            ref = ClaimRef("c", rec.task_id, rec.file_id, group)
+            ops.append(Delete(self.keys.cready(rec.task_id, group, rec.file_id)))
+            ops.append(Delete(self.keys.claim(ref)))
+            ops.append(Delete(self.keys.inflight(ref)))
+        self.core.retry_or_dead(rec, reason, ops)
+
+    async def problem(self, req: pb.ProblemReport) -> pb.Entry:
+        """A watcher cannot vouch for a file: corrupted, or missing after the commit."""
+        check_id("task_id", req.task_id)
+        check_id("file_id", req.file_id)
+        kinds = {pb.ProblemReport.CORRUPTED: "corrupted", pb.ProblemReport.MISSING: "missing"}
+        if req.kind not in kinds:
+            raise InvalidArgument("a problem report needs kind CORRUPTED or MISSING")
+        reason = f"{kinds[req.kind]}: {req.reason or 'no reason given'}"
+        staging = self.core.staging_dir(req.task_id)
+
+        async def planner() -> Plan[pb.Entry]:
+            kv, rec = await self.core.entry(req.task_id, req.file_id)
+            ops: list[TxnOp] = []
+            if rec.state == WRITTEN:
+                self.core.retry_or_dead(rec, reason, ops)
+            elif rec.state == VERIFIED:
+                self._unverify(rec, reason, ops)
+            elif rec.state == WRITING and rec.observed is not None:
+                rec.observed = None  # what was seen before the commit no longer holds
+                rec.remember(kinds[req.kind], reason=req.reason, reporter=req.reporter)
+            else:  # nothing on disk was vouched for: nothing to undo
+                return Plan([unchanged(kv)], [], lambda rev: rec.to_pb(staging, revision=rev))
+            ops.insert(0, Put(kv.key, rec.dump()))
+            return Plan([unchanged(kv)], ops, lambda rev: rec.to_pb(staging, revision=rev))
+
+        return await self.core.apply(planner, req.request_id, entry_replay)
+
     async def report(self, req: pb.VerificationReport) -> pb.Entry:
         check_id("task_id", req.task_id)
         check_id("file_id", req.file_id)
@@ -236,16 +273,8 @@ class Producers:
             elif rec.state == WRITTEN:
                 self._settle(rec, req.size, req.digest, ops)
             elif rec.state == VERIFIED and req.digest != rec.digest:
-                # The verified bytes are gone: nobody may be handed them any more,
-                # and consumers holding them lose their tokens.
-                for group in rec.consumers:
-                    ref = ClaimRef("c", rec.task_id, rec.file_id, group)
-                    ops.append(Delete(self.keys.cready(rec.task_id, group, rec.file_id)))
-                    ops.append(Delete(self.keys.claim(ref)))
-                    ops.append(Delete(self.keys.inflight(ref)))
-                self.core.retry_or_dead(
-                    rec, f"verified file changed on disk (now size {req.size} digest "
-                    f"{req.digest})", ops)
+                self._unverify(rec, f"verified file changed on disk (now size {req.size} "
+                               f"digest {req.digest})", ops)
             else:  # consumed, dead, or a repeat of what is known: nothing to do
                 return Plan([unchanged(kv)], [], lambda rev: rec.to_pb(staging, revision=rev))
             ops.insert(0, Put(kv.key, rec.dump()))

@@ -109,6 +109,10 @@ class RegistryService(pb_grpc.RegistryServicer):
         return pb.ReportResponse(entry=await self.producers.report(request))
 
     @unary
+    async def ReportProblem(self, request: pb.ProblemReport) -> pb.ReportResponse:
+        return pb.ReportResponse(entry=await self.producers.problem(request))
+
+    @unary
     async def Consume(self, request: pb.ConsumeRequest) -> pb.ConsumeResponse:
         return await self.consumers.consume(request)
 

@@ -274,3 +274,20 @@ def test_changed_verified_file_revokes_consumers(client: Client) -> None:
             client.ack("t1", "f0", "default", lease.token)
         with pytest.raises(errors.NothingToClaim):
             client.consume("t1", "default", session=s)
+
+
+@pytest.mark.parametrize("kind", [pb.ProblemReport.CORRUPTED, pb.ProblemReport.MISSING])
+def test_problem_reports_take_the_retry_path(client: Client, kind: int) -> None:
+    """A corrupted or missing file sends a written or verified entry down the retry path."""
+    client.create_task(manifest(n=2))
+    with client.open_session("a", ttl=10) as s:
+        for file_id, verify in (("f0", False), ("f1", True)):
+            c = client.claim("t1", file_id, session=s)
+            client.commit("t1", file_id, c.token, 1, digest(b"x"))
+            if verify:
+                client.report("t1", file_id, 1, digest(b"x"))
+            entry = client.report_problem("t1", file_id, kind, "unreadable three times")
+            assert entry.state == pb.PENDING and entry.retry_count == 1
+            assert "unreadable three times" in entry.error
+        with pytest.raises(errors.InvalidArgument):
+            client.report_problem("t1", "f0", 0, "no kind")

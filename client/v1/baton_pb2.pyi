@@ -952,6 +952,61 @@ class ReportResponse(_message.Message):
 Global___ReportResponse: _TypeAlias = ReportResponse  # noqa: Y015
 
 @_typing.final
+class ProblemReport(_message.Message):
+    """What a watcher reports when it cannot vouch for a file's bytes."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    class _Kind:
+        ValueType = _typing.NewType("ValueType", _builtins.int)
+        V: _TypeAlias = ValueType  # noqa: Y015
+
+    class _KindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[ProblemReport._Kind.ValueType], _builtins.type):
+        DESCRIPTOR: _descriptor.EnumDescriptor
+        KIND_UNSPECIFIED: ProblemReport._Kind.ValueType  # 0
+        CORRUPTED: ProblemReport._Kind.ValueType  # 1
+        """hashing failed repeatedly (vanished, unreadable, kept changing)"""
+        MISSING: ProblemReport._Kind.ValueType  # 2
+        """the file of a written or verified entry is gone"""
+
+    class Kind(_Kind, metaclass=_KindEnumTypeWrapper): ...
+    KIND_UNSPECIFIED: ProblemReport.Kind.ValueType  # 0
+    CORRUPTED: ProblemReport.Kind.ValueType  # 1
+    """hashing failed repeatedly (vanished, unreadable, kept changing)"""
+    MISSING: ProblemReport.Kind.ValueType  # 2
+    """the file of a written or verified entry is gone"""
+
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    FILE_ID_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    REPORTER_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    task_id: _builtins.str
+    file_id: _builtins.str
+    kind: Global___ProblemReport.Kind.ValueType
+    reason: _builtins.str
+    reporter: _builtins.str
+    request_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        task_id: _builtins.str = ...,
+        file_id: _builtins.str = ...,
+        kind: Global___ProblemReport.Kind.ValueType = ...,
+        reason: _builtins.str = ...,
+        reporter: _builtins.str = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["file_id", b"file_id", "kind", b"kind", "reason", b"reason", "reporter", b"reporter", "request_id", b"request_id", "task_id", b"task_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ProblemReport: _TypeAlias = ProblemReport  # noqa: Y015
+
+@_typing.final
 class ConsumeRequest(_message.Message):
     """--------------------------------------------------------------- consumers"""
 

@@ -94,6 +94,11 @@ class RegistryStub:
                 request_serializer=client_dot_v1_dot_baton__pb2.VerificationReport.SerializeToString,
                 response_deserializer=client_dot_v1_dot_baton__pb2.ReportResponse.FromString,
                 _registered_method=True)
+        self.ReportProblem = channel.unary_unary(
+                '/baton.v1.Registry/ReportProblem',
+                request_serializer=client_dot_v1_dot_baton__pb2.ProblemReport.SerializeToString,
+                response_deserializer=client_dot_v1_dot_baton__pb2.ReportResponse.FromString,
+                _registered_method=True)
         self.Consume = channel.unary_unary(
                 '/baton.v1.Registry/Consume',
                 request_serializer=client_dot_v1_dot_baton__pb2.ConsumeRequest.SerializeToString,
@@ -191,6 +196,12 @@ class RegistryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportProblem(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Consume(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -276,6 +287,11 @@ def add_RegistryServicer_to_server(servicer, server):
             'ReportVerification': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportVerification,
                     request_deserializer=client_dot_v1_dot_baton__pb2.VerificationReport.FromString,
+                    response_serializer=client_dot_v1_dot_baton__pb2.ReportResponse.SerializeToString,
+            ),
+            'ReportProblem': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportProblem,
+                    request_deserializer=client_dot_v1_dot_baton__pb2.ProblemReport.FromString,
                     response_serializer=client_dot_v1_dot_baton__pb2.ReportResponse.SerializeToString,
             ),
             'Consume': grpc.unary_unary_rpc_method_handler(
@@ -622,6 +638,33 @@ class Registry:
             target,
             '/baton.v1.Registry/ReportVerification',
             client_dot_v1_dot_baton__pb2.VerificationReport.SerializeToString,
+            client_dot_v1_dot_baton__pb2.ReportResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportProblem(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Registry/ReportProblem',
+            client_dot_v1_dot_baton__pb2.ProblemReport.SerializeToString,
             client_dot_v1_dot_baton__pb2.ReportResponse.FromString,
             options,
             channel_credentials,
