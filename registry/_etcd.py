@@ -134,7 +134,12 @@ class Delete:
 
 @dataclass(frozen=True, slots=True)
 class Get:
+    """Read one key, or with ``prefix`` every key under it (``limit`` 0 = all)."""
+
     key: bytes
+    prefix: bool = False
+    limit: int = 0
+    keys_only: bool = False
 
 
 TxnOp = Put | Delete | Get
@@ -145,7 +150,12 @@ def _op_pb(op: TxnOp) -> Any:
         return rpc.RequestOp(request_put=rpc.PutRequest(key=op.key, value=op.value, lease=op.lease))
     if isinstance(op, Delete):
         return rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=op.key))
-    return rpc.RequestOp(request_range=rpc.RangeRequest(key=op.key))
+    return rpc.RequestOp(request_range=rpc.RangeRequest(
+        key=op.key,
+        range_end=prefix_end(op.key) if op.prefix else b"",
+        limit=op.limit,
+        keys_only=op.keys_only,
+    ))
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,6 +253,10 @@ class Etcd:
             if r.WhichOneof("response") == "response_range"
         ]
         return TxnResult(bool(resp.succeeded), int(resp.header.revision), gets)
+
+    async def read(self, gets: Sequence[Get]) -> list[list[KV]]:
+        """Several reads in one round trip, all at the same revision."""
+        return (await self.txn([], gets)).gets
 
     # leases -------------------------------------------------------------
 

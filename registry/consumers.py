@@ -5,8 +5,19 @@ from __future__ import annotations
 from client.errors import IllegalTransition, InvalidArgument, NothingToClaim, StaleToken
 from client.v1 import baton_pb2 as pb
 
-from ._etcd import KV, Compare, Delete, Put, TxnOp, created_at, present, unchanged
-from .core import Core, Plan, Retry, claim_value, entry_replay, session_agent
+from ._etcd import KV, Compare, Delete, Get, Put, TxnOp, created_at, present, unchanged
+from .core import (
+    Core,
+    Plan,
+    Reads,
+    Retry,
+    check_session_id,
+    claim_value,
+    entry_replay,
+    need_entry,
+    need_session,
+    need_task,
+)
 from .keys import ClaimRef
 from .manifest import check_id
 from .model import CONSUMED, VERIFIED, EntryRecord
@@ -24,11 +35,11 @@ class Consumers:
         check_id("group", req.group)
         if req.file_id:
             check_id("file_id", req.file_id)
-        await self.core.task(req.task_id)
-        agent_key, agent = await session_agent(self.core, req.session_id)
+        check_session_id(req.session_id)
+        agent_key = self.keys.agent(req.session_id)
         staging = self.core.staging_dir(req.task_id)
 
-        def plan_for(kv: KV, rec: EntryRecord) -> Plan[pb.ConsumeResponse]:
+        def plan_for(kv: KV, rec: EntryRecord, agent: str) -> Plan[pb.ConsumeResponse]:
             ref = ClaimRef("c", rec.task_id, rec.file_id, req.group)
             cready = self.keys.cready(rec.task_id, req.group, rec.file_id)
             value = claim_value(agent, req.session_id)
@@ -52,43 +63,48 @@ class Consumers:
             return (rec.state == VERIFIED and req.group in rec.consumers
                     and req.group not in rec.consumed_by)
 
-        async def planner() -> Plan[pb.ConsumeResponse]:
+        async def planner(reads: Reads) -> Plan[pb.ConsumeResponse]:
+            prefix = self.keys.cready_all(req.task_id, req.group)
             if req.file_id:
-                kv, rec = await self.core.entry(req.task_id, req.file_id)
+                targets = [Get(self.keys.entry(req.task_id, req.file_id)),
+                           Get(self.keys.cready(req.task_id, req.group, req.file_id))]
+            else:
+                targets = [Get(prefix, prefix=True, limit=PAGE, keys_only=True)]
+            task_kvs, agent_kvs, *found = await reads.read(
+                Get(self.keys.task(req.task_id)), Get(agent_key), *targets)
+            need_task(task_kvs, req.task_id)
+            agent = need_session(agent_kvs, req.session_id)
+            if req.file_id:
+                kv, rec = need_entry(found[0], req.task_id, req.file_id)
                 if req.group not in rec.consumers:
                     raise InvalidArgument(
                         f"group {req.group!r} is not a consumer of {rec.file_id!r} "
                         f"(consumers: {rec.consumers})"
                     )
-                cready = await self.core.etcd.get(
-                    self.keys.cready(req.task_id, req.group, req.file_id))
-                if not consumable(rec) or cready is None:
+                if not consumable(rec) or not found[1]:
                     raise IllegalTransition(
                         f"entry {rec.file_id!r} is {rec.state} and not available to group "
                         f"{req.group!r} (consumed by {rec.consumed_by}, or held by another "
                         "agent)", task_id=rec.task_id, file_id=rec.file_id, state=rec.state,
                     )
-                return plan_for(kv, rec)
-            prefix = self.keys.cready_all(req.task_id, req.group)
-            start: bytes | None = None
-            saw_any = False
+                return plan_for(kv, rec, agent)
+            page = found[0]
+            moved = False
             while True:
-                kvs, _, more = await self.core.etcd.range(
-                    prefix, start=start, limit=PAGE, keys_only=True)
-                order = list(kvs)
+                order = list(page)
                 self.core.rng.shuffle(order)
                 for ready in order:
-                    saw_any = True
                     file_id = ready.key[len(prefix):].decode()
                     kv_ = await self.core.etcd.get(self.keys.entry(req.task_id, file_id))
-                    if kv_ is not None:
-                        rec_ = EntryRecord.load(kv_.value)
-                        if consumable(rec_):
-                            return plan_for(kv_, rec_)
-                if not more:
+                    rec_ = EntryRecord.load(kv_.value) if kv_ else None
+                    if kv_ is not None and rec_ is not None and consumable(rec_):
+                        return plan_for(kv_, rec_, agent)
+                    moved = True
+                if len(page) < PAGE:
                     break
-                start = kvs[-1].key + b"\0"
-            if saw_any:
+                page, _, _ = await self.core.etcd.range(
+                    prefix, start=page[-1].key + b"\0", limit=PAGE, keys_only=True)
+            if moved:
                 raise Retry()
             raise NothingToClaim(
                 f"nothing to consume for group {req.group!r} in task {req.task_id!r}",
@@ -103,16 +119,16 @@ class Consumers:
         return await self.core.apply(planner, req.request_id, replay)
 
     async def _live(
-        self, task_id: str, file_id: str, group: str, token: int
+        self, reads: Reads, task_id: str, file_id: str, group: str, token: int
     ) -> tuple[KV, EntryRecord, list[Compare], list[TxnOp]]:
         check_id("task_id", task_id)
         check_id("file_id", file_id)
         check_id("group", group)
-        kv, rec = await self.core.entry(task_id, file_id)
         ref = ClaimRef("c", task_id, file_id, group)
         claim_key = self.keys.claim(ref)
-        claim = await self.core.etcd.get(claim_key)
-        if token <= 0 or claim is None or claim.create_revision != token:
+        found, claims = await reads.read(Get(self.keys.entry(task_id, file_id)), Get(claim_key))
+        kv, rec = need_entry(found, task_id, file_id)
+        if token <= 0 or not claims or claims[0].create_revision != token:
             raise StaleToken(
                 f"token {token} is not the live consume-claim of group {group!r} on "
                 f"{task_id}/{file_id} (lost, superseded or already acked)",
@@ -125,9 +141,9 @@ class Consumers:
     async def ack(self, req: pb.AckRequest) -> pb.Entry:
         staging = self.core.staging_dir(req.task_id)
 
-        async def planner() -> Plan[pb.Entry]:
+        async def planner(reads: Reads) -> Plan[pb.Entry]:
             kv, rec, compares, ops = await self._live(
-                req.task_id, req.file_id, req.group, req.token)
+                reads, req.task_id, req.file_id, req.group, req.token)
             if rec.state != VERIFIED:
                 raise IllegalTransition(
                     f"entry {rec.file_id!r} is {rec.state}: its verified bytes are gone "
@@ -147,9 +163,9 @@ class Consumers:
     async def nack(self, req: pb.NackRequest) -> pb.Entry:
         staging = self.core.staging_dir(req.task_id)
 
-        async def planner() -> Plan[pb.Entry]:
+        async def planner(reads: Reads) -> Plan[pb.Entry]:
             kv, rec, compares, ops = await self._live(
-                req.task_id, req.file_id, req.group, req.token)
+                reads, req.task_id, req.file_id, req.group, req.token)
             rec.remember("nacked", group=req.group, reason=req.reason)
             ops.insert(0, Put(kv.key, rec.dump()))
             if rec.state == VERIFIED:

@@ -23,7 +23,7 @@ from google.protobuf.message import Message
 from client.errors import Conflict, InvalidArgument, NotFound, SessionExpired, TaskNotActive
 from client.v1 import baton_pb2 as pb
 
-from ._etcd import KV, Compare, Etcd, Put, TxnOp, TxnResult, absent
+from ._etcd import KV, Compare, Etcd, Get, Put, TxnOp, TxnResult, absent
 from .keys import Keys
 from .model import DEAD, PENDING, EntryRecord, TaskRecord
 
@@ -49,6 +49,37 @@ class Plan(Generic[M]):
 
 class Retry(Exception):
     """Raised by a planner when what it read changed under it: read again."""
+
+
+class _Replayed(Exception):
+    def __init__(self, record: KV) -> None:
+        self.record = record
+
+
+class Reads:
+    """A planner's reads. The first one also fetches the call's request record
+    (same round trip): if the call already applied, planning stops there and
+    the recorded reply is returned instead."""
+
+    def __init__(self, etcd: Etcd, request_key: bytes) -> None:
+        self._etcd = etcd
+        self._request_key = request_key
+
+    async def read(self, *gets: Get) -> list[list[KV]]:
+        ops = list(gets)
+        check, self._request_key = self._request_key, b""
+        if check:
+            ops.append(Get(check))
+        results = await self._etcd.read(ops)
+        if check:
+            record = results.pop()
+            if record:
+                raise _Replayed(record[0])
+        return results
+
+    async def one(self, key: bytes) -> KV | None:
+        (kvs,) = await self.read(Get(key))
+        return kvs[0] if kvs else None
 
 
 class Core:
@@ -109,7 +140,7 @@ class Core:
 
     async def apply(
         self,
-        planner: Callable[[], Awaitable[Plan[M]]],
+        planner: Callable[[Reads], Awaitable[Plan[M]]],
         request_id: str = "",
         replay: Callable[[bytes, int], M] | None = None,
     ) -> M:
@@ -121,12 +152,11 @@ class Core:
         """
         req_key = self.keys.request(request_id) if request_id and replay else b""
         for attempt in range(MAX_ATTEMPTS):
-            if req_key and replay:
-                done = await self.etcd.get(req_key)
-                if done is not None:
-                    return replay(done.value, done.create_revision)
             try:
-                plan = await planner()
+                plan = await planner(Reads(self.etcd, req_key))
+            except _Replayed as done:
+                assert replay is not None
+                return replay(done.record.value, done.record.create_revision)
             except Retry:
                 await self._backoff(attempt)
                 continue
@@ -185,20 +215,40 @@ def claim_holder(kv: KV | None) -> str:
         return ""
 
 
+def need_entry(kvs: list[KV], task_id: str, file_id: str) -> tuple[KV, EntryRecord]:
+    """The entry a read returned; ``NotFound`` if it returned none."""
+    if not kvs:
+        raise NotFound(f"no entry {file_id!r} in task {task_id!r}", task_id=task_id,
+                       file_id=file_id)
+    return kvs[0], EntryRecord.load(kvs[0].value)
+
+
+def need_task(kvs: list[KV], task_id: str, active: bool = False) -> TaskRecord:
+    """The task a read returned; ``NotFound``, or ``TaskNotActive`` if ``active``."""
+    if not kvs:
+        raise NotFound(f"no task {task_id!r}", task_id=task_id)
+    task = TaskRecord.load(kvs[0].value)
+    if active and task.status != "active":
+        raise TaskNotActive(f"task {task_id!r} is {task.status}", task_id=task_id,
+                            status=task.status)
+    return task
+
+
+def need_session(kvs: list[KV], session_id: int) -> str:
+    """The agent name of a session a read returned; ``SessionExpired`` if none."""
+    if not kvs:
+        raise SessionExpired(f"session {session_id:x} has expired or never existed",
+                             session_id=session_id)
+    return claim_holder(kvs[0]) or "?"
+
+
+def check_session_id(session_id: int) -> None:
+    if session_id <= 0:
+        raise InvalidArgument("this call needs a session_id (open a session first)")
+
+
 def entry_replay(raw: bytes, revision: int) -> pb.Entry:
     """The recorded reply of an entry-returning call, as first sent."""
     entry = pb.Entry.FromString(raw)
     entry.revision = revision
     return entry
-
-
-async def session_agent(core: Core, session_id: int) -> tuple[bytes, str]:
-    """The session's key and agent name; ``SessionExpired`` if it is gone."""
-    if session_id <= 0:
-        raise InvalidArgument("this call needs a session_id (open a session first)")
-    key = core.keys.agent(session_id)
-    kv = await core.etcd.get(key)
-    if kv is None:
-        raise SessionExpired(f"session {session_id:x} has expired or never existed",
-                             session_id=session_id)
-    return key, claim_holder(kv) or "?"

@@ -13,8 +13,19 @@ from client.errors import (
 )
 from client.v1 import baton_pb2 as pb
 
-from ._etcd import KV, Compare, Delete, Put, TxnOp, created_at, present, unchanged
-from .core import Core, Plan, Retry, claim_value, entry_replay, session_agent
+from ._etcd import KV, Compare, Delete, Get, Put, TxnOp, created_at, present, unchanged
+from .core import (
+    Core,
+    Plan,
+    Reads,
+    Retry,
+    check_session_id,
+    claim_value,
+    entry_replay,
+    need_entry,
+    need_session,
+    need_task,
+)
 from .keys import ClaimRef
 from .manifest import DIGEST_RE, check_id
 from .model import CONSUMED, PENDING, VERIFIED, WRITING, WRITTEN, EntryRecord, now
@@ -43,11 +54,11 @@ class Producers:
         check_id("task_id", req.task_id)
         if req.file_id:
             check_id("file_id", req.file_id)
-        await self.core.active_task(req.task_id)
+        check_session_id(req.session_id)
         staging = self.core.staging_dir(req.task_id)
-        agent_key, agent = await session_agent(self.core, req.session_id)
+        agent_key = self.keys.agent(req.session_id)
 
-        def plan_for(kv: KV, rec: EntryRecord) -> Plan[pb.ClaimResponse]:
+        def plan_for(kv: KV, rec: EntryRecord, agent: str) -> Plan[pb.ClaimResponse]:
             ref = ClaimRef("p", rec.task_id, rec.file_id)
             rec.state, rec.owner, rec.session = WRITING, agent, req.session_id
             rec.observed, rec.error = None, ""
@@ -68,22 +79,32 @@ class Producers:
 
             return Plan(compares, ops, reply)
 
-        async def planner() -> Plan[pb.ClaimResponse]:
-            if req.file_id:
-                kv, rec = await self.core.entry(req.task_id, req.file_id)
-                if rec.state != PENDING:
-                    cls = AlreadyClaimed if rec.state == WRITING else IllegalTransition
-                    raise cls(
-                        f"entry {rec.file_id!r} is {rec.state}, not pending",
-                        task_id=rec.task_id, file_id=rec.file_id, state=rec.state,
-                    )
-                if not await self._deps_ready(rec):
-                    raise IllegalTransition(
-                        f"entry {rec.file_id!r} waits for its dependencies {rec.depends_on}",
-                        task_id=rec.task_id, file_id=rec.file_id,
-                    )
-                return plan_for(kv, rec)
-            return await self._next(req.task_id, plan_for)
+        async def planner(reads: Reads) -> Plan[pb.ClaimResponse]:
+            # One round trip: the task, the session, and the entry or a page of
+            # the ready index (and, in Reads, this call's request record).
+            target = (Get(self.keys.entry(req.task_id, req.file_id)) if req.file_id else
+                      Get(self.keys.ready_all(req.task_id), prefix=True, limit=PAGE,
+                          keys_only=True))
+            task_kvs, agent_kvs, found = await reads.read(
+                Get(self.keys.task(req.task_id)), Get(agent_key), target)
+            need_task(task_kvs, req.task_id, active=True)
+            agent = need_session(agent_kvs, req.session_id)
+            if not req.file_id:
+                return await self._next(req.task_id, found, lambda kv, rec:
+                                        plan_for(kv, rec, agent))
+            kv, rec = need_entry(found, req.task_id, req.file_id)
+            if rec.state != PENDING:
+                cls = AlreadyClaimed if rec.state == WRITING else IllegalTransition
+                raise cls(
+                    f"entry {rec.file_id!r} is {rec.state}, not pending",
+                    task_id=rec.task_id, file_id=rec.file_id, state=rec.state,
+                )
+            if not await self._deps_ready(rec):
+                raise IllegalTransition(
+                    f"entry {rec.file_id!r} waits for its dependencies {rec.depends_on}",
+                    task_id=rec.task_id, file_id=rec.file_id,
+                )
+            return plan_for(kv, rec, agent)
 
         def replay(raw: bytes, rev: int) -> pb.ClaimResponse:
             resp = pb.ClaimResponse.FromString(raw)
@@ -93,49 +114,53 @@ class Producers:
         return await self.core.apply(planner, req.request_id, replay)
 
     async def _next(
-        self, task_id: str, plan_for: Callable[[KV, EntryRecord], Plan[pb.ClaimResponse]]
+        self,
+        task_id: str,
+        page: list[KV],
+        plan_for: Callable[[KV, EntryRecord], Plan[pb.ClaimResponse]],
     ) -> Plan[pb.ClaimResponse]:
         """Pick a claimable entry from the ready index, never scanning the task.
 
-        Concurrent claimers read the same first page; each tries the page in a
-        random order so they rarely collide on one entry.
+        Concurrent claimers read the same first page; each tries it in a random
+        order so they rarely collide on one entry. Later pages are read only
+        when every entry of a page waits for dependencies.
         """
         prefix = self.keys.ready_all(task_id)
-        start: bytes | None = None
-        saw_any = False
+        moved = False
         while True:
-            kvs, _, more = await self.core.etcd.range(
-                prefix, start=start, limit=PAGE, keys_only=True
-            )
-            order = list(kvs)
+            order = list(page)
             self.core.rng.shuffle(order)
             for ready in order:
-                saw_any = True
                 file_id = ready.key[len(prefix) :].decode()
                 entry_kv = await self.core.etcd.get(self.keys.entry(task_id, file_id))
-                if entry_kv is None:
+                rec = EntryRecord.load(entry_kv.value) if entry_kv else None
+                if entry_kv is None or rec is None or rec.state != PENDING:
+                    moved = True  # taken while we looked
                     continue
-                rec = EntryRecord.load(entry_kv.value)
-                if rec.state != PENDING or not await self._deps_ready(rec):
-                    continue
-                return plan_for(entry_kv, rec)
-            if not more:
+                if await self._deps_ready(rec):
+                    return plan_for(entry_kv, rec)
+            if len(page) < PAGE:
                 break
-            start = kvs[-1].key + b"\0"
-        if saw_any:
-            # Every candidate moved while we looked; look again.
-            raise Retry()
+            page, _, _ = await self.core.etcd.range(
+                prefix, start=page[-1].key + b"\0", limit=PAGE, keys_only=True)
+        if moved:
+            raise Retry()  # every candidate moved while we looked; look again
         raise NothingToClaim(f"nothing to claim in task {task_id!r}", task_id=task_id)
 
     # commit and fail -------------------------------------------------------------
 
-    async def _live_claim(self, task_id: str, file_id: str, token: int) -> tuple[KV, EntryRecord]:
+    async def _live_claim(
+        self, reads: Reads, task_id: str, file_id: str, token: int
+    ) -> tuple[KV, EntryRecord]:
         """The entry, if ``token`` is the live producer claim on it."""
         check_id("task_id", task_id)
         check_id("file_id", file_id)
-        kv, rec = await self.core.entry(task_id, file_id)
-        claim = await self.core.etcd.get(self.keys.claim(ClaimRef("p", task_id, file_id)))
-        if token <= 0 or claim is None or claim.create_revision != token:
+        found, claims = await reads.read(
+            Get(self.keys.entry(task_id, file_id)),
+            Get(self.keys.claim(ClaimRef("p", task_id, file_id))),
+        )
+        kv, rec = need_entry(found, task_id, file_id)
+        if token <= 0 or not claims or claims[0].create_revision != token:
             raise StaleToken(
                 f"token {token} is not the live claim on {task_id}/{file_id} "
                 "(the claim was lost, superseded or already finished)",
@@ -161,8 +186,8 @@ class Producers:
             raise InvalidArgument("digest must be 64 lower-case hex digits (BLAKE3)")
         staging = self.core.staging_dir(req.task_id)
 
-        async def planner() -> Plan[pb.Entry]:
-            kv, rec = await self._live_claim(req.task_id, req.file_id, req.token)
+        async def planner(reads: Reads) -> Plan[pb.Entry]:
+            kv, rec = await self._live_claim(reads, req.task_id, req.file_id, req.token)
             if rec.expected_size and req.size != rec.expected_size:
                 raise InvalidArgument(
                     f"size {req.size} differs from the manifest's expected_size "
@@ -188,8 +213,8 @@ class Producers:
     async def fail(self, req: pb.FailRequest) -> pb.Entry:
         staging = self.core.staging_dir(req.task_id)
 
-        async def planner() -> Plan[pb.Entry]:
-            kv, rec = await self._live_claim(req.task_id, req.file_id, req.token)
+        async def planner(reads: Reads) -> Plan[pb.Entry]:
+            kv, rec = await self._live_claim(reads, req.task_id, req.file_id, req.token)
             compares, ops = self._finish_claim(kv, rec, req.token)
             self.core.retry_or_dead(rec, f"producer failed: {req.reason or 'no reason given'}",
                                     ops)
@@ -237,8 +262,9 @@ class Producers:
         reason = f"{kinds[req.kind]}: {req.reason or 'no reason given'}"
         staging = self.core.staging_dir(req.task_id)
 
-        async def planner() -> Plan[pb.Entry]:
-            kv, rec = await self.core.entry(req.task_id, req.file_id)
+        async def planner(reads: Reads) -> Plan[pb.Entry]:
+            (found,) = await reads.read(Get(self.keys.entry(req.task_id, req.file_id)))
+            kv, rec = need_entry(found, req.task_id, req.file_id)
             ops: list[TxnOp] = []
             if rec.state == WRITTEN:
                 self.core.retry_or_dead(rec, reason, ops)
@@ -261,8 +287,9 @@ class Producers:
             raise InvalidArgument("a report needs size ≥ 0 and a 64-hex-digit BLAKE3 digest")
         staging = self.core.staging_dir(req.task_id)
 
-        async def planner() -> Plan[pb.Entry]:
-            kv, rec = await self.core.entry(req.task_id, req.file_id)
+        async def planner(reads: Reads) -> Plan[pb.Entry]:
+            (found,) = await reads.read(Get(self.keys.entry(req.task_id, req.file_id)))
+            kv, rec = need_entry(found, req.task_id, req.file_id)
             ops: list[TxnOp] = []
             if rec.state in (PENDING, WRITING):
                 rec.observed = {

@@ -291,3 +291,19 @@ def test_problem_reports_take_the_retry_path(client: Client, kind: int) -> None:
             assert "unreadable three times" in entry.error
         with pytest.raises(errors.InvalidArgument):
             client.report_problem("t1", "f0", 0, "no kind")
+
+
+def test_claim_next_waits_for_dependencies(client: Client) -> None:
+    """An entry is handed out only once its dependencies are verified."""
+    client.create_task({"task_id": "t1", "entries": [
+        {"file_id": "a", "path": "a"}, {"file_id": "b", "path": "b", "depends_on": ["a"]}]})
+    with client.open_session("p", ttl=10) as s:
+        first = client.claim("t1", session=s)
+        assert first.file_id == "a"
+        with pytest.raises(errors.NothingToClaim):
+            client.claim("t1", session=s)
+        with pytest.raises(errors.IllegalTransition, match="dependencies"):
+            client.claim("t1", "b", session=s)
+        client.commit("t1", "a", first.token, 1, digest(b"x"))
+        client.report("t1", "a", 1, digest(b"x"))
+        assert client.claim("t1", session=s).file_id == "b"
