@@ -39,6 +39,40 @@ def agent(address: str, task: str, n: int, start: float, out: mp.Queue) -> None:
     out.put(latencies)
 
 
+def raw_etcd(endpoint: str, n: int, ops: int, start: float, out: mp.Queue) -> None:  # type: ignore[type-arg]
+    """The limit: one create-only etcd transaction per op, same client library."""
+    import asyncio
+
+    from registry._etcd import Etcd, Put, absent
+
+    async def go() -> None:
+        etcd = Etcd(endpoint)
+        await etcd.connect()
+        await asyncio.sleep(max(0.0, start - time.time()))
+        for i in range(ops):
+            key = f"/bench-raw/{n}/{i}".encode()
+            await etcd.txn([absent(key)], [Put(key, b"x")])
+        await etcd.close()
+
+    asyncio.run(go())
+    out.put(ops)
+
+
+def raw_rate(endpoint: str, agents: int, total: int) -> float:
+    out: mp.Queue = mp.Queue()  # type: ignore[type-arg]
+    start = time.time() + 2.0
+    per = max(total // agents, 1)
+    procs = [mp.Process(target=raw_etcd, args=(endpoint, n, per, start, out))
+             for n in range(agents)]
+    for p in procs:
+        p.start()
+    done = sum(out.get(timeout=600) for _ in procs)
+    elapsed = time.time() - start
+    for p in procs:
+        p.join()
+    return done / elapsed
+
+
 def run(agents: int, entries: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -66,6 +100,7 @@ def run(agents: int, entries: int) -> dict[str, float]:
             elapsed = time.time() - start
             for p in procs:
                 p.join()
+            raw = raw_rate(etcd.endpoint, agents, entries)
         finally:
             reg.terminate()
             reg.wait()
@@ -77,6 +112,7 @@ def run(agents: int, entries: int) -> dict[str, float]:
         "cycles_per_s": len(lat) / elapsed,
         "claim_p50_ms": 1000 * statistics.median(lat),
         "claim_p99_ms": 1000 * lat[int(0.99 * (len(lat) - 1))],
+        "raw_txn_per_s": raw,
     }
 
 
@@ -89,7 +125,9 @@ def main() -> None:
         r = run(n, args.entries)
         print(f"agents={r['agents']:3d} cycles={r['cycles']} "
               f"claim+commit/s={r['cycles_per_s']:.0f} "
-              f"claim p50={r['claim_p50_ms']:.1f}ms p99={r['claim_p99_ms']:.1f}ms", flush=True)
+              f"claim p50={r['claim_p50_ms']:.1f}ms p99={r['claim_p99_ms']:.1f}ms "
+              f"raw-etcd-txn/s={r['raw_txn_per_s']:.0f} "
+              f"ratio={r['cycles_per_s'] / r['raw_txn_per_s']:.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -99,7 +99,8 @@ class EntryRecord:
 
     def dump(self) -> bytes:
         self.updated_at = now()
-        return json.dumps(asdict(self), separators=(",", ":"), sort_keys=True).encode()
+        # Every field is already a JSON value: skip asdict()'s deep copy (hot path).
+        return json.dumps(vars(self), separators=(",", ":"), sort_keys=True).encode()
 
     def observation(self) -> Observation | None:
         return Observation(**self.observed) if self.observed else None

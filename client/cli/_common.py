@@ -1,0 +1,238 @@
+"""Shared pieces of the CLI: settings, options, errors and rendering."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO, TypeVar, cast
+
+import blake3
+import click
+import rich.progress
+from google.protobuf import json_format
+from google.protobuf.message import Message
+from rich.console import Console
+from rich.table import Table
+
+from .. import errors
+from .._client import Client, RetryPolicy, Session
+from ..v1 import baton_pb2 as pb
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: files at least this large get a progress bar (when stderr is a terminal)
+PROGRESS_MIN_BYTES = 8 << 20
+#: files at least this large are hashed with every core
+PARALLEL_HASH_MIN_BYTES = 16 << 20
+CHUNK = 4 << 20
+DIGEST_PREFIX = 12
+STATES = ("pending", "writing", "written", "verified", "consumed", "dead")
+
+
+# --- settings, errors, rendering helpers ------------------------------------------
+
+
+@dataclass
+class Settings:
+    """The group's options; the client is made on first use and closed at exit."""
+
+    registry: str
+    timeout: float
+    _client: Client | None = field(default=None, repr=False)
+
+    def client(self) -> Client:
+        if self._client is None:
+            # Retries of UNAVAILABLE stop at --timeout too: an unreachable registry
+            # must not hold a script for the library's default 30 s.
+            retry = RetryPolicy(deadline=self.timeout)
+            self._client = Client(self.registry, timeout=self.timeout, retry=retry)
+        return self._client
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+
+
+pass_settings = click.make_pass_decorator(Settings)
+
+
+class BatonGroup(click.Group):
+    """A group that turns expected errors into one stderr line and an exit status."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except errors.BatonError as e:
+            message = _one_line(e)
+            settings = ctx.find_object(Settings)
+            if isinstance(e, errors.Unavailable) and settings is not None:
+                message = f"registry {settings.registry} unavailable: {message}"
+            _fail(ctx, message, e.exit_code)
+        except BrokenPipeError:
+            # The reader of our stdout went away (`baton watch | head`): stop quietly,
+            # and keep Python from complaining while it flushes stdout at exit.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            ctx.exit(1)
+        except OSError as e:
+            _fail(ctx, str(e), 1)
+
+
+def _one_line(e: errors.BatonError) -> str:
+    lines = e.message.strip().splitlines() or [type(e).__name__]
+    log_path = getattr(e, "log_path", None)
+    if len(lines) > 1 and log_path:
+        return f"{lines[0]} (see {log_path})"
+    return lines[0]
+
+
+def _fail(ctx: click.Context, message: str, code: int) -> None:
+    click.echo(f"baton: {message}", err=True)
+    ctx.exit(code)
+
+
+def default_agent() -> str:
+    """``hostname-pid``, reduced to the characters an agent name may hold."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", f"{socket.gethostname()}-{os.getpid()}")
+    return name.lstrip("._-")[:128] or f"agent-{os.getpid()}"
+
+
+def parse_session_id(ctx: click.Context, param: click.Parameter, value: str) -> int:
+    """A session (etcd lease) id: decimal as ``claim`` prints it, or ``0x``-hex as logged."""
+    text = value.strip().lower()
+    try:
+        number = int(text, 16) if text.startswith("0x") else int(text, 10)
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a session id (decimal, or hex with 0x)",
+                                 ctx, param) from None
+    if number <= 0:
+        raise click.BadParameter(f"{value!r} is not a session id (must be positive)", ctx, param)
+    return number
+
+
+def output_option(f: F) -> F:
+    return click.option(
+        "-o", "--output", type=click.Choice(["table", "json"]), default="table",
+        show_default=True, help="table: for people; json: for scripts",
+    )(f)  # fmt: skip
+
+
+def agent_option(f: F) -> F:
+    return click.option(
+        "--agent", envvar="BATON_AGENT", show_envvar=True, default=default_agent,
+        show_default="HOSTNAME-PID", help="agent name recorded as the owner",
+    )(f)  # fmt: skip
+
+
+def ttl_option(f: F) -> F:
+    return click.option(
+        "--ttl", type=click.IntRange(2, 3600), default=60, show_default=True,
+        help="seconds the session (and its claim) lives unless kept alive",
+    )(f)  # fmt: skip
+
+
+def as_dict(msg: Message) -> dict[str, Any]:
+    """A message as JSON-ready data: proto field names, every field, numbers as numbers."""
+    return json_format.MessageToDict(
+        msg,
+        preserving_proto_field_name=True,
+        always_print_fields_with_no_presence=True,
+        unquote_int64_if_possible=True,
+    )
+
+
+def emit_json(data: Any) -> None:
+    click.echo(json.dumps(data))
+
+
+def emit_table(table: Table) -> None:
+    Console(soft_wrap=False).print(table)
+
+
+def err_console() -> Console:
+    return Console(stderr=True)
+
+
+def state_name(state: int) -> str:
+    return pb.EntryState.Name(cast(Any, state)).lower()
+
+
+def status_name(status: int) -> str:
+    return pb.TaskStatus.Name(cast(Any, status)).removeprefix("TASK_").lower()
+
+
+def session_json(session_id: int) -> str:
+    # A string, as ProtoJSON writes int64: lease ids exceed 2**53 and jq 1.6 would
+    # round them to a different, dead lease.
+    return str(session_id)
+
+
+def entry_summary(entry: pb.Entry) -> str:
+    text = f"{entry.task_id}/{entry.file_id}: {state_name(entry.state)}"
+    if entry.state in (pb.PENDING, pb.DEAD) and entry.retry_count:
+        text += f" (retry {entry.retry_count}/{entry.max_retries})"
+    if entry.state in (pb.WRITTEN, pb.VERIFIED, pb.CONSUMED):
+        text += f", {entry.size} bytes"
+    if entry.consumed_by:
+        text += f", acked by {', '.join(entry.consumed_by)}"
+    if entry.error and entry.state in (pb.PENDING, pb.DEAD):
+        text += f"; last error: {entry.error}"
+    return text
+
+
+def emit_entry(entry: pb.Entry, output: str) -> None:
+    if output == "json":
+        emit_json(as_dict(entry))
+    else:
+        click.echo(entry_summary(entry))
+
+
+@contextmanager
+def progress_reader(f: BinaryIO, total: int, description: str) -> Iterator[BinaryIO]:
+    """``f``, with a progress bar on stderr for large reads in a terminal."""
+    console = err_console()
+    if total < PROGRESS_MIN_BYTES or not console.is_terminal:
+        yield f
+        return
+    with rich.progress.wrap_file(f, total, description=description, console=console,
+                                 transient=True) as wrapped:
+        yield wrapped
+
+
+def hash_file(path: Path) -> tuple[int, str]:
+    """Size and BLAKE3 hex digest of what was read from ``path``."""
+    total = path.stat().st_size
+    threads = blake3.blake3.AUTO if total >= PARALLEL_HASH_MIN_BYTES else 1
+    digest, size = blake3.blake3(max_threads=threads), 0
+    with path.open("rb") as f, progress_reader(f, total, f"hashing {path.name}") as src:
+        while chunk := src.read(CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+    return size, digest.hexdigest()
+
+
+def close_quietly(client: Client, session: Session) -> None:
+    """Revoke a session whose claim failed; the command's own error is what matters."""
+    with suppress(errors.BatonError):
+        client.close_session(session.session_id)
+
+
+def session_line(session: Session) -> str:
+    return (f"session  {session.session_id}  (ttl {session.ttl} s; extend with "
+            f"`baton keepalive {session.session_id}`)")
+
+
+# --- the group ------------------------------------------------------------------
+
+
+EXIT_STATUS = ("Exit status: 0 ok, 1 other error, 2 invalid input or usage, 3 nothing to "
+               "claim or consume, 4 refused (stale token, illegal transition, exists, session "
+               "expired), 5 not found, 6 registry unavailable.")
+

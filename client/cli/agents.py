@@ -1,0 +1,278 @@
+"""Agent commands: claim, commit, fail, put, consume, ack, nack, sessions, watch."""
+
+from __future__ import annotations
+
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+
+import click
+
+from ..consumer import next_lease
+from ..producer import put as put_file
+from ..v1 import baton_pb2 as pb
+from ._common import (
+    Settings,
+    agent_option,
+    as_dict,
+    close_quietly,
+    emit_entry,
+    emit_json,
+    err_console,
+    hash_file,
+    output_option,
+    parse_session_id,
+    pass_settings,
+    progress_reader,
+    session_json,
+    session_line,
+    state_name,
+    ttl_option,
+)
+from ._root import cli
+
+
+@cli.command()
+@click.argument("task_id", metavar="TASK")
+@click.argument("file_id", required=False, default="")
+@agent_option
+@ttl_option
+@output_option
+@pass_settings
+def claim(settings: Settings, task_id: str, file_id: str, agent: str, ttl: int,
+          output: str) -> None:
+    """Claim an entry for writing.
+
+    Claims FILE_ID, or the next claimable entry without it, and prints the
+    fencing token and the path to write. The claim outlives this command for
+    --ttl seconds; `baton keepalive SESSION` extends it, `baton release SESSION`
+    gives it up.
+    """
+    client = settings.client()
+    session = client.open_session(agent, ttl, keepalive=False)
+    try:
+        c = client.claim(task_id, file_id, session=session)
+    except BaseException:
+        close_quietly(client, session)
+        raise
+    if output == "json":
+        emit_json({**c.as_dict(), "session": session_json(c.session_id)})
+        return
+    click.echo(f"claimed  {c.task_id}/{c.file_id}  token {c.token}")
+    click.echo(f"path     {c.path}")
+    click.echo(session_line(session))
+
+
+@cli.command()
+@click.argument("task_id", metavar="TASK")
+@click.argument("file_id")
+@click.option("--token", type=int, required=True, help="the claim's fencing token")
+@click.option("--size", type=click.IntRange(min=0), help="bytes written")
+@click.option("--digest", metavar="HEX", help="BLAKE3 hex digest of the bytes written")
+@click.option("--file", "path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="compute --size and --digest from this file")
+@output_option
+@pass_settings
+def commit(settings: Settings, task_id: str, file_id: str, token: int, size: int | None,
+           digest: str | None, path: Path | None, output: str) -> None:
+    """Declare a claimed entry written.
+
+    Give the --size (and BLAKE3 --digest) of what was written, or --file to
+    compute both from the file.
+    """
+    if path is not None and (size is not None or digest):
+        raise click.UsageError("give either --file or --size/--digest, not both")
+    if path is None and size is None:
+        raise click.UsageError("give --size (and --digest), or --file")
+    if path is not None:
+        size, digest = hash_file(path)
+    assert size is not None
+    entry = settings.client().commit(task_id, file_id, token, size, digest or "")
+    emit_entry(entry, output)
+
+
+@cli.command()
+@click.argument("task_id", metavar="TASK")
+@click.argument("file_id")
+@click.option("--token", type=int, required=True, help="the claim's fencing token")
+@click.option("--reason", default="", help="why, kept as the entry's error")
+@output_option
+@pass_settings
+def fail(settings: Settings, task_id: str, file_id: str, token: int, reason: str,
+         output: str) -> None:
+    """Give up a claim; the entry is retried.
+
+    The entry goes back to pending, or to dead once its retries are used up.
+    """
+    emit_entry(settings.client().fail(task_id, file_id, token, reason), output)
+
+
+@cli.command()
+@click.argument("task_id", metavar="TASK")
+@click.argument("file_id")
+@click.argument("src", type=click.Path(exists=True, dir_okay=False, allow_dash=True,
+                                       path_type=Path))
+@agent_option
+@ttl_option
+@output_option
+@pass_settings
+def put(settings: Settings, task_id: str, file_id: str, src: Path, agent: str, ttl: int,
+        output: str) -> None:
+    """Claim, copy SRC in durably, and commit.
+
+    SRC (- reads stdin) is written to a temporary file beside the entry's path,
+    fsynced, renamed into place, and committed with its size and BLAKE3 digest.
+    """
+    client = settings.client()
+    # Unlike `claim`, the session lives only as long as the copy: it is kept alive
+    # while the bytes move and revoked (with nothing left on it) at the end.
+    with client.open_session(agent, ttl) as session:
+        if str(src) == "-":
+            entry = put_file(client, session, task_id, file_id, sys.stdin.buffer)
+        else:
+            with src.open("rb") as f, progress_reader(f, src.stat().st_size,
+                                                      f"copying {src.name}") as reader:
+                entry = put_file(client, session, task_id, file_id, reader)
+    emit_entry(entry, output)
+
+
+# --- consumers -------------------------------------------------------------------
+
+
+@cli.command()
+@click.argument("task_id", metavar="TASK")
+@click.argument("file_id", required=False, default="")
+@click.option("-g", "--group", default="default", show_default=True, help="consumer group")
+@agent_option
+@ttl_option
+@click.option("--wait", type=click.FloatRange(min=0), metavar="SECONDS",
+              help="wait this long for an entry to be verified (not with FILE_ID)")
+@output_option
+@pass_settings
+def consume(settings: Settings, task_id: str, file_id: str, group: str, agent: str, ttl: int,
+            wait: float | None, output: str) -> None:
+    """Take a verified entry for a consumer group.
+
+    Takes FILE_ID, or the next verified entry without it, and prints the token,
+    the path to read and its size and digest. Like `claim`, the hold outlives
+    this command for --ttl seconds.
+    """
+    if wait is not None and file_id:
+        raise click.UsageError("--wait takes the next verified entry; leave out FILE_ID")
+    client = settings.client()
+    # While waiting, a keepalive thread stops the session expiring under us.
+    session = client.open_session(agent, ttl, keepalive=wait is not None)
+    try:
+        if wait is None:
+            lease = client.consume(task_id, group, file_id, session=session)
+        else:
+            console = err_console()
+            with console.status(f"waiting up to {wait:g} s for a verified entry of {task_id}",
+                                spinner="dots") if console.is_terminal else nullcontext():
+                lease = next_lease(client, session, task_id, group, timeout=wait)
+            session.close(revoke=False)
+            client.keepalive(session.session_id)  # the full --ttl from now on
+    except BaseException:
+        session.close(revoke=False)
+        close_quietly(client, session)
+        raise
+    if output == "json":
+        emit_json({**lease.as_dict(), "session": session_json(lease.session_id)})
+        return
+    click.echo(f"consumed {lease.task_id}/{lease.file_id}  group {lease.group}  "
+               f"token {lease.token}")
+    click.echo(f"path     {lease.path}")
+    click.echo(f"size     {lease.size}")
+    click.echo(f"digest   {lease.digest}")
+    click.echo(session_line(session))
+
+
+@cli.command()
+@click.argument("task_id", metavar="TASK")
+@click.argument("file_id")
+@click.option("-g", "--group", default="default", show_default=True, help="consumer group")
+@click.option("--token", type=int, required=True, help="the consume token")
+@output_option
+@pass_settings
+def ack(settings: Settings, task_id: str, file_id: str, group: str, token: int,
+        output: str) -> None:
+    """Mark an entry done for a group.
+
+    The entry is consumed once every one of its groups has acked.
+    """
+    emit_entry(settings.client().ack(task_id, file_id, group, token), output)
+
+
+@cli.command()
+@click.argument("task_id", metavar="TASK")
+@click.argument("file_id")
+@click.option("-g", "--group", default="default", show_default=True, help="consumer group")
+@click.option("--token", type=int, required=True, help="the consume token")
+@click.option("--reason", default="", help="why")
+@output_option
+@pass_settings
+def nack(settings: Settings, task_id: str, file_id: str, group: str, token: int, reason: str,
+         output: str) -> None:
+    """Hand an entry back to its group."""
+    emit_entry(settings.client().nack(task_id, file_id, group, token, reason), output)
+
+
+# --- sessions and events ----------------------------------------------------------
+
+
+@cli.command()
+@click.argument("session_id", callback=parse_session_id)
+@output_option
+@pass_settings
+def keepalive(settings: Settings, session_id: int, output: str) -> None:
+    """Refresh a session once; prints its TTL.
+
+    The session's claims live another TTL from now.
+    """
+    ttl = settings.client().keepalive(session_id)
+    if output == "json":
+        emit_json({"session": session_json(session_id), "ttl": ttl})
+    else:
+        click.echo(f"session {session_id}: ttl {ttl} s")
+
+
+@cli.command()
+@click.argument("session_id", callback=parse_session_id)
+@pass_settings
+def release(settings: Settings, session_id: int) -> None:
+    """Close a session; its claims die now."""
+    settings.client().close_session(session_id)
+    click.echo(f"session {session_id} released")
+
+
+@cli.command()
+@click.argument("task_id", metavar="TASK")
+@click.option("--from-revision", type=click.IntRange(min=-1), default=-1, show_default=True,
+              metavar="N", help="-1: changes from now; 0: every entry first, then changes; "
+                                "N: changes since revision N")
+@output_option
+@pass_settings
+def watch(settings: Settings, task_id: str, from_revision: int, output: str) -> None:
+    """Print a task's entry changes until Ctrl-C.
+
+    One line per event: time, file_id, state, revision (-o json: one JSON
+    object per line, including the SYNCED marker).
+    """
+    events = settings.client().watch(task_id, start_revision=from_revision)
+    try:
+        for ev in events:
+            if output == "json":
+                emit_json(as_dict(ev))
+            elif ev.kind == pb.TaskEvent.SYNCED:
+                click.echo(f"watching {task_id} after revision {ev.revision}; Ctrl-C stops",
+                           err=True)
+            else:
+                e = ev.entry
+                click.echo(f"{e.updated_at}  {e.file_id}  {state_name(e.state)}  "
+                           f"{ev.revision}")
+    except KeyboardInterrupt:
+        pass
+    finally:
+        events.close()
+
+
