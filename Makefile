@@ -21,4 +21,4 @@ lint: install
 	$(BIN)/mypy
 
 up: install
-	$(BIN)/baton up
+	$(BIN)/baton up --demo

@@ -529,3 +529,43 @@ def test_up_serves_a_registry_until_ctrl_c(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_up_restarted_on_the_same_data_dir_keeps_every_task_and_entry(tmp_path: Path) -> None:
+    """Stopping `baton up` with SIGTERM and starting it again loses nothing."""
+    registry_port, etcd_port = free_port(), free_port()
+    argv = [sys.executable, "-m", "client.cli", "up", "--data-dir", str(tmp_path / "data"),
+            "--etcd-port", str(etcd_port), "--registry-port", str(registry_port)]
+    up = Address(f"127.0.0.1:{registry_port}")
+
+    def start() -> subprocess.Popen[str]:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=cli_env(up.address))
+        Lines(proc).until(lambda line: line.startswith("ready"), timeout=45)
+        return proc
+
+    proc = start()
+    try:
+        create(up, TWO)
+        assert run(up, "put", "t1", "a", "-", stdin="kept\n").returncode == 0
+        claim = ok_json(run(up, "claim", "t1", "b", "--ttl", "600", "-o", "json"))
+        # The stack's watcher verifies `a`; let it finish so nothing moves meanwhile.
+        with Client(up.address) as c:
+            deadline = time.monotonic() + 30
+            while c.get_entry("t1", "a").state != pb.VERIFIED:
+                assert time.monotonic() < deadline, "the watcher did not verify a"
+                time.sleep(0.05)
+        before = ok_json(run(up, "status", "t1", "-o", "json"))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=SUBPROCESS_TIMEOUT) == 0
+        proc = start()
+        assert ok_json(run(up, "status", "t1", "-o", "json")) == before
+        # The claim made before the restart is still live: its token commits.
+        done = run(up, "commit", "t1", "b", "--token", str(claim["token"]), "--size", "0")
+        assert done.returncode == 0, done.stderr
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=SUBPROCESS_TIMEOUT) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

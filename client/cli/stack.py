@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import click
 
+from .. import errors
+from .._client import Client, RetryPolicy
+from ..demo import DemoResult, run_demo
 from ..embedded import UpOptions, default_data_dir, default_staging, run_up
+from ._common import Settings, pass_settings
 from ._root import cli
 
 
@@ -20,9 +25,11 @@ from ._root import cli
 @click.option("--registry-port", type=click.IntRange(1, 65535),
               default=UpOptions.registry_port, show_default=True,
               help="registry gRPC port on 127.0.0.1")
+@click.option("--demo", is_flag=True,
+              help="once the stack is up, run the demo pipeline against it")
 @click.pass_context
 def up(ctx: click.Context, data_dir: Path | None, staging: Path | None, etcd_port: int,
-       registry_port: int) -> None:
+       registry_port: int, demo: bool) -> None:
     """Run a local Baton stack until Ctrl-C.
 
     A private single-member etcd in DATA_DIR, a registry serving the staging
@@ -32,7 +39,49 @@ def up(ctx: click.Context, data_dir: Path | None, staging: Path | None, etcd_por
     data_dir = data_dir or default_data_dir()
     opts = UpOptions(data_dir=data_dir, staging=staging or default_staging(data_dir),
                      etcd_port=etcd_port, registry_port=registry_port)
+    if demo:
+        address = f"127.0.0.1:{registry_port}"
+        threading.Thread(target=_demo_when_ready, args=(address,), daemon=True).start()
     ctx.exit(run_up(opts, out=click.echo))
+
+
+def _demo_when_ready(address: str) -> None:
+    # The stack prints its own progress; the demo waits for the registry by
+    # retrying its first call, then runs next to it.
+    with Client(address, retry=RetryPolicy(attempts=1000, cap=0.5, deadline=60)) as client:
+        try:
+            client.list_tasks()
+            _report(run_demo(client))
+        except errors.BatonError as e:
+            click.echo(f"demo: {e}", err=True)
+
+
+def _report(result: DemoResult) -> None:
+    click.echo(f"demo: {result.consumed}/{result.files} files handed from producers to "
+               f"consumers in {result.seconds:.1f}s (task {result.task_id})", err=True)
+    for problem in result.problems:
+        click.echo(f"demo: {problem}", err=True)
+
+
+@cli.command()
+@click.option("--files", type=click.IntRange(1, 10_000), default=24, show_default=True)
+@click.option("--producers", type=click.IntRange(1, 64), default=3, show_default=True)
+@click.option("--consumers", type=click.IntRange(1, 64), default=2, show_default=True)
+@click.option("--timeout", "limit", type=click.FloatRange(min=1), default=60, show_default=True,
+              help="seconds to wait for every file to be consumed")
+@pass_settings
+def demo(settings: Settings, files: int, producers: int, consumers: int, limit: float) -> None:
+    """Run a live producer → consumer pipeline against the registry.
+
+    Creates a task of FILES entries; producer agents write them, the watcher
+    verifies them, consumer agents read and ack them. Exit 0 when all were
+    handed over, 1 otherwise.
+    """
+    result = run_demo(settings.client(), files=files, producers=producers,
+                      consumers=consumers, timeout=limit)
+    _report(result)
+    if result.problems:
+        raise SystemExit(1)
 
 
 # --- tasks ----------------------------------------------------------------------
