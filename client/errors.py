@@ -99,6 +99,13 @@ class TaskNotActive(BatonError):
     exit_code = 4
 
 
+class SlotsExhausted(BatonError):
+    """The agent session already holds as many claims as its slot limit allows."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    exit_code = 3
+
+
 class ChecksumMismatch(BatonError):
     """Bytes read do not match the verified digest (raised client-side by consumers)."""
 
@@ -139,6 +146,7 @@ _BY_NAME: dict[str, type[BatonError]] = {
         StaleToken,
         SessionExpired,
         TaskNotActive,
+        SlotsExhausted,
         ChecksumMismatch,
         Conflict,
         Unavailable,
@@ -156,6 +164,7 @@ _BY_CODE: dict[grpc.StatusCode, type[BatonError]] = {
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: Unavailable,
     grpc.StatusCode.DATA_LOSS: ChecksumMismatch,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: SlotsExhausted,
 }
 
 

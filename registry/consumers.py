@@ -17,6 +17,8 @@ from .core import (
     need_entry,
     need_session,
     need_task,
+    release_slot,
+    take_slot,
 )
 from .keys import ClaimRef
 from .manifest import check_id
@@ -39,12 +41,15 @@ class Consumers:
         agent_key = self.keys.agent(req.session_id)
         staging = self.core.staging_dir(req.task_id)
 
-        def plan_for(kv: KV, rec: EntryRecord, agent: str) -> Plan[pb.ConsumeResponse]:
+        def plan_for(kv: KV, rec: EntryRecord, session: KV, slots: list[KV],
+                     agent: str) -> Plan[pb.ConsumeResponse]:
             ref = ClaimRef("c", rec.task_id, rec.file_id, req.group)
             cready = self.keys.cready(rec.task_id, req.group, rec.file_id)
-            value = claim_value(agent, req.session_id)
             compares = [unchanged(kv), present(cready), present(agent_key)]
-            ops: list[TxnOp] = [
+            ops: list[TxnOp] = []
+            slot = take_slot(self.core, session, slots, compares, ops)
+            value = claim_value(agent, req.session_id, slot)
+            ops += [
                 Delete(cready),
                 Put(self.keys.claim(ref), value, lease=req.session_id),
                 Put(self.keys.inflight(ref), value),
@@ -70,10 +75,12 @@ class Consumers:
                            Get(self.keys.cready(req.task_id, req.group, req.file_id))]
             else:
                 targets = [Get(prefix, prefix=True, limit=PAGE, keys_only=True)]
-            task_kvs, agent_kvs, *found = await reads.read(
-                Get(self.keys.task(req.task_id)), Get(agent_key), *targets)
+            task_kvs, agent_kvs, slots, *found = await reads.read(
+                Get(self.keys.task(req.task_id)), Get(agent_key),
+                Get(self.keys.slots(req.session_id), prefix=True), *targets)
             need_task(task_kvs, req.task_id)
             agent = need_session(agent_kvs, req.session_id)
+            session = agent_kvs[0]
             if req.file_id:
                 kv, rec = need_entry(found[0], req.task_id, req.file_id)
                 if req.group not in rec.consumers:
@@ -87,7 +94,7 @@ class Consumers:
                         f"{req.group!r} (consumed by {rec.consumed_by}, or held by another "
                         "agent)", task_id=rec.task_id, file_id=rec.file_id, state=rec.state,
                     )
-                return plan_for(kv, rec, agent)
+                return plan_for(kv, rec, session, slots, agent)
             page = found[0]
             moved = False
             while True:
@@ -98,7 +105,7 @@ class Consumers:
                     kv_ = await self.core.etcd.get(self.keys.entry(req.task_id, file_id))
                     rec_ = EntryRecord.load(kv_.value) if kv_ else None
                     if kv_ is not None and rec_ is not None and consumable(rec_):
-                        return plan_for(kv_, rec_, agent)
+                        return plan_for(kv_, rec_, session, slots, agent)
                     moved = True
                 if len(page) < PAGE:
                     break
@@ -136,13 +143,14 @@ class Consumers:
             )
         compares = [unchanged(kv), created_at(claim_key, token)]
         ops: list[TxnOp] = [Delete(claim_key), Delete(self.keys.inflight(ref))]
+        release_slot(self.core, claims[0], ops)
         return kv, rec, compares, ops
 
     async def ack(self, req: pb.AckRequest) -> pb.Entry:
         staging = self.core.staging_dir(req.task_id)
 
         async def planner(reads: Reads) -> Plan[pb.Entry]:
-            kv, rec, compares, ops = await self._live(
+            _kv, rec, compares, ops = await self._live(
                 reads, req.task_id, req.file_id, req.group, req.token)
             if rec.state != VERIFIED:
                 raise IllegalTransition(
@@ -155,7 +163,7 @@ class Consumers:
             rec.remember("acked", group=req.group, token=req.token)
             if all(g in rec.consumed_by for g in rec.consumers):
                 rec.state = CONSUMED
-            ops.insert(0, Put(kv.key, rec.dump()))
+            self.core.put_entry(rec, ops)
             return Plan(compares, ops, lambda rev: rec.to_pb(staging, revision=rev))
 
         return await self.core.apply(planner, req.request_id, entry_replay)
@@ -164,10 +172,10 @@ class Consumers:
         staging = self.core.staging_dir(req.task_id)
 
         async def planner(reads: Reads) -> Plan[pb.Entry]:
-            kv, rec, compares, ops = await self._live(
+            _kv, rec, compares, ops = await self._live(
                 reads, req.task_id, req.file_id, req.group, req.token)
-            rec.remember("nacked", group=req.group, reason=req.reason)
-            ops.insert(0, Put(kv.key, rec.dump()))
+            rec.remember("nacked", group=req.group, token=req.token, reason=req.reason)
+            self.core.put_entry(rec, ops)
             if rec.state == VERIFIED:
                 ops.append(Put(self.keys.cready(rec.task_id, req.group, rec.file_id), b""))
             return Plan(compares, ops, lambda rev: rec.to_pb(staging, revision=rev))

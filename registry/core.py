@@ -20,12 +20,19 @@ from typing import Generic, TypeVar
 
 from google.protobuf.message import Message
 
-from client.errors import Conflict, InvalidArgument, NotFound, SessionExpired, TaskNotActive
+from client.errors import (
+    Conflict,
+    InvalidArgument,
+    NotFound,
+    SessionExpired,
+    SlotsExhausted,
+    TaskNotActive,
+)
 from client.v1 import baton_pb2 as pb
 
-from ._etcd import KV, Compare, Etcd, Get, Put, TxnOp, TxnResult, absent
+from ._etcd import KV, Compare, Delete, Etcd, Get, Put, TxnOp, TxnResult, absent
 from .keys import Keys
-from .model import DEAD, PENDING, EntryRecord, TaskRecord
+from .model import CONSUMED, DEAD, PENDING, VERIFIED, EntryRecord, TaskRecord
 
 log = logging.getLogger("baton.registry")
 
@@ -45,6 +52,8 @@ class Plan(Generic[M]):
     ops: list[TxnOp]
     #: builds the reply from the revision the transaction commits at
     reply: Callable[[int], M]
+    #: runs once the transaction applied (e.g. to wake the scheduler)
+    applied: Callable[[], None] | None = None
 
 
 class Retry(Exception):
@@ -92,12 +101,17 @@ class Core:
         staging_root: str,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         rng: random.Random | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.etcd = etcd
         self.keys = keys
         self.staging_root = staging_root.rstrip("/") or "/"
         self.sleep = sleep
         self.rng = rng or random.Random()
+        #: wall clock (UTC epoch seconds) for backoff and ordering; leases use etcd's
+        self.clock = clock
+        #: entries that just became verified, for the scheduler (dependents, assemblies)
+        self.verified: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
         self._request_lease = 0
         self._request_lease_until = 0.0
         self._lease_lock = asyncio.Lock()
@@ -170,6 +184,8 @@ class Core:
                 ops.append(Put(req_key, plan.reply(0).SerializeToString(), lease=lease))
             result = await self.etcd.txn(compares, ops)
             if result.succeeded:
+                if plan.applied is not None:
+                    plan.applied()
                 return plan.reply(result.revision)
             await self._backoff(attempt)
         raise Conflict("gave up after repeated concurrent changes; retry the call")
@@ -184,9 +200,9 @@ class Core:
     # the retry path --------------------------------------------------------
 
     def retry_or_dead(self, rec: EntryRecord, reason: str, ops: list[TxnOp]) -> None:
-        """Send an entry back to ``pending`` (retry_count + 1) or to ``dead``.
+        """Send an entry back to ``pending`` (retry_count + 1, after a backoff) or ``dead``.
 
-        Appends the index write to ``ops``; the caller's transaction applies it.
+        The caller's ``put_entry`` writes it, with its index and journal.
         """
         rec.remember("failed", reason=reason, owner=rec.owner, attempt=rec.retry_count)
         rec.error = reason
@@ -195,15 +211,66 @@ class Core:
         if rec.retry_count < rec.max_retries:
             rec.retry_count += 1
             rec.state = PENDING
-            ops.append(Put(self.keys.ready(rec.task_id, rec.file_id), b""))
+            base, factor, cap = rec.backoff
+            delay = min(cap, base * factor ** (rec.retry_count - 1))
+            # Jitter spreads retries of entries that failed together.
+            rec.not_before = self.clock() + delay * (0.5 + 0.5 * self.rng.random())
         else:
             rec.state = DEAD
             log.warning("entry dead: %s/%s after %d retries: %s", rec.task_id, rec.file_id,
                         rec.retry_count, reason)
 
+    def _index_for(self, rec: EntryRecord, t: float) -> str:
+        """The index key a pending entry belongs under ("" when not pending)."""
+        if rec.state != PENDING:
+            return ""
+        if not rec.deps_ok:
+            return self.keys.waiting(rec.task_id, rec.file_id).decode()
+        if rec.not_before > t:
+            return self.keys.delayed(rec.task_id, int(rec.not_before * 1000),
+                                     rec.file_id).decode()
+        if rec.index.startswith(self.keys.ready_all(rec.task_id).decode()):
+            return rec.index
+        # Priority with aging: an entry of priority p counts as enqueued
+        # p * aging seconds earlier, so a waiting low-priority entry
+        # overtakes newer high-priority ones after a while; ties by age.
+        rec.enqueued_at = t
+        order = int((t - rec.priority * rec.aging) * 1000)
+        return self.keys.ready(rec.task_id, order, rec.file_id).decode()
 
-def claim_value(agent: str, session: int) -> bytes:
-    return json.dumps({"agent": agent, "session": session}).encode()
+    def put_entry(self, rec: EntryRecord, ops: list[TxnOp]) -> None:
+        """Write ``rec`` with everything that follows from its state, in ``ops``:
+        its index keys (ready / delayed / waiting, open, dead) and one journal
+        record per event remembered since it was loaded."""
+        was, now_done = rec.from_state, rec.done
+        want = self._index_for(rec, self.clock())
+        if want != rec.index:
+            if rec.index:
+                ops.append(Delete(rec.index.encode()))
+            if want:
+                ops.append(Put(want.encode(), b""))
+            rec.index = want
+        was_done = was is not None and (was in (CONSUMED, DEAD) or (
+            was == VERIFIED and not rec.consumers))
+        if was is None or was_done != now_done:
+            open_key = self.keys.open(rec.task_id, rec.file_id)
+            if not now_done:
+                ops.append(Put(open_key, b""))
+            elif was is not None:
+                ops.append(Delete(open_key))
+        if (was == DEAD) != (rec.state == DEAD):
+            dead_key = self.keys.dead(rec.task_id, rec.file_id)
+            ops.append(Put(dead_key, b"") if rec.state == DEAD else Delete(dead_key))
+        for event in rec.take_events():
+            rec.seq += 1
+            record = {"from": was or "", "to": rec.state, **event}
+            ops.append(Put(self.keys.journal(rec.task_id, rec.file_id, rec.seq),
+                           json.dumps(record, default=str).encode()))
+        ops.append(Put(self.keys.entry(rec.task_id, rec.file_id), rec.dump()))
+
+
+def claim_value(agent: str, session: int, slot: int = -1) -> bytes:
+    return json.dumps({"agent": agent, "session": session, "slot": slot}).encode()
 
 
 def claim_holder(kv: KV | None) -> str:
@@ -240,6 +307,42 @@ def need_session(kvs: list[KV], session_id: int) -> str:
         raise SessionExpired(f"session {session_id:x} has expired or never existed",
                              session_id=session_id)
     return claim_holder(kvs[0]) or "?"
+
+
+def take_slot(core: Core, session_kv: KV, used: list[KV], compares: list[Compare],
+              ops: list[TxnOp]) -> int:
+    """Reserve a free claim slot of the session (-1 when it has no limit).
+
+    Slots are leased keys ``slots/{session}/{n}``, ``n < slots``: taking one is a
+    create-only put in the claim's own transaction, so two concurrent claims
+    can never both take the last slot.
+    """
+    limit = int(json.loads(session_kv.value).get("slots", 0) or 0)
+    if limit <= 0:
+        return -1
+    session_id = session_kv.lease
+    taken = {int(kv.key.rsplit(b"/", 1)[-1]) for kv in used}
+    free = [n for n in range(limit) if n not in taken]
+    if not free:
+        agent = claim_holder(session_kv)
+        raise SlotsExhausted(
+            f"agent {agent} holds {limit} claims already (its slot limit); finish one first",
+            session_id=session_id, slots=limit)
+    n = core.rng.choice(free)
+    key = core.keys.slot(session_id, n)
+    compares.append(absent(key))
+    ops.append(Put(key, b"", lease=session_id))
+    return n
+
+
+def release_slot(core: Core, claim: KV, ops: list[TxnOp]) -> None:
+    """Free the slot a claim holds (its value names it), in the caller's transaction."""
+    try:
+        info = json.loads(claim.value)
+    except ValueError:
+        return
+    if int(info.get("slot", -1)) >= 0 and claim.lease:
+        ops.append(Delete(core.keys.slot(claim.lease, int(info["slot"]))))
 
 
 def check_session_id(session_id: int) -> None:

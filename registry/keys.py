@@ -4,8 +4,16 @@ Layout under the prefix (default ``/baton/v1/``)::
 
     tasks/{task}                       task header (JSON)
     entries/{task}/{file}              one entry per file (JSON)
-    ready/{task}/{file}                index: entry is pending and may be claimed
+    ready/{task}/{order}/{file}        index: pending and claimable; ``order`` sorts
+                                       by priority with aging, then age
+    delayed/{task}/{due}/{file}        index: pending, in retry backoff until ``due``
+    waiting/{task}/{file}              index: pending, waits for dependencies (or an
+                                       assembly for its parts)
     cready/{task}/{group}/{file}       index: entry is verified, group has not consumed it
+    open/{task}/{file}                 index: entry not done yet (task completion)
+    dead/{task}/{file}                 index: entry is dead
+    journal/{task}/{file}/{seq}        one record per transition, same transaction
+    slots/{session}/{n}                leased: one of the session's claim slots
     claims/p/{task}/{file}             leased producer claim   (lease = agent session)
     claims/c/{task}/{group}/{file}     leased consume-claim    (lease = agent session)
     inflight/p/{task}/{file}           durable twin of a claim; same create revision
@@ -64,11 +72,68 @@ class Keys:
         return self._k("entries", task_id, "")
 
     # claimable indexes
-    def ready(self, task_id: str, file_id: str) -> bytes:
-        return self._k("ready", task_id, file_id)
+    def ready(self, task_id: str, order: int, file_id: str) -> bytes:
+        return self._k("ready", task_id, f"{order:015d}", file_id)
 
     def ready_all(self, task_id: str) -> bytes:
         return self._k("ready", task_id, "")
+
+    def delayed(self, task_id: str, due_ms: int, file_id: str) -> bytes:
+        return self._k("delayed", task_id, f"{due_ms:015d}", file_id)
+
+    def delayed_of_task(self, task_id: str) -> bytes:
+        return self._k("delayed", task_id, "")
+
+    def delayed_all(self) -> bytes:
+        return self._k("delayed", "")
+
+    def waiting(self, task_id: str, file_id: str) -> bytes:
+        return self._k("waiting", task_id, file_id)
+
+    def waiting_all(self) -> bytes:
+        return self._k("waiting", "")
+
+    def open(self, task_id: str, file_id: str) -> bytes:
+        return self._k("open", task_id, file_id)
+
+    def open_all(self, task_id: str) -> bytes:
+        return self._k("open", task_id, "")
+
+    def dead(self, task_id: str, file_id: str) -> bytes:
+        return self._k("dead", task_id, file_id)
+
+    def dead_all(self, task_id: str) -> bytes:
+        return self._k("dead", task_id, "")
+
+    def journal(self, task_id: str, file_id: str, seq: int) -> bytes:
+        return self._k("journal", task_id, file_id, f"{seq:08d}")
+
+    def journal_all(self, task_id: str, file_id: str = "") -> bytes:
+        return self._k("journal", task_id, file_id, "") if file_id else self._k(
+            "journal", task_id, "")
+
+    def slot(self, session_id: int, n: int) -> bytes:
+        return self._k("slots", f"{session_id:016x}", f"{n:04d}")
+
+    def slots(self, session_id: int) -> bytes:
+        return self._k("slots", f"{session_id:016x}", "")
+
+    def claims_of_task(self, kind: str, task_id: str) -> bytes:
+        return self._k("claims", kind, task_id, "")
+
+    def inflight_of_task(self, kind: str, task_id: str) -> bytes:
+        return self._k("inflight", kind, task_id, "")
+
+    def cready_of_task(self, task_id: str) -> bytes:
+        return self._k("cready", task_id, "")
+
+    def last_segment(self, key: bytes) -> str:
+        """The id at the end of an index key (the file id)."""
+        return key.rsplit(b"/", 1)[-1].decode()
+
+    def parse_tail(self, key: bytes, base: bytes) -> list[str]:
+        """The segments of ``key`` after ``base``."""
+        return key[len(base):].decode().split("/")
 
     def cready(self, task_id: str, group: str, file_id: str) -> bytes:
         return self._k("cready", task_id, group, file_id)

@@ -9,6 +9,9 @@ Limits (documented in docs/manifest.md):
   and ``MAX_SIZE``; ``expected_digest`` empty or 64 lower-case hex digits
 - at most ``MAX_LABELS`` labels per object, keys ≤ 63 and values ≤ 256 chars
 - ``depends_on`` names entries of the same task, never itself, and no cycles
+- ``priority`` 0..9; ``aging_seconds`` 0..86400; backoff values ≥ 0, cap ≤ 86400
+- ``parts`` name other entries of the task; a part belongs to one assembly only;
+  an assembly has no ``depends_on`` and is not itself a part
 """
 
 from __future__ import annotations
@@ -70,6 +73,9 @@ class ValidTask:
     labels: dict[str, str]
     entries: list[EntryRecord]
     digest: str
+    priority: int = 0
+    backoff: tuple[float, ...] | list[float] = (1.0, 2.0, 60.0)
+    aging: float = 60.0
 
 
 def _labels_problems(where: str, labels: dict[str, str]) -> list[str]:
@@ -171,6 +177,31 @@ def validate(spec: pb.TaskSpec) -> ValidTask:
         cycle = _cycle({e.file_id: list(e.depends_on) for e in spec.entries})
         if cycle:
             problems.append("dependency cycle: " + " -> ".join(cycle))
+    if not 0 <= spec.priority <= 9:
+        problems.append(f"priority {spec.priority} not within 0..9")
+    if not 0 <= spec.aging_seconds <= 86400:
+        problems.append(f"aging_seconds {spec.aging_seconds} not within 0..86400")
+    b = spec.backoff
+    if min(b.base_seconds, b.factor, b.cap_seconds) < 0 or b.cap_seconds > 86400:
+        problems.append("backoff values must be ≥ 0 and cap_seconds ≤ 86400")
+    owner: dict[str, str] = {}
+    for e in spec.entries:
+        if e.HasField("priority") and not 0 <= e.priority <= 9:
+            problems.append(f"entry {e.file_id!r}: priority {e.priority} not within 0..9")
+        if e.parts and e.depends_on:
+            problems.append(f"entry {e.file_id!r}: an assembly cannot have depends_on")
+        for part in e.parts:
+            if part not in ids or part == e.file_id:
+                problems.append(f"entry {e.file_id!r}: part {part!r} is not another entry")
+            elif part in owner:
+                problems.append(f"entry {part!r} is a part of both {owner[part]!r} and "
+                                f"{e.file_id!r}")
+            else:
+                owner[part] = e.file_id
+    assemblies = {e.file_id for e in spec.entries if e.parts}
+    for part, assembly in owner.items():
+        if part in assemblies:
+            problems.append(f"entry {part!r} is an assembly and a part of {assembly!r}")
     if problems:
         shown = problems[:20]
         more = f" (and {len(problems) - 20} more)" if len(problems) > 20 else ""
@@ -179,20 +210,36 @@ def validate(spec: pb.TaskSpec) -> ValidTask:
         )
 
     created = now()
+    backoff = [b.base_seconds or 1.0, b.factor or 2.0, b.cap_seconds or 60.0]
+    aging = spec.aging_seconds or 60.0
+    task_priority = spec.priority
+    dependents: dict[str, list[str]] = {}
+    for e in spec.entries:
+        for dep in e.depends_on:
+            dependents.setdefault(dep, []).append(e.file_id)
     entries = [
         EntryRecord(
             task_id=spec.task_id,
             file_id=e.file_id,
             path=e.path,
-            consumers=list(e.consumers) or groups,
+            # Parts are consumed as their assembly; they have no consumers of their own.
+            consumers=[] if e.file_id in owner else (list(e.consumers) or groups),
             depends_on=list(e.depends_on),
+            dependents=dependents.get(e.file_id, []),
+            parts=list(e.parts),
+            assembly=owner.get(e.file_id, ""),
+            deps_ok=not (e.depends_on or e.parts),
             max_retries=e.max_retries if e.HasField("max_retries") else task_retries,
             expected_size=e.expected_size,
             expected_digest=e.expected_digest,
             labels=dict(e.labels),
+            priority=e.priority if e.HasField("priority") else task_priority,
+            backoff=backoff,
+            aging=aging,
             created_at=created,
         )
         for e in spec.entries
     ]
     digest = hashlib.sha256(spec.SerializeToString(deterministic=True)).hexdigest()
-    return ValidTask(spec.task_id, groups, task_retries, dict(spec.labels), entries, digest)
+    return ValidTask(spec.task_id, groups, task_retries, dict(spec.labels), entries, digest,
+                     task_priority, backoff, aging)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict, dataclass, field, fields
 from datetime import UTC, datetime
 from pathlib import PurePosixPath
@@ -42,6 +43,11 @@ _TASK_STATUS_PB = {
 HISTORY_LIMIT = 20
 
 
+def _iso(epoch: float) -> str:
+    return datetime.fromtimestamp(epoch, UTC).isoformat(timespec="milliseconds").replace(
+        "+00:00", "Z")
+
+
 def now() -> str:
     """UTC timestamp, RFC 3339 with milliseconds: every record uses this form."""
     return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
@@ -75,11 +81,30 @@ class EntryRecord:
     consumers: list[str] = field(default_factory=list)
     consumed_by: list[str] = field(default_factory=list)
     depends_on: list[str] = field(default_factory=list)
+    #: entries of the task that depend on this one (filled in at creation)
+    dependents: list[str] = field(default_factory=list)
+    #: an assembly lists its parts; a part names its assembly
+    parts: list[str] = field(default_factory=list)
+    assembly: str = ""
     max_retries: int = 3
     retry_count: int = 0
     expected_size: int = 0
     expected_digest: str = ""
     labels: dict[str, str] = field(default_factory=dict)
+    priority: int = 0
+    #: retry backoff (base, factor, cap) in seconds, and the aging interval
+    backoff: list[float] = field(default_factory=lambda: [1.0, 2.0, 60.0])
+    aging: float = 60.0
+    #: dependencies (or parts) satisfied; False while the entry waits for them
+    deps_ok: bool = True
+    #: not claimable before this UTC epoch time (retry backoff)
+    not_before: float = 0.0
+    #: when it last became claimable (UTC epoch seconds), for ordering and aging
+    enqueued_at: float = 0.0
+    #: the index key (full etcd key) the entry is listed under while pending
+    index: str = ""
+    #: transitions so far: numbers the journal records
+    seq: int = 0
     # the producer attempt
     owner: str = ""
     session: int = 0
@@ -95,20 +120,42 @@ class EntryRecord:
     @classmethod
     def load(cls, raw: bytes) -> EntryRecord:
         rec: EntryRecord = _load(cls, raw)
+        rec._from = rec.state
         return rec
+
+    def __post_init__(self) -> None:
+        #: the state as loaded (None for a new entry) and events not yet journalled
+        self._from: str | None = None
+        self._events: list[dict[str, Any]] = []
 
     def dump(self) -> bytes:
         self.updated_at = now()
         # Every field is already a JSON value: skip asdict()'s deep copy (hot path).
-        return json.dumps(vars(self), separators=(",", ":"), sort_keys=True).encode()
+        data = {k: v for k, v in vars(self).items() if not k.startswith("_")}
+        return json.dumps(data, separators=(",", ":"), sort_keys=True).encode()
+
+    def remember(self, event: str, **details: Any) -> None:
+        """Record an event: on the entry's bounded history, and for the journal."""
+        record = {"at": now(), "event": event, **details}
+        self.history.append(record)
+        del self.history[:-HISTORY_LIMIT]
+        self._events.append(record)
+
+    def take_events(self) -> list[dict[str, Any]]:
+        events, self._events = self._events, []
+        return events
+
+    @property
+    def from_state(self) -> str | None:
+        return self._from
+
+    @property
+    def done(self) -> bool:
+        """Nothing more will happen to it: consumed, dead, or verified with no consumers."""
+        return self.state in (CONSUMED, DEAD) or (self.state == VERIFIED and not self.consumers)
 
     def observation(self) -> Observation | None:
         return Observation(**self.observed) if self.observed else None
-
-    def remember(self, event: str, **details: Any) -> None:
-        """Append to the bounded attempt history kept on the entry itself."""
-        self.history.append({"at": now(), "event": event, **details})
-        del self.history[:-HISTORY_LIMIT]
 
     def to_pb(
         self,
@@ -136,6 +183,10 @@ class EntryRecord:
             updated_at=self.updated_at,
             revision=revision,
             consuming=consuming or {},
+            priority=self.priority,
+            not_before=_iso(self.not_before) if self.not_before > time.time() else "",
+            parts=self.parts,
+            assembly=self.assembly,
         )
 
 
@@ -150,6 +201,10 @@ class TaskRecord:
     max_retries: int
     labels: dict[str, str] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
+    priority: int = 0
+    backoff: list[float] = field(default_factory=lambda: [1.0, 2.0, 60.0])
+    aging: float = 60.0
+    status_reason: str = ""
     created_at: str = ""
     updated_at: str = ""
 
@@ -169,6 +224,10 @@ class TaskRecord:
             consumers=self.consumers,
             max_retries=self.max_retries,
             labels=self.labels,
+            priority=self.priority,
+            backoff=pb.RetryBackoff(base_seconds=self.backoff[0], factor=self.backoff[1],
+                                    cap_seconds=self.backoff[2]),
+            aging_seconds=self.aging,
         )
         return pb.Task(
             spec=spec,
@@ -178,4 +237,5 @@ class TaskRecord:
             created_at=self.created_at,
             manifest_digest=self.manifest_digest,
             states=states or {},
+            status_reason=self.status_reason,
         )

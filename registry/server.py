@@ -21,6 +21,7 @@ from ._etcd import Etcd
 from .config import RegistryConfig, load_config
 from .core import Core
 from .keys import Keys
+from .scheduler import Scheduler
 from .service import RegistryService
 from .sessions import Reaper
 
@@ -39,16 +40,17 @@ class Running:
     server: grpc.aio.Server
     etcd: Etcd
     reaper: Reaper
+    scheduler: Scheduler
     health: health.HealthServicer
     _stop: asyncio.Event
-    _reaper_task: asyncio.Task[None]
+    _background: list[asyncio.Task[None]]
 
     async def stop(self, grace: float | None = 5.0) -> None:
         """Stop taking calls, let in-flight ones finish within ``grace``, then close."""
         self.health.enter_graceful_shutdown()
         self._stop.set()
         await self.server.stop(grace)
-        await self._reaper_task
+        await asyncio.gather(*self._background)
         await self.etcd.close()
 
 
@@ -82,10 +84,11 @@ async def start(config: RegistryConfig) -> Running:
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     stop = asyncio.Event()
     reaper = Reaper(core, config.reap_interval)
-    reaper_task = asyncio.create_task(reaper.run(stop))
+    scheduler = Scheduler(core, config.reap_interval)
+    background = [asyncio.create_task(reaper.run(stop)), asyncio.create_task(scheduler.run(stop))]
     log.info("registry on port %d, etcd %s (v%s), prefix %s, staging %s", port, config.etcd,
              version, config.prefix, config.staging)
-    return Running(port, server, etcd, reaper, health_servicer, stop, reaper_task)
+    return Running(port, server, etcd, reaper, scheduler, health_servicer, stop, background)
 
 
 async def serve(config: RegistryConfig) -> None:

@@ -97,6 +97,14 @@ class RegistryService(pb_grpc.RegistryServicer):
         return await self.producers.claim(request)
 
     @unary
+    async def ClaimBatch(self, request: pb.ClaimBatchRequest) -> pb.ClaimBatchResponse:
+        return await self.producers.claim_batch(request)
+
+    @unary
+    async def CommitBatch(self, request: pb.CommitBatchRequest) -> pb.CommitBatchResponse:
+        return await self.producers.commit_batch(request)
+
+    @unary
     async def Commit(self, request: pb.CommitRequest) -> pb.CommitResponse:
         return pb.CommitResponse(entry=await self.producers.commit(request))
 
@@ -106,11 +114,11 @@ class RegistryService(pb_grpc.RegistryServicer):
 
     @unary
     async def ReportVerification(self, request: pb.VerificationReport) -> pb.ReportResponse:
-        return pb.ReportResponse(entry=await self.producers.report(request))
+        return pb.ReportResponse(entry=await self.producers.verifier.report(request))
 
     @unary
     async def ReportProblem(self, request: pb.ProblemReport) -> pb.ReportResponse:
-        return pb.ReportResponse(entry=await self.producers.problem(request))
+        return pb.ReportResponse(entry=await self.producers.verifier.problem(request))
 
     @unary
     async def Consume(self, request: pb.ConsumeRequest) -> pb.ConsumeResponse:

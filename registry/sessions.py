@@ -32,12 +32,14 @@ class Sessions:
         if not MIN_TTL <= ttl <= MAX_TTL:
             raise InvalidArgument(f"ttl {ttl} not within {MIN_TTL}..{MAX_TTL} seconds")
         lease, granted = await self.core.etcd.grant(ttl)
+        if not 0 <= req.slots <= 10_000:
+            raise InvalidArgument(f"slots {req.slots} not within 0..10000 (0 = no limit)")
         info = {"agent": req.agent, "host": req.host, "pid": req.pid, "version": req.version,
-                "ttl": granted, "opened_at": now()}
+                "ttl": granted, "slots": req.slots, "opened_at": now()}
         await self.core.etcd.txn([], [Put(self.keys.agent(lease), json.dumps(info).encode(),
                                           lease=lease)])
         log.info("session %x opened for %s (ttl %ds)", lease, req.agent, granted)
-        return pb.Session(session_id=lease, agent=req.agent, ttl=granted)
+        return pb.Session(session_id=lease, agent=req.agent, ttl=granted, slots=req.slots)
 
     async def keepalive(self, req: pb.KeepAliveRequest) -> pb.KeepAliveResponse:
         if req.session_id <= 0:
@@ -120,11 +122,11 @@ class Reaper:
                 if ref.kind == "p" and rec.state == WRITING:
                     self.core.retry_or_dead(
                         rec, f"lease of agent {holder} lost (token {token})", ops)
-                    ops.insert(0, Put(kv.key, rec.dump()))
+                    self.core.put_entry(rec, ops)
                 elif (ref.kind == "c" and rec.state == VERIFIED
                       and ref.group not in rec.consumed_by):
-                    rec.remember("consumer lost", group=ref.group, owner=holder, token=token)
-                    ops.insert(0, Put(kv.key, rec.dump()))
+                    rec.remember("consumer lost", group=ref.group, who=holder, token=token)
+                    self.core.put_entry(rec, ops)
                     ops.append(Put(self.keys.cready(ref.task_id, ref.group, ref.file_id), b""))
             result = await self.core.etcd.txn(compares, ops)
             if result.succeeded:

@@ -17,8 +17,8 @@ from .model import STATE_FROM_PB, STATES, EntryRecord, TaskRecord, now
 
 log = logging.getLogger("baton.registry")
 
-#: entries written per transaction: two puts each, under etcd's default 128 ops
-CHUNK = 60
+#: entries written per transaction: three puts each, under etcd's default 128 ops
+CHUNK = 40
 #: transactions in flight while a large task is written
 PARALLEL = 8
 #: entries read per page when listing
@@ -49,6 +49,9 @@ class Tasks:
             consumers=valid.consumers,
             max_retries=valid.max_retries,
             labels=valid.labels,
+            priority=valid.priority,
+            backoff=list(valid.backoff),
+            aging=valid.aging,
             created_at=now(),
         )
         result = await self.core.txn([absent(key)], [Put(key, record.dump())])
@@ -79,8 +82,7 @@ class Tasks:
             compares = [absent(self.keys.entry(e.task_id, e.file_id)) for e in batch]
             ops: list[TxnOp] = []
             for e in batch:
-                ops.append(Put(self.keys.entry(e.task_id, e.file_id), e.dump()))
-                ops.append(Put(self.keys.ready(e.task_id, e.file_id), b""))
+                self.core.put_entry(e, ops)  # the entry, its index key and open key
             async with gate:
                 # A failed compare means this chunk was written by an earlier,
                 # interrupted create of the same manifest: chunks are atomic.

@@ -17,6 +17,8 @@ from client import Client, Lease, errors
 from client.v1 import baton_pb2 as pb
 
 AGENT = Path(__file__).with_name("agent_proc.py")
+#: a lost claim's entry is claimable again at once (the default backoff starts at 1 s)
+FAST: dict[str, object] = {"backoff": {"base_seconds": 0.001}}
 
 
 def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> float:
@@ -52,7 +54,7 @@ def agent(registry: object) -> Iterator[Callable[[str, int], subprocess.Popen[st
 def test_sigkilled_agent_entry_returns_to_pending(client: Client, agent: Callable) -> None:  # type: ignore[type-arg]
     """An agent killed with SIGKILL: its entry is pending again within TTL + a margin."""
     ttl = 2
-    client.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "a"}]})
+    client.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "a"}], **FAST})
     proc = agent("t1", ttl)
     claim = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
     assert client.get_entry("t1", "a").state == pb.WRITING
@@ -69,7 +71,7 @@ def test_sigkilled_agent_entry_returns_to_pending(client: Client, agent: Callabl
 
 def test_paused_agent_cannot_commit_with_stale_token(client: Client, agent: Callable) -> None:  # type: ignore[type-arg]
     """An agent paused past its TTL wakes up to find its token refused."""
-    client.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "a"}]})
+    client.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "a"}], **FAST})
     proc = agent("t1", 2)
     claim = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
     os.kill(proc.pid, signal.SIGSTOP)
@@ -95,7 +97,7 @@ def test_registry_refuses_token_of_expired_session_before_reap(
     """Even before any reaper runs, a commit after the lease expired is refused."""
     slow = registry_factory(reap_interval=3600.0)
     with Client(slow.address) as c:
-        c.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "a"}]})
+        c.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "a"}], **FAST})
         s = c.open_session("p", ttl=2, keepalive=False)
         claim = c.claim("t1", session=s)
         wait_for(lambda: c.get_entry("t1", "a").token == 0, 6, "claim key to expire")
@@ -106,7 +108,7 @@ def test_registry_refuses_token_of_expired_session_before_reap(
 
 def test_client_stops_trusting_lost_session(client: Client) -> None:
     """Once the lease is gone the client refuses to use the session at all."""
-    client.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "a"}]})
+    client.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "a"}], **FAST})
     s = client.open_session("p", ttl=2)
     client.close_session(s.session_id)  # the lease dies behind the keepalive's back
     wait_for(s.lost.is_set, 5, "keepalive to notice")
@@ -116,7 +118,7 @@ def test_client_stops_trusting_lost_session(client: Client) -> None:
 
 def test_keepalive_holds_claim_beyond_ttl(client: Client) -> None:
     """A kept-alive session keeps its claim well past one TTL."""
-    client.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "a"}]})
+    client.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "a"}], **FAST})
     with client.open_session("p", ttl=2) as s:
         claim = client.claim("t1", session=s)
         deadline = time.monotonic() + 5
@@ -128,7 +130,7 @@ def test_keepalive_holds_claim_beyond_ttl(client: Client) -> None:
 
 def test_dead_consumer_returns_entry_to_group(client: Client) -> None:
     """A consumer whose lease dies hands the entry back to its group."""
-    client.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "a"}]})
+    client.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "a"}], **FAST})
     with client.open_session("p", ttl=10) as s:
         c = client.claim("t1", session=s)
         client.commit("t1", "a", c.token, 1, "0" * 64)
@@ -156,7 +158,7 @@ def test_dead_consumer_returns_entry_to_group(client: Client) -> None:
 def test_lease_losses_exhaust_retries_to_dead(client: Client) -> None:
     """Each lost lease costs a retry; after max_retries the entry is dead, with history."""
     client.create_task({"task_id": "t1", "max_retries": 1,
-                        "entries": [{"file_id": "a", "path": "a"}]})
+                        "entries": [{"file_id": "a", "path": "a"}], **FAST})
     for expected in (pb.PENDING, pb.DEAD):
         s = client.open_session("p", ttl=10, keepalive=False)
         client.claim("t1", session=s)

@@ -112,6 +112,8 @@ class EntrySpec(_message.Message):
     EXPECTED_DIGEST_FIELD_NUMBER: _builtins.int
     MAX_RETRIES_FIELD_NUMBER: _builtins.int
     LABELS_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    PARTS_FIELD_NUMBER: _builtins.int
     file_id: _builtins.str
     """[A-Za-z0-9._-], unique within the task"""
     path: _builtins.str
@@ -122,6 +124,8 @@ class EntrySpec(_message.Message):
     """BLAKE3 hex, "" = unknown"""
     max_retries: _builtins.int
     """unset = the task's default"""
+    priority: _builtins.int
+    """0..9, higher first; unset = the task's default"""
     @_builtins.property
     def depends_on(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """file ids of the same task"""
@@ -132,6 +136,12 @@ class EntrySpec(_message.Message):
 
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    @_builtins.property
+    def parts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Non-empty: this entry is an assembly of these part entries. It is never
+        produced itself; it becomes verified when every part is verified.
+        """
+
     def __init__(
         self,
         *,
@@ -143,16 +153,53 @@ class EntrySpec(_message.Message):
         expected_digest: _builtins.str = ...,
         max_retries: _builtins.int | None = ...,
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        priority: _builtins.int | None = ...,
+        parts: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "max_retries", b"max_retries"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "max_retries", b"max_retries", "priority", b"priority"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "consumers", b"consumers", "depends_on", b"depends_on", "expected_digest", b"expected_digest", "expected_size", b"expected_size", "file_id", b"file_id", "labels", b"labels", "max_retries", b"max_retries", "path", b"path"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "consumers", b"consumers", "depends_on", b"depends_on", "expected_digest", b"expected_digest", "expected_size", b"expected_size", "file_id", b"file_id", "labels", b"labels", "max_retries", b"max_retries", "parts", b"parts", "path", b"path", "priority", b"priority"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_retries: _TypeAlias = _typing.Literal["max_retries"]  # noqa: Y015
     _WhichOneofArgType__max_retries: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries"]  # noqa: Y015
+    _WhichOneofReturnType__priority: _TypeAlias = _typing.Literal["priority"]  # noqa: Y015
+    _WhichOneofArgType__priority: _TypeAlias = _typing.Literal["_priority", b"_priority"]  # noqa: Y015
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_retries) -> _WhichOneofReturnType__max_retries | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__priority) -> _WhichOneofReturnType__priority | None: ...
 
 Global___EntrySpec: _TypeAlias = EntrySpec  # noqa: Y015
+
+@_typing.final
+class RetryBackoff(_message.Message):
+    """Retry backoff: attempt n waits min(cap, base * factor^(n-1)) seconds, jittered."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BASE_SECONDS_FIELD_NUMBER: _builtins.int
+    FACTOR_FIELD_NUMBER: _builtins.int
+    CAP_SECONDS_FIELD_NUMBER: _builtins.int
+    base_seconds: _builtins.float
+    """0 = default 1"""
+    factor: _builtins.float
+    """0 = default 2"""
+    cap_seconds: _builtins.float
+    """0 = default 60"""
+    def __init__(
+        self,
+        *,
+        base_seconds: _builtins.float = ...,
+        factor: _builtins.float = ...,
+        cap_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_seconds", b"base_seconds", "cap_seconds", b"cap_seconds", "factor", b"factor"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RetryBackoff: _TypeAlias = RetryBackoff  # noqa: Y015
 
 @_typing.final
 class TaskSpec(_message.Message):
@@ -186,11 +233,20 @@ class TaskSpec(_message.Message):
     CONSUMERS_FIELD_NUMBER: _builtins.int
     MAX_RETRIES_FIELD_NUMBER: _builtins.int
     LABELS_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    BACKOFF_FIELD_NUMBER: _builtins.int
+    AGING_SECONDS_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     schema_version: _builtins.int
     """0 means the current version (1)"""
     max_retries: _builtins.int
     """unset = 3"""
+    priority: _builtins.int
+    """default priority of entries, unset = 0"""
+    aging_seconds: _builtins.float
+    """A waiting entry gains one priority level per aging_seconds (0 = default 60),
+    so nothing starves behind a stream of higher-priority work.
+    """
     @_builtins.property
     def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___EntrySpec]: ...
     @_builtins.property
@@ -199,6 +255,8 @@ class TaskSpec(_message.Message):
 
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    @_builtins.property
+    def backoff(self) -> Global___RetryBackoff: ...
     def __init__(
         self,
         *,
@@ -208,14 +266,22 @@ class TaskSpec(_message.Message):
         consumers: _abc.Iterable[_builtins.str] | None = ...,
         max_retries: _builtins.int | None = ...,
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        priority: _builtins.int | None = ...,
+        backoff: Global___RetryBackoff | None = ...,
+        aging_seconds: _builtins.float = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "max_retries", b"max_retries"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "backoff", b"backoff", "max_retries", b"max_retries", "priority", b"priority"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "consumers", b"consumers", "entries", b"entries", "labels", b"labels", "max_retries", b"max_retries", "schema_version", b"schema_version", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "aging_seconds", b"aging_seconds", "backoff", b"backoff", "consumers", b"consumers", "entries", b"entries", "labels", b"labels", "max_retries", b"max_retries", "priority", b"priority", "schema_version", b"schema_version", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_retries: _TypeAlias = _typing.Literal["max_retries"]  # noqa: Y015
     _WhichOneofArgType__max_retries: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries"]  # noqa: Y015
+    _WhichOneofReturnType__priority: _TypeAlias = _typing.Literal["priority"]  # noqa: Y015
+    _WhichOneofArgType__priority: _TypeAlias = _typing.Literal["_priority", b"_priority"]  # noqa: Y015
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_retries) -> _WhichOneofReturnType__max_retries | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__priority) -> _WhichOneofReturnType__priority | None: ...
 
 Global___TaskSpec: _TypeAlias = TaskSpec  # noqa: Y015
 
@@ -243,6 +309,26 @@ class Task(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class ConsumedByGroupEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     SPEC_FIELD_NUMBER: _builtins.int
     STATUS_FIELD_NUMBER: _builtins.int
     STAGING_DIR_FIELD_NUMBER: _builtins.int
@@ -250,6 +336,11 @@ class Task(_message.Message):
     CREATED_AT_FIELD_NUMBER: _builtins.int
     MANIFEST_DIGEST_FIELD_NUMBER: _builtins.int
     STATES_FIELD_NUMBER: _builtins.int
+    OPEN_FIELD_NUMBER: _builtins.int
+    DEAD_FIELD_NUMBER: _builtins.int
+    CONSUMED_BY_GROUP_FIELD_NUMBER: _builtins.int
+    BLOCKED_FIELD_NUMBER: _builtins.int
+    STATUS_REASON_FIELD_NUMBER: _builtins.int
     status: Global___TaskStatus.ValueType
     staging_dir: _builtins.str
     """absolute, on the registry's staging root"""
@@ -258,6 +349,13 @@ class Task(_message.Message):
     """RFC 3339, UTC"""
     manifest_digest: _builtins.str
     """what makes a repeated create a no-op"""
+    open: _builtins.int
+    """entries not yet consumed (or dead)"""
+    dead: _builtins.int
+    blocked: _builtins.int
+    """pending entries with a dead dependency (GetTask only)"""
+    status_reason: _builtins.str
+    """why it was paused or cancelled"""
     @_builtins.property
     def spec(self) -> Global___TaskSpec:
         """entries omitted in listings"""
@@ -265,6 +363,10 @@ class Task(_message.Message):
     @_builtins.property
     def states(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
         """entry count per state (GetTask only)"""
+
+    @_builtins.property
+    def consumed_by_group(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """GetTask only"""
 
     def __init__(
         self,
@@ -276,10 +378,15 @@ class Task(_message.Message):
         created_at: _builtins.str = ...,
         manifest_digest: _builtins.str = ...,
         states: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        open: _builtins.int = ...,
+        dead: _builtins.int = ...,
+        consumed_by_group: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        blocked: _builtins.int = ...,
+        status_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "entry_count", b"entry_count", "manifest_digest", b"manifest_digest", "spec", b"spec", "staging_dir", b"staging_dir", "states", b"states", "status", b"status"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocked", b"blocked", "consumed_by_group", b"consumed_by_group", "created_at", b"created_at", "dead", b"dead", "entry_count", b"entry_count", "manifest_digest", b"manifest_digest", "open", b"open", "spec", b"spec", "staging_dir", b"staging_dir", "states", b"states", "status", b"status", "status_reason", b"status_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -327,6 +434,11 @@ class Entry(_message.Message):
     UPDATED_AT_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
     CONSUMING_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    NOT_BEFORE_FIELD_NUMBER: _builtins.int
+    PARTS_FIELD_NUMBER: _builtins.int
+    ASSEMBLY_FIELD_NUMBER: _builtins.int
+    BLOCKED_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     file_id: _builtins.str
     path: _builtins.str
@@ -349,6 +461,13 @@ class Entry(_message.Message):
     updated_at: _builtins.str
     revision: _builtins.int
     """etcd mod_revision of the entry"""
+    priority: _builtins.int
+    not_before: _builtins.str
+    """retry backoff: not claimable before (RFC 3339)"""
+    assembly: _builtins.str
+    """the assembly this entry is a part of"""
+    blocked: _builtins.bool
+    """a dependency is dead (GetEntry/ListEntries)"""
     @_builtins.property
     def consumers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -361,6 +480,8 @@ class Entry(_message.Message):
     def consuming(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """group -> agent holding a consume-claim"""
 
+    @_builtins.property
+    def parts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
         self,
         *,
@@ -382,10 +503,15 @@ class Entry(_message.Message):
         updated_at: _builtins.str = ...,
         revision: _builtins.int = ...,
         consuming: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        priority: _builtins.int = ...,
+        not_before: _builtins.str = ...,
+        parts: _abc.Iterable[_builtins.str] | None = ...,
+        assembly: _builtins.str = ...,
+        blocked: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abs_path", b"abs_path", "consumed_by", b"consumed_by", "consumers", b"consumers", "consuming", b"consuming", "depends_on", b"depends_on", "digest", b"digest", "error", b"error", "file_id", b"file_id", "max_retries", b"max_retries", "owner", b"owner", "path", b"path", "retry_count", b"retry_count", "revision", b"revision", "size", b"size", "state", b"state", "task_id", b"task_id", "token", b"token", "updated_at", b"updated_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abs_path", b"abs_path", "assembly", b"assembly", "blocked", b"blocked", "consumed_by", b"consumed_by", "consumers", b"consumers", "consuming", b"consuming", "depends_on", b"depends_on", "digest", b"digest", "error", b"error", "file_id", b"file_id", "max_retries", b"max_retries", "not_before", b"not_before", "owner", b"owner", "parts", b"parts", "path", b"path", "priority", b"priority", "retry_count", b"retry_count", "revision", b"revision", "size", b"size", "state", b"state", "task_id", b"task_id", "token", b"token", "updated_at", b"updated_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -531,6 +657,175 @@ class GetTaskRequest(_message.Message):
 Global___GetTaskRequest: _TypeAlias = GetTaskRequest  # noqa: Y015
 
 @_typing.final
+class TaskControlRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    task_id: _builtins.str
+    reason: _builtins.str
+    request_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        task_id: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "request_id", b"request_id", "task_id", b"task_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TaskControlRequest: _TypeAlias = TaskControlRequest  # noqa: Y015
+
+@_typing.final
+class RequeueRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    FILE_ID_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    task_id: _builtins.str
+    file_id: _builtins.str
+    request_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        task_id: _builtins.str = ...,
+        file_id: _builtins.str = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["file_id", b"file_id", "request_id", b"request_id", "task_id", b"task_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RequeueRequest: _TypeAlias = RequeueRequest  # noqa: Y015
+
+@_typing.final
+class JournalRecord(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    FILE_ID_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    AT_FIELD_NUMBER: _builtins.int
+    EVENT_FIELD_NUMBER: _builtins.int
+    WHO_FIELD_NUMBER: _builtins.int
+    TOKEN_FIELD_NUMBER: _builtins.int
+    FROM_STATE_FIELD_NUMBER: _builtins.int
+    TO_STATE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    task_id: _builtins.str
+    file_id: _builtins.str
+    revision: _builtins.int
+    """etcd revision of the transition"""
+    at: _builtins.str
+    event: _builtins.str
+    """claimed, committed, verified, failed, ..."""
+    who: _builtins.str
+    token: _builtins.int
+    from_state: _builtins.str
+    to_state: _builtins.str
+    reason: _builtins.str
+    def __init__(
+        self,
+        *,
+        task_id: _builtins.str = ...,
+        file_id: _builtins.str = ...,
+        revision: _builtins.int = ...,
+        at: _builtins.str = ...,
+        event: _builtins.str = ...,
+        who: _builtins.str = ...,
+        token: _builtins.int = ...,
+        from_state: _builtins.str = ...,
+        to_state: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at", b"at", "event", b"event", "file_id", b"file_id", "from_state", b"from_state", "reason", b"reason", "revision", b"revision", "task_id", b"task_id", "to_state", b"to_state", "token", b"token", "who", b"who"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JournalRecord: _TypeAlias = JournalRecord  # noqa: Y015
+
+@_typing.final
+class JournalRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    FILE_ID_FIELD_NUMBER: _builtins.int
+    LIMIT_FIELD_NUMBER: _builtins.int
+    task_id: _builtins.str
+    file_id: _builtins.str
+    """"" = the whole task"""
+    limit: _builtins.int
+    """0 = all"""
+    def __init__(
+        self,
+        *,
+        task_id: _builtins.str = ...,
+        file_id: _builtins.str = ...,
+        limit: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["file_id", b"file_id", "limit", b"limit", "task_id", b"task_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JournalRequest: _TypeAlias = JournalRequest  # noqa: Y015
+
+@_typing.final
+class JournalResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RECORDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def records(self) -> _containers.RepeatedCompositeFieldContainer[Global___JournalRecord]: ...
+    def __init__(
+        self,
+        *,
+        records: _abc.Iterable[Global___JournalRecord] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["records", b"records"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JournalResponse: _TypeAlias = JournalResponse  # noqa: Y015
+
+@_typing.final
+class Explanation(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENTRY_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    text: _builtins.str
+    """one paragraph: where the entry is and what it waits for"""
+    @_builtins.property
+    def entry(self) -> Global___Entry: ...
+    def __init__(
+        self,
+        *,
+        entry: Global___Entry | None = ...,
+        text: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["entry", b"entry"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entry", b"entry", "text", b"text"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Explanation: _TypeAlias = Explanation  # noqa: Y015
+
+@_typing.final
 class ListTasksRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -576,6 +871,7 @@ class OpenSessionRequest(_message.Message):
     HOST_FIELD_NUMBER: _builtins.int
     PID_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
+    SLOTS_FIELD_NUMBER: _builtins.int
     agent: _builtins.str
     """a readable name, e.g. "ocr-3" """
     ttl: _builtins.int
@@ -583,6 +879,8 @@ class OpenSessionRequest(_message.Message):
     host: _builtins.str
     pid: _builtins.int
     version: _builtins.str
+    slots: _builtins.int
+    """claims this agent may hold at once; 0 = no limit"""
     def __init__(
         self,
         *,
@@ -591,10 +889,11 @@ class OpenSessionRequest(_message.Message):
         host: _builtins.str = ...,
         pid: _builtins.int = ...,
         version: _builtins.str = ...,
+        slots: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "host", b"host", "pid", b"pid", "ttl", b"ttl", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "host", b"host", "pid", b"pid", "slots", b"slots", "ttl", b"ttl", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -607,25 +906,136 @@ class Session(_message.Message):
     SESSION_ID_FIELD_NUMBER: _builtins.int
     AGENT_FIELD_NUMBER: _builtins.int
     TTL_FIELD_NUMBER: _builtins.int
+    SLOTS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.int
     """the etcd lease id"""
     agent: _builtins.str
     ttl: _builtins.int
     """granted TTL"""
+    slots: _builtins.int
     def __init__(
         self,
         *,
         session_id: _builtins.int = ...,
         agent: _builtins.str = ...,
         ttl: _builtins.int = ...,
+        slots: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "session_id", b"session_id", "ttl", b"ttl"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "session_id", b"session_id", "slots", b"slots", "ttl", b"ttl"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Session: _TypeAlias = Session  # noqa: Y015
+
+@_typing.final
+class ClaimInfo(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    FILE_ID_FIELD_NUMBER: _builtins.int
+    GROUP_FIELD_NUMBER: _builtins.int
+    TOKEN_FIELD_NUMBER: _builtins.int
+    task_id: _builtins.str
+    file_id: _builtins.str
+    group: _builtins.str
+    """"" for a producer claim"""
+    token: _builtins.int
+    def __init__(
+        self,
+        *,
+        task_id: _builtins.str = ...,
+        file_id: _builtins.str = ...,
+        group: _builtins.str = ...,
+        token: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["file_id", b"file_id", "group", b"group", "task_id", b"task_id", "token", b"token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClaimInfo: _TypeAlias = ClaimInfo  # noqa: Y015
+
+@_typing.final
+class AgentInfo(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    AGENT_FIELD_NUMBER: _builtins.int
+    HOST_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
+    TTL_LEFT_FIELD_NUMBER: _builtins.int
+    GRANTED_TTL_FIELD_NUMBER: _builtins.int
+    SLOTS_FIELD_NUMBER: _builtins.int
+    CLAIMS_FIELD_NUMBER: _builtins.int
+    OPENED_AT_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.int
+    agent: _builtins.str
+    host: _builtins.str
+    pid: _builtins.int
+    ttl_left: _builtins.int
+    granted_ttl: _builtins.int
+    slots: _builtins.int
+    opened_at: _builtins.str
+    @_builtins.property
+    def claims(self) -> _containers.RepeatedCompositeFieldContainer[Global___ClaimInfo]: ...
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.int = ...,
+        agent: _builtins.str = ...,
+        host: _builtins.str = ...,
+        pid: _builtins.int = ...,
+        ttl_left: _builtins.int = ...,
+        granted_ttl: _builtins.int = ...,
+        slots: _builtins.int = ...,
+        claims: _abc.Iterable[Global___ClaimInfo] | None = ...,
+        opened_at: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "claims", b"claims", "granted_ttl", b"granted_ttl", "host", b"host", "opened_at", b"opened_at", "pid", b"pid", "session_id", b"session_id", "slots", b"slots", "ttl_left", b"ttl_left"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AgentInfo: _TypeAlias = AgentInfo  # noqa: Y015
+
+@_typing.final
+class ListAgentsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListAgentsRequest: _TypeAlias = ListAgentsRequest  # noqa: Y015
+
+@_typing.final
+class ListAgentsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def agents(self) -> _containers.RepeatedCompositeFieldContainer[Global___AgentInfo]: ...
+    def __init__(
+        self,
+        *,
+        agents: _abc.Iterable[Global___AgentInfo] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListAgentsResponse: _TypeAlias = ListAgentsResponse  # noqa: Y015
 
 @_typing.final
 class KeepAliveRequest(_message.Message):
@@ -813,6 +1223,100 @@ class CommitResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CommitResponse: _TypeAlias = CommitResponse  # noqa: Y015
+
+@_typing.final
+class ClaimBatchRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    MAX_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    task_id: _builtins.str
+    session_id: _builtins.int
+    max: _builtins.int
+    """claim up to this many (≥ 1)"""
+    request_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        task_id: _builtins.str = ...,
+        session_id: _builtins.int = ...,
+        max: _builtins.int = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max", b"max", "request_id", b"request_id", "session_id", b"session_id", "task_id", b"task_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClaimBatchRequest: _TypeAlias = ClaimBatchRequest  # noqa: Y015
+
+@_typing.final
+class ClaimBatchResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLAIMS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def claims(self) -> _containers.RepeatedCompositeFieldContainer[Global___ClaimResponse]: ...
+    def __init__(
+        self,
+        *,
+        claims: _abc.Iterable[Global___ClaimResponse] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["claims", b"claims"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClaimBatchResponse: _TypeAlias = ClaimBatchResponse  # noqa: Y015
+
+@_typing.final
+class CommitBatchRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COMMITS_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    @_builtins.property
+    def commits(self) -> _containers.RepeatedCompositeFieldContainer[Global___CommitRequest]:
+        """their own request_ids are ignored"""
+
+    def __init__(
+        self,
+        *,
+        commits: _abc.Iterable[Global___CommitRequest] | None = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commits", b"commits", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CommitBatchRequest: _TypeAlias = CommitBatchRequest  # noqa: Y015
+
+@_typing.final
+class CommitBatchResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENTRIES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___Entry]: ...
+    def __init__(
+        self,
+        *,
+        entries: _abc.Iterable[Global___Entry] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CommitBatchResponse: _TypeAlias = CommitBatchResponse  # noqa: Y015
 
 @_typing.final
 class FailRequest(_message.Message):

@@ -59,6 +59,41 @@ class RegistryStub:
                 request_serializer=client_dot_v1_dot_baton__pb2.ListEntriesRequest.SerializeToString,
                 response_deserializer=client_dot_v1_dot_baton__pb2.ListEntriesResponse.FromString,
                 _registered_method=True)
+        self.PauseTask = channel.unary_unary(
+                '/baton.v1.Registry/PauseTask',
+                request_serializer=client_dot_v1_dot_baton__pb2.TaskControlRequest.SerializeToString,
+                response_deserializer=client_dot_v1_dot_baton__pb2.Task.FromString,
+                _registered_method=True)
+        self.ResumeTask = channel.unary_unary(
+                '/baton.v1.Registry/ResumeTask',
+                request_serializer=client_dot_v1_dot_baton__pb2.TaskControlRequest.SerializeToString,
+                response_deserializer=client_dot_v1_dot_baton__pb2.Task.FromString,
+                _registered_method=True)
+        self.CancelTask = channel.unary_unary(
+                '/baton.v1.Registry/CancelTask',
+                request_serializer=client_dot_v1_dot_baton__pb2.TaskControlRequest.SerializeToString,
+                response_deserializer=client_dot_v1_dot_baton__pb2.Task.FromString,
+                _registered_method=True)
+        self.Requeue = channel.unary_unary(
+                '/baton.v1.Registry/Requeue',
+                request_serializer=client_dot_v1_dot_baton__pb2.RequeueRequest.SerializeToString,
+                response_deserializer=client_dot_v1_dot_baton__pb2.Entry.FromString,
+                _registered_method=True)
+        self.Journal = channel.unary_unary(
+                '/baton.v1.Registry/Journal',
+                request_serializer=client_dot_v1_dot_baton__pb2.JournalRequest.SerializeToString,
+                response_deserializer=client_dot_v1_dot_baton__pb2.JournalResponse.FromString,
+                _registered_method=True)
+        self.Explain = channel.unary_unary(
+                '/baton.v1.Registry/Explain',
+                request_serializer=client_dot_v1_dot_baton__pb2.GetEntryRequest.SerializeToString,
+                response_deserializer=client_dot_v1_dot_baton__pb2.Explanation.FromString,
+                _registered_method=True)
+        self.ListAgents = channel.unary_unary(
+                '/baton.v1.Registry/ListAgents',
+                request_serializer=client_dot_v1_dot_baton__pb2.ListAgentsRequest.SerializeToString,
+                response_deserializer=client_dot_v1_dot_baton__pb2.ListAgentsResponse.FromString,
+                _registered_method=True)
         self.OpenSession = channel.unary_unary(
                 '/baton.v1.Registry/OpenSession',
                 request_serializer=client_dot_v1_dot_baton__pb2.OpenSessionRequest.SerializeToString,
@@ -79,10 +114,20 @@ class RegistryStub:
                 request_serializer=client_dot_v1_dot_baton__pb2.ClaimRequest.SerializeToString,
                 response_deserializer=client_dot_v1_dot_baton__pb2.ClaimResponse.FromString,
                 _registered_method=True)
+        self.ClaimBatch = channel.unary_unary(
+                '/baton.v1.Registry/ClaimBatch',
+                request_serializer=client_dot_v1_dot_baton__pb2.ClaimBatchRequest.SerializeToString,
+                response_deserializer=client_dot_v1_dot_baton__pb2.ClaimBatchResponse.FromString,
+                _registered_method=True)
         self.Commit = channel.unary_unary(
                 '/baton.v1.Registry/Commit',
                 request_serializer=client_dot_v1_dot_baton__pb2.CommitRequest.SerializeToString,
                 response_deserializer=client_dot_v1_dot_baton__pb2.CommitResponse.FromString,
+                _registered_method=True)
+        self.CommitBatch = channel.unary_unary(
+                '/baton.v1.Registry/CommitBatch',
+                request_serializer=client_dot_v1_dot_baton__pb2.CommitBatchRequest.SerializeToString,
+                response_deserializer=client_dot_v1_dot_baton__pb2.CommitBatchResponse.FromString,
                 _registered_method=True)
         self.Fail = channel.unary_unary(
                 '/baton.v1.Registry/Fail',
@@ -154,6 +199,48 @@ class RegistryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PauseTask(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResumeTask(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CancelTask(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Requeue(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Journal(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Explain(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListAgents(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def OpenSession(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -178,7 +265,19 @@ class RegistryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ClaimBatch(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Commit(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitBatch(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -254,6 +353,41 @@ def add_RegistryServicer_to_server(servicer, server):
                     request_deserializer=client_dot_v1_dot_baton__pb2.ListEntriesRequest.FromString,
                     response_serializer=client_dot_v1_dot_baton__pb2.ListEntriesResponse.SerializeToString,
             ),
+            'PauseTask': grpc.unary_unary_rpc_method_handler(
+                    servicer.PauseTask,
+                    request_deserializer=client_dot_v1_dot_baton__pb2.TaskControlRequest.FromString,
+                    response_serializer=client_dot_v1_dot_baton__pb2.Task.SerializeToString,
+            ),
+            'ResumeTask': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResumeTask,
+                    request_deserializer=client_dot_v1_dot_baton__pb2.TaskControlRequest.FromString,
+                    response_serializer=client_dot_v1_dot_baton__pb2.Task.SerializeToString,
+            ),
+            'CancelTask': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelTask,
+                    request_deserializer=client_dot_v1_dot_baton__pb2.TaskControlRequest.FromString,
+                    response_serializer=client_dot_v1_dot_baton__pb2.Task.SerializeToString,
+            ),
+            'Requeue': grpc.unary_unary_rpc_method_handler(
+                    servicer.Requeue,
+                    request_deserializer=client_dot_v1_dot_baton__pb2.RequeueRequest.FromString,
+                    response_serializer=client_dot_v1_dot_baton__pb2.Entry.SerializeToString,
+            ),
+            'Journal': grpc.unary_unary_rpc_method_handler(
+                    servicer.Journal,
+                    request_deserializer=client_dot_v1_dot_baton__pb2.JournalRequest.FromString,
+                    response_serializer=client_dot_v1_dot_baton__pb2.JournalResponse.SerializeToString,
+            ),
+            'Explain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Explain,
+                    request_deserializer=client_dot_v1_dot_baton__pb2.GetEntryRequest.FromString,
+                    response_serializer=client_dot_v1_dot_baton__pb2.Explanation.SerializeToString,
+            ),
+            'ListAgents': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAgents,
+                    request_deserializer=client_dot_v1_dot_baton__pb2.ListAgentsRequest.FromString,
+                    response_serializer=client_dot_v1_dot_baton__pb2.ListAgentsResponse.SerializeToString,
+            ),
             'OpenSession': grpc.unary_unary_rpc_method_handler(
                     servicer.OpenSession,
                     request_deserializer=client_dot_v1_dot_baton__pb2.OpenSessionRequest.FromString,
@@ -274,10 +408,20 @@ def add_RegistryServicer_to_server(servicer, server):
                     request_deserializer=client_dot_v1_dot_baton__pb2.ClaimRequest.FromString,
                     response_serializer=client_dot_v1_dot_baton__pb2.ClaimResponse.SerializeToString,
             ),
+            'ClaimBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClaimBatch,
+                    request_deserializer=client_dot_v1_dot_baton__pb2.ClaimBatchRequest.FromString,
+                    response_serializer=client_dot_v1_dot_baton__pb2.ClaimBatchResponse.SerializeToString,
+            ),
             'Commit': grpc.unary_unary_rpc_method_handler(
                     servicer.Commit,
                     request_deserializer=client_dot_v1_dot_baton__pb2.CommitRequest.FromString,
                     response_serializer=client_dot_v1_dot_baton__pb2.CommitResponse.SerializeToString,
+            ),
+            'CommitBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitBatch,
+                    request_deserializer=client_dot_v1_dot_baton__pb2.CommitBatchRequest.FromString,
+                    response_serializer=client_dot_v1_dot_baton__pb2.CommitBatchResponse.SerializeToString,
             ),
             'Fail': grpc.unary_unary_rpc_method_handler(
                     servicer.Fail,
@@ -461,6 +605,195 @@ class Registry:
             _registered_method=True)
 
     @staticmethod
+    def PauseTask(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Registry/PauseTask',
+            client_dot_v1_dot_baton__pb2.TaskControlRequest.SerializeToString,
+            client_dot_v1_dot_baton__pb2.Task.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResumeTask(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Registry/ResumeTask',
+            client_dot_v1_dot_baton__pb2.TaskControlRequest.SerializeToString,
+            client_dot_v1_dot_baton__pb2.Task.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelTask(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Registry/CancelTask',
+            client_dot_v1_dot_baton__pb2.TaskControlRequest.SerializeToString,
+            client_dot_v1_dot_baton__pb2.Task.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Requeue(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Registry/Requeue',
+            client_dot_v1_dot_baton__pb2.RequeueRequest.SerializeToString,
+            client_dot_v1_dot_baton__pb2.Entry.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Journal(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Registry/Journal',
+            client_dot_v1_dot_baton__pb2.JournalRequest.SerializeToString,
+            client_dot_v1_dot_baton__pb2.JournalResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Explain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Registry/Explain',
+            client_dot_v1_dot_baton__pb2.GetEntryRequest.SerializeToString,
+            client_dot_v1_dot_baton__pb2.Explanation.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAgents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Registry/ListAgents',
+            client_dot_v1_dot_baton__pb2.ListAgentsRequest.SerializeToString,
+            client_dot_v1_dot_baton__pb2.ListAgentsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def OpenSession(request,
             target,
             options=(),
@@ -569,6 +902,33 @@ class Registry:
             _registered_method=True)
 
     @staticmethod
+    def ClaimBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Registry/ClaimBatch',
+            client_dot_v1_dot_baton__pb2.ClaimBatchRequest.SerializeToString,
+            client_dot_v1_dot_baton__pb2.ClaimBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def Commit(request,
             target,
             options=(),
@@ -585,6 +945,33 @@ class Registry:
             '/baton.v1.Registry/Commit',
             client_dot_v1_dot_baton__pb2.CommitRequest.SerializeToString,
             client_dot_v1_dot_baton__pb2.CommitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Registry/CommitBatch',
+            client_dot_v1_dot_baton__pb2.CommitBatchRequest.SerializeToString,
+            client_dot_v1_dot_baton__pb2.CommitBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,
