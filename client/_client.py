@@ -241,12 +241,42 @@ class Client:
         req = pb.ListEntriesRequest(task_id=task_id, state=state, limit=limit)  # type: ignore[arg-type]
         return list(self._call("ListEntries", req).entries)
 
+    def pause_task(self, task_id: str, reason: str = "") -> pb.Task:
+        """No new claims; claims in flight may finish."""
+        return self._call("PauseTask", pb.TaskControlRequest(task_id=task_id, reason=reason))  # type: ignore[no-any-return]
+
+    def resume_task(self, task_id: str, reason: str = "") -> pb.Task:
+        return self._call("ResumeTask", pb.TaskControlRequest(task_id=task_id, reason=reason))  # type: ignore[no-any-return]
+
+    def cancel_task(self, task_id: str, reason: str = "") -> pb.Task:
+        """Stop the task for good: its claims are revoked (their tokens die)."""
+        return self._call("CancelTask", pb.TaskControlRequest(task_id=task_id, reason=reason))  # type: ignore[no-any-return]
+
+    def requeue(self, task_id: str, file_id: str) -> pb.Entry:
+        """Bring a dead entry back to pending with a fresh retry budget."""
+        return self._call("Requeue", pb.RequeueRequest(task_id=task_id, file_id=file_id))  # type: ignore[no-any-return]
+
+    def journal(self, task_id: str, file_id: str = "", limit: int = 0) -> list[pb.JournalRecord]:
+        req = pb.JournalRequest(task_id=task_id, file_id=file_id, limit=limit)
+        return list(self._call("Journal", req).records)
+
+    def explain(self, task_id: str, file_id: str) -> pb.Explanation:
+        return self._call("Explain", pb.GetEntryRequest(task_id=task_id, file_id=file_id))  # type: ignore[no-any-return]
+
+    def list_agents(self) -> list[pb.AgentInfo]:
+        return list(self._call("ListAgents", pb.ListAgentsRequest()).agents)
+
     # sessions --------------------------------------------------------------
 
-    def open_session(self, agent: str, ttl: int = 10, *, keepalive: bool = True) -> Session:
-        """Open an agent session; with ``keepalive`` a thread refreshes it every TTL/3."""
+    def open_session(self, agent: str, ttl: int = 10, *, keepalive: bool = True,
+                     slots: int = 0) -> Session:
+        """Open an agent session; with ``keepalive`` a thread refreshes it every TTL/3.
+
+        ``slots`` caps the claims (producer and consumer) it may hold at once;
+        one more is refused with ``SlotsExhausted`` (0 = no limit).
+        """
         req = pb.OpenSessionRequest(agent=agent, ttl=ttl, host=socket.gethostname(),
-                                    pid=os.getpid(), version=VERSION)
+                                    pid=os.getpid(), version=VERSION, slots=slots)
         resp = self._call("OpenSession", req)
         session = Session(self, resp.session_id, resp.agent, resp.ttl, keepalive=keepalive)
         session.start()
@@ -267,6 +297,21 @@ class Client:
         resp = self._call("Claim", pb.ClaimRequest(task_id=task_id, file_id=file_id,
                                                    session_id=sid))
         return Claim(task_id, resp.entry.file_id, resp.token, resp.path, resp.entry, sid)
+
+    def claim_batch(self, task_id: str, max_count: int, *, session: Session | int) -> list[Claim]:
+        """Claim up to ``max_count`` entries in one transaction (all or nothing)."""
+        sid = _session_id(session)
+        resp = self._call("ClaimBatch", pb.ClaimBatchRequest(task_id=task_id, session_id=sid,
+                                                             max=max_count))
+        return [Claim(task_id, c.entry.file_id, c.token, c.path, c.entry, sid)
+                for c in resp.claims]
+
+    def commit_batch(self, commits: list[tuple[str, str, int, int, str]]) -> list[pb.Entry]:
+        """Commit (task, file_id, token, size, digest) tuples in one transaction."""
+        req = pb.CommitBatchRequest(commits=[
+            pb.CommitRequest(task_id=t, file_id=f, token=tok, size=size, digest=digest)
+            for t, f, tok, size, digest in commits])
+        return list(self._call("CommitBatch", req).entries)
 
     def commit(self, task_id: str, file_id: str, token: int, size: int,
                digest: str = "") -> pb.Entry:

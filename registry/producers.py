@@ -55,6 +55,8 @@ class Producers:
         self.core = core
         self.keys = core.keys
         self.verifier = Verifier(core)
+        #: claim calls in flight per task on this replica (how widely to spread picks)
+        self._busy: dict[str, int] = {}
 
     # claim -----------------------------------------------------------------
 
@@ -101,6 +103,15 @@ class Producers:
         return session, found[0] + due
 
     async def claim(self, req: pb.ClaimRequest) -> pb.ClaimResponse:
+        self._busy[req.task_id] = self._busy.get(req.task_id, 0) + 1
+        try:
+            return await self._claim(req)
+        finally:
+            self._busy[req.task_id] -= 1
+            if not self._busy[req.task_id]:
+                del self._busy[req.task_id]
+
+    async def _claim(self, req: pb.ClaimRequest) -> pb.ClaimResponse:
         check_id("task_id", req.task_id)
         if req.file_id:
             check_id("file_id", req.file_id)
@@ -156,8 +167,13 @@ class Producers:
         the work to do first; no claim ever scans the task. Concurrent claimers
         read the same head, so each tries it in a random order.
         """
-        order = list(page)
-        self.core.rng.shuffle(order)
+        # Strict order for a lone claimer; with k claims of this task in flight on
+        # this replica, a random pick among the first k + want spreads them out
+        # (they would all collide on the head otherwise).
+        window = min(len(page), want + self._busy.get(task_id, 1) - 1)
+        head = list(page[:window])
+        self.core.rng.shuffle(head)
+        order = head + list(page[window:])
         gets = [Get(self.keys.entry(task_id, self.keys.last_segment(k.key)))
                 for k in order[: max(want * 2, 8)]]
         picked: list[tuple[KV, EntryRecord]] = []

@@ -20,6 +20,7 @@ from client.v1 import baton_pb2_grpc as pb_grpc
 
 from .consumers import Consumers
 from .core import Core
+from .operators import Operators
 from .producers import Producers
 from .sessions import Sessions
 from .tasks import Tasks
@@ -59,6 +60,7 @@ class RegistryService(pb_grpc.RegistryServicer):
         self.producers = Producers(core)
         self.consumers = Consumers(core)
         self.sessions = Sessions(core)
+        self.operators = Operators(core)
 
     @unary
     async def CreateTask(self, request: pb.CreateTaskRequest) -> pb.CreateTaskResponse:
@@ -79,6 +81,34 @@ class RegistryService(pb_grpc.RegistryServicer):
     @unary
     async def ListEntries(self, request: pb.ListEntriesRequest) -> pb.ListEntriesResponse:
         return await self.tasks.list_entries(request)
+
+    @unary
+    async def PauseTask(self, request: pb.TaskControlRequest) -> pb.Task:
+        return await self.operators.control("pause", request)
+
+    @unary
+    async def ResumeTask(self, request: pb.TaskControlRequest) -> pb.Task:
+        return await self.operators.control("resume", request)
+
+    @unary
+    async def CancelTask(self, request: pb.TaskControlRequest) -> pb.Task:
+        return await self.operators.control("cancel", request)
+
+    @unary
+    async def Requeue(self, request: pb.RequeueRequest) -> pb.Entry:
+        return await self.operators.requeue(request)
+
+    @unary
+    async def Journal(self, request: pb.JournalRequest) -> pb.JournalResponse:
+        return await self.operators.journal(request)
+
+    @unary
+    async def Explain(self, request: pb.GetEntryRequest) -> pb.Explanation:
+        return await self.operators.explain(request)
+
+    @unary
+    async def ListAgents(self, request: pb.ListAgentsRequest) -> pb.ListAgentsResponse:
+        return await self.operators.agents()
 
     @unary
     async def OpenSession(self, request: pb.OpenSessionRequest) -> pb.Session:

@@ -13,7 +13,15 @@ from ._etcd import KV, Put, TxnOp, absent, unchanged
 from .core import Core, claim_holder
 from .keys import ClaimRef
 from .manifest import check_id, validate
-from .model import STATE_FROM_PB, STATES, EntryRecord, TaskRecord, now
+from .model import (
+    DEAD,
+    PENDING,
+    STATE_FROM_PB,
+    STATES,
+    EntryRecord,
+    TaskRecord,
+    now,
+)
 
 log = logging.getLogger("baton.registry")
 
@@ -93,16 +101,42 @@ class Tasks:
         )
 
     async def get(self, task_id: str) -> pb.Task:
+        """The task with counts by state and by consumer group (reads every entry)."""
         check_id("task_id", task_id)
         _, record = await self.core.task(task_id)
         counts = dict.fromkeys(STATES, 0)
+        by_group = dict.fromkeys(record.consumers, 0)
+        states: dict[str, str] = {}
+        pending_deps: list[EntryRecord] = []
         async for kv in self._entries(task_id):
-            counts[EntryRecord.load(kv.value).state] += 1
-        return record.to_pb(states=counts)
+            rec = EntryRecord.load(kv.value)
+            counts[rec.state] += 1
+            states[rec.file_id] = rec.state
+            for group in rec.consumed_by:
+                by_group[group] = by_group.get(group, 0) + 1
+            if rec.state == PENDING and not rec.deps_ok:
+                pending_deps.append(rec)
+        blocked = sum(1 for rec in pending_deps
+                      if any(states.get(d) == DEAD for d in rec.parts or rec.depends_on))
+        task = record.to_pb(states=counts)
+        task.consumed_by_group.update(by_group)
+        task.blocked = blocked
+        task.open, task.dead = await self._progress(task_id)
+        return task
+
+    async def _progress(self, task_id: str) -> tuple[int, int]:
+        """(entries not done, dead entries), from the indexes: no scan of the task."""
+        return (await self.core.etcd.count(self.keys.open_all(task_id)),
+                await self.core.etcd.count(self.keys.dead_all(task_id)))
 
     async def list(self) -> pb.ListTasksResponse:
         kvs, _, _ = await self.core.etcd.range(self.keys.tasks())
-        return pb.ListTasksResponse(tasks=[TaskRecord.load(kv.value).to_pb() for kv in kvs])
+        tasks = []
+        for kv in kvs:
+            task = TaskRecord.load(kv.value).to_pb()
+            task.open, task.dead = await self._progress(task.spec.task_id)
+            tasks.append(task)
+        return pb.ListTasksResponse(tasks=tasks)
 
     async def _entries(self, task_id: str, revision: int = 0,
                        start_after: str = "") -> AsyncIterator[KV]:
