@@ -19,7 +19,7 @@ import pytest
 from client.etcdproc import EtcdProcess
 
 # Real registry replicas (tests/registry_fixtures.py), built on the fixtures below.
-pytest_plugins = ["registry_fixtures"]
+pytest_plugins = ["registry_fixtures", "watcher_fixtures"]
 
 #: where pytest_runtest_makereport files each phase's report ("setup", "call", "teardown")
 phase_report_key = pytest.StashKey[dict[str, pytest.TestReport]]()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import queue
 import socket
 import sys
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from client import embedded
+from client import Client, embedded, put
 from client.embedded import (
     ChildSpec,
     StackAlreadyRunning,
@@ -21,9 +22,11 @@ from client.embedded import (
     default_data_dir,
     default_staging,
     grpc_health_probe,
+    log_line_probe,
     run_up,
 )
-from client.etcdproc import DaemonFailed, free_port, port_in_use
+from client.etcdproc import DaemonFailed, free_port, port_in_use, write_banner
+from client.v1 import baton_pb2 as pb
 
 
 class Stack:
@@ -124,7 +127,7 @@ def test_default_data_dir_follows_xdg(tmp_path: Path, monkeypatch: pytest.Monkey
 
 def test_registry_command_line(opts: UpOptions) -> None:
     """The registry is run as `python -m registry` with the documented flags."""
-    [registry] = child_specs(opts, "127.0.0.1:2479")
+    registry, _ = child_specs(opts, "127.0.0.1:2479")
     assert registry.name == "registry"
     assert registry.argv[0] == sys.executable
     assert registry.argv[registry.argv.index("-m") + 1 :] == (
@@ -135,6 +138,38 @@ def test_registry_command_line(opts: UpOptions) -> None:
         "--prefix", "/baton-up-test/",
     )  # fmt: skip
     assert registry.log_path == opts.data_dir / "registry.log"
+
+
+def test_watcher_command_line(opts: UpOptions) -> None:
+    """The watcher runs after the registry as `python -m watcher` on the staging directory."""
+    _, watcher = child_specs(opts, "127.0.0.1:2479")
+    assert watcher.name == "watcher"
+    assert watcher.argv[0] == sys.executable
+    assert watcher.argv[watcher.argv.index("-m") + 1 :] == (
+        "watcher",
+        "--registry", f"127.0.0.1:{opts.registry_port}",
+        "--staging", str(opts.staging),
+        "--state-file", str(opts.data_dir / "watcher-state.sqlite"),
+    )  # fmt: skip
+    assert watcher.log_path == opts.data_dir / "watcher.log"
+
+
+def test_log_line_probe_only_counts_the_current_run(tmp_path: Path) -> None:
+    """The ready line of an earlier run (before the last banner) does not count."""
+    log = tmp_path / "w.log"
+    probe = log_line_probe(log, "ready at")
+    assert not probe()
+    write_banner(log, ["old"])
+    log.write_text(log.read_text() + "ready at /old\n")
+    write_banner(log, ["new"])
+    probe = log_line_probe(log, "ready at")
+    assert not probe()
+    with log.open("a") as f:
+        f.write("ready a")
+    assert not probe()
+    with log.open("a") as f:
+        f.write("t /new\n")
+    assert probe()
 
 
 def test_up_serves_then_stops_cleanly(
@@ -155,6 +190,22 @@ def test_up_serves_then_stops_cleanly(
     assert stack.wait_for_line("stopped")
     assert not port_in_use(opts.etcd_port)
     assert not port_in_use(opts.registry_port)
+
+
+def test_up_verifies_a_put_file(
+    opts: UpOptions, stacks: Callable[[UpOptions], Stack], wait_for: Callable[..., None]
+) -> None:
+    """With baton up running, a file put into a task becomes verified with no other step."""
+    stack = stacks(opts)
+    lines = stack.wait_for_line("ready")
+    assert any(line.startswith(f"watcher   {opts.staging}") for line in lines)
+    with Client(f"127.0.0.1:{opts.registry_port}") as c, c.open_session("p", ttl=10) as s:
+        c.create_task({"task_id": "demo", "entries": [{"file_id": "a", "path": "in/a.txt"}]})
+        put(c, s, "demo", "a", io.BytesIO(b"hello from baton up"))
+        wait_for(lambda: c.get_entry("demo", "a").state == pb.VERIFIED, timeout=20,
+                 what="a verified by the stack's watcher")
+    stack.stop.set()
+    assert stack.join() == 0
 
 
 def test_a_child_that_dies_stops_the_stack(

@@ -157,14 +157,14 @@ def test_highest_priority_first_then_oldest(client: Client) -> None:
 
 
 def test_aging_lets_a_long_waiting_entry_overtake(client: Client) -> None:
-    """An entry that waited longer than (Δpriority × aging) goes before a newer higher one."""
+    """An entry that waited longer than (priority gap * aging) goes before a newer higher one."""
     client.create_task({"task_id": "t", "aging_seconds": 0.05, "backoff": FAST, "entries": [
         {"file_id": "low", "path": "low", "priority": 0},
         {"file_id": "high", "path": "high", "priority": 9}]})
     with client.open_session("p", ttl=10) as s:
         high = client.claim("t", session=s)
         assert high.file_id == "high"
-        time.sleep(0.6)  # the scenario: "low" has now waited > 9 × 0.05 s
+        time.sleep(0.6)  # the scenario: "low" has now waited > 9 * 0.05 s
         client.fail("t", "high", high.token, "requeued later")
         wait_for(lambda: client.get_entry("t", "high").not_before == "")
         assert client.claim("t", session=s).file_id == "low"

@@ -11,7 +11,6 @@ import pytest
 from client import Claim, Client, errors, produce
 from client.v1 import baton_pb2 as pb
 
-
 #: retries become claimable again at once (the default backoff starts at 1 s)
 FAST_RETRY = {"base_seconds": 0.001}
 

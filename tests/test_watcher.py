@@ -1,0 +1,188 @@
+"""The watcher end to end: real inotify on real directories, a real registry and etcd."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from registry_fixtures import RegistryHandle
+from watcher_fixtures import (
+    digest,
+    histories,
+    is_state,
+    make_task,
+    put_bytes,
+    state_of,
+    verified_events,
+)
+
+from client import Client, Session
+from client.v1 import baton_pb2 as pb
+from watcher import Watcher
+
+Wait = Callable[..., None]
+
+
+def test_published_by_rename_becomes_verified(
+    client: Client, session: Session, watcher_factory: Callable[..., Watcher], wait_for: Wait
+) -> None:
+    """A file published by the producer helper (temp file + rename) becomes verified."""
+    watcher_factory()
+    make_task(client, "t1", {"a": "a.bin"})
+    data = os.urandom(64 << 10)
+    put_bytes(client, session, "t1", "a", data)
+    wait_for(is_state(client, "t1", "a", pb.VERIFIED), what="a verified")
+    assert client.get_entry("t1", "a").digest == digest(data)
+
+
+def test_written_in_place_and_closed_becomes_verified(
+    client: Client, session: Session, watcher_factory: Callable[..., Watcher], wait_for: Wait
+) -> None:
+    """A file written under its final name and closed becomes verified after the commit."""
+    watcher_factory()
+    make_task(client, "t1", {"a": "a.bin"})
+    claim = client.claim("t1", "a", session=session)
+    data = b"in place " * 1000
+    Path(claim.path).parent.mkdir(parents=True, exist_ok=True)
+    with open(claim.path, "wb") as f:
+        f.write(data)
+    client.commit("t1", "a", claim.token, len(data), digest(data))
+    wait_for(is_state(client, "t1", "a", pb.VERIFIED), what="a verified")
+
+
+def test_mismatching_digest_takes_the_retry_path(
+    client: Client, session: Session, watcher_factory: Callable[..., Watcher], wait_for: Wait
+) -> None:
+    """When the producer's declared digest differs from the file's, the entry is retried."""
+    watcher_factory()
+    make_task(client, "t1", {"a": "a.bin"})
+    claim = client.claim("t1", "a", session=session)
+    Path(claim.path).parent.mkdir(parents=True, exist_ok=True)
+    Path(claim.path).write_bytes(b"actual bytes")
+    client.commit("t1", "a", claim.token, 12, digest(b"other bytes!"))
+    wait_for(lambda: client.get_entry("t1", "a").retry_count == 1, what="a retried")
+    entry = client.get_entry("t1", "a")
+    assert entry.state == pb.PENDING
+    assert "checksum mismatch" in entry.error
+
+
+def test_report_before_the_commit_settles_at_the_commit(
+    client: Client, session: Session, watcher_factory: Callable[..., Watcher], wait_for: Wait
+) -> None:
+    """A report kept while the entry is writing makes the commit itself verify it."""
+    w = watcher_factory()
+    make_task(client, "t1", {"a": "a.bin"})
+    claim = client.claim("t1", "a", session=session)
+    data = os.urandom(1000)
+    Path(claim.path).parent.mkdir(parents=True, exist_ok=True)
+    Path(claim.path).write_bytes(data)
+    wait_for(lambda: w.metrics.reports_of("t1", "a") == 1, what="the report before the commit")
+    assert state_of(client, "t1", "a") == pb.WRITING
+    committed = client.commit("t1", "a", claim.token, len(data), digest(data))
+    assert committed.state == pb.VERIFIED
+
+
+def test_report_after_the_commit_verifies(
+    client: Client, session: Session, watcher_factory: Callable[..., Watcher], wait_for: Wait
+) -> None:
+    """A file committed while no watcher ran is verified by the watcher that starts later."""
+    make_task(client, "t1", {"a": "a.bin"})
+    put_bytes(client, session, "t1", "a", b"committed first")
+    assert state_of(client, "t1", "a") == pb.WRITTEN
+    w = watcher_factory()
+    wait_for(is_state(client, "t1", "a", pb.VERIFIED), what="a verified")
+    assert w.metrics.reports_of("t1", "a") == 1
+
+
+def test_new_task_and_directory_created_a_moment_earlier(
+    client: Client, session: Session, watcher_factory: Callable[..., Watcher], wait_for: Wait
+) -> None:
+    """A task created after start is found by its directory, files in fresh subdirs too."""
+    watcher_factory()
+    make_task(client, "late", {"a": "x/y/z/a.bin", "b": "x/b.bin"})
+    put_bytes(client, session, "late", "a", b"deep")  # creates x/y/z and the file at once
+    put_bytes(client, session, "late", "b", b"shallow")
+    wait_for(is_state(client, "late", "a", pb.VERIFIED), what="a verified")
+    wait_for(is_state(client, "late", "b", pb.VERIFIED), what="b verified")
+
+
+def test_symlink_pointing_outside_the_root_is_refused(
+    client: Client, session: Session, watcher_factory: Callable[..., Watcher], wait_for: Wait,
+    tmp_path: Path,
+) -> None:
+    """A symlinked file or directory is never verified; the entry takes the retry path."""
+    watcher_factory()
+    outside = tmp_path / "outside"
+    (outside / "dir").mkdir(parents=True)
+    secret = outside / "secret"
+    secret.write_bytes(b"not staged")
+    (outside / "dir" / "c.bin").write_bytes(b"not staged")
+    make_task(client, "t1", {"a": "a.bin", "c": "linked/c.bin"})
+    for file_id, target, link in (("a", secret, "a.bin"), ("c", outside / "dir", "linked")):
+        claim = client.claim("t1", file_id, session=session)
+        task_dir = Path(claim.path).parents[1 if file_id == "c" else 0]
+        task_dir.mkdir(parents=True, exist_ok=True)
+        (task_dir / link).symlink_to(target)
+        client.commit("t1", file_id, claim.token, 10, digest(b"not staged"))
+    for file_id in ("a", "c"):
+        wait_for(lambda f=file_id: client.get_entry("t1", f).retry_count == 1,
+                 what=f"{file_id} refused")
+        entry = client.get_entry("t1", file_id)
+        assert entry.state == pb.PENDING
+        assert "symlink" in entry.error
+
+
+def test_verified_file_modified_replaced_or_deleted_leaves_verified(
+    client: Client, session: Session, watcher_factory: Callable[..., Watcher], wait_for: Wait,
+    staging: Path,
+) -> None:
+    """Changing a verified file in place, replacing it or deleting it un-verifies the entry."""
+    watcher_factory()
+    make_task(client, "t1", {"m": "m.bin", "r": "r.bin", "d": "d.bin"})
+    for f in ("m", "r", "d"):
+        put_bytes(client, session, "t1", f, f"original {f}".encode() * 100)
+    for f in ("m", "r", "d"):
+        wait_for(is_state(client, "t1", f, pb.VERIFIED), what=f"{f} verified")
+    task_dir = staging / "t1"
+    with open(task_dir / "m.bin", "r+b") as fh:
+        fh.write(b"X")
+    (task_dir / "new").write_bytes(b"replacement")
+    os.rename(task_dir / "new", task_dir / "r.bin")
+    (task_dir / "d.bin").unlink()
+    for f, why in (("m", "changed"), ("r", "changed"), ("d", "missing")):
+        wait_for(lambda f=f: state_of(client, "t1", f) == pb.PENDING, what=f"{f} unverified")
+        assert why in client.get_entry("t1", f).error
+
+
+def test_polling_fallback_verifies(
+    client: Client, session: Session, watcher_factory: Callable[..., Watcher], wait_for: Wait,
+    staging: Path,
+) -> None:
+    """With --observer poll the files of a new task are verified too, and tampering seen."""
+    w = watcher_factory(observer="poll")
+    assert w.watches.root_backend == "poll"
+    make_task(client, "t1", {"a": "sub/a.bin"})
+    put_bytes(client, session, "t1", "a", b"polled")
+    wait_for(is_state(client, "t1", "a", pb.VERIFIED), what="a verified")
+    assert w.watches.backend_of(str(staging / "t1")) == "poll"
+    (staging / "t1" / "sub" / "a.bin").write_bytes(b"tampered")
+    wait_for(is_state(client, "t1", "a", pb.PENDING), what="a unverified")
+
+
+def test_each_entry_verified_exactly_once(
+    client: Client, session: Session, watcher_factory: Callable[..., Watcher], wait_for: Wait,
+    registry: RegistryHandle,
+) -> None:
+    """Many files, several events each: one verification per entry, no retries."""
+    w = watcher_factory(reconcile_interval=0.5)
+    ids = [f"f{i:03d}" for i in range(40)]
+    make_task(client, "t1", {f: f"d{int(f[1:]) % 4}/{f}.bin" for f in ids})
+    for f in ids:
+        put_bytes(client, session, "t1", f, os.urandom(4096))
+    wait_for(lambda: all(e.state == pb.VERIFIED for e in client.list_entries("t1")),
+             what="all verified")
+    wait_for(lambda: w.metrics.get("reconciliations") >= 3, what="reconciliations")
+    hist = histories(registry.etcd, registry.prefix, "t1", ids)
+    assert {f: verified_events(h) for f, h in hist.items()} == dict.fromkeys(ids, 1)
+    assert sum(w.metrics.reports_of("t1", f) for f in ids) == len(ids)

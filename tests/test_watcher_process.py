@@ -1,0 +1,118 @@
+"""The watcher as a process (``python -m watcher``): ready line, SIGTERM, SIGKILL + restart."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from registry_fixtures import RegistryHandle
+from watcher_fixtures import histories, make_task, put_bytes, verified_events
+
+from client import Client, Session
+from client.v1 import baton_pb2 as pb
+from watcher.__main__ import READY
+
+Wait = Callable[..., None]
+
+
+class WatcherProcess:
+    """``python -m watcher`` on the test's registry; stderr (its log) goes to a file."""
+
+    def __init__(self, registry: RegistryHandle, staging: Path, log_path: Path,
+                 *extra: str) -> None:
+        self.log_path = log_path
+        argv = [sys.executable, "-u", "-m", "watcher", "--registry", registry.address,
+                "--staging", str(staging), "--retry-delay", "0.05", *extra]
+        with log_path.open("ab") as log:
+            self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log,
+                                         stdin=subprocess.DEVNULL)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline().decode()
+        assert line.startswith(READY), f"no ready line, got {line!r}: {self.log_tail()}"
+
+    def log_tail(self, n: int = 30) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+
+@pytest.fixture
+def processes(registry: RegistryHandle, staging: Path,
+              tmp_path: Path) -> Iterator[Callable[..., WatcherProcess]]:
+    """Start watcher processes; any still running are killed at teardown."""
+    started: list[WatcherProcess] = []
+
+    def make(*extra: str) -> WatcherProcess:
+        p = WatcherProcess(registry, staging, tmp_path / "watcher.log", *extra)
+        started.append(p)
+        return p
+
+    yield make
+    for p in started:
+        if p.proc.poll() is None:
+            p.proc.kill()
+        p.proc.wait()
+
+
+def all_verified(client: Client, task_id: str, n: int) -> Callable[[], bool]:
+    def check() -> bool:
+        entries = client.list_entries(task_id, pb.VERIFIED)
+        return len(entries) == n
+
+    return check
+
+
+def test_sigterm_stops_gracefully(
+    client: Client, session: Session, processes: Callable[..., WatcherProcess], wait_for: Wait,
+) -> None:
+    """The process prints its ready line, verifies files, and exits 0 on SIGTERM."""
+    w = processes()
+    make_task(client, "t1", {"a": "a.bin"})
+    put_bytes(client, session, "t1", "a", b"over a process")
+    wait_for(all_verified(client, "t1", 1), what="a verified")
+    w.proc.send_signal(signal.SIGTERM)
+    assert w.proc.wait(30) == 0
+    assert 'msg=stopped' in w.log_tail(), w.log_tail()
+
+
+@pytest.mark.slow
+def test_killed_and_restarted_while_files_land_verifies_each_once(
+    client: Client, session: Session, processes: Callable[..., WatcherProcess], wait_for: Wait,
+    registry: RegistryHandle, tmp_path: Path,
+) -> None:
+    """SIGKILL mid-stream, restart: all 500 files verified, none twice, none retried."""
+    ids = [f"f{i:04d}" for i in range(500)]
+    make_task(client, "t1", {f: f"d{i % 5}/{f}.bin" for i, f in enumerate(ids)})
+    first = processes("--reconcile-interval", "2")
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def produce() -> None:
+        try:
+            for f in ids:
+                put_bytes(client, session, "t1", f, os.urandom(2048) + f.encode())
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+        finally:
+            done.set()
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    wait_for(lambda: len(client.list_entries("t1", pb.VERIFIED)) >= 150, timeout=60,
+             what="150 verified before the kill")
+    first.proc.send_signal(signal.SIGKILL)
+    first.proc.wait()
+    verified_at_kill = len(client.list_entries("t1", pb.VERIFIED))
+    processes("--reconcile-interval", "2")
+    producer.join(120)
+    assert done.is_set() and not errors, errors
+    wait_for(all_verified(client, "t1", len(ids)), timeout=120, what="all 500 verified")
+    hist = histories(registry.etcd, registry.prefix, "t1", ids)
+    twice = {f: verified_events(h) for f, h in hist.items() if verified_events(h) != 1}
+    retried = [f for f, h in hist.items() if any(e["event"] == "failed" for e in h)]
+    assert not twice and not retried, (twice, retried)
+    assert verified_at_kill < len(ids)

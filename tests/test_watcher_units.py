@@ -1,0 +1,201 @@
+"""Watcher parts on their own: config, job queue, hasher, inotify emitter, statfs, logs."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import queue
+from pathlib import Path
+
+import blake3
+import pytest
+
+from watcher import WatcherConfig, load_config
+from watcher.emitter import InotifyEmitter
+from watcher.errors import FileChanged, Refused
+from watcher.events import FsEvent, Intake, Kind
+from watcher.fsinfo import REMOTE_MAGIC, blind_spot, fs_type
+from watcher.hashing import Hasher
+from watcher.jobs import JobQueue
+from watcher.logs import JsonFormatter, KeyValueFormatter, log
+
+
+def test_config_precedence_flag_env_file_default(tmp_path: Path) -> None:
+    """A flag beats BATON_* which beats the TOML file which beats the default."""
+    toml = tmp_path / "w.toml"
+    toml.write_text('staging = "/from/file"\nhash_workers = 7\nobserver = "poll"\n')
+    env = {"BATON_CONFIG": str(toml), "BATON_HASH_WORKERS": "5"}
+    cfg = load_config(["--observer", "inotify"], env)
+    assert cfg == WatcherConfig(staging="/from/file", hash_workers=5, observer="inotify")
+    assert load_config([], {}) == WatcherConfig()
+
+
+@pytest.mark.parametrize("argv", [["--observer", "fanotify"], ["--hash-workers", "0"],
+                                  ["--log-format", "xml"], ["--reconcile-interval", "x"]])
+def test_config_refuses_bad_values(argv: list[str]) -> None:
+    """Unknown choices, non-positive counts and non-numbers are usage errors."""
+    with pytest.raises(SystemExit):
+        load_config(argv, {})
+
+
+def test_job_queue_coalesces_and_never_loses_the_last_event() -> None:
+    """Repeated submits of a key give one job; a submit while held gives exactly one more."""
+    jobs = JobQueue()
+    for _ in range(5):
+        jobs.submit(("t", "a"))
+    jobs.submit(("t", "b"))
+    assert len(jobs) == 2
+    first = jobs.get()
+    assert first == ("t", "a")
+    jobs.submit(("t", "a"))  # while held: handed out again after done()
+    jobs.submit(("t", "a"))
+    assert jobs.get() == ("t", "b")
+    jobs.done(("t", "b"))
+    assert len(jobs) == 0
+    jobs.done(first)
+    assert jobs.get() == ("t", "a")
+    jobs.done(("t", "a"))
+    assert jobs.idle()
+
+
+def test_job_queue_delays_and_earlier_submission_wins() -> None:
+    """A delayed key is not due before its time; submitting it now makes it due now."""
+    now = [100.0]
+    jobs = JobQueue(clock=lambda: now[0])
+    jobs.submit(("t", "a"), delay=5.0)
+    jobs.submit(("t", "b"), delay=1.0)
+    now[0] = 101.5
+    assert jobs.get() == ("t", "b")
+    jobs.submit(("t", "a"))
+    assert jobs.get() == ("t", "a")
+    jobs.close()
+    assert jobs.get() is None
+
+
+def test_intake_overflow_becomes_an_overflow_event() -> None:
+    """A full intake drops events and reports one OVERFLOW before the queued ones."""
+    intake = Intake(2)
+    for name in "abc":
+        intake.put(FsEvent(Kind.LANDED, name))
+    assert intake.get(0) == FsEvent(Kind.OVERFLOW)
+    assert intake.get(0) == FsEvent(Kind.LANDED, "a")
+    assert intake.get(0) == FsEvent(Kind.LANDED, "b")
+    assert intake.get(0) is None
+
+
+@pytest.fixture
+def hasher(tmp_path: Path) -> Hasher:
+    """A hasher on a root with one task directory ``t``; large files from 1 MiB."""
+    (tmp_path / "root" / "t").mkdir(parents=True)
+    h = Hasher(str(tmp_path / "root"), large_file=1 << 20)
+    yield h  # type: ignore[misc]
+    h.close()
+
+
+@pytest.mark.parametrize("size", [0, 1, 100_000, (1 << 20) - 1, 1 << 20, 5_000_001])
+def test_hash_matches_blake3_small_and_large(hasher: Hasher, size: int) -> None:
+    """Single-thread reads and the mapping helper both give the file's BLAKE3."""
+    data = os.urandom(size)
+    Path(hasher.root, "t", "f").write_bytes(data)
+    hashed = hasher.hash("t", "f")
+    assert hashed.digest == blake3.blake3(data).hexdigest()
+    assert hashed.identity.size == size
+
+
+def test_hash_refuses_symlinks_anywhere_and_escapes(hasher: Hasher, tmp_path: Path) -> None:
+    """A symlinked file, a symlinked directory on the way, or '..' is refused."""
+    outside = tmp_path / "outside"
+    (outside / "d").mkdir(parents=True)
+    (outside / "d" / "f").write_bytes(b"x")
+    task = Path(hasher.root, "t")
+    (task / "link").symlink_to(outside / "d" / "f")
+    (task / "dirlink").symlink_to(outside / "d")
+    for rel in ("link", "dirlink/f", "../t/link", "/etc/passwd"):
+        with pytest.raises(Refused):
+            hasher.hash("t", rel)
+    with pytest.raises(Refused):
+        hasher.stat("t", "link")
+    assert hasher.stat("t", "absent") is None
+
+
+def test_hash_notices_a_file_replaced_while_hashed(hasher: Hasher,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """If the path points to another inode after the read, the result is not trusted."""
+    path = Path(hasher.root, "t", "f")
+    path.write_bytes(b"one")
+    real = hasher._read
+
+    def read_then_replace(fd: int) -> tuple[str, int]:
+        result = real(fd)
+        Path(hasher.root, "t", "g").write_bytes(b"two")
+        os.rename(Path(hasher.root, "t", "g"), path)
+        return result
+
+    monkeypatch.setattr(hasher, "_read", read_then_replace)
+    with pytest.raises(FileChanged, match=r"changed|replaced"):
+        hasher.hash("t", "f")
+
+
+def test_helper_death_is_a_changed_file(hasher: Hasher) -> None:
+    """A mapping helper that dies (SIGBUS on truncation) makes the hash fail, not the daemon."""
+    path = Path(hasher.root, "t", "big")
+    path.write_bytes(os.urandom(2 << 20))
+    hasher.hash("t", "big")  # starts this thread's helper
+    helper = hasher._mapped._local.helper
+    helper.process.kill()
+    helper.process.wait()
+    with pytest.raises(FileChanged, match="truncated"):
+        hasher.hash("t", "big")
+    assert hasher.hash("t", "big").identity.size == 2 << 20  # a new helper takes over
+
+
+def test_emitter_watches_a_new_directory_before_announcing_it(tmp_path: Path) -> None:
+    """Files created right after mkdir -p are seen: watch first, then DIR_CREATED."""
+    events: queue.Queue[FsEvent] = queue.Queue()
+    em = InotifyEmitter(events.put)
+    em.start()
+    try:
+        em.watch(str(tmp_path), recursive=True)
+        deep = tmp_path / "a" / "b"
+        deep.mkdir(parents=True)
+        (deep / "f").write_bytes(b"x")
+        (deep / ".f.baton-tmp-7").write_bytes(b"ignored")
+        seen: list[FsEvent] = []
+        while FsEvent(Kind.LANDED, str(deep / "f")) not in seen:
+            seen.append(events.get(timeout=5))
+        assert FsEvent(Kind.DIR_CREATED, str(tmp_path / "a")) in seen
+        assert not any("baton-tmp" in e.path for e in seen)
+        assert em.watch_count == 3
+        em.unwatch(str(tmp_path / "a"))
+        assert em.watch_count == 1
+    finally:
+        em.stop()
+
+
+def test_statfs_reads_the_filesystem_type(tmp_path: Path) -> None:
+    """f_type comes from statfs; a local directory is no blind spot for inotify."""
+    assert fs_type(str(tmp_path)) not in (None, 0)
+    assert fs_type("/proc") == 0x9FA0  # PROC_SUPER_MAGIC
+    assert blind_spot(str(tmp_path)) is None
+    assert REMOTE_MAGIC[0x6969] == "NFS"
+
+
+def test_structured_logs_carry_task_and_file_id() -> None:
+    """Both formats put the fields next to the message."""
+    for formatter, check in (
+        (KeyValueFormatter(), lambda s: 'msg=reported task=t1 file_id=a reason="two words"' in s),
+        (JsonFormatter(), lambda s: json.loads(s)["file_id"] == "a"),
+    ):
+        stream = io.StringIO()
+        handler = logging.StreamHandler(stream)
+        handler.setFormatter(formatter)
+        logger = logging.getLogger("baton.test.logs")
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        try:
+            log(logger, logging.INFO, "reported", task="t1", file_id="a", reason="two words")
+        finally:
+            logger.removeHandler(handler)
+        assert check(stream.getvalue().strip()), stream.getvalue()

@@ -1,0 +1,104 @@
+"""Watchers for tests: started in-process on the test's registry and staging root.
+
+Loaded as a pytest plugin by ``conftest.py`` next to the registry fixtures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import blake3
+import pytest
+from registry_fixtures import TEST_RETRY, RegistryHandle
+
+from client import Client, Session, put
+from client.v1 import baton_pb2 as pb
+from registry._etcd import Etcd
+from registry.keys import Keys
+from registry.model import EntryRecord
+from watcher import Watcher, WatcherConfig, start_watcher
+
+#: settings that keep tests fast; the reconciliation interval is long so that tests
+#: prove events (not the periodic sweep) did the work, unless they shorten it
+FAST = {"retry_delay": 0.05, "poll_interval": 0.1, "reconcile_interval": 300.0,
+        "stream_timeout": 30.0}
+
+
+@pytest.fixture
+def watcher_factory(registry: RegistryHandle, staging: Path) -> Iterator[Callable[..., Watcher]]:
+    """Start watchers on this test's registry and staging root; stopped at teardown."""
+    started: list[Watcher] = []
+
+    def make(**overrides: Any) -> Watcher:
+        settings: dict[str, Any] = {**FAST, **overrides}
+        config = WatcherConfig(registry=registry.address, staging=str(staging), **settings)
+        w = start_watcher(config, retry=TEST_RETRY)
+        started.append(w)
+        return w
+
+    yield make
+    for w in started:
+        w.stop()
+
+
+@pytest.fixture
+def session(client: Client) -> Iterator[Session]:
+    """A producer session on the test's registry."""
+    with client.open_session("producer", ttl=10) as s:
+        yield s
+
+
+def make_task(client: Client, task_id: str, paths: dict[str, str]) -> pb.Task:
+    """Create a task whose entries are ``file_id -> path``."""
+    task, _ = client.create_task({
+        "task_id": task_id,
+        "entries": [{"file_id": f, "path": p} for f, p in paths.items()],
+    })
+    return task
+
+
+def put_bytes(client: Client, session: Session, task_id: str, file_id: str,
+              data: bytes) -> pb.Entry:
+    """Publish ``data`` with the producer helper (temp file, fsync, rename, commit)."""
+    return put(client, session, task_id, file_id, io.BytesIO(data))
+
+
+def digest(data: bytes) -> str:
+    return blake3.blake3(data).hexdigest()
+
+
+def state_of(client: Client, task_id: str, file_id: str) -> int:
+    return int(client.get_entry(task_id, file_id).state)
+
+
+def is_state(client: Client, task_id: str, file_id: str, state: int) -> Callable[[], bool]:
+    return lambda: state_of(client, task_id, file_id) == state
+
+
+def histories(etcd_endpoint: str, prefix: str, task_id: str,
+              file_ids: list[str]) -> dict[str, list[dict[str, Any]]]:
+    """Each entry's attempt history, read straight from etcd (it is not on the wire)."""
+
+    async def read() -> dict[str, list[dict[str, Any]]]:
+        etcd = Etcd(etcd_endpoint)
+        await etcd.connect()
+        try:
+            keys = Keys(prefix)
+            out = {}
+            for f in file_ids:
+                kv = await etcd.get(keys.entry(task_id, f))
+                assert kv is not None
+                out[f] = EntryRecord.load(kv.value).history
+            return out
+        finally:
+            await etcd.close()
+
+    return asyncio.run(read())
+
+
+def verified_events(history: list[dict[str, Any]]) -> int:
+    return sum(1 for h in history if h["event"] == "verified")
