@@ -176,10 +176,23 @@ class Etcd:
     """An asyncio connection to one etcd endpoint (``host:port``)."""
 
     def __init__(self, endpoint: str, timeout: float = 5.0) -> None:
-        host, _, port = endpoint.rpartition(":")
+        """``endpoint`` is ``host:port``, or several separated by commas (members of
+        one cluster): calls are then spread over them, and a member that is down
+        only fails the calls it was given (retried by callers)."""
+        members = [e.strip() for e in endpoint.split(",") if e.strip()]
+        if not members or any(":" not in m for m in members):
+            raise ValueError(f"etcd endpoint must be host:port[,host:port...]: {endpoint!r}")
+        if len(members) == 1:
+            target, options = members[0], {}
+        else:
+            # A gRPC multi-address target, balanced per call.
+            target = "ipv4:" + ",".join(members)
+            options = {"grpc.lb_policy_name": "round_robin"}
+        host, _, port = target.rpartition(":")
         self.endpoint = endpoint
         self._timeout = timeout
-        self._client = aetcd.Client(host=host or "127.0.0.1", port=int(port), timeout=timeout)
+        self._client = aetcd.Client(host=host or "127.0.0.1", port=int(port), timeout=timeout,
+                                    options=options)
 
     @_etcd_errors
     async def connect(self) -> None:

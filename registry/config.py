@@ -27,7 +27,7 @@ class RegistryConfig:
 
 
 _HELP = {
-    "etcd": "etcd endpoint host:port",
+    "etcd": "etcd endpoint host:port, or several (members of one cluster) joined by commas",
     "listen": "gRPC address to serve on (port 0 = pick one)",
     "staging": "staging root; a task's files live under STAGING/TASK/",
     "prefix": "etcd key prefix (start and end with '/')",
