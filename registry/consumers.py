@@ -12,6 +12,7 @@ from .core import (
     Reads,
     Retry,
     check_session_id,
+    claim_holder,
     claim_value,
     entry_replay,
     need_entry,
@@ -54,6 +55,7 @@ class Consumers:
                 Put(self.keys.claim(ref), value, lease=req.session_id),
                 Put(self.keys.inflight(ref), value),
             ]
+            self.core.journal_only(rec, "consuming", ops, who=agent, group=req.group)
 
             def reply(rev: int) -> pb.ConsumeResponse:
                 entry = rec.to_pb(staging, revision=kv.mod_revision)
@@ -78,7 +80,7 @@ class Consumers:
             task_kvs, agent_kvs, slots, *found = await reads.read(
                 Get(self.keys.task(req.task_id)), Get(agent_key),
                 Get(self.keys.slots(req.session_id), prefix=True), *targets)
-            need_task(task_kvs, req.task_id)
+            need_task(task_kvs, req.task_id, active=True)  # paused: no new consume leases
             agent = need_session(agent_kvs, req.session_id)
             session = agent_kvs[0]
             if req.file_id:
@@ -128,6 +130,7 @@ class Consumers:
     async def _live(
         self, reads: Reads, task_id: str, file_id: str, group: str, token: int
     ) -> tuple[KV, EntryRecord, list[Compare], list[TxnOp]]:
+        """The live consume-claim for ``token``, the entry, and the guarded deletes."""
         check_id("task_id", task_id)
         check_id("file_id", file_id)
         check_id("group", group)
@@ -144,13 +147,13 @@ class Consumers:
         compares = [unchanged(kv), created_at(claim_key, token)]
         ops: list[TxnOp] = [Delete(claim_key), Delete(self.keys.inflight(ref))]
         release_slot(self.core, claims[0], ops)
-        return kv, rec, compares, ops
+        return claims[0], rec, compares, ops
 
     async def ack(self, req: pb.AckRequest) -> pb.Entry:
         staging = self.core.staging_dir(req.task_id)
 
         async def planner(reads: Reads) -> Plan[pb.Entry]:
-            _kv, rec, compares, ops = await self._live(
+            claim, rec, compares, ops = await self._live(
                 reads, req.task_id, req.file_id, req.group, req.token)
             if rec.state != VERIFIED:
                 raise IllegalTransition(
@@ -160,7 +163,7 @@ class Consumers:
                 )
             if req.group not in rec.consumed_by:
                 rec.consumed_by.append(req.group)
-            rec.remember("acked", group=req.group, token=req.token)
+            rec.remember("acked", who=claim_holder(claim), group=req.group, token=req.token)
             if all(g in rec.consumed_by for g in rec.consumers):
                 rec.state = CONSUMED
             self.core.put_entry(rec, ops)
@@ -172,7 +175,7 @@ class Consumers:
         staging = self.core.staging_dir(req.task_id)
 
         async def planner(reads: Reads) -> Plan[pb.Entry]:
-            _kv, rec, compares, ops = await self._live(
+            _claim, rec, compares, ops = await self._live(
                 reads, req.task_id, req.file_id, req.group, req.token)
             rec.remember("nacked", group=req.group, token=req.token, reason=req.reason)
             self.core.put_entry(rec, ops)

@@ -14,9 +14,10 @@ import json
 import logging
 import random
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from google.protobuf.message import Message
 
@@ -32,7 +33,7 @@ from client.v1 import baton_pb2 as pb
 
 from ._etcd import KV, Compare, Delete, Etcd, Get, Put, TxnOp, TxnResult, absent
 from .keys import Keys
-from .model import CONSUMED, DEAD, PENDING, VERIFIED, EntryRecord, TaskRecord
+from .model import CONSUMED, DEAD, PENDING, VERIFIED, EntryRecord, TaskRecord, now
 
 log = logging.getLogger("baton.registry")
 
@@ -199,12 +200,14 @@ class Core:
 
     # the retry path --------------------------------------------------------
 
-    def retry_or_dead(self, rec: EntryRecord, reason: str, ops: list[TxnOp]) -> None:
+    def retry_or_dead(self, rec: EntryRecord, reason: str, ops: list[TxnOp],
+                      token: int = 0) -> None:
         """Send an entry back to ``pending`` (retry_count + 1, after a backoff) or ``dead``.
 
         The caller's ``put_entry`` writes it, with its index and journal.
         """
-        rec.remember("failed", reason=reason, owner=rec.owner, attempt=rec.retry_count)
+        rec.remember("failed", reason=reason, who=rec.owner, token=token,
+                     attempt=rec.retry_count)
         rec.error = reason
         rec.owner, rec.session = "", 0
         rec.size, rec.digest, rec.committed_digest, rec.observed = 0, "", "", None
@@ -267,6 +270,15 @@ class Core:
             ops.append(Put(self.keys.journal(rec.task_id, rec.file_id, rec.seq),
                            json.dumps(record, default=str).encode()))
         ops.append(Put(self.keys.entry(rec.task_id, rec.file_id), rec.dump()))
+
+    def journal_only(self, rec: EntryRecord, event: str, ops: list[TxnOp],
+                     **details: Any) -> None:
+        """A journal record for an event that leaves the entry itself untouched
+        (taking a consume lease): keyed after the entry's last record, made unique."""
+        record = {"at": now(), "event": event, "from": rec.state, "to": rec.state, **details}
+        unique = f"~{uuid.uuid4().hex[:12]}".encode()
+        key = self.keys.journal(rec.task_id, rec.file_id, rec.seq) + unique
+        ops.append(Put(key, json.dumps(record, default=str).encode()))
 
 
 def claim_value(agent: str, session: int, slot: int = -1) -> bytes:
@@ -332,7 +344,15 @@ def take_slot(core: Core, session_kv: KV, used: list[KV], compares: list[Compare
     key = core.keys.slot(session_id, n)
     compares.append(absent(key))
     ops.append(Put(key, b"", lease=session_id))
+    # Later claims of the same transaction (a batch) must take other slots.
+    used.append(KV(key, b"", 0, 0, 0, session_id))
     return n
+
+
+def free_slots(session_kv: KV, used: list[KV]) -> int | None:
+    """How many more claims the session may hold (None: no limit)."""
+    limit = int(json.loads(session_kv.value).get("slots", 0) or 0)
+    return None if limit <= 0 else max(0, limit - len(used))
 
 
 def release_slot(core: Core, claim: KV, ops: list[TxnOp]) -> None:

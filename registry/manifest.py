@@ -198,6 +198,10 @@ def validate(spec: pb.TaskSpec) -> ValidTask:
                                 f"{e.file_id!r}")
             else:
                 owner[part] = e.file_id
+    for e in spec.entries:
+        if e.file_id in owner and e.consumers:
+            problems.append(f"entry {e.file_id!r} is a part of {owner[e.file_id]!r}: parts "
+                            "are consumed as their assembly and take no consumers")
     assemblies = {e.file_id for e in spec.entries if e.parts}
     for part, assembly in owner.items():
         if part in assemblies:

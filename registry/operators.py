@@ -119,12 +119,19 @@ class Operators:
         check_id("task_id", req.task_id)
         if req.file_id:
             check_id("file_id", req.file_id)
+        if req.limit < 0:
+            raise InvalidArgument("limit must be ≥ 0")
+        await self.core.task(req.task_id)  # NotFound for an unknown task
+        if req.file_id:
+            await self.core.entry(req.task_id, req.file_id)
         kvs, _, _ = await self.core.etcd.range(self.keys.journal_all(req.task_id, req.file_id))
         records = []
         base = self.keys.journal_all(req.task_id)
         for kv in sorted(kvs, key=lambda kv: kv.create_revision):
             file_id = self.keys.parse_tail(kv.key, base)[0]
             data = json.loads(kv.value)
+            if data.get("event") == "claimed" and not data.get("token"):
+                data["token"] = kv.create_revision  # a claim's token is its revision
             records.append(pb.JournalRecord(
                 task_id=req.task_id, file_id=file_id, revision=kv.create_revision,
                 at=str(data.get("at", "")), event=str(data.get("event", "")),
@@ -132,8 +139,6 @@ class Operators:
                 token=int(data.get("token", 0) or 0), from_state=str(data.get("from", "")),
                 to_state=str(data.get("to", "")), reason=str(data.get("reason", "")),
             ))
-        if req.limit < 0:
-            raise InvalidArgument("limit must be ≥ 0")
         return pb.JournalResponse(records=records[-req.limit:] if req.limit else records)
 
     async def explain(self, req: pb.GetEntryRequest) -> pb.Explanation:
@@ -171,7 +176,10 @@ class Operators:
         elif rec.state == WRITING:
             claim = await self.core.etcd.get(
                 self.keys.claim(ClaimRef("p", rec.task_id, rec.file_id)))
-            if claim is None:
+            if task.status == "cancelled":
+                s.append(f"Its claim by {rec.owner} was revoked when the task was "
+                         "cancelled; nothing more will happen to it.")
+            elif claim is None:
                 s.append(f"Its producer {rec.owner} lost its lease; the reaper will send it "
                          "back for a retry within a moment.")
             else:

@@ -23,6 +23,7 @@ from .core import (
     check_session_id,
     claim_value,
     entry_replay,
+    free_slots,
     need_entry,
     need_session,
     need_task,
@@ -205,7 +206,9 @@ class Producers:
 
         async def planner(reads: Reads) -> Plan[pb.ClaimBatchResponse]:
             session, page = await self._first_read(reads, req.task_id, req.session_id, None)
-            picked = await self._pick(req.task_id, page, want)
+            free = free_slots(session.kv, session.slots_used)
+            picked = await self._pick(req.task_id, page, want if free is None else
+                                      max(1, min(want, free)))
             compares: list[Compare] = [present(session.key)]
             ops: list[TxnOp] = []
             for kv, rec in picked:
@@ -350,7 +353,7 @@ class Producers:
             ops: list[TxnOp] = []
             self._finish_claim(kv, rec, claim, req.token, compares, ops)
             self.core.retry_or_dead(rec, f"producer failed: {req.reason or 'no reason given'}",
-                                    ops)
+                                    ops, token=req.token)
             self.core.put_entry(rec, ops)
             return Plan(compares, ops, lambda rev: rec.to_pb(staging, revision=rev))
 

@@ -31,9 +31,9 @@ class Sessions:
         ttl = req.ttl or 10
         if not MIN_TTL <= ttl <= MAX_TTL:
             raise InvalidArgument(f"ttl {ttl} not within {MIN_TTL}..{MAX_TTL} seconds")
-        lease, granted = await self.core.etcd.grant(ttl)
         if not 0 <= req.slots <= 10_000:
             raise InvalidArgument(f"slots {req.slots} not within 0..10000 (0 = no limit)")
+        lease, granted = await self.core.etcd.grant(ttl)
         info = {"agent": req.agent, "host": req.host, "pid": req.pid, "version": req.version,
                 "ttl": granted, "slots": req.slots, "opened_at": now()}
         await self.core.etcd.txn([], [Put(self.keys.agent(lease), json.dumps(info).encode(),
@@ -121,7 +121,7 @@ class Reaper:
                 compares.append(unchanged(kv))
                 if ref.kind == "p" and rec.state == WRITING:
                     self.core.retry_or_dead(
-                        rec, f"lease of agent {holder} lost (token {token})", ops)
+                        rec, f"lease of agent {holder} lost (token {token})", ops, token=token)
                     self.core.put_entry(rec, ops)
                 elif (ref.kind == "c" and rec.state == VERIFIED
                       and ref.group not in rec.consumed_by):

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from client.errors import InvalidArgument, TaskExists
 from client.v1 import baton_pb2 as pb
 
-from ._etcd import KV, Put, TxnOp, absent, unchanged
+from ._etcd import KV, Get, Put, TxnOp, absent, unchanged
 from .core import Core, claim_holder
 from .keys import ClaimRef
 from .manifest import check_id, validate
@@ -167,12 +167,19 @@ class Tasks:
                 self.keys.claim(ClaimRef("c", rec.task_id, rec.file_id, group)))
             if c is not None:
                 consuming[group] = claim_holder(c)
-        return rec.to_pb(
+        entry = rec.to_pb(
             self.core.staging_dir(rec.task_id),
             revision=kv.mod_revision,
             token=claim.create_revision if claim else 0,
             consuming=consuming,
         )
+        if rec.state == PENDING and not rec.deps_ok:
+            names = rec.parts or rec.depends_on
+            found = await self.core.etcd.read(
+                [Get(self.keys.entry(rec.task_id, n)) for n in names])
+            entry.blocked = any(kvs and EntryRecord.load(kvs[0].value).state == DEAD
+                                for kvs in found)
+        return entry
 
     async def list_entries(self, req: pb.ListEntriesRequest) -> pb.ListEntriesResponse:
         check_id("task_id", req.task_id)

@@ -8,8 +8,8 @@ from collections.abc import Callable
 from client.errors import InvalidArgument
 from client.v1 import baton_pb2 as pb
 
-from ._etcd import Delete, Get, Put, TxnOp, unchanged
-from .core import Core, Plan, Reads, entry_replay, need_entry
+from ._etcd import Compare, Delete, Get, Put, TxnOp, absent, created_at, unchanged
+from .core import Core, Plan, Reads, entry_replay, need_entry, release_slot
 from .keys import ClaimRef
 from .manifest import DIGEST_RE, check_id
 from .model import PENDING, VERIFIED, WRITING, WRITTEN, EntryRecord, now
@@ -25,12 +25,14 @@ class Verifier:
         key = (rec.task_id, rec.file_id)
         return lambda: self.core.verified.put_nowait(key)
 
-    def settle(self, rec: EntryRecord, size: int, digest: str, ops: list[TxnOp]) -> bool:
+    def settle(self, rec: EntryRecord, size: int, digest: str, ops: list[TxnOp],
+               who: str = "") -> bool:
         """A written entry meets what is on disk: verified (True), or the retry path."""
         expected = rec.committed_digest or rec.expected_digest
         if size == rec.size and (not expected or expected == digest):
             rec.state, rec.digest, rec.error = VERIFIED, digest, ""
-            rec.remember("verified", digest=digest)
+            rec.remember("verified", who=who or str((rec.observed or {}).get("reporter", "")),
+                         digest=digest)
             self.open_to_consumers(rec, ops)
             return True
         self.core.retry_or_dead(
@@ -46,14 +48,22 @@ class Verifier:
             if group not in rec.consumed_by:
                 ops.append(Put(self.keys.cready(rec.task_id, group, rec.file_id), b""))
 
-    def unverify(self, rec: EntryRecord, reason: str, ops: list[TxnOp]) -> None:
+    async def unverify(self, rec: EntryRecord, reason: str, compares: list[Compare],
+                       ops: list[TxnOp]) -> None:
         """The verified bytes are gone: nobody may be handed them any more, and
-        consumers holding them lose their tokens; the entry takes the retry path."""
-        for group in rec.consumers:
-            ref = ClaimRef("c", rec.task_id, rec.file_id, group)
-            ops.append(Delete(self.keys.cready(rec.task_id, group, rec.file_id)))
-            ops.append(Delete(self.keys.claim(ref)))
+        consumers holding them lose their tokens (and slots); the entry takes the
+        retry path."""
+        refs = [ClaimRef("c", rec.task_id, rec.file_id, g) for g in rec.consumers]
+        held = await self.core.etcd.read([Get(self.keys.claim(r)) for r in refs])
+        for ref, claims in zip(refs, held, strict=True):
+            ops.append(Delete(self.keys.cready(rec.task_id, ref.group, rec.file_id)))
             ops.append(Delete(self.keys.inflight(ref)))
+            if claims:
+                compares.append(created_at(claims[0].key, claims[0].create_revision))
+                ops.append(Delete(claims[0].key))
+                release_slot(self.core, claims[0], ops)
+            else:
+                compares.append(absent(self.keys.claim(ref)))
         self.core.retry_or_dead(rec, reason, ops)
 
     async def problem(self, req: pb.ProblemReport) -> pb.Entry:
@@ -70,17 +80,18 @@ class Verifier:
             (found,) = await reads.read(Get(self.keys.entry(req.task_id, req.file_id)))
             kv, rec = need_entry(found, req.task_id, req.file_id)
             ops: list[TxnOp] = []
+            compares = [unchanged(kv)]
             if rec.state == WRITTEN and not rec.parts:
                 self.core.retry_or_dead(rec, reason, ops)
             elif rec.state == VERIFIED and not rec.parts:
-                self.unverify(rec, reason, ops)
+                await self.unverify(rec, reason, compares, ops)
             elif rec.state == WRITING and rec.observed is not None:
                 rec.observed = None  # what was seen before the commit no longer holds
                 rec.remember(kinds[req.kind], who=req.reporter, reason=req.reason)
             else:  # nothing on disk was vouched for: nothing to undo
                 return Plan([unchanged(kv)], [], lambda rev: rec.to_pb(staging, revision=rev))
             self.core.put_entry(rec, ops)
-            return Plan([unchanged(kv)], ops, lambda rev: rec.to_pb(staging, revision=rev))
+            return Plan(compares, ops, lambda rev: rec.to_pb(staging, revision=rev))
 
         return await self.core.apply(planner, req.request_id, entry_replay)
 
@@ -95,6 +106,7 @@ class Verifier:
             (found,) = await reads.read(Get(self.keys.entry(req.task_id, req.file_id)))
             kv, rec = need_entry(found, req.task_id, req.file_id)
             ops: list[TxnOp] = []
+            compares = [unchanged(kv)]
             applied = None
             if rec.parts:  # an assembly has no file of its own
                 return Plan([unchanged(kv)], [], lambda rev: rec.to_pb(staging, revision=rev))
@@ -105,15 +117,14 @@ class Verifier:
                     "reporter": req.reporter, "at": now(),
                 }
             elif rec.state == WRITTEN:
-                if self.settle(rec, req.size, req.digest, ops):
+                if self.settle(rec, req.size, req.digest, ops, who=req.reporter):
                     applied = self.notify(rec)
             elif rec.state == VERIFIED and req.digest != rec.digest:
-                self.unverify(rec, f"verified file changed on disk (now size {req.size} "
-                              f"digest {req.digest})", ops)
+                await self.unverify(rec, f"verified file changed on disk (now size {req.size} "
+                                    f"digest {req.digest})", compares, ops)
             else:  # consumed, dead, or a repeat of what is known: nothing to do
                 return Plan([unchanged(kv)], [], lambda rev: rec.to_pb(staging, revision=rev))
             self.core.put_entry(rec, ops)
-            return Plan([unchanged(kv)], ops, lambda rev: rec.to_pb(staging, revision=rev),
-                        applied)
+            return Plan(compares, ops, lambda rev: rec.to_pb(staging, revision=rev), applied)
 
         return await self.core.apply(planner, req.request_id, entry_replay)

@@ -320,7 +320,8 @@ def test_journal_records_every_transition(client: Client) -> None:
     records = client.journal("t", "a")
     assert [(r.event, r.from_state, r.to_state) for r in records] == [
         ("claimed", "pending", "writing"), ("committed", "writing", "written"),
-        ("verified", "written", "verified"), ("acked", "verified", "consumed")]
+        ("verified", "written", "verified"), ("consuming", "verified", "verified"),
+        ("acked", "verified", "consumed")]
     assert records[0].who == "prod" and records[1].token == c.token
     assert records[0].revision == c.token  # written by the claim's own transaction
     revisions = [r.revision for r in records]
@@ -380,3 +381,56 @@ def test_task_completes_when_every_entry_is_consumed_or_dead(client: Client) -> 
         client.ack("t", "a", "default", lease.token)
     task = wait_for(lambda: (t := client.get_task("t")).status == pb.TASK_COMPLETED and t)
     assert "1 dead" in task.status_reason and (task.open, task.dead) == (0, 1)
+
+
+def test_batch_claim_stops_at_free_slots(client: Client) -> None:
+    """A batch claim on a session with 2 free slots claims 2, then is refused."""
+    client.create_task({"task_id": "t", "entries": entries(*(f"e{i}" for i in range(6)))})
+    with client.open_session("p", ttl=10, slots=2) as s:
+        assert len(client.claim_batch("t", 5, session=s)) == 2
+        with pytest.raises(errors.SlotsExhausted):
+            client.claim_batch("t", 5, session=s)
+
+
+def test_unverified_entry_frees_its_consumers_slots(client: Client) -> None:
+    """When verified bytes vanish, the consumer holding them gets its slot back."""
+    client.create_task({"task_id": "t", "backoff": FAST, "entries": entries("a", "b")})
+    with client.open_session("p", ttl=10) as s:
+        produce_verified(client, s, "t", "a")
+        produce_verified(client, s, "t", "b")
+    with client.open_session("c", ttl=10, slots=1) as s:
+        lease = client.consume("t", "default", session=s)
+        client.report_problem("t", lease.file_id, pb.ProblemReport.MISSING, "deleted")
+        assert client.consume("t", "default", session=s).file_id != lease.file_id
+
+
+def test_pause_stops_new_consume_leases(client: Client) -> None:
+    """A paused task hands out no consume leases either."""
+    client.create_task({"task_id": "t", "entries": entries("a")})
+    with client.open_session("p", ttl=10) as s:
+        produce_verified(client, s, "t")
+        client.pause_task("t")
+        with pytest.raises(errors.TaskNotActive):
+            client.consume("t", "default", session=s)
+        client.resume_task("t")
+        assert client.consume("t", "default", session=s).file_id == "a"
+
+
+def test_entry_shows_blocked_and_journal_names_the_consumer(client: Client) -> None:
+    """GetEntry flags an entry blocked by a dead dependency; the journal records consuming."""
+    client.create_task({"task_id": "t", "max_retries": 0, "entries": [
+        {"file_id": "a", "path": "a"}, {"file_id": "b", "path": "b", "depends_on": ["a"]},
+        {"file_id": "c", "path": "c"}]})
+    with client.open_session("p", ttl=10) as s:
+        c = client.claim("t", "a", session=s)
+        client.fail("t", "a", c.token, "bad")
+        assert client.get_entry("t", "b").blocked
+        produce_verified(client, s, "t", "c")
+        lease = client.consume("t", "default", session=s)
+        client.ack("t", "c", "default", lease.token)
+    events = [(r.event, r.who) for r in client.journal("t", "c")]
+    assert ("consuming", "p") in events and ("acked", "p") in events
+    failed = [r for r in client.journal("t", "a") if r.event == "failed"]
+    assert failed[0].token == c.token
+    with pytest.raises(errors.NotFound):
+        client.journal("nope")

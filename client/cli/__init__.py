@@ -12,7 +12,7 @@ keepalive SESSION`` extends it and ``baton release SESSION`` ends it, as
 ``etcdctl lease keep-alive`` / ``revoke`` do for a lease.
 """
 
-from . import agents, stack, tasks
+from . import agents, ops, stack, tasks
 from ._root import cli, main
 
-__all__ = ["agents", "cli", "main", "stack", "tasks"]
+__all__ = ["agents", "cli", "main", "ops", "stack", "tasks"]

@@ -138,6 +138,13 @@ def ttl_option(f: F) -> F:
     )(f)  # fmt: skip
 
 
+def slots_option(f: F) -> F:
+    return click.option(
+        "--slots", type=click.IntRange(0, 10_000), default=0, show_default=True,
+        help="claims the session may hold at once (0: no limit)",
+    )(f)  # fmt: skip
+
+
 def as_dict(msg: Message) -> dict[str, Any]:
     """A message as JSON-ready data: proto field names, every field, numbers as numbers."""
     return json_format.MessageToDict(
@@ -152,8 +159,32 @@ def emit_json(data: Any) -> None:
     click.echo(json.dumps(data))
 
 
+def folding_table(*columns: str, whole: tuple[str, ...] = (),
+                  min_widths: dict[str, int] | None = None) -> Table:
+    """A table whose cells wrap (long words fold) when the terminal is narrow,
+    rather than being cut short with an ellipsis; ``whole`` columns never wrap."""
+    table = Table()
+    for name in columns:
+        min_width = (min_widths or {}).get(name)
+        if name in whole:
+            table.add_column(name, no_wrap=True, min_width=min_width)
+        else:
+            table.add_column(name, overflow="fold", min_width=min_width)
+    return table
+
+
+#: the widest a table printed to a pipe or file may get
+MAX_PIPE_WIDTH = 1000
+
+
 def emit_table(table: Table) -> None:
-    Console(soft_wrap=False).print(table)
+    """Print a table: fitted to a terminal; at its natural width into a pipe or
+    file (unless COLUMNS says otherwise), so each row stays one line for grep."""
+    console = Console(soft_wrap=False)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        natural = Console(width=MAX_PIPE_WIDTH).measure(table).maximum
+        console = Console(soft_wrap=False, width=max(natural, 1))
+    console.print(table)
 
 
 def err_console() -> Console:
@@ -233,6 +264,7 @@ def session_line(session: Session) -> str:
 
 
 EXIT_STATUS = ("Exit status: 0 ok, 1 other error, 2 invalid input or usage, 3 nothing to "
-               "claim or consume, 4 refused (stale token, illegal transition, exists, session "
-               "expired), 5 not found, 6 registry unavailable.")
+               "claim or consume, or the session's slots are full, 4 refused (stale token, "
+               "illegal transition, exists, session expired, task not active), 5 not found, "
+               "6 registry unavailable.")
 

@@ -1,13 +1,17 @@
-"""Agent commands: claim, commit, fail, put, consume, ack, nack, sessions, watch."""
+"""Agent commands: claim, commit, commit-batch, fail, put, consume, ack, nack, sessions,
+watch."""
 
 from __future__ import annotations
 
+import json
 import sys
 from contextlib import nullcontext
 from pathlib import Path
+from typing import IO, Any
 
 import click
 
+from .. import errors
 from ..consumer import next_lease
 from ..producer import put as put_file
 from ..v1 import baton_pb2 as pb
@@ -18,7 +22,10 @@ from ._common import (
     close_quietly,
     emit_entry,
     emit_json,
+    emit_table,
+    entry_summary,
     err_console,
+    folding_table,
     hash_file,
     output_option,
     parse_session_id,
@@ -26,6 +33,7 @@ from ._common import (
     progress_reader,
     session_json,
     session_line,
+    slots_option,
     state_name,
     ttl_option,
 )
@@ -35,31 +43,48 @@ from ._root import cli
 @cli.command()
 @click.argument("task_id", metavar="TASK")
 @click.argument("file_id", required=False, default="")
+@click.option("--batch", type=click.IntRange(min=1), metavar="N",
+              help="claim up to N entries in one transaction (not with FILE_ID)")
 @agent_option
 @ttl_option
+@slots_option
 @output_option
 @pass_settings
-def claim(settings: Settings, task_id: str, file_id: str, agent: str, ttl: int,
-          output: str) -> None:
+def claim(settings: Settings, task_id: str, file_id: str, batch: int | None, agent: str,
+          ttl: int, slots: int, output: str) -> None:
     """Claim an entry for writing.
 
     Claims FILE_ID, or the next claimable entry without it, and prints the
-    fencing token and the path to write. The claim outlives this command for
-    --ttl seconds; `baton keepalive SESSION` extends it, `baton release SESSION`
-    gives it up.
+    fencing token and the path to write. With --batch N, claims up to N of
+    the next claimable entries at once (-o json: a list). The claims outlive
+    this command for --ttl seconds; `baton keepalive SESSION` extends them,
+    `baton release SESSION` gives them up.
     """
+    if batch is not None and file_id:
+        raise click.UsageError("--batch claims the next claimable entries; leave out FILE_ID")
     client = settings.client()
-    session = client.open_session(agent, ttl, keepalive=False)
+    session = client.open_session(agent, ttl, keepalive=False, slots=slots)
     try:
-        c = client.claim(task_id, file_id, session=session)
+        if batch is None:
+            claims = [client.claim(task_id, file_id, session=session)]
+        else:
+            claims = client.claim_batch(task_id, batch, session=session)
     except BaseException:
         close_quietly(client, session)
         raise
     if output == "json":
-        emit_json({**c.as_dict(), "session": session_json(c.session_id)})
+        data = [{**c.as_dict(), "session": session_json(c.session_id)} for c in claims]
+        emit_json(data if batch is not None else data[0])
         return
-    click.echo(f"claimed  {c.task_id}/{c.file_id}  token {c.token}")
-    click.echo(f"path     {c.path}")
+    if batch is None:
+        c = claims[0]
+        click.echo(f"claimed  {c.task_id}/{c.file_id}  token {c.token}")
+        click.echo(f"path     {c.path}")
+    else:
+        table = folding_table("file_id", "token", "path", whole=("token",))
+        for c in claims:
+            table.add_row(c.file_id, str(c.token), c.path)
+        emit_table(table)
     click.echo(session_line(session))
 
 
@@ -89,6 +114,61 @@ def commit(settings: Settings, task_id: str, file_id: str, token: int, size: int
     assert size is not None
     entry = settings.client().commit(task_id, file_id, token, size, digest or "")
     emit_entry(entry, output)
+
+
+@cli.command("commit-batch")
+@click.argument("commits", type=click.File("rb"), metavar="FILE")
+@output_option
+@pass_settings
+def commit_batch(settings: Settings, commits: IO[bytes], output: str) -> None:
+    """Commit many claimed entries in one transaction.
+
+    FILE (- reads stdin) is a JSON list of objects with task, file_id, token,
+    size and optionally digest (the path and session of `claim -o json` are
+    ignored). All are committed or, if one is refused, none.
+    """
+    entries = settings.client().commit_batch(load_commits(commits))
+    if output == "json":
+        emit_json([as_dict(e) for e in entries])
+        return
+    for e in entries:
+        click.echo(entry_summary(e))
+
+
+#: keys of a commit-batch item; ``path`` and ``session`` come along from `claim -o json`
+COMMIT_KEYS = {"task": str, "file_id": str, "token": int, "size": int, "digest": str}
+IGNORED_KEYS = {"path", "session"}
+
+
+def load_commits(source: IO[bytes]) -> list[tuple[str, str, int, int, str]]:
+    """The (task, file_id, token, size, digest) tuples of a commit-batch file."""
+    name = getattr(source, "name", "<stdin>")
+    name = "<stdin>" if name in ("-", "<stdin>") else name
+    try:
+        data = json.loads(source.read())
+    except ValueError as e:  # not JSON, or not UTF-8
+        raise errors.InvalidArgument(f"{name}: not valid JSON: {e}") from None
+    if not isinstance(data, list) or not data:
+        raise errors.InvalidArgument(f"{name}: expected a non-empty JSON list of commits")
+    out = []
+    for i, item in enumerate(data):
+        where = f"{name}: commit [{i}]"
+        if not isinstance(item, dict):
+            raise errors.InvalidArgument(f"{where} is not an object")
+        unknown = sorted(set(item) - set(COMMIT_KEYS) - IGNORED_KEYS)
+        if unknown:
+            raise errors.InvalidArgument(f"{where}: unknown field(s) {', '.join(unknown)}")
+        values: dict[str, Any] = {"digest": ""}
+        for key, kind in COMMIT_KEYS.items():
+            value = item.get(key, values.get(key))
+            # bool is an int to Python, never a token or size to us
+            if value is None or not isinstance(value, kind) or isinstance(value, bool):
+                what = "an integer" if kind is int else "a string"
+                raise errors.InvalidArgument(f"{where}: {key} must be {what}")
+            values[key] = value
+        out.append((values["task"], values["file_id"], values["token"], values["size"],
+                    values["digest"]))
+    return out
 
 
 @cli.command()
@@ -145,12 +225,13 @@ def put(settings: Settings, task_id: str, file_id: str, src: Path, agent: str, t
 @click.option("-g", "--group", default="default", show_default=True, help="consumer group")
 @agent_option
 @ttl_option
+@slots_option
 @click.option("--wait", type=click.FloatRange(min=0), metavar="SECONDS",
               help="wait this long for an entry to be verified (not with FILE_ID)")
 @output_option
 @pass_settings
 def consume(settings: Settings, task_id: str, file_id: str, group: str, agent: str, ttl: int,
-            wait: float | None, output: str) -> None:
+            slots: int, wait: float | None, output: str) -> None:
     """Take a verified entry for a consumer group.
 
     Takes FILE_ID, or the next verified entry without it, and prints the token,
@@ -161,7 +242,7 @@ def consume(settings: Settings, task_id: str, file_id: str, group: str, agent: s
         raise click.UsageError("--wait takes the next verified entry; leave out FILE_ID")
     client = settings.client()
     # While waiting, a keepalive thread stops the session expiring under us.
-    session = client.open_session(agent, ttl, keepalive=wait is not None)
+    session = client.open_session(agent, ttl, keepalive=wait is not None, slots=slots)
     try:
         if wait is None:
             lease = client.consume(task_id, group, file_id, session=session)

@@ -82,8 +82,3 @@ def demo(settings: Settings, files: int, producers: int, consumers: int, limit: 
     _report(result)
     if result.problems:
         raise SystemExit(1)
-
-
-# --- tasks ----------------------------------------------------------------------
-
-

@@ -1,4 +1,4 @@
-"""Task commands: ``task create|get|ls`` and ``status``."""
+"""Task commands: ``task create|get|ls|pause|resume|cancel`` and ``status``."""
 
 from __future__ import annotations
 
@@ -15,10 +15,12 @@ from ._common import (
     DIGEST_PREFIX,
     STATES,
     BatonGroup,
+    F,
     Settings,
     as_dict,
     emit_json,
     emit_table,
+    folding_table,
     output_option,
     pass_settings,
     state_name,
@@ -29,7 +31,7 @@ from ._root import cli
 
 @cli.group(cls=BatonGroup)
 def task() -> None:
-    """Create and inspect tasks (manifests)."""
+    """Create, inspect and control tasks (manifests)."""
 
 
 def load_manifest(source: IO[bytes]) -> pb.TaskSpec:
@@ -85,13 +87,17 @@ def task_get(settings: Settings, task_id: str, output: str) -> None:
         emit_json(as_dict(t))
         return
     table = Table(show_header=False, box=None)
+    b = t.spec.backoff
     rows = {
         "task": t.spec.task_id,
-        "status": status_name(t.status),
+        "status": status_name(t.status) + (f" ({t.status_reason})" if t.status_reason else ""),
         "entries": str(t.entry_count),
+        "done": f"{progress(t)}  (dead {t.dead}, blocked {t.blocked})",
         "states": "  ".join(f"{s} {t.states[s]}" for s in STATES if t.states.get(s)) or "-",
         "consumers": ", ".join(t.spec.consumers) or "default",
         "max_retries": str(t.spec.max_retries),
+        "priority": f"{t.spec.priority}  (aging: +1 per {t.spec.aging_seconds:g} s waiting)",
+        "backoff": f"base {b.base_seconds:g} s, factor {b.factor:g}, cap {b.cap_seconds:g} s",
         "labels": ", ".join(f"{k}={v}" for k, v in sorted(t.spec.labels.items())) or "-",
         "staging": t.staging_dir,
         "created": t.created_at,
@@ -106,16 +112,83 @@ def task_get(settings: Settings, task_id: str, output: str) -> None:
 @output_option
 @pass_settings
 def task_ls(settings: Settings, output: str) -> None:
-    """List tasks."""
+    """List tasks with their progress.
+
+    done/total counts entries nothing more will happen to (consumed, dead, or
+    verified with no consumer groups); dead ones are also counted on their own.
+    """
     tasks = settings.client().list_tasks()
     if output == "json":
         emit_json([as_dict(t) for t in tasks])
         return
-    table = Table("task", "status", "entries", "created", "staging")
+    table = folding_table("task", "status", "done", "dead", "created", "staging",
+                          whole=("status", "done", "dead"))
     for t in tasks:
-        table.add_row(t.spec.task_id, status_name(t.status), str(t.entry_count), t.created_at,
-                      t.staging_dir)
+        table.add_row(t.spec.task_id, status_name(t.status), progress(t), str(t.dead),
+                      t.created_at, t.staging_dir)
     emit_table(table)
+
+
+def progress(t: pb.Task) -> str:
+    """``done/total``; ``-`` while the task is being created (its indexes are incomplete)."""
+    if t.status == pb.TASK_CREATING:
+        return f"-/{t.entry_count}"
+    return f"{t.entry_count - t.open}/{t.entry_count}"
+
+
+def _control(settings: Settings, action: str, task_id: str, reason: str, output: str) -> None:
+    client = settings.client()
+    call = {"pause": client.pause_task, "resume": client.resume_task,
+            "cancel": client.cancel_task}[action]
+    t = call(task_id, reason)
+    if output == "json":
+        emit_json(as_dict(t))
+        return
+    why = f" ({t.status_reason})" if reason and t.status_reason else ""
+    click.echo(f"task {t.spec.task_id}: {status_name(t.status)}{why}")
+
+
+def reason_option(f: F) -> F:
+    return click.option("--reason", default="", help="why; kept on the task as its "
+                                                     "status reason")(f)
+
+
+@task.command("pause")
+@click.argument("task_id", metavar="TASK")
+@reason_option
+@output_option
+@pass_settings
+def task_pause(settings: Settings, task_id: str, reason: str, output: str) -> None:
+    """Stop handing out producer claims of a task.
+
+    Claims already made may still be committed or failed, and consumers may
+    still take verified entries. `baton task resume` undoes it.
+    """
+    _control(settings, "pause", task_id, reason, output)
+
+
+@task.command("resume")
+@click.argument("task_id", metavar="TASK")
+@reason_option
+@output_option
+@pass_settings
+def task_resume(settings: Settings, task_id: str, reason: str, output: str) -> None:
+    """Make a paused task active again."""
+    _control(settings, "resume", task_id, reason, output)
+
+
+@task.command("cancel")
+@click.argument("task_id", metavar="TASK")
+@reason_option
+@output_option
+@pass_settings
+def task_cancel(settings: Settings, task_id: str, reason: str, output: str) -> None:
+    """Stop a task for good.
+
+    Every claim on it is revoked at once (its token is refused from then on)
+    and nothing more is handed out. A cancelled task cannot be resumed.
+    """
+    _control(settings, "cancel", task_id, reason, output)
 
 
 @cli.command()
@@ -124,26 +197,40 @@ def task_ls(settings: Settings, output: str) -> None:
 @output_option
 @pass_settings
 def status(settings: Settings, task_id: str, entries: bool, output: str) -> None:
-    """Count a task's entries per state.
+    """Count a task's entries per state and per consumer group.
 
-    With --entries, also one row per entry: owner, retries, size, digest, error.
+    Per group: entries it acked out of those it has to ack. Blocked entries
+    are pending ones with a dead dependency (or part). With --entries, also
+    one row per entry: owner, retries, size, digest, error.
     """
     client = settings.client()
     t = client.get_task(task_id)
-    rows = client.list_entries(task_id) if entries else []
+    rows = client.list_entries(task_id)
     counts = {s: int(t.states.get(s, 0)) for s in STATES}
+    groups = group_progress(t, rows)
     if output == "json":
-        data: dict[str, Any] = {"task": task_id, "status": status_name(t.status),
-                                "entries_total": t.entry_count, "states": counts}
+        data: dict[str, Any] = {
+            "task": task_id, "status": status_name(t.status), "status_reason": t.status_reason,
+            "entries_total": t.entry_count, "states": counts, "blocked": t.blocked,
+            "done": t.entry_count - t.open,
+            "groups": {g: {"consumed": n, "total": total} for g, (n, total) in groups.items()},
+        }
         if entries:
             data["entries"] = [as_dict(e) for e in rows]
         emit_json(data)
         return
-    summary = Table("state", "entries", title=f"{task_id} ({status_name(t.status)})")
+    summary = Table("state", "entries", title=f"{task_id} ({status_name(t.status)})",
+                    caption=t.status_reason or None)
     for s, n in counts.items():
         summary.add_row(s, str(n))
+        if s == "pending" and t.blocked:
+            summary.add_row("  blocked", str(t.blocked))
     summary.add_row("total", str(t.entry_count), style="bold")
     emit_table(summary)
+    by_group = Table("consumer group", "consumed")
+    for g, (n, total) in groups.items():
+        by_group.add_row(g, f"{n}/{total}")
+    emit_table(by_group)
     if entries:
         table = Table()
         for name in ("file_id", "state", "owner", "retries", "size", "digest"):
@@ -156,6 +243,18 @@ def status(settings: Settings, task_id: str, entries: bool, output: str) -> None
         emit_table(table)
 
 
-# --- producers -------------------------------------------------------------------
+def group_progress(t: pb.Task, rows: list[pb.Entry]) -> dict[str, tuple[int, int]]:
+    """Per consumer group: (entries it acked, entries it has to ack).
 
-
+    The registry counts the acks; how many entries each group has to ack
+    depends on the entries' own consumer lists (parts have none), so that is
+    counted here. The task's default groups come first.
+    """
+    totals: dict[str, int] = dict.fromkeys(t.spec.consumers, 0)
+    for e in rows:
+        for g in e.consumers:
+            totals[g] = totals.get(g, 0) + 1
+    for g in t.consumed_by_group:
+        totals.setdefault(g, 0)
+    order = [*t.spec.consumers, *sorted(set(totals) - set(t.spec.consumers))]
+    return {g: (int(t.consumed_by_group.get(g, 0)), totals[g]) for g in order}

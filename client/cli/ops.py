@@ -1,0 +1,113 @@
+"""Operator commands: requeue, log (the journal), explain, agents."""
+
+from __future__ import annotations
+
+import click
+
+from ..v1 import baton_pb2 as pb
+from ._common import (
+    Settings,
+    as_dict,
+    emit_entry,
+    emit_json,
+    emit_table,
+    folding_table,
+    output_option,
+    pass_settings,
+    session_json,
+)
+from ._root import cli
+
+
+@cli.command()
+@click.argument("task_id", metavar="TASK")
+@click.argument("file_id")
+@output_option
+@pass_settings
+def requeue(settings: Settings, task_id: str, file_id: str, output: str) -> None:
+    """Bring a dead entry back to pending.
+
+    It gets a fresh retry budget; entries blocked by it (through depends_on)
+    go ahead once it is verified. Only dead entries can be requeued (exit 4
+    otherwise).
+    """
+    emit_entry(settings.client().requeue(task_id, file_id), output)
+
+
+@cli.command("log")
+@click.argument("task_id", metavar="TASK")
+@click.argument("file_id", required=False, default="")
+@click.option("--limit", type=click.IntRange(min=0), default=0, show_default=True,
+              metavar="N", help="only the last N records (0: all)")
+@output_option
+@pass_settings
+def journal(settings: Settings, task_id: str, file_id: str, limit: int, output: str) -> None:
+    """Show the journal of a task, or of one of its entries.
+
+    One record per transition, oldest first: revision, time, file, event,
+    from → to state, who, token, reason (-o json: one JSON object per line).
+    """
+    records = settings.client().journal(task_id, file_id, limit)
+    if output == "json":
+        for r in records:
+            emit_json(as_dict(r))
+        return
+    table = folding_table("revision", "time", "file", "event", "from → to", "who", "token",
+                          "reason", whole=("revision", "event", "token"),
+                          min_widths={"time": 13, "from → to": 10})
+    for r in records:
+        # A space instead of the T lets a narrow terminal wrap date and time apart.
+        table.add_row(str(r.revision), r.at.replace("T", " ", 1), r.file_id, r.event,
+                      transition(r), r.who or "-", str(r.token) if r.token else "-", r.reason)
+    emit_table(table)
+
+
+def transition(r: pb.JournalRecord) -> str:
+    return f"{r.from_state or '-'} → {r.to_state or '-'}"
+
+
+@cli.command()
+@click.argument("task_id", metavar="TASK")
+@click.argument("file_id")
+@output_option
+@pass_settings
+def explain(settings: Settings, task_id: str, file_id: str, output: str) -> None:
+    """Say where an entry is and what it waits for.
+
+    One paragraph from the registry; -o json: {"entry": {...}, "text": "..."}.
+    """
+    explanation = settings.client().explain(task_id, file_id)
+    if output == "json":
+        emit_json(as_dict(explanation))
+    else:
+        click.echo(explanation.text)
+
+
+@cli.command("agents")
+@output_option
+@pass_settings
+def list_agents(settings: Settings, output: str) -> None:
+    """List live agent sessions and the claims each holds.
+
+    Per session: agent, host and pid, claims held out of its slot limit (-
+    for none), each claim (task/file, /group for a consumer, and its token),
+    and the seconds its lease has left out of its TTL.
+    """
+    agents = settings.client().list_agents()
+    if output == "json":
+        emit_json([{**as_dict(a), "session_id": session_json(a.session_id)} for a in agents])
+        return
+    # The session id stays whole: it is what `keepalive` and `release` take.
+    table = folding_table("session", "agent", "host/pid", "slots", "claims", "ttl",
+                          whole=("session",))
+    for a in sorted(agents, key=lambda a: (a.agent, a.session_id)):
+        table.add_row(str(a.session_id), a.agent, f"{a.host or '?'}/{a.pid or '?'}",
+                      f"{len(a.claims)}/{a.slots or '-'}",
+                      "\n".join(claim_line(c) for c in a.claims) or "-",
+                      f"{a.ttl_left}/{a.granted_ttl} s")
+    emit_table(table)
+
+
+def claim_line(c: pb.ClaimInfo) -> str:
+    where = f"{c.task_id}/{c.file_id}" + (f"/{c.group}" if c.group else "")
+    return f"{where}  token {c.token}"
