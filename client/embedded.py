@@ -1,8 +1,9 @@
 """``baton up``: a private etcd plus the Baton daemons, supervised in the foreground.
 
 The stack is etcd first, then every :class:`ChildSpec` that :func:`child_specs`
-returns, in order (today the registry; the watcher joins the list later). Each is
-started only once the previous one is ready, and they are stopped in reverse.
+returns, in order: the registry, then the watcher on the staging directory (so a
+file put into the stack is verified with no other step). Each is started only once
+the previous one is ready, and they are stopped in reverse.
 If any of them dies on its own, the rest are stopped and ``run_up`` returns 1.
 """
 
@@ -27,6 +28,7 @@ import grpc
 
 from client.errors import BatonError
 from client.etcdproc import (
+    BANNER_PREFIX,
     DaemonFailed,
     EtcdProcess,
     StartCancelled,
@@ -46,10 +48,13 @@ __all__ = [
     "default_data_dir",
     "default_staging",
     "grpc_health_probe",
+    "log_line_probe",
     "run_up",
 ]
 
 READY_TIMEOUT = 30.0
+#: the line ``python -m watcher`` prints once it watches the staging directory
+WATCHER_READY = "baton-watcher watching"
 STOP_TIMEOUT = 10.0
 #: how often a running stack checks that none of its processes died
 SUPERVISE_INTERVAL = 0.2
@@ -114,7 +119,7 @@ class ChildSpec:
 def child_specs(opts: UpOptions, etcd_endpoint: str) -> list[ChildSpec]:
     """The daemons run after etcd, in start order (stopped in reverse).
 
-    The watcher will be appended here, after the registry it reports to.
+    The watcher comes after the registry it reports to.
     """
     registry_address = f"127.0.0.1:{opts.registry_port}"
     registry_log = opts.data_dir / "registry.log"
@@ -135,7 +140,52 @@ def child_specs(opts: UpOptions, etcd_endpoint: str) -> list[ChildSpec]:
         address=registry_address,
         details=f"staging: {opts.staging}, log: {registry_log}",
     )
-    return [registry]
+    watcher_log = opts.data_dir / "watcher.log"
+    watcher_argv = (
+        sys.executable,
+        "-u",
+        "-m", "watcher",
+        "--registry", registry_address,
+        "--staging", str(opts.staging),
+        "--state-file", str(opts.data_dir / "watcher-state.sqlite"),
+    )  # fmt: skip
+    watcher = ChildSpec(
+        name="watcher",
+        argv=watcher_argv,
+        log_path=watcher_log,
+        ready=log_line_probe(watcher_log, WATCHER_READY),
+        address=str(opts.staging),
+        details=f"reports to {registry_address}, log: {watcher_log}",
+    )
+    return [registry, watcher]
+
+
+def log_line_probe(log_path: Path, text: str) -> Callable[[], bool]:
+    """A probe that is True once a line starting with ``text`` follows the log's last banner.
+
+    The log is appended to across runs; only the current run (after the banner
+    written at its start) counts. Reads only what was appended since the last call.
+    """
+    offset, tail = -1, ""
+
+    def probe() -> bool:
+        nonlocal offset, tail
+        try:
+            with log_path.open("r", encoding="utf-8", errors="replace") as f:
+                if offset < 0:
+                    whole = f.read()
+                    chunk = whole[max(whole.rfind(BANNER_PREFIX), 0) :]
+                else:
+                    f.seek(offset)
+                    chunk = tail + f.read()
+                offset = f.tell()
+        except FileNotFoundError:
+            return False
+        lines = chunk.split("\n")
+        tail = lines.pop()  # an unfinished last line is read again next time
+        return any(line.startswith(text) for line in lines)
+
+    return probe
 
 
 def _health_modules() -> tuple[Any, Any]:
@@ -255,6 +305,14 @@ def _stop_on_signals(stop: threading.Event) -> Iterator[None]:
 
 def _check_installed() -> None:
     _health_modules()
+    missing = [m for m in ("watcher", "inotify_simple", "watchdog")
+               if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ExtraNotInstalled(
+            f"`baton up` runs a watcher, which needs {', '.join(missing)}; install it "
+            "with: pip install 'baton[watcher]'",
+            extra="watcher",
+        )
     # find_spec of the top-level name only: it locates without importing anything.
     if importlib.util.find_spec("registry") is None:
         raise ExtraNotInstalled(

@@ -186,3 +186,19 @@ def test_each_entry_verified_exactly_once(
     hist = histories(registry.etcd, registry.prefix, "t1", ids)
     assert {f: verified_events(h) for f, h in hist.items()} == dict.fromkeys(ids, 1)
     assert sum(w.metrics.reports_of("t1", f) for f in ids) == len(ids)
+
+
+def test_assembly_is_left_to_the_registry(
+    client: Client, session: Session, watcher_factory: Callable[..., Watcher], wait_for: Wait,
+) -> None:
+    """Parts are hashed; the assembly (no file of its own) is never reported missing."""
+    w = watcher_factory(reconcile_interval=0.3)
+    client.create_task({"task_id": "asm", "entries": [
+        {"file_id": "p1", "path": "p1"}, {"file_id": "p2", "path": "p2"},
+        {"file_id": "big", "path": "big", "parts": ["p1", "p2"]}]})
+    put_bytes(client, session, "asm", "p1", b"part one")
+    put_bytes(client, session, "asm", "p2", b"part two")
+    wait_for(is_state(client, "asm", "big", pb.VERIFIED), what="the assembly verified")
+    wait_for(lambda: w.metrics.get("reconciliations") >= 3, what="reconciliations")
+    assert w.metrics.get("problems") == 0
+    assert state_of(client, "asm", "big") == pb.VERIFIED

@@ -22,6 +22,7 @@ from client.v1 import baton_pb2 as pb
 from watcher import Watcher
 from watcher.emitter import InotifyEmitter
 from watcher.errors import FileChanged, WatchLimitReached
+from watcher.events import FsEvent
 from watcher.hashing import Hashed, Hasher
 
 Wait = Callable[..., None]
@@ -29,16 +30,25 @@ Wait = Callable[..., None]
 
 def test_overflow_of_a_shrunk_queue_still_verifies_everything_once(
     client: Client, session: Session, watcher_factory: Callable[..., Watcher], wait_for: Wait,
-    registry: RegistryHandle,
+    registry: RegistryHandle, monkeypatch: pytest.MonkeyPatch, staging: Path,
 ) -> None:
     """Events dropped by a full intake force a reconciliation; each entry verified once."""
     ids = [f"f{i:03d}" for i in range(60)]
     make_task(client, "t1", {f: f"{f}.bin" for f in ids})
+    gate = threading.Event()
+    handle = Watcher._handle
+
+    def stalled(self: Watcher, event: FsEvent) -> None:
+        gate.wait(30)  # the dispatcher is held while the burst lands
+        handle(self, event)
+
+    monkeypatch.setattr(Watcher, "_handle", stalled)
+    (staging / "t1").mkdir()  # watched from the start
     w = watcher_factory(event_queue=2)
     claims = [client.claim("t1", f, session=session) for f in ids]
-    Path(claims[0].path).parent.mkdir(parents=True, exist_ok=True)
-    for c in claims:  # a burst of closes, far faster than events are dispatched
+    for c in claims:  # 60 closes into a queue of 2
         Path(c.path).write_bytes(c.file_id.encode() * 500)
+    gate.set()
     for c in claims:
         client.commit("t1", c.file_id, c.token, 2000)
     wait_for(lambda: all(e.state == pb.VERIFIED for e in client.list_entries("t1")),
@@ -184,3 +194,15 @@ def test_stop_finishes_and_reports_the_hash_in_hand(
     stopper.join(30)
     assert "stopped" in result
     assert client.get_entry("t1", "a").state == pb.VERIFIED
+
+
+def test_committed_file_that_never_appears_is_reported_missing(
+    client: Client, session: Session, watcher_factory: Callable[..., Watcher], wait_for: Wait,
+) -> None:
+    """A commit with no file behind it is retried three times, then reported MISSING."""
+    make_task(client, "t1", {"a": "a.bin"})  # no directory will announce it: known at start
+    watcher_factory()
+    claim = client.claim("t1", "a", session=session)
+    client.commit("t1", "a", claim.token, 5)
+    wait_for(lambda: client.get_entry("t1", "a").retry_count == 1, what="a retried")
+    assert client.get_entry("t1", "a").error.startswith("missing: 3 failed attempts")

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import queue
+from collections.abc import Callable
 from pathlib import Path
 
 import blake3
@@ -151,23 +152,31 @@ def test_helper_death_is_a_changed_file(hasher: Hasher) -> None:
     assert hasher.hash("t", "big").identity.size == 2 << 20  # a new helper takes over
 
 
-def test_emitter_watches_a_new_directory_before_announcing_it(tmp_path: Path) -> None:
-    """Files created right after mkdir -p are seen: watch first, then DIR_CREATED."""
+def test_emitter_watches_a_new_directory_before_announcing_it(
+    tmp_path: Path, wait_for: Callable[..., None]
+) -> None:
+    """mkdir -p is followed down: announced once watched, later files seen, temp files not."""
     events: queue.Queue[FsEvent] = queue.Queue()
     em = InotifyEmitter(events.put)
     em.start()
+
+    def until(wanted: FsEvent) -> list[FsEvent]:
+        seen: list[FsEvent] = []
+        while wanted not in seen:
+            seen.append(events.get(timeout=5))
+        return seen
+
     try:
         em.watch(str(tmp_path), recursive=True)
         deep = tmp_path / "a" / "b"
         deep.mkdir(parents=True)
-        (deep / "f").write_bytes(b"x")
-        (deep / ".f.baton-tmp-7").write_bytes(b"ignored")
-        seen: list[FsEvent] = []
-        while FsEvent(Kind.LANDED, str(deep / "f")) not in seen:
-            seen.append(events.get(timeout=5))
-        assert FsEvent(Kind.DIR_CREATED, str(tmp_path / "a")) in seen
+        (deep / "early").write_bytes(b"x")  # may beat the watch on b: the announcement
+        until(FsEvent(Kind.DIR_CREATED, str(tmp_path / "a")))  # tells to look inside
+        wait_for(lambda: em.watch_count == 3, timeout=5, what="a and a/b watched")
+        (deep / ".late.baton-tmp-7").write_bytes(b"ignored")
+        (deep / "late").write_bytes(b"y")
+        seen = until(FsEvent(Kind.LANDED, str(deep / "late")))
         assert not any("baton-tmp" in e.path for e in seen)
-        assert em.watch_count == 3
         em.unwatch(str(tmp_path / "a"))
         assert em.watch_count == 1
     finally:

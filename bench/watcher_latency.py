@@ -1,0 +1,167 @@
+"""Write → verified latency through a real stack: etcd, registry and watcher processes.
+
+    python -m bench.watcher_latency [--files 1000] [--rate 100] [--size-kib 64]
+
+Producer threads publish ``--files`` files of ``--size-kib`` KiB at ``--rate`` files
+per second, each exactly as the producer helper does (claim, temp file, fsync,
+rename, fsync the directory, commit). A Watch stream on the task records when
+each entry turns verified. Printed: percentiles of landed → verified (from the
+rename that publishes the file) and of commit → verified (from the moment the
+commit call returned; 0 when the watcher's report came first and the commit
+itself verified the entry).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from client import Client
+from client.embedded import grpc_health_probe
+from client.etcdproc import EtcdProcess, free_port, wait_ready
+from client.producer import temp_path
+from client.v1 import baton_pb2 as pb
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_line(proc: subprocess.Popen[bytes], prefix: str) -> None:
+    assert proc.stdout is not None
+    line = proc.stdout.readline().decode()
+    if not line.startswith(prefix):
+        raise SystemExit(f"watcher did not start: {line!r}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--files", type=int, default=1000)
+    p.add_argument("--rate", type=float, default=100.0)
+    p.add_argument("--size-kib", type=int, default=64)
+    p.add_argument("--producers", type=int, default=4, help="threads sharing the rate")
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        staging = root / "staging"
+        staging.mkdir()
+        etcd = EtcdProcess(root / "etcd", log_path=root / "etcd.log").start()
+        try:
+            stack(root, etcd, args)
+        finally:
+            etcd.stop()
+
+
+def stack(root: Path, etcd: EtcdProcess, args: argparse.Namespace) -> None:
+    """Registry and watcher processes on ``etcd``; runs the measurement; stops them."""
+    staging = root / "staging"
+    address = f"127.0.0.1:{free_port()}"
+    procs: list[subprocess.Popen[bytes]] = []
+    with (root / "registry.log").open("wb") as rlog, (root / "watcher.log").open("wb") as wl:
+        try:
+            reg = subprocess.Popen([sys.executable, "-m", "registry", "--etcd", etcd.endpoint,
+                                    "--listen", address, "--staging", str(staging)],
+                                   stdout=rlog, stderr=subprocess.STDOUT)
+            procs.append(reg)
+            wait_ready(grpc_health_probe(address), reg, daemon="registry",
+                       log_path=root / "registry.log", timeout=30)
+            watcher = subprocess.Popen([sys.executable, "-u", "-m", "watcher", "--registry",
+                                        address, "--staging", str(staging)],
+                                       stdout=subprocess.PIPE, stderr=wl)
+            procs.insert(0, watcher)
+            wait_line(watcher, "baton-watcher watching")
+            pids = {"watcher": watcher.pid, "registry": reg.pid, "etcd": etcd.pid or 0}
+            before = {k: cpu_seconds(v) for k, v in pids.items()}
+            run(address, args)
+            used = {k: cpu_seconds(v) - before[k] for k, v in pids.items()}
+            print("  CPU ms per file: " + ", ".join(
+                f"{k} {1000 * v / args.files:.2f}" for k, v in used.items()))
+        finally:
+            for proc in procs:
+                proc.terminate()
+                proc.wait()
+
+
+def run(address: str, args: argparse.Namespace) -> None:
+    n = args.files
+    ids = [f"f{i:05d}" for i in range(n)]
+    verified: dict[str, float] = {}
+    all_seen = threading.Event()
+    with Client(address) as c, c.open_session("bench-producer", ttl=30) as session:
+        c.create_task({"task_id": "lat", "entries": [
+            {"file_id": f, "path": f"d{i % 8}/{f}.bin"} for i, f in enumerate(ids)]})
+
+        def follow() -> None:
+            for ev in c.watch("lat", start_revision=-1, timeout=n / args.rate + 120):
+                if ev.kind == pb.TaskEvent.CHANGED and ev.entry.state == pb.VERIFIED:
+                    verified.setdefault(ev.entry.file_id, time.monotonic())
+                    if len(verified) == n:
+                        all_seen.set()
+                        return
+
+        follower = threading.Thread(target=follow, daemon=True)
+        follower.start()
+        time.sleep(0.5)  # let the stream reach the registry before the first commit
+        landed: dict[str, float] = {}
+        committed: dict[str, float] = {}
+        payload = os.urandom(args.size_kib << 10)
+        start = time.monotonic()
+
+        def produce(k: int) -> None:
+            for i in range(k, n, args.producers):
+                f = ids[i]
+                time.sleep(max(0.0, start + i / args.rate - time.monotonic()))
+                claim = c.claim("lat", f, session=session)
+                final = Path(claim.path)
+                final.parent.mkdir(parents=True, exist_ok=True)
+                tmp = temp_path(final, claim.token)
+                data = payload[:-8] + i.to_bytes(8, "big")
+                with open(tmp, "wb") as out:
+                    out.write(data)
+                    out.flush()
+                    os.fsync(out.fileno())
+                os.rename(tmp, final)
+                landed[f] = time.monotonic()
+                dfd = os.open(final.parent, os.O_RDONLY | os.O_DIRECTORY)
+                os.fsync(dfd)
+                os.close(dfd)
+                c.commit("lat", f, claim.token, len(data))
+                committed[f] = time.monotonic()
+
+        producers = [threading.Thread(target=produce, args=(k,)) for k in range(args.producers)]
+        for t in producers:
+            t.start()
+        for t in producers:
+            t.join()
+        offered = n / (time.monotonic() - start)
+        if not all_seen.wait(120):
+            raise SystemExit(f"only {len(verified)} of {n} verified")
+    from_landed = [1000 * (verified[f] - landed[f]) for f in ids]
+    from_commit = [1000 * max(0.0, verified[f] - committed[f]) for f in ids]
+    at_commit = sum(1 for f in ids if verified[f] <= committed[f])
+    print(f"{n} files of {args.size_kib} KiB at {offered:.0f} files/s "
+          f"({os.cpu_count()} cpus)")
+    for name, values in (("landed -> verified", from_landed),
+                         ("commit -> verified", from_commit)):
+        print(f"  {name}: p50 {statistics.median(values):.1f} ms  "
+              f"p90 {pct(values, 0.90):.1f} ms  p99 {pct(values, 0.99):.1f} ms  "
+              f"max {max(values):.1f} ms")
+    print(f"  verified by the commit itself (report came first): {at_commit} of {n}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""The one module that imports ``inotify_simple``; it translates its errors.
+
+A thin typed layer: add/remove watches, and a blocking read that another
+thread can interrupt (a pipe is polled next to the inotify descriptor).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import select
+from dataclasses import dataclass
+
+import inotify_simple
+
+from .errors import WatchFailed, WatchLimitReached
+
+_f = inotify_simple.flags
+IN_MODIFY = int(_f.MODIFY)
+IN_ATTRIB = int(_f.ATTRIB)
+IN_CLOSE_WRITE = int(_f.CLOSE_WRITE)
+IN_MOVED_FROM = int(_f.MOVED_FROM)
+IN_MOVED_TO = int(_f.MOVED_TO)
+IN_CREATE = int(_f.CREATE)
+IN_DELETE = int(_f.DELETE)
+IN_DELETE_SELF = int(_f.DELETE_SELF)
+IN_MOVE_SELF = int(_f.MOVE_SELF)
+IN_Q_OVERFLOW = int(_f.Q_OVERFLOW)
+IN_IGNORED = int(_f.IGNORED)
+IN_ISDIR = int(_f.ISDIR)
+IN_ONLYDIR = int(_f.ONLYDIR)
+IN_DONT_FOLLOW = int(_f.DONT_FOLLOW)
+IN_EXCL_UNLINK = int(_f.EXCL_UNLINK)
+
+
+@dataclass(frozen=True, slots=True)
+class RawEvent:
+    wd: int
+    mask: int
+    cookie: int
+    name: str
+
+
+class Inotify:
+    """One inotify instance."""
+
+    def __init__(self) -> None:
+        try:
+            self._ino = inotify_simple.INotify()
+        except OSError as e:
+            raise WatchFailed("(inotify_init)", e.errno or 0, e.strerror or str(e)) from e
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._poll = select.poll()
+        self._poll.register(self._ino.fileno(), select.POLLIN)
+        self._poll.register(self._wake_r, select.POLLIN)
+
+    def add_watch(self, path: str, mask: int) -> int:
+        try:
+            return int(self._ino.add_watch(path, mask))
+        except OSError as e:
+            code = e.errno or 0
+            cls = WatchLimitReached if code == errno.ENOSPC else WatchFailed
+            raise cls(path, code, e.strerror or str(e)) from e
+
+    def rm_watch(self, wd: int) -> None:
+        try:
+            self._ino.rm_watch(wd)
+        except OSError as e:
+            if e.errno != errno.EINVAL:  # EINVAL: the kernel already dropped it
+                raise WatchFailed(f"(wd {wd})", e.errno or 0, e.strerror or str(e)) from e
+
+    def read(self) -> list[RawEvent]:
+        """Block until events arrive (all of them are returned) or :meth:`wake` is called."""
+        ready = {fd for fd, _ in self._poll.poll()}
+        if self._wake_r in ready:
+            with contextlib.suppress(BlockingIOError):
+                os.read(self._wake_r, 4096)
+        if self._ino.fileno() not in ready:
+            return []
+        return [RawEvent(e.wd, e.mask, e.cookie, e.name) for e in self._ino.read(timeout=0)]
+
+    def wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            os.write(self._wake_w, b"\0")
+
+    def close(self) -> None:
+        self._ino.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)

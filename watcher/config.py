@@ -1,0 +1,112 @@
+"""The watcher's configuration: flags, ``BATON_*`` variables, an optional TOML file.
+
+Precedence: flag > environment > TOML file > default. Every flag ``--some-name``
+has the variable ``BATON_SOME_NAME`` and the TOML key ``some_name``, as for the
+registry. This is the only module of the watcher that reads the environment,
+and it reads it only from the mapping it is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+OBSERVERS = ("auto", "inotify", "poll")
+LOG_FORMATS = ("kv", "json")
+
+#: files of at least this many bytes are hashed on several threads
+#: (measured with bench/hash_threshold.py, see docs/watcher.md)
+LARGE_FILE = 1 << 20
+
+
+@dataclass(frozen=True)
+class WatcherConfig:
+    registry: str = "127.0.0.1:7390"
+    staging: str = "/var/lib/baton/staging"
+    observer: str = "auto"
+    reconcile_interval: float = 30.0
+    poll_interval: float = 1.0
+    hash_workers: int = 2
+    large_file: int = LARGE_FILE
+    max_failures: int = 3
+    retry_delay: float = 0.2
+    event_queue: int = 65536
+    stream_timeout: float = 60.0
+    reporter: str = ""
+    state_file: str = ""
+    log_level: str = "INFO"
+    log_format: str = "kv"
+
+
+_HELP = {
+    "registry": "registry address host:port",
+    "staging": "staging root; a task's files live under STAGING/TASK/",
+    "observer": "auto (inotify, polling where inotify cannot see), inotify or poll",
+    "reconcile_interval": "seconds between full comparisons of the registry with the disk",
+    "poll_interval": "seconds between scans of trees the polling observer watches",
+    "hash_workers": "files hashed at the same time",
+    "large_file": "bytes from which a file is hashed on several threads",
+    "max_failures": "failed hashes in a row before a file is reported corrupted",
+    "retry_delay": "seconds before a failed hash is tried again (times the attempt)",
+    "event_queue": "file events buffered before an overflow forces a reconciliation",
+    "stream_timeout": "seconds a registry Watch stream lasts before it is resumed",
+    "reporter": "name of this watcher in reports (empty = watcher@HOSTNAME)",
+    "state_file": "SQLite file remembering what was hashed, kept across restarts "
+    "(empty = memory only; a restart rehashes verified files once)",
+    "log_level": "DEBUG, INFO, WARNING or ERROR",
+    "log_format": "kv (key=value lines) or json (one object per line)",
+}
+
+_CHOICES: dict[str, tuple[str, ...]] = {"observer": OBSERVERS, "log_format": LOG_FORMATS}
+_POSITIVE = ("reconcile_interval", "poll_interval", "hash_workers", "large_file",
+             "max_failures", "event_queue", "stream_timeout")
+
+
+def load_config(argv: Sequence[str], environ: Mapping[str, str]) -> WatcherConfig:
+    """Build the configuration from the command line and environment (pure)."""
+    parser = argparse.ArgumentParser(
+        prog="baton-watcher",
+        description="Baton watcher: hashes files as they land in the staging area and "
+        "reports their BLAKE3 digests to the registry.",
+    )
+    parser.add_argument("--config", type=Path, default=environ.get("BATON_CONFIG"),
+                        help="TOML file with any of the settings below (BATON_CONFIG)")
+    for f in fields(WatcherConfig):
+        flag = "--" + f.name.replace("_", "-")
+        env = "BATON_" + f.name.upper()
+        parser.add_argument(flag, dest=f.name, default=None,
+                            help=f"{_HELP[f.name]} (${env}, default {f.default!r})")
+    args = parser.parse_args(list(argv))
+    from_file: dict[str, Any] = {}
+    if args.config:
+        try:
+            from_file = tomllib.loads(Path(args.config).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            parser.error(f"cannot read config {args.config}: {e}")
+        unknown = set(from_file) - {f.name for f in fields(WatcherConfig)}
+        if unknown:
+            parser.error(f"unknown settings in {args.config}: {', '.join(sorted(unknown))}")
+    values: dict[str, Any] = {}
+    for f in fields(WatcherConfig):
+        raw = getattr(args, f.name)
+        if raw is None:
+            raw = environ.get("BATON_" + f.name.upper())
+        if raw is None:
+            raw = from_file.get(f.name)
+        if raw is None:
+            continue
+        kind: type[Any] = type(f.default)
+        try:
+            value = kind(raw)
+        except ValueError:
+            parser.error(f"{f.name}: {raw!r} is not a valid {kind.__name__}")
+        if f.name in _CHOICES and value not in _CHOICES[f.name]:
+            parser.error(f"{f.name}: {value!r} is not one of {', '.join(_CHOICES[f.name])}")
+        if f.name in _POSITIVE and value <= 0:
+            parser.error(f"{f.name}: must be positive, not {value!r}")
+        values[f.name] = value
+    return WatcherConfig(**values)

@@ -1,0 +1,286 @@
+"""The watcher daemon: wires emitters, the dispatcher, hash workers and the registry.
+
+Threads, and what flows between them::
+
+    emitters (inotify / polling) ──FsEvent──▶ Intake ──▶ dispatcher ──key──▶ JobQueue
+    registry Watch streams (one per task) ──entry changes──────────────────────▶ │
+    reconciler (start, overflow, lost registry, every N s) ──every entry─────────▶ │
+                                                                hash workers ◀──┘
+                                                       (hash, then Client.report)
+
+Nothing but the workers reads file contents or reports, so intake never waits
+for a hash, and the number of files hashed at once is bounded.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+import threading
+from typing import Any
+
+from client import Client, RetryPolicy
+from client.errors import BatonError
+from client.v1 import baton_pb2 as pb
+
+from .cache import IdentityCache, open_cache
+from .checker import Checker
+from .config import WatcherConfig
+from .errors import WatchFailed
+from .events import FsEvent, Intake, Kind
+from .hashing import Hasher
+from .jobs import JobQueue
+from .logs import log
+from .metrics import Metrics
+from .observe import Watches
+from .state import LIVE, Change, Table
+from .sync import TaskStreams
+
+logger = logging.getLogger("baton.watcher")
+
+_TASK_ID = re.compile(r"^[A-Za-z0-9._-]+$")
+FINISHED = (pb.TASK_CANCELLED, pb.TASK_COMPLETED)
+#: seconds between attempts of a reconciliation that could not reach the registry
+RECONCILE_RETRY = 1.0
+
+
+class Watcher:
+    """One watcher over one staging root. :meth:`start`, then :meth:`stop`."""
+
+    def __init__(self, config: WatcherConfig, *, hasher: Hasher | None = None,
+                 cache: IdentityCache | None = None, retry: RetryPolicy | None = None) -> None:
+        self.config = config
+        os.makedirs(config.staging, exist_ok=True)
+        self.root = os.path.realpath(config.staging)
+        self.reporter = config.reporter or f"watcher@{socket.gethostname()}"
+        self.metrics = Metrics()
+        self.intake = Intake(config.event_queue)
+        self.jobs = JobQueue()
+        self.table = Table(self.root)
+        self.client = Client(config.registry, retry=retry)
+        self.cache = cache if cache is not None else open_cache(config.state_file)
+        self.hasher = hasher or Hasher(self.root, config.large_file)
+        self.watches = Watches(self.root, config.observer, self.intake.put,
+                               config.poll_interval)
+        self._stop = threading.Event()
+        self._reconcile_now = threading.Event()
+        self.checker = Checker(
+            self.table, self.cache, self.hasher, self.client, self.jobs, self.metrics,
+            self.reporter, config.max_failures, config.retry_delay, self._registry_lost,
+        )
+        self.streams = TaskStreams(
+            self.client, self.table, on_changes=self._on_changes,
+            on_lost=self._registry_lost, on_gone=self._forget, stop=self._stop,
+            timeout=config.stream_timeout,
+        )
+        self._threads = [
+            threading.Thread(target=self._dispatch, name="watcher-dispatch", daemon=True),
+            threading.Thread(target=self._reconcile_loop, name="watcher-reconcile",
+                             daemon=True),
+            *(threading.Thread(target=self._work, name=f"watcher-hash-{i}", daemon=True)
+              for i in range(config.hash_workers)),
+        ]
+        self._stopped = False
+
+    # lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> Watcher:
+        """Watch the root, start the threads, reconcile once; returns self."""
+        self.watches.start()
+        for t in self._threads:
+            t.start()
+        if not self.reconcile("start"):
+            self._reconcile_now.set()
+        log(logger, logging.INFO, "watching", root=self.root, registry=self.config.registry,
+            observer=self.watches.root_backend, workers=self.config.hash_workers,
+            reporter=self.reporter)
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop taking events; let each worker finish (and report) the file in hand."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._stop.set()
+        self.watches.stop()
+        self.intake.close()
+        self.jobs.close()
+        self._reconcile_now.set()
+        for t in self._threads:
+            t.join(timeout)
+        self.client.close()  # ends the Watch streams
+        self.streams.join(timeout)
+        self.hasher.close()
+        self.cache.close()
+        log(logger, logging.INFO, "stopped", **self.metrics.snapshot())
+
+    def __enter__(self) -> Watcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def request_reconcile(self) -> None:
+        self._reconcile_now.set()
+
+    def _registry_lost(self) -> None:
+        self._reconcile_now.set()  # it retries until the registry answers again
+
+    # the registry's side -----------------------------------------------------------------
+
+    def _on_changes(self, task_id: str, changes: list[Change], synced: bool) -> None:
+        for c in changes:
+            if c.entry.state in LIVE:
+                self.jobs.submit((task_id, c.entry.file_id))
+        self._sync_watch(task_id, rescan=synced)
+
+    def _sync_watch(self, task_id: str, *, rescan: bool = False, rewalk: bool = False) -> None:
+        """Watch a task's tree while it has live entries, and not after.
+
+        Whenever a tree becomes watched (or ``rescan``), every live entry is
+        checked: the watch is in place first, so nothing lands unseen in between.
+        """
+        view = self.table.task(task_id)
+        if view is None:
+            return
+        need, watched = self.table.needs_watch(task_id)
+        if need and (not watched or rewalk):
+            try:
+                backend = self.watches.watch_tree(view.directory)
+            except WatchFailed as e:
+                log(logger, logging.DEBUG, "task directory not watchable yet", task=task_id,
+                    reason=str(e))
+                self.table.set_watched(task_id, False)
+                return
+            if not watched:
+                log(logger, logging.INFO, "watching task", task=task_id, backend=backend)
+                self.table.set_watched(task_id, True)
+                rescan = True
+        elif not need and watched:
+            self.watches.unwatch_tree(view.directory)
+            self.table.set_watched(task_id, False)
+            log(logger, logging.INFO, "task has no live entries; watches removed",
+                task=task_id)
+        if rescan:
+            self._check_all(task_id)
+
+    def _check_all(self, task_id: str, rel_dir: str = "") -> None:
+        wanted = set(self.table.files_under(task_id, rel_dir))
+        for e in self.table.entries(task_id):
+            if e.file_id in wanted and e.state in LIVE:
+                self.jobs.submit((task_id, e.file_id))
+
+    def _forget(self, task_id: str) -> None:
+        view = self.table.remove_task(task_id)
+        if view is not None:
+            self.watches.unwatch_tree(view.directory)
+            self.cache.drop_task(task_id)
+            log(logger, logging.INFO, "no longer serving task", task=task_id)
+
+    def reconcile(self, reason: str) -> bool:
+        """Compare the registry with the disk for every served task; False if unreachable."""
+        try:
+            tasks = self.client.list_tasks()
+        except BatonError as e:
+            log(logger, logging.WARNING, "reconciliation: registry unreachable",
+                reason=reason, error=str(e))
+            return False
+        served = set()
+        for t in tasks:
+            if t.status in FINISHED:
+                self._forget(t.spec.task_id)
+            else:
+                served.add(t.spec.task_id)
+                self.streams.follow(t.spec.task_id)
+        for task_id in set(self.table.task_ids()) - served:
+            self._forget(task_id)
+        checked = 0
+        for task_id in served:
+            try:
+                entries = self.client.list_entries(task_id)
+            except BatonError as e:
+                log(logger, logging.WARNING, "reconciliation: cannot list entries",
+                    task=task_id, error=str(e))
+                return False
+            for entry in entries:
+                self.table.apply(task_id, entry)
+                if entry.state in (pb.WRITING, pb.WRITTEN, pb.VERIFIED) and not entry.parts:
+                    self.jobs.submit((task_id, entry.file_id))
+                    checked += 1
+            self._sync_watch(task_id, rewalk=True)
+        self.metrics.add("reconciliations")
+        log(logger, logging.INFO, "reconciled", reason=reason, tasks=len(served),
+            entries_checked=checked)
+        return True
+
+    def _reconcile_loop(self) -> None:
+        interval = self.config.reconcile_interval
+        while not self._stop.is_set():
+            requested = self._reconcile_now.wait(interval)
+            if self._stop.is_set():
+                return
+            self._reconcile_now.clear()
+            if not self.reconcile("requested" if requested else "interval"):
+                self._stop.wait(RECONCILE_RETRY)
+                self._reconcile_now.set()
+
+    # the filesystem's side -----------------------------------------------------------------
+
+    def _dispatch(self) -> None:
+        while not self._stop.is_set():
+            event = self.intake.get()
+            if event is None:
+                continue
+            try:
+                self._handle(event)
+            except Exception:
+                logger.exception("handling %s failed", event)
+
+    def _handle(self, event: FsEvent) -> None:
+        self.metrics.add("events")
+        if event.kind is Kind.OVERFLOW:
+            self.metrics.add("overflows")
+            log(logger, logging.WARNING, "events were lost; reconciling everything")
+            self._reconcile_now.set()
+            return
+        where = self.table.locate(event.path)
+        if where is None:
+            return
+        task_id, rel = where
+        if event.kind is Kind.WATCH_LIMIT:
+            self.watches.fall_back(event.path)
+            self._check_all(task_id)
+        elif event.kind is Kind.DIR_CREATED:
+            if rel:
+                self._check_all(task_id, rel)  # the emitter watches it already
+            elif self.table.task(task_id) is not None:
+                self._sync_watch(task_id, rescan=True)
+            elif _TASK_ID.match(task_id):
+                self.streams.follow(task_id)  # a new task: its snapshot checks its files
+        elif event.kind is Kind.DIR_GONE:
+            if not rel and (view := self.table.task(task_id)) is not None:
+                self.watches.unwatch_tree(view.directory)
+                self.table.set_watched(task_id, False)
+            self._check_all(task_id, rel)
+        elif (key := self.table.file_at(event.path)) is not None:
+            if event.kind is Kind.TOUCHED:
+                entry = self.table.entry(*key)
+                if entry is None or entry.state != pb.VERIFIED:
+                    return  # only a verified file's changes matter before its close
+            self.jobs.submit(key)
+
+    def _work(self) -> None:
+        while (key := self.jobs.get()) is not None:
+            try:
+                self.checker.check(key)
+            except Exception:
+                logger.exception("checking %s/%s failed", *key)
+            finally:
+                self.jobs.done(key)
+
+
+def start_watcher(config: WatcherConfig, **kw: Any) -> Watcher:
+    """A started :class:`Watcher` (keyword arguments as for its constructor)."""
+    return Watcher(config, **kw).start()

@@ -1,0 +1,267 @@
+"""Hashing a staged file safely: no symlinks, regular files only, stable while read.
+
+Every path is opened one component at a time from the staging root with
+``O_NOFOLLOW``, so neither the file nor any directory between the root and it
+may be a symlink, and the bytes hashed are the ones behind the descriptor that
+was checked. Sizes, times and the inode are compared before and after: a file
+that changed while it was read raises :class:`FileChanged` and is hashed again
+later.
+
+Small files are read and hashed on the calling thread. Large files are memory
+mapped and hashed on blake3's AUTO threads: about twice the speed of chunked
+reads, which gain nothing from threads because copying the bytes is what costs
+(bench/hash_threshold.py, docs/watcher.md). A mapping turns a concurrent
+truncation into SIGBUS, which would kill the daemon, so the mapping is made in
+a helper process that is sent the descriptor opened and checked here
+(``update_mmap`` would also reopen the file by path, following symlinks).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import stat
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import blake3
+
+from .config import LARGE_FILE
+from .errors import FileChanged, FileMissing, HashFailed, Refused
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+
+SMALL_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """Which file, and which version of it: equal identities mean unchanged bytes."""
+
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> Identity:
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+@dataclass(frozen=True, slots=True)
+class Hashed:
+    """The BLAKE3 digest of a file whose identity did not change while it was read."""
+
+    identity: Identity
+    digest: str
+
+
+def split_path(task_id: str, rel: str) -> list[str]:
+    """The components from the staging root to an entry's file; refuses escapes."""
+    parts = [task_id, *rel.split("/")]
+    if rel.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise Refused(f"{task_id}/{rel}", "path escapes the task directory")
+    return parts
+
+
+def _translate(path: str, e: OSError) -> HashFailed:
+    if e.errno == errno.ENOENT:
+        return FileMissing(path, "no such file")
+    if e.errno == errno.ELOOP:
+        return Refused(path, "a symlink is on the path (refused)")
+    if e.errno == errno.ENOTDIR:
+        return Refused(path, "a non-directory is on the path")
+    return HashFailed(path, e.strerror or str(e))
+
+
+def _is_link(name: str, dir_fd: int) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+class HelperDied(Exception):
+    """The mapping helper died mid-hash: SIGBUS from a file truncated while mapped."""
+
+
+class _Helper:
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        script = os.path.join(os.path.dirname(__file__), "_mapped_child.py")
+        with theirs:
+            self.process = subprocess.Popen(
+                [sys.executable, script, str(theirs.fileno())],
+                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+            )
+        self.sock = ours
+
+    def close(self) -> None:
+        self.sock.close()  # the helper exits when its socket closes
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+class MappedHasher:
+    """Hashes descriptors by mapping them in helper processes (one per calling thread)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._helpers: list[_Helper] = []
+
+    def digest(self, fd: int) -> tuple[str, int]:
+        """(BLAKE3 hex digest, bytes hashed) of the file behind ``fd``."""
+        helper: _Helper | None = getattr(self._local, "helper", None)
+        if helper is None:
+            helper = _Helper()
+            self._local.helper = helper
+            with self._lock:
+                self._helpers.append(helper)
+        try:
+            socket.send_fds(helper.sock, [b"h"], [fd])
+            reply = helper.sock.recv(256).decode()
+        except OSError:
+            reply = ""
+        if not reply:
+            self._local.helper = None
+            with self._lock:
+                self._helpers.remove(helper)
+            helper.close()
+            raise HelperDied(f"hash helper died (status {helper.process.returncode})")
+        status, _, rest = reply.partition(" ")
+        if status != "ok":
+            raise OSError(rest)
+        digest, size = rest.split()
+        return digest, int(size)
+
+    def close(self) -> None:
+        with self._lock:
+            helpers, self._helpers = self._helpers, []
+        for helper in helpers:
+            helper.close()
+
+
+class Hasher:
+    """Hashes entries' files below one staging root (thread-safe)."""
+
+    def __init__(self, root: str, large_file: int = LARGE_FILE, *,
+                 small_chunk: int = SMALL_CHUNK) -> None:
+        self.root = os.path.realpath(root)
+        self.large_file = large_file
+        self.small_chunk = small_chunk
+        self._buffers = threading.local()
+        self._mapped = MappedHasher()
+
+    def close(self) -> None:
+        """End the mapping helpers (they are started again when needed)."""
+        self._mapped.close()
+
+    def _parent(self, parts: Sequence[str], shown: str) -> int:
+        """A descriptor of the directory holding the file, reached without symlinks."""
+        try:
+            fd = os.open(self.root, _DIR_FLAGS)
+        except OSError as e:
+            raise _translate(self.root, e) from e
+        try:
+            for name in parts[:-1]:
+                try:
+                    child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+                except OSError as e:
+                    if e.errno in (errno.ENOTDIR, errno.ELOOP) and _is_link(name, fd):
+                        raise Refused(shown, f"{name!r} on the path is a symlink (refused)") from e
+                    raise _translate(shown, e) from e
+                os.close(fd)
+                fd = child
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def stat(self, task_id: str, rel: str) -> Identity | None:
+        """The file's identity, or None if it does not exist (cheap: no bytes read)."""
+        parts = split_path(task_id, rel)
+        shown = "/".join(parts)
+        try:
+            parent = self._parent(parts, shown)
+        except FileMissing:
+            return None
+        try:
+            st = os.stat(parts[-1], dir_fd=parent, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise _translate(shown, e) from e
+        finally:
+            os.close(parent)
+        if stat.S_ISLNK(st.st_mode):
+            raise Refused(shown, "is a symlink (refused)")
+        if not stat.S_ISREG(st.st_mode):
+            raise Refused(shown, "not a regular file")
+        return Identity.of(st)
+
+    def hash(self, task_id: str, rel: str) -> Hashed:
+        """Hash the entry's file; raises a :class:`HashFailed` subclass when it cannot."""
+        parts = split_path(task_id, rel)
+        shown = "/".join(parts)
+        parent = self._parent(parts, shown)
+        try:
+            try:
+                fd = os.open(parts[-1], _FILE_FLAGS, dir_fd=parent)
+            except OSError as e:
+                raise _translate(shown, e) from e
+            try:
+                return self._hash_fd(fd, parent, parts[-1], shown)
+            finally:
+                os.close(fd)
+        finally:
+            os.close(parent)
+
+    def _hash_fd(self, fd: int, parent: int, name: str, shown: str) -> Hashed:
+        before = os.fstat(fd)
+        if not stat.S_ISREG(before.st_mode):
+            raise Refused(shown, "not a regular file")
+        try:
+            if before.st_size >= self.large_file:
+                digest, total = self._mapped.digest(fd)
+            else:
+                digest, total = self._read(fd)
+            after = os.fstat(fd)
+            now = os.stat(name, dir_fd=parent, follow_symlinks=False)
+        except HelperDied as e:
+            raise FileChanged(shown, f"truncated while hashed ({e})", "") from e
+        except FileNotFoundError as e:
+            raise FileChanged(shown, "removed while hashed", "") from e
+        except OSError as e:
+            raise HashFailed(shown, f"read failed: {e.strerror or e}") from e
+        identity = Identity.of(before)
+        if Identity.of(after) != identity or total != before.st_size:
+            raise FileChanged(shown, "changed while hashed", digest)
+        if (now.st_dev, now.st_ino) != (before.st_dev, before.st_ino):
+            raise FileChanged(shown, "replaced while hashed", digest)
+        return Hashed(identity, digest)
+
+    def _read(self, fd: int) -> tuple[str, int]:
+        hasher = blake3.blake3()
+        view = self._buffer(self.small_chunk)
+        total = 0
+        while n := os.readv(fd, [view]):
+            hasher.update(view[:n])
+            total += n
+        return hasher.hexdigest(), total
+
+    def _buffer(self, size: int) -> memoryview:
+        """A per-thread reusable read buffer of ``size`` bytes."""
+        views: dict[int, memoryview] = self._buffers.__dict__.setdefault("views", {})
+        if size not in views:
+            views[size] = memoryview(bytearray(size))
+        return views[size]

@@ -1,0 +1,91 @@
+"""The queue between event intake and the hash workers, coalescing by entry.
+
+A key (task, file_id) is at most once in the queue: a burst of events on one
+file becomes one check. A key submitted while a worker holds it is marked and
+handed out again once that worker is done, so the last event is never lost and
+one file is never checked by two workers at once. Delayed submissions (retries
+after a failed hash) are due later; an earlier submission of the same key wins.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+import time
+from collections.abc import Callable
+
+Key = tuple[str, str]
+
+
+class JobQueue:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, Key]] = []
+        self._due: dict[Key, tuple[float, int]] = {}
+        self._held: set[Key] = set()
+        self._again: dict[Key, float] = {}
+        self._seq = itertools.count()
+        self._closed = False
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._due)
+
+    def submit(self, key: Key, delay: float = 0.0) -> None:
+        """Check ``key`` after ``delay`` seconds (or sooner if already due sooner)."""
+        with self._cond:
+            if self._closed:
+                return
+            due = self._clock() + delay
+            if key in self._held:
+                self._again[key] = min(due, self._again.get(key, due))
+                return
+            self._push(key, due)
+
+    def _push(self, key: Key, due: float) -> None:
+        current = self._due.get(key)
+        if current is not None and current[0] <= due:
+            return
+        seq = next(self._seq)
+        self._due[key] = (due, seq)
+        heapq.heappush(self._heap, (due, seq, key))
+        self._cond.notify()
+
+    def get(self) -> Key | None:
+        """The next due key, now held by the caller until :meth:`done`; None once closed."""
+        with self._cond:
+            while not self._closed:
+                while self._heap and self._due.get(self._heap[0][2]) != self._heap[0][:2]:
+                    heapq.heappop(self._heap)  # superseded by an earlier submission
+                if self._heap:
+                    due, _, key = self._heap[0]
+                    wait = due - self._clock()
+                    if wait <= 0:
+                        heapq.heappop(self._heap)
+                        del self._due[key]
+                        self._held.add(key)
+                        return key
+                    self._cond.wait(wait)
+                else:
+                    self._cond.wait()
+            return None
+
+    def done(self, key: Key) -> None:
+        with self._cond:
+            self._held.discard(key)
+            again = self._again.pop(key, None)
+            if again is not None and not self._closed:
+                self._push(key, again)
+
+    def idle(self) -> bool:
+        """Nothing due, delayed or held (for tests and benchmarks)."""
+        with self._cond:
+            return not self._due and not self._held
+
+    def close(self) -> None:
+        """Wake every waiting worker; pending keys are dropped (a restart reconciles)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
