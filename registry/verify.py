@@ -65,6 +65,33 @@ class Verifier:
             else:
                 compares.append(absent(self.keys.claim(ref)))
         self.core.retry_or_dead(rec, reason, ops)
+        if rec.assembly:
+            await self._unverify_assembly(rec, compares, ops)
+
+    async def _unverify_assembly(self, part: EntryRecord, compares: list[Compare],
+                                 ops: list[TxnOp]) -> None:
+        """A part left verified: its verified assembly does too, in the same transaction,
+        and waits for its parts again (the scheduler re-verifies it)."""
+        kv = await self.core.etcd.get(self.keys.entry(part.task_id, part.assembly))
+        if kv is None:
+            return
+        asm = EntryRecord.load(kv.value)
+        compares.append(unchanged(kv))
+        if asm.state != VERIFIED:
+            return
+        refs = [ClaimRef("c", asm.task_id, asm.file_id, g) for g in asm.consumers]
+        held = await self.core.etcd.read([Get(self.keys.claim(r)) for r in refs])
+        for ref, claims in zip(refs, held, strict=True):
+            ops.append(Delete(self.keys.cready(asm.task_id, ref.group, asm.file_id)))
+            ops.append(Delete(self.keys.inflight(ref)))
+            if claims:
+                compares.append(created_at(claims[0].key, claims[0].create_revision))
+                ops.append(Delete(claims[0].key))
+                release_slot(self.core, claims[0], ops)
+        asm.state, asm.deps_ok, asm.size, asm.digest = PENDING, False, 0, ""
+        asm.error = f"part {part.file_id} left verified: {part.error}"
+        asm.remember("unverified", reason=asm.error)
+        self.core.put_entry(asm, ops)
 
     async def problem(self, req: pb.ProblemReport) -> pb.Entry:
         """A watcher cannot vouch for a file: corrupted, or missing after the commit."""

@@ -434,3 +434,22 @@ def test_entry_shows_blocked_and_journal_names_the_consumer(client: Client) -> N
     assert failed[0].token == c.token
     with pytest.raises(errors.NotFound):
         client.journal("nope")
+
+
+def test_assembly_leaves_verified_when_a_part_changes(client: Client) -> None:
+    """A part whose file changes takes its verified assembly out of verified too."""
+    client.create_task({"task_id": "t", "backoff": FAST, "entries": [
+        {"file_id": "p1", "path": "p1"}, {"file_id": "p2", "path": "p2"},
+        {"file_id": "big", "path": "big", "parts": ["p1", "p2"]}]})
+    with client.open_session("p", ttl=10) as s:
+        produce_verified(client, s, "t", "p1", b"one")
+        produce_verified(client, s, "t", "p2", b"two")
+        wait_for(lambda: client.get_entry("t", "big").state == pb.VERIFIED)
+        lease = client.consume("t", "default", session=s)
+        client.report("t", "p1", 3, digest(b"ONE"))  # the part's file changed
+        big = client.get_entry("t", "big")
+        assert big.state == pb.PENDING and "p1" in big.error
+        with pytest.raises(errors.StaleToken):
+            client.ack("t", "big", "default", lease.token)
+        produce_verified(client, s, "t", "p1", b"one")  # produced again
+        wait_for(lambda: client.get_entry("t", "big").state == pb.VERIFIED)
