@@ -307,7 +307,8 @@ def need_task(kvs: list[KV], task_id: str, active: bool = False) -> TaskRecord:
     if not kvs:
         raise NotFound(f"no task {task_id!r}", task_id=task_id)
     task = TaskRecord.load(kvs[0].value)
-    if active and task.status != "active":
+    # A completed task has nothing left to hand out: callers then find nothing.
+    if active and task.status not in ("active", "completed"):
         raise TaskNotActive(f"task {task_id!r} is {task.status}", task_id=task_id,
                             status=task.status)
     return task
