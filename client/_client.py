@@ -360,6 +360,18 @@ class Client:
 
     # events ----------------------------------------------------------------
 
+    def watch_tasks(self, timeout: float | None = None) -> Generator[pb.Task, None, None]:
+        """Every task header, then each again as it changes (created, paused, completed)."""
+        call = self._stub.WatchTasks(pb.WatchTasksRequest(), timeout=timeout)
+        try:
+            yield from call
+        except grpc.RpcError as e:
+            if e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+                return
+            raise _raise_from_rpc(e) from None
+        finally:
+            call.cancel()
+
     def watch(self, task_id: str, start_revision: int = 0,
               timeout: float | None = None) -> Generator[pb.TaskEvent, None, None]:
         """The task's events (see ``WatchRequest``); ends quietly when ``timeout`` passes."""

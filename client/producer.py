@@ -73,6 +73,10 @@ def produce(
             yield out
             f.flush()
             os.fsync(f.fileno())
+        if isinstance(session, Session):
+            # A claim lost while we wrote (paused past the TTL) must not publish over
+            # the attempt that replaced it; the registry would refuse the commit anyway.
+            session.check()
         os.rename(tmp, final)
         _fsync_dir(final.parent)
     except BaseException as e:

@@ -170,3 +170,12 @@ class RegistryService(pb_grpc.RegistryServicer):
                 yield event
         except Exception as e:
             await _abort(context, e)
+
+    async def WatchTasks(
+        self, request: pb.WatchTasksRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[pb.Task]:
+        try:
+            async for task in self.tasks.watch_tasks():
+                yield task
+        except Exception as e:
+            await _abort(context, e)

@@ -229,3 +229,13 @@ class Tasks:
                         entry=rec.to_pb(staging, revision=ev.kv.mod_revision),
                         revision=ev.kv.mod_revision,
                     )
+
+    async def watch_tasks(self) -> AsyncIterator[pb.Task]:
+        """Every task header now, then each one again whenever it changes."""
+        kvs, at, _ = await self.core.etcd.range(self.keys.tasks())
+        for kv in kvs:
+            yield TaskRecord.load(kv.value).to_pb()
+        async for batch in self.core.etcd.watch(self.keys.tasks(), at + 1):
+            for ev in batch:
+                if ev.kind == "put":
+                    yield TaskRecord.load(ev.kv.value).to_pb()

@@ -202,3 +202,15 @@ def test_assembly_is_left_to_the_registry(
     wait_for(lambda: w.metrics.get("reconciliations") >= 3, what="reconciliations")
     assert w.metrics.get("problems") == 0
     assert state_of(client, "asm", "big") == pb.VERIFIED
+
+
+def test_task_whose_directory_existed_is_served_at_once(
+    client: Client, session: Session, watcher_factory: Callable[..., Watcher], wait_for: Wait,
+    staging: Path,
+) -> None:
+    """A task created over an existing directory is served from the task stream, not later."""
+    (staging / "pre").mkdir()
+    watcher_factory(reconcile_interval=3600.0)  # only the task stream can find it
+    make_task(client, "pre", {"a": "a.bin"})
+    put_bytes(client, session, "pre", "a", b"was already there")
+    wait_for(is_state(client, "pre", "a", pb.VERIFIED), what="a verified")

@@ -82,6 +82,9 @@ class Watcher:
             *(threading.Thread(target=self._work, name=f"watcher-hash-{i}", daemon=True)
               for i in range(config.hash_workers)),
         ]
+        # Ends when the client closes (after the others), like the Watch streams.
+        self._task_follower = threading.Thread(target=self._follow_tasks,
+                                               name="watcher-tasks", daemon=True)
         self._stopped = False
 
     # lifecycle ---------------------------------------------------------------------
@@ -93,6 +96,7 @@ class Watcher:
             t.start()
         if not self.reconcile("start"):
             self._reconcile_now.set()
+        self._task_follower.start()
         log(logger, logging.INFO, "watching", root=self.root, registry=self.config.registry,
             observer=self.watches.root_backend, workers=self.config.hash_workers,
             reporter=self.reporter)
@@ -112,6 +116,8 @@ class Watcher:
             t.join(timeout)
         self.client.close()  # ends the Watch streams
         self.streams.join(timeout)
+        if self._task_follower.is_alive():
+            self._task_follower.join(timeout)
         self.hasher.close()
         self.cache.close()
         log(logger, logging.INFO, "stopped", **self.metrics.snapshot())
@@ -214,6 +220,27 @@ class Watcher:
         log(logger, logging.INFO, "reconciled", reason=reason, tasks=len(served),
             entries_checked=checked)
         return True
+
+    def _follow_tasks(self) -> None:
+        """Serve new tasks the moment they are created, and drop finished ones,
+        from the registry's stream of task headers (no waiting for a reconciliation)."""
+        while not self._stop.is_set():
+            try:
+                for task in self.client.watch_tasks(timeout=self.config.stream_timeout):
+                    if self._stop.is_set():
+                        return
+                    task_id = task.spec.task_id
+                    if task.status in FINISHED:
+                        self._forget(task_id)
+                    elif task.status != pb.TASK_CREATING:
+                        self.streams.follow(task_id)
+            except BatonError as e:
+                if self._stop.is_set():
+                    return
+                log(logger, logging.WARNING, "task stream lost; retrying", error=str(e))
+                self._stop.wait(RECONCILE_RETRY)
+            except ValueError:  # the client was closed under us: stopping
+                return
 
     def _reconcile_loop(self) -> None:
         interval = self.config.reconcile_interval

@@ -164,6 +164,11 @@ class RegistryStub:
                 request_serializer=client_dot_v1_dot_baton__pb2.WatchRequest.SerializeToString,
                 response_deserializer=client_dot_v1_dot_baton__pb2.TaskEvent.FromString,
                 _registered_method=True)
+        self.WatchTasks = channel.unary_stream(
+                '/baton.v1.Registry/WatchTasks',
+                request_serializer=client_dot_v1_dot_baton__pb2.WatchTasksRequest.SerializeToString,
+                response_deserializer=client_dot_v1_dot_baton__pb2.Task.FromString,
+                _registered_method=True)
 
 
 class RegistryServicer:
@@ -325,6 +330,12 @@ class RegistryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchTasks(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RegistryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -457,6 +468,11 @@ def add_RegistryServicer_to_server(servicer, server):
                     servicer.Watch,
                     request_deserializer=client_dot_v1_dot_baton__pb2.WatchRequest.FromString,
                     response_serializer=client_dot_v1_dot_baton__pb2.TaskEvent.SerializeToString,
+            ),
+            'WatchTasks': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchTasks,
+                    request_deserializer=client_dot_v1_dot_baton__pb2.WatchTasksRequest.FromString,
+                    response_serializer=client_dot_v1_dot_baton__pb2.Task.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1161,6 +1177,33 @@ class Registry:
             '/baton.v1.Registry/Watch',
             client_dot_v1_dot_baton__pb2.WatchRequest.SerializeToString,
             client_dot_v1_dot_baton__pb2.TaskEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchTasks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/baton.v1.Registry/WatchTasks',
+            client_dot_v1_dot_baton__pb2.WatchTasksRequest.SerializeToString,
+            client_dot_v1_dot_baton__pb2.Task.FromString,
             options,
             channel_credentials,
             insecure,
