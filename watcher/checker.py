@@ -98,6 +98,10 @@ class Checker:
             stale = self.hasher.stat(key[0], entry.path)
         except HashFailed:
             stale = None
+        if stale is not None and stale.mtime_ns >= entry.updated_ns:
+            # Written after the entry became pending: most likely by a claim whose
+            # news has not reached us yet, not a leftover of a failed attempt.
+            stale = None
         self.table.update(*key, stale=stale)
 
     def _writing(self, key: Key, entry: EntryView) -> None:

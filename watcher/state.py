@@ -11,6 +11,7 @@ import dataclasses
 import os
 import threading
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from client.v1 import baton_pb2 as pb
 
@@ -34,6 +35,8 @@ class EntryView:
     stale: Identity | None = None
     #: failed hashes in a row
     failures: int = 0
+    #: when the registry last changed the entry (UTC epoch nanoseconds)
+    updated_ns: int = 0
 
     @property
     def state_name(self) -> str:
@@ -129,6 +132,7 @@ class Table:
             known.failures = 0
         known.state, known.size, known.digest = entry.state, entry.size, entry.digest
         known.revision = entry.revision
+        known.updated_ns = _epoch_ns(entry.updated_at)
         return Change(view.task_id, dataclasses.replace(known), old)
 
     def replace(self, task_id: str, entries: list[pb.Entry]) -> list[Change]:
@@ -189,3 +193,12 @@ class Table:
                 return list(view.entries)
             prefix = rel_dir.rstrip("/") + "/"
             return [fid for path, fid in view.by_path.items() if path.startswith(prefix)]
+
+
+def _epoch_ns(stamp: str) -> int:
+    """An RFC 3339 UTC timestamp as epoch nanoseconds (0 if absent or malformed)."""
+    try:
+        moment = datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+    except ValueError:
+        return 0
+    return int(moment.timestamp() * 1_000_000_000)
