@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: install test lint up
+.PHONY: install test lint up faults-long bench
 
 # Re-installs only when pyproject.toml changed since the last install.
 install: $(VENV)/.installed
@@ -22,3 +22,15 @@ lint: install
 
 up: install
 	$(BIN)/baton up --demo
+
+# Benchmarks (minutes; not part of the tests): writes docs/benchmarks.md and its plots.
+bench: install
+	$(BIN)/python -m bench
+
+# A long fault run (docs/faults.md): a 3-member etcd cluster (deploy/local/etcd-cluster.sh),
+# two registries, a watcher and agents under nemeses, then the checker. For example
+#   make faults-long SEED=42 DURATION=3600 FAULTS_ARGS="--ttl 2 --out /tmp/run42"
+SEED ?= $(shell date +%s)
+DURATION ?= 1800
+faults-long: install
+	$(BIN)/python -m tests.faults --seed $(SEED) --duration $(DURATION) $(FAULTS_ARGS)

@@ -142,8 +142,11 @@ class Session:
         interval = max(self.ttl / 3, 0.2)
         while not self._stop.wait(interval):
             try:
+                # The lease is only known to live for a TTL from when the call was
+                # sent: a reply handled late (the process was paused) proves no more.
+                sent = time.monotonic()
                 self.client.keepalive(self.session_id)
-                self._last_ok = time.monotonic()
+                self._last_ok = sent
             except SessionExpired:
                 log.warning("session %x lost: lease expired", self.session_id)
                 self.lost.set()

@@ -1,0 +1,268 @@
+"""What every scenario shares: the daemons, statistics, the machine.
+
+* :class:`Stack` runs a private etcd (:class:`client.etcdproc.EtcdProcess`), registry
+  processes and a watcher on 127.0.0.1 and stops them all when it closes, also
+  after Ctrl-C or SIGTERM (``python -m bench`` turns SIGTERM into KeyboardInterrupt).
+* Percentiles, ``VmRSS`` of a process, etcd's request counters, how busy the CPUs are.
+
+The agents' processes are in :mod:`bench.pool`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Self
+
+from client.etcdproc import EtcdProcess, etcd_version, find_etcd, terminate, wait_ready
+
+#: the line ``python -m registry`` prints once it serves
+REGISTRY_READY = "baton-registry listening on "
+#: the line ``python -m watcher`` prints once it watches
+WATCHER_READY = "baton-watcher watching"
+START_TIMEOUT = 60.0
+
+class BenchError(RuntimeError):
+    """A scenario could not be measured (a daemon or an agent failed)."""
+
+
+#: set by ``python -m bench``'s SIGINT/SIGTERM handler. The KeyboardInterrupt it raises
+#: can land in a finalizer, where Python prints and drops it; long waits check this too.
+INTERRUPTED = threading.Event()
+
+
+def check_interrupted() -> None:
+    if INTERRUPTED.is_set():
+        raise KeyboardInterrupt("interrupted")
+
+
+def die_with_parent() -> None:
+    """Have the kernel SIGTERM this process when its parent dies (Linux; else a no-op)."""
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+def etcd_binary() -> str:
+    """The etcd to run: ``$BATON_BENCH_ETCD`` if set, else the one ``baton up`` would use."""
+    return os.environ.get("BATON_BENCH_ETCD") or find_etcd()
+
+
+# --- daemons ------------------------------------------------------------------------
+
+
+@dataclass
+class Daemon:
+    """A registry or watcher process started by :class:`Stack`."""
+
+    name: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    address: str = ""
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+
+def _line_in(path: Path, prefix: str) -> str | None:
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return None
+    return next((line for line in text.splitlines() if line.startswith(prefix)), None)
+
+
+class Stack:
+    """A private etcd plus registry/watcher processes, all on 127.0.0.1, in ``root``."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.etcd = EtcdProcess(root / "etcd", log_path=root / "etcd.log", binary=etcd_binary())
+        self.daemons: list[Daemon] = []
+
+    def __enter__(self) -> Self:
+        self.etcd.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for daemon in reversed(self.daemons):
+            terminate(daemon.process, timeout=10)
+        self.daemons.clear()
+        self.etcd.stop()
+
+    def _spawn(self, name: str, argv: list[str], ready: str) -> Daemon:
+        log_path = self.root / f"{name}-{len(self.daemons)}.log"
+        with log_path.open("wb") as log:
+            process = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                # Its own session: Ctrl-C reaches only us, and we stop it in order.
+                start_new_session=True, preexec_fn=die_with_parent,
+            )
+        daemon = Daemon(name, process, log_path)
+        self.daemons.append(daemon)
+        wait_ready(lambda: _line_in(log_path, ready) is not None, process, daemon=name,
+                   log_path=log_path, timeout=START_TIMEOUT)
+        return daemon
+
+    def registry(self, staging: Path, prefix: str = "/baton/v1/") -> Daemon:
+        """Start a registry on a free port; its address is ``.address``."""
+        staging.mkdir(parents=True, exist_ok=True)
+        daemon = self._spawn("registry", [
+            sys.executable, "-u", "-m", "registry", "--etcd", self.etcd.endpoint,
+            "--listen", "127.0.0.1:0", "--staging", str(staging), "--prefix", prefix,
+            "--log-level", "WARNING"], REGISTRY_READY)
+        line = _line_in(daemon.log_path, REGISTRY_READY) or ""
+        daemon.address = line[len(REGISTRY_READY):].strip()
+        return daemon
+
+    def watcher(self, registry: str, staging: Path) -> Daemon:
+        """Start a watcher on ``staging`` reporting to ``registry``, as ``baton up`` does."""
+        return self._spawn("watcher", [
+            sys.executable, "-u", "-m", "watcher", "--registry", registry,
+            "--staging", str(staging), "--log-level", "WARNING"], WATCHER_READY)
+
+    def stop(self, daemon: Daemon) -> None:
+        terminate(daemon.process, timeout=10)
+        self.daemons.remove(daemon)
+
+
+# --- numbers ------------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The nearest-rank ``q`` quantile (0 < q ≤ 1) of ``values``; NaN if empty."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, int(q * len(ordered) + 0.5) - 1))]
+
+
+def ms(values: Sequence[float], q: float) -> float:
+    """A percentile of durations in seconds, in milliseconds."""
+    return 1000 * percentile(values, q)
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b else float("nan")
+
+
+def rss_kib(pid: int) -> int:
+    """The resident set size of ``pid`` (``VmRSS`` in /proc/PID/status), in KiB."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    match = re.search(r"^VmRSS:\s+(\d+)\s+kB", status, re.MULTILINE)
+    if match is None:
+        raise BenchError(f"no VmRSS for pid {pid}")
+    return int(match.group(1))
+
+
+def etcd_kv_calls(etcd: EtcdProcess) -> dict[str, int]:
+    """How many KV requests (Txn, Range, Put, ...) etcd has served so far, by method."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(f"{etcd.url}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    counts: dict[str, int] = {}
+    pattern = re.compile(r'^grpc_server_handled_total\{([^}]*)\} (\S+)$', re.MULTILINE)
+    for labels, value in pattern.findall(text):
+        if 'grpc_service="etcdserverpb.KV"' in labels:
+            method = re.search(r'grpc_method="(\w+)"', labels)
+            if method:
+                counts[method.group(1)] = counts.get(method.group(1), 0) + int(float(value))
+    return counts
+
+
+# --- the machine --------------------------------------------------------------------
+
+
+@dataclass
+class Machine:
+    """What the report says about where it ran."""
+
+    facts: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def describe(cls) -> Machine:
+        facts: dict[str, str] = {}
+        cpuinfo = Path("/proc/cpuinfo")
+        model = ""
+        if cpuinfo.exists():
+            found = re.search(r"^model name\s*:\s*(.+)$", cpuinfo.read_text(), re.MULTILINE)
+            model = found.group(1).strip() if found else ""
+        facts["CPU cores"] = f"{os.cpu_count()}" + (f" ({model})" if model else "")
+        meminfo = Path("/proc/meminfo")
+        if meminfo.exists():
+            found = re.search(r"^MemTotal:\s+(\d+)", meminfo.read_text(), re.MULTILINE)
+            if found:
+                facts["RAM"] = f"{int(found.group(1)) / 1024 / 1024:.1f} GiB"
+        facts["kernel"] = f"{platform.system()} {platform.release()}"
+        facts["Python"] = platform.python_version()
+        binary = etcd_binary()
+        facts["etcd"] = f"{etcd_version(binary)} ({binary})"
+        b3sum = shutil.which("b3sum")
+        if b3sum:
+            done = subprocess.run([b3sum, "--version"], capture_output=True, text=True,
+                                  timeout=30, check=False)
+            facts["b3sum"] = done.stdout.strip() or b3sum
+        return cls(facts)
+
+
+def cpu_busy(seconds: float = 1.0) -> float:
+    """The share of all CPUs' time that was not idle during the next ``seconds``."""
+
+    def sample() -> tuple[int, int]:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        return sum(fields), idle
+
+    if not Path("/proc/stat").exists():
+        return float("nan")
+    total0, idle0 = sample()
+    time.sleep(seconds)
+    total1, idle1 = sample()
+    return 1 - (idle1 - idle0) / max(1, total1 - total0)
+
+
+def load_average() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"{one:.2f} / {five:.2f} / {fifteen:.2f}"
+
+
+def ensure_b3sum(install: bool) -> tuple[str | None, str]:
+    """``b3sum``'s path, installing Debian's package if allowed; else None and why not."""
+    found = shutil.which("b3sum")
+    if found:
+        return found, ""
+    if not install:
+        return None, "b3sum is not installed (the quick mode does not install it)"
+    if shutil.which("apt-get") is None or os.geteuid() != 0:
+        return None, "b3sum is not installed and apt-get is not usable here (not root?)"
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for attempt in (["apt-get", "install", "-y", "b3sum"],
+                    ["apt-get", "update"], ["apt-get", "install", "-y", "b3sum"]):
+        try:
+            done = subprocess.run(attempt, env=env, capture_output=True, text=True,
+                                  timeout=600, check=False)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return None, f"`{' '.join(attempt)}` failed: {e}"
+        if attempt[1] == "install" and done.returncode == 0 and shutil.which("b3sum"):
+            return shutil.which("b3sum"), ""
+        if attempt[1] == "update" and done.returncode != 0:
+            break
+    return None, "`apt-get install -y b3sum` did not succeed"

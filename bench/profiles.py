@@ -1,0 +1,96 @@
+"""How big and how long each scenario runs: the full benchmark and ``--quick``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    #: seconds each measured point runs at most
+    seconds: float
+    # claims
+    claim_agents: tuple[int, ...]
+    #: entries in each point's task (Baton) and manifest (the JSON peer)
+    claim_entries: int
+    claim_seconds: float
+    claim_rounds: int
+    # batches
+    batch_agents: tuple[int, ...]
+    batch_size: int
+    batch_entries: int
+    # scale
+    scale_small: int
+    scale_big: int
+    #: claims per point, so the small task is never drained
+    scale_claims: int
+    scale_agents: int
+    scale_rounds: int
+    # watcher
+    latency_files: int
+    #: write rates tried upwards from 100 files/s until one is not sustained
+    latency_rates: tuple[int, ...]
+    #: seconds of writing per rate in that search
+    latency_seconds: float
+    #: after the first rate not sustained, try once halfway back
+    latency_refine: bool
+    wake_samples: int
+    hash_big_mib: int
+    hash_rounds: int
+    hash_files: int
+    #: install b3sum with apt-get when it is missing
+    install: bool
+
+
+FULL = Profile(
+    name="full",
+    seconds=8.0,
+    claim_agents=(1, 4, 16, 64),
+    claim_entries=1000,
+    claim_seconds=5.0,
+    claim_rounds=3,
+    batch_agents=(1, 4, 16),
+    batch_size=21,
+    batch_entries=12_000,
+    scale_small=1_000,
+    scale_big=100_000,
+    scale_claims=400,
+    scale_agents=4,
+    scale_rounds=2,
+    latency_files=1000,
+    latency_rates=(200, 400, 800, 1600),
+    latency_seconds=5.0,
+    latency_refine=True,
+    wake_samples=200,
+    hash_big_mib=1024,
+    hash_rounds=3,
+    hash_files=10_000,
+    install=True,
+)
+
+QUICK = Profile(
+    name="quick",
+    seconds=1.5,
+    claim_agents=(1, 4),
+    claim_entries=200,
+    claim_seconds=1.5,
+    claim_rounds=1,
+    batch_agents=(2,),
+    batch_size=21,
+    batch_entries=2_000,
+    scale_small=200,
+    scale_big=5_000,
+    scale_claims=60,
+    scale_agents=2,
+    scale_rounds=1,
+    latency_files=100,
+    latency_rates=(200,),
+    latency_seconds=0.5,
+    latency_refine=False,
+    wake_samples=15,
+    hash_big_mib=64,
+    hash_rounds=2,
+    hash_files=300,
+    install=False,
+)

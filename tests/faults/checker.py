@@ -1,0 +1,342 @@
+"""The checker: what the agents recorded, held against the registry's journal and state.
+
+Five kinds of violation fail a run:
+
+- ``lost``: an entry that was created but is gone, is not terminal and cannot move on
+  by itself (no index key while pending, no claim nor twin while writing, written and
+  never verified, verified with a group that can neither take it nor holds it), whose
+  journal has a gap, or a call an agent was told had applied that the journal lacks;
+- ``double``: one consumer group handed or acking one entry twice;
+- ``stale``: a claim, commit or ack accepted while its token was not the live one;
+- ``badverify``: a verification whose digest is not the digest of the bytes the
+  producer of the accepted commit wrote;
+- ``badread``: a consumer given a lease on an entry that was not verified, or whose
+  digest is not the verified one, or that read bytes other than the verified ones
+  (every payload names its producer attempt, see ``payload.py``).
+
+The journal is the ground truth of what applied (calls whose outcome the agents never
+learnt included); the histories say what each agent was told and what it wrote and read.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from registry.keys import ClaimRef
+
+from .state import EntryKey, JournalRecord, Snapshot
+
+KINDS = ("lost", "double", "stale", "badverify", "badread")
+TERMINAL = ("consumed", "dead")
+#: history operations that are calls to the registry (their completions count as ops)
+CALLS = ("open-session", "claim", "commit", "fail", "consume", "ack", "nack", "create-task")
+
+
+@dataclass(frozen=True)
+class Violation:
+    kind: str
+    task: str
+    file: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.task}/{self.file}: {self.detail}"
+
+
+@dataclass
+class Report:
+    ops: int = 0
+    nemeses: int = 0
+    violations: list[Violation] = field(default_factory=list)
+    stats: Counter[str] = field(default_factory=Counter)
+    #: what is worth knowing but fails nothing (e.g. whose bytes a mismatch found)
+    notes: list[str] = field(default_factory=list)
+
+    def add(self, kind: str, entry: EntryKey, detail: str) -> None:
+        self.violations.append(Violation(kind, entry[0], entry[1], detail))
+
+    def count(self, kind: str) -> int:
+        return sum(1 for v in self.violations if v.kind == kind)
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    def summary(self) -> str:
+        """The one line a run prints: ops, nemeses, the five counts, then context."""
+        head = " ".join([f"ops={self.ops}", f"nemeses={self.nemeses}",
+                         *(f"{k}={self.count(k)}" for k in KINDS)])
+        extra = " ".join(f"{k}={v}" for k, v in sorted(self.stats.items()))
+        return f"faults: {head}" + (f" | {extra}" if extra else "")
+
+
+class _Histories:
+    """What the agents recorded, indexed by (task, file, token)."""
+
+    def __init__(self, records: list[dict[str, Any]]) -> None:
+        self.writes: dict[tuple[str, str, int], dict[str, Any]] = {}
+        self.leases: dict[EntryKey, list[dict[str, Any]]] = defaultdict(list)
+        self.ok: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        self.reads: list[dict[str, Any]] = []
+        self.read_failures = 0
+        self.unknown = 0
+        self.ops = 0
+        for r in records:
+            op, phase = r.get("op", ""), r.get("phase", "")
+            if op in CALLS and phase in ("ok", "fail", "info"):
+                self.ops += 1
+                self.unknown += phase == "info"
+            if op == "write" and phase == "ok":
+                self.writes[(r["task"], r["file"], int(r["token"]))] = r
+            elif op == "consume" and phase == "ok":
+                self.leases[(r["task"], r["file"])].append(r)
+            elif op == "read":
+                if phase == "ok":
+                    self.reads.append(r)
+                else:
+                    self.read_failures += 1
+            if phase == "ok" and op in ("claim", "commit", "ack"):
+                self.ok[op].append(r)
+
+
+@dataclass
+class _Seen:
+    """What the journals showed, for the checks of what agents were handed."""
+
+    #: (task, file, commit token) -> the digest its verification recorded
+    verified: dict[tuple[str, str, int], str] = field(default_factory=dict)
+    #: (task, file, consume token) -> the verified digest then in force (None: none)
+    consumes: dict[tuple[str, str, int], str | None] = field(default_factory=dict)
+
+
+def check(records: list[dict[str, Any]], snap: Snapshot,
+          created: dict[str, list[str]], nemeses: int = 0) -> Report:
+    """Check a run: agents' ``records``, the final ``snap``, the entries ``created`` per task."""
+    hist = _Histories(records)
+    report = Report(ops=hist.ops, nemeses=nemeses)
+    seen = _Seen()
+    for key in sorted(set(snap.entries) | set(snap.journal)):
+        _walk(key, snap.journal.get(key, []), hist, report, seen)
+    _check_final(snap, created, report)
+    _check_acknowledged(snap, hist, report)
+    _check_leases(hist, seen, report)
+    _check_reads(hist, seen, report)
+    _explain_retries(snap, hist, report)
+    report.stats["unknown"] = hist.unknown
+    report.stats["mismatched_reads"] = hist.read_failures
+    return report
+
+
+def _walk(key: EntryKey, journal: list[JournalRecord], hist: _Histories, report: Report,
+          seen: _Seen) -> None:
+    """Replay one entry's journal: who held which token when, and what was verified."""
+    state = ""
+    live_p: int | None = None  # the producer claim's token while writing
+    committed: JournalRecord | None = None  # the accepted commit of this attempt
+    verified: str | None = None  # the digest in force while verified
+    live_c: dict[str, set[int]] = defaultdict(set)
+    acked: dict[str, list[int]] = defaultdict(list)
+    for r in journal:
+        rev = r.rev
+        if r.event == "claimed":
+            if live_p is not None:
+                report.add("stale", key, f"claim {rev} accepted while claim {live_p} lives")
+            live_p, committed = rev, None
+        elif r.event == "committed":
+            if r.token != live_p:
+                report.add("stale", key, f"commit with token {r.token} accepted at revision "
+                           f"{rev}; the live claim was {live_p}")
+            committed, live_p = r, None
+        elif r.event == "verified":
+            _check_verified(key, r, committed, hist, report)
+            verified = r.digest
+            if committed is not None:
+                seen.verified[(key[0], key[1], committed.token)] = r.digest
+        elif r.event == "consuming":  # a consume lease: its token is this revision
+            seen.consumes[(key[0], key[1], rev)] = verified
+            if state != "verified":
+                report.add("badread", key, f"group {r.group} was granted token {rev} while "
+                           f"the entry was {state or 'not yet created'}")
+            if acked[r.group]:
+                report.add("double", key, f"group {r.group} granted token {rev} after it "
+                           f"acked token {acked[r.group][0]}")
+            if live_c[r.group]:
+                report.add("double", key, f"group {r.group} granted token {rev} while it "
+                           f"holds {sorted(live_c[r.group])}")
+            live_c[r.group].add(rev)
+        elif r.event == "acked":
+            if r.token not in live_c[r.group]:
+                report.add("stale", key, f"ack of group {r.group} with token {r.token} "
+                           f"accepted at revision {rev}; live: {sorted(live_c[r.group])}")
+            live_c[r.group].discard(r.token)
+            acked[r.group].append(r.token)
+            if len(acked[r.group]) > 1:
+                report.add("double", key, f"group {r.group} acked twice: {acked[r.group]}")
+        elif r.event in ("nacked", "consumer lost"):
+            live_c[r.group].discard(r.token)
+        if r.from_state == "writing" and r.to_state != "writing":
+            live_p = None
+        if r.from_state == "verified" and r.to_state not in ("verified", "consumed"):
+            live_c.clear()  # unverified: every consume-claim was revoked with it
+            verified = None
+        state = r.to_state
+
+
+def _check_verified(key: EntryKey, r: JournalRecord, committed: JournalRecord | None,
+                    hist: _Histories, report: Report) -> None:
+    if committed is None:
+        report.add("badverify", key, f"verified at revision {r.rev} with no accepted commit")
+        return
+    write = hist.writes.get((key[0], key[1], committed.token))
+    if write is None:
+        report.add("badverify", key, f"verified at revision {r.rev}, but no producer "
+                   f"recorded writing the bytes of token {committed.token}")
+    elif write["digest"] != r.digest or int(write["size"]) != committed.size:
+        report.add("badverify", key, f"verified digest {r.digest} at revision {r.rev}; the "
+                   f"producer of token {committed.token} wrote {write['size']} bytes with "
+                   f"digest {write['digest']}")
+
+
+def _check_final(snap: Snapshot, created: dict[str, list[str]], report: Report) -> None:
+    """Every created entry exists, its journal is whole, and it is done or can move on."""
+    for task, files in created.items():
+        for file in files:
+            if (task, file) not in snap.entries:
+                report.add("lost", (task, file), "created, but the entry is gone")
+    for key, rec in snap.entries.items():
+        state = str(rec["state"])
+        report.stats[state] += 1
+        report.stats["retries"] += int(rec.get("retry_count", 0))
+        journal = [r for r in snap.journal.get(key, []) if r.transition]
+        seqs = sorted(r.seq for r in journal)
+        if seqs != list(range(1, int(rec.get("seq", 0)) + 1)):
+            report.add("lost", key, f"journal records {seqs} do not match seq {rec.get('seq')}")
+        elif journal and journal[-1].to_state != state:
+            report.add("lost", key, f"entry is {state}, its journal ends in "
+                       f"{journal[-1].to_state}")
+        if state in TERMINAL:
+            continue
+        why = _stuck(snap, key, rec)
+        if why:
+            report.add("lost", key, why)
+        else:
+            report.stats["unfinished"] += 1
+
+
+def _stuck(snap: Snapshot, key: EntryKey, rec: dict[str, Any]) -> str:
+    """Why a non-terminal entry can never move on by itself ("" if it can)."""
+    task, file = key
+    state = str(rec["state"])
+    if state == "pending":
+        index = str(rec.get("index", ""))
+        if not index or not snap.has(index.encode()):
+            return f"pending without its index key ({index or 'none'})"
+    elif state == "writing":
+        if not snap.has_claim(ClaimRef("p", task, file)):
+            return "writing, but neither the claim nor its twin exists"
+    elif state == "written":
+        return "written, but never verified nor sent back"
+    elif state == "verified":
+        for group in rec.get("consumers", []):
+            if group in rec.get("consumed_by", []):
+                continue
+            if not (snap.has(snap.k.cready(task, group, file))
+                    or snap.has_claim(ClaimRef("c", task, file, group))):
+                return f"verified, but group {group} can neither take it nor holds it"
+    return ""
+
+
+def _check_acknowledged(snap: Snapshot, hist: _Histories, report: Report) -> None:
+    """Every claim, commit and ack an agent was told had applied is in the journal."""
+    claimed = {(k, r.rev) for k, rs in snap.journal.items() for r in rs if r.event == "claimed"}
+    committed = {(k, r.token) for k, rs in snap.journal.items() for r in rs
+                 if r.event == "committed"}
+    acked = {(k, r.group, r.token) for k, rs in snap.journal.items() for r in rs
+             if r.event == "acked"}
+    for r in hist.ok["claim"]:
+        if ((r["task"], r["file"]), int(r["token"])) not in claimed:
+            report.add("lost", (r["task"], r["file"]), f"claim {r['token']} granted to "
+                       f"{r['process']} is not in the journal")
+    for r in hist.ok["commit"]:
+        if ((r["task"], r["file"]), int(r["token"])) not in committed:
+            report.add("lost", (r["task"], r["file"]), f"commit {r['token']} acknowledged "
+                       f"to {r['process']} is not in the journal")
+    for r in hist.ok["ack"]:
+        if ((r["task"], r["file"]), r["group"], int(r["token"])) not in acked:
+            report.add("lost", (r["task"], r["file"]), f"ack {r['token']} of group "
+                       f"{r['group']} acknowledged to {r['process']} is not in the journal")
+
+
+def _check_leases(hist: _Histories, seen: _Seen, report: Report) -> None:
+    """Every lease an agent was handed is in the journal and carries the verified digest."""
+    for key, leases in hist.leases.items():
+        for lease in leases:
+            token = int(lease["token"])
+            if (key[0], key[1], token) not in seen.consumes:
+                report.add("lost", key, f"consume {token} granted to {lease['process']} is "
+                           "not in the journal")
+            elif lease.get("digest") != seen.consumes[(key[0], key[1], token)]:
+                report.add("badread", key, f"lease {token} carries digest "
+                           f"{lease.get('digest')}, the verified one was "
+                           f"{seen.consumes[(key[0], key[1], token)]}")
+
+
+def _check_reads(hist: _Histories, seen: _Seen, report: Report) -> None:
+    """Bytes a consumer accepted are exactly some producer's payload, and the verified one."""
+    leases = {(r["task"], r["file"], int(r["token"])): r
+              for rs in hist.leases.values() for r in rs}
+    for r in hist.reads:
+        key = (r["task"], r["file"])
+        lease = leases.get((r["task"], r["file"], int(r["token"])))
+        origin = r.get("origin")
+        if lease is None or r["digest"] != lease.get("digest"):
+            report.add("badread", key, f"read digest {r['digest']} under token {r['token']} "
+                       f"is not the lease's {lease and lease.get('digest')}")
+        elif origin is None:
+            report.add("badread", key, f"read {r['size']} bytes under token {r['token']} that "
+                       "are no producer's payload")
+        elif (origin["task"], origin["file"]) != key:
+            report.add("badread", key, f"read the payload of {origin['task']}/{origin['file']}")
+        elif seen.verified.get((key[0], key[1], int(origin["token"]))) != r["digest"]:
+            report.add("badread", key, f"read the bytes of token {origin['token']}, which "
+                       "were never verified")
+
+
+_DISK_DIGEST = re.compile(r"digest ([0-9a-f]{64})\)?$")
+
+
+def _explain_retries(snap: Snapshot, hist: _Histories, report: Report) -> None:
+    """Count why entries went back for a retry; for a checksum mismatch or a verified
+    file that changed, find whose bytes the watcher found on disk."""
+    by_digest = {w["digest"]: w for w in hist.writes.values()}
+    for key, journal in snap.journal.items():
+        committed = 0
+        for r in journal:
+            if r.event == "committed":
+                committed = r.token
+            if r.event != "failed":
+                continue
+            if "lease of agent" in r.reason:
+                report.stats["reaped"] += 1
+                continue
+            if r.reason.startswith("checksum mismatch"):
+                report.stats["mismatch"] += 1
+            elif r.from_state == "verified":
+                report.stats["unverified"] += 1
+            match = _DISK_DIGEST.search(r.reason)
+            if match is None:
+                continue
+            write = by_digest.get(match.group(1))
+            if write is not None and (write["task"], write["file"]) == key \
+                    and int(write["token"]) != committed:
+                report.stats["clobbered"] += 1
+                report.notes.append(
+                    f"{key[0]}/{key[1]} at revision {r.rev}: the file held the bytes of "
+                    f"token {write['token']} ({write['process']}), not those of the "
+                    f"accepted commit {committed}: {r.reason}")
+            else:
+                report.notes.append(f"{key[0]}/{key[1]} at revision {r.rev}: bytes of no "
+                                    f"other attempt: {r.reason}")

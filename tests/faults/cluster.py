@@ -1,0 +1,312 @@
+"""The processes of a fault run: etcd members, registry replicas, the watcher, agents.
+
+Every process is a child of the harness (its own session, so a Ctrl-C reaches only
+the harness), with its output appended to a log that marks each start with a banner.
+etcd members are started through ``deploy/local/etcd-cluster.sh member``, so the
+cluster the tests use is the one that script gives a developer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from client.embedded import grpc_health_probe, log_line_probe
+from client.etcdproc import port_in_use, tail, terminate, wait_ready, write_banner
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "deploy" / "local" / "etcd-cluster.sh"
+MEMBERS = 3
+WATCHER_READY = "baton-watcher watching"
+
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+Probe = Callable[[], bool]
+
+
+class Proc:
+    """One daemon: start, SIGKILL, SIGSTOP/SIGCONT, restart, stop.
+
+    ``ready`` makes a fresh readiness probe for each start (a log probe only looks
+    past the banner of the start it was made for).
+    """
+
+    def __init__(self, name: str, argv: Sequence[str], log_path: Path,
+                 ready: Callable[[], Probe] | None = None,
+                 env: Mapping[str, str] | None = None) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = log_path
+        self.ready = ready
+        self.env = dict(env) if env is not None else None
+        self.process: subprocess.Popen[bytes] | None = None
+        self.paused = False
+        self.starts = 0
+        #: the harness ended it (kill or stop); a process that exits otherwise crashed
+        self.ended = False
+
+    def __repr__(self) -> str:
+        return f"<Proc {self.name} pid={self.pid} alive={self.alive}>"
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    @property
+    def crashed(self) -> bool:
+        """It exited by itself (not killed nor stopped by the harness)."""
+        return self.process is not None and not self.alive and not self.ended
+
+    def spawn(self) -> None:
+        """Start the process without waiting for it to be ready."""
+        if self.alive:
+            raise RuntimeError(f"{self.name} is already running")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        write_banner(self.log_path, self.argv)
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                cwd=REPO, env=self.env, start_new_session=True)
+        self.paused = self.ended = False
+        self.starts += 1
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        assert self.process is not None
+        if self.ready is not None:
+            wait_ready(self.ready(), self.process, daemon=self.name, log_path=self.log_path,
+                       timeout=timeout)
+
+    def start(self, timeout: float = 60.0) -> None:
+        self.spawn()
+        self.wait_ready(timeout)
+
+    def kill(self) -> None:
+        self.ended = True
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+        if self.process is not None:
+            self.process.wait()
+        self.paused = False
+
+    def pause(self) -> None:
+        if self.alive and self.pid is not None:
+            os.kill(self.pid, signal.SIGSTOP)
+            self.paused = True
+
+    def resume(self) -> None:
+        if self.alive and self.pid is not None:
+            os.kill(self.pid, signal.SIGCONT)
+        self.paused = False
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """SIGCONT (a paused process cannot handle SIGTERM), SIGTERM, then SIGKILL."""
+        if self.process is None:
+            return None
+        self.ended = True
+        self.resume()
+        return terminate(self.process, timeout)
+
+    def log_tail(self, n: int = 30) -> str:
+        return tail(self.log_path, n)
+
+
+# --- etcd --------------------------------------------------------------------------
+
+
+def _post(port: int, path: str, body: dict[str, Any], timeout: float = 2.0) -> dict[str, Any]:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}",
+                                     data=json.dumps(body).encode(), method="POST")
+    with _OPENER.open(request, timeout=timeout) as response:
+        data: dict[str, Any] = json.load(response)
+        return data
+
+
+def free_base_port(count: int = 2 * MEMBERS, start: int = 24000) -> int:
+    """A base port such that ``count`` consecutive ports from it are free."""
+    base = start + (os.getpid() % 500) * 8
+    for _ in range(2000):
+        if not any(port_in_use(base + i) for i in range(count)):
+            return base
+        base = 20000 + (base + count - 20000) % 30000
+    raise RuntimeError("no free block of loopback ports")
+
+
+class EtcdCluster:
+    """Three etcd members on loopback, each launched by ``etcd-cluster.sh member``."""
+
+    def __init__(self, data_dir: Path, binary: str | None = None,
+                 extra_args: str = "--snapshot-count 5000") -> None:
+        self.data_dir = data_dir
+        self.base = free_base_port()
+        env = dict(os.environ)
+        env["PYTHON"] = sys.executable
+        env["BATON_ETCD_ARGS"] = extra_args
+        if binary:
+            env["BATON_ETCD"] = binary
+        self.members = [
+            Proc(f"etcd-m{n}",
+                 ["bash", str(SCRIPT), "member", str(data_dir), str(self.base), str(n)],
+                 data_dir / f"m{n}.log", ready=self._health_probe(n), env=env)
+            for n in range(MEMBERS)
+        ]
+
+    def port(self, n: int) -> int:
+        return self.base + 2 * n
+
+    def endpoint(self, n: int) -> str:
+        return f"127.0.0.1:{self.port(n)}"
+
+    def _health_probe(self, n: int) -> Callable[[], Probe]:
+        return lambda: lambda: self.member_healthy(n)
+
+    def member_healthy(self, n: int) -> bool:
+        """Whether member ``n``'s ``/health`` says it serves (it has a leader)."""
+        try:
+            with _OPENER.open(f"http://127.0.0.1:{self.port(n)}/health", timeout=1.0) as r:
+                return bool(json.load(r).get("health") == "true")
+        except (OSError, ValueError):
+            return False
+
+    def start(self, timeout: float = 60.0) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.data_dir.chmod(0o700)
+        for m in self.members:
+            m.spawn()
+        for m in self.members:
+            m.wait_ready(timeout)
+
+    def stop(self) -> None:
+        for m in self.members:
+            m.stop()
+
+    def status(self, n: int) -> dict[str, Any] | None:
+        """Member ``n``'s maintenance status, None if it does not answer."""
+        if not self.members[n].alive or self.members[n].paused:
+            return None
+        try:
+            return _post(self.port(n), "/v3/maintenance/status", {})
+        except (OSError, ValueError):
+            return None
+
+    def leader(self) -> int | None:
+        """The index of the member that leads, as the members that answer say."""
+        ids: dict[str, int] = {}
+        leaders: list[str] = []
+        for n in range(MEMBERS):
+            s = self.status(n)
+            if s is not None:
+                ids[str(s["header"]["member_id"])] = n
+                leaders.append(str(s.get("leader", "")))
+        for lead in leaders:
+            if lead in ids:
+                return ids[lead]
+        return None
+
+    def answering(self) -> int | None:
+        """Any member that answers."""
+        for n in range(MEMBERS):
+            if self.status(n) is not None:
+                return n
+        return None
+
+    def revision(self) -> int:
+        n = self.answering()
+        if n is None:
+            raise RuntimeError("no etcd member answers")
+        status = self.status(n)
+        assert status is not None
+        return int(status["header"]["revision"])
+
+    def compact(self, revision: int) -> str:
+        """Compact the keyspace up to ``revision``; "" or why it was refused."""
+        n = self.answering()
+        if n is None:
+            return "no member answers"
+        try:
+            _post(self.port(n), "/v3/kv/compaction", {"revision": revision, "physical": True},
+                  timeout=10.0)
+        except urllib.error.HTTPError as e:
+            return e.read().decode(errors="replace")[:200]
+        except OSError as e:
+            return str(e)
+        return ""
+
+    def divergence(self, timeout: float = 20.0) -> str:
+        """"" if every member, having applied the same raft log, holds the same revision
+        and the same number of keys; else what differs. Meant for a quiet cluster.
+
+        A member that lost applied writes (etcd-io/etcd#13766, 3.5.0 to 3.5.2 after a
+        crash) serves a different history: Baton's reads and compares on it go wrong.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            states = [self.status(n) for n in range(MEMBERS)]
+            if all(s is not None for s in states):
+                applied = {int(s["raftAppliedIndex"]) for s in states if s is not None}
+                if len(applied) == 1:
+                    revisions = [int(s["header"]["revision"]) for s in states if s is not None]
+                    keys = [self._count(n) for n in range(MEMBERS)]
+                    if len(set(revisions)) == 1 and len(set(keys)) == 1:
+                        return ""
+                    return (f"members diverged at applied index {applied.pop()}: revisions "
+                            f"{revisions}, keys {keys} (m0, m1, m2)")
+            if time.monotonic() > deadline:
+                return f"members did not settle on one applied index within {timeout:g} s"
+            time.sleep(0.2)
+
+    def _count(self, n: int) -> int:
+        """Keys in member ``n``'s own store (a serializable read: no leader involved)."""
+        everything = {"key": "AA==", "range_end": "AA==", "count_only": True,
+                      "serializable": True}
+        return int(_post(self.port(n), "/v3/kv/range", everything).get("count", 0))
+
+    def healthy(self) -> bool:
+        return all(m.alive and not m.paused and self.member_healthy(n)
+                   for n, m in enumerate(self.members))
+
+
+# --- Baton's daemons ---------------------------------------------------------------
+
+
+def registry_proc(name: str, etcd_endpoint: str, port: int, staging: Path, prefix: str,
+                  log_path: Path) -> Proc:
+    address = f"127.0.0.1:{port}"
+    argv = [sys.executable, "-u", "-m", "registry", "--etcd", etcd_endpoint,
+            "--listen", address, "--staging", str(staging), "--prefix", prefix,
+            "--reap-interval", "0.5", "--grace", "1"]
+    return Proc(name, argv, log_path, ready=lambda: grpc_health_probe(address))
+
+
+def watcher_proc(registries: Sequence[str], staging: Path, state_file: Path,
+                 log_path: Path) -> Proc:
+    # gRPC's ipv4: scheme takes a list; pick_first moves on when a replica dies.
+    target = "ipv4:" + ",".join(registries)
+    argv = [sys.executable, "-u", "-m", "watcher", "--registry", target,
+            "--staging", str(staging), "--state-file", str(state_file),
+            "--reconcile-interval", "5", "--stream-timeout", "10", "--retry-delay", "0.1"]
+    return Proc("watcher", argv, log_path,
+                ready=lambda: log_line_probe(log_path, WATCHER_READY))
+
+
+def agent_proc(role: str, name: str, registries: Sequence[str], history: Path, seed: int,
+               ttl: int, group: str, log_path: Path) -> Proc:
+    argv = [sys.executable, "-u", "-m", "tests.faults.agent", "--role", role, "--name", name,
+            "--registries", ",".join(registries), "--history", str(history),
+            "--seed", str(seed), "--ttl", str(ttl), "--group", group]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    return Proc(name, argv, log_path, env=env)

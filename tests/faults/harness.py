@@ -1,0 +1,309 @@
+"""A fault run from start to verdict.
+
+1. A 3-member etcd cluster, two registry replicas (each given every member, or
+   replica n only member n), one watcher (on both replicas) and the agents:
+   producers, and consumers in two consumer groups.
+2. Load: a feeder creates tasks so that there is always work; nemeses are injected
+   one after the other for ``duration`` seconds.
+3. Heal and drain: everything broken is restarted, and the run waits (at most
+   ``drain`` seconds) for every task to complete.
+4. Stop the agents and the watcher, read the registry's state from etcd, and check it
+   against every history (``checker.py``). The summary line goes to stdout and, with
+   the violations and what each nemesis did, to ``OUT/report.txt``.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from client import Client, RetryPolicy, errors
+from client.etcdproc import free_port
+from client.v1 import baton_pb2 as pb
+
+from . import history as hist
+from .checker import Report, check
+from .cluster import EtcdCluster, Proc, agent_proc, registry_proc, watcher_proc
+from .nemesis import NEMESES, AgentSlot, World, run_nemeses
+from .state import read_snapshot
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    seed: int
+    #: seconds of load under nemeses (the drain and start-up come on top)
+    duration: float
+    out: Path
+    producers: int = 2
+    #: consumers per group
+    consumers: int = 2
+    groups: tuple[str, ...] = ("g1", "g2")
+    ttl: int = 4
+    task_size: int = 40
+    #: no new task while this many entries are unfinished (the consumers are behind)
+    backlog: int = 160
+    nemeses: tuple[str, ...] = tuple(NEMESES)
+    #: seconds between two nemeses (uniform)
+    gap: tuple[float, float] = (2.0, 5.0)
+    #: at most this many seconds, after healing, for every task to complete
+    drain: float = 120.0
+    etcd_binary: str | None = None
+    #: each replica is given every etcd member (else replica n only member n)
+    all_members: bool = True
+    prefix: str = "/baton-faults/"
+    #: keep the staging directory (payloads) after the run
+    keep_staging: bool = False
+
+
+@dataclass
+class Result:
+    report: Report
+    out: Path
+    nemeses: list[dict[str, Any]] = field(default_factory=list)
+
+
+class Replicas:
+    """One client per registry replica; a call moves on to the next on ``Unavailable``."""
+
+    def __init__(self, addresses: list[str]) -> None:
+        retry = RetryPolicy(attempts=2, initial=0.1, cap=0.5, deadline=5.0)
+        self.clients = [Client(a, timeout=5.0, retry=retry) for a in addresses]
+        self.current = 0
+
+    def call(self, fn: Callable[[Client], T]) -> T:
+        error: errors.BatonError | None = None
+        for _ in range(2 * len(self.clients)):
+            try:
+                return fn(self.clients[self.current])
+            except errors.Unavailable as e:
+                error = e
+                self.current = (self.current + 1) % len(self.clients)
+        assert error is not None
+        raise error
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
+
+
+def task_spec(task_id: str, size: int, groups: tuple[str, ...]) -> dict[str, Any]:
+    files = [f"f{i:04d}" for i in range(size)]
+    return {
+        "task_id": task_id,
+        # A few subdirectories: the watcher must follow new directories too.
+        "entries": [{"file_id": f, "path": f"d{i % 3}/{f}.bin"} for i, f in enumerate(files)],
+        "consumers": list(groups),
+        "max_retries": 12,
+        "backoff": {"base_seconds": 0.2, "factor": 2.0, "cap_seconds": 2.0},
+    }
+
+
+class Feeder(threading.Thread):
+    """Creates tasks so that the agents always have work; records each creation."""
+
+    def __init__(self, cfg: RunConfig, replicas: Replicas, history: hist.History,
+                 staging: Path) -> None:
+        super().__init__(name="faults-feeder", daemon=True)
+        self.cfg, self.replicas, self.history = cfg, replicas, history
+        self.staging = staging
+        self.removed: set[str] = set()
+        self.created: dict[str, list[str]] = {}
+        self.stop = threading.Event()
+        self._next = 0
+        self.newest = ""
+
+    def run(self) -> None:
+        while not self.stop.wait(0.5):
+            try:
+                tasks = self.replicas.call(lambda c: c.list_tasks())
+            except errors.BatonError:
+                continue
+            self.remove_completed(tasks)
+            active = {t.spec.task_id: t for t in tasks if t.status == pb.TASK_ACTIVE}
+            if sum(t.open for t in active.values()) >= self.cfg.backlog:
+                continue  # the consumers are behind: let them catch up
+            if self.newest in active:
+                try:
+                    newest = self.replicas.call(lambda c: c.get_task(self.newest))
+                except errors.BatonError:
+                    continue
+                if newest.states.get("pending", 0) >= self.cfg.task_size // 2:
+                    continue  # the producers still have work
+            self.create(f"t{self._next:04d}")
+
+    def remove_completed(self, tasks: list[pb.Task]) -> None:
+        """Delete the files of completed tasks (consumers recorded what they read), so
+        that a long run does not fill the disk."""
+        if self.cfg.keep_staging:
+            return
+        for t in tasks:
+            task_id = t.spec.task_id
+            if t.status == pb.TASK_COMPLETED and task_id not in self.removed:
+                shutil.rmtree(self.staging / task_id, ignore_errors=True)
+                self.removed.add(task_id)
+
+    def create(self, task_id: str) -> None:
+        spec = task_spec(task_id, self.cfg.task_size, self.cfg.groups)
+        files = [e["file_id"] for e in spec["entries"]]
+        while True:
+            self.history.invoke("create-task", task=task_id, files=len(files))
+            try:
+                self.replicas.call(lambda c: c.create_task(spec))
+                break
+            except errors.BatonError as e:
+                # The same manifest again completes an interrupted creation.
+                self.history.error("create-task", e, task=task_id)
+                if self.stop.wait(0.5):
+                    return
+        self.history.ok("create-task", task=task_id, files=len(files))
+        self.created[task_id] = files
+        self.newest = task_id
+        self._next += 1
+
+    def done(self) -> bool:
+        """Whether every task created so far has completed."""
+        try:
+            tasks = self.replicas.call(lambda c: c.list_tasks())
+        except errors.BatonError:
+            return False
+        status = {t.spec.task_id: t.status for t in tasks}
+        return all(status.get(t) == pb.TASK_COMPLETED for t in self.created)
+
+
+def run(cfg: RunConfig, say: Callable[[str], None] = print) -> Result:
+    """Run the faults and check them; the report is returned, nothing is asserted."""
+    out = cfg.out
+    for sub in ("history", "logs", "staging"):
+        (out / sub).mkdir(parents=True, exist_ok=True)
+    staging = out / "staging"
+    driver = hist.History(out / "history" / "driver.jsonl", "driver")
+    driver.write("run", "info", seed=cfg.seed, duration=cfg.duration,
+                 nemeses=list(cfg.nemeses))
+    rng = random.Random(cfg.seed)
+    cluster = EtcdCluster(out / "etcd", binary=cfg.etcd_binary)
+    ports = [free_port() for _ in range(2)]
+    addresses = [f"127.0.0.1:{p}" for p in ports]
+    def etcd_for(n: int) -> str:
+        if not cfg.all_members:
+            return cluster.endpoint(n)
+        return ",".join(cluster.endpoint((n + i) % 3) for i in range(3))
+
+    registries = [registry_proc(f"registry-{n}", etcd_for(n), ports[n], staging,
+                                cfg.prefix, out / "logs" / f"registry-{n}.log")
+                  for n in range(2)]
+    watcher = watcher_proc(addresses, staging, out / "watcher-state.sqlite",
+                           out / "logs" / "watcher.log")
+
+    def make_agent(slot: AgentSlot) -> Proc:
+        return agent_proc(slot.role, slot.name, addresses, slot.history, cfg.seed, cfg.ttl,
+                          slot.group, out / "logs" / f"{slot.name}.log")
+
+    histories = out / "history"
+    agents = [AgentSlot("producer", i, "", make_agent, histories)
+              for i in range(cfg.producers)]
+    agents += [AgentSlot("consumer", len(agents) + i, g, make_agent, histories)
+               for i, g in enumerate(g for g in cfg.groups for _ in range(cfg.consumers))]
+    world = World(cluster, registries, watcher, agents, staging, cfg.ttl, rng, driver)
+    replicas = Replicas(addresses)
+    feeder = Feeder(cfg, replicas, driver, staging)
+    started = time.monotonic()
+    try:
+        cluster.start()
+        for r in registries:
+            r.start()
+        watcher.start()
+        say(f"faults: up in {time.monotonic() - started:.1f} s (etcd {cluster.endpoint(0)}, "
+            f"registries {', '.join(addresses)}); load for {cfg.duration:g} s, seed {cfg.seed}")
+        for slot in agents:
+            slot.start()
+        feeder.start()
+        count = run_nemeses(world, list(cfg.nemeses), time.monotonic() + cfg.duration,
+                            cfg.gap)
+        feeder.stop.set()
+        feeder.join()
+        world.heal()
+        drained = _drain(feeder, cfg.drain)
+        driver.write("drained", "info", complete=drained)
+        for slot in agents:
+            assert slot.proc is not None
+            slot.proc.stop(15.0)
+        watcher.stop(15.0)
+        for proc in registries:
+            proc.stop(10.0)
+        diverged = cluster.divergence()
+        member = cluster.leader()
+        assert member is not None, "no etcd member leads after healing"
+        snap = read_snapshot(cluster.endpoint(member), cfg.prefix)
+    finally:
+        world.stop.set()
+        feeder.stop.set()
+        replicas.close()
+        for slot in agents:
+            if slot.proc is not None:
+                slot.proc.stop(5.0)
+        for proc in [watcher, *registries]:
+            proc.stop(10.0)
+        cluster.stop()
+        driver.close()
+    snap.dump(out / "journal.jsonl")
+    report = check(hist.read_all(out / "history"), snap, feeder.created, count)
+    report.stats["seed"] = cfg.seed
+    report.stats["tasks"] = len(feeder.created)
+    report.stats["entries"] = len(snap.entries)
+    report.stats["drained"] = int(drained)
+    report.stats["seconds"] = round(time.monotonic() - started)
+    if diverged:
+        # The checker reads the leader's state; agents were served by every member.
+        report.stats["etcd_diverged"] = 1
+        report.notes.append(f"etcd {diverged}: the verdict is about etcd, not Baton "
+                            "(etcd 3.5.0-3.5.2 lose applied writes after a crash: "
+                            "etcd-io/etcd#13766)")
+    driven = list(hist.read(out / "history" / "driver.jsonl"))
+    _count_crashes(report, [d for d in driven if d["op"] == "crash"])
+    nemeses = [d for d in driven if d["op"] == "nemesis" and d["phase"] != "invoke"]
+    _write_report(out / "report.txt", report, nemeses)
+    if not cfg.keep_staging:
+        shutil.rmtree(staging, ignore_errors=True)
+    say(report.summary())
+    return Result(report, out, nemeses)
+
+
+def _count_crashes(report: Report, crashes: list[dict[str, Any]]) -> None:
+    """Processes that died by themselves: known bugs of others are noted, not counted."""
+    report.stats["crashes"] = sum(1 for c in crashes if not c.get("known"))
+    for c in crashes:
+        if c.get("known"):
+            report.stats[f"known:{c['known']}"] += 1
+            report.notes.append(f"{c['name']} died of the known bug {c['known']}")
+        else:
+            report.notes.append(f"{c['name']} crashed (exit {c['status']}); see its log "
+                                f"{c['log']}")
+
+
+def _drain(feeder: Feeder, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if feeder.done():
+            return True
+        time.sleep(1.0)
+    return False
+
+
+def _write_report(path: Path, report: Report, nemeses: list[dict[str, Any]]) -> None:
+    lines = [report.summary(), "", f"violations ({len(report.violations)}):"]
+    lines += [f"  {v}" for v in report.violations] or ["  none"]
+    lines += ["", f"notes ({len(report.notes)}):"]
+    lines += [f"  {n}" for n in report.notes] or ["  none"]
+    lines += ["", f"nemeses ({len(nemeses)}):"]
+    skip = {"t", "process", "pid", "op", "phase"}
+    lines += ["  " + " ".join(f"{k}={v}" for k, v in r.items() if k not in skip)
+              for r in nemeses]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")

@@ -1,0 +1,329 @@
+"""Nemeses: the faults a run injects, one at a time, each healing what it broke.
+
+Each nemesis is a function of the running :class:`World` that returns what it did
+(recorded in the driver's history). The schedule is a seeded shuffle of the enabled
+kinds, repeated, so a run long enough meets every kind and a seed always gives the
+same sequence (the timing of the processes under it still varies).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .cluster import EtcdCluster, Proc
+from .history import History
+
+#: the last history record of an agent that holds a live token (claim or consume lease)
+HOLDING = {("claim", "ok"), ("write", "ok"), ("commit", "invoke"),
+           ("consume", "ok"), ("read", "ok"), ("ack", "invoke")}
+
+
+@dataclass
+class AgentSlot:
+    """One agent position (role, index); a killed agent is replaced by a new incarnation."""
+
+    role: str
+    index: int
+    group: str
+    make: Callable[[AgentSlot], Proc]
+    histories: Path
+    incarnation: int = 0
+    proc: Proc | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.role[0]}{self.index}.{self.incarnation}"
+
+    @property
+    def history(self) -> Path:
+        return self.histories / f"{self.name}.jsonl"
+
+    def holding(self) -> str:
+        """What the agent holds a token for right now ("" if nothing), from its history."""
+        try:
+            with self.history.open("rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 2048))
+                lines = f.read().splitlines()
+            last = json.loads(lines[-1]) if lines else {}
+        except (OSError, ValueError):
+            return ""
+        step = (last.get("op"), last.get("phase"))
+        return f"{step[0]} {step[1]}" if step in HOLDING else ""
+
+    def start(self) -> None:
+        self.proc = self.make(self)
+        self.proc.spawn()
+
+    def restart(self) -> None:
+        self.incarnation += 1
+        self.start()
+
+
+@dataclass
+class World:
+    """Everything a nemesis may break."""
+
+    cluster: EtcdCluster
+    registries: list[Proc]
+    watcher: Proc
+    agents: list[AgentSlot]
+    staging: Path
+    ttl: int
+    rng: random.Random
+    history: History
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def sleep(self, seconds: float) -> None:
+        self.stop.wait(seconds)
+
+    def _crashed(self, proc: Proc) -> None:
+        """Record a process that exited by itself (a finding: nothing should)."""
+        if proc.crashed:
+            assert proc.process is not None
+            tail = proc.log_tail(400)
+            self.history.write("crash", "info", name=proc.name, status=proc.process.poll(),
+                               log=proc.log_path.name, known=known_crash(proc.name, tail),
+                               tail="\n".join(tail.splitlines()[-15:]))
+
+    def heal(self) -> None:
+        """Resume what is paused, restart what is dead; wait until etcd is whole again."""
+        for member in self.cluster.members:
+            if member.paused:
+                member.resume()
+            if not member.alive:
+                self._crashed(member)
+                member.start()
+        for proc in [*self.registries, self.watcher]:
+            if proc.paused:
+                proc.resume()
+            if not proc.alive:
+                self._crashed(proc)
+                proc.start()
+        for slot in self.agents:
+            assert slot.proc is not None
+            if slot.proc.paused:
+                slot.proc.resume()
+            if not slot.proc.alive:
+                self._crashed(slot.proc)
+                slot.restart()
+        deadline = time.monotonic() + 60
+        while not self.cluster.healthy() and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+
+Nemesis = Callable[[World], dict[str, Any]]
+
+
+def known_crash(name: str, log_tail: str) -> str:
+    """The known bug that a process's log shows it died of ("" if none is known).
+
+    etcd before 3.5.5 panics when a read-only transaction's context ends while it is
+    applied (etcd-io/etcd#14110, fixed by #14178 in 3.5.5); the registry's batched
+    reads are read-only transactions, and a slow or paused member lets them time out.
+    """
+    if name.startswith("etcd") and "panic: unexpected error during txn" in log_tail:
+        return "etcd-io/etcd#14110"
+    return ""
+
+
+def _while_holding(w: World, slot: AgentSlot, within: float = 5.0) -> str:
+    """Wait (at most ``within`` s) until ``slot`` holds a token; what it holds, or ""."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline and not w.stop.is_set():
+        if held := slot.holding():
+            return held
+        time.sleep(0.003)
+    return ""
+
+
+def kill_agent(w: World) -> dict[str, Any]:
+    """SIGKILL an agent, most often while it holds a claim or a consume lease."""
+    slot = w.rng.choice(w.agents)
+    assert slot.proc is not None
+    held = _while_holding(w, slot) if w.rng.random() < 0.75 else slot.holding()
+    victim = slot.name
+    slot.proc.kill()
+    w.sleep(w.rng.uniform(0.2, 2.0))
+    slot.restart()
+    return {"agent": victim, "holding": held or None, "replacement": slot.name}
+
+
+def pause_agent(w: World) -> dict[str, Any]:
+    """SIGSTOP an agent for longer than its lease TTL, most often while it holds a
+    token: it wakes up to finish its work with a dead token, which must be refused."""
+    slot = w.rng.choice(w.agents)
+    assert slot.proc is not None
+    held = _while_holding(w, slot) if w.rng.random() < 0.75 else slot.holding()
+    seconds = w.ttl * w.rng.uniform(1.5, 2.5)
+    slot.proc.pause()
+    w.sleep(seconds)
+    slot.proc.resume()
+    return {"agent": slot.name, "holding": held or None, "seconds": round(seconds, 2)}
+
+
+def kill_registry(w: World) -> dict[str, Any]:
+    n = w.rng.randrange(len(w.registries))
+    w.registries[n].kill()
+    down = w.rng.uniform(1.0, 4.0)
+    w.sleep(down)
+    w.registries[n].start()
+    return {"replica": n, "down": round(down, 2)}
+
+
+def kill_etcd_leader(w: World) -> dict[str, Any]:
+    leader = w.cluster.leader()
+    if leader is None:
+        return {"skipped": "no leader"}
+    w.cluster.members[leader].kill()
+    down = w.rng.uniform(2.0, 5.0)
+    w.sleep(down)
+    w.cluster.members[leader].start()
+    return {"member": leader, "down": round(down, 2)}
+
+
+def pause_etcd_leader(w: World) -> dict[str, Any]:
+    """SIGSTOP the leader past the election timeout: the others elect a new one."""
+    leader = w.cluster.leader()
+    if leader is None:
+        return {"skipped": "no leader"}
+    seconds = w.rng.uniform(3.0, 6.0)
+    w.cluster.members[leader].pause()
+    w.sleep(seconds)
+    new = w.cluster.leader()
+    w.cluster.members[leader].resume()
+    return {"member": leader, "seconds": round(seconds, 2), "new_leader": new}
+
+
+def _open_staged(pid: int, staging: str) -> str:
+    """A staged file (not a temp file) that ``pid`` or one of its children has open."""
+    pids = [pid]
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                pids += [int(p) for p in f.read().split()]
+    except OSError:
+        return ""
+    for p in pids:
+        try:
+            fds = os.listdir(f"/proc/{p}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{p}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith(staging) and ".baton-tmp-" not in target \
+                    and not os.path.basename(target).startswith("junk-") \
+                    and os.path.isfile(target):
+                return target
+    return ""
+
+
+def kill_watcher_hashing(w: World) -> dict[str, Any]:
+    """SIGKILL the watcher while it has a staged file open (hashing it), then restart it."""
+    pid = w.watcher.pid
+    assert pid is not None
+    staging = os.path.realpath(w.staging) + os.sep
+    deadline = time.monotonic() + 15.0
+    caught = ""
+    while not caught and time.monotonic() < deadline and not w.stop.is_set():
+        caught = _open_staged(pid, staging)
+        if not caught:
+            time.sleep(0.002)
+    w.watcher.kill()
+    w.sleep(w.rng.uniform(0.5, 2.0))
+    w.watcher.start()
+    return {"hashing": caught.removeprefix(staging) or None}
+
+
+def _max_queued_events() -> int:
+    try:
+        return int(Path("/proc/sys/fs/inotify/max_queued_events").read_text())
+    except (OSError, ValueError):
+        return 16384
+
+
+def inotify_overflow(w: World) -> dict[str, Any]:
+    """Overflow the kernel's inotify queue: pause the watcher, make more events than the
+    queue holds in a watched task directory, resume it. It must reconcile."""
+    dirs = sorted((d for d in w.staging.iterdir() if d.is_dir()),
+                  key=lambda d: d.stat().st_mtime)
+    if not dirs:
+        return {"skipped": "no task directory yet"}
+    target = dirs[-1]
+    files = _max_queued_events() // 2 + 1000  # each file: a close-write and a delete
+    w.watcher.pause()
+    try:
+        for i in range(files):
+            path = target / f"junk-{i}"
+            with path.open("wb"):
+                pass
+            path.unlink()
+    finally:
+        w.watcher.resume()
+    return {"directory": target.name, "files": files}
+
+
+def compact_etcd(w: World) -> dict[str, Any]:
+    """Compact etcd up to its current revision while watches are open; the watcher is
+    paused meanwhile, so its stream lags behind and must resume past the compaction."""
+    w.watcher.pause()
+    try:
+        w.sleep(w.rng.uniform(0.5, 2.0))
+        revision = w.cluster.revision()
+        refused = w.cluster.compact(revision)
+    finally:
+        w.watcher.resume()
+    return {"revision": revision, "refused": refused or None}
+
+
+NEMESES: dict[str, Nemesis] = {
+    "kill-agent": kill_agent,
+    "pause-agent": pause_agent,
+    "kill-registry": kill_registry,
+    "kill-etcd-leader": kill_etcd_leader,
+    "pause-etcd-leader": pause_etcd_leader,
+    "kill-watcher-hashing": kill_watcher_hashing,
+    "inotify-overflow": inotify_overflow,
+    "compact-etcd": compact_etcd,
+}
+
+
+def schedule(rng: random.Random, kinds: list[str]) -> Iterator[str]:
+    """Seeded shuffles of ``kinds``, one after the other, forever."""
+    while True:
+        order = list(kinds)
+        rng.shuffle(order)
+        yield from order
+
+
+def run_nemeses(w: World, kinds: list[str], until: float,
+                gap: tuple[float, float]) -> int:
+    """Inject nemeses until time.monotonic() passes ``until``; how many ran."""
+    count = 0
+    for kind in schedule(random.Random(w.rng.random()), kinds):
+        w.sleep(w.rng.uniform(*gap))
+        if w.stop.is_set() or time.monotonic() >= until:
+            return count
+        w.history.invoke("nemesis", kind=kind)
+        started = time.monotonic()
+        try:
+            what = NEMESES[kind](w)
+        except Exception as e:  # a nemesis that cannot act is recorded, not fatal
+            w.history.write("nemesis", "fail", kind=kind, error=f"{type(e).__name__}: {e}")
+            w.heal()
+            continue
+        w.history.ok("nemesis", kind=kind, took=round(time.monotonic() - started, 2),
+                     **what)
+        count += 1
+        w.heal()  # restarts (and records) anything that died by itself meanwhile
+    return count

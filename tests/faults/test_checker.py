@@ -1,0 +1,169 @@
+"""The checker on hand-made histories and journals: a clean run passes, and each kind
+of violation is found (a checker that never fails proves nothing)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+from . import payload
+from .checker import Report, check
+from .state import JournalRecord, Snapshot
+
+PREFIX = "/p/"
+TASK, FILE = "t0", "f0"
+ORIGIN = payload.Origin(TASK, FILE, 10, "p0.0", 100)
+DATA = payload.make(ORIGIN)
+DIGEST = payload.digest(DATA)
+
+
+def rec(rev: int, seq: int, event: str, frm: str, to: str, **kw: Any) -> JournalRecord:
+    return JournalRecord(rev=rev, seq=seq, event=event, from_state=frm, to_state=to, **kw)
+
+
+def clean_journal() -> list[JournalRecord]:
+    return [
+        rec(10, 1, "claimed", "pending", "writing"),
+        rec(11, 2, "committed", "writing", "verified", token=10, size=len(DATA)),
+        rec(11, 3, "verified", "writing", "verified", digest=DIGEST),
+        rec(12, 3, "consuming", "verified", "verified", group="g1", aside=True),
+        rec(13, 4, "acked", "verified", "verified", group="g1", token=12),
+        rec(14, 4, "consuming", "verified", "verified", group="g2", aside=True),
+        rec(15, 5, "acked", "verified", "consumed", group="g2", token=14),
+    ]
+
+
+def clean_history() -> list[dict[str, Any]]:
+    h: list[dict[str, Any]] = [
+        {"op": "claim", "phase": "ok", "task": TASK, "file": FILE, "token": 10,
+         "process": "p0.0"},
+        {"op": "write", "phase": "ok", "task": TASK, "file": FILE, "token": 10,
+         "size": len(DATA), "digest": DIGEST, "process": "p0.0"},
+        {"op": "commit", "phase": "ok", "task": TASK, "file": FILE, "token": 10,
+         "process": "p0.0"},
+    ]
+    for group, token in (("g1", 12), ("g2", 14)):
+        ident = {"task": TASK, "file": FILE, "group": group, "token": token,
+                 "process": f"c-{group}"}
+        h += [{"op": "consume", "phase": "ok", **ident, "digest": DIGEST, "size": len(DATA)},
+              {"op": "read", "phase": "ok", **ident, "digest": DIGEST, "size": len(DATA),
+               "origin": dataclasses.asdict(ORIGIN)},
+              {"op": "ack", "phase": "ok", **ident}]
+    return h
+
+
+def snapshot(journal: list[JournalRecord], state: str = "consumed",
+             keys: tuple[bytes, ...] = (), **entry: Any) -> Snapshot:
+    snap = Snapshot(PREFIX)
+    seq = max((r.seq for r in journal), default=0)
+    snap.entries[(TASK, FILE)] = {"state": state, "seq": seq, "consumers": ["g1", "g2"],
+                                  "consumed_by": ["g1", "g2"], **entry}
+    snap.journal[(TASK, FILE)] = sorted(journal, key=lambda r: (r.rev, r.seq))
+    snap.keys.update(keys)
+    return snap
+
+
+def run(journal: list[JournalRecord] | None = None, history: list[dict[str, Any]] | None = None,
+        **snap: Any) -> Report:
+    return check(clean_history() if history is None else history,
+                 snapshot(clean_journal() if journal is None else journal, **snap),
+                 {TASK: [FILE]})
+
+
+def kinds(report: Report) -> set[str]:
+    return {v.kind for v in report.violations}
+
+
+def test_a_clean_run_passes() -> None:
+    """A produced, verified and twice-consumed entry with matching histories passes."""
+    report = run()
+    assert report.ok, report.violations
+    assert report.summary().startswith(
+        "faults: ops=6 nemeses=0 lost=0 double=0 stale=0 badverify=0 badread=0")
+
+
+def test_an_entry_that_vanished_is_lost() -> None:
+    """An entry created by the feeder but absent from etcd is lost."""
+    report = check(clean_history(), Snapshot(PREFIX), {TASK: [FILE]})
+    assert "lost" in kinds(report)
+
+
+@pytest.mark.parametrize(("state", "keys", "entry"), [
+    ("pending", (), {"index": "/p/ready/t0/000000000000001/f0"}),
+    ("writing", (), {}),
+    ("written", (), {}),
+    ("verified", (), {"consumed_by": ["g1"]}),
+])
+def test_an_entry_that_cannot_move_on_is_lost(state: str, keys: tuple[bytes, ...],
+                                              entry: dict[str, Any]) -> None:
+    """Not terminal, and nothing (index, claim, twin, cready key) can move it on."""
+    journal = [r for r in clean_journal() if r.seq < 2] if state != "verified" else \
+        clean_journal()[:5]
+    if state in ("pending", "written"):
+        journal = []
+    report = run(journal, history=clean_history()[:3], state=state, keys=keys, **entry)
+    assert kinds(report) == {"lost"}, report.violations
+
+
+def test_a_pending_entry_with_its_index_is_only_unfinished() -> None:
+    """Claimable but not claimed when the run ended: explained, not lost."""
+    index = "/p/ready/t0/000000000000001/f0"
+    report = run([], history=[], state="pending", keys=(index.encode(),), index=index)
+    assert report.ok and report.stats["unfinished"] == 1
+
+
+def test_an_acknowledged_ack_missing_from_the_journal_is_lost() -> None:
+    """The agent was told its ack applied, but the journal has no such ack."""
+    journal = [r for r in clean_journal() if r.rev != 15]
+    report = run(journal, state="verified", keys=(b"/p/cready/t0/g2/f0",),
+                 consumed_by=["g1"])
+    assert "lost" in kinds(report)
+
+
+def test_a_gap_in_the_journal_is_lost() -> None:
+    """A transition whose journal record is missing."""
+    journal = [r for r in clean_journal() if r.seq != 2]
+    assert "lost" in kinds(run(journal))
+
+
+def test_two_acks_of_one_group_are_double() -> None:
+    journal = [*clean_journal()[:5],
+               rec(14, 4, "consuming", "verified", "verified", group="g1", aside=True),
+               rec(15, 5, "acked", "verified", "consumed", group="g1", token=14)]
+    assert "double" in kinds(run(journal, history=clean_history()[:6]))
+
+
+def test_a_commit_with_a_dead_token_is_stale() -> None:
+    """The claim was reaped (failed), yet a commit with its token was accepted."""
+    journal = [rec(10, 1, "claimed", "pending", "writing"),
+               rec(11, 2, "failed", "writing", "pending", token=10),
+               rec(12, 3, "committed", "pending", "written", token=10, size=len(DATA))]
+    report = run(journal, history=clean_history()[:3], state="written")
+    assert "stale" in kinds(report)
+
+
+def test_an_ack_with_a_token_never_granted_is_stale() -> None:
+    journal = [r for r in clean_journal() if r.rev != 14]
+    assert "stale" in kinds(run(journal))
+
+
+def test_a_verification_of_other_bytes_is_badverify() -> None:
+    journal = clean_journal()
+    journal[2] = dataclasses.replace(journal[2], digest="0" * 64)
+    assert "badverify" in kinds(run(journal))
+
+
+def test_a_lease_on_an_unverified_entry_is_badread() -> None:
+    journal = [rec(10, 1, "claimed", "pending", "writing"),
+               rec(11, 1, "consuming", "writing", "writing", group="g1", aside=True)]
+    report = run(journal, history=[], state="writing",
+                 keys=(b"/p/claims/p/t0/f0",))
+    assert "badread" in kinds(report)
+
+
+def test_bytes_that_are_no_payload_are_badread() -> None:
+    history = clean_history()
+    history[4] = {**history[4], "origin": None}
+    assert "badread" in kinds(run(history=history))

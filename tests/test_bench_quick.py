@@ -1,0 +1,37 @@
+"""The benchmark's quick mode runs every scenario end to end and writes its report."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCENARIOS = ("Claims", "Batches", "Scale", "Watcher")
+
+
+@pytest.mark.slow
+def test_quick_benchmark_writes_every_scenario(tmp_path: Path) -> None:
+    """`python -m bench --quick --out FILE` writes a table and no failure for each scenario."""
+    out = tmp_path / "report.md"
+    env = dict(os.environ)
+    # The suite's etcd (CI runs it on 3.4 and 3.5) is the benchmark's etcd too.
+    if env.get("BATON_TEST_ETCD"):
+        env["BATON_BENCH_ETCD"] = env["BATON_TEST_ETCD"]
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", "--out", str(out)],
+        cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True,
+        timeout=240, check=False,
+    )
+    assert done.returncode == 0, f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-6000:]}"
+    report = out.read_text()
+    assert "## Machine" in report
+    for title in SCENARIOS:
+        section = report.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+        assert re.search(r"^\|---\|", section, re.MULTILINE), f"no table under {title}"
+        assert "FAILED" not in section
+    for plot in re.findall(r"!\[\]\((benchmarks/[\w.]+\.png)\)", report):
+        assert (tmp_path / plot).stat().st_size > 0
