@@ -45,6 +45,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None,
                    help=f"report file; plots go to a 'benchmarks' folder beside it "
                         f"(default {DEFAULT_OUT}; with --quick a temporary file)")
+    p.add_argument("--note", default="",
+                   help="a line for the report's machine table, e.g. what else was running")
     p.add_argument("--no-install", action="store_true",
                    help="do not apt-get install b3sum when it is missing")
     args = p.parse_args(argv)
@@ -82,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     if "watcher" in args.only:
         ensure_b3sum(profile.install)
     machine = Machine.describe().facts
+    if args.note:
+        machine["note"] = args.note
     load_start = load_average()
     busy_start = cpu_busy()
     started = time.monotonic()

@@ -32,6 +32,7 @@ claimed; an entry claimed twice is a double claim.
 """
 
 SYSTEMS = ("Baton", "raw etcd", "JSON seed", "JSON + flock")
+COLOURS = dict(zip(SYSTEMS, ("C0", "C1", "C2", "C3"), strict=True))
 
 
 @dataclass
@@ -168,12 +169,12 @@ def section(p: Profile, points: dict[tuple[str, int], Point], plot_dir: Path,
         line_plot(plot_dir / "claims_throughput.png", "Claims: throughput vs agents",
                   "concurrent agents (one process each)", "claim→commit cycles/s (etcd: txn/s)",
                   {s: (agents, [points[s, n].per_s for n in agents]) for s in SYSTEMS},
-                  logx=True, logy=True),
+                  logx=True, logy=True, colours=COLOURS),
         line_plot(plot_dir / "claims_latency.png", "Claims: claim latency percentiles",
                   "concurrent agents (one process each)", "ms",
                   {f"{s} p{round(q * 100)}": (agents, [points[s, n].ms(q) for n in agents])
                    for s in ("Baton", "JSON seed", "JSON + flock") for q in (0.5, 0.99)},
-                  logx=True, logy=True),
+                  logx=True, logy=True, colours=COLOURS),
     ]
     vs_raw = [ratio_of(points, "Baton", "raw etcd", n) for n in agents]
     vs_flock = [ratio_of(points, "Baton", "JSON + flock", n) for n in agents]

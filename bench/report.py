@@ -107,11 +107,15 @@ Series = dict[str, tuple[Sequence[float], Sequence[float]]]
 
 
 def line_plot(path: Path, title: str, xlabel: str, ylabel: str, series: Series, *,
-              logx: bool = False, logy: bool = False) -> str:
-    """Write a line plot (one line per series, markers at the points); its file name."""
+              logx: bool = False, logy: bool = False,
+              colours: dict[str, str] | None = None) -> str:
+    """Write a line plot (one line per series, markers at the points); its file name.
+
+    ``colours`` fixes a series' colour by name, so that plots of the same systems match.
+    """
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
     # "X p50" and "X p99" share X's colour; the p99 line is dashed.
-    colours: dict[str, str] = {}
+    colours = dict(colours or {})
     for label, (xs, ys) in series.items():
         base, _, quantile = label.rpartition(" ")
         if not quantile.startswith("p") or not base:

@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import mean
 
-from client import Client, errors
-from client._client import RetryPolicy, parse_manifest
+from client import Client, RetryPolicy, errors, parse_manifest
 
 from .agents import AgentArgs, baton_agent, double_claims, rate
 from .harness import BenchError, Stack, load_average, ms, ratio, rss_kib

@@ -87,11 +87,13 @@ class Tasks:
         gate = asyncio.Semaphore(PARALLEL)
 
         async def chunk(batch: list[EntryRecord]) -> None:
-            compares = [absent(self.keys.entry(e.task_id, e.file_id)) for e in batch]
-            ops: list[TxnOp] = []
-            for e in batch:
-                self.core.put_entry(e, ops)  # the entry, its index key and open key
             async with gate:
+                # Built under the gate: building every chunk up front would keep the
+                # loop busy while the first transactions wait out their deadline.
+                compares = [absent(self.keys.entry(e.task_id, e.file_id)) for e in batch]
+                ops: list[TxnOp] = []
+                for e in batch:
+                    self.core.put_entry(e, ops)  # the entry, its index key and open key
                 # A failed compare means this chunk was written by an earlier,
                 # interrupted create of the same manifest: chunks are atomic.
                 await self.core.txn(compares, ops)
