@@ -53,6 +53,15 @@ class Verifier:
         """The verified bytes are gone: nobody may be handed them any more, and
         consumers holding them lose their tokens (and slots); the entry takes the
         retry path."""
+        await self._revoke_consumers(rec, compares, ops)
+        self.core.retry_or_dead(rec, reason, ops)
+        if rec.assembly:
+            await self._unverify_assembly(rec, compares, ops)
+
+    async def _revoke_consumers(self, rec: EntryRecord, compares: list[Compare],
+                                ops: list[TxnOp]) -> None:
+        """Nobody may be handed ``rec``'s bytes any more: its consume-claims die (their
+        slots freed) and its groups' claimable keys go, guarded on the claims read."""
         refs = [ClaimRef("c", rec.task_id, rec.file_id, g) for g in rec.consumers]
         held = await self.core.etcd.read([Get(self.keys.claim(r)) for r in refs])
         for ref, claims in zip(refs, held, strict=True):
@@ -64,9 +73,6 @@ class Verifier:
                 release_slot(self.core, claims[0], ops)
             else:
                 compares.append(absent(self.keys.claim(ref)))
-        self.core.retry_or_dead(rec, reason, ops)
-        if rec.assembly:
-            await self._unverify_assembly(rec, compares, ops)
 
     async def _unverify_assembly(self, part: EntryRecord, compares: list[Compare],
                                  ops: list[TxnOp]) -> None:
@@ -79,15 +85,7 @@ class Verifier:
         compares.append(unchanged(kv))
         if asm.state != VERIFIED:
             return
-        refs = [ClaimRef("c", asm.task_id, asm.file_id, g) for g in asm.consumers]
-        held = await self.core.etcd.read([Get(self.keys.claim(r)) for r in refs])
-        for ref, claims in zip(refs, held, strict=True):
-            ops.append(Delete(self.keys.cready(asm.task_id, ref.group, asm.file_id)))
-            ops.append(Delete(self.keys.inflight(ref)))
-            if claims:
-                compares.append(created_at(claims[0].key, claims[0].create_revision))
-                ops.append(Delete(claims[0].key))
-                release_slot(self.core, claims[0], ops)
+        await self._revoke_consumers(asm, compares, ops)
         asm.state, asm.deps_ok, asm.size, asm.digest = PENDING, False, 0, ""
         asm.error = f"part {part.file_id} left verified: {part.error}"
         asm.remember("unverified", reason=asm.error)
