@@ -145,6 +145,28 @@ class Get:
 TxnOp = Put | Delete | Get
 
 
+@dataclass(frozen=True, slots=True)
+class Guarded:
+    """One caller's guarded transaction inside a group (etcd's nested ``request_txn``).
+
+    Its compares decide between its own branches only: in a group, one
+    caller's failed compare does not fail the others. etcd evaluates every
+    compare of a request against the state before the request, so callers of
+    one group must not read what another writes (``Committer`` sees to it).
+    """
+
+    compares: Sequence[Compare]
+    success: Sequence[TxnOp]
+    failure: Sequence[TxnOp] = ()
+
+    def _pb(self) -> Any:
+        return rpc.TxnRequest(
+            compare=[c._pb() for c in self.compares],
+            success=[_op_pb(op) for op in self.success],
+            failure=[_op_pb(op) for op in self.failure],
+        )
+
+
 def _op_pb(op: TxnOp) -> Any:
     if isinstance(op, Put):
         return rpc.RequestOp(request_put=rpc.PutRequest(key=op.key, value=op.value, lease=op.lease))
@@ -164,6 +186,14 @@ class TxnResult:
     revision: int
     #: one list per ``Get`` op of the branch that ran, in order
     gets: list[list[KV]]
+
+
+def _gets(resp: Any) -> list[list[KV]]:
+    return [
+        [KV._from_pb(kv) for kv in r.response_range.kvs]
+        for r in resp.responses
+        if r.WhichOneof("response") == "response_range"
+    ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,12 +290,42 @@ class Etcd:
             failure=[_op_pb(op) for op in failure],
         )
         resp = await self._kv.Txn(req, timeout=self._timeout)
-        gets = [
-            [KV._from_pb(kv) for kv in r.response_range.kvs]
-            for r in resp.responses
-            if r.WhichOneof("response") == "response_range"
-        ]
-        return TxnResult(bool(resp.succeeded), int(resp.header.revision), gets)
+        return TxnResult(bool(resp.succeeded), int(resp.header.revision), _gets(resp))
+
+    @_etcd_errors
+    async def txn_group(self, group: Sequence[Guarded]) -> tuple[int, list[TxnResult]]:
+        """Several callers' transactions in one request (one raft entry, one revision).
+
+        Returns the revision and, per caller, whether its compares held and
+        the reads of the branch that ran.
+        """
+        req = rpc.TxnRequest(success=[rpc.RequestOp(request_txn=g._pb()) for g in group])
+        resp = await self._kv.Txn(req, timeout=self._timeout)
+        rev = int(resp.header.revision)
+        return rev, [TxnResult(bool(r.response_txn.succeeded), rev, _gets(r.response_txn))
+                     for r in resp.responses]
+
+    async def scan(
+        self,
+        prefix: bytes,
+        *,
+        page: int = 1000,
+        keys_only: bool = False,
+        revision: int = 0,
+        start: bytes | None = None,
+    ) -> AsyncIterator[KV]:
+        """Every key under ``prefix``, read ``page`` keys per request, all at one revision
+        (the first page's, unless ``revision`` is given): no read exceeds gRPC's
+        message limit however many keys there are."""
+        while True:
+            kvs, rev, more = await self.range(prefix, start=start, limit=page,
+                                              keys_only=keys_only, revision=revision)
+            revision = revision or rev
+            for kv in kvs:
+                yield kv
+            if not more or not kvs:
+                return
+            start = kvs[-1].key + b"\0"
 
     async def read(self, gets: Sequence[Get]) -> list[list[KV]]:
         """Several reads in one round trip, all at the same revision."""

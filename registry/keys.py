@@ -71,12 +71,18 @@ class Keys:
     def entries(self, task_id: str) -> bytes:
         return self._k("entries", task_id, "")
 
+    def entries_all(self) -> bytes:
+        return self._k("entries", "")
+
     # claimable indexes
     def ready(self, task_id: str, order: int, file_id: str) -> bytes:
         return self._k("ready", task_id, f"{order:015d}", file_id)
 
     def ready_all(self, task_id: str) -> bytes:
         return self._k("ready", task_id, "")
+
+    def ready_root(self) -> bytes:
+        return self._k("ready", "")
 
     def delayed(self, task_id: str, due_ms: int, file_id: str) -> bytes:
         return self._k("delayed", task_id, f"{due_ms:015d}", file_id)
@@ -118,6 +124,9 @@ class Keys:
     def slots(self, session_id: int) -> bytes:
         return self._k("slots", f"{session_id:016x}", "")
 
+    def slots_all(self) -> bytes:
+        return self._k("slots", "")
+
     def claims_of_task(self, kind: str, task_id: str) -> bytes:
         return self._k("claims", kind, task_id, "")
 
@@ -140,6 +149,9 @@ class Keys:
 
     def cready_all(self, task_id: str, group: str) -> bytes:
         return self._k("cready", task_id, group, "")
+
+    def cready_root(self) -> bytes:
+        return self._k("cready", "")
 
     # claims and their durable twins
     def claim(self, ref: ClaimRef) -> bytes:

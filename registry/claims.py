@@ -1,0 +1,125 @@
+"""What claims of both kinds share: the claim key's value, claim slots, and the
+checks every planner makes on what it read (task, session, entry)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+from client.errors import (
+    InvalidArgument,
+    NotFound,
+    SessionExpired,
+    SlotsExhausted,
+    TaskNotActive,
+)
+from client.v1 import baton_pb2 as pb
+
+from ._etcd import KV
+from .keys import Keys
+from .model import EntryRecord, TaskRecord
+from .txn import Txn
+
+
+def claim_value(agent: str, session: int, slot: int = -1) -> bytes:
+    return json.dumps({"agent": agent, "session": session, "slot": slot}).encode()
+
+
+def claim_holder(kv: KV | None) -> str:
+    if kv is None:
+        return ""
+    try:
+        return str(json.loads(kv.value).get("agent", ""))
+    except ValueError:
+        return ""
+
+
+def need_entry(kv: KV | None, task_id: str, file_id: str) -> EntryRecord:
+    """The entry a read returned; ``NotFound`` if it returned none."""
+    if kv is None:
+        raise NotFound(f"no entry {file_id!r} in task {task_id!r}", task_id=task_id,
+                       file_id=file_id)
+    return EntryRecord.load(kv.value)
+
+
+def need_task(kv: KV | None, task_id: str, active: bool = False) -> TaskRecord:
+    """The task a read returned; ``NotFound``, or ``TaskNotActive`` if ``active``."""
+    if kv is None:
+        raise NotFound(f"no task {task_id!r}", task_id=task_id)
+    task = TaskRecord.load(kv.value)
+    # A completed task has nothing left to hand out: callers then find nothing.
+    if active and task.status not in ("active", "completed"):
+        raise TaskNotActive(f"task {task_id!r} is {task.status}", task_id=task_id,
+                            status=task.status)
+    return task
+
+
+def need_session(kv: KV | None, session_id: int) -> str:
+    """The agent name of a session a read returned; ``SessionExpired`` if none."""
+    if kv is None:
+        raise SessionExpired(f"session {session_id:x} has expired or never existed",
+                             session_id=session_id)
+    return claim_holder(kv) or "?"
+
+
+class Slots:
+    """A session's claim slots as one planner sees them.
+
+    Slots are leased keys ``slots/{session}/{n}``, ``n < slots``: taking one is a
+    create-only put in the claim's own transaction, so two concurrent claims
+    can never both take the last slot.
+    """
+
+    def __init__(self, keys: Keys, session: KV, used: list[KV]) -> None:
+        self.keys = keys
+        self.session_id = session.lease
+        self.agent = claim_holder(session)
+        self.limit = int(json.loads(session.value).get("slots", 0) or 0)
+        self.taken = {int(kv.key.rsplit(b"/", 1)[-1]) for kv in used}
+
+    @classmethod
+    async def read(cls, txn: Txn, keys: Keys, session: KV) -> Slots:
+        limit = int(json.loads(session.value).get("slots", 0) or 0)
+        used = await txn.scan(keys.slots(session.lease)) if limit > 0 else []
+        return cls(keys, session, used)
+
+    @property
+    def free(self) -> int | None:
+        """How many more claims the session may hold (None: no limit)."""
+        return None if self.limit <= 0 else max(0, self.limit - len(self.taken))
+
+    def take(self, txn: Txn, rng: random.Random) -> int:
+        """Reserve a free slot in ``txn`` (-1 when the session has no limit)."""
+        if self.limit <= 0:
+            return -1
+        free = [n for n in range(self.limit) if n not in self.taken]
+        if not free:
+            raise SlotsExhausted(
+                f"agent {self.agent} holds {self.limit} claims already (its slot limit); "
+                "finish one first", session_id=self.session_id, slots=self.limit)
+        n = rng.choice(free)
+        txn.create(self.keys.slot(self.session_id, n), b"", lease=self.session_id)
+        self.taken.add(n)  # later claims of the same transaction (a batch) take others
+        return n
+
+
+def release_slot(keys: Keys, claim: KV, txn: Txn) -> None:
+    """Free the slot a claim holds (its value names it), in the caller's transaction."""
+    try:
+        info = json.loads(claim.value)
+    except ValueError:
+        return
+    if int(info.get("slot", -1)) >= 0 and claim.lease:
+        txn.delete(keys.slot(claim.lease, int(info["slot"])))
+
+
+def check_session_id(session_id: int) -> None:
+    if session_id <= 0:
+        raise InvalidArgument("this call needs a session_id (open a session first)")
+
+
+def entry_replay(raw: bytes, revision: int) -> pb.Entry:
+    """The recorded reply of an entry-returning call, as first sent."""
+    entry = pb.Entry.FromString(raw)
+    entry.revision = revision
+    return entry
