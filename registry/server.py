@@ -39,6 +39,7 @@ class Running:
     port: int
     server: grpc.aio.Server
     etcd: Etcd
+    core: Core
     reaper: Reaper
     scheduler: Scheduler
     health: health.HealthServicer
@@ -51,6 +52,7 @@ class Running:
         self._stop.set()
         await self.server.stop(grace)
         await asyncio.gather(*self._background)
+        await self.core.stop()
         await self.etcd.close()
 
 
@@ -60,6 +62,7 @@ async def start(config: RegistryConfig) -> Running:
     await etcd.connect()
     version = await etcd.status()
     core = Core(etcd, Keys(config.prefix), config.staging)
+    await core.start()
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE),
@@ -88,7 +91,7 @@ async def start(config: RegistryConfig) -> Running:
     background = [asyncio.create_task(reaper.run(stop)), asyncio.create_task(scheduler.run(stop))]
     log.info("registry on port %d, etcd %s (v%s), prefix %s, staging %s", port, config.etcd,
              version, config.prefix, config.staging)
-    return Running(port, server, etcd, reaper, scheduler, health_servicer, stop, background)
+    return Running(port, server, etcd, core, reaper, scheduler, health_servicer, stop, background)
 
 
 async def serve(config: RegistryConfig) -> None:

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 
-from client.errors import InvalidArgument, TaskExists
+from client.errors import Conflict, InvalidArgument, TaskExists
 from client.v1 import baton_pb2 as pb
 
-from ._etcd import KV, Get, Put, TxnOp, absent, unchanged
-from .core import Core, claim_holder
+from ._etcd import KV, Get
+from .claims import claim_holder, need_task
+from .core import Core
 from .keys import ClaimRef
 from .manifest import check_id, validate
 from .model import (
@@ -22,6 +24,7 @@ from .model import (
     TaskRecord,
     now,
 )
+from .txn import Txn, write
 
 log = logging.getLogger("baton.registry")
 
@@ -46,7 +49,9 @@ class Tasks:
         last. A create interrupted anywhere is completed by sending the same
         manifest again; no claim is handed out until the task is active.
         """
-        valid = validate(req.spec)
+        # Validating 100,000 entries takes seconds of CPU: not on the event loop,
+        # where it would stall every other call (and agents' keepalives).
+        valid = await asyncio.to_thread(validate, req.spec)
         key = self.keys.task(valid.task_id)
         record = TaskRecord(
             task_id=valid.task_id,
@@ -62,10 +67,18 @@ class Tasks:
             aging=valid.aging,
             created_at=now(),
         )
-        result = await self.core.txn([absent(key)], [Put(key, record.dump())])
-        created = result.succeeded
-        if not created:
-            _, existing = await self.core.task(valid.task_id)
+
+        async def header(txn: Txn) -> TaskRecord | None:
+            """Create the header; or the existing one, if there is one."""
+            found = await txn.get(key)
+            if found is not None:
+                return TaskRecord.load(found.value)
+            txn.put(key, record.dump())
+            return None
+
+        existing = await write(self.core.txns, header)
+        created = existing is None
+        if existing is not None:
             if existing.manifest_digest != valid.digest:
                 raise TaskExists(
                     f"task {valid.task_id!r} already exists with a different manifest",
@@ -73,13 +86,16 @@ class Tasks:
                 )
             if existing.status != "creating":
                 return pb.CreateTaskResponse(task=existing.to_pb(), created=False)
-            record = existing
         await self._write_entries(valid.entries)
-        kv, record = await self.core.task(valid.task_id)
-        if record.status == "creating":
-            record.status = "active"
-            await self.core.txn([unchanged(kv)], [Put(kv.key, record.dump())])
-            kv, record = await self.core.task(valid.task_id)
+
+        async def activate(txn: Txn) -> TaskRecord:
+            task = need_task(await txn.get(key), valid.task_id)
+            if task.status == "creating":
+                task.status = "active"
+                txn.put(key, task.dump())
+            return task
+
+        record = await write(self.core.txns, activate)
         log.info("task created: %s (%d entries)", record.task_id, record.entry_count)
         return pb.CreateTaskResponse(task=record.to_pb(), created=created)
 
@@ -87,16 +103,19 @@ class Tasks:
         gate = asyncio.Semaphore(PARALLEL)
 
         async def chunk(batch: list[EntryRecord]) -> None:
+            async def plan(txn: Txn) -> None:
+                txn.cache_writes = False  # a bulk write: not what claims read next
+                for e in batch:
+                    txn.pin(self.keys.entry(e.task_id, e.file_id), None)  # create-only
+                    self.core.put_entry(e, txn)  # the entry, its index key and open key
+
             async with gate:
                 # Built under the gate: building every chunk up front would keep the
                 # loop busy while the first transactions wait out their deadline.
-                compares = [absent(self.keys.entry(e.task_id, e.file_id)) for e in batch]
-                ops: list[TxnOp] = []
-                for e in batch:
-                    self.core.put_entry(e, ops)  # the entry, its index key and open key
-                # A failed compare means this chunk was written by an earlier,
-                # interrupted create of the same manifest: chunks are atomic.
-                await self.core.txn(compares, ops)
+                # A failed compare (Conflict) means an earlier, interrupted create
+                # of the same manifest wrote this chunk: chunks are atomic.
+                with contextlib.suppress(Conflict):
+                    await write(self.core.txns, plan, attempts=1)
 
         await asyncio.gather(
             *(chunk(entries[i : i + CHUNK]) for i in range(0, len(entries), CHUNK))

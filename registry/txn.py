@@ -22,6 +22,7 @@ concurrent callers together as nested transactions of one etcd request
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
@@ -129,6 +130,8 @@ class Txn:
         self._hooks: list[Callable[[], None]] = []
         #: keys planners of this replica should leave alone while this commits
         self.reserved: list[bytes] = []
+        #: whether the view should hold what this writes (False for bulk writes)
+        self.cache_writes = True
 
     # reading ---------------------------------------------------------------
 
@@ -199,9 +202,9 @@ class Txn:
     def write_keys(self) -> Iterable[bytes]:
         return self._writes.keys()
 
-    def before(self, key: bytes) -> KV | None:
-        """What the key held when read (for the view's write-through); None if unread."""
-        return self._reads.get(key)
+    def read_state(self, key: bytes) -> tuple[bool, KV | None]:
+        """Whether the key was read (pinned), and what it held then."""
+        return key in self._reads, self._reads.get(key)
 
     def run_hooks(self) -> None:
         for hook in self._hooks:
@@ -245,6 +248,7 @@ class Committer:
         self._slots = asyncio.Semaphore(in_flight)
         self._wake = asyncio.Event()
         self._runner: asyncio.Task[None] | None = None
+        self._sending: set[asyncio.Task[None]] = set()
         #: requests sent and transactions carried (for metrics and tests)
         self.requests = 0
         self.carried = 0
@@ -265,10 +269,8 @@ class Committer:
         self._queue = []
         if self._runner is not None:
             self._runner.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._runner
-            except asyncio.CancelledError:
-                pass
 
     async def _run(self) -> None:
         while True:
@@ -278,7 +280,9 @@ class Committer:
                 continue
             await self._slots.acquire()
             group = self._take()
-            asyncio.create_task(self._send(group))
+            task = asyncio.create_task(self._send(group))
+            self._sending.add(task)
+            task.add_done_callback(self._sending.discard)
 
     def _take(self) -> list[_Pending]:
         group: list[_Pending] = []

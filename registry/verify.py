@@ -8,11 +8,13 @@ from collections.abc import Callable
 from client.errors import InvalidArgument
 from client.v1 import baton_pb2 as pb
 
-from ._etcd import Compare, Delete, Get, Put, TxnOp, absent, created_at, unchanged
-from .core import Core, Plan, Reads, entry_replay, need_entry, release_slot
+from ._etcd import created_at
+from .claims import entry_replay, need_entry, release_slot
+from .core import Core
 from .keys import ClaimRef
 from .manifest import DIGEST_RE, check_id
 from .model import PENDING, VERIFIED, WRITING, WRITTEN, EntryRecord, now
+from .txn import Txn
 
 
 class Verifier:
@@ -25,7 +27,7 @@ class Verifier:
         key = (rec.task_id, rec.file_id)
         return lambda: self.core.verified.put_nowait(key)
 
-    def settle(self, rec: EntryRecord, size: int, digest: str, ops: list[TxnOp],
+    def settle(self, txn: Txn, rec: EntryRecord, size: int, digest: str,
                who: str = "") -> bool:
         """A written entry meets what is on disk: verified (True), or the retry path."""
         expected = rec.committed_digest or rec.expected_digest
@@ -33,63 +35,63 @@ class Verifier:
             rec.state, rec.digest, rec.error = VERIFIED, digest, ""
             rec.remember("verified", who=who or str((rec.observed or {}).get("reporter", "")),
                          digest=digest)
-            self.open_to_consumers(rec, ops)
+            self.open_to_consumers(rec, txn)
             return True
         self.core.retry_or_dead(
             rec,
             f"checksum mismatch: producer declared size {rec.size} digest "
             f"{expected or '-'}, file has size {size} digest {digest}",
-            ops,
         )
         return False
 
-    def open_to_consumers(self, rec: EntryRecord, ops: list[TxnOp]) -> None:
+    def open_to_consumers(self, rec: EntryRecord, txn: Txn) -> None:
         for group in rec.consumers:
             if group not in rec.consumed_by:
-                ops.append(Put(self.keys.cready(rec.task_id, group, rec.file_id), b""))
+                txn.put(self.keys.cready(rec.task_id, group, rec.file_id), b"")
 
-    async def unverify(self, rec: EntryRecord, reason: str, compares: list[Compare],
-                       ops: list[TxnOp]) -> None:
+    async def unverify(self, txn: Txn, rec: EntryRecord, reason: str) -> None:
         """The verified bytes are gone: nobody may be handed them any more, and
         consumers holding them lose their tokens (and slots); the entry takes the
         retry path."""
-        await self._revoke_consumers(rec, compares, ops)
-        self.core.retry_or_dead(rec, reason, ops)
+        await self._revoke_consumers(txn, rec)
+        self.core.retry_or_dead(rec, reason)
         if rec.assembly:
-            await self._unverify_assembly(rec, compares, ops)
+            await self._unverify_assembly(txn, rec)
 
-    async def _revoke_consumers(self, rec: EntryRecord, compares: list[Compare],
-                                ops: list[TxnOp]) -> None:
+    async def _revoke_consumers(self, txn: Txn, rec: EntryRecord) -> None:
         """Nobody may be handed ``rec``'s bytes any more: its consume-claims die (their
         slots freed) and its groups' claimable keys go, guarded on the claims read."""
         refs = [ClaimRef("c", rec.task_id, rec.file_id, g) for g in rec.consumers]
-        held = await self.core.etcd.read([Get(self.keys.claim(r)) for r in refs])
-        for ref, claims in zip(refs, held, strict=True):
-            ops.append(Delete(self.keys.cready(rec.task_id, ref.group, rec.file_id)))
-            ops.append(Delete(self.keys.inflight(ref)))
-            if claims:
-                compares.append(created_at(claims[0].key, claims[0].create_revision))
-                ops.append(Delete(claims[0].key))
-                release_slot(self.core, claims[0], ops)
-            else:
-                compares.append(absent(self.keys.claim(ref)))
+        held = await txn.get_many([self.keys.claim(r) for r in refs])
+        for ref, claim in zip(refs, held, strict=True):
+            txn.delete(self.keys.cready(rec.task_id, ref.group, rec.file_id))
+            txn.delete(self.keys.inflight(ref))
+            if claim is not None:
+                txn.require(created_at(claim.key, claim.create_revision))
+                txn.delete(claim.key)
+                release_slot(self.keys, claim, txn)
 
-    async def _unverify_assembly(self, part: EntryRecord, compares: list[Compare],
-                                 ops: list[TxnOp]) -> None:
-        """A part left verified: its verified assembly does too, in the same transaction,
-        and waits for its parts again (the scheduler re-verifies it)."""
-        kv = await self.core.etcd.get(self.keys.entry(part.task_id, part.assembly))
+    async def _unverify_assembly(self, txn: Txn, part: EntryRecord) -> None:
+        """A part left verified: its assembly learns of it in the same transaction.
+
+        A verified assembly leaves verified too and waits for its parts again (the
+        scheduler re-verifies it). An assembly still waiting is written anyway, so
+        its mod revision moves: a release planned on the parts as they were (the
+        scheduler pins only the assembly, not its hundreds of parts) then fails its
+        compare and is planned again.
+        """
+        kv = await txn.get(self.keys.entry(part.task_id, part.assembly))
         if kv is None:
             return
         asm = EntryRecord.load(kv.value)
-        compares.append(unchanged(kv))
-        if asm.state != VERIFIED:
-            return
-        await self._revoke_consumers(asm, compares, ops)
-        asm.state, asm.deps_ok, asm.size, asm.digest = PENDING, False, 0, ""
-        asm.error = f"part {part.file_id} left verified: {part.error}"
-        asm.remember("unverified", reason=asm.error)
-        self.core.put_entry(asm, ops)
+        if asm.state == VERIFIED:
+            await self._revoke_consumers(txn, asm)
+            asm.state, asm.deps_ok, asm.size, asm.digest = PENDING, False, 0, ""
+            asm.error = f"part {part.file_id} left verified: {part.error}"
+            asm.remember("unverified", reason=asm.error)
+            self.core.put_entry(asm, txn)
+        elif asm.state == PENDING:
+            txn.put(kv.key, asm.dump())
 
     async def problem(self, req: pb.ProblemReport) -> pb.Entry:
         """A watcher cannot vouch for a file: corrupted, or missing after the commit."""
@@ -101,24 +103,22 @@ class Verifier:
         reason = f"{kinds[req.kind]}: {req.reason or 'no reason given'}"
         staging = self.core.staging_dir(req.task_id)
 
-        async def planner(reads: Reads) -> Plan[pb.Entry]:
-            (found,) = await reads.read(Get(self.keys.entry(req.task_id, req.file_id)))
-            kv, rec = need_entry(found, req.task_id, req.file_id)
-            ops: list[TxnOp] = []
-            compares = [unchanged(kv)]
+        async def planner(txn: Txn) -> Callable[[int], pb.Entry]:
+            rec = need_entry(await txn.get(self.keys.entry(req.task_id, req.file_id)),
+                             req.task_id, req.file_id)
             if rec.state == WRITTEN and not rec.parts:
-                self.core.retry_or_dead(rec, reason, ops)
+                self.core.retry_or_dead(rec, reason)
             elif rec.state == VERIFIED and not rec.parts:
-                await self.unverify(rec, reason, compares, ops)
+                await self.unverify(txn, rec, reason)
             elif rec.state == WRITING and rec.observed is not None:
                 rec.observed = None  # what was seen before the commit no longer holds
                 rec.remember(kinds[req.kind], who=req.reporter, reason=req.reason)
             else:  # nothing on disk was vouched for: nothing to undo
-                return Plan([unchanged(kv)], [], lambda rev: rec.to_pb(staging, revision=rev))
-            self.core.put_entry(rec, ops)
-            return Plan(compares, ops, lambda rev: rec.to_pb(staging, revision=rev))
+                return lambda rev: rec.to_pb(staging, revision=rev)
+            self.core.put_entry(rec, txn)
+            return lambda rev: rec.to_pb(staging, revision=rev)
 
-        return await self.core.apply(planner, req.request_id, entry_replay)
+        return await self.core.txns.run(planner, req.request_id, entry_replay)
 
     async def report(self, req: pb.VerificationReport) -> pb.Entry:
         check_id("task_id", req.task_id)
@@ -127,14 +127,11 @@ class Verifier:
             raise InvalidArgument("a report needs size ≥ 0 and a 64-hex-digit BLAKE3 digest")
         staging = self.core.staging_dir(req.task_id)
 
-        async def planner(reads: Reads) -> Plan[pb.Entry]:
-            (found,) = await reads.read(Get(self.keys.entry(req.task_id, req.file_id)))
-            kv, rec = need_entry(found, req.task_id, req.file_id)
-            ops: list[TxnOp] = []
-            compares = [unchanged(kv)]
-            applied = None
+        async def planner(txn: Txn) -> Callable[[int], pb.Entry]:
+            rec = need_entry(await txn.get(self.keys.entry(req.task_id, req.file_id)),
+                             req.task_id, req.file_id)
             if rec.parts:  # an assembly has no file of its own
-                return Plan([unchanged(kv)], [], lambda rev: rec.to_pb(staging, revision=rev))
+                return lambda rev: rec.to_pb(staging, revision=rev)
             if rec.state in (PENDING, WRITING):
                 rec.observed = {
                     "size": req.size, "digest": req.digest, "inode": req.identity.inode,
@@ -142,14 +139,14 @@ class Verifier:
                     "reporter": req.reporter, "at": now(),
                 }
             elif rec.state == WRITTEN:
-                if self.settle(rec, req.size, req.digest, ops, who=req.reporter):
-                    applied = self.notify(rec)
+                if self.settle(txn, rec, req.size, req.digest, who=req.reporter):
+                    txn.after(self.notify(rec))
             elif rec.state == VERIFIED and req.digest != rec.digest:
-                await self.unverify(rec, f"verified file changed on disk (now size {req.size} "
-                                    f"digest {req.digest})", compares, ops)
+                await self.unverify(txn, rec, f"verified file changed on disk (now size "
+                                    f"{req.size} digest {req.digest})")
             else:  # consumed, dead, or a repeat of what is known: nothing to do
-                return Plan([unchanged(kv)], [], lambda rev: rec.to_pb(staging, revision=rev))
-            self.core.put_entry(rec, ops)
-            return Plan(compares, ops, lambda rev: rec.to_pb(staging, revision=rev), applied)
+                return lambda rev: rec.to_pb(staging, revision=rev)
+            self.core.put_entry(rec, txn)
+            return lambda rev: rec.to_pb(staging, revision=rev)
 
-        return await self.core.apply(planner, req.request_id, entry_replay)
+        return await self.core.txns.run(planner, req.request_id, entry_replay)

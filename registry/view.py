@@ -204,20 +204,22 @@ class View:
         """A transaction of this replica applied at ``revision``: take its writes now,
         before the watch brings them."""
         for op in txn.ops():
-            if isinstance(op, Put):
-                before = txn.before(op.key)
-                known = self._cache.get(op.key)
-                prior = before or (known[0] if known else None)
-                if prior is None and not (op.key in txn.read_keys() or known):
-                    # Neither read nor held: its create revision is unknown.
-                    if self._kind(op.key) == _CACHE:
-                        continue
-                create = prior.create_revision if prior else revision
-                version = prior.version + 1 if prior else 1
-                kv = KV(op.key, op.value, create, revision, version, op.lease)
-                self._apply(op.key, kv, revision, watched=False)
-            elif isinstance(op, Delete):
+            kind = self._kind(op.key)
+            if kind == _OTHER or (kind == _CACHE and not txn.cache_writes):
+                continue
+            if isinstance(op, Delete):
                 self._apply(op.key, None, revision, watched=False)
+                continue
+            assert isinstance(op, Put)
+            read, before = txn.read_state(op.key)
+            known = self._cache.get(op.key)
+            if kind == _CACHE and not read and known is None:
+                continue  # neither read nor held: its create revision is unknown
+            prior = before if read else (known[0] if known else None)
+            create = prior.create_revision if prior else revision
+            version = prior.version + 1 if prior else 1
+            self._apply(op.key, KV(op.key, op.value, create, revision, version, op.lease),
+                        revision, watched=False)
 
     def refreshed(self, keys: Sequence[bytes], gets: Sequence[list[KV]], revision: int) -> None:
         """A transaction failed its compares; its failure branch read ``keys`` at ``revision``."""
@@ -228,6 +230,10 @@ class View:
             self._apply(key, found[0] if found else None, revision, watched=kind != _CACHE)
             if kind == _MIRROR and not found:
                 self._mirror.pop(key, None)
+
+    def invalidate(self, base: bytes) -> None:
+        """An index window proved behind etcd: read it again from its start."""
+        self._windows.pop(base, None)
 
     # reservations -----------------------------------------------------------
 
@@ -309,7 +315,8 @@ class View:
         root = self._ready_base if base.startswith(self._ready_base) else self._cready_base
         task_id = base[len(root):].split(b"/", 1)[0].decode()
         wanted = [self.keys.entry(task_id, self.keys.last_segment(kv.key)) for kv in kvs]
-        wanted = [k for k in wanted if k not in self._cache]
         if wanted:
+            for key in wanted:  # read them again: a cached entry may be behind
+                self._cache.pop(key, None)
             await self.get_many(wanted)
         log.debug("view: window %s refilled with %d keys at revision %d", base, len(kvs), rev)
