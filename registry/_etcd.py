@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, ParamSpec, TypeVar
 
@@ -313,7 +313,7 @@ class Etcd:
         keys_only: bool = False,
         revision: int = 0,
         start: bytes | None = None,
-    ) -> AsyncIterator[KV]:
+    ) -> AsyncGenerator[KV, None]:
         """Every key under ``prefix``, read ``page`` keys per request, all at one revision
         (the first page's, unless ``revision`` is given): no read exceeds gRPC's
         message limit however many keys there are."""

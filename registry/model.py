@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from datetime import UTC, datetime
 from pathlib import PurePosixPath
 from typing import Any
@@ -39,8 +39,6 @@ _TASK_STATUS_PB = {
     "completed": pb.TASK_COMPLETED,
 }
 
-#: attempts kept in an entry's history (older ones live in the journal)
-HISTORY_LIMIT = 20
 
 
 def _iso(epoch: float) -> str:
@@ -113,7 +111,6 @@ class EntryRecord:
     committed_digest: str = ""
     observed: dict[str, Any] | None = None
     error: str = ""
-    history: list[dict[str, Any]] = field(default_factory=list)
     created_at: str = ""
     updated_at: str = ""
 
@@ -129,17 +126,18 @@ class EntryRecord:
         self._events: list[dict[str, Any]] = []
 
     def dump(self) -> bytes:
+        """The stored form: fields at their default value are left out (``load``
+        restores them), which keeps a pending entry to about a third of its full size."""
         self.updated_at = now()
         # Every field is already a JSON value: skip asdict()'s deep copy (hot path).
-        data = {k: v for k, v in vars(self).items() if not k.startswith("_")}
-        return json.dumps(data, separators=(",", ":"), sort_keys=True).encode()
+        data = {k: v for k, v in vars(self).items()
+                if not k.startswith("_") and _ENTRY_DEFAULTS.get(k, _NO_DEFAULT) != v}
+        return json.dumps(data, separators=(",", ":")).encode()
 
     def remember(self, event: str, **details: Any) -> None:
-        """Record an event: on the entry's bounded history, and for the journal."""
-        record = {"at": now(), "event": event, **details}
-        self.history.append(record)
-        del self.history[:-HISTORY_LIMIT]
-        self._events.append(record)
+        """Record an event for the journal, written with the entry's next ``put_entry``
+        (the journal is the entry's history; the entry itself keeps none)."""
+        self._events.append({"at": now(), "event": event, **details})
 
     def take_events(self) -> list[dict[str, Any]]:
         events, self._events = self._events, []
@@ -188,6 +186,14 @@ class EntryRecord:
             parts=self.parts,
             assembly=self.assembly,
         )
+
+
+_NO_DEFAULT = object()
+_ENTRY_DEFAULTS: dict[str, Any] = {
+    f.name: f.default if f.default is not MISSING else f.default_factory()
+    for f in fields(EntryRecord)
+    if f.default is not MISSING or f.default_factory is not MISSING
+}
 
 
 @dataclass

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from google.protobuf.message import Message
 
-from client.errors import BatonError, Conflict
+from client.errors import BatonError, Conflict, Internal
 
 from ._etcd import (
     KV,
@@ -61,6 +61,8 @@ MAX_ATTEMPTS = 32
 #: etcd's default ``--max-txn-ops``: the longest list of compares along one nesting
 #: path, and of operations in one branch; also the most callers one group carries
 MAX_TXN_OPS = 128
+#: bytes one group request may carry (etcd refuses requests over 1.5 MiB by default)
+MAX_GROUP_BYTES = 1024 * 1024
 #: how long the outcome of a mutating call is kept for retries of that call
 REQUEST_TTL = 3600
 
@@ -223,6 +225,12 @@ class _Pending:
     done: asyncio.Future[TxnResult] = field(default_factory=lambda: (
         asyncio.get_running_loop().create_future()))
 
+    @property
+    def size(self) -> int:
+        """Roughly the bytes this adds to a request."""
+        return sum(len(op.key) + len(getattr(op, "value", b"")) + 16 for op in self.ops) + sum(
+            len(c.key) + 16 for c in self.compares) + sum(len(k) + 8 for k in self.refresh)
+
     def conflicts(self, reads: set[bytes], writes: set[bytes]) -> bool:
         mine_w = {op.key for op in self.ops if not isinstance(op, Get)}
         mine_r = {c.key for c in self.compares}
@@ -289,10 +297,13 @@ class Committer:
         reads: set[bytes] = set()
         writes: set[bytes] = set()
         rest: list[_Pending] = []
+        size = 0
         for item in self._queue:
-            if len(group) >= self.group_max or item.conflicts(reads, writes):
+            if group and (len(group) >= self.group_max or item.conflicts(reads, writes)
+                          or size + item.size > MAX_GROUP_BYTES):
                 rest.append(item)
                 continue
+            size += item.size
             group.append(item)
             reads.update(c.key for c in item.compares)
             writes.update(op.key for op in item.ops if not isinstance(op, Get))
@@ -301,19 +312,24 @@ class Committer:
 
     async def _send(self, group: list[_Pending]) -> None:
         try:
-            self.requests += 1
-            self.carried += len(group)
-            if len(group) == 1:
-                item = group[0]
-                result = await self.etcd.txn(item.compares, item.ops,
-                                             [Get(k) for k in item.refresh])
-                results = [result]
-            else:
-                _, results = await self.etcd.txn_group([
-                    Guarded(i.compares, i.ops, [Get(k) for k in i.refresh]) for i in group])
-            for item, result in zip(group, results, strict=True):
-                if not item.done.done():
-                    item.done.set_result(result)
+            outcomes: list[TxnResult | BaseException]
+            try:
+                outcomes = list(await self._request(group))
+            except Internal:
+                if len(group) == 1:
+                    raise
+                # etcd refused the request as a whole (one caller's transaction too
+                # large, say): each caller alone, so only that one gets the error.
+                alone = await asyncio.gather(*(self._request([i]) for i in group),
+                                             return_exceptions=True)
+                outcomes = [r if isinstance(r, BaseException) else r[0] for r in alone]
+            for item, outcome in zip(group, outcomes, strict=True):
+                if item.done.done():
+                    continue
+                if isinstance(outcome, BaseException):
+                    item.done.set_exception(outcome)
+                else:
+                    item.done.set_result(outcome)
         except BaseException as e:
             for item in group:
                 if not item.done.done():
@@ -324,6 +340,17 @@ class Committer:
             self._slots.release()
             if self._queue:
                 self._wake.set()
+
+    async def _request(self, group: list[_Pending]) -> list[TxnResult]:
+        self.requests += 1
+        self.carried += len(group)
+        if len(group) == 1:
+            item = group[0]
+            return [await self.etcd.txn(item.compares, item.ops,
+                                        [Get(k) for k in item.refresh])]
+        _, results = await self.etcd.txn_group([
+            Guarded(i.compares, i.ops, [Get(k) for k in i.refresh]) for i in group])
+        return results
 
 
 class Transactions:

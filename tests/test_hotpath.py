@@ -1,0 +1,95 @@
+"""The hot path: a claim is one etcd transaction and a commit is one, from a watch-fed view."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from client.v1 import baton_pb2 as pb
+from registry._etcd import KV, Compare, Etcd, Guarded, TxnOp, TxnResult
+from registry.core import Core
+from registry.keys import Keys
+from registry.producers import Producers
+from registry.sessions import Sessions
+from registry.tasks import Tasks
+
+
+class CountingEtcd(Etcd):
+    """The real etcd client, counting the key-value requests it sends."""
+
+    requests = 0
+    ranges = 0
+
+    async def get(self, key: bytes) -> KV | None:
+        self.requests += 1
+        return await super().get(key)
+
+    async def range(self, prefix: bytes, **kw: Any) -> tuple[list[KV], int, bool]:
+        self.requests += 1
+        self.ranges += 1
+        return await super().range(prefix, **kw)
+
+    async def txn(self, compares: Sequence[Compare], success: Sequence[TxnOp],
+                  failure: Sequence[TxnOp] = ()) -> TxnResult:
+        self.requests += 1
+        return await super().txn(compares, success, failure)
+
+    async def txn_group(self, group: Sequence[Guarded]) -> tuple[int, list[TxnResult]]:
+        self.requests += 1
+        return await super().txn_group(group)
+
+
+async def _cycles(endpoint: str, prefix: str, size: int, cycles: int,
+                  request_ids: bool) -> tuple[CountingEtcd, Core]:
+    etcd = CountingEtcd(endpoint, timeout=60)
+    await etcd.connect()
+    core = Core(etcd, Keys(prefix), "/staging")
+    await core.start()
+    spec = pb.TaskSpec(task_id="t", entries=[
+        pb.EntrySpec(file_id=f"e{i:06d}", path=f"e{i:06d}") for i in range(size)])
+    await Tasks(core).create(pb.CreateTaskRequest(spec=spec))
+    session = await Sessions(core).open(pb.OpenSessionRequest(agent="a", ttl=30))
+    producers = Producers(core)
+    # The first claim fills the view's window of the ready index.
+    first = await producers.claim(pb.ClaimRequest(task_id="t", session_id=session.session_id))
+    await producers.commit(pb.CommitRequest(task_id="t", file_id=first.entry.file_id,
+                                            token=first.token))
+    etcd.requests = etcd.ranges = 0
+    for i in range(cycles):
+        claim = await producers.claim(pb.ClaimRequest(
+            task_id="t", session_id=session.session_id,
+            request_id=f"c{i}" if request_ids else ""))
+        await producers.commit(pb.CommitRequest(
+            task_id="t", file_id=claim.entry.file_id, token=claim.token,
+            request_id=f"m{i}" if request_ids else ""))
+    return etcd, core
+
+
+def test_a_claim_and_a_commit_are_one_request_each(etcd: Any, prefix: str) -> None:
+    """A claim → commit cycle at one agent costs at most two etcd requests, retries recorded."""
+    async def body() -> float:
+        client, core = await _cycles(etcd.endpoint, prefix, 300, 100, request_ids=True)
+        try:
+            return client.requests / 100
+        finally:
+            await core.stop()
+            await client.close()
+
+    per_cycle = asyncio.run(body())
+    # Two transactions per cycle, plus one window refill per page of the index.
+    assert per_cycle <= 2.1, f"{per_cycle:.2f} etcd requests per claim → commit cycle"
+
+
+def test_claims_do_not_range_over_the_task(etcd: Any, prefix: str) -> None:
+    """Range reads per claim do not grow with the task: a window page per 128 claims."""
+    async def body() -> int:
+        client, core = await _cycles(etcd.endpoint, prefix, 5000, 300, request_ids=False)
+        try:
+            return client.ranges
+        finally:
+            await core.stop()
+            await client.close()
+
+    ranges = asyncio.run(body())
+    assert ranges <= 300 // 128 + 2, f"{ranges} range reads for 300 claims"
