@@ -7,14 +7,14 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
-from client.errors import Conflict, InvalidArgument, TaskExists
+from client.errors import Conflict, InvalidArgument, InvalidManifest, TaskExists
 from client.v1 import baton_pb2 as pb
 
 from ._etcd import KV, Get
 from .claims import claim_holder, need_task
 from .core import Core
 from .keys import ClaimRef
-from .manifest import check_id, validate
+from .manifest import ValidTask, check_id, validate
 from .model import (
     DEAD,
     PENDING,
@@ -30,6 +30,10 @@ log = logging.getLogger("baton.registry")
 
 #: entries written per transaction: three puts each, under etcd's default 128 ops
 CHUNK = 40
+#: bytes of entries per transaction (etcd refuses requests over 1.5 MiB by default)
+CHUNK_BYTES = 512 * 1024
+#: the largest entry record stored (long dependency, dependent or part lists)
+MAX_ENTRY_BYTES = 256 * 1024
 #: transactions in flight while a large task is written
 PARALLEL = 8
 #: entries read per page when listing
@@ -51,7 +55,7 @@ class Tasks:
         """
         # Validating 100,000 entries takes seconds of CPU: not on the event loop,
         # where it would stall every other call (and agents' keepalives).
-        valid = await asyncio.to_thread(validate, req.spec)
+        valid, chunks = await asyncio.to_thread(self._prepare, req.spec)
         key = self.keys.task(valid.task_id)
         record = TaskRecord(
             task_id=valid.task_id,
@@ -86,7 +90,7 @@ class Tasks:
                 )
             if existing.status != "creating":
                 return pb.CreateTaskResponse(task=existing.to_pb(), created=False)
-        await self._write_entries(valid.entries)
+        await self._write_entries(chunks)
 
         async def activate(txn: Txn) -> TaskRecord:
             task = need_task(await txn.get(key), valid.task_id)
@@ -99,7 +103,35 @@ class Tasks:
         log.info("task created: %s (%d entries)", record.task_id, record.entry_count)
         return pb.CreateTaskResponse(task=record.to_pb(), created=created)
 
-    async def _write_entries(self, entries: list[EntryRecord]) -> None:
+    @staticmethod
+    def _prepare(spec: pb.TaskSpec) -> tuple[ValidTask, list[list[EntryRecord]]]:
+        """Validate a manifest and cut its entries into transactions etcd accepts, by
+        count and by bytes; an entry too large to store at all is refused here, before
+        anything is written (it would leave the task ``creating`` half-way)."""
+        valid = validate(spec)
+        chunks: list[list[EntryRecord]] = []
+        size = 0
+        too_large = []
+        for e in valid.entries:
+            n = len(e.dump()) + 2 * len(e.file_id) + 200  # with its index and open keys
+            if n > MAX_ENTRY_BYTES:
+                too_large.append(f"entry {e.file_id!r} would be stored as {n} bytes "
+                                 f"(at most {MAX_ENTRY_BYTES}): shorten its depends_on, "
+                                 "parts or labels, or the number of entries depending on it")
+                continue
+            if not chunks or len(chunks[-1]) >= CHUNK or size + n > CHUNK_BYTES:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(e)
+            size += n
+        if too_large:
+            shown = too_large[:20]
+            more = f" (and {len(too_large) - 20} more)" if len(too_large) > 20 else ""
+            raise InvalidManifest("invalid manifest: " + "; ".join(shown) + more,
+                                  problems=too_large)
+        return valid, chunks
+
+    async def _write_entries(self, chunks: list[list[EntryRecord]]) -> None:
         gate = asyncio.Semaphore(PARALLEL)
 
         async def chunk(batch: list[EntryRecord]) -> None:
@@ -117,9 +149,7 @@ class Tasks:
                 with contextlib.suppress(Conflict):
                     await write(self.core.txns, plan, attempts=1)
 
-        await asyncio.gather(
-            *(chunk(entries[i : i + CHUNK]) for i in range(0, len(entries), CHUNK))
-        )
+        await asyncio.gather(*(chunk(batch) for batch in chunks))
 
     async def get(self, task_id: str) -> pb.Task:
         """The task with counts by state and by consumer group (reads every entry)."""
