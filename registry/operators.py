@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import heapq
 import json
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from datetime import UTC, datetime
 
 from client.errors import IllegalTransition, InvalidArgument
 from client.v1 import baton_pb2 as pb
 
-from ._etcd import KV, Delete, Get, Put, TxnOp, unchanged
-from .core import Core, Plan, Reads, claim_holder, entry_replay, need_entry, need_task
+from ._etcd import KV, Get
+from .claims import claim_holder, entry_replay, need_entry, need_task, release_slot
+from .core import Core
 from .keys import ClaimRef
 from .manifest import check_id
 from .model import (
@@ -22,9 +27,18 @@ from .model import (
     EntryRecord,
     TaskRecord,
 )
+from .txn import Txn, write
 
-#: a cancelled task's claims are deleted in chunks of this many keys per transaction
+#: a cancelled task's keys are deleted in chunks of this many per transaction
 DELETE_CHUNK = 100
+#: claims revoked per transaction: each is read (pinned) and deleted with its slot
+CLAIM_CHUNK = 50
+#: keys read per request by listings (journal, agents, a cancelled task's claims)
+LIST_PAGE = 1000
+#: entries read per request when explaining what an entry waits for
+READ_CHUNK = 100
+#: lease lookups in flight while listing agents
+TTL_PARALLEL = 32
 
 _ALLOWED = {
     "pause": ({"active"}, "paused"),
@@ -48,72 +62,99 @@ class Operators:
         check_id("task_id", req.task_id)
         allowed, target = _ALLOWED[action]
 
-        async def planner(reads: Reads) -> Plan[pb.Task]:
-            (found,) = await reads.read(Get(self.keys.task(req.task_id)))
-            task = need_task(found, req.task_id)
+        async def planner(txn: Txn) -> Callable[[int], pb.Task]:
+            kv = await txn.get(self.keys.task(req.task_id))
+            task = need_task(kv, req.task_id)
             if task.status == target:
-                return Plan([unchanged(found[0])], [], lambda _: task.to_pb())
+                return lambda _: task.to_pb()
             if task.status not in allowed:
                 raise IllegalTransition(f"cannot {action} task {req.task_id!r}: it is "
                                         f"{task.status}", task_id=req.task_id)
             task.status = target
             task.status_reason = f"{action}: {req.reason}" if req.reason else action
-            return Plan([unchanged(found[0])], [Put(found[0].key, task.dump())],
-                        lambda _: task.to_pb())
+            txn.put(self.keys.task(req.task_id), task.dump())
+            return lambda _: task.to_pb()
 
-        task = await self.core.apply(planner, req.request_id, _task_replay)
+        task = await self.core.txns.run(planner, req.request_id, _task_replay)
         if action == "cancel":
             await self._revoke_claims(req.task_id)
         return task
 
     async def _revoke_claims(self, task_id: str) -> None:
-        """Delete a cancelled task's claims and twins (their tokens die) and its
-        claimable indexes. The task is already cancelled, so nothing recreates them."""
-        keys: list[bytes] = []
+        """Delete a cancelled task's claims (their tokens die; their slots are freed),
+        their twins and its claimable indexes, a page of keys at a time. The task is
+        already cancelled, so nothing recreates them."""
         for kind in ("p", "c"):
-            for prefix in (self.keys.claims_of_task(kind, task_id),
-                           self.keys.inflight_of_task(kind, task_id)):
-                kvs, _, _ = await self.core.etcd.range(prefix)
-                for kv in kvs:
-                    keys.append(kv.key)
-                    info = json.loads(kv.value) if kv.lease else {}
-                    if int(info.get("slot", -1)) >= 0:
-                        keys.append(self.keys.slot(kv.lease, int(info["slot"])))
-        for prefix in (self.keys.ready_all(task_id), self.keys.delayed_of_task(task_id),
-                       self.keys.cready_of_task(task_id)):
-            kvs, _, _ = await self.core.etcd.range(prefix, keys_only=True)
-            keys += [kv.key for kv in kvs]
-        for i in range(0, len(keys), DELETE_CHUNK):
-            await self.core.etcd.txn([], [Delete(k) for k in keys[i:i + DELETE_CHUNK]])
+            await self._each_chunk(self.keys.claims_of_task(kind, task_id), CLAIM_CHUNK,
+                                   self._revoke_chunk)
+        prefixes = [self.keys.inflight_of_task("p", task_id),
+                    self.keys.inflight_of_task("c", task_id), self.keys.ready_all(task_id),
+                    self.keys.delayed_of_task(task_id), self.keys.cready_of_task(task_id)]
+        for prefix in prefixes:
+            await self._each_chunk(prefix, DELETE_CHUNK, self._delete_chunk)
+
+    async def _each_chunk(self, prefix: bytes, size: int,
+                          handle: Callable[[list[bytes]], Awaitable[None]]) -> None:
+        """``handle`` the keys under ``prefix``, ``size`` at a time, listed a page at a time."""
+        chunk: list[bytes] = []
+        pages = self.core.etcd.scan(prefix, page=LIST_PAGE, keys_only=True)
+        async with contextlib.aclosing(pages):
+            async for kv in pages:
+                chunk.append(kv.key)
+                if len(chunk) >= size:
+                    await handle(chunk)
+                    chunk = []
+        if chunk:
+            await handle(chunk)
+
+    async def _revoke_chunk(self, keys: list[bytes]) -> None:
+        """Delete claims as read at commit time (pinned), each with its slot: a claim
+        finished meanwhile may have freed its slot for another claim of its session."""
+
+        async def plan(txn: Txn) -> None:
+            for key, claim in zip(keys, await txn.get_many(keys), strict=True):
+                if claim is not None:
+                    txn.delete(key)
+                    release_slot(self.keys, claim, txn)
+
+        await write(self.core.txns, plan)
+
+    async def _delete_chunk(self, keys: list[bytes]) -> None:
+        async def plan(txn: Txn) -> None:
+            for key in keys:
+                txn.delete(key)
+
+        await write(self.core.txns, plan)
 
     async def requeue(self, req: pb.RequeueRequest) -> pb.Entry:
         """Bring a dead entry back to pending with a fresh retry budget."""
         check_id("task_id", req.task_id)
         check_id("file_id", req.file_id)
         staging = self.core.staging_dir(req.task_id)
+        task_key = self.keys.task(req.task_id)
 
-        async def planner(reads: Reads) -> Plan[pb.Entry]:
-            task_kvs, found = await reads.read(Get(self.keys.task(req.task_id)),
-                                               Get(self.keys.entry(req.task_id, req.file_id)))
-            task = need_task(task_kvs, req.task_id)
+        async def planner(txn: Txn) -> Callable[[int], pb.Entry]:
+            task_kv, kv = await txn.get_many([task_key,
+                                              self.keys.entry(req.task_id, req.file_id)])
+            task = need_task(task_kv, req.task_id)
             if task.status == "cancelled":
                 raise IllegalTransition(f"task {req.task_id!r} is cancelled")
-            kv, rec = need_entry(found, req.task_id, req.file_id)
+            rec = need_entry(kv, req.task_id, req.file_id)
             if rec.state != DEAD:
                 raise IllegalTransition(f"entry {req.file_id!r} is {rec.state}; only dead "
                                         "entries can be requeued", state=rec.state)
             rec.state, rec.retry_count, rec.not_before = PENDING, 0, 0.0
             rec.remember("requeued", who="operator", reason=f"after: {rec.error}")
-            ops: list[TxnOp] = []
-            compares = [unchanged(kv)]
             if task.status == "completed":  # it has work again
                 task.status, task.status_reason = "active", "entry requeued"
-                compares.append(unchanged(task_kvs[0]))
-                ops.append(Put(task_kvs[0].key, task.dump()))
-            self.core.put_entry(rec, ops)
-            return Plan(compares, ops, lambda rev: rec.to_pb(staging, revision=rev))
+            # The header is written even when the task stays active: the entry is
+            # open again, and the scheduler's completion of the task (planned on
+            # the header, then on an open index it saw empty) must fail its compare.
+            txn.put(task_key, task.dump())
+            self.core.put_entry(rec, txn)
+            return lambda rev: rec.to_pb(staging, revision=rev)
 
-        return await self.core.apply(planner, req.request_id, entry_replay)
+        return await self.core.txns.run(planner, req.request_id, entry_replay)
 
     async def journal(self, req: pb.JournalRequest) -> pb.JournalResponse:
         check_id("task_id", req.task_id)
@@ -124,31 +165,51 @@ class Operators:
         await self.core.task(req.task_id)  # NotFound for an unknown task
         if req.file_id:
             await self.core.entry(req.task_id, req.file_id)
-        kvs, _, _ = await self.core.etcd.range(self.keys.journal_all(req.task_id, req.file_id))
-        records = []
         base = self.keys.journal_all(req.task_id)
-        for kv in sorted(kvs, key=lambda kv: kv.create_revision):
-            file_id = self.keys.parse_tail(kv.key, base)[0]
+        # Records in the order they were written (their create revision). With a
+        # limit only the last ``limit`` are kept while the pages go by.
+        kept: list[tuple[int, int, KV]] = []
+        pages = self.core.etcd.scan(self.keys.journal_all(req.task_id, req.file_id),
+                                    page=LIST_PAGE)
+        async with contextlib.aclosing(pages):
+            async for n, kv in _numbered(pages):
+                item = (kv.create_revision, n, kv)
+                if not req.limit:
+                    kept.append(item)
+                elif len(kept) < req.limit:
+                    heapq.heappush(kept, item)
+                else:
+                    heapq.heappushpop(kept, item)
+        records = [self._journal_record(req.task_id, base, kv) for _, _, kv in sorted(kept)]
+        return pb.JournalResponse(records=records)
+
+    def _journal_record(self, task_id: str, base: bytes, kv: KV) -> pb.JournalRecord:
+        file_id = self.keys.parse_tail(kv.key, base)[0]
+        try:
             data = json.loads(kv.value)
-            if data.get("event") == "claimed" and not data.get("token"):
-                data["token"] = kv.create_revision  # a claim's token is its revision
-            records.append(pb.JournalRecord(
-                task_id=req.task_id, file_id=file_id, revision=kv.create_revision,
-                at=str(data.get("at", "")), event=str(data.get("event", "")),
-                who=str(data.get("who") or data.get("owner") or data.get("reporter") or ""),
-                token=int(data.get("token", 0) or 0), from_state=str(data.get("from", "")),
-                to_state=str(data.get("to", "")), reason=str(data.get("reason", "")),
-            ))
-        return pb.JournalResponse(records=records[-req.limit:] if req.limit else records)
+            if not isinstance(data, dict):
+                raise ValueError("not an object")
+        except ValueError:
+            data = {"event": "unreadable", "reason": "the journal record is not valid JSON"}
+        if data.get("event") == "claimed" and not data.get("token"):
+            data["token"] = kv.create_revision  # a claim's token is its revision
+        return pb.JournalRecord(
+            task_id=task_id, file_id=file_id, revision=kv.create_revision,
+            at=str(data.get("at", "")), event=str(data.get("event", "")),
+            who=str(data.get("who") or data.get("owner") or data.get("reporter") or ""),
+            token=_int(data.get("token")), from_state=str(data.get("from", "")),
+            to_state=str(data.get("to", "")), reason=str(data.get("reason", "")),
+        )
 
     async def explain(self, req: pb.GetEntryRequest) -> pb.Explanation:
         """One paragraph on where an entry is and what it waits for."""
         check_id("task_id", req.task_id)
         check_id("file_id", req.file_id)
-        task_kvs, found = await self.core.etcd.read(
-            [Get(self.keys.task(req.task_id)), Get(self.keys.entry(req.task_id, req.file_id))])
-        task = need_task(task_kvs, req.task_id)
-        kv, rec = need_entry(found, req.task_id, req.file_id)
+        task_kv, kv = [found[0] if found else None for found in await self.core.etcd.read(
+            [Get(self.keys.task(req.task_id)), Get(self.keys.entry(req.task_id, req.file_id))])]
+        task = need_task(task_kv, req.task_id)
+        rec = need_entry(kv, req.task_id, req.file_id)
+        assert kv is not None
         text = await self._explain(task, kv, rec)
         entry = rec.to_pb(self.core.staging_dir(rec.task_id), revision=kv.mod_revision)
         return pb.Explanation(entry=entry, text=text)
@@ -208,47 +269,96 @@ class Operators:
             s.append(f"It used all {rec.max_retries} retries; last error: {rec.error}. "
                      "`baton requeue` brings it back.")
             if rec.dependents:
-                s.append(f"Dependents blocked by it: {', '.join(rec.dependents)}.")
+                s.append(f"Dependents blocked by it: {_names(rec.dependents)}.")
         return " ".join(s)
 
     async def _waiting_for(self, rec: EntryRecord, names: list[str],
                            good: tuple[str, ...], what: str) -> str:
-        found = await self.core.etcd.read([Get(self.keys.entry(rec.task_id, n)) for n in names])
         missing = []
         dead = []
-        for name, kvs in zip(names, found, strict=True):
-            state = EntryRecord.load(kvs[0].value).state if kvs else "missing"
-            if state == DEAD:
-                dead.append(name)
-            elif state not in good:
-                missing.append(f"{name} ({state})")
+        for i in range(0, len(names), READ_CHUNK):  # etcd refuses > 128 reads per txn
+            chunk = names[i:i + READ_CHUNK]
+            found = await self.core.etcd.read([Get(self.keys.entry(rec.task_id, n))
+                                                for n in chunk])
+            for name, kvs in zip(chunk, found, strict=True):
+                state = _state(kvs[0]) if kvs else "missing"
+                if state == DEAD:
+                    dead.append(name)
+                elif state not in good:
+                    missing.append(f"{name} ({state})")
         if dead:
-            return (f"It is blocked: {what} {', '.join(dead)} dead; requeue to unblock "
+            return (f"It is blocked: {what} {_names(dead)} dead; requeue to unblock "
                     "this entry.")
-        return f"It waits for {what}: {', '.join(missing) or 'none (release imminent)'}."
+        return f"It waits for {what}: {_names(missing) or 'none (release imminent)'}."
 
     async def agents(self) -> pb.ListAgentsResponse:
-        sessions, _, _ = await self.core.etcd.range(self.keys.agents())
-        claims, _, _ = await self.core.etcd.range(self.keys.claims_all())
+        """Every live session with the claims it holds (both listings read a page at a
+        time; every claim is in the answer, so the claims are held by session)."""
         by_session: dict[int, list[pb.ClaimInfo]] = {}
-        for kv in claims:
-            ref = self.keys.parse_claim(kv.key)
-            by_session.setdefault(kv.lease, []).append(pb.ClaimInfo(
-                task_id=ref.task_id, file_id=ref.file_id, group=ref.group,
-                token=kv.create_revision))
-        out = []
-        for kv in sessions:
-            info = json.loads(kv.value)
-            ttl = await self.core.etcd.time_to_live(kv.lease)
-            out.append(pb.AgentInfo(
+        claims = self.core.etcd.scan(self.keys.claims_all(), page=LIST_PAGE, keys_only=True)
+        async with contextlib.aclosing(claims):
+            async for kv in claims:
+                try:
+                    ref = self.keys.parse_claim(kv.key)
+                except ValueError:
+                    continue
+                by_session.setdefault(kv.lease, []).append(pb.ClaimInfo(
+                    task_id=ref.task_id, file_id=ref.file_id, group=ref.group,
+                    token=kv.create_revision))
+        sessions: list[KV] = []
+        pages = self.core.etcd.scan(self.keys.agents(), page=LIST_PAGE)
+        async with contextlib.aclosing(pages):
+            async for kv in pages:
+                sessions.append(kv)
+        gate = asyncio.Semaphore(TTL_PARALLEL)
+
+        async def agent(kv: KV) -> pb.AgentInfo:
+            async with gate:
+                ttl = await self.core.etcd.time_to_live(kv.lease)
+            try:
+                info = json.loads(kv.value)
+                if not isinstance(info, dict):
+                    raise ValueError("not an object")
+            except ValueError:
+                info = {}
+            return pb.AgentInfo(
                 session_id=kv.lease, agent=str(info.get("agent", "")),
-                host=str(info.get("host", "")), pid=int(info.get("pid", 0)),
-                ttl_left=max(ttl, 0), granted_ttl=int(info.get("ttl", 0)),
-                slots=int(info.get("slots", 0)), claims=by_session.get(kv.lease, []),
+                host=str(info.get("host", "")), pid=_int(info.get("pid")),
+                ttl_left=max(ttl, 0), granted_ttl=_int(info.get("ttl")),
+                slots=_int(info.get("slots")), claims=by_session.get(kv.lease, []),
                 opened_at=str(info.get("opened_at", "")),
-            ))
-        return pb.ListAgentsResponse(agents=out)
+            )
+
+        return pb.ListAgentsResponse(agents=await asyncio.gather(*map(agent, sessions)))
 
 
 def _task_replay(raw: bytes, rev: int) -> pb.Task:
     return pb.Task.FromString(raw)
+
+
+def _state(kv: KV) -> str:
+    try:
+        return EntryRecord.load(kv.value).state
+    except (ValueError, TypeError):
+        return "unreadable"
+
+
+def _int(value: object) -> int:
+    """A number from a JSON record (0 when absent or not a number)."""
+    if isinstance(value, int | float | str):
+        with contextlib.suppress(ValueError):
+            return int(value)
+    return 0
+
+
+def _names(names: Sequence[str], shown: int = 20) -> str:
+    """A list of names for a sentence: the first ``shown`` and how many more."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
+async def _numbered(kvs: AsyncIterator[KV]) -> AsyncIterator[tuple[int, KV]]:
+    n = 0
+    async for kv in kvs:
+        yield n, kv
+        n += 1

@@ -1,10 +1,13 @@
 """Background moves that no caller makes: entries whose backoff ended, whose
 dependencies (or parts) are now verified, and tasks whose entries are all done.
 
-Each move is one guarded transaction, so several replicas may run schedulers
-at once: the compares let exactly one of them apply each move. Verifications
-made by this replica wake the scheduler at once (``Core.verified``); a
-periodic sweep catches everything else (other replicas, restarts).
+Each move is one guarded transaction (``txn.write``), so several replicas may
+run schedulers at once: the compares let exactly one of them apply each move.
+Verifications made by this replica wake the scheduler at once
+(``Core.verified``); a periodic sweep catches everything else (other replicas,
+restarts). Every listing is read a page at a time, and one entry or task that
+cannot be handled (a corrupt record, a move that keeps conflicting) is logged
+and passed over: it never stops the sweep for the others.
 """
 
 from __future__ import annotations
@@ -12,25 +15,59 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable, Sequence
 
 import blake3
 
 from client.errors import BatonError
 
-from ._etcd import KV, Compare, Get, Put, TxnOp, present, unchanged
+from ._etcd import KV, Get, present
+from .claims import need_task
 from .core import Core
+from .keys import prefix_end
 from .model import CONSUMED, PENDING, VERIFIED, EntryRecord, TaskRecord
+from .txn import Retry, Txn, write
 from .verify import Verifier
 
 log = logging.getLogger("baton.registry")
 
 #: seconds between full sweeps of waiting entries and of task completion
 SLOW_SWEEP = 2.0
+#: keys read per request when listing an index (delayed, waiting, task headers)
+SCAN_PAGE = 1000
+#: dependencies (parts) of one entry pinned by its release; beyond, read unpinned
+PIN_MAX = 100
+#: entries read per request when checking dependencies (etcd refuses > 128 per txn)
+READ_CHUNK = 100
 
 
 def assembly_digest(part_digests: list[str]) -> str:
     """An assembly's digest: BLAKE3 of its parts' hex digests, in order, joined by newlines."""
     return blake3.blake3("\n".join(part_digests).encode()).hexdigest()
+
+
+class _Complaints:
+    """Logs a failure once per item and revision (a poisoned record is not news
+    every half second); repeats go to debug."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, str] = {}
+
+    def __call__(self, item: str, exc: BaseException) -> None:
+        what = f"{type(exc).__name__}: {exc}"
+        if self._seen.get(item) == what:
+            log.debug("scheduler: %s still fails: %s", item, what)
+            return
+        if len(self._seen) > 10_000:
+            self._seen.clear()
+        self._seen[item] = what
+        if isinstance(exc, BatonError):
+            log.warning("scheduler: %s failed: %s", item, what)
+        else:
+            log.error("scheduler: %s failed", item, exc_info=exc)
+
+    def cleared(self, item: str) -> None:
+        self._seen.pop(item, None)
 
 
 class Scheduler:
@@ -39,21 +76,24 @@ class Scheduler:
         self.keys = core.keys
         self.interval = interval
         self.verifier = Verifier(core)
+        self._complain = _Complaints()
 
     async def run(self, stop: asyncio.Event) -> None:
         events = asyncio.create_task(self._on_verified(stop))
         loops = 0
         try:
             while not stop.is_set():
-                try:
-                    await self.promote_due()
-                    if loops % max(1, int(SLOW_SWEEP / self.interval)) == 0:
-                        await self.sweep_waiting()
-                        await self.complete_tasks()
-                except BatonError as e:
-                    log.warning("scheduler sweep failed: %s", e)
-                except Exception:
-                    log.exception("scheduler sweep crashed")
+                slow = loops % max(1, int(SLOW_SWEEP / self.interval)) == 0
+                sweeps: list[Callable[[], Awaitable[object]]] = [self.promote_due]
+                if slow:
+                    sweeps += [self.sweep_waiting, self.complete_tasks]
+                for sweep in sweeps:  # one failing sweep does not skip the others
+                    try:
+                        await sweep()
+                    except BatonError as e:
+                        log.warning("scheduler: %s failed: %s", sweep.__name__, e)
+                    except Exception:
+                        log.exception("scheduler: %s crashed", sweep.__name__)
                 loops += 1
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), self.interval)
@@ -70,87 +110,237 @@ class Scheduler:
                 if kv is None:
                     continue
                 rec = EntryRecord.load(kv.value)
-                for dependent in rec.dependents:
-                    await self.check_waiting(task_id, dependent)
-                if rec.assembly:
-                    await self.check_waiting(task_id, rec.assembly)
-            except BatonError as e:
-                log.warning("promoting after %s/%s failed: %s", task_id, file_id, e)
+            except Exception as e:
+                self._complain(f"entry {task_id}/{file_id}", e)
+                continue
+            for name in [*rec.dependents, *([rec.assembly] if rec.assembly else [])]:
+                await self._check(task_id, name)
 
-    async def _move(self, kv: KV, rec: EntryRecord, compares: list[Compare],
-                    ops: list[TxnOp]) -> bool:
-        self.core.put_entry(rec, ops)
-        result = await self.core.etcd.txn([unchanged(kv), *compares], ops)
-        return result.succeeded
+    async def _check(self, task_id: str, file_id: str) -> bool:
+        """``check_waiting`` for one entry of a sweep: failures are logged, not raised."""
+        item = f"waiting entry {task_id}/{file_id}"
+        try:
+            moved = await self.check_waiting(task_id, file_id)
+        except Exception as e:
+            self._complain(item, e)
+            return False
+        self._complain.cleared(item)
+        return moved
+
+    # retry backoff ---------------------------------------------------------
 
     async def promote_due(self) -> int:
         """Entries whose retry backoff is over become claimable."""
-        kvs, _, _ = await self.core.etcd.range(self.keys.delayed_all(), keys_only=True)
+        base = self.keys.delayed_all()
         now_ms = int(self.core.clock() * 1000)
         moved = 0
-        for key in kvs:
-            task_id, due, file_id = self.keys.parse_tail(key.key, self.keys.delayed_all())
-            if int(due) > now_ms:
-                continue
-            kv = await self.core.etcd.get(self.keys.entry(task_id, file_id))
-            if kv is None:
-                continue
-            rec = EntryRecord.load(kv.value)
-            if rec.index != key.key.decode():
-                continue
-            moved += await self._move(kv, rec, [present(key.key)], [])
-        return moved
+        start: bytes | None = None
+        while True:
+            skip_to: bytes | None = None
+            pages = self.core.etcd.scan(base, page=SCAN_PAGE, keys_only=True, start=start)
+            async with contextlib.aclosing(pages):
+                async for key in pages:
+                    try:
+                        task_id, due, file_id = self.keys.parse_tail(key.key, base)
+                        if int(due) > now_ms:
+                            # A task's delayed keys sort by due time: the rest of
+                            # this task's are not due either; go on with the next task.
+                            skip_to = prefix_end(self.keys.delayed_of_task(task_id))
+                            break
+                    except ValueError as e:
+                        self._complain(f"delayed key {key.key!r}", e)
+                        continue
+                    item = f"delayed entry {task_id}/{file_id}"
+                    try:
+                        moved += await write(self.core.txns, self._promote_plan(
+                            task_id, file_id, key.key))
+                    except Exception as e:
+                        self._complain(item, e)
+                    else:
+                        self._complain.cleared(item)
+            if skip_to is None:
+                return moved
+            start = skip_to
 
-    async def sweep_waiting(self) -> None:
-        kvs, _, _ = await self.core.etcd.range(self.keys.waiting_all(), keys_only=True)
-        for key in kvs:
-            task_id, file_id = self.keys.parse_tail(key.key, self.keys.waiting_all())
-            await self.check_waiting(task_id, file_id)
+    def _promote_plan(self, task_id: str, file_id: str,
+                      index: bytes) -> Callable[[Txn], Awaitable[bool]]:
+        async def plan(txn: Txn) -> bool:
+            key = self.keys.entry(task_id, file_id)
+            (kv,) = await txn.peek_many([key])
+            if kv is None:
+                return False
+            rec = EntryRecord.load(kv.value)
+            if rec.index != index.decode() or rec.not_before > self.core.clock():
+                return False  # moved on already (nothing pinned: no commit at all)
+            txn.pin(key, kv)
+            # The index key is written with the entry, but a cancel deletes a
+            # task's index keys alone: never bring one back for a cancelled task.
+            txn.require(present(index))
+            self.core.put_entry(rec, txn)
+            return True
+
+        return plan
+
+    # dependencies and assemblies ---------------------------------------------
+
+    async def sweep_waiting(self) -> int:
+        """Every entry waiting for dependencies (or an assembly for its parts), checked."""
+        base = self.keys.waiting_all()
+        moved = 0
+        pages = self.core.etcd.scan(base, page=SCAN_PAGE, keys_only=True)
+        async with contextlib.aclosing(pages):
+            async for key in pages:
+                try:
+                    task_id, file_id = self.keys.parse_tail(key.key, base)
+                except ValueError as e:
+                    self._complain(f"waiting key {key.key!r}", e)
+                    continue
+                moved += await self._check(task_id, file_id)
+        return moved
 
     async def check_waiting(self, task_id: str, file_id: str) -> bool:
         """Release an entry waiting for dependencies, or verify an assembly, if due."""
-        for _ in range(8):
-            kv = await self.core.etcd.get(self.keys.entry(task_id, file_id))
+
+        async def plan(txn: Txn) -> bool:
+            key = self.keys.entry(task_id, file_id)
+            (kv,) = await txn.peek_many([key])
             if kv is None:
                 return False
             rec = EntryRecord.load(kv.value)
             if rec.state != PENDING or rec.deps_ok:
                 return False
             names = rec.parts or rec.depends_on
-            found = await self.core.etcd.read([Get(self.keys.entry(task_id, n)) for n in names])
-            others = [(kvs[0], EntryRecord.load(kvs[0].value)) for kvs in found if kvs]
-            if len(others) != len(names):
-                return False
-            ok = ((VERIFIED,) if rec.parts else (VERIFIED, CONSUMED))
-            if not all(o.state in ok for _, o in others):
-                return False
-            ops: list[TxnOp] = []
+            ok = (VERIFIED,) if rec.parts else (VERIFIED, CONSUMED)
+            if len(names) <= PIN_MAX:
+                others = await self._read_pinned(txn, task_id, names, ok)
+            else:
+                others = await self._read_unpinned(task_id, names, ok)
+            if others is None:
+                return False  # not due (nothing pinned: no commit at all)
+            txn.pin(key, kv)
             rec.deps_ok = True
             if rec.parts:
-                rec.state, rec.size = VERIFIED, sum(o.size for _, o in others)
-                rec.digest = assembly_digest([o.digest for _, o in others])
+                rec.state, rec.size = VERIFIED, sum(o.size for o in others)
+                rec.digest = assembly_digest([o.digest for o in others])
                 rec.remember("verified", digest=rec.digest, reason="every part verified")
-                self.verifier.open_to_consumers(rec, ops)
+                self.verifier.open_to_consumers(rec, txn)
+                # Its own dependents (and task completion) hear of it like any verification.
+                txn.after(self.verifier.notify(rec))
             else:
                 rec.remember("released", reason="dependencies verified")
-            if await self._move(kv, rec, [unchanged(o) for o, _ in others], ops):
-                if rec.parts:
-                    self.core.verified.put_nowait((task_id, file_id))
-                return True
-        return False
+            self.core.put_entry(rec, txn)
+            return True
 
-    async def complete_tasks(self) -> None:
+        return await write(self.core.txns, plan)
+
+    async def _read_pinned(self, txn: Txn, task_id: str, names: Sequence[str],
+                           ok: tuple[str, ...]) -> list[EntryRecord] | None:
+        """A few dependencies (parts), each pinned if the release goes ahead: the
+        release then applies only if every one is still as read."""
+        keys = [self.keys.entry(task_id, n) for n in names]
+        found = await txn.peek_many(keys)
+        others = _all_in(found, ok)
+        if others is not None:
+            for k, kv in zip(keys, found, strict=True):
+                txn.pin(k, kv)
+        return others
+
+    async def _read_unpinned(self, task_id: str, names: Sequence[str],
+                             ok: tuple[str, ...]) -> list[EntryRecord] | None:
+        """Many dependencies (parts): more than one transaction may compare (etcd
+        allows 128 compares along a transaction's path), so they are read, not pinned.
+
+        They are read straight from etcd, ``READ_CHUNK`` per request, after the
+        waiting entry itself was read (its pin is the release's guard), and must
+        be as of one instant: a key changed after the first request's revision
+        means the chunks may disagree, and the plan starts over (``Retry``).
+        The view is not used: its keys may be behind by different amounts.
+
+        Why the release stays right without pins:
+
+        * An assembly: a part that leaves ``verified`` re-puts its assembly in the
+          same transaction (``Verifier._unverify_assembly``), so the assembly's
+          mod revision (pinned) moves, and a release planned on parts as they
+          were fails its compare and is planned again. Every part was read after
+          the assembly, so each was verified from its read until the commit.
+        * Dependencies: a released dependent is never blocked again when a
+          dependency later leaves ``verified`` (``deps_ok`` only goes from False
+          to True for a dependent). The dependencies were all verified or
+          consumed at one instant (the first read's revision), while the
+          dependent waited (it waits from creation until its release, and its
+          pin says it still does): a release then is what a release at that
+          instant would have been, and a dependency leaving ``verified`` since
+          is, to everyone, a departure after the release.
+        """
+        keys = [self.keys.entry(task_id, n) for n in names]
+        others: list[EntryRecord] = []
+        first = latest = 0
+        for i in range(0, len(keys), READ_CHUNK):
+            result = await self.core.etcd.txn([], [Get(k) for k in keys[i:i + READ_CHUNK]])
+            first = first or result.revision
+            chunk = [kvs[0] if kvs else None for kvs in result.gets]
+            recs = _all_in(chunk, ok)
+            if recs is None:
+                return None  # one not due is enough: read no further
+            others += recs
+            latest = max([latest, *(kv.mod_revision for kv in chunk if kv is not None)])
+        if latest > first:
+            raise Retry()  # changed while we read: not one instant; read again
+        return others
+
+    # task completion ---------------------------------------------------------
+
+    async def complete_tasks(self) -> int:
         """An active task none of whose entries is open any more is completed."""
-        kvs, _, _ = await self.core.etcd.range(self.keys.tasks())
-        for kv in kvs:
-            task = TaskRecord.load(kv.value)
+        completed = 0
+        pages = self.core.etcd.scan(self.keys.tasks(), page=SCAN_PAGE)
+        async with contextlib.aclosing(pages):
+            async for kv in pages:
+                item = f"task header {kv.key.decode(errors='replace')}"
+                try:
+                    task = TaskRecord.load(kv.value)
+                    if task.status != "active":
+                        continue
+                    completed += await write(self.core.txns, self._complete_plan(task.task_id))
+                except Exception as e:
+                    self._complain(item, e)
+                else:
+                    self._complain.cleared(item)
+        return completed
+
+    def _complete_plan(self, task_id: str) -> Callable[[Txn], Awaitable[bool]]:
+        async def plan(txn: Txn) -> bool:
+            key = self.keys.task(task_id)
+            (kv,) = await txn.peek_many([key])
+            if kv is None:
+                return False
+            task = need_task(kv, task_id)
             if task.status != "active":
-                continue
-            if await self.core.etcd.count(self.keys.open_all(task.task_id)) == 0:
-                dead = await self.core.etcd.count(self.keys.dead_all(task.task_id))
-                task.status = "completed"
-                task.status_reason = (f"{task.entry_count - dead} consumed, {dead} dead"
-                                      if dead else "every entry consumed")
-                result = await self.core.etcd.txn([unchanged(kv)], [Put(kv.key, task.dump())])
-                if result.succeeded:
-                    log.info("task %s completed (%s)", task.task_id, task.status_reason)
+                return False
+            # Read after the header: an entry opened again since (a requeue) also
+            # re-puts the header, so the header's pin fails this completion.
+            if await txn.scan(self.keys.open_all(task_id), limit=1, keys_only=True):
+                return False  # work left (nothing pinned: no commit at all)
+            txn.pin(key, kv)
+            dead = await self.core.etcd.count(self.keys.dead_all(task_id))
+            task.status = "completed"
+            task.status_reason = (f"{task.entry_count - dead} consumed, {dead} dead"
+                                  if dead else "every entry consumed")
+            txn.put(key, task.dump())
+            txn.after(lambda: log.info("task %s completed (%s)", task_id, task.status_reason))
+            return True
+
+        return plan
+
+
+def _all_in(found: Sequence[KV | None], ok: tuple[str, ...]) -> list[EntryRecord] | None:
+    """The entries read, if every one exists and is in an ``ok`` state; else None."""
+    out = []
+    for kv in found:
+        if kv is None:
+            return None
+        rec = EntryRecord.load(kv.value)
+        if rec.state not in ok:
+            return None
+        out.append(rec)
+    return out

@@ -6,19 +6,24 @@ import asyncio
 import contextlib
 import json
 import logging
+from collections.abc import AsyncIterator
 
 from client.errors import BatonError, InvalidArgument, SessionExpired
 from client.v1 import baton_pb2 as pb
 
-from ._etcd import Delete, Put, TxnOp, absent, created_at, unchanged
+from ._etcd import KV
+from .claims import claim_holder
 from .core import Core
 from .keys import ClaimRef
 from .manifest import check_id
 from .model import VERIFIED, WRITING, EntryRecord, now
+from .txn import Txn, write
 
 log = logging.getLogger("baton.registry")
 
 MIN_TTL, MAX_TTL = 2, 3600
+#: keys read per request when the reaper lists claims and their twins
+REAP_PAGE = 1000
 
 
 class Sessions:
@@ -36,8 +41,18 @@ class Sessions:
         lease, granted = await self.core.etcd.grant(ttl)
         info = {"agent": req.agent, "host": req.host, "pid": req.pid, "version": req.version,
                 "ttl": granted, "slots": req.slots, "opened_at": now()}
-        await self.core.etcd.txn([], [Put(self.keys.agent(lease), json.dumps(info).encode(),
-                                          lease=lease)])
+        key, value = self.keys.agent(lease), json.dumps(info).encode()
+
+        async def plan(txn: Txn) -> None:
+            txn.create(key, value, lease=lease)  # a fresh lease: its key cannot exist yet
+
+        try:
+            await write(self.core.txns, plan)
+        except Exception:
+            # Not opened after all: leave no lease behind (it would expire anyway).
+            with contextlib.suppress(BatonError):
+                await self.core.etcd.revoke(lease)
+            raise
         log.info("session %x opened for %s (ttl %ds)", lease, req.agent, granted)
         return pb.Session(session_id=lease, agent=req.agent, ttl=granted, slots=req.slots)
 
@@ -61,11 +76,14 @@ class Reaper:
     """Moves entries on when the lease behind their claim is gone.
 
     etcd deletes a claim key when its lease expires; its durable twin under
-    ``inflight/`` stays. Every ``interval`` seconds the reaper pairs the two
-    listings (both only as large as the number of claims in flight) and, for
-    each twin left alone, runs one guarded transaction: the producer's entry
-    takes the retry path, a consumer's entry goes back to its group. Replicas
-    race safely: the compares let exactly one of them apply each move.
+    ``inflight/`` stays. Every ``interval`` seconds the reaper walks the two
+    listings side by side, ``REAP_PAGE`` keys per request and both at one
+    revision: a claim key and its twin name the same claim after their
+    prefixes, so both listings come in the same order and a merge pairs them
+    with only a page of each in memory, however many claims are in flight.
+    For each twin left alone it runs one guarded transaction: the producer's
+    entry takes the retry path, a consumer's entry goes back to its group.
+    Replicas race safely: the compares let exactly one of them apply each move.
     """
 
     def __init__(self, core: Core, interval: float = 0.5) -> None:
@@ -85,52 +103,77 @@ class Reaper:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.interval)
 
+    async def orphans(self) -> AsyncIterator[tuple[KV, ClaimRef | None]]:
+        """Every twin whose claim is gone (or is another claim), with what it names
+        (None: a key that names no claim)."""
+        twins_base, claims_base = self.keys.inflight_all(), self.keys.claims_all()
+        # One revision for both listings (a claim and its twin are written together).
+        _, rev, _ = await self.core.etcd.range(twins_base, limit=1, keys_only=True)
+        twins = self.core.etcd.scan(twins_base, page=REAP_PAGE, revision=rev)
+        claims = self.core.etcd.scan(claims_base, page=REAP_PAGE, keys_only=True, revision=rev)
+        async with contextlib.aclosing(twins), contextlib.aclosing(claims):
+            claim: KV | None = None
+            claims_done = False
+            async for twin in twins:
+                tail = twin.key[len(twins_base):]
+                # The claims listing is read only as far as the twins reach.
+                while not claims_done and (claim is None
+                                           or claim.key[len(claims_base):] < tail):
+                    claim = await anext(claims, None)
+                    claims_done = claim is None
+                if (claim is not None and claim.key[len(claims_base):] == tail
+                        and claim.create_revision == twin.create_revision):
+                    continue  # the claim lives
+                try:
+                    ref: ClaimRef | None = self.keys.parse_inflight(twin.key)
+                except ValueError:
+                    ref = None
+                yield twin, ref
+
     async def sweep(self) -> int:
-        inflight, _, _ = await self.core.etcd.range(self.keys.inflight_all())
-        if not inflight:
-            return 0
-        claims, _, _ = await self.core.etcd.range(self.keys.claims_all(), keys_only=True)
-        live = {self.keys.parse_claim(kv.key): kv.create_revision for kv in claims}
         moved = 0
-        for kv in inflight:
-            ref = self.keys.parse_inflight(kv.key)
-            if live.get(ref) == kv.create_revision:
+        async for twin, ref in self.orphans():
+            if ref is None:
+                log.warning("reaper: %r names no claim; left alone", twin.key)
                 continue
             try:
-                if await self._reap(ref, kv.create_revision):
+                if await self._reap(ref, twin.create_revision):
                     moved += 1
                     self.reaped += 1
             except BatonError as e:
                 log.warning("could not reap %s: %s", ref, e)
+            except Exception:  # one bad entry never stops the reaper for the others
+                log.exception("could not reap %s", ref)
         return moved
 
     async def _reap(self, ref: ClaimRef, token: int) -> bool:
         """Move one entry on for a claim whose lease is gone; False if already done."""
         claim_key, twin_key = self.keys.claim(ref), self.keys.inflight(ref)
         entry_key = self.keys.entry(ref.task_id, ref.file_id)
-        for _ in range(8):
-            twin = await self.core.etcd.get(twin_key)
+
+        async def plan(txn: Txn) -> str:
+            twin, claim, kv = await txn.get_many([twin_key, claim_key, entry_key])
             if twin is None or twin.create_revision != token:
-                return False  # another replica got there first
-            kv = await self.core.etcd.get(entry_key)
-            compares = [absent(claim_key), created_at(twin_key, token)]
-            ops: list[TxnOp] = [Delete(twin_key)]
-            holder = json.loads(twin.value).get("agent", "?")
+                return ""  # another replica got there first
+            if claim is not None:
+                return ""  # the claim lives (the listing was behind)
+            txn.delete(twin_key)
+            holder = claim_holder(twin) or "?"
             if kv is not None:
                 rec = EntryRecord.load(kv.value)
-                compares.append(unchanged(kv))
                 if ref.kind == "p" and rec.state == WRITING:
                     self.core.retry_or_dead(
-                        rec, f"lease of agent {holder} lost (token {token})", ops, token=token)
-                    self.core.put_entry(rec, ops)
+                        rec, f"lease of agent {holder} lost (token {token})", token=token)
+                    self.core.put_entry(rec, txn)
                 elif (ref.kind == "c" and rec.state == VERIFIED
                       and ref.group not in rec.consumed_by):
                     rec.remember("consumer lost", group=ref.group, who=holder, token=token)
-                    self.core.put_entry(rec, ops)
-                    ops.append(Put(self.keys.cready(ref.task_id, ref.group, ref.file_id), b""))
-            result = await self.core.etcd.txn(compares, ops)
-            if result.succeeded:
-                log.info("reaped %s-claim on %s/%s (token %d, agent %s)", ref.kind,
-                         ref.task_id, ref.file_id, token, holder)
-                return True
-        return False
+                    self.core.put_entry(rec, txn)
+                    txn.put(self.keys.cready(ref.task_id, ref.group, ref.file_id), b"")
+            return holder
+
+        holder = await write(self.core.txns, plan)
+        if holder:
+            log.info("reaped %s-claim on %s/%s (token %d, agent %s)", ref.kind,
+                     ref.task_id, ref.file_id, token, holder)
+        return bool(holder)
