@@ -160,12 +160,12 @@ def test_a_group_never_exceeds_etcds_limits(etcd: EtcdProcess, prefix: str, n: i
     async def body(client: Etcd) -> int:
         txns = Transactions(client, Keys(prefix).request)
 
-        async def plan_for(i: int) -> Callable[[Txn], Awaitable[None]]:
+        def plan_for(i: int) -> Callable[[Txn], Awaitable[None]]:
             async def plan(txn: Txn) -> None:
                 txn.create(f"{prefix}g{i}".encode(), b"v")
             return plan
 
-        await asyncio.gather(*(write(txns, await plan_for(i)) for i in range(n)))
+        await asyncio.gather(*(write(txns, plan_for(i)) for i in range(n)))
         kvs, _, _ = await client.range(f"{prefix}g".encode())
         return len(kvs)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,6 @@ from client import Client, Session, put
 from client.v1 import baton_pb2 as pb
 from registry._etcd import Etcd
 from registry.keys import Keys
-from registry.model import EntryRecord
 from watcher import Watcher, WatcherConfig, start_watcher
 
 #: settings that keep tests fast; the reconciliation interval is long so that tests
@@ -81,7 +81,7 @@ def is_state(client: Client, task_id: str, file_id: str, state: int) -> Callable
 
 def histories(etcd_endpoint: str, prefix: str, task_id: str,
               file_ids: list[str]) -> dict[str, list[dict[str, Any]]]:
-    """Each entry's attempt history, read straight from etcd (it is not on the wire)."""
+    """Each entry's history: its journal records, read straight from etcd."""
 
     async def read() -> dict[str, list[dict[str, Any]]]:
         etcd = Etcd(etcd_endpoint)
@@ -90,9 +90,8 @@ def histories(etcd_endpoint: str, prefix: str, task_id: str,
             keys = Keys(prefix)
             out = {}
             for f in file_ids:
-                kv = await etcd.get(keys.entry(task_id, f))
-                assert kv is not None
-                out[f] = EntryRecord.load(kv.value).history
+                out[f] = [json.loads(kv.value)
+                          async for kv in etcd.scan(keys.journal_all(task_id, f))]
             return out
         finally:
             await etcd.close()
