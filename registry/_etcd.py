@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import ipaddress
+import logging
+import socket
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, ParamSpec, TypeVar
@@ -20,6 +23,8 @@ from aetcd import rpc
 from client.errors import Internal, SessionExpired, Unavailable
 
 from .keys import prefix_end
+
+log = logging.getLogger("baton.registry")
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -202,30 +207,117 @@ class WatchEvent:
     kv: KV
 
 
+def parse_endpoints(endpoint: str) -> list[tuple[str, int]]:
+    """The members of ``host:port[,host:port...]`` as (host, port); an IPv6 host is
+    written in brackets and returned without them. ``ValueError`` says what is wrong."""
+    usage = "etcd endpoint must be host:port[,host:port...] (IPv6 as [addr]:port)"
+    members = []
+    for raw in endpoint.split(","):
+        member = raw.strip()
+        if not member:
+            continue
+        if member.startswith("http://"):
+            member = member[len("http://"):].rstrip("/")
+        elif "://" in member:
+            raise ValueError(f"{usage}: {member!r} (only plain http is supported)")
+        if member.startswith("["):
+            host, close, rest = member[1:].partition("]")
+            if not close or not rest.startswith(":"):
+                raise ValueError(f"{usage}: {member!r}")
+            port = rest[1:]
+            try:
+                ipaddress.IPv6Address(host)
+            except ValueError:
+                raise ValueError(f"{usage}: {host!r} is not an IPv6 address") from None
+        else:
+            host, _, port = member.rpartition(":")
+            if ":" in host:
+                raise ValueError(f"{usage}: write an IPv6 address in brackets, "
+                                 f"[{host}]:{port}")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"{usage}: {member!r}")
+        members.append((host, int(port)))
+    if not members:
+        raise ValueError(f"{usage}: {endpoint!r}")
+    return members
+
+
+def _target(addresses: list[tuple[str, int]]) -> str:
+    """A gRPC target: one ``host:port`` as is (a name goes to gRPC's resolver), or
+    several IP addresses as one ``ipv4:`` list, else one ``ipv6:`` list (IPv4
+    addresses mapped into IPv6 when the families are mixed)."""
+
+    def family(host: str) -> int:
+        try:
+            return ipaddress.ip_address(host).version
+        except ValueError:
+            return 0  # a name
+
+    def v6(host: str) -> str:
+        return f"::ffff:{host}" if family(host) == 4 else host
+
+    if len(addresses) == 1:
+        host, port = addresses[0]
+        return f"[{host}]:{port}" if family(host) == 6 else f"{host}:{port}"
+    if all(family(h) == 4 for h, _ in addresses):
+        return "ipv4:" + ",".join(f"{h}:{p}" for h, p in addresses)
+    return "ipv6:" + ",".join(f"[{v6(h)}]:{p}" for h, p in addresses)
+
+
 class Etcd:
     """An asyncio connection to one etcd endpoint (``host:port``)."""
 
     def __init__(self, endpoint: str, timeout: float = 5.0) -> None:
         """``endpoint`` is ``host:port``, or several separated by commas (members of
         one cluster): calls are then spread over them, and a member that is down
-        only fails the calls it was given (retried by callers)."""
-        members = [e.strip() for e in endpoint.split(",") if e.strip()]
-        if not members or any(":" not in m for m in members):
-            raise ValueError(f"etcd endpoint must be host:port[,host:port...]: {endpoint!r}")
-        if len(members) == 1:
-            target, options = members[0], {}
-        else:
-            # A gRPC multi-address target, balanced per call.
-            target = "ipv4:" + ",".join(members)
-            options = {"grpc.lb_policy_name": "round_robin"}
-        host, _, port = target.rpartition(":")
+        only fails the calls it was given (retried by callers).
+
+        A host is a DNS name, an IPv4 address or an IPv6 address in brackets
+        (``[::1]:2379``); ``http://`` in front of a member is accepted and dropped.
+        One member is handed to gRPC as it is (its resolver looks the name up, and
+        again on reconnecting); several are looked up when connecting, every
+        address of every name, and balanced over as one list of addresses.
+        """
+        self.members = parse_endpoints(endpoint)
         self.endpoint = endpoint
         self._timeout = timeout
-        self._client = aetcd.Client(host=host or "127.0.0.1", port=int(port), timeout=timeout,
-                                    options=options)
+        self._client = self._new_client(
+            _target(self.members) if len(self.members) == 1 else "")
+
+    def _new_client(self, target: str) -> aetcd.Client:
+        if not target:  # several members: the real client is made by ``connect``
+            return aetcd.Client(timeout=self._timeout)
+        options = {"grpc.lb_policy_name": "round_robin"} if target.startswith(
+            ("ipv4:", "ipv6:")) else {}
+        # aetcd dials f"{host}:{port}": every target here ends in ":port".
+        host, _, port = target.rpartition(":")
+        return aetcd.Client(host=host, port=int(port), timeout=self._timeout, options=options)
+
+    async def _resolve(self) -> str:
+        """A gRPC target listing every address of every member (``ipv4:`` or ``ipv6:``)."""
+        loop = asyncio.get_running_loop()
+        addresses: list[tuple[str, int]] = []
+        failures = []
+        for host, port in self.members:
+            try:
+                infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            except OSError as e:
+                failures.append(f"{host}: {e}")
+                continue
+            for family, _, _, _, sockaddr in infos:
+                if family in (socket.AF_INET, socket.AF_INET6):
+                    addresses.append((str(sockaddr[0]), port))
+        if not addresses:
+            raise Unavailable(f"cannot resolve any etcd endpoint of {self.endpoint!r}: "
+                              + "; ".join(failures))
+        if failures:
+            log.warning("etcd endpoints not resolved (left out): %s", "; ".join(failures))
+        return _target(list(dict.fromkeys(addresses)))
 
     @_etcd_errors
     async def connect(self) -> None:
+        if len(self.members) > 1:
+            self._client = self._new_client(await self._resolve())
         await self._client.connect()
         self._kv = self._client.kvstub
         self._lease = self._client.leasestub
