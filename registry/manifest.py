@@ -8,16 +8,20 @@ Limits (documented in docs/manifest.md):
 - ``max_retries`` between 0 and ``MAX_RETRIES``; ``expected_size`` between 0
   and ``MAX_SIZE``; ``expected_digest`` empty or 64 lower-case hex digits
 - at most ``MAX_LABELS`` labels per object, keys ≤ 63 and values ≤ 256 chars
-- ``depends_on`` names entries of the same task, never itself, and no cycles
+- ``depends_on`` names entries of the same task, never itself nor one twice, and no
+  cycles; it may be long (a dependent with hundreds of dependencies is released
+  like one with a few)
 - ``priority`` 0..9; ``aging_seconds`` 0..86400; backoff values ≥ 0, cap ≤ 86400
-- ``parts`` name other entries of the task; a part belongs to one assembly only;
-  an assembly has no ``depends_on`` and is not itself a part
+- ``parts`` name other entries of the task, each once; a part belongs to one
+  assembly only; an assembly has no ``depends_on`` and is not itself a part; an
+  assembly may have hundreds of parts
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
@@ -168,6 +172,10 @@ def validate(spec: pb.TaskSpec) -> ValidTask:
         problems += _labels_problems(where, dict(e.labels))
     ids = {e.file_id for e in spec.entries}
     for e in spec.entries:
+        for what, names in (("depends_on", e.depends_on), ("parts", e.parts)):
+            repeated = sorted(n for n, k in Counter(names).items() if k > 1)
+            if repeated:
+                problems.append(f"entry {e.file_id!r}: {what} names {repeated} more than once")
         for dep in e.depends_on:
             if dep == e.file_id:
                 problems.append(f"entry {e.file_id!r} depends on itself")
@@ -190,7 +198,7 @@ def validate(spec: pb.TaskSpec) -> ValidTask:
             problems.append(f"entry {e.file_id!r}: priority {e.priority} not within 0..9")
         if e.parts and e.depends_on:
             problems.append(f"entry {e.file_id!r}: an assembly cannot have depends_on")
-        for part in e.parts:
+        for part in dict.fromkeys(e.parts):  # a repeated part is reported above
             if part not in ids or part == e.file_id:
                 problems.append(f"entry {e.file_id!r}: part {part!r} is not another entry")
             elif part in owner:
