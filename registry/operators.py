@@ -31,8 +31,8 @@ from .txn import Txn, write
 
 #: a cancelled task's keys are deleted in chunks of this many per transaction
 DELETE_CHUNK = 100
-#: claims revoked per transaction: each is read (pinned) and deleted with its slot
-CLAIM_CHUNK = 50
+#: claims revoked per transaction: each read (pinned), deleted with its twin and slot
+CLAIM_CHUNK = 40
 #: keys read per request by listings (journal, agents, a cancelled task's claims)
 LIST_PAGE = 1000
 #: entries read per request when explaining what an entry waits for
@@ -82,8 +82,8 @@ class Operators:
 
     async def _revoke_claims(self, task_id: str) -> None:
         """Delete a cancelled task's claims (their tokens die; their slots are freed),
-        their twins and its claimable indexes, a page of keys at a time. The task is
-        already cancelled, so nothing recreates them."""
+        their twins (and twins left by lost claims) and its claimable indexes, a page
+        of keys at a time. The task is already cancelled, so nothing recreates them."""
         for kind in ("p", "c"):
             await self._each_chunk(self.keys.claims_of_task(kind, task_id), CLAIM_CHUNK,
                                    self._revoke_chunk)
@@ -108,13 +108,16 @@ class Operators:
             await handle(chunk)
 
     async def _revoke_chunk(self, keys: list[bytes]) -> None:
-        """Delete claims as read at commit time (pinned), each with its slot: a claim
-        finished meanwhile may have freed its slot for another claim of its session."""
+        """Delete claims as read at commit time (pinned), each with its twin and its
+        slot: a claim finished meanwhile may have freed its slot for another claim of
+        its session. Claim and twin go together, so the reaper never finds the twin
+        alone (it would send the entry of a cancelled task back to its index)."""
 
         async def plan(txn: Txn) -> None:
             for key, claim in zip(keys, await txn.get_many(keys), strict=True):
                 if claim is not None:
                     txn.delete(key)
+                    txn.delete(self.keys.inflight(self.keys.parse_claim(key)))
                     release_slot(self.keys, claim, txn)
 
         await write(self.core.txns, plan)
