@@ -25,7 +25,7 @@ from registry import scheduler as scheduler_mod
 from registry import sessions as sessions_mod
 from registry._etcd import KV, Etcd, Put
 from registry.core import Core
-from registry.keys import Keys
+from registry.keys import ClaimRef, Keys
 from registry.model import PENDING, VERIFIED, EntryRecord, TaskRecord
 from registry.scheduler import assembly_digest
 from registry.txn import Txn, write
@@ -332,6 +332,33 @@ def test_reaper_pages_through_more_claims_than_a_page(
                 assert client.commit("t", f, held[f].token, 1).state == pb.WRITTEN
     assert paged(ranges, f"{prefix}inflight/", REAP_PAGE) >= 4
     assert paged(ranges, f"{prefix}claims/", REAP_PAGE) >= 4
+
+
+def test_reaper_merge_pairs_claims_and_twins_across_pages(
+        etcd: EtcdProcess, prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reaper's merge of both listings, 2 keys a page, finds exactly the twins left alone."""
+    monkeypatch.setattr(sessions_mod, "REAP_PAGE", 2)
+    keys = Keys(prefix)
+    live = [ClaimRef("p", "t", f) for f in ("a", "c", "e", "h")] + [ClaimRef("c", "t", "a", "g")]
+    lone = [ClaimRef("p", "t", f) for f in ("b", "d")] + [ClaimRef("c", "t", "b", "g")]
+    renewed = ClaimRef("p", "t", "f")  # a twin and a claim of different create revisions
+    value = b'{"agent": "x", "session": 1, "slot": -1}'
+
+    async def body(conn: Etcd) -> list[tuple[bytes, ClaimRef | None]]:
+        await conn.txn([], [op for r in live for op in (Put(keys.claim(r), value),
+                                                         Put(keys.inflight(r), value))])
+        await conn.txn([], [Put(keys.inflight(r), value) for r in lone])
+        await conn.txn([], [Put(keys.inflight(renewed), value),
+                            Put(keys.claim(ClaimRef("p", "t", "g")), value),  # no twin
+                            Put(keys.inflight_all() + b"p/t", value)])  # names no claim
+        await conn.txn([], [Put(keys.claim(renewed), value)])
+        reaper = sessions_mod.Reaper(Core(conn, keys, "/staging", view=False))
+        return [(twin.key, ref) async for twin, ref in reaper.orphans()]
+
+    found = on_etcd(etcd, body)
+    assert sorted(k for k, _ in found) == sorted(
+        [keys.inflight(r) for r in [*lone, renewed]] + [keys.inflight_all() + b"p/t"])
+    assert {ref for _, ref in found} == {*lone, renewed, None}
 
 
 def test_agents_listing_pages_through_sessions_and_claims(
