@@ -46,25 +46,26 @@ def assembly_digest(part_digests: list[str]) -> str:
     return blake3.blake3("\n".join(part_digests).encode()).hexdigest()
 
 
-class _Complaints:
-    """Logs a failure once per item and revision (a poisoned record is not news
-    every half second); repeats go to debug."""
+class Complaints:
+    """Logs a failure once per item and error (a poisoned record is not news every
+    half second); repeats go to debug. Shared by the scheduler and the reaper."""
 
-    def __init__(self) -> None:
+    def __init__(self, who: str) -> None:
+        self.who = who
         self._seen: dict[str, str] = {}
 
     def __call__(self, item: str, exc: BaseException) -> None:
         what = f"{type(exc).__name__}: {exc}"
         if self._seen.get(item) == what:
-            log.debug("scheduler: %s still fails: %s", item, what)
+            log.debug("%s: %s still fails: %s", self.who, item, what)
             return
         if len(self._seen) > 10_000:
             self._seen.clear()
         self._seen[item] = what
         if isinstance(exc, BatonError):
-            log.warning("scheduler: %s failed: %s", item, what)
+            log.warning("%s: %s failed: %s", self.who, item, what)
         else:
-            log.error("scheduler: %s failed", item, exc_info=exc)
+            log.error("%s: %s failed", self.who, item, exc_info=exc)
 
     def cleared(self, item: str) -> None:
         self._seen.pop(item, None)
@@ -76,7 +77,7 @@ class Scheduler:
         self.keys = core.keys
         self.interval = interval
         self.verifier = Verifier(core)
-        self._complain = _Complaints()
+        self._complain = Complaints("scheduler")
 
     async def run(self, stop: asyncio.Event) -> None:
         events = asyncio.create_task(self._on_verified(stop))

@@ -17,6 +17,7 @@ from .core import Core
 from .keys import ClaimRef
 from .manifest import check_id
 from .model import VERIFIED, WRITING, EntryRecord, now
+from .scheduler import Complaints
 from .txn import Txn, write
 
 log = logging.getLogger("baton.registry")
@@ -91,6 +92,7 @@ class Reaper:
         self.keys = core.keys
         self.interval = interval
         self.reaped = 0
+        self._complain = Complaints("reaper")
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -133,17 +135,16 @@ class Reaper:
     async def sweep(self) -> int:
         moved = 0
         async for twin, ref in self.orphans():
+            item = f"twin {twin.key.decode(errors='replace')} (token {twin.create_revision})"
             if ref is None:
-                log.warning("reaper: %r names no claim; left alone", twin.key)
+                self._complain(item, ValueError("names no claim; left alone"))
                 continue
-            try:
+            try:  # one bad entry never stops the reaper for the others
                 if await self._reap(ref, twin.create_revision):
                     moved += 1
                     self.reaped += 1
-            except BatonError as e:
-                log.warning("could not reap %s: %s", ref, e)
-            except Exception:  # one bad entry never stops the reaper for the others
-                log.exception("could not reap %s", ref)
+            except Exception as e:
+                self._complain(item, e)
         return moved
 
     async def _reap(self, ref: ClaimRef, token: int) -> bool:

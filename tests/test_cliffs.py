@@ -250,10 +250,10 @@ def test_dependencies_read_in_chunks_must_hold_together(
 
 # 2. one poisoned record among many ------------------------------------------------
 
-def test_poisoned_task_and_entries_do_not_stop_the_sweeps(
+def test_poisoned_records_do_not_stop_the_sweeps_or_the_reaper(
         small_pages: None, client: Client, etcd: EtcdProcess, prefix: str,
         caplog: pytest.LogCaptureFixture) -> None:
-    """With corrupt records first in every index, the sweeps still promote, release, complete."""
+    """With corrupt records first in every index, the sweeps and reaper still do the rest."""
     caplog.set_level(logging.WARNING, logger="baton.registry")
     keys = Keys(prefix)
     bad = b"{not json"
@@ -265,6 +265,7 @@ def test_poisoned_task_and_entries_do_not_stop_the_sweeps(
             Put(keys.entry("a-poison", "y"), bad), Put(keys.delayed("a-poison", 1, "y"), b""),
             Put(keys.entry("a-poison", "z"), b'{"task_id": "a-poison"}'),  # fields missing
             Put(keys.waiting("a-poison", "z"), b""),
+            Put(keys.inflight(ClaimRef("p", "a-poison", "y")), b'{"agent": "gone"}'),
         ])
 
     on_etcd(etcd, poison)
@@ -273,6 +274,7 @@ def test_poisoned_task_and_entries_do_not_stop_the_sweeps(
     client.create_task({"task_id": "t-retry", "backoff": {"base_seconds": 0.2},
                         "entries": entries("r")})
     client.create_task({"task_id": "t-done", "entries": entries("e")})
+    client.create_task({"task_id": "t-lost", "backoff": FAST, "entries": entries("l")})
 
     async def verify_behind(conn: Etcd) -> None:
         """Dependencies verified behind the registry's back: only a sweep releases z."""
@@ -289,6 +291,9 @@ def test_poisoned_task_and_entries_do_not_stop_the_sweeps(
         produce_all(client, s, "t-done", {"e": b"e"})
         lease = client.consume("t-done", "default", session=s)
         client.ack("t-done", "e", "default", lease.token)
+    lost = client.open_session("lost", ttl=30, keepalive=False)
+    client.claim("t-lost", "l", session=lost)
+    client.close_session(lost.session_id)
 
     wait_for(lambda: raw_keys(etcd, keys.ready_all("t-retry")), what="r promoted")
     assert raw_keys(etcd, keys.delayed_of_task("t-retry")) == []
@@ -298,10 +303,13 @@ def test_poisoned_task_and_entries_do_not_stop_the_sweeps(
     assert [r.event for r in client.journal("t-dep", "z")][-1] == "released"
     wait_for(lambda: client.get_task("t-done").status == pb.TASK_COMPLETED,
              what="t-done completed")
+    wait_for(lambda: client.get_entry("t-lost", "l").state == pb.PENDING, what="l reaped")
     # Each poisoned record is reported, once: not again at every sweep.
     for item in ("waiting entry a-poison/x", "waiting entry a-poison/z",
-                 "delayed entry a-poison/y", f"task header {prefix}tasks/a-poison"):
-        assert caplog.text.count(f"{item} failed") == 1, item
+                 "delayed entry a-poison/y", f"task header {prefix}tasks/a-poison",
+                 f"twin {prefix}inflight/p/a-poison/y"):
+        said = [line for line in caplog.text.splitlines() if item in line and "failed" in line]
+        assert len(said) == 1, (item, said)
 
 
 # 3. listings longer than a page ------------------------------------------------------
