@@ -20,6 +20,7 @@ from .harness import (
     Stack,
     ensure_package,
     etcd_kv_calls,
+    first_line,
     load_average,
     ms,
     ratio,
@@ -195,11 +196,6 @@ def profile_registry(pool: Pool, registry: Daemon, n: int, p: Profile,
             return Profiled(n, why_not=f"py-spy failed: {first_line(e)}")
     cycles = sum(r.calls for r in rnd.results)
     return Profiled(n, profile, cycles, max(r.end for r in rnd.results) - rnd.start)
-
-
-def first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 def postgres_bindir(p: Profile) -> tuple[Path | None, str]:

@@ -148,6 +148,12 @@ class Stack:
         self.daemons.remove(daemon)
 
 
+def first_line(e: BaseException) -> str:
+    """An exception in one line, for a table cell or a note."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
 # --- numbers ------------------------------------------------------------------------
 
 
