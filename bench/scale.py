@@ -54,8 +54,8 @@ the registry), and until `GetTask` shows every one of those entries `pending` ag
 (`GetTask` reads every entry of the task, so it is sent only as often as keeps it
 under a tenth of the time, and at once when the count reaches zero; the time is
 that of its reply). The run gives up after {timeout:g} s, or when no claim has been
-reaped for {stall:g} s; a measurement that fails is a FAILED row, the rest of the
-scenario goes on.
+reaped for {stall:g} s. A measurement that fails becomes a row saying why, and the
+rest of the scenario goes on.
 """
 
 #: CreateTask is sent again (that completes an interrupted creation) at most this often
