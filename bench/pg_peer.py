@@ -23,6 +23,7 @@ import pwd
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import tempfile
 import time
@@ -43,6 +44,8 @@ SERVER_USERS = ("postgres", "nobody")
 #: the database user initdb creates; local connections are trusted
 DB_USER = "bench"
 START_TIMEOUT = 60.0
+#: the longest temporary directory the server's directory (and socket) go under
+SOCKET_BASE_MAX = 60
 #: the claim and the commit, as in the method text; {t} is the table
 CLAIM_SQL = ("UPDATE {t} SET state = 'writing', owner = %s WHERE id = ("
              "SELECT id FROM {t} WHERE state = 'pending' ORDER BY id "
@@ -86,6 +89,24 @@ def postgres_version(bindir: Path) -> str:
     done = subprocess.run([str(bindir / "postgres"), "--version"], capture_output=True,
                           text=True, timeout=30, check=False)
     return done.stdout.strip() or str(bindir)
+
+
+def _traversable(path: Path, uid: int) -> bool:
+    """Whether user ``uid`` (not root) can reach into ``path`` through its ancestors."""
+    for d in (path, *path.parents):
+        st = d.stat()
+        if not st.st_mode & (stat.S_IXUSR if st.st_uid == uid else stat.S_IXOTH):
+            return False
+    return True
+
+
+def _temp_root(uid: int | None) -> Path:
+    """A new directory for the server, where ``uid`` can reach it and where the socket's
+    path stays within the kernel's limit of about 100 bytes."""
+    base = Path(tempfile.gettempdir())
+    if len(str(base)) > SOCKET_BASE_MAX or (uid is not None and not _traversable(base, uid)):
+        base = Path("/tmp")
+    return Path(tempfile.mkdtemp(prefix="baton-bench-pg-", dir=base))
 
 
 def _server_user() -> pwd.struct_passwd | None:
@@ -147,10 +168,10 @@ class Postgres:
     def start(self) -> None:
         # Not under the scenario's temporary directory: that one is private to root,
         # and the server may run as another user.
-        self.root = Path(tempfile.mkdtemp(prefix="baton-bench-pg-"))
+        as_user = self._run_as()
+        self.root = _temp_root(as_user.get("user"))
         data = self.root / "data"
         self.socket_dir.mkdir()
-        as_user = self._run_as()
         if as_user:
             for path in (self.root, self.socket_dir):
                 os.chown(path, as_user["user"], as_user["group"])
