@@ -20,6 +20,7 @@ from .harness import (
     Stack,
     ensure_package,
     etcd_kv_calls,
+    filesystem_of,
     first_line,
     load_average,
     ms,
@@ -27,7 +28,7 @@ from .harness import (
 )
 from .pool import Pool
 from .profiles import Profile
-from .report import Section, Table, line_plot
+from .report import Section, Table, fmt, line_plot
 
 METHOD = """
 At each number of agents (one process and one connection per agent), five runs
@@ -57,6 +58,8 @@ SYSTEMS = ("Baton", "raw etcd", "JSON seed", "JSON + flock", "PostgreSQL")
 COLOURS = dict(zip(SYSTEMS, ("C0", "C1", "C2", "C3", "C4"), strict=True))
 #: functions listed from the registry's profile
 PROFILE_TOP = 10
+#: keys of the PostgreSQL facts for the notes: the filesystems of the two data directories
+PG_FS, ETCD_FS = "postgres_fs", "etcd_fs"
 
 
 @dataclass
@@ -234,6 +237,8 @@ def run(p: Profile, root: Path, plot_dir: Path) -> Section:
         if bindir:
             pg = daemons.enter_context(pg_peer.Postgres(bindir, max(p.claim_agents) + 10))
             pg_settings = pg.settings()
+            pg_settings[PG_FS] = filesystem_of(pg.root)
+            pg_settings[ETCD_FS] = filesystem_of(stack.etcd.data_dir)
             measure["PostgreSQL"] = lambda n, r: pg_sample(pg, pool, n, p, r)
         for r in range(p.claim_rounds):
             # Each round starts with another system, so none always runs first.
@@ -340,7 +345,7 @@ def section(p: Profile, points: dict[tuple[str, int], Point], plot_dir: Path,
             f"Claims: Baton ÷ PostgreSQL (FOR UPDATE SKIP LOCKED, fsync on) "
             f"{min(vs_pg):.2f}-{max(vs_pg):.2f} over {agents[0]}-{agents[-1]} agents; "
             f"PostgreSQL's best {points['PostgreSQL', best_pg].per_s:,.0f} cycles/s at "
-            f"{best_pg} agents (claim p99 {points['PostgreSQL', best_pg].ms(0.99):.0f} ms).")
+            f"{best_pg} agents (claim p99 {fmt(points['PostgreSQL', best_pg].ms(0.99))} ms).")
     else:
         headlines.append(f"Claims: the PostgreSQL peer did not run ({no_pg}).")
     pg_doubles = (f", PostgreSQL {sum(points['PostgreSQL', n].total('doubles') for n in agents)}"
@@ -377,10 +382,13 @@ installed: the last table lists where the registry's CPU went.
         "read again and pick again, as §4.1 says.",
     ]
     if have_pg:
-        shown = ", ".join(f"{k} {v}" for k, v in pg_settings.items() if k != "server_version")
+        settings = dict(pg_settings)
+        pg_fs, etcd_fs = settings.pop(PG_FS, "?"), settings.pop(ETCD_FS, "?")
+        version = settings.pop("server_version", "?")
+        shown = ", ".join(f"{k} {v}" for k, v in settings.items())
         notes.append(
-            f"PostgreSQL {pg_settings.get('server_version', '?')} ran with {shown}; its data "
-            "directory and etcd's are both in the system's temporary directory. A PostgreSQL "
+            f"PostgreSQL {version} ran with {shown}; its data directory was on {pg_fs}, "
+            f"etcd's on {etcd_fs}. A PostgreSQL "
             "claim is one transaction; like the JSON peer it has no leases (an agent that "
             "dies leaves its rows `writing`), no fencing tokens beyond the owner check, and "
             "no journal.")

@@ -192,6 +192,23 @@ def cpu_seconds(pid: int) -> float:
     return (utime + stime) / os.sysconf("SC_CLK_TCK")
 
 
+def filesystem_of(path: Path) -> str:
+    """The filesystem ``path`` is on, as /proc/self/mounts names it: "type (device)"."""
+    mounts = Path("/proc/self/mounts")
+    if not mounts.exists():
+        return "unknown"
+    target, best = str(path.resolve()), ("", "unknown")
+    for line in mounts.read_text().splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best[0]):
+            best = (point, f"{fields[2]} ({fields[0]})")
+    return best[1]
+
+
 def etcd_kv_calls(etcd: EtcdProcess) -> dict[str, int]:
     """How many KV requests (Txn, Range, Put, ...) etcd has served so far, by method."""
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
