@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -76,6 +76,10 @@ class Daemon:
     @property
     def pid(self) -> int:
         return self.process.pid
+
+    def cpu_seconds(self) -> float:
+        """CPU time (user + system) the process has used so far, all its threads."""
+        return cpu_seconds(self.pid)
 
 
 def _line_in(path: Path, prefix: str) -> str | None:
@@ -144,6 +148,12 @@ class Stack:
         self.daemons.remove(daemon)
 
 
+def first_line(e: BaseException) -> str:
+    """An exception in one line, for a table cell or a note."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
 # --- numbers ------------------------------------------------------------------------
 
 
@@ -171,6 +181,32 @@ def rss_kib(pid: int) -> int:
     if match is None:
         raise BenchError(f"no VmRSS for pid {pid}")
     return int(match.group(1))
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds ``pid`` has used (``utime`` + ``stime`` in /proc/PID/stat)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    # The command name (field 2) may hold spaces: the fields that follow it come after ")".
+    fields = stat[stat.rindex(")") + 2:].split()
+    utime, stime = int(fields[11]), int(fields[12])  # fields 14 and 15 of the whole line
+    return (utime + stime) / os.sysconf("SC_CLK_TCK")
+
+
+def filesystem_of(path: Path) -> str:
+    """The filesystem ``path`` is on, as /proc/self/mounts names it: "type (device)"."""
+    mounts = Path("/proc/self/mounts")
+    if not mounts.exists():
+        return "unknown"
+    target, best = str(path.resolve()), ("", "unknown")
+    for line in mounts.read_text().splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best[0]):
+            best = (point, f"{fields[2]} ({fields[0]})")
+    return best[1]
 
 
 def etcd_kv_calls(etcd: EtcdProcess) -> dict[str, int]:
@@ -246,23 +282,30 @@ def load_average() -> str:
 
 def ensure_b3sum(install: bool) -> tuple[str | None, str]:
     """``b3sum``'s path, installing Debian's package if allowed; else None and why not."""
-    found = shutil.which("b3sum")
+    return ensure_package("b3sum", lambda: shutil.which("b3sum"), install)
+
+
+def ensure_package(package: str, find: Callable[[], str | None],
+                   install: bool) -> tuple[str | None, str]:
+    """What ``find`` finds, after ``apt-get install package`` if it found nothing and
+    ``install`` allows; else None and why not."""
+    found = find()
     if found:
         return found, ""
     if not install:
-        return None, "b3sum is not installed (the quick mode does not install it)"
+        return None, f"{package} is not installed (the quick mode does not install it)"
     if shutil.which("apt-get") is None or os.geteuid() != 0:
-        return None, "b3sum is not installed and apt-get is not usable here (not root?)"
+        return None, f"{package} is not installed and apt-get is not usable here (not root?)"
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for attempt in (["apt-get", "install", "-y", "b3sum"],
-                    ["apt-get", "update"], ["apt-get", "install", "-y", "b3sum"]):
+    for attempt in (["apt-get", "install", "-y", package],
+                    ["apt-get", "update"], ["apt-get", "install", "-y", package]):
         try:
             done = subprocess.run(attempt, env=env, capture_output=True, text=True,
                                   timeout=600, check=False)
         except (OSError, subprocess.TimeoutExpired) as e:
             return None, f"`{' '.join(attempt)}` failed: {e}"
-        if attempt[1] == "install" and done.returncode == 0 and shutil.which("b3sum"):
-            return shutil.which("b3sum"), ""
+        if attempt[1] == "install" and done.returncode == 0 and find():
+            return find(), ""
         if attempt[1] == "update" and done.returncode != 0:
             break
-    return None, "`apt-get install -y b3sum` did not succeed"
+    return None, f"`apt-get install -y {package}` did not succeed"

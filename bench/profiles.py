@@ -16,6 +16,8 @@ class Profile:
     claim_entries: int
     claim_seconds: float
     claim_rounds: int
+    #: agents in the extra Baton run profiled with py-spy (if installed)
+    profile_agents: int
     # batches
     batch_agents: tuple[int, ...]
     batch_size: int
@@ -27,6 +29,12 @@ class Profile:
     scale_claims: int
     scale_agents: int
     scale_rounds: int
+    #: claims in flight on the large task when their sessions are revoked (the reaper)
+    reap_claims: int
+    #: sessions (one thread each) that hold those claims
+    reap_sessions: int
+    #: seconds the reaper may take to bring every entry back to pending
+    reap_timeout: float
     # watcher
     latency_files: int
     #: write rates tried upwards from 100 files/s until one is not sustained
@@ -50,6 +58,7 @@ FULL = Profile(
     claim_entries=1000,
     claim_seconds=5.0,
     claim_rounds=3,
+    profile_agents=16,
     batch_agents=(1, 4, 16),
     batch_size=21,
     batch_entries=12_000,
@@ -58,6 +67,9 @@ FULL = Profile(
     scale_claims=400,
     scale_agents=4,
     scale_rounds=2,
+    reap_claims=50_000,
+    reap_sessions=4,
+    reap_timeout=600.0,
     latency_files=1000,
     latency_rates=(200, 400, 800, 1600),
     latency_seconds=5.0,
@@ -76,6 +88,7 @@ QUICK = Profile(
     claim_entries=200,
     claim_seconds=1.5,
     claim_rounds=1,
+    profile_agents=4,
     batch_agents=(2,),
     batch_size=21,
     batch_entries=2_000,
@@ -84,6 +97,9 @@ QUICK = Profile(
     scale_claims=60,
     scale_agents=2,
     scale_rounds=1,
+    reap_claims=300,
+    reap_sessions=2,
+    reap_timeout=60.0,
     latency_files=100,
     latency_rates=(200,),
     latency_seconds=0.5,

@@ -3,15 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from statistics import mean
+from statistics import mean, median
 
-from client import Client, RetryPolicy, errors, parse_manifest
+from client import Client, RetryPolicy, Session, errors, parse_manifest
 
 from .agents import AgentArgs, baton_agent, double_claims, rate
-from .harness import BenchError, Stack, load_average, ms, ratio, rss_kib
+from .harness import (
+    BenchError,
+    Stack,
+    check_interrupted,
+    first_line,
+    load_average,
+    ms,
+    ratio,
+    rss_kib,
+)
 from .pool import Pool
 from .profiles import Profile
 from .report import Cell, Section, Table
@@ -26,6 +37,25 @@ one page of the task's ready index however large the task is. The last column
 times that read alone, straight from etcd (`registry._etcd.Etcd.range`, limit 64),
 after the claims. Memory is the `VmRSS` of the registry process (and of etcd) from
 `/proc/PID/status`.
+
+**What etcd holds per entry**: right after the two tasks are created, every key under
+the registry's prefix is read back in pages of {page:,} (`registry._etcd.Etcd.range`);
+the keys that name the large task (its header, entries, indexes and journal records,
+whichever exist) are summed, key and value bytes, by the first segment of the key,
+and divided by its entries.
+
+**The reaper**: after the claims, {sessions} sessions (one thread each) claim
+{reap:,} entries of the large task with `ClaimBatch` and keep them in flight; then
+their sessions are revoked (`CloseSession`: the lease ends, etcd deletes the claims,
+as when agents die). Timed from the first revoke until etcd holds no `inflight/` twin
+of the task's claims any more (the reaper deletes a twin in the transaction that
+sends its entry back to pending; etcd's count, read every {poll:g} s, puts no load on
+the registry), and until `GetTask` shows every one of those entries `pending` again
+(`GetTask` reads every entry of the task, so it is sent only as often as keeps it
+under a tenth of the time, and at once when the count reaches zero; the time is
+that of its reply). The run gives up after {timeout:g} s, or when no claim has been
+reaped for {stall:g} s. A measurement that fails becomes a row saying why, and the
+rest of the scenario goes on.
 """
 
 #: CreateTask is sent again (that completes an interrupted creation) at most this often
@@ -33,6 +63,18 @@ CREATE_ATTEMPTS = 3
 #: if the large task cannot be created, these fractions of it are tried (each on a fresh
 #: etcd and registry, so that memory is weighed without the failed attempts' remains)
 FALLBACKS = (1, 4, 10)
+#: the registry's key prefix (``Stack.registry``'s default)
+KEY_PREFIX = "/baton/v1/"
+#: keys per read when weighing what etcd holds (replies stay well under gRPC's 4 MiB)
+WEIGH_PAGE = 1000
+#: key families whose second segment is the kind of claim, not the task
+KINDED = ("claims", "inflight")
+#: the reaper run gives up when no entry came back to pending for this long
+REAP_STALL = 120.0
+#: seconds between GetTask polls while the reaper works
+REAP_POLL = 0.2
+#: TTL of the sessions that hold the claims (revoked explicitly, never left to expire)
+REAP_TTL = 3600
 
 
 @dataclass
@@ -83,6 +125,197 @@ def head_read_ms(endpoint: str, task: str, reads: int = 50) -> float:
     return ms(asyncio.run(go()), 0.5)
 
 
+@dataclass
+class Held:
+    """Keys of one task in etcd, and their bytes (key + value), by family."""
+
+    families: dict[str, list[int]] = field(default_factory=dict)
+    #: keys under the prefix that do not name the task (the other task, sessions, ...)
+    other: list[int] = field(default_factory=lambda: [0, 0])
+
+    @property
+    def keys(self) -> int:
+        return sum(k for k, _ in self.families.values())
+
+    @property
+    def bytes(self) -> int:
+        return sum(b for _, b in self.families.values())
+
+
+def weigh(endpoint: str, task: str, prefix: str = KEY_PREFIX) -> Held:
+    """Every key under ``prefix`` read in pages; those naming ``task`` summed by family."""
+    from registry._etcd import Etcd
+
+    async def go() -> Held:
+        held = Held()
+        base = prefix.encode()
+        etcd = Etcd(endpoint, timeout=60)
+        await etcd.connect()
+        try:
+            start: bytes | None = None
+            while True:
+                kvs, _, more = await etcd.range(base, start=start, limit=WEIGH_PAGE)
+                for kv in kvs:
+                    parts = kv.key[len(base):].decode(errors="replace").split("/")
+                    size = len(kv.key) + len(kv.value)
+                    if task not in parts[1:]:
+                        held.other[0] += 1
+                        held.other[1] += size
+                        continue
+                    family = "/".join(parts[:2]) if parts[0] in KINDED else parts[0]
+                    count = held.families.setdefault(family, [0, 0])
+                    count[0] += 1
+                    count[1] += size
+                if not more or not kvs:
+                    return held
+                start = kvs[-1].key + b"\0"
+        finally:
+            await etcd.close()
+
+    return asyncio.run(go())
+
+
+@dataclass
+class Reaped:
+    """Claims held by sessions that were then revoked, and how long the reaper took."""
+
+    wanted: int
+    sessions: int
+    claimed: int = 0
+    claim_seconds: float = float("nan")
+    revoke_seconds: float = float("nan")
+    #: from the first revoke until etcd held no inflight twin of the task's claims
+    reaped_seconds: float = float("nan")
+    #: from the first revoke to the GetTask reply that showed every entry pending
+    back_seconds: float = float("nan")
+    #: the median time one GetTask took while polling
+    poll_ms: float = float("nan")
+    error: str = ""
+
+
+class InflightCount:
+    """How many claims of a task have a durable twin left: etcd's count, not a scan."""
+
+    def __init__(self, endpoint: str, task: str) -> None:
+        from registry._etcd import Etcd
+        from registry.keys import Keys
+
+        self.prefix = Keys(KEY_PREFIX).inflight_of_task("p", task)
+        self.etcd = Etcd(endpoint, timeout=30)
+        self.runner = asyncio.Runner()
+
+    def __enter__(self) -> InflightCount:
+        async def connect() -> None:
+            await self.etcd.connect()
+
+        self.runner.run(connect())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.runner.run(self.etcd.close())
+        finally:
+            self.runner.close()
+
+    def __call__(self) -> int:
+        async def count() -> int:
+            return await self.etcd.count(self.prefix)
+
+        return self.runner.run(count())
+
+
+def hold(c: Client, task: str, session: Session, quota: int, batch: int) -> int:
+    """Claim ``quota`` entries of ``task`` with ClaimBatch and keep them; how many."""
+    claimed = 0
+    while claimed < quota:
+        check_interrupted()
+        try:
+            got = c.claim_batch(task, min(batch, quota - claimed), session=session)
+        except errors.NothingToClaim:
+            break
+        if not got:
+            break
+        claimed += len(got)
+    return claimed
+
+
+def reap(p: Profile, address: str, endpoint: str, task: str) -> Reaped:
+    """Claim entries, revoke the sessions holding them, time the way back to pending."""
+    out = Reaped(p.reap_claims, p.reap_sessions)
+    with Client(address, timeout=120) as c, InflightCount(endpoint, task) as inflight:
+        pending0 = c.get_task(task).states.get("pending", 0)
+        want = min(p.reap_claims, pending0)
+        sessions = [c.open_session(f"reaped-{i}", ttl=REAP_TTL, keepalive=False)
+                    for i in range(p.reap_sessions)]
+        quotas = [want // len(sessions) + (i < want % len(sessions))
+                  for i in range(len(sessions))]
+        try:
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(len(sessions), thread_name_prefix="reaped") as ex:
+                counts = list(ex.map(lambda sq: hold(c, task, sq[0], sq[1], p.batch_size),
+                                     zip(sessions, quotas, strict=True)))
+            out.claim_seconds = time.perf_counter() - t0
+            out.claimed = sum(counts)
+        except errors.BatonError as e:
+            out.error = f"claiming: {type(e).__name__}: {e}"
+        finally:
+            t_revoke = time.perf_counter()
+            try:
+                for s in sessions:
+                    c.close_session(s.session_id)
+            except errors.BatonError as e:
+                out.error = out.error or f"revoking: {type(e).__name__}: {e}"
+            out.revoke_seconds = time.perf_counter() - t_revoke
+        if out.error:
+            return out
+        out.error = wait_pending(c, inflight, task, pending0, t_revoke, p.reap_timeout, out)
+    return out
+
+
+def wait_pending(c: Client, inflight: InflightCount, task: str, pending: int, since: float,
+                 timeout: float, out: Reaped) -> str:
+    """Wait until GetTask shows ``pending`` entries pending and none writing; "" or why not.
+
+    etcd's count of the task's inflight twins (cheap, and no load on the registry) is
+    read every ``REAP_POLL`` s and says when the reaper is done; GetTask reads every
+    entry through the registry, so it is sent only as often as keeps it under a tenth
+    of the registry's time, and at once when the count reaches zero.
+    """
+    deadline = since + timeout
+    left, changed, next_get, last_error = -1, since, since, ""
+    durations: list[float] = []
+    try:
+        while True:
+            check_interrupted()
+            now = time.perf_counter()
+            count = inflight()
+            if count != left:
+                left, changed = count, time.perf_counter()
+            if count == 0 and math.isnan(out.reaped_seconds):
+                out.reaped_seconds = time.perf_counter() - since
+            if count == 0 or now >= next_get:
+                t = time.perf_counter()
+                try:
+                    states = c.get_task(task).states
+                except errors.BatonError as e:
+                    states, last_error = None, f"; last GetTask: {type(e).__name__}: {e}"
+                now = time.perf_counter()
+                durations.append(now - t)
+                next_get = now + 9 * (now - t)
+                if (states is not None and states.get("writing", 0) == 0
+                        and states.get("pending", 0) >= pending):
+                    out.back_seconds = now - since
+                    return ""
+            if now >= deadline or now - changed >= REAP_STALL:
+                why = ("gave up" if now >= deadline
+                       else f"none was reaped for {REAP_STALL:g} s")
+                return (f"{left:,} of {out.claimed:,} claims not reaped "
+                        f"{now - since:.0f} s after the revoke ({why}){last_error}")
+            time.sleep(min(REAP_POLL, max(0.0, deadline - now)))
+    finally:
+        out.poll_ms = 1000 * median(durations) if durations else float("nan")
+
+
 def memory(stack: Stack, registry_pid: int, when: str) -> list[Cell]:
     db = stack.etcd.data_dir / "member" / "snap" / "db"
     db_mib = db.stat().st_size / 2**20 if db.exists() else None
@@ -106,6 +339,11 @@ class Measured:
     runs: dict[str, Claimed]
     #: the registry's VmRSS once both tasks exist
     rss_mib: float
+    #: what etcd holds for the large task right after its creation (or why unknown)
+    held: Held | str
+    #: etcd's db file, bytes, at the same moment
+    db_bytes: int
+    reaped: Reaped
 
 
 def measure(p: Profile, root: Path, big_entries: int, pool: Pool, section: Section,
@@ -133,6 +371,13 @@ def measure(p: Profile, root: Path, big_entries: int, pool: Pool, section: Secti
         rss_mib = rss_kib(registry.pid) / 1024
         mem.rows.append(memory(stack, registry.pid,
                                f"after creating {small.entries:,} + {big.entries:,} entries"))
+        db = stack.etcd.data_dir / "member" / "snap" / "db"
+        db_bytes = db.stat().st_size if db.exists() else 0
+        held: Held | str
+        try:
+            held = weigh(stack.etcd.endpoint, big.task)
+        except Exception as e:  # a failed measurement is a row, not the scenario's end
+            held = first_line(e)
         per = max(1, p.scale_claims // p.scale_agents)
         runs = {small.task: Claimed(), big.task: Claimed()}
         for r in range(p.scale_rounds):
@@ -148,14 +393,21 @@ def measure(p: Profile, root: Path, big_entries: int, pool: Pool, section: Secti
         mem.rows.append(memory(stack, registry.pid, "after the claims"))
         for task, out in runs.items():
             out.head_ms = head_read_ms(stack.etcd.endpoint, task)
-    return Measured(small, big, runs, rss_mib)
+        try:
+            reaped = reap(p, registry.address, stack.etcd.endpoint, big.task)
+        except Exception as e:  # a failed measurement is a row, not the scenario's end
+            reaped = Reaped(p.reap_claims, p.reap_sessions, error=first_line(e))
+        mem.rows.append(memory(stack, registry.pid, "after the reaper run"))
+    return Measured(small, big, runs, rss_mib, held, db_bytes, reaped)
 
 
 def run(p: Profile, root: Path, plot_dir: Path) -> Section:
     t0 = time.monotonic()
     per = max(1, p.scale_claims // p.scale_agents)
     intro = METHOD.format(big=p.scale_big, small=p.scale_small, agents=p.scale_agents,
-                          claims=per * p.scale_agents, rounds=p.scale_rounds)
+                          claims=per * p.scale_agents, rounds=p.scale_rounds, page=WEIGH_PAGE,
+                          sessions=p.reap_sessions, reap=p.reap_claims, poll=REAP_POLL,
+                          timeout=p.reap_timeout, stall=REAP_STALL)
     section = Section("scale", "Scale", intro)
     mem = Table("Memory", ["when", "registry VmRSS MiB", "etcd VmRSS MiB", "etcd db file MiB"])
     creates = Table("Creating a task (one CreateTask call)",
@@ -191,7 +443,65 @@ def run(p: Profile, root: Path, plot_dir: Path) -> Section:
         f"({big.calls} call{'s' if big.calls > 1 else ''}); claim throughput at "
         f"{big.entries:,} entries is {slowdown:.2f}x that at {small.entries:,}; registry RSS "
         f"with both tasks {big_rss:.0f} MiB.")
-    section.tables = [creates, claims, mem]
+    held_table, per_entry = held_rows(done, small.entries + big.entries)
+    reaper_table = reaper_rows(done.reaped)
+    section.headlines.append(held_headline(big.entries, per_entry, done.held))
+    section.headlines.append(reaper_headline(done.reaped))
+    if not isinstance(done.held, str) and "journal" not in done.held.families:
+        section.notes.append("No `journal/` keys of the large task existed right after its "
+                             "creation, so none are in its bytes per entry.")
+    section.tables = [creates, claims, held_table, reaper_table, mem]
     section.seconds = time.monotonic() - t0
     section.load = load_average()
     return section
+
+
+def held_rows(done: Measured, all_entries: int) -> tuple[Table, float]:
+    """The table of what etcd holds for the large task; and its bytes per entry."""
+    entries = done.big.entries
+    table = Table(f"What etcd holds for the task of {entries:,} entries, right after "
+                  "CreateTask (keys + values)",
+                  ["keys under", "keys", "bytes", "bytes per entry"])
+    if isinstance(done.held, str):
+        table.rows.append([f"all of the task: FAILED ({done.held})", None, None, None])
+        return table, float("nan")
+    held = done.held
+    for family, (keys, size) in sorted(held.families.items(), key=lambda kv: -kv[1][1]):
+        table.rows.append([f"`{family}/`", keys, size, size / entries])
+    per_entry = held.bytes / entries
+    table.rows.append(["**all of the task**", held.keys, held.bytes, per_entry])
+    table.rows.append(["other keys (the small task, sessions, ...)", held.other[0],
+                       held.other[1], None])
+    table.rows.append(["etcd's db file ÷ entries of both tasks (history and free pages "
+                       "included)", None, done.db_bytes, done.db_bytes / all_entries])
+    return table, per_entry
+
+
+def held_headline(entries: int, per_entry: float, held: Held | str) -> str:
+    if isinstance(held, str):
+        return f"Scale: what etcd holds per entry could NOT be read ({held})."
+    families = ", ".join(f"`{f}/`" for f in sorted(held.families))
+    return (f"Scale: etcd holds {per_entry:,.0f} bytes per entry of the {entries:,}-entry "
+            f"task right after its creation (keys + values under {families}).")
+
+
+def reaper_rows(r: Reaped) -> Table:
+    table = Table(f"The reaper: {r.wanted:,} claims in flight, their sessions revoked",
+                  ["claims in flight", "sessions", "claiming s", "revoking s",
+                   "revoke → last claim reaped, s", "claims reaped per s",
+                   "revoke → GetTask shows every entry pending, s", "GetTask ms (one poll)",
+                   "result"])
+    table.rows.append([r.claimed, r.sessions, r.claim_seconds, r.revoke_seconds,
+                       r.reaped_seconds, ratio(r.claimed, r.reaped_seconds), r.back_seconds,
+                       r.poll_ms, f"FAILED: {r.error}" if r.error else "all pending"])
+    return table
+
+
+def reaper_headline(r: Reaped) -> str:
+    if r.error:
+        return (f"Scale: the reaper run with {r.wanted:,} claims in flight FAILED "
+                f"({r.error}).")
+    return (f"Scale: with {r.claimed:,} claims in flight, the reaper had them all back "
+            f"{r.reaped_seconds:.1f} s after their sessions were revoked "
+            f"({ratio(r.claimed, r.reaped_seconds):,.0f} claims/s); GetTask showed every "
+            f"entry pending after {r.back_seconds:.1f} s.")
