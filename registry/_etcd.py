@@ -88,6 +88,8 @@ class Compare:
     target: Target
     op: Op
     operand: int | bytes
+    #: compare every key in [key, range_end) (etcd ≥ 3.3); b"": the key alone
+    range_end: bytes = b""
 
     def _pb(self) -> Any:
         result = {
@@ -96,7 +98,7 @@ class Compare:
             ">": rpc.Compare.GREATER,
             "<": rpc.Compare.LESS,
         }[self.op]
-        msg = rpc.Compare(key=self.key, result=result)
+        msg = rpc.Compare(key=self.key, result=result, range_end=self.range_end)
         if self.target == "version":
             msg.target, msg.version = rpc.Compare.VERSION, self.operand
         elif self.target == "create":
@@ -110,6 +112,11 @@ class Compare:
 
 def absent(key: bytes) -> Compare:
     return Compare(key, "version", "==", 0)
+
+
+def empty(prefix: bytes) -> Compare:
+    """No key exists under ``prefix`` (every key in the range has version 0)."""
+    return Compare(prefix, "version", "==", 0, range_end=prefix_end(prefix))
 
 
 def present(key: bytes) -> Compare:

@@ -190,7 +190,7 @@ class EntryRecord:
 
 _NO_DEFAULT = object()
 _ENTRY_DEFAULTS: dict[str, Any] = {
-    f.name: f.default if f.default is not MISSING else f.default_factory()
+    f.name: f.default if f.default is not MISSING else f.default_factory()  # type: ignore[operator]
     for f in fields(EntryRecord)
     if f.default is not MISSING or f.default_factory is not MISSING
 }

@@ -21,7 +21,7 @@ import blake3
 
 from client.errors import BatonError
 
-from ._etcd import KV, Get, present
+from ._etcd import KV, Get, empty, present
 from .claims import need_task
 from .core import Core
 from .keys import prefix_end
@@ -318,11 +318,12 @@ class Scheduler:
             task = need_task(kv, task_id)
             if task.status != "active":
                 return False
-            # Read after the header: an entry opened again since (a requeue) also
-            # re-puts the header, so the header's pin fails this completion.
             if await txn.scan(self.keys.open_all(task_id), limit=1, keys_only=True):
                 return False  # work left (nothing pinned: no commit at all)
             txn.pin(key, kv)
+            # And still none when it commits: an entry opened again in between (a
+            # requeue, a verified file that changed) fails this completion.
+            txn.require(empty(self.keys.open_all(task_id)))
             dead = await self.core.etcd.count(self.keys.dead_all(task_id))
             task.status = "completed"
             task.status_reason = (f"{task.entry_count - dead} consumed, {dead} dead"

@@ -36,6 +36,8 @@ CHUNK_BYTES = 512 * 1024
 MAX_ENTRY_BYTES = 256 * 1024
 #: transactions in flight while a large task is written
 PARALLEL = 8
+#: keys read per request when reading an entry's dependencies
+READ_CHUNK = 100
 #: entries read per page when listing
 LIST_PAGE = 1000
 
@@ -226,8 +228,10 @@ class Tasks:
         )
         if rec.state == PENDING and not rec.deps_ok:
             names = rec.parts or rec.depends_on
-            found = await self.core.etcd.read(
-                [Get(self.keys.entry(rec.task_id, n)) for n in names])
+            found: list[list[KV]] = []
+            for i in range(0, len(names), READ_CHUNK):  # etcd: at most 128 per request
+                found += await self.core.etcd.read(
+                    [Get(self.keys.entry(rec.task_id, n)) for n in names[i:i + READ_CHUNK]])
             entry.blocked = any(kvs and EntryRecord.load(kvs[0].value).state == DEAD
                                 for kvs in found)
         return entry

@@ -231,10 +231,20 @@ class _Pending:
         return sum(len(op.key) + len(getattr(op, "value", b"")) + 16 for op in self.ops) + sum(
             len(c.key) + 16 for c in self.compares) + sum(len(k) + 8 for k in self.refresh)
 
-    def conflicts(self, reads: set[bytes], writes: set[bytes]) -> bool:
+    def conflicts(self, reads: set[bytes], ranges: list[tuple[bytes, bytes]],
+                  writes: set[bytes]) -> bool:
+        """Whether this must not share a request with callers that read ``reads`` (and
+        every key in ``ranges``) and write ``writes``."""
         mine_w = {op.key for op in self.ops if not isinstance(op, Get)}
-        mine_r = {c.key for c in self.compares}
-        return bool(mine_w & (reads | writes) or mine_r & writes)
+        if mine_w & (reads | writes):
+            return True
+        if any(lo <= k < hi for k in mine_w for lo, hi in ranges):
+            return True
+        for c in self.compares:
+            if c.key in writes or (c.range_end and any(
+                    c.key <= k < c.range_end for k in writes)):
+                return True
+        return False
 
 
 class Committer:
@@ -295,17 +305,20 @@ class Committer:
     def _take(self) -> list[_Pending]:
         group: list[_Pending] = []
         reads: set[bytes] = set()
+        ranges: list[tuple[bytes, bytes]] = []
         writes: set[bytes] = set()
         rest: list[_Pending] = []
         size = 0
         for item in self._queue:
-            if group and (len(group) >= self.group_max or item.conflicts(reads, writes)
+            if group and (len(group) >= self.group_max
+                          or item.conflicts(reads, ranges, writes)
                           or size + item.size > MAX_GROUP_BYTES):
                 rest.append(item)
                 continue
             size += item.size
             group.append(item)
             reads.update(c.key for c in item.compares)
+            ranges += [(c.key, c.range_end) for c in item.compares if c.range_end]
             writes.update(op.key for op in item.ops if not isinstance(op, Get))
         self._queue = rest
         return group

@@ -184,8 +184,6 @@ def test_entry_with_300_dependencies_is_released(client: Client) -> None:
     assert len(released) == 1
 
 
-@pytest.mark.xfail(strict=True, reason="Tasks.get_entry reads every dependency of a waiting "
-                   "entry in one transaction (etcd refuses more than 128)")
 def test_get_entry_of_an_entry_waiting_for_300_dependencies(client: Client) -> None:
     """GetEntry answers for an entry waiting on 300 dependencies (and says if one is dead)."""
     deps = [f"d{i:03d}" for i in range(300)]
