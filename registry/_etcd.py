@@ -92,22 +92,17 @@ class Compare:
     range_end: bytes = b""
 
     def _pb(self) -> Any:
-        result = {
-            "==": rpc.Compare.EQUAL,
-            "!=": rpc.Compare.NOT_EQUAL,
-            ">": rpc.Compare.GREATER,
-            "<": rpc.Compare.LESS,
-        }[self.op]
-        msg = rpc.Compare(key=self.key, result=result, range_end=self.range_end)
-        if self.target == "version":
-            msg.target, msg.version = rpc.Compare.VERSION, self.operand
-        elif self.target == "create":
-            msg.target, msg.create_revision = rpc.Compare.CREATE, self.operand
-        elif self.target == "mod":
-            msg.target, msg.mod_revision = rpc.Compare.MOD, self.operand
-        else:
-            msg.target, msg.value = rpc.Compare.VALUE, self.operand
-        return msg
+        target, field = _TARGETS[self.target]
+        return rpc.Compare(key=self.key, result=_RESULTS[self.op], range_end=self.range_end,
+                           target=target, **{field: self.operand})
+
+
+_RESULTS = {"==": rpc.Compare.EQUAL, "!=": rpc.Compare.NOT_EQUAL, ">": rpc.Compare.GREATER,
+            "<": rpc.Compare.LESS}
+_TARGETS = {"version": (rpc.Compare.VERSION, "version"),
+            "create": (rpc.Compare.CREATE, "create_revision"),
+            "mod": (rpc.Compare.MOD, "mod_revision"),
+            "value": (rpc.Compare.VALUE, "value")}
 
 
 def absent(key: bytes) -> Compare:
@@ -471,20 +466,28 @@ class Etcd:
 
     # watches ------------------------------------------------------------
 
-    async def watch(self, prefix: bytes, start_revision: int) -> AsyncIterator[list[WatchEvent]]:
-        """Batches of events under ``prefix`` from ``start_revision`` (inclusive).
+    async def watch(
+        self,
+        prefix: bytes | Sequence[bytes],
+        start_revision: int,
+        keep: Callable[[bytes], bool] | None = None,
+    ) -> AsyncIterator[list[WatchEvent]]:
+        """Batches of events under ``prefix`` (or under each of several prefixes, on
+        one stream) from ``start_revision`` (inclusive); with ``keep``, only events
+        whose key it accepts (tested before anything else is built).
 
-        Raises ``Compacted`` if that revision is gone, ``Unavailable`` if the
-        stream breaks; the caller re-lists and watches again.
+        Events of one prefix come in revision order; events of different prefixes
+        are not ordered with each other. Raises ``Compacted`` if that revision is
+        gone, ``Unavailable`` if the stream breaks; the caller re-lists and watches
+        again.
         """
+        prefixes = [prefix] if isinstance(prefix, bytes) else list(prefix)
         stop = asyncio.Event()
 
         async def requests() -> Any:
-            yield rpc.WatchRequest(
-                create_request=rpc.WatchCreateRequest(
-                    key=prefix, range_end=prefix_end(prefix), start_revision=start_revision
-                )
-            )
+            for p in prefixes:
+                yield rpc.WatchRequest(create_request=rpc.WatchCreateRequest(
+                    key=p, range_end=prefix_end(p), start_revision=start_revision))
             await stop.wait()
 
         call = self._watch.Watch(requests())
@@ -497,10 +500,12 @@ class Etcd:
                 if resp.canceled:
                     raise Unavailable(f"etcd cancelled the watch: {resp.cancel_reason}")
                 if resp.events:
-                    yield [
+                    batch = [
                         WatchEvent("delete" if ev.type == 1 else "put", KV._from_pb(ev.kv))
-                        for ev in resp.events
+                        for ev in resp.events if keep is None or keep(ev.kv.key)
                     ]
+                    if batch:
+                        yield batch
         except grpc.aio.AioRpcError as e:
             raise _translate(e) from e
         finally:

@@ -6,7 +6,6 @@ import json
 import time
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from datetime import UTC, datetime
-from pathlib import PurePosixPath
 from typing import Any
 
 from client.v1 import baton_pb2 as pb
@@ -37,6 +36,7 @@ _TASK_STATUS_PB = {
     "paused": pb.TASK_PAUSED,
     "cancelled": pb.TASK_CANCELLED,
     "completed": pb.TASK_COMPLETED,
+    "deleting": pb.TASK_DELETING,
 }
 
 
@@ -166,7 +166,8 @@ class EntryRecord:
             task_id=self.task_id,
             file_id=self.file_id,
             path=self.path,
-            abs_path=str(PurePosixPath(staging_dir) / self.path),
+            # Paths are validated relative and normalised: joining is all it takes.
+            abs_path=f"{staging_dir.rstrip('/')}/{self.path}",
             state=_STATE_PB[self.state],
             size=self.size,
             digest=self.digest,

@@ -42,6 +42,14 @@ READ_CHUNK = 100
 LIST_PAGE = 1000
 
 
+def _stored_size(e: EntryRecord) -> int:
+    """About the bytes an entry, its index key and its open key take in a request (a
+    little more, never less: every field but the lists and labels is bounded)."""
+    lists = sum(len(x) + 3 for x in (*e.depends_on, *e.dependents, *e.parts, *e.consumers))
+    labels = sum(len(k) + len(v) + 6 for k, v in e.labels.items())
+    return 1000 + 2 * len(e.path) + 4 * len(e.file_id) + len(e.task_id) * 3 + lists + labels
+
+
 class Tasks:
     def __init__(self, core: Core) -> None:
         self.core = core
@@ -115,7 +123,7 @@ class Tasks:
         size = 0
         too_large = []
         for e in valid.entries:
-            n = len(e.dump()) + 2 * len(e.file_id) + 200  # with its index and open keys
+            n = _stored_size(e)
             if n > MAX_ENTRY_BYTES:
                 too_large.append(f"entry {e.file_id!r} would be stored as {n} bytes "
                                  f"(at most {MAX_ENTRY_BYTES}): shorten its depends_on, "

@@ -23,8 +23,11 @@ class Verifier:
         self.keys = core.keys
 
     def notify(self, rec: EntryRecord) -> Callable[[], None]:
-        """A hook telling the scheduler ``rec`` became verified (dependents, assembly)."""
+        """A hook telling the scheduler ``rec`` became verified, if anything waits for it
+        (dependents, an assembly); its periodic sweep catches the rest."""
         key = (rec.task_id, rec.file_id)
+        if not (rec.dependents or rec.assembly):
+            return lambda: None
         return lambda: self.core.verified.put_nowait(key)
 
     def settle(self, txn: Txn, rec: EntryRecord, size: int, digest: str,

@@ -117,11 +117,14 @@ class View:
         while True:
             try:
                 at = await self._load()
-                async for batch in self.etcd.watch(self._root, at + 1):
+                # Only the prefixes the view holds, on one stream; of the cached
+                # kinds, only keys it holds are decoded (task creation writes
+                # hundreds of thousands of entries nobody has read yet).
+                async for batch in self.etcd.watch(self._watched, at + 1, keep=self._wanted):
                     for ev in batch:
                         self._apply(ev.kv.key, ev.kv if ev.kind == "put" else None,
                                     ev.kv.mod_revision, watched=True)
-                    self.revision = max(self.revision, batch[-1].kv.mod_revision)
+                        self.revision = max(self.revision, ev.kv.mod_revision)
                     self._prune()
             except asyncio.CancelledError:
                 self.ready = False
@@ -134,6 +137,17 @@ class View:
             await asyncio.sleep(REWATCH_DELAY)
 
     # classification --------------------------------------------------------
+
+    @property
+    def _watched(self) -> list[bytes]:
+        return [*self._mirror_bases, *self._cache_bases, self._ready_base, self._cready_base]
+
+    def _wanted(self, key: bytes) -> bool:
+        if key.startswith(self._cache_bases):
+            return key in self._cache
+        if key.startswith((self._ready_base, self._cready_base)):
+            return self._window_base(key) in self._windows
+        return True
 
     def _kind(self, key: bytes) -> int:
         if key.startswith(self._cache_bases):
