@@ -64,6 +64,10 @@ class Core:
         if self.view is not None:
             await self.view.stop()
         await self.txns.committer.close()
+        c = self.txns.committer
+        log.info("transactions: %d committed in %d etcd requests; plans made again: %s",
+                 c.carried, c.requests,
+                 ", ".join(f"{n} ({why})" for why, n in self.txns.replans.items()))
 
     def staging_dir(self, task_id: str) -> str:
         return f"{self.staging_root}/{task_id}"

@@ -386,6 +386,9 @@ class Transactions:
         self._request_lease = 0
         self._request_lease_until = 0.0
         self._lease_lock = asyncio.Lock()
+        #: plans made again: after a failed compare, a moved candidate, or an error
+        #: first seen on the view (for metrics and the log at shutdown)
+        self.replans = {"compare": 0, "moved": 0, "confirm": 0}
 
     async def _lease_for_requests(self) -> int:
         """A lease for request-outcome keys, replaced well before it expires."""
@@ -418,12 +421,14 @@ class Transactions:
                 return replay(done.record.value, done.record.create_revision)
             except Retry:
                 self._release(txn)
+                self.replans["moved"] += 1
                 await self._backoff(attempt)
                 continue
             except BatonError:
                 self._release(txn)
                 if fresh:
                     raise
+                self.replans["confirm"] += 1
                 fresh = True  # the view may be behind: decide again on etcd's own state
                 continue
             except BaseException:
@@ -446,6 +451,7 @@ class Transactions:
                 return replay(record.value, record.create_revision)
             if self.view is not None:
                 self.view.refreshed(refresh, result.gets, result.revision)
+            self.replans["compare"] += 1
             await self._backoff(attempt)
         raise Conflict("gave up after repeated concurrent changes; retry the call")
 
