@@ -39,6 +39,8 @@ log = logging.getLogger("baton.registry")
 
 #: cached entries and claims kept (least recently used go first)
 CACHE_MAX = 50_000
+#: index windows kept (one per task, and per consumer group, claimed from lately)
+WINDOWS_MAX = 1024
 #: index keys read per window refill (also the entries prefetched with them)
 WINDOW_PAGE = 128
 #: seconds before a broken watch is set up again
@@ -76,7 +78,7 @@ class View:
         self._mirror: dict[bytes, KV] = {}
         self._cache: OrderedDict[bytes, tuple[KV | None, int]] = OrderedDict()
         self._gone: dict[bytes, int] = {}
-        self._windows: dict[bytes, _Window] = {}
+        self._windows: OrderedDict[bytes, _Window] = OrderedDict()
         self._reserved: set[bytes] = set()
         self._task: asyncio.Task[None] | None = None
         self._synced = asyncio.Event()
@@ -300,7 +302,13 @@ class View:
 
     async def _head(self, base: bytes, limit: int) -> list[KV]:
         """The first ``limit`` keys of an index not reserved by a planner in flight."""
-        window = self._windows.setdefault(base, _Window())
+        window = self._windows.get(base)
+        if window is None:
+            window = self._windows[base] = _Window()
+            while len(self._windows) > WINDOWS_MAX:  # tasks nobody claims from any more
+                self._windows.popitem(last=False)
+        else:
+            self._windows.move_to_end(base)
         if not self._unreserved(window, 1):
             async with window.lock:
                 if not self._unreserved(window, 1) and window.end is not None:
