@@ -35,6 +35,8 @@ class Profile:
     reap_sessions: int
     #: seconds the reaper may take to bring every entry back to pending
     reap_timeout: float
+    #: entries held in etcd (across tasks) for the last claims of the scale scenario
+    scale_total: int
     # watcher
     latency_files: int
     #: write rates tried upwards from 100 files/s until one is not sustained
@@ -70,6 +72,7 @@ FULL = Profile(
     reap_claims=50_000,
     reap_sessions=4,
     reap_timeout=600.0,
+    scale_total=1_000_000,
     latency_files=1000,
     latency_rates=(200, 400, 800, 1600),
     latency_seconds=5.0,
@@ -100,6 +103,7 @@ QUICK = Profile(
     reap_claims=300,
     reap_sessions=2,
     reap_timeout=60.0,
+    scale_total=15_000,
     latency_files=100,
     latency_rates=(200,),
     latency_seconds=0.5,

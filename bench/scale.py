@@ -38,6 +38,10 @@ times that read alone, straight from etcd (`registry._etcd.Etcd.range`, limit 64
 after the claims. Memory is the `VmRSS` of the registry process (and of etcd) from
 `/proc/PID/status`.
 
+**Entries held in etcd**: after the reaper run (below), tasks of {big:,} entries are
+created until etcd holds {total:,} entries across tasks, and the same claims run again,
+on the large task and on a fresh task of {small:,}.
+
 **What etcd holds per entry**: right after the two tasks are created, every key under
 the registry's prefix is read back in pages of {page:,} (`registry._etcd.Etcd.range`);
 the keys that name the large task (its header, entries, indexes and journal records,
@@ -344,6 +348,9 @@ class Measured:
     #: etcd's db file, bytes, at the same moment
     db_bytes: int
     reaped: Reaped
+    #: entries held in etcd (all tasks) for ``filled_runs``; 0 if the fill failed
+    filled: int = 0
+    filled_runs: dict[str, Claimed] = field(default_factory=dict)
 
 
 def measure(p: Profile, root: Path, big_entries: int, pool: Pool, section: Section,
@@ -378,18 +385,7 @@ def measure(p: Profile, root: Path, big_entries: int, pool: Pool, section: Secti
             held = weigh(stack.etcd.endpoint, big.task)
         except Exception as e:  # a failed measurement is a row, not the scenario's end
             held = first_line(e)
-        per = max(1, p.scale_claims // p.scale_agents)
-        runs = {small.task: Claimed(), big.task: Claimed()}
-        for r in range(p.scale_rounds):
-            for task, out in runs.items():
-                args = [AgentArgs(registry.address, task, f"agent-{r}-{i}", p.seconds,
-                                  max_entries=per) for i in range(p.scale_agents)]
-                rnd = pool.run(baton_agent, args, p.seconds)
-                n = sum(x.calls for x in rnd.results)
-                out.rates.append(rate(n, rnd.start, [x.end for x in rnd.results]))
-                out.latencies += [v for x in rnd.results for v in x.latencies]
-                out.cycles += n
-                out.claimed += [x.claimed for x in rnd.results]
+        runs = claim_rounds(p, pool, registry.address, [small.task, big.task], "")
         mem.rows.append(memory(stack, registry.pid, "after the claims"))
         for task, out in runs.items():
             out.head_ms = head_read_ms(stack.etcd.endpoint, task)
@@ -398,7 +394,57 @@ def measure(p: Profile, root: Path, big_entries: int, pool: Pool, section: Secti
         except Exception as e:  # a failed measurement is a row, not the scenario's end
             reaped = Reaped(p.reap_claims, p.reap_sessions, error=first_line(e))
         mem.rows.append(memory(stack, registry.pid, "after the reaper run"))
-    return Measured(small, big, runs, rss_mib, held, db_bytes, reaped)
+        filled, filled_runs = fill(p, pool, registry.address, small, big, creates, section)
+        if filled:
+            mem.rows.append(memory(stack, registry.pid,
+                                   f"after filling etcd to {filled:,} entries and claiming"))
+    return Measured(small, big, runs, rss_mib, held, db_bytes, reaped, filled, filled_runs)
+
+
+def claim_rounds(p: Profile, pool: Pool, address: str, tasks: list[str],
+                 tag: str) -> dict[str, Claimed]:
+    """``p.scale_rounds`` rounds of claim → commit by ``p.scale_agents`` agents on each
+    task in turn (alternating, so that every task sees the same machine)."""
+    per = max(1, p.scale_claims // p.scale_agents)
+    runs = {task: Claimed() for task in tasks}
+    for r in range(p.scale_rounds):
+        for task, out in runs.items():
+            args = [AgentArgs(address, task, f"agent{tag}-{r}-{i}", p.seconds,
+                              max_entries=per) for i in range(p.scale_agents)]
+            rnd = pool.run(baton_agent, args, p.seconds)
+            n = sum(x.calls for x in rnd.results)
+            out.rates.append(rate(n, rnd.start, [x.end for x in rnd.results]))
+            out.latencies += [v for x in rnd.results for v in x.latencies]
+            out.cycles += n
+            out.claimed += [x.claimed for x in rnd.results]
+    return runs
+
+
+def fill(p: Profile, pool: Pool, address: str, small: Created, big: Created,
+         creates: Table, section: Section) -> tuple[int, dict[str, Claimed]]:
+    """Create tasks of ``p.scale_big`` entries until etcd holds ``p.scale_total`` entries
+    across tasks, then claim from the small and the large task again."""
+    held = small.entries + big.entries
+    k = 0
+    while held < p.scale_total:
+        check_interrupted()
+        size = min(p.scale_big, p.scale_total - held)
+        made = create(address, f"fill-{k}-{size}", size)
+        creates.rows.append([made.entries, made.seconds, ratio(made.entries, made.seconds),
+                             made.calls, "created (fill)" if made.ok else "FAILED (fill)"])
+        if not made.ok:
+            section.notes.append(f"Filling etcd to {p.scale_total:,} entries stopped at "
+                                 f"{held:,}: {made.error}")
+            return 0, {}
+        held += size
+        k += 1
+    # The first small task may be nearly drained by now: a fresh one of the same size.
+    fresh = create(address, f"small-filled-{p.scale_small}", p.scale_small)
+    if not fresh.ok:
+        section.notes.append(f"A second small task could not be created: {fresh.error}")
+        return 0, {}
+    runs = claim_rounds(p, pool, address, [fresh.task, big.task], "-filled")
+    return held + fresh.entries, {small.task: runs[fresh.task], big.task: runs[big.task]}
 
 
 def run(p: Profile, root: Path, plot_dir: Path) -> Section:
@@ -407,7 +453,7 @@ def run(p: Profile, root: Path, plot_dir: Path) -> Section:
     intro = METHOD.format(big=p.scale_big, small=p.scale_small, agents=p.scale_agents,
                           claims=per * p.scale_agents, rounds=p.scale_rounds, page=WEIGH_PAGE,
                           sessions=p.reap_sessions, reap=p.reap_claims, poll=REAP_POLL,
-                          timeout=p.reap_timeout, stall=REAP_STALL)
+                          timeout=p.reap_timeout, stall=REAP_STALL, total=p.scale_total)
     section = Section("scale", "Scale", intro)
     mem = Table("Memory", ["when", "registry VmRSS MiB", "etcd VmRSS MiB", "etcd db file MiB"])
     creates = Table("Creating a task (one CreateTask call)",
@@ -423,15 +469,20 @@ def run(p: Profile, root: Path, plot_dir: Path) -> Section:
         raise BenchError(f"no task of {p.scale_big // FALLBACKS[-1]:,} entries or more could "
                          "be created")
     small, big, runs = done.small, done.big, done.runs
-    claims = Table(f"Claim → commit with {p.scale_agents} agents, by task size",
-                   ["entries in the task", "cycles/s", "claim p50 ms", "claim p99 ms",
-                    "cycles measured", "double claims",
+    claims = Table(f"Claim → commit with {p.scale_agents} agents, by task size and by "
+                   "entries held in etcd",
+                   ["entries in the task", "entries held in etcd", "cycles/s",
+                    "claim p50 ms", "claim p99 ms", "cycles measured", "double claims",
                     "etcd: first 64 keys of the ready index, ms"])
-    for created in (small, big):
-        out = runs[created.task]
-        claims.rows.append([created.entries, mean(out.rates), ms(out.latencies, 0.5),
-                            ms(out.latencies, 0.99), out.cycles, double_claims(out.claimed),
-                            out.head_ms])
+    both = small.entries + big.entries
+    for held_n, table_runs in ((both, runs), (done.filled, done.filled_runs)):
+        for created in (small, big):
+            if created.task not in table_runs:
+                continue
+            out = table_runs[created.task]
+            claims.rows.append([created.entries, held_n, mean(out.rates),
+                                ms(out.latencies, 0.5), ms(out.latencies, 0.99), out.cycles,
+                                double_claims(out.claimed), out.head_ms])
     slowdown = ratio(mean(runs[big.task].rates), mean(runs[small.task].rates))
     big_rss = done.rss_mib
     if big.entries != p.scale_big:
@@ -443,6 +494,14 @@ def run(p: Profile, root: Path, plot_dir: Path) -> Section:
         f"({big.calls} call{'s' if big.calls > 1 else ''}); claim throughput at "
         f"{big.entries:,} entries is {slowdown:.2f}x that at {small.entries:,}; registry RSS "
         f"with both tasks {big_rss:.0f} MiB.")
+    if done.filled:
+        filled_rate = mean(done.filled_runs[small.task].rates)
+        section.headlines.append(
+            f"Scale: with {done.filled:,} entries held in etcd (across tasks), claims from "
+            f"the task of {small.entries:,} ran at "
+            f"{ratio(filled_rate, mean(runs[small.task].rates)):.2f}x their rate with "
+            f"{both:,} held, from the task of {big.entries:,} at "
+            f"{ratio(mean(done.filled_runs[big.task].rates), mean(runs[big.task].rates)):.2f}x.")
     held_table, per_entry = held_rows(done, small.entries + big.entries)
     reaper_table = reaper_rows(done.reaped)
     section.headlines.append(held_headline(big.entries, per_entry, done.held))
