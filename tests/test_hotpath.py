@@ -93,3 +93,35 @@ def test_claims_do_not_range_over_the_task(etcd: Any, prefix: str) -> None:
 
     ranges = asyncio.run(body())
     assert ranges <= 300 // 128 + 2, f"{ranges} range reads for 300 claims"
+
+
+def test_manifest_validation_runs_off_the_event_loop(
+        etcd: Any, prefix: str, monkeypatch: Any) -> None:
+    """CreateTask validates the manifest in a worker thread, never on the event loop."""
+    import threading
+
+    import registry.tasks as tasks_module
+
+    seen: list[str] = []
+    real = tasks_module.validate
+
+    def spy(spec: pb.TaskSpec) -> Any:
+        seen.append(threading.current_thread().name)
+        return real(spec)
+
+    monkeypatch.setattr(tasks_module, "validate", spy)
+
+    async def body() -> str:
+        client = Etcd(etcd.endpoint)
+        await client.connect()
+        core = Core(client, Keys(prefix), "/staging")
+        try:
+            spec = pb.TaskSpec(task_id="t", entries=[pb.EntrySpec(file_id="a", path="a")])
+            await Tasks(core).create(pb.CreateTaskRequest(spec=spec))
+            return threading.current_thread().name
+        finally:
+            await core.stop()
+            await client.close()
+
+    loop_thread = asyncio.run(body())
+    assert seen and all(name != loop_thread for name in seen)
