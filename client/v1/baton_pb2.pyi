@@ -37,6 +37,8 @@ class _TaskStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TaskStatus
     TASK_PAUSED: _TaskStatus.ValueType  # 3
     TASK_CANCELLED: _TaskStatus.ValueType  # 4
     TASK_COMPLETED: _TaskStatus.ValueType  # 5
+    TASK_DELETING: _TaskStatus.ValueType  # 6
+    """DeleteTask is removing its keys; nothing else touches it"""
 
 class TaskStatus(_TaskStatus, metaclass=_TaskStatusEnumTypeWrapper): ...
 
@@ -47,6 +49,8 @@ TASK_ACTIVE: TaskStatus.ValueType  # 2
 TASK_PAUSED: TaskStatus.ValueType  # 3
 TASK_CANCELLED: TaskStatus.ValueType  # 4
 TASK_COMPLETED: TaskStatus.ValueType  # 5
+TASK_DELETING: TaskStatus.ValueType  # 6
+"""DeleteTask is removing its keys; nothing else touches it"""
 Global___TaskStatus: _TypeAlias = TaskStatus  # noqa: Y015
 
 class _EntryState:
@@ -680,6 +684,87 @@ class TaskControlRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TaskControlRequest: _TypeAlias = TaskControlRequest  # noqa: Y015
+
+@_typing.final
+class DeleteTaskRequest(_message.Message):
+    """Remove a task that is creating or cancelled (or deleting: an interrupted
+    delete, sent again, finishes the job) and every key that names it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    task_id: _builtins.str
+    reason: _builtins.str
+    request_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        task_id: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "request_id", b"request_id", "task_id", b"task_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteTaskRequest: _TypeAlias = DeleteTaskRequest  # noqa: Y015
+
+@_typing.final
+class DeleteTaskResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class RemovedEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    TASK_FIELD_NUMBER: _builtins.int
+    KEYS_REMOVED_FIELD_NUMBER: _builtins.int
+    REMOVED_FIELD_NUMBER: _builtins.int
+    keys_removed: _builtins.int
+    """keys this call removed, the header included"""
+    @_builtins.property
+    def task(self) -> Global___Task:
+        """the header as it was last (status DELETING)"""
+
+    @_builtins.property
+    def removed(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """of which, by kind: "entries", "journal", ..."""
+
+    def __init__(
+        self,
+        *,
+        task: Global___Task | None = ...,
+        keys_removed: _builtins.int = ...,
+        removed: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys_removed", b"keys_removed", "removed", b"removed", "task", b"task"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteTaskResponse: _TypeAlias = DeleteTaskResponse  # noqa: Y015
 
 @_typing.final
 class RequeueRequest(_message.Message):

@@ -74,6 +74,11 @@ class RegistryStub:
                 request_serializer=client_dot_v1_dot_baton__pb2.TaskControlRequest.SerializeToString,
                 response_deserializer=client_dot_v1_dot_baton__pb2.Task.FromString,
                 _registered_method=True)
+        self.DeleteTask = channel.unary_unary(
+                '/baton.v1.Registry/DeleteTask',
+                request_serializer=client_dot_v1_dot_baton__pb2.DeleteTaskRequest.SerializeToString,
+                response_deserializer=client_dot_v1_dot_baton__pb2.DeleteTaskResponse.FromString,
+                _registered_method=True)
         self.Requeue = channel.unary_unary(
                 '/baton.v1.Registry/Requeue',
                 request_serializer=client_dot_v1_dot_baton__pb2.RequeueRequest.SerializeToString,
@@ -217,6 +222,12 @@ class RegistryServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CancelTask(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteTask(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -378,6 +389,11 @@ def add_RegistryServicer_to_server(servicer, server):
                     servicer.CancelTask,
                     request_deserializer=client_dot_v1_dot_baton__pb2.TaskControlRequest.FromString,
                     response_serializer=client_dot_v1_dot_baton__pb2.Task.SerializeToString,
+            ),
+            'DeleteTask': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteTask,
+                    request_deserializer=client_dot_v1_dot_baton__pb2.DeleteTaskRequest.FromString,
+                    response_serializer=client_dot_v1_dot_baton__pb2.DeleteTaskResponse.SerializeToString,
             ),
             'Requeue': grpc.unary_unary_rpc_method_handler(
                     servicer.Requeue,
@@ -691,6 +707,33 @@ class Registry:
             '/baton.v1.Registry/CancelTask',
             client_dot_v1_dot_baton__pb2.TaskControlRequest.SerializeToString,
             client_dot_v1_dot_baton__pb2.Task.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteTask(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Registry/DeleteTask',
+            client_dot_v1_dot_baton__pb2.DeleteTaskRequest.SerializeToString,
+            client_dot_v1_dot_baton__pb2.DeleteTaskResponse.FromString,
             options,
             channel_credentials,
             insecure,
