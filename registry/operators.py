@@ -140,8 +140,8 @@ class Operators:
             task_kv, kv = await txn.get_many([task_key,
                                               self.keys.entry(req.task_id, req.file_id)])
             task = need_task(task_kv, req.task_id)
-            if task.status == "cancelled":
-                raise IllegalTransition(f"task {req.task_id!r} is cancelled")
+            if task.status in ("cancelled", "deleting"):
+                raise IllegalTransition(f"task {req.task_id!r} is {task.status}")
             rec = need_entry(kv, req.task_id, req.file_id)
             if rec.state != DEAD:
                 raise IllegalTransition(f"entry {req.file_id!r} is {rec.state}; only dead "

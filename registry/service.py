@@ -22,6 +22,7 @@ from .consumers import Consumers
 from .core import Core
 from .operators import Operators
 from .producers import Producers
+from .removal import Removal, refuse_deleting
 from .sessions import Sessions
 from .tasks import Tasks
 
@@ -61,10 +62,11 @@ class RegistryService(pb_grpc.RegistryServicer):
         self.consumers = Consumers(core)
         self.sessions = Sessions(core)
         self.operators = Operators(core)
+        self.removal = Removal(core)
 
     @unary
     async def CreateTask(self, request: pb.CreateTaskRequest) -> pb.CreateTaskResponse:
-        return await self.tasks.create(request)
+        return refuse_deleting(await self.tasks.create(request))
 
     @unary
     async def GetTask(self, request: pb.GetTaskRequest) -> pb.Task:
@@ -93,6 +95,10 @@ class RegistryService(pb_grpc.RegistryServicer):
     @unary
     async def CancelTask(self, request: pb.TaskControlRequest) -> pb.Task:
         return await self.operators.control("cancel", request)
+
+    @unary
+    async def DeleteTask(self, request: pb.DeleteTaskRequest) -> pb.DeleteTaskResponse:
+        return await self.removal.delete(request)
 
     @unary
     async def Requeue(self, request: pb.RequeueRequest) -> pb.Entry:

@@ -1,0 +1,255 @@
+"""DeleteTask: remove a task that is being created or was cancelled, and every key of it.
+
+Three steps, each safe to interrupt: a DeleteTask sent again finishes the job.
+
+1. One guarded transaction marks the header ``deleting`` (from ``creating``,
+   ``cancelled``, or ``deleting`` itself). From then on nothing hands out work for
+   the task: claims and consume leases need an active task, pause/resume/cancel and
+   requeue refuse it, the scheduler completes only active tasks, and CreateTask of
+   it is refused (``refuse_deleting``).
+2. The task's keys are deleted a page at a time, at most ``DELETE_CHUNK`` per
+   transaction, through ``txn.write``: first its claims, each with its twin and the
+   session slot it holds (read and pinned, as cancel does), so no token of the task
+   survives and the reaper never finds a twin alone; then twins of lost claims; then
+   the entries, so that any transition of an entry still under way (it pins the
+   entry) fails; then the indexes and the journal, which nothing writes any more.
+3. The header goes last, in a transaction that requires it still ``deleting`` and
+   every prefix of the task empty; keys written meanwhile (a CreateTask of the
+   same manifest still writing its chunks) send the sweep round again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import Counter
+from collections.abc import Awaitable, Callable
+
+from client.errors import Conflict, IllegalTransition
+from client.v1 import baton_pb2 as pb
+
+from ._etcd import Get, empty
+from .claims import need_task, release_slot
+from .core import Core
+from .manifest import check_id
+from .model import TaskRecord
+from .txn import Txn, write
+
+log = logging.getLogger("baton.registry")
+
+#: keys deleted per transaction (etcd allows 128 operations in one)
+DELETE_CHUNK = 100
+#: claims per transaction: each read (pinned), deleted with its twin and its slot
+CLAIM_CHUNK = 40
+#: keys listed per read request
+LIST_PAGE = 1000
+#: delete transactions in flight at once (the committer sends them together)
+PARALLEL = 8
+#: sweeps before giving up on a task whose keys keep being written
+ROUNDS = 5
+#: the statuses a task may be deleted from
+DELETABLE = ("creating", "cancelled", "deleting")
+
+
+class _Leftovers(Exception):
+    """Keys of the task appeared after the sweep: sweep again before the header goes."""
+
+
+def refuse_deleting(resp: pb.CreateTaskResponse) -> pb.CreateTaskResponse:
+    """CreateTask's reply, unless the task is being deleted: then a clear refusal
+    (the entries it may have written go with the rest of the task)."""
+    if resp.task.status == pb.TASK_DELETING:
+        task_id = resp.task.spec.task_id
+        raise IllegalTransition(
+            f"task {task_id!r} is being deleted; finish that with `baton task rm "
+            f"{task_id}`, then create it again", task_id=task_id, status="deleting")
+    return resp
+
+
+class Removal:
+    def __init__(self, core: Core) -> None:
+        self.core = core
+        self.keys = core.keys
+
+    async def delete(self, req: pb.DeleteTaskRequest) -> pb.DeleteTaskResponse:
+        """Remove a ``creating``, ``cancelled`` (or half-deleted) task and its keys."""
+        check_id("task_id", req.task_id)
+        if req.request_id:
+            # A retry of a delete that finished: the task is gone, its reply is not.
+            done = await self.core.etcd.get(self.keys.request(req.request_id))
+            if done is not None:
+                return _reply_replay(done.value, done.create_revision)
+        task = await write(self.core.txns, self._mark_plan(req))
+        removed: Counter[str] = Counter()
+        for _ in range(ROUNDS):
+            removed += await self._sweep_task(req.task_id)
+            try:
+                reply = await self.core.txns.run(self._header_plan(task, removed),
+                                                 req.request_id, _reply_replay)
+            except _Leftovers:
+                continue
+            log.info("task %s deleted: %d keys removed (%s)", req.task_id,
+                     reply.keys_removed, req.reason or "no reason given")
+            return reply
+        raise Conflict(f"keys of task {req.task_id!r} kept being written while it was "
+                       "deleted (is a CreateTask of it still running?); send the delete "
+                       "again", task_id=req.task_id)
+
+    def _mark_plan(self, req: pb.DeleteTaskRequest) -> Callable[[Txn], Awaitable[TaskRecord]]:
+        key = self.keys.task(req.task_id)
+
+        async def plan(txn: Txn) -> TaskRecord:
+            task = need_task(await txn.get(key), req.task_id)
+            if task.status == "deleting":
+                return task  # an interrupted delete: carry on
+            if task.status not in DELETABLE:
+                raise IllegalTransition(
+                    f"cannot delete task {req.task_id!r}: it is {task.status}; only a task "
+                    f"being created or cancelled can be deleted: cancel it first "
+                    f"(`baton task cancel {req.task_id}`)",
+                    task_id=req.task_id, status=task.status)
+            was = task.status
+            task.status = "deleting"
+            task.status_reason = f"delete ({was})" + (f": {req.reason}" if req.reason else "")
+            txn.put(key, task.dump())
+            return task
+
+        return plan
+
+    def _prefixes(self, task_id: str) -> list[tuple[str, bytes]]:
+        """Every prefix that names the task but its claims, in the order they are
+        emptied (entries before the indexes their transitions would rewrite)."""
+        k = self.keys
+        return [
+            ("inflight", k.inflight_of_task("p", task_id)),
+            ("inflight", k.inflight_of_task("c", task_id)),
+            ("entries", k.entries(task_id)),
+            ("ready", k.ready_all(task_id)),
+            ("delayed", k.delayed_of_task(task_id)),
+            ("waiting", k.waiting(task_id, "")),  # waiting/{task}/: every file id
+            ("cready", k.cready_of_task(task_id)),
+            ("open", k.open_all(task_id)),
+            ("dead", k.dead_all(task_id)),
+            ("journal", k.journal_all(task_id)),
+        ]
+
+    def _claim_prefixes(self, task_id: str) -> list[bytes]:
+        return [self.keys.claims_of_task("p", task_id), self.keys.claims_of_task("c", task_id)]
+
+    async def _sweep_task(self, task_id: str) -> Counter[str]:
+        removed: Counter[str] = Counter()
+        for prefix in self._claim_prefixes(task_id):
+            removed += await self._sweep(prefix, CLAIM_CHUNK, self._claims_chunk)
+        for kind, prefix in self._prefixes(task_id):
+            removed += await self._sweep(prefix, DELETE_CHUNK, self._plain_chunk(kind))
+        return removed
+
+    async def _sweep(self, prefix: bytes, size: int,
+                     handle: Callable[[list[bytes]], Awaitable[Counter[str]]]) -> Counter[str]:
+        """``handle`` the keys under ``prefix`` ``size`` at a time, ``PARALLEL`` chunks
+        at once, listed a page at a time."""
+        removed: Counter[str] = Counter()
+        chunks: list[list[bytes]] = [[]]
+
+        async def flush() -> None:
+            results = await asyncio.gather(*(handle(c) for c in chunks if c),
+                                           return_exceptions=True)
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
+                removed.update(result)
+            chunks[:] = [[]]
+
+        pages = self.core.etcd.scan(prefix, page=LIST_PAGE, keys_only=True)
+        async with contextlib.aclosing(pages):
+            async for kv in pages:
+                if len(chunks[-1]) >= size:
+                    if len(chunks) >= PARALLEL:
+                        await flush()
+                    else:
+                        chunks.append([])
+                chunks[-1].append(kv.key)
+        await flush()
+        return removed
+
+    def _plain_chunk(self, kind: str) -> Callable[[list[bytes]], Awaitable[Counter[str]]]:
+        """Deletes a chunk of keys of one kind (unread: nothing writes them any more)."""
+
+        async def handle(keys: list[bytes]) -> Counter[str]:
+            async def plan(txn: Txn) -> Counter[str]:
+                for key in keys:
+                    txn.delete(key)
+                return Counter({kind: len(keys)})
+
+            return await write(self.core.txns, plan)
+
+        return handle
+
+    async def _claims_chunk(self, keys: list[bytes]) -> Counter[str]:
+        """Delete claims as read at commit time (pinned), each with its twin and its
+        slot: a claim finished meanwhile may have freed its slot for another claim of
+        its session, which keeps it."""
+        slots = self.keys.slots_all()
+
+        async def plan(txn: Txn) -> Counter[str]:
+            counts: Counter[str] = Counter()
+            claims = await txn.get_many(keys)
+            twins = {k: self._twin(k) for k in keys}
+            found = dict(zip(twins.values(), await txn.peek_many(list(twins.values())),
+                             strict=True))
+            for key, claim in zip(keys, claims, strict=True):
+                if claim is None:
+                    continue  # finished (or revoked) meanwhile: its slot is not ours
+                txn.delete(key)
+                txn.delete(twins[key])
+                release_slot(self.keys, claim, txn)
+                counts["claims"] += 1
+                counts["inflight"] += twins[key] != key and found[twins[key]] is not None
+            counts["slots"] = sum(1 for k in txn.write_keys() if k.startswith(slots))
+            return counts
+
+        return await write(self.core.txns, plan)
+
+    def _twin(self, claim_key: bytes) -> bytes:
+        """The twin of a claim key (the key itself if it names no claim: deleted once)."""
+        try:
+            return self.keys.inflight(self.keys.parse_claim(claim_key))
+        except ValueError:
+            return claim_key
+
+    def _header_plan(self, task: TaskRecord, removed: Counter[str]
+                     ) -> Callable[[Txn], Awaitable[Callable[[int], pb.DeleteTaskResponse]]]:
+        """Delete the header, guarded: still ``deleting``, and nothing left of the task."""
+        key = self.keys.task(task.task_id)
+        prefixes = [*self._claim_prefixes(task.task_id),
+                    *(p for _, p in self._prefixes(task.task_id))]
+
+        async def plan(txn: Txn) -> Callable[[int], pb.DeleteTaskResponse]:
+            kv = await txn.get(key)
+            counts = Counter(removed)
+            last = task
+            if kv is not None:
+                last = TaskRecord.load(kv.value)
+                if last.status != "deleting":  # nothing moves a task out of deleting
+                    raise IllegalTransition(f"task {task.task_id!r} is {last.status} "
+                                            "again; not deleted", task_id=task.task_id)
+                # Straight from etcd (the view may be behind); the compares below keep it so.
+                left = await self.core.etcd.read(
+                    [Get(p, prefix=True, limit=1, keys_only=True) for p in prefixes])
+                if any(left):
+                    raise _Leftovers()
+                for p in prefixes:
+                    txn.require(empty(p))
+                txn.delete(key)
+                counts["header"] += 1
+            # else: a concurrent delete removed it; what this call removed is the answer.
+            reply = pb.DeleteTaskResponse(task=last.to_pb(), keys_removed=counts.total(),
+                                          removed={k: n for k, n in counts.items() if n})
+            return lambda _rev: reply
+
+        return plan
+
+
+def _reply_replay(raw: bytes, revision: int) -> pb.DeleteTaskResponse:
+    return pb.DeleteTaskResponse.FromString(raw)
