@@ -255,6 +255,13 @@ class Client:
         """Stop the task for good: its claims are revoked (their tokens die)."""
         return self._call("CancelTask", pb.TaskControlRequest(task_id=task_id, reason=reason))  # type: ignore[no-any-return]
 
+    def delete_task(self, task_id: str, reason: str = "") -> pb.DeleteTaskResponse:
+        """Remove a task being created or cancelled, and every key of it; an
+        interrupted delete, sent again, finishes. An active (paused, completed)
+        task is refused with ``IllegalTransition``: cancel it first."""
+        req = pb.DeleteTaskRequest(task_id=task_id, reason=reason)
+        return self._call("DeleteTask", req)  # type: ignore[no-any-return]
+
     def requeue(self, task_id: str, file_id: str) -> pb.Entry:
         """Bring a dead entry back to pending with a fresh retry budget."""
         return self._call("Requeue", pb.RequeueRequest(task_id=task_id, file_id=file_id))  # type: ignore[no-any-return]

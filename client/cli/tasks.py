@@ -1,8 +1,9 @@
-"""Task commands: ``task create|get|ls|pause|resume|cancel`` and ``status``."""
+"""Task commands: ``task create|get|ls|pause|resume|cancel|rm`` and ``status``."""
 
 from __future__ import annotations
 
 import json
+import sys
 from typing import IO, Any
 
 import click
@@ -130,8 +131,9 @@ def task_ls(settings: Settings, output: str) -> None:
 
 
 def progress(t: pb.Task) -> str:
-    """``done/total``; ``-`` while the task is being created (its indexes are incomplete)."""
-    if t.status == pb.TASK_CREATING:
+    """``done/total``; ``-`` while the task is being created or deleted (its indexes are
+    incomplete)."""
+    if t.status in (pb.TASK_CREATING, pb.TASK_DELETING):
         return f"-/{t.entry_count}"
     return f"{t.entry_count - t.open}/{t.entry_count}"
 
@@ -189,6 +191,46 @@ def task_cancel(settings: Settings, task_id: str, reason: str, output: str) -> N
     and nothing more is handed out. A cancelled task cannot be resumed.
     """
     _control(settings, "cancel", task_id, reason, output)
+
+
+#: the order `task rm` reports what it removed in
+REMOVED_KINDS = ("header", "entries", "journal", "ready", "delayed", "waiting", "cready",
+                 "open", "dead", "claims", "inflight", "slots")
+
+
+def interactive() -> bool:
+    """Whether a person can answer a question (stdin and stderr are terminals)."""
+    return sys.stdin.isatty() and sys.stderr.isatty()
+
+
+@task.command("rm")
+@click.argument("task_id", metavar="TASK")
+@click.option("--reason", default="", help="why; logged by the registry")
+@click.option("-y", "--yes", is_flag=True, help="do not ask for confirmation")
+@output_option
+@pass_settings
+def task_rm(settings: Settings, task_id: str, reason: str, yes: bool, output: str) -> None:
+    """Remove a task and everything the registry keeps of it.
+
+    Only a task being created (say, stuck after an interrupted create) or a
+    cancelled one can be removed: an active, paused or completed task is
+    refused (exit 4); cancel it first. Its entries, indexes, journal, claims
+    (whose slots are freed) and header are deleted; files in the staging
+    directory are left alone. An interrupted rm (the task shows as deleting)
+    finishes when run again. On a terminal it asks first, unless --yes.
+    """
+    if not yes and interactive():
+        click.confirm(f"Remove task {task_id} with its entries, journal and claims?",
+                      abort=True, err=True)
+    resp = settings.client().delete_task(task_id, reason)
+    if output == "json":
+        emit_json(as_dict(resp))
+        return
+    kinds = [*REMOVED_KINDS, *sorted(set(resp.removed) - set(REMOVED_KINDS))]
+    parts = [f"{kind} {resp.removed[kind]}" for kind in kinds if resp.removed.get(kind)]
+    n = resp.keys_removed
+    click.echo(f"removed task {task_id}: {n} key{'' if n == 1 else 's'}"
+               + (f" ({', '.join(parts)})" if parts else ""))
 
 
 @cli.command()
