@@ -76,6 +76,8 @@ class View:
         self._ready_base = keys.ready_root()
         self._cready_base = keys.cready_root()
         self._mirror: dict[bytes, KV] = {}
+        #: the mirrored keys again, by the prefix a planner scans (a session's slots)
+        self._groups: dict[bytes, dict[bytes, KV]] = {}
         self._cache: OrderedDict[bytes, tuple[KV | None, int]] = OrderedDict()
         self._gone: dict[bytes, int] = {}
         self._windows: OrderedDict[bytes, _Window] = OrderedDict()
@@ -103,13 +105,14 @@ class View:
     async def _load(self) -> int:
         self.ready = False
         self._mirror.clear()
+        self._groups.clear()
         self._cache.clear()
         self._gone.clear()
         self._windows.clear()
         _, at, _ = await self.etcd.range(self.keys.tasks(), limit=1)
         for base in self._mirror_bases:
             async for kv in self.etcd.scan(base, revision=at):
-                self._mirror[kv.key] = kv
+                self._mirror_put(kv)
         self.revision = at
         self.ready = True
         self._synced.set()
@@ -192,9 +195,9 @@ class View:
             self._gone.pop(key, None)
         if kind == _MIRROR:
             if kv is None:
-                self._mirror.pop(key, None)
+                self._mirror_pop(key)
             else:
-                self._mirror[key] = kv
+                self._mirror_put(kv)
         elif kind == _CACHE:
             if watched and key not in self._cache:
                 return
@@ -210,6 +213,29 @@ class View:
                 window.keys.pop(key, None)
             elif window.covers(key):
                 window.keys[key] = rev
+
+    def _group_of(self, key: bytes) -> bytes:
+        return key[: key.rindex(b"/") + 1]
+
+    def _is_group(self, prefix: bytes) -> bool:
+        """Whether ``prefix`` is the parent of mirrored keys (``slots/{session}/``,
+        ``agents/``, ``tasks/``): then the keys under it are exactly one group."""
+        slots = self.keys.slots_all()
+        if prefix.startswith(slots):
+            return prefix.endswith(b"/") and prefix.count(b"/") == slots.count(b"/") + 1
+        return prefix in (self.keys.tasks(), self.keys.agents())
+
+    def _mirror_put(self, kv: KV) -> None:
+        self._mirror[kv.key] = kv
+        self._groups.setdefault(self._group_of(kv.key), {})[kv.key] = kv
+
+    def _mirror_pop(self, key: bytes) -> None:
+        self._mirror.pop(key, None)
+        group = self._groups.get(self._group_of(key))
+        if group is not None:
+            group.pop(key, None)
+            if not group:
+                del self._groups[self._group_of(key)]
 
     def _prune(self) -> None:
         """Tombstones only guard against older events; once the watch is past them, drop."""
@@ -245,7 +271,7 @@ class View:
                 continue  # an index key read alone says nothing of its neighbours
             self._apply(key, found[0] if found else None, revision, watched=kind != _CACHE)
             if kind == _MIRROR and not found:
-                self._mirror.pop(key, None)
+                self._mirror_pop(key)
 
     def invalidate(self, base: bytes) -> None:
         """An index window proved behind etcd: read it again from its start."""
@@ -292,8 +318,11 @@ class View:
 
     async def scan(self, prefix: bytes, limit: int, keys_only: bool) -> list[KV]:
         if prefix.startswith(self._mirror_bases):
-            kvs = sorted((kv for k, kv in self._mirror.items() if k.startswith(prefix)),
-                         key=lambda kv: kv.key)
+            if self._is_group(prefix):
+                group = self._groups.get(prefix, {})
+            else:
+                group = {k: kv for k, kv in self._mirror.items() if k.startswith(prefix)}
+            kvs = sorted(group.values(), key=lambda kv: kv.key)
             return kvs[:limit] if limit else kvs
         if prefix.startswith((self._ready_base, self._cready_base)) and keys_only:
             return await self._head(prefix, limit or WINDOW_PAGE)
