@@ -5,8 +5,9 @@ Three steps, each safe to interrupt: a DeleteTask sent again finishes the job.
 1. One guarded transaction marks the header ``deleting`` (from ``creating``,
    ``cancelled``, or ``deleting`` itself). From then on nothing hands out work for
    the task: claims and consume leases need an active task, pause/resume/cancel and
-   requeue refuse it, the scheduler completes only active tasks, and CreateTask of
-   it is refused (``refuse_deleting``).
+   requeue refuse it, the scheduler completes only active tasks, CreateTask of it
+   is refused, and a CreateTask still writing its chunks stops (each chunk requires
+   the header still ``creating``).
 2. The task's keys are deleted a page at a time, at most ``DELETE_CHUNK`` per
    transaction, through ``txn.write``: first its claims, each with its twin and the
    session slot it holds (read and pinned, as cancel does), so no token of the task
@@ -54,17 +55,6 @@ DELETABLE = ("creating", "cancelled", "deleting")
 
 class _Leftovers(Exception):
     """Keys of the task appeared after the sweep: sweep again before the header goes."""
-
-
-def refuse_deleting(resp: pb.CreateTaskResponse) -> pb.CreateTaskResponse:
-    """CreateTask's reply, unless the task is being deleted: then a clear refusal
-    (the entries it may have written go with the rest of the task)."""
-    if resp.task.status == pb.TASK_DELETING:
-        task_id = resp.task.spec.task_id
-        raise IllegalTransition(
-            f"task {task_id!r} is being deleted; finish that with `baton task rm "
-            f"{task_id}`, then create it again", task_id=task_id, status="deleting")
-    return resp
 
 
 class Removal:

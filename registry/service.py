@@ -22,7 +22,7 @@ from .consumers import Consumers
 from .core import Core
 from .operators import Operators
 from .producers import Producers
-from .removal import Removal, refuse_deleting
+from .removal import Removal
 from .sessions import Sessions
 from .tasks import Tasks
 
@@ -66,7 +66,7 @@ class RegistryService(pb_grpc.RegistryServicer):
 
     @unary
     async def CreateTask(self, request: pb.CreateTaskRequest) -> pb.CreateTaskResponse:
-        return refuse_deleting(await self.tasks.create(request))
+        return await self.tasks.create(request)
 
     @unary
     async def GetTask(self, request: pb.GetTaskRequest) -> pb.Task:

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator
 
-from client.errors import Conflict, InvalidArgument, InvalidManifest, TaskExists
+from client.errors import (
+    Conflict,
+    IllegalTransition,
+    InvalidArgument,
+    InvalidManifest,
+    TaskExists,
+)
 from client.v1 import baton_pb2 as pb
 
 from ._etcd import KV, Get
@@ -98,9 +103,14 @@ class Tasks:
                     f"task {valid.task_id!r} already exists with a different manifest",
                     task_id=valid.task_id,
                 )
+            if existing.status == "deleting":
+                raise IllegalTransition(
+                    f"task {valid.task_id!r} is being deleted; finish that with `baton task "
+                    f"rm {valid.task_id}`, then create it again", task_id=valid.task_id,
+                    status="deleting")
             if existing.status != "creating":
                 return pb.CreateTaskResponse(task=existing.to_pb(), created=False)
-        await self._write_entries(chunks)
+        await self._write_entries(valid.task_id, chunks)
 
         async def activate(txn: Txn) -> TaskRecord:
             task = need_task(await txn.get(key), valid.task_id)
@@ -141,12 +151,23 @@ class Tasks:
                                   problems=too_large)
         return valid, chunks
 
-    async def _write_entries(self, chunks: list[list[EntryRecord]]) -> None:
+    async def _write_entries(self, task_id: str, chunks: list[list[EntryRecord]]) -> None:
         gate = asyncio.Semaphore(PARALLEL)
+        header = self.keys.task(task_id)
+
+        async def still_creating(txn: Txn) -> None:
+            """Chunks are written only while the header says ``creating`` (pinned): a
+            task deleted meanwhile gets no entries written after its header is gone."""
+            task = need_task(await txn.get(header), task_id)
+            if task.status != "creating":
+                raise IllegalTransition(
+                    f"task {task_id!r} is {task.status}: its creation was stopped",
+                    task_id=task_id, status=task.status)
 
         async def chunk(batch: list[EntryRecord]) -> None:
             async def plan(txn: Txn) -> None:
                 txn.cache_writes = False  # a bulk write: not what claims read next
+                await still_creating(txn)
                 for e in batch:
                     txn.pin(self.keys.entry(e.task_id, e.file_id), None)  # create-only
                     self.core.put_entry(e, txn)  # the entry, its index key and open key
@@ -154,10 +175,13 @@ class Tasks:
             async with gate:
                 # Built under the gate: building every chunk up front would keep the
                 # loop busy while the first transactions wait out their deadline.
-                # A failed compare (Conflict) means an earlier, interrupted create
-                # of the same manifest wrote this chunk: chunks are atomic.
-                with contextlib.suppress(Conflict):
+                try:
                     await write(self.core.txns, plan, attempts=1)
+                except Conflict:
+                    # An entry exists already (an earlier, interrupted create of the
+                    # same manifest wrote this chunk: chunks are atomic), or the header
+                    # changed: then say why, from etcd itself.
+                    await write(self.core.txns, still_creating)
 
         await asyncio.gather(*(chunk(batch) for batch in chunks))
 

@@ -127,6 +127,21 @@ def test_a_task_stuck_creating_is_removed_with_every_key(
     assert [t.spec.task_id for t in client.list_tasks()] == ["t10"]
 
 
+def test_a_creation_stops_writing_once_its_task_is_marked_deleting(
+        client: Client, store: Store) -> None:
+    """CreateTask of a task being deleted is refused and writes no entry chunk."""
+    manifest = {"task_id": "t1", "entries": entries("a", "b")}
+    client.create_task({"task_id": "t1", "entries": entries("a", "b")})
+    store.set_status("t1", "creating")
+    client.delete_task("t1")
+    client.create_task(manifest)  # created again, as a fresh task
+    store.set_status("t1", "deleting")  # a delete under way again
+    before = store.naming("t1")
+    with pytest.raises(errors.IllegalTransition, match="being deleted"):
+        client.create_task(manifest)
+    assert store.naming("t1") == before
+
+
 def test_a_stuck_task_can_be_created_again_after_removal(client: Client, store: Store) -> None:
     """Once removed, the same task id can be created afresh and handed out."""
     manifest = {"task_id": "t1", "entries": entries("a", "b")}
@@ -329,3 +344,33 @@ def test_cli_task_rm_asks_on_a_terminal(
     accepted = invoke(registry, "task", "rm", "t1", stdin="y\n")
     assert accepted.exit_code == 0 and "removed task t1" in accepted.stdout
     assert store.naming("t1") == {}
+
+
+def test_entry_chunks_need_the_header_still_creating(etcd: Any, prefix: str) -> None:
+    """A creation whose header stopped being `creating` writes no more entries."""
+    from registry.core import Core
+    from registry.manifest import validate
+    from registry.tasks import Tasks
+
+    spec = pb.TaskSpec(task_id="t", entries=[pb.EntrySpec(file_id=f"e{i}", path=f"e{i}")
+                                             for i in range(5)])
+
+    async def body() -> list[bytes]:
+        client = Etcd(etcd.endpoint)
+        await client.connect()
+        core = Core(client, Keys(prefix), "/staging", view=False)
+        try:
+            tasks = Tasks(core)
+            valid = validate(spec)
+            header = json.dumps({"task_id": "t", "status": "deleting", "staging_dir": "/s",
+                                 "entry_count": 5, "manifest_digest": valid.digest,
+                                 "consumers": ["default"], "max_retries": 3}).encode()
+            await client.txn([], [Put(Keys(prefix).task("t"), header)])
+            with pytest.raises(errors.IllegalTransition, match="creation was stopped"):
+                await tasks._write_entries("t", [valid.entries[:3], valid.entries[3:]])
+            return [kv.key async for kv in client.scan(Keys(prefix).entries("t"))]
+        finally:
+            await core.stop()
+            await client.close()
+
+    assert asyncio.run(body()) == []
