@@ -275,6 +275,37 @@ def profile_table(profiled: Profiled) -> Table | None:
     return table
 
 
+#: where a function's file puts it, for the by-layer table (first match wins)
+LAYERS = (
+    ("Baton's registry (`registry/`)", ("(registry/",)),
+    ("Baton's contract and models (`client/`)", ("(client/",)),
+    ("callbacks run by the event loop: gRPC's compiled core and asyncio's C tasks "
+     "(`Handle._run` itself)", ("Handle._run (asyncio/events.py)",)),
+    ("grpc's Python layer (`grpc/`)", ("(grpc/",)),
+    ("asyncio and the selector (Python)", ("(asyncio/", "(selectors.py")),
+    ("dataclass constructors generated for Baton's records (`<string>`)", ("(<string>)",)),
+    ("json", ("(json/",)),
+    ("protobuf", ("(google/",)),
+)
+
+
+def layers_table(profiled: Profiled) -> Table | None:
+    """Own samples summed by layer: Baton's code against the machinery under it."""
+    prof = profiled.profile
+    if prof is None or not prof.samples:
+        return None
+    sums = dict.fromkeys([name for name, _ in LAYERS] + ["other"], 0)
+    for f in prof.functions:
+        layer = next((name for name, marks in LAYERS
+                      if any(f.name.startswith(m) or m in f.name for m in marks)), "other")
+        sums[layer] += f.own
+    table = Table("Where the registry's CPU went, by layer (own samples of the same profile)",
+                  ["layer", "own samples %"])
+    for name, n in sums.items():
+        table.rows.append([name, 100 * n / prof.samples])
+    return table
+
+
 def section(p: Profile, points: dict[tuple[str, int], Point], plot_dir: Path,
             seconds: float, profiled: Profiled, pg_settings: dict[str, str],
             no_pg: str) -> Section:
@@ -398,6 +429,9 @@ installed: the last table lists where the registry's CPU went.
     table = profile_table(profiled)
     if table is not None:
         tables.append(table)
+        by_layer = layers_table(profiled)
+        if by_layer is not None:
+            tables.append(by_layer)
         notes.append("Registry profile: a sample is a thread of the registry seen holding "
                      "the GIL (`py-spy record --gil`), so the shares are of its Python work; "
                      "own samples are those in which the function itself was running, total "
