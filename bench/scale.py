@@ -42,6 +42,12 @@ after the claims. Memory is the `VmRSS` of the registry process (and of etcd) fr
 created until etcd holds {total:,} entries across tasks, and the same claims run again,
 on the large task and on a fresh task of {small:,}.
 
+**etcd alone**: after the large task is created, the keys and values its creation
+wrote (entries, ready and open keys) are read back and written again under another
+prefix, straight through the registry's etcd client, in transactions of 120 puts (40
+of them create-only), 8 in flight: the time etcd itself needs for what a creation
+writes. (These keys stay in etcd; the weighing below counts only the task's own.)
+
 **What etcd holds per entry**: right after the two tasks are created, every key under
 the registry's prefix is read back in pages of {page:,} (`registry._etcd.Etcd.range`);
 the keys that name the large task (its header, entries, indexes and journal records,
@@ -106,6 +112,39 @@ def create(address: str, task: str, entries: int) -> Created:
             except errors.BatonError as e:
                 error = f"{type(e).__name__}: {e}"
         return Created(task, entries, time.perf_counter() - t0, CREATE_ATTEMPTS, error, False)
+
+
+def etcd_alone(endpoint: str, task: str, prefix: str = KEY_PREFIX) -> tuple[int, float]:
+    """etcd's own time for what creating ``task`` wrote: the same keys and values (read
+    back from etcd, then written under another prefix) in transactions of 120 puts with
+    40 create-only compares, 8 in flight, through the registry's etcd client. Returns
+    (keys, seconds)."""
+    from registry._etcd import Etcd, Put, absent
+    from registry.keys import Keys
+
+    keys = Keys(prefix)
+    bases = [keys.entries(task), keys.ready_all(task), keys.open_all(task)]
+
+    async def go() -> tuple[int, float]:
+        etcd = Etcd(endpoint, timeout=60)
+        await etcd.connect()
+        try:
+            held = [(b"/etcd-alone" + kv.key, kv.value) for base in bases
+                    async for kv in etcd.scan(base)]
+            gate = asyncio.Semaphore(8)
+
+            async def chunk(part: list[tuple[bytes, bytes]]) -> None:
+                async with gate:
+                    await etcd.txn([absent(k) for k, _ in part[:40]],
+                                   [Put(k, v) for k, v in part])
+
+            t0 = time.perf_counter()
+            await asyncio.gather(*(chunk(held[i:i + 120]) for i in range(0, len(held), 120)))
+            return len(held), time.perf_counter() - t0
+        finally:
+            await etcd.close()
+
+    return asyncio.run(go())
 
 
 def head_read_ms(endpoint: str, task: str, reads: int = 50) -> float:
@@ -385,6 +424,13 @@ def measure(p: Profile, root: Path, big_entries: int, pool: Pool, section: Secti
             held = weigh(stack.etcd.endpoint, big.task)
         except Exception as e:  # a failed measurement is a row, not the scenario's end
             held = first_line(e)
+        try:
+            n_keys, alone = etcd_alone(stack.etcd.endpoint, big.task)
+            creates.rows.append([big.entries, alone, ratio(big.entries, alone), 1,
+                                 f"etcd alone: the same {n_keys:,} keys and values"])
+        except Exception as e:  # a failed measurement is a row, not the scenario's end
+            creates.rows.append([big.entries, None, None, 0,
+                                 f"etcd alone: FAILED ({first_line(e)})"])
         runs = claim_rounds(p, pool, registry.address, [small.task, big.task], "")
         mem.rows.append(memory(stack, registry.pid, "after the claims"))
         for task, out in runs.items():
