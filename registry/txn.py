@@ -274,6 +274,12 @@ class Committer:
     async def commit(self, txn: Txn, compares: list[Compare], ops: list[TxnOp],
                      refresh: list[bytes]) -> TxnResult:
         item = _Pending(txn, compares, ops, refresh)
+        if not self._queue and not self._slots.locked():
+            # Nothing to group with and a request slot free: send it from here, with
+            # no hop through the runner (the common case with few callers).
+            await self._slots.acquire()
+            await self._send([item])
+            return await item.done
         self._queue.append(item)
         if self._runner is None or self._runner.done():
             self._runner = asyncio.create_task(self._run())
