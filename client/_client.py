@@ -24,6 +24,7 @@ from tenacity import (
 
 from . import errors
 from .errors import SessionExpired, Unavailable
+from .limits import MAX_MANIFEST_BYTES, MAX_REPLY_BYTES, MAX_REQUEST_BYTES, mib
 from .v1 import baton_pb2 as pb
 from .v1 import baton_pb2_grpc as pb_grpc
 
@@ -96,11 +97,18 @@ class Lease:
                 "digest": self.digest, "session": self.session_id}
 
 
-def _raise_from_rpc(e: grpc.RpcError) -> errors.BatonError:
+def _raise_from_rpc(e: grpc.RpcError, method: str = "", timeout: float = 0.0
+                    ) -> errors.BatonError:
     code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
     details = e.details() if hasattr(e, "details") else str(e)
     trailing = e.trailing_metadata() if hasattr(e, "trailing_metadata") else ()
-    return errors.from_status(code, details, trailing)
+    error = errors.from_status(code, details, trailing)
+    if type(error) is errors.DeadlineExceeded and method:
+        # The transport only says "Deadline Exceeded"; say which call and how long.
+        return errors.DeadlineExceeded(
+            f"{method}: no reply from the registry within {timeout:g} s (deadline exceeded)",
+            method=method, timeout=timeout)
+    return error
 
 
 @dataclass
@@ -195,8 +203,8 @@ class Client:
         self.retry = retry or RetryPolicy()
         self._channel = grpc.insecure_channel(
             target,
-            options=[("grpc.max_receive_message_length", 256 * 1024 * 1024),
-                     ("grpc.max_send_message_length", 256 * 1024 * 1024)],
+            options=[("grpc.max_receive_message_length", MAX_REPLY_BYTES),
+                     ("grpc.max_send_message_length", MAX_REQUEST_BYTES)],
         )
         self._stub = pb_grpc.RegistryStub(self._channel)  # type: ignore[no-untyped-call]
 
@@ -212,13 +220,18 @@ class Client:
     def _call(self, method: str, request: Any) -> Any:
         if hasattr(request, "request_id") and not request.request_id:
             request.request_id = uuid.uuid4().hex  # the same across retries
+        size = request.ByteSize()
+        if size > MAX_REQUEST_BYTES:
+            raise errors.MessageTooLarge(
+                f"{method}: the request is {mib(size)}; a registry accepts at most "
+                f"{mib(MAX_REQUEST_BYTES)}", size=size, limit=MAX_REQUEST_BYTES)
         rpc = getattr(self._stub, method)
         for attempt in self.retry.retrying():
             with attempt:
                 try:
                     return rpc(request, timeout=self.timeout)
                 except grpc.RpcError as e:
-                    raise _raise_from_rpc(e) from None
+                    raise _raise_from_rpc(e, method, self.timeout) from None
         raise AssertionError("unreachable")  # pragma: no cover
 
     # tasks -----------------------------------------------------------------
@@ -227,6 +240,7 @@ class Client:
         """Create a task from a manifest; (task, created). Same manifest again: no-op."""
         if isinstance(spec, dict):
             spec = parse_manifest(spec)
+        check_manifest_size(spec)
         resp = self._call("CreateTask", pb.CreateTaskRequest(spec=spec))
         return resp.task, resp.created
 
@@ -404,6 +418,16 @@ def _session_id(session: Session | int) -> int:
         session.check()
         return session.session_id
     return int(session)
+
+
+def check_manifest_size(spec: pb.TaskSpec) -> None:
+    """Refuse a manifest larger than a registry accepts, before sending it."""
+    size = spec.ByteSize()
+    if size > MAX_MANIFEST_BYTES:
+        why = (f"the manifest is {mib(size)} encoded; a registry accepts at most "
+               f"{mib(MAX_MANIFEST_BYTES)} (split the task, or shorten paths, ids and labels)")
+        raise errors.InvalidManifest(f"invalid manifest: {why}", problems=[why],
+                                     size=size, limit=MAX_MANIFEST_BYTES)
 
 
 def parse_manifest(data: dict[str, Any]) -> pb.TaskSpec:

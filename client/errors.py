@@ -4,6 +4,14 @@ The registry raises these; its service layer turns them into a status code plus
 trailing metadata (``baton-error`` = the class name, ``baton-fields`` = JSON of
 the attributes). The client turns such a status back into the same class, so
 both sides speak in the same nouns. Anything unmapped travels as ``INTERNAL``.
+
+gRPC drops trailing metadata over 8 KiB now and then and over 16 KiB always, so
+what an error carries is bounded (:func:`to_status`): its message, values echoed
+from the request and long lists are cut short, saying how much was left out.
+A status without ``baton-error`` did not come from a registry's handler but from
+the transport (a deadline, a size limit, a connection); :func:`from_status` turns
+it into one of the transport's errors, never into a domain error that merely
+shares its code.
 """
 
 from __future__ import annotations
@@ -15,6 +23,17 @@ import grpc
 
 ERROR_KEY = "baton-error"
 FIELDS_KEY = "baton-fields"
+
+#: the message of an error as sent (gRPC percent-encodes it: ``≤`` takes 9 bytes)
+MAX_DETAILS_BYTES = 2048
+#: the JSON of an error's fields
+MAX_FIELDS_BYTES = 2048
+#: one string among the fields (or one item of a list), in characters
+MAX_VALUE_CHARS = 200
+#: items of a list field that travel; ``<name>_more`` says how many did not
+MAX_LIST_ITEMS = 10
+#: characters of a value that a message quotes (see :func:`shown`)
+SHOWN_CHARS = 60
 
 
 class BatonError(Exception):
@@ -43,7 +62,19 @@ class InvalidArgument(BatonError):
 
 
 class InvalidManifest(InvalidArgument):
-    """A task manifest failed validation; ``problems`` lists every reason."""
+    """A task manifest failed validation; ``problems`` lists the reasons.
+
+    Over the wire at most ``MAX_LIST_ITEMS`` of them travel; ``problems_more``
+    then says how many more the registry found.
+    """
+
+
+class MessageTooLarge(InvalidArgument):
+    """A request is larger than a registry accepts (``size`` and ``limit`` in bytes,
+    when the client refused it before sending), or the transport refused a message
+    as too large (gRPC's ``RESOURCE_EXHAUSTED`` without Baton's error name)."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 class TaskExists(BatonError):
@@ -127,6 +158,14 @@ class Unavailable(BatonError):
     exit_code = 6
 
 
+class DeadlineExceeded(Unavailable):
+    """No reply came within the call's timeout: the registry was slow, or the
+    request took that long to send (``method``, ``timeout`` in seconds). The
+    registry may have applied it; a retry with the same request id is safe."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
 class Internal(BatonError):
     """Anything unexpected; the registry logs the cause."""
 
@@ -150,46 +189,108 @@ _BY_NAME: dict[str, type[BatonError]] = {
         ChecksumMismatch,
         Conflict,
         Unavailable,
+        DeadlineExceeded,
+        MessageTooLarge,
         Internal,
     )
 }
 
-#: error raised by the client when a status carries no ``baton-error`` name
-_BY_CODE: dict[grpc.StatusCode, type[BatonError]] = {
+#: the error a status without a ``baton-error`` name becomes: it came from the
+#: transport (or a proxy), not from a registry's handler, so a code such as
+#: ``RESOURCE_EXHAUSTED`` means a size limit, never a session's full slots
+_TRANSPORT: dict[grpc.StatusCode, type[BatonError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
-    grpc.StatusCode.ALREADY_EXISTS: TaskExists,
-    grpc.StatusCode.NOT_FOUND: NotFound,
-    grpc.StatusCode.FAILED_PRECONDITION: IllegalTransition,
-    grpc.StatusCode.ABORTED: Conflict,
     grpc.StatusCode.UNAVAILABLE: Unavailable,
-    grpc.StatusCode.DEADLINE_EXCEEDED: Unavailable,
-    grpc.StatusCode.DATA_LOSS: ChecksumMismatch,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: SlotsExhausted,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: MessageTooLarge,
 }
 
 
+def clip(text: str, limit: int = MAX_VALUE_CHARS) -> str:
+    """``text`` cut to ``limit`` characters, saying how many were left out."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}… ({len(text) - limit:,} more characters)"
+
+
+def shown(value: str, limit: int = SHOWN_CHARS) -> str:
+    """``repr(value)`` for a message that quotes its input, cut short when long."""
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}… ({len(value):,} characters)"
+
+
+def _wire_len(text: str) -> int:
+    """Bytes of ``text`` as gRPC sends a status message (percent-encoded)."""
+    return sum(1 if 0x20 <= b < 0x7F and b != 0x25 else 3 for b in text.encode())
+
+
+def _bounded_message(message: str) -> str:
+    if _wire_len(message) <= MAX_DETAILS_BYTES:
+        return message
+    budget, used, kept = MAX_DETAILS_BYTES - 64, 0, 0  # room for the note
+    for ch in message:
+        used += _wire_len(ch)
+        if used > budget:
+            break
+        kept += 1
+    return f"{message[:kept]}… ({len(message) - kept:,} more characters)"
+
+
+def _bounded_value(value: Any, chars: int) -> Any:
+    if value is None or isinstance(value, bool | int | float):
+        return value
+    if isinstance(value, str):
+        return clip(value, chars)
+    text = json.dumps(value, default=str, sort_keys=True)
+    return value if len(text) <= chars else clip(text, chars)
+
+
+def _bounded_fields(fields: dict[str, Any]) -> str:
+    """The JSON of ``fields`` within ``MAX_FIELDS_BYTES``: long strings and lists cut
+    shorter until it fits (a list says how many items it lost), else only a note."""
+    for items, chars in ((MAX_LIST_ITEMS, MAX_VALUE_CHARS), (5, 80), (1, 40)):
+        data: dict[str, Any] = {}
+        for name, value in fields.items():
+            if isinstance(value, list | tuple):
+                data[name] = [_bounded_value(v, chars) for v in value[:items]]
+                if len(value) > items:
+                    data[f"{name}_more"] = len(value) - items
+            else:
+                data[name] = _bounded_value(value, chars)
+        text = json.dumps(data, default=str, sort_keys=True)
+        if len(text) <= MAX_FIELDS_BYTES:
+            return text
+    return json.dumps({"fields_left_out": len(fields)})
+
+
 def to_status(error: BatonError) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
-    """The status code, details and trailing metadata that carry ``error``."""
+    """The status code, details and trailing metadata that carry ``error``, bounded
+    to well under what gRPC lets through (see the module's docstring)."""
     metadata = (
         (ERROR_KEY, type(error).__name__),
-        (FIELDS_KEY, json.dumps(error.fields, default=str, sort_keys=True)),
+        (FIELDS_KEY, _bounded_fields(error.fields)),
     )
-    return error.code, error.message, metadata
+    return error.code, _bounded_message(error.message), metadata
 
 
 def from_status(
     code: grpc.StatusCode, details: str | None, metadata: Any = ()
 ) -> BatonError:
-    """Rebuild the domain error a registry sent (the inverse of :func:`to_status`)."""
+    """Rebuild the domain error a registry sent (the inverse of :func:`to_status`),
+    or the transport's error when the status carries no Baton error name."""
     meta = {key: value for key, value in (metadata or ())}
     cls = _BY_NAME.get(str(meta.get(ERROR_KEY, "")))
     if cls is None:
-        cls = _BY_CODE.get(code, Internal)
+        transport = _TRANSPORT.get(code, Internal)
+        message = clip(details or code.name.lower(), MAX_DETAILS_BYTES)
+        if transport is Internal:
+            message = f"{code.name}: {message}"
+        return transport(message)
     try:
         fields = json.loads(meta.get(FIELDS_KEY, "{}"))
     except ValueError:
         fields = {}
-    message = details or code.name.lower()
     if not isinstance(fields, dict):
         fields = {}
-    return cls(message, **fields)
+    return cls(clip(details or code.name.lower(), MAX_DETAILS_BYTES), **fields)

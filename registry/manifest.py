@@ -1,6 +1,6 @@
 """Validation of task manifests: every problem found is reported at once.
 
-Limits (documented in docs/manifest.md):
+Limits (documented in docs/cli.md, "The manifest"):
 
 - ids (task, file, consumer group): ``[A-Za-z0-9][A-Za-z0-9._-]{0,127}``
 - at most ``MAX_ENTRIES`` entries; paths at most ``MAX_PATH`` bytes, relative,
@@ -15,6 +15,10 @@ Limits (documented in docs/manifest.md):
 - ``parts`` name other entries of the task, each once; a part belongs to one
   assembly only; an assembly has no ``depends_on`` and is not itself a part; an
   assembly may have hundreds of parts
+- the manifest, encoded, at most ``client.limits.MAX_MANIFEST_BYTES``
+
+Problems quote the values they are about cut short (``client.errors.shown``), so
+that a 20,000-character path makes a readable error, not one gRPC cannot carry.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
-from client.errors import InvalidArgument, InvalidManifest
+from client.errors import InvalidArgument, InvalidManifest, shown
+from client.limits import MAX_MANIFEST_BYTES, mib
 from client.v1 import baton_pb2 as pb
 
 from .model import SCHEMA_VERSION, EntryRecord, now
@@ -46,7 +51,26 @@ DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
 def check_id(kind: str, value: str) -> None:
     """Raise ``InvalidArgument`` unless ``value`` is a valid task/file/group id."""
     if not ID_RE.match(value):
-        raise InvalidArgument(f"invalid {kind} {value!r}: expected {ID_RE.pattern}", kind=kind)
+        raise InvalidArgument(f"invalid {kind} {shown(value)}: expected {ID_RE.pattern}",
+                              kind=kind)
+
+
+#: characters of the problems that an InvalidManifest's message lists
+SUMMARY_CHARS = 1000
+
+
+def summary(problems: list[str]) -> str:
+    """The message of an ``InvalidManifest``: the first problems, as many as fit in
+    ``SUMMARY_CHARS``, and how many more there are."""
+    text, listed = "", 0
+    for problem in problems:
+        if listed and len(text) + len(problem) > SUMMARY_CHARS:
+            break
+        text += ("; " if listed else "") + problem
+        listed += 1
+    more = len(problems) - listed
+    count = f"{len(problems)} problems: " if len(problems) > 1 else ""
+    return f"invalid manifest: {count}{text}" + (f" (and {more} more)" if more else "")
 
 
 def path_problem(path: str) -> str | None:
@@ -88,12 +112,12 @@ def _labels_problems(where: str, labels: dict[str, str]) -> list[str]:
         out.append(f"{where}: more than {MAX_LABELS} labels")
     for k, v in labels.items():
         if not 0 < len(k) <= 63 or len(v) > 256:
-            out.append(f"{where}: label {k!r} too long or empty (key ≤ 63, value ≤ 256)")
+            out.append(f"{where}: label {shown(k)} too long or empty (key ≤ 63, value ≤ 256)")
     return out
 
 
 def _groups_problems(where: str, groups: list[str]) -> list[str]:
-    out = [f"{where}: invalid consumer group {g!r}" for g in groups if not ID_RE.match(g)]
+    out = [f"{where}: invalid consumer group {shown(g)}" for g in groups if not ID_RE.match(g)]
     if len(groups) > MAX_GROUPS:
         out.append(f"{where}: more than {MAX_GROUPS} consumer groups")
     if len(set(groups)) != len(groups):
@@ -130,7 +154,7 @@ def validate(spec: pb.TaskSpec) -> ValidTask:
     """Check a manifest and build its entry records; raise ``InvalidManifest``."""
     problems: list[str] = []
     if not ID_RE.match(spec.task_id):
-        problems.append(f"task_id {spec.task_id!r} is not a valid id ({ID_RE.pattern})")
+        problems.append(f"task_id {shown(spec.task_id)} is not a valid id ({ID_RE.pattern})")
     if spec.schema_version not in (0, SCHEMA_VERSION):
         problems.append(
             f"schema_version {spec.schema_version} is not supported (this registry: "
@@ -150,7 +174,7 @@ def validate(spec: pb.TaskSpec) -> ValidTask:
     seen_ids: set[str] = set()
     seen_paths: set[str] = set()
     for i, e in enumerate(spec.entries):
-        where = f"entries[{i}] ({e.file_id!r})"
+        where = f"entries[{i}] ({shown(e.file_id)})"
         if not ID_RE.match(e.file_id):
             problems.append(f"{where}: file_id is not a valid id ({ID_RE.pattern})")
         elif e.file_id in seen_ids:
@@ -158,9 +182,9 @@ def validate(spec: pb.TaskSpec) -> ValidTask:
         seen_ids.add(e.file_id)
         why = path_problem(e.path)
         if why:
-            problems.append(f"{where}: path {e.path!r} {why}")
+            problems.append(f"{where}: path {shown(e.path)} {why}")
         elif e.path in seen_paths:
-            problems.append(f"{where}: path {e.path!r} used by another entry")
+            problems.append(f"{where}: path {shown(e.path)} used by another entry")
         seen_paths.add(e.path)
         if not 0 <= e.expected_size <= MAX_SIZE:
             problems.append(f"{where}: expected_size {e.expected_size} out of range")
@@ -175,16 +199,23 @@ def validate(spec: pb.TaskSpec) -> ValidTask:
         for what, names in (("depends_on", e.depends_on), ("parts", e.parts)):
             repeated = sorted(n for n, k in Counter(names).items() if k > 1)
             if repeated:
-                problems.append(f"entry {e.file_id!r}: {what} names {repeated} more than once")
+                more = [f"{len(repeated) - 5} more"] if len(repeated) > 5 else []
+                listed = ", ".join([*(shown(n) for n in repeated[:5]), *more])
+                problems.append(f"entry {shown(e.file_id)}: {what} names [{listed}] more "
+                                "than once")
         for dep in e.depends_on:
             if dep == e.file_id:
-                problems.append(f"entry {e.file_id!r} depends on itself")
+                problems.append(f"entry {shown(e.file_id)} depends on itself")
             elif dep not in ids:
-                problems.append(f"entry {e.file_id!r} depends on unknown entry {dep!r}")
+                problems.append(f"entry {shown(e.file_id)} depends on unknown entry "
+                                f"{shown(dep)}")
     if not problems:
         cycle = _cycle({e.file_id: list(e.depends_on) for e in spec.entries})
         if cycle:
-            problems.append("dependency cycle: " + " -> ".join(cycle))
+            path = [shown(n) for n in cycle]
+            if len(path) > 12:
+                path = [*path[:6], f"… ({len(path) - 12} more)", *path[-6:]]
+            problems.append("dependency cycle: " + " -> ".join(path))
     if not 0 <= spec.priority <= 9:
         problems.append(f"priority {spec.priority} not within 0..9")
     if not 0 <= spec.aging_seconds <= 86400:
@@ -195,31 +226,34 @@ def validate(spec: pb.TaskSpec) -> ValidTask:
     owner: dict[str, str] = {}
     for e in spec.entries:
         if e.HasField("priority") and not 0 <= e.priority <= 9:
-            problems.append(f"entry {e.file_id!r}: priority {e.priority} not within 0..9")
+            problems.append(f"entry {shown(e.file_id)}: priority {e.priority} not within "
+                            "0..9")
         if e.parts and e.depends_on:
-            problems.append(f"entry {e.file_id!r}: an assembly cannot have depends_on")
+            problems.append(f"entry {shown(e.file_id)}: an assembly cannot have depends_on")
         for part in dict.fromkeys(e.parts):  # a repeated part is reported above
             if part not in ids or part == e.file_id:
-                problems.append(f"entry {e.file_id!r}: part {part!r} is not another entry")
+                problems.append(f"entry {shown(e.file_id)}: part {shown(part)} is not another "
+                                "entry")
             elif part in owner:
-                problems.append(f"entry {part!r} is a part of both {owner[part]!r} and "
-                                f"{e.file_id!r}")
+                problems.append(f"entry {shown(part)} is a part of both {shown(owner[part])} "
+                                f"and {shown(e.file_id)}")
             else:
                 owner[part] = e.file_id
     for e in spec.entries:
         if e.file_id in owner and e.consumers:
-            problems.append(f"entry {e.file_id!r} is a part of {owner[e.file_id]!r}: parts "
-                            "are consumed as their assembly and take no consumers")
+            problems.append(f"entry {shown(e.file_id)} is a part of {shown(owner[e.file_id])}: "
+                            "parts are consumed as their assembly and take no consumers")
     assemblies = {e.file_id for e in spec.entries if e.parts}
     for part, assembly in owner.items():
         if part in assemblies:
-            problems.append(f"entry {part!r} is an assembly and a part of {assembly!r}")
+            problems.append(f"entry {shown(part)} is an assembly and a part of "
+                            f"{shown(assembly)}")
+    size = spec.ByteSize()
+    if size > MAX_MANIFEST_BYTES:
+        problems.append(f"the manifest is {mib(size)} encoded: at most "
+                        f"{mib(MAX_MANIFEST_BYTES)}")
     if problems:
-        shown = problems[:20]
-        more = f" (and {len(problems) - 20} more)" if len(problems) > 20 else ""
-        raise InvalidManifest(
-            "invalid manifest: " + "; ".join(shown) + more, problems=problems
-        )
+        raise InvalidManifest(summary(problems), problems=problems)
 
     created = now()
     backoff = [b.base_seconds or 1.0, b.factor or 2.0, b.cap_seconds or 60.0]

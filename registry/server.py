@@ -15,20 +15,19 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from client.errors import BatonError
-from client.v1 import baton_pb2, baton_pb2_grpc
+from client.limits import MAX_REPLY_BYTES, MAX_REQUEST_BYTES
+from client.v1 import baton_pb2
 
 from ._etcd import Etcd
 from .config import RegistryConfig, load_config
 from .core import Core
 from .keys import Keys
 from .scheduler import Scheduler
-from .service import RegistryService
+from .service import RegistryService, add_to_server
 from .sessions import Reaper
 
 log = logging.getLogger("baton.registry")
 
-#: large manifests travel in one CreateTask call
-MAX_MESSAGE = 256 * 1024 * 1024
 SERVICE_NAME = baton_pb2.DESCRIPTOR.services_by_name["Registry"].full_name
 
 
@@ -65,13 +64,13 @@ async def start(config: RegistryConfig) -> Running:
     await core.start()
     server = grpc.aio.server(
         options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE),
-            ("grpc.max_send_message_length", MAX_MESSAGE),
+            # A manifest travels in one CreateTask call; anything larger than the
+            # largest valid one is refused by gRPC before it is read into memory.
+            ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
+            ("grpc.max_send_message_length", MAX_REPLY_BYTES),
         ]
     )
-    baton_pb2_grpc.add_RegistryServicer_to_server(  # type: ignore[no-untyped-call]
-        RegistryService(core), server
-    )
+    add_to_server(RegistryService(core), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

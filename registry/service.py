@@ -10,11 +10,14 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError, Message
+from google.protobuf.message_factory import GetMessageClass
 
-from client.errors import BatonError, Internal, to_status
+from client.errors import BatonError, Internal, InvalidArgument, to_status
 from client.v1 import baton_pb2 as pb
 from client.v1 import baton_pb2_grpc as pb_grpc
 
@@ -32,6 +35,51 @@ Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 
 
+@dataclass(frozen=True)
+class Undecodable:
+    """What a request that is not the method's protobuf message decodes to: the
+    handler refuses it as ``INVALID_ARGUMENT`` (gRPC would answer ``UNKNOWN`` and
+    log a traceback for an exception raised while decoding)."""
+
+    request_type: str
+    reason: str
+
+    def error(self) -> InvalidArgument:
+        return InvalidArgument(f"the request is not a valid {self.request_type}: {self.reason}",
+                               request_type=self.request_type)
+
+
+def _decoder(cls: type[Message]) -> Callable[[bytes], Message | Undecodable]:
+    def decode(data: bytes) -> Message | Undecodable:
+        try:
+            return cls.FromString(data)
+        except DecodeError as e:
+            return Undecodable(cls.DESCRIPTOR.full_name, str(e) or "cannot decode")
+
+    return decode
+
+
+def add_to_server(servicer: pb_grpc.RegistryServicer, server: grpc.aio.Server) -> None:
+    """Register ``servicer``'s methods as the generated ``add_RegistryServicer_to_server``
+    does, built from the service descriptor, but with a decoder that turns bytes that
+    are not the request message into :class:`Undecodable`."""
+    service = pb.DESCRIPTOR.services_by_name["Registry"]
+    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
+    for method in service.methods:
+        request = GetMessageClass(method.input_type)
+        reply = GetMessageClass(method.output_type)
+        make = (grpc.unary_stream_rpc_method_handler if method.server_streaming
+                else grpc.unary_unary_rpc_method_handler)
+        handlers[method.name] = make(getattr(servicer, method.name),
+                                     request_deserializer=_decoder(request),
+                                     response_serializer=reply.SerializeToString)
+    generic = grpc.method_handlers_generic_handler(service.full_name, handlers)
+    server.add_generic_rpc_handlers((generic,))
+    # as the generated code does: a registered method skips the generic lookup
+    server.add_registered_method_handlers(  # type: ignore[attr-defined]  # not in grpc-stubs
+        service.full_name, handlers)
+
+
 async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: Exception) -> None:
     if not isinstance(exc, BatonError):
         log.exception("unexpected error", exc_info=exc)
@@ -47,6 +95,8 @@ def unary(
     @functools.wraps(fn)
     async def handler(self: Any, request: Req, context: grpc.aio.ServicerContext[Any, Any]) -> Resp:
         try:
+            if isinstance(request, Undecodable):
+                raise request.error()
             return await fn(self, request)
         except Exception as e:
             await _abort(context, e)
@@ -172,6 +222,8 @@ class RegistryService(pb_grpc.RegistryServicer):
         self, request: pb.WatchRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.TaskEvent]:
         try:
+            if isinstance(request, Undecodable):
+                raise request.error()
             async for event in self.tasks.watch(request):
                 yield event
         except Exception as e:
@@ -181,6 +233,8 @@ class RegistryService(pb_grpc.RegistryServicer):
         self, request: pb.WatchTasksRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.Task]:
         try:
+            if isinstance(request, Undecodable):
+                raise request.error()
             async for task in self.tasks.watch_tasks():
                 yield task
         except Exception as e:

@@ -72,7 +72,9 @@ class BatonGroup(click.Group):
         except errors.BatonError as e:
             message = _one_line(e)
             settings = ctx.find_object(Settings)
-            if isinstance(e, errors.Unavailable) and settings is not None:
+            if isinstance(e, errors.DeadlineExceeded):
+                message += "; a busy registry or a large request may need a longer --timeout"
+            elif isinstance(e, errors.Unavailable) and settings is not None:
                 message = f"registry {settings.registry} unavailable: {message}"
             _fail(ctx, message, e.exit_code)
         except BrokenPipeError:
@@ -266,5 +268,5 @@ def session_line(session: Session) -> str:
 EXIT_STATUS = ("Exit status: 0 ok, 1 other error, 2 invalid input or usage, 3 nothing to "
                "claim or consume, or the session's slots are full, 4 refused (stale token, "
                "illegal transition, exists, session expired, task not active), 5 not found, "
-               "6 registry unavailable.")
+               "6 registry unavailable, or no reply within --timeout.")
 

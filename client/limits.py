@@ -1,0 +1,28 @@
+"""Sizes both sides of the wire agree on: what a request may weigh.
+
+Imported by the registry (its gRPC receive limit) and by the client (its send
+limit, and the check that refuses a larger request before sending it). Kept free
+of imports so that the CLI can read it without loading gRPC.
+"""
+
+from __future__ import annotations
+
+MiB = 1 << 20
+
+#: the largest manifest (a ``TaskSpec``, encoded) a registry accepts. The largest
+#: valid one by count and field limits — 100,000 entries whose file ids (128) and
+#: paths (1024 bytes) are at their limits, with sizes, digests, retries and
+#: priorities — encodes to about 124 MB; this leaves it a third more room.
+MAX_MANIFEST_BYTES = 160 * MiB
+
+#: the largest request a registry receives (a manifest and its envelope); a larger
+#: one is refused by gRPC before it is read, and by the client before it is sent
+MAX_REQUEST_BYTES = MAX_MANIFEST_BYTES + MiB
+
+#: the largest reply: every entry of a task at its limits, with room to spare
+MAX_REPLY_BYTES = 256 * MiB
+
+
+def mib(n: int) -> str:
+    """``n`` bytes in MiB, as messages about these limits print them."""
+    return f"{n / MiB:,.1f} MiB"
