@@ -39,6 +39,9 @@ LIST_PAGE = 1000
 READ_CHUNK = 100
 #: lease lookups in flight while listing agents
 TTL_PARALLEL = 32
+#: journal events written by the transaction that made a claim (producer or consumer),
+#: stored without the token: it is that transaction's revision, the record's own
+TOKEN_IS_REVISION = frozenset({"claimed", "consuming"})
 
 _ALLOWED = {
     "pause": ({"active"}, "paused"),
@@ -194,14 +197,17 @@ class Operators:
                 raise ValueError("not an object")
         except ValueError:
             data = {"event": "unreadable", "reason": "the journal record is not valid JSON"}
-        if data.get("event") == "claimed" and not data.get("token"):
-            data["token"] = kv.create_revision  # a claim's token is its revision
+        if data.get("event") in TOKEN_IS_REVISION and not data.get("token"):
+            # A claim's token is the revision of the transaction that made it, which
+            # wrote this record too.
+            data["token"] = kv.create_revision
         return pb.JournalRecord(
             task_id=task_id, file_id=file_id, revision=kv.create_revision,
             at=str(data.get("at", "")), event=str(data.get("event", "")),
             who=str(data.get("who") or data.get("owner") or data.get("reporter") or ""),
             token=_int(data.get("token")), from_state=str(data.get("from", "")),
             to_state=str(data.get("to", "")), reason=str(data.get("reason", "")),
+            group=str(data.get("group") or ""),
         )
 
     async def explain(self, req: pb.GetEntryRequest) -> pb.Explanation:

@@ -145,6 +145,33 @@ def test_log_shows_transitions_in_order(registry: Any, tmp_path: Path) -> None:
     assert rows[str(records[1]["revision"])][6] == str(claimed["token"])
 
 
+def test_log_names_the_group_and_token_of_consumer_records(
+    registry: Any, client: Client
+) -> None:
+    """With two groups, `log` says which group took and acked, and consuming has its token."""
+    create(registry, GROUPS)
+    produce_verified(client, "t1", "a")
+    leases = {g: ok_json(invoke(registry, "consume", "t1", "a", "--group", g, "-o", "json"))
+              for g in ("ocr", "archive")}
+    for group, lease in leases.items():
+        ok_json(invoke(registry, "ack", "t1", "a", "--group", group, "--token",
+                       str(lease["token"]), "-o", "json"))
+    records = [json.loads(line) for line in invoke(registry, "log", "t1", "a", "-o", "json")
+               .stdout.splitlines()]
+    taken = [(r["event"], r["group"], r["token"]) for r in records
+             if r["event"] in ("consuming", "acked")]
+    assert sorted(taken) == sorted(
+        (event, g, lease["token"]) for g, lease in leases.items()
+        for event in ("consuming", "acked"))
+    assert all(r["group"] == "" for r in records if r["event"] in ("claimed", "committed"))
+    table = invoke(registry, "log", "t1", "a")
+    headers = next(line for line in table.stdout.splitlines() if "revision" in line)
+    assert "group" in headers.split("┃")[7]
+    acked = {cells[6]: cells[7] for cells in table_rows(table.stdout).values()
+             if cells[3] == "acked"}
+    assert acked == {g: str(lease["token"]) for g, lease in leases.items()}
+
+
 def test_log_of_an_unknown_task_exits_5(registry: Any) -> None:
     """`log` of a task that does not exist is not found (exit 5), like every other command."""
     assert invoke(registry, "log", "nope").exit_code == 5

@@ -45,20 +45,24 @@ def journal(settings: Settings, task_id: str, file_id: str, limit: int, output: 
     """Show the journal of a task, or of one of its entries.
 
     One record per transition, oldest first: revision, time, file, event,
-    from → to state, who, token, reason (-o json: one JSON object per line).
+    from → to state, who, consumer group (when any record has one), token,
+    reason (-o json: one JSON object per line).
     """
     records = settings.client().journal(task_id, file_id, limit)
     if output == "json":
         for r in records:
             emit_json(as_dict(r))
         return
-    table = folding_table("revision", "time", "file", "event", "from → to", "who", "token",
-                          "reason", whole=("revision", "event", "token"),
+    groups = any(r.group for r in records)
+    columns = ["revision", "time", "file", "event", "from → to", "who",
+               *(["group"] if groups else []), "token", "reason"]
+    table = folding_table(*columns, whole=("revision", "event", "token"),
                           min_widths={"time": 13, "from → to": 10})
     for r in records:
         # A space instead of the T lets a narrow terminal wrap date and time apart.
         table.add_row(str(r.revision), r.at.replace("T", " ", 1), r.file_id, r.event,
-                      transition(r), r.who or "-", str(r.token) if r.token else "-", r.reason)
+                      transition(r), r.who or "-", *([r.group or "-"] if groups else []),
+                      str(r.token) if r.token else "-", r.reason)
     emit_table(table)
 
 

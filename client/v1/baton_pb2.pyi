@@ -805,6 +805,7 @@ class JournalRecord(_message.Message):
     FROM_STATE_FIELD_NUMBER: _builtins.int
     TO_STATE_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    GROUP_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     file_id: _builtins.str
     revision: _builtins.int
@@ -817,6 +818,8 @@ class JournalRecord(_message.Message):
     from_state: _builtins.str
     to_state: _builtins.str
     reason: _builtins.str
+    group: _builtins.str
+    """the consumer group: consuming, acked, nacked, consumer lost"""
     def __init__(
         self,
         *,
@@ -830,10 +833,11 @@ class JournalRecord(_message.Message):
         from_state: _builtins.str = ...,
         to_state: _builtins.str = ...,
         reason: _builtins.str = ...,
+        group: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["at", b"at", "event", b"event", "file_id", b"file_id", "from_state", b"from_state", "reason", b"reason", "revision", b"revision", "task_id", b"task_id", "to_state", b"to_state", "token", b"token", "who", b"who"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at", b"at", "event", b"event", "file_id", b"file_id", "from_state", b"from_state", "group", b"group", "reason", b"reason", "revision", b"revision", "task_id", b"task_id", "to_state", b"to_state", "token", b"token", "who", b"who"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
