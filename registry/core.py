@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from client.errors import NotFound, TaskNotActive
+from client.errors import NotFound
 
 from ._etcd import KV, Etcd
 from .keys import Keys
@@ -79,14 +79,6 @@ class Core:
         if kv is None:
             raise NotFound(f"no task {task_id!r}", task_id=task_id)
         return kv, TaskRecord.load(kv.value)
-
-    async def active_task(self, task_id: str) -> TaskRecord:
-        _, task = await self.task(task_id)
-        if task.status != "active":
-            raise TaskNotActive(
-                f"task {task_id!r} is {task.status}", task_id=task_id, status=task.status
-            )
-        return task
 
     async def entry(self, task_id: str, file_id: str) -> tuple[KV, EntryRecord]:
         kv = await self.etcd.get(self.keys.entry(task_id, file_id))

@@ -128,9 +128,6 @@ class Watcher:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def request_reconcile(self) -> None:
-        self._reconcile_now.set()
-
     def _registry_lost(self) -> None:
         self._reconcile_now.set()  # it retries until the registry answers again
 
