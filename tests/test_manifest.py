@@ -82,6 +82,22 @@ def test_every_problem_is_reported() -> None:
     assert len(info.value.problems) == 3  # type: ignore[attr-defined]
 
 
+def test_a_part_with_consumers_is_refused() -> None:
+    """Parts are consumed as their assembly: consumers given to a part refuse the manifest."""
+    with pytest.raises(errors.InvalidManifest, match="take no consumers"):
+        validate(spec([{"file_id": "whole", "path": "whole", "parts": ["p1"]},
+                       {"file_id": "p1", "path": "p1", "consumers": ["ocr"]}]))
+
+
+def test_problems_quote_long_values_cut_short() -> None:
+    """A long path or id is quoted cut to 60 characters with its length, once per problem."""
+    with pytest.raises(errors.InvalidManifest) as info:
+        validate(spec([{"file_id": "a" * 5_000, "path": "p" * 20_000}]))
+    message = str(info.value)
+    assert "20,000 characters" in message and "5,000 characters" in message
+    assert len(message) < 1_000
+
+
 def test_oversize_manifest_is_refused() -> None:
     """More than MAX_ENTRIES entries is refused."""
     big = [{"file_id": f"e{i}", "path": f"e{i}"} for i in range(MAX_ENTRIES + 1)]
