@@ -11,6 +11,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 from rich.console import Console
@@ -102,13 +103,21 @@ def run_demo(
     for t in threads:
         t.start()
     states: dict[str, int] = {}
-    with Live(_table(task_id, states, files, 0.0), console=console, refresh_per_second=8) as live:
+    # A live table only where it can redraw itself: into a pipe or a file, Live would
+    # print just its last frame, without a line end, and the next line would be glued
+    # to it. There the final table is printed once, as a whole.
+    live = (Live(_table(task_id, states, files, 0.0), console=console, refresh_per_second=8)
+            if console.is_terminal else None)
+    with live or nullcontext():
         while clock() - start < timeout:
             states = dict(client.get_task(task_id).states)
-            live.update(_table(task_id, states, files, clock() - start))
+            if live is not None:
+                live.update(_table(task_id, states, files, clock() - start))
             if states.get("consumed", 0) + states.get("dead", 0) >= files:
                 break
             time.sleep(0.1)
+    if live is None:
+        console.print(_table(task_id, states, files, clock() - start))
     stop.set()
     for t in threads:
         t.join(timeout=5)
