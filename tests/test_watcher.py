@@ -214,3 +214,41 @@ def test_task_whose_directory_existed_is_served_at_once(
     make_task(client, "pre", {"a": "a.bin"})
     put_bytes(client, session, "pre", "a", b"was already there")
     wait_for(is_state(client, "pre", "a", pb.VERIFIED), what="a verified")
+
+
+def test_hard_linked_file_changed_from_outside_the_tree_leaves_verified(
+    client: Client, session: Session, watcher_factory: Callable[..., Watcher], wait_for: Wait,
+    tmp_path: Path,
+) -> None:
+    """A verified file also linked outside the staging tree is polled: a write there un-verifies."""
+    w = watcher_factory()  # reconcile_interval 300 s: only the polling can notice in time
+    make_task(client, "t1", {"a": "a.bin"})
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    claim = client.claim("t1", "a", session=session)
+    data = b"written outside, linked in " * 100
+    (outside / "a.bin").write_bytes(data)
+    Path(claim.path).parent.mkdir(parents=True, exist_ok=True)
+    os.link(outside / "a.bin", claim.path)
+    client.commit("t1", "a", claim.token, len(data), digest(data))
+    wait_for(is_state(client, "t1", "a", pb.VERIFIED), what="a verified")
+    wait_for(lambda: ("t1", "a") in w.checker.links, what="a polled for its other name")
+    assert w.metrics.get("linked") == 1
+
+    with open(outside / "a.bin", "r+b") as fh:  # no inotify event reaches the staging tree
+        fh.write(b"X")
+    wait_for(lambda: state_of(client, "t1", "a") == pb.PENDING, what="a unverified")
+    assert "changed" in client.get_entry("t1", "a").error
+    assert ("t1", "a") not in w.checker.links
+
+
+def test_a_file_with_one_name_is_not_polled(
+    client: Client, session: Session, watcher_factory: Callable[..., Watcher], wait_for: Wait,
+) -> None:
+    """An ordinary verified file (one name) is left to inotify, not polled."""
+    w = watcher_factory()
+    make_task(client, "t1", {"a": "a.bin"})
+    put_bytes(client, session, "t1", "a", b"one name")
+    wait_for(is_state(client, "t1", "a", pb.VERIFIED), what="a verified")
+    wait_for(w.jobs.idle, what="the watcher idle")
+    assert len(w.checker.links) == 0 and w.metrics.get("linked") == 0

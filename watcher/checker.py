@@ -10,6 +10,10 @@ What to do depends on the entry's state when a worker picks it up:
 - verified: stat; if the identity changed, hash; report a different digest (the
   registry takes the entry out of verified) or MISSING if the file is gone.
 
+A verified file with more than one name (hard links) is kept in ``links`` and
+polled by the daemon, since a write through a name outside the staging tree
+raises no inotify event here (``links.py``).
+
 Hash failures count per entry; after ``max_failures`` in a row the file is
 reported CORRUPTED. A registry that cannot be reached is not the file's fault:
 the check is retried later and a reconciliation is asked for.
@@ -19,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from client import Client
 from client.errors import BatonError, NotFound, Unavailable
@@ -29,6 +33,7 @@ from .cache import IdentityCache, Known
 from .errors import FileChanged, FileMissing, HashFailed
 from .hashing import Hashed, Hasher, Identity
 from .jobs import JobQueue, Key
+from .links import LinkedFiles
 from .logs import log
 from .metrics import Metrics
 from .state import EntryView, Table
@@ -54,6 +59,8 @@ class Checker:
     retry_delay: float = 0.2
     #: called when the registry could not be reached (the daemon reconciles later)
     registry_lost: Callable[[], None] = lambda: None
+    #: verified files with several names, which the daemon polls
+    links: LinkedFiles = field(default_factory=LinkedFiles)
 
     def check(self, key: Key) -> None:
         entry = self.table.entry(*key)
@@ -144,6 +151,7 @@ class Checker:
             return
         known = self.cache.get(*key)
         if known is not None and known.identity == identity and known.digest == entry.digest:
+            self._mind_links(key, identity)
             return
         hashed = self._hash(key, entry)
         if hashed is None:
@@ -151,6 +159,7 @@ class Checker:
         if hashed.digest == entry.digest:
             self.cache.put(*key, Known(hashed.identity, hashed.digest))
             self.table.update(*key, failures=0)
+            self._mind_links(key, hashed.identity)
             return
         log(logger, logging.WARNING, "verified file changed on disk", task=key[0],
             file_id=key[1], digest=hashed.digest, verified_digest=entry.digest)
@@ -214,6 +223,10 @@ class Checker:
         self.cache.put(*key, Known(i, hashed.digest))
         self.table.apply(key[0], reply)
         self.table.update(*key, failures=0)
+        if reply.state == pb.VERIFIED:
+            self._mind_links(key, i)
+        else:
+            self.links.drop(key)
         log(logger, logging.INFO, "reported", task=key[0], file_id=key[1], size=i.size,
             digest=hashed.digest, was=entry.state_name,
             now=pb.EntryState.Name(reply.state).lower())
@@ -222,10 +235,22 @@ class Checker:
         reply = self.client.report_problem(key[0], key[1], kind, reason, self.reporter)
         self.metrics.add("problems")
         self.cache.drop(*key)
+        self.links.drop(key)
         self.table.apply(key[0], reply)
         log(logger, logging.WARNING, "reported a problem", task=key[0], file_id=key[1],
             kind=pb.ProblemReport.Kind.Name(kind).lower(), reason=reason,  # type: ignore[arg-type]
             now=pb.EntryState.Name(reply.state).lower())
+
+
+    def _mind_links(self, key: Key, identity: Identity) -> None:
+        """Poll a verified file with several names; stop once it has one again."""
+        if identity.links <= 1:
+            self.links.drop(key)
+        elif self.links.keep(key, identity):
+            self.metrics.add("linked")
+            log(logger, logging.WARNING, "verified file has other names (hard links); "
+                "polling it, as writes through a name outside the staging tree raise no "
+                "event", task=key[0], file_id=key[1], links=identity.links)
 
 
 class _Handled(Exception):

@@ -28,7 +28,7 @@ from client.v1 import baton_pb2 as pb
 from .cache import IdentityCache, open_cache
 from .checker import Checker
 from .config import WatcherConfig
-from .errors import WatchFailed
+from .errors import HashFailed, WatchFailed
 from .events import FsEvent, Intake, Kind
 from .hashing import Hasher
 from .jobs import JobQueue
@@ -79,6 +79,7 @@ class Watcher:
             threading.Thread(target=self._dispatch, name="watcher-dispatch", daemon=True),
             threading.Thread(target=self._reconcile_loop, name="watcher-reconcile",
                              daemon=True),
+            threading.Thread(target=self._poll_links, name="watcher-links", daemon=True),
             *(threading.Thread(target=self._work, name=f"watcher-hash-{i}", daemon=True)
               for i in range(config.hash_workers)),
         ]
@@ -249,6 +250,23 @@ class Watcher:
             if not self.reconcile("requested" if requested else "interval"):
                 self._stop.wait(RECONCILE_RETRY)
                 self._reconcile_now.set()
+
+    def _poll_links(self) -> None:
+        """Every ``poll_interval``, check the verified files with several names whose
+        identity changed: inotify does not see writes through their other names."""
+        links = self.checker.links
+        while not self._stop.wait(self.config.poll_interval):
+            for key, seen in links.items():
+                entry = self.table.entry(*key)
+                if entry is None or entry.state != pb.VERIFIED:
+                    links.drop(key)
+                    continue
+                try:
+                    now = self.hasher.stat(key[0], entry.path)
+                except HashFailed:
+                    now = None
+                if now != seen:
+                    self.jobs.submit(key)
 
     # the filesystem's side -----------------------------------------------------------------
 

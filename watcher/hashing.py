@@ -26,7 +26,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import blake3
 
@@ -48,10 +48,14 @@ class Identity:
     size: int
     mtime_ns: int
     ctime_ns: int
+    #: names the file has (``st_nlink``); more than one: see ``links.py``. Not part
+    #: of the identity: adding or removing a name changes ctime anyway.
+    links: int = field(default=1, compare=False)
 
     @classmethod
     def of(cls, st: os.stat_result) -> Identity:
-        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns,
+                   st.st_nlink)
 
 
 @dataclass(frozen=True, slots=True)
