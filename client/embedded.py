@@ -4,7 +4,9 @@ The stack is etcd first, then every :class:`ChildSpec` that :func:`child_specs`
 returns, in order: the registry, then the watcher on the staging directory (so a
 file put into the stack is verified with no other step). Each is started only once
 the previous one is ready, and they are stopped in reverse.
-If any of them dies on its own, the rest are stopped and ``run_up`` returns 1.
+A process that dies on its own is started again after a backoff, and the console
+says so (``client.supervisor``); only one that keeps crashing (5 times within 60 s)
+stops the stack, and ``run_up`` returns 1.
 """
 
 from __future__ import annotations
@@ -38,10 +40,12 @@ from client.etcdproc import (
     wait_ready,
     write_banner,
 )
+from client.supervisor import RestartPolicy, Supervisor
 
 __all__ = [
     "ChildSpec",
     "ExtraNotInstalled",
+    "RestartPolicy",
     "StackAlreadyRunning",
     "UpOptions",
     "child_specs",
@@ -56,8 +60,6 @@ READY_TIMEOUT = 30.0
 #: the line ``python -m watcher`` prints once it watches the staging directory
 WATCHER_READY = "baton-watcher watching"
 STOP_TIMEOUT = 10.0
-#: how often a running stack checks that none of its processes died
-SUPERVISE_INTERVAL = 0.2
 
 
 class ExtraNotInstalled(BatonError):
@@ -222,11 +224,23 @@ def grpc_health_probe(target: str, service: str = "") -> Callable[[], bool]:
 
 
 class _Child:
-    """A started :class:`ChildSpec`."""
+    """A started :class:`ChildSpec` (a ``client.supervisor.Daemon``)."""
 
     def __init__(self, spec: ChildSpec) -> None:
         self.spec = spec
         self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def log_path(self) -> Path:
+        return self.spec.log_path
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
 
     def start(self, timeout: float, cancel: threading.Event) -> None:
         argv = list(self.spec.argv)
@@ -256,6 +270,32 @@ class _Child:
     def stop(self) -> None:
         if self.process is not None:
             terminate(self.process, STOP_TIMEOUT)
+
+
+class _Etcd:
+    """The stack's etcd as a ``client.supervisor.Daemon``."""
+
+    name = "etcd"
+
+    def __init__(self, etcd: EtcdProcess) -> None:
+        self.etcd = etcd
+
+    @property
+    def log_path(self) -> Path:
+        return self.etcd.log_path
+
+    @property
+    def pid(self) -> int | None:
+        return self.etcd.pid
+
+    def returncode(self) -> int | None:
+        return self.etcd.returncode
+
+    def start(self, timeout: float, cancel: threading.Event) -> None:
+        self.etcd.start(timeout, cancel=cancel)
+
+    def stop(self) -> None:
+        self.etcd.stop(STOP_TIMEOUT)
 
 
 # --- run_up -----------------------------------------------------------------------
@@ -328,13 +368,14 @@ def run_up(
     *,
     stop: threading.Event | None = None,
     ready_timeout: float = READY_TIMEOUT,
+    restart: RestartPolicy | None = None,
 ) -> int:
     """Run the stack until SIGINT/SIGTERM (or ``stop`` is set); the exit status.
 
-    Returns 0 after a requested stop, 1 if a daemon died on its own (its log tail is
-    printed). Raises :class:`DaemonFailed`, :class:`ExtraNotInstalled` or
-    :class:`StackAlreadyRunning` when the stack cannot start; whatever had started
-    is stopped first.
+    A daemon that dies on its own is restarted as ``restart`` says. Returns 0 after
+    a requested stop, 1 if a daemon kept crashing (its log tail is printed). Raises
+    :class:`DaemonFailed`, :class:`ExtraNotInstalled` or :class:`StackAlreadyRunning`
+    when the stack cannot start; whatever had started is stopped first.
     """
     stop = stop if stop is not None else threading.Event()
     opts = dataclasses.replace(
@@ -368,7 +409,9 @@ def run_up(
                 children.append(child)  # before start: a failed start is cleaned up too
                 child.start(ready_timeout, stop)
             _print_summary(out, etcd, children)
-            failure = _supervise(etcd, children, stop)
+            supervisor = Supervisor([_Etcd(etcd), *children], out, restart,
+                                    ready_timeout=ready_timeout)
+            failure = supervisor.run(stop)
         except StartCancelled:
             pass
         finally:
@@ -390,31 +433,6 @@ def _print_summary(out: Callable[[str], None], etcd: EtcdProcess, children: list
         if child.spec.name == "registry":
             out(f"export BATON_REGISTRY={child.spec.address}")
     out("ready; press Ctrl-C to stop")
-
-
-def _supervise(etcd: EtcdProcess, children: list[_Child], stop: threading.Event) -> str | None:
-    """Wait for ``stop``; if a process dies first, the error (with its log tail)."""
-    while not stop.wait(SUPERVISE_INTERVAL):
-        if (code := etcd.returncode) is not None:
-            return str(
-                DaemonFailed(
-                    f"exited unexpectedly with status {code}",
-                    daemon="etcd",
-                    log_path=etcd.log_path,
-                    returncode=code,
-                )
-            )
-        for child in children:
-            if (code := child.returncode()) is not None:
-                return str(
-                    DaemonFailed(
-                        f"exited unexpectedly with status {code}",
-                        daemon=child.spec.name,
-                        log_path=child.spec.log_path,
-                        returncode=code,
-                    )
-                )
-    return None
 
 
 def _stop_all(etcd: EtcdProcess, children: list[_Child]) -> None:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import os
 import queue
+import signal
 import socket
 import sys
 import threading
@@ -16,6 +18,7 @@ import pytest
 from client import Client, embedded, put
 from client.embedded import (
     ChildSpec,
+    RestartPolicy,
     StackAlreadyRunning,
     UpOptions,
     child_specs,
@@ -32,8 +35,9 @@ from client.v1 import baton_pb2 as pb
 class Stack:
     """``run_up`` on a background thread, with its output on a queue."""
 
-    def __init__(self, opts: UpOptions) -> None:
+    def __init__(self, opts: UpOptions, restart: RestartPolicy | None = None) -> None:
         self.opts = opts
+        self.restart = restart
         self.stop = threading.Event()
         self.lines: queue.Queue[str] = queue.Queue()
         self.result: int | BaseException | None = None
@@ -41,7 +45,8 @@ class Stack:
 
     def _run(self) -> None:
         try:
-            self.result = run_up(self.opts, self.lines.put, stop=self.stop)
+            self.result = run_up(self.opts, self.lines.put, stop=self.stop,
+                                 restart=self.restart)
         except BaseException as e:
             self.result = e
         finally:
@@ -84,12 +89,12 @@ def opts(tmp_path: Path) -> UpOptions:
 
 
 @pytest.fixture
-def stacks() -> Iterator[Callable[[UpOptions], Stack]]:
+def stacks() -> Iterator[Callable[..., Stack]]:
     """Start ``run_up`` threads; any still running are stopped at teardown."""
     started: list[Stack] = []
 
-    def make(opts: UpOptions) -> Stack:
-        stack = Stack(opts).start()
+    def make(opts: UpOptions, restart: RestartPolicy | None = None) -> Stack:
+        stack = Stack(opts, restart).start()
         started.append(stack)
         return stack
 
@@ -173,7 +178,7 @@ def test_log_line_probe_only_counts_the_current_run(tmp_path: Path) -> None:
 
 
 def test_up_serves_then_stops_cleanly(
-    opts: UpOptions, stacks: Callable[[UpOptions], Stack]
+    opts: UpOptions, stacks: Callable[..., Stack]
 ) -> None:
     """baton up starts etcd and a SERVING registry, prints where, and stops both on request."""
     stack = stacks(opts)
@@ -193,7 +198,7 @@ def test_up_serves_then_stops_cleanly(
 
 
 def test_up_verifies_a_put_file(
-    opts: UpOptions, stacks: Callable[[UpOptions], Stack], wait_for: Callable[..., None]
+    opts: UpOptions, stacks: Callable[..., Stack], wait_for: Callable[..., None]
 ) -> None:
     """With baton up running, a file put into a task becomes verified with no other step."""
     stack = stacks(opts)
@@ -208,10 +213,47 @@ def test_up_verifies_a_put_file(
     assert stack.join() == 0
 
 
-def test_a_child_that_dies_stops_the_stack(
-    opts: UpOptions, stacks: Callable[[UpOptions], Stack], monkeypatch: pytest.MonkeyPatch
+def registry_pid(port: int) -> int:
+    """The pid of the registry process serving ``port`` (from /proc: its command line)."""
+    wanted = ["-m", "registry"]
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = Path(entry.path, "cmdline").read_bytes().decode().split("\0")
+        except OSError:
+            continue
+        if any(argv[i:i + 2] == wanted for i in range(len(argv))) and \
+                f"127.0.0.1:{port}" in argv:
+            return int(entry.name)
+    pytest.fail(f"no registry process listening on port {port}")
+
+
+def test_a_killed_registry_is_restarted_and_serves(
+    opts: UpOptions, stacks: Callable[..., Stack], wait_for: Callable[..., None]
 ) -> None:
-    """When a daemon exits on its own, the others are stopped and run_up returns 1 with its log."""
+    """SIGKILL of the registry child: the stack says so, restarts it, and it serves again."""
+    stack = stacks(opts)
+    stack.wait_for_line("ready")
+    address = f"127.0.0.1:{opts.registry_port}"
+    killed = registry_pid(opts.registry_port)
+    os.kill(killed, signal.SIGKILL)
+    lines = stack.wait_for_line("registry: restarted", timeout=60)
+    assert any(line.startswith("registry: exited with SIGKILL; restarting in") for line in lines)
+    assert registry_pid(opts.registry_port) != killed
+    wait_for(grpc_health_probe(address), timeout=30, what="the restarted registry serving")
+    with Client(address) as c:
+        c.create_task({"task_id": "after", "entries": [{"file_id": "a", "path": "a"}]})
+        assert [t.spec.task_id for t in c.list_tasks()] == ["after"]
+    assert stack.thread.is_alive()
+    stack.stop.set()
+    assert stack.join() == 0
+
+
+def test_a_child_that_keeps_crashing_stops_the_stack(
+    opts: UpOptions, stacks: Callable[..., Stack], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A daemon restarted after each crash that crashes 5 times in the window stops the stack."""
     trigger = opts.data_dir.parent / "die-now"
     script = (
         "import os, sys, time\n"
@@ -220,7 +262,7 @@ def test_a_child_that_dies_stops_the_stack(
         "sys.exit(7)\n"
     )
     monkeypatch.setattr(embedded, "child_specs", fake_children([sys.executable, "-c", script]))
-    stack = stacks(opts)
+    stack = stacks(opts, RestartPolicy(max_crashes=5, window=60, initial=0.05, cap=0.2))
     stack.wait_for_line("ready")
     trigger.touch()
     assert stack.join() == 1
@@ -228,13 +270,22 @@ def test_a_child_that_dies_stops_the_stack(
     while not stack.lines.empty():
         output.append(stack.lines.get())
     text = "\n".join(output)
-    assert "fake: exited unexpectedly with status 7" in text
+    restarts = [line for line in output if line.startswith("fake: exited with status 7; "
+                                                           "restarting in")]
+    assert len(restarts) == 4, text
+    assert "fake: exited with status 7: 5 crashes within 60 s; not restarting" in text
     assert "fake daemon giving up" in text
     assert not port_in_use(opts.etcd_port)
 
 
+def test_restart_backoff_doubles_up_to_its_cap() -> None:
+    """The wait before a restart doubles with each recent crash and stops at the cap."""
+    policy = RestartPolicy(initial=0.5, cap=4.0)
+    assert [policy.delay(n) for n in range(1, 7)] == [0.5, 1.0, 2.0, 4.0, 4.0, 4.0]
+
+
 def test_a_child_that_fails_to_start_raises(
-    opts: UpOptions, stacks: Callable[[UpOptions], Stack], monkeypatch: pytest.MonkeyPatch
+    opts: UpOptions, stacks: Callable[..., Stack], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A daemon that never gets ready raises DaemonFailed and etcd is stopped again."""
     specs = fake_children([sys.executable, "-c", "print('cannot start'); raise SystemExit(3)"])
@@ -250,7 +301,7 @@ def test_a_child_that_fails_to_start_raises(
 
 
 def test_one_stack_per_data_dir(
-    opts: UpOptions, stacks: Callable[[UpOptions], Stack], monkeypatch: pytest.MonkeyPatch
+    opts: UpOptions, stacks: Callable[..., Stack], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A second baton up on a data dir in use is refused before it starts anything."""
     sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
