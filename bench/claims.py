@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from .harness import (
     BenchError,
     Daemon,
     Stack,
+    cpu_seconds,
     ensure_package,
     etcd_kv_calls,
     filesystem_of,
@@ -78,6 +80,10 @@ class Sample:
     etcd_requests: int = 0
     #: Baton: CPU seconds the registry process used during the run (all its threads)
     registry_cpu: float = 0.0
+    #: CPU seconds the agent processes used from the common start to their end
+    agents_cpu: float = 0.0
+    #: Baton and raw etcd: CPU seconds etcd used during the run
+    etcd_cpu: float = 0.0
 
 
 @dataclass
@@ -109,25 +115,36 @@ def baton_sample(stack: Stack, pool: Pool, registry: Daemon, n: int, p: Profile,
     new_task(registry.address, task, p)
     before = etcd_kv_calls(stack.etcd)
     cpu_before = registry.cpu_seconds()
+    etcd_before = etcd_cpu(stack)
     args = [AgentArgs(registry.address, task, f"agent-{i}", p.claim_seconds) for i in range(n)]
     rnd = pool.run(baton_agent, args, p.claim_seconds)
     cpu = registry.cpu_seconds() - cpu_before
+    etcd_used = etcd_cpu(stack) - etcd_before
     after = etcd_kv_calls(stack.etcd)
     cycles = sum(r.calls for r in rnd.results)
     return Sample(rate(cycles, rnd.start, [r.end for r in rnd.results]),
                   [x for r in rnd.results for x in r.latencies], cycles,
                   doubles=double_claims([r.claimed for r in rnd.results]),
                   etcd_requests=sum(after.get(k, 0) - before.get(k, 0) for k in ("Txn", "Range")),
-                  registry_cpu=cpu)
+                  registry_cpu=cpu, agents_cpu=sum(rnd.cpu), etcd_cpu=etcd_used)
+
+
+def etcd_cpu(stack: Stack) -> float:
+    """CPU seconds etcd has used so far (0 when its process is not known)."""
+    pid = stack.etcd.pid
+    return cpu_seconds(pid) if pid else 0.0
 
 
 def raw_sample(stack: Stack, pool: Pool, n: int, p: Profile, round_: int) -> Sample:
     args = [RawArgs(stack.etcd.endpoint, f"/bench-raw/{n}/{round_}/{i}/", p.claim_seconds)
             for i in range(n)]
+    etcd_before = etcd_cpu(stack)
     rnd = pool.run(raw_etcd_agent, args, p.claim_seconds)
+    etcd_used = etcd_cpu(stack) - etcd_before
     txns = sum(r.calls for r in rnd.results)
     return Sample(rate(txns, rnd.start, [r.end for r in rnd.results]),
-                  [x for r in rnd.results for x in r.latencies], txns)
+                  [x for r in rnd.results for x in r.latencies], txns,
+                  agents_cpu=sum(rnd.cpu), etcd_cpu=etcd_used)
 
 
 def peer_sample(root: Path, pool: Pool, variant: str, n: int, p: Profile,
@@ -162,7 +179,7 @@ def pg_sample(pg: pg_peer.Postgres, pool: Pool, n: int, p: Profile, round_: int)
                   [x for r in rnd.results for x in r.latencies], cycles,
                   doubles=double_claims(claimed),
                   failed_commits=sum(r.failed_commits for r in rnd.results),
-                  lost=pg.not_written(table, committed))
+                  lost=pg.not_written(table, committed), agents_cpu=sum(rnd.cpu))
 
 
 @dataclass
@@ -324,6 +341,11 @@ def section(p: Profile, points: dict[tuple[str, int], Point], plot_dir: Path,
          "seed commits refused (ignored)", "seed commits lost", "flock cycles",
          "flock double claims", "flock commits lost", "PostgreSQL cycles",
          "PostgreSQL double claims", "PostgreSQL commits lost"])
+    cpu = Table(
+        "CPU per cycle, ms (each process's CPU over the run ÷ cycles; raw etcd: ÷ "
+        "transactions); the machine has " f"{os.cpu_count()} cores",
+        ["agents", "Baton: agents", "Baton: registry", "Baton: etcd", "Baton: total",
+         "raw etcd: agents", "raw etcd: etcd", "raw etcd: total", "PostgreSQL: agents"])
     have_pg = any(points["PostgreSQL", n].samples for n in agents)
 
     def pg_total(n: int, name: str) -> int | None:
@@ -339,6 +361,15 @@ def section(p: Profile, points: dict[tuple[str, int], Point], plot_dir: Path,
             ratio(b.total("etcd_requests"), b.total("cycles")),
             1000 * ratio(sum(x.registry_cpu for x in b.samples), b.total("cycles"))])
         latency.rows.append([n] + [x.ms(q) for x in (b, r, s, f, g) for q in (0.5, 0.99)])
+
+        def per(point: Point, name: str) -> float:
+            return 1000 * ratio(sum(getattr(x, name) for x in point.samples),
+                                point.total("cycles"))
+
+        baton_parts = [per(b, "agents_cpu"), per(b, "registry_cpu"), per(b, "etcd_cpu")]
+        raw_parts = [per(r, "agents_cpu"), per(r, "etcd_cpu")]
+        cpu.rows.append([n, *baton_parts, sum(baton_parts), *raw_parts, sum(raw_parts),
+                         per(g, "agents_cpu") if have_pg else None])
         safety.rows.append([n, b.total("cycles"), b.total("doubles"), s.total("cycles"),
                             s.total("doubles"), s.total("failed_commits"), s.total("lost"),
                             f.total("cycles"), f.total("doubles"), f.total("lost"),
@@ -425,7 +456,7 @@ installed: the last table lists where the registry's CPU went.
             "no journal.")
     else:
         notes.append(f"PostgreSQL: not available in this run ({no_pg}).")
-    tables = [throughput, latency, safety]
+    tables = [throughput, latency, safety, cpu]
     table = profile_table(profiled)
     if table is not None:
         tables.append(table)
@@ -438,5 +469,15 @@ installed: the last table lists where the registry's CPU went.
                      "samples those in which it was on the stack.")
     else:
         notes.append(f"Registry profile: not available ({profiled.why_not or 'no samples'}).")
+    facts: dict[str, float] = {
+        "claims.doubles": sum(points["Baton", n].total("doubles") for n in agents)}
+    for n in agents:
+        facts[f"claims.vs_raw.{n}"] = ratio_of(points, "Baton", "raw etcd", n)
+        if have_pg:
+            facts[f"claims.vs_pg.{n}"] = ratio_of(points, "Baton", "PostgreSQL", n)
+        facts[f"claims.p99.{n}"] = points["Baton", n].ms(0.99)
+        facts[f"claims.raw_p99.{n}"] = points["raw etcd", n].ms(0.99)
+        facts[f"claims.requests.{n}"] = ratio(points["Baton", n].total("etcd_requests"),
+                                              points["Baton", n].total("cycles"))
     return Section("claims", "Claims", intro, tables, plots, notes=notes,
-                   headlines=headlines, seconds=seconds, load=load_average())
+                   headlines=headlines, seconds=seconds, load=load_average(), facts=facts)

@@ -14,7 +14,7 @@ import signal
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.queues import Queue
 from typing import Any, Self
 
@@ -34,6 +34,8 @@ def _worker(index: int, jobs: Queue[Any], results: Queue[Any]) -> None:
     # Ctrl-C is the parent's to handle: it stops the workers once their daemons are down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
+    began: list[float] = []
+
     def ready() -> float:
         results.put(("ready", index, None))
         message = jobs.get()
@@ -41,6 +43,7 @@ def _worker(index: int, jobs: Queue[Any], results: Queue[Any]) -> None:
             raise SystemExit(0)
         start: float = message[1]
         time.sleep(max(0.0, start - time.monotonic()))
+        began[:] = [time.process_time()]
         return start
 
     while True:
@@ -48,8 +51,13 @@ def _worker(index: int, jobs: Queue[Any], results: Queue[Any]) -> None:
         if message is None:
             return
         fn, arg = message
+        began.clear()
         try:
-            results.put(("done", index, fn(arg, ready)))
+            value = fn(arg, ready)
+            # This process's CPU from the common start to the job's end (its own work
+            # in the measured part: the agent's client library, not the daemons).
+            cpu = time.process_time() - began[0] if began else 0.0
+            results.put(("done", index, (value, cpu)))
         except BaseException:
             results.put(("error", index, traceback.format_exc()))
 
@@ -60,6 +68,8 @@ class Round:
 
     start: float
     results: list[Any]
+    #: each job's CPU seconds from the common start to its end
+    cpu: list[float] = field(default_factory=list)
 
 
 class Pool:
@@ -77,6 +87,7 @@ class Pool:
         for p in self.processes:
             p.start()
         self._running = 0
+        self.last_cpu: list[float] = []
 
     def __enter__(self) -> Self:
         return self
@@ -134,14 +145,18 @@ class Pool:
     def collect(self, seconds: float) -> list[Any]:
         """The results of the jobs :meth:`start` started, waiting up to ``seconds`` + slack."""
         results: list[Any] = [None] * self._running
+        cpu = [0.0] * self._running
         deadline = time.monotonic() + seconds + ROUND_SLACK
         for _ in range(self._running):
-            _, index, value = self._get(deadline)
+            _, index, (value, seconds_cpu) = self._get(deadline)
             results[index] = value
+            cpu[index] = seconds_cpu
         self._running = 0
+        self.last_cpu = cpu
         return results
 
     def run(self, fn: Job, args: Sequence[Any], seconds: float) -> Round:
         """:meth:`start` then :meth:`collect`: one round of jobs that run ``seconds`` or less."""
         start = self.start(fn, args)
-        return Round(start, self.collect(start - time.monotonic() + seconds))
+        results = self.collect(start - time.monotonic() + seconds)
+        return Round(start, results, self.last_cpu)

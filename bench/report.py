@@ -40,6 +40,8 @@ class Section:
     load: str = ""
     #: share of the CPUs busy (with anything) in the second before the scenario started
     busy_before: float = float("nan")
+    #: measured values other parts of the report refer to (the targets table)
+    facts: dict[str, float] = field(default_factory=dict)
 
 
 def fmt(value: Cell) -> str:
@@ -82,6 +84,14 @@ def render(sections: Sequence[Section], machine: dict[str, str], command: str,
     headlines = [h for s in sections for h in s.headlines]
     if headlines:
         out += ["## Summary", ""] + [f"- {h}" for h in headlines] + [""]
+    from .targets import targets_table  # late: targets imports this module
+
+    targets = targets_table({k: v for s in sections for k, v in s.facts.items()})
+    if targets.rows:
+        out += ["## Targets", "",
+                "The goals Baton's hot path is held to, against this run's figures. What "
+                "bounds those not met, from the profiles and CPU figures below, is in "
+                "`docs/performance.md`.", "", markdown_table(targets), ""]
     out += ["## Machine", "", "| | |", "|---|---|"]
     out += [f"| {k} | {v} |" for k, v in machine.items()]
     out += [f"| CPUs busy in the second before the run | {busy:.0%} |",

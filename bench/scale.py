@@ -38,9 +38,10 @@ times that read alone, straight from etcd (`registry._etcd.Etcd.range`, limit 64
 after the claims. Memory is the `VmRSS` of the registry process (and of etcd) from
 `/proc/PID/status`.
 
-**Entries held in etcd**: after the reaper run (below), tasks of {big:,} entries are
-created until etcd holds {total:,} entries across tasks, and the same claims run again,
-on the large task and on a fresh task of {small:,}.
+**Entries held in etcd**: after those claims, tasks of {big:,} entries are created until
+etcd holds {total:,} entries across tasks, and the same claims run again, on the large
+task and on a fresh task of {small:,}. The reaper run (below) comes after, with all of
+them held.
 
 **etcd alone**: after the large task is created, the keys and values its creation
 wrote (entries, ready and open keys) are read back and written again under another
@@ -435,15 +436,15 @@ def measure(p: Profile, root: Path, big_entries: int, pool: Pool, section: Secti
         mem.rows.append(memory(stack, registry.pid, "after the claims"))
         for task, out in runs.items():
             out.head_ms = head_read_ms(stack.etcd.endpoint, task)
+        filled, filled_runs = fill(p, pool, registry.address, small, big, creates, section)
+        if filled:
+            mem.rows.append(memory(stack, registry.pid,
+                                   f"after filling etcd to {filled:,} entries and claiming"))
         try:
             reaped = reap(p, registry.address, stack.etcd.endpoint, big.task)
         except Exception as e:  # a failed measurement is a row, not the scenario's end
             reaped = Reaped(p.reap_claims, p.reap_sessions, error=first_line(e))
         mem.rows.append(memory(stack, registry.pid, "after the reaper run"))
-        filled, filled_runs = fill(p, pool, registry.address, small, big, creates, section)
-        if filled:
-            mem.rows.append(memory(stack, registry.pid,
-                                   f"after filling etcd to {filled:,} entries and claiming"))
     return Measured(small, big, runs, rss_mib, held, db_bytes, reaped, filled, filled_runs)
 
 
@@ -556,6 +557,8 @@ def run(p: Profile, root: Path, plot_dir: Path) -> Section:
         section.notes.append("No `journal/` keys of the large task existed right after its "
                              "creation, so none are in its bytes per entry.")
     section.tables = [creates, claims, held_table, reaper_table, mem]
+    section.facts = {"scale.slowdown": slowdown, "scale.create_s": big.seconds,
+                     "scale.create_n": float(big.entries), "scale.rss_mib": big_rss}
     section.seconds = time.monotonic() - t0
     section.load = load_average()
     return section

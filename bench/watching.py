@@ -312,5 +312,10 @@ def run(p: Profile, root: Path, plot_dir: Path) -> Section:
             f"and {small['1 thread'] / small['b3sum']:.2f}x (one thread) on "
             f"{p.hash_files:,} files of {FILE_KIB} KiB.")
     intro = METHOD.format(files=p.hash_files, rounds=p.hash_rounds)
+    facts = {"watcher.p50.100": first.p50, "watcher.p99.100": first.p99}
+    if top is not None:
+        facts["watcher.sustained"] = float(top.rate)
+        facts["watcher.all_sustained"] = float(top is runs[-1])
     return Section("watcher", "Watcher", intro, [latency, wake, hashing], plots, notes=notes,
-                   headlines=headlines, seconds=time.monotonic() - t0, load=load_average())
+                   headlines=headlines, seconds=time.monotonic() - t0, load=load_average(),
+                   facts=facts)

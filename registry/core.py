@@ -29,6 +29,34 @@ from .view import View
 log = logging.getLogger("baton.registry")
 
 
+class Gate:
+    """Runs coroutines at most ``limit`` at a time, in the background; ``drain`` waits
+    for those still running. For sweeps that move many entries, one guarded
+    transaction each: run together, their transactions share requests."""
+
+    def __init__(self, limit: int) -> None:
+        self._slots = asyncio.Semaphore(limit)
+        self._running: set[asyncio.Task[None]] = set()
+
+    async def submit(self, work: Awaitable[None]) -> None:
+        """Start ``work`` once fewer than ``limit`` are running."""
+        await self._slots.acquire()
+
+        async def run() -> None:
+            try:
+                await work
+            finally:
+                self._slots.release()
+
+        task = asyncio.create_task(run())
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+
+    async def drain(self) -> None:
+        if self._running:
+            await asyncio.gather(*self._running)
+
+
 class Core:
     """State shared by every handler of one registry replica."""
 

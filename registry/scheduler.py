@@ -23,7 +23,7 @@ from client.errors import BatonError
 
 from ._etcd import KV, Get, empty, present
 from .claims import need_task
-from .core import Core
+from .core import Core, Gate
 from .keys import prefix_end
 from .model import CONSUMED, PENDING, VERIFIED, EntryRecord, TaskRecord
 from .txn import Retry, Txn, write
@@ -35,6 +35,8 @@ log = logging.getLogger("baton.registry")
 SLOW_SWEEP = 2.0
 #: keys read per request when listing an index (delayed, waiting, task headers)
 SCAN_PAGE = 1000
+#: entries promoted at once when their backoffs end (each its own transaction)
+PROMOTE_PARALLEL = 32
 #: dependencies (parts) of one entry pinned by its release; beyond, read unpinned
 PIN_MAX = 100
 #: entries read per request when checking dependencies (etcd refuses > 128 per txn)
@@ -135,6 +137,19 @@ class Scheduler:
         base = self.keys.delayed_all()
         now_ms = int(self.core.clock() * 1000)
         moved = 0
+        gate = Gate(PROMOTE_PARALLEL)
+
+        async def promote(task_id: str, file_id: str, index: bytes) -> None:
+            nonlocal moved
+            item = f"delayed entry {task_id}/{file_id}"
+            try:
+                moved += await write(self.core.txns, self._promote_plan(task_id, file_id,
+                                                                         index))
+            except Exception as e:
+                self._complain(item, e)
+            else:
+                self._complain.cleared(item)
+
         start: bytes | None = None
         while True:
             skip_to: bytes | None = None
@@ -151,15 +166,9 @@ class Scheduler:
                     except ValueError as e:
                         self._complain(f"delayed key {key.key!r}", e)
                         continue
-                    item = f"delayed entry {task_id}/{file_id}"
-                    try:
-                        moved += await write(self.core.txns, self._promote_plan(
-                            task_id, file_id, key.key))
-                    except Exception as e:
-                        self._complain(item, e)
-                    else:
-                        self._complain.cleared(item)
+                    await gate.submit(promote(task_id, file_id, key.key))
             if skip_to is None:
+                await gate.drain()
                 return moved
             start = skip_to
 

@@ -13,7 +13,7 @@ from client.v1 import baton_pb2 as pb
 
 from ._etcd import KV
 from .claims import claim_holder
-from .core import Core
+from .core import Core, Gate
 from .keys import ClaimRef
 from .manifest import check_id
 from .model import VERIFIED, WRITING, EntryRecord, now
@@ -25,6 +25,8 @@ log = logging.getLogger("baton.registry")
 MIN_TTL, MAX_TTL = 2, 3600
 #: keys read per request when the reaper lists claims and their twins
 REAP_PAGE = 1000
+#: lost claims moved on at once (each its own guarded transaction)
+REAP_PARALLEL = 32
 
 
 class Sessions:
@@ -133,18 +135,27 @@ class Reaper:
                 yield twin, ref
 
     async def sweep(self) -> int:
+        """Move on every entry whose claim's lease is gone, ``REAP_PARALLEL`` at a time
+        (their transactions share requests through group commit)."""
         moved = 0
-        async for twin, ref in self.orphans():
-            item = f"twin {twin.key.decode(errors='replace')} (token {twin.create_revision})"
-            if ref is None:
-                self._complain(item, ValueError("names no claim; left alone"))
-                continue
+        gate = Gate(REAP_PARALLEL)
+
+        async def one(twin: KV, ref: ClaimRef, item: str) -> None:
+            nonlocal moved
             try:  # one bad entry never stops the reaper for the others
                 if await self._reap(ref, twin.create_revision):
                     moved += 1
                     self.reaped += 1
             except Exception as e:
                 self._complain(item, e)
+
+        async for twin, ref in self.orphans():
+            item = f"twin {twin.key.decode(errors='replace')} (token {twin.create_revision})"
+            if ref is None:
+                self._complain(item, ValueError("names no claim; left alone"))
+                continue
+            await gate.submit(one(twin, ref, item))
+        await gate.drain()
         return moved
 
     async def _reap(self, ref: ClaimRef, token: int) -> bool:
