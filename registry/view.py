@@ -4,8 +4,10 @@ Three kinds of keys are held:
 
 * **mirrored** — task headers, agent sessions, claim slots: every key, loaded
   at start and then followed by the watch, so a key missing here is absent;
-* **cached** — entries and claims this replica read or wrote (a bounded LRU):
-  the watch updates those it holds, a miss reads etcd;
+* **cached** — entries and claims this replica read or wrote (a bounded LRU),
+  not watched: this replica makes most of their changes and takes its own
+  writes at once; one another replica changed fails its compare, and the
+  failure branch brings it back fresh; a miss reads etcd;
 * **windows** — the head of each task's ready index and of each consumer
   group's claimable index: the first keys in order, refilled a page at a time
   when drained, so a claim never reads (or makes etcd count) the whole index.
@@ -145,7 +147,11 @@ class View:
 
     @property
     def _watched(self) -> list[bytes]:
-        return [*self._mirror_bases, *self._cache_bases, self._ready_base, self._cready_base]
+        # Not the cached kinds: entries and claims change at every step, mostly by this
+        # replica (which takes its own writes at once), and a cached value another
+        # replica changed fails its compare and comes back fresh from the failure
+        # branch. Watching them would cost a watch response per transaction.
+        return [*self._mirror_bases, self._ready_base, self._cready_base]
 
     def _wanted(self, key: bytes) -> bool:
         if key.startswith(self._cache_bases):
