@@ -1,6 +1,7 @@
 """``python -m bench``: run the scenarios and write the report with its plots.
 
     python -m bench [--quick] [--only claims,batches,scale,watcher] [--out docs/benchmarks.md]
+                    [--set FIELD=VALUE ...]
 
 Every scenario starts its own private etcd and registry (and watcher) on
 127.0.0.1 in a temporary directory and stops them when it ends, also on Ctrl-C.
@@ -49,6 +50,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    help="a line for the report's machine table, e.g. what else was running")
     p.add_argument("--no-install", action="store_true",
                    help="do not apt-get install b3sum when it is missing")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a field of the profile (bench/profiles.py), e.g. "
+                        "--set claim_agents=1,16,64 --set claim_rounds=1")
     args = p.parse_args(argv)
     args.only = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = [s for s in args.only if s not in SCENARIOS]
@@ -69,11 +73,38 @@ def failed_section(key: str, title: str, error: str, seconds: float) -> Section:
                    seconds=seconds, load=load_average())
 
 
+def override(profile: Profile, settings: list[str]) -> Profile:
+    """``profile`` with ``FIELD=VALUE`` settings applied (tuples: comma-separated)."""
+    values = dict(profile.__dict__)
+    for setting in settings:
+        name, sep, raw = setting.partition("=")
+        if not sep or name not in values:
+            raise ValueError(f"--set {setting!r}: expected FIELD=VALUE with FIELD one of "
+                             f"{', '.join(sorted(values))}")
+        current = values[name]
+        try:
+            if isinstance(current, tuple):
+                values[name] = tuple(type(current[0])(v) for v in raw.split(",") if v)
+            elif isinstance(current, bool):
+                values[name] = raw.lower() in ("1", "true", "yes")
+            else:
+                values[name] = type(current)(raw)
+        except ValueError:
+            raise ValueError(f"--set {setting!r}: {raw!r} is not a valid "
+                             f"{type(current).__name__}") from None
+    return Profile(**values)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     profile = QUICK if args.quick else FULL
     if args.no_install:
         profile = Profile(**{**profile.__dict__, "install": False})
+    try:
+        profile = override(profile, args.set)
+    except ValueError as e:
+        print(f"python -m bench: {e}", file=sys.stderr)
+        return 2
     out: Path = args.out or (Path(tempfile.mkdtemp(prefix="baton-bench-")) / "benchmarks.md"
                              if args.quick else DEFAULT_OUT)
     plot_dir = out.parent / "benchmarks"

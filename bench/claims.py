@@ -424,10 +424,15 @@ def section(p: Profile, points: dict[tuple[str, int], Point], plot_dir: Path,
 Each point: a task (and a manifest, and a table) of {p.claim_entries:,} entries, at most
 {p.claim_seconds:g} s; {p.claim_rounds} round(s), each starting with another system.
 Rates count from the common start to the last agent's finish; ratios are the median
-of the ratios within a round. A Baton cycle is at least two etcd write transactions
-(claim, commit) plus the reads they are guarded by, so Baton ÷ raw etcd cannot
-exceed about 0.5; a column of the first table counts the etcd requests per cycle
-from etcd's own metrics (the reaper's and scheduler's sweeps included). The last
+of the ratios within a round. A Baton cycle is two etcd transactions (claim,
+commit), planned from the registry's watch-fed view with no read before them; with
+several agents, group commit carries several callers' transactions in one request,
+so a cycle may cost less than two requests. A column of the first table counts the
+etcd requests per cycle from etcd's own metrics (the reaper's and scheduler's sweeps
+and the view's window refills included). The CPU table adds up, per cycle, the CPU
+of the agent processes (from the common start to their end), of the registry and of
+etcd, next to the same for a raw etcd transaction: on a machine this small every
+process shares the same cores, so the sum bounds the rate. The last
 column is the registry process's CPU time (user + system, all threads, from
 `/proc/PID/stat` before and after each Baton run) per cycle; it too includes the
 background sweeps. After the rounds, one more Baton run at {profiled.agents} agents
