@@ -28,7 +28,7 @@ from pathlib import Path
 
 from client import Client
 
-from .harness import BenchError, Stack, load_average, percentile
+from .harness import BenchError, Stack, load_average, ms
 from .profiles import Profile
 from .report import Section, Table
 
@@ -87,19 +87,18 @@ def worktree(rev: str) -> Iterator[Path]:
                            check=False, capture_output=True)
 
 
-def commands(runs: int, tokens: dict[str, int]) -> Iterator[tuple[int, list[Command]]]:
-    """For each run, the commands measured (claim and commit name that run's entries)."""
-    for i in range(runs):
-        yield i, [
-            Command("python -c pass", [sys.executable, "-c", "pass"]),
-            Command("baton --help", [BATON, "--help"]),
-            Command("baton task ls", [BATON, "task", "ls"]),
-            Command("baton task ls -o json", [BATON, "task", "ls", "-o", "json"]),
-            Command("baton claim TASK FILE", [BATON, "claim", TASK, f"c{i:04d}", "--ttl", "60",
-                                              "-o", "json"]),
-            Command("baton commit TASK FILE", [BATON, "commit", TASK, f"m{i:04d}", "--token",
-                                               str(tokens.get(f"m{i:04d}", 0)), "--size", "1"]),
-        ]
+def commands(i: int, tokens: dict[str, int]) -> list[Command]:
+    """The commands measured in run ``i`` (claim and commit name that run's entries)."""
+    return [
+        Command("python -c pass", [sys.executable, "-c", "pass"]),
+        Command("baton --help", [BATON, "--help"]),
+        Command("baton task ls", [BATON, "task", "ls"]),
+        Command("baton task ls -o json", [BATON, "task", "ls", "-o", "json"]),
+        Command("baton claim TASK FILE", [BATON, "claim", TASK, f"c{i:04d}", "--ttl", "60",
+                                          "-o", "json"]),
+        Command("baton commit TASK FILE", [BATON, "commit", TASK, f"m{i:04d}", "--token",
+                                           str(tokens[f"m{i:04d}"]), "--size", "1"]),
+    ]
 
 
 def measure(address: str, runs: int, before: Path | None) -> list[Timings]:
@@ -109,12 +108,12 @@ def measure(address: str, runs: int, before: Path | None) -> list[Timings]:
     base["BATON_REGISTRY"] = address
     envs = {name: {**base, **({"PYTHONPATH": str(tree)} if tree else {})}
             for name, tree in variants}
+    # Each variant claims and commits entries of its own.
+    tokens = {name: prepare(address, runs, prefix=name) for name, _ in variants}
     timings: dict[str, Timings] = {}
-    for name, _ in variants:
-        # Each variant claims and commits entries of its own.
-        tokens = prepare(address, runs, prefix=name)
-        for i, cmds in commands(runs, tokens):
-            for cmd in cmds:
+    for i in range(runs):
+        for name, _ in variants:
+            for cmd in commands(i, tokens[name]):
                 argv = [a.replace(f"c{i:04d}", f"{name}-c{i:04d}")
                         .replace(f"m{i:04d}", f"{name}-m{i:04d}") for a in cmd.argv]
                 seconds = timed(argv, envs[name])
@@ -131,10 +130,6 @@ def prepare(address: str, runs: int, prefix: str) -> dict[str, int]:
         session = c.open_session(f"bench-{prefix}", ttl=600, keepalive=False)
         return {f.removeprefix(f"{prefix}-"): c.claim(TASK, f, session=session).token
                 for f in ids if f.startswith(f"{prefix}-m")}
-
-
-def ms(values: list[float], q: float) -> float:
-    return percentile(values, q) * 1000 if values else float("nan")
 
 
 def table(timings: list[Timings], runs: int) -> Table:

@@ -7,12 +7,41 @@
             out.write(b"hello")
         with consume(c, s, "t1", group="default", timeout=30) as got:
             print(got.data)
+
+The names below are loaded on first use: ``import client`` (and the ``baton``
+command, whose every run starts a process) does not pay for gRPC, protobuf or
+BLAKE3 until something needs them.
 """
 
-from . import errors
-from ._client import DEFAULT_REGISTRY, Claim, Client, Lease, RetryPolicy, Session, parse_manifest
-from .consumer import Delivery, consume, next_lease, read_verified
-from .producer import Output, produce, put
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from . import errors
+    from ._client import Claim, Client, Lease, RetryPolicy, Session, parse_manifest
+    from .consumer import Delivery, consume, next_lease, read_verified
+    from .contract import DEFAULT_REGISTRY
+    from .producer import Output, produce, put
+
+#: each public name and the module that defines it
+_HOME = {
+    "DEFAULT_REGISTRY": ".contract",
+    "Claim": "._client",
+    "Client": "._client",
+    "Lease": "._client",
+    "RetryPolicy": "._client",
+    "Session": "._client",
+    "parse_manifest": "._client",
+    "Delivery": ".consumer",
+    "consume": ".consumer",
+    "next_lease": ".consumer",
+    "read_verified": ".consumer",
+    "Output": ".producer",
+    "produce": ".producer",
+    "put": ".producer",
+}
 
 __all__ = [
     "DEFAULT_REGISTRY",
@@ -31,3 +60,18 @@ __all__ = [
     "put",
     "read_verified",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "errors":
+        value: Any = importlib.import_module(".errors", __name__)
+    elif name in _HOME:
+        value = getattr(importlib.import_module(_HOME[name], __name__), name)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -4,34 +4,32 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import socket
 import threading
 import time
-import uuid
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
-from google.protobuf import json_format
-from tenacity import (
-    Retrying,
-    retry_if_exception_type,
-    stop_after_attempt,
-    stop_after_delay,
-    wait_random_exponential,
-)
 
 from . import errors
+from .contract import (
+    DEFAULT_REGISTRY,
+    MAX_MANIFEST_BYTES,
+    MAX_REPLY_BYTES,
+    MAX_REQUEST_BYTES,
+    mib,
+)
 from .errors import SessionExpired, Unavailable
-from .limits import MAX_MANIFEST_BYTES, MAX_REPLY_BYTES, MAX_REQUEST_BYTES, mib
 from .v1 import baton_pb2 as pb
-from .v1 import baton_pb2_grpc as pb_grpc
+
+__all__ = ["DEFAULT_REGISTRY", "Claim", "Client", "Lease", "RetryPolicy", "Session",
+           "parse_manifest"]
 
 log = logging.getLogger("baton.client")
 
-#: where `baton up` serves the registry
-DEFAULT_REGISTRY = "127.0.0.1:7390"
 VERSION = "0.1.0"
 
 R = TypeVar("R")
@@ -50,15 +48,28 @@ class RetryPolicy:
     cap: float = 2.0
     deadline: float = 30.0
     sleep: Callable[[float], None] = time.sleep
+    clock: Callable[[], float] = time.monotonic
+    #: a number between its two arguments
+    jitter: Callable[[float, float], float] = random.uniform
 
-    def retrying(self) -> Retrying:
-        return Retrying(
-            retry=retry_if_exception_type(Unavailable),
-            stop=stop_after_attempt(self.attempts) | stop_after_delay(self.deadline),
-            wait=wait_random_exponential(multiplier=self.initial, max=self.cap),
-            sleep=self.sleep,
-            reraise=True,
-        )
+    def wait(self, attempt: int) -> float:
+        """Seconds to wait after failed attempt ``attempt`` (1, 2, ...): anything up to
+        ``initial`` doubled per attempt, at most ``cap``."""
+        return self.jitter(0.0, min(self.cap, self.initial * 2 ** (attempt - 1)))
+
+    def call(self, fn: Callable[[], R]) -> R:
+        """``fn()``, tried again on ``Unavailable`` until ``attempts`` calls were made
+        or ``deadline`` seconds passed since the first; the last error is raised."""
+        start = self.clock()
+        attempt = 1
+        while True:
+            try:
+                return fn()
+            except Unavailable:
+                if attempt >= self.attempts or self.clock() - start >= self.deadline:
+                    raise
+            self.sleep(self.wait(attempt))
+            attempt += 1
 
 
 @dataclass(frozen=True)
@@ -188,6 +199,30 @@ class Session:
         self.close()
 
 
+class _Stub:
+    """The registry's methods on a channel, each made when first called, from the
+    service descriptor. The generated ``RegistryStub`` makes all thirty at once, a
+    cost every short-lived ``baton`` process would pay for its one or two calls."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        self._channel = channel
+        self._service = pb.DESCRIPTOR.services_by_name["Registry"]
+
+    def __getattr__(self, name: str) -> Any:
+        method = self._service.methods_by_name.get(name)
+        if method is None:
+            raise AttributeError(name)
+        request = getattr(pb, method.input_type.name)
+        reply = getattr(pb, method.output_type.name)
+        make = self._channel.unary_stream if method.server_streaming else self._channel.unary_unary
+        call = make(f"/{self._service.full_name}/{name}",
+                    request_serializer=request.SerializeToString,
+                    response_deserializer=reply.FromString,
+                    _registered_method=True)  # type: ignore[call-arg]  # as generated stubs do
+        setattr(self, name, call)
+        return call
+
+
 class Client:
     """A connection to a registry. Thread-safe; one per process is enough."""
 
@@ -206,7 +241,7 @@ class Client:
             options=[("grpc.max_receive_message_length", MAX_REPLY_BYTES),
                      ("grpc.max_send_message_length", MAX_REQUEST_BYTES)],
         )
-        self._stub = pb_grpc.RegistryStub(self._channel)  # type: ignore[no-untyped-call]
+        self._stub = _Stub(self._channel)
 
     def close(self) -> None:
         self._channel.close()
@@ -219,20 +254,21 @@ class Client:
 
     def _call(self, method: str, request: Any) -> Any:
         if hasattr(request, "request_id") and not request.request_id:
-            request.request_id = uuid.uuid4().hex  # the same across retries
+            request.request_id = os.urandom(16).hex()  # the same across retries
         size = request.ByteSize()
         if size > MAX_REQUEST_BYTES:
             raise errors.MessageTooLarge(
                 f"{method}: the request is {mib(size)}; a registry accepts at most "
                 f"{mib(MAX_REQUEST_BYTES)}", size=size, limit=MAX_REQUEST_BYTES)
         rpc = getattr(self._stub, method)
-        for attempt in self.retry.retrying():
-            with attempt:
-                try:
-                    return rpc(request, timeout=self.timeout)
-                except grpc.RpcError as e:
-                    raise _raise_from_rpc(e, method, self.timeout) from None
-        raise AssertionError("unreachable")  # pragma: no cover
+
+        def attempt() -> Any:
+            try:
+                return rpc(request, timeout=self.timeout)
+            except grpc.RpcError as e:
+                raise _raise_from_rpc(e, method, self.timeout) from None
+
+        return self.retry.call(attempt)
 
     # tasks -----------------------------------------------------------------
 
@@ -432,6 +468,8 @@ def check_manifest_size(spec: pb.TaskSpec) -> None:
 
 def parse_manifest(data: dict[str, Any]) -> pb.TaskSpec:
     """A manifest (JSON object) as a ``TaskSpec``; unknown fields are an error."""
+    from google.protobuf import json_format  # only manifests need it, not every command
+
     try:
         return json_format.ParseDict(data, pb.TaskSpec())
     except json_format.ParseError as e:

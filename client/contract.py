@@ -1,11 +1,15 @@
-"""Sizes both sides of the wire agree on: what a request may weigh.
+"""What both sides of the wire agree on beyond the protobuf messages: where a
+registry serves by default, and what a request may weigh.
 
 Imported by the registry (its gRPC receive limit) and by the client (its send
 limit, and the check that refuses a larger request before sending it). Kept free
-of imports so that the CLI can read it without loading gRPC.
+of imports, so that the CLI reads it without loading gRPC.
 """
 
 from __future__ import annotations
+
+#: where `baton up` serves the registry, and where clients look by default
+DEFAULT_REGISTRY = "127.0.0.1:7390"
 
 MiB = 1 << 20
 

@@ -17,9 +17,10 @@ shares its code.
 from __future__ import annotations
 
 import json
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import grpc
+if TYPE_CHECKING:
+    import grpc
 
 ERROR_KEY = "baton-error"
 FIELDS_KEY = "baton-fields"
@@ -36,10 +37,23 @@ MAX_LIST_ITEMS = 10
 SHOWN_CHARS = 60
 
 
+class _Code:
+    """A class's gRPC status code, named here and looked up when first read: every
+    ``baton`` command imports these errors, and most need no gRPC (``--help``)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: object, owner: type | None = None) -> grpc.StatusCode:
+        import grpc
+
+        return grpc.StatusCode[self.name]
+
+
 class BatonError(Exception):
     """Root of every error Baton raises on purpose."""
 
-    code: ClassVar[grpc.StatusCode] = grpc.StatusCode.INTERNAL
+    code = _Code("INTERNAL")
     #: exit status of the ``baton`` CLI when this error ends a command
     exit_code: ClassVar[int] = 1
 
@@ -57,7 +71,7 @@ class BatonError(Exception):
 class InvalidArgument(BatonError):
     """A request was malformed: a missing id, a negative size, an unknown state."""
 
-    code = grpc.StatusCode.INVALID_ARGUMENT
+    code = _Code("INVALID_ARGUMENT")
     exit_code = 2
 
 
@@ -74,34 +88,34 @@ class MessageTooLarge(InvalidArgument):
     when the client refused it before sending), or the transport refused a message
     as too large (gRPC's ``RESOURCE_EXHAUSTED`` without Baton's error name)."""
 
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    code = _Code("RESOURCE_EXHAUSTED")
 
 
 class TaskExists(BatonError):
     """A different manifest already exists under this task id (``task_id``)."""
 
-    code = grpc.StatusCode.ALREADY_EXISTS
+    code = _Code("ALREADY_EXISTS")
     exit_code = 4
 
 
 class NotFound(BatonError):
     """The task, entry or session named does not exist."""
 
-    code = grpc.StatusCode.NOT_FOUND
+    code = _Code("NOT_FOUND")
     exit_code = 5
 
 
 class NothingToClaim(BatonError):
     """No entry of the task can be claimed (or consumed) right now."""
 
-    code = grpc.StatusCode.NOT_FOUND
+    code = _Code("NOT_FOUND")
     exit_code = 3
 
 
 class IllegalTransition(BatonError):
     """The entry is not in a state that allows the requested transition."""
 
-    code = grpc.StatusCode.FAILED_PRECONDITION
+    code = _Code("FAILED_PRECONDITION")
     exit_code = 4
 
 
@@ -112,49 +126,49 @@ class AlreadyClaimed(IllegalTransition):
 class StaleToken(BatonError):
     """The fencing token is not the live claim's: the claim was lost or superseded."""
 
-    code = grpc.StatusCode.FAILED_PRECONDITION
+    code = _Code("FAILED_PRECONDITION")
     exit_code = 4
 
 
 class SessionExpired(BatonError):
     """The agent session's lease is gone; claims made under it are dead."""
 
-    code = grpc.StatusCode.FAILED_PRECONDITION
+    code = _Code("FAILED_PRECONDITION")
     exit_code = 4
 
 
 class TaskNotActive(BatonError):
     """The task is being created, paused, cancelled or completed."""
 
-    code = grpc.StatusCode.FAILED_PRECONDITION
+    code = _Code("FAILED_PRECONDITION")
     exit_code = 4
 
 
 class SlotsExhausted(BatonError):
     """The agent session already holds as many claims as its slot limit allows."""
 
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    code = _Code("RESOURCE_EXHAUSTED")
     exit_code = 3
 
 
 class ChecksumMismatch(BatonError):
     """Bytes read do not match the verified digest (raised client-side by consumers)."""
 
-    code = grpc.StatusCode.DATA_LOSS
+    code = _Code("DATA_LOSS")
     exit_code = 4
 
 
 class Conflict(BatonError):
     """A compare-and-swap kept losing to concurrent writers; safe to retry."""
 
-    code = grpc.StatusCode.ABORTED
+    code = _Code("ABORTED")
     exit_code = 4
 
 
 class Unavailable(BatonError):
     """The registry (or etcd behind it) could not be reached in time."""
 
-    code = grpc.StatusCode.UNAVAILABLE
+    code = _Code("UNAVAILABLE")
     exit_code = 6
 
 
@@ -163,13 +177,13 @@ class DeadlineExceeded(Unavailable):
     request took that long to send (``method``, ``timeout`` in seconds). The
     registry may have applied it; a retry with the same request id is safe."""
 
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    code = _Code("DEADLINE_EXCEEDED")
 
 
 class Internal(BatonError):
     """Anything unexpected; the registry logs the cause."""
 
-    code = grpc.StatusCode.INTERNAL
+    code = _Code("INTERNAL")
 
 
 _BY_NAME: dict[str, type[BatonError]] = {
@@ -198,11 +212,11 @@ _BY_NAME: dict[str, type[BatonError]] = {
 #: the error a status without a ``baton-error`` name becomes: it came from the
 #: transport (or a proxy), not from a registry's handler, so a code such as
 #: ``RESOURCE_EXHAUSTED`` means a size limit, never a session's full slots
-_TRANSPORT: dict[grpc.StatusCode, type[BatonError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
-    grpc.StatusCode.UNAVAILABLE: Unavailable,
-    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: MessageTooLarge,
+_TRANSPORT: dict[str, type[BatonError]] = {
+    "INVALID_ARGUMENT": InvalidArgument,
+    "UNAVAILABLE": Unavailable,
+    "DEADLINE_EXCEEDED": DeadlineExceeded,
+    "RESOURCE_EXHAUSTED": MessageTooLarge,
 }
 
 
@@ -282,7 +296,7 @@ def from_status(
     meta = {key: value for key, value in (metadata or ())}
     cls = _BY_NAME.get(str(meta.get(ERROR_KEY, "")))
     if cls is None:
-        transport = _TRANSPORT.get(code, Internal)
+        transport = _TRANSPORT.get(code.name, Internal)
         message = clip(details or code.name.lower(), MAX_DETAILS_BYTES)
         if transport is Internal:
             message = f"{code.name}: {message}"

@@ -15,7 +15,7 @@ Limits (documented in docs/cli.md, "The manifest"):
 - ``parts`` name other entries of the task, each once; a part belongs to one
   assembly only; an assembly has no ``depends_on`` and is not itself a part; an
   assembly may have hundreds of parts
-- the manifest, encoded, at most ``client.limits.MAX_MANIFEST_BYTES``
+- the manifest, encoded, at most ``client.contract.MAX_MANIFEST_BYTES``
 
 Problems quote the values they are about cut short (``client.errors.shown``), so
 that a 20,000-character path makes a readable error, not one gRPC cannot carry.
@@ -29,8 +29,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
+from client.contract import MAX_MANIFEST_BYTES, mib
 from client.errors import InvalidArgument, InvalidManifest, shown
-from client.limits import MAX_MANIFEST_BYTES, mib
 from client.v1 import baton_pb2 as pb
 
 from .model import SCHEMA_VERSION, EntryRecord, now

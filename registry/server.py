@@ -14,8 +14,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from client.contract import MAX_REPLY_BYTES, MAX_REQUEST_BYTES
 from client.errors import BatonError
-from client.limits import MAX_REPLY_BYTES, MAX_REQUEST_BYTES
 from client.v1 import baton_pb2
 
 from ._etcd import Etcd

@@ -22,7 +22,7 @@ from registry_fixtures import TEST_RETRY, RegistryHandle
 from test_cli import cli_env
 
 from client import Client, errors
-from client.limits import MAX_MANIFEST_BYTES, MAX_REQUEST_BYTES
+from client.contract import MAX_MANIFEST_BYTES, MAX_REQUEST_BYTES
 from client.v1 import baton_pb2 as pb
 from registry import server as registry_server
 

@@ -12,7 +12,6 @@ keepalive SESSION`` extends it and ``baton release SESSION`` ends it, as
 ``etcdctl lease keep-alive`` / ``revoke`` do for a lease.
 """
 
-from . import agents, ops, stack, tasks
 from ._root import cli, main
 
-__all__ = ["agents", "cli", "main", "ops", "stack", "tasks"]
+__all__ = ["cli", "main"]

@@ -1,4 +1,10 @@
-"""Shared pieces of the CLI: settings, options, errors and rendering."""
+"""Shared pieces of the CLI: settings, options, errors and rendering.
+
+Every run of ``baton`` is a new process, and shell agents run it in loops, so this
+module imports only what every command needs (click, the errors): gRPC and the
+stubs come with the client on its first use, rich with the first table, BLAKE3
+with the first file hashed.
+"""
 
 from __future__ import annotations
 
@@ -11,19 +17,19 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, TypeVar, cast
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar, cast
 
-import blake3
 import click
-import rich.progress
-from google.protobuf import json_format
-from google.protobuf.message import Message
-from rich.console import Console
-from rich.table import Table
 
 from .. import errors
-from .._client import Client, RetryPolicy, Session
-from ..v1 import baton_pb2 as pb
+
+if TYPE_CHECKING:
+    from google.protobuf.message import Message
+    from rich.console import Console
+    from rich.table import Table
+
+    from .._client import Client, Session
+    from ..v1 import baton_pb2 as pb
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -49,6 +55,8 @@ class Settings:
 
     def client(self) -> Client:
         if self._client is None:
+            from .._client import Client, RetryPolicy
+
             # Retries of UNAVAILABLE stop at --timeout too: an unreachable registry
             # must not hold a script for the library's default 30 s.
             retry = RetryPolicy(deadline=self.timeout)
@@ -149,6 +157,8 @@ def slots_option(f: F) -> F:
 
 def as_dict(msg: Message) -> dict[str, Any]:
     """A message as JSON-ready data: proto field names, every field, numbers as numbers."""
+    from google.protobuf import json_format
+
     return json_format.MessageToDict(
         msg,
         preserving_proto_field_name=True,
@@ -165,6 +175,8 @@ def folding_table(*columns: str, whole: tuple[str, ...] = (),
                   min_widths: dict[str, int] | None = None) -> Table:
     """A table whose cells wrap (long words fold) when the terminal is narrow,
     rather than being cut short with an ellipsis; ``whole`` columns never wrap."""
+    from rich.table import Table
+
     table = Table()
     for name in columns:
         min_width = (min_widths or {}).get(name)
@@ -182,6 +194,8 @@ MAX_PIPE_WIDTH = 1000
 def emit_table(table: Table) -> None:
     """Print a table: fitted to a terminal; at its natural width into a pipe or
     file (unless COLUMNS says otherwise), so each row stays one line for grep."""
+    from rich.console import Console
+
     console = Console(soft_wrap=False)
     if not console.is_terminal and "COLUMNS" not in os.environ:
         natural = Console(width=MAX_PIPE_WIDTH).measure(table).maximum
@@ -190,14 +204,20 @@ def emit_table(table: Table) -> None:
 
 
 def err_console() -> Console:
+    from rich.console import Console
+
     return Console(stderr=True)
 
 
 def state_name(state: int) -> str:
+    from ..v1 import baton_pb2 as pb
+
     return pb.EntryState.Name(cast(Any, state)).lower()
 
 
 def status_name(status: int) -> str:
+    from ..v1 import baton_pb2 as pb
+
     return pb.TaskStatus.Name(cast(Any, status)).removeprefix("TASK_").lower()
 
 
@@ -208,6 +228,8 @@ def session_json(session_id: int) -> str:
 
 
 def entry_summary(entry: pb.Entry) -> str:
+    from ..v1 import baton_pb2 as pb
+
     text = f"{entry.task_id}/{entry.file_id}: {state_name(entry.state)}"
     if entry.state in (pb.PENDING, pb.DEAD) and entry.retry_count:
         text += f" (retry {entry.retry_count}/{entry.max_retries})"
@@ -234,6 +256,8 @@ def progress_reader(f: BinaryIO, total: int, description: str) -> Iterator[Binar
     if total < PROGRESS_MIN_BYTES or not console.is_terminal:
         yield f
         return
+    import rich.progress
+
     with rich.progress.wrap_file(f, total, description=description, console=console,
                                  transient=True) as wrapped:
         yield wrapped
@@ -241,6 +265,8 @@ def progress_reader(f: BinaryIO, total: int, description: str) -> Iterator[Binar
 
 def hash_file(path: Path) -> tuple[int, str]:
     """Size and BLAKE3 hex digest of what was read from ``path``."""
+    import blake3
+
     total = path.stat().st_size
     threads = blake3.blake3.AUTO if total >= PARALLEL_HASH_MIN_BYTES else 1
     digest, size = blake3.blake3(max_threads=threads), 0

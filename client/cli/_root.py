@@ -1,18 +1,60 @@
-"""The ``baton`` command group and the console-script entry point."""
+"""The ``baton`` command group and the console-script entry point.
+
+The commands live in four modules (agents, ops, stack, tasks); a command's module
+is imported when the command is looked up, so ``baton claim`` never loads what
+``baton up`` or ``baton status`` need. :data:`COMMANDS` says where each one is.
+"""
 
 from __future__ import annotations
 
+import importlib
+
 import click
 
-from .._client import DEFAULT_REGISTRY
+from ..contract import DEFAULT_REGISTRY
 from ._common import (
     EXIT_STATUS,
     BatonGroup,
     Settings,
 )
 
+#: each command of ``baton`` and the module of ``client.cli`` that defines it
+COMMANDS = {
+    "ack": "agents",
+    "claim": "agents",
+    "commit": "agents",
+    "commit-batch": "agents",
+    "consume": "agents",
+    "fail": "agents",
+    "keepalive": "agents",
+    "nack": "agents",
+    "put": "agents",
+    "release": "agents",
+    "watch": "agents",
+    "agents": "ops",
+    "explain": "ops",
+    "log": "ops",
+    "requeue": "ops",
+    "demo": "stack",
+    "up": "stack",
+    "status": "tasks",
+    "task": "tasks",
+}
 
-@click.group(cls=BatonGroup, context_settings={"help_option_names": ["-h", "--help"]},
+
+class LazyGroup(BatonGroup):
+    """The root group: a command's module is imported when the command is needed."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*COMMANDS, *self.commands})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in self.commands and cmd_name in COMMANDS:
+            importlib.import_module(f"{__package__}.{COMMANDS[cmd_name]}")
+        return self.commands.get(cmd_name)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]},
              epilog=EXIT_STATUS)
 @click.option("--registry", envvar="BATON_REGISTRY", show_envvar=True, default=DEFAULT_REGISTRY,
               show_default=True, metavar="HOST:PORT", help="registry address")
@@ -28,9 +70,6 @@ def cli(ctx: click.Context, registry: str, timeout: float) -> None:
     ctx.call_on_close(settings.close)
 
 
-
 def main() -> None:
     """The ``baton`` console script."""
     cli.main(prog_name="baton")
-
-

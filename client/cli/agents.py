@@ -12,9 +12,6 @@ from typing import IO, Any
 import click
 
 from .. import errors
-from ..consumer import next_lease
-from ..producer import put as put_file
-from ..v1 import baton_pb2 as pb
 from ._common import (
     Settings,
     agent_option,
@@ -203,6 +200,8 @@ def put(settings: Settings, task_id: str, file_id: str, src: Path, agent: str, t
     SRC (- reads stdin) is written to a temporary file beside the entry's path,
     fsynced, renamed into place, and committed with its size and BLAKE3 digest.
     """
+    from ..producer import put as put_file
+
     client = settings.client()
     # Unlike `claim`, the session lives only as long as the copy: it is kept alive
     # while the bytes move and revoked (with nothing left on it) at the end.
@@ -247,6 +246,8 @@ def consume(settings: Settings, task_id: str, file_id: str, group: str, agent: s
         if wait is None:
             lease = client.consume(task_id, group, file_id, session=session)
         else:
+            from ..consumer import next_lease
+
             console = err_console()
             with console.status(f"waiting up to {wait:g} s for a verified entry of {task_id}",
                                 spinner="dots") if console.is_terminal else nullcontext():
@@ -339,6 +340,8 @@ def watch(settings: Settings, task_id: str, from_revision: int, output: str) -> 
     One line per event: time, file_id, state, revision (-o json: one JSON
     object per line, including the SYNCED marker).
     """
+    from ..v1 import baton_pb2 as pb
+
     events = settings.client().watch(task_id, start_revision=from_revision)
     try:
         for ev in events:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import click
 
-from ..v1 import baton_pb2 as pb
 from ._common import (
     Settings,
     as_dict,
@@ -17,6 +18,9 @@ from ._common import (
     session_json,
 )
 from ._root import cli
+
+if TYPE_CHECKING:
+    from ..v1 import baton_pb2 as pb
 
 
 @cli.command()

@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import click
-from rich.table import Table
 
 from .. import errors
-from .._client import parse_manifest
-from ..v1 import baton_pb2 as pb
 from ._common import (
     DIGEST_PREFIX,
     STATES,
@@ -28,6 +25,9 @@ from ._common import (
     status_name,
 )
 from ._root import cli
+
+if TYPE_CHECKING:
+    from ..v1 import baton_pb2 as pb
 
 
 @cli.group(cls=BatonGroup)
@@ -52,6 +52,8 @@ def load_manifest(source: IO[bytes]) -> pb.TaskSpec:
             f"{name}: a manifest is a JSON object, not {type(data).__name__}",
             problems=["not an object"],
         )
+    from .._client import parse_manifest
+
     return parse_manifest(data)
 
 
@@ -87,6 +89,8 @@ def task_get(settings: Settings, task_id: str, output: str) -> None:
     if output == "json":
         emit_json(as_dict(t))
         return
+    from rich.table import Table
+
     table = Table(show_header=False, box=None)
     b = t.spec.backoff
     rows = {
@@ -133,6 +137,8 @@ def task_ls(settings: Settings, output: str) -> None:
 def progress(t: pb.Task) -> str:
     """``done/total``; ``-`` while the task is being created or deleted (its indexes are
     incomplete)."""
+    from ..v1 import baton_pb2 as pb
+
     if t.status in (pb.TASK_CREATING, pb.TASK_DELETING):
         return f"-/{t.entry_count}"
     return f"{t.entry_count - t.open}/{t.entry_count}"
@@ -261,6 +267,8 @@ def status(settings: Settings, task_id: str, entries: bool, output: str) -> None
             data["entries"] = [as_dict(e) for e in rows]
         emit_json(data)
         return
+    from rich.table import Table
+
     summary = Table("state", "entries", title=f"{task_id} ({status_name(t.status)})",
                     caption=t.status_reason or None)
     for s, n in counts.items():

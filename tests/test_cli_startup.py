@@ -1,0 +1,87 @@
+"""The ``baton`` CLI imports only what a command needs (its speed is measured by
+``python -m bench.cli_startup``, not here: these tests check the imports, not time)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from client.cli._root import COMMANDS, cli
+
+#: modules a command may or may not need, checked below
+HEAVY = ("grpc", "google.protobuf", "rich", "blake3", "client.embedded", "client.demo",
+         "client.consumer", "client.producer", "client.v1.baton_pb2_grpc")
+
+PROBE = """
+import json, sys
+args, heavy = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+from client.cli import main
+sys.argv = ["baton", *args]
+try:
+    main()
+except SystemExit:
+    pass
+sys.__stderr__.write(json.dumps(sorted(m for m in heavy if m in sys.modules)) + "\\n")
+"""
+
+
+def loaded_after(args: list[str], registry: str = "127.0.0.1:9") -> list[str]:
+    """Which of HEAVY a fresh process has imported after running ``baton ARGS``."""
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, json.dumps(args), json.dumps(HEAVY)],
+        capture_output=True, text=True, timeout=60, check=False,
+        env={**{k: v for k, v in os.environ.items() if not k.startswith("BATON_")},
+             "BATON_REGISTRY": registry, "BATON_TIMEOUT": "2"},
+    )
+    assert done.stderr.strip(), done
+    loaded: list[str] = json.loads(done.stderr.strip().splitlines()[-1])
+    return loaded
+
+
+def test_every_command_is_in_the_lazy_table() -> None:
+    """COMMANDS names every command the modules define, and each where it is defined."""
+    for module in sorted(set(COMMANDS.values())):
+        __import__(f"client.cli.{module}")
+    assert set(cli.commands) == set(COMMANDS)
+    for name, command in cli.commands.items():
+        callback: Any = command.callback
+        assert callback.__module__ == f"client.cli.{COMMANDS[name]}", name
+
+
+def test_help_of_a_command_loads_no_grpc_protobuf_or_rich() -> None:
+    """`baton task ls --help` and `baton claim --help` import none of the heavy modules."""
+    assert loaded_after(["task", "ls", "--help"]) == []
+    assert loaded_after(["claim", "--help"]) == []
+
+
+@pytest.mark.parametrize("args", [["claim", "t1", "a", "--ttl", "5"],
+                                  ["commit", "t1", "a", "--token", "3", "--size", "1"]])
+def test_agent_commands_load_grpc_but_not_rich_or_the_stack(
+    registry: Any, args: list[str]
+) -> None:
+    """claim and commit load gRPC and the messages, not rich, BLAKE3, the stack or the stubs."""
+    loaded = loaded_after(args, registry.address)
+    assert {"grpc", "google.protobuf"} <= set(loaded)
+    assert not {"rich", "blake3", "client.embedded", "client.demo", "client.consumer",
+                "client.producer", "client.v1.baton_pb2_grpc"} & set(loaded), loaded
+
+
+def test_task_ls_loads_rich_for_its_table_only(registry: Any) -> None:
+    """`task ls` loads rich for its table, and `-o json` does without it."""
+    assert "rich" in loaded_after(["task", "ls"], registry.address)
+    assert "rich" not in loaded_after(["task", "ls", "-o", "json"], registry.address)
+
+
+def test_importing_the_cli_imports_no_command_module() -> None:
+    """`import client.cli` (what the console script does first) defines no command yet."""
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys, client.cli; print(' '.join(sorted("
+         "m for m in sys.modules if m.startswith('client'))))"],
+        capture_output=True, text=True, timeout=60, check=True)
+    assert done.stdout.split() == ["client", "client.cli", "client.cli._common",
+                                   "client.cli._root", "client.contract", "client.errors"]
