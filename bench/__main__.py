@@ -1,6 +1,6 @@
 """``python -m bench``: run the scenarios and write the report with its plots.
 
-    python -m bench [--quick] [--only claims,batches,scale,watcher] [--out docs/benchmarks.md]
+    python -m bench [--quick] [--only claims,batches,scale,watcher,cli] [--out docs/benchmarks.md]
                     [--set FIELD=VALUE ...]
 
 Every scenario starts its own private etcd and registry (and watcher) on
@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
-from . import batches, claims, scale, watching
+from . import batches, claims, cli_startup, scale, watching
 from .harness import INTERRUPTED, Machine, cpu_busy, ensure_b3sum, load_average
 from .profiles import FULL, QUICK, Profile
 from .report import Section, render
@@ -33,6 +33,7 @@ SCENARIOS: dict[str, tuple[str, Scenario]] = {
     "batches": ("Batches", batches.run),
     "scale": ("Scale", scale.run),
     "watcher": ("Watcher", watching.run),
+    "cli": ("CLI startup", cli_startup.run),
 }
 DEFAULT_OUT = Path("docs/benchmarks.md")
 

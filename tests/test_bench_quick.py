@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-SCENARIOS = ("Claims", "Batches", "Scale", "Watcher")
+SCENARIOS = ("Claims", "Batches", "Scale", "Watcher", "CLI startup")
 
 
 @pytest.mark.slow
