@@ -20,10 +20,11 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from . import errors
-    from ._client import Claim, Client, Lease, RetryPolicy, Session, parse_manifest
+    from ._client import Claim, Client, Lease, Session, parse_manifest
     from .consumer import Delivery, consume, next_lease, read_verified
     from .contract import DEFAULT_REGISTRY
     from .producer import Output, produce, put
+    from .retry import RetryPolicy
 
 #: each public name and the module that defines it
 _HOME = {
@@ -31,7 +32,7 @@ _HOME = {
     "Claim": "._client",
     "Client": "._client",
     "Lease": "._client",
-    "RetryPolicy": "._client",
+    "RetryPolicy": ".retry",
     "Session": "._client",
     "parse_manifest": "._client",
     "Delivery": ".consumer",

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import socket
 import threading
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Generator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 
@@ -22,7 +21,8 @@ from .contract import (
     MAX_REQUEST_BYTES,
     mib,
 )
-from .errors import SessionExpired, Unavailable
+from .errors import SessionExpired
+from .retry import RetryPolicy
 from .v1 import baton_pb2 as pb
 
 __all__ = ["DEFAULT_REGISTRY", "Claim", "Client", "Lease", "RetryPolicy", "Session",
@@ -31,45 +31,6 @@ __all__ = ["DEFAULT_REGISTRY", "Claim", "Client", "Lease", "RetryPolicy", "Sessi
 log = logging.getLogger("baton.client")
 
 VERSION = "0.1.0"
-
-R = TypeVar("R")
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """How ``UNAVAILABLE`` calls are retried: exponential backoff with full jitter.
-
-    Every mutating call carries a request id that stays the same across its
-    retries, so the registry applies it at most once.
-    """
-
-    attempts: int = 6
-    initial: float = 0.1
-    cap: float = 2.0
-    deadline: float = 30.0
-    sleep: Callable[[float], None] = time.sleep
-    clock: Callable[[], float] = time.monotonic
-    #: a number between its two arguments
-    jitter: Callable[[float, float], float] = random.uniform
-
-    def wait(self, attempt: int) -> float:
-        """Seconds to wait after failed attempt ``attempt`` (1, 2, ...): anything up to
-        ``initial`` doubled per attempt, at most ``cap``."""
-        return self.jitter(0.0, min(self.cap, self.initial * 2 ** (attempt - 1)))
-
-    def call(self, fn: Callable[[], R]) -> R:
-        """``fn()``, tried again on ``Unavailable`` until ``attempts`` calls were made
-        or ``deadline`` seconds passed since the first; the last error is raised."""
-        start = self.clock()
-        attempt = 1
-        while True:
-            try:
-                return fn()
-            except Unavailable:
-                if attempt >= self.attempts or self.clock() - start >= self.deadline:
-                    raise
-            self.sleep(self.wait(attempt))
-            attempt += 1
 
 
 @dataclass(frozen=True)

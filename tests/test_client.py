@@ -32,6 +32,38 @@ def test_unavailable_is_retried_with_jittered_backoff() -> None:
     assert len(set(slept)) > 1  # jitter: not a fixed schedule
 
 
+def test_retries_stop_at_the_deadline_of_the_policys_clock() -> None:
+    """Retries end once the policy's clock passes its deadline; other errors are not retried."""
+    now = [0.0]
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        now[0] += seconds
+
+    policy = RetryPolicy(attempts=100, initial=1.0, cap=4.0, deadline=10.0, sleep=sleep,
+                         clock=lambda: now[0], jitter=lambda low, high: high)
+    calls: list[float] = []
+
+    def down() -> None:
+        calls.append(now[0])
+        raise errors.DeadlineExceeded("no reply")
+
+    with pytest.raises(errors.DeadlineExceeded):
+        policy.call(down)
+    assert slept == [1.0, 2.0, 4.0, 4.0]  # doubling up to the cap, until 10 s have passed
+    assert calls == [0.0, 1.0, 3.0, 7.0, 11.0]
+
+    def refused() -> None:
+        calls.append(now[0])
+        raise errors.StaleToken("stale")
+
+    calls.clear()
+    with pytest.raises(errors.StaleToken):
+        policy.call(refused)
+    assert len(calls) == 1
+
+
 def test_call_succeeds_once_the_registry_comes_up(etcd: Any, prefix: str, staging: Path) -> None:
     """A client started before its registry gets through when the registry appears."""
     port = free_port()
