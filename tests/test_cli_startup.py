@@ -20,10 +20,9 @@ HEAVY = ("grpc", "google.protobuf", "rich", "blake3", "client.embedded", "client
 PROBE = """
 import json, sys
 args, heavy = json.loads(sys.argv[1]), json.loads(sys.argv[2])
-from client.cli import main
-sys.argv = ["baton", *args]
+from client.cli import cli
 try:
-    main()
+    cli.main(args, prog_name="baton")  # what main() runs, before it ends the process
 except SystemExit:
     pass
 sys.__stderr__.write(json.dumps(sorted(m for m in heavy if m in sys.modules)) + "\\n")
@@ -85,3 +84,27 @@ def test_importing_the_cli_imports_no_command_module() -> None:
         capture_output=True, text=True, timeout=60, check=True)
     assert done.stdout.split() == ["client", "client.cli", "client.cli._common",
                                    "client.cli._root", "client.contract", "client.errors"]
+
+
+def test_the_process_ends_with_its_status_and_all_its_output() -> None:
+    """main() ends the process at once, yet with the command's status and output flushed."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BATON_")}
+    env["BATON_REGISTRY"] = "127.0.0.1:9"
+    shown = subprocess.run([sys.executable, "-m", "client.cli", "--help"], capture_output=True,
+                           text=True, timeout=60, env=env, check=False)
+    assert shown.returncode == 0
+    assert shown.stdout.startswith("Usage: baton [OPTIONS] COMMAND [ARGS]...")
+    assert " ".join(shown.stdout.split()).endswith("or no reply within --timeout.")  # the end
+    usage = subprocess.run([sys.executable, "-m", "client.cli", "claim"], capture_output=True,
+                           text=True, timeout=60, env=env, check=False)
+    assert usage.returncode == 2 and "Missing argument 'TASK'" in usage.stderr
+    down = subprocess.run([sys.executable, "-m", "client.cli", "--timeout", "1", "task", "ls"],
+                          capture_output=True, text=True, timeout=60, env=env, check=False)
+    assert down.returncode == 6 and down.stderr.startswith("baton: registry 127.0.0.1:9")
+
+
+def test_exit_status_of_system_exit_codes() -> None:
+    """None is 0, an int is itself, a message is 1 (as Python's own exit would be)."""
+    from client.cli._root import exit_status
+
+    assert (exit_status(None), exit_status(4), exit_status("bye")) == (0, 4, 1)
