@@ -220,6 +220,10 @@ _TRANSPORT: dict[str, type[BatonError]] = {
 }
 
 
+#: attributes of every error, which no field sent with one may replace
+_RESERVED = frozenset({"message", "fields", "code", "exit_code", "args"})
+
+
 def clip(text: str, limit: int = MAX_VALUE_CHARS) -> str:
     """``text`` cut to ``limit`` characters, saying how many were left out."""
     if len(text) <= limit:
@@ -307,4 +311,6 @@ def from_status(
         fields = {}
     if not isinstance(fields, dict):
         fields = {}
+    # A field must not take the place of what every error has.
+    fields = {k: v for k, v in fields.items() if k not in _RESERVED and k.isidentifier()}
     return cls(clip(details or code.name.lower(), MAX_DETAILS_BYTES), **fields)

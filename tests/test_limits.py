@@ -112,6 +112,16 @@ def test_a_list_says_how_many_items_were_left_out() -> None:
     assert back.problems_more == 25 - errors.MAX_LIST_ITEMS  # type: ignore[attr-defined]
 
 
+def test_fields_cannot_replace_what_every_error_has() -> None:
+    """Fields named message, code or exit_code do not break or change the rebuilt error."""
+    metadata = (("baton-error", "NotFound"),
+                ("baton-fields", '{"message": "x", "code": 1, "exit_code": 0, "task_id": "t"}'))
+    back = errors.from_status(grpc.StatusCode.NOT_FOUND, "no task", metadata)
+    assert type(back) is errors.NotFound
+    assert (str(back), back.exit_code, back.fields) == ("no task", 5, {"task_id": "t"})
+    assert back.code == grpc.StatusCode.NOT_FOUND
+
+
 def test_transport_resource_exhausted_is_not_slots_exhausted() -> None:
     """RESOURCE_EXHAUSTED without Baton's error name is a size limit, not full slots."""
     bare = errors.from_status(grpc.StatusCode.RESOURCE_EXHAUSTED,
