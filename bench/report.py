@@ -92,6 +92,9 @@ def render(sections: Sequence[Section], machine: dict[str, str], command: str,
                 "The goals Baton's hot path is held to, against this run's figures. What "
                 "bounds those not met, from the profiles and CPU figures below, is in "
                 "`docs/performance.md`.", "", markdown_table(targets), ""]
+        if any(row[-1] == "no" for row in targets.rows):
+            bounds = Path(__file__).with_name("bounds.md").read_text().strip()
+            out += ["### What bounds the targets not met", "", bounds, ""]
     out += ["## Machine", "", "| | |", "|---|---|"]
     out += [f"| {k} | {v} |" for k, v in machine.items()]
     out += [f"| CPUs busy in the second before the run | {busy:.0%} |",
