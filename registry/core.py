@@ -83,6 +83,9 @@ class Core:
         self.txns = Transactions(etcd, keys.request, self.view, sleep=sleep, rng=self.rng)
         #: entries that just became verified, for the scheduler (dependents, assemblies)
         self.verified: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
+        #: tasks in which an entry was finished here since the scheduler last looked: the
+        #: ones that may have just completed (it checks every task now and then anyway)
+        self.finishing: set[str] = set()
 
     async def start(self) -> None:
         if self.view is not None:
@@ -177,6 +180,8 @@ class Core:
                 txn.put(open_key, b"")
             elif was is not None:
                 txn.delete(open_key)
+                task_id = rec.task_id
+                txn.after(lambda: self.finishing.add(task_id))
         if (was == DEAD) != (rec.state == DEAD):
             dead_key = self.keys.dead(rec.task_id, rec.file_id)
             if rec.state == DEAD:

@@ -31,8 +31,12 @@ from .verify import Verifier
 
 log = logging.getLogger("baton.registry")
 
-#: seconds between full sweeps of waiting entries and of task completion
+#: seconds between full sweeps of waiting entries, and between looks at the tasks in
+#: which an entry finished
 SLOW_SWEEP = 2.0
+#: seconds between looks at every active task for completion (other replicas finish
+#: entries too; this replica hears only of its own)
+FULL_COMPLETION_SWEEP = 30.0
 #: keys read per request when listing an index (delayed, waiting, task headers)
 SCAN_PAGE = 1000
 #: entries promoted at once when their backoffs end (each its own transaction)
@@ -87,9 +91,14 @@ class Scheduler:
         try:
             while not stop.is_set():
                 slow = loops % max(1, int(SLOW_SWEEP / self.interval)) == 0
+                every = loops % max(1, int(FULL_COMPLETION_SWEEP / self.interval)) == 0
                 sweeps: list[Callable[[], Awaitable[object]]] = [self.promote_due]
                 if slow:
-                    sweeps += [self.sweep_waiting, self.complete_tasks]
+                    sweeps.append(self.sweep_waiting)
+                    if every:
+                        sweeps.append(self.complete_tasks)
+                    else:
+                        sweeps.append(self.complete_finishing)
                 for sweep in sweeps:  # one failing sweep does not skip the others
                     try:
                         await sweep()
@@ -300,16 +309,27 @@ class Scheduler:
 
     # task completion ---------------------------------------------------------
 
-    async def complete_tasks(self) -> int:
-        """An active task none of whose entries is open any more is completed."""
+    async def complete_finishing(self) -> int:
+        """``complete_tasks`` for the tasks in which this replica finished an entry since
+        the last look: checking whether a task has open entries makes etcd count them
+        all, so tasks nothing finished in are left to the full sweep."""
+        hints, self.core.finishing = self.core.finishing, set()
+        return await self.complete_tasks(only=hints) if hints else 0
+
+    async def complete_tasks(self, only: set[str] | None = None) -> int:
+        """An active task none of whose entries is open any more is completed (of the
+        tasks in ``only``, if given)."""
         completed = 0
+        if only is None:
+            self.core.finishing.clear()  # every task is looked at now
         pages = self.core.etcd.scan(self.keys.tasks(), page=SCAN_PAGE)
         async with contextlib.aclosing(pages):
             async for kv in pages:
                 item = f"task header {kv.key.decode(errors='replace')}"
                 try:
                     task = TaskRecord.load(kv.value)
-                    if task.status != "active":
+                    if task.status != "active" or (only is not None
+                                                   and task.task_id not in only):
                         continue
                     completed += await write(self.core.txns, self._complete_plan(task.task_id))
                 except Exception as e:

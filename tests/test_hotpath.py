@@ -125,3 +125,52 @@ def test_manifest_validation_runs_off_the_event_loop(
 
     loop_thread = asyncio.run(body())
     assert seen and all(name != loop_thread for name in seen)
+
+
+def test_completion_looks_at_tasks_finished_here_and_sweeps_all_now_and_then(
+        etcd: Any, prefix: str) -> None:
+    """Only tasks with an entry finished on this replica are checked between full sweeps."""
+    import blake3
+
+    from registry.consumers import Consumers
+    from registry.scheduler import Scheduler
+    from registry.verify import Verifier
+
+    async def body() -> tuple[list[str], str, str]:
+        client = Etcd(etcd.endpoint)
+        await client.connect()
+        core = Core(client, Keys(prefix), "/staging")
+        await core.start()
+        try:
+            await Tasks(core).create(pb.CreateTaskRequest(spec=pb.TaskSpec(
+                task_id="t", entries=[pb.EntrySpec(file_id="a", path="a")])))
+            session = await Sessions(core).open(pb.OpenSessionRequest(agent="a", ttl=30))
+            producers = Producers(core)
+            claim = await producers.claim(pb.ClaimRequest(task_id="t",
+                                                          session_id=session.session_id))
+            digest = blake3.blake3(b"").hexdigest()
+            await producers.commit(pb.CommitRequest(task_id="t", file_id="a",
+                                                    token=claim.token, size=0, digest=digest))
+            await Verifier(core).report(pb.VerificationReport(task_id="t", file_id="a",
+                                                              size=0, digest=digest))
+            # Consumed by its one group: the entry is done, on this replica.
+            consumers = Consumers(core)
+            lease = await consumers.consume(pb.ConsumeRequest(
+                task_id="t", group="default", session_id=session.session_id))
+            await consumers.ack(pb.AckRequest(task_id="t", file_id="a", group="default",
+                                              token=lease.token))
+            scheduler = Scheduler(core)
+            hinted = sorted(core.finishing)
+            core.finishing.clear()  # as if another replica had finished it
+            await scheduler.complete_finishing()
+            before = (await Tasks(core).get("t")).status
+            await scheduler.complete_tasks()
+            after = (await Tasks(core).get("t")).status
+            return hinted, pb.TaskStatus.Name(before), pb.TaskStatus.Name(after)
+        finally:
+            await core.stop()
+            await client.close()
+
+    hinted, before, after = asyncio.run(body())
+    assert hinted == ["t"]  # finishing the entry here hinted its task
+    assert (before, after) == ("TASK_ACTIVE", "TASK_COMPLETED")
