@@ -9,15 +9,40 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import pytest
 
 from client import Client, RetryPolicy
 from registry import RegistryConfig, Running, start
+from registry._etcd import Etcd
+
+T = TypeVar("T")
+
+
+class HasEndpoint(Protocol):
+    @property
+    def endpoint(self) -> str: ...
+
+
+def on_etcd(where: str | HasEndpoint, body: Callable[[Etcd], Awaitable[T]],
+            timeout: float = 5.0) -> T:
+    """Run ``body`` with a connection of its own to etcd (an endpoint, or the session's
+    etcd): for tests that read or write keys straight, not through a registry."""
+    endpoint = where if isinstance(where, str) else where.endpoint
+
+    async def main() -> T:
+        conn = Etcd(endpoint, timeout=timeout)
+        await conn.connect()
+        try:
+            return await body(conn)
+        finally:
+            await conn.close()
+
+    return asyncio.run(main())
 
 
 @dataclass

@@ -8,14 +8,14 @@ a few dozen keys cross several pages.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import blake3
 import pytest
+from registry_fixtures import on_etcd
 
 from client import Client, Session, errors
 from client.etcdproc import EtcdProcess
@@ -71,20 +71,6 @@ def verified(client: Client, task: str, file_id: str) -> pb.Entry | None:
     entry waiting on more than 128 others, see the xfail below)."""
     entry = client.explain(task, file_id).entry
     return entry if entry.state == pb.VERIFIED else None
-
-
-def on_etcd(etcd: EtcdProcess, body: Callable[[Etcd], Awaitable[T]]) -> T:
-    """Run ``body`` with a connection of its own to the session's etcd."""
-
-    async def main() -> T:
-        conn = Etcd(etcd.endpoint)
-        await conn.connect()
-        try:
-            return await body(conn)
-        finally:
-            await conn.close()
-
-    return asyncio.run(main())
 
 
 def raw_keys(etcd: EtcdProcess, prefix: bytes) -> list[bytes]:

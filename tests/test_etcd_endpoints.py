@@ -7,17 +7,16 @@ loopback), so every case runs against that one etcd.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import socket
 import threading
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TypeVar
 
 import pytest
-from registry_fixtures import TEST_RETRY, start_registry
+from registry_fixtures import TEST_RETRY, on_etcd, start_registry
 
 from client import Client, errors
 from client.etcdproc import EtcdProcess, free_port
@@ -96,18 +95,6 @@ def relay(etcd: EtcdProcess) -> Iterator[Relay]:
     r.close()
 
 
-def on(endpoint: str, body: Callable[[Etcd], Awaitable[T]]) -> T:
-    async def main() -> T:
-        conn = Etcd(endpoint, timeout=5)
-        await conn.connect()
-        try:
-            return await body(conn)
-        finally:
-            await conn.close()
-
-    return asyncio.run(main())
-
-
 async def status(conn: Etcd) -> str:
     return await conn.status()
 
@@ -146,46 +133,46 @@ def test_malformed_endpoints_are_refused(endpoint: str, message: str) -> None:
 
 def test_a_dns_name_reaches_etcd(etcd: EtcdProcess) -> None:
     """One member given by name (localhost:PORT) is resolved and reached."""
-    assert on(f"localhost:{etcd.client_port}", status)
+    assert on_etcd(f"localhost:{etcd.client_port}", status)
 
 
 @needs_ipv6
 def test_an_ipv6_address_reaches_etcd(relay: Relay) -> None:
     """One member given as an IPv6 address ([::1]:PORT) is reached."""
-    assert on(f"[::1]:{relay.port}", status)
+    assert on_etcd(f"[::1]:{relay.port}", status)
     assert relay.accepted >= 1
 
 
 @needs_ipv6
 def test_several_members_by_name_and_ipv6_are_all_used(etcd: EtcdProcess, relay: Relay) -> None:
     """Several members, one a name (IPv4) and one IPv6, are resolved into one balanced list."""
-    calls = on(f"localhost:{etcd.client_port},[::1]:{relay.port}", twenty_calls)
+    calls = on_etcd(f"localhost:{etcd.client_port},[::1]:{relay.port}", twenty_calls)
     assert len(calls) == 20 and relay.accepted >= 1
 
 
 def test_several_named_members_work(etcd: EtcdProcess) -> None:
     """Several members given by name (and repeated) are reached."""
     port = etcd.client_port
-    assert len(on(f"localhost:{port},localhost:{port},127.0.0.1:{port}", twenty_calls)) == 20
+    assert len(on_etcd(f"localhost:{port},localhost:{port},127.0.0.1:{port}", twenty_calls)) == 20
 
 
 def test_a_member_that_is_down_fails_no_call(etcd: EtcdProcess) -> None:
     """With one member down, calls go to the member that is up."""
-    assert len(on(f"127.0.0.1:{free_port()},localhost:{etcd.client_port}", twenty_calls)) == 20
+    assert len(on_etcd(f"127.0.0.1:{free_port()},localhost:{etcd.client_port}", twenty_calls)) == 20
 
 
 def test_a_member_that_does_not_resolve_is_left_out(
         etcd: EtcdProcess, caplog: pytest.LogCaptureFixture) -> None:
     """A member whose name does not resolve is logged and left out; the others serve."""
     caplog.set_level(logging.WARNING, logger="baton.registry")
-    assert on(f"no-such-host.invalid:2379,localhost:{etcd.client_port}", status)
+    assert on_etcd(f"no-such-host.invalid:2379,localhost:{etcd.client_port}", status)
     assert "no-such-host.invalid" in caplog.text
 
 
 def test_no_member_resolving_is_unavailable() -> None:
     """When no member's name resolves, connecting fails as Unavailable, naming them."""
     with pytest.raises(errors.Unavailable, match="no-such-host"):
-        on("no-such-host.invalid:2379,other.invalid:2379", status)
+        on_etcd("no-such-host.invalid:2379,other.invalid:2379", status)
 
 
 @needs_ipv6

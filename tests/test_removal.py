@@ -10,6 +10,7 @@ from typing import Any
 
 import blake3
 import pytest
+from registry_fixtures import on_etcd
 from test_cli import invoke, ok_json, one_error_line
 
 from client import Client, errors
@@ -35,15 +36,7 @@ class Store:
         self.keys = Keys(registry.prefix)
 
     def _run(self, work: Any) -> Any:
-        async def body() -> Any:
-            etcd = Etcd(self.endpoint)
-            await etcd.connect()
-            try:
-                return await work(etcd)
-            finally:
-                await etcd.close()
-
-        return asyncio.run(body())
+        return on_etcd(self.endpoint, work)
 
     def all(self) -> dict[bytes, KV]:
         """Every key under the test's prefix, read a page at a time."""

@@ -7,6 +7,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import pytest
+from registry_fixtures import on_etcd
 
 from client.errors import Conflict, NotFound
 from client.etcdproc import EtcdProcess
@@ -16,18 +17,6 @@ from registry.txn import Transactions, Txn, write
 from registry.view import View
 
 T = TypeVar("T")
-
-
-def run(etcd: EtcdProcess, body: Callable[[Etcd], Awaitable[T]]) -> T:
-    async def main() -> T:
-        client = Etcd(etcd.endpoint)
-        await client.connect()
-        try:
-            return await body(client)
-        finally:
-            await client.close()
-
-    return asyncio.run(main())
 
 
 def test_reads_become_compares_and_a_changed_read_replans(etcd: EtcdProcess, prefix: str) -> None:
@@ -51,7 +40,7 @@ def test_reads_become_compares_and_a_changed_read_replans(etcd: EtcdProcess, pre
         result = await write(txns, bump)
         return result, runs
 
-    result, runs = run(etcd, body)
+    result, runs = on_etcd(etcd, body)
     assert (result, runs) == (42, 2)
 
 
@@ -78,7 +67,7 @@ def test_group_commit_carries_many_callers_in_few_requests(
         outcomes = await asyncio.gather(*(create(i) for i in range(64)))
         return txns.committer.requests, txns.committer.carried, outcomes
 
-    requests, carried, outcomes = run(etcd, body)
+    requests, carried, outcomes = on_etcd(etcd, body)
     assert carried == 64
     assert requests < 32, f"{requests} requests for 64 transactions: no grouping"
     assert outcomes.count("conflict") == 1 and outcomes[7] == "conflict"
@@ -100,7 +89,7 @@ def test_callers_touching_one_key_never_share_a_group(etcd: EtcdProcess, prefix:
         assert kv is not None
         return int(kv.value)
 
-    assert run(etcd, body) == 40
+    assert on_etcd(etcd, body) == 40
 
 
 def test_an_error_from_the_view_is_confirmed_on_etcd(etcd: EtcdProcess, prefix: str) -> None:
@@ -128,7 +117,7 @@ def test_an_error_from_the_view_is_confirmed_on_etcd(etcd: EtcdProcess, prefix: 
         finally:
             await view.stop()
 
-    seen = run(etcd, body)
+    seen = on_etcd(etcd, body)
     assert seen[-1] is True  # the answer came from a read of etcd itself
 
 
@@ -151,7 +140,7 @@ def test_view_follows_writes_made_elsewhere(etcd: EtcdProcess, prefix: str) -> N
         finally:
             await view.stop()
 
-    assert run(etcd, body)
+    assert on_etcd(etcd, body)
 
 
 @pytest.mark.parametrize("n", [300])
@@ -169,4 +158,4 @@ def test_a_group_never_exceeds_etcds_limits(etcd: EtcdProcess, prefix: str, n: i
         kvs, _, _ = await client.range(f"{prefix}g".encode())
         return len(kvs)
 
-    assert run(etcd, body) == n
+    assert on_etcd(etcd, body) == n
