@@ -7,8 +7,8 @@ suite, and installation. The shell blocks run in bash, as a user's terminal woul
 from a directory that has the repository's ``.venv`` and ``README.md``; both kinds
 find the stack through ``BATON_REGISTRY``, as they would find ``make up``'s by default.
 
-docs/cli.md: its manifests are created and its shell producer and consumer run as
-written. Its console transcripts show one session's tokens, revisions and times, which
+docs/cli.md: its manifests are created, its opening tour runs line by line against a
+stack, and its shell producer and consumer run as written. Its console transcripts show one session's tokens, revisions and times, which
 no other run reproduces; every ``baton`` command in them (and in every other example of
 the docs) is parsed by the CLI instead, so a renamed command or option fails here.
 """
@@ -127,7 +127,7 @@ def test_the_readme_runs_as_written(up_stack: UpStack, tmp_path: Path) -> None:
 
 #: docs/cli.md blocks this test does not run, and why (their commands are parsed below)
 CLI_NOT_RUN = {
-    "baton up ": "the tour: starts `baton up` in the foreground, names the reader's files",
+    "baton up ": "the tour: run by its own test below, with the stack it starts already up",
 }
 
 
@@ -161,6 +161,30 @@ def test_the_cli_docs_manifests_and_shell_agents_run_as_written(
         page = c.get_entry("scan-42", "p1")  # the highest priority: what the producer took
     assert list(page.consumed_by) == ["ocr"]
     assert (workdir / "out" / "p1.txt").read_text().strip() == "2"  # "page p1": two words
+
+
+def test_the_cli_tour_runs_as_written(up_stack: UpStack, tmp_path: Path) -> None:
+    """docs/cli.md's opening tour runs, line by line, against the stack it starts."""
+    blocks = fenced_blocks(ROOT / "docs" / "cli.md")
+    (tour,) = [text for language, text in blocks if language == "sh"
+               and text.startswith("baton up ")]
+    first, *rest = tour.splitlines()
+    assert first.startswith("baton up "), first  # the stack: up_stack is that
+    # The reader's files: the manifest of the task the tour goes on to use, and a page.
+    (scan,) = [json.loads(text) for language, text in blocks
+               if language == "json" and '"scan-42"' in text]
+    (tmp_path / "manifest.json").write_text(json.dumps(scan))
+    (tmp_path / "p1.png").write_bytes(b"\x89PNG page one")
+    # `baton up` prints where it serves; the tour exports that address.
+    script = "set -e\n" + "\n".join(rest).replace("127.0.0.1:7390", up_stack.address)
+    env = clean_env(PATH=f"{PYTHON.parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    done = subprocess.run(["sh", "-c", script], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=RUN_TIMEOUT, check=False)
+    assert done.returncode == 0, (f"the tour failed (exit {done.returncode}):\n{script}\n"
+                                  f"--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}")
+    assert "index" in done.stdout and "p1" in done.stdout  # status --entries, explain
+    with Client(up_stack.address) as c:
+        assert c.get_entry("scan-42", "p1").state in (pb.WRITTEN, pb.VERIFIED)
 
 
 def baton_lines(path: Path) -> list[str]:
