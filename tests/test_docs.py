@@ -8,9 +8,10 @@ from a directory that has the repository's ``.venv`` and ``README.md``; both kin
 find the stack through ``BATON_REGISTRY``, as they would find ``make up``'s by default.
 
 docs/cli.md: its manifests are created, its opening tour runs line by line against a
-stack, and its shell producer and consumer run as written. Its console transcripts show one session's tokens, revisions and times, which
-no other run reproduces; every ``baton`` command in them (and in every other example of
-the docs) is parsed by the CLI instead, so a renamed command or option fails here.
+stack, and its shell producer and consumer run as written. Its console transcripts
+show one session's tokens, revisions and times, which no other run reproduces; every
+``baton`` command in them (and in every other example of the docs) is parsed by the
+CLI instead, so a renamed command or option fails here.
 """
 
 from __future__ import annotations
