@@ -151,6 +151,9 @@ class Get:
 
 TxnOp = Put | Delete | Get
 
+#: point reads per request (etcd's default limit is 128 operations per transaction)
+READ_CHUNK = 100
+
 
 @dataclass(frozen=True, slots=True)
 class Guarded:
@@ -424,6 +427,18 @@ class Etcd:
     async def read(self, gets: Sequence[Get]) -> list[list[KV]]:
         """Several reads in one round trip, all at the same revision."""
         return (await self.txn([], gets)).gets
+
+    async def get_chunks(
+        self, keys: Sequence[bytes]
+    ) -> AsyncGenerator[tuple[int, list[tuple[bytes, KV | None]]], None]:
+        """Many keys' values, ``READ_CHUNK`` per request (etcd refuses a transaction of
+        more than 128 operations): per request, its revision and each (key, value or
+        None)."""
+        for i in range(0, len(keys), READ_CHUNK):
+            chunk = keys[i:i + READ_CHUNK]
+            result = await self.txn([], [Get(k) for k in chunk])
+            yield result.revision, [(k, kvs[0] if kvs else None)
+                                    for k, kvs in zip(chunk, result.gets, strict=True)]
 
     # leases -------------------------------------------------------------
 

@@ -35,8 +35,6 @@ DELETE_CHUNK = 100
 CLAIM_CHUNK = 40
 #: keys read per request by listings (journal, agents, a cancelled task's claims)
 LIST_PAGE = 1000
-#: entries read per request when explaining what an entry waits for
-READ_CHUNK = 100
 #: lease lookups in flight while listing agents
 TTL_PARALLEL = 32
 #: journal events written by the transaction that made a claim (producer or consumer),
@@ -285,12 +283,11 @@ class Operators:
                            good: tuple[str, ...], what: str) -> str:
         missing = []
         dead = []
-        for i in range(0, len(names), READ_CHUNK):  # etcd refuses > 128 reads per txn
-            chunk = names[i:i + READ_CHUNK]
-            found = await self.core.etcd.read([Get(self.keys.entry(rec.task_id, n))
-                                                for n in chunk])
-            for name, kvs in zip(chunk, found, strict=True):
-                state = _state(kvs[0]) if kvs else "missing"
+        keys = {self.keys.entry(rec.task_id, n): n for n in names}
+        async for _, found in self.core.etcd.get_chunks(list(keys)):
+            for key, kv in found:
+                name = keys[key]
+                state = _state(kv) if kv else "missing"
                 if state == DEAD:
                     dead.append(name)
                 elif state not in good:

@@ -21,7 +21,7 @@ import blake3
 
 from client.errors import BatonError
 
-from ._etcd import KV, Get, empty, present
+from ._etcd import KV, empty, present
 from .claims import need_task
 from .core import Core, Gate
 from .keys import prefix_end
@@ -43,8 +43,6 @@ SCAN_PAGE = 1000
 PROMOTE_PARALLEL = 32
 #: dependencies (parts) of one entry pinned by its release; beyond, read unpinned
 PIN_MAX = 100
-#: entries read per request when checking dependencies (etcd refuses > 128 per txn)
-READ_CHUNK = 100
 
 
 def assembly_digest(part_digests: list[str]) -> str:
@@ -269,7 +267,7 @@ class Scheduler:
         """Many dependencies (parts): more than one transaction may compare (etcd
         allows 128 compares along a transaction's path), so they are read, not pinned.
 
-        They are read straight from etcd, ``READ_CHUNK`` per request, after the
+        They are read straight from etcd, a chunk per request (``Etcd.get_chunks``), after the
         waiting entry itself was read (its pin is the release's guard), and must
         be as of one instant: a key changed after the first request's revision
         means the chunks may disagree, and the plan starts over (``Retry``).
@@ -294,15 +292,16 @@ class Scheduler:
         keys = [self.keys.entry(task_id, n) for n in names]
         others: list[EntryRecord] = []
         first = latest = 0
-        for i in range(0, len(keys), READ_CHUNK):
-            result = await self.core.etcd.txn([], [Get(k) for k in keys[i:i + READ_CHUNK]])
-            first = first or result.revision
-            chunk = [kvs[0] if kvs else None for kvs in result.gets]
-            recs = _all_in(chunk, ok)
-            if recs is None:
-                return None  # one not due is enough: read no further
-            others += recs
-            latest = max([latest, *(kv.mod_revision for kv in chunk if kv is not None)])
+        chunks = self.core.etcd.get_chunks(keys)
+        async with contextlib.aclosing(chunks):
+            async for revision, found in chunks:
+                first = first or revision
+                chunk = [kv for _, kv in found]
+                recs = _all_in(chunk, ok)
+                if recs is None:
+                    return None  # one not due is enough: read no further
+                others += recs
+                latest = max([latest, *(kv.mod_revision for kv in chunk if kv is not None)])
         if latest > first:
             raise Retry()  # changed while we read: not one instant; read again
         return others

@@ -15,7 +15,7 @@ from client.errors import (
 )
 from client.v1 import baton_pb2 as pb
 
-from ._etcd import KV, Get
+from ._etcd import KV
 from .claims import claim_holder, need_task
 from .core import Core
 from .keys import ClaimRef
@@ -41,8 +41,6 @@ CHUNK_BYTES = 512 * 1024
 MAX_ENTRY_BYTES = 256 * 1024
 #: transactions in flight while a large task is written
 PARALLEL = 8
-#: keys read per request when reading an entry's dependencies
-READ_CHUNK = 100
 #: entries read per page when listing
 LIST_PAGE = 1000
 
@@ -260,12 +258,10 @@ class Tasks:
         )
         if rec.state == PENDING and not rec.deps_ok:
             names = rec.parts or rec.depends_on
-            found: list[list[KV]] = []
-            for i in range(0, len(names), READ_CHUNK):  # etcd: at most 128 per request
-                found += await self.core.etcd.read(
-                    [Get(self.keys.entry(rec.task_id, n)) for n in names[i:i + READ_CHUNK]])
-            entry.blocked = any(kvs and EntryRecord.load(kvs[0].value).state == DEAD
-                                for kvs in found)
+            found = [kv async for _, chunk in self.core.etcd.get_chunks(
+                [self.keys.entry(rec.task_id, n) for n in names]) for _, kv in chunk]
+            entry.blocked = any(kv and EntryRecord.load(kv.value).state == DEAD
+                                for kv in found)
         return entry
 
     async def list_entries(self, req: pb.ListEntriesRequest) -> pb.ListEntriesResponse:

@@ -36,6 +36,7 @@ from client.errors import BatonError, Conflict, Internal
 
 from ._etcd import (
     KV,
+    READ_CHUNK,
     Compare,
     Delete,
     Etcd,
@@ -108,9 +109,9 @@ class EtcdSource:
 
     async def get_many(self, keys: Sequence[bytes]) -> list[KV | None]:
         out: list[KV | None] = []
-        # One read per 100 keys: etcd refuses longer transactions.
-        for i in range(0, len(keys), 100):
-            found = await self._check([Get(k) for k in keys[i:i + 100]])
+        # Chunked as Etcd.get_chunks, but the first chunk carries the request check.
+        for i in range(0, len(keys), READ_CHUNK):
+            found = await self._check([Get(k) for k in keys[i:i + READ_CHUNK]])
             out += [kvs[0] if kvs else None for kvs in found]
         return out
 

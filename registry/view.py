@@ -31,7 +31,7 @@ from sortedcontainers import SortedDict
 
 from client.errors import BatonError
 
-from ._etcd import KV, Delete, Etcd, Get, Put
+from ._etcd import KV, Delete, Etcd, Put
 from .keys import Keys
 
 if TYPE_CHECKING:
@@ -154,8 +154,6 @@ class View:
         return [*self._mirror_bases, self._ready_base, self._cready_base]
 
     def _wanted(self, key: bytes) -> bool:
-        if key.startswith(self._cache_bases):
-            return key in self._cache
         if key.startswith((self._ready_base, self._cready_base)):
             return self._window_base(key) in self._windows
         return True
@@ -312,14 +310,11 @@ class View:
                 missing.append(key)
         if missing:
             self.misses += len(missing)
-            for i in range(0, len(missing), 128):
-                chunk = missing[i:i + 128]
-                result = await self.etcd.txn([], [Get(k) for k in chunk])
-                for key, found in zip(chunk, result.gets, strict=True):
-                    kv = found[0] if found else None
+            async for revision, found in self.etcd.get_chunks(missing):
+                for key, kv in found:
                     out[key] = kv
                     if self._kind(key) == _CACHE:
-                        self._apply(key, kv, result.revision, watched=False)
+                        self._apply(key, kv, revision, watched=False)
         return [out[k] for k in keys]
 
     async def scan(self, prefix: bytes, limit: int, keys_only: bool) -> list[KV]:

@@ -20,6 +20,7 @@ from registry_fixtures import on_etcd
 from client import Client, Session, errors
 from client.etcdproc import EtcdProcess
 from client.v1 import baton_pb2 as pb
+from registry import _etcd as etcd_mod
 from registry import operators as operators_mod
 from registry import scheduler as scheduler_mod
 from registry import sessions as sessions_mod
@@ -183,7 +184,7 @@ def test_dependencies_read_in_chunks_must_hold_together(
         etcd: EtcdProcess, prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Dependencies read unpinned, in chunks, release only if all were verified at one instant."""
     monkeypatch.setattr(scheduler_mod, "PIN_MAX", 2)
-    monkeypatch.setattr(scheduler_mod, "READ_CHUNK", 2)
+    monkeypatch.setattr(etcd_mod, "READ_CHUNK", 2)
     keys = Keys(prefix)
     deps = [f"d{i}" for i in range(6)]
 
