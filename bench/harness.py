@@ -21,13 +21,18 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Self
+from typing import TYPE_CHECKING, Self, TypeVar
 
 from client.etcdproc import EtcdProcess, etcd_version, find_etcd, terminate, wait_ready
+
+if TYPE_CHECKING:
+    from registry._etcd import Etcd
+
+T = TypeVar("T")
 
 #: the line ``python -m registry`` prints once it serves
 REGISTRY_READY = "baton-registry listening on "
@@ -309,3 +314,20 @@ def ensure_package(package: str, find: Callable[[], str | None],
         if attempt[1] == "update" and done.returncode != 0:
             break
     return None, f"`apt-get install -y {package}` did not succeed"
+
+
+def on_etcd(endpoint: str, body: Callable[[Etcd], Awaitable[T]], timeout: float = 60.0) -> T:
+    """Run ``body`` with a connection of its own to etcd, through the registry's client."""
+    import asyncio
+
+    from registry._etcd import Etcd
+
+    async def main() -> T:
+        etcd = Etcd(endpoint, timeout=timeout)
+        await etcd.connect()
+        try:
+            return await body(etcd)
+        finally:
+            await etcd.close()
+
+    return asyncio.run(main())

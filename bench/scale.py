@@ -20,6 +20,7 @@ from .harness import (
     first_line,
     load_average,
     ms,
+    on_etcd,
     ratio,
     rss_kib,
 )
@@ -126,26 +127,21 @@ def etcd_alone(endpoint: str, task: str, prefix: str = KEY_PREFIX) -> tuple[int,
     keys = Keys(prefix)
     bases = [keys.entries(task), keys.ready_all(task), keys.open_all(task)]
 
-    async def go() -> tuple[int, float]:
-        etcd = Etcd(endpoint, timeout=60)
-        await etcd.connect()
-        try:
-            held = [(b"/etcd-alone" + kv.key, kv.value) for base in bases
-                    async for kv in etcd.scan(base)]
-            gate = asyncio.Semaphore(8)
+    async def go(etcd: Etcd) -> tuple[int, float]:
+        held = [(b"/etcd-alone" + kv.key, kv.value) for base in bases
+                async for kv in etcd.scan(base)]
+        gate = asyncio.Semaphore(8)
 
-            async def chunk(part: list[tuple[bytes, bytes]]) -> None:
-                async with gate:
-                    await etcd.txn([absent(k) for k, _ in part[:40]],
-                                   [Put(k, v) for k, v in part])
+        async def chunk(part: list[tuple[bytes, bytes]]) -> None:
+            async with gate:
+                await etcd.txn([absent(k) for k, _ in part[:40]],
+                               [Put(k, v) for k, v in part])
 
-            t0 = time.perf_counter()
-            await asyncio.gather(*(chunk(held[i:i + 120]) for i in range(0, len(held), 120)))
-            return len(held), time.perf_counter() - t0
-        finally:
-            await etcd.close()
+        t0 = time.perf_counter()
+        await asyncio.gather(*(chunk(held[i:i + 120]) for i in range(0, len(held), 120)))
+        return len(held), time.perf_counter() - t0
 
-    return asyncio.run(go())
+    return on_etcd(endpoint, go)
 
 
 def head_read_ms(endpoint: str, task: str, reads: int = 50) -> float:
@@ -153,20 +149,15 @@ def head_read_ms(endpoint: str, task: str, reads: int = 50) -> float:
     from registry._etcd import Etcd
     from registry.keys import Keys
 
-    async def go() -> list[float]:
-        etcd = Etcd(endpoint)
-        await etcd.connect()
-        try:
-            times = []
-            for _ in range(reads):
-                t0 = time.perf_counter()
-                await etcd.range(Keys().ready_all(task), limit=64)
-                times.append(time.perf_counter() - t0)
-            return times
-        finally:
-            await etcd.close()
+    async def go(etcd: Etcd) -> list[float]:
+        times = []
+        for _ in range(reads):
+            t0 = time.perf_counter()
+            await etcd.range(Keys().ready_all(task), limit=64)
+            times.append(time.perf_counter() - t0)
+        return times
 
-    return ms(asyncio.run(go()), 0.5)
+    return ms(on_etcd(endpoint, go), 0.5)
 
 
 @dataclass
@@ -190,33 +181,23 @@ def weigh(endpoint: str, task: str, prefix: str = KEY_PREFIX) -> Held:
     """Every key under ``prefix`` read in pages; those naming ``task`` summed by family."""
     from registry._etcd import Etcd
 
-    async def go() -> Held:
+    async def go(etcd: Etcd) -> Held:
         held = Held()
         base = prefix.encode()
-        etcd = Etcd(endpoint, timeout=60)
-        await etcd.connect()
-        try:
-            start: bytes | None = None
-            while True:
-                kvs, _, more = await etcd.range(base, start=start, limit=WEIGH_PAGE)
-                for kv in kvs:
-                    parts = kv.key[len(base):].decode(errors="replace").split("/")
-                    size = len(kv.key) + len(kv.value)
-                    if task not in parts[1:]:
-                        held.other[0] += 1
-                        held.other[1] += size
-                        continue
-                    family = "/".join(parts[:2]) if parts[0] in KINDED else parts[0]
-                    count = held.families.setdefault(family, [0, 0])
-                    count[0] += 1
-                    count[1] += size
-                if not more or not kvs:
-                    return held
-                start = kvs[-1].key + b"\0"
-        finally:
-            await etcd.close()
+        async for kv in etcd.scan(base, page=WEIGH_PAGE):
+            parts = kv.key[len(base):].decode(errors="replace").split("/")
+            size = len(kv.key) + len(kv.value)
+            if task not in parts[1:]:
+                held.other[0] += 1
+                held.other[1] += size
+                continue
+            family = "/".join(parts[:2]) if parts[0] in KINDED else parts[0]
+            count = held.families.setdefault(family, [0, 0])
+            count[0] += 1
+            count[1] += size
+        return held
 
-    return asyncio.run(go())
+    return on_etcd(endpoint, go)
 
 
 @dataclass
