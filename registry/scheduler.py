@@ -150,8 +150,9 @@ class Scheduler:
             nonlocal moved
             item = f"delayed entry {task_id}/{file_id}"
             try:
+                # Fresh: the plan peeks at the entry and may do nothing (see run()).
                 moved += await write(self.core.txns, self._promote_plan(task_id, file_id,
-                                                                         index))
+                                                                         index), fresh=True)
             except Exception as e:
                 self._complain(item, e)
             else:
@@ -248,7 +249,8 @@ class Scheduler:
             self.core.put_entry(rec, txn)
             return True
 
-        return await write(self.core.txns, plan)
+        # Fresh: the plan peeks at the entry and its dependencies and may do nothing.
+        return await write(self.core.txns, plan, fresh=True)
 
     async def _read_pinned(self, txn: Txn, task_id: str, names: Sequence[str],
                            ok: tuple[str, ...]) -> list[EntryRecord] | None:

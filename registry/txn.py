@@ -413,12 +413,18 @@ class Transactions:
         request_id: str = "",
         replay: Callable[[bytes, int], M] | None = None,
         attempts: int = MAX_ATTEMPTS,
+        fresh: bool = False,
     ) -> M:
         """Plan and commit until it applies; with a ``request_id`` the reply is
         recorded by the same transaction, and a retry of the call gets
-        ``replay(record, revision)`` (the original reply) instead of applying twice."""
+        ``replay(record, revision)`` (the original reply) instead of applying twice.
+
+        ``fresh``: read straight from etcd, not from the view. For planners that may
+        decide there is nothing to do from values they did not pin (peeked): no
+        commit then checks those values, so they must not come from a view that may
+        be behind (entries changed by another replica are not watched)."""
         req_key = self._request_key(request_id) if request_id and replay else b""
-        fresh = self.view is None or not self.view.ready
+        fresh = fresh or self.view is None or not self.view.ready
         for attempt in range(attempts):
             txn = self._txn(fresh, req_key)
             try:
@@ -497,7 +503,7 @@ class Transactions:
 
 
 async def write(txns: Transactions, planner: Callable[[Txn], Awaitable[R]],
-                attempts: int = MAX_ATTEMPTS) -> R:
+                attempts: int = MAX_ATTEMPTS, fresh: bool = False) -> R:
     """``Transactions.run`` for writers whose result is the planner's own value
     (reaper, scheduler, operators) rather than a reply naming the revision."""
 
@@ -505,4 +511,4 @@ async def write(txns: Transactions, planner: Callable[[Txn], Awaitable[R]],
         value = await planner(txn)
         return lambda _rev: value
 
-    return await txns.run(wrapped, attempts=attempts)
+    return await txns.run(wrapped, attempts=attempts, fresh=fresh)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -174,3 +175,44 @@ def test_completion_looks_at_tasks_finished_here_and_sweeps_all_now_and_then(
     hinted, before, after = asyncio.run(body())
     assert hinted == ["t"]  # finishing the entry here hinted its task
     assert (before, after) == ("TASK_ACTIVE", "TASK_COMPLETED")
+
+
+def test_a_replica_whose_view_is_behind_still_releases_a_dependent(
+        etcd: Any, prefix: str) -> None:
+    """A dependency verified through another replica releases its dependent on this one."""
+    import blake3
+
+    from registry.scheduler import Scheduler
+    from registry.verify import Verifier
+
+    async def body() -> tuple[bool, str]:
+        client = Etcd(etcd.endpoint)
+        await client.connect()
+        a = Core(client, Keys(prefix), "/staging")
+        b = Core(client, Keys(prefix), "/staging")
+        await a.start()
+        await b.start()
+        try:
+            await Tasks(a).create(pb.CreateTaskRequest(spec=pb.TaskSpec(task_id="t", entries=[
+                pb.EntrySpec(file_id="d", path="d"),
+                pb.EntrySpec(file_id="x", path="x", depends_on=["d"])])))
+            session = await Sessions(a).open(pb.OpenSessionRequest(agent="a", ttl=30))
+            claim = await Producers(a).claim(pb.ClaimRequest(
+                task_id="t", file_id="d", session_id=session.session_id))
+            digest = blake3.blake3(b"").hexdigest()
+            # Committed through A (A now holds `d` as written), verified through B.
+            await Producers(a).commit(pb.CommitRequest(task_id="t", file_id="d",
+                                                       token=claim.token, digest=digest))
+            await Verifier(b).report(pb.VerificationReport(task_id="t", file_id="d",
+                                                           digest=digest))
+            released = await Scheduler(a).check_waiting("t", "x")
+            kv = await client.get(Keys(prefix).entry("t", "x"))
+            assert kv is not None
+            return released, str(json.loads(kv.value).get("deps_ok", True))
+        finally:
+            await a.stop()
+            await b.stop()
+            await client.close()
+
+    released, deps_ok = asyncio.run(body())
+    assert released and deps_ok == "True"
