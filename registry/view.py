@@ -86,9 +86,6 @@ class View:
         self._reserved: set[bytes] = set()
         self._task: asyncio.Task[None] | None = None
         self._synced = asyncio.Event()
-        #: index-window refills and cache misses (for tests and metrics)
-        self.refills = 0
-        self.misses = 0
 
     # lifecycle -------------------------------------------------------------
 
@@ -124,9 +121,9 @@ class View:
         while True:
             try:
                 at = await self._load()
-                # Only the prefixes the view holds, on one stream; of the cached
-                # kinds, only keys it holds are decoded (task creation writes
-                # hundreds of thousands of entries nobody has read yet).
+                # Only the prefixes the view holds, on one stream; of the indexes,
+                # only keys of windows it holds are decoded (task creation writes
+                # hundreds of thousands of ready keys nobody claims from yet).
                 async for batch in self.etcd.watch(self._watched, at + 1, keep=self._wanted):
                     for ev in batch:
                         self._apply(ev.kv.key, ev.kv if ev.kind == "put" else None,
@@ -309,7 +306,6 @@ class View:
             else:
                 missing.append(key)
         if missing:
-            self.misses += len(missing)
             async for revision, found in self.etcd.get_chunks(missing):
                 for key, kv in found:
                     out[key] = kv
@@ -356,7 +352,6 @@ class View:
 
     async def _refill(self, base: bytes, window: _Window) -> None:
         """Read the next page of the index after what the window covered, and its entries."""
-        self.refills += 1
         start = window.end or None
         kvs, rev, more = await self.etcd.range(base, start=start, limit=WINDOW_PAGE,
                                                keys_only=True)
