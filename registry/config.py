@@ -24,6 +24,17 @@ class RegistryConfig:
     reap_interval: float = 0.5
     grace: float = 10.0
     log_level: str = "INFO"
+    # mutual TLS towards clients
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    insecure: bool = False
+    # etcd over TLS, with the registry's own credentials
+    etcd_ca: str = ""
+    etcd_cert: str = ""
+    etcd_key: str = ""
+    etcd_user: str = ""
+    etcd_password_file: str = ""
 
 
 _HELP = {
@@ -34,7 +45,28 @@ _HELP = {
     "reap_interval": "seconds between sweeps for claims whose lease died",
     "grace": "seconds in-flight calls get to finish on SIGTERM",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
+    "tls_ca": "CA bundle client certificates must chain to (re-read when it changes)",
+    "tls_cert": "the registry's server certificate, PEM (re-read when it changes)",
+    "tls_key": "the server certificate's private key, PEM",
+    "insecure": "serve plaintext with no client identities (loopback, or when you mean it)",
+    "etcd_ca": "CA bundle etcd's server certificate must chain to (turns on TLS to etcd)",
+    "etcd_cert": "client certificate the registry presents to etcd",
+    "etcd_key": "private key of --etcd-cert",
+    "etcd_user": "etcd user (etcd auth enabled); its password comes from --etcd-password-file",
+    "etcd_password_file": "file holding the etcd user's password",
 }
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def _parse(kind: type[Any], raw: Any) -> Any:
+    if kind is bool and not isinstance(raw, bool):
+        text = str(raw).strip().lower()
+        if text not in _TRUE | _FALSE:
+            raise ValueError(raw)
+        return text in _TRUE
+    return kind(raw)
 
 
 def load_config(argv: Sequence[str], environ: Mapping[str, str]) -> RegistryConfig:
@@ -48,8 +80,12 @@ def load_config(argv: Sequence[str], environ: Mapping[str, str]) -> RegistryConf
     for f in fields(RegistryConfig):
         flag = "--" + f.name.replace("_", "-")
         env = "BATON_" + f.name.upper()
+        if isinstance(f.default, bool):
+            parser.add_argument(flag, dest=f.name, default=None, action="store_const",
+                                const=True, help=f"{_HELP[f.name]} (${env}=1)")
+            continue
         parser.add_argument(flag, dest=f.name, default=None,
-                            help=f"{_HELP[f.name]} (${env}, default {f.default})")
+                            help=f"{_HELP[f.name]} (${env}, default {f.default!r})")
     args = parser.parse_args(list(argv))
     from_file: dict[str, Any] = {}
     if args.config:
@@ -70,8 +106,7 @@ def load_config(argv: Sequence[str], environ: Mapping[str, str]) -> RegistryConf
         if raw is None:
             continue
         try:
-            kind: type[Any] = type(f.default)
-            values[f.name] = kind(raw)
+            values[f.name] = _parse(type(f.default), raw)
         except ValueError:
             parser.error(f"{f.name}: {raw!r} is not a valid {type(f.default).__name__}")
     return RegistryConfig(**values)

@@ -118,6 +118,7 @@ class EntrySpec(_message.Message):
     LABELS_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
     PARTS_FIELD_NUMBER: _builtins.int
+    PRODUCERS_FIELD_NUMBER: _builtins.int
     file_id: _builtins.str
     """[A-Za-z0-9._-], unique within the task"""
     path: _builtins.str
@@ -146,6 +147,12 @@ class EntrySpec(_message.Message):
         produced itself; it becomes verified when every part is verified.
         """
 
+    @_builtins.property
+    def producers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Identity names (shell patterns: * ? [..]) that may produce this entry;
+        empty = as the task's access rules say.
+        """
+
     def __init__(
         self,
         *,
@@ -159,10 +166,11 @@ class EntrySpec(_message.Message):
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         priority: _builtins.int | None = ...,
         parts: _abc.Iterable[_builtins.str] | None = ...,
+        producers: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "max_retries", b"max_retries", "priority", b"priority"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "consumers", b"consumers", "depends_on", b"depends_on", "expected_digest", b"expected_digest", "expected_size", b"expected_size", "file_id", b"file_id", "labels", b"labels", "max_retries", b"max_retries", "parts", b"parts", "path", b"path", "priority", b"priority"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "consumers", b"consumers", "depends_on", b"depends_on", "expected_digest", b"expected_digest", "expected_size", b"expected_size", "file_id", b"file_id", "labels", b"labels", "max_retries", b"max_retries", "parts", b"parts", "path", b"path", "priority", b"priority", "producers", b"producers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_retries: _TypeAlias = _typing.Literal["max_retries"]  # noqa: Y015
     _WhichOneofArgType__max_retries: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries"]  # noqa: Y015
@@ -174,6 +182,104 @@ class EntrySpec(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__priority) -> _WhichOneofReturnType__priority | None: ...
 
 Global___EntrySpec: _TypeAlias = EntrySpec  # noqa: Y015
+
+@_typing.final
+class PathAccess(_message.Message):
+    """Who may do what in one task (docs/security.md). Patterns match the name of
+    the caller's identity (its certificate's CN) with shell wildcards.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DIR_FIELD_NUMBER: _builtins.int
+    PRODUCERS_FIELD_NUMBER: _builtins.int
+    UNIX_GROUP_FIELD_NUMBER: _builtins.int
+    MODE_FIELD_NUMBER: _builtins.int
+    dir: _builtins.str
+    """a directory of the task, e.g. "raw" (no slash at either end)"""
+    unix_group: _builtins.str
+    """watchers create the directory with this group, "" = leave it"""
+    mode: _builtins.str
+    """and this octal mode, e.g. "2770"; "" = leave it"""
+    @_builtins.property
+    def producers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """who may produce entries under it; empty = as the task says"""
+
+    def __init__(
+        self,
+        *,
+        dir: _builtins.str = ...,
+        producers: _abc.Iterable[_builtins.str] | None = ...,
+        unix_group: _builtins.str = ...,
+        mode: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dir", b"dir", "mode", b"mode", "producers", b"producers", "unix_group", b"unix_group"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PathAccess: _TypeAlias = PathAccess  # noqa: Y015
+
+@_typing.final
+class GroupAccess(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_FIELD_NUMBER: _builtins.int
+    CONSUMERS_FIELD_NUMBER: _builtins.int
+    group: _builtins.str
+    """a consumer group of the task"""
+    @_builtins.property
+    def consumers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """who may consume for it"""
+
+    def __init__(
+        self,
+        *,
+        group: _builtins.str = ...,
+        consumers: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["consumers", b"consumers", "group", b"group"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GroupAccess: _TypeAlias = GroupAccess  # noqa: Y015
+
+@_typing.final
+class Access(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PRODUCERS_FIELD_NUMBER: _builtins.int
+    PATHS_FIELD_NUMBER: _builtins.int
+    GROUPS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def producers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """who may produce any entry; empty = every agent"""
+
+    @_builtins.property
+    def paths(self) -> _containers.RepeatedCompositeFieldContainer[Global___PathAccess]:
+        """per directory; the longest matching dir decides"""
+
+    @_builtins.property
+    def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___GroupAccess]:
+        """per consumer group; a group not listed = every agent"""
+
+    def __init__(
+        self,
+        *,
+        producers: _abc.Iterable[_builtins.str] | None = ...,
+        paths: _abc.Iterable[Global___PathAccess] | None = ...,
+        groups: _abc.Iterable[Global___GroupAccess] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["groups", b"groups", "paths", b"paths", "producers", b"producers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Access: _TypeAlias = Access  # noqa: Y015
 
 @_typing.final
 class RetryBackoff(_message.Message):
@@ -240,6 +346,8 @@ class TaskSpec(_message.Message):
     PRIORITY_FIELD_NUMBER: _builtins.int
     BACKOFF_FIELD_NUMBER: _builtins.int
     AGING_SECONDS_FIELD_NUMBER: _builtins.int
+    ACCESS_FIELD_NUMBER: _builtins.int
+    DIGEST_OPTIONAL_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     schema_version: _builtins.int
     """0 means the current version (1)"""
@@ -251,6 +359,10 @@ class TaskSpec(_message.Message):
     """A waiting entry gains one priority level per aging_seconds (0 = default 60),
     so nothing starves behind a stream of higher-priority work.
     """
+    digest_optional: _builtins.bool
+    """A commit must carry the producer's BLAKE3 digest unless this is set (for
+    producers that cannot hash; the watcher's digest is then the only one).
+    """
     @_builtins.property
     def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___EntrySpec]: ...
     @_builtins.property
@@ -261,6 +373,8 @@ class TaskSpec(_message.Message):
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
     @_builtins.property
     def backoff(self) -> Global___RetryBackoff: ...
+    @_builtins.property
+    def access(self) -> Global___Access: ...
     def __init__(
         self,
         *,
@@ -273,10 +387,12 @@ class TaskSpec(_message.Message):
         priority: _builtins.int | None = ...,
         backoff: Global___RetryBackoff | None = ...,
         aging_seconds: _builtins.float = ...,
+        access: Global___Access | None = ...,
+        digest_optional: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "backoff", b"backoff", "max_retries", b"max_retries", "priority", b"priority"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "access", b"access", "backoff", b"backoff", "max_retries", b"max_retries", "priority", b"priority"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "aging_seconds", b"aging_seconds", "backoff", b"backoff", "consumers", b"consumers", "entries", b"entries", "labels", b"labels", "max_retries", b"max_retries", "priority", b"priority", "schema_version", b"schema_version", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "access", b"access", "aging_seconds", b"aging_seconds", "backoff", b"backoff", "consumers", b"consumers", "digest_optional", b"digest_optional", "entries", b"entries", "labels", b"labels", "max_retries", b"max_retries", "priority", b"priority", "schema_version", b"schema_version", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_retries: _TypeAlias = _typing.Literal["max_retries"]  # noqa: Y015
     _WhichOneofArgType__max_retries: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries"]  # noqa: Y015
@@ -1268,13 +1384,16 @@ class CommitRequest(_message.Message):
     SIZE_FIELD_NUMBER: _builtins.int
     DIGEST_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     file_id: _builtins.str
     token: _builtins.int
     size: _builtins.int
     digest: _builtins.str
-    """BLAKE3 hex the producer computed, "" = none"""
+    """BLAKE3 hex the producer computed ("" only if the task allows it)"""
     request_id: _builtins.str
+    session_id: _builtins.int
+    """the session holding the claim; 0 = not said (the identity still is)"""
     def __init__(
         self,
         *,
@@ -1284,10 +1403,11 @@ class CommitRequest(_message.Message):
         size: _builtins.int = ...,
         digest: _builtins.str = ...,
         request_id: _builtins.str = ...,
+        session_id: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "file_id", b"file_id", "request_id", b"request_id", "size", b"size", "task_id", b"task_id", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "file_id", b"file_id", "request_id", b"request_id", "session_id", b"session_id", "size", b"size", "task_id", b"task_id", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1416,11 +1536,14 @@ class FailRequest(_message.Message):
     TOKEN_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     file_id: _builtins.str
     token: _builtins.int
     reason: _builtins.str
     request_id: _builtins.str
+    session_id: _builtins.int
+    """as in CommitRequest"""
     def __init__(
         self,
         *,
@@ -1429,10 +1552,11 @@ class FailRequest(_message.Message):
         token: _builtins.int = ...,
         reason: _builtins.str = ...,
         request_id: _builtins.str = ...,
+        session_id: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["file_id", b"file_id", "reason", b"reason", "request_id", b"request_id", "task_id", b"task_id", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["file_id", b"file_id", "reason", b"reason", "request_id", b"request_id", "session_id", b"session_id", "task_id", b"task_id", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1678,11 +1802,14 @@ class AckRequest(_message.Message):
     GROUP_FIELD_NUMBER: _builtins.int
     TOKEN_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     file_id: _builtins.str
     group: _builtins.str
     token: _builtins.int
     request_id: _builtins.str
+    session_id: _builtins.int
+    """the session holding the consume-claim; 0 = not said"""
     def __init__(
         self,
         *,
@@ -1691,10 +1818,11 @@ class AckRequest(_message.Message):
         group: _builtins.str = ...,
         token: _builtins.int = ...,
         request_id: _builtins.str = ...,
+        session_id: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["file_id", b"file_id", "group", b"group", "request_id", b"request_id", "task_id", b"task_id", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["file_id", b"file_id", "group", b"group", "request_id", b"request_id", "session_id", b"session_id", "task_id", b"task_id", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1730,12 +1858,15 @@ class NackRequest(_message.Message):
     TOKEN_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     file_id: _builtins.str
     group: _builtins.str
     token: _builtins.int
     reason: _builtins.str
     request_id: _builtins.str
+    session_id: _builtins.int
+    """as in AckRequest"""
     def __init__(
         self,
         *,
@@ -1745,10 +1876,11 @@ class NackRequest(_message.Message):
         token: _builtins.int = ...,
         reason: _builtins.str = ...,
         request_id: _builtins.str = ...,
+        session_id: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["file_id", b"file_id", "group", b"group", "reason", b"reason", "request_id", b"request_id", "task_id", b"task_id", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["file_id", b"file_id", "group", b"group", "reason", b"reason", "request_id", b"request_id", "session_id", b"session_id", "task_id", b"task_id", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
