@@ -184,8 +184,62 @@ class _Stub:
         return call
 
 
+@dataclass(frozen=True)
+class Credentials:
+    """The files of a client identity: the CA that signed the registry's certificate,
+    and this client's certificate and key (see docs/security.md)."""
+
+    ca: str = ""
+    cert: str = ""
+    key: str = ""
+
+    @classmethod
+    def resolve(cls, ca: str | None, cert: str | None, key: str | None) -> Credentials:
+        """The three given; when none is, ``BATON_CA``, ``BATON_CERT``, ``BATON_KEY``."""
+        if ca is None and cert is None and key is None:
+            env = os.environ
+            return cls(env.get("BATON_CA", ""), env.get("BATON_CERT", ""),
+                       env.get("BATON_KEY", ""))
+        return cls(ca or "", cert or "", key or "")
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.ca or self.cert or self.key)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        if not self.ca:
+            raise errors.InvalidArgument(
+                "TLS needs the CA that signed the registry's certificate "
+                "(--ca or BATON_CA) along with the client certificate")
+        if bool(self.cert) != bool(self.key):
+            raise errors.InvalidArgument(
+                "a client certificate needs its key and the reverse "
+                "(--cert/BATON_CERT with --key/BATON_KEY)")
+
+        def read(what: str, path: str) -> bytes | None:
+            if not path:
+                return None
+            try:
+                with open(path, "rb") as f:
+                    return f.read()
+            except OSError as e:
+                raise errors.InvalidArgument(f"cannot read the {what} {path}: {e.strerror}",
+                                             path=path) from None
+
+        return grpc.ssl_channel_credentials(
+            root_certificates=read("CA (BATON_CA)", self.ca),
+            private_key=read("key (BATON_KEY)", self.key),
+            certificate_chain=read("certificate (BATON_CERT)", self.cert))
+
+
 class Client:
-    """A connection to a registry. Thread-safe; one per process is enough."""
+    """A connection to a registry. Thread-safe; one per process is enough.
+
+    With ``ca``, ``cert`` and ``key`` (paths of PEM files) it speaks mutual TLS,
+    the certificate being the caller's identity; given none of them, it reads
+    ``BATON_CA``, ``BATON_CERT`` and ``BATON_KEY``; with none set anywhere it
+    speaks plaintext, which only a registry started with ``--insecure`` accepts.
+    """
 
     def __init__(
         self,
@@ -193,15 +247,21 @@ class Client:
         *,
         timeout: float = 10.0,
         retry: RetryPolicy | None = None,
+        ca: str | None = None,
+        cert: str | None = None,
+        key: str | None = None,
     ) -> None:
         self.target = target
         self.timeout = timeout
         self.retry = retry or RetryPolicy()
-        self._channel = grpc.insecure_channel(
-            target,
-            options=[("grpc.max_receive_message_length", MAX_REPLY_BYTES),
-                     ("grpc.max_send_message_length", MAX_REQUEST_BYTES)],
-        )
+        self.credentials = Credentials.resolve(ca, cert, key)
+        options = [("grpc.max_receive_message_length", MAX_REPLY_BYTES),
+                   ("grpc.max_send_message_length", MAX_REQUEST_BYTES)]
+        if self.credentials.tls:
+            self._channel = grpc.secure_channel(
+                target, self.credentials.channel_credentials(), options=options)
+        else:
+            self._channel = grpc.insecure_channel(target, options=options)
         self._stub = _Stub(self._channel)
 
     def close(self) -> None:
@@ -227,9 +287,25 @@ class Client:
             try:
                 return rpc(request, timeout=self.timeout)
             except grpc.RpcError as e:
-                raise _raise_from_rpc(e, method, self.timeout) from None
+                raise self._explain(_raise_from_rpc(e, method, self.timeout)) from None
 
         return self.retry.call(attempt)
+
+    def _explain(self, error: errors.BatonError) -> errors.BatonError:
+        """A connection refused by the transport, with what usually causes it."""
+        if type(error) is not errors.Unavailable:
+            return error
+        text = error.message.lower()
+        if self.credentials.tls and ("ssl" in text or "handshake" in text or "tls" in text):
+            return errors.Unavailable(
+                f"{error.message} (the TLS handshake with {self.target} failed: is "
+                "BATON_CA the CA of the registry's certificate, and BATON_CERT/BATON_KEY "
+                "an identity that CA signed?)")
+        if not self.credentials.tls:
+            return errors.Unavailable(
+                f"{error.message} (this client speaks plaintext: a registry serving TLS "
+                "needs BATON_CA, BATON_CERT and BATON_KEY)")
+        return error
 
     # tasks -----------------------------------------------------------------
 

@@ -180,6 +180,15 @@ class DeadlineExceeded(Unavailable):
     code = _Code("DEADLINE_EXCEEDED")
 
 
+class PermissionDenied(BatonError):
+    """The caller's identity may not do this: its role is not allowed the call
+    (``role``, ``method``), the claim or session belongs to another identity, or
+    the task's access rules leave it out. Nothing changed."""
+
+    code = _Code("PERMISSION_DENIED")
+    exit_code = 7
+
+
 class Internal(BatonError):
     """Anything unexpected; the registry logs the cause."""
 
@@ -205,6 +214,7 @@ _BY_NAME: dict[str, type[BatonError]] = {
         Unavailable,
         DeadlineExceeded,
         MessageTooLarge,
+        PermissionDenied,
         Internal,
     )
 }
@@ -217,6 +227,8 @@ _TRANSPORT: dict[str, type[BatonError]] = {
     "UNAVAILABLE": Unavailable,
     "DEADLINE_EXCEEDED": DeadlineExceeded,
     "RESOURCE_EXHAUSTED": MessageTooLarge,
+    "PERMISSION_DENIED": PermissionDenied,
+    "UNAUTHENTICATED": PermissionDenied,
 }
 
 
