@@ -73,7 +73,7 @@ def stack(root: Path, etcd: EtcdProcess, args: argparse.Namespace) -> None:
     procs: list[subprocess.Popen[bytes]] = []
     with (root / "registry.log").open("wb") as rlog, (root / "watcher.log").open("wb") as wl:
         try:
-            reg = subprocess.Popen([sys.executable, "-m", "registry", "--etcd", etcd.endpoint,
+            reg = subprocess.Popen([sys.executable, "-m", "registry", "--insecure", "--etcd", etcd.endpoint,
                                     "--listen", address, "--staging", str(staging)],
                                    stdout=rlog, stderr=subprocess.STDOUT)
             procs.append(reg)

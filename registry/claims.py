@@ -9,6 +9,7 @@ import random
 from client.errors import (
     InvalidArgument,
     NotFound,
+    PermissionDenied,
     SessionExpired,
     SlotsExhausted,
     TaskNotActive,
@@ -16,13 +17,43 @@ from client.errors import (
 from client.v1 import baton_pb2 as pb
 
 from ._etcd import KV
+from .identity import ANONYMOUS, Caller
 from .keys import Keys
 from .model import EntryRecord, TaskRecord
 from .txn import Txn
 
 
-def claim_value(agent: str, session: int, slot: int = -1) -> bytes:
-    return json.dumps({"agent": agent, "session": session, "slot": slot}).encode()
+def claim_value(agent: str, session: int, slot: int = -1, identity: str = "") -> bytes:
+    value: dict[str, object] = {"agent": agent, "session": session, "slot": slot}
+    if identity:
+        value["identity"] = identity
+    return json.dumps(value).encode()
+
+
+def identity_of(kv: KV | None) -> str:
+    """The identity that opened a session (its record) or holds a claim (its key)."""
+    if kv is None:
+        return ""
+    try:
+        return str(json.loads(kv.value).get("identity", ""))
+    except ValueError:
+        return ""
+
+
+def check_owner(caller: Caller, kv: KV | None, what: str) -> None:
+    """Refuse ``caller`` unless it is the identity behind ``kv`` (a session record or a
+    claim): a session id or a token is not a capability on its own."""
+    if caller is ANONYMOUS or caller.name == identity_of(kv):
+        return
+    raise PermissionDenied(f"{what} belongs to another identity, not to {caller.describe()}",
+                           identity=caller.name)
+
+
+def check_claim_session(claim: KV, session_id: int, what: str) -> None:
+    """A token call that names its session must name the one holding the claim."""
+    if session_id and claim.lease != session_id:
+        raise PermissionDenied(f"{what} is held by another session than {session_id:x}",
+                               session_id=session_id)
 
 
 def claim_holder(kv: KV | None) -> str:

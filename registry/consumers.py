@@ -8,8 +8,11 @@ from client.errors import IllegalTransition, InvalidArgument, NothingToClaim, St
 from client.v1 import baton_pb2 as pb
 
 from ._etcd import KV, created_at, present
+from .access import check_consumer, consumers_of
 from .claims import (
     Slots,
+    check_claim_session,
+    check_owner,
     check_session_id,
     claim_holder,
     claim_value,
@@ -20,6 +23,7 @@ from .claims import (
     release_slot,
 )
 from .core import Core
+from .identity import Caller
 from .keys import ClaimRef
 from .manifest import check_id
 from .model import CONSUMED, VERIFIED, EntryRecord
@@ -34,7 +38,7 @@ class Consumers:
         self.core = core
         self.keys = core.keys
 
-    async def consume(self, req: pb.ConsumeRequest) -> pb.ConsumeResponse:
+    async def consume(self, req: pb.ConsumeRequest, caller: Caller) -> pb.ConsumeResponse:
         check_id("task_id", req.task_id)
         check_id("group", req.group)
         if req.file_id:
@@ -49,8 +53,10 @@ class Consumers:
         async def planner(txn: Txn) -> Callable[[int], pb.ConsumeResponse]:
             task_kv, agent_kv = await txn.get_many([self.keys.task(req.task_id),
                                                     self.keys.agent(req.session_id)])
-            need_task(task_kv, req.task_id, active=True)  # paused: no new consume leases
+            task = need_task(task_kv, req.task_id, active=True)  # paused: no new leases
             agent = need_session(agent_kv, req.session_id)
+            check_owner(caller, agent_kv, f"session {req.session_id:x}")
+            check_consumer(caller, req.task_id, req.group, consumers_of(task.access, req.group))
             assert agent_kv is not None
             slots = await Slots.read(txn, self.keys, agent_kv)
             if req.file_id:
@@ -76,7 +82,7 @@ class Consumers:
             cready_key = self.keys.cready(rec.task_id, req.group, rec.file_id)
             txn.require(present(cready_key))
             slot = slots.take(txn, self.core.rng)
-            value = claim_value(agent, req.session_id, slot)
+            value = claim_value(agent, req.session_id, slot, caller.name)
             txn.delete(cready_key)
             txn.create(self.keys.claim(ref), value, lease=req.session_id)
             txn.put(self.keys.inflight(ref), value)
@@ -129,10 +135,12 @@ class Consumers:
         )
 
     async def _live(
-        self, txn: Txn, task_id: str, file_id: str, group: str, token: int
+        self, txn: Txn, task_id: str, file_id: str, group: str, token: int,
+        session_id: int, caller: Caller,
     ) -> tuple[KV, EntryRecord]:
-        """The live consume-claim for ``token`` and the entry; deletes the claim (and
-        its twin, and frees its slot) in ``txn``, guarded on the token."""
+        """The live consume-claim for ``token`` and the entry, held by the caller (and
+        by ``session_id`` when not 0); deletes the claim (and its twin, and frees its
+        slot) in ``txn``, guarded on the token."""
         check_id("task_id", task_id)
         check_id("file_id", file_id)
         check_id("group", group)
@@ -146,17 +154,21 @@ class Consumers:
                 f"{task_id}/{file_id} (lost, superseded or already acked)",
                 task_id=task_id, file_id=file_id, group=group, token=token,
             )
+        what = f"the consume-claim of group {group!r} on {task_id}/{file_id} (token {token})"
+        check_owner(caller, claim, what)
+        check_claim_session(claim, session_id, what)
         txn.require(created_at(claim_key, token))
         txn.delete(claim_key)
         txn.delete(self.keys.inflight(ref))
         release_slot(self.keys, claim, txn)
         return claim, rec
 
-    async def ack(self, req: pb.AckRequest) -> pb.Entry:
+    async def ack(self, req: pb.AckRequest, caller: Caller) -> pb.Entry:
         staging = self.core.staging_dir(req.task_id)
 
         async def planner(txn: Txn) -> Callable[[int], pb.Entry]:
-            claim, rec = await self._live(txn, req.task_id, req.file_id, req.group, req.token)
+            claim, rec = await self._live(txn, req.task_id, req.file_id, req.group, req.token,
+                                          req.session_id, caller)
             if rec.state != VERIFIED:
                 raise IllegalTransition(
                     f"entry {rec.file_id!r} is {rec.state}: its verified bytes are gone "
@@ -173,12 +185,12 @@ class Consumers:
 
         return await self.core.txns.run(planner, req.request_id, entry_replay)
 
-    async def nack(self, req: pb.NackRequest) -> pb.Entry:
+    async def nack(self, req: pb.NackRequest, caller: Caller) -> pb.Entry:
         staging = self.core.staging_dir(req.task_id)
 
         async def planner(txn: Txn) -> Callable[[int], pb.Entry]:
             _claim, rec = await self._live(txn, req.task_id, req.file_id, req.group,
-                                           req.token)
+                                           req.token, req.session_id, caller)
             rec.remember("nacked", group=req.group, token=req.token, reason=req.reason)
             self.core.put_entry(rec, txn)
             if rec.state == VERIFIED:

@@ -15,6 +15,8 @@ Limits (documented in docs/cli.md, "The manifest"):
 - ``parts`` name other entries of the task, each once; a part belongs to one
   assembly only; an assembly has no ``depends_on`` and is not itself a part; an
   assembly may have hundreds of parts
+- ``access`` rules as ``registry.access`` checks them (patterns, directories,
+  unix groups and modes; groups named must be consumer groups of the task)
 - the manifest, encoded, at most ``client.contract.MAX_MANIFEST_BYTES``
 
 Problems quote the values they are about cut short (``client.errors.shown``), so
@@ -33,6 +35,7 @@ from client.contract import MAX_MANIFEST_BYTES, mib
 from client.errors import InvalidArgument, InvalidManifest, shown
 from client.v1 import baton_pb2 as pb
 
+from . import access
 from .model import SCHEMA_VERSION, EntryRecord, now
 
 MAX_ENTRIES = 100_000
@@ -104,6 +107,8 @@ class ValidTask:
     priority: int = 0
     backoff: tuple[float, ...] | list[float] = (1.0, 2.0, 60.0)
     aging: float = 60.0
+    access: dict[str, object] | None = None
+    digest_optional: bool = False
 
 
 def _labels_problems(where: str, labels: dict[str, str]) -> list[str]:
@@ -194,6 +199,8 @@ def validate(spec: pb.TaskSpec) -> ValidTask:
             problems.append(f"{where}: max_retries {e.max_retries} not within 0..{MAX_RETRIES}")
         problems += _groups_problems(where, list(e.consumers))
         problems += _labels_problems(where, dict(e.labels))
+        if e.producers:
+            problems += access.patterns_problems(f"{where}: producers", e.producers)
     ids = {e.file_id for e in spec.entries}
     for e in spec.entries:
         for what, names in (("depends_on", e.depends_on), ("parts", e.parts)):
@@ -248,6 +255,8 @@ def validate(spec: pb.TaskSpec) -> ValidTask:
         if part in assemblies:
             problems.append(f"entry {shown(part)} is an assembly and a part of "
                             f"{shown(assembly)}")
+    all_groups = set(groups) | {g for e in spec.entries for g in e.consumers}
+    problems += access.problems(spec.access, all_groups)
     size = spec.ByteSize()
     if size > MAX_MANIFEST_BYTES:
         problems.append(f"the manifest is {mib(size)} encoded: at most "
@@ -283,9 +292,12 @@ def validate(spec: pb.TaskSpec) -> ValidTask:
             backoff=backoff,
             aging=aging,
             created_at=created,
+            producers=access.producers_of(spec.access, e.path, e.producers),
+            digest_optional=spec.digest_optional,
         )
         for e in spec.entries
     ]
     digest = hashlib.sha256(spec.SerializeToString(deterministic=True)).hexdigest()
     return ValidTask(spec.task_id, groups, task_retries, dict(spec.labels), entries, digest,
-                     task_priority, backoff, aging)
+                     task_priority, backoff, aging, access.to_dict(spec.access),
+                     spec.digest_optional)

@@ -10,6 +10,8 @@ from typing import Any
 
 from client.v1 import baton_pb2 as pb
 
+from .access import from_dict as access_from_dict
+
 SCHEMA_VERSION = 1
 
 PENDING = "pending"
@@ -113,6 +115,10 @@ class EntryRecord:
     error: str = ""
     created_at: str = ""
     updated_at: str = ""
+    #: identity patterns that may produce it (the task's access rules; [] = any agent)
+    producers: list[str] = field(default_factory=list)
+    #: a commit may come without the producer's digest (the task opted out)
+    digest_optional: bool = False
 
     @classmethod
     def load(cls, raw: bytes) -> EntryRecord:
@@ -214,6 +220,9 @@ class TaskRecord:
     status_reason: str = ""
     created_at: str = ""
     updated_at: str = ""
+    #: the manifest's access rules (registry.access.to_dict)
+    access: dict[str, Any] = field(default_factory=dict)
+    digest_optional: bool = False
 
     @classmethod
     def load(cls, raw: bytes) -> TaskRecord:
@@ -235,6 +244,8 @@ class TaskRecord:
             backoff=pb.RetryBackoff(base_seconds=self.backoff[0], factor=self.backoff[1],
                                     cap_seconds=self.backoff[2]),
             aging_seconds=self.aging,
+            access=access_from_dict(self.access),
+            digest_optional=self.digest_optional,
         )
         return pb.Task(
             spec=spec,

@@ -12,9 +12,11 @@ from datetime import UTC, datetime
 from client.errors import IllegalTransition, InvalidArgument
 from client.v1 import baton_pb2 as pb
 
+from . import access
 from ._etcd import KV, Get
 from .claims import claim_holder, entry_replay, need_entry, need_task, release_slot
 from .core import Core
+from .identity import Caller
 from .keys import ClaimRef
 from .manifest import check_id
 from .model import (
@@ -208,8 +210,9 @@ class Operators:
             group=str(data.get("group") or ""),
         )
 
-    async def explain(self, req: pb.GetEntryRequest) -> pb.Explanation:
-        """One paragraph on where an entry is and what it waits for."""
+    async def explain(self, req: pb.GetEntryRequest, caller: Caller) -> pb.Explanation:
+        """One paragraph on where an entry is and what it waits for, and what the
+        task's access rules say about the caller."""
         check_id("task_id", req.task_id)
         check_id("file_id", req.file_id)
         task_kv, kv = [found[0] if found else None for found in await self.core.etcd.read(
@@ -218,6 +221,10 @@ class Operators:
         rec = need_entry(kv, req.task_id, req.file_id)
         assert kv is not None
         text = await self._explain(task, kv, rec)
+        rules = access.explain(caller, rec.producers, {
+            g: access.consumers_of(task.access, g) for g in rec.consumers})
+        if rules:
+            text = f"{text} {rules}"
         entry = rec.to_pb(self.core.staging_dir(rec.task_id), revision=kv.mod_revision)
         return pb.Explanation(entry=entry, text=text)
 

@@ -14,8 +14,11 @@ from client.errors import (
 from client.v1 import baton_pb2 as pb
 
 from ._etcd import KV, created_at, present
+from .access import check_producer
 from .claims import (
     Slots,
+    check_claim_session,
+    check_owner,
     check_session_id,
     claim_value,
     entry_replay,
@@ -25,6 +28,7 @@ from .claims import (
     release_slot,
 )
 from .core import Core
+from .identity import Caller, may
 from .keys import ClaimRef
 from .manifest import DIGEST_RE, check_id
 from .model import PENDING, WRITING, WRITTEN, EntryRecord
@@ -48,8 +52,10 @@ class Producers:
 
     # claim -----------------------------------------------------------------
 
-    def _claim(self, txn: Txn, rec: EntryRecord, slots: Slots, session_id: int) -> None:
+    def _claim(self, txn: Txn, rec: EntryRecord, slots: Slots, session_id: int,
+               caller: Caller) -> None:
         """Add one claim (pending → writing) to a transaction being planned."""
+        check_producer(caller, rec.task_id, rec.file_id, rec.producers)
         claimable = rec.index.startswith(self.keys.ready_all(rec.task_id).decode()) or (
             rec.index.startswith(self.keys.delayed_of_task(rec.task_id).decode())
             and rec.not_before <= self.core.clock())
@@ -61,30 +67,32 @@ class Producers:
         rec.state, rec.owner, rec.session = WRITING, slots.agent, session_id
         rec.observed, rec.error, rec.not_before = None, "", 0.0
         rec.remember("claimed", who=slots.agent, attempt=rec.retry_count)
-        value = claim_value(slots.agent, session_id, slot)
+        value = claim_value(slots.agent, session_id, slot, caller.name)
         txn.create(self.keys.claim(ref), value, lease=session_id)
         txn.create(self.keys.inflight(ref), value)
         self.core.put_entry(rec, txn)
 
-    async def _session(self, txn: Txn, task_id: str, session_id: int) -> Slots:
-        """The task must hand out work and the session must live: both pinned."""
+    async def _session(self, txn: Txn, task_id: str, session_id: int, caller: Caller) -> Slots:
+        """The task must hand out work and the session must live, and be the caller's:
+        both pinned."""
         task_kv, agent_kv = await txn.get_many([self.keys.task(task_id),
                                                 self.keys.agent(session_id)])
         need_task(task_kv, task_id, active=True)
         need_session(agent_kv, session_id)
+        check_owner(caller, agent_kv, f"session {session_id:x}")
         assert agent_kv is not None
         return await Slots.read(txn, self.keys, agent_kv)
 
-    async def claim(self, req: pb.ClaimRequest) -> pb.ClaimResponse:
+    async def claim(self, req: pb.ClaimRequest, caller: Caller) -> pb.ClaimResponse:
         self._busy[req.task_id] = self._busy.get(req.task_id, 0) + 1
         try:
-            return await self._claim_one(req)
+            return await self._claim_one(req, caller)
         finally:
             self._busy[req.task_id] -= 1
             if not self._busy[req.task_id]:
                 del self._busy[req.task_id]
 
-    async def _claim_one(self, req: pb.ClaimRequest) -> pb.ClaimResponse:
+    async def _claim_one(self, req: pb.ClaimRequest, caller: Caller) -> pb.ClaimResponse:
         check_id("task_id", req.task_id)
         if req.file_id:
             check_id("file_id", req.file_id)
@@ -92,14 +100,15 @@ class Producers:
         staging = self.core.staging_dir(req.task_id)
 
         async def planner(txn: Txn) -> Callable[[int], pb.ClaimResponse]:
-            slots = await self._session(txn, req.task_id, req.session_id)
+            slots = await self._session(txn, req.task_id, req.session_id, caller)
             if req.file_id:
                 rec = need_entry(await txn.get(self.keys.entry(req.task_id, req.file_id)),
                                  req.task_id, req.file_id)
+                check_producer(caller, rec.task_id, rec.file_id, rec.producers)
                 self._check_claimable(rec, staging)
             else:
-                (rec,) = await self._pick(txn, req.task_id, 1)
-            self._claim(txn, rec, slots, req.session_id)
+                (rec,) = await self._pick(txn, req.task_id, 1, caller)
+            self._claim(txn, rec, slots, req.session_id, caller)
 
             def reply(rev: int) -> pb.ClaimResponse:
                 entry = rec.to_pb(staging, revision=rev, token=rev)
@@ -142,14 +151,16 @@ class Producers:
         return head + [kv for kv in delayed
                        if int(self.keys.parse_tail(kv.key, base)[0]) <= now_ms]
 
-    async def _pick(self, txn: Txn, task_id: str, want: int) -> list[EntryRecord]:
+    async def _pick(self, txn: Txn, task_id: str, want: int,
+                    caller: Caller) -> list[EntryRecord]:
         """Up to ``want`` claimable entries from the head of the ready index.
 
         The index is sorted by priority (with aging) then age, so the head is
         the work to do first; no claim ever scans the task. Concurrent claimers
         on this replica pass over entries another planner holds (the view's
         reservations); claimers on other replicas read the same head, so each
-        tries it in a random order.
+        tries it in a random order. Entries the caller may not produce (the
+        task's access rules) are passed over.
         """
         page = await self._candidates(txn, task_id)
         window = min(len(page), want + self._busy.get(task_id, 1) - 1)
@@ -159,12 +170,16 @@ class Producers:
         keys = [self.keys.entry(task_id, self.keys.last_segment(k.key)) for k in order]
         picked: list[EntryRecord] = []
         moved = False
+        denied = 0
         view = self.core.view if not txn.fresh else None
         for key, ready, kv in zip(keys, order, await txn.peek_many(keys), strict=True):
             rec = EntryRecord.load(kv.value) if kv else None
             if kv is None or rec is None or rec.state != PENDING or (
                     rec.index != ready.key.decode()):
                 moved = True  # taken while we looked
+                continue
+            if not may(caller, rec.producers):
+                denied += 1
                 continue
             if view is not None and not view.reserve(txn, ready.key):
                 continue
@@ -174,13 +189,19 @@ class Producers:
                 break
         if picked:
             return picked
+        if denied and not moved:
+            raise NothingToClaim(
+                f"nothing to claim in task {task_id!r} that {caller.name} may produce (the "
+                f"next {denied} are for other producers, by the task's access rules)",
+                task_id=task_id)
         if moved or len(page) >= PAGE:
             if view is not None and moved:
                 view.invalidate(self.keys.ready_all(task_id))  # the window was behind
             raise Retry()  # every candidate moved while we looked; look again
         raise NothingToClaim(f"nothing to claim in task {task_id!r}", task_id=task_id)
 
-    async def claim_batch(self, req: pb.ClaimBatchRequest) -> pb.ClaimBatchResponse:
+    async def claim_batch(self, req: pb.ClaimBatchRequest,
+                          caller: Caller) -> pb.ClaimBatchResponse:
         """Claim up to ``max`` entries in one transaction (as many as etcd's op limit
         allows); all or nothing. Each claim's token is that transaction's revision."""
         check_id("task_id", req.task_id)
@@ -191,12 +212,12 @@ class Producers:
         staging = self.core.staging_dir(req.task_id)
 
         async def planner(txn: Txn) -> Callable[[int], pb.ClaimBatchResponse]:
-            slots = await self._session(txn, req.task_id, req.session_id)
+            slots = await self._session(txn, req.task_id, req.session_id, caller)
             free = slots.free
             picked = await self._pick(txn, req.task_id, want if free is None else
-                                      max(1, min(want, free)))
+                                      max(1, min(want, free)), caller)
             for rec in picked:
-                self._claim(txn, rec, slots, req.session_id)
+                self._claim(txn, rec, slots, req.session_id, caller)
 
             def reply(rev: int) -> pb.ClaimBatchResponse:
                 out = []
@@ -218,18 +239,19 @@ class Producers:
     # commit and fail -------------------------------------------------------------
 
     async def _live_claims(
-        self, txn: Txn, items: list[tuple[str, str, int]]
+        self, txn: Txn, items: list[tuple[str, str, int, int]], caller: Caller
     ) -> list[tuple[EntryRecord, KV]]:
-        """Entry and claim of each (task, file, token) whose token is the live claim."""
+        """Entry and claim of each (task, file, token, session) whose token is the live
+        claim, held by the caller (and by that session, when one is named)."""
         keys = []
-        for task_id, file_id, _ in items:
+        for task_id, file_id, _, _ in items:
             check_id("task_id", task_id)
             check_id("file_id", file_id)
             keys += [self.keys.entry(task_id, file_id),
                      self.keys.claim(ClaimRef("p", task_id, file_id))]
         found = await txn.get_many(keys)
         out = []
-        for i, (task_id, file_id, token) in enumerate(items):
+        for i, (task_id, file_id, token, session_id) in enumerate(items):
             rec = need_entry(found[2 * i], task_id, file_id)
             claim = found[2 * i + 1]
             if token <= 0 or claim is None or claim.create_revision != token:
@@ -238,6 +260,9 @@ class Producers:
                     "(the claim was lost, superseded or already finished)",
                     task_id=task_id, file_id=file_id, token=token,
                 )
+            what = f"the claim on {task_id}/{file_id} (token {token})"
+            check_owner(caller, claim, what)
+            check_claim_session(claim, session_id, what)
             if rec.state != WRITING:  # cannot happen while the claim lives; refuse anyway
                 raise IllegalTransition(f"entry {file_id!r} is {rec.state}, not writing")
             out.append((rec, claim))
@@ -256,6 +281,11 @@ class Producers:
             raise InvalidArgument(f"size {req.size} is negative")
         if req.digest and not DIGEST_RE.match(req.digest):
             raise InvalidArgument("digest must be 64 lower-case hex digits (BLAKE3)")
+        if not req.digest and not rec.digest_optional:
+            raise InvalidArgument(
+                f"commit of {rec.task_id}/{rec.file_id} needs the producer's BLAKE3 digest "
+                "(the task does not set digest_optional)", task_id=rec.task_id,
+                file_id=rec.file_id)
         if rec.expected_size and req.size != rec.expected_size:
             raise InvalidArgument(
                 f"size {req.size} differs from the manifest's expected_size "
@@ -273,18 +303,19 @@ class Producers:
             txn.after(self.verifier.notify(rec))
         self.core.put_entry(rec, txn)
 
-    async def commit(self, req: pb.CommitRequest) -> pb.Entry:
+    async def commit(self, req: pb.CommitRequest, caller: Caller) -> pb.Entry:
         staging = self.core.staging_dir(req.task_id)
 
         async def planner(txn: Txn) -> Callable[[int], pb.Entry]:
             ((rec, claim),) = await self._live_claims(
-                txn, [(req.task_id, req.file_id, req.token)])
+                txn, [(req.task_id, req.file_id, req.token, req.session_id)], caller)
             self._commit(txn, rec, claim, req)
             return lambda rev: rec.to_pb(staging, revision=rev)
 
         return await self.core.txns.run(planner, req.request_id, entry_replay)
 
-    async def commit_batch(self, req: pb.CommitBatchRequest) -> pb.CommitBatchResponse:
+    async def commit_batch(self, req: pb.CommitBatchRequest,
+                           caller: Caller) -> pb.CommitBatchResponse:
         """Commit many claims in one transaction, all or nothing."""
         if not req.commits:
             raise InvalidArgument("a batch needs at least one commit")
@@ -295,7 +326,8 @@ class Producers:
 
         async def planner(txn: Txn) -> Callable[[int], pb.CommitBatchResponse]:
             live = await self._live_claims(
-                txn, [(c.task_id, c.file_id, c.token) for c in req.commits])
+                txn, [(c.task_id, c.file_id, c.token, c.session_id) for c in req.commits],
+                caller)
             for (rec, claim), c in zip(live, req.commits, strict=True):
                 self._commit(txn, rec, claim, c)
 
@@ -314,12 +346,12 @@ class Producers:
 
         return await self.core.txns.run(planner, req.request_id, replay)
 
-    async def fail(self, req: pb.FailRequest) -> pb.Entry:
+    async def fail(self, req: pb.FailRequest, caller: Caller) -> pb.Entry:
         staging = self.core.staging_dir(req.task_id)
 
         async def planner(txn: Txn) -> Callable[[int], pb.Entry]:
             ((rec, claim),) = await self._live_claims(
-                txn, [(req.task_id, req.file_id, req.token)])
+                txn, [(req.task_id, req.file_id, req.token, req.session_id)], caller)
             self._finish_claim(txn, rec, claim, req.token)
             self.core.retry_or_dead(rec, f"producer failed: {req.reason or 'no reason given'}",
                                     token=req.token)

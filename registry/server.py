@@ -9,13 +9,15 @@ import signal
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from client.contract import MAX_REPLY_BYTES, MAX_REQUEST_BYTES
-from client.errors import BatonError
+from client.errors import BatonError, InvalidArgument
 from client.v1 import baton_pb2
 
 from ._etcd import Etcd
@@ -25,6 +27,7 @@ from .keys import Keys
 from .scheduler import Scheduler
 from .service import RegistryService, add_to_server
 from .sessions import Reaper
+from .tls import ServerCertificates, is_loopback
 
 log = logging.getLogger("baton.registry")
 
@@ -55,9 +58,48 @@ class Running:
         await self.etcd.close()
 
 
+def etcd_auth(config: RegistryConfig) -> Any:
+    """The registry's credentials towards etcd, from its settings."""
+    password = ""
+    if config.etcd_password_file:
+        try:
+            password = Path(config.etcd_password_file).read_text().strip()
+        except OSError as e:
+            raise InvalidArgument(
+                f"--etcd-password-file: cannot read {config.etcd_password_file}: "
+                f"{e.strerror}") from e
+    elif config.etcd_user:
+        raise InvalidArgument("--etcd-user needs --etcd-password-file")
+    from ._etcd import EtcdAuth  # type: ignore[attr-defined]
+
+    return EtcdAuth(ca=config.etcd_ca, cert=config.etcd_cert, key=config.etcd_key,
+                    user=config.etcd_user, password=password)
+
+
+def server_certificates(config: RegistryConfig) -> ServerCertificates | None:
+    """The registry's TLS files, or None when it serves plaintext (``--insecure``)."""
+    tls = bool(config.tls_ca or config.tls_cert or config.tls_key)
+    if config.insecure:
+        if tls:
+            raise InvalidArgument("--insecure and --tls-* settings contradict each other: "
+                                  "choose one")
+        if not is_loopback(config.listen):
+            log.warning("serving PLAINTEXT on %s, beyond loopback (--insecure): anyone who "
+                        "reaches it may do anything", config.listen)
+        return None
+    if not tls:
+        raise InvalidArgument(
+            "no TLS configured: give --tls-ca, --tls-cert and --tls-key (clients must then "
+            "present certificates from that CA), or --insecure to serve plaintext with no "
+            "identities")
+    return ServerCertificates(config.tls_ca, config.tls_cert, config.tls_key)
+
+
 async def start(config: RegistryConfig) -> Running:
     """Connect to etcd and serve on ``config.listen`` (port 0 picks a free port)."""
-    etcd = Etcd(config.etcd)
+    certificates = server_certificates(config)
+    wants_auth = any((config.etcd_ca, config.etcd_cert, config.etcd_key, config.etcd_user))
+    etcd = Etcd(config.etcd, auth=etcd_auth(config)) if wants_auth else Etcd(config.etcd)
     await etcd.connect()
     version = await etcd.status()
     core = Core(etcd, Keys(config.prefix), config.staging)
@@ -70,7 +112,7 @@ async def start(config: RegistryConfig) -> Running:
             ("grpc.max_send_message_length", MAX_REPLY_BYTES),
         ]
     )
-    add_to_server(RegistryService(core), server)
+    add_to_server(RegistryService(core), server, secure=certificates is not None)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -78,7 +120,10 @@ async def start(config: RegistryConfig) -> Running:
          reflection.SERVICE_NAME),
         server,
     )
-    port = server.add_insecure_port(config.listen)
+    if certificates is None:
+        port = server.add_insecure_port(config.listen)
+    else:
+        port = server.add_secure_port(config.listen, certificates.credentials())
     if port == 0:
         raise BatonError(f"cannot listen on {config.listen}")
     await server.start()
@@ -88,7 +133,8 @@ async def start(config: RegistryConfig) -> Running:
     reaper = Reaper(core, config.reap_interval)
     scheduler = Scheduler(core, config.reap_interval)
     background = [asyncio.create_task(reaper.run(stop)), asyncio.create_task(scheduler.run(stop))]
-    log.info("registry on port %d, etcd %s (v%s), prefix %s, staging %s", port, config.etcd,
+    log.info("registry on port %d (%s), etcd %s (v%s), prefix %s, staging %s", port,
+             "mutual TLS" if certificates else "plaintext, --insecure", config.etcd,
              version, config.prefix, config.staging)
     return Running(port, server, etcd, core, reaper, scheduler, health_servicer, stop, background)
 

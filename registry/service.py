@@ -17,12 +17,13 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 from google.protobuf.message_factory import GetMessageClass
 
-from client.errors import BatonError, Internal, InvalidArgument, to_status
+from client.errors import BatonError, Internal, InvalidArgument, PermissionDenied, to_status
 from client.v1 import baton_pb2 as pb
 from client.v1 import baton_pb2_grpc as pb_grpc
 
 from .consumers import Consumers
 from .core import Core
+from .identity import Caller, authorize, caller_of, current, redact, scoped_request_id
 from .operators import Operators
 from .producers import Producers
 from .removal import Removal
@@ -59,10 +60,46 @@ def _decoder(cls: type[Message]) -> Callable[[bytes], Message | Undecodable]:
     return decode
 
 
-def add_to_server(servicer: pb_grpc.RegistryServicer, server: grpc.aio.Server) -> None:
+Context = grpc.aio.ServicerContext[Any, Any]
+
+
+async def _admit(method: str, context: Context, secure: bool) -> Caller:
+    """The caller, let into ``method`` by the access table, or the call aborted."""
+    caller = caller_of(context.auth_context(), secure)
+    try:
+        authorize(method, caller)
+    except PermissionDenied as e:
+        log.warning("refused %s to %s from %s", method, caller.describe(), context.peer())
+        await _abort(context, e)
+    return caller
+
+
+def _guard(method: str, behaviour: Any, streaming: bool, secure: bool) -> Any:
+    """``behaviour`` behind the access table: the one check every call passes."""
+    if streaming:
+        @functools.wraps(behaviour)
+        async def stream(request: Any, context: Context) -> AsyncIterator[Any]:
+            await _admit(method, context, secure)
+            async for item in behaviour(request, context):
+                yield item
+
+        return stream
+
+    @functools.wraps(behaviour)
+    async def unary(request: Any, context: Context) -> Any:
+        await _admit(method, context, secure)
+        return await behaviour(request, context)
+
+    return unary
+
+
+def add_to_server(servicer: pb_grpc.RegistryServicer, server: grpc.aio.Server,
+                  *, secure: bool) -> None:
     """Register ``servicer``'s methods as the generated ``add_RegistryServicer_to_server``
-    does, built from the service descriptor, but with a decoder that turns bytes that
-    are not the request message into :class:`Undecodable`."""
+    does, built from the service descriptor, but each behind the access table
+    (``identity.POLICY``; with ``secure`` False every caller is anonymous and
+    holds every role) and with a decoder that turns bytes that are not the request
+    message into :class:`Undecodable`."""
     service = pb.DESCRIPTOR.services_by_name["Registry"]
     handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
     for method in service.methods:
@@ -70,7 +107,9 @@ def add_to_server(servicer: pb_grpc.RegistryServicer, server: grpc.aio.Server) -
         reply = GetMessageClass(method.output_type)
         make = (grpc.unary_stream_rpc_method_handler if method.server_streaming
                 else grpc.unary_unary_rpc_method_handler)
-        handlers[method.name] = make(getattr(servicer, method.name),
+        behaviour = _guard(method.name, getattr(servicer, method.name),
+                           method.server_streaming, secure)
+        handlers[method.name] = make(behaviour,
                                      request_deserializer=_decoder(request),
                                      response_serializer=reply.SerializeToString)
     generic = grpc.method_handlers_generic_handler(service.full_name, handlers)
@@ -97,6 +136,10 @@ def unary(
         try:
             if isinstance(request, Undecodable):
                 raise request.error()
+            if getattr(request, "request_id", ""):
+                # Scoped to the caller: a replay only ever returns the caller's reply.
+                request.request_id = scoped_request_id(  # type: ignore[attr-defined]
+                    current(), request.request_id)  # type: ignore[attr-defined]
             return await fn(self, request)
         except Exception as e:
             await _abort(context, e)
@@ -128,11 +171,14 @@ class RegistryService(pb_grpc.RegistryServicer):
 
     @unary
     async def GetEntry(self, request: pb.GetEntryRequest) -> pb.Entry:
-        return await self.tasks.get_entry(request)
+        return redact(await self.tasks.get_entry(request), current())
 
     @unary
     async def ListEntries(self, request: pb.ListEntriesRequest) -> pb.ListEntriesResponse:
-        return await self.tasks.list_entries(request)
+        resp = await self.tasks.list_entries(request)
+        for entry in resp.entries:
+            redact(entry, current())
+        return resp
 
     @unary
     async def PauseTask(self, request: pb.TaskControlRequest) -> pb.Task:
@@ -156,11 +202,16 @@ class RegistryService(pb_grpc.RegistryServicer):
 
     @unary
     async def Journal(self, request: pb.JournalRequest) -> pb.JournalResponse:
-        return await self.operators.journal(request)
+        resp = await self.operators.journal(request)
+        for record in resp.records:
+            redact(record, current())
+        return resp
 
     @unary
     async def Explain(self, request: pb.GetEntryRequest) -> pb.Explanation:
-        return await self.operators.explain(request)
+        resp = await self.operators.explain(request, current())
+        redact(resp.entry, current())
+        return resp
 
     @unary
     async def ListAgents(self, request: pb.ListAgentsRequest) -> pb.ListAgentsResponse:
@@ -168,35 +219,35 @@ class RegistryService(pb_grpc.RegistryServicer):
 
     @unary
     async def OpenSession(self, request: pb.OpenSessionRequest) -> pb.Session:
-        return await self.sessions.open(request)
+        return await self.sessions.open(request, current())
 
     @unary
     async def KeepAlive(self, request: pb.KeepAliveRequest) -> pb.KeepAliveResponse:
-        return await self.sessions.keepalive(request)
+        return await self.sessions.keepalive(request, current())
 
     @unary
     async def CloseSession(self, request: pb.CloseSessionRequest) -> pb.CloseSessionResponse:
-        return await self.sessions.close(request)
+        return await self.sessions.close(request, current())
 
     @unary
     async def Claim(self, request: pb.ClaimRequest) -> pb.ClaimResponse:
-        return await self.producers.claim(request)
+        return await self.producers.claim(request, current())
 
     @unary
     async def ClaimBatch(self, request: pb.ClaimBatchRequest) -> pb.ClaimBatchResponse:
-        return await self.producers.claim_batch(request)
+        return await self.producers.claim_batch(request, current())
 
     @unary
     async def CommitBatch(self, request: pb.CommitBatchRequest) -> pb.CommitBatchResponse:
-        return await self.producers.commit_batch(request)
+        return await self.producers.commit_batch(request, current())
 
     @unary
     async def Commit(self, request: pb.CommitRequest) -> pb.CommitResponse:
-        return pb.CommitResponse(entry=await self.producers.commit(request))
+        return pb.CommitResponse(entry=await self.producers.commit(request, current()))
 
     @unary
     async def Fail(self, request: pb.FailRequest) -> pb.FailResponse:
-        return pb.FailResponse(entry=await self.producers.fail(request))
+        return pb.FailResponse(entry=await self.producers.fail(request, current()))
 
     @unary
     async def ReportVerification(self, request: pb.VerificationReport) -> pb.ReportResponse:
@@ -208,15 +259,15 @@ class RegistryService(pb_grpc.RegistryServicer):
 
     @unary
     async def Consume(self, request: pb.ConsumeRequest) -> pb.ConsumeResponse:
-        return await self.consumers.consume(request)
+        return await self.consumers.consume(request, current())
 
     @unary
     async def Ack(self, request: pb.AckRequest) -> pb.AckResponse:
-        return pb.AckResponse(entry=await self.consumers.ack(request))
+        return pb.AckResponse(entry=await self.consumers.ack(request, current()))
 
     @unary
     async def Nack(self, request: pb.NackRequest) -> pb.NackResponse:
-        return pb.NackResponse(entry=await self.consumers.nack(request))
+        return pb.NackResponse(entry=await self.consumers.nack(request, current()))
 
     async def Watch(
         self, request: pb.WatchRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -224,7 +275,9 @@ class RegistryService(pb_grpc.RegistryServicer):
         try:
             if isinstance(request, Undecodable):
                 raise request.error()
+            caller = current()
             async for event in self.tasks.watch(request):
+                redact(event.entry, caller)
                 yield event
         except Exception as e:
             await _abort(context, e)

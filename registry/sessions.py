@@ -12,8 +12,9 @@ from client.errors import BatonError, InvalidArgument, SessionExpired
 from client.v1 import baton_pb2 as pb
 
 from ._etcd import KV
-from .claims import claim_holder
+from .claims import check_owner, claim_holder
 from .core import Core, Gate
+from .identity import Caller
 from .keys import ClaimRef
 from .manifest import check_id
 from .model import VERIFIED, WRITING, EntryRecord, now
@@ -34,7 +35,7 @@ class Sessions:
         self.core = core
         self.keys = core.keys
 
-    async def open(self, req: pb.OpenSessionRequest) -> pb.Session:
+    async def open(self, req: pb.OpenSessionRequest, caller: Caller) -> pb.Session:
         check_id("agent", req.agent)
         ttl = req.ttl or 10
         if not MIN_TTL <= ttl <= MAX_TTL:
@@ -44,6 +45,8 @@ class Sessions:
         lease, granted = await self.core.etcd.grant(ttl)
         info = {"agent": req.agent, "host": req.host, "pid": req.pid, "version": req.version,
                 "ttl": granted, "slots": req.slots, "opened_at": now()}
+        if caller.name:
+            info["identity"] = caller.name
         key, value = self.keys.agent(lease), json.dumps(info).encode()
 
         async def plan(txn: Txn) -> None:
@@ -59,18 +62,40 @@ class Sessions:
         log.info("session %x opened for %s (ttl %ds)", lease, req.agent, granted)
         return pb.Session(session_id=lease, agent=req.agent, ttl=granted, slots=req.slots)
 
-    async def keepalive(self, req: pb.KeepAliveRequest) -> pb.KeepAliveResponse:
+    async def _record(self, session_id: int) -> KV:
+        """The session's record (the view's mirror, else etcd); ``SessionExpired``."""
+        key = self.keys.agent(session_id)
+        kv = (await self.core.view.get_many([key]))[0] if self.core.view else None
+        if kv is None:  # the view may not have seen a session another replica opened
+            kv = await self.core.etcd.get(key)
+        if kv is None:
+            raise SessionExpired(f"session {session_id:x} has expired or never existed",
+                                 session_id=session_id)
+        return kv
+
+    async def keepalive(self, req: pb.KeepAliveRequest, caller: Caller) -> pb.KeepAliveResponse:
         if req.session_id <= 0:
             raise InvalidArgument("keepalive needs a session_id")
+        check_owner(caller, await self._record(req.session_id), f"session {req.session_id:x}")
         ttl = await self.core.etcd.keepalive(req.session_id)
         if ttl <= 0:
             raise SessionExpired(f"session {req.session_id:x} has expired",
                                  session_id=req.session_id)
         return pb.KeepAliveResponse(ttl=ttl)
 
-    async def close(self, req: pb.CloseSessionRequest) -> pb.CloseSessionResponse:
+    async def close(self, req: pb.CloseSessionRequest,
+                    caller: Caller) -> pb.CloseSessionResponse:
+        """Revoke a session's lease: its own identity may, and any operator."""
         if req.session_id <= 0:
             raise InvalidArgument("close needs a session_id")
+        if not caller.operator:
+            try:
+                record = await self._record(req.session_id)
+            except SessionExpired:
+                return pb.CloseSessionResponse()  # closing a closed session changes nothing
+            check_owner(caller, record, f"session {req.session_id:x}")
+        else:
+            log.info("session %x closed by operator %s", req.session_id, caller.name)
         await self.core.etcd.revoke(req.session_id)
         return pb.CloseSessionResponse()
 

@@ -83,6 +83,8 @@ class Tasks:
             backoff=list(valid.backoff),
             aging=valid.aging,
             created_at=now(),
+            access=dict(valid.access or {}),
+            digest_optional=valid.digest_optional,
         )
 
         async def header(txn: Txn) -> TaskRecord | None:

@@ -79,7 +79,12 @@ def start_registry(
     staging: Path,
     reap_interval: float = 0.2,
     listen: str = "127.0.0.1:0",
+    **settings: Any,
 ) -> RegistryHandle:
+    """A replica on ``prefix``: plaintext (``insecure``) unless ``settings`` give TLS
+    files (``tls_ca``, ``tls_cert``, ``tls_key``) or other registry settings."""
+    if not any(k.startswith("tls_") for k in settings):
+        settings.setdefault("insecure", True)
     loop = asyncio.new_event_loop()
     ready: dict[str, Any] = {}
     started = threading.Event()
@@ -87,7 +92,7 @@ def start_registry(
     def run() -> None:
         asyncio.set_event_loop(loop)
         config = RegistryConfig(etcd=etcd, listen=listen, staging=str(staging),
-                                prefix=prefix, reap_interval=reap_interval)
+                                prefix=prefix, reap_interval=reap_interval, **settings)
         try:
             ready["running"] = loop.run_until_complete(start(config))
         except BaseException as e:  # surfaced to the test below

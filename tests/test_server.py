@@ -40,7 +40,7 @@ def test_registry_process_serves_health_and_stops_on_sigterm(etcd: Any, prefix: 
                                                               tmp_path: Path) -> None:
     """The daemon reports SERVING, exposes reflection, and exits 0 on SIGTERM."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "registry", "--etcd", etcd.endpoint, "--listen",
+        [sys.executable, "-m", "registry", "--insecure", "--etcd", etcd.endpoint, "--listen",
          "127.0.0.1:0", "--staging", str(tmp_path), "--prefix", prefix],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )

@@ -285,7 +285,7 @@ class EtcdCluster:
 def registry_proc(name: str, etcd_endpoint: str, port: int, staging: Path, prefix: str,
                   log_path: Path) -> Proc:
     address = f"127.0.0.1:{port}"
-    argv = [sys.executable, "-u", "-m", "registry", "--etcd", etcd_endpoint,
+    argv = [sys.executable, "-u", "-m", "registry", "--insecure", "--etcd", etcd_endpoint,
             "--listen", address, "--staging", str(staging), "--prefix", prefix,
             "--reap-interval", "0.5", "--grace", "1"]
     return Proc(name, argv, log_path, ready=lambda: grpc_health_probe(address))
