@@ -411,13 +411,18 @@ class Client:
         return list(self._call("CommitBatch", req).entries)
 
     def commit(self, task_id: str, file_id: str, token: int, size: int,
-               digest: str = "") -> pb.Entry:
+               digest: str = "", *, session: Session | int = 0) -> pb.Entry:
+        """Publish a claim's file: its size and BLAKE3 ``digest`` (required unless the
+        task sets ``digest_optional``). ``session``: the one holding the claim (the
+        registry then checks it holds it)."""
         req = pb.CommitRequest(task_id=task_id, file_id=file_id, token=token, size=size,
-                               digest=digest)
+                               digest=digest, session_id=_named_session(session))
         return self._call("Commit", req).entry  # type: ignore[no-any-return]
 
-    def fail(self, task_id: str, file_id: str, token: int, reason: str = "") -> pb.Entry:
-        req = pb.FailRequest(task_id=task_id, file_id=file_id, token=token, reason=reason)
+    def fail(self, task_id: str, file_id: str, token: int, reason: str = "", *,
+             session: Session | int = 0) -> pb.Entry:
+        req = pb.FailRequest(task_id=task_id, file_id=file_id, token=token, reason=reason,
+                             session_id=_named_session(session))
         return self._call("Fail", req).entry  # type: ignore[no-any-return]
 
     def report(self, task_id: str, file_id: str, size: int, digest: str,
@@ -445,14 +450,16 @@ class Client:
         return Lease(task_id, r.entry.file_id, r.group, r.token, r.path, r.size, r.digest,
                      r.entry, sid)
 
-    def ack(self, task_id: str, file_id: str, group: str, token: int) -> pb.Entry:
-        req = pb.AckRequest(task_id=task_id, file_id=file_id, group=group, token=token)
+    def ack(self, task_id: str, file_id: str, group: str, token: int, *,
+            session: Session | int = 0) -> pb.Entry:
+        req = pb.AckRequest(task_id=task_id, file_id=file_id, group=group, token=token,
+                            session_id=_named_session(session))
         return self._call("Ack", req).entry  # type: ignore[no-any-return]
 
     def nack(self, task_id: str, file_id: str, group: str, token: int,
-             reason: str = "") -> pb.Entry:
+             reason: str = "", *, session: Session | int = 0) -> pb.Entry:
         req = pb.NackRequest(task_id=task_id, file_id=file_id, group=group, token=token,
-                             reason=reason)
+                             reason=reason, session_id=_named_session(session))
         return self._call("Nack", req).entry  # type: ignore[no-any-return]
 
     # events ----------------------------------------------------------------
@@ -484,6 +491,11 @@ class Client:
             raise _raise_from_rpc(e) from None
         finally:
             call.cancel()
+
+
+def _named_session(session: Session | int) -> int:
+    """The id of the session a token call names (no check: the registry decides)."""
+    return session.session_id if isinstance(session, Session) else int(session)
 
 
 def _session_id(session: Session | int) -> int:
