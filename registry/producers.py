@@ -284,7 +284,8 @@ class Producers:
         if not req.digest and not rec.digest_optional:
             raise InvalidArgument(
                 f"commit of {rec.task_id}/{rec.file_id} needs the producer's BLAKE3 digest "
-                "(the task does not set digest_optional)", task_id=rec.task_id,
+                "(baton commit --digest HEX, or --file PATH to compute it); the task does "
+                "not set digest_optional", task_id=rec.task_id,
                 file_id=rec.file_id)
         if rec.expected_size and req.size != rec.expected_size:
             raise InvalidArgument(

@@ -51,6 +51,9 @@ class Settings:
 
     registry: str
     timeout: float
+    ca: str = ""
+    cert: str = ""
+    key: str = ""
     _client: Client | None = field(default=None, repr=False)
 
     def client(self) -> Client:
@@ -60,7 +63,8 @@ class Settings:
             # Retries of UNAVAILABLE stop at --timeout too: an unreachable registry
             # must not hold a script for the library's default 30 s.
             retry = RetryPolicy(deadline=self.timeout)
-            self._client = Client(self.registry, timeout=self.timeout, retry=retry)
+            self._client = Client(self.registry, timeout=self.timeout, retry=retry,
+                                  ca=self.ca, cert=self.cert, key=self.key)
         return self._client
 
     def close(self) -> None:

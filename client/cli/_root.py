@@ -35,6 +35,7 @@ COMMANDS = {
     "release": "agents",
     "watch": "agents",
     "agents": "ops",
+    "cert": "pkicmd",
     "explain": "ops",
     "log": "ops",
     "requeue": "ops",
@@ -64,11 +65,22 @@ class LazyGroup(BatonGroup):
 @click.option("--timeout", envvar="BATON_TIMEOUT", show_envvar=True,
               type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
               metavar="SECONDS", help="per call, including retries while unreachable")
+@click.option("--ca", envvar="BATON_CA", show_envvar=True, default="", metavar="FILE",
+              help="CA of the registry's certificate (turns on mutual TLS)")
+@click.option("--cert", envvar="BATON_CERT", show_envvar=True, default="", metavar="FILE",
+              help="this identity's certificate (its CN and roles)")
+@click.option("--key", envvar="BATON_KEY", show_envvar=True, default="", metavar="FILE",
+              help="the certificate's private key")
 @click.version_option(package_name="baton", prog_name="baton")
 @click.pass_context
-def cli(ctx: click.Context, registry: str, timeout: float) -> None:
-    """Baton: hand files between agents through a registry of manifest entries."""
-    settings = Settings(registry, timeout)
+def cli(ctx: click.Context, registry: str, timeout: float, ca: str, cert: str,
+        key: str) -> None:
+    """Baton: hand files between agents through a registry of manifest entries.
+
+    Against a registry serving mutual TLS (as `baton up` does), give the identity
+    with --ca/--cert/--key or BATON_CA, BATON_CERT and BATON_KEY.
+    """
+    settings = Settings(registry, timeout, ca, cert, key)
     ctx.obj = settings
     ctx.call_on_close(settings.close)
 
