@@ -10,7 +10,6 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -20,7 +19,7 @@ from client.contract import MAX_REPLY_BYTES, MAX_REQUEST_BYTES
 from client.errors import BatonError, InvalidArgument
 from client.v1 import baton_pb2
 
-from ._etcd import Etcd
+from ._etcd import Etcd, EtcdAuth
 from .config import RegistryConfig, load_config
 from .core import Core
 from .keys import Keys
@@ -58,7 +57,7 @@ class Running:
         await self.etcd.close()
 
 
-def etcd_auth(config: RegistryConfig) -> Any:
+def etcd_auth(config: RegistryConfig) -> EtcdAuth:
     """The registry's credentials towards etcd, from its settings."""
     password = ""
     if config.etcd_password_file:
@@ -70,8 +69,6 @@ def etcd_auth(config: RegistryConfig) -> Any:
                 f"{e.strerror}") from e
     elif config.etcd_user:
         raise InvalidArgument("--etcd-user needs --etcd-password-file")
-    from ._etcd import EtcdAuth  # type: ignore[attr-defined]
-
     return EtcdAuth(ca=config.etcd_ca, cert=config.etcd_cert, key=config.etcd_key,
                     user=config.etcd_user, password=password)
 
@@ -98,8 +95,7 @@ def server_certificates(config: RegistryConfig) -> ServerCertificates | None:
 async def start(config: RegistryConfig) -> Running:
     """Connect to etcd and serve on ``config.listen`` (port 0 picks a free port)."""
     certificates = server_certificates(config)
-    wants_auth = any((config.etcd_ca, config.etcd_cert, config.etcd_key, config.etcd_user))
-    etcd = Etcd(config.etcd, auth=etcd_auth(config)) if wants_auth else Etcd(config.etcd)
+    etcd = Etcd(config.etcd, auth=etcd_auth(config))
     await etcd.connect()
     version = await etcd.status()
     core = Core(etcd, Keys(config.prefix), config.staging)
