@@ -13,7 +13,8 @@ from pathlib import Path
 import blake3
 import pytest
 
-from watcher import WatcherConfig, load_config
+from client.errors import BatonError
+from watcher import Watcher, WatcherConfig, load_config
 from watcher.emitter import InotifyEmitter
 from watcher.errors import FileChanged, Refused
 from watcher.events import FsEvent, Intake, Kind
@@ -31,6 +32,37 @@ def test_config_precedence_flag_env_file_default(tmp_path: Path) -> None:
     cfg = load_config(["--observer", "inotify"], env)
     assert cfg == WatcherConfig(staging="/from/file", hash_workers=5, observer="inotify")
     assert load_config([], {}) == WatcherConfig()
+
+
+def test_config_tls_files_from_flags_variables_and_file(tmp_path: Path) -> None:
+    """--ca/--cert/--key, BATON_CA/CERT/KEY and the TOML keys land; unset means ""."""
+    toml = tmp_path / "w.toml"
+    toml.write_text('ca = "/file/ca.pem"\ncert = "/file/w.pem"\nkey = "/file/w.key"\n')
+    env = {"BATON_CONFIG": str(toml), "BATON_CERT": "/env/w.pem", "BATON_KEY": "/env/w.key"}
+    cfg = load_config(["--key", "/flag/w.key"], env)
+    assert (cfg.ca, cfg.cert, cfg.key) == ("/file/ca.pem", "/env/w.pem", "/flag/w.key")
+    cfg = load_config(["--ca", "/c", "--cert", "/w", "--key", "/k"], {})
+    assert (cfg.ca, cfg.cert, cfg.key) == ("/c", "/w", "/k")
+    env = {"BATON_CA": "/e/ca", "BATON_CERT": "/e/w", "BATON_KEY": "/e/k"}
+    assert load_config([], env) == WatcherConfig(ca="/e/ca", cert="/e/w", key="/e/k")
+    assert (WatcherConfig().ca, WatcherConfig().cert, WatcherConfig().key) == ("", "", "")
+
+
+def test_watcher_client_uses_the_configured_tls_files_only(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The watcher's client takes its files from the configuration, never straight
+    from the process environment: with none configured it speaks plaintext."""
+    monkeypatch.setenv("BATON_CA", "/not/read.pem")
+    plain = Watcher(WatcherConfig(staging=str(tmp_path / "a")))
+    try:
+        assert not plain.client.credentials.tls
+    finally:
+        plain.client.close()
+        plain.cache.close()
+    files = {"ca": "/c.pem", "cert": "/w.pem", "key": "/w.key"}
+    with pytest.raises(BatonError, match="cannot read the CA"):
+        Watcher(WatcherConfig(staging=str(tmp_path / "b"), **files))
 
 
 @pytest.mark.parametrize("argv", [["--observer", "fanotify"], ["--hash-workers", "0"],

@@ -26,6 +26,9 @@ LARGE_FILE = 1 << 20
 @dataclass(frozen=True)
 class WatcherConfig:
     registry: str = "127.0.0.1:7390"
+    ca: str = ""
+    cert: str = ""
+    key: str = ""
     staging: str = "/var/lib/baton/staging"
     observer: str = "auto"
     reconcile_interval: float = 30.0
@@ -44,6 +47,10 @@ class WatcherConfig:
 
 _HELP = {
     "registry": "registry address host:port",
+    "ca": "PEM file of the CA that signed the registry's certificate "
+    "(set with --cert and --key: mutual TLS; none of the three: plaintext)",
+    "cert": "PEM certificate of this watcher's identity (its OU includes watcher)",
+    "key": "PEM private key of --cert",
     "staging": "staging root; a task's files live under STAGING/TASK/",
     "observer": "auto (inotify, polling where inotify cannot see), inotify or poll",
     "reconcile_interval": "seconds between full comparisons of the registry with the disk",

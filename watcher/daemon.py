@@ -37,6 +37,7 @@ from .metrics import Metrics
 from .observe import Watches
 from .state import LIVE, Change, Table
 from .sync import TaskStreams
+from .taskdirs import TaskDirs
 
 logger = logging.getLogger("baton.watcher")
 
@@ -59,7 +60,11 @@ class Watcher:
         self.intake = Intake(config.event_queue)
         self.jobs = JobQueue()
         self.table = Table(self.root)
-        self.client = Client(config.registry, retry=retry)
+        self.taskdirs = TaskDirs(self.root)
+        # Explicit even when empty: the configuration has read BATON_CA/CERT/KEY
+        # already, and "" for all three is plaintext, not "look in os.environ".
+        self.client = Client(config.registry, retry=retry, ca=config.ca, cert=config.cert,
+                             key=config.key)
         self.cache = cache if cache is not None else open_cache(config.state_file)
         self.hasher = hasher or Hasher(self.root, config.large_file)
         self.watches = Watches(self.root, config.observer, self.intake.put,
@@ -177,6 +182,7 @@ class Watcher:
                 self.jobs.submit((task_id, e.file_id))
 
     def _forget(self, task_id: str) -> None:
+        self.taskdirs.forget(task_id)
         view = self.table.remove_task(task_id)
         if view is not None:
             self.watches.unwatch_tree(view.directory)
@@ -197,6 +203,7 @@ class Watcher:
                 self._forget(t.spec.task_id)
             else:
                 served.add(t.spec.task_id)
+                self.taskdirs.prepare(t, again=True)
                 self.streams.follow(t.spec.task_id)
         for task_id in set(self.table.task_ids()) - served:
             self._forget(task_id)
@@ -231,6 +238,7 @@ class Watcher:
                     if task.status in FINISHED:
                         self._forget(task_id)
                     elif task.status != pb.TASK_CREATING:
+                        self.taskdirs.prepare(task)
                         self.streams.follow(task_id)
             except BatonError as e:
                 if self._stop.is_set():
