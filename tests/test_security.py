@@ -1,0 +1,458 @@
+"""Who may do what: mutual TLS, the role table, identities owning sessions and claims,
+request ids scoped to their caller, tokens for operators only, task access rules.
+
+Every case runs against a real registry serving mutual TLS, with certificates from
+a CA made for the test session (``client.pki``), on a real etcd.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from registry_fixtures import TEST_RETRY, RegistryHandle, on_etcd
+
+from client import Client, errors, pki
+from client.v1 import baton_pb2 as pb
+from registry._etcd import Etcd
+from registry.identity import POLICY
+
+DIGEST = "ab" * 32
+SERVICE = pb.DESCRIPTOR.services_by_name["Registry"]
+
+
+# --- certificates -----------------------------------------------------------------
+
+
+class PKI:
+    """A CA and one identity per role (and some that should get nowhere)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        pki.create_ca(root)
+        self.server = pki.issue(root, "registry", root, server_names=["localhost", "127.0.0.1"])
+        self.ids: dict[str, pki.Issued] = {
+            "operator": pki.issue(root, "op", root, roles=["operator"]),
+            "agent": pki.issue(root, "ag", root, roles=["agent"]),
+            "agent2": pki.issue(root, "ag2", root, roles=["agent"]),
+            "watcher": pki.issue(root, "wa", root, roles=["watcher"]),
+            "norole": pki.issue(root, "nobody", root),
+        }
+        foreign = root / "foreign"
+        pki.create_ca(foreign, name="Some other CA")
+        self.ids["foreign"] = pki.issue(foreign, "ag", foreign, roles=["agent", "operator"])
+
+    @property
+    def ca(self) -> str:
+        return str(self.root / "ca.crt")
+
+    def settings(self) -> dict[str, str]:
+        return {"tls_ca": self.ca, "tls_cert": str(self.server.cert),
+                "tls_key": str(self.server.key)}
+
+    def client(self, registry: RegistryHandle, who: str) -> Client:
+        if who == "nocert":
+            return Client(registry.address, ca=self.ca, cert="", key="", timeout=5,
+                          retry=TEST_RETRY)
+        issued = self.ids[who]
+        return Client(registry.address, ca=self.ca, cert=str(issued.cert),
+                      key=str(issued.key), timeout=5, retry=TEST_RETRY)
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> PKI:
+    return PKI(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture
+def secure(registry_factory: Callable[..., RegistryHandle], certs: PKI) -> RegistryHandle:
+    """A registry serving mutual TLS."""
+    return registry_factory(**certs.settings())
+
+
+@pytest.fixture
+def clients(secure: RegistryHandle, certs: PKI) -> Iterator[dict[str, Client]]:
+    made = {who: certs.client(secure, who) for who in [*certs.ids, "nocert"]}
+    yield made
+    for c in made.values():
+        c.close()
+
+
+def snapshot(registry: RegistryHandle) -> dict[bytes, bytes]:
+    """Every key under the registry's prefix but request records (which a refused call
+    never writes either, but a permitted one in the same test may)."""
+
+    async def read(etcd: Etcd) -> dict[bytes, bytes]:
+        return {kv.key: kv.value async for kv in etcd.scan(registry.prefix.encode())
+                if b"/requests/" not in kv.key}
+
+    return on_etcd(registry.etcd, read)
+
+
+def manifest(task: str = "t", n: int = 3, **extra: Any) -> dict[str, Any]:
+    return {"task_id": task, "entries": [{"file_id": f"f{i}", "path": f"d/f{i}"}
+                                         for i in range(n)], **extra}
+
+
+# --- the table ----------------------------------------------------------------------
+
+
+def test_every_method_is_in_the_table() -> None:
+    """The access table names every method of the service, and nothing else."""
+    assert set(POLICY) == {m.name for m in SERVICE.methods}
+
+
+def _request(method: str, world: dict[str, Any]) -> Any:
+    """A request for ``method`` that would do something real if it were let in."""
+    t, f, sid, tok = world["task"], world["file"], world["session"], world["token"]
+    return {
+        "CreateTask": pb.CreateTaskRequest(spec=_spec(manifest("other"))),
+        "GetTask": pb.GetTaskRequest(task_id=t),
+        "ListTasks": pb.ListTasksRequest(),
+        "GetEntry": pb.GetEntryRequest(task_id=t, file_id=f),
+        "ListEntries": pb.ListEntriesRequest(task_id=t),
+        "PauseTask": pb.TaskControlRequest(task_id=t),
+        "ResumeTask": pb.TaskControlRequest(task_id=t),
+        "CancelTask": pb.TaskControlRequest(task_id=t),
+        "DeleteTask": pb.DeleteTaskRequest(task_id=t),
+        "Requeue": pb.RequeueRequest(task_id=t, file_id="f2"),
+        "Journal": pb.JournalRequest(task_id=t),
+        "Explain": pb.GetEntryRequest(task_id=t, file_id=f),
+        "ListAgents": pb.ListAgentsRequest(),
+        "OpenSession": pb.OpenSessionRequest(agent="x", ttl=30),
+        "KeepAlive": pb.KeepAliveRequest(session_id=sid),
+        "CloseSession": pb.CloseSessionRequest(session_id=sid),
+        "Claim": pb.ClaimRequest(task_id=t, session_id=sid),
+        "ClaimBatch": pb.ClaimBatchRequest(task_id=t, session_id=sid, max=2),
+        "Commit": pb.CommitRequest(task_id=t, file_id=f, token=tok, size=1, digest=DIGEST),
+        "CommitBatch": pb.CommitBatchRequest(commits=[pb.CommitRequest(
+            task_id=t, file_id=f, token=tok, size=1, digest=DIGEST)]),
+        "Fail": pb.FailRequest(task_id=t, file_id=f, token=tok),
+        "ReportVerification": pb.VerificationReport(task_id=t, file_id=f, size=1,
+                                                    digest=DIGEST),
+        "ReportProblem": pb.ProblemReport(task_id=t, file_id=f, kind=pb.ProblemReport.MISSING,
+                                          reason="forged"),
+        "Consume": pb.ConsumeRequest(task_id=t, group="default", session_id=sid),
+        "Ack": pb.AckRequest(task_id=t, file_id=f, group="default", token=tok),
+        "Nack": pb.NackRequest(task_id=t, file_id=f, group="default", token=tok),
+        "Watch": pb.WatchRequest(task_id=t),
+        "WatchTasks": pb.WatchTasksRequest(),
+    }[method]
+
+
+def _spec(data: dict[str, Any]) -> pb.TaskSpec:
+    from client import parse_manifest
+
+    return parse_manifest(data)
+
+
+def _call(client: Client, method: str, request: Any) -> None:
+    """One call of ``method``; a stream is read until its first message."""
+    if SERVICE.methods_by_name[method].server_streaming:
+        call = getattr(client._stub, method)(request, timeout=5)
+        try:
+            next(iter(call))
+        except grpc.RpcError as e:
+            from client._client import _raise_from_rpc
+
+            raise _raise_from_rpc(e) from None
+        finally:
+            call.cancel()
+        return
+    client._call(method, request)
+
+
+@pytest.mark.parametrize("who", ["operator", "agent", "watcher", "norole", "foreign",
+                                 "nocert"])
+def test_role_matrix(secure: RegistryHandle, clients: dict[str, Client], who: str,
+                     certs: PKI) -> None:
+    """Every method called by every identity: what the table does not allow is refused
+    (PERMISSION_DENIED, or no connection at all without a certificate of the CA) and
+    changes nothing; what it allows gets past the table."""
+    owner = clients["agent"]
+    owner.create_task(manifest())
+    session = owner.open_session("owner", ttl=30)
+    claim = owner.claim("t", "f0", session=session)
+    world = {"task": "t", "file": "f0", "session": session.session_id, "token": claim.token}
+    roles = {"operator": {"operator"}, "agent": {"agent"}, "watcher": {"watcher"}}.get(who,
+                                                                                       set())
+    caller = clients[who]
+    for method in sorted(POLICY):
+        if method in ("CloseSession", "CancelTask", "DeleteTask"):
+            continue  # destructive when allowed: checked below, last
+        before = snapshot(secure)
+        try:
+            _call(caller, method, _request(method, world))
+        except errors.PermissionDenied:
+            assert not POLICY[method] & roles, f"{who} refused {method}, which it may call"
+            assert snapshot(secure) == before, f"refused {method} by {who} changed state"
+            continue
+        except errors.Unavailable:
+            assert who in ("foreign", "nocert"), f"{who}: {method} could not connect"
+            assert snapshot(secure) == before
+            continue
+        except errors.BatonError:
+            pass  # let in by the table; refused by the state machine (tokens, states)
+        assert POLICY[method] & roles, f"{who} got into {method}"
+    for method in ("CloseSession", "CancelTask", "DeleteTask"):
+        before = snapshot(secure)
+        try:
+            _call(caller, method, _request(method, world))
+        except (errors.PermissionDenied, errors.Unavailable):
+            assert not POLICY[method] & roles or who not in ("operator", "agent")
+            assert snapshot(secure) == before
+            continue
+        except errors.BatonError:
+            pass
+        assert POLICY[method] & roles, f"{who} got into {method}"
+
+
+def test_refusal_is_exit_7(secure: RegistryHandle, certs: PKI, tmp_path: Path) -> None:
+    """The CLI reports a refused call as exit status 7 and says why."""
+    import subprocess
+    import sys
+
+    ids = certs.ids["watcher"]
+    env = {"BATON_REGISTRY": secure.address, "BATON_CA": certs.ca,
+           "BATON_CERT": str(ids.cert), "BATON_KEY": str(ids.key), "PATH": "/usr/bin:/bin"}
+    (tmp_path / "m.json").write_text('{"task_id": "x", "entries": [{"file_id": "a", '
+                                     '"path": "a"}]}')
+    done = subprocess.run([sys.executable, "-m", "client.cli", "task", "create",
+                           str(tmp_path / "m.json")], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 7, done.stderr
+    assert "CreateTask is not allowed to wa (watcher)" in done.stderr
+
+
+# --- the attacks of issue 9, replayed -----------------------------------------------------
+
+
+def test_a_stranger_cannot_use_another_agents_token(clients: dict[str, Client],
+                                                    secure: RegistryHandle) -> None:
+    """Knowing a claim's token and session is not enough: commit, fail, keepalive and
+    close from another identity are refused, and the claim is untouched."""
+    owner, stranger = clients["agent"], clients["agent2"]
+    owner.create_task(manifest())
+    s = owner.open_session("owner", ttl=30)
+    claim = owner.claim("t", "f0", session=s)
+    before = snapshot(secure)
+    for attempt in (
+        lambda: stranger.commit("t", "f0", claim.token, 1, DIGEST),
+        lambda: stranger.commit("t", "f0", claim.token, 1, DIGEST, session=s.session_id),
+        lambda: stranger.fail("t", "f0", claim.token, "sabotage"),
+        lambda: stranger.keepalive(s.session_id),
+        lambda: stranger.close_session(s.session_id),
+        lambda: stranger.claim("t", "f1", session=s.session_id),
+    ):
+        with pytest.raises(errors.PermissionDenied):
+            attempt()
+    assert snapshot(secure) == before
+    assert owner.get_entry("t", "f0").state == pb.WRITING
+    # the owner still can, and naming the wrong session is refused even for it
+    s2 = owner.open_session("owner-2", ttl=30)
+    with pytest.raises(errors.PermissionDenied):
+        owner.commit("t", "f0", claim.token, 1, DIGEST, session=s2)
+    assert owner.commit("t", "f0", claim.token, 1, DIGEST, session=s).state == pb.WRITTEN
+
+
+def test_only_watchers_verify(clients: dict[str, Client], secure: RegistryHandle) -> None:
+    """A verification or a problem report from anyone but a watcher is refused."""
+    agent = clients["agent"]
+    agent.create_task(manifest())
+    s = agent.open_session("p", ttl=30)
+    c = agent.claim("t", "f0", session=s)
+    agent.commit("t", "f0", c.token, 1, DIGEST, session=s)
+    before = snapshot(secure)
+    for who in ("agent", "operator"):
+        with pytest.raises(errors.PermissionDenied):
+            clients[who].report("t", "f0", 1, DIGEST)
+        with pytest.raises(errors.PermissionDenied):
+            clients[who].report_problem("t", "f0", pb.ProblemReport.CORRUPTED, "forged")
+    assert snapshot(secure) == before
+    assert clients["watcher"].report("t", "f0", 1, DIGEST).state == pb.VERIFIED
+
+
+def test_only_operators_list_sessions_and_see_tokens(clients: dict[str, Client]) -> None:
+    """ListAgents is an operator's; entries and journal show tokens to operators only."""
+    agent, op = clients["agent"], clients["operator"]
+    agent.create_task(manifest())
+    s = agent.open_session("p", ttl=30)
+    c = agent.claim("t", "f0", session=s)
+    with pytest.raises(errors.PermissionDenied):
+        agent.list_agents()
+    assert agent.get_entry("t", "f0").token == 0
+    assert all(e.token == 0 for e in agent.list_entries("t"))
+    assert all(r.token == 0 for r in agent.journal("t", "f0"))
+    assert op.get_entry("t", "f0").token == c.token
+    assert any(r.token == c.token for r in op.journal("t", "f0"))
+    listed = [a for a in op.list_agents() if a.session_id == s.session_id]
+    assert listed and listed[0].claims[0].token == c.token
+
+
+def test_request_ids_are_scoped_to_their_caller(clients: dict[str, Client]) -> None:
+    """Another identity's request id replays nothing: it is a new request of its own."""
+    a, b = clients["agent"], clients["agent2"]
+    a.create_task(manifest())
+    sa, sb = a.open_session("a", ttl=30), b.open_session("b", ttl=30)
+    first = a._call("Claim", pb.ClaimRequest(task_id="t", file_id="f0",
+                                             session_id=sa.session_id, request_id="same-id"))
+    again = a._call("Claim", pb.ClaimRequest(task_id="t", file_id="f0",
+                                             session_id=sa.session_id, request_id="same-id"))
+    assert again.token == first.token  # the caller's own retry is answered as before
+    other = b._call("Claim", pb.ClaimRequest(task_id="t", file_id="f1",
+                                             session_id=sb.session_id, request_id="same-id"))
+    assert other.entry.file_id == "f1" and other.token != first.token
+
+
+def test_commit_needs_a_digest_unless_the_task_opts_out(clients: dict[str, Client]) -> None:
+    """A commit without the producer's digest is refused, unless digest_optional."""
+    agent = clients["agent"]
+    agent.create_task(manifest())
+    agent.create_task(manifest("loose", digest_optional=True))
+    s = agent.open_session("p", ttl=30)
+    c = agent.claim("t", "f0", session=s)
+    with pytest.raises(errors.InvalidArgument, match="digest"):
+        agent.commit("t", "f0", c.token, 1, session=s)
+    assert agent.get_entry("t", "f0").state == pb.WRITING
+    c2 = agent.claim("loose", "f0", session=s)
+    assert agent.commit("loose", "f0", c2.token, 1, session=s).state == pb.WRITTEN
+
+
+# --- roles per task ---------------------------------------------------------------
+
+
+def test_task_access_rules(clients: dict[str, Client], certs: PKI,
+                           secure: RegistryHandle) -> None:
+    """Producers per entry, per directory and per task, and consumers per group, by
+    identity name: others are refused (and passed over by claim-next), explain says why."""
+    a, b = clients["agent"], clients["agent2"]  # identities "ag" and "ag2"
+    a.create_task({
+        "task_id": "acl", "consumers": ["readers"], "digest_optional": True,
+        "entries": [{"file_id": "mine", "path": "raw/mine", "producers": ["ag"]},
+                    {"file_id": "dir", "path": "raw/x/dir"},
+                    {"file_id": "rest", "path": "top"}],
+        "access": {"producers": ["ag2"],
+                   "paths": [{"dir": "raw", "producers": ["ag", "zz-*"]}],
+                   "groups": [{"group": "readers", "consumers": ["ag2"]}]},
+    })
+    sa, sb = a.open_session("a", ttl=30), b.open_session("b", ttl=30)
+    with pytest.raises(errors.PermissionDenied):
+        b.claim("acl", "mine", session=sb)
+    with pytest.raises(errors.PermissionDenied):
+        b.claim("acl", "dir", session=sb)
+    with pytest.raises(errors.PermissionDenied):
+        a.claim("acl", "rest", session=sa)
+    assert b.claim("acl", session=sb).file_id == "rest"  # the only one ag2 may produce
+    with pytest.raises(errors.NothingToClaim):
+        b.claim("acl", session=sb)
+    got = {c.file_id: c for c in (a.claim("acl", session=sa) for _ in range(2))}
+    assert set(got) == {"mine", "dir"}
+    text = b.explain("acl", "mine").text
+    assert "ag2 may not produce it" in text and "Group readers consumers must match ag2" in text
+    # consumers of group readers: ag2 only
+    for fid in ("mine", "dir"):
+        a.commit("acl", fid, got[fid].token, 1, session=sa)
+        clients["watcher"].report("acl", fid, 1, DIGEST)
+    with pytest.raises(errors.PermissionDenied):
+        a.consume("acl", "readers", session=sa)
+    assert b.consume("acl", "readers", session=sb).group == "readers"
+
+
+# --- TLS itself ----------------------------------------------------------------------
+
+
+def _served_serial(address: str, certs: PKI) -> int:
+    """The serial number of the certificate the registry presents to a new connection."""
+    from cryptography import x509
+
+    ctx = ssl.create_default_context(cafile=certs.ca)
+    ctx.set_alpn_protocols(["h2"])
+    ids = certs.ids["agent"]
+    ctx.load_cert_chain(str(ids.cert), str(ids.key))
+    host, _, port = address.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=5) as raw, \
+            ctx.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+        der = tls.getpeercert(binary_form=True)
+    assert der is not None
+    return int(x509.load_der_x509_certificate(der).serial_number)
+
+
+def test_certificate_rotation_without_restart(
+    registry_factory: Callable[..., RegistryHandle], certs: PKI, tmp_path: Path,
+    wait_for: Callable[..., None],
+) -> None:
+    """Swapping the registry's certificate files: the next connection sees the new
+    certificate, with no restart, and a Watch stream open across the swap goes on."""
+    files = tmp_path / "server"
+    files.mkdir()
+    shutil.copy(certs.server.cert, files / "registry.crt")
+    shutil.copy(certs.server.key, files / "registry.key")
+    reg = registry_factory(tls_ca=certs.ca, tls_cert=str(files / "registry.crt"),
+                           tls_key=str(files / "registry.key"))
+    agent = certs.client(reg, "agent")
+    agent.create_task(manifest("rot", digest_optional=True))
+    first = _served_serial(reg.address, certs)
+    seen: list[pb.TaskEvent] = []
+    stop = threading.Event()
+
+    def follow() -> None:
+        for event in agent.watch("rot"):
+            seen.append(event)
+            if stop.is_set():
+                return
+
+    thread = threading.Thread(target=follow, daemon=True)
+    thread.start()
+    wait_for(lambda: any(e.kind == pb.TaskEvent.SYNCED for e in seen), what="watch synced")
+    # rotate: a new certificate for the same names, written in place atomically
+    fresh = pki.issue(certs.root, "registry-next", tmp_path / "next",
+                      server_names=["localhost", "127.0.0.1"])
+    time.sleep(0.01)  # a different mtime even on coarse clocks
+    shutil.copy(fresh.key, files / ".k")
+    shutil.copy(fresh.cert, files / ".c")
+    (files / ".k").replace(files / "registry.key")
+    (files / ".c").replace(files / "registry.crt")
+    wait_for(lambda: _served_serial(reg.address, certs) != first, what="new certificate")
+    # the stream opened before the swap still delivers
+    count = len(seen)
+    s = agent.open_session("p", ttl=30)
+    agent.claim("rot", "f0", session=s)
+    wait_for(lambda: len(seen) > count, what="an event after the swap")
+    stop.set()
+    # and a new client connects through the new certificate
+    with certs.client(reg, "operator") as op:
+        assert op.get_task("rot").entry_count == 3
+    agent.close()
+
+
+def test_plaintext_needs_insecure(registry_factory: Callable[..., RegistryHandle]) -> None:
+    """No TLS files and no --insecure: the registry refuses to start, saying how."""
+    with pytest.raises(errors.InvalidArgument, match="--insecure"):
+        registry_factory(insecure=False)
+
+
+def test_plaintext_client_of_a_tls_registry_is_told(secure: RegistryHandle) -> None:
+    """A client without TLS settings gets an error that names them."""
+    with Client(secure.address, ca="", cert="", key="", timeout=3, retry=TEST_RETRY) as c, \
+            pytest.raises(errors.Unavailable, match="BATON_CA"):
+        c.list_tasks()
+
+
+def test_server_settings_from_flags_and_environment() -> None:
+    """The TLS and etcd credential settings load from flags and BATON_* variables."""
+    from registry.config import load_config
+
+    cfg = load_config(["--tls-ca", "/a", "--tls-cert", "/b", "--tls-key", "/c"],
+                      {"BATON_INSECURE": "0", "BATON_ETCD_CA": "/e"})
+    assert (cfg.tls_ca, cfg.tls_cert, cfg.tls_key, cfg.insecure, cfg.etcd_ca) == (
+        "/a", "/b", "/c", False, "/e")
+    assert load_config(["--insecure"], {}).insecure is True
+    assert load_config([], {"BATON_INSECURE": "yes"}).insecure is True
