@@ -33,6 +33,7 @@ from client.etcdproc import (
     BANNER_PREFIX,
     DaemonFailed,
     EtcdProcess,
+    EtcdTLS,
     StartCancelled,
     etcd_version,
     port_in_use,
@@ -45,6 +46,7 @@ from client.supervisor import RestartPolicy, Supervisor
 __all__ = [
     "ChildSpec",
     "ExtraNotInstalled",
+    "LocalPKI",
     "RestartPolicy",
     "StackAlreadyRunning",
     "UpOptions",
@@ -84,6 +86,35 @@ class UpOptions:
     etcd_port: int = 2479
     registry_port: int = 7390
     prefix: str = "/baton/v1/"
+    #: plaintext everywhere and no identities (the stack of earlier versions)
+    insecure: bool = False
+
+
+@dataclass(frozen=True)
+class LocalPKI:
+    """The certificates ``baton up`` keeps in ``DATA_DIR/pki`` (``client.pki.local_pki``)."""
+
+    root: Path
+
+    def cert(self, name: str) -> str:
+        return str(self.root / f"{name}.crt")
+
+    def key(self, name: str) -> str:
+        return str(self.root / f"{name}.key")
+
+    @property
+    def ca(self) -> str:
+        return str(self.root / "ca.crt")
+
+    def client_flags(self, name: str, prefix: str = "") -> tuple[str, ...]:
+        """``--ca/--cert/--key`` (with ``prefix``: ``--PREFIX-ca`` ...) for identity ``name``."""
+        dash = f"--{prefix}-" if prefix else "--"
+        return (f"{dash}ca", self.ca, f"{dash}cert", self.cert(name), f"{dash}key",
+                self.key(name))
+
+    def environ(self, name: str = "operator") -> dict[str, str]:
+        return {"BATON_CA": self.ca, "BATON_CERT": self.cert(name),
+                "BATON_KEY": self.key(name)}
 
 
 def default_data_dir(environ: Mapping[str, str] | None = None) -> Path:
@@ -118,13 +149,25 @@ class ChildSpec:
     details: str = ""
 
 
-def child_specs(opts: UpOptions, etcd_endpoint: str) -> list[ChildSpec]:
+def child_specs(opts: UpOptions, etcd_endpoint: str,
+                pki: LocalPKI | None = None) -> list[ChildSpec]:
     """The daemons run after etcd, in start order (stopped in reverse).
 
-    The watcher comes after the registry it reports to.
+    The watcher comes after the registry it reports to. With ``pki`` the registry
+    serves mutual TLS, reaches etcd over TLS with its client certificate, and the
+    watcher presents the watcher identity; without, all is plaintext.
     """
     registry_address = f"127.0.0.1:{opts.registry_port}"
     registry_log = opts.data_dir / "registry.log"
+    registry_tls: tuple[str, ...] = ("--insecure",)
+    watcher_tls: tuple[str, ...] = ()
+    if pki is not None:
+        registry_tls = (
+            "--tls-ca", pki.ca, "--tls-cert", pki.cert("registry"),
+            "--tls-key", pki.key("registry"),
+            *pki.client_flags("etcd-client", prefix="etcd"),
+        )  # fmt: skip
+        watcher_tls = pki.client_flags("watcher")
     registry_argv = (
         sys.executable,
         "-u",  # unbuffered, so registry.log is current when we quote its tail
@@ -133,12 +176,13 @@ def child_specs(opts: UpOptions, etcd_endpoint: str) -> list[ChildSpec]:
         "--listen", registry_address,
         "--staging", str(opts.staging),
         "--prefix", opts.prefix,
+        *registry_tls,
     )  # fmt: skip
     registry = ChildSpec(
         name="registry",
         argv=registry_argv,
         log_path=registry_log,
-        ready=grpc_health_probe(registry_address),
+        ready=grpc_health_probe(registry_address, pki=pki),
         address=registry_address,
         details=f"staging: {opts.staging}, log: {registry_log}",
     )
@@ -150,6 +194,7 @@ def child_specs(opts: UpOptions, etcd_endpoint: str) -> list[ChildSpec]:
         "--registry", registry_address,
         "--staging", str(opts.staging),
         "--state-file", str(opts.data_dir / "watcher-state.sqlite"),
+        *watcher_tls,
     )  # fmt: skip
     watcher = ChildSpec(
         name="watcher",
@@ -203,17 +248,29 @@ def _health_modules() -> tuple[Any, Any]:
     return health_pb2, health_pb2_grpc
 
 
-def grpc_health_probe(target: str, service: str = "") -> Callable[[], bool]:
-    """A probe that is True when ``target``'s gRPC health service says SERVING."""
+def grpc_health_probe(target: str, service: str = "",
+                      pki: LocalPKI | None = None) -> Callable[[], bool]:
+    """A probe that is True when ``target``'s gRPC health service says SERVING (over
+    mutual TLS as the operator identity of ``pki``, when given)."""
     health_pb2, health_pb2_grpc = _health_modules()
     request = health_pb2.HealthCheckRequest(service=service)
     serving = health_pb2.HealthCheckResponse.SERVING
+    def channel_credentials() -> grpc.ChannelCredentials | None:
+        if pki is None:
+            return None
+        return grpc.ssl_channel_credentials(
+            Path(pki.ca).read_bytes(), Path(pki.key("operator")).read_bytes(),
+            Path(pki.cert("operator")).read_bytes())
 
     def probe() -> bool:
+        credentials = channel_credentials()
         # A fresh channel per attempt: a reused one would back off for up to seconds
         # after the first refused connection, delaying "ready" long after it is true.
         # No proxy: an http_proxy setting must not intercept a loopback call.
-        with grpc.insecure_channel(target, options=[("grpc.enable_http_proxy", 0)]) as channel:
+        options = [("grpc.enable_http_proxy", 0)]
+        channel = (grpc.secure_channel(target, credentials, options=options) if credentials
+                   else grpc.insecure_channel(target, options=options))
+        with channel:
             try:
                 reply = health_pb2_grpc.HealthStub(channel).Check(request, timeout=1.0)
             except grpc.RpcError:
@@ -395,20 +452,25 @@ def run_up(
     opts.staging.mkdir(parents=True, exist_ok=True)
 
     with _exclusive(opts.data_dir), _stop_on_signals(stop):
+        pki = None if opts.insecure else _local_pki(opts.data_dir / "pki")
         etcd = EtcdProcess(
             opts.data_dir / "etcd",
             client_port=opts.etcd_port,
             log_path=opts.data_dir / "etcd.log",
+            tls=None if pki is None else EtcdTLS(
+                cert=Path(pki.cert("etcd")), key=Path(pki.key("etcd")), ca=Path(pki.ca),
+                client_cert=Path(pki.cert("etcd-client")),
+                client_key=Path(pki.key("etcd-client"))),
         )
         children: list[_Child] = []
         failure: str | None = None
         try:
             etcd.start(ready_timeout, cancel=stop)
-            for spec in child_specs(opts, etcd.endpoint):
+            for spec in child_specs(opts, etcd.endpoint, pki):
                 child = _Child(spec)
                 children.append(child)  # before start: a failed start is cleaned up too
                 child.start(ready_timeout, stop)
-            _print_summary(out, etcd, children)
+            _print_summary(out, etcd, children, pki, opts.data_dir)
             supervisor = Supervisor([_Etcd(etcd), *children], out, restart,
                                     ready_timeout=ready_timeout)
             failure = supervisor.run(stop)
@@ -422,16 +484,43 @@ def run_up(
     return 0 if failure is None else 1
 
 
-def _print_summary(out: Callable[[str], None], etcd: EtcdProcess, children: list[_Child]) -> None:
+def _local_pki(root: Path) -> LocalPKI:
+    """The stack's certificates, made on first start and kept."""
+    try:
+        from client import pki
+    except ImportError as e:  # pragma: no cover - client.pki itself imports nothing extra
+        raise ExtraNotInstalled(str(e), extra="pki") from e
+    if importlib.util.find_spec("cryptography") is None:
+        raise ExtraNotInstalled(
+            "`baton up` makes certificates for its stack, which needs the 'cryptography' "
+            "package: pip install 'baton[pki]' (or run `baton up --insecure`)", extra="pki")
+    pki.local_pki(root)
+    return LocalPKI(root)
+
+
+def _print_summary(out: Callable[[str], None], etcd: EtcdProcess, children: list[_Child],
+                   pki: LocalPKI | None, data_dir: Path) -> None:
     version = etcd_version(etcd.binary)
+    tls = "TLS, client certificates" if pki is not None else "plaintext"
     out(
         f"{'etcd':<9} {etcd.endpoint}  "
-        f"(etcd {version}, data: {etcd.data_dir}, log: {etcd.log_path})"
+        f"(etcd {version}, {tls}, data: {etcd.data_dir}, log: {etcd.log_path})"
     )
+    exports: dict[str, str] = {}
     for child in children:
         out(f"{child.spec.name:<9} {child.spec.address}  ({child.spec.details})")
         if child.spec.name == "registry":
-            out(f"export BATON_REGISTRY={child.spec.address}")
+            exports["BATON_REGISTRY"] = child.spec.address
+    if pki is not None:
+        exports.update(pki.environ("operator"))
+    lines = [f"export {name}={value}" for name, value in exports.items()]
+    for line in lines:
+        out(line)
+    env_file = data_dir / "env"
+    env_file.write_text("".join(f"{line}\n" for line in lines))
+    if pki is not None:
+        out(f"(the operator identity; the same lines are in {env_file}; "
+            f"more identities: baton cert issue --pki {pki.root})")
     out("ready; press Ctrl-C to stop")
 
 

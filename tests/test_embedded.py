@@ -18,6 +18,7 @@ import pytest
 from client import Client, embedded, put
 from client.embedded import (
     ChildSpec,
+    LocalPKI,
     RestartPolicy,
     StackAlreadyRunning,
     UpOptions,
@@ -104,10 +105,10 @@ def stacks() -> Iterator[Callable[..., Stack]]:
         stack.thread.join(60)
 
 
-def fake_children(argv: list[str]) -> Callable[[UpOptions, str], list[ChildSpec]]:
+def fake_children(argv: list[str]) -> Callable[..., list[ChildSpec]]:
     """A child_specs replacement running ``argv`` (ready as soon as it runs)."""
 
-    def specs(opts: UpOptions, etcd_endpoint: str) -> list[ChildSpec]:
+    def specs(opts: UpOptions, etcd_endpoint: str, pki: object = None) -> list[ChildSpec]:
         return [
             ChildSpec(
                 name="fake",
@@ -131,8 +132,10 @@ def test_default_data_dir_follows_xdg(tmp_path: Path, monkeypatch: pytest.Monkey
 
 
 def test_registry_command_line(opts: UpOptions) -> None:
-    """The registry is run as `python -m registry` with the documented flags."""
-    registry, _ = child_specs(opts, "127.0.0.1:2479")
+    """The registry is run as `python -m registry` with the documented flags: mutual TLS
+    and etcd over TLS with the stack's certificates, or --insecure without them."""
+    pki = LocalPKI(Path("/p"))
+    registry, _ = child_specs(opts, "127.0.0.1:2479", pki)
     assert registry.name == "registry"
     assert registry.argv[0] == sys.executable
     assert registry.argv[registry.argv.index("-m") + 1 :] == (
@@ -141,13 +144,19 @@ def test_registry_command_line(opts: UpOptions) -> None:
         "--listen", f"127.0.0.1:{opts.registry_port}",
         "--staging", str(opts.staging),
         "--prefix", "/baton-up-test/",
+        "--tls-ca", "/p/ca.crt", "--tls-cert", "/p/registry.crt", "--tls-key", "/p/registry.key",
+        "--etcd-ca", "/p/ca.crt", "--etcd-cert", "/p/etcd-client.crt",
+        "--etcd-key", "/p/etcd-client.key",
     )  # fmt: skip
     assert registry.log_path == opts.data_dir / "registry.log"
+    plain, _ = child_specs(opts, "127.0.0.1:2479")
+    assert plain.argv[-1] == "--insecure" and "--tls-ca" not in plain.argv
 
 
 def test_watcher_command_line(opts: UpOptions) -> None:
-    """The watcher runs after the registry as `python -m watcher` on the staging directory."""
-    _, watcher = child_specs(opts, "127.0.0.1:2479")
+    """The watcher runs after the registry as `python -m watcher` on the staging directory,
+    with the watcher identity of the stack's certificates."""
+    _, watcher = child_specs(opts, "127.0.0.1:2479", LocalPKI(Path("/p")))
     assert watcher.name == "watcher"
     assert watcher.argv[0] == sys.executable
     assert watcher.argv[watcher.argv.index("-m") + 1 :] == (
@@ -155,6 +164,7 @@ def test_watcher_command_line(opts: UpOptions) -> None:
         "--registry", f"127.0.0.1:{opts.registry_port}",
         "--staging", str(opts.staging),
         "--state-file", str(opts.data_dir / "watcher-state.sqlite"),
+        "--ca", "/p/ca.crt", "--cert", "/p/watcher.crt", "--key", "/p/watcher.key",
     )  # fmt: skip
     assert watcher.log_path == opts.data_dir / "watcher.log"
 
@@ -187,7 +197,13 @@ def test_up_serves_then_stops_cleanly(
     assert any(line.startswith(f"etcd      127.0.0.1:{opts.etcd_port}") for line in lines)
     assert any(line.startswith(f"registry  {registry_address}") for line in lines)
     assert f"export BATON_REGISTRY={registry_address}" in lines
-    assert grpc_health_probe(registry_address)()
+    pki = LocalPKI(opts.data_dir / "pki")
+    for name, value in pki.environ("operator").items():
+        assert f"export {name}={value}" in lines
+    env = (opts.data_dir / "env").read_text().splitlines()
+    assert env == [line for line in lines if line.startswith("export ")]
+    assert grpc_health_probe(registry_address, pki=pki)()
+    assert not grpc_health_probe(registry_address)()  # plaintext is not served
     assert opts.staging.is_dir()
 
     stack.stop.set()
@@ -204,11 +220,32 @@ def test_up_verifies_a_put_file(
     stack = stacks(opts)
     lines = stack.wait_for_line("ready")
     assert any(line.startswith(f"watcher   {opts.staging}") for line in lines)
-    with Client(f"127.0.0.1:{opts.registry_port}") as c, c.open_session("p", ttl=10) as s:
+    with operator(opts) as c, c.open_session("p", ttl=10) as s:
         c.create_task({"task_id": "demo", "entries": [{"file_id": "a", "path": "in/a.txt"}]})
         put(c, s, "demo", "a", io.BytesIO(b"hello from baton up"))
         wait_for(lambda: c.get_entry("demo", "a").state == pb.VERIFIED, timeout=20,
                  what="a verified by the stack's watcher")
+    stack.stop.set()
+    assert stack.join() == 0
+
+
+def operator(opts: UpOptions) -> Client:
+    """A client of the stack with its operator identity (as its export lines say)."""
+    pki = LocalPKI(opts.data_dir / "pki")
+    return Client(f"127.0.0.1:{opts.registry_port}", ca=pki.ca, cert=pki.cert("operator"),
+                  key=pki.key("operator"))
+
+
+def test_insecure_stack_serves_plaintext(
+    opts: UpOptions, stacks: Callable[..., Stack]
+) -> None:
+    """baton up --insecure: no certificates, a plaintext registry, no TLS lines printed."""
+    stack = stacks(dataclasses.replace(opts, insecure=True))
+    lines = stack.wait_for_line("ready")
+    assert not any("BATON_CA" in line for line in lines)
+    assert not (opts.data_dir / "pki").exists()
+    with Client(f"127.0.0.1:{opts.registry_port}", ca="", cert="", key="") as c:
+        assert c.list_tasks() == []
     stack.stop.set()
     assert stack.join() == 0
 
@@ -241,8 +278,9 @@ def test_a_killed_registry_is_restarted_and_serves(
     lines = stack.wait_for_line("registry: restarted", timeout=60)
     assert any(line.startswith("registry: exited with SIGKILL; restarting in") for line in lines)
     assert registry_pid(opts.registry_port) != killed
-    wait_for(grpc_health_probe(address), timeout=30, what="the restarted registry serving")
-    with Client(address) as c:
+    wait_for(grpc_health_probe(address, pki=LocalPKI(opts.data_dir / "pki")), timeout=30,
+             what="the restarted registry serving")
+    with operator(opts) as c:
         c.create_task({"task_id": "after", "entries": [{"file_id": "a", "path": "a"}]})
         assert [t.spec.task_id for t in c.list_tasks()] == ["after"]
     assert stack.thread.is_alive()
@@ -290,7 +328,7 @@ def test_a_child_that_fails_to_start_raises(
     """A daemon that never gets ready raises DaemonFailed and etcd is stopped again."""
     specs = fake_children([sys.executable, "-c", "print('cannot start'); raise SystemExit(3)"])
 
-    def never_ready(opts: UpOptions, endpoint: str) -> list[ChildSpec]:
+    def never_ready(opts: UpOptions, endpoint: str, pki: object = None) -> list[ChildSpec]:
         return [dataclasses.replace(spec, ready=lambda: False) for spec in specs(opts, endpoint)]
 
     monkeypatch.setattr(embedded, "child_specs", never_ready)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import click
@@ -10,7 +11,7 @@ import click
 from .. import errors
 from .._client import Client, RetryPolicy
 from ..demo import DemoResult, run_demo
-from ..embedded import UpOptions, default_data_dir, default_staging, run_up
+from ..embedded import LocalPKI, UpOptions, default_data_dir, default_staging, run_up
 from ._common import Settings, pass_settings
 from ._root import cli
 
@@ -27,28 +28,43 @@ from ._root import cli
               help="registry gRPC port on 127.0.0.1")
 @click.option("--demo", is_flag=True,
               help="once the stack is up, run the demo pipeline against it")
+@click.option("--insecure", is_flag=True,
+              help="plaintext everywhere, no certificates and no identities")
 @click.pass_context
 def up(ctx: click.Context, data_dir: Path | None, staging: Path | None, etcd_port: int,
-       registry_port: int, demo: bool) -> None:
+       registry_port: int, demo: bool, insecure: bool) -> None:
     """Run a local Baton stack until Ctrl-C.
 
     A private single-member etcd in DATA_DIR, a registry serving the staging
-    root and a watcher verifying the files put there; prints the address to
-    export as BATON_REGISTRY.
+    root and a watcher verifying the files put there. Everything speaks mutual
+    TLS with certificates made in DATA_DIR/pki on first start; prints the
+    `export` lines (BATON_REGISTRY, BATON_CA, BATON_CERT, BATON_KEY) for the
+    operator identity, also kept in DATA_DIR/env.
     """
     data_dir = data_dir or default_data_dir()
     opts = UpOptions(data_dir=data_dir, staging=staging or default_staging(data_dir),
-                     etcd_port=etcd_port, registry_port=registry_port)
+                     etcd_port=etcd_port, registry_port=registry_port, insecure=insecure)
     if demo:
         address = f"127.0.0.1:{registry_port}"
-        threading.Thread(target=_demo_when_ready, args=(address,), daemon=True).start()
+        pki = None if insecure else LocalPKI(data_dir.expanduser().absolute() / "pki")
+        threading.Thread(target=_demo_when_ready, args=(address, pki), daemon=True).start()
     ctx.exit(run_up(opts, out=click.echo))
 
 
-def _demo_when_ready(address: str) -> None:
+def _demo_when_ready(address: str, pki: LocalPKI | None) -> None:
     # The stack prints its own progress; the demo waits for the registry by
     # retrying its first call, then runs next to it.
-    with Client(address, retry=RetryPolicy(attempts=1000, cap=0.5, deadline=60)) as client:
+    ca = cert = key = ""
+    if pki is not None:
+        ca, cert, key = pki.ca, pki.cert("operator"), pki.key("operator")
+        deadline = time.monotonic() + 60
+        while not all(Path(p).exists() for p in (ca, cert, key)):  # made by `up` first
+            if time.monotonic() > deadline:
+                click.echo(f"demo: no certificates appeared in {pki.root}", err=True)
+                return
+            time.sleep(0.1)
+    with Client(address, retry=RetryPolicy(attempts=1000, cap=0.5, deadline=60), ca=ca,
+                cert=cert, key=key) as client:
         try:
             client.list_tasks()
             _report(run_demo(client))
