@@ -1,18 +1,32 @@
-"""Consuming a file safely: wait for a verified entry, check its digest, ack."""
+"""Consuming a file safely: wait for a verified entry, check its digest, ack.
+
+The staging tree is shared, so the leased path is not trusted: it is opened one
+component at a time from the staging root with ``O_NOFOLLOW`` (as the producer
+helper and the watcher do), only a regular file is read, and never more than
+the entry's verified size plus one byte, which is what tells a longer file.
+"""
 
 from __future__ import annotations
 
+import errno
+import os
+import stat
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
-from pathlib import Path
 
 import blake3
 
 from ._client import Client, Lease, Session
 from .errors import BatonError, ChecksumMismatch, NothingToClaim, Unavailable
+from .producer import Refusal, open_entry_dir
 from .v1 import baton_pb2 as pb
+
+# O_NONBLOCK: opening a FIFO for reading must not wait for a writer (it is refused
+# after fstat); it changes nothing for a regular file. O_NOCTTY: a terminal device
+# planted there never becomes our controlling terminal.
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 
 
 def next_lease(
@@ -54,9 +68,69 @@ def next_lease(
             events.close()
 
 
+def _refusal(lease: Lease) -> Refusal:
+    def refused(reason: str) -> BatonError:
+        return ChecksumMismatch(f"{lease.path}: {reason}; not the verified file",
+                                task_id=lease.task_id, file_id=lease.file_id, path=lease.path)
+    return refused
+
+
+def _open_leased(lease: Lease) -> tuple[int, int]:
+    """A descriptor of the leased file, reached without symlinks, and its size now:
+    a regular file no longer than the verified size."""
+    refused = _refusal(lease)
+    parent, name = open_entry_dir(lease.task_id, lease.path, lease.entry.path, refused)
+    try:
+        fd = os.open(name, _FILE_FLAGS, dir_fd=parent)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise refused("it is a symlink (refused, not followed)") from e
+        raise
+    finally:
+        os.close(parent)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise refused("not a regular file")
+        if st.st_size > lease.size:
+            raise refused(f"{st.st_size} bytes, longer than the verified {lease.size}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st.st_size
+
+
+def _read_at_most(fd: int, limit: int) -> bytes:
+    # One read usually returns it all, in one buffer; a file that changes meanwhile,
+    # or one past Linux's 2 GiB per read, takes more (and a join).
+    data = os.read(fd, limit)
+    if not data or len(data) == limit:
+        return data
+    chunks, total = [data], len(data)
+    while total < limit and (more := os.read(fd, limit - total)):
+        chunks.append(more)
+        total += len(more)
+    return b"".join(chunks)
+
+
 def read_verified(lease: Lease) -> bytes:
-    """The bytes of a leased entry, after checking them against the verified digest."""
-    data = Path(lease.path).read_bytes()
+    """The bytes of a leased entry, after checking them against the verified digest.
+
+    They are all held in memory, so this is for files that fit: no more than the
+    verified size plus one byte is ever read, whatever the path leads to. Raises
+    ``ChecksumMismatch`` when the path is not the verified file: different bytes,
+    longer or shorter, a symlink anywhere below the staging root, or not a regular
+    file (a FIFO, a device).
+    """
+    fd, size = _open_leased(lease)
+    try:
+        # Reading to the size seen, not the lease's, sizes the buffer by what is
+        # there; the one byte more tells a file that grew since.
+        data = _read_at_most(fd, size + 1)
+    finally:
+        os.close(fd)
+    if len(data) > size:
+        raise _refusal(lease)(f"grew while read, past {size} bytes (changed since verified)")
     digest = blake3.blake3(data).hexdigest()
     if len(data) != lease.size or digest != lease.digest:
         raise ChecksumMismatch(
