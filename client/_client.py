@@ -301,7 +301,7 @@ class Client:
                 f"{error.message} (the TLS handshake with {self.target} failed: is "
                 "BATON_CA the CA of the registry's certificate, and BATON_CERT/BATON_KEY "
                 "an identity that CA signed?)")
-        if not self.credentials.tls:
+        if not self.credentials.tls and "refused" not in text:
             return errors.Unavailable(
                 f"{error.message} (this client speaks plaintext: a registry serving TLS "
                 "needs BATON_CA, BATON_CERT and BATON_KEY)")

@@ -27,6 +27,7 @@ from click.testing import CliRunner, Result
 from client import DEFAULT_REGISTRY, Client, RetryPolicy
 from client.cli import cli
 from client.cli._common import default_agent
+from client.embedded import LocalPKI
 from client.etcdproc import free_port
 from client.v1 import baton_pb2 as pb
 
@@ -41,14 +42,27 @@ SUBPROCESS_TIMEOUT = 60
 
 @dataclass(frozen=True)
 class Address:
-    """Where a registry serves (what the helpers below need of the fixture)."""
+    """Where a registry serves (what the helpers below need of the fixture), and the
+    identity's variables (BATON_CA, ...) when it serves mutual TLS."""
 
     address: str
+    identity: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def of_stack(cls, address: str, data_dir: Path) -> Address:
+        """A `baton up` stack's registry, with its operator identity."""
+        return cls(address, tuple(LocalPKI(data_dir / "pki").environ("operator").items()))
+
+    def client(self) -> Client:
+        env = dict(self.identity)
+        return Client(self.address, ca=env.get("BATON_CA", ""),
+                      cert=env.get("BATON_CERT", ""), key=env.get("BATON_KEY", ""))
 
 
-def cli_env(address: str) -> dict[str, str]:
+def cli_env(address: str, identity: tuple[tuple[str, str], ...] = ()) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("BATON_")}
     env["BATON_REGISTRY"] = address
+    env.update(identity)
     return env
 
 
@@ -56,14 +70,15 @@ def run(registry: Any, *args: str, stdin: str | None = None) -> subprocess.Compl
     """Run the CLI as its own process, talking to ``registry``."""
     return subprocess.run(
         [sys.executable, "-m", "client.cli", *args], input=stdin, capture_output=True,
-        text=True, env=cli_env(registry.address), timeout=SUBPROCESS_TIMEOUT, check=False,
+        text=True, env=cli_env(registry.address, getattr(registry, "identity", ())),
+        timeout=SUBPROCESS_TIMEOUT, check=False,
     )
 
 
 def invoke(registry: Any, *args: str, stdin: str | None = None) -> Result:
     """Run the CLI in this process through click's CliRunner."""
-    return CliRunner().invoke(cli, list(args), input=stdin, env={"BATON_REGISTRY":
-                                                                  registry.address})
+    return CliRunner().invoke(cli, list(args), input=stdin, env={
+        "BATON_REGISTRY": registry.address, **dict(getattr(registry, "identity", ()))})
 
 
 def ok_json(result: subprocess.CompletedProcess[str] | Result) -> Any:
@@ -514,7 +529,7 @@ def test_up_serves_a_registry_until_ctrl_c(tmp_path: Path) -> None:
     )
     try:
         Lines(proc).until(lambda line: line.startswith("ready"), timeout=45)
-        up = Address(f"127.0.0.1:{registry_port}")
+        up = Address.of_stack(f"127.0.0.1:{registry_port}", tmp_path / "data")
         create(up, MANIFEST)
         got = ok_json(run(up, "task", "get", "t1", "-o", "json"))
         assert got["staging_dir"] == str(tmp_path / "data" / "staging" / "t1")
@@ -536,7 +551,7 @@ def test_up_restarted_on_the_same_data_dir_keeps_every_task_and_entry(tmp_path: 
     registry_port, etcd_port = free_port(), free_port()
     argv = [sys.executable, "-m", "client.cli", "up", "--data-dir", str(tmp_path / "data"),
             "--etcd-port", str(etcd_port), "--registry-port", str(registry_port)]
-    up = Address(f"127.0.0.1:{registry_port}")
+    up = Address.of_stack(f"127.0.0.1:{registry_port}", tmp_path / "data")
 
     def start() -> subprocess.Popen[str]:
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -550,7 +565,7 @@ def test_up_restarted_on_the_same_data_dir_keeps_every_task_and_entry(tmp_path: 
         assert run(up, "put", "t1", "a", "-", stdin="kept\n").returncode == 0
         claim = ok_json(run(up, "claim", "t1", "b", "--ttl", "600", "-o", "json"))
         # The stack's watcher verifies `a`; let it finish so nothing moves meanwhile.
-        with Client(up.address) as c:
+        with up.client() as c:
             deadline = time.monotonic() + 30
             while c.get_entry("t1", "a").state != pb.VERIFIED:
                 assert time.monotonic() < deadline, "the watcher did not verify a"
@@ -561,7 +576,8 @@ def test_up_restarted_on_the_same_data_dir_keeps_every_task_and_entry(tmp_path: 
         proc = start()
         assert ok_json(run(up, "status", "t1", "-o", "json")) == before
         # The claim made before the restart is still live: its token commits.
-        done = run(up, "commit", "t1", "b", "--token", str(claim["token"]), "--size", "0")
+        done = run(up, "commit", "t1", "b", "--token", str(claim["token"]), "--size", "0",
+                   "--digest", blake3.blake3(b"").hexdigest())
         assert done.returncode == 0, done.stderr
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=SUBPROCESS_TIMEOUT) == 0

@@ -4,8 +4,9 @@ Every fenced ``sh`` and ``python`` block of README.md is run, except those that 
 what this test provides itself (listed in ``NOT_RUN``): the stack, which ``make up``
 runs as ``baton up --demo`` and this test starts the same way on free ports, the test
 suite, and installation. The shell blocks run in bash, as a user's terminal would,
-from a directory that has the repository's ``.venv`` and ``README.md``; both kinds
-find the stack through ``BATON_REGISTRY``, as they would find ``make up``'s by default.
+from a directory that has the repository's ``.venv`` and ``README.md``, with a home
+of their own where the stack keeps its data: they find its address and identity by
+sourcing the ``env`` file ``baton up`` writes there, as the README says.
 
 docs/cli.md: its manifests are created, its opening tour runs line by line against a
 stack, and its shell producer and consumer run as written. Its console transcripts
@@ -32,6 +33,7 @@ from test_cli import Lines
 
 from client import Client
 from client.cli import cli
+from client.embedded import LocalPKI
 from client.etcdproc import free_port
 from client.v1 import baton_pb2 as pb
 
@@ -62,21 +64,41 @@ class UpStack:
     address: str
     process: subprocess.Popen[str]
     output: Lines
+    #: the user's home: ``baton up`` keeps its data (and ``env`` file) under it
+    home: Path
+
+    @property
+    def pki(self) -> LocalPKI:
+        return LocalPKI(self.home / ".local" / "share" / "baton" / "pki")
+
+    def env(self, **extra: str) -> dict[str, str]:
+        """The environment of the user's other terminal once it sourced the env file."""
+        return clean_env(HOME=str(self.home), BATON_REGISTRY=self.address,
+                         **self.pki.environ("operator"), **extra)
+
+    def client(self) -> Client:
+        pki = self.pki
+        return Client(self.address, ca=pki.ca, cert=pki.cert("operator"),
+                      key=pki.key("operator"))
 
 
 @pytest.fixture
 def up_stack(tmp_path: Path) -> Iterator[UpStack]:
-    """``baton up --demo`` as its own process, on free ports, until the test ends."""
+    """``baton up --demo`` as its own process, on free ports, until the test ends; its
+    data in the default place under a home of its own (where the docs source it from)."""
     registry_port = free_port()
+    home = tmp_path / "home"
+    home.mkdir()
     process = subprocess.Popen(
-        [str(PYTHON), "-m", "client.cli", "up", "--demo", "--data-dir", str(tmp_path / "up"),
+        [str(PYTHON), "-m", "client.cli", "up", "--demo",
          "--etcd-port", str(free_port()), "--registry-port", str(registry_port)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=clean_env(),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=clean_env(HOME=str(home)),
     )
     output = Lines(process)
     try:
         output.until(lambda line: line.startswith("ready"), timeout=60)
-        yield UpStack(f"127.0.0.1:{registry_port}", process, output)
+        yield UpStack(f"127.0.0.1:{registry_port}", process, output, home)
     finally:
         process.send_signal(signal.SIGINT)
         try:
@@ -88,7 +110,7 @@ def up_stack(tmp_path: Path) -> Iterator[UpStack]:
 
 def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith("BATON_") and k != "VIRTUAL_ENV"}
+           if not k.startswith("BATON_") and k not in ("VIRTUAL_ENV", "XDG_DATA_HOME")}
     return {**env, **extra}
 
 
@@ -102,14 +124,20 @@ def test_the_readme_runs_as_written(up_stack: UpStack, tmp_path: Path) -> None:
     workdir.mkdir()
     (workdir / ".venv").symlink_to(ROOT / ".venv")
     (workdir / "README.md").write_bytes((ROOT / "README.md").read_bytes())
-    env = clean_env(BATON_REGISTRY=up_stack.address)
+    # Only the home: the README's own `. ~/.local/share/baton/env` sets the rest.
+    env = clean_env(HOME=str(up_stack.home))
     ran = []
     for language, text in blocks:
         if language not in ("sh", "python") or is_skipped(text):
             continue
-        argv = ["bash", "-e", "-c", text] if language == "sh" else [str(PYTHON), "-c", text]
+        # One terminal: what a shell block exports is there for the blocks after it.
+        saved = tmp_path / "env-after"
+        argv = (["bash", "-e", "-c", f"{text}\nenv -0 > {shlex.quote(str(saved))}"]
+                if language == "sh" else [str(PYTHON), "-c", text])
         done = subprocess.run(argv, cwd=workdir, env=env, capture_output=True, text=True,
                               timeout=RUN_TIMEOUT, check=False)
+        if language == "sh" and saved.exists():
+            env = dict(item.split("=", 1) for item in saved.read_text().split("\0") if item)
         assert done.returncode == 0, (
             f"README {language} block failed (exit {done.returncode}):\n{text}\n"
             f"--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}")
@@ -118,7 +146,7 @@ def test_the_readme_runs_as_written(up_stack: UpStack, tmp_path: Path) -> None:
     printed = ran[-1][1].split()
     assert printed[0] in ("a", "c"), ran[-1][1]
 
-    with Client(up_stack.address) as c:
+    with up_stack.client() as c:
         states = {e.file_id: e.state for e in c.list_entries("hello")}
     assert states["b"] == pb.WRITING  # the shell agent's claim, alive for its TTL
     assert pb.CONSUMED in (states["a"], states["c"])
@@ -139,7 +167,7 @@ def test_the_cli_docs_manifests_and_shell_agents_run_as_written(
     blocks = fenced_blocks(ROOT / "docs" / "cli.md")
     manifests = [json.loads(text) for language, text in blocks if language == "json"]
     assert [m["task_id"] for m in manifests] == ["t1", "scan-42", "book-7"]
-    with Client(up_stack.address) as c:
+    with up_stack.client() as c:
         for manifest in manifests:
             assert c.create_task(manifest)[1], manifest["task_id"]
     scripts = [text for language, text in blocks if language == "sh"]
@@ -150,15 +178,14 @@ def test_the_cli_docs_manifests_and_shell_agents_run_as_written(
     workdir = tmp_path / "agent"
     workdir.mkdir()
     # As in a shell where the README's `. .venv/bin/activate` ran: baton is on PATH.
-    env = clean_env(BATON_REGISTRY=up_stack.address,
-                    PATH=f"{PYTHON.parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    env = up_stack.env(PATH=f"{PYTHON.parent}{os.pathsep}{os.environ.get('PATH', '')}")
     for text in scripts:
         done = subprocess.run(["sh", "-c", text], cwd=workdir, env=env, capture_output=True,
                               text=True, timeout=RUN_TIMEOUT, check=False)
         assert done.returncode == 0 and not done.stderr, (
             f"docs/cli.md shell agent failed (exit {done.returncode}):\n{text}\n"
             f"--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}")
-    with Client(up_stack.address) as c:
+    with up_stack.client() as c:
         page = c.get_entry("scan-42", "p1")  # the highest priority: what the producer took
     assert list(page.consumed_by) == ["ocr"]
     assert (workdir / "out" / "p1.txt").read_text().strip() == "2"  # "page p1": two words
@@ -176,15 +203,16 @@ def test_the_cli_tour_runs_as_written(up_stack: UpStack, tmp_path: Path) -> None
                if language == "json" and '"scan-42"' in text]
     (tmp_path / "manifest.json").write_text(json.dumps(scan))
     (tmp_path / "p1.png").write_bytes(b"\x89PNG page one")
-    # `baton up` prints where it serves; the tour exports that address.
-    script = "set -e\n" + "\n".join(rest).replace("127.0.0.1:7390", up_stack.address)
-    env = clean_env(PATH=f"{PYTHON.parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    # `baton up` keeps its export lines in its env file; the tour sources it.
+    script = "set -e\n" + "\n".join(rest)
+    env = clean_env(HOME=str(up_stack.home),
+                    PATH=f"{PYTHON.parent}{os.pathsep}{os.environ.get('PATH', '')}")
     done = subprocess.run(["sh", "-c", script], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=RUN_TIMEOUT, check=False)
     assert done.returncode == 0, (f"the tour failed (exit {done.returncode}):\n{script}\n"
                                   f"--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}")
     assert "index" in done.stdout and "p1" in done.stdout  # status --entries, explain
-    with Client(up_stack.address) as c:
+    with up_stack.client() as c:
         assert c.get_entry("scan-42", "p1").state in (pb.WRITTEN, pb.VERIFIED)
 
 
