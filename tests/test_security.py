@@ -456,3 +456,46 @@ def test_server_settings_from_flags_and_environment() -> None:
         "/a", "/b", "/c", False, "/e")
     assert load_config(["--insecure"], {}).insecure is True
     assert load_config([], {"BATON_INSECURE": "yes"}).insecure is True
+
+
+# --- the CLI ----------------------------------------------------------------------
+
+
+def _cli(env: dict[str, str], *args: str, stdin: str | None = None) -> Any:
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "client.cli", *args], env=env, input=stdin,
+                          capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_cert_issue_mints_a_working_identity(secure: RegistryHandle, certs: PKI,
+                                             tmp_path: Path) -> None:
+    """`baton cert issue` mints an identity from the CA in --pki (or beside BATON_CA) that
+    the registry accepts with the roles it was given, and no others."""
+    base = {"PATH": "/usr/bin:/bin", "BATON_REGISTRY": secure.address}
+    done = _cli({**base, "BATON_CA": certs.ca}, "cert", "issue", "--role", "agent",
+                "--name", "shell-agent", "--out", str(tmp_path / "ids"), "-o", "json")
+    assert done.returncode == 0, done.stderr
+    import json
+
+    made = json.loads(done.stdout)
+    assert made["roles"] == ["agent"] and Path(made["key"]).stat().st_mode & 0o077 == 0
+    assert pki.identity(Path(made["cert"]).read_bytes()) == ("shell-agent", ("agent",))
+    env = {**base, "BATON_CA": certs.ca, "BATON_CERT": made["cert"], "BATON_KEY": made["key"]}
+    created = _cli(env, "task", "create", "-", stdin='{"task_id": "cli", "digest_optional": '
+                   'false, "entries": [{"file_id": "a", "path": "a"}]}')
+    assert created.returncode == 0, created.stderr
+    claim = _cli(env, "claim", "cli", "a", "-o", "json")
+    assert claim.returncode == 0, claim.stderr
+    token = str(json.loads(claim.stdout)["token"])
+    # a commit without a digest on a task that requires one: exit 2, saying so
+    bare = _cli(env, "commit", "cli", "a", "--token", token, "--size", "1")
+    assert bare.returncode == 2 and "--digest" in bare.stderr, bare.stderr
+    # an agent is not an operator
+    denied = _cli(env, "agents")
+    assert denied.returncode == 7 and "ListAgents" in denied.stderr
+    # and no CA to issue from is a clear error
+    nothing = _cli(base, "cert", "issue", "--role", "agent", "--name", "x", "--out",
+                   str(tmp_path / "x"))
+    assert nothing.returncode == 2 and "--pki" in nothing.stderr
