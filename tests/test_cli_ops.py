@@ -18,6 +18,9 @@ from test_cli import MANIFEST, TWO, create, invoke, ok_json, one_error_line, run
 from client import Client, errors
 from client.v1 import baton_pb2 as pb
 
+#: the BLAKE3 digest of no bytes: the commits of size 0 here publish no file
+EMPTY = blake3.blake3(b"").hexdigest()
+
 GROUPS = {
     "task_id": "t1",
     "consumers": ["ocr", "archive"],
@@ -123,7 +126,8 @@ def test_log_shows_transitions_in_order(registry: Any, tmp_path: Path) -> None:
     create(registry, TWO)
     claimed = ok_json(invoke(registry, "claim", "t1", "a", "--agent", "writer-1", "-o", "json"))
     ok_json(invoke(registry, "commit", "t1", "a", "--token", str(claimed["token"]),
-                   "--size", "3", "-o", "json"))
+                   "--size", "3", "--digest", blake3.blake3(b"abc").hexdigest(),
+                   "-o", "json"))
     ok_json(invoke(registry, "claim", "t1", "b", "-o", "json"))
     lines = invoke(registry, "log", "t1", "a", "-o", "json")
     assert lines.exit_code == 0, lines.output
@@ -227,7 +231,7 @@ def test_slot_limit_refuses_one_claim_too_many(registry: Any, client: Client) ->
         assert [(a["slots"], [c["file_id"] for c in a["claims"]]) for a in mine] == [
             (1, [first.file_id])]
         # Committing frees the slot for the next claim.
-        client.commit("t1", first.file_id, first.token, 0)
+        client.commit("t1", first.file_id, first.token, 0, EMPTY)
         assert client.claim("t1", session=session).file_id != first.file_id
 
 
@@ -330,14 +334,14 @@ def test_commit_batch_is_all_or_nothing(registry: Any, client: Client) -> None:
     """One stale token in a batch refuses the whole batch (exit 4): nothing is committed."""
     create(registry, TWO)
     claims = ok_json(invoke(registry, "claim", "t1", "--batch", "2", "-o", "json"))
-    commits = [{**c, "size": 0} for c in claims]
+    commits = [{**c, "size": 0, "digest": EMPTY} for c in claims]
     commits[1]["token"] += 1000
     result = run(registry, "commit-batch", "-", stdin=json.dumps(commits))
     assert result.returncode == 4 and "not the live claim" in one_error_line(result.stderr)
     assert result.stdout == ""
     assert {client.get_entry("t1", c["file_id"]).state for c in claims} == {pb.WRITING}
-    done = invoke(registry, "commit-batch", "-", stdin=json.dumps([{**c, "size": 0}
-                                                                   for c in claims]))
+    done = invoke(registry, "commit-batch", "-", stdin=json.dumps(
+        [{**c, "size": 0, "digest": EMPTY} for c in claims]))
     assert done.exit_code == 0, done.output
     assert sorted(done.stdout.splitlines()) == ["t1/a: written, 0 bytes",
                                                 "t1/b: written, 0 bytes"]

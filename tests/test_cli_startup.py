@@ -94,7 +94,9 @@ def test_the_process_ends_with_its_status_and_all_its_output() -> None:
                            text=True, timeout=60, env=env, check=False)
     assert shown.returncode == 0
     assert shown.stdout.startswith("Usage: baton [OPTIONS] COMMAND [ARGS]...")
-    assert " ".join(shown.stdout.split()).endswith("or no reply within --timeout.")  # the end
+    # the last sentence of the help: all of it reached the pipe
+    assert " ".join(shown.stdout.split()).endswith(
+        "7 permission denied (the identity's role or the task's access rules).")
     usage = subprocess.run([sys.executable, "-m", "client.cli", "claim"], capture_output=True,
                            text=True, timeout=60, env=env, check=False)
     assert usage.returncode == 2 and "Missing argument 'TASK'" in usage.stderr

@@ -322,7 +322,7 @@ def test_reaper_pages_through_more_claims_than_a_page(
             entry = client.get_entry("t", f)
             assert entry.retry_count == (0 if i % 2 else 1), f
             if i % 2:  # a live claim's token is untouched
-                assert client.commit("t", f, held[f].token, 1).state == pb.WRITTEN
+                assert client.commit("t", f, held[f].token, 1, digest(b"x")).state == pb.WRITTEN
     assert paged(ranges, f"{prefix}inflight/", REAP_PAGE) >= 4
     assert paged(ranges, f"{prefix}claims/", REAP_PAGE) >= 4
 
@@ -419,7 +419,7 @@ def test_cancel_revokes_more_claims_than_a_chunk_and_frees_their_slots(
         client.cancel_task("t", "wrong input")
         for c in claims:
             with pytest.raises(errors.StaleToken):
-                client.commit("t", c.file_id, c.token, 1)
+                client.commit("t", c.file_id, c.token, 1, digest(b"x"))
         for base in (keys.claims_of_task("p", "t"), keys.inflight_of_task("p", "t"),
                      keys.ready_all("t")):
             assert raw_keys(etcd, base) == []

@@ -24,6 +24,10 @@ def digest(data: bytes) -> str:
     return blake3.blake3(data).hexdigest()
 
 
+#: the digest of a one-byte file b"x": commits here publish no file and no watcher looks
+X = digest(b"x")
+
+
 def entries(*ids: str, **fields: Any) -> list[dict[str, Any]]:
     return [{"file_id": i, "path": i, **fields} for i in ids]
 
@@ -179,7 +183,7 @@ def test_batch_claim_and_commit(client: Client) -> None:
         claims = client.claim_batch("t", 25, session=s)
         assert len(claims) == 21 and len({c.file_id for c in claims}) == 21
         assert len({c.token for c in claims}) == 1  # one transaction
-        done = client.commit_batch([("t", c.file_id, c.token, 1, "") for c in claims])
+        done = client.commit_batch([("t", c.file_id, c.token, 1, X) for c in claims])
         assert {e.state for e in done} == {pb.WRITTEN}
         rest = client.claim_batch("t", 25, session=s)
         assert len(rest) == 9
@@ -190,8 +194,8 @@ def test_commit_batch_is_all_or_nothing(client: Client) -> None:
     client.create_task({"task_id": "t", "entries": entries("a", "b", "c")})
     with client.open_session("p", ttl=10) as s:
         claims = client.claim_batch("t", 3, session=s)
-        batch = [("t", c.file_id, c.token, 1, "") for c in claims]
-        batch[1] = (batch[1][0], batch[1][1], batch[1][2] - 1, 1, "")
+        batch = [("t", c.file_id, c.token, 1, X) for c in claims]
+        batch[1] = (batch[1][0], batch[1][1], batch[1][2] - 1, 1, X)
         with pytest.raises(errors.StaleToken):
             client.commit_batch(batch)
         assert {e.state for e in client.list_entries("t")} == {pb.WRITING}
@@ -203,7 +207,7 @@ def test_lease_lost_in_the_middle_of_batches(client: Client) -> None:
                         "entries": entries(*(f"e{i:02d}" for i in range(10)))})
     s = client.open_session("p", ttl=10, keepalive=False)
     first = client.claim_batch("t", 4, session=s)
-    client.commit_batch([("t", c.file_id, c.token, 1, "") for c in first[:2]])
+    client.commit_batch([("t", c.file_id, c.token, 1, X) for c in first[:2]])
     client.claim_batch("t", 4, session=s)
     client.close_session(s.session_id)
     def settled() -> Counter[int] | None:
@@ -225,7 +229,7 @@ def test_pause_stops_new_claims_but_lets_running_ones_finish(client: Client) -> 
         assert paused.status == pb.TASK_PAUSED and "maintenance" in paused.status_reason
         with pytest.raises(errors.TaskNotActive):
             client.claim("t", session=s)
-        assert client.commit("t", running.file_id, running.token, 1).state == pb.WRITTEN
+        assert client.commit("t", running.file_id, running.token, 1, X).state == pb.WRITTEN
         assert client.resume_task("t").status == pb.TASK_ACTIVE
         assert client.claim("t", session=s).file_id != running.file_id
 
@@ -238,7 +242,7 @@ def test_cancel_revokes_claims(client: Client) -> None:
         task = client.cancel_task("t", "wrong input")
         assert task.status == pb.TASK_CANCELLED and "wrong input" in task.status_reason
         with pytest.raises(errors.StaleToken):
-            client.commit("t", c.file_id, c.token, 1)
+            client.commit("t", c.file_id, c.token, 1, X)
         with pytest.raises(errors.TaskNotActive):
             client.claim("t", session=s)
         with pytest.raises(errors.IllegalTransition):
@@ -257,7 +261,7 @@ def test_slot_limit_refuses_claims_beyond_it(client: Client) -> None:
             client.claim("t", session=s)
         (agent,) = [x for x in client.list_agents() if x.session_id == s.session_id]
         assert agent.slots == 2 and len(agent.claims) == 2 and 0 < agent.ttl_left <= 10
-        client.commit("t", a.file_id, a.token, 1)
+        client.commit("t", a.file_id, a.token, 1, X)
         assert client.claim("t", session=s).file_id not in (a.file_id,)
 
 
@@ -300,7 +304,7 @@ def test_retry_through_another_replica_returns_the_original_outcome(
                                                   request_id="req-1"))
         assert (again.token, again.entry.file_id) == (first.token, first.entry.file_id)
         commit = pb.CommitRequest(task_id="t", file_id=first.entry.file_id, token=first.token,
-                                  size=1, request_id="req-2")
+                                  size=1, digest=X, request_id="req-2")
         done = ca._call("Commit", commit).entry
         assert cb._call("Commit", commit).entry.state == done.state == pb.WRITTEN
         assert Counter(e.state for e in ca.list_entries("t")) == {pb.WRITTEN: 1, pb.PENDING: 1}

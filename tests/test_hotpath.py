@@ -7,13 +7,19 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+import blake3
+
 from client.v1 import baton_pb2 as pb
 from registry._etcd import KV, Compare, Etcd, Guarded, TxnOp, TxnResult
 from registry.core import Core
+from registry.identity import ANONYMOUS
 from registry.keys import Keys
 from registry.producers import Producers
 from registry.sessions import Sessions
 from registry.tasks import Tasks
+
+#: the digest each commit carries (of no bytes: the cycles write no file, nothing compares)
+EMPTY = blake3.blake3(b"").hexdigest()
 
 
 class CountingEtcd(Etcd):
@@ -50,20 +56,21 @@ async def _cycles(endpoint: str, prefix: str, size: int, cycles: int,
     spec = pb.TaskSpec(task_id="t", entries=[
         pb.EntrySpec(file_id=f"e{i:06d}", path=f"e{i:06d}") for i in range(size)])
     await Tasks(core).create(pb.CreateTaskRequest(spec=spec))
-    session = await Sessions(core).open(pb.OpenSessionRequest(agent="a", ttl=30))
+    session = await Sessions(core).open(pb.OpenSessionRequest(agent="a", ttl=30), ANONYMOUS)
     producers = Producers(core)
     # The first claim fills the view's window of the ready index.
-    first = await producers.claim(pb.ClaimRequest(task_id="t", session_id=session.session_id))
+    first = await producers.claim(pb.ClaimRequest(task_id="t", session_id=session.session_id),
+                                  ANONYMOUS)
     await producers.commit(pb.CommitRequest(task_id="t", file_id=first.entry.file_id,
-                                            token=first.token))
+                                            token=first.token, digest=EMPTY), ANONYMOUS)
     etcd.requests = etcd.ranges = 0
     for i in range(cycles):
         claim = await producers.claim(pb.ClaimRequest(
             task_id="t", session_id=session.session_id,
-            request_id=f"c{i}" if request_ids else ""))
+            request_id=f"c{i}" if request_ids else ""), ANONYMOUS)
         await producers.commit(pb.CommitRequest(
-            task_id="t", file_id=claim.entry.file_id, token=claim.token,
-            request_id=f"m{i}" if request_ids else ""))
+            task_id="t", file_id=claim.entry.file_id, token=claim.token, digest=EMPTY,
+            request_id=f"m{i}" if request_ids else ""), ANONYMOUS)
     return etcd, core
 
 
@@ -131,8 +138,6 @@ def test_manifest_validation_runs_off_the_event_loop(
 def test_completion_looks_at_tasks_finished_here_and_sweeps_all_now_and_then(
         etcd: Any, prefix: str) -> None:
     """Only tasks with an entry finished on this replica are checked between full sweeps."""
-    import blake3
-
     from registry.consumers import Consumers
     from registry.scheduler import Scheduler
     from registry.verify import Verifier
@@ -145,21 +150,24 @@ def test_completion_looks_at_tasks_finished_here_and_sweeps_all_now_and_then(
         try:
             await Tasks(core).create(pb.CreateTaskRequest(spec=pb.TaskSpec(
                 task_id="t", entries=[pb.EntrySpec(file_id="a", path="a")])))
-            session = await Sessions(core).open(pb.OpenSessionRequest(agent="a", ttl=30))
+            session = await Sessions(core).open(pb.OpenSessionRequest(agent="a", ttl=30),
+                                                ANONYMOUS)
             producers = Producers(core)
             claim = await producers.claim(pb.ClaimRequest(task_id="t",
-                                                          session_id=session.session_id))
-            digest = blake3.blake3(b"").hexdigest()
+                                                          session_id=session.session_id),
+                                          ANONYMOUS)
+            digest = EMPTY
             await producers.commit(pb.CommitRequest(task_id="t", file_id="a",
-                                                    token=claim.token, size=0, digest=digest))
+                                                    token=claim.token, size=0, digest=digest),
+                                   ANONYMOUS)
             await Verifier(core).report(pb.VerificationReport(task_id="t", file_id="a",
                                                               size=0, digest=digest))
             # Consumed by its one group: the entry is done, on this replica.
             consumers = Consumers(core)
             lease = await consumers.consume(pb.ConsumeRequest(
-                task_id="t", group="default", session_id=session.session_id))
+                task_id="t", group="default", session_id=session.session_id), ANONYMOUS)
             await consumers.ack(pb.AckRequest(task_id="t", file_id="a", group="default",
-                                              token=lease.token))
+                                              token=lease.token), ANONYMOUS)
             scheduler = Scheduler(core)
             hinted = sorted(core.finishing)
             core.finishing.clear()  # as if another replica had finished it
@@ -180,8 +188,6 @@ def test_completion_looks_at_tasks_finished_here_and_sweeps_all_now_and_then(
 def test_a_replica_whose_view_is_behind_still_releases_a_dependent(
         etcd: Any, prefix: str) -> None:
     """A dependency verified through another replica releases its dependent on this one."""
-    import blake3
-
     from registry.scheduler import Scheduler
     from registry.verify import Verifier
 
@@ -196,13 +202,15 @@ def test_a_replica_whose_view_is_behind_still_releases_a_dependent(
             await Tasks(a).create(pb.CreateTaskRequest(spec=pb.TaskSpec(task_id="t", entries=[
                 pb.EntrySpec(file_id="d", path="d"),
                 pb.EntrySpec(file_id="x", path="x", depends_on=["d"])])))
-            session = await Sessions(a).open(pb.OpenSessionRequest(agent="a", ttl=30))
+            session = await Sessions(a).open(pb.OpenSessionRequest(agent="a", ttl=30),
+                                             ANONYMOUS)
             claim = await Producers(a).claim(pb.ClaimRequest(
-                task_id="t", file_id="d", session_id=session.session_id))
-            digest = blake3.blake3(b"").hexdigest()
+                task_id="t", file_id="d", session_id=session.session_id), ANONYMOUS)
+            digest = EMPTY
             # Committed through A (A now holds `d` as written), verified through B.
             await Producers(a).commit(pb.CommitRequest(task_id="t", file_id="d",
-                                                       token=claim.token, digest=digest))
+                                                       token=claim.token, digest=digest),
+                                      ANONYMOUS)
             await Verifier(b).report(pb.VerificationReport(task_id="t", file_id="d",
                                                            digest=digest))
             released = await Scheduler(a).check_waiting("t", "x")

@@ -19,6 +19,8 @@ from client.v1 import baton_pb2 as pb
 AGENT = Path(__file__).with_name("agent_proc.py")
 #: a lost claim's entry is claimable again at once (the default backoff starts at 1 s)
 FAST: dict[str, object] = {"backoff": {"base_seconds": 0.001}}
+#: a well-formed digest for commits that publish no file (no watcher compares it)
+DIGEST = "0" * 64
 
 
 def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> float:
@@ -66,7 +68,7 @@ def test_sigkilled_agent_entry_returns_to_pending(client: Client, agent: Callabl
     entry = client.get_entry("t1", "a")
     assert entry.retry_count == 1 and "lost" in entry.error and entry.token == 0
     with pytest.raises(errors.StaleToken):
-        client.commit("t1", "a", claim["token"], 1)
+        client.commit("t1", "a", claim["token"], 1, DIGEST)
 
 
 def test_paused_agent_cannot_commit_with_stale_token(client: Client, agent: Callable) -> None:  # type: ignore[type-arg]
@@ -88,7 +90,7 @@ def test_paused_agent_cannot_commit_with_stale_token(client: Client, agent: Call
         assert outcome["error"] in ("StaleToken", "SessionExpired")
         entry = client.get_entry("t1", "a")
         assert entry.state == pb.WRITING and entry.owner == "other" and entry.token == fresh.token
-        assert client.commit("t1", "a", fresh.token, 1).state == pb.WRITTEN
+        assert client.commit("t1", "a", fresh.token, 1, DIGEST).state == pb.WRITTEN
 
 
 def test_registry_refuses_token_of_expired_session_before_reap(
@@ -102,7 +104,7 @@ def test_registry_refuses_token_of_expired_session_before_reap(
         claim = c.claim("t1", session=s)
         wait_for(lambda: c.get_entry("t1", "a").token == 0, 6, "claim key to expire")
         with pytest.raises(errors.StaleToken):
-            c.commit("t1", "a", claim.token, 1)
+            c.commit("t1", "a", claim.token, 1, DIGEST)
         assert c.get_entry("t1", "a").state == pb.WRITING  # nobody reaped yet
 
 
@@ -125,7 +127,7 @@ def test_keepalive_holds_claim_beyond_ttl(client: Client) -> None:
         while time.monotonic() < deadline:  # 2.5 TTLs, checking all along
             assert client.get_entry("t1", "a").token == claim.token
             time.sleep(0.25)
-        assert client.commit("t1", "a", claim.token, 1).state == pb.WRITTEN
+        assert client.commit("t1", "a", claim.token, 1, DIGEST).state == pb.WRITTEN
 
 
 def test_dead_consumer_returns_entry_to_group(client: Client) -> None:
@@ -133,8 +135,8 @@ def test_dead_consumer_returns_entry_to_group(client: Client) -> None:
     client.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "a"}], **FAST})
     with client.open_session("p", ttl=10) as s:
         c = client.claim("t1", session=s)
-        client.commit("t1", "a", c.token, 1, "0" * 64)
-        client.report("t1", "a", 1, "0" * 64)
+        client.commit("t1", "a", c.token, 1, DIGEST)
+        client.report("t1", "a", 1, DIGEST)
     dying = client.open_session("c1", ttl=2, keepalive=False)
     lease = client.consume("t1", "default", session=dying)
     with client.open_session("c2", ttl=10) as s2:

@@ -14,6 +14,8 @@ from client.v1 import baton_pb2 as pb
 
 AGENTS = 16
 ENTRIES = 200
+#: a well-formed digest: the agents publish no file and no watcher compares it
+DIGEST = "0" * 64
 
 
 def test_concurrent_claims_through_two_replicas_are_exclusive(
@@ -43,7 +45,7 @@ def test_concurrent_claims_through_two_replicas_are_exclusive(
                         return
                     with lock:
                         claims.append((claim.file_id, claim.token, f"agent-{n}"))
-                    c.commit("race", claim.file_id, claim.token, 1)
+                    c.commit("race", claim.file_id, claim.token, 1, DIGEST)
         except BaseException as e:
             failures.append(e)
 

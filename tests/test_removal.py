@@ -207,11 +207,11 @@ def test_claims_left_by_an_interrupted_cancel_are_revoked_with_their_slots(
         assert len(slots_of(store, p.session_id)) == 1  # t10/x's
         assert slots_of(store, c.session_id) == []
         with pytest.raises(errors.NotFound):
-            client.commit("t1", "c", live.token, 1)
+            client.commit("t1", "c", live.token, 1, digest(b"x"))
         # p's three freed slots take three more claims.
         assert client.claim("t10", "y", session=p).file_id == "y"
         assert client.claim("t10", "z", session=p).file_id == "z"
-        assert client.commit("t10", "x", kept.token, 1).state == pb.WRITTEN
+        assert client.commit("t10", "x", kept.token, 1, digest(b"x")).state == pb.WRITTEN
 
 
 # --- refusals ---------------------------------------------------------------------------
@@ -263,7 +263,7 @@ def test_an_interrupted_delete_is_finished_by_the_next(
     client.create_task(manifest)
     with client.open_session("p", ttl=30) as s:
         claim = client.claim("t1", "a", session=s)
-        client.commit("t1", "a", claim.token, 1)
+        client.commit("t1", "a", claim.token, 1, digest(b"x"))
     client.cancel_task("t1")
     journal = store.keys.journal_all("t1")
     down = threading.Event()

@@ -9,6 +9,7 @@ from typing import Any
 from client.v1 import baton_pb2 as pb
 from registry._etcd import KV, Etcd
 from registry.core import Core
+from registry.identity import ANONYMOUS
 from registry.keys import Keys
 from registry.producers import Producers
 from registry.sessions import Sessions
@@ -39,11 +40,13 @@ async def keys_read_per_claim(endpoint: str, prefix: str, size: int, claims: int
         spec = pb.TaskSpec(task_id="big", entries=[
             pb.EntrySpec(file_id=f"e{i:06d}", path=f"e{i:06d}") for i in range(size)])
         await Tasks(core).create(pb.CreateTaskRequest(spec=spec))
-        session = await Sessions(core).open(pb.OpenSessionRequest(agent="a", ttl=30))
+        session = await Sessions(core).open(pb.OpenSessionRequest(agent="a", ttl=30),
+                                            ANONYMOUS)
         producers = Producers(core)
         etcd.kvs_read = 0
         for _ in range(claims):
-            await producers.claim(pb.ClaimRequest(task_id="big", session_id=session.session_id))
+            await producers.claim(pb.ClaimRequest(task_id="big", session_id=session.session_id),
+                                  ANONYMOUS)
         return etcd.kvs_read // claims
     finally:
         await etcd.close()

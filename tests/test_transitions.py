@@ -89,9 +89,10 @@ def test_report_before_commit_verifies_at_commit(client: Client) -> None:
         assert entry.state == pb.VERIFIED and entry.digest == digest(data)
 
 
-def test_commit_without_digest_takes_the_watchers(client: Client) -> None:
-    """A producer may commit only the size; the watcher's digest becomes the entry's."""
-    client.create_task(manifest(n=1))
+def test_digest_optional_commit_without_digest_takes_the_watchers(client: Client) -> None:
+    """On a digest_optional task a producer may commit only the size; the watcher's digest
+    becomes the entry's."""
+    client.create_task(manifest(n=1, digest_optional=True))
     with client.open_session("agent", ttl=10) as s:
         c = client.claim("t1", session=s)
         client.commit("t1", "f0", c.token, 3)
@@ -175,9 +176,9 @@ def test_commit_twice_and_commit_after_fail_are_refused(client: Client) -> None:
     client.create_task(manifest(n=1))
     with client.open_session("a", ttl=10) as s:
         c = client.claim("t1", session=s)
-        client.commit("t1", "f0", c.token, 1)
+        client.commit("t1", "f0", c.token, 1, digest(b"x"))
         with pytest.raises(errors.StaleToken):
-            client.commit("t1", "f0", c.token, 1)
+            client.commit("t1", "f0", c.token, 1, digest(b"x"))
         with pytest.raises(errors.StaleToken):
             client.fail("t1", "f0", c.token, "late")
         assert client.get_entry("t1", "f0").state == pb.WRITTEN
@@ -191,25 +192,28 @@ def test_wrong_token_changes_nothing(client: Client) -> None:
         before = client.get_entry("t1", "f0")
         for bad in (c.token - 1, c.token + 1, 0):
             with pytest.raises(errors.StaleToken):
-                client.commit("t1", "f0", bad, 1)
+                client.commit("t1", "f0", bad, 1, digest(b"x"))
         assert client.get_entry("t1", "f0") == before
 
 
 def test_commit_checks_input(client: Client) -> None:
-    """Negative sizes, malformed digests and sizes against expected_size are refused."""
+    """Negative sizes, malformed or missing digests and sizes against expected_size are
+    refused."""
     m = manifest(n=1)
     m["entries"][0]["expected_size"] = 5  # type: ignore[index]
     client.create_task(m)
     with client.open_session("a", ttl=10) as s:
         c = client.claim("t1", session=s)
         with pytest.raises(errors.InvalidArgument):
-            client.commit("t1", "f0", c.token, -1)
+            client.commit("t1", "f0", c.token, -1, digest(b"12345"))
         with pytest.raises(errors.InvalidArgument):
             client.commit("t1", "f0", c.token, 5, "not-hex")
+        with pytest.raises(errors.InvalidArgument, match="BLAKE3 digest"):
+            client.commit("t1", "f0", c.token, 5)
         with pytest.raises(errors.InvalidArgument, match="expected_size"):
-            client.commit("t1", "f0", c.token, 4)
+            client.commit("t1", "f0", c.token, 4, digest(b"1234"))
         assert client.get_entry("t1", "f0").state == pb.WRITING
-        assert client.commit("t1", "f0", c.token, 5).state == pb.WRITTEN
+        assert client.commit("t1", "f0", c.token, 5, digest(b"12345")).state == pb.WRITTEN
 
 
 def test_unknown_task_entry_and_session(client: Client) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from registry_fixtures import RegistryHandle
 from watcher_fixtures import (
+    digest,
     histories,
     is_state,
     make_task,
@@ -50,7 +51,7 @@ def test_overflow_of_a_shrunk_queue_still_verifies_everything_once(
         Path(c.path).write_bytes(c.file_id.encode() * 500)
     gate.set()
     for c in claims:
-        client.commit("t1", c.file_id, c.token, 2000)
+        client.commit("t1", c.file_id, c.token, 2000, digest(c.file_id.encode() * 500))
     wait_for(lambda: all(e.state == pb.VERIFIED for e in client.list_entries("t1")),
              timeout=30, what="all verified")
     assert w.metrics.get("overflows") >= 1
@@ -203,6 +204,6 @@ def test_committed_file_that_never_appears_is_reported_missing(
     make_task(client, "t1", {"a": "a.bin"})  # no directory will announce it: known at start
     watcher_factory()
     claim = client.claim("t1", "a", session=session)
-    client.commit("t1", "a", claim.token, 5)
+    client.commit("t1", "a", claim.token, 5, digest(b"never"))
     wait_for(lambda: client.get_entry("t1", "a").retry_count == 1, what="a retried")
     assert client.get_entry("t1", "a").error.startswith("missing: 3 failed attempts")
