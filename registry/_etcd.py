@@ -1,8 +1,9 @@
-"""The only module that talks to etcd (through aetcd's channel and v3 stubs).
+"""The only module that talks to etcd (through the generated v3 stubs of ``aetcd.rpc``).
 
 It exposes a small typed surface (``KV``, compares, ops, ``Etcd``) and turns
 every client error into a Baton error here, keeping the cause, so nothing else
-in the registry needs to know which etcd client library is underneath.
+in the registry needs to know how etcd is reached. The gRPC channels are built
+here too, plaintext or TLS, and the etcd auth token rides on every call.
 """
 
 from __future__ import annotations
@@ -12,15 +13,16 @@ import functools
 import ipaddress
 import logging
 import socket
+import ssl
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, ParamSpec, TypeVar
 
-import aetcd
 import grpc
 from aetcd import rpc
 
-from client.errors import Internal, SessionExpired, Unavailable
+from client.errors import BatonError, Internal, InvalidArgument, SessionExpired, Unavailable
 
 from .keys import prefix_end
 
@@ -35,21 +37,61 @@ _RETRYABLE = {
     grpc.StatusCode.CANCELLED,
 }
 
+#: what etcd answers when the token sent is no longer good (a simple token expires
+#: after ``--auth-token-ttl`` s unused, 300 by default; any token once users or roles
+#: change): authenticate again and retry, as etcd's own client does
+_STALE_TOKEN = (
+    "etcdserver: invalid auth token",
+    "etcdserver: user name is empty",
+    "etcdserver: revision of auth store is old",
+)
+
+#: words of an etcd or gRPC error (any of them), whether they mean this over TLS (True),
+#: in plaintext (False) or either way (None), and what to tell the operator; the first
+#: match wins (gRPC's words differ with the TLS version and the etcd release)
+_HINTS: tuple[tuple[tuple[str, ...], bool | None, str], ...] = (
+    (("Connection refused",), None, "is etcd running there?"),
+    (("Hostname Verification",), True,
+     "etcd's certificate does not name the host as written in --etcd: its subject "
+     "alternative names must include every endpoint's DNS name or IP address"),
+    (("CERTIFICATE_VERIFY_FAILED",), True, "etcd's certificate does not chain to --etcd-ca"),
+    (("TSI_DATA_CORRUPTED", "ALERT_BAD_CERTIFICATE", "CERTIFICATE_REQUIRED"), True,
+     "etcd refused the client certificate: give --etcd-cert/--etcd-key, signed by a CA "
+     "etcd trusts (its --trusted-ca-file)"),
+    (("Handshake read failed", "WRONG_VERSION_NUMBER"), True,
+     "etcd does not serve TLS there: drop --etcd-ca, or use its TLS port"),
+    (("Socket closed",), False,
+     "etcd closed the connection: if it serves TLS only, give --etcd-ca (and --etcd-cert/"
+     "--etcd-key when it checks client certificates)"),
+    (("user name is empty",), None,
+     "etcd has authentication enabled: give --etcd-user and --etcd-password-file, or a "
+     "client certificate whose common name is an etcd user"),
+    (("authentication failed",), None, "check --etcd-user and --etcd-password-file"),
+    (("permission denied",), None,
+     "the etcd user needs a role with readwrite on the registry's prefix; see "
+     "docs/operations.md, etcd over TLS"),
+)
+
+
+def _hinted(details: str, tls: bool | None = None) -> str:
+    """``details`` with the hint of :data:`_HINTS` that fits, if any."""
+    hint = next((h for words, when, h in _HINTS
+                 if when in (None, tls) and any(w in details for w in words)), "")
+    return f"{details} ({hint})" if hint else details
+
 
 class Compacted(Unavailable):
     """A watch asked for a revision etcd has already compacted away."""
 
 
-def _translate(exc: BaseException) -> Exception:
+def _translate(exc: BaseException) -> BatonError:
     if isinstance(exc, grpc.aio.AioRpcError):
         details = exc.details() or ""
         if "lease not found" in details:
             return SessionExpired(f"etcd lease not found ({details})")
         if exc.code() in _RETRYABLE:
-            return Unavailable(f"etcd unavailable: {details or exc.code().name}")
-        return Internal(f"etcd error {exc.code().name}: {details}")
-    if isinstance(exc, aetcd.ClientError):
-        return Unavailable(f"etcd client error: {exc}")
+            return Unavailable(f"etcd unavailable: {_hinted(details) or exc.code().name}")
+        return Internal(f"etcd error {exc.code().name}: {_hinted(details)}")
     return Internal(f"etcd error: {exc!r}")
 
 
@@ -58,7 +100,7 @@ def _etcd_errors(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
     async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return await fn(*args, **kwargs)
-        except (grpc.aio.AioRpcError, aetcd.ClientError) as e:
+        except grpc.aio.AioRpcError as e:
             raise _translate(e) from e
 
     return wrapper
@@ -212,19 +254,26 @@ class WatchEvent:
     kv: KV
 
 
-def parse_endpoints(endpoint: str) -> list[tuple[str, int]]:
+def parse_endpoints(endpoint: str, *, tls: bool = False) -> list[tuple[str, int]]:
     """The members of ``host:port[,host:port...]`` as (host, port); an IPv6 host is
-    written in brackets and returned without them. ``ValueError`` says what is wrong."""
+    written in brackets and returned without them. A member may start with
+    ``http://``, or with ``https://`` when ``tls``. ``ValueError`` says what is wrong."""
     usage = "etcd endpoint must be host:port[,host:port...] (IPv6 as [addr]:port)"
+    scheme, other = ("https://", "http://") if tls else ("http://", "https://")
     members = []
     for raw in endpoint.split(","):
         member = raw.strip()
         if not member:
             continue
-        if member.startswith("http://"):
-            member = member[len("http://"):].rstrip("/")
+        if member.startswith(scheme):
+            member = member[len(scheme):].rstrip("/")
+        elif member.startswith(other) and tls:
+            raise ValueError(f"{usage}: {member!r} says http:// but --etcd-ca turns TLS on")
+        elif member.startswith(other):
+            raise ValueError(f"{usage}: {member!r} (https:// needs --etcd-ca; only plain "
+                             "http is supported without it)")
         elif "://" in member:
-            raise ValueError(f"{usage}: {member!r} (only plain http is supported)")
+            raise ValueError(f"{usage}: {member!r} (only http://, or https:// with --etcd-ca)")
         if member.startswith("["):
             host, close, rest = member[1:].partition("]")
             if not close or not rest.startswith(":"):
@@ -269,34 +318,135 @@ def _target(addresses: list[tuple[str, int]]) -> str:
     return "ipv6:" + ",".join(f"[{v6(h)}]:{p}" for h, p in addresses)
 
 
-class Etcd:
-    """An asyncio connection to one etcd endpoint (``host:port``)."""
+@dataclass(frozen=True)
+class EtcdAuth:
+    """How the registry proves itself to etcd (its ``--etcd-*`` settings).
 
-    def __init__(self, endpoint: str, timeout: float = 5.0) -> None:
+    ``ca`` turns TLS on: etcd's certificate must chain to it and name the host of
+    every member as written in ``--etcd`` (a DNS name or an IP address among its
+    subject alternative names). ``cert``/``key`` are sent when etcd checks client
+    certificates (``--client-cert-auth``). ``user``/``password`` log in to etcd's
+    own authentication; the caller reads the password from its file. A setting
+    given without the one it needs raises ``InvalidArgument`` naming both.
+    """
+
+    ca: str = ""
+    cert: str = ""
+    key: str = ""
+    user: str = ""
+    password: str = field(default="", repr=False)
+
+    def __post_init__(self) -> None:
+        pairs = (
+            (self.cert, self.key, "--etcd-cert", "--etcd-key",
+             "the private key of that certificate"),
+            (self.key, self.cert, "--etcd-key", "--etcd-cert", "the certificate it belongs to"),
+            (self.cert, self.ca, "--etcd-cert", "--etcd-ca",
+             "a client certificate is only sent over TLS, and TLS needs the CA that signed "
+             "etcd's certificate"),
+            (self.user, self.password, "--etcd-user", "--etcd-password-file",
+             "a file holding the user's password"),
+            (self.password, self.user, "--etcd-password-file", "--etcd-user",
+             "the etcd user it is the password of"),
+        )
+        for given, needed, setting, other, why in pairs:
+            if given and not needed:
+                raise InvalidArgument(f"{setting} is given without {other} ({why})",
+                                      setting=setting)
+
+    def _credentials(self) -> grpc.ChannelCredentials | None:
+        """The TLS credentials read from the files (None: plaintext); files that cannot
+        be read or do not fit together raise ``InvalidArgument`` naming the setting."""
+        if not self.ca:
+            return None
+        ca = _read_pem(self.ca, "--etcd-ca")
+        checker = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        try:
+            checker.load_verify_locations(cadata=ca.decode("ascii", errors="replace"))
+        except ssl.SSLError as e:
+            raise InvalidArgument(f"--etcd-ca {self.ca}: not a CA certificate bundle ({e})",
+                                  setting="--etcd-ca", path=self.ca) from e
+        if not self.cert:
+            return grpc.ssl_channel_credentials(root_certificates=ca)
+        cert, key = _read_pem(self.cert, "--etcd-cert"), _read_pem(self.key, "--etcd-key")
+        try:
+            # A password argument keeps OpenSSL from prompting for an encrypted key.
+            checker.load_cert_chain(self.cert, self.key, password=lambda: b"")
+        except ssl.SSLError as e:
+            raise InvalidArgument(
+                f"--etcd-cert {self.cert} and --etcd-key {self.key} do not make a usable "
+                f"pair ({e}; the key must match the certificate and not be encrypted)",
+                setting="--etcd-key", path=self.key) from e
+        return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key,
+                                            certificate_chain=cert)
+
+
+def _read_pem(path: str, setting: str) -> bytes:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise InvalidArgument(f"{setting} {path}: cannot read it ({e.strerror or e})",
+                              setting=setting, path=path) from e
+    if b"-----BEGIN " not in data:
+        raise InvalidArgument(f"{setting} {path}: not a PEM file (no '-----BEGIN' line)",
+                              setting=setting, path=path)
+    return data
+
+
+Metadata = tuple[tuple[str, str], ...] | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Channel:
+    """One gRPC channel to etcd and the v3 services on it."""
+
+    target: str
+    channel: grpc.aio.Channel
+    kv: Any
+    lease: Any
+    watch: Any
+    maint: Any
+    auth: Any
+
+    @classmethod
+    def open(cls, target: str, credentials: grpc.ChannelCredentials | None) -> _Channel:
+        options = [("grpc.lb_policy_name", "round_robin")] if target.startswith(
+            ("ipv4:", "ipv6:")) else []
+        channel = (grpc.aio.insecure_channel(target, options=options) if credentials is None
+                   else grpc.aio.secure_channel(target, credentials, options=options))
+        return cls(target, channel, rpc.KVStub(channel), rpc.LeaseStub(channel),
+                   rpc.WatchStub(channel), rpc.MaintenanceStub(channel), rpc.AuthStub(channel))
+
+
+class Etcd:
+    """An asyncio connection to one etcd cluster (``host:port``, or several members)."""
+
+    def __init__(self, endpoint: str, timeout: float = 5.0, *,
+                 auth: EtcdAuth = EtcdAuth()) -> None:
         """``endpoint`` is ``host:port``, or several separated by commas (members of
         one cluster): calls are then spread over them, and a member that is down
         only fails the calls it was given (retried by callers).
 
         A host is a DNS name, an IPv4 address or an IPv6 address in brackets
-        (``[::1]:2379``); ``http://`` in front of a member is accepted and dropped.
-        One member is handed to gRPC as it is (its resolver looks the name up, and
-        again on reconnecting); several are looked up when connecting, every
-        address of every name, and balanced over as one list of addresses.
-        """
-        self.members = parse_endpoints(endpoint)
-        self.endpoint = endpoint
-        self._timeout = timeout
-        self._client = self._new_client(
-            _target(self.members) if len(self.members) == 1 else "")
+        (``[::1]:2379``); ``http://`` in front of a member is accepted and dropped
+        (``https://`` with TLS). One member is handed to gRPC as it is (its
+        resolver looks the name up, and again on reconnecting). Several are, in
+        plaintext, looked up when connecting, every address of every name, and
+        balanced over as one list of addresses; over TLS each member gets a
+        channel of its own, so that its certificate is checked against its own
+        name, and calls go in turn to the members whose channel is ready.
 
-    def _new_client(self, target: str) -> aetcd.Client:
-        if not target:  # several members: the real client is made by ``connect``
-            return aetcd.Client(timeout=self._timeout)
-        options = {"grpc.lb_policy_name": "round_robin"} if target.startswith(
-            ("ipv4:", "ipv6:")) else {}
-        # aetcd dials f"{host}:{port}": every target here ends in ":port".
-        host, _, port = target.rpartition(":")
-        return aetcd.Client(host=host, port=int(port), timeout=self._timeout, options=options)
+        ``auth`` turns on TLS and etcd authentication (see :class:`EtcdAuth`).
+        """
+        self.members = parse_endpoints(endpoint, tls=bool(auth.ca))
+        self.endpoint = endpoint
+        self.auth = auth
+        self._timeout = timeout
+        self._channels: list[_Channel] = []
+        self._turn = 0
+        #: the ``token`` metadata of every call once logged in as ``auth.user``
+        self._metadata: Metadata = None
+        self._renewing = asyncio.Lock()
 
     async def _resolve(self) -> str:
         """A gRPC target listing every address of every member (``ipv4:`` or ``ipv6:``)."""
@@ -319,28 +469,138 @@ class Etcd:
             log.warning("etcd endpoints not resolved (left out): %s", "; ".join(failures))
         return _target(list(dict.fromkeys(addresses)))
 
-    @_etcd_errors
     async def connect(self) -> None:
-        if len(self.members) > 1:
-            self._client = self._new_client(await self._resolve())
-        await self._client.connect()
-        self._kv = self._client.kvstub
-        self._lease = self._client.leasestub
-        self._watch = rpc.WatchStub(self._client.channel)
-        self._maint = self._client.maintenancestub
+        """Open the channel(s), check that etcd answers (over TLS: that each side
+        accepts the other's certificate) within the timeout, and log in as
+        ``auth.user`` if one is given. Raises ``Unavailable`` saying why etcd could
+        not be reached, ``InvalidArgument`` for files that cannot be used and for
+        credentials etcd refused."""
+        credentials = self.auth._credentials()
+        if credentials is not None and len(self.members) > 1:
+            targets = [_target([member]) for member in self.members]
+        elif len(self.members) > 1:
+            targets = [await self._resolve()]
+        else:
+            targets = [_target(self.members)]
+        await self.close()
+        self._channels = [_Channel.open(t, credentials) for t in targets]
+        try:
+            await self._probe()
+            if self.auth.user:
+                await self._login()
+        except BaseException:
+            await self.close()
+            raise
+
+    async def _probe(self) -> None:
+        """One Status call per channel, all at once; the members that do not answer
+        are logged and left to gRPC's reconnection, unless none answers. Any answer
+        counts, a refusal too: this checks the way to etcd, not the rights."""
+        calls = [c.maint.Status(rpc.StatusRequest(), timeout=self._timeout)
+                 for c in self._channels]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        failed = []
+        for channel, result in zip(self._channels, results, strict=True):
+            if isinstance(result, grpc.aio.AioRpcError):
+                if result.code() in _RETRYABLE:
+                    failed.append((channel, result))
+            elif isinstance(result, BaseException):
+                raise result
+        if len(failed) == len(self._channels):
+            raise self._unreachable(failed[0][1]) from failed[0][1]
+        for channel, e in failed:
+            log.warning("etcd member %s does not answer (calls go to the others until it "
+                        "does): %s", channel.target,
+                        _hinted(e.details() or e.code().name, bool(self.auth.ca)))
+
+    def _unreachable(self, e: grpc.aio.AioRpcError) -> BatonError:
+        details = e.details() or e.code().name
+        if not self.auth.ca:
+            return Unavailable(f"cannot reach etcd at {self.endpoint}: "
+                               f"{_hinted(details, tls=False)}", endpoint=self.endpoint)
+        hinted = _hinted(details, tls=True)
+        if hinted == details:
+            hinted += " (check --etcd-ca/--etcd-cert/--etcd-key)"
+        return Unavailable(f"cannot reach etcd at {self.endpoint} over TLS: {hinted}",
+                           endpoint=self.endpoint)
+
+    async def _login(self) -> None:
+        try:
+            self._metadata = await self._authenticate()
+        except grpc.aio.AioRpcError as e:
+            details = e.details() or e.code().name
+            if "authentication failed" in details:
+                raise InvalidArgument(
+                    f"etcd at {self.endpoint} refused user {self.auth.user!r}: {details} "
+                    "(check --etcd-user and --etcd-password-file)",
+                    setting="--etcd-user") from e
+            if "authentication is not enabled" in details:
+                raise InvalidArgument(
+                    f"--etcd-user is given but etcd at {self.endpoint} has authentication "
+                    "disabled: enable it (etcdctl auth enable) or drop --etcd-user and "
+                    "--etcd-password-file", setting="--etcd-user") from e
+            raise _translate(e) from e
+
+    async def _authenticate(self) -> Metadata:
+        request = rpc.AuthenticateRequest(name=self.auth.user, password=self.auth.password)
+        resp = await self._pick().auth.Authenticate(request, timeout=self._timeout)
+        return (("token", str(resp.token)),)
+
+    async def _renew(self, stale: Metadata) -> None:
+        """Log in again, unless another call already did since ``stale`` was sent."""
+        async with self._renewing:
+            if self._metadata is stale:
+                log.info("etcd refused the auth token of %r; logging in again", self.auth.user)
+                self._metadata = await self._authenticate()
+
+    async def _with_token(self, call: Callable[[Metadata], Awaitable[R]]) -> R:
+        """``call`` with the current token; when etcd refuses the token, log in again
+        and make the call once more (every call but the watch, which retries on its
+        own, goes through here)."""
+        sent = self._metadata
+        try:
+            return await call(sent)
+        except grpc.aio.AioRpcError as e:
+            if sent is None or not any(m in (e.details() or "") for m in _STALE_TOKEN):
+                raise
+        await self._renew(sent)
+        return await call(self._metadata)
+
+    def _unary(self, method: Callable[..., Any], request: Any) -> Awaitable[Any]:
+        """A unary call to ``method`` of a stub from :meth:`_pick`, with the timeout and token."""
+        return self._with_token(
+            lambda metadata: method(request, timeout=self._timeout, metadata=metadata))
+
+    def _pick(self) -> _Channel:
+        """The channel of the next call: the only one, or the next ready member in turn
+        (none ready: the next one anyway, which fails fast and is retried by callers)."""
+        channels = self._channels
+        if len(channels) == 1:
+            return channels[0]
+        if not channels:
+            raise Unavailable(f"not connected to etcd at {self.endpoint} (call connect())")
+        for _ in channels:
+            self._turn = (self._turn + 1) % len(channels)
+            channel = channels[self._turn]
+            if channel.channel.get_state(try_to_connect=True) is grpc.ChannelConnectivity.READY:
+                return channel
+        self._turn = (self._turn + 1) % len(channels)
+        return channels[self._turn]
 
     async def close(self) -> None:
-        await self._client.close()
+        channels, self._channels = self._channels, []
+        for channel in channels:
+            await channel.channel.close(None)
 
     @_etcd_errors
     async def status(self) -> str:
         """The etcd server version (also a cheap liveness probe)."""
-        resp = await self._maint.Status(rpc.StatusRequest(), timeout=self._timeout)
+        resp = await self._unary(self._pick().maint.Status, rpc.StatusRequest())
         return str(resp.version)
 
     @_etcd_errors
     async def get(self, key: bytes) -> KV | None:
-        resp = await self._kv.Range(rpc.RangeRequest(key=key), timeout=self._timeout)
+        resp = await self._unary(self._pick().kv.Range, rpc.RangeRequest(key=key))
         return KV._from_pb(resp.kvs[0]) if resp.kvs else None
 
     @_etcd_errors
@@ -365,13 +625,13 @@ class Etcd:
             keys_only=keys_only,
             revision=revision,
         )
-        resp = await self._kv.Range(req, timeout=self._timeout)
+        resp = await self._unary(self._pick().kv.Range, req)
         return [KV._from_pb(kv) for kv in resp.kvs], resp.header.revision, bool(resp.more)
 
     @_etcd_errors
     async def count(self, prefix: bytes) -> int:
         req = rpc.RangeRequest(key=prefix, range_end=prefix_end(prefix), count_only=True)
-        resp = await self._kv.Range(req, timeout=self._timeout)
+        resp = await self._unary(self._pick().kv.Range, req)
         return int(resp.count)
 
     @_etcd_errors
@@ -386,7 +646,7 @@ class Etcd:
             success=[_op_pb(op) for op in success],
             failure=[_op_pb(op) for op in failure],
         )
-        resp = await self._kv.Txn(req, timeout=self._timeout)
+        resp = await self._unary(self._pick().kv.Txn, req)
         return TxnResult(bool(resp.succeeded), int(resp.header.revision), _gets(resp))
 
     @_etcd_errors
@@ -397,7 +657,7 @@ class Etcd:
         the reads of the branch that ran.
         """
         req = rpc.TxnRequest(success=[rpc.RequestOp(request_txn=g._pb()) for g in group])
-        resp = await self._kv.Txn(req, timeout=self._timeout)
+        resp = await self._unary(self._pick().kv.Txn, req)
         rev = int(resp.header.revision)
         return rev, [TxnResult(bool(r.response_txn.succeeded), rev, _gets(r.response_txn))
                      for r in resp.responses]
@@ -444,7 +704,7 @@ class Etcd:
 
     @_etcd_errors
     async def grant(self, ttl: int) -> tuple[int, int]:
-        resp = await self._lease.LeaseGrant(rpc.LeaseGrantRequest(TTL=ttl), timeout=self._timeout)
+        resp = await self._unary(self._pick().lease.LeaseGrant, rpc.LeaseGrantRequest(TTL=ttl))
         if resp.error:
             raise Internal(f"lease grant failed: {resp.error}")
         return int(resp.ID), int(resp.TTL)
@@ -453,28 +713,29 @@ class Etcd:
     async def keepalive(self, lease_id: int) -> int:
         """Refresh a lease once; the TTL it now has, or 0 if it is gone."""
 
-        async def one() -> Any:
-            yield rpc.LeaseKeepAliveRequest(ID=lease_id)
+        async def once(metadata: Metadata) -> int:
+            async def one() -> Any:
+                yield rpc.LeaseKeepAliveRequest(ID=lease_id)
 
-        call = self._lease.LeaseKeepAlive(one(), timeout=self._timeout)
-        async for reply in call:
-            return int(reply.TTL)
-        return 0
+            call = self._pick().lease.LeaseKeepAlive(one(), timeout=self._timeout,
+                                                     metadata=metadata)
+            async for reply in call:
+                return int(reply.TTL)
+            return 0
+
+        return await self._with_token(once)
 
     @_etcd_errors
     async def time_to_live(self, lease_id: int) -> int:
         """Seconds left on a lease; -1 if it does not exist."""
-        resp = await self._lease.LeaseTimeToLive(
-            rpc.LeaseTimeToLiveRequest(ID=lease_id), timeout=self._timeout
-        )
+        resp = await self._unary(self._pick().lease.LeaseTimeToLive,
+                                 rpc.LeaseTimeToLiveRequest(ID=lease_id))
         return int(resp.TTL)
 
     @_etcd_errors
     async def revoke(self, lease_id: int) -> None:
         try:
-            await self._lease.LeaseRevoke(
-                rpc.LeaseRevokeRequest(ID=lease_id), timeout=self._timeout
-            )
+            await self._unary(self._pick().lease.LeaseRevoke, rpc.LeaseRevokeRequest(ID=lease_id))
         except grpc.aio.AioRpcError as e:
             if "lease not found" not in (e.details() or ""):
                 raise
@@ -497,32 +758,51 @@ class Etcd:
         again.
         """
         prefixes = [prefix] if isinstance(prefix, bytes) else list(prefix)
-        stop = asyncio.Event()
 
-        async def requests() -> Any:
+        async def requests(stop: asyncio.Event) -> Any:
             for p in prefixes:
                 yield rpc.WatchRequest(create_request=rpc.WatchCreateRequest(
                     key=p, range_end=prefix_end(p), start_revision=start_revision))
             await stop.wait()
 
-        call = self._watch.Watch(requests())
-        try:
-            async for resp in call:
-                if resp.compact_revision:
-                    raise Compacted(
-                        f"revision {start_revision} compacted (now {resp.compact_revision})"
-                    )
-                if resp.canceled:
-                    raise Unavailable(f"etcd cancelled the watch: {resp.cancel_reason}")
-                if resp.events:
-                    batch = [
-                        WatchEvent("delete" if ev.type == 1 else "put", KV._from_pb(ev.kv))
-                        for ev in resp.events if keep is None or keep(ev.kv.key)
-                    ]
-                    if batch:
-                        yield batch
-        except grpc.aio.AioRpcError as e:
-            raise _translate(e) from e
-        finally:
-            stop.set()
-            call.cancel()
+        sent = self._metadata
+        for attempt in (1, 2):
+            stop = asyncio.Event()
+            call = self._pick().watch.Watch(requests(stop), metadata=sent)
+            delivered = False
+            try:
+                async for resp in call:
+                    if resp.compact_revision:
+                        raise Compacted(
+                            f"revision {start_revision} compacted (now {resp.compact_revision})"
+                        )
+                    if resp.canceled:
+                        # etcd checks the token when a watch is created and cancels it
+                        # if the token is stale (3.5 calls that "permission denied"):
+                        # once, before any event, log in again and watch anew.
+                        stale = any(m in resp.cancel_reason
+                                    for m in (*_STALE_TOKEN, "permission denied"))
+                        if attempt == 1 and sent is not None and stale and not delivered:
+                            break
+                        raise Unavailable(
+                            f"etcd cancelled the watch: {_hinted(resp.cancel_reason)}")
+                    if resp.events:
+                        batch = [
+                            WatchEvent("delete" if ev.type == 1 else "put", KV._from_pb(ev.kv))
+                            for ev in resp.events if keep is None or keep(ev.kv.key)
+                        ]
+                        if batch:
+                            delivered = True
+                            yield batch
+                else:
+                    return
+            except grpc.aio.AioRpcError as e:
+                raise _translate(e) from e
+            finally:
+                stop.set()
+                call.cancel()
+            try:
+                await self._renew(sent)
+            except grpc.aio.AioRpcError as e:
+                raise _translate(e) from e
+            sent = self._metadata
