@@ -42,7 +42,8 @@ class AgentResult:
 
 
 def baton_agent(args: AgentArgs, ready: Ready) -> AgentResult:
-    """Claim → commit through the registry (size 0: coordination only, no bytes)."""
+    """Claim → commit through the registry (size 0: coordination only, no bytes, so no
+    digest either: the benchmark's tasks set ``digest_optional``)."""
     out = AgentResult()
     with Client(args.address, timeout=30) as c, c.open_session(args.agent, ttl=30) as s:
         deadline = ready() + args.seconds

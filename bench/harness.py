@@ -135,7 +135,7 @@ class Stack:
         """Start a registry on a free port; its address is ``.address``."""
         staging.mkdir(parents=True, exist_ok=True)
         daemon = self._spawn("registry", [
-            sys.executable, "-u", "-m", "registry", "--etcd", self.etcd.endpoint,
+            sys.executable, "-u", "-m", "registry", "--insecure", "--etcd", self.etcd.endpoint,
             "--listen", "127.0.0.1:0", "--staging", str(staging), "--prefix", prefix,
             "--log-level", "WARNING"], REGISTRY_READY)
         line = _line_in(daemon.log_path, REGISTRY_READY) or ""

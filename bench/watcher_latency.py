@@ -23,6 +23,8 @@ import threading
 import time
 from pathlib import Path
 
+import blake3
+
 from client import Client
 from client.embedded import grpc_health_probe
 from client.etcdproc import EtcdProcess, free_port, wait_ready
@@ -73,8 +75,9 @@ def stack(root: Path, etcd: EtcdProcess, args: argparse.Namespace) -> None:
     procs: list[subprocess.Popen[bytes]] = []
     with (root / "registry.log").open("wb") as rlog, (root / "watcher.log").open("wb") as wl:
         try:
-            reg = subprocess.Popen([sys.executable, "-m", "registry", "--insecure", "--etcd", etcd.endpoint,
-                                    "--listen", address, "--staging", str(staging)],
+            reg = subprocess.Popen([sys.executable, "-m", "registry", "--insecure",
+                                    "--etcd", etcd.endpoint, "--listen", address,
+                                    "--staging", str(staging)],
                                    stdout=rlog, stderr=subprocess.STDOUT)
             procs.append(reg)
             wait_ready(grpc_health_probe(address), reg, daemon="registry",
@@ -130,6 +133,7 @@ def run(address: str, args: argparse.Namespace) -> None:
                 final.parent.mkdir(parents=True, exist_ok=True)
                 tmp = temp_path(final, claim.token)
                 data = payload[:-8] + i.to_bytes(8, "big")
+                digest = blake3.blake3(data).hexdigest()  # hashed before it lands, not timed
                 with open(tmp, "wb") as out:
                     out.write(data)
                     out.flush()
@@ -139,7 +143,7 @@ def run(address: str, args: argparse.Namespace) -> None:
                 dfd = os.open(final.parent, os.O_RDONLY | os.O_DIRECTORY)
                 os.fsync(dfd)
                 os.close(dfd)
-                c.commit("lat", f, claim.token, len(data))
+                c.commit("lat", f, claim.token, len(data), digest)
                 committed[f] = time.monotonic()
 
         producers = [threading.Thread(target=produce, args=(k,)) for k in range(args.producers)]
