@@ -1,7 +1,7 @@
 """``python -m bench``: run the scenarios and write the report with its plots.
 
-    python -m bench [--quick] [--only claims,batches,scale,watcher,cli] [--out docs/benchmarks.md]
-                    [--set FIELD=VALUE ...]
+    python -m bench [--quick] [--only claims,batches,scale,watcher,cli,etcd-tls]
+                    [--out docs/benchmarks.md] [--set FIELD=VALUE ...]
 
 Every scenario starts its own private etcd and registry (and watcher) on
 127.0.0.1 in a temporary directory and stops them when it ends, also on Ctrl-C.
@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
-from . import batches, claims, cli_startup, scale, watching
+from . import batches, claims, cli_startup, etcd_tls, scale, watching
 from .harness import INTERRUPTED, Machine, cpu_busy, ensure_b3sum, load_average
 from .profiles import FULL, QUICK, Profile
 from .report import Section, render
@@ -34,6 +34,7 @@ SCENARIOS: dict[str, tuple[str, Scenario]] = {
     "scale": ("Scale", scale.run),
     "watcher": ("Watcher", watching.run),
     "cli": ("CLI startup", cli_startup.run),
+    "etcd-tls": ("etcd over TLS", etcd_tls.run),
 }
 DEFAULT_OUT = Path("docs/benchmarks.md")
 

@@ -20,14 +20,14 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Self, TypeVar
 
-from client.etcdproc import EtcdProcess, etcd_version, find_etcd, terminate, wait_ready
+from client import pki
+from client.etcdproc import EtcdProcess, EtcdTLS, etcd_version, find_etcd, terminate, wait_ready
 
 if TYPE_CHECKING:
     from registry._etcd import Etcd
@@ -96,11 +96,26 @@ def _line_in(path: Path, prefix: str) -> str | None:
 
 
 class Stack:
-    """A private etcd plus registry/watcher processes, all on 127.0.0.1, in ``root``."""
+    """A private etcd plus registry/watcher processes, all on 127.0.0.1, in ``root``.
 
-    def __init__(self, root: Path) -> None:
+    With ``etcd_tls`` etcd serves TLS with client certificates (from ``client.pki``, in
+    ``root/pki``) and the registries connect to it with theirs.
+    """
+
+    def __init__(self, root: Path, *, etcd_tls: bool = False) -> None:
         self.root = root
-        self.etcd = EtcdProcess(root / "etcd", log_path=root / "etcd.log", binary=etcd_binary())
+        tls: EtcdTLS | None = None
+        #: the registry's --etcd-* flags
+        self.etcd_flags: list[str] = []
+        if etcd_tls:
+            made = pki.local_pki(root / "pki")
+            client = made[pki.ETCD_CLIENT]
+            tls = EtcdTLS(cert=made["etcd"].cert, key=made["etcd"].key, ca=made["ca"].cert,
+                          client_cert=client.cert, client_key=client.key)
+            self.etcd_flags = ["--etcd-ca", str(tls.ca), "--etcd-cert", str(client.cert),
+                               "--etcd-key", str(client.key)]
+        self.etcd = EtcdProcess(root / "etcd", log_path=root / "etcd.log", binary=etcd_binary(),
+                                tls=tls)
         self.daemons: list[Daemon] = []
 
     def __enter__(self) -> Self:
@@ -136,8 +151,8 @@ class Stack:
         staging.mkdir(parents=True, exist_ok=True)
         daemon = self._spawn("registry", [
             sys.executable, "-u", "-m", "registry", "--insecure", "--etcd", self.etcd.endpoint,
-            "--listen", "127.0.0.1:0", "--staging", str(staging), "--prefix", prefix,
-            "--log-level", "WARNING"], REGISTRY_READY)
+            *self.etcd_flags, "--listen", "127.0.0.1:0", "--staging", str(staging),
+            "--prefix", prefix, "--log-level", "WARNING"], REGISTRY_READY)
         line = _line_in(daemon.log_path, REGISTRY_READY) or ""
         daemon.address = line[len(REGISTRY_READY):].strip()
         return daemon
@@ -216,9 +231,7 @@ def filesystem_of(path: Path) -> str:
 
 def etcd_kv_calls(etcd: EtcdProcess) -> dict[str, int]:
     """How many KV requests (Txn, Range, Put, ...) etcd has served so far, by method."""
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    with opener.open(f"{etcd.url}/metrics", timeout=5) as response:
-        text = response.read().decode()
+    text = etcd.get("/metrics", timeout=5).decode()
     counts: dict[str, int] = {}
     pattern = re.compile(r'^grpc_server_handled_total\{([^}]*)\} (\S+)$', re.MULTILINE)
     for labels, value in pattern.findall(text):
