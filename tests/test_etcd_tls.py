@@ -212,6 +212,20 @@ def test_the_password_is_not_shown() -> None:
 # --- TLS ---------------------------------------------------------------------------
 
 
+def test_the_etcd_process_serves_tls_only(
+        tls_etcd: EtcdProcess, made: dict[str, pki.Issued]) -> None:
+    """EtcdProcess with EtcdTLS: an https URL, healthy through its client certificate,
+    and nothing for a probe without one."""
+    assert tls_etcd.url == f"https://{tls_etcd.endpoint}"
+    assert tls_etcd.healthy()
+    anonymous = EtcdTLS(cert=made["etcd"].cert, key=made["etcd"].key, ca=made["ca"].cert)
+    bare = EtcdProcess(tls_etcd.data_dir, tls_etcd.client_port, tls_etcd.peer_port,
+                       tls=anonymous)
+    assert not bare.healthy()
+    with pytest.raises(ValueError, match="go together"):
+        EtcdTLS(cert=Path("c"), key=Path("k"), ca=Path("a"), client_cert=Path("x"))
+
+
 def test_mutual_tls_serves_everything_the_registry_uses(
         tls_etcd: EtcdProcess, made: dict[str, pki.Issued], key: bytes) -> None:
     """With the CA and a client certificate, txn, reads, watch and leases all work."""
@@ -316,6 +330,7 @@ def test_a_user_with_readwrite_on_the_prefix_can_do_all_the_registry_does(
     """User ``baton`` (readwrite on /baton-test/ only): status, txn, reads, watch, lease
     grant, put with a lease, keepalive, time-to-live and revoke all work."""
     check_exercised(on(auth_etcd.endpoint, baton_auth(made), lambda c: exercise(c, key)), key)
+    assert auth_etcd.healthy()  # /health needs no user: a restart is seen ready
 
 
 def test_the_user_is_denied_outside_its_prefix(
