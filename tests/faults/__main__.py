@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--one-member-per-replica", action="store_true",
                         help="give registry replica n only etcd member n (default: all)")
     parser.add_argument("--keep-staging", action="store_true")
+    parser.add_argument("--insecure", action="store_true",
+                        help="plaintext and no identities (default: mutual TLS, with a CA "
+                        "and certificates made in OUT/pki)")
     args = parser.parse_args(argv)
     kinds = tuple(k for k in args.nemeses.split(",") if k)
     unknown = set(kinds) - set(NEMESES)
@@ -62,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
                     task_size=args.task_size, backlog=args.backlog, drain=args.drain,
                     ttl=args.ttl, gap=tuple(args.gap),
                     nemeses=kinds, etcd_binary=args.etcd, keep_staging=args.keep_staging,
-                    all_members=not args.one_member_per_replica)
+                    all_members=not args.one_member_per_replica, insecure=args.insecure)
     result = run(cfg)
     print(f"faults: report and histories in {result.out}")
     for v in result.report.violations[:50]:

@@ -1,16 +1,18 @@
 """One producer or consumer agent process of a fault run.
 
     python -m tests.faults.agent --role producer --name p1.0 --registries A,B \
-        --history DIR/p1.0.jsonl --seed 7 [--ttl 4] [--group g1]
+        --history DIR/p1.0.jsonl --seed 7 [--ttl 4] [--group g1] \
+        [--ca CA --cert CRT --key KEY] [--one-client-per-replica]
 
 It works on every active task of the registry until SIGTERM, recording every call
 (see ``history.py``). It holds one client per registry replica and moves to the other
-one when a call finds its replica unavailable, or (chosen by the seed) one client on
-both replicas' addresses. Producers use the ``produce`` helper
-with payloads unique to (task, file, token, agent); consumers use ``next_lease``,
-``read_verified`` and ``ack``. A claim or consume whose outcome is unknown may have
-left a claim behind, so the session is given up (its lease ends, the reaper returns
-what it held) and a new one opened.
+one when a call finds its replica unavailable, or (chosen by the seed, unless
+``--one-client-per-replica``) one client on both replicas' addresses. With ``--ca``,
+``--cert`` and ``--key`` it speaks mutual TLS as that identity. Producers use the
+``produce`` helper with payloads unique to (task, file, token, agent); consumers use
+``next_lease``, ``read_verified`` and ``ack``. A claim or consume whose outcome is
+unknown may have left a claim behind, so the session is given up (its lease ends, the
+reaper returns what it held) and a new one opened.
 """
 
 from __future__ import annotations
@@ -51,8 +53,10 @@ class Agent:
         # Half the agents hold one client per replica and switch themselves; the others
         # hold one client on a gRPC multi-address target, whose retries of a call (same
         # request id) move to the other replica when one dies.
-        self.addresses = replicas if self.rng.random() < 0.5 else ["ipv4:" + ",".join(replicas)]
-        self.clients = [Client(a, timeout=5.0, retry=retry) for a in self.addresses]
+        listed = self.rng.random() >= 0.5 and not args.one_client_per_replica
+        self.addresses = ["ipv4:" + ",".join(replicas)] if listed else replicas
+        self.clients = [Client(a, timeout=5.0, retry=retry, ca=args.ca, cert=args.cert,
+                               key=args.key) for a in self.addresses]
         self.current = self.rng.randrange(len(self.clients))
         self.session: Session | None = None
         self.stop = threading.Event()
@@ -287,6 +291,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ttl", type=int, default=4)
     parser.add_argument("--group", default="g1")
+    parser.add_argument("--ca", help="CA of the registry's certificate (mutual TLS)")
+    parser.add_argument("--cert", help="this agent's certificate (its identity)")
+    parser.add_argument("--key", help="the key of --cert")
+    parser.add_argument("--one-client-per-replica", action="store_true",
+                        help="never one client on a list of replicas")
     agent = Agent(parser.parse_args(argv))
 
     def on_term(signum: int, frame: FrameType | None) -> None:

@@ -4,6 +4,11 @@ Every process is a child of the harness (its own session, so a Ctrl-C reaches on
 the harness), with its output appended to a log that marks each start with a banner.
 etcd members are started through ``deploy/local/etcd-cluster.sh member``, so the
 cluster the tests use is the one that script gives a developer.
+
+Unless the run is plaintext, Baton's processes speak mutual TLS with certificates
+from a CA made for the run (:func:`make_pki`): the registries present a server
+certificate for loopback, the watcher a ``watcher`` identity, each agent process an
+``agent`` identity of its own name, and the driver an ``operator`` one.
 """
 
 from __future__ import annotations
@@ -20,13 +25,20 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from client.embedded import grpc_health_probe, log_line_probe
+from client import pki
+from client.embedded import LocalPKI, grpc_health_probe, log_line_probe
 from client.etcdproc import port_in_use, tail, terminate, wait_ready, write_banner
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "deploy" / "local" / "etcd-cluster.sh"
 MEMBERS = 3
 WATCHER_READY = "baton-watcher watching"
+
+#: what the registries' certificate is good for: every client dials 127.0.0.1
+SERVER_NAMES = ("127.0.0.1", "localhost")
+#: the certificate names of a run's identities (each NAME.crt and NAME.key in the PKI
+#: directory); the readiness probe presents the operator's, as the driver does
+REGISTRY, WATCHER, OPERATOR = "registry", "watcher", "operator"
 
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -279,34 +291,77 @@ class EtcdCluster:
                    for n, m in enumerate(self.members))
 
 
+# --- identities ---------------------------------------------------------------------
+
+
+def make_pki(directory: Path) -> LocalPKI:
+    """A CA in ``directory`` with the registries' server certificate and the watcher's
+    and the operator's identities; each agent gets its own when it starts
+    (:func:`agent_proc`)."""
+    pki.create_ca(directory)
+    pki.issue(directory, REGISTRY, directory, server_names=SERVER_NAMES)
+    pki.issue(directory, WATCHER, directory, roles=("watcher",))
+    pki.issue(directory, OPERATOR, directory, roles=("operator",))
+    return LocalPKI(directory)
+
+
+def credentials(tls: LocalPKI | None, name: str) -> dict[str, str]:
+    """``client.Client``'s keyword arguments for identity ``name``; without a PKI, empty
+    ones: plaintext, whatever ``BATON_CA`` and the like say."""
+    if tls is None:
+        return {"ca": "", "cert": "", "key": ""}
+    return {"ca": tls.ca, "cert": tls.cert(name), "key": tls.key(name)}
+
+
+def daemon_env() -> dict[str, str]:
+    """The harness's environment without its ``BATON_*`` variables: a daemon's settings
+    are the flags it is given (a ``BATON_CA`` from the shell would put a plaintext run's
+    clients on TLS)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("BATON_")}
+
+
 # --- Baton's daemons ---------------------------------------------------------------
 
 
 def registry_proc(name: str, etcd_endpoint: str, port: int, staging: Path, prefix: str,
-                  log_path: Path) -> Proc:
+                  log_path: Path, tls: LocalPKI | None) -> Proc:
     address = f"127.0.0.1:{port}"
-    argv = [sys.executable, "-u", "-m", "registry", "--insecure", "--etcd", etcd_endpoint,
+    security = list(tls.client_flags(REGISTRY, "tls")) if tls else ["--insecure"]
+    argv = [sys.executable, "-u", "-m", "registry", *security, "--etcd", etcd_endpoint,
             "--listen", address, "--staging", str(staging), "--prefix", prefix,
             "--reap-interval", "0.5", "--grace", "1"]
-    return Proc(name, argv, log_path, ready=lambda: grpc_health_probe(address))
+    return Proc(name, argv, log_path, ready=lambda: grpc_health_probe(address, pki=tls),
+                env=daemon_env())
 
 
 def watcher_proc(registries: Sequence[str], staging: Path, state_file: Path,
-                 log_path: Path) -> Proc:
-    # gRPC's ipv4: scheme takes a list; pick_first moves on when a replica dies.
-    target = "ipv4:" + ",".join(registries)
-    argv = [sys.executable, "-u", "-m", "watcher", "--registry", target,
+                 log_path: Path, tls: LocalPKI | None) -> Proc:
+    if tls is None:
+        # gRPC's ipv4: scheme takes a list; pick_first moves on when a replica dies.
+        target, security = "ipv4:" + ",".join(registries), []
+    else:
+        # Over TLS gRPC checks the registry's certificate against a list target taken
+        # as one host name ("127.0.0.1:P0,127.0.0.1:P1"), and Client names no other: the
+        # watcher follows one replica and waits out its restarts.
+        target, security = registries[0], list(tls.client_flags(WATCHER))
+    argv = [sys.executable, "-u", "-m", "watcher", "--registry", target, *security,
             "--staging", str(staging), "--state-file", str(state_file),
             "--reconcile-interval", "5", "--stream-timeout", "10", "--retry-delay", "0.1"]
-    return Proc("watcher", argv, log_path,
+    return Proc("watcher", argv, log_path, env=daemon_env(),
                 ready=lambda: log_line_probe(log_path, WATCHER_READY))
 
 
 def agent_proc(role: str, name: str, registries: Sequence[str], history: Path, seed: int,
-               ttl: int, group: str, log_path: Path) -> Proc:
+               ttl: int, group: str, log_path: Path, tls: LocalPKI | None) -> Proc:
+    """An agent process; over TLS with an ``agent`` identity of its own ``name``, issued
+    here (a restarted agent is a new process, and what its predecessor held is not its own)."""
     argv = [sys.executable, "-u", "-m", "tests.faults.agent", "--role", role, "--name", name,
             "--registries", ",".join(registries), "--history", str(history),
             "--seed", str(seed), "--ttl", str(ttl), "--group", group]
-    env = dict(os.environ)
+    if tls is not None:
+        pki.issue(tls.root, name, tls.root, roles=("agent",))
+        # One client per replica: a list target fails the certificate check (watcher_proc).
+        argv += [*tls.client_flags(name), "--one-client-per-replica"]
+    env = daemon_env()
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     return Proc(name, argv, log_path, env=env)

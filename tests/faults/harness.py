@@ -1,8 +1,10 @@
 """A fault run from start to verdict.
 
 1. A 3-member etcd cluster, two registry replicas (each given every member, or
-   replica n only member n), one watcher (on both replicas) and the agents:
-   producers, and consumers in two consumer groups.
+   replica n only member n), one watcher (on both replicas; over TLS on the first,
+   see ``cluster.watcher_proc``) and the agents: producers, and consumers in two
+   consumer groups. They speak mutual TLS with identities from a CA made in
+   ``OUT/pki`` (``cluster.make_pki``), unless the run is plaintext.
 2. Load: a feeder creates tasks so that there is always work; nemeses are injected
    one after the other for ``duration`` seconds.
 3. Heal and drain: everything broken is restarted, and the run waits (at most
@@ -24,12 +26,22 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from client import Client, RetryPolicy, errors
+from client.embedded import LocalPKI
 from client.etcdproc import free_port
 from client.v1 import baton_pb2 as pb
 
 from . import history as hist
 from .checker import Report, check
-from .cluster import EtcdCluster, Proc, agent_proc, registry_proc, watcher_proc
+from .cluster import (
+    OPERATOR,
+    EtcdCluster,
+    Proc,
+    agent_proc,
+    credentials,
+    make_pki,
+    registry_proc,
+    watcher_proc,
+)
 from .nemesis import NEMESES, AgentSlot, World, run_nemeses
 from .state import read_snapshot
 
@@ -61,6 +73,8 @@ class RunConfig:
     prefix: str = "/baton-faults/"
     #: keep the staging directory (payloads) after the run
     keep_staging: bool = False
+    #: plaintext and no identities (registries run ``--insecure``)
+    insecure: bool = False
 
 
 @dataclass
@@ -71,11 +85,13 @@ class Result:
 
 
 class Replicas:
-    """One client per registry replica; a call moves on to the next on ``Unavailable``."""
+    """One client per registry replica, as the operator; a call moves on to the next on
+    ``Unavailable``."""
 
-    def __init__(self, addresses: list[str]) -> None:
+    def __init__(self, addresses: list[str], tls: LocalPKI | None) -> None:
         retry = RetryPolicy(attempts=2, initial=0.1, cap=0.5, deadline=5.0)
-        self.clients = [Client(a, timeout=5.0, retry=retry) for a in addresses]
+        self.clients = [Client(a, timeout=5.0, retry=retry, **credentials(tls, OPERATOR))
+                        for a in addresses]
         self.current = 0
 
     def call(self, fn: Callable[[Client], T]) -> T:
@@ -188,6 +204,7 @@ def run(cfg: RunConfig, say: Callable[[str], None] = print) -> Result:
     driver.write("run", "info", seed=cfg.seed, duration=cfg.duration,
                  nemeses=list(cfg.nemeses))
     rng = random.Random(cfg.seed)
+    tls = None if cfg.insecure else make_pki(out / "pki")
     cluster = EtcdCluster(out / "etcd", binary=cfg.etcd_binary)
     ports = [free_port() for _ in range(2)]
     addresses = [f"127.0.0.1:{p}" for p in ports]
@@ -197,14 +214,14 @@ def run(cfg: RunConfig, say: Callable[[str], None] = print) -> Result:
         return ",".join(cluster.endpoint((n + i) % 3) for i in range(3))
 
     registries = [registry_proc(f"registry-{n}", etcd_for(n), ports[n], staging,
-                                cfg.prefix, out / "logs" / f"registry-{n}.log")
+                                cfg.prefix, out / "logs" / f"registry-{n}.log", tls)
                   for n in range(2)]
     watcher = watcher_proc(addresses, staging, out / "watcher-state.sqlite",
-                           out / "logs" / "watcher.log")
+                           out / "logs" / "watcher.log", tls)
 
     def make_agent(slot: AgentSlot) -> Proc:
         return agent_proc(slot.role, slot.name, addresses, slot.history, cfg.seed, cfg.ttl,
-                          slot.group, out / "logs" / f"{slot.name}.log")
+                          slot.group, out / "logs" / f"{slot.name}.log", tls)
 
     histories = out / "history"
     agents = [AgentSlot("producer", i, "", make_agent, histories)
@@ -212,7 +229,7 @@ def run(cfg: RunConfig, say: Callable[[str], None] = print) -> Result:
     agents += [AgentSlot("consumer", len(agents) + i, g, make_agent, histories)
                for i, g in enumerate(g for g in cfg.groups for _ in range(cfg.consumers))]
     world = World(cluster, registries, watcher, agents, staging, cfg.ttl, rng, driver)
-    replicas = Replicas(addresses)
+    replicas = Replicas(addresses, tls)
     feeder = Feeder(cfg, replicas, driver, staging)
     started = time.monotonic()
     try:
@@ -221,7 +238,9 @@ def run(cfg: RunConfig, say: Callable[[str], None] = print) -> Result:
             r.start()
         watcher.start()
         say(f"faults: up in {time.monotonic() - started:.1f} s (etcd {cluster.endpoint(0)}, "
-            f"registries {', '.join(addresses)}); load for {cfg.duration:g} s, seed {cfg.seed}")
+            f"registries {', '.join(addresses)}, "
+            f"{'plaintext' if tls is None else 'mutual TLS'}); "
+            f"load for {cfg.duration:g} s, seed {cfg.seed}")
         for slot in agents:
             slot.start()
         feeder.start()
@@ -256,6 +275,7 @@ def run(cfg: RunConfig, say: Callable[[str], None] = print) -> Result:
     snap.dump(out / "journal.jsonl")
     report = check(hist.read_all(out / "history"), snap, feeder.created, count)
     report.stats["seed"] = cfg.seed
+    report.stats["tls"] = int(tls is not None)
     report.stats["tasks"] = len(feeder.created)
     report.stats["entries"] = len(snap.entries)
     report.stats["drained"] = int(drained)

@@ -1,4 +1,5 @@
-"""The quick fault run of the default test suite: a fixed seed, every nemesis kind.
+"""The quick fault run of the default test suite: a fixed seed, every nemesis kind,
+mutual TLS between Baton's processes (``RunConfig.insecure`` for plaintext).
 
 A longer run with any seed: ``python -m tests.faults --seed N --duration 1800``
 (``make faults-long``); see docs/faults.md.
