@@ -258,6 +258,11 @@ class Client:
         options = [("grpc.max_receive_message_length", MAX_REPLY_BYTES),
                    ("grpc.max_send_message_length", MAX_REQUEST_BYTES)]
         if self.credentials.tls:
+            name = _tls_name(target)
+            if name:
+                # A list of replicas is one gRPC target: the certificate is checked
+                # against its first host, which every replica's certificate must name.
+                options.append(("grpc.ssl_target_name_override", name))
             self._channel = grpc.secure_channel(
                 target, self.credentials.channel_credentials(), options=options)
         else:
@@ -491,6 +496,17 @@ class Client:
             raise _raise_from_rpc(e) from None
         finally:
             call.cancel()
+
+
+def _tls_name(target: str) -> str:
+    """The host a list target (``ipv4:A:P,B:P``, ``ipv6:[A]:P,...``) names first, whose
+    name the replicas' certificates carry; "" for a plain ``host:port``."""
+    scheme, sep, rest = target.partition(":")
+    if not sep or scheme not in ("ipv4", "ipv6", "dns"):
+        return ""
+    first = rest.lstrip("/").split(",")[0]
+    host = first.rpartition(":")[0] if not first.startswith("[") else first[1:].split("]")[0]
+    return host.strip("[]")
 
 
 def _named_session(session: Session | int) -> int:

@@ -499,3 +499,17 @@ def test_cert_issue_mints_a_working_identity(secure: RegistryHandle, certs: PKI,
     nothing = _cli(base, "cert", "issue", "--role", "agent", "--name", "x", "--out",
                    str(tmp_path / "x"))
     assert nothing.returncode == 2 and "--pki" in nothing.stderr
+
+
+def test_a_list_of_replicas_over_tls(registry_factory: Callable[..., RegistryHandle],
+                                     certs: PKI) -> None:
+    """One client on a list of replicas (`ipv4:A,B`) checks their certificates against
+    the first host, and fails over to the second when the first stops."""
+    first, second = (registry_factory(**certs.settings()) for _ in range(2))
+    ids = certs.ids["operator"]
+    target = f"ipv4:{first.address},{second.address}"
+    with Client(target, ca=certs.ca, cert=str(ids.cert), key=str(ids.key), timeout=5,
+                retry=TEST_RETRY) as c:
+        c.create_task(manifest("both"))
+        first.stop()
+        assert c.get_task("both").entry_count == 3
