@@ -28,6 +28,8 @@ class AgentArgs:
     batch: int = 0
     #: stop after this many entries (0 = no limit)
     max_entries: int = 0
+    #: (ca, cert, key) of the identity to call as; empty: plaintext
+    credentials: tuple[str, str, str] = ("", "", "")
 
 
 @dataclass
@@ -45,7 +47,9 @@ def baton_agent(args: AgentArgs, ready: Ready) -> AgentResult:
     """Claim → commit through the registry (size 0: coordination only, no bytes, so no
     digest either: the benchmark's tasks set ``digest_optional``)."""
     out = AgentResult()
-    with Client(args.address, timeout=30) as c, c.open_session(args.agent, ttl=30) as s:
+    ca, cert, key = args.credentials
+    with Client(args.address, timeout=30, ca=ca, cert=cert, key=key) as c, \
+            c.open_session(args.agent, ttl=30) as s:
         deadline = ready() + args.seconds
         while time.monotonic() < deadline:
             if args.max_entries and len(out.claimed) >= args.max_entries:

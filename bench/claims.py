@@ -103,8 +103,10 @@ class Point:
         return sum(getattr(x, name) for x in self.samples)
 
 
-def new_task(address: str, task: str, p: Profile) -> None:
-    with Client(address, timeout=120) as c:
+def new_task(address: str, task: str, p: Profile,
+             credentials: tuple[str, str, str] = ("", "", "")) -> None:
+    ca, cert, key = credentials
+    with Client(address, timeout=120, ca=ca, cert=cert, key=key) as c:
         c.create_task({"task_id": task, "digest_optional": True, "entries": [
             {"file_id": f"e{i:06d}", "path": f"e{i:06d}"} for i in range(p.claim_entries)]})
 
@@ -112,11 +114,12 @@ def new_task(address: str, task: str, p: Profile) -> None:
 def baton_sample(stack: Stack, pool: Pool, registry: Daemon, n: int, p: Profile,
                  round_: int) -> Sample:
     task = f"claims-{n}-{round_}"
-    new_task(registry.address, task, p)
+    new_task(registry.address, task, p, registry.credentials)
     before = etcd_kv_calls(stack.etcd)
     cpu_before = registry.cpu_seconds()
     etcd_before = etcd_cpu(stack)
-    args = [AgentArgs(registry.address, task, f"agent-{i}", p.claim_seconds) for i in range(n)]
+    args = [AgentArgs(registry.address, task, f"agent-{i}", p.claim_seconds,
+                      credentials=registry.credentials) for i in range(n)]
     rnd = pool.run(baton_agent, args, p.claim_seconds)
     cpu = registry.cpu_seconds() - cpu_before
     etcd_used = etcd_cpu(stack) - etcd_before

@@ -77,6 +77,8 @@ class Daemon:
     process: subprocess.Popen[bytes]
     log_path: Path
     address: str = ""
+    #: (ca, cert, key) of an identity the registry accepts; empty: it serves plaintext
+    credentials: tuple[str, str, str] = ("", "", "")
 
     @property
     def pid(self) -> int:
@@ -99,21 +101,33 @@ class Stack:
     """A private etcd plus registry/watcher processes, all on 127.0.0.1, in ``root``.
 
     With ``etcd_tls`` etcd serves TLS with client certificates (from ``client.pki``, in
-    ``root/pki``) and the registries connect to it with theirs.
+    ``root/pki``) and the registries connect to it with theirs. With ``registry_tls``
+    the registries serve mutual TLS too, as ``baton up`` runs them (``etcd_tls``
+    implied), and their ``credentials`` are the operator identity's.
     """
 
-    def __init__(self, root: Path, *, etcd_tls: bool = False) -> None:
+    def __init__(self, root: Path, *, etcd_tls: bool = False,
+                 registry_tls: bool = False) -> None:
         self.root = root
         tls: EtcdTLS | None = None
-        #: the registry's --etcd-* flags
+        #: the registry's --etcd-* flags, and how it serves clients
         self.etcd_flags: list[str] = []
-        if etcd_tls:
+        self.serve_flags: list[str] = ["--insecure"]
+        self.credentials = ("", "", "")
+        if etcd_tls or registry_tls:
             made = pki.local_pki(root / "pki")
             client = made[pki.ETCD_CLIENT]
             tls = EtcdTLS(cert=made["etcd"].cert, key=made["etcd"].key, ca=made["ca"].cert,
                           client_cert=client.cert, client_key=client.key)
             self.etcd_flags = ["--etcd-ca", str(tls.ca), "--etcd-cert", str(client.cert),
                                "--etcd-key", str(client.key)]
+        if registry_tls:
+            made = pki.local_pki(root / "pki")
+            self.serve_flags = ["--tls-ca", str(made["ca"].cert),
+                                "--tls-cert", str(made["registry"].cert),
+                                "--tls-key", str(made["registry"].key)]
+            self.credentials = (str(made["ca"].cert), str(made["operator"].cert),
+                                str(made["operator"].key))
         self.etcd = EtcdProcess(root / "etcd", log_path=root / "etcd.log", binary=etcd_binary(),
                                 tls=tls)
         self.daemons: list[Daemon] = []
@@ -150,11 +164,12 @@ class Stack:
         """Start a registry on a free port; its address is ``.address``."""
         staging.mkdir(parents=True, exist_ok=True)
         daemon = self._spawn("registry", [
-            sys.executable, "-u", "-m", "registry", "--insecure", "--etcd", self.etcd.endpoint,
-            *self.etcd_flags, "--listen", "127.0.0.1:0", "--staging", str(staging),
-            "--prefix", prefix, "--log-level", "WARNING"], REGISTRY_READY)
+            sys.executable, "-u", "-m", "registry", *self.serve_flags, "--etcd",
+            self.etcd.endpoint, *self.etcd_flags, "--listen", "127.0.0.1:0", "--staging",
+            str(staging), "--prefix", prefix, "--log-level", "WARNING"], REGISTRY_READY)
         line = _line_in(daemon.log_path, REGISTRY_READY) or ""
         daemon.address = line[len(REGISTRY_READY):].strip()
+        daemon.credentials = self.credentials
         return daemon
 
     def watcher(self, registry: str, staging: Path) -> Daemon:

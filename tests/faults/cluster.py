@@ -336,14 +336,10 @@ def registry_proc(name: str, etcd_endpoint: str, port: int, staging: Path, prefi
 
 def watcher_proc(registries: Sequence[str], staging: Path, state_file: Path,
                  log_path: Path, tls: LocalPKI | None) -> Proc:
-    if tls is None:
-        # gRPC's ipv4: scheme takes a list; pick_first moves on when a replica dies.
-        target, security = "ipv4:" + ",".join(registries), []
-    else:
-        # Over TLS gRPC checks the registry's certificate against a list target taken
-        # as one host name ("127.0.0.1:P0,127.0.0.1:P1"), and Client names no other: the
-        # watcher follows one replica and waits out its restarts.
-        target, security = registries[0], list(tls.client_flags(WATCHER))
+    # gRPC's ipv4: scheme takes a list; pick_first moves on when a replica dies. Over
+    # TLS the replicas' certificates are checked against the list's first host.
+    target = "ipv4:" + ",".join(registries)
+    security = [] if tls is None else list(tls.client_flags(WATCHER))
     argv = [sys.executable, "-u", "-m", "watcher", "--registry", target, *security,
             "--staging", str(staging), "--state-file", str(state_file),
             "--reconcile-interval", "5", "--stream-timeout", "10", "--retry-delay", "0.1"]
@@ -360,8 +356,7 @@ def agent_proc(role: str, name: str, registries: Sequence[str], history: Path, s
             "--seed", str(seed), "--ttl", str(ttl), "--group", group]
     if tls is not None:
         pki.issue(tls.root, name, tls.root, roles=("agent",))
-        # One client per replica: a list target fails the certificate check (watcher_proc).
-        argv += [*tls.client_flags(name), "--one-client-per-replica"]
+        argv += [*tls.client_flags(name)]
     env = daemon_env()
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     return Proc(name, argv, log_path, env=env)
