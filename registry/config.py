@@ -1,18 +1,17 @@
 """The registry's configuration: flags, ``BATON_*`` variables, an optional TOML file.
 
 Precedence: flag > environment > TOML file > default. Every flag ``--some-name``
-has the variable ``BATON_SOME_NAME`` and the TOML key ``some_name``. This is
-the only place that reads the environment.
+has the variable ``BATON_SOME_NAME`` and the TOML key ``some_name`` (the loader,
+``client.settings``, is the watcher's too). This is the only place that reads the
+environment.
 """
 
 from __future__ import annotations
 
-import argparse
-import tomllib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
+
+from client import settings
 
 
 @dataclass(frozen=True)
@@ -56,57 +55,9 @@ _HELP = {
     "etcd_password_file": "file holding the etcd user's password",
 }
 
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
-
-
-def _parse(kind: type[Any], raw: Any) -> Any:
-    if kind is bool and not isinstance(raw, bool):
-        text = str(raw).strip().lower()
-        if text not in _TRUE | _FALSE:
-            raise ValueError(raw)
-        return text in _TRUE
-    return kind(raw)
-
-
 def load_config(argv: Sequence[str], environ: Mapping[str, str]) -> RegistryConfig:
     """Build the configuration from the command line and environment (pure)."""
-    parser = argparse.ArgumentParser(
-        prog="baton-registry",
+    return settings.load(
+        RegistryConfig, argv, environ, prog="baton-registry",
         description="Baton registry: the gRPC server that owns the entry state machine.",
-    )
-    parser.add_argument("--config", type=Path, default=environ.get("BATON_CONFIG"),
-                        help="TOML file with any of the settings below (BATON_CONFIG)")
-    for f in fields(RegistryConfig):
-        flag = "--" + f.name.replace("_", "-")
-        env = "BATON_" + f.name.upper()
-        if isinstance(f.default, bool):
-            parser.add_argument(flag, dest=f.name, default=None, action="store_const",
-                                const=True, help=f"{_HELP[f.name]} (${env}=1)")
-            continue
-        parser.add_argument(flag, dest=f.name, default=None,
-                            help=f"{_HELP[f.name]} (${env}, default {f.default!r})")
-    args = parser.parse_args(list(argv))
-    from_file: dict[str, Any] = {}
-    if args.config:
-        try:
-            from_file = tomllib.loads(Path(args.config).read_text())
-        except (OSError, tomllib.TOMLDecodeError) as e:
-            parser.error(f"cannot read config {args.config}: {e}")
-        unknown = set(from_file) - {f.name for f in fields(RegistryConfig)}
-        if unknown:
-            parser.error(f"unknown settings in {args.config}: {', '.join(sorted(unknown))}")
-    values: dict[str, Any] = {}
-    for f in fields(RegistryConfig):
-        raw = getattr(args, f.name)
-        if raw is None:
-            raw = environ.get("BATON_" + f.name.upper())
-        if raw is None:
-            raw = from_file.get(f.name)
-        if raw is None:
-            continue
-        try:
-            values[f.name] = _parse(type(f.default), raw)
-        except ValueError:
-            parser.error(f"{f.name}: {raw!r} is not a valid {type(f.default).__name__}")
-    return RegistryConfig(**values)
+        help=_HELP)

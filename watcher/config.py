@@ -2,18 +2,17 @@
 
 Precedence: flag > environment > TOML file > default. Every flag ``--some-name``
 has the variable ``BATON_SOME_NAME`` and the TOML key ``some_name``, as for the
-registry. This is the only module of the watcher that reads the environment,
-and it reads it only from the mapping it is given.
+registry (both load through ``client.settings``). This is the only module of the
+watcher that reads the environment, and it reads it only from the mapping it is
+given.
 """
 
 from __future__ import annotations
 
-import argparse
-import tomllib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
+
+from client import settings
 
 OBSERVERS = ("auto", "inotify", "poll")
 LOG_FORMATS = ("kv", "json")
@@ -75,45 +74,8 @@ _POSITIVE = ("reconcile_interval", "poll_interval", "hash_workers", "large_file"
 
 def load_config(argv: Sequence[str], environ: Mapping[str, str]) -> WatcherConfig:
     """Build the configuration from the command line and environment (pure)."""
-    parser = argparse.ArgumentParser(
-        prog="baton-watcher",
+    return settings.load(
+        WatcherConfig, argv, environ, prog="baton-watcher",
         description="Baton watcher: hashes files as they land in the staging area and "
         "reports their BLAKE3 digests to the registry.",
-    )
-    parser.add_argument("--config", type=Path, default=environ.get("BATON_CONFIG"),
-                        help="TOML file with any of the settings below (BATON_CONFIG)")
-    for f in fields(WatcherConfig):
-        flag = "--" + f.name.replace("_", "-")
-        env = "BATON_" + f.name.upper()
-        parser.add_argument(flag, dest=f.name, default=None,
-                            help=f"{_HELP[f.name]} (${env}, default {f.default!r})")
-    args = parser.parse_args(list(argv))
-    from_file: dict[str, Any] = {}
-    if args.config:
-        try:
-            from_file = tomllib.loads(Path(args.config).read_text())
-        except (OSError, tomllib.TOMLDecodeError) as e:
-            parser.error(f"cannot read config {args.config}: {e}")
-        unknown = set(from_file) - {f.name for f in fields(WatcherConfig)}
-        if unknown:
-            parser.error(f"unknown settings in {args.config}: {', '.join(sorted(unknown))}")
-    values: dict[str, Any] = {}
-    for f in fields(WatcherConfig):
-        raw = getattr(args, f.name)
-        if raw is None:
-            raw = environ.get("BATON_" + f.name.upper())
-        if raw is None:
-            raw = from_file.get(f.name)
-        if raw is None:
-            continue
-        kind: type[Any] = type(f.default)
-        try:
-            value = kind(raw)
-        except ValueError:
-            parser.error(f"{f.name}: {raw!r} is not a valid {kind.__name__}")
-        if f.name in _CHOICES and value not in _CHOICES[f.name]:
-            parser.error(f"{f.name}: {value!r} is not one of {', '.join(_CHOICES[f.name])}")
-        if f.name in _POSITIVE and value <= 0:
-            parser.error(f"{f.name}: must be positive, not {value!r}")
-        values[f.name] = value
-    return WatcherConfig(**values)
+        help=_HELP, choices=_CHOICES, positive=_POSITIVE)
