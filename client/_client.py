@@ -255,8 +255,9 @@ class Client:
         self.timeout = timeout
         self.retry = retry or RetryPolicy()
         self.credentials = Credentials.resolve(ca, cert, key)
-        options = [("grpc.max_receive_message_length", MAX_REPLY_BYTES),
-                   ("grpc.max_send_message_length", MAX_REQUEST_BYTES)]
+        options: list[tuple[str, Any]] = [
+            ("grpc.max_receive_message_length", MAX_REPLY_BYTES),
+            ("grpc.max_send_message_length", MAX_REQUEST_BYTES)]
         if self.credentials.tls:
             name = _tls_name(target)
             if name:
