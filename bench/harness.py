@@ -1,6 +1,6 @@
 """What every scenario shares: the daemons, statistics, the machine.
 
-* :class:`Stack` runs a private etcd (:class:`client.etcdproc.EtcdProcess`), registry
+* :class:`Stack` runs a private etcd (:class:`registry.local.etcdproc.EtcdProcess`), registry
   processes and a watcher on 127.0.0.1 and stops them all when it closes, also
   after Ctrl-C or SIGTERM (``python -m bench`` turns SIGTERM into KeyboardInterrupt).
 * Percentiles, ``VmRSS`` of a process, etcd's request counters, how busy the CPUs are.
@@ -27,7 +27,14 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Self, TypeVar
 
 from client import pki
-from client.etcdproc import EtcdProcess, EtcdTLS, etcd_version, find_etcd, terminate, wait_ready
+from registry.local.etcdproc import (
+    EtcdProcess,
+    EtcdTLS,
+    etcd_version,
+    find_etcd,
+    terminate,
+    wait_ready,
+)
 
 if TYPE_CHECKING:
     from registry._etcd import Etcd

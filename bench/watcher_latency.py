@@ -26,10 +26,10 @@ from pathlib import Path
 import blake3
 
 from client import Client
-from client.embedded import grpc_health_probe
-from client.etcdproc import EtcdProcess, free_port, wait_ready
 from client.producer import temp_path
 from client.v1 import baton_pb2 as pb
+from registry.local.etcdproc import EtcdProcess, free_port, wait_ready
+from registry.local.stack import grpc_health_probe
 
 
 def pct(values: list[float], q: float) -> float:

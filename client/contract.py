@@ -10,6 +10,9 @@ from __future__ import annotations
 
 #: where `baton up` serves the registry, and where clients look by default
 DEFAULT_REGISTRY = "127.0.0.1:7390"
+REGISTRY_PORT = int(DEFAULT_REGISTRY.rpartition(":")[2])
+#: the client port of `baton up`'s private etcd
+LOCAL_ETCD_PORT = 2479
 
 MiB = 1 << 20
 

@@ -27,9 +27,9 @@ from click.testing import CliRunner, Result
 from client import DEFAULT_REGISTRY, Client, RetryPolicy
 from client.cli import cli
 from client.cli._common import default_agent
-from client.embedded import LocalPKI
-from client.etcdproc import free_port
 from client.v1 import baton_pb2 as pb
+from registry.local.etcdproc import free_port
+from registry.local.stack import LocalPKI
 
 MANIFEST = {"task_id": "t1", "entries": [{"file_id": "a", "path": "a.json"}]}
 TWO = {"task_id": "t1", "entries": [{"file_id": "a", "path": "a.json"},

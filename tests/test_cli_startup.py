@@ -14,7 +14,7 @@ import pytest
 from client.cli._root import COMMANDS, cli
 
 #: modules a command may or may not need, checked below
-HEAVY = ("grpc", "google.protobuf", "rich", "blake3", "client.embedded", "client.demo",
+HEAVY = ("grpc", "google.protobuf", "rich", "blake3", "registry.local.stack", "registry.local.demo",
          "client.consumer", "client.producer", "client.v1.baton_pb2_grpc")
 
 PROBE = """
@@ -66,7 +66,7 @@ def test_agent_commands_load_grpc_but_not_rich_or_the_stack(
     """claim and commit load gRPC and the messages, not rich, BLAKE3, the stack or the stubs."""
     loaded = loaded_after(args, registry.address)
     assert {"grpc", "google.protobuf"} <= set(loaded)
-    assert not {"rich", "blake3", "client.embedded", "client.demo", "client.consumer",
+    assert not {"rich", "blake3", "registry.local.stack", "registry.local.demo", "client.consumer",
                 "client.producer", "client.v1.baton_pb2_grpc"} & set(loaded), loaded
 
 

@@ -18,7 +18,6 @@ import pytest
 from registry_fixtures import on_etcd
 
 from client import Client, Session, errors
-from client.etcdproc import EtcdProcess
 from client.v1 import baton_pb2 as pb
 from registry import _etcd as etcd_mod
 from registry import operators as operators_mod
@@ -27,6 +26,7 @@ from registry import sessions as sessions_mod
 from registry._etcd import KV, Etcd, Put
 from registry.core import Core
 from registry.keys import ClaimRef, Keys
+from registry.local.etcdproc import EtcdProcess
 from registry.model import PENDING, VERIFIED, EntryRecord, TaskRecord
 from registry.scheduler import assembly_digest
 from registry.txn import Txn, write

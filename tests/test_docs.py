@@ -33,9 +33,9 @@ from test_cli import Lines
 
 from client import Client
 from client.cli import cli
-from client.embedded import LocalPKI
-from client.etcdproc import free_port
 from client.v1 import baton_pb2 as pb
+from registry.local.etcdproc import free_port
+from registry.local.stack import LocalPKI
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = ROOT / ".venv" / "bin" / "python"

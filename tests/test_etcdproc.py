@@ -1,4 +1,4 @@
-"""client.etcdproc against the real etcd binary (whichever find_etcd picks)."""
+"""registry.local.etcdproc against the real etcd binary (whichever find_etcd picks)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from client.etcdproc import (
+from registry.local.etcdproc import (
     BANNER_PREFIX,
     DaemonFailed,
     EtcdNotInstalled,

@@ -10,9 +10,9 @@ import pytest
 from registry_fixtures import on_etcd
 
 from client.errors import Conflict, NotFound
-from client.etcdproc import EtcdProcess
 from registry._etcd import Etcd, Put
 from registry.keys import Keys
+from registry.local.etcdproc import EtcdProcess
 from registry.txn import Transactions, Txn, write
 from registry.view import View
 

@@ -1,19 +1,39 @@
-"""``baton up``: the embedded stack on one machine."""
+"""``baton up`` and ``baton demo``: the local stack on one machine (``registry.local``,
+installed with ``baton[local]``; an agent's install has only the client)."""
 
 from __future__ import annotations
 
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from .. import errors
 from .._client import Client, RetryPolicy
-from ..demo import DemoResult, run_demo
-from ..embedded import LocalPKI, UpOptions, default_data_dir, default_staging, run_up
+from ..contract import LOCAL_ETCD_PORT, REGISTRY_PORT
 from ._common import Settings, pass_settings
 from ._root import cli
+
+if TYPE_CHECKING:
+    from registry.local.demo import DemoResult
+    from registry.local.stack import LocalPKI
+
+
+class ExtraMissing(errors.BatonError):
+    """The server side of Baton is not installed here (``extra`` names what to install)."""
+
+
+def _local() -> Any:
+    """``registry.local``'s modules, or a clear error naming the extra to install."""
+    try:
+        from registry.local import demo, stack
+    except ImportError as e:
+        raise ExtraMissing(
+            f"`baton up` and `baton demo` run Baton's server side, not installed here "
+            f"({e.name or e}): pip install 'baton[local]'", extra="local") from e
+    return stack, demo
 
 
 @cli.command()
@@ -21,10 +41,10 @@ from ._root import cli
               help="etcd data and logs  [default: $XDG_DATA_HOME/baton]")
 @click.option("--staging", type=click.Path(file_okay=False, path_type=Path),
               help="staging root  [default: DATA_DIR/staging]")
-@click.option("--etcd-port", type=click.IntRange(1, 65535), default=UpOptions.etcd_port,
+@click.option("--etcd-port", type=click.IntRange(1, 65535), default=LOCAL_ETCD_PORT,
               show_default=True, help="etcd client port on 127.0.0.1")
 @click.option("--registry-port", type=click.IntRange(1, 65535),
-              default=UpOptions.registry_port, show_default=True,
+              default=REGISTRY_PORT, show_default=True,
               help="registry gRPC port on 127.0.0.1")
 @click.option("--demo", is_flag=True,
               help="once the stack is up, run the demo pipeline against it")
@@ -41,14 +61,15 @@ def up(ctx: click.Context, data_dir: Path | None, staging: Path | None, etcd_por
     `export` lines (BATON_REGISTRY, BATON_CA, BATON_CERT, BATON_KEY) for the
     operator identity, also kept in DATA_DIR/env.
     """
-    data_dir = data_dir or default_data_dir()
-    opts = UpOptions(data_dir=data_dir, staging=staging or default_staging(data_dir),
-                     etcd_port=etcd_port, registry_port=registry_port, insecure=insecure)
+    local, _ = _local()
+    data_dir = data_dir or local.default_data_dir()
+    opts = local.UpOptions(data_dir=data_dir, staging=staging or local.default_staging(data_dir),
+                           etcd_port=etcd_port, registry_port=registry_port, insecure=insecure)
     if demo:
         address = f"127.0.0.1:{registry_port}"
-        pki = None if insecure else LocalPKI(data_dir.expanduser().absolute() / "pki")
+        pki = None if insecure else local.LocalPKI(data_dir.expanduser().absolute() / "pki")
         threading.Thread(target=_demo_when_ready, args=(address, pki), daemon=True).start()
-    ctx.exit(run_up(opts, out=click.echo))
+    ctx.exit(local.run_up(opts, out=click.echo))
 
 
 def _demo_when_ready(address: str, pki: LocalPKI | None) -> None:
@@ -67,7 +88,7 @@ def _demo_when_ready(address: str, pki: LocalPKI | None) -> None:
                 cert=cert, key=key) as client:
         try:
             client.list_tasks()
-            _report(run_demo(client))
+            _report(_local()[1].run_demo(client))
         except errors.BatonError as e:
             click.echo(f"demo: {e}", err=True)
 
@@ -93,8 +114,8 @@ def demo(settings: Settings, files: int, producers: int, consumers: int, limit: 
     verifies them, consumer agents read and ack them. Exit 0 when all were
     handed over, 1 otherwise.
     """
-    result = run_demo(settings.client(), files=files, producers=producers,
-                      consumers=consumers, timeout=limit)
+    result = _local()[1].run_demo(settings.client(), files=files, producers=producers,
+                                  consumers=consumers, timeout=limit)
     _report(result)
     if result.problems:
         raise SystemExit(1)

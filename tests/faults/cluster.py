@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from client import pki
-from client.embedded import LocalPKI, grpc_health_probe, log_line_probe
-from client.etcdproc import port_in_use, tail, terminate, wait_ready, write_banner
+from registry.local.etcdproc import port_in_use, tail, terminate, wait_ready, write_banner
+from registry.local.stack import LocalPKI, grpc_health_probe, log_line_probe
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "deploy" / "local" / "etcd-cluster.sh"

@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from client import Client, RetryPolicy, errors
-from client.embedded import LocalPKI
-from client.etcdproc import free_port
 from client.v1 import baton_pb2 as pb
+from registry.local.etcdproc import free_port
+from registry.local.stack import LocalPKI
 
 from . import history as hist
 from .checker import Report, check

@@ -7,7 +7,7 @@ binary is located, configured and supervised in exactly one place. Works with et
 a private member has none).
 
 The small process helpers (:func:`free_port`, :func:`port_in_use`, :func:`tail`,
-:func:`wait_ready`, :func:`terminate`) are shared with :mod:`client.embedded`, which
+:func:`wait_ready`, :func:`terminate`) are shared with :mod:`registry.local.stack`, which
 supervises the registry the same way.
 """
 
@@ -194,7 +194,7 @@ def etcd_version(binary: str) -> str:
     return match.group(1)
 
 
-# --- process helpers shared with client.embedded ----------------------------------
+# --- process helpers shared with registry.local.stack ----------------------------------
 
 
 def free_port() -> int:

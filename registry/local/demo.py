@@ -18,10 +18,10 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from . import errors
-from ._client import Client
-from .consumer import consume
-from .producer import produce
+from client import errors
+from client._client import Client
+from client.consumer import consume
+from client.producer import produce
 
 STATES = ("pending", "writing", "written", "verified", "consumed", "dead")
 

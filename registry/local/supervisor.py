@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from client.etcdproc import DaemonFailed, StartCancelled
+from registry.local.etcdproc import DaemonFailed, StartCancelled
 
 __all__ = ["Daemon", "RestartPolicy", "Supervisor"]
 

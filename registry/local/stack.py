@@ -5,7 +5,7 @@ returns, in order: the registry, then the watcher on the staging directory (so a
 file put into the stack is verified with no other step). Each is started only once
 the previous one is ready, and they are stopped in reverse.
 A process that dies on its own is started again after a backoff, and the console
-says so (``client.supervisor``); only one that keeps crashing (5 times within 60 s)
+says so (``registry.local.supervisor``); only one that keeps crashing (5 times within 60 s)
 stops the stack, and ``run_up`` returns 1.
 """
 
@@ -28,8 +28,9 @@ from typing import Any
 
 import grpc
 
+from client.contract import LOCAL_ETCD_PORT, REGISTRY_PORT
 from client.errors import BatonError
-from client.etcdproc import (
+from registry.local.etcdproc import (
     BANNER_PREFIX,
     DaemonFailed,
     EtcdProcess,
@@ -41,7 +42,7 @@ from client.etcdproc import (
     wait_ready,
     write_banner,
 )
-from client.supervisor import RestartPolicy, Supervisor
+from registry.local.supervisor import RestartPolicy, Supervisor
 
 __all__ = [
     "ChildSpec",
@@ -83,8 +84,8 @@ class UpOptions:
 
     data_dir: Path
     staging: Path
-    etcd_port: int = 2479
-    registry_port: int = 7390
+    etcd_port: int = LOCAL_ETCD_PORT
+    registry_port: int = REGISTRY_PORT
     prefix: str = "/baton/v1/"
     #: plaintext everywhere and no identities (the stack of earlier versions)
     insecure: bool = False
@@ -242,8 +243,8 @@ def _health_modules() -> tuple[Any, Any]:
     except ImportError as e:
         raise ExtraNotInstalled(
             "`baton up` needs the registry's dependencies (grpcio-health-checking, ...); "
-            "install them with: pip install 'baton[registry]'",
-            extra="registry",
+            "install them with: pip install 'baton[local]'",
+            extra="local",
         ) from e
     return health_pb2, health_pb2_grpc
 
@@ -281,7 +282,7 @@ def grpc_health_probe(target: str, service: str = "",
 
 
 class _Child:
-    """A started :class:`ChildSpec` (a ``client.supervisor.Daemon``)."""
+    """A started :class:`ChildSpec` (a ``registry.local.supervisor.Daemon``)."""
 
     def __init__(self, spec: ChildSpec) -> None:
         self.spec = spec
@@ -330,7 +331,7 @@ class _Child:
 
 
 class _Etcd:
-    """The stack's etcd as a ``client.supervisor.Daemon``."""
+    """The stack's etcd as a ``registry.local.supervisor.Daemon``."""
 
     name = "etcd"
 
@@ -407,15 +408,15 @@ def _check_installed() -> None:
     if missing:
         raise ExtraNotInstalled(
             f"`baton up` runs a watcher, which needs {', '.join(missing)}; install it "
-            "with: pip install 'baton[watcher]'",
-            extra="watcher",
+            "with: pip install 'baton[local]'",
+            extra="local",
         )
     # find_spec of the top-level name only: it locates without importing anything.
     if importlib.util.find_spec("registry") is None:
         raise ExtraNotInstalled(
             "the `registry` package is not importable; install Baton with its server "
-            "side: pip install 'baton[registry]'",
-            extra="registry",
+            "side: pip install 'baton[local]'",
+            extra="local",
         )
 
 
