@@ -1,0 +1,107 @@
+"""The distribution: a wheel and an sdist build, and the wheel alone, installed into a
+fresh virtualenv, runs the CLI, a registry and a watcher (which catches a module or
+a data file the packaging leaves out).
+
+The fresh virtualenv gets its dependencies from the package index, as a user's
+would; run from a directory outside the repository, so nothing is imported from
+the source tree.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from registry.local.etcdproc import free_port, wait_ready
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(argv: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False, **kw)
+    assert done.returncode == 0, f"{argv}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
+    return done
+
+
+@pytest.fixture(scope="module")
+def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("dist")
+    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w",
+          str(out), str(ROOT)])
+    _run([sys.executable, "-c", "import sys; from setuptools import build_meta as b; "
+          f"b.build_sdist({str(out)!r})"], cwd=ROOT)
+    return out
+
+
+@pytest.mark.slow
+def test_the_wheel_and_sdist_carry_every_package_and_data_file(dist: Path) -> None:
+    """Both hold the three packages, the local stack, the contract and its stubs."""
+    (wheel,) = dist.glob("*.whl")
+    (sdist,) = dist.glob("*.tar.gz")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for needed in ("client/v1/baton.proto", "client/v1/baton_pb2.py", "client/py.typed",
+                   "client/pki.py", "registry/local/stack.py", "registry/local/etcdproc.py",
+                   "registry/identity.py", "watcher/taskdirs.py", "watcher/py.typed"):
+        assert needed in names, needed
+    assert not any(n.startswith(("tests/", "bench/")) for n in names)
+    with tarfile.open(sdist) as tar:
+        members = {m.name.split("/", 1)[1] for m in tar.getmembers() if "/" in m.name}
+    assert {"pyproject.toml", "README.md", "client/v1/baton.proto"} <= members
+
+
+@pytest.mark.slow
+def test_the_wheel_runs_from_a_fresh_virtualenv(dist: Path, tmp_path: Path,
+                                                etcd: Any) -> None:
+    """The wheel with its `local` extra, alone in a new virtualenv: `baton`,
+    `baton-registry` and `baton-watcher` start, serve, and talk to each other."""
+    (wheel,) = dist.glob("*.whl")
+    venv = tmp_path / "venv"
+    _run([sys.executable, "-m", "venv", str(venv)])
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("BATON_", "PYTHON", "VIRTUAL_ENV"))}
+    _run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet",
+          f"{wheel}[local]"], env=env, cwd=tmp_path)
+    bin_ = venv / "bin"
+    version = _run([str(bin_ / "baton"), "--version"], env=env, cwd=tmp_path)
+    assert "version" in version.stdout
+    where = _run([str(bin_ / "python"), "-c", "import client, registry, watcher; "
+                  "print(client.__file__, registry.__file__, watcher.__file__)"],
+                 env=env, cwd=tmp_path).stdout
+    assert str(ROOT) not in where and str(venv) in where
+    port = free_port()
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    with (tmp_path / "registry.log").open("w") as rlog, \
+            (tmp_path / "watcher.log").open("w") as wlog:
+        registry = subprocess.Popen(
+            [str(bin_ / "baton-registry"), "--insecure", "--etcd", etcd.endpoint,
+             "--listen", f"127.0.0.1:{port}", "--staging", str(staging),
+             "--prefix", f"/wheel-{port}/"], stdout=rlog, stderr=subprocess.STDOUT,
+            env=env, cwd=tmp_path)
+        watcher = None
+        try:
+            wait_ready(lambda: "listening on" in (tmp_path / "registry.log").read_text(),
+                       registry, daemon="registry", log_path=tmp_path / "registry.log",
+                       timeout=60)
+            watcher = subprocess.Popen(
+                [str(bin_ / "baton-watcher"), "--registry", f"127.0.0.1:{port}",
+                 "--staging", str(staging)], stdout=wlog, stderr=subprocess.STDOUT,
+                env=env, cwd=tmp_path)
+            wait_ready(lambda: "baton-watcher watching" in
+                       (tmp_path / "watcher.log").read_text(), watcher, daemon="watcher",
+                       log_path=tmp_path / "watcher.log", timeout=60)
+            listed = _run([str(bin_ / "baton"), "--registry", f"127.0.0.1:{port}", "task",
+                           "ls", "-o", "json"], env=env, cwd=tmp_path)
+            assert listed.stdout.strip() == "[]"
+        finally:
+            for proc in (watcher, registry):
+                if proc is not None:
+                    proc.terminate()
+                    proc.wait(30)
