@@ -17,6 +17,7 @@ from grpc_reflection.v1alpha import reflection
 
 from client.contract import MAX_REPLY_BYTES, MAX_REQUEST_BYTES
 from client.errors import BatonError, InvalidArgument
+from client.sdnotify import Notifier
 from client.v1 import baton_pb2
 
 from ._etcd import Etcd, EtcdAuth
@@ -135,18 +136,23 @@ async def start(config: RegistryConfig) -> Running:
     return Running(port, server, etcd, core, reaper, scheduler, health_servicer, stop, background)
 
 
-async def serve(config: RegistryConfig) -> None:
+async def serve(config: RegistryConfig, notifier: Notifier | None = None) -> None:
+    notifier = notifier or Notifier()
     running = await start(config)
     host = config.listen.rpartition(":")[0] or "0.0.0.0"
     # `baton up` and operators read this line to learn the bound address.
     print(f"baton-registry listening on {host}:{running.port}", flush=True)
+    notifier.ready(f"serving on {host}:{running.port}, etcd {config.etcd}")
+    pings = asyncio.create_task(notifier.watchdog_pings())
     done = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, done.set)
     await done.wait()
+    notifier.stopping(f"draining calls (grace {config.grace:g}s)")
     log.info("shutting down (grace %.1fs)", config.grace)
     await running.stop(config.grace)
+    pings.cancel()
     log.info("stopped")
 
 
@@ -157,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
     try:
-        asyncio.run(serve(config))
+        asyncio.run(serve(config, Notifier.from_environ(os.environ)))
     except BatonError as e:
         print(f"baton-registry: {e}", file=sys.stderr)
         return 1

@@ -9,6 +9,8 @@ import threading
 from collections.abc import Sequence
 from types import FrameType
 
+from client.sdnotify import Notifier
+
 from .config import load_config
 from .daemon import Watcher
 from .logs import setup_logging
@@ -27,12 +29,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
+    notifier = Notifier.from_environ(os.environ)
     watcher = Watcher(config)
     try:
         watcher.start()
         print(f"{READY} {watcher.root}", flush=True)
-        stop.wait()
+        notifier.ready(f"watching {watcher.root}, registry {config.registry}")
+        while not stop.wait(notifier.watchdog_interval):
+            notifier.watchdog()
     finally:
+        notifier.stopping()
         # Each worker finishes and reports the file it is hashing.
         watcher.stop()
     return 0
