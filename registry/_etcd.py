@@ -14,10 +14,11 @@ import ipaddress
 import logging
 import socket
 import ssl
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, ParamSpec, TypeVar
+from typing import Any, Concatenate, Literal, ParamSpec, TypeVar
 
 import grpc
 from aetcd import rpc
@@ -95,15 +96,35 @@ def _translate(exc: BaseException) -> BatonError:
     return Internal(f"etcd error: {exc!r}")
 
 
-def _etcd_errors(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
-    @functools.wraps(fn)
-    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-        try:
-            return await fn(*args, **kwargs)
-        except grpc.aio.AioRpcError as e:
-            raise _translate(e) from e
+#: the kinds of request the registry makes, as ``Etcd.observe`` names them
+Kind = Literal["range", "txn", "lease", "watch", "status"]
 
-    return wrapper
+
+def _ignore(kind: Kind, seconds: float, ok: bool) -> None:
+    pass
+
+
+def _request(kind: Kind) -> Callable[[Callable[Concatenate[Etcd, P], Awaitable[R]]],
+                                     Callable[Concatenate[Etcd, P], Awaitable[R]]]:
+    """A request of ``kind``: its errors translated, its time told to ``Etcd.observe``."""
+
+    def decorate(fn: Callable[Concatenate[Etcd, P], Awaitable[R]],
+                 ) -> Callable[Concatenate[Etcd, P], Awaitable[R]]:
+        @functools.wraps(fn)
+        async def wrapper(self: Etcd, /, *args: P.args, **kwargs: P.kwargs) -> R:
+            start, ok = time.perf_counter(), False
+            try:
+                result = await fn(self, *args, **kwargs)
+                ok = True
+                return result
+            except grpc.aio.AioRpcError as e:
+                raise _translate(e) from e
+            finally:
+                self.observe(kind, time.perf_counter() - start, ok)
+
+        return wrapper
+
+    return decorate
 
 
 @dataclass(frozen=True, slots=True)
@@ -447,6 +468,8 @@ class Etcd:
         #: the ``token`` metadata of every call once logged in as ``auth.user``
         self._metadata: Metadata = None
         self._renewing = asyncio.Lock()
+        #: told the kind, duration and success of every request (the registry's metrics)
+        self.observe: Callable[[Kind, float, bool], None] = _ignore
 
     async def _resolve(self) -> str:
         """A gRPC target listing every address of every member (``ipv4:`` or ``ipv6:``)."""
@@ -592,18 +615,18 @@ class Etcd:
         for channel in channels:
             await channel.channel.close(None)
 
-    @_etcd_errors
+    @_request("status")
     async def status(self) -> str:
         """The etcd server version (also a cheap liveness probe)."""
         resp = await self._unary(self._pick().maint.Status, rpc.StatusRequest())
         return str(resp.version)
 
-    @_etcd_errors
+    @_request("range")
     async def get(self, key: bytes) -> KV | None:
         resp = await self._unary(self._pick().kv.Range, rpc.RangeRequest(key=key))
         return KV._from_pb(resp.kvs[0]) if resp.kvs else None
 
-    @_etcd_errors
+    @_request("range")
     async def range(
         self,
         prefix: bytes,
@@ -628,13 +651,13 @@ class Etcd:
         resp = await self._unary(self._pick().kv.Range, req)
         return [KV._from_pb(kv) for kv in resp.kvs], resp.header.revision, bool(resp.more)
 
-    @_etcd_errors
+    @_request("range")
     async def count(self, prefix: bytes) -> int:
         req = rpc.RangeRequest(key=prefix, range_end=prefix_end(prefix), count_only=True)
         resp = await self._unary(self._pick().kv.Range, req)
         return int(resp.count)
 
-    @_etcd_errors
+    @_request("txn")
     async def txn(
         self,
         compares: Sequence[Compare],
@@ -649,7 +672,7 @@ class Etcd:
         resp = await self._unary(self._pick().kv.Txn, req)
         return TxnResult(bool(resp.succeeded), int(resp.header.revision), _gets(resp))
 
-    @_etcd_errors
+    @_request("txn")
     async def txn_group(self, group: Sequence[Guarded]) -> tuple[int, list[TxnResult]]:
         """Several callers' transactions in one request (one raft entry, one revision).
 
@@ -702,14 +725,14 @@ class Etcd:
 
     # leases -------------------------------------------------------------
 
-    @_etcd_errors
+    @_request("lease")
     async def grant(self, ttl: int) -> tuple[int, int]:
         resp = await self._unary(self._pick().lease.LeaseGrant, rpc.LeaseGrantRequest(TTL=ttl))
         if resp.error:
             raise Internal(f"lease grant failed: {resp.error}")
         return int(resp.ID), int(resp.TTL)
 
-    @_etcd_errors
+    @_request("lease")
     async def keepalive(self, lease_id: int) -> int:
         """Refresh a lease once; the TTL it now has, or 0 if it is gone."""
 
@@ -725,14 +748,14 @@ class Etcd:
 
         return await self._with_token(once)
 
-    @_etcd_errors
+    @_request("lease")
     async def time_to_live(self, lease_id: int) -> int:
         """Seconds left on a lease; -1 if it does not exist."""
         resp = await self._unary(self._pick().lease.LeaseTimeToLive,
                                  rpc.LeaseTimeToLiveRequest(ID=lease_id))
         return int(resp.TTL)
 
-    @_etcd_errors
+    @_request("lease")
     async def revoke(self, lease_id: int) -> None:
         try:
             await self._unary(self._pick().lease.LeaseRevoke, rpc.LeaseRevokeRequest(ID=lease_id))
@@ -768,10 +791,14 @@ class Etcd:
         sent = self._metadata
         for attempt in (1, 2):
             stop = asyncio.Event()
+            start = time.perf_counter()
             call = self._pick().watch.Watch(requests(stop), metadata=sent)
-            delivered = False
+            delivered = confirmed = False
             try:
                 async for resp in call:
+                    if not confirmed:  # a watch's time: until etcd answers its creation
+                        confirmed = True
+                        self.observe("watch", time.perf_counter() - start, not resp.canceled)
                     if resp.compact_revision:
                         raise Compacted(
                             f"revision {start_revision} compacted (now {resp.compact_revision})"
@@ -797,6 +824,8 @@ class Etcd:
                 else:
                     return
             except grpc.aio.AioRpcError as e:
+                if not confirmed:
+                    self.observe("watch", time.perf_counter() - start, False)
                 raise _translate(e) from e
             finally:
                 stop.set()

@@ -34,6 +34,8 @@ class RegistryConfig:
     etcd_key: str = ""
     etcd_user: str = ""
     etcd_password_file: str = ""
+    # Prometheus metrics over HTTP
+    metrics: str = ""
 
 
 _HELP = {
@@ -53,6 +55,8 @@ _HELP = {
     "etcd_key": "private key of --etcd-cert",
     "etcd_user": "etcd user (etcd auth enabled); its password comes from --etcd-password-file",
     "etcd_password_file": "file holding the etcd user's password",
+    "metrics": "HOST:PORT to serve Prometheus metrics on, at /metrics (empty = off; "
+    "port 0 = pick one and log it)",
 }
 
 def load_config(argv: Sequence[str], environ: Mapping[str, str]) -> RegistryConfig:

@@ -24,6 +24,7 @@ from ._etcd import Etcd, EtcdAuth
 from .config import RegistryConfig, load_config
 from .core import Core
 from .keys import Keys
+from .metrics import RegistryMetrics, metrics_url, parse_address
 from .scheduler import Scheduler
 from .service import RegistryService, add_to_server
 from .sessions import Reaper
@@ -47,6 +48,9 @@ class Running:
     health: health.HealthServicer
     _stop: asyncio.Event
     _background: list[asyncio.Task[None]]
+    #: the replica's metrics, and the port ``/metrics`` is served on (None, 0: off)
+    metrics: RegistryMetrics | None = None
+    metrics_port: int = 0
 
     async def stop(self, grace: float | None = 5.0) -> None:
         """Stop taking calls, let in-flight ones finish within ``grace``, then close."""
@@ -54,6 +58,8 @@ class Running:
         self._stop.set()
         await self.server.stop(grace)
         await asyncio.gather(*self._background)
+        if self.metrics is not None:
+            await self.metrics.close()
         await self.core.stop()
         await self.etcd.close()
 
@@ -96,11 +102,25 @@ def server_certificates(config: RegistryConfig) -> ServerCertificates | None:
 async def start(config: RegistryConfig) -> Running:
     """Connect to etcd and serve on ``config.listen`` (port 0 picks a free port)."""
     certificates = server_certificates(config)
+    metrics = None
+    if config.metrics:
+        parse_address(config.metrics)  # a bad address fails before anything starts
+        metrics = RegistryMetrics()
     etcd = Etcd(config.etcd, auth=etcd_auth(config))
+    if metrics is not None:
+        etcd.observe = metrics.etcd_request
     await etcd.connect()
     version = await etcd.status()
     core = Core(etcd, Keys(config.prefix), config.staging)
     await core.start()
+    metrics_port = 0
+    if metrics is not None:
+        try:
+            metrics_port = await metrics.serve(config.metrics)
+        except BaseException:
+            await core.stop()
+            await etcd.close()
+            raise
     server = grpc.aio.server(
         options=[
             # A manifest travels in one CreateTask call; anything larger than the
@@ -109,7 +129,8 @@ async def start(config: RegistryConfig) -> Running:
             ("grpc.max_send_message_length", MAX_REPLY_BYTES),
         ]
     )
-    add_to_server(RegistryService(core), server, secure=certificates is not None)
+    service = RegistryService(core)
+    add_to_server(service, server, secure=certificates is not None, metrics=metrics)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -133,7 +154,11 @@ async def start(config: RegistryConfig) -> Running:
     log.info("registry on port %d (%s), etcd %s (v%s), prefix %s, staging %s", port,
              "mutual TLS" if certificates else "plaintext, --insecure", config.etcd,
              version, config.prefix, config.staging)
-    return Running(port, server, etcd, core, reaper, scheduler, health_servicer, stop, background)
+    if metrics is not None:
+        metrics.bind(core, reaper, service.sessions)
+        log.info("metrics on %s", metrics_url(config.metrics, metrics_port))
+    return Running(port, server, etcd, core, reaper, scheduler, health_servicer, stop, background,
+                   metrics, metrics_port)
 
 
 async def serve(config: RegistryConfig, notifier: Notifier | None = None) -> None:

@@ -11,7 +11,7 @@ import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -29,6 +29,9 @@ from .producers import Producers
 from .removal import Removal
 from .sessions import Sessions
 from .tasks import Tasks
+
+if TYPE_CHECKING:
+    from .metrics import RegistryMetrics
 
 log = logging.getLogger("baton.registry")
 
@@ -94,12 +97,13 @@ def _guard(method: str, behaviour: Any, streaming: bool, secure: bool) -> Any:
 
 
 def add_to_server(servicer: pb_grpc.RegistryServicer, server: grpc.aio.Server,
-                  *, secure: bool) -> None:
+                  *, secure: bool, metrics: RegistryMetrics | None = None) -> None:
     """Register ``servicer``'s methods as the generated ``add_RegistryServicer_to_server``
     does, built from the service descriptor, but each behind the access table
     (``identity.POLICY``; with ``secure`` False every caller is anonymous and
     holds every role) and with a decoder that turns bytes that are not the request
-    message into :class:`Undecodable`."""
+    message into :class:`Undecodable`. With ``metrics``, every call is counted
+    there, refused ones too."""
     service = pb.DESCRIPTOR.services_by_name["Registry"]
     handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
     for method in service.methods:
@@ -109,6 +113,8 @@ def add_to_server(servicer: pb_grpc.RegistryServicer, server: grpc.aio.Server,
                 else grpc.unary_unary_rpc_method_handler)
         behaviour = _guard(method.name, getattr(servicer, method.name),
                            method.server_streaming, secure)
+        if metrics is not None:
+            behaviour = metrics.instrument(method.name, behaviour, method.server_streaming)
         handlers[method.name] = make(behaviour,
                                      request_deserializer=_decoder(request),
                                      response_serializer=reply.SerializeToString)

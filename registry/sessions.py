@@ -34,6 +34,8 @@ class Sessions:
     def __init__(self, core: Core) -> None:
         self.core = core
         self.keys = core.keys
+        #: sessions whose lease this replica revoked (for metrics: the others expired)
+        self.closed = 0
 
     async def open(self, req: pb.OpenSessionRequest, caller: Caller) -> pb.Session:
         check_id("agent", req.agent)
@@ -97,6 +99,7 @@ class Sessions:
         else:
             log.info("session %x closed by operator %s", req.session_id, caller.name)
         await self.core.etcd.revoke(req.session_id)
+        self.closed += 1
         return pb.CloseSessionResponse()
 
 

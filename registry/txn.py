@@ -396,6 +396,8 @@ class Transactions:
         #: plans made again: after a failed compare, a moved candidate, or an error
         #: first seen on the view (for metrics and the log at shutdown)
         self.replans = {"compare": 0, "moved": 0, "confirm": 0}
+        #: calls that gave up with ``Conflict`` (for metrics)
+        self.gave_up = 0
 
     async def _lease_for_requests(self) -> int:
         """A lease for request-outcome keys, replaced well before it expires."""
@@ -466,6 +468,7 @@ class Transactions:
                 self.view.refreshed(refresh, result.gets, result.revision)
             self.replans["compare"] += 1
             await self._backoff(attempt)
+        self.gave_up += 1
         raise Conflict("gave up after repeated concurrent changes; retry the call")
 
     def _txn(self, fresh: bool, req_key: bytes) -> Txn:

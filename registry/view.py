@@ -74,6 +74,7 @@ class View:
         self.revision = 0
         self._root = keys.prefix.encode()
         self._mirror_bases = (keys.tasks(), keys.agents(), keys.slots_all())
+        self._agents = keys.agents()
         self._cache_bases = (keys.entries_all(), keys.claims_all())
         self._ready_base = keys.ready_root()
         self._cready_base = keys.cready_root()
@@ -86,6 +87,8 @@ class View:
         self._reserved: set[bytes] = set()
         self._task: asyncio.Task[None] | None = None
         self._synced = asyncio.Event()
+        #: session records seen deleted on the watch: closed or expired (for metrics)
+        self.sessions_ended = 0
 
     # lifecycle -------------------------------------------------------------
 
@@ -128,6 +131,8 @@ class View:
                     for ev in batch:
                         self._apply(ev.kv.key, ev.kv if ev.kind == "put" else None,
                                     ev.kv.mod_revision, watched=True)
+                        if ev.kind == "delete" and ev.kv.key.startswith(self._agents):
+                            self.sessions_ended += 1
                         self.revision = max(self.revision, ev.kv.mod_revision)
                     self._prune()
             except asyncio.CancelledError:
@@ -277,6 +282,10 @@ class View:
     def invalidate(self, base: bytes) -> None:
         """An index window proved behind etcd: read it again from its start."""
         self._windows.pop(base, None)
+
+    def session_count(self) -> int:
+        """Agent sessions in the mirror."""
+        return len(self._groups.get(self._agents, ()))
 
     # reservations -----------------------------------------------------------
 

@@ -1,0 +1,438 @@
+"""The registry's Prometheus metrics, and the ``/metrics`` endpoint that serves them.
+
+The only module of the registry that imports ``prometheus_client``. Each replica
+keeps its own ``CollectorRegistry`` (several replicas may share a process, as in
+the tests). What moves on every call is counted as it happens, by a wrapper
+around every gRPC method (:meth:`RegistryMetrics.instrument`) and around every
+etcd request (:meth:`RegistryMetrics.etcd_request`); what the registry already
+counts (plans made again, claims reaped, sessions ended) is read when scraped;
+and the levels (tasks by status, entries by state) are computed when scraped:
+tasks from the watch-fed view, entries from count-only reads of the indexes,
+cached for ``COUNT_TTL`` seconds (see docs/operations.md, Metrics, for the cost).
+
+Label values come from bounded sets only: method names of the service, gRPC
+status codes, names of Baton's error classes, entry states, task statuses, etcd
+request kinds. Never an id, a path, a host or an identity.
+
+The endpoint is served on the replica's event loop (asyncio streams), so what it
+reads needs no lock, and a scrape can await etcd.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from client import errors
+from client.errors import BatonError, InvalidArgument
+from client.v1 import baton_pb2 as pb
+
+from .model import TaskRecord
+
+if TYPE_CHECKING:
+    from .core import Core
+    from .sessions import Reaper, Sessions
+
+log = logging.getLogger("baton.registry")
+
+# The text format 0.0.4 would show each counter's creation time as a series of its
+# own (``*_created``); nothing reads them, and they double what is stored.
+disable_created_metrics()  # type: ignore[no-untyped-call]
+
+#: the text format every Prometheus reads (what ``generate_latest`` writes)
+TEXT_FORMAT = "text/plain; version=0.0.4; charset=utf-8"
+#: seconds the entry counts (count-only reads of the indexes) are reused between scrapes
+COUNT_TTL = 10.0
+#: seconds a client of the endpoint has to send its request
+REQUEST_TIMEOUT = 5.0
+#: handling times of calls and etcd requests: a claim takes about a millisecond
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                   5.0, 10.0)
+
+#: the names of Baton's errors: the only values an ``outcome`` label takes besides "ok"
+ERROR_NAMES = frozenset(
+    name for name, value in vars(errors).items()
+    if isinstance(value, type) and issubclass(value, BatonError))
+#: methods whose outcome is counted per step, and the counter they add to
+STEPS = {"Claim": "claims", "ClaimBatch": "claims", "Commit": "commits",
+         "CommitBatch": "commits", "Fail": "fails", "Consume": "consumes", "Ack": "acks",
+         "Nack": "nacks"}
+_STEP_HELP = {
+    "claims": "Entries handed to producers (Claim, ClaimBatch: ok counts entries), and "
+    "refused claim calls by error",
+    "commits": "Entries committed (Commit, CommitBatch: ok counts entries), and refused "
+    "commit calls by error",
+    "fails": "Fail calls (a producer gave an entry up), by outcome",
+    "consumes": "Consume calls, by outcome (ok: an entry was leased to a consumer)",
+    "acks": "Ack calls, by outcome",
+    "nacks": "Nack calls, by outcome",
+}
+#: the kinds of etcd request a registry makes (the ``op`` label)
+ETCD_OPS = ("range", "txn", "lease", "watch", "status")
+#: where each entry state is counted from: index prefixes (all tasks) whose keys are
+#: the entries in that state (see docs/architecture.md, The keyspace)
+INDEXES = ("ready", "delayed", "waiting", "open", "dead", "cready", "inflight_p",
+           "inflight_c")
+#: the values of the ``status`` label of ``baton_tasks`` (and "unknown")
+TASK_STATUSES = tuple(name.removeprefix("TASK_").lower() for name, n in pb.TaskStatus.items()
+                      if n)
+
+
+def outcome_of(name: str) -> str:
+    """A Baton error's name as a label value: itself when it is one of Baton's errors,
+    else "other" (a subclass defined elsewhere travels under its own name)."""
+    return name if name in ERROR_NAMES else "other"
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``HOST:PORT`` (an IPv6 host in brackets) as (host, port); ``InvalidArgument``."""
+    host, sep, port = address.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise InvalidArgument(f"--metrics {address!r}: expected HOST:PORT (port 0 = pick one)",
+                              setting="--metrics")
+    return host, int(port)
+
+
+def metrics_url(address: str, port: int) -> str:
+    """Where ``/metrics`` is served when ``address`` (``HOST:PORT``) is bound to ``port``."""
+    host = parse_address(address)[0]
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics"
+
+
+def _code_of(context: Any, exc: BaseException) -> str:
+    """The status a failed call ended with, as a label value."""
+    if isinstance(exc, asyncio.CancelledError | GeneratorExit):
+        return "CANCELLED"
+    code = context.code()
+    if isinstance(code, grpc.StatusCode):
+        return code.name
+    return "UNKNOWN"
+
+
+def _error_of(context: Any, code: str) -> str:
+    """The name of the Baton error a failed call sent (``_abort`` puts it in the trailing
+    metadata), else its status code (a call cancelled, an error of the transport)."""
+    for key, value in context.trailing_metadata() or ():
+        if key == errors.ERROR_KEY:
+            return outcome_of(str(value))
+    return code
+
+
+@dataclass
+class _Sources:
+    """What the registry counts itself, read when scraped."""
+
+    core: Core
+    reaper: Reaper | None
+    sessions: Sessions | None
+
+
+class RegistryMetrics:
+    """One replica's metrics: counted by wrappers, read and computed when scraped."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter,
+                 count_ttl: float = COUNT_TTL) -> None:
+        self.clock = clock
+        self.count_ttl = count_ttl
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.calls = Counter("baton_grpc_calls", "gRPC calls handled, by method and status "
+                             "code", ["method", "code"], registry=r)
+        self.call_seconds = Histogram(
+            "baton_grpc_call_duration_seconds", "Time the registry took to handle a unary "
+            "call (from the call reaching the handler to its reply), by method", ["method"],
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.streams = Gauge("baton_grpc_streams", "Server streams open (Watch, "
+                             "WatchTasks), by method", ["method"], registry=r)
+        self.steps = {name: Counter(f"baton_{name}", text, ["outcome"], registry=r)
+                      for name, text in _STEP_HELP.items()}
+        self.reports = Counter(
+            "baton_reports", "Watcher reports received: kind digest (ReportVerification) or "
+            "problem (ReportProblem), by the entry's state after it, or the error",
+            ["kind", "result"], registry=r)
+        self.etcd_seconds = Histogram(
+            "baton_etcd_request_duration_seconds", "etcd requests as the registry sees "
+            "them (watch: until etcd confirmed the watch), by kind", ["op"],
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.etcd_failures = Counter("baton_etcd_request_failures", "etcd requests that "
+                                     "failed, by kind", ["op"], registry=r)
+        self._etcd = {op: (self.etcd_seconds.labels(op), self.etcd_failures.labels(op))
+                      for op in ETCD_OPS}
+        self._sources: _Sources | None = None
+        self._tasks: dict[str, int] = {}
+        self._indexes: dict[str, int] = {}
+        self._counted_at = -1.0
+        self._server: asyncio.Server | None = None
+        r.register(_Levels(self))
+
+    # what moves on every call -------------------------------------------------
+
+    def instrument(self, method: str, behaviour: Any, streaming: bool) -> Any:
+        """``behaviour`` (a gRPC method handler) counted: its calls by status code,
+        a unary call's handling time, a stream while open, and for the hot steps their
+        outcome."""
+        children: dict[str, Any] = {}
+
+        def count(code: str) -> None:
+            child = children.get(code)
+            if child is None:
+                child = children[code] = self.calls.labels(method, code)
+            child.inc()
+
+        if streaming:
+            open_streams = self.streams.labels(method)
+
+            @functools.wraps(behaviour)
+            async def stream(request: Any, context: Any) -> AsyncIterator[Any]:
+                code = "OK"
+                open_streams.inc()
+                try:
+                    async for item in behaviour(request, context):
+                        yield item
+                except BaseException as e:
+                    code = _code_of(context, e)
+                    raise
+                finally:
+                    open_streams.dec()
+                    count(code)
+
+            return stream
+
+        seconds = self.call_seconds.labels(method)
+        step = self.steps[STEPS[method]] if method in STEPS else None
+        report = {"ReportVerification": "digest", "ReportProblem": "problem"}.get(method)
+
+        @functools.wraps(behaviour)
+        async def unary(request: Any, context: Any) -> Any:
+            start = self.clock()
+            try:
+                reply = await behaviour(request, context)
+            except BaseException as e:
+                seconds.observe(self.clock() - start)
+                code = _code_of(context, e)
+                count(code)
+                if step is not None:
+                    step.labels(_error_of(context, code)).inc()
+                elif report is not None:
+                    self.reports.labels(report, _error_of(context, code)).inc()
+                raise
+            seconds.observe(self.clock() - start)
+            count("OK")
+            if step is not None:
+                step.labels("ok").inc(_entries_in(reply))
+            elif report is not None:
+                self.reports.labels(report, _state_name(reply.entry.state)).inc()
+            return reply
+
+        return unary
+
+    def etcd_request(self, op: str, seconds: float, ok: bool) -> None:
+        """One etcd request of kind ``op`` took ``seconds`` (``Etcd.observe``)."""
+        histogram, failures = self._etcd[op]
+        histogram.observe(seconds)
+        if not ok:
+            failures.inc()
+
+    # what is read and computed when scraped ---------------------------------------
+
+    def bind(self, core: Core, reaper: Reaper | None = None,
+             sessions: Sessions | None = None) -> None:
+        """Read what ``core`` (its transactions, its view), ``reaper`` and ``sessions``
+        count, and compute the levels from them, when scraped."""
+        self._sources = _Sources(core, reaper, sessions)
+
+    async def refresh(self) -> None:
+        """Compute the levels: tasks by status (the view, else etcd) at every scrape,
+        entries by state (count-only reads of the indexes) once per ``count_ttl``."""
+        if self._sources is None:
+            return
+        core = self._sources.core
+        keys = core.keys
+        view = core.view
+        if view is not None and view.ready:
+            headers = await view.scan(keys.tasks(), 0, False)
+        else:
+            headers = [kv async for kv in core.etcd.scan(keys.tasks())]
+        tasks = dict.fromkeys(TASK_STATUSES, 0)
+        for kv in headers:
+            try:
+                status = TaskRecord.load(kv.value).status
+            except Exception:  # a record this version cannot read: counted, not named
+                status = "unknown"
+            status = status if status in tasks else "unknown"
+            tasks[status] = tasks.get(status, 0) + 1
+        self._tasks = tasks
+        now = time.monotonic()
+        if self._counted_at >= 0 and now - self._counted_at < self.count_ttl:
+            return
+        # Every task's part of an index: its prefix for one task, with no task named.
+        prefixes = (keys.ready_root(), keys.delayed_all(), keys.waiting_all(),
+                    keys.open_all("").removesuffix(b"/"), keys.dead_all("").removesuffix(b"/"),
+                    keys.cready_root(), keys.inflight_of_task("p", "").removesuffix(b"/"),
+                    keys.inflight_of_task("c", "").removesuffix(b"/"))
+        counts = await asyncio.gather(*(core.etcd.count(p) for p in prefixes))
+        self._indexes = dict(zip(INDEXES, counts, strict=True))
+        self._counted_at = now
+
+    def collect_levels(self) -> Iterator[Metric]:
+        sources = self._sources
+        if sources is None:
+            return
+        txns = sources.core.txns
+        replans = CounterMetricFamily(
+            "baton_txn_replans", "Transactions planned again: reason compare (a failed "
+            "compare-and-swap: someone wrote first), moved (a candidate moved under the "
+            "planner), confirm (an error seen on the view, checked again on etcd)",
+            labels=["reason"])
+        for reason, n in txns.replans.items():
+            replans.add_metric([reason], n)
+        yield replans
+        yield CounterMetricFamily(
+            "baton_txn_gave_up", "Calls that gave up after repeated compare failures "
+            "(Conflict, ABORTED)", value=txns.gave_up)
+        yield CounterMetricFamily(
+            "baton_txn_etcd_requests", "etcd requests that carried transactions (group "
+            "commit: one request may carry several)", value=txns.committer.requests)
+        yield CounterMetricFamily(
+            "baton_txn_committed", "Transactions sent to etcd (applied or not)",
+            value=txns.committer.carried)
+        if sources.reaper is not None:
+            yield CounterMetricFamily(
+                "baton_reaped_claims", "Claims whose lease was gone, moved on by this "
+                "replica's reaper (producer: the entry retried; consumer: back to its group)",
+                value=sources.reaper.reaped)
+        if sources.sessions is not None:
+            yield CounterMetricFamily(
+                "baton_sessions_closed", "Sessions closed by CloseSession on this replica "
+                "(their leases revoked)", value=sources.sessions.closed)
+        view = sources.core.view
+        if view is not None:
+            yield CounterMetricFamily(
+                "baton_sessions_ended", "Session records this replica saw deleted on its "
+                "watch: closed or lease expired, on any replica (see "
+                "baton_sessions_closed)", value=view.sessions_ended)
+            yield GaugeMetricFamily("baton_view_ready", "1 when the watch-fed view is in "
+                                    "sync with etcd, else 0 (reads go to etcd)",
+                                    value=1 if view.ready else 0)
+            yield GaugeMetricFamily("baton_sessions", "Agent sessions open (the view's "
+                                    "mirror)", value=view.session_count())
+        tasks = GaugeMetricFamily("baton_tasks", "Tasks by status", labels=["status"])
+        for status, n in self._tasks.items():
+            tasks.add_metric([status], n)
+        yield tasks
+        if not self._indexes:
+            return
+        ix = self._indexes
+        entries = GaugeMetricFamily(
+            "baton_entries", "Entries by state, from the indexes: pending (ready, "
+            "delayed or waiting), writing (producer claims not yet reaped), dead; "
+            "unfinished counts every entry not yet consumed or dead", labels=["state"])
+        entries.add_metric(["pending"], ix["ready"] + ix["delayed"] + ix["waiting"])
+        entries.add_metric(["writing"], ix["inflight_p"])
+        entries.add_metric(["dead"], ix["dead"])
+        entries.add_metric(["unfinished"], ix["open"])
+        yield entries
+        index = GaugeMetricFamily("baton_index_keys", "Keys in each index, all tasks",
+                                  labels=["index"])
+        for name, n in ix.items():
+            index.add_metric([name], n)
+        yield index
+        yield GaugeMetricFamily("baton_entry_counts_age_seconds", "Seconds since the "
+                                "entry counts were read from etcd",
+                                value=time.monotonic() - self._counted_at)
+
+    # the endpoint ----------------------------------------------------------------------
+
+    async def serve(self, address: str) -> int:
+        """Serve ``/metrics`` on ``address`` (``HOST:PORT``); the bound port."""
+        host, port = parse_address(address)
+        try:
+            self._server = await asyncio.start_server(self._handle, host, port)
+        except OSError as e:
+            raise InvalidArgument(f"--metrics {address}: cannot listen ({e.strerror or e})",
+                                  setting="--metrics") from e
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+
+    async def scrape(self) -> bytes:
+        """The exposition text, levels refreshed (what ``GET /metrics`` answers)."""
+        try:
+            await self.refresh()
+        except BatonError as e:  # etcd away: serve what is counted, and the old levels
+            log.debug("metrics: levels not refreshed: %s", e)
+        return generate_latest(self.registry)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT)
+            method, path, *_ = [*head.split(b"\r\n", 1)[0].decode("latin-1").split(" "), "", ""]
+            if method not in ("GET", "HEAD"):
+                status, body, kind = "405 Method Not Allowed", b"GET /metrics\n", "text/plain"
+            elif path.partition("?")[0] != "/metrics":
+                status, body, kind = "404 Not Found", b"GET /metrics\n", "text/plain"
+            else:
+                status, body, kind = "200 OK", await self.scrape(), TEXT_FORMAT
+            writer.write(
+                f"HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {len(body)}\r\n"
+                "Connection: close\r\n\r\n".encode("latin-1")
+                + (body if method != "HEAD" else b""))
+            await writer.drain()
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError,
+                ConnectionError):
+            pass  # a client that went away or never asked
+        finally:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+
+
+class _Levels(Collector):
+    """Reads :meth:`RegistryMetrics.collect_levels` into the registry's exposition."""
+
+    def __init__(self, metrics: RegistryMetrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterable[Metric]:
+        return list(self._metrics.collect_levels())
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # computed when scraped: nothing to check for clashes up front
+
+
+def _entries_in(reply: Any) -> int:
+    """Entries a successful step moved: a batch's, else one."""
+    if isinstance(reply, pb.ClaimBatchResponse):
+        return len(reply.claims)
+    if isinstance(reply, pb.CommitBatchResponse):
+        return len(reply.entries)
+    return 1
+
+
+def _state_name(state: int) -> str:
+    if state not in pb.EntryState.values():
+        return "other"
+    return pb.EntryState.Name(pb.EntryState.ValueType(state)).lower()
