@@ -36,7 +36,7 @@ from .jobs import JobQueue, Key
 from .links import LinkedFiles
 from .logs import log
 from .metrics import Metrics
-from .state import EntryView, Table
+from .state import STATE_NAMES, EntryView, Table
 
 logger = logging.getLogger("baton.watcher")
 
@@ -168,6 +168,7 @@ class Checker:
     # hashing and its failures ------------------------------------------------------------
 
     def _hash(self, key: Key, entry: EntryView) -> Hashed | None:
+        start = self.metrics.clock()
         try:
             hashed = self.hasher.hash(key[0], entry.path)
         except FileChanged as e:
@@ -189,8 +190,7 @@ class Checker:
             else:
                 self._failed(key, entry, e)
             return None
-        self.metrics.add("hashes")
-        self.metrics.add("hashed_bytes", hashed.identity.size)
+        self.metrics.hashed(hashed.identity.size, self.metrics.clock() - start)
         return hashed
 
     def _failed(self, key: Key, entry: EntryView, e: HashFailed) -> None:
@@ -217,9 +217,13 @@ class Checker:
     def _report(self, key: Key, entry: EntryView, hashed: Hashed) -> None:
         i = hashed.identity
         identity = pb.FileIdentity(inode=i.inode, device=i.device, mtime_ns=i.mtime_ns)
-        reply = self.client.report(key[0], key[1], i.size, hashed.digest, identity,
-                                   self.reporter)
-        self.metrics.reported(*key)
+        try:
+            reply = self.client.report(key[0], key[1], i.size, hashed.digest, identity,
+                                       self.reporter)
+        except BatonError as e:
+            self.metrics.refused("digest", e)
+            raise
+        self.metrics.reported(*key, "digest", STATE_NAMES.get(reply.state, ""))
         self.cache.put(*key, Known(i, hashed.digest))
         self.table.apply(key[0], reply)
         self.table.update(*key, failures=0)
@@ -232,13 +236,19 @@ class Checker:
             now=pb.EntryState.Name(reply.state).lower())
 
     def _problem(self, key: Key, kind: int, reason: str) -> None:
-        reply = self.client.report_problem(key[0], key[1], kind, reason, self.reporter)
+        name = pb.ProblemReport.Kind.Name(kind).lower()  # type: ignore[arg-type]
+        try:
+            reply = self.client.report_problem(key[0], key[1], kind, reason, self.reporter)
+        except BatonError as e:
+            self.metrics.refused(name, e)
+            raise
         self.metrics.add("problems")
+        self.metrics.reported(*key, name, STATE_NAMES.get(reply.state, ""))
         self.cache.drop(*key)
         self.links.drop(key)
         self.table.apply(key[0], reply)
         log(logger, logging.WARNING, "reported a problem", task=key[0], file_id=key[1],
-            kind=pb.ProblemReport.Kind.Name(kind).lower(), reason=reason,  # type: ignore[arg-type]
+            kind=name, reason=reason,
             now=pb.EntryState.Name(reply.state).lower())
 
 

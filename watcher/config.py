@@ -42,6 +42,7 @@ class WatcherConfig:
     state_file: str = ""
     log_level: str = "INFO"
     log_format: str = "kv"
+    metrics: str = ""
 
 
 _HELP = {
@@ -65,6 +66,8 @@ _HELP = {
     "(empty = memory only; a restart rehashes verified files once)",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     "log_format": "kv (key=value lines) or json (one object per line)",
+    "metrics": "HOST:PORT to serve Prometheus metrics on, at /metrics (empty = off; "
+    "port 0 = pick one and log it)",
 }
 
 _CHOICES: dict[str, tuple[str, ...]] = {"observer": OBSERVERS, "log_format": LOG_FORMATS}

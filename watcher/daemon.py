@@ -19,6 +19,7 @@ import os
 import re
 import socket
 import threading
+import time
 from typing import Any
 
 from client import Client, RetryPolicy
@@ -33,7 +34,7 @@ from .events import FsEvent, Intake, Kind
 from .hashing import Hasher
 from .jobs import JobQueue
 from .logs import log
-from .metrics import Metrics
+from .metrics import Levels, Metrics, metrics_url
 from .observe import Watches
 from .state import LIVE, Change, Table
 from .sync import TaskStreams
@@ -57,6 +58,9 @@ class Watcher:
         self.root = os.path.realpath(config.staging)
         self.reporter = config.reporter or f"watcher@{socket.gethostname()}"
         self.metrics = Metrics()
+        self.metrics.levels(self._levels)
+        #: where ``/metrics`` is served once started (0: ``--metrics`` is off)
+        self.metrics_port = 0
         self.intake = Intake(config.event_queue)
         self.jobs = JobQueue()
         self.table = Table(self.root)
@@ -97,6 +101,10 @@ class Watcher:
 
     def start(self) -> Watcher:
         """Watch the root, start the threads, reconcile once; returns self."""
+        if self.config.metrics:
+            self.metrics_port = self.metrics.serve(self.config.metrics)
+            log(logger, logging.INFO, "serving metrics",
+                url=metrics_url(self.config.metrics, self.metrics_port))
         self.watches.start()
         for t in self._threads:
             t.start()
@@ -126,6 +134,7 @@ class Watcher:
             self._task_follower.join(timeout)
         self.hasher.close()
         self.cache.close()
+        self.metrics.close()
         log(logger, logging.INFO, "stopped", **self.metrics.snapshot())
 
     def __enter__(self) -> Watcher:
@@ -133,6 +142,15 @@ class Watcher:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+    def _levels(self) -> Levels:
+        """What the metrics ask for when scraped."""
+        entries, written_ns = self.table.census()
+        oldest = max(0.0, (time.time_ns() - written_ns) / 1e9) if written_ns else 0.0
+        return Levels(queued_checks=len(self.jobs), queued_events=len(self.intake),
+                      inotify_watches=self.watches.watch_count(),
+                      tasks=len(self.table.task_ids()), entries=entries,
+                      oldest_written=oldest)
 
     def _registry_lost(self) -> None:
         self._reconcile_now.set()  # it retries until the registry answers again

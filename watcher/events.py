@@ -62,6 +62,10 @@ class Intake:
             with self._lock:
                 self._overflowed = True
 
+    def __len__(self) -> int:
+        """Events waiting (approximately: for metrics)."""
+        return self._queue.qsize()
+
     def get(self, timeout: float | None = None) -> FsEvent | None:
         """The next event; an OVERFLOW first if events were dropped; None on timeout/close."""
         with self._lock:

@@ -166,6 +166,21 @@ class Table:
                 for name, value in changes.items():
                     setattr(known, name, value)
 
+    def census(self) -> tuple[dict[str, int], int]:
+        """Entries of the served tasks by state name, and when the entry longest in
+        ``written`` was committed (epoch ns; 0: none is written). One pass under the lock,
+        for metrics."""
+        counts = {name: 0 for state, name in STATE_NAMES.items() if state}
+        oldest = 0
+        with self._lock:
+            for view in self._tasks.values():
+                for e in view.entries.values():
+                    counts[e.state_name] = counts.get(e.state_name, 0) + 1
+                    if e.state == pb.WRITTEN and e.updated_ns and (
+                            not oldest or e.updated_ns < oldest):
+                        oldest = e.updated_ns
+        return counts, oldest
+
     def locate(self, path: str) -> tuple[str, str] | None:
         """(task_id, relative path) of an absolute path below the root, if it is one."""
         if not path.startswith(self.root + os.sep):

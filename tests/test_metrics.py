@@ -1,0 +1,336 @@
+"""Prometheus metrics of a real registry and a real watcher, scraped over HTTP."""
+
+from __future__ import annotations
+
+import io
+import re
+import socket
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import pytest
+from registry_fixtures import RegistryHandle
+from watcher_fixtures import digest, make_task
+
+from client import Client, put
+from client.errors import InvalidArgument, NotFound, NothingToClaim, StaleToken
+from client.v1 import baton_pb2 as pb
+from registry import RegistryConfig
+from registry.config import load_config as registry_config
+from registry.metrics import RegistryMetrics, parse_address
+from watcher import Watcher
+from watcher.config import load_config as watcher_config
+
+#: ids distinctive enough that finding one among label values cannot be chance
+TASK = "metrics-task-q7z"
+FILES = {"file-alpha-q7z": b"alpha bytes", "file-beta-q7z": b"beta, longer bytes",
+         "file-gamma-q7z": b"gamma"}
+PRODUCER, CONSUMER, LOST = "agent-maker-q7z", "agent-taker-q7z", "agent-lost-q7z"
+GROUP = "group-readers-q7z"
+
+#: one sample of the text format: name, labels, value
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+class Scrape:
+    """One scrape of ``/metrics``: the declared types and every sample."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.types: dict[str, str] = {}
+        self.samples: list[tuple[str, dict[str, str], float]] = []
+        for line in text.splitlines():
+            if line.startswith("# TYPE "):
+                _, _, name, kind = line.split(" ")
+                self.types[name] = kind
+            elif line and not line.startswith("#"):
+                m = _SAMPLE.match(line)
+                assert m, f"not a sample line: {line!r}"
+                labels = dict(_LABEL.findall(m.group(2) or ""))
+                self.samples.append((m.group(1), labels, float(m.group(3))))
+
+    def value(self, name: str, **labels: str) -> float:
+        """The sum of the samples of ``name`` whose labels include ``labels``."""
+        found = [v for n, ls, v in self.samples
+                 if n == name and all(ls.get(k) == want for k, want in labels.items())]
+        assert found, f"no sample {name}{labels} in:\n{self.text}"
+        return sum(found)
+
+    def label_values(self) -> set[str]:
+        return {v for _, labels, _ in self.samples for v in labels.values()}
+
+
+def scrape(port: int, path: str = "/metrics") -> Scrape:
+    # No proxy: an http_proxy setting must not intercept a loopback request.
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(f"http://127.0.0.1:{port}{path}", timeout=10) as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        return Scrape(resp.read().decode())
+
+
+def check_conventions(s: Scrape) -> None:
+    """Names, types and units as Prometheus expects them of Baton."""
+    assert s.types, "no metric declared"
+    for name, kind in s.types.items():
+        assert name.startswith("baton_"), name
+        assert kind in ("counter", "gauge", "histogram"), (name, kind)
+        if kind == "counter":
+            assert name.endswith("_total"), name
+        else:
+            assert not name.endswith("_total"), name
+        if kind == "histogram":
+            assert name.endswith("_seconds"), name
+        # a unit in the name is a base unit, and comes last (before _total)
+        base = name.removesuffix("_total")
+        for unit in ("seconds", "bytes"):
+            if unit in base.split("_"):
+                assert base.endswith("_" + unit), name
+        for bad in ("millis", "_ms", "kilo", "_kb", "mib"):
+            assert bad not in name, name
+    for name, _, _ in s.samples:
+        family = re.sub(r"_(bucket|sum|count)$", "", name)
+        assert name in s.types or family in s.types, f"{name} has no TYPE line"
+
+
+def check_no_ids(s: Scrape, ids: Iterable[str]) -> None:
+    """No label value is, or contains, an id the test used."""
+    values = s.label_values()
+    for value in values:
+        for id_ in ids:
+            assert id_ not in value, f"label value {value!r} holds the id {id_!r}"
+
+
+@pytest.fixture
+def registry(registry_factory: Callable[..., RegistryHandle]) -> RegistryHandle:
+    """The test's registry, serving metrics on a port it picks."""
+    return registry_factory(metrics="127.0.0.1:0")
+
+
+def metrics_port(handle: RegistryHandle) -> int:
+    port = handle._running.metrics_port
+    assert port > 0
+    return port
+
+
+def metrics_of(handle: RegistryHandle) -> RegistryMetrics:
+    metrics = handle._running.metrics
+    assert metrics is not None
+    return metrics
+
+
+def test_registry_counts_the_steps_of_a_handoff(
+    registry: RegistryHandle, client: Client, watcher_factory: Callable[..., Watcher],
+    staging: Path, wait_for: Callable[..., None],
+) -> None:
+    """After claims, commits, verifications, consumes, acks and nacks (and refused calls),
+    the registry's /metrics shows each counted by outcome, the latencies, the etcd
+    requests and the levels, under Baton's naming rules, with no id among label values."""
+    watcher = watcher_factory(metrics="127.0.0.1:0")
+    client.create_task({"task_id": TASK, "consumers": [GROUP], "entries": [
+        {"file_id": f, "path": f"out/{f}.bin"} for f in FILES]})
+    with client.open_session(PRODUCER, ttl=10) as producer:
+        for file_id, data in FILES.items():
+            put(client, producer, TASK, file_id, io.BytesIO(data))
+        with pytest.raises(NothingToClaim):
+            client.claim(TASK, session=producer)
+        with pytest.raises(StaleToken):
+            client.commit(TASK, "file-alpha-q7z", 12345, 1, digest(b"x"), session=producer)
+    for file_id in FILES:
+        wait_for(lambda f=file_id: client.get_entry(TASK, f).state == pb.VERIFIED,  # type: ignore[misc]
+                 what=f"{file_id} verified")
+    with client.open_session(CONSUMER, ttl=10) as consumer:
+        first = client.consume(TASK, GROUP, session=consumer)
+        client.nack(TASK, first.file_id, GROUP, first.token, "not now", session=consumer)
+        for _ in FILES:
+            lease = client.consume(TASK, GROUP, session=consumer)
+            client.ack(TASK, lease.file_id, GROUP, lease.token, session=consumer)
+        with pytest.raises(NothingToClaim):
+            client.consume(TASK, GROUP, session=consumer)
+
+    s = scrape(metrics_port(registry))
+    check_conventions(s)
+    assert s.value("baton_claims_total", outcome="ok") == 3
+    assert s.value("baton_claims_total", outcome="NothingToClaim") == 1
+    assert s.value("baton_commits_total", outcome="ok") == 3
+    assert s.value("baton_commits_total", outcome="StaleToken") == 1
+    assert s.value("baton_consumes_total", outcome="ok") == 4
+    assert s.value("baton_consumes_total", outcome="NothingToClaim") == 1
+    assert s.value("baton_acks_total", outcome="ok") == 3
+    assert s.value("baton_nacks_total", outcome="ok") == 1
+    # a report that came before its commit leaves the entry writing; the commit settles it
+    assert s.value("baton_reports_total", kind="digest") >= 3
+    assert s.value("baton_grpc_calls_total", method="Claim", code="OK") == 3
+    assert s.value("baton_grpc_calls_total", method="Claim", code="NOT_FOUND") == 1
+    assert s.value("baton_grpc_calls_total", method="Commit", code="FAILED_PRECONDITION") == 1
+    assert s.value("baton_grpc_calls_total", method="OpenSession", code="OK") == 2
+    assert s.value("baton_grpc_call_duration_seconds_count", method="Claim") == 4
+    assert s.value("baton_grpc_call_duration_seconds_count", method="Consume") == 5
+    assert 0 < s.value("baton_grpc_call_duration_seconds_sum", method="Claim") < 10
+    assert s.value("baton_grpc_call_duration_seconds_bucket", method="Claim", le="+Inf") == 4
+    assert s.value("baton_grpc_streams", method="WatchTasks") == 1  # the watcher's
+    for op in ("range", "txn", "lease", "watch"):
+        assert s.value("baton_etcd_request_duration_seconds_count", op=op) > 0, op
+    assert s.value("baton_txn_committed_total") >= s.value("baton_txn_etcd_requests_total") > 0
+    assert s.value("baton_txn_replans_total", reason="compare") >= 0
+    assert s.value("baton_txn_gave_up_total") == 0
+    assert s.value("baton_sessions_closed_total") == 2
+    assert s.value("baton_tasks", status="active") + s.value("baton_tasks",
+                                                              status="completed") == 1
+    assert s.value("baton_tasks", status="paused") == 0
+    assert s.value("baton_entries", state="dead") == 0
+    assert s.value("baton_entries", state="pending") == 0
+    assert s.value("baton_index_keys", index="open") == 0  # every entry consumed
+    assert s.value("baton_view_ready") == 1
+
+    w = scrape(watcher.metrics_port)
+    check_conventions(w)
+    sizes = sum(len(d) for d in FILES.values())
+    assert w.value("baton_watcher_files_hashed_total") >= 3
+    assert w.value("baton_watcher_hashed_bytes_total") >= sizes
+    assert w.value("baton_watcher_hash_duration_seconds_count") == w.value(
+        "baton_watcher_files_hashed_total")
+    assert w.value("baton_watcher_reports_total", kind="digest") >= 3
+    assert w.value("baton_watcher_reconciliations_total") >= 1
+    assert w.value("baton_watcher_events_total") > 0
+    assert w.value("baton_watcher_overflows_total") == 0
+    assert w.value("baton_watcher_inotify_watches") >= 1
+    assert w.value("baton_watcher_queue_depth", queue="checks") >= 0
+    assert w.value("baton_watcher_tasks") >= 0
+    assert w.value("baton_watcher_oldest_written_seconds") == 0
+
+    ids = [TASK, *FILES, PRODUCER, CONSUMER, GROUP, socket.gethostname(), watcher.reporter,
+           str(staging), "out/"]
+    check_no_ids(s, ids)
+    check_no_ids(w, ids)
+
+
+def test_lost_leases_are_counted(
+    registry: RegistryHandle, client: Client, wait_for: Callable[..., None],
+) -> None:
+    """A claim whose session expired is reaped and counted; the session's end is seen on
+    the watch, and a closed session is told apart by the closed counter."""
+    client.create_task({"task_id": TASK, "entries": [{"file_id": f, "path": f}
+                                                     for f in FILES]})
+    lost = client.open_session(LOST, ttl=2, keepalive=False)
+    client.claim(TASK, "file-alpha-q7z", session=lost)
+    with client.open_session(PRODUCER, ttl=10):
+        pass  # closed at once
+    port = metrics_port(registry)
+    metrics_of(registry).count_ttl = 0  # entry counts read at every scrape
+    wait_for(lambda: scrape(port).value("baton_reaped_claims_total") == 1, timeout=15,
+             what="the lost claim reaped")
+    wait_for(lambda: scrape(port).value("baton_sessions_ended_total") == 2, timeout=15,
+             what="both session ends seen")
+    s = scrape(port)
+    assert s.value("baton_sessions_closed_total") == 1  # so one expired
+    assert s.value("baton_sessions") == 0
+    assert s.value("baton_grpc_calls_total", method="CloseSession", code="OK") == 1
+    # the entry went back to pending, with a backoff, and nothing is writing any more
+    assert s.value("baton_entries", state="writing") == 0
+    check_no_ids(s, [TASK, *FILES, PRODUCER, LOST, f"{lost.session_id:x}",
+                     str(lost.session_id)])
+
+
+def test_entry_counts_follow_the_indexes(
+    registry_factory: Callable[..., RegistryHandle], client: Client, registry: RegistryHandle,
+) -> None:
+    """Entries by state come from count-only reads of the indexes, read again once their
+    cache has aged; two replicas in one process keep metrics of their own."""
+    other = registry_factory(metrics="127.0.0.1:0")
+    client.create_task({"task_id": TASK, "entries": [{"file_id": f, "path": f}
+                                                     for f in FILES]})
+    s = scrape(metrics_port(registry))
+    assert s.value("baton_entries", state="pending") == 3
+    assert s.value("baton_entries", state="unfinished") == 3
+    assert s.value("baton_index_keys", index="ready") == 3
+    with client.open_session(PRODUCER, ttl=10) as producer:
+        client.claim(TASK, session=producer)
+        # the cached counts are kept for a while: a scrape right away reads them again
+        assert scrape(metrics_port(registry)).value("baton_entries", state="writing") == 0
+        metrics_of(registry).count_ttl = 0  # as if the counts had aged
+        s = scrape(metrics_port(registry))
+        assert s.value("baton_entries", state="writing") == 1
+        assert s.value("baton_entries", state="pending") == 2
+        assert s.value("baton_sessions") == 1
+    assert s.value("baton_claims_total", outcome="ok") == 1
+    o = scrape(metrics_port(other))
+    assert "baton_claims_total" not in {n for n, _, _ in o.samples} or o.value(
+        "baton_claims_total") == 0
+    assert o.value("baton_entries", state="writing") == 1  # etcd's count: the same for both
+
+
+def test_refused_calls_are_counted(registry: RegistryHandle, client: Client) -> None:
+    """A refused call is counted with its code, and the error's name is its outcome."""
+    with client.open_session(PRODUCER, ttl=10) as producer, pytest.raises(NotFound):
+        client.claim("no-such-task-q7z", session=producer)
+    s = scrape(metrics_port(registry))
+    assert {ls["outcome"] for n, ls, _ in s.samples if n == "baton_claims_total"} == {
+        "NotFound"}
+    assert s.value("baton_grpc_calls_total", method="Claim", code="NOT_FOUND") == 1
+    check_no_ids(s, ["no-such-task-q7z"])
+
+
+def test_endpoint_answers_only_metrics(registry: RegistryHandle) -> None:
+    """Another path is 404; the endpoint answers HEAD and a plain HTTP client."""
+    port = metrics_port(registry)
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with pytest.raises(urllib.error.HTTPError) as e:
+        opener.open(f"http://127.0.0.1:{port}/", timeout=10)
+    assert e.value.code == 404
+    head = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", method="HEAD")
+    with opener.open(head, timeout=10) as resp:
+        assert resp.status == 200 and resp.read() == b""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"GET /metrics?x=1 HTTP/1.0\r\n\r\n")
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 200 OK\r\n") and b"baton_grpc_calls_total" in reply
+
+
+def test_metrics_setting() -> None:
+    """--metrics, BATON_METRICS and the TOML key set both daemons' address; off by default;
+    a bad address is refused before anything starts."""
+    assert registry_config([], {}).metrics == ""
+    assert registry_config(["--metrics", "127.0.0.1:9464"], {}).metrics == "127.0.0.1:9464"
+    assert registry_config([], {"BATON_METRICS": "[::1]:0"}).metrics == "[::1]:0"
+    assert watcher_config([], {"BATON_METRICS": "0.0.0.0:9465"}).metrics == "0.0.0.0:9465"
+    for bad in ("9464", "host:", "host:99999", ":9464"):
+        with pytest.raises(InvalidArgument, match="--metrics"):
+            parse_address(bad)
+
+
+def test_registry_refuses_a_bad_metrics_address(
+    etcd: object, prefix: str, staging: Path,
+) -> None:
+    """A registry asked to serve metrics on an address it cannot use does not start."""
+    import asyncio
+
+    from registry import start
+
+    config = RegistryConfig(etcd=etcd.endpoint, listen="127.0.0.1:0",  # type: ignore[attr-defined]
+                            staging=str(staging), prefix=prefix, insecure=True,
+                            metrics="not-an-address")
+    with pytest.raises(InvalidArgument, match="--metrics"):
+        asyncio.run(start(config))
+
+
+def test_watcher_metrics_without_a_registry_call(
+    registry: RegistryHandle, watcher_factory: Callable[..., Watcher], client: Client,
+    staging: Path, wait_for: Callable[..., None],
+) -> None:
+    """The watcher's levels: the entries it knows by state, and how long the oldest
+    written one has waited for its digest."""
+    w = watcher_factory(metrics="127.0.0.1:0")
+    make_task(client, TASK, {f: f for f in FILES})
+    wait_for(lambda: scrape(w.metrics_port).value("baton_watcher_entries", state="pending")
+             == 3, what="the watcher to know the task")
+    s = scrape(w.metrics_port)
+    assert s.value("baton_watcher_tasks") == 1
+    assert s.value("baton_watcher_entries", state="verified") == 0
+    check_conventions(s)
+    check_no_ids(s, [TASK, *FILES, str(staging)])
