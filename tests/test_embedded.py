@@ -10,6 +10,7 @@ import signal
 import socket
 import sys
 import threading
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -136,6 +137,7 @@ def test_registry_command_line(opts: UpOptions) -> None:
     """The registry is run as `python -m registry` with the documented flags: mutual TLS
     and etcd over TLS with the stack's certificates, or --insecure without them."""
     pki = LocalPKI(Path("/p"))
+    opts = dataclasses.replace(opts, registry_metrics_port=9464, watcher_metrics_port=9465)
     registry, _ = child_specs(opts, "127.0.0.1:2479", pki)
     assert registry.name == "registry"
     assert registry.argv[0] == sys.executable
@@ -148,15 +150,18 @@ def test_registry_command_line(opts: UpOptions) -> None:
         "--tls-ca", "/p/ca.crt", "--tls-cert", "/p/registry.crt", "--tls-key", "/p/registry.key",
         "--etcd-ca", "/p/ca.crt", "--etcd-cert", "/p/etcd-client.crt",
         "--etcd-key", "/p/etcd-client.key",
+        "--metrics", "127.0.0.1:9464",
     )  # fmt: skip
     assert registry.log_path == opts.data_dir / "registry.log"
+    assert registry.metrics == "http://127.0.0.1:9464/metrics"
     plain, _ = child_specs(opts, "127.0.0.1:2479")
-    assert plain.argv[-1] == "--insecure" and "--tls-ca" not in plain.argv
+    assert "--insecure" in plain.argv and "--tls-ca" not in plain.argv
 
 
 def test_watcher_command_line(opts: UpOptions) -> None:
     """The watcher runs after the registry as `python -m watcher` on the staging directory,
     with the watcher identity of the stack's certificates."""
+    opts = dataclasses.replace(opts, registry_metrics_port=9464, watcher_metrics_port=9465)
     _, watcher = child_specs(opts, "127.0.0.1:2479", LocalPKI(Path("/p")))
     assert watcher.name == "watcher"
     assert watcher.argv[0] == sys.executable
@@ -166,8 +171,10 @@ def test_watcher_command_line(opts: UpOptions) -> None:
         "--staging", str(opts.staging),
         "--state-file", str(opts.data_dir / "watcher-state.sqlite"),
         "--ca", "/p/ca.crt", "--cert", "/p/watcher.crt", "--key", "/p/watcher.key",
+        "--metrics", "127.0.0.1:9465",
     )  # fmt: skip
     assert watcher.log_path == opts.data_dir / "watcher.log"
+    assert watcher.metrics == "http://127.0.0.1:9465/metrics"
 
 
 def test_log_line_probe_only_counts_the_current_run(tmp_path: Path) -> None:
@@ -206,12 +213,17 @@ def test_up_serves_then_stops_cleanly(
     assert grpc_health_probe(registry_address, pki=pki)()
     assert not grpc_health_probe(registry_address)()  # plaintext is not served
     assert opts.staging.is_dir()
+    metrics = metrics_lines(lines)
+    assert set(metrics) == {"registry", "watcher"}
+    assert metrics["registry"] != metrics["watcher"]
 
     stack.stop.set()
     assert stack.join() == 0
     assert stack.wait_for_line("stopped")
     assert not port_in_use(opts.etcd_port)
     assert not port_in_use(opts.registry_port)
+    for url in metrics.values():
+        assert not port_in_use(int(url.rsplit(":", 1)[1].split("/")[0]))
 
 
 def test_up_verifies_a_put_file(
@@ -226,8 +238,40 @@ def test_up_verifies_a_put_file(
         put(c, s, "demo", "a", io.BytesIO(b"hello from baton up"))
         wait_for(lambda: c.get_entry("demo", "a").state == pb.VERIFIED, timeout=20,
                  what="a verified by the stack's watcher")
+    # Both daemons serve the metrics of what just happened where the stack said.
+    metrics = metrics_lines(lines)
+    assert sample(fetch(metrics["registry"]), 'baton_commits_total{outcome="ok"}') == 1
+    assert sample(fetch(metrics["registry"]), 'baton_tasks{status="active"}') == 1
+    watcher = fetch(metrics["watcher"])
+    assert sample(watcher, "baton_watcher_files_hashed_total") >= 1
+    assert sample(watcher, "baton_watcher_hashed_bytes_total") >= len(b"hello from baton up")
     stack.stop.set()
     assert stack.join() == 0
+
+
+def metrics_lines(lines: list[str]) -> dict[str, str]:
+    """The metrics addresses baton up printed, by daemon: ``metrics   URL  (daemon)``."""
+    found = {}
+    for line in lines:
+        if line.startswith("metrics "):
+            url, daemon = line.split()[1:]
+            assert url.startswith("http://127.0.0.1:") and url.endswith("/metrics"), line
+            found[daemon.strip("()")] = url
+    return found
+
+
+def fetch(url: str) -> str:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # no proxy
+    with opener.open(url, timeout=10) as resp:
+        return str(resp.read().decode())
+
+
+def sample(text: str, series: str) -> float:
+    """The value of one series (``name{labels}`` as printed) in a scrape."""
+    values = [float(line.rpartition(" ")[2]) for line in text.splitlines()
+              if line.rpartition(" ")[0] == series]
+    assert len(values) == 1, f"{series} not in:\n{text}"
+    return values[0]
 
 
 def operator(opts: UpOptions) -> Client:

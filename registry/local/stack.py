@@ -3,7 +3,9 @@
 The stack is etcd first, then every :class:`ChildSpec` that :func:`child_specs`
 returns, in order: the registry, then the watcher on the staging directory (so a
 file put into the stack is verified with no other step). Each is started only once
-the previous one is ready, and they are stopped in reverse.
+the previous one is ready, and they are stopped in reverse. Both daemons serve
+Prometheus metrics on 127.0.0.1, on ports chosen when the stack starts (or given in
+:class:`UpOptions`); the summary prints their ``/metrics`` addresses.
 A process that dies on its own is started again after a backoff, and the console
 says so (``registry.local.supervisor``); only one that keeps crashing (5 times within 60 s)
 stops the stack, and ``run_up`` returns 1.
@@ -37,6 +39,7 @@ from registry.local.etcdproc import (
     EtcdTLS,
     StartCancelled,
     etcd_version,
+    free_port,
     port_in_use,
     terminate,
     wait_ready,
@@ -89,6 +92,10 @@ class UpOptions:
     prefix: str = "/baton/v1/"
     #: plaintext everywhere and no identities (the stack of earlier versions)
     insecure: bool = False
+    #: where the registry and the watcher serve Prometheus metrics, on 127.0.0.1
+    #: (0: a free port, chosen once when the stack starts and kept across restarts)
+    registry_metrics_port: int = 0
+    watcher_metrics_port: int = 0
 
 
 @dataclass(frozen=True)
@@ -148,6 +155,8 @@ class ChildSpec:
     address: str
     #: the rest of its summary line, e.g. "staging: /srv/baton/staging"
     details: str = ""
+    #: where it serves Prometheus metrics ("": it does not)
+    metrics: str = ""
 
 
 def child_specs(opts: UpOptions, etcd_endpoint: str,
@@ -159,6 +168,8 @@ def child_specs(opts: UpOptions, etcd_endpoint: str,
     watcher presents the watcher identity; without, all is plaintext.
     """
     registry_address = f"127.0.0.1:{opts.registry_port}"
+    registry_metrics = f"127.0.0.1:{opts.registry_metrics_port}"
+    watcher_metrics = f"127.0.0.1:{opts.watcher_metrics_port}"
     registry_log = opts.data_dir / "registry.log"
     registry_tls: tuple[str, ...] = ("--insecure",)
     watcher_tls: tuple[str, ...] = ()
@@ -178,6 +189,7 @@ def child_specs(opts: UpOptions, etcd_endpoint: str,
         "--staging", str(opts.staging),
         "--prefix", opts.prefix,
         *registry_tls,
+        "--metrics", registry_metrics,
     )  # fmt: skip
     registry = ChildSpec(
         name="registry",
@@ -186,6 +198,7 @@ def child_specs(opts: UpOptions, etcd_endpoint: str,
         ready=grpc_health_probe(registry_address, pki=pki),
         address=registry_address,
         details=f"staging: {opts.staging}, log: {registry_log}",
+        metrics=f"http://{registry_metrics}/metrics",
     )
     watcher_log = opts.data_dir / "watcher.log"
     watcher_argv = (
@@ -196,6 +209,7 @@ def child_specs(opts: UpOptions, etcd_endpoint: str,
         "--staging", str(opts.staging),
         "--state-file", str(opts.data_dir / "watcher-state.sqlite"),
         *watcher_tls,
+        "--metrics", watcher_metrics,
     )  # fmt: skip
     watcher = ChildSpec(
         name="watcher",
@@ -204,6 +218,7 @@ def child_specs(opts: UpOptions, etcd_endpoint: str,
         ready=log_line_probe(watcher_log, WATCHER_READY),
         address=str(opts.staging),
         details=f"reports to {registry_address}, log: {watcher_log}",
+        metrics=f"http://{watcher_metrics}/metrics",
     )
     return [registry, watcher]
 
@@ -440,10 +455,15 @@ def run_up(
         opts,
         data_dir=opts.data_dir.expanduser().absolute(),
         staging=opts.staging.expanduser().absolute(),
+        # Chosen once: a daemon restarted by the supervisor serves where it did.
+        registry_metrics_port=opts.registry_metrics_port or free_port(),
+        watcher_metrics_port=opts.watcher_metrics_port or free_port(),
     )
     _check_installed()
-    for port, daemon in ((opts.etcd_port, "etcd"), (opts.registry_port, "registry")):
-        if port_in_use(port):
+    for port, daemon in ((opts.etcd_port, "etcd"), (opts.registry_port, "registry"),
+                         (opts.registry_metrics_port, "registry"),
+                         (opts.watcher_metrics_port, "watcher")):
+        if port and port_in_use(port):
             raise DaemonFailed(
                 f"127.0.0.1:{port} is already in use (another `baton up`?); "
                 "free it or choose another port",
@@ -512,6 +532,9 @@ def _print_summary(out: Callable[[str], None], etcd: EtcdProcess, children: list
         out(f"{child.spec.name:<9} {child.spec.address}  ({child.spec.details})")
         if child.spec.name == "registry":
             exports["BATON_REGISTRY"] = child.spec.address
+    for child in children:
+        if child.spec.metrics:
+            out(f"{'metrics':<9} {child.spec.metrics}  ({child.spec.name})")
     if pki is not None:
         exports.update(pki.environ("operator"))
     lines = [f"export {name}={value}" for name, value in exports.items()]
