@@ -309,6 +309,17 @@ def test_registry_probes_ask_grpc_health_with_the_registry_settings() -> None:
     assert services["registry-1"]["healthcheck"]["test"][1:4] == ["python", "-m", HEALTH]
 
 
+def test_every_object_is_in_the_namespace_and_labelled() -> None:
+    """Each namespaced object of each kustomization is in ``baton`` and labelled as
+    part of Baton (an overlay's own resources too)."""
+    for root in KUSTOMIZATIONS:
+        for obj in rendered(root):
+            meta = obj["metadata"]
+            assert meta["labels"]["app.kubernetes.io/part-of"] == "baton", (root, meta)
+            if obj["kind"] != "Namespace":
+                assert meta.get("namespace") == "baton", (root.name, obj["kind"], meta["name"])
+
+
 def test_registry_replicas_and_disruption_budget() -> None:
     """At least two replicas, rolled with none unavailable; the PDB selects exactly
     the registry's pods and lets one go at a time."""
