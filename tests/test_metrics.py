@@ -334,3 +334,148 @@ def test_watcher_metrics_without_a_registry_call(
     assert s.value("baton_watcher_entries", state="verified") == 0
     check_conventions(s)
     check_no_ids(s, [TASK, *FILES, str(staging)])
+
+
+# --- deploy/: the alerting rules and the dashboard ----------------------------------
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+RULES = DEPLOY / "prometheus" / "baton-rules.yaml"
+DASHBOARD = DEPLOY / "grafana" / "baton.json"
+#: Grafana's own variables, which PromQL does not know, and what stands for them
+GRAFANA_VARIABLES = {"$__rate_interval": "5m", "$__interval": "1m", "$__range": "1h"}
+
+
+def declared(text: str) -> set[str]:
+    """The metric names a scrape declares, with a histogram's series names."""
+    names = set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ")
+            names.add(name)
+            if kind == "histogram":
+                names |= {f"{name}_bucket", f"{name}_sum", f"{name}_count"}
+    return names
+
+
+@pytest.fixture
+def exported(registry: RegistryHandle, client: Client, watcher_factory: Callable[..., Watcher],
+             etcd: object) -> dict[str, set[str]]:
+    """The metric names a running registry and watcher export, and etcd's own."""
+    watcher = watcher_factory(metrics="127.0.0.1:0")
+    with client.open_session(PRODUCER, ttl=10) as producer:
+        client.create_task({"task_id": TASK, "entries": [{"file_id": "a", "path": "a"}]})
+        client.claim(TASK, session=producer)
+    return {
+        "baton": declared(scrape(metrics_port(registry)).text)
+        | declared(scrape(watcher.metrics_port).text),
+        "etcd": declared(etcd.get("/metrics").decode()),  # type: ignore[attr-defined]
+    }
+
+
+def metric_names(expr: str) -> set[str]:
+    """Every metric an expression selects, after parsing it with a real PromQL parser."""
+    import promql_parser
+
+    for variable, stands_for in GRAFANA_VARIABLES.items():
+        expr = expr.replace(variable, stands_for)
+    names: set[str] = set()
+
+    def visit(node: object) -> None:
+        if isinstance(node, promql_parser.VectorSelector):
+            name = node.name or next((m.value for m in node.matchers.matchers
+                                      if m.name == "__name__"), None)
+            assert name, f"a selector without a metric name in {expr!r}"
+            names.add(name)
+
+    promql_parser.walk(promql_parser.parse(expr), visit)
+    return names
+
+
+def test_alerting_rules_parse_and_use_exported_metrics(exported: dict[str, set[str]]) -> None:
+    """deploy/prometheus/baton-rules.yaml is a Prometheus rule file: groups of recording
+    and alerting rules with the fields Prometheus reads, each expression parsed by a
+    PromQL parser, every metric one Baton exports, etcd's own, or a rule recorded here."""
+    import promql_parser
+    import yaml
+
+    doc = yaml.safe_load(RULES.read_text())
+    assert set(doc) == {"groups"}
+    groups = doc["groups"]
+    assert len({g["name"] for g in groups}) == len(groups)
+    recorded = {r["record"] for g in groups for r in g["rules"] if "record" in r}
+    known = exported["baton"] | exported["etcd"] | recorded | {"ALERTS"}
+    alerts = set()
+    for group in groups:
+        assert set(group) <= {"name", "interval", "rules"} and group["rules"]
+        for rule in group["rules"]:
+            assert ("alert" in rule) != ("record" in rule), rule
+            assert isinstance(rule["expr"], str)
+            unknown = metric_names(rule["expr"]) - known
+            assert not unknown, f"{rule.get('alert') or rule.get('record')} uses {unknown}"
+            if "record" in rule:
+                assert set(rule) <= {"record", "expr", "labels"}
+                assert re.fullmatch(r"baton:[a-z_]+:[a-z0-9_]+", rule["record"]), rule
+                continue
+            assert set(rule) <= {"alert", "expr", "for", "labels", "annotations",
+                                 "keep_firing_for"}
+            assert re.fullmatch(r"Baton[A-Za-z]+", rule["alert"]) and rule["alert"] not in alerts
+            alerts.add(rule["alert"])
+            promql_parser.parse_duration(rule["for"])
+            assert rule["labels"]["severity"] in ("warning", "critical")
+            assert {"summary", "description"} <= set(rule["annotations"])
+    # what docs/operations.md promises an alert for
+    assert {"BatonEntriesStuckWritten", "BatonDeadEntriesGrowing", "BatonLeaseExpiriesSpiking",
+            "BatonWatcherBacklog", "BatonEtcdDatabaseNearQuota"} <= alerts
+    for name in ("etcd_mvcc_db_total_size_in_bytes", "etcd_server_quota_backend_bytes"):
+        assert name in exported["etcd"], name
+
+
+def test_dashboard_panels_query_exported_metrics(exported: dict[str, set[str]]) -> None:
+    """deploy/grafana/baton.json is a dashboard whose every panel queries Prometheus with
+    expressions that parse and select metrics Baton or etcd exports."""
+    import json
+
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert dashboard["title"] and dashboard["uid"] and dashboard["schemaVersion"] >= 30
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+    panels = dashboard["panels"]
+    assert len({p["id"] for p in panels}) == len(panels)
+    used: set[str] = set()
+    queried = 0
+    for panel in panels:
+        grid = panel["gridPos"]
+        assert grid["x"] >= 0 and grid["x"] + grid["w"] <= 24 and grid["h"] > 0, panel["title"]
+        if panel["type"] == "row":
+            continue
+        assert panel["title"] and panel["datasource"]["uid"] == "${datasource}"
+        assert panel["targets"], panel["title"]
+        assert len({t["refId"] for t in panel["targets"]}) == len(panel["targets"])
+        for target in panel["targets"]:
+            names = metric_names(target["expr"])
+            unknown = names - exported["baton"] - exported["etcd"]
+            assert not unknown, f"panel {panel['title']!r} uses {unknown}"
+            used |= names
+            queried += 1
+    assert queried >= 20
+    # the panels cover what the alerts are about
+    assert {"baton_watcher_oldest_written_seconds", "baton_entries",
+            "baton_sessions_ended_total", "baton_watcher_queue_depth",
+            "etcd_mvcc_db_total_size_in_bytes"} <= used
+
+
+def test_alerting_rules_pass_promtool() -> None:
+    """promtool (where installed) checks the rule file and runs its unit tests, which
+    make each alert fire, and stay quiet, on made-up series."""
+    import shutil
+    import subprocess
+
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (Debian: apt-get install prometheus)")
+    for argv in ([promtool, "check", "rules", RULES.name],
+                 [promtool, "test", "rules", "baton-rules.test.yaml"]):
+        done = subprocess.run(argv, cwd=RULES.parent, capture_output=True, text=True,
+                              timeout=120, check=False)
+        assert done.returncode == 0, done.stdout + done.stderr
