@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from client import settings
+from client.logs import FORMATS
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,7 @@ class RegistryConfig:
     reap_interval: float = 0.5
     grace: float = 10.0
     log_level: str = "INFO"
+    log_format: str = "kv"
     # mutual TLS towards clients
     tls_ca: str = ""
     tls_cert: str = ""
@@ -46,6 +48,7 @@ _HELP = {
     "reap_interval": "seconds between sweeps for claims whose lease died",
     "grace": "seconds in-flight calls get to finish on SIGTERM",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
+    "log_format": "kv (key=value lines) or json (one object per line)",
     "tls_ca": "CA bundle client certificates must chain to (re-read when it changes)",
     "tls_cert": "the registry's server certificate, PEM (re-read when it changes)",
     "tls_key": "the server certificate's private key, PEM",
@@ -64,4 +67,4 @@ def load_config(argv: Sequence[str], environ: Mapping[str, str]) -> RegistryConf
     return settings.load(
         RegistryConfig, argv, environ, prog="baton-registry",
         description="Baton registry: the gRPC server that owns the entry state machine.",
-        help=_HELP)
+        help=_HELP, choices={"log_format": FORMATS})

@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from client import logs
 from client.errors import NotFound
 
 from ._etcd import KV, Etcd
@@ -139,8 +140,6 @@ class Core:
             rec.not_before = self.clock() + delay * (0.5 + 0.5 * self.rng.random())
         else:
             rec.state = DEAD
-            log.warning("entry dead: %s/%s after %d retries: %s", rec.task_id, rec.file_id,
-                        rec.retry_count, reason)
 
     def _index_for(self, rec: EntryRecord, t: float) -> str:
         """The index key a pending entry belongs under ("" when not pending)."""
@@ -188,12 +187,33 @@ class Core:
                 txn.put(dead_key, b"")
             else:
                 txn.delete(dead_key)
+        self._log_move(rec, was, txn)
         for event in rec.take_events():
             rec.seq += 1
             record = {"from": was or "", "to": rec.state, **event}
             txn.put(self.keys.journal(rec.task_id, rec.file_id, rec.seq),
                     json.dumps(record, default=str).encode())
         txn.put(self.keys.entry(rec.task_id, rec.file_id), rec.dump())
+
+    def _log_move(self, rec: EntryRecord, was: str | None, txn: Txn) -> None:
+        """Once ``txn`` applies: a line for an entry that went dead (WARNING) or moved
+        (DEBUG), with its task, file id and the revision it moved at."""
+        dead = rec.state == DEAD and was != DEAD
+        level = logging.WARNING if dead else logging.DEBUG
+        if was == rec.state or not log.isEnabledFor(level):
+            return
+        task_id, file_id, state, error = rec.task_id, rec.file_id, rec.state, rec.error
+        retries = rec.retry_count
+
+        def emit() -> None:
+            if dead:
+                logs.log(log, level, "entry dead", task=task_id, file_id=file_id,
+                         revision=txn.revision, retries=retries, reason=error)
+            else:
+                logs.log(log, level, "entry moved", task=task_id, file_id=file_id,
+                         revision=txn.revision, was=was or "new", now=state)
+
+        txn.after(emit)
 
     def journal_only(self, rec: EntryRecord, event: str, txn: Txn, **details: Any) -> None:
         """A journal record for an event that leaves the entry itself untouched

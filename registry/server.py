@@ -17,6 +17,7 @@ from grpc_reflection.v1alpha import reflection
 
 from client.contract import MAX_REPLY_BYTES, MAX_REQUEST_BYTES
 from client.errors import BatonError, InvalidArgument
+from client.logs import setup_logging
 from client.sdnotify import Notifier
 from client.v1 import baton_pb2
 
@@ -164,15 +165,16 @@ async def start(config: RegistryConfig) -> Running:
 async def serve(config: RegistryConfig, notifier: Notifier | None = None) -> None:
     notifier = notifier or Notifier()
     running = await start(config)
+    # Before saying it serves: a SIGTERM sent as soon as the line is read drains too.
+    done = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, done.set)
     host = config.listen.rpartition(":")[0] or "0.0.0.0"
     # `baton up` and operators read this line to learn the bound address.
     print(f"baton-registry listening on {host}:{running.port}", flush=True)
     notifier.ready(f"serving on {host}:{running.port}, etcd {config.etcd}")
     pings = asyncio.create_task(notifier.watchdog_pings())
-    done = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, done.set)
     await done.wait()
     notifier.stopping(f"draining calls (grace {config.grace:g}s)")
     log.info("shutting down (grace %.1fs)", config.grace)
@@ -183,10 +185,7 @@ async def serve(config: RegistryConfig, notifier: Notifier | None = None) -> Non
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = load_config(sys.argv[1:] if argv is None else argv, os.environ)
-    logging.basicConfig(
-        level=config.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-    )
+    setup_logging(config.log_level, config.log_format)
     try:
         asyncio.run(serve(config, Notifier.from_environ(os.environ)))
     except BatonError as e:

@@ -8,6 +8,7 @@ import json
 import logging
 from collections.abc import AsyncIterator
 
+from client import logs
 from client.errors import BatonError, InvalidArgument, SessionExpired
 from client.v1 import baton_pb2 as pb
 
@@ -210,10 +211,10 @@ class Reaper:
                     rec.remember("consumer lost", group=ref.group, who=holder, token=token)
                     self.core.put_entry(rec, txn)
                     txn.put(self.keys.cready(ref.task_id, ref.group, ref.file_id), b"")
+            txn.after(lambda: logs.log(
+                log, logging.INFO, "reaped a lost claim", task=ref.task_id,
+                file_id=ref.file_id, revision=txn.revision, kind=ref.kind,
+                group=ref.group or None, token=token, agent=holder))
             return holder
 
-        holder = await write(self.core.txns, plan)
-        if holder:
-            log.info("reaped %s-claim on %s/%s (token %d, agent %s)", ref.kind,
-                     ref.task_id, ref.file_id, token, holder)
-        return bool(holder)
+        return bool(await write(self.core.txns, plan))

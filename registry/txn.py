@@ -131,6 +131,8 @@ class Txn:
         self._writes: dict[bytes, Put | Delete] = {}
         self._guards: list[Compare] = []
         self._hooks: list[Callable[[], None]] = []
+        #: the revision the transaction applied at (0 until then; read by hooks)
+        self.revision = 0
         #: keys planners of this replica should leave alone while this commits
         self.reserved: list[bytes] = []
         #: whether the view should hold what this writes (False for bulk writes)
@@ -183,7 +185,8 @@ class Txn:
         self._guards.append(compare)
 
     def after(self, hook: Callable[[], None]) -> None:
-        """Run ``hook`` once the transaction has applied."""
+        """Run ``hook`` once the transaction has applied (``revision`` is then its
+        revision)."""
         self._hooks.append(hook)
 
     # what it amounts to ----------------------------------------------------
@@ -458,6 +461,7 @@ class Transactions:
             if result.succeeded:
                 if self.view is not None:
                     self.view.written(txn, result.revision)
+                txn.revision = result.revision
                 txn.run_hooks()
                 return reply(result.revision)
             if req_key and result.gets and result.gets[-1]:

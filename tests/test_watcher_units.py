@@ -14,6 +14,7 @@ import blake3
 import pytest
 
 from client.errors import BatonError
+from client.logs import formatter, log
 from watcher import Watcher, WatcherConfig, load_config
 from watcher.emitter import InotifyEmitter
 from watcher.errors import FileChanged, Refused
@@ -21,7 +22,6 @@ from watcher.events import FsEvent, Intake, Kind
 from watcher.fsinfo import REMOTE_MAGIC, blind_spot, fs_type
 from watcher.hashing import Hasher
 from watcher.jobs import JobQueue
-from watcher.logs import JsonFormatter, KeyValueFormatter, log
 
 
 def test_config_precedence_flag_env_file_default(tmp_path: Path) -> None:
@@ -225,13 +225,13 @@ def test_statfs_reads_the_filesystem_type(tmp_path: Path) -> None:
 
 def test_structured_logs_carry_task_and_file_id() -> None:
     """Both formats put the fields next to the message."""
-    for formatter, check in (
-        (KeyValueFormatter(), lambda s: 'msg=reported task=t1 file_id=a reason="two words"' in s),
-        (JsonFormatter(), lambda s: json.loads(s)["file_id"] == "a"),
+    for fmt, check in (
+        (formatter("kv"), lambda s: 'msg=reported task=t1 file_id=a reason="two words"' in s),
+        (formatter("json"), lambda s: json.loads(s)["file_id"] == "a"),
     ):
         stream = io.StringIO()
         handler = logging.StreamHandler(stream)
-        handler.setFormatter(formatter)
+        handler.setFormatter(fmt)
         logger = logging.getLogger("baton.test.logs")
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)

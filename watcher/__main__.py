@@ -9,11 +9,11 @@ import threading
 from collections.abc import Sequence
 from types import FrameType
 
+from client.logs import setup_logging
 from client.sdnotify import Notifier
 
 from .config import load_config
 from .daemon import Watcher
-from .logs import setup_logging
 
 #: printed on stdout once the watcher serves; ``baton up`` waits for it
 READY = "baton-watcher watching"

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from client import Client
 from client.errors import BatonError, NotFound, Unavailable
+from client.logs import log
 from client.v1 import baton_pb2 as pb
 
 from .cache import IdentityCache, Known
@@ -34,7 +35,6 @@ from .errors import FileChanged, FileMissing, HashFailed
 from .hashing import Hashed, Hasher, Identity
 from .jobs import JobQueue, Key
 from .links import LinkedFiles
-from .logs import log
 from .metrics import Metrics
 from .state import STATE_NAMES, EntryView, Table
 

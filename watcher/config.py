@@ -13,9 +13,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from client import settings
+from client.logs import FORMATS
 
 OBSERVERS = ("auto", "inotify", "poll")
-LOG_FORMATS = ("kv", "json")
+LOG_FORMATS = FORMATS
 
 #: files of at least this many bytes are hashed on several threads
 #: (measured with bench/hash_threshold.py, see docs/watcher.md)

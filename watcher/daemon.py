@@ -24,6 +24,7 @@ from typing import Any
 
 from client import Client, RetryPolicy
 from client.errors import BatonError
+from client.logs import log
 from client.v1 import baton_pb2 as pb
 
 from .cache import IdentityCache, open_cache
@@ -33,7 +34,6 @@ from .errors import HashFailed, WatchFailed
 from .events import FsEvent, Intake, Kind
 from .hashing import Hasher
 from .jobs import JobQueue
-from .logs import log
 from .metrics import Levels, Metrics, metrics_url
 from .observe import Watches
 from .state import LIVE, Change, Table

@@ -15,10 +15,11 @@ import os
 import threading
 from collections.abc import Callable
 
+from client.logs import log
+
 from .errors import WatchFailed, WatchLimitReached
 from .events import Emitter, FsEvent
 from .fsinfo import blind_spot
-from .logs import log
 
 logger = logging.getLogger("baton.watcher")
 

@@ -16,9 +16,9 @@ from collections.abc import Callable
 
 from client import Client
 from client.errors import BatonError, NotFound
+from client.logs import log
 from client.v1 import baton_pb2 as pb
 
-from .logs import log
 from .state import Change, Table, TaskView
 
 logger = logging.getLogger("baton.watcher")

@@ -27,10 +27,10 @@ import stat
 import threading
 from dataclasses import dataclass
 
+from client.logs import log
 from client.v1 import baton_pb2 as pb
 
 from .errors import WatcherError
-from .logs import log
 
 logger = logging.getLogger("baton.watcher")
 
