@@ -43,6 +43,7 @@ COMMANDS = {
     "up": "stack",
     "status": "tasks",
     "task": "tasks",
+    "top": "top",
 }
 
 
