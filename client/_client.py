@@ -20,6 +20,7 @@ from .contract import (
     MAX_REPLY_BYTES,
     MAX_REQUEST_BYTES,
     mib,
+    version,
 )
 from .errors import SessionExpired
 from .retry import RetryPolicy
@@ -30,7 +31,6 @@ __all__ = ["DEFAULT_REGISTRY", "Claim", "Client", "Lease", "RetryPolicy", "Sessi
 
 log = logging.getLogger("baton.client")
 
-VERSION = "0.1.0"
 
 
 @dataclass(frozen=True)
@@ -379,7 +379,7 @@ class Client:
         one more is refused with ``SlotsExhausted`` (0 = no limit).
         """
         req = pb.OpenSessionRequest(agent=agent, ttl=ttl, host=socket.gethostname(),
-                                    pid=os.getpid(), version=VERSION, slots=slots)
+                                    pid=os.getpid(), version=version(), slots=slots)
         resp = self._call("OpenSession", req)
         session = Session(self, resp.session_id, resp.agent, resp.ttl, keepalive=keepalive)
         session.start()

@@ -1,5 +1,6 @@
 """What both sides of the wire agree on beyond the protobuf messages: where a
-registry serves by default, and what a request may weigh.
+registry serves by default, what a request may weigh, what an id looks like, how
+a file being written is named, and which version this is.
 
 Imported by the registry (its gRPC receive limit) and by the client (its send
 limit, and the check that refuses a larger request before sending it). Kept free
@@ -7,6 +8,26 @@ of imports, so that the CLI reads it without loading gRPC.
 """
 
 from __future__ import annotations
+
+import functools
+
+
+@functools.cache
+def version() -> str:
+    """This Baton's version, from the installed distribution's metadata (read when
+    first asked for: the CLI's common path never pays for it)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("baton")
+    except metadata.PackageNotFoundError:  # a source tree that was never installed
+        return "0+unknown"
+
+#: task ids, file ids, consumer groups and agent names
+ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+
+#: the mark in the name of a file being written; watchers never hash such a file
+TEMP_MARKER = ".baton-tmp-"
 
 #: where `baton up` serves the registry, and where clients look by default
 DEFAULT_REGISTRY = "127.0.0.1:7390"

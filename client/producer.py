@@ -25,11 +25,9 @@ from typing import BinaryIO
 import blake3
 
 from ._client import Claim, Client, Session
+from .contract import TEMP_MARKER
 from .errors import BatonError, InvalidArgument
 from .v1 import baton_pb2 as pb
-
-#: temp files carry this marker; the watcher ignores them
-TEMP_MARKER = ".baton-tmp-"
 
 #: random bytes in a temp file's name (hex-encoded): 64 bits nobody can guess
 NONCE_BYTES = 8

@@ -31,7 +31,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
-from client.contract import MAX_MANIFEST_BYTES, mib
+from client.contract import ID_PATTERN, MAX_MANIFEST_BYTES, mib
 from client.errors import InvalidArgument, InvalidManifest, shown
 from client.v1 import baton_pb2 as pb
 
@@ -47,7 +47,7 @@ MAX_GROUPS = 16
 DEFAULT_MAX_RETRIES = 3
 DEFAULT_GROUP = "default"
 
-ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+ID_RE = re.compile(ID_PATTERN)
 DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
