@@ -387,6 +387,8 @@ class RegistryMetrics:
             await self.refresh()
         except BatonError as e:  # etcd away: serve what is counted, and the old levels
             log.debug("metrics: levels not refreshed: %s", e)
+        except Exception:
+            log.exception("metrics: levels not refreshed")
         return generate_latest(self.registry)
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
