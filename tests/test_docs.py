@@ -9,10 +9,10 @@ of their own where the stack keeps its data: they find its address and identity 
 sourcing the ``env`` file ``baton up`` writes there, as the README says.
 
 docs/cli.md: its manifests are created, its opening tour runs line by line against a
-stack, and its shell producer and consumer run as written. Its console transcripts
-show one session's tokens, revisions and times, which no other run reproduces; every
-``baton`` command in them (and in every other example of the docs) is parsed by the
-CLI instead, so a renamed command or option fails here.
+stack, and its shell producer and consumer run as written. Its console transcripts run
+in tests/test_docs_run.py, with the other docs' examples; every ``baton`` command of
+every example is also parsed by the CLI here, so a renamed command or option fails at
+once.
 """
 
 from __future__ import annotations
@@ -223,7 +223,7 @@ def baton_lines(path: Path) -> list[str]:
     for language, text in fenced_blocks(path):
         if language not in ("sh", "console"):
             continue
-        for line in text.splitlines():
+        for line in text.replace("\\\n", " ").splitlines():  # continued lines joined
             if language == "console":
                 if not line.startswith("$ "):
                     continue
