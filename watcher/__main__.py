@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
-import threading
+import time
 from collections.abc import Sequence
 from types import FrameType
 
@@ -17,15 +18,19 @@ from .daemon import Watcher
 
 #: printed on stdout once the watcher serves; ``baton up`` waits for it
 READY = "baton-watcher watching"
+#: how often the main thread looks whether a stop was asked for (seconds)
+TICK = 0.1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = load_config(sys.argv[1:] if argv is None else argv, os.environ)
     setup_logging(config.log_level, config.log_format)
-    stop = threading.Event()
+    requested: list[int] = []
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
+        # Only records it: a handler that took a lock (Event.set) could deadlock with
+        # the main thread it interrupted while that thread held the same lock.
+        requested.append(signum)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
@@ -35,8 +40,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         watcher.start()
         print(f"{READY} {watcher.root}", flush=True)
         notifier.ready(f"watching {watcher.root}, registry {config.registry}")
-        while not stop.wait(notifier.watchdog_interval):
-            notifier.watchdog()
+        interval = notifier.watchdog_interval
+        next_ping = time.monotonic() + interval if interval else math.inf
+        while not requested:
+            time.sleep(TICK)  # a signal ends the sleep early; its handler only notes it
+            if time.monotonic() >= next_ping:
+                notifier.watchdog()
+                next_ping = time.monotonic() + (interval or math.inf)
     finally:
         notifier.stopping()
         # Each worker finishes and reports the file it is hashing.
