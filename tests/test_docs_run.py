@@ -848,8 +848,10 @@ def test_the_grpcurl_lines_run_as_written(etcd: Any, prefix: str, tmp_path: Path
     handle = start_registry(etcd.endpoint, prefix, staging, tls_ca=str(made["ca"].cert),
                             tls_cert=str(made["registry"].cert),
                             tls_key=str(made["registry"].key))
+    # as in the README's shell, with the virtualenv (and its grpcurl) on PATH
     env = {**clean_env(), "BATON_CA": str(made["ca"].cert),
-           "BATON_CERT": str(made["operator"].cert), "BATON_KEY": str(made["operator"].key)}
+           "BATON_CERT": str(made["operator"].cert), "BATON_KEY": str(made["operator"].key),
+           "PATH": os.pathsep.join([str(BIN), os.environ.get("PATH", "")])}
     try:
         with Client(handle.address, ca=env["BATON_CA"], cert=env["BATON_CERT"],
                     key=env["BATON_KEY"]) as c:
