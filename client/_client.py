@@ -131,6 +131,8 @@ class Session:
                 log.warning("session %x lost: lease expired", self.session_id)
                 self.lost.set()
                 return
+            except errors.ClientClosed:
+                return  # closed under the session: nobody is left to keep it alive for
             except errors.BatonError as e:
                 if time.monotonic() - self._last_ok > self.ttl:
                     log.warning("session %x lost: no keepalive for %ds (%s)", self.session_id,
@@ -269,9 +271,24 @@ class Client:
         else:
             self._channel = grpc.insecure_channel(target, options=options)
         self._stub = _Stub(self._channel)
+        #: guards the channel against use once closed (see :meth:`_method`)
+        self._lock = threading.Lock()
+        self.closed = False
 
     def close(self) -> None:
-        self._channel.close()
+        """Close the channel; calls made afterwards raise ``ClientClosed``."""
+        with self._lock:
+            self.closed = True
+            self._channel.close()
+
+    def _method(self, name: str) -> Any:
+        """The callable of a registry method. Making one on a closed channel crashes the
+        process inside gRPC, so it is made under the lock ``close`` takes, and refused
+        once closed (a session's keepalive thread may outlive its client)."""
+        with self._lock:
+            if self.closed:
+                raise errors.ClientClosed(f"{name}: this client of {self.target} is closed")
+            return getattr(self._stub, name)
 
     def __enter__(self) -> Client:
         return self
@@ -287,7 +304,7 @@ class Client:
             raise errors.MessageTooLarge(
                 f"{method}: the request is {mib(size)}; a registry accepts at most "
                 f"{mib(MAX_REQUEST_BYTES)}", size=size, limit=MAX_REQUEST_BYTES)
-        rpc = getattr(self._stub, method)
+        rpc = self._method(method)
 
         def attempt() -> Any:
             try:
@@ -472,7 +489,7 @@ class Client:
 
     def watch_tasks(self, timeout: float | None = None) -> Generator[pb.Task, None, None]:
         """Every task header, then each again as it changes (created, paused, completed)."""
-        call = self._stub.WatchTasks(pb.WatchTasksRequest(), timeout=timeout)
+        call = self._method("WatchTasks")(pb.WatchTasksRequest(), timeout=timeout)
         try:
             yield from call
         except grpc.RpcError as e:
@@ -485,8 +502,8 @@ class Client:
     def watch(self, task_id: str, start_revision: int = 0,
               timeout: float | None = None) -> Generator[pb.TaskEvent, None, None]:
         """The task's events (see ``WatchRequest``); ends quietly when ``timeout`` passes."""
-        call = self._stub.Watch(pb.WatchRequest(task_id=task_id, start_revision=start_revision),
-                                timeout=timeout)
+        request = pb.WatchRequest(task_id=task_id, start_revision=start_revision)
+        call = self._method("Watch")(request, timeout=timeout)
         try:
             yield from call
         except grpc.RpcError as e:

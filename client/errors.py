@@ -180,6 +180,12 @@ class DeadlineExceeded(Unavailable):
     code = _Code("DEADLINE_EXCEEDED")
 
 
+class ClientClosed(BatonError):
+    """A call on a ``Client`` after ``close()``; nothing was sent."""
+
+    exit_code = 1
+
+
 class PermissionDenied(BatonError):
     """The caller's identity may not do this: its role is not allowed the call
     (``role``, ``method``), the claim or session belongs to another identity, or

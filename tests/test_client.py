@@ -134,3 +134,21 @@ def test_consume_acks_on_success(client: Client) -> None:
             assert delivery.data == b"payload"
         assert client.get_entry("t1", "a").state == pb.CONSUMED
 
+
+
+def test_a_closed_client_refuses_calls_and_its_sessions_stop(
+    registry: Any, wait_for: Any
+) -> None:
+    """Calls on a closed client raise ClientClosed (nothing is sent; gRPC would crash the
+    process making a call on a closed channel), and a session's keepalive thread that
+    outlives its client stops instead of calling it."""
+    c = Client(registry.address, retry=RetryPolicy(attempts=1))
+    session = c.open_session("left-open", ttl=2)
+    c.close()
+    for call in (c.list_tasks, lambda: c.keepalive(session.session_id),
+                 lambda: next(c.watch_tasks(timeout=1))):
+        with pytest.raises(errors.ClientClosed):
+            call()
+    thread = session._thread
+    assert thread is not None
+    wait_for(lambda: not thread.is_alive(), timeout=10, what="the keepalive thread ended")
