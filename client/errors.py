@@ -221,6 +221,7 @@ _BY_NAME: dict[str, type[BatonError]] = {
         DeadlineExceeded,
         MessageTooLarge,
         PermissionDenied,
+        ClientClosed,
         Internal,
     )
 }

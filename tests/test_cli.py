@@ -126,13 +126,16 @@ class Lines:
 
     def until(self, match: Callable[[str], bool], timeout: float = 20) -> str:
         deadline = time.monotonic() + timeout
+        seen: list[str] = []
         while True:
             try:
                 line = self._q.get(timeout=max(deadline - time.monotonic(), 0.01))
             except queue.Empty:
-                pytest.fail(f"no matching line within {timeout} s")
+                pytest.fail(f"no matching line within {timeout} s; it said:\n{''.join(seen)}")
             if line is None:
-                pytest.fail("the process closed its stdout first")
+                pytest.fail(f"the process closed its stdout first (exit {self.proc.wait(10)}); "
+                            f"it said:\n{''.join(seen)}")
+            seen.append(line)
             if match(line):
                 return line
 

@@ -88,4 +88,11 @@ def test_replicas_reap_a_lost_claim_exactly_once(
         time.sleep(0.05)
     entries = c.list_entries("t")
     assert [e.retry_count for e in entries] == [1] * 20
+    # A reaper counts a move once its transaction has returned, a moment after the
+    # entry shows it: wait for the count, then a few more sweeps, and it is 20 still.
+    while sum(r.reaper.reaped for r in replicas) < 20 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    settle = time.monotonic() + 0.5
+    while time.monotonic() < settle:
+        time.sleep(0.05)
     assert sum(r.reaper.reaped for r in replicas) == 20
