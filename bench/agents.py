@@ -13,7 +13,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from client import Client, errors
+from baton_relay.client import Client, errors
 
 from .pool import Ready
 
@@ -84,7 +84,7 @@ class RawArgs:
 
 def raw_etcd_agent(args: RawArgs, ready: Ready) -> AgentResult:
     """Create-only transactions (compare version == 0, put) back to back."""
-    from registry._etcd import Etcd, Put, absent
+    from baton_relay.registry._etcd import Etcd, Put, absent
 
     out = AgentResult()
 

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from client import Client
+from baton_relay.client import Client
 
 from .agents import AgentArgs, baton_agent, double_claims, rate
 from .harness import Stack, load_average, ms, ratio

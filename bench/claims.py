@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import median
 
-from client import Client
-from client.errors import BatonError
+from baton_relay.client import Client
+from baton_relay.client.errors import BatonError
 
 from . import manifest_peer, pg_peer, profiling
 from .agents import AgentArgs, RawArgs, baton_agent, double_claims, rate, raw_etcd_agent

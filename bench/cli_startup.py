@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from client import Client
+from baton_relay.client import Client
 
 from .harness import BenchError, Stack, load_average, ms
 from .profiles import Profile

@@ -26,8 +26,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Self, TypeVar
 
-from client import pki
-from registry.local.etcdproc import (
+from baton_relay.client import pki
+from baton_relay.registry.local.etcdproc import (
     EtcdProcess,
     EtcdTLS,
     etcd_version,
@@ -37,13 +37,13 @@ from registry.local.etcdproc import (
 )
 
 if TYPE_CHECKING:
-    from registry._etcd import Etcd
+    from baton_relay.registry._etcd import Etcd
 
 T = TypeVar("T")
 
-#: the line ``python -m registry`` prints once it serves
+#: the line ``python -m baton_relay.registry`` prints once it serves
 REGISTRY_READY = "baton-registry listening on "
-#: the line ``python -m watcher`` prints once it watches
+#: the line ``python -m baton_relay.watcher`` prints once it watches
 WATCHER_READY = "baton-watcher watching"
 START_TIMEOUT = 60.0
 
@@ -171,7 +171,7 @@ class Stack:
         """Start a registry on a free port; its address is ``.address``."""
         staging.mkdir(parents=True, exist_ok=True)
         daemon = self._spawn("registry", [
-            sys.executable, "-u", "-m", "registry", *self.serve_flags, "--etcd",
+            sys.executable, "-u", "-m", "baton_relay.registry", *self.serve_flags, "--etcd",
             self.etcd.endpoint, *self.etcd_flags, "--listen", "127.0.0.1:0", "--staging",
             str(staging), "--prefix", prefix, "--log-level", "WARNING"], REGISTRY_READY)
         line = _line_in(daemon.log_path, REGISTRY_READY) or ""
@@ -182,7 +182,7 @@ class Stack:
     def watcher(self, registry: str, staging: Path) -> Daemon:
         """Start a watcher on ``staging`` reporting to ``registry``, as ``baton up`` does."""
         return self._spawn("watcher", [
-            sys.executable, "-u", "-m", "watcher", "--registry", registry,
+            sys.executable, "-u", "-m", "baton_relay.watcher", "--registry", registry,
             "--staging", str(staging), "--log-level", "WARNING"], WATCHER_READY)
 
     def stop(self, daemon: Daemon) -> None:
@@ -355,7 +355,7 @@ def on_etcd(endpoint: str, body: Callable[[Etcd], Awaitable[T]], timeout: float 
     """Run ``body`` with a connection of its own to etcd, through the registry's client."""
     import asyncio
 
-    from registry._etcd import Etcd
+    from baton_relay.registry._etcd import Etcd
 
     async def main() -> T:
         etcd = Etcd(endpoint, timeout=timeout)

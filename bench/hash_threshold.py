@@ -26,7 +26,7 @@ from pathlib import Path
 
 import blake3
 
-from watcher.hashing import Hasher
+from baton_relay.watcher.hashing import Hasher
 
 SIZES = [16 << 10, 64 << 10, 256 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20, 16 << 20,
          64 << 20, 256 << 20]

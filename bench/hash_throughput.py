@@ -22,7 +22,7 @@ from pathlib import Path
 
 import blake3
 
-from watcher.hashing import Hasher
+from baton_relay.watcher.hashing import Hasher
 
 
 def main(argv: list[str] | None = None) -> None:

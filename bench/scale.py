@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import mean, median
 
-from client import Client, RetryPolicy, Session, errors, parse_manifest
+from baton_relay.client import Client, RetryPolicy, Session, errors, parse_manifest
 
 from .agents import AgentArgs, baton_agent, double_claims, rate
 from .harness import (
@@ -121,8 +121,8 @@ def etcd_alone(endpoint: str, task: str, prefix: str = KEY_PREFIX) -> tuple[int,
     back from etcd, then written under another prefix) in transactions of 120 puts with
     40 create-only compares, 8 in flight, through the registry's etcd client. Returns
     (keys, seconds)."""
-    from registry._etcd import Etcd, Put, absent
-    from registry.keys import Keys
+    from baton_relay.registry._etcd import Etcd, Put, absent
+    from baton_relay.registry.keys import Keys
 
     keys = Keys(prefix)
     bases = [keys.entries(task), keys.ready_all(task), keys.open_all(task)]
@@ -146,8 +146,8 @@ def etcd_alone(endpoint: str, task: str, prefix: str = KEY_PREFIX) -> tuple[int,
 
 def head_read_ms(endpoint: str, task: str, reads: int = 50) -> float:
     """Median ms of the read a claim starts with: the first 64 keys of the ready index."""
-    from registry._etcd import Etcd
-    from registry.keys import Keys
+    from baton_relay.registry._etcd import Etcd
+    from baton_relay.registry.keys import Keys
 
     async def go(etcd: Etcd) -> list[float]:
         times = []
@@ -179,7 +179,7 @@ class Held:
 
 def weigh(endpoint: str, task: str, prefix: str = KEY_PREFIX) -> Held:
     """Every key under ``prefix`` read in pages; those naming ``task`` summed by family."""
-    from registry._etcd import Etcd
+    from baton_relay.registry._etcd import Etcd
 
     async def go(etcd: Etcd) -> Held:
         held = Held()
@@ -222,8 +222,8 @@ class InflightCount:
     """How many claims of a task have a durable twin left: etcd's count, not a scan."""
 
     def __init__(self, endpoint: str, task: str) -> None:
-        from registry._etcd import Etcd
-        from registry.keys import Keys
+        from baton_relay.registry._etcd import Etcd
+        from baton_relay.registry.keys import Keys
 
         self.prefix = Keys(KEY_PREFIX).inflight_of_task("p", task)
         self.etcd = Etcd(endpoint, timeout=30)

@@ -25,11 +25,11 @@ from pathlib import Path
 
 import blake3
 
-from client import Client
-from client.producer import temp_path
-from client.v1 import baton_pb2 as pb
-from registry.local.etcdproc import EtcdProcess, free_port, wait_ready
-from registry.local.stack import grpc_health_probe
+from baton_relay.client import Client
+from baton_relay.client.producer import temp_path
+from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.registry.local.etcdproc import EtcdProcess, free_port, wait_ready
+from baton_relay.registry.local.stack import grpc_health_probe
 
 
 def pct(values: list[float], q: float) -> float:
@@ -75,15 +75,15 @@ def stack(root: Path, etcd: EtcdProcess, args: argparse.Namespace) -> None:
     procs: list[subprocess.Popen[bytes]] = []
     with (root / "registry.log").open("wb") as rlog, (root / "watcher.log").open("wb") as wl:
         try:
-            reg = subprocess.Popen([sys.executable, "-m", "registry", "--insecure",
+            reg = subprocess.Popen([sys.executable, "-m", "baton_relay.registry", "--insecure",
                                     "--etcd", etcd.endpoint, "--listen", address,
                                     "--staging", str(staging)],
                                    stdout=rlog, stderr=subprocess.STDOUT)
             procs.append(reg)
             wait_ready(grpc_health_probe(address), reg, daemon="registry",
                        log_path=root / "registry.log", timeout=30)
-            watcher = subprocess.Popen([sys.executable, "-u", "-m", "watcher", "--registry",
-                                        address, "--staging", str(staging)],
+            watcher = subprocess.Popen([sys.executable, "-u", "-m", "baton_relay.watcher",
+                                        "--registry", address, "--staging", str(staging)],
                                        stdout=subprocess.PIPE, stderr=wl)
             procs.insert(0, watcher)
             wait_line(watcher, "baton-watcher watching")

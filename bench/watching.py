@@ -21,8 +21,8 @@ from pathlib import Path
 
 import blake3
 
-from client import Client, next_lease
-from client.v1 import baton_pb2 as pb
+from baton_relay.client import Client, next_lease
+from baton_relay.client.v1 import baton_pb2 as pb
 
 from .harness import BenchError, Stack, check_interrupted, etcd_binary, load_average, ms
 from .pool import Pool, Ready
@@ -188,7 +188,7 @@ def wake_up(root: Path, samples: int) -> list[float]:
 
 def many_small(root: Path, files: int, rounds: int, b3sum: str) -> dict[str, float]:
     """MB/s of b3sum and of the watcher's Hasher (1 and 2 threads) over small files."""
-    from watcher.hashing import Hasher
+    from baton_relay.watcher.hashing import Hasher
 
     folder = root / "t" / "files"
     folder.mkdir(parents=True)

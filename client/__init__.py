@@ -1,6 +1,6 @@
 """Baton's client: the wire contract, the agent library and the ``baton`` CLI.
 
-    from client import Client, produce, consume
+    from baton_relay.client import Client, produce, consume
 
     with Client("127.0.0.1:7390") as c, c.open_session("ocr-1", ttl=10) as s:
         with produce(c, s, "t1", "a") as out:
@@ -8,7 +8,7 @@
         with consume(c, s, "t1", group="default", timeout=30) as got:
             print(got.data)
 
-The names below are loaded on first use: ``import client`` (and the ``baton``
+The names below are loaded on first use: ``import baton_relay.client`` (and the ``baton``
 command, whose every run starts a process) does not pay for gRPC, protobuf or
 BLAKE3 until something needs them.
 """

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import functools
 
+#: the distribution's name on the package index (``baton`` there is another project)
+DISTRIBUTION = "baton-relay"
+
 
 @functools.cache
 def version() -> str:
@@ -19,7 +22,7 @@ def version() -> str:
     from importlib import metadata
 
     try:
-        return metadata.version("baton")
+        return metadata.version(DISTRIBUTION)
     except metadata.PackageNotFoundError:  # a source tree that was never installed
         return "0+unknown"
 

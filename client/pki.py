@@ -6,7 +6,7 @@ one role it holds: ``operator``, ``agent`` or ``watcher`` (see docs/security.md)
 Servers (the registry, etcd) get the DNS names and addresses they answer on as
 subject alternative names.
 
-Built on ``cryptography`` (the ``baton[pki]`` extra), imported here only, so the
+Built on ``cryptography`` (the ``baton-relay[pki]`` extra), imported here only, so the
 agent's CLI never loads it unless a certificate is made.
 """
 
@@ -50,7 +50,7 @@ def _load() -> Any:
     except ImportError as e:  # pragma: no cover - depends on the install
         raise InvalidArgument(
             "making certificates needs the 'cryptography' package: "
-            "pip install 'baton[pki]'") from e
+            "pip install 'baton-relay[pki]'") from e
     return x509, hashes, serialization, ec, ExtendedKeyUsageOID, NameOID
 
 

@@ -23,7 +23,13 @@ from typing import Any, Concatenate, Literal, ParamSpec, TypeVar
 import grpc
 from aetcd import rpc
 
-from client.errors import BatonError, Internal, InvalidArgument, SessionExpired, Unavailable
+from baton_relay.client.errors import (
+    BatonError,
+    Internal,
+    InvalidArgument,
+    SessionExpired,
+    Unavailable,
+)
 
 from .keys import prefix_end
 

@@ -14,8 +14,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from client.errors import PermissionDenied, shown
-from client.v1 import baton_pb2 as pb
+from baton_relay.client.errors import PermissionDenied, shown
+from baton_relay.client.v1 import baton_pb2 as pb
 
 from .identity import Caller, may
 

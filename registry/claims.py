@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import random
 
-from client.errors import (
+from baton_relay.client.errors import (
     InvalidArgument,
     NotFound,
     PermissionDenied,
@@ -14,7 +14,7 @@ from client.errors import (
     SlotsExhausted,
     TaskNotActive,
 )
-from client.v1 import baton_pb2 as pb
+from baton_relay.client.v1 import baton_pb2 as pb
 
 from ._etcd import KV
 from .identity import ANONYMOUS, Caller

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from client.errors import IllegalTransition, InvalidArgument, NothingToClaim, StaleToken
-from client.v1 import baton_pb2 as pb
+from baton_relay.client.errors import IllegalTransition, InvalidArgument, NothingToClaim, StaleToken
+from baton_relay.client.v1 import baton_pb2 as pb
 
 from ._etcd import KV, created_at, present
 from .access import check_consumer, consumers_of

@@ -18,8 +18,8 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from client import logs
-from client.errors import NotFound
+from baton_relay.client import logs
+from baton_relay.client.errors import NotFound
 
 from ._etcd import KV, Etcd
 from .keys import Keys

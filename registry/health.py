@@ -1,4 +1,4 @@
-"""``python -m registry.health``: ask the local registry replica whether it serves.
+"""``python -m baton_relay.registry.health``: ask the local registry replica whether it serves.
 
 The probe of a registry container. It takes the registry's own settings (the same
 flags, ``BATON_*`` variables and ``--config`` file), so it dials the port the
@@ -68,7 +68,7 @@ def channel(config: RegistryConfig, address: str) -> grpc.Channel:
 def check(argv: Sequence[str], environ: Mapping[str, str]) -> tuple[int, str]:
     """Run the check; (exit status, line to print)."""
     parser = argparse.ArgumentParser(
-        prog="python -m registry.health",
+        prog="python -m baton_relay.registry.health",
         description="Exit 0 if the local registry replica serves (a container probe). "
         "Every other option is the registry's own (see baton-registry --help).")
     parser.add_argument("--service", default="baton.v1.Registry",

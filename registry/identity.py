@@ -20,9 +20,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-from client.errors import PermissionDenied
-from client.pki import ROLES
-from client.pki import identity as cert_identity
+from baton_relay.client.errors import PermissionDenied
+from baton_relay.client.pki import ROLES
+from baton_relay.client.pki import identity as cert_identity
 
 OPERATOR, AGENT, WATCHER = ROLES
 

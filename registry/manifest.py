@@ -31,9 +31,9 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
-from client.contract import ID_PATTERN, MAX_MANIFEST_BYTES, mib
-from client.errors import InvalidArgument, InvalidManifest, shown
-from client.v1 import baton_pb2 as pb
+from baton_relay.client.contract import ID_PATTERN, MAX_MANIFEST_BYTES, mib
+from baton_relay.client.errors import InvalidArgument, InvalidManifest, shown
+from baton_relay.client.v1 import baton_pb2 as pb
 
 from . import access
 from .model import SCHEMA_VERSION, EntryRecord, now

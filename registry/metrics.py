@@ -41,9 +41,9 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from client import errors
-from client.errors import BatonError, InvalidArgument
-from client.v1 import baton_pb2 as pb
+from baton_relay.client import errors
+from baton_relay.client.errors import BatonError, InvalidArgument
+from baton_relay.client.v1 import baton_pb2 as pb
 
 from .model import TaskRecord
 

@@ -8,7 +8,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from datetime import UTC, datetime
 from typing import Any
 
-from client.v1 import baton_pb2 as pb
+from baton_relay.client.v1 import baton_pb2 as pb
 
 from .access import from_dict as access_from_dict
 

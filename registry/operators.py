@@ -9,8 +9,8 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from datetime import UTC, datetime
 
-from client.errors import IllegalTransition, InvalidArgument
-from client.v1 import baton_pb2 as pb
+from baton_relay.client.errors import IllegalTransition, InvalidArgument
+from baton_relay.client.v1 import baton_pb2 as pb
 
 from . import access
 from ._etcd import KV, Get

@@ -27,8 +27,8 @@ import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable
 
-from client.errors import Conflict, IllegalTransition
-from client.v1 import baton_pb2 as pb
+from baton_relay.client.errors import Conflict, IllegalTransition
+from baton_relay.client.v1 import baton_pb2 as pb
 
 from ._etcd import Get, empty
 from .claims import need_task, release_slot

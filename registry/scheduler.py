@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import blake3
 
-from client.errors import BatonError
+from baton_relay.client.errors import BatonError
 
 from ._etcd import KV, empty, present
 from .claims import need_task

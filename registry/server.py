@@ -15,11 +15,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from client.contract import MAX_REPLY_BYTES, MAX_REQUEST_BYTES
-from client.errors import BatonError, InvalidArgument
-from client.logs import setup_logging
-from client.sdnotify import Notifier
-from client.v1 import baton_pb2
+from baton_relay.client.contract import MAX_REPLY_BYTES, MAX_REQUEST_BYTES
+from baton_relay.client.errors import BatonError, InvalidArgument
+from baton_relay.client.logs import setup_logging
+from baton_relay.client.sdnotify import Notifier
+from baton_relay.client.v1 import baton_pb2
 
 from ._etcd import Etcd, EtcdAuth
 from .config import RegistryConfig, load_config

@@ -17,9 +17,15 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 from google.protobuf.message_factory import GetMessageClass
 
-from client.errors import BatonError, Internal, InvalidArgument, PermissionDenied, to_status
-from client.v1 import baton_pb2 as pb
-from client.v1 import baton_pb2_grpc as pb_grpc
+from baton_relay.client.errors import (
+    BatonError,
+    Internal,
+    InvalidArgument,
+    PermissionDenied,
+    to_status,
+)
+from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.client.v1 import baton_pb2_grpc as pb_grpc
 
 from .consumers import Consumers
 from .core import Core

@@ -8,9 +8,9 @@ import json
 import logging
 from collections.abc import AsyncIterator
 
-from client import logs
-from client.errors import BatonError, InvalidArgument, SessionExpired
-from client.v1 import baton_pb2 as pb
+from baton_relay.client import logs
+from baton_relay.client.errors import BatonError, InvalidArgument, SessionExpired
+from baton_relay.client.v1 import baton_pb2 as pb
 
 from ._etcd import KV
 from .claims import check_owner, claim_holder

@@ -6,14 +6,14 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 
-from client.errors import (
+from baton_relay.client.errors import (
     Conflict,
     IllegalTransition,
     InvalidArgument,
     InvalidManifest,
     TaskExists,
 )
-from client.v1 import baton_pb2 as pb
+from baton_relay.client.v1 import baton_pb2 as pb
 
 from ._etcd import KV
 from .claims import claim_holder, need_task

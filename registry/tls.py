@@ -17,7 +17,7 @@ from pathlib import Path
 
 import grpc
 
-from client.errors import InvalidArgument
+from baton_relay.client.errors import InvalidArgument
 
 log = logging.getLogger("baton.registry")
 

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from google.protobuf.message import Message
 
-from client.errors import BatonError, Conflict, Internal
+from baton_relay.client.errors import BatonError, Conflict, Internal
 
 from ._etcd import (
     KV,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from client.errors import InvalidArgument
-from client.v1 import baton_pb2 as pb
+from baton_relay.client.errors import InvalidArgument
+from baton_relay.client.v1 import baton_pb2 as pb
 
 from ._etcd import created_at
 from .claims import entry_replay, need_entry, release_slot

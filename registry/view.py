@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from sortedcontainers import SortedDict
 
-from client.errors import BatonError
+from baton_relay.client.errors import BatonError
 
 from ._etcd import KV, Delete, Etcd, Put
 from .keys import Keys

@@ -13,7 +13,7 @@ import sys
 
 import blake3
 
-from client import Client, RetryPolicy, errors
+from baton_relay.client import Client, RetryPolicy, errors
 
 
 def main() -> None:

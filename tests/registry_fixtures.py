@@ -16,9 +16,9 @@ from typing import Any, Protocol, TypeVar
 
 import pytest
 
-from client import Client, RetryPolicy
-from registry import RegistryConfig, Running, start
-from registry._etcd import Etcd
+from baton_relay.client import Client, RetryPolicy
+from baton_relay.registry import RegistryConfig, Running, start
+from baton_relay.registry._etcd import Etcd
 
 T = TypeVar("T")
 

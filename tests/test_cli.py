@@ -1,7 +1,7 @@
 """The ``baton`` CLI against a real registry on a real etcd.
 
 Flows that depend on a claim outliving its process, on exit statuses and on
-stderr run the CLI as a subprocess (``python -m client.cli``); the rest go
+stderr run the CLI as a subprocess (``python -m baton_relay.client.cli``); the rest go
 through click's CliRunner, in-process, which is much cheaper.
 """
 
@@ -24,12 +24,12 @@ import blake3
 import pytest
 from click.testing import CliRunner, Result
 
-from client import DEFAULT_REGISTRY, Client, RetryPolicy
-from client.cli import cli
-from client.cli._common import default_agent
-from client.v1 import baton_pb2 as pb
-from registry.local.etcdproc import free_port
-from registry.local.stack import LocalPKI
+from baton_relay.client import DEFAULT_REGISTRY, Client, RetryPolicy
+from baton_relay.client.cli import cli
+from baton_relay.client.cli._common import default_agent
+from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.registry.local.etcdproc import free_port
+from baton_relay.registry.local.stack import LocalPKI
 
 MANIFEST = {"task_id": "t1", "entries": [{"file_id": "a", "path": "a.json"}]}
 TWO = {"task_id": "t1", "entries": [{"file_id": "a", "path": "a.json"},
@@ -69,7 +69,7 @@ def cli_env(address: str, identity: tuple[tuple[str, str], ...] = ()) -> dict[st
 def run(registry: Any, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     """Run the CLI as its own process, talking to ``registry``."""
     return subprocess.run(
-        [sys.executable, "-m", "client.cli", *args], input=stdin, capture_output=True,
+        [sys.executable, "-m", "baton_relay.client.cli", *args], input=stdin, capture_output=True,
         text=True, env=cli_env(registry.address, getattr(registry, "identity", ())),
         timeout=SUBPROCESS_TIMEOUT, check=False,
     )
@@ -374,7 +374,8 @@ def test_consume_wait_returns_an_entry_verified_meanwhile(registry: Any, lib: Cl
     """`consume --wait` blocks until an entry is verified, then prints its lease."""
     create(registry, MANIFEST)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "client.cli", "consume", "t1", "--wait", "30", "-o", "json"],
+        [sys.executable, "-m", "baton_relay.client.cli", "consume", "t1", "--wait", "30", "-o",
+         "json"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=cli_env(registry.address),
     )
@@ -464,7 +465,7 @@ def test_watch_prints_events_and_ctrl_c_exits_0(registry: Any, lib: Client) -> N
     """`watch -o json` prints one JSON object per event and stops cleanly on SIGINT."""
     create(registry, MANIFEST)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "client.cli", "watch", "t1", "-o", "json"],
+        [sys.executable, "-m", "baton_relay.client.cli", "watch", "t1", "-o", "json"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=cli_env(registry.address),
     )
@@ -487,7 +488,7 @@ def test_watch_text_lines_from_a_snapshot(registry: Any) -> None:
     """`watch --from-revision 0` starts with every entry: time, file_id, state, revision."""
     create(registry, MANIFEST)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "client.cli", "watch", "t1", "--from-revision", "0"],
+        [sys.executable, "-m", "baton_relay.client.cli", "watch", "t1", "--from-revision", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
         env=cli_env(registry.address),
     )
@@ -525,7 +526,7 @@ def test_up_serves_a_registry_until_ctrl_c(tmp_path: Path) -> None:
     """`baton up` serves a stack that carries a file from put to ack; SIGINT exits 0."""
     registry_port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "client.cli", "up", "--data-dir", str(tmp_path / "data"),
+        [sys.executable, "-m", "baton_relay.client.cli", "up", "--data-dir", str(tmp_path / "data"),
          "--etcd-port", str(free_port()), "--registry-port", str(registry_port)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=cli_env(f"127.0.0.1:{registry_port}"),
@@ -552,8 +553,9 @@ def test_up_serves_a_registry_until_ctrl_c(tmp_path: Path) -> None:
 def test_up_restarted_on_the_same_data_dir_keeps_every_task_and_entry(tmp_path: Path) -> None:
     """Stopping `baton up` with SIGTERM and starting it again loses nothing."""
     registry_port, etcd_port = free_port(), free_port()
-    argv = [sys.executable, "-m", "client.cli", "up", "--data-dir", str(tmp_path / "data"),
-            "--etcd-port", str(etcd_port), "--registry-port", str(registry_port)]
+    argv = [sys.executable, "-m", "baton_relay.client.cli", "up", "--data-dir",
+            str(tmp_path / "data"), "--etcd-port", str(etcd_port), "--registry-port",
+            str(registry_port)]
     up = Address.of_stack(f"127.0.0.1:{registry_port}", tmp_path / "data")
 
     def start() -> subprocess.Popen[str]:

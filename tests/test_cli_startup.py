@@ -11,16 +11,17 @@ from typing import Any
 
 import pytest
 
-from client.cli._root import COMMANDS, cli
+from baton_relay.client.cli._root import COMMANDS, cli
 
 #: modules a command may or may not need, checked below
-HEAVY = ("grpc", "google.protobuf", "rich", "blake3", "registry.local.stack", "registry.local.demo",
-         "client.consumer", "client.producer", "client.v1.baton_pb2_grpc")
+HEAVY = ("grpc", "google.protobuf", "rich", "blake3", "baton_relay.registry.local.stack",
+         "baton_relay.registry.local.demo", "baton_relay.client.consumer",
+         "baton_relay.client.producer", "baton_relay.client.v1.baton_pb2_grpc")
 
 PROBE = """
 import json, sys
 args, heavy = json.loads(sys.argv[1]), json.loads(sys.argv[2])
-from client.cli import cli
+from baton_relay.client.cli import cli
 try:
     cli.main(args, prog_name="baton")  # what main() runs, before it ends the process
 except SystemExit:
@@ -45,11 +46,11 @@ def loaded_after(args: list[str], registry: str = "127.0.0.1:9") -> list[str]:
 def test_every_command_is_in_the_lazy_table() -> None:
     """COMMANDS names every command the modules define, and each where it is defined."""
     for module in sorted(set(COMMANDS.values())):
-        __import__(f"client.cli.{module}")
+        __import__(f"baton_relay.client.cli.{module}")
     assert set(cli.commands) == set(COMMANDS)
     for name, command in cli.commands.items():
         callback: Any = command.callback
-        assert callback.__module__ == f"client.cli.{COMMANDS[name]}", name
+        assert callback.__module__ == f"baton_relay.client.cli.{COMMANDS[name]}", name
 
 
 def test_help_of_a_command_loads_no_grpc_protobuf_or_rich() -> None:
@@ -66,8 +67,10 @@ def test_agent_commands_load_grpc_but_not_rich_or_the_stack(
     """claim and commit load gRPC and the messages, not rich, BLAKE3, the stack or the stubs."""
     loaded = loaded_after(args, registry.address)
     assert {"grpc", "google.protobuf"} <= set(loaded)
-    assert not {"rich", "blake3", "registry.local.stack", "registry.local.demo", "client.consumer",
-                "client.producer", "client.v1.baton_pb2_grpc"} & set(loaded), loaded
+    assert not {"rich", "blake3", "baton_relay.registry.local.stack",
+                "baton_relay.registry.local.demo", "baton_relay.client.consumer",
+                "baton_relay.client.producer", "baton_relay.client.v1.baton_pb2_grpc"
+                } & set(loaded), loaded
 
 
 def test_task_ls_loads_rich_for_its_table_only(registry: Any) -> None:
@@ -77,36 +80,40 @@ def test_task_ls_loads_rich_for_its_table_only(registry: Any) -> None:
 
 
 def test_importing_the_cli_imports_no_command_module() -> None:
-    """`import client.cli` (what the console script does first) defines no command yet."""
+    """`import baton_relay.client.cli` (what the console script does first) defines no
+    command yet."""
     done = subprocess.run(
-        [sys.executable, "-c", "import sys, client.cli; print(' '.join(sorted("
-         "m for m in sys.modules if m.startswith('client'))))"],
+        [sys.executable, "-c", "import sys, baton_relay.client.cli; print(' '.join(sorted("
+         "m for m in sys.modules if m.startswith('baton_relay'))))"],
         capture_output=True, text=True, timeout=60, check=True)
-    assert done.stdout.split() == ["client", "client.cli", "client.cli._common",
-                                   "client.cli._root", "client.contract", "client.errors"]
+    assert done.stdout.split() == [
+        "baton_relay", "baton_relay.client", "baton_relay.client.cli",
+        "baton_relay.client.cli._common", "baton_relay.client.cli._root",
+        "baton_relay.client.contract", "baton_relay.client.errors"]
 
 
 def test_the_process_ends_with_its_status_and_all_its_output() -> None:
     """main() ends the process at once, yet with the command's status and output flushed."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("BATON_")}
     env["BATON_REGISTRY"] = "127.0.0.1:9"
-    shown = subprocess.run([sys.executable, "-m", "client.cli", "--help"], capture_output=True,
-                           text=True, timeout=60, env=env, check=False)
+    shown = subprocess.run([sys.executable, "-m", "baton_relay.client.cli", "--help"],
+                           capture_output=True, text=True, timeout=60, env=env, check=False)
     assert shown.returncode == 0
     assert shown.stdout.startswith("Usage: baton [OPTIONS] COMMAND [ARGS]...")
     # the last sentence of the help: all of it reached the pipe
     assert " ".join(shown.stdout.split()).endswith(
         "7 permission denied (the identity's role or the task's access rules).")
-    usage = subprocess.run([sys.executable, "-m", "client.cli", "claim"], capture_output=True,
-                           text=True, timeout=60, env=env, check=False)
+    usage = subprocess.run([sys.executable, "-m", "baton_relay.client.cli", "claim"],
+                           capture_output=True, text=True, timeout=60, env=env, check=False)
     assert usage.returncode == 2 and "Missing argument 'TASK'" in usage.stderr
-    down = subprocess.run([sys.executable, "-m", "client.cli", "--timeout", "1", "task", "ls"],
-                          capture_output=True, text=True, timeout=60, env=env, check=False)
+    down = subprocess.run([sys.executable, "-m", "baton_relay.client.cli", "--timeout", "1",
+                           "task", "ls"], capture_output=True, text=True, timeout=60, env=env,
+                          check=False)
     assert down.returncode == 6 and down.stderr.startswith("baton: registry 127.0.0.1:9")
 
 
 def test_exit_status_of_system_exit_codes() -> None:
     """None is 0, an int is itself, a message is 1 (as Python's own exit would be)."""
-    from client.cli._root import exit_status
+    from baton_relay.client.cli._root import exit_status
 
     assert (exit_status(None), exit_status(4), exit_status("bye")) == (0, 4, 1)

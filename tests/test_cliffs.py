@@ -17,19 +17,19 @@ import blake3
 import pytest
 from registry_fixtures import on_etcd
 
-from client import Client, Session, errors
-from client.v1 import baton_pb2 as pb
-from registry import _etcd as etcd_mod
-from registry import operators as operators_mod
-from registry import scheduler as scheduler_mod
-from registry import sessions as sessions_mod
-from registry._etcd import KV, Etcd, Put
-from registry.core import Core
-from registry.keys import ClaimRef, Keys
-from registry.local.etcdproc import EtcdProcess
-from registry.model import PENDING, VERIFIED, EntryRecord, TaskRecord
-from registry.scheduler import assembly_digest
-from registry.txn import Txn, write
+from baton_relay.client import Client, Session, errors
+from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.registry import _etcd as etcd_mod
+from baton_relay.registry import operators as operators_mod
+from baton_relay.registry import scheduler as scheduler_mod
+from baton_relay.registry import sessions as sessions_mod
+from baton_relay.registry._etcd import KV, Etcd, Put
+from baton_relay.registry.core import Core
+from baton_relay.registry.keys import ClaimRef, Keys
+from baton_relay.registry.local.etcdproc import EtcdProcess
+from baton_relay.registry.model import PENDING, VERIFIED, EntryRecord, TaskRecord
+from baton_relay.registry.scheduler import assembly_digest
+from baton_relay.registry.txn import Txn, write
 
 T = TypeVar("T")
 FAST = {"base_seconds": 0.001}

@@ -17,7 +17,7 @@ def test_demo_into_a_pipe_prints_its_table_and_report_on_lines_of_their_own(
     """With stderr not a terminal, the final table ends its line and the report follows it."""
     watcher_factory()
     result = subprocess.run(
-        [sys.executable, "-m", "client.cli", "demo", "--files", "3", "--producers", "1",
+        [sys.executable, "-m", "baton_relay.client.cli", "demo", "--files", "3", "--producers", "1",
          "--consumers", "1", "--timeout", "60"],
         capture_output=True, text=True, env=cli_env(registry.address),
         timeout=SUBPROCESS_TIMEOUT, check=False,

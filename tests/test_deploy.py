@@ -28,14 +28,14 @@ import pytest
 import yaml
 from registry_fixtures import RegistryHandle
 
-from client import pki
-from client.contract import REGISTRY_PORT
-from client.sdnotify import Notifier
-from registry import health
-from registry.config import RegistryConfig
-from registry.config import load_config as registry_config
-from watcher.config import WatcherConfig
-from watcher.config import load_config as watcher_config
+from baton_relay.client import pki
+from baton_relay.client.contract import REGISTRY_PORT
+from baton_relay.client.sdnotify import Notifier
+from baton_relay.registry import health
+from baton_relay.registry.config import RegistryConfig
+from baton_relay.registry.config import load_config as registry_config
+from baton_relay.watcher.config import WatcherConfig
+from baton_relay.watcher.config import load_config as watcher_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -45,7 +45,7 @@ UNITS = sorted((DEPLOY / "systemd").glob("*.service"))
 COMPOSE = DEPLOY / "compose" / "compose.yaml"
 #: the oldest Kubernetes these manifests are for, and a current one
 KUBERNETES_VERSIONS = ("1.30.0", "1.34.0")
-HEALTH = "registry.health"
+HEALTH = "baton_relay.registry.health"
 
 sys.path.insert(0, str(DEPLOY))
 import kustomize  # noqa: E402  (deploy/ is not a package)
@@ -58,14 +58,15 @@ sys.path.pop(0)
 
 @cache
 def help_text(module: str) -> str:
-    out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", f"baton_relay.{module}", "--help"],
+                         capture_output=True,
                          text=True, check=True, cwd=ROOT)
     return out.stdout
 
 
 def flags(module: str) -> set[str]:
     found = set(re.findall(r"(--[a-z][a-z0-9-]*)", help_text(module)))
-    if module == HEALTH:  # its other options are the registry's own settings
+    if module == HEALTH.removeprefix("baton_relay."):  # and the registry's own settings
         found |= flags("registry")
     return found
 
@@ -224,7 +225,7 @@ def command_flags(argv: list[str]) -> set[str]:
 def module_of(argv: list[str]) -> str:
     program = argv[0].rsplit("/", 1)[-1]
     if program == "python":
-        return argv[2]
+        return argv[2].removeprefix("baton_relay.")
     return {"baton-registry": "registry", "baton-watcher": "watcher"}[program]
 
 
@@ -488,7 +489,8 @@ def test_registry_tells_systemd_it_serves_and_stops(
     env = {**os.environ, "NOTIFY_SOCKET": path, "WATCHDOG_USEC": "200000"}
     env.pop("WATCHDOG_PID", None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "registry", "--insecure", "--etcd", etcd.endpoint, "--listen",
+        [sys.executable, "-m", "baton_relay.registry", "--insecure", "--etcd", etcd.endpoint,
+         "--listen",
          "127.0.0.1:0", "--staging", str(tmp_path), "--prefix", prefix],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     try:
@@ -518,7 +520,7 @@ def test_watcher_tells_systemd_it_watches_and_stops(
     env = {**os.environ, "NOTIFY_SOCKET": path, "WATCHDOG_USEC": "200000"}
     env.pop("WATCHDOG_PID", None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "watcher", "--registry", registry.address, "--staging",
+        [sys.executable, "-m", "baton_relay.watcher", "--registry", registry.address, "--staging",
          str(staging)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
         ready = messages(sock, lambda m: "READY" in m)[-1]
@@ -539,7 +541,7 @@ def test_watcher_tells_systemd_it_watches_and_stops(
 def test_health_probe_presents_the_registry_certificate(
         registry_factory: Callable[..., RegistryHandle], tmp_path: Path) -> None:
     """Against a replica serving mutual TLS, the probe with the replica's own settings
-    answers 0 (as ``python -m registry.health`` too); without them, or with nothing
+    answers 0 (as ``python -m baton_relay.registry.health`` too); without them, or with nothing
     listening, 1."""
     made = pki.local_pki(tmp_path / "pki")
     tls = {"tls_ca": str(made["ca"].cert), "tls_cert": str(made["registry"].cert),

@@ -31,11 +31,11 @@ import click
 import pytest
 from test_cli import Lines
 
-from client import Client
-from client.cli import cli
-from client.v1 import baton_pb2 as pb
-from registry.local.etcdproc import free_port
-from registry.local.stack import LocalPKI
+from baton_relay.client import Client
+from baton_relay.client.cli import cli
+from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.registry.local.etcdproc import free_port
+from baton_relay.registry.local.stack import LocalPKI
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = ROOT / ".venv" / "bin" / "python"
@@ -90,7 +90,7 @@ def up_stack(tmp_path: Path) -> Iterator[UpStack]:
     home = tmp_path / "home"
     home.mkdir()
     process = subprocess.Popen(
-        [str(PYTHON), "-m", "client.cli", "up", "--demo",
+        [str(PYTHON), "-m", "baton_relay.client.cli", "up", "--demo",
          "--etcd-port", str(free_port()), "--registry-port", str(registry_port)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env=clean_env(HOME=str(home)),

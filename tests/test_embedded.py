@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from client import Client, put
-from client.v1 import baton_pb2 as pb
-from registry.local import stack as embedded
-from registry.local.etcdproc import DaemonFailed, free_port, port_in_use, write_banner
-from registry.local.stack import (
+from baton_relay.client import Client, put
+from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.registry.local import stack as embedded
+from baton_relay.registry.local.etcdproc import DaemonFailed, free_port, port_in_use, write_banner
+from baton_relay.registry.local.stack import (
     ChildSpec,
     LocalPKI,
     RestartPolicy,
@@ -134,7 +134,7 @@ def test_default_data_dir_follows_xdg(tmp_path: Path, monkeypatch: pytest.Monkey
 
 
 def test_registry_command_line(opts: UpOptions) -> None:
-    """The registry is run as `python -m registry` with the documented flags: mutual TLS
+    """The registry is run as `python -m baton_relay.registry` with the documented flags: mutual TLS
     and etcd over TLS with the stack's certificates, or --insecure without them."""
     pki = LocalPKI(Path("/p"))
     opts = dataclasses.replace(opts, registry_metrics_port=9464, watcher_metrics_port=9465)
@@ -142,7 +142,7 @@ def test_registry_command_line(opts: UpOptions) -> None:
     assert registry.name == "registry"
     assert registry.argv[0] == sys.executable
     assert registry.argv[registry.argv.index("-m") + 1 :] == (
-        "registry",
+        "baton_relay.registry",
         "--etcd", "127.0.0.1:2479",
         "--listen", f"127.0.0.1:{opts.registry_port}",
         "--staging", str(opts.staging),
@@ -159,14 +159,14 @@ def test_registry_command_line(opts: UpOptions) -> None:
 
 
 def test_watcher_command_line(opts: UpOptions) -> None:
-    """The watcher runs after the registry as `python -m watcher` on the staging directory,
-    with the watcher identity of the stack's certificates."""
+    """The watcher runs after the registry as `python -m baton_relay.watcher` on the staging
+    directory, with the watcher identity of the stack's certificates."""
     opts = dataclasses.replace(opts, registry_metrics_port=9464, watcher_metrics_port=9465)
     _, watcher = child_specs(opts, "127.0.0.1:2479", LocalPKI(Path("/p")))
     assert watcher.name == "watcher"
     assert watcher.argv[0] == sys.executable
     assert watcher.argv[watcher.argv.index("-m") + 1 :] == (
-        "watcher",
+        "baton_relay.watcher",
         "--registry", f"127.0.0.1:{opts.registry_port}",
         "--staging", str(opts.staging),
         "--state-file", str(opts.data_dir / "watcher-state.sqlite"),
@@ -297,7 +297,7 @@ def test_insecure_stack_serves_plaintext(
 
 def registry_pid(port: int) -> int:
     """The pid of the registry process serving ``port`` (from /proc: its command line)."""
-    wanted = ["-m", "registry"]
+    wanted = ["-m", "baton_relay.registry"]
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -423,9 +423,9 @@ def test_up_without_the_server_side_names_the_extra() -> None:
     """`baton up` where the server side is not installed says which extra to install."""
     import subprocess
 
-    code = ("import sys; sys.modules['registry'] = None\n"  # as if not installed
-            "from client.cli import main; sys.argv = ['baton', 'up']; main()")
+    code = ("import sys; sys.modules['baton_relay.registry'] = None\n"  # as if not installed
+            "from baton_relay.client.cli import main; sys.argv = ['baton', 'up']; main()")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60, check=False)
     assert done.returncode == 1
-    assert "pip install 'baton[local]'" in done.stderr, done.stderr
+    assert "pip install 'baton-relay[local]'" in done.stderr, done.stderr

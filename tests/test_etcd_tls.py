@@ -23,9 +23,9 @@ import pytest
 from registry_fixtures import TEST_RETRY, start_registry
 from test_etcd_endpoints import Relay, needs_ipv6
 
-from client import Client, errors, pki
-from registry._etcd import Etcd, EtcdAuth, Get, Put, absent
-from registry.local.etcdproc import EtcdProcess, EtcdTLS, free_port
+from baton_relay.client import Client, errors, pki
+from baton_relay.registry._etcd import Etcd, EtcdAuth, Get, Put, absent
+from baton_relay.registry.local.etcdproc import EtcdProcess, EtcdTLS, free_port
 
 T = TypeVar("T")
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from registry.local.etcdproc import (
+from baton_relay.registry.local.etcdproc import (
     BANNER_PREFIX,
     DaemonFailed,
     EtcdNotInstalled,

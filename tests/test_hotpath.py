@@ -9,14 +9,14 @@ from typing import Any
 
 import blake3
 
-from client.v1 import baton_pb2 as pb
-from registry._etcd import KV, Compare, Etcd, Guarded, TxnOp, TxnResult
-from registry.core import Core
-from registry.identity import ANONYMOUS
-from registry.keys import Keys
-from registry.producers import Producers
-from registry.sessions import Sessions
-from registry.tasks import Tasks
+from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.registry._etcd import KV, Compare, Etcd, Guarded, TxnOp, TxnResult
+from baton_relay.registry.core import Core
+from baton_relay.registry.identity import ANONYMOUS
+from baton_relay.registry.keys import Keys
+from baton_relay.registry.producers import Producers
+from baton_relay.registry.sessions import Sessions
+from baton_relay.registry.tasks import Tasks
 
 #: the digest each commit carries (of no bytes: the cycles write no file, nothing compares)
 EMPTY = blake3.blake3(b"").hexdigest()
@@ -108,7 +108,7 @@ def test_manifest_validation_runs_off_the_event_loop(
     """CreateTask validates the manifest in a worker thread, never on the event loop."""
     import threading
 
-    import registry.tasks as tasks_module
+    import baton_relay.registry.tasks as tasks_module
 
     seen: list[str] = []
     real = tasks_module.validate
@@ -138,9 +138,9 @@ def test_manifest_validation_runs_off_the_event_loop(
 def test_completion_looks_at_tasks_finished_here_and_sweeps_all_now_and_then(
         etcd: Any, prefix: str) -> None:
     """Only tasks with an entry finished on this replica are checked between full sweeps."""
-    from registry.consumers import Consumers
-    from registry.scheduler import Scheduler
-    from registry.verify import Verifier
+    from baton_relay.registry.consumers import Consumers
+    from baton_relay.registry.scheduler import Scheduler
+    from baton_relay.registry.verify import Verifier
 
     async def body() -> tuple[list[str], str, str]:
         client = Etcd(etcd.endpoint)
@@ -188,8 +188,8 @@ def test_completion_looks_at_tasks_finished_here_and_sweeps_all_now_and_then(
 def test_a_replica_whose_view_is_behind_still_releases_a_dependent(
         etcd: Any, prefix: str) -> None:
     """A dependency verified through another replica releases its dependent on this one."""
-    from registry.scheduler import Scheduler
-    from registry.verify import Verifier
+    from baton_relay.registry.scheduler import Scheduler
+    from baton_relay.registry.verify import Verifier
 
     async def body() -> tuple[bool, str]:
         client = Etcd(etcd.endpoint)

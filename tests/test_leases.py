@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from client import Client, Lease, errors
-from client.v1 import baton_pb2 as pb
+from baton_relay.client import Client, Lease, errors
+from baton_relay.client.v1 import baton_pb2 as pb
 
 AGENT = Path(__file__).with_name("agent_proc.py")
 #: a lost claim's entry is claimable again at once (the default backoff starts at 1 s)

@@ -21,10 +21,10 @@ import pytest
 from registry_fixtures import TEST_RETRY, RegistryHandle
 from test_cli import cli_env
 
-from client import Client, errors
-from client.contract import MAX_MANIFEST_BYTES, MAX_REQUEST_BYTES
-from client.v1 import baton_pb2 as pb
-from registry import server as registry_server
+from baton_relay.client import Client, errors
+from baton_relay.client.contract import MAX_MANIFEST_BYTES, MAX_REQUEST_BYTES
+from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.registry import server as registry_server
 
 SUBPROCESS_TIMEOUT = 60
 #: gRPC's soft limit on metadata; what an error carries stays well under it
@@ -33,7 +33,7 @@ METADATA_SOFT_LIMIT = 8 * 1024
 
 def baton(registry: RegistryHandle, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "client.cli", *args], capture_output=True, text=True,
+        [sys.executable, "-m", "baton_relay.client.cli", *args], capture_output=True, text=True,
         env=cli_env(registry.address), timeout=SUBPROCESS_TIMEOUT, check=False,
     )
 

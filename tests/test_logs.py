@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from registry_fixtures import RegistryHandle
 
-from client import Client, errors
-from client.logs import formatter, setup_logging
+from baton_relay.client import Client, errors
+from baton_relay.client.logs import formatter, setup_logging
 
 
 def test_entry_lines_carry_task_file_and_revision(
@@ -64,7 +64,7 @@ def test_the_registry_process_logs_in_the_chosen_format(etcd: Any) -> None:
     with ts, level, logger and msg; `kv` writes key=value lines with the same keys."""
     for fmt, parse in (("json", json.loads), ("kv", _kv)):
         proc = subprocess.Popen(
-            [sys.executable, "-m", "registry", "--insecure", "--etcd", etcd.endpoint,
+            [sys.executable, "-m", "baton_relay.registry", "--insecure", "--etcd", etcd.endpoint,
              "--log-format", fmt, "--listen", "127.0.0.1:0", "--prefix", f"/logs-{fmt}/"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from client import Client, errors, parse_manifest
-from registry.manifest import MAX_ENTRIES, MAX_PATH, path_problem, validate
+from baton_relay.client import Client, errors, parse_manifest
+from baton_relay.registry.manifest import MAX_ENTRIES, MAX_PATH, path_problem, validate
 
 
 def spec(entries: list[dict[str, Any]], **fields: Any) -> Any:

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from client import errors, parse_manifest
-from registry.manifest import validate
+from baton_relay.client import errors, parse_manifest
+from baton_relay.registry.manifest import validate
 
 
 def spec(entries: list[dict[str, Any]]) -> Any:

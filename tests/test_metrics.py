@@ -14,14 +14,14 @@ import pytest
 from registry_fixtures import RegistryHandle
 from watcher_fixtures import digest, make_task
 
-from client import Client, put
-from client.errors import InvalidArgument, NotFound, NothingToClaim, StaleToken
-from client.v1 import baton_pb2 as pb
-from registry import RegistryConfig
-from registry.config import load_config as registry_config
-from registry.metrics import RegistryMetrics, parse_address
-from watcher import Watcher
-from watcher.config import load_config as watcher_config
+from baton_relay.client import Client, put
+from baton_relay.client.errors import InvalidArgument, NotFound, NothingToClaim, StaleToken
+from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.registry import RegistryConfig
+from baton_relay.registry.config import load_config as registry_config
+from baton_relay.registry.metrics import RegistryMetrics, parse_address
+from baton_relay.watcher import Watcher
+from baton_relay.watcher.config import load_config as watcher_config
 
 #: ids distinctive enough that finding one among label values cannot be chance
 TASK = "metrics-task-q7z"
@@ -310,7 +310,7 @@ def test_registry_refuses_a_bad_metrics_address(
     """A registry asked to serve metrics on an address it cannot use does not start."""
     import asyncio
 
-    from registry import start
+    from baton_relay.registry import start
 
     config = RegistryConfig(etcd=etcd.endpoint, listen="127.0.0.1:0",  # type: ignore[attr-defined]
                             staging=str(staging), prefix=prefix, insecure=True,

@@ -9,8 +9,8 @@ from collections.abc import Callable
 
 from registry_fixtures import TEST_RETRY
 
-from client import Client, errors
-from client.v1 import baton_pb2 as pb
+from baton_relay.client import Client, errors
+from baton_relay.client.v1 import baton_pb2 as pb
 
 AGENTS = 16
 ENTRIES = 200

@@ -13,12 +13,12 @@ import pytest
 from registry_fixtures import on_etcd
 from test_cli import invoke, ok_json, one_error_line
 
-from client import Client, errors
-from client.v1 import baton_pb2 as pb
-from registry import removal
-from registry._etcd import KV, Etcd, Put
-from registry.keys import Keys
-from registry.removal import Removal
+from baton_relay.client import Client, errors
+from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.registry import removal
+from baton_relay.registry._etcd import KV, Etcd, Put
+from baton_relay.registry.keys import Keys
+from baton_relay.registry.removal import Removal
 
 FAST = {"base_seconds": 0.001}
 
@@ -327,7 +327,7 @@ def test_cli_task_rm_json_output(registry: Any, client: Client) -> None:
 def test_cli_task_rm_asks_on_a_terminal(
         registry: Any, client: Client, store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     """On a terminal, rm asks first: `n` removes nothing (exit 1), `y` removes the task."""
-    from client.cli import tasks as task_commands
+    from baton_relay.client.cli import tasks as task_commands
 
     monkeypatch.setattr(task_commands, "interactive", lambda: True)
     client.create_task({"task_id": "t1", "entries": entries("a")})
@@ -341,9 +341,9 @@ def test_cli_task_rm_asks_on_a_terminal(
 
 def test_entry_chunks_need_the_header_still_creating(etcd: Any, prefix: str) -> None:
     """A creation whose header stopped being `creating` writes no more entries."""
-    from registry.core import Core
-    from registry.manifest import validate
-    from registry.tasks import Tasks
+    from baton_relay.registry.core import Core
+    from baton_relay.registry.manifest import validate
+    from baton_relay.registry.tasks import Tasks
 
     spec = pb.TaskSpec(task_id="t", entries=[pb.EntrySpec(file_id=f"e{i}", path=f"e{i}")
                                              for i in range(5)])

@@ -6,14 +6,14 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from client.v1 import baton_pb2 as pb
-from registry._etcd import KV, Etcd
-from registry.core import Core
-from registry.identity import ANONYMOUS
-from registry.keys import Keys
-from registry.producers import Producers
-from registry.sessions import Sessions
-from registry.tasks import Tasks
+from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.registry._etcd import KV, Etcd
+from baton_relay.registry.core import Core
+from baton_relay.registry.identity import ANONYMOUS
+from baton_relay.registry.keys import Keys
+from baton_relay.registry.producers import Producers
+from baton_relay.registry.sessions import Sessions
+from baton_relay.registry.tasks import Tasks
 
 
 class CountingEtcd(Etcd):

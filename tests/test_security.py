@@ -20,10 +20,10 @@ import grpc
 import pytest
 from registry_fixtures import TEST_RETRY, RegistryHandle, on_etcd
 
-from client import Client, errors, pki
-from client.v1 import baton_pb2 as pb
-from registry._etcd import Etcd
-from registry.identity import POLICY
+from baton_relay.client import Client, errors, pki
+from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.registry._etcd import Etcd
+from baton_relay.registry.identity import POLICY
 
 DIGEST = "ab" * 32
 SERVICE = pb.DESCRIPTOR.services_by_name["Registry"]
@@ -149,7 +149,7 @@ def _request(method: str, world: dict[str, Any]) -> Any:
 
 
 def _spec(data: dict[str, Any]) -> pb.TaskSpec:
-    from client import parse_manifest
+    from baton_relay.client import parse_manifest
 
     return parse_manifest(data)
 
@@ -161,7 +161,7 @@ def _call(client: Client, method: str, request: Any) -> None:
         try:
             next(iter(call))
         except grpc.RpcError as e:
-            from client._client import _raise_from_rpc
+            from baton_relay.client._client import _raise_from_rpc
 
             raise _raise_from_rpc(e) from None
         finally:
@@ -225,7 +225,7 @@ def test_refusal_is_exit_7(secure: RegistryHandle, certs: PKI, tmp_path: Path) -
            "BATON_CERT": str(ids.cert), "BATON_KEY": str(ids.key), "PATH": "/usr/bin:/bin"}
     (tmp_path / "m.json").write_text('{"task_id": "x", "entries": [{"file_id": "a", '
                                      '"path": "a"}]}')
-    done = subprocess.run([sys.executable, "-m", "client.cli", "task", "create",
+    done = subprocess.run([sys.executable, "-m", "baton_relay.client.cli", "task", "create",
                            str(tmp_path / "m.json")], env=env, capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 7, done.stderr
@@ -448,7 +448,7 @@ def test_plaintext_client_of_a_tls_registry_is_told(secure: RegistryHandle) -> N
 
 def test_server_settings_from_flags_and_environment() -> None:
     """The TLS and etcd credential settings load from flags and BATON_* variables."""
-    from registry.config import load_config
+    from baton_relay.registry.config import load_config
 
     cfg = load_config(["--tls-ca", "/a", "--tls-cert", "/b", "--tls-key", "/c"],
                       {"BATON_INSECURE": "0", "BATON_ETCD_CA": "/e"})
@@ -465,8 +465,8 @@ def _cli(env: dict[str, str], *args: str, stdin: str | None = None) -> Any:
     import subprocess
     import sys
 
-    return subprocess.run([sys.executable, "-m", "client.cli", *args], env=env, input=stdin,
-                          capture_output=True, text=True, timeout=60, check=False)
+    return subprocess.run([sys.executable, "-m", "baton_relay.client.cli", *args], env=env,
+                          input=stdin, capture_output=True, text=True, timeout=60, check=False)
 
 
 def test_cert_issue_mints_a_working_identity(secure: RegistryHandle, certs: PKI,

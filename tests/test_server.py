@@ -13,7 +13,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from registry.config import RegistryConfig, load_config
+from baton_relay.registry.config import RegistryConfig, load_config
 
 
 def test_config_precedence_flag_env_file(tmp_path: Path) -> None:
@@ -40,7 +40,8 @@ def test_registry_process_serves_health_and_stops_on_sigterm(etcd: Any, prefix: 
                                                               tmp_path: Path) -> None:
     """The daemon reports SERVING, exposes reflection, and exits 0 on SIGTERM."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "registry", "--insecure", "--etcd", etcd.endpoint, "--listen",
+        [sys.executable, "-m", "baton_relay.registry", "--insecure", "--etcd", etcd.endpoint,
+         "--listen",
          "127.0.0.1:0", "--staging", str(tmp_path), "--prefix", prefix],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )

@@ -16,8 +16,8 @@ from registry_fixtures import TEST_RETRY, RegistryHandle
 from test_cli import SUBPROCESS_TIMEOUT, Address, Lines, cli_env, invoke, ok_json
 from test_cli_startup import loaded_after
 
-from client import Client, Session, pki
-from client.cli.top import age_text
+from baton_relay.client import Client, Session, pki
+from baton_relay.client.cli.top import age_text
 
 #: one entry in each state: f0 consumed, f1 verified, f2 written, f3 writing (held by
 #: the session), f4 dead, f5 pending
@@ -117,8 +117,8 @@ def test_a_fresh_written_entry_is_not_stuck_yet(registry: RegistryHandle, scan: 
 
 def top_process(registry: RegistryHandle, *args: str) -> subprocess.Popen[str]:
     """`baton top -o json ARGS` as its own process, its stdout a pipe."""
-    return subprocess.Popen([sys.executable, "-m", "client.cli", "top", "-o", "json", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    return subprocess.Popen([sys.executable, "-m", "baton_relay.client.cli", "top", "-o", "json",
+                             *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**cli_env(registry.address), "BATON_TIMEOUT": "2"})
 
 

@@ -9,12 +9,12 @@ from typing import TypeVar
 import pytest
 from registry_fixtures import on_etcd
 
-from client.errors import Conflict, NotFound
-from registry._etcd import Etcd, Put
-from registry.keys import Keys
-from registry.local.etcdproc import EtcdProcess
-from registry.txn import Transactions, Txn, write
-from registry.view import View
+from baton_relay.client.errors import Conflict, NotFound
+from baton_relay.registry._etcd import Etcd, Put
+from baton_relay.registry.keys import Keys
+from baton_relay.registry.local.etcdproc import EtcdProcess
+from baton_relay.registry.txn import Transactions, Txn, write
+from baton_relay.registry.view import View
 
 T = TypeVar("T")
 

@@ -17,9 +17,9 @@ from watcher_fixtures import (
     verified_events,
 )
 
-from client import Client, Session
-from client.v1 import baton_pb2 as pb
-from watcher import Watcher
+from baton_relay.client import Client, Session
+from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.watcher import Watcher
 
 Wait = Callable[..., None]
 

@@ -18,13 +18,13 @@ from watcher_fixtures import (
     verified_events,
 )
 
-from client import Client, Session
-from client.v1 import baton_pb2 as pb
-from watcher import Watcher
-from watcher.emitter import InotifyEmitter
-from watcher.errors import FileChanged, WatchLimitReached
-from watcher.events import FsEvent
-from watcher.hashing import Hashed, Hasher
+from baton_relay.client import Client, Session
+from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.watcher import Watcher
+from baton_relay.watcher.emitter import InotifyEmitter
+from baton_relay.watcher.errors import FileChanged, WatchLimitReached
+from baton_relay.watcher.events import FsEvent
+from baton_relay.watcher.hashing import Hashed, Hasher
 
 Wait = Callable[..., None]
 
@@ -75,7 +75,7 @@ def test_kernel_overflow_event_forces_a_reconciliation(
     w.watches.unwatch_tree(str(staging / "t1"))
     (staging / "t1" / "a.bin").write_bytes(b"changed unseen")
     before = w.metrics.get("reconciliations")
-    from watcher._inotify import IN_Q_OVERFLOW, RawEvent
+    from baton_relay.watcher._inotify import IN_Q_OVERFLOW, RawEvent
 
     emitter.handle([RawEvent(-1, IN_Q_OVERFLOW, 0, "")])
     wait_for(lambda: w.metrics.get("reconciliations") > before, what="a reconciliation")
@@ -94,7 +94,7 @@ def test_three_failed_hashes_report_the_file_corrupted(
     watcher_factory: Callable[..., Watcher], monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A file that cannot be hashed three times in a row is reported CORRUPTED and retried."""
-    monkeypatch.setattr("watcher.daemon.Hasher", FlakyHasher)
+    monkeypatch.setattr("baton_relay.watcher.daemon.Hasher", FlakyHasher)
     w = watcher_factory()
     make_task(client, "t1", {"a": "a.bin"})
     put_bytes(client, session, "t1", "a", b"never settles")
@@ -132,9 +132,9 @@ def test_network_mount_is_polled(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A staging root that statfs says is on NFS is watched by polling, and the log says why."""
-    monkeypatch.setattr("watcher.observe.blind_spot",
+    monkeypatch.setattr("baton_relay.watcher.observe.blind_spot",
                         lambda path: "on a NFS mount (f_type 0x6969)")
-    monkeypatch.setattr("watcher.observe.Watches.__init__.__defaults__",
+    monkeypatch.setattr("baton_relay.watcher.observe.Watches.__init__.__defaults__",
                         (lambda path: "on a NFS mount (f_type 0x6969)",))
     w = watcher_factory()
     assert w.watches.root_backend == "poll"
@@ -179,7 +179,7 @@ def test_stop_finishes_and_reports_the_hash_in_hand(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A graceful stop waits for the file being hashed and reports it before returning."""
-    monkeypatch.setattr("watcher.daemon.Hasher", GatedHasher)
+    monkeypatch.setattr("baton_relay.watcher.daemon.Hasher", GatedHasher)
     GatedHasher.started.clear()
     GatedHasher.gate.clear()
     w = watcher_factory()

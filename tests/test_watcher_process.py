@@ -1,4 +1,5 @@
-"""The watcher as a process (``python -m watcher``): ready line, SIGTERM, SIGKILL + restart."""
+"""The watcher as a process (``python -m baton_relay.watcher``): ready line, SIGTERM,
+SIGKILL + restart."""
 
 from __future__ import annotations
 
@@ -14,20 +15,20 @@ import pytest
 from registry_fixtures import RegistryHandle
 from watcher_fixtures import histories, make_task, put_bytes, verified_events
 
-from client import Client, Session
-from client.v1 import baton_pb2 as pb
-from watcher.__main__ import READY
+from baton_relay.client import Client, Session
+from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.watcher.__main__ import READY
 
 Wait = Callable[..., None]
 
 
 class WatcherProcess:
-    """``python -m watcher`` on the test's registry; stderr (its log) goes to a file."""
+    """``python -m baton_relay.watcher`` on the test's registry; stderr (its log) goes to a file."""
 
     def __init__(self, registry: RegistryHandle, staging: Path, log_path: Path,
                  *extra: str) -> None:
         self.log_path = log_path
-        argv = [sys.executable, "-u", "-m", "watcher", "--registry", registry.address,
+        argv = [sys.executable, "-u", "-m", "baton_relay.watcher", "--registry", registry.address,
                 "--staging", str(staging), "--retry-delay", "0.05", *extra]
         with log_path.open("ab") as log:
             self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log,

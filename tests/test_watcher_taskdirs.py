@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 from watcher_fixtures import is_state, put_bytes
 
-from client import Client, Session
-from client.v1 import baton_pb2 as pb
-from watcher import Watcher
-from watcher.taskdirs import DirRule, TaskDirFailed, TaskDirs, dir_rules, prepare_dir
+from baton_relay.client import Client, Session
+from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.watcher import Watcher
+from baton_relay.watcher.taskdirs import DirRule, TaskDirFailed, TaskDirs, dir_rules, prepare_dir
 
 Wait = Callable[..., None]
 

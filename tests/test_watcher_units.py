@@ -13,15 +13,15 @@ from pathlib import Path
 import blake3
 import pytest
 
-from client.errors import BatonError
-from client.logs import formatter, log
-from watcher import Watcher, WatcherConfig, load_config
-from watcher.emitter import InotifyEmitter
-from watcher.errors import FileChanged, Refused
-from watcher.events import FsEvent, Intake, Kind
-from watcher.fsinfo import REMOTE_MAGIC, blind_spot, fs_type
-from watcher.hashing import Hasher
-from watcher.jobs import JobQueue
+from baton_relay.client.errors import BatonError
+from baton_relay.client.logs import formatter, log
+from baton_relay.watcher import Watcher, WatcherConfig, load_config
+from baton_relay.watcher.emitter import InotifyEmitter
+from baton_relay.watcher.errors import FileChanged, Refused
+from baton_relay.watcher.events import FsEvent, Intake, Kind
+from baton_relay.watcher.fsinfo import REMOTE_MAGIC, blind_spot, fs_type
+from baton_relay.watcher.hashing import Hasher
+from baton_relay.watcher.jobs import JobQueue
 
 
 def test_config_precedence_flag_env_file_default(tmp_path: Path) -> None:

@@ -16,11 +16,11 @@ import blake3
 import pytest
 from registry_fixtures import TEST_RETRY, RegistryHandle
 
-from client import Client, Session, put
-from client.v1 import baton_pb2 as pb
-from registry._etcd import Etcd
-from registry.keys import Keys
-from watcher import Watcher, WatcherConfig, start_watcher
+from baton_relay.client import Client, Session, put
+from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.registry._etcd import Etcd
+from baton_relay.registry.keys import Keys
+from baton_relay.watcher import Watcher, WatcherConfig, start_watcher
 
 #: settings that keep tests fast; the reconciliation interval is long so that tests
 #: prove events (not the periodic sweep) did the work, unless they shorten it

@@ -1,6 +1,6 @@
 """Baton's watcher: one daemon per host that hashes files as they land and reports them.
 
-    from watcher import WatcherConfig, start_watcher
+    from baton_relay.watcher import WatcherConfig, start_watcher
 
     w = start_watcher(WatcherConfig(registry="127.0.0.1:7390", staging="/srv/staging"))
     ...

@@ -1,4 +1,5 @@
-"""``baton-watcher`` / ``python -m watcher``: run the watcher until SIGTERM or SIGINT."""
+"""``baton-watcher`` / ``python -m baton_relay.watcher``: run the watcher until SIGTERM or
+SIGINT."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import time
 from collections.abc import Sequence
 from types import FrameType
 
-from client.logs import setup_logging
-from client.sdnotify import Notifier
+from baton_relay.client.logs import setup_logging
+from baton_relay.client.sdnotify import Notifier
 
 from .config import load_config
 from .daemon import Watcher

@@ -25,10 +25,10 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from client import Client
-from client.errors import BatonError, NotFound, Unavailable
-from client.logs import log
-from client.v1 import baton_pb2 as pb
+from baton_relay.client import Client
+from baton_relay.client.errors import BatonError, NotFound, Unavailable
+from baton_relay.client.logs import log
+from baton_relay.client.v1 import baton_pb2 as pb
 
 from .cache import IdentityCache, Known
 from .errors import FileChanged, FileMissing, HashFailed

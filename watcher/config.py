@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from client import settings
-from client.logs import FORMATS
+from baton_relay.client import settings
+from baton_relay.client.logs import FORMATS
 
 OBSERVERS = ("auto", "inotify", "poll")
 LOG_FORMATS = FORMATS

@@ -22,10 +22,10 @@ import threading
 import time
 from typing import Any
 
-from client import Client, RetryPolicy
-from client.errors import BatonError
-from client.logs import log
-from client.v1 import baton_pb2 as pb
+from baton_relay.client import Client, RetryPolicy
+from baton_relay.client.errors import BatonError
+from baton_relay.client.logs import log
+from baton_relay.client.v1 import baton_pb2 as pb
 
 from .cache import IdentityCache, open_cache
 from .checker import Checker

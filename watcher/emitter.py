@@ -13,7 +13,7 @@ import os
 import threading
 from collections.abc import Callable, Iterable
 
-from client.contract import TEMP_MARKER
+from baton_relay.client.contract import TEMP_MARKER
 
 from ._inotify import (
     IN_ATTRIB,

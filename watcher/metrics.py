@@ -25,8 +25,8 @@ from prometheus_client import start_http_server as _start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from client import errors
-from client.errors import BatonError, InvalidArgument
+from baton_relay.client import errors
+from baton_relay.client.errors import BatonError, InvalidArgument
 
 # Nothing reads the ``*_created`` series the text format would add per counter.
 disable_created_metrics()  # type: ignore[no-untyped-call]

@@ -15,7 +15,7 @@ import os
 import threading
 from collections.abc import Callable
 
-from client.logs import log
+from baton_relay.client.logs import log
 
 from .errors import WatchFailed, WatchLimitReached
 from .events import Emitter, FsEvent

@@ -17,7 +17,7 @@ from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers.api import ObservedWatch
 from watchdog.observers.polling import PollingObserver
 
-from client.contract import TEMP_MARKER
+from baton_relay.client.contract import TEMP_MARKER
 
 from .events import FsEvent, Kind
 

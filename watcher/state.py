@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from client.v1 import baton_pb2 as pb
+from baton_relay.client.v1 import baton_pb2 as pb
 
 from .hashing import Identity
 

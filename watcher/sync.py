@@ -14,10 +14,10 @@ import logging
 import threading
 from collections.abc import Callable
 
-from client import Client
-from client.errors import BatonError, NotFound
-from client.logs import log
-from client.v1 import baton_pb2 as pb
+from baton_relay.client import Client
+from baton_relay.client.errors import BatonError, NotFound
+from baton_relay.client.logs import log
+from baton_relay.client.v1 import baton_pb2 as pb
 
 from .state import Change, Table, TaskView
 

@@ -27,8 +27,8 @@ import stat
 import threading
 from dataclasses import dataclass
 
-from client.logs import log
-from client.v1 import baton_pb2 as pb
+from baton_relay.client.logs import log
+from baton_relay.client.v1 import baton_pb2 as pb
 
 from .errors import WatcherError
 

@@ -14,7 +14,7 @@ import sys
 
 import click
 
-from ..contract import DEFAULT_REGISTRY
+from ..contract import DEFAULT_REGISTRY, DISTRIBUTION
 from ._common import (
     EXIT_STATUS,
     BatonGroup,
@@ -72,7 +72,7 @@ class LazyGroup(BatonGroup):
               help="this identity's certificate (its CN and roles)")
 @click.option("--key", envvar="BATON_KEY", show_envvar=True, default="", metavar="FILE",
               help="the certificate's private key")
-@click.version_option(package_name="baton", prog_name="baton")
+@click.version_option(package_name=DISTRIBUTION, prog_name="baton")
 @click.pass_context
 def cli(ctx: click.Context, registry: str, timeout: float, ca: str, cert: str,
         key: str) -> None:

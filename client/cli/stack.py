@@ -1,5 +1,5 @@
 """``baton up`` and ``baton demo``: the local stack on one machine (``registry.local``,
-installed with ``baton[local]``; an agent's install has only the client)."""
+installed with ``baton-relay[local]``; an agent's install has only the client)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from ._common import Settings, pass_settings
 from ._root import cli
 
 if TYPE_CHECKING:
-    from registry.local.demo import DemoResult
-    from registry.local.stack import LocalPKI
+    from baton_relay.registry.local.demo import DemoResult
+    from baton_relay.registry.local.stack import LocalPKI
 
 
 class ExtraMissing(errors.BatonError):
@@ -28,11 +28,11 @@ class ExtraMissing(errors.BatonError):
 def _local() -> Any:
     """``registry.local``'s modules, or a clear error naming the extra to install."""
     try:
-        from registry.local import demo, stack
+        from baton_relay.registry.local import demo, stack
     except ImportError as e:
         raise ExtraMissing(
             f"`baton up` and `baton demo` run Baton's server side, not installed here "
-            f"({e.name or e}): pip install 'baton[local]'", extra="local") from e
+            f"({e.name or e}): pip install 'baton-relay[local]'", extra="local") from e
     return stack, demo
 
 

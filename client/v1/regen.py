@@ -1,6 +1,6 @@
 """Regenerate the committed stubs from ``baton.proto``.
 
-Run ``python -m client.v1.regen`` from the repository root after editing the
+Run ``python -m baton_relay.client.v1.regen`` from the repository root after editing the
 contract; ``tests/test_contract.py`` fails while the committed stubs are stale.
 Needs the ``dev`` extra (grpcio-tools, mypy-protobuf).
 """
@@ -12,11 +12,15 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PROTO = "client/v1/baton.proto"
+#: the import root: the contract is compiled as baton_relay/client/v1/baton.proto, so
+#: the generated modules import each other as baton_relay.client.v1
+SRC = ROOT / "src"
+PROTO = "baton_relay/client/v1/baton.proto"
 
 
 def generate(out_dir: Path) -> None:
-    """Write baton_pb2.py, baton_pb2.pyi and baton_pb2_grpc.py under ``out_dir``."""
+    """Write baton_pb2.py, baton_pb2.pyi and baton_pb2_grpc.py under
+    ``out_dir/baton_relay/client/v1``."""
     from grpc_tools import protoc  # dev-only dependency
 
     # protoc finds the mypy plugin on PATH; it lives beside this interpreter.
@@ -25,16 +29,16 @@ def generate(out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     args = [
         "protoc",
-        f"-I{ROOT}",
+        f"-I{SRC}",
         f"--python_out={out_dir}",
         f"--grpc_python_out={out_dir}",
         f"--mypy_out={out_dir}",
-        str(ROOT / PROTO),
+        str(SRC / PROTO),
     ]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
 
 
 if __name__ == "__main__":
-    generate(ROOT)
+    generate(SRC)
     sys.stdout.write("regenerated client/v1 stubs\n")

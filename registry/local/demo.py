@@ -18,10 +18,10 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from client import errors
-from client._client import Client
-from client.consumer import consume
-from client.producer import produce
+from baton_relay.client import errors
+from baton_relay.client._client import Client
+from baton_relay.client.consumer import consume
+from baton_relay.client.producer import produce
 
 STATES = ("pending", "writing", "written", "verified", "consumed", "dead")
 

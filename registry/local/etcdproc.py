@@ -31,7 +31,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
-from client.errors import BatonError
+from baton_relay.client.errors import BatonError
 
 __all__ = [
     "DaemonFailed",

@@ -30,9 +30,9 @@ from typing import Any
 
 import grpc
 
-from client.contract import LOCAL_ETCD_PORT, REGISTRY_PORT
-from client.errors import BatonError
-from registry.local.etcdproc import (
+from baton_relay.client.contract import LOCAL_ETCD_PORT, REGISTRY_PORT
+from baton_relay.client.errors import BatonError
+from baton_relay.registry.local.etcdproc import (
     BANNER_PREFIX,
     DaemonFailed,
     EtcdProcess,
@@ -45,7 +45,7 @@ from registry.local.etcdproc import (
     wait_ready,
     write_banner,
 )
-from registry.local.supervisor import RestartPolicy, Supervisor
+from baton_relay.registry.local.supervisor import RestartPolicy, Supervisor
 
 __all__ = [
     "ChildSpec",
@@ -63,7 +63,7 @@ __all__ = [
 ]
 
 READY_TIMEOUT = 30.0
-#: the line ``python -m watcher`` prints once it watches the staging directory
+#: the line ``python -m baton_relay.watcher`` prints once it watches the staging directory
 WATCHER_READY = "baton-watcher watching"
 STOP_TIMEOUT = 10.0
 
@@ -183,7 +183,7 @@ def child_specs(opts: UpOptions, etcd_endpoint: str,
     registry_argv = (
         sys.executable,
         "-u",  # unbuffered, so registry.log is current when we quote its tail
-        "-m", "registry",
+        "-m", "baton_relay.registry",
         "--etcd", etcd_endpoint,
         "--listen", registry_address,
         "--staging", str(opts.staging),
@@ -204,7 +204,7 @@ def child_specs(opts: UpOptions, etcd_endpoint: str,
     watcher_argv = (
         sys.executable,
         "-u",
-        "-m", "watcher",
+        "-m", "baton_relay.watcher",
         "--registry", registry_address,
         "--staging", str(opts.staging),
         "--state-file", str(opts.data_dir / "watcher-state.sqlite"),
@@ -258,7 +258,7 @@ def _health_modules() -> tuple[Any, Any]:
     except ImportError as e:
         raise ExtraNotInstalled(
             "`baton up` needs the registry's dependencies (grpcio-health-checking, ...); "
-            "install them with: pip install 'baton[local]'",
+            "install them with: pip install 'baton-relay[local]'",
             extra="local",
         ) from e
     return health_pb2, health_pb2_grpc
@@ -418,19 +418,18 @@ def _stop_on_signals(stop: threading.Event) -> Iterator[None]:
 
 def _check_installed() -> None:
     _health_modules()
-    missing = [m for m in ("watcher", "inotify_simple", "watchdog")
-               if importlib.util.find_spec(m) is None]
+    missing = [m for m in ("inotify_simple", "watchdog") if importlib.util.find_spec(m) is None]
     if missing:
         raise ExtraNotInstalled(
             f"`baton up` runs a watcher, which needs {', '.join(missing)}; install it "
-            "with: pip install 'baton[local]'",
+            "with: pip install 'baton-relay[local]'",
             extra="local",
         )
-    # find_spec of the top-level name only: it locates without importing anything.
-    if importlib.util.find_spec("registry") is None:
+    # the registry's own dependencies (this module is part of it, so it is there)
+    if importlib.util.find_spec("aetcd") is None:
         raise ExtraNotInstalled(
-            "the `registry` package is not importable; install Baton with its server "
-            "side: pip install 'baton[local]'",
+            "the registry's dependencies are not installed; install Baton with its server "
+            "side: pip install 'baton-relay[local]'",
             extra="local",
         )
 
@@ -508,13 +507,13 @@ def run_up(
 def _local_pki(root: Path) -> LocalPKI:
     """The stack's certificates, made on first start and kept."""
     try:
-        from client import pki
+        from baton_relay.client import pki
     except ImportError as e:  # pragma: no cover - client.pki itself imports nothing extra
         raise ExtraNotInstalled(str(e), extra="pki") from e
     if importlib.util.find_spec("cryptography") is None:
         raise ExtraNotInstalled(
             "`baton up` makes certificates for its stack, which needs the 'cryptography' "
-            "package: pip install 'baton[pki]' (or run `baton up --insecure`)", extra="pki")
+            "package: pip install 'baton-relay[pki]' (or run `baton up --insecure`)", extra="pki")
     pki.local_pki(root)
     return LocalPKI(root)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from registry.local.etcdproc import DaemonFailed, StartCancelled
+from baton_relay.registry.local.etcdproc import DaemonFailed, StartCancelled
 
 __all__ = ["Daemon", "RestartPolicy", "Supervisor"]
 

@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from registry.local.etcdproc import etcd_version, find_etcd
+from baton_relay.registry.local.etcdproc import etcd_version, find_etcd
 
 from .harness import RunConfig, run
 from .nemesis import NEMESES

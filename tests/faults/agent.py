@@ -27,8 +27,16 @@ from dataclasses import asdict
 from pathlib import Path
 from types import FrameType
 
-from client import Client, RetryPolicy, Session, errors, next_lease, produce, read_verified
-from client.v1 import baton_pb2 as pb
+from baton_relay.client import (
+    Client,
+    RetryPolicy,
+    Session,
+    errors,
+    next_lease,
+    produce,
+    read_verified,
+)
+from baton_relay.client.v1 import baton_pb2 as pb
 
 from . import payload
 from .history import History, phase_of

@@ -25,7 +25,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from registry.keys import ClaimRef
+from baton_relay.registry.keys import ClaimRef
 
 from .state import EntryKey, JournalRecord, Snapshot
 

@@ -25,9 +25,15 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from client import pki
-from registry.local.etcdproc import port_in_use, tail, terminate, wait_ready, write_banner
-from registry.local.stack import LocalPKI, grpc_health_probe, log_line_probe
+from baton_relay.client import pki
+from baton_relay.registry.local.etcdproc import (
+    port_in_use,
+    tail,
+    terminate,
+    wait_ready,
+    write_banner,
+)
+from baton_relay.registry.local.stack import LocalPKI, grpc_health_probe, log_line_probe
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "deploy" / "local" / "etcd-cluster.sh"
@@ -327,7 +333,7 @@ def registry_proc(name: str, etcd_endpoint: str, port: int, staging: Path, prefi
                   log_path: Path, tls: LocalPKI | None) -> Proc:
     address = f"127.0.0.1:{port}"
     security = list(tls.client_flags(REGISTRY, "tls")) if tls else ["--insecure"]
-    argv = [sys.executable, "-u", "-m", "registry", *security, "--etcd", etcd_endpoint,
+    argv = [sys.executable, "-u", "-m", "baton_relay.registry", *security, "--etcd", etcd_endpoint,
             "--listen", address, "--staging", str(staging), "--prefix", prefix,
             "--reap-interval", "0.5", "--grace", "1"]
     return Proc(name, argv, log_path, ready=lambda: grpc_health_probe(address, pki=tls),
@@ -340,7 +346,7 @@ def watcher_proc(registries: Sequence[str], staging: Path, state_file: Path,
     # TLS the replicas' certificates are checked against the list's first host.
     target = "ipv4:" + ",".join(registries)
     security = [] if tls is None else list(tls.client_flags(WATCHER))
-    argv = [sys.executable, "-u", "-m", "watcher", "--registry", target, *security,
+    argv = [sys.executable, "-u", "-m", "baton_relay.watcher", "--registry", target, *security,
             "--staging", str(staging), "--state-file", str(state_file),
             "--reconcile-interval", "5", "--stream-timeout", "10", "--retry-delay", "0.1"]
     return Proc("watcher", argv, log_path, env=daemon_env(),

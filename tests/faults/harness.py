@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from client import Client, RetryPolicy, errors
-from client.v1 import baton_pb2 as pb
-from registry.local.etcdproc import free_port
-from registry.local.stack import LocalPKI
+from baton_relay.client import Client, RetryPolicy, errors
+from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.registry.local.etcdproc import free_port
+from baton_relay.registry.local.stack import LocalPKI
 
 from . import history as hist
 from .checker import Report, check

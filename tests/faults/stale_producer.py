@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import sys
 
-from client import Client, RetryPolicy, errors, produce
+from baton_relay.client import Client, RetryPolicy, errors, produce
 
 PAYLOAD = b"A" * 1000
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from registry.local.etcdproc import etcd_version, find_etcd
+from baton_relay.registry.local.etcdproc import etcd_version, find_etcd
 
 from .harness import Result, RunConfig, run
 from .nemesis import NEMESES

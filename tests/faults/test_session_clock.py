@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from client import Session, errors
+from baton_relay.client import Session, errors
 
 
 class LateReplies:

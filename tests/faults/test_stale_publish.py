@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from client import Client, errors, put
-from client.v1 import baton_pb2 as pb
+from baton_relay.client import Client, errors, put
+from baton_relay.client.v1 import baton_pb2 as pb
 
 from .cluster import REPO
 from .stale_producer import PAYLOAD
