@@ -663,7 +663,8 @@ def test_the_fault_run_commands_run_as_written(tmp_path: Path) -> None:
            if not k.startswith("BATON_") or k == "BATON_TEST_ETCD"}
     env["TMPDIR"] = str(tmp_path)  # where the run makes its OUT
 
-    made = subprocess.run(["make", "-n", *shlex.split(make_line)[1:-1], "DURATION=20"],
+    made = subprocess.run(["make", "-n", "--no-print-directory", *shlex.split(make_line)[1:-1],
+                           "DURATION=20"],
                           cwd=ROOT, env=env, capture_output=True, text=True, check=True)
     assert made.stdout.splitlines()[-1].strip() == \
         f".venv/bin/{run_line.replace('1800', '20')}", made.stdout
@@ -1080,7 +1081,8 @@ def test_the_benchmark_commands_parse() -> None:
     assert "make bench" in found and any("--set" in line for line in found), found
     for line in sorted(set(found)):
         if line == "make bench":
-            made = subprocess.run(["make", "-n", "bench"], cwd=ROOT, capture_output=True,
+            made = subprocess.run(["make", "-n", "--no-print-directory", "bench"], cwd=ROOT,
+                                  capture_output=True,
                                   text=True, check=True)
             assert made.stdout.splitlines()[-1] == ".venv/bin/python -m bench", made.stdout
         elif line.startswith("python -m bench "):
