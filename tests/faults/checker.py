@@ -117,6 +117,10 @@ def check(records: list[dict[str, Any]], snap: Snapshot,
     """Check a run: agents' ``records``, the final ``snap``, the entries ``created`` per task."""
     hist = _Histories(records)
     report = Report(ops=hist.ops, nemeses=nemeses)
+    # Counted below only when they happen; the summary line shows them at 0 too, so
+    # every run's line carries the same keys (a reader's grep finds them).
+    for always in ("reaped", "retries"):
+        report.stats[always] += 0
     seen = _Seen()
     for key in sorted(set(snap.entries) | set(snap.journal)):
         _walk(key, snap.journal.get(key, []), hist, report, seen)
