@@ -97,3 +97,25 @@ def test_setup_keeps_libraries_at_warning() -> None:
         logging.getLogger().handlers[:] = []
     out = stream.getvalue()
     assert "msg=mine" in out and "theirs" not in out and "msg=loud" in out
+
+
+def test_the_watchers_lines_about_an_entry_carry_its_revision(
+    client: Client, watcher_factory: Callable[..., Any], wait_for: Callable[..., None],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The watcher's "reported" line names the task, the file and the revision the
+    registry's reply carried."""
+    from watcher_fixtures import is_state, make_task, put_bytes
+
+    caplog.set_level(logging.INFO, logger="baton.watcher")
+    watcher_factory()
+    make_task(client, "wl", {"a": "a.bin"})
+    with client.open_session("p", ttl=10) as s:
+        put_bytes(client, s, "wl", "a", b"logged bytes")
+        wait_for(is_state(client, "wl", "a", 4), what="a verified")
+    revision = client.get_entry("wl", "a").revision
+    reported = [getattr(r, "baton_fields", {}) for r in caplog.records
+                if r.getMessage() == "reported"]
+    assert reported, [r.getMessage() for r in caplog.records]
+    assert reported[-1]["task"] == "wl" and reported[-1]["file_id"] == "a"
+    assert reported[-1]["revision"] == revision

@@ -162,7 +162,8 @@ class Checker:
             self._mind_links(key, hashed.identity)
             return
         log(logger, logging.WARNING, "verified file changed on disk", task=key[0],
-            file_id=key[1], digest=hashed.digest, verified_digest=entry.digest)
+            file_id=key[1], revision=entry.revision, digest=hashed.digest,
+            verified_digest=entry.digest)
         self._report(key, entry, hashed)
 
     # hashing and its failures ------------------------------------------------------------
@@ -198,7 +199,7 @@ class Checker:
         self.metrics.add("hash_failures")
         if failures < self.max_failures:
             log(logger, logging.INFO, "hash failed; trying again", task=key[0],
-                file_id=key[1], attempt=failures, reason=e.reason)
+                file_id=key[1], revision=entry.revision, attempt=failures, reason=e.reason)
             self.table.update(*key, failures=failures)
             self.jobs.submit(key, self.retry_delay * failures)
             return
@@ -210,7 +211,8 @@ class Checker:
         if entry.state in (pb.WRITTEN, pb.VERIFIED):
             self._problem(key, CORRUPTED, e.reason)
         else:
-            log(logger, logging.INFO, "refused", task=key[0], file_id=key[1], reason=e.reason)
+            log(logger, logging.INFO, "refused", task=key[0], file_id=key[1],
+                revision=entry.revision, reason=e.reason)
 
     # talking to the registry ------------------------------------------------------------
 
@@ -231,8 +233,8 @@ class Checker:
             self._mind_links(key, i)
         else:
             self.links.drop(key)
-        log(logger, logging.INFO, "reported", task=key[0], file_id=key[1], size=i.size,
-            digest=hashed.digest, was=entry.state_name,
+        log(logger, logging.INFO, "reported", task=key[0], file_id=key[1],
+            revision=reply.revision, size=i.size, digest=hashed.digest, was=entry.state_name,
             now=pb.EntryState.Name(reply.state).lower())
 
     def _problem(self, key: Key, kind: int, reason: str) -> None:
@@ -248,7 +250,7 @@ class Checker:
         self.links.drop(key)
         self.table.apply(key[0], reply)
         log(logger, logging.WARNING, "reported a problem", task=key[0], file_id=key[1],
-            kind=name, reason=reason,
+            revision=reply.revision, kind=name, reason=reason,
             now=pb.EntryState.Name(reply.state).lower())
 
 
