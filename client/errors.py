@@ -226,6 +226,9 @@ _BY_NAME: dict[str, type[BatonError]] = {
     )
 }
 
+#: the names of Baton's errors (metrics use them as label values, a bounded set)
+ERROR_NAMES = frozenset({*_BY_NAME, BatonError.__name__})
+
 #: the error a status without a ``baton-error`` name becomes: it came from the
 #: transport (or a proxy), not from a registry's handler, so a code such as
 #: ``RESOURCE_EXHAUSTED`` means a size limit, never a session's full slots

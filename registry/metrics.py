@@ -42,7 +42,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from baton_relay.client import errors
-from baton_relay.client.errors import BatonError, InvalidArgument
+from baton_relay.client.errors import ERROR_NAMES, BatonError, InvalidArgument
+from baton_relay.client.settings import parse_address
 from baton_relay.client.v1 import baton_pb2 as pb
 
 from .model import TaskRecord
@@ -67,10 +68,6 @@ REQUEST_TIMEOUT = 5.0
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                    5.0, 10.0)
 
-#: the names of Baton's errors: the only values an ``outcome`` label takes besides "ok"
-ERROR_NAMES = frozenset(
-    name for name, value in vars(errors).items()
-    if isinstance(value, type) and issubclass(value, BatonError))
 #: methods whose outcome is counted per step, and the counter they add to
 STEPS = {"Claim": "claims", "ClaimBatch": "claims", "Commit": "commits",
          "CommitBatch": "commits", "Fail": "fails", "Consume": "consumes", "Ack": "acks",
@@ -100,22 +97,6 @@ def outcome_of(name: str) -> str:
     """A Baton error's name as a label value: itself when it is one of Baton's errors,
     else "other" (a subclass defined elsewhere travels under its own name)."""
     return name if name in ERROR_NAMES else "other"
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """``HOST:PORT`` (an IPv6 host in brackets) as (host, port); ``InvalidArgument``."""
-    host, sep, port = address.rpartition(":")
-    host = host.removeprefix("[").removesuffix("]")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise InvalidArgument(f"--metrics {address!r}: expected HOST:PORT (port 0 = pick one)",
-                              setting="--metrics")
-    return host, int(port)
-
-
-def metrics_url(address: str, port: int) -> str:
-    """Where ``/metrics`` is served when ``address`` (``HOST:PORT``) is bound to ``port``."""
-    host = parse_address(address)[0]
-    return f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics"
 
 
 def _code_of(context: Any, exc: BaseException) -> str:

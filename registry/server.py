@@ -19,13 +19,14 @@ from baton_relay.client.contract import MAX_REPLY_BYTES, MAX_REQUEST_BYTES
 from baton_relay.client.errors import BatonError, InvalidArgument
 from baton_relay.client.logs import setup_logging
 from baton_relay.client.sdnotify import Notifier
+from baton_relay.client.settings import metrics_url, parse_address
 from baton_relay.client.v1 import baton_pb2
 
 from ._etcd import Etcd, EtcdAuth
 from .config import RegistryConfig, load_config
 from .core import Core
 from .keys import Keys
-from .metrics import RegistryMetrics, metrics_url, parse_address
+from .metrics import RegistryMetrics
 from .scheduler import Scheduler
 from .service import RegistryService, add_to_server
 from .sessions import Reaper

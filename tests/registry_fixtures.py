@@ -18,7 +18,7 @@ import pytest
 
 from baton_relay.client import Client, RetryPolicy
 from baton_relay.registry import RegistryConfig, Running, start
-from baton_relay.registry._etcd import Etcd
+from baton_relay.registry._etcd import Etcd, EtcdAuth
 
 T = TypeVar("T")
 
@@ -29,13 +29,14 @@ class HasEndpoint(Protocol):
 
 
 def on_etcd(where: str | HasEndpoint, body: Callable[[Etcd], Awaitable[T]],
-            timeout: float = 5.0) -> T:
+            timeout: float = 5.0, auth: EtcdAuth | None = None) -> T:
     """Run ``body`` with a connection of its own to etcd (an endpoint, or the session's
-    etcd): for tests that read or write keys straight, not through a registry."""
+    etcd; with ``auth``'s credentials): for tests that read or write keys straight, not
+    through a registry."""
     endpoint = where if isinstance(where, str) else where.endpoint
 
     async def main() -> T:
-        conn = Etcd(endpoint, timeout=timeout)
+        conn = Etcd(endpoint, timeout=timeout, auth=auth or EtcdAuth())
         await conn.connect()
         try:
             return await body(conn)

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 from uuid import uuid4
 
 import pytest
-from registry_fixtures import TEST_RETRY, start_registry
+from registry_fixtures import TEST_RETRY, on_etcd, start_registry
 from test_etcd_endpoints import Relay, needs_ipv6
 
 from baton_relay.client import Client, errors, pki
@@ -39,16 +39,7 @@ ALLOWED = "/baton-test/"
 def on(endpoint: str, auth: EtcdAuth, body: Callable[[Etcd], Awaitable[T]],
        timeout: float = 5.0) -> T:
     """Run ``body`` on a connection of its own made with ``auth``."""
-
-    async def main() -> T:
-        conn = Etcd(endpoint, timeout=timeout, auth=auth)
-        await conn.connect()
-        try:
-            return await body(conn)
-        finally:
-            await conn.close()
-
-    return asyncio.run(main())
+    return on_etcd(endpoint, body, timeout, auth)
 
 
 def connect_error(endpoint: str, auth: EtcdAuth, timeout: float = 3.0) -> tuple[str, float]:

@@ -16,10 +16,11 @@ from watcher_fixtures import digest, make_task
 
 from baton_relay.client import Client, put
 from baton_relay.client.errors import InvalidArgument, NotFound, NothingToClaim, StaleToken
+from baton_relay.client.settings import parse_address
 from baton_relay.client.v1 import baton_pb2 as pb
 from baton_relay.registry import RegistryConfig
 from baton_relay.registry.config import load_config as registry_config
-from baton_relay.registry.metrics import RegistryMetrics, parse_address
+from baton_relay.registry.metrics import RegistryMetrics
 from baton_relay.watcher import Watcher
 from baton_relay.watcher.config import load_config as watcher_config
 

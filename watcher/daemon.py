@@ -25,6 +25,7 @@ from typing import Any
 from baton_relay.client import Client, RetryPolicy
 from baton_relay.client.errors import BatonError
 from baton_relay.client.logs import log
+from baton_relay.client.settings import metrics_url
 from baton_relay.client.v1 import baton_pb2 as pb
 
 from .cache import IdentityCache, open_cache
@@ -34,7 +35,7 @@ from .errors import HashFailed, WatchFailed
 from .events import FsEvent, Intake, Kind
 from .hashing import Hasher
 from .jobs import JobQueue
-from .metrics import Levels, Metrics, metrics_url
+from .metrics import Levels, Metrics
 from .observe import Watches
 from .state import LIVE, Change, Table
 from .sync import TaskStreams

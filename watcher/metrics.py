@@ -26,7 +26,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from baton_relay.client import errors
-from baton_relay.client.errors import BatonError, InvalidArgument
+from baton_relay.client.errors import ERROR_NAMES, InvalidArgument
+from baton_relay.client.settings import parse_address
 
 # Nothing reads the ``*_created`` series the text format would add per counter.
 disable_created_metrics()  # type: ignore[no-untyped-call]
@@ -48,10 +49,6 @@ COUNTERS = {
 }
 #: how long hashing one file takes, from a small file to gigabytes
 HASH_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0)
-#: the names of Baton's errors: the values a report's ``result`` takes besides states
-ERROR_NAMES = frozenset(
-    name for name, value in vars(errors).items()
-    if isinstance(value, type) and issubclass(value, BatonError))
 
 
 def error_name(exc: BaseException) -> str:
@@ -60,22 +57,6 @@ def error_name(exc: BaseException) -> str:
         if cls.__name__ in ERROR_NAMES and cls.__module__ == errors.__name__:
             return cls.__name__
     return "other"
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """``HOST:PORT`` (an IPv6 host in brackets) as (host, port); ``InvalidArgument``."""
-    host, sep, port = address.rpartition(":")
-    host = host.removeprefix("[").removesuffix("]")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise InvalidArgument(f"--metrics {address!r}: expected HOST:PORT (port 0 = pick one)",
-                              setting="--metrics")
-    return host, int(port)
-
-
-def metrics_url(address: str, port: int) -> str:
-    """Where ``/metrics`` is served when ``address`` (``HOST:PORT``) is bound to ``port``."""
-    host = parse_address(address)[0]
-    return f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics"
 
 
 @dataclass(frozen=True)

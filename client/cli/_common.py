@@ -25,7 +25,7 @@ from .. import errors
 
 if TYPE_CHECKING:
     from google.protobuf.message import Message
-    from rich.console import Console
+    from rich.console import Console, RenderableType
     from rich.table import Table
 
     from .._client import Client, Session
@@ -195,9 +195,10 @@ def folding_table(*columns: str, whole: tuple[str, ...] = (),
 MAX_PIPE_WIDTH = 1000
 
 
-def emit_table(table: Table) -> None:
-    """Print a table: fitted to a terminal; at its natural width into a pipe or
-    file (unless COLUMNS says otherwise), so each row stays one line for grep."""
+def emit_table(table: RenderableType) -> None:
+    """Print a table (or a group of them): fitted to a terminal; at its natural width
+    into a pipe or file (unless COLUMNS says otherwise), so each row stays one line
+    for grep."""
     from rich.console import Console
 
     console = Console(soft_wrap=False)

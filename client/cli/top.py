@@ -10,7 +10,6 @@ it.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -22,11 +21,11 @@ import click
 
 from .. import errors
 from ._common import (
-    MAX_PIPE_WIDTH,
     STATES,
     Settings,
     as_dict,
     emit_json,
+    emit_table,
     output_option,
     pass_settings,
     session_json,
@@ -495,18 +494,6 @@ def _more(table: Any, total: int, rows: int) -> None:
         table.caption = f"and {total - rows} more (--rows)"
 
 
-def print_frame(group: Group) -> None:
-    """Print a frame once: fitted to a terminal; into a pipe or file at its natural
-    width (unless COLUMNS says otherwise), so each row stays one line for grep."""
-    from rich.console import Console
-
-    console = Console(soft_wrap=False)
-    if not console.is_terminal and "COLUMNS" not in os.environ:
-        natural = Console(width=MAX_PIPE_WIDTH).measure(group).maximum
-        console = Console(soft_wrap=False, width=max(natural, 1))
-    console.print(group)
-
-
 # --- the command ---------------------------------------------------------------------
 
 
@@ -553,7 +540,7 @@ def top(settings: Settings, task_ids: tuple[str, ...], interval: float, stuck_af
             return
         if number > 1:
             click.echo()
-        print_frame(picture(frame, problem))
+        emit_table(picture(frame, problem))
 
     watch = HeaderWatch(client, task_ids)
     try:
