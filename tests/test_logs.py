@@ -108,11 +108,13 @@ def test_the_watchers_lines_about_an_entry_carry_its_revision(
     from watcher_fixtures import is_state, make_task, put_bytes
 
     caplog.set_level(logging.INFO, logger="baton.watcher")
-    watcher_factory()
     make_task(client, "wl", {"a": "a.bin"})
     with client.open_session("p", ttl=10) as s:
+        # committed before the watcher starts: its one report is the one that verifies
+        # (a report racing the commit would name the earlier revision it saw)
         put_bytes(client, s, "wl", "a", b"logged bytes")
-        wait_for(is_state(client, "wl", "a", 4), what="a verified")
+    watcher_factory()
+    wait_for(is_state(client, "wl", "a", 4), what="a verified")
     revision = client.get_entry("wl", "a").revision
     reported = [getattr(r, "baton_fields", {}) for r in caplog.records
                 if r.getMessage() == "reported"]
