@@ -137,7 +137,7 @@ def test_registry_command_line(opts: UpOptions) -> None:
     """The registry is run as `python -m baton_relay.registry` with the documented flags: mutual TLS
     and etcd over TLS with the stack's certificates, or --insecure without them."""
     pki = LocalPKI(Path("/p"))
-    opts = dataclasses.replace(opts, registry_metrics_port=9464, watcher_metrics_port=9465)
+    opts = dataclasses.replace(opts, registry_metrics_port=9464, watcher_metrics_ports=(9465,))
     registry, _ = child_specs(opts, "127.0.0.1:2479", pki)
     assert registry.name == "registry"
     assert registry.argv[0] == sys.executable
@@ -161,7 +161,7 @@ def test_registry_command_line(opts: UpOptions) -> None:
 def test_watcher_command_line(opts: UpOptions) -> None:
     """The watcher runs after the registry as `python -m baton_relay.watcher` on the staging
     directory, with the watcher identity of the stack's certificates."""
-    opts = dataclasses.replace(opts, registry_metrics_port=9464, watcher_metrics_port=9465)
+    opts = dataclasses.replace(opts, registry_metrics_port=9464, watcher_metrics_ports=(9465,))
     _, watcher = child_specs(opts, "127.0.0.1:2479", LocalPKI(Path("/p")))
     assert watcher.name == "watcher"
     assert watcher.argv[0] == sys.executable

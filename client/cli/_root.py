@@ -1,8 +1,9 @@
 """The ``baton`` command group and the console-script entry point.
 
-The commands live in four modules (agents, ops, stack, tasks); a command's module
-is imported when the command is looked up, so ``baton claim`` never loads what
-``baton up`` or ``baton status`` need. :data:`COMMANDS` says where each one is.
+Each command lives in a module of this package (agents, ops, stack, tasks,
+watchers, ...); a command's module is imported when the command is looked up, so
+``baton claim`` never loads what ``baton up`` or ``baton status`` need.
+:data:`COMMANDS` says where each one is.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ COMMANDS = {
     "status": "tasks",
     "task": "tasks",
     "top": "top",
+    "shard": "watchers",
+    "watcher": "watchers",
 }
 
 

@@ -46,25 +46,33 @@ def _local() -> Any:
 @click.option("--registry-port", type=click.IntRange(1, 65535),
               default=REGISTRY_PORT, show_default=True,
               help="registry gRPC port on 127.0.0.1")
+@click.option("--watchers", type=click.IntRange(min=1), default=1, show_default=True,
+              metavar="N", help="watcher processes sharing the staging root's tasks (1..16)")
 @click.option("--demo", is_flag=True,
               help="once the stack is up, run the demo pipeline against it")
 @click.option("--insecure", is_flag=True,
               help="plaintext everywhere, no certificates and no identities")
 @click.pass_context
 def up(ctx: click.Context, data_dir: Path | None, staging: Path | None, etcd_port: int,
-       registry_port: int, demo: bool, insecure: bool) -> None:
+       registry_port: int, watchers: int, demo: bool, insecure: bool) -> None:
     """Run a local Baton stack until Ctrl-C.
 
     A private single-member etcd in DATA_DIR, a registry serving the staging
-    root and a watcher verifying the files put there. Everything speaks mutual
+    root and a watcher verifying the files put there (--watchers N: N of them,
+    each checking the tasks of the shards it owns). Everything speaks mutual
     TLS with certificates made in DATA_DIR/pki on first start; prints the
     `export` lines (BATON_REGISTRY, BATON_CA, BATON_CERT, BATON_KEY) for the
     operator identity, also kept in DATA_DIR/env.
     """
     local, _ = _local()
     data_dir = data_dir or local.default_data_dir()
-    opts = local.UpOptions(data_dir=data_dir, staging=staging or local.default_staging(data_dir),
-                           etcd_port=etcd_port, registry_port=registry_port, insecure=insecure)
+    try:
+        opts = local.UpOptions(data_dir=data_dir,
+                               staging=staging or local.default_staging(data_dir),
+                               etcd_port=etcd_port, registry_port=registry_port,
+                               watchers=watchers, insecure=insecure)
+    except ValueError as e:
+        raise click.BadParameter(str(e), ctx, param_hint="--watchers") from None
     if demo:
         address = f"127.0.0.1:{registry_port}"
         pki = None if insecure else local.LocalPKI(data_dir.expanduser().absolute() / "pki")

@@ -1,10 +1,11 @@
 """``baton up``: a private etcd plus the Baton daemons, supervised in the foreground.
 
 The stack is etcd first, then every :class:`ChildSpec` that :func:`child_specs`
-returns, in order: the registry, then the watcher on the staging directory (so a
-file put into the stack is verified with no other step). Each is started only once
-the previous one is ready, and they are stopped in reverse. Both daemons serve
-Prometheus metrics on 127.0.0.1, on ports chosen when the stack starts (or given in
+returns, in order: the registry, then the watchers on the staging directory (so a
+file put into the stack is verified with no other step; one by default, several
+sharing the tasks' shards with ``--watchers N``). Each is started only once
+the previous one is ready, and they are stopped in reverse. The registry and each
+watcher serve Prometheus metrics on 127.0.0.1, on ports chosen when the stack starts (or given in
 :class:`UpOptions`); the summary prints their ``/metrics`` addresses.
 A process that dies on its own is started again after a backoff, and the console
 says so (``registry.local.supervisor``); only one that keeps crashing (5 times within 60 s)
@@ -18,6 +19,7 @@ import fcntl
 import importlib.util
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -63,6 +65,8 @@ __all__ = [
 ]
 
 READY_TIMEOUT = 30.0
+#: the most watchers one stack runs: more only compete for the same disk and cores
+MAX_WATCHERS = 16
 #: the line ``python -m baton_relay.watcher`` prints once it watches the staging directory
 WATCHER_READY = "baton-watcher watching"
 STOP_TIMEOUT = 10.0
@@ -92,10 +96,17 @@ class UpOptions:
     prefix: str = "/baton/v1/"
     #: plaintext everywhere and no identities (the stack of earlier versions)
     insecure: bool = False
-    #: where the registry and the watcher serve Prometheus metrics, on 127.0.0.1
-    #: (0: a free port, chosen once when the stack starts and kept across restarts)
+    #: watcher processes over the staging root (they share its tasks' shards)
+    watchers: int = 1
+    #: where the registry and each watcher serve Prometheus metrics, on 127.0.0.1
+    #: (0, or no port for a watcher: a free port, chosen once when the stack starts
+    #: and kept across restarts)
     registry_metrics_port: int = 0
-    watcher_metrics_port: int = 0
+    watcher_metrics_ports: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.watchers <= MAX_WATCHERS:
+            raise ValueError(f"watchers {self.watchers} not within 1..{MAX_WATCHERS}")
 
 
 @dataclass(frozen=True)
@@ -163,13 +174,12 @@ def child_specs(opts: UpOptions, etcd_endpoint: str,
                 pki: LocalPKI | None = None) -> list[ChildSpec]:
     """The daemons run after etcd, in start order (stopped in reverse).
 
-    The watcher comes after the registry it reports to. With ``pki`` the registry
+    The watchers come after the registry they report to. With ``pki`` the registry
     serves mutual TLS, reaches etcd over TLS with its client certificate, and the
-    watcher presents the watcher identity; without, all is plaintext.
+    watchers present the watcher identity; without, all is plaintext.
     """
     registry_address = f"127.0.0.1:{opts.registry_port}"
     registry_metrics = f"127.0.0.1:{opts.registry_metrics_port}"
-    watcher_metrics = f"127.0.0.1:{opts.watcher_metrics_port}"
     registry_log = opts.data_dir / "registry.log"
     registry_tls: tuple[str, ...] = ("--insecure",)
     watcher_tls: tuple[str, ...] = ()
@@ -200,27 +210,41 @@ def child_specs(opts: UpOptions, etcd_endpoint: str,
         details=f"staging: {opts.staging}, log: {registry_log}",
         metrics=f"http://{registry_metrics}/metrics",
     )
-    watcher_log = opts.data_dir / "watcher.log"
-    watcher_argv = (
+    return [registry, *(watcher_spec(opts, n, registry_address, watcher_tls)
+                        for n in range(1, opts.watchers + 1))]
+
+
+def watcher_spec(opts: UpOptions, n: int, registry_address: str,
+                 tls: tuple[str, ...]) -> ChildSpec:
+    """The ``n``-th watcher (from 1). A lone one is ``watcher`` with the files it always
+    had; of several, each is ``watcher-N`` with its own log, state file, metrics port
+    and name in reports, so they can be told apart (the registry tells them apart by
+    the id each registers with)."""
+    name = "watcher" if opts.watchers == 1 else f"watcher-{n}"
+    ports = opts.watcher_metrics_ports
+    metrics = f"127.0.0.1:{ports[n - 1] if n <= len(ports) else 0}"
+    log_path = opts.data_dir / f"{name}.log"
+    reporter = () if opts.watchers == 1 else ("--reporter", f"{name}@{socket.gethostname()}")
+    argv = (
         sys.executable,
         "-u",
         "-m", "baton_relay.watcher",
         "--registry", registry_address,
         "--staging", str(opts.staging),
-        "--state-file", str(opts.data_dir / "watcher-state.sqlite"),
-        *watcher_tls,
-        "--metrics", watcher_metrics,
+        "--state-file", str(opts.data_dir / f"{name}-state.sqlite"),
+        *reporter,
+        *tls,
+        "--metrics", metrics,
     )  # fmt: skip
-    watcher = ChildSpec(
-        name="watcher",
-        argv=watcher_argv,
-        log_path=watcher_log,
-        ready=log_line_probe(watcher_log, WATCHER_READY),
+    return ChildSpec(
+        name=name,
+        argv=argv,
+        log_path=log_path,
+        ready=log_line_probe(log_path, WATCHER_READY),
         address=str(opts.staging),
-        details=f"reports to {registry_address}, log: {watcher_log}",
-        metrics=f"http://{watcher_metrics}/metrics",
+        details=f"reports to {registry_address}, log: {log_path}",
+        metrics=f"http://{metrics}/metrics",
     )
-    return [registry, watcher]
 
 
 def log_line_probe(log_path: Path, text: str) -> Callable[[], bool]:
@@ -456,12 +480,15 @@ def run_up(
         staging=opts.staging.expanduser().absolute(),
         # Chosen once: a daemon restarted by the supervisor serves where it did.
         registry_metrics_port=opts.registry_metrics_port or free_port(),
-        watcher_metrics_port=opts.watcher_metrics_port or free_port(),
+        watcher_metrics_ports=tuple(
+            port or free_port() for port in
+            (*opts.watcher_metrics_ports, *[0] * opts.watchers)[:opts.watchers]),
     )
     _check_installed()
-    for port, daemon in ((opts.etcd_port, "etcd"), (opts.registry_port, "registry"),
-                         (opts.registry_metrics_port, "registry"),
-                         (opts.watcher_metrics_port, "watcher")):
+    ports = [(opts.etcd_port, "etcd"), (opts.registry_port, "registry"),
+             (opts.registry_metrics_port, "registry"),
+             *((port, "watcher") for port in opts.watcher_metrics_ports)]
+    for port, daemon in ports:
         if port and port_in_use(port):
             raise DaemonFailed(
                 f"127.0.0.1:{port} is already in use (another `baton up`?); "
