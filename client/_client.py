@@ -449,18 +449,63 @@ class Client:
         return self._call("Fail", req).entry  # type: ignore[no-any-return]
 
     def report(self, task_id: str, file_id: str, size: int, digest: str,
-               identity: pb.FileIdentity | None = None, reporter: str = "") -> pb.Entry:
-        """Report what a watcher hashed on disk (the registry verifies against it)."""
+               identity: pb.FileIdentity | None = None, reporter: str = "", *,
+               watcher_id: str = "", shard_epoch: int = 0) -> pb.Entry:
+        """Report what a watcher hashed on disk (the registry verifies against it).
+        ``watcher_id``, ``shard_epoch``: the reporting watcher and the epoch at which
+        it owns the task's shard (once watchers hold shards, only the owner counts)."""
         req = pb.VerificationReport(task_id=task_id, file_id=file_id, size=size, digest=digest,
-                                    identity=identity, reporter=reporter)
+                                    identity=identity, reporter=reporter,
+                                    watcher_id=watcher_id, shard_epoch=shard_epoch)
         return self._call("ReportVerification", req).entry  # type: ignore[no-any-return]
 
     def report_problem(self, task_id: str, file_id: str, kind: int, reason: str,
-                       reporter: str = "") -> pb.Entry:
+                       reporter: str = "", *, watcher_id: str = "",
+                       shard_epoch: int = 0) -> pb.Entry:
         """Report that a file cannot be vouched for (``pb.ProblemReport.CORRUPTED``/``MISSING``)."""
         req = pb.ProblemReport(task_id=task_id, file_id=file_id, kind=kind,  # type: ignore[arg-type]
-                               reason=reason, reporter=reporter)
+                               reason=reason, reporter=reporter, watcher_id=watcher_id,
+                               shard_epoch=shard_epoch)
         return self._call("ReportProblem", req).entry  # type: ignore[no-any-return]
+
+    # watcher membership and shards --------------------------------------------
+
+    def register_watcher(self, root: str, reporter: str = "", ttl: int = 10,
+                         capacity: pb.WatcherCapacity | None = None
+                         ) -> pb.RegisterWatcherResponse:
+        """Register a watcher on its own lease; keep it with :meth:`watcher_heartbeat`."""
+        req = pb.RegisterWatcherRequest(host=socket.gethostname(), pid=os.getpid(), root=root,
+                                        reporter=reporter, ttl=ttl, version=version(),
+                                        capacity=capacity)
+        return self._call("RegisterWatcher", req)  # type: ignore[no-any-return]
+
+    def watcher_heartbeat(self, watcher_id: str, capacity: pb.WatcherCapacity | None = None
+                          ) -> pb.WatcherHeartbeatResponse:
+        """Refresh a watcher's lease; the shards it owns now (and those to hand over)."""
+        req = pb.WatcherHeartbeatRequest(watcher_id=watcher_id, capacity=capacity)
+        return self._call("WatcherHeartbeat", req)  # type: ignore[no-any-return]
+
+    def release_shard(self, watcher_id: str, shard: int, epoch: int) -> pb.ShardInfo:
+        req = pb.ReleaseShardRequest(watcher_id=watcher_id, shard=shard, epoch=epoch)
+        return self._call("ReleaseShard", req).shard  # type: ignore[no-any-return]
+
+    def list_watchers(self) -> list[pb.WatcherInfo]:
+        return list(self._call("ListWatchers", pb.ListWatchersRequest()).watchers)
+
+    def list_shards(self) -> pb.ListShardsResponse:
+        return self._call("ListShards", pb.ListShardsRequest())  # type: ignore[no-any-return]
+
+    def move_shard(self, shard: int, to_watcher: str, deadline: int = 0) -> pb.ShardInfo:
+        """Start moving a shard (its owner hands it over within ``deadline`` seconds)."""
+        req = pb.MoveShardRequest(shard=shard, to_watcher=to_watcher, deadline=deadline)
+        return self._call("MoveShard", req)  # type: ignore[no-any-return]
+
+    def rebalance(self, dry_run: bool = False) -> list[pb.ShardMove]:
+        return list(self._call("Rebalance", pb.RebalanceRequest(dry_run=dry_run)).moves)
+
+    def drain_watcher(self, watcher_id: str, undo: bool = False) -> pb.DrainWatcherResponse:
+        req = pb.DrainWatcherRequest(watcher_id=watcher_id, undo=undo)
+        return self._call("DrainWatcher", req)  # type: ignore[no-any-return]
 
     # consumers -------------------------------------------------------------
 

@@ -32,6 +32,19 @@ ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 #: the mark in the name of a file being written; watchers never hash such a file
 TEMP_MARKER = ".baton-tmp-"
 
+#: shards a deployment's tasks map to unless its registry is told otherwise
+DEFAULT_SHARDS = 64
+
+
+def shard_of(task_id: str, count: int) -> int:
+    """The shard a task belongs to among ``count``: a stable hash of its id, the same
+    on every host and in every version (watchers and registries must agree)."""
+    import hashlib
+
+    digest = hashlib.blake2b(task_id.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % count
+
+
 #: where `baton up` serves the registry, and where clients look by default
 DEFAULT_REGISTRY = "127.0.0.1:7390"
 REGISTRY_PORT = int(DEFAULT_REGISTRY.rpartition(":")[2])

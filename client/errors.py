@@ -130,6 +130,15 @@ class StaleToken(BatonError):
     exit_code = 4
 
 
+class NotShardOwner(BatonError):
+    """A watcher reported on a task whose shard it does not own at the epoch it
+    names: the shard moved (``shard``, ``owner``, ``epoch``). Nothing changed; the
+    current owner reports instead."""
+
+    code = _Code("FAILED_PRECONDITION")
+    exit_code = 4
+
+
 class SessionExpired(BatonError):
     """The agent session's lease is gone; claims made under it are dead."""
 
@@ -212,6 +221,7 @@ _BY_NAME: dict[str, type[BatonError]] = {
         IllegalTransition,
         AlreadyClaimed,
         StaleToken,
+        NotShardOwner,
         SessionExpired,
         TaskNotActive,
         SlotsExhausted,

@@ -12,7 +12,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from baton_relay.client import settings
+from baton_relay.client.contract import DEFAULT_SHARDS
 from baton_relay.client.logs import FORMATS
+
+MOVE_DEADLINE = 30.0
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,9 @@ class RegistryConfig:
     etcd_password_file: str = ""
     # Prometheus metrics over HTTP
     metrics: str = ""
+    # watcher shards
+    shards: int = DEFAULT_SHARDS
+    shard_move_deadline: float = MOVE_DEADLINE
 
 
 _HELP = {
@@ -58,6 +64,8 @@ _HELP = {
     "etcd_key": "private key of --etcd-cert",
     "etcd_user": "etcd user (etcd auth enabled); its password comes from --etcd-password-file",
     "etcd_password_file": "file holding the etcd user's password",
+    "shards": "shards tasks map to, fixed when the first watcher registers (1..4096)",
+    "shard_move_deadline": "seconds a watcher has to hand over a shard before it is taken",
     "metrics": "HOST:PORT to serve Prometheus metrics on, at /metrics (empty = off; "
     "port 0 = pick one and log it)",
 }

@@ -69,6 +69,15 @@ POLICY: Mapping[str, frozenset[str]] = {
     # only watchers vouch for a file's bytes
     "ReportVerification": frozenset({WATCHER}),
     "ReportProblem": frozenset({WATCHER}),
+    # watcher membership: watchers register and hold shards; operators move them
+    "RegisterWatcher": frozenset({WATCHER}),
+    "WatcherHeartbeat": frozenset({WATCHER}),
+    "ReleaseShard": frozenset({WATCHER}),
+    "ListWatchers": frozenset({OPERATOR, WATCHER}),
+    "ListShards": frozenset({OPERATOR, WATCHER}),
+    "MoveShard": frozenset({OPERATOR}),
+    "Rebalance": frozenset({OPERATOR}),
+    "DrainWatcher": frozenset({OPERATOR}),
 }
 
 

@@ -19,6 +19,9 @@ Layout under the prefix (default ``/baton/v1/``)::
     inflight/p/{task}/{file}           durable twin of a claim; same create revision
     inflight/c/{task}/{group}/{file}   durable twin of a consume-claim
     agents/{session}                   leased agent session
+    watchers/{watcher}                 leased watcher registration (its capacity, draining)
+    shards/{n}                         owner and epoch of shard n (docs/architecture.md)
+    shardmap                           how many shards the deployment's tasks map to
     requests/{request_id}              outcome of a mutating call, for retries (leased, 1 h)
 
 A claim key and its inflight twin are written by the same transaction, so both
@@ -193,6 +196,22 @@ class Keys:
 
     def agents(self) -> bytes:
         return self._k("agents", "")
+
+    # watchers and shards
+    def watcher(self, watcher_id: str) -> bytes:
+        return self._k("watchers", watcher_id)
+
+    def watchers(self) -> bytes:
+        return self._k("watchers", "")
+
+    def shard(self, n: int) -> bytes:
+        return self._k("shards", f"{n:05d}")
+
+    def shards(self) -> bytes:
+        return self._k("shards", "")
+
+    def shardmap(self) -> bytes:
+        return self._k("shardmap")
 
     def request(self, request_id: str) -> bytes:
         return self._k("requests", request_id)

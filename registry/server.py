@@ -30,6 +30,7 @@ from .metrics import RegistryMetrics
 from .scheduler import Scheduler
 from .service import RegistryService, add_to_server
 from .sessions import Reaper
+from .shards import Assigner, Shards
 from .tls import ServerCertificates, is_loopback
 
 log = logging.getLogger("baton.registry")
@@ -50,6 +51,8 @@ class Running:
     health: health.HealthServicer
     _stop: asyncio.Event
     _background: list[asyncio.Task[None]]
+    #: keeps every watcher shard owned and the watchers balanced
+    assigner: Assigner | None = None
     #: the replica's metrics, and the port ``/metrics`` is served on (None, 0: off)
     metrics: RegistryMetrics | None = None
     metrics_port: int = 0
@@ -131,7 +134,8 @@ async def start(config: RegistryConfig) -> Running:
             ("grpc.max_send_message_length", MAX_REPLY_BYTES),
         ]
     )
-    service = RegistryService(core)
+    shards = Shards(core, config.shards, config.shard_move_deadline)
+    service = RegistryService(core, shards)
     add_to_server(service, server, secure=certificates is not None, metrics=metrics)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -152,7 +156,9 @@ async def start(config: RegistryConfig) -> Running:
     stop = asyncio.Event()
     reaper = Reaper(core, config.reap_interval)
     scheduler = Scheduler(core, config.reap_interval)
-    background = [asyncio.create_task(reaper.run(stop)), asyncio.create_task(scheduler.run(stop))]
+    assigner = Assigner(shards, config.reap_interval)
+    background = [asyncio.create_task(reaper.run(stop)), asyncio.create_task(scheduler.run(stop)),
+                  asyncio.create_task(assigner.run(stop))]
     log.info("registry on port %d (%s), etcd %s (v%s), prefix %s, staging %s", port,
              "mutual TLS" if certificates else "plaintext, --insecure", config.etcd,
              version, config.prefix, config.staging)
@@ -160,7 +166,7 @@ async def start(config: RegistryConfig) -> Running:
         metrics.bind(core, reaper, service.sessions)
         log.info("metrics on %s", metrics_url(config.metrics, metrics_port))
     return Running(port, server, etcd, core, reaper, scheduler, health_servicer, stop, background,
-                   metrics, metrics_port)
+                   assigner, metrics, metrics_port)
 
 
 async def serve(config: RegistryConfig, notifier: Notifier | None = None) -> None:

@@ -17,6 +17,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 from google.protobuf.message_factory import GetMessageClass
 
+from baton_relay.client.contract import DEFAULT_SHARDS
 from baton_relay.client.errors import (
     BatonError,
     Internal,
@@ -34,6 +35,7 @@ from .operators import Operators
 from .producers import Producers
 from .removal import Removal
 from .sessions import Sessions
+from .shards import Shards
 from .tasks import Tasks
 
 if TYPE_CHECKING:
@@ -161,7 +163,8 @@ def unary(
 
 
 class RegistryService(pb_grpc.RegistryServicer):
-    def __init__(self, core: Core) -> None:
+    def __init__(self, core: Core, shards: Shards | None = None) -> None:
+        self.shards = shards or Shards(core, DEFAULT_SHARDS)
         self.tasks = Tasks(core)
         self.producers = Producers(core)
         self.consumers = Consumers(core)
@@ -280,6 +283,40 @@ class RegistryService(pb_grpc.RegistryServicer):
     @unary
     async def Nack(self, request: pb.NackRequest) -> pb.NackResponse:
         return pb.NackResponse(entry=await self.consumers.nack(request, current()))
+
+    @unary
+    async def RegisterWatcher(self, request: pb.RegisterWatcherRequest
+                              ) -> pb.RegisterWatcherResponse:
+        return await self.shards.register(request, current())
+
+    @unary
+    async def WatcherHeartbeat(self, request: pb.WatcherHeartbeatRequest
+                               ) -> pb.WatcherHeartbeatResponse:
+        return await self.shards.heartbeat(request, current())
+
+    @unary
+    async def ReleaseShard(self, request: pb.ReleaseShardRequest) -> pb.ReleaseShardResponse:
+        return await self.shards.release(request, current())
+
+    @unary
+    async def ListWatchers(self, request: pb.ListWatchersRequest) -> pb.ListWatchersResponse:
+        return await self.shards.list_watchers()
+
+    @unary
+    async def ListShards(self, request: pb.ListShardsRequest) -> pb.ListShardsResponse:
+        return await self.shards.list_shards()
+
+    @unary
+    async def MoveShard(self, request: pb.MoveShardRequest) -> pb.ShardInfo:
+        return await self.shards.move(request)
+
+    @unary
+    async def Rebalance(self, request: pb.RebalanceRequest) -> pb.RebalanceResponse:
+        return await self.shards.rebalance(request)
+
+    @unary
+    async def DrainWatcher(self, request: pb.DrainWatcherRequest) -> pb.DrainWatcherResponse:
+        return await self.shards.drain(request)
 
     async def Watch(
         self, request: pb.WatchRequest, context: grpc.aio.ServicerContext[Any, Any]

@@ -14,6 +14,7 @@ from .core import Core
 from .keys import ClaimRef
 from .manifest import DIGEST_RE, check_id
 from .model import PENDING, VERIFIED, WRITING, WRITTEN, EntryRecord, now
+from .shards import check_reporter
 from .txn import Txn
 
 
@@ -107,6 +108,8 @@ class Verifier:
         staging = self.core.staging_dir(req.task_id)
 
         async def planner(txn: Txn) -> Callable[[int], pb.Entry]:
+            await check_reporter(txn, self.keys, req.task_id, req.watcher_id,
+                                 req.shard_epoch)
             rec = need_entry(await txn.get(self.keys.entry(req.task_id, req.file_id)),
                              req.task_id, req.file_id)
             if rec.state == WRITTEN and not rec.parts:
@@ -131,6 +134,8 @@ class Verifier:
         staging = self.core.staging_dir(req.task_id)
 
         async def planner(txn: Txn) -> Callable[[int], pb.Entry]:
+            await check_reporter(txn, self.keys, req.task_id, req.watcher_id,
+                                 req.shard_epoch)
             rec = need_entry(await txn.get(self.keys.entry(req.task_id, req.file_id)),
                              req.task_id, req.file_id)
             if rec.parts:  # an assembly has no file of its own

@@ -73,7 +73,8 @@ class View:
         #: the revision the view has caught up with
         self.revision = 0
         self._root = keys.prefix.encode()
-        self._mirror_bases = (keys.tasks(), keys.agents(), keys.slots_all())
+        self._mirror_bases = (keys.tasks(), keys.agents(), keys.slots_all(), keys.watchers(),
+                              keys.shards(), keys.shardmap())
         self._agents = keys.agents()
         self._cache_bases = (keys.entries_all(), keys.claims_all())
         self._ready_base = keys.ready_root()

@@ -145,6 +145,14 @@ def _request(method: str, world: dict[str, Any]) -> Any:
         "Nack": pb.NackRequest(task_id=t, file_id=f, group="default", token=tok),
         "Watch": pb.WatchRequest(task_id=t),
         "WatchTasks": pb.WatchTasksRequest(),
+        "RegisterWatcher": pb.RegisterWatcherRequest(root="/r", ttl=5),
+        "WatcherHeartbeat": pb.WatcherHeartbeatRequest(watcher_id="0123456789abcdef"),
+        "ReleaseShard": pb.ReleaseShardRequest(watcher_id="0123456789abcdef", shard=0),
+        "ListWatchers": pb.ListWatchersRequest(),
+        "ListShards": pb.ListShardsRequest(),
+        "MoveShard": pb.MoveShardRequest(shard=0, to_watcher="0123456789abcdef"),
+        "Rebalance": pb.RebalanceRequest(),
+        "DrainWatcher": pb.DrainWatcherRequest(watcher_id="0123456789abcdef"),
     }[method]
 
 

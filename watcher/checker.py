@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from baton_relay.client import Client
-from baton_relay.client.errors import BatonError, NotFound, Unavailable
+from baton_relay.client.errors import BatonError, NotFound, NotShardOwner, Unavailable
 from baton_relay.client.logs import log
 from baton_relay.client.v1 import baton_pb2 as pb
 
@@ -36,6 +36,7 @@ from .hashing import Hashed, Hasher, Identity
 from .jobs import JobQueue, Key
 from .links import LinkedFiles
 from .metrics import Metrics
+from .shards import Membership
 from .state import STATE_NAMES, EntryView, Table
 
 logger = logging.getLogger("baton.watcher")
@@ -61,6 +62,8 @@ class Checker:
     registry_lost: Callable[[], None] = lambda: None
     #: verified files with several names, which the daemon polls
     links: LinkedFiles = field(default_factory=LinkedFiles)
+    #: the shards this watcher owns (None: it reports as an unregistered watcher)
+    membership: Membership | None = None
 
     def check(self, key: Key) -> None:
         entry = self.table.entry(*key)
@@ -82,6 +85,9 @@ class Checker:
             self.registry_lost()
         except NotFound as e:
             log(logger, logging.INFO, "entry no longer in the registry",
+                task=key[0], file_id=key[1], error=str(e))
+        except NotShardOwner as e:
+            log(logger, logging.INFO, "not this watcher's to report: its shard moved",
                 task=key[0], file_id=key[1], error=str(e))
         except BatonError as e:
             log(logger, logging.WARNING, "registry refused", task=key[0], file_id=key[1],
@@ -216,12 +222,27 @@ class Checker:
 
     # talking to the registry ------------------------------------------------------------
 
+    def _owner(self, task_id: str) -> tuple[str, int] | None:
+        """(watcher id, epoch) to report on ``task_id`` under; None when its shard is not
+        this watcher's (it moved while the check ran): the new owner reports."""
+        if self.membership is None:
+            return "", 0
+        epoch = self.membership.epoch_of(task_id)
+        if epoch is None:
+            log(logger, logging.INFO, "not reporting: the task's shard is no longer ours",
+                task=task_id)
+            return None
+        return self.membership.watcher_id, epoch
+
     def _report(self, key: Key, entry: EntryView, hashed: Hashed) -> None:
         i = hashed.identity
         identity = pb.FileIdentity(inode=i.inode, device=i.device, mtime_ns=i.mtime_ns)
+        if (owner := self._owner(key[0])) is None:
+            return
         try:
             reply = self.client.report(key[0], key[1], i.size, hashed.digest, identity,
-                                       self.reporter)
+                                       self.reporter, watcher_id=owner[0],
+                                       shard_epoch=owner[1])
         except BatonError as e:
             self.metrics.refused("digest", e)
             raise
@@ -239,8 +260,11 @@ class Checker:
 
     def _problem(self, key: Key, kind: int, reason: str) -> None:
         name = pb.ProblemReport.Kind.Name(kind).lower()  # type: ignore[arg-type]
+        if (owner := self._owner(key[0])) is None:
+            return
         try:
-            reply = self.client.report_problem(key[0], key[1], kind, reason, self.reporter)
+            reply = self.client.report_problem(key[0], key[1], kind, reason, self.reporter,
+                                               watcher_id=owner[0], shard_epoch=owner[1])
         except BatonError as e:
             self.metrics.refused(name, e)
             raise

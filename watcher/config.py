@@ -44,6 +44,8 @@ class WatcherConfig:
     log_level: str = "INFO"
     log_format: str = "kv"
     metrics: str = ""
+    shard_ttl: int = 10
+    cold_after: float = 24 * 3600.0
 
 
 _HELP = {
@@ -69,11 +71,15 @@ _HELP = {
     "log_format": "kv (key=value lines) or json (one object per line)",
     "metrics": "HOST:PORT to serve Prometheus metrics on, at /metrics (empty = off; "
     "port 0 = pick one and log it)",
+    "shard_ttl": "seconds the watcher's registration (and its shards) outlives its last "
+    "heartbeat",
+    "cold_after": "seconds without a change after which a task directory is unwatched and "
+    "left to the periodic reconciliation",
 }
 
 _CHOICES: dict[str, tuple[str, ...]] = {"observer": OBSERVERS, "log_format": LOG_FORMATS}
 _POSITIVE = ("reconcile_interval", "poll_interval", "hash_workers", "large_file",
-             "max_failures", "event_queue", "stream_timeout")
+             "max_failures", "event_queue", "stream_timeout", "shard_ttl", "cold_after")
 
 
 def load_config(argv: Sequence[str], environ: Mapping[str, str]) -> WatcherConfig:

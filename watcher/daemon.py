@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 from baton_relay.client import Client, RetryPolicy
+from baton_relay.client.contract import shard_of
 from baton_relay.client.errors import BatonError
 from baton_relay.client.logs import log
 from baton_relay.client.settings import metrics_url
@@ -37,6 +38,7 @@ from .hashing import Hasher
 from .jobs import JobQueue
 from .metrics import Levels, Metrics
 from .observe import Watches
+from .shards import Membership
 from .state import LIVE, Change, Table
 from .sync import TaskStreams
 from .taskdirs import TaskDirs
@@ -47,6 +49,11 @@ _TASK_ID = re.compile(r"^[A-Za-z0-9._-]+$")
 FINISHED = (pb.TASK_CANCELLED, pb.TASK_COMPLETED)
 #: seconds between attempts of a reconciliation that could not reach the registry
 RECONCILE_RETRY = 1.0
+#: seconds a shard's handover waits for the checks in hand before releasing anyway
+HANDOVER_WAIT = 20.0
+#: share of the inotify watch limit above which cold tasks are shed, and down to which
+WATCHES_HIGH, WATCHES_LOW = 0.9, 0.8
+MAX_USER_WATCHES = "/proc/sys/fs/inotify/max_user_watches"
 
 
 class Watcher:
@@ -76,10 +83,15 @@ class Watcher:
                                config.poll_interval)
         self._stop = threading.Event()
         self._reconcile_now = threading.Event()
+        self.membership = Membership(
+            self.client, self.root, self.reporter, config.shard_ttl, capacity=self.capacity,
+            gained=self._shards_gained, lost=self._shards_lost, handover=self._handover)
         self.checker = Checker(
             self.table, self.cache, self.hasher, self.client, self.jobs, self.metrics,
             self.reporter, config.max_failures, config.retry_delay, self._registry_lost,
+            membership=self.membership,
         )
+        self._shedding = False
         self.streams = TaskStreams(
             self.client, self.table, on_changes=self._on_changes,
             on_lost=self._registry_lost, on_gone=self._forget, stop=self._stop,
@@ -109,6 +121,7 @@ class Watcher:
         self.watches.start()
         for t in self._threads:
             t.start()
+        self.membership.start()
         if not self.reconcile("start"):
             self._reconcile_now.set()
         self._task_follower.start()
@@ -123,6 +136,7 @@ class Watcher:
             return
         self._stopped = True
         self._stop.set()
+        self.membership.stop()
         self.watches.stop()
         self.intake.close()
         self.jobs.close()
@@ -153,16 +167,55 @@ class Watcher:
                       tasks=len(self.table.task_ids()), entries=entries,
                       oldest_written=oldest)
 
+    def capacity(self) -> pb.WatcherCapacity:
+        """What this watcher tells the registry at each heartbeat."""
+        backlog: dict[int, int] = {}
+        count = self.membership.count
+        pending = self.jobs.pending()
+        if count:
+            for task_id, _ in pending:
+                n = shard_of(task_id, count)
+                backlog[n] = backlog.get(n, 0) + 1
+        return pb.WatcherCapacity(
+            watches_used=self.watches.watch_count(), watches_max=_max_user_watches(),
+            hash_mbps=self.metrics.hash_rate(), backlog=len(pending),
+            tasks=len(self.table.task_ids()), cold_tasks=self.table.cold_count(),
+            shard_backlog=backlog)
+
+    # shards ---------------------------------------------------------------------------
+
+    def _shards_gained(self, shards: set[int]) -> None:
+        # The reconciliation serves the shards' tasks, from what the registry says now.
+        self._reconcile_now.set()
+
+    def _shards_lost(self, shards: set[int]) -> None:
+        for task_id in self.table.task_ids():
+            if self.membership.shard(task_id) in shards:
+                self._forget(task_id)
+
+    def _handover(self, shard: int) -> None:
+        """Returns once no check of the shard's tasks is in hand (or after a while)."""
+        if not self.jobs.settle(lambda key: self.membership.shard(key[0]) == shard,
+                                HANDOVER_WAIT):
+            log(logger, logging.WARNING, "handing a shard over with a check still running",
+                shard=shard)
+
+    def _serves(self, task_id: str) -> bool:
+        return self.membership.serves(task_id)
+
     def _registry_lost(self) -> None:
         self._reconcile_now.set()  # it retries until the registry answers again
 
     # the registry's side -----------------------------------------------------------------
 
     def _on_changes(self, task_id: str, changes: list[Change], synced: bool) -> None:
+        if not self._serves(task_id):
+            return  # its shard left while the stream was open; the stream ends with it
+        warmed = bool(changes) and self.table.touch(task_id)
         for c in changes:
             if c.entry.state in LIVE:
                 self.jobs.submit((task_id, c.entry.file_id))
-        self._sync_watch(task_id, rescan=synced)
+        self._sync_watch(task_id, rescan=synced or warmed)
 
     def _sync_watch(self, task_id: str, *, rescan: bool = False, rewalk: bool = False) -> None:
         """Watch a task's tree while it has live entries, and not after.
@@ -218,7 +271,7 @@ class Watcher:
             return False
         served = set()
         for t in tasks:
-            if t.status in FINISHED:
+            if t.status in FINISHED or not self._serves(t.spec.task_id):
                 self._forget(t.spec.task_id)
             else:
                 served.add(t.spec.task_id)
@@ -256,7 +309,7 @@ class Watcher:
                     task_id = task.spec.task_id
                     if task.status in FINISHED:
                         self._forget(task_id)
-                    elif task.status != pb.TASK_CREATING:
+                    elif task.status != pb.TASK_CREATING and self._serves(task_id):
                         self.taskdirs.prepare(task)
                         self.streams.follow(task_id)
             except BatonError as e:
@@ -283,6 +336,7 @@ class Watcher:
         identity changed: inotify does not see writes through their other names."""
         links = self.checker.links
         while not self._stop.wait(self.config.poll_interval):
+            self._cool()
             for key, seen in links.items():
                 entry = self.table.entry(*key)
                 if entry is None or entry.state != pb.VERIFIED:
@@ -294,6 +348,32 @@ class Watcher:
                     now = None
                 if now != seen:
                     self.jobs.submit(key)
+
+    def _cool(self) -> None:
+        """Unwatch task directories with no change for ``cold_after`` (the periodic
+        reconciliation checks their files); near the inotify watch limit, say so and
+        shed the tasks idle longest until well below it."""
+        cooled = self.table.cool(self.config.cold_after)
+        most, used = _max_user_watches(), self.watches.watch_count()
+        if most and used >= most * WATCHES_HIGH:
+            if not self._shedding:
+                log(logger, logging.WARNING, "near the inotify watch limit; shedding cold "
+                    "tasks", used=used, max=most)
+            self._shedding = True
+            shed = 0
+            while self.watches.watch_count() > most * WATCHES_LOW and (
+                    more := self.table.cool(0.0, most=1)):
+                self._sync_watch(more[0])
+                shed += 1
+            if shed:
+                log(logger, logging.WARNING, "shed tasks to stay below the inotify watch "
+                    "limit", tasks=shed, used=self.watches.watch_count(), max=most)
+        else:
+            self._shedding = False
+        for task_id in cooled:
+            self._sync_watch(task_id)
+            log(logger, logging.INFO, "task directory cold; unwatched until it changes",
+                task=task_id, idle_s=self.config.cold_after)
 
     # the filesystem's side -----------------------------------------------------------------
 
@@ -318,6 +398,7 @@ class Watcher:
         if where is None:
             return
         task_id, rel = where
+        self.table.touch(task_id)
         if event.kind is Kind.WATCH_LIMIT:
             self.watches.fall_back(event.path)
             self._check_all(task_id)
@@ -326,7 +407,7 @@ class Watcher:
                 self._check_all(task_id, rel)  # the emitter watches it already
             elif self.table.task(task_id) is not None:
                 self._sync_watch(task_id, rescan=True)
-            elif _TASK_ID.match(task_id):
+            elif _TASK_ID.match(task_id) and self._serves(task_id):
                 self.streams.follow(task_id)  # a new task: its snapshot checks its files
         elif event.kind is Kind.DIR_GONE:
             if not rel and (view := self.table.task(task_id)) is not None:
@@ -348,6 +429,15 @@ class Watcher:
                 logger.exception("checking %s/%s failed", *key)
             finally:
                 self.jobs.done(key)
+
+
+def _max_user_watches() -> int:
+    """The host's inotify watch limit per user (0: unknown, e.g. not Linux)."""
+    try:
+        with open(MAX_USER_WATCHES) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return 0
 
 
 def start_watcher(config: WatcherConfig, **kw: Any) -> Watcher:

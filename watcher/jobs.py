@@ -78,6 +78,28 @@ class JobQueue:
             again = self._again.pop(key, None)
             if again is not None and not self._closed:
                 self._push(key, again)
+            self._cond.notify_all()  # one waiting in ``settle`` may be done
+
+    def pending(self) -> list[Key]:
+        """The keys due or delayed (a snapshot)."""
+        with self._cond:
+            return list(self._due)
+
+    def settle(self, which: Callable[[Key], bool], timeout: float) -> bool:
+        """Drop the queued keys ``which`` selects, then wait until none of them is held
+        by a worker (its check finished); False if one still is after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            for key in [k for k in self._due if which(k)]:
+                del self._due[key]  # its heap item is skipped as superseded
+            for key in [k for k in self._again if which(k)]:
+                del self._again[key]
+            while any(which(k) for k in self._held):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
 
     def idle(self) -> bool:
         """Nothing due, delayed or held (for tests and benchmarks)."""

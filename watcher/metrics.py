@@ -82,6 +82,8 @@ class Metrics:
         self._counts: Counter[str] = Counter()
         self._reports: Counter[tuple[str, str]] = Counter()
         self._results: Counter[tuple[str, str]] = Counter()
+        #: seconds spent hashing, for the rate a watcher registers with
+        self._hashing = 0.0
         self.registry = CollectorRegistry()
         self.hash_seconds = Histogram(
             "baton_watcher_hash_duration_seconds", "Time to hash one file (open to digest, "
@@ -101,7 +103,14 @@ class Metrics:
         with self._lock:
             self._counts["hashes"] += 1
             self._counts["hashed_bytes"] += size
+            self._hashing += seconds
         self.hash_seconds.observe(seconds)
+
+    def hash_rate(self) -> float:
+        """MB hashed per second spent hashing, over the watcher's life (0: none yet)."""
+        with self._lock:
+            hashed, spent = self._counts["hashed_bytes"], self._hashing
+        return hashed / spent / 1e6 if spent > 0 else 0.0
 
     def reported(self, task_id: str, file_id: str, kind: str = "digest",
                  result: str = "") -> None:

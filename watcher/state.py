@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -53,9 +54,13 @@ class TaskView:
     watched: bool = False
     #: set when the task is dropped; its stream ends
     forgotten: threading.Event = field(default_factory=threading.Event)
+    #: when its files or its entries last changed (monotonic seconds)
+    active_at: float = field(default_factory=time.monotonic)
+    #: unwatched for having had no change for a while: reconciliation checks it
+    cold: bool = False
 
     def needs_watch(self) -> bool:
-        return any(e.state in LIVE for e in self.entries.values())
+        return not self.cold and any(e.state in LIVE for e in self.entries.values())
 
 
 @dataclass(frozen=True)
@@ -108,6 +113,33 @@ class Table:
         with self._lock:
             view = self._tasks.get(task_id)
             return (view.needs_watch(), view.watched) if view else (False, False)
+
+    def touch(self, task_id: str) -> bool:
+        """The task changed now; True if that warms it up (it was cold)."""
+        with self._lock:
+            view = self._tasks.get(task_id)
+            if view is None:
+                return False
+            view.active_at = time.monotonic()
+            was, view.cold = view.cold, False
+            return was
+
+    def cool(self, idle: float, most: int | None = None) -> list[str]:
+        """Mark cold the watched tasks with no change for ``idle`` seconds, or (with
+        ``most``) the ``most`` watched tasks idle longest; their ids."""
+        now = time.monotonic()
+        with self._lock:
+            warm = sorted((v for v in self._tasks.values() if v.watched and not v.cold),
+                          key=lambda v: v.active_at)
+            chosen = warm[:most] if most is not None else [
+                v for v in warm if now - v.active_at >= idle]
+            for view in chosen:
+                view.cold = True
+            return [v.task_id for v in chosen]
+
+    def cold_count(self) -> int:
+        with self._lock:
+            return sum(1 for v in self._tasks.values() if v.cold)
 
     def apply(self, task_id: str, entry: pb.Entry) -> Change | None:
         """Record ``entry`` unless something newer is known; the change, if any."""

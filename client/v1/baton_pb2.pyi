@@ -1620,6 +1620,8 @@ class VerificationReport(_message.Message):
     IDENTITY_FIELD_NUMBER: _builtins.int
     REPORTER_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    WATCHER_ID_FIELD_NUMBER: _builtins.int
+    SHARD_EPOCH_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     file_id: _builtins.str
     size: _builtins.int
@@ -1627,6 +1629,11 @@ class VerificationReport(_message.Message):
     reporter: _builtins.str
     """watcher instance"""
     request_id: _builtins.str
+    watcher_id: _builtins.str
+    """The reporting watcher and the epoch at which it was granted the task's shard:
+    once watchers hold shards, only the owner at the current epoch is believed.
+    """
+    shard_epoch: _builtins.int
     @_builtins.property
     def identity(self) -> Global___FileIdentity: ...
     def __init__(
@@ -1639,10 +1646,12 @@ class VerificationReport(_message.Message):
         identity: Global___FileIdentity | None = ...,
         reporter: _builtins.str = ...,
         request_id: _builtins.str = ...,
+        watcher_id: _builtins.str = ...,
+        shard_epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["identity", b"identity"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "file_id", b"file_id", "identity", b"identity", "reporter", b"reporter", "request_id", b"request_id", "size", b"size", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "file_id", b"file_id", "identity", b"identity", "reporter", b"reporter", "request_id", b"request_id", "shard_epoch", b"shard_epoch", "size", b"size", "task_id", b"task_id", "watcher_id", b"watcher_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1699,12 +1708,17 @@ class ProblemReport(_message.Message):
     REASON_FIELD_NUMBER: _builtins.int
     REPORTER_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    WATCHER_ID_FIELD_NUMBER: _builtins.int
+    SHARD_EPOCH_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     file_id: _builtins.str
     kind: Global___ProblemReport.Kind.ValueType
     reason: _builtins.str
     reporter: _builtins.str
     request_id: _builtins.str
+    watcher_id: _builtins.str
+    """as in VerificationReport"""
+    shard_epoch: _builtins.int
     def __init__(
         self,
         *,
@@ -1714,14 +1728,600 @@ class ProblemReport(_message.Message):
         reason: _builtins.str = ...,
         reporter: _builtins.str = ...,
         request_id: _builtins.str = ...,
+        watcher_id: _builtins.str = ...,
+        shard_epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["file_id", b"file_id", "kind", b"kind", "reason", b"reason", "reporter", b"reporter", "request_id", b"request_id", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["file_id", b"file_id", "kind", b"kind", "reason", b"reason", "reporter", b"reporter", "request_id", b"request_id", "shard_epoch", b"shard_epoch", "task_id", b"task_id", "watcher_id", b"watcher_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ProblemReport: _TypeAlias = ProblemReport  # noqa: Y015
+
+@_typing.final
+class WatcherCapacity(_message.Message):
+    """--------------------------------------------------- watcher membership and shards
+
+    Tasks map to a fixed number of shards (a stable hash of the task id); each shard
+    is owned by one live watcher at a time, at an epoch that grows with every move.
+
+    What a watcher tells the registry about itself at every heartbeat.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class ShardBacklogEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.int
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.int = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    WATCHES_USED_FIELD_NUMBER: _builtins.int
+    WATCHES_MAX_FIELD_NUMBER: _builtins.int
+    HASH_MBPS_FIELD_NUMBER: _builtins.int
+    BACKLOG_FIELD_NUMBER: _builtins.int
+    TASKS_FIELD_NUMBER: _builtins.int
+    COLD_TASKS_FIELD_NUMBER: _builtins.int
+    SHARD_BACKLOG_FIELD_NUMBER: _builtins.int
+    watches_used: _builtins.int
+    """inotify watches held"""
+    watches_max: _builtins.int
+    """the host's fs.inotify.max_user_watches (0: unknown)"""
+    hash_mbps: _builtins.float
+    """measured hashing rate, MB/s (0: nothing hashed yet)"""
+    backlog: _builtins.int
+    """checks queued"""
+    tasks: _builtins.int
+    """tasks served"""
+    cold_tasks: _builtins.int
+    """of those, unwatched for having had no change"""
+    @_builtins.property
+    def shard_backlog(self) -> _containers.ScalarMap[_builtins.int, _builtins.int]:
+        """checks queued, by shard"""
+
+    def __init__(
+        self,
+        *,
+        watches_used: _builtins.int = ...,
+        watches_max: _builtins.int = ...,
+        hash_mbps: _builtins.float = ...,
+        backlog: _builtins.int = ...,
+        tasks: _builtins.int = ...,
+        cold_tasks: _builtins.int = ...,
+        shard_backlog: _abc.Mapping[_builtins.int, _builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backlog", b"backlog", "cold_tasks", b"cold_tasks", "hash_mbps", b"hash_mbps", "shard_backlog", b"shard_backlog", "tasks", b"tasks", "watches_max", b"watches_max", "watches_used", b"watches_used"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatcherCapacity: _TypeAlias = WatcherCapacity  # noqa: Y015
+
+@_typing.final
+class RegisterWatcherRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HOST_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
+    ROOT_FIELD_NUMBER: _builtins.int
+    REPORTER_FIELD_NUMBER: _builtins.int
+    TTL_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    CAPACITY_FIELD_NUMBER: _builtins.int
+    host: _builtins.str
+    pid: _builtins.int
+    root: _builtins.str
+    """staging root as this host mounts it"""
+    reporter: _builtins.str
+    ttl: _builtins.int
+    """seconds, measured by etcd (0: 10)"""
+    version: _builtins.str
+    @_builtins.property
+    def capacity(self) -> Global___WatcherCapacity: ...
+    def __init__(
+        self,
+        *,
+        host: _builtins.str = ...,
+        pid: _builtins.int = ...,
+        root: _builtins.str = ...,
+        reporter: _builtins.str = ...,
+        ttl: _builtins.int = ...,
+        version: _builtins.str = ...,
+        capacity: Global___WatcherCapacity | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "host", b"host", "pid", b"pid", "reporter", b"reporter", "root", b"root", "ttl", b"ttl", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RegisterWatcherRequest: _TypeAlias = RegisterWatcherRequest  # noqa: Y015
+
+@_typing.final
+class RegisterWatcherResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WATCHER_ID_FIELD_NUMBER: _builtins.int
+    TTL_FIELD_NUMBER: _builtins.int
+    SHARD_COUNT_FIELD_NUMBER: _builtins.int
+    SHARDS_FIELD_NUMBER: _builtins.int
+    watcher_id: _builtins.str
+    ttl: _builtins.int
+    shard_count: _builtins.int
+    @_builtins.property
+    def shards(self) -> _containers.RepeatedCompositeFieldContainer[Global___ShardGrant]:
+        """shards nobody owned, given at once"""
+
+    def __init__(
+        self,
+        *,
+        watcher_id: _builtins.str = ...,
+        ttl: _builtins.int = ...,
+        shard_count: _builtins.int = ...,
+        shards: _abc.Iterable[Global___ShardGrant] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["shard_count", b"shard_count", "shards", b"shards", "ttl", b"ttl", "watcher_id", b"watcher_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RegisterWatcherResponse: _TypeAlias = RegisterWatcherResponse  # noqa: Y015
+
+@_typing.final
+class ShardGrant(_message.Message):
+    """A shard the watcher owns; ``release``: hand it over (finish the checks in hand,
+    then call ReleaseShard).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SHARD_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    RELEASE_FIELD_NUMBER: _builtins.int
+    shard: _builtins.int
+    epoch: _builtins.int
+    release: _builtins.bool
+    def __init__(
+        self,
+        *,
+        shard: _builtins.int = ...,
+        epoch: _builtins.int = ...,
+        release: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "release", b"release", "shard", b"shard"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ShardGrant: _TypeAlias = ShardGrant  # noqa: Y015
+
+@_typing.final
+class WatcherHeartbeatRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WATCHER_ID_FIELD_NUMBER: _builtins.int
+    CAPACITY_FIELD_NUMBER: _builtins.int
+    watcher_id: _builtins.str
+    @_builtins.property
+    def capacity(self) -> Global___WatcherCapacity: ...
+    def __init__(
+        self,
+        *,
+        watcher_id: _builtins.str = ...,
+        capacity: Global___WatcherCapacity | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "watcher_id", b"watcher_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatcherHeartbeatRequest: _TypeAlias = WatcherHeartbeatRequest  # noqa: Y015
+
+@_typing.final
+class WatcherHeartbeatResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TTL_FIELD_NUMBER: _builtins.int
+    SHARD_COUNT_FIELD_NUMBER: _builtins.int
+    SHARDS_FIELD_NUMBER: _builtins.int
+    DRAINING_FIELD_NUMBER: _builtins.int
+    ttl: _builtins.int
+    """seconds left after the refresh"""
+    shard_count: _builtins.int
+    draining: _builtins.bool
+    @_builtins.property
+    def shards(self) -> _containers.RepeatedCompositeFieldContainer[Global___ShardGrant]:
+        """every shard the watcher owns now"""
+
+    def __init__(
+        self,
+        *,
+        ttl: _builtins.int = ...,
+        shard_count: _builtins.int = ...,
+        shards: _abc.Iterable[Global___ShardGrant] | None = ...,
+        draining: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draining", b"draining", "shard_count", b"shard_count", "shards", b"shards", "ttl", b"ttl"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatcherHeartbeatResponse: _TypeAlias = WatcherHeartbeatResponse  # noqa: Y015
+
+@_typing.final
+class ReleaseShardRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WATCHER_ID_FIELD_NUMBER: _builtins.int
+    SHARD_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    watcher_id: _builtins.str
+    shard: _builtins.int
+    epoch: _builtins.int
+    def __init__(
+        self,
+        *,
+        watcher_id: _builtins.str = ...,
+        shard: _builtins.int = ...,
+        epoch: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "shard", b"shard", "watcher_id", b"watcher_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseShardRequest: _TypeAlias = ReleaseShardRequest  # noqa: Y015
+
+@_typing.final
+class ShardInfo(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SHARD_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
+    HOST_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    MOVING_TO_FIELD_NUMBER: _builtins.int
+    MOVE_DEADLINE_FIELD_NUMBER: _builtins.int
+    TASKS_FIELD_NUMBER: _builtins.int
+    BACKLOG_FIELD_NUMBER: _builtins.int
+    shard: _builtins.int
+    owner: _builtins.str
+    """watcher id ("" while nobody owns it)"""
+    host: _builtins.str
+    """the owner's host"""
+    epoch: _builtins.int
+    moving_to: _builtins.str
+    """a move in progress: the next owner"""
+    move_deadline: _builtins.float
+    """epoch seconds after which the move is forced"""
+    tasks: _builtins.int
+    """unfinished tasks in the shard"""
+    backlog: _builtins.int
+    """checks queued at the owner"""
+    def __init__(
+        self,
+        *,
+        shard: _builtins.int = ...,
+        owner: _builtins.str = ...,
+        host: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+        moving_to: _builtins.str = ...,
+        move_deadline: _builtins.float = ...,
+        tasks: _builtins.int = ...,
+        backlog: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backlog", b"backlog", "epoch", b"epoch", "host", b"host", "move_deadline", b"move_deadline", "moving_to", b"moving_to", "owner", b"owner", "shard", b"shard", "tasks", b"tasks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ShardInfo: _TypeAlias = ShardInfo  # noqa: Y015
+
+@_typing.final
+class ReleaseShardResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SHARD_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def shard(self) -> Global___ShardInfo: ...
+    def __init__(
+        self,
+        *,
+        shard: Global___ShardInfo | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["shard", b"shard"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["shard", b"shard"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseShardResponse: _TypeAlias = ReleaseShardResponse  # noqa: Y015
+
+@_typing.final
+class WatcherInfo(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WATCHER_ID_FIELD_NUMBER: _builtins.int
+    HOST_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
+    ROOT_FIELD_NUMBER: _builtins.int
+    REPORTER_FIELD_NUMBER: _builtins.int
+    IDENTITY_FIELD_NUMBER: _builtins.int
+    TTL_LEFT_FIELD_NUMBER: _builtins.int
+    CAPACITY_FIELD_NUMBER: _builtins.int
+    SHARDS_FIELD_NUMBER: _builtins.int
+    DRAINING_FIELD_NUMBER: _builtins.int
+    REGISTERED_AT_FIELD_NUMBER: _builtins.int
+    watcher_id: _builtins.str
+    host: _builtins.str
+    pid: _builtins.int
+    root: _builtins.str
+    reporter: _builtins.str
+    identity: _builtins.str
+    ttl_left: _builtins.int
+    shards: _builtins.int
+    """shards owned"""
+    draining: _builtins.bool
+    registered_at: _builtins.str
+    @_builtins.property
+    def capacity(self) -> Global___WatcherCapacity: ...
+    def __init__(
+        self,
+        *,
+        watcher_id: _builtins.str = ...,
+        host: _builtins.str = ...,
+        pid: _builtins.int = ...,
+        root: _builtins.str = ...,
+        reporter: _builtins.str = ...,
+        identity: _builtins.str = ...,
+        ttl_left: _builtins.int = ...,
+        capacity: Global___WatcherCapacity | None = ...,
+        shards: _builtins.int = ...,
+        draining: _builtins.bool = ...,
+        registered_at: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "draining", b"draining", "host", b"host", "identity", b"identity", "pid", b"pid", "registered_at", b"registered_at", "reporter", b"reporter", "root", b"root", "shards", b"shards", "ttl_left", b"ttl_left", "watcher_id", b"watcher_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatcherInfo: _TypeAlias = WatcherInfo  # noqa: Y015
+
+@_typing.final
+class ListWatchersRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListWatchersRequest: _TypeAlias = ListWatchersRequest  # noqa: Y015
+
+@_typing.final
+class ListWatchersResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WATCHERS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def watchers(self) -> _containers.RepeatedCompositeFieldContainer[Global___WatcherInfo]: ...
+    def __init__(
+        self,
+        *,
+        watchers: _abc.Iterable[Global___WatcherInfo] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["watchers", b"watchers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListWatchersResponse: _TypeAlias = ListWatchersResponse  # noqa: Y015
+
+@_typing.final
+class ListShardsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListShardsRequest: _TypeAlias = ListShardsRequest  # noqa: Y015
+
+@_typing.final
+class ListShardsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SHARDS_FIELD_NUMBER: _builtins.int
+    SHARD_COUNT_FIELD_NUMBER: _builtins.int
+    shard_count: _builtins.int
+    """0: no watcher has registered yet"""
+    @_builtins.property
+    def shards(self) -> _containers.RepeatedCompositeFieldContainer[Global___ShardInfo]: ...
+    def __init__(
+        self,
+        *,
+        shards: _abc.Iterable[Global___ShardInfo] | None = ...,
+        shard_count: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["shard_count", b"shard_count", "shards", b"shards"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListShardsResponse: _TypeAlias = ListShardsResponse  # noqa: Y015
+
+@_typing.final
+class ShardMove(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SHARD_FIELD_NUMBER: _builtins.int
+    FROM_WATCHER_FIELD_NUMBER: _builtins.int
+    TO_WATCHER_FIELD_NUMBER: _builtins.int
+    shard: _builtins.int
+    from_watcher: _builtins.str
+    to_watcher: _builtins.str
+    def __init__(
+        self,
+        *,
+        shard: _builtins.int = ...,
+        from_watcher: _builtins.str = ...,
+        to_watcher: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_watcher", b"from_watcher", "shard", b"shard", "to_watcher", b"to_watcher"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ShardMove: _TypeAlias = ShardMove  # noqa: Y015
+
+@_typing.final
+class MoveShardRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SHARD_FIELD_NUMBER: _builtins.int
+    TO_WATCHER_FIELD_NUMBER: _builtins.int
+    DEADLINE_FIELD_NUMBER: _builtins.int
+    shard: _builtins.int
+    to_watcher: _builtins.str
+    deadline: _builtins.int
+    """seconds the owner has to release (0: the default)"""
+    def __init__(
+        self,
+        *,
+        shard: _builtins.int = ...,
+        to_watcher: _builtins.str = ...,
+        deadline: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline", "shard", b"shard", "to_watcher", b"to_watcher"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MoveShardRequest: _TypeAlias = MoveShardRequest  # noqa: Y015
+
+@_typing.final
+class RebalanceRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DRY_RUN_FIELD_NUMBER: _builtins.int
+    dry_run: _builtins.bool
+    def __init__(
+        self,
+        *,
+        dry_run: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dry_run", b"dry_run"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RebalanceRequest: _TypeAlias = RebalanceRequest  # noqa: Y015
+
+@_typing.final
+class RebalanceResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MOVES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def moves(self) -> _containers.RepeatedCompositeFieldContainer[Global___ShardMove]: ...
+    def __init__(
+        self,
+        *,
+        moves: _abc.Iterable[Global___ShardMove] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["moves", b"moves"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RebalanceResponse: _TypeAlias = RebalanceResponse  # noqa: Y015
+
+@_typing.final
+class DrainWatcherRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WATCHER_ID_FIELD_NUMBER: _builtins.int
+    UNDO_FIELD_NUMBER: _builtins.int
+    watcher_id: _builtins.str
+    undo: _builtins.bool
+    """take shards again"""
+    def __init__(
+        self,
+        *,
+        watcher_id: _builtins.str = ...,
+        undo: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["undo", b"undo", "watcher_id", b"watcher_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DrainWatcherRequest: _TypeAlias = DrainWatcherRequest  # noqa: Y015
+
+@_typing.final
+class DrainWatcherResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WATCHER_FIELD_NUMBER: _builtins.int
+    MOVES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def watcher(self) -> Global___WatcherInfo: ...
+    @_builtins.property
+    def moves(self) -> _containers.RepeatedCompositeFieldContainer[Global___ShardMove]:
+        """moves started"""
+
+    def __init__(
+        self,
+        *,
+        watcher: Global___WatcherInfo | None = ...,
+        moves: _abc.Iterable[Global___ShardMove] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["watcher", b"watcher"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["moves", b"moves", "watcher", b"watcher"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DrainWatcherResponse: _TypeAlias = DrainWatcherResponse  # noqa: Y015
 
 @_typing.final
 class ConsumeRequest(_message.Message):

@@ -174,6 +174,46 @@ class RegistryStub:
                 request_serializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.WatchTasksRequest.SerializeToString,
                 response_deserializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.Task.FromString,
                 _registered_method=True)
+        self.RegisterWatcher = channel.unary_unary(
+                '/baton.v1.Registry/RegisterWatcher',
+                request_serializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.RegisterWatcherRequest.SerializeToString,
+                response_deserializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.RegisterWatcherResponse.FromString,
+                _registered_method=True)
+        self.WatcherHeartbeat = channel.unary_unary(
+                '/baton.v1.Registry/WatcherHeartbeat',
+                request_serializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.WatcherHeartbeatRequest.SerializeToString,
+                response_deserializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.WatcherHeartbeatResponse.FromString,
+                _registered_method=True)
+        self.ReleaseShard = channel.unary_unary(
+                '/baton.v1.Registry/ReleaseShard',
+                request_serializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.ReleaseShardRequest.SerializeToString,
+                response_deserializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.ReleaseShardResponse.FromString,
+                _registered_method=True)
+        self.ListWatchers = channel.unary_unary(
+                '/baton.v1.Registry/ListWatchers',
+                request_serializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.ListWatchersRequest.SerializeToString,
+                response_deserializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.ListWatchersResponse.FromString,
+                _registered_method=True)
+        self.ListShards = channel.unary_unary(
+                '/baton.v1.Registry/ListShards',
+                request_serializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.ListShardsRequest.SerializeToString,
+                response_deserializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.ListShardsResponse.FromString,
+                _registered_method=True)
+        self.MoveShard = channel.unary_unary(
+                '/baton.v1.Registry/MoveShard',
+                request_serializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.MoveShardRequest.SerializeToString,
+                response_deserializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.ShardInfo.FromString,
+                _registered_method=True)
+        self.Rebalance = channel.unary_unary(
+                '/baton.v1.Registry/Rebalance',
+                request_serializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.RebalanceRequest.SerializeToString,
+                response_deserializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.RebalanceResponse.FromString,
+                _registered_method=True)
+        self.DrainWatcher = channel.unary_unary(
+                '/baton.v1.Registry/DrainWatcher',
+                request_serializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.DrainWatcherRequest.SerializeToString,
+                response_deserializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.DrainWatcherResponse.FromString,
+                _registered_method=True)
 
 
 class RegistryServicer:
@@ -347,6 +387,54 @@ class RegistryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterWatcher(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatcherHeartbeat(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseShard(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListWatchers(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListShards(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def MoveShard(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Rebalance(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DrainWatcher(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RegistryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -489,6 +577,46 @@ def add_RegistryServicer_to_server(servicer, server):
                     servicer.WatchTasks,
                     request_deserializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.WatchTasksRequest.FromString,
                     response_serializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.Task.SerializeToString,
+            ),
+            'RegisterWatcher': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterWatcher,
+                    request_deserializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.RegisterWatcherRequest.FromString,
+                    response_serializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.RegisterWatcherResponse.SerializeToString,
+            ),
+            'WatcherHeartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.WatcherHeartbeat,
+                    request_deserializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.WatcherHeartbeatRequest.FromString,
+                    response_serializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.WatcherHeartbeatResponse.SerializeToString,
+            ),
+            'ReleaseShard': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseShard,
+                    request_deserializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.ReleaseShardRequest.FromString,
+                    response_serializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.ReleaseShardResponse.SerializeToString,
+            ),
+            'ListWatchers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListWatchers,
+                    request_deserializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.ListWatchersRequest.FromString,
+                    response_serializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.ListWatchersResponse.SerializeToString,
+            ),
+            'ListShards': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListShards,
+                    request_deserializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.ListShardsRequest.FromString,
+                    response_serializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.ListShardsResponse.SerializeToString,
+            ),
+            'MoveShard': grpc.unary_unary_rpc_method_handler(
+                    servicer.MoveShard,
+                    request_deserializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.MoveShardRequest.FromString,
+                    response_serializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.ShardInfo.SerializeToString,
+            ),
+            'Rebalance': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rebalance,
+                    request_deserializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.RebalanceRequest.FromString,
+                    response_serializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.RebalanceResponse.SerializeToString,
+            ),
+            'DrainWatcher': grpc.unary_unary_rpc_method_handler(
+                    servicer.DrainWatcher,
+                    request_deserializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.DrainWatcherRequest.FromString,
+                    response_serializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.DrainWatcherResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1247,6 +1375,222 @@ class Registry:
             '/baton.v1.Registry/WatchTasks',
             baton__relay_dot_client_dot_v1_dot_baton__pb2.WatchTasksRequest.SerializeToString,
             baton__relay_dot_client_dot_v1_dot_baton__pb2.Task.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterWatcher(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Registry/RegisterWatcher',
+            baton__relay_dot_client_dot_v1_dot_baton__pb2.RegisterWatcherRequest.SerializeToString,
+            baton__relay_dot_client_dot_v1_dot_baton__pb2.RegisterWatcherResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatcherHeartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Registry/WatcherHeartbeat',
+            baton__relay_dot_client_dot_v1_dot_baton__pb2.WatcherHeartbeatRequest.SerializeToString,
+            baton__relay_dot_client_dot_v1_dot_baton__pb2.WatcherHeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseShard(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Registry/ReleaseShard',
+            baton__relay_dot_client_dot_v1_dot_baton__pb2.ReleaseShardRequest.SerializeToString,
+            baton__relay_dot_client_dot_v1_dot_baton__pb2.ReleaseShardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListWatchers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Registry/ListWatchers',
+            baton__relay_dot_client_dot_v1_dot_baton__pb2.ListWatchersRequest.SerializeToString,
+            baton__relay_dot_client_dot_v1_dot_baton__pb2.ListWatchersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListShards(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Registry/ListShards',
+            baton__relay_dot_client_dot_v1_dot_baton__pb2.ListShardsRequest.SerializeToString,
+            baton__relay_dot_client_dot_v1_dot_baton__pb2.ListShardsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MoveShard(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Registry/MoveShard',
+            baton__relay_dot_client_dot_v1_dot_baton__pb2.MoveShardRequest.SerializeToString,
+            baton__relay_dot_client_dot_v1_dot_baton__pb2.ShardInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rebalance(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Registry/Rebalance',
+            baton__relay_dot_client_dot_v1_dot_baton__pb2.RebalanceRequest.SerializeToString,
+            baton__relay_dot_client_dot_v1_dot_baton__pb2.RebalanceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DrainWatcher(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Registry/DrainWatcher',
+            baton__relay_dot_client_dot_v1_dot_baton__pb2.DrainWatcherRequest.SerializeToString,
+            baton__relay_dot_client_dot_v1_dot_baton__pb2.DrainWatcherResponse.FromString,
             options,
             channel_credentials,
             insecure,

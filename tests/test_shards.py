@@ -1,0 +1,325 @@
+"""Watcher shards: membership, reports believed only from a shard's owner at its
+epoch, two-phase and forced moves, failover, and several watcher processes over one
+staging root (real etcd, real registry, real watcher processes)."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from registry_fixtures import TEST_RETRY, RegistryHandle
+from watcher_fixtures import digest, histories, make_task, put_bytes, verified_events
+
+from baton_relay.client import Client, Session
+from baton_relay.client.contract import shard_of
+from baton_relay.client.errors import NotFound, NotShardOwner
+from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.registry.shards import moves_bound, plan_moves
+from baton_relay.watcher.__main__ import READY
+
+Wait = Callable[..., None]
+SHARDS = 16
+
+
+@pytest.fixture
+def registry(registry_factory: Callable[..., RegistryHandle]) -> RegistryHandle:
+    return registry_factory(shards=SHARDS, shard_move_deadline=3.0)
+
+
+class FakeHost:
+    """A watcher that follows the protocol by hand: registers, heartbeats, and hands
+    shards over when asked (``release`` False: it ignores the request, as a hung one)."""
+
+    def __init__(self, client: Client, name: str, release: bool = True, ttl: int = 3) -> None:
+        self.client = client
+        self.release = release
+        self.id = client.register_watcher(f"/roots/{name}", name, ttl=ttl).watcher_id
+        self.grants: dict[int, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.1):
+            try:
+                reply = self.client.watcher_heartbeat(self.id)
+            except Exception:  # the test stops the registry or the host under it
+                continue
+            self.grants = {g.shard: g.epoch for g in reply.shards}
+            for g in reply.shards:
+                if g.release and self.release:
+                    self.client.release_shard(self.id, g.shard, g.epoch)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+@pytest.fixture
+def hosts(client: Client) -> Iterator[Callable[..., FakeHost]]:
+    made: list[FakeHost] = []
+
+    def make(name: str, **kw: object) -> FakeHost:
+        h = FakeHost(client, name, **kw)  # type: ignore[arg-type]
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        h.stop()
+
+
+def owners(client: Client) -> dict[int, pb.ShardInfo]:
+    return {s.shard: s for s in client.list_shards().shards}
+
+
+def counts(client: Client) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for s in client.list_shards().shards:
+        out[s.owner] = out.get(s.owner, 0) + 1
+    return out
+
+
+def balanced(client: Client, ids: list[str]) -> Callable[[], bool]:
+    def check() -> bool:
+        shards = client.list_shards().shards
+        c = counts(client)
+        return (all(s.owner in ids and not s.moving_to for s in shards)
+                and max(c.values()) - min(c.get(i, 0) for i in ids) <= 1)
+
+    return check
+
+
+# the plan, alone ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("shards", [1, 7, 16, 64, 256])
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 9])
+def test_adding_a_watcher_moves_at_most_a_fair_share(shards: int, n: int) -> None:
+    owned: dict[str, list[tuple[int, int]]] = {f"w{i}": [] for i in range(n)}
+    for s in range(shards):
+        owned[f"w{s % n}"].append((s, 1))
+    owned["new"] = []
+    moves = plan_moves(owned, list(owned))
+    assert len(moves) <= math.ceil(shards / (n + 1) * 1.05)
+    assert len(moves) <= moves_bound(shards, n)
+    assert all(to == "new" for _, _, to in moves)
+    assert len({s for s, _, _ in moves}) == len(moves)  # no shard moved twice
+
+
+def test_balanced_shards_do_not_move_and_a_draining_watcher_gives_all_up() -> None:
+    owned = {"a": [(0, 1), (1, 1), (2, 1)], "b": [(3, 1), (4, 1)], "c": [(5, 1), (6, 1)]}
+    assert plan_moves(owned, ["a", "b", "c"]) == []
+    moves = plan_moves(owned, ["b", "c"])  # a drains
+    assert sorted(s for s, frm, _ in moves if frm == "a") == [0, 1, 2]
+    assert {to for _, _, to in moves} <= {"b", "c"}
+    keep = plan_moves({"a": [(0, 1)] * 6, "b": []}, ["b"], keepers=["a"])
+    assert keep == []  # a full watcher keeps its shards; nothing to give b
+
+
+def test_a_donor_gives_up_its_oldest_shards_first() -> None:
+    moves = plan_moves({"a": [(0, 9), (1, 2), (2, 5)], "b": [(3, 1)]}, ["a", "b"])
+    assert moves == [(1, "a", "b")]
+
+
+# membership on a real registry ----------------------------------------------------------
+
+def test_shards_are_owned_and_balanced_and_listed(
+    client: Client, hosts: Callable[..., FakeHost], wait_for: Wait,
+) -> None:
+    assert client.list_shards().shard_count == 0  # no watcher yet: no shards
+    a, b, c = hosts("a"), hosts("b"), hosts("c")
+    wait_for(balanced(client, [a.id, b.id, c.id]), what="16 shards over 3 watchers")
+    listing = client.list_shards()
+    assert listing.shard_count == SHARDS and len(listing.shards) == SHARDS
+    assert {w.watcher_id: w.shards for w in client.list_watchers()} == counts(client)
+    wait_for(lambda: sum(len(h.grants) for h in (a, b, c)) == SHARDS, what="grants")
+
+
+def test_a_report_from_anyone_but_the_owner_at_its_epoch_is_refused(
+    client: Client, session: Session, hosts: Callable[..., FakeHost], wait_for: Wait,
+    staging: Path,
+) -> None:
+    a, b = hosts("a"), hosts("b")
+    wait_for(balanced(client, [a.id, b.id]), what="shards balanced")
+    make_task(client, "t1", {"f": "f.bin"})
+    claim = client.claim("t1", "f", session=session)
+    data = b"sharded bytes"
+    Path(claim.path).parent.mkdir(parents=True, exist_ok=True)
+    Path(claim.path).write_bytes(data)
+    client.commit("t1", "f", claim.token, len(data), digest(data), session=session)
+    shard = owners(client)[shard_of("t1", SHARDS)]
+    owner, other = (a, b) if shard.owner == a.id else (b, a)
+    before = client.get_entry("t1", "f")
+    for watcher_id, epoch in [(other.id, shard.epoch), ("", 0), (owner.id, shard.epoch - 1),
+                              (owner.id, shard.epoch + 1)]:
+        with pytest.raises(NotShardOwner) as refused:
+            client.report("t1", "f", len(data), digest(data), reporter="forger",
+                          watcher_id=watcher_id, shard_epoch=epoch)
+        assert refused.value.shard == shard.shard and refused.value.owner == owner.id
+    after = client.get_entry("t1", "f")
+    assert (after.state, after.revision) == (pb.WRITTEN, before.revision)
+    reply = client.report("t1", "f", len(data), digest(data), reporter="owner",
+                          watcher_id=owner.id, shard_epoch=shard.epoch)
+    assert reply.state == pb.VERIFIED
+
+
+def test_a_move_is_two_phase_and_the_old_epoch_dies_with_it(
+    client: Client, hosts: Callable[..., FakeHost], wait_for: Wait,
+) -> None:
+    a, b = hosts("a"), hosts("b")
+    wait_for(balanced(client, [a.id, b.id]), what="shards balanced")
+    n = next(s for s, i in owners(client).items() if i.owner == a.id)
+    epoch = owners(client)[n].epoch
+    started = client.move_shard(n, b.id)
+    assert started.owner in (a.id, b.id)
+    wait_for(lambda: owners(client)[n].owner == b.id and not owners(client)[n].moving_to,
+             what="the shard handed over")
+    assert owners(client)[n].epoch == epoch + 1
+    wait_for(lambda: b.grants.get(n) == epoch + 1, what="b told of its new shard")
+    in_n = next(t for t in (f"t{i}" for i in range(10_000)) if shard_of(t, SHARDS) == n)
+    with pytest.raises(NotShardOwner):  # the releasing owner's epoch is over
+        client.report(in_n, "f", 1, "0" * 64, watcher_id=a.id, shard_epoch=epoch)
+
+
+def test_an_owner_that_never_releases_loses_the_shard_at_the_deadline(
+    client: Client, hosts: Callable[..., FakeHost], wait_for: Wait,
+) -> None:
+    hung = hosts("hung", release=False)
+    wait_for(lambda: counts(client).get(hung.id) == SHARDS, what="one watcher owns all")
+    fresh = hosts("fresh")
+    wait_for(lambda: any(s.moving_to == fresh.id for s in owners(client).values()),
+             what="moves started")
+    # The hung owner never releases: after the 3 s deadline each move is forced.
+    wait_for(balanced(client, [hung.id, fresh.id]), timeout=20, what="moves forced")
+
+
+def test_a_dead_watchers_shards_are_owned_again_within_its_ttl(
+    client: Client, hosts: Callable[..., FakeHost], wait_for: Wait,
+) -> None:
+    a, b = hosts("a", ttl=2), hosts("b", ttl=2)
+    wait_for(balanced(client, [a.id, b.id]), what="shards balanced")
+    mine = {n for n, s in owners(client).items() if s.owner == a.id}
+    a.stop()  # no more heartbeats: its lease expires in 2 s
+    wait_for(lambda: all(owners(client)[n].owner == b.id for n in mine), timeout=2 + 5,
+             what="a's shards owned by b")
+    with pytest.raises(NotFound):
+        client.watcher_heartbeat(a.id)
+
+
+def test_draining_a_watcher_moves_its_shards_away_and_undo_takes_them_back(
+    client: Client, hosts: Callable[..., FakeHost], wait_for: Wait,
+) -> None:
+    a, b = hosts("a"), hosts("b")
+    wait_for(balanced(client, [a.id, b.id]), what="shards balanced")
+    reply = client.drain_watcher(a.id)
+    assert reply.watcher.draining and reply.moves
+    wait_for(lambda: counts(client).get(a.id, 0) == 0, what="a drained")
+    assert [w.draining for w in client.list_watchers() if w.watcher_id == a.id] == [True]
+    client.drain_watcher(a.id, undo=True)
+    wait_for(balanced(client, [a.id, b.id]), what="balanced again")
+    with pytest.raises(NotFound):
+        client.drain_watcher("0123456789abcdef")
+
+
+# real watcher processes over one staging root ----------------------------------------------
+
+class WatcherProcess:
+    def __init__(self, registry: RegistryHandle, staging: Path, log_path: Path,
+                 name: str) -> None:
+        self.name = name
+        self.log_path = log_path
+        argv = [sys.executable, "-u", "-m", "baton_relay.watcher", "--registry",
+                registry.address, "--staging", str(staging), "--retry-delay", "0.05",
+                "--reporter", name, "--shard-ttl", "3", "--reconcile-interval", "5"]
+        with log_path.open("ab") as log:
+            self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log,
+                                         stdin=subprocess.DEVNULL)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline().decode()
+        assert line.startswith(READY), f"no ready line, got {line!r}: {self.log()}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+@pytest.fixture
+def processes(registry: RegistryHandle, staging: Path,
+              tmp_path: Path) -> Iterator[Callable[[str], WatcherProcess]]:
+    started: list[WatcherProcess] = []
+
+    def make(name: str) -> WatcherProcess:
+        p = WatcherProcess(registry, staging, tmp_path / f"{name}.log", name)
+        started.append(p)
+        return p
+
+    yield make
+    for p in started:
+        if p.proc.poll() is None:
+            p.proc.kill()
+        p.proc.wait()
+
+
+@pytest.mark.slow
+def test_three_watchers_over_one_root_survive_a_kill_and_a_fourth_joins(
+    client: Client, session: Session, processes: Callable[[str], WatcherProcess],
+    registry: RegistryHandle, wait_for: Wait,
+) -> None:
+    """SIGKILL one of three while files land: its shards move, every file is verified
+    exactly once and never retried; a fourth joining moves at most its fair share."""
+    tasks = [f"t{i}" for i in range(12)]
+    files = [f"f{j:03d}" for j in range(25)]
+    for t in tasks:
+        make_task(client, t, {f: f"{f}.bin" for f in files})
+    w = [processes(f"w{i}") for i in range(3)]
+    wait_for(lambda: len(client.list_watchers()) == 3, what="3 registered")
+    ids = [x.watcher_id for x in client.list_watchers()]
+    wait_for(balanced(client, ids), timeout=20, what="balanced over 3")
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def produce() -> None:
+        try:
+            for f in files:
+                for t in tasks:
+                    put_bytes(client, session, t, f, os.urandom(512) + f"{t}/{f}".encode())
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+        finally:
+            done.set()
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    total = len(tasks) * len(files)
+    verified = lambda: sum(len(client.list_entries(t, pb.VERIFIED)) for t in tasks)  # noqa: E731
+    wait_for(lambda: verified() >= total // 4, timeout=60, what="a quarter verified")
+    victim = w[0]
+    victim.proc.send_signal(signal.SIGKILL)
+    victim.proc.wait()
+    wait_for(lambda: len(client.list_watchers()) == 2, timeout=15, what="victim expired")
+    alive = [x.watcher_id for x in client.list_watchers()]
+    wait_for(balanced(client, alive), timeout=15, what="victim's shards owned again")
+    producer.join(180)
+    assert done.is_set() and not errors, errors
+    wait_for(lambda: verified() == total, timeout=120, what="every file verified")
+    for t in tasks:
+        hist = histories(registry.etcd, registry.prefix, t, files)
+        twice = {f: verified_events(h) for f, h in hist.items() if verified_events(h) != 1}
+        retried = [f for f, h in hist.items() if any(e["event"] == "failed" for e in h)]
+        assert not twice and not retried, (t, twice, retried)
+    # A fourth joins: the shards it takes are the only ones that move.
+    before = owners(client)
+    processes("w3")
+    wait_for(lambda: len(client.list_watchers()) == 3, what="fourth registered")
+    ids = [x.watcher_id for x in client.list_watchers()]
+    wait_for(balanced(client, ids), timeout=20, what="balanced over 3 again")
+    moved = [n for n, s in owners(client).items() if s.owner != before[n].owner]
+    assert len(moved) <= math.ceil(SHARDS / 3 * 1.05), moved
+    for p in w[1:]:
+        assert "registry refused" not in p.log(), p.log()[-3000:]
