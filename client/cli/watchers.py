@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -54,28 +54,20 @@ class MoveCalledOff(errors.BatonError):
 
 @dataclass
 class Waiter:
-    """Polls until a condition holds or ``timeout`` seconds passed, showing on stderr
-    what it waits for: a spinner on a terminal, a line per change elsewhere (a
-    script's log). Clock and sleep are swappable, so tests need not wait."""
+    """Polls until a condition holds or ``timeout`` seconds passed. On a terminal a
+    spinner on stderr says what it waits for (as ``consume --wait`` does); elsewhere
+    stderr stays for the one error line. Clock and sleep are swappable for tests."""
 
     timeout: float
     clock: Callable[[], float] = time.monotonic
     sleep: Callable[[float], None] = time.sleep
-    _shown: str = field(default="", init=False)
 
     @contextmanager
     def showing(self, first: str) -> Iterator[Callable[[str], None]]:
+        """A spinner showing ``first``; what is yielded replaces its text."""
         console = err_console()
         if not console.is_terminal:
-            self._shown = first
-            click.echo(first, err=True)
-
-            def line(text: str) -> None:
-                if text != self._shown:
-                    self._shown = text
-                    click.echo(text, err=True)
-
-            yield line
+            yield lambda text: None
             return
         with console.status(first, spinner="dots") as status:
             yield lambda text: status.update(text)
