@@ -3,7 +3,9 @@ registry, with watchers that speak the real protocol (register, heartbeat, hand 
 shard over when asked), and ``baton up --watchers N``.
 
 The registries here have a few shards, so that tables stay short and balancing is
-quick; each test waits for the registry's assigner with ``wait_for``.
+quick; each test waits for the registry's assigner with ``wait_for``. What a command
+prints is also compared with what docs/cli.md shows it printing (its transcripts of
+these commands are not run by tests/test_docs_run.py: they show three hosts).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import pytest
 from registry_fixtures import TEST_RETRY, RegistryHandle
 from test_cli import invoke, ok_json, one_error_line
 from test_cli_ops import plain_tables, table_rows  # noqa: F401  (a fixture)
+from test_docs_run import CLI_MD, transcripts
 
 from baton_relay.client import Client, errors
 from baton_relay.client.v1 import baton_pb2 as pb
@@ -122,6 +125,34 @@ def balanced(client: Client, ws: list[Watcher]) -> bool:
             and not any(s.moving_to for s in shards))
 
 
+def shown(command: str) -> list[str]:
+    """The output docs/cli.md shows after ``$ baton COMMAND…``."""
+    for steps in transcripts(CLI_MD):
+        for step in steps:
+            if step.command.startswith(f"baton {command}"):
+                return step.output
+    raise AssertionError(f"docs/cli.md shows no `baton {command}`")
+
+
+def outline(lines: list[str]) -> list[str]:
+    """Output as it is compared with the docs: a table as its header's cells and one
+    mark for its rows; other lines with watcher ids as <id> and numbers as <n>."""
+    out: list[str] = []
+    for line in lines:
+        if line.startswith("┃"):
+            out.append(" | ".join(cell.strip() for cell in line.strip("┃").split("┃")))
+        elif line.startswith("│"):
+            if out[-1] != "<rows>":
+                out.append("<rows>")
+        elif not line.startswith(("┏", "┡", "└")):
+            out.append(re.sub(r"\d+", "<n>", re.sub(r"\b[0-9a-f]{16}\b", "<id>", line)))
+    return out
+
+
+def as_shown(command: str, stdout: str) -> None:
+    assert outline(stdout.splitlines()) == outline(shown(command)), stdout
+
+
 # --- watcher ls -----------------------------------------------------------------------
 
 
@@ -144,6 +175,7 @@ def test_watcher_ls_shows_each_watcher_and_its_capacity(
     assert rows[a.id][4:] == ["6", "100/8192", "8092", "512.0", "3", "1", rows[a.id][10], "no"]
     assert rows[b.id][4:8] == ["6", "7/?", "?", "-"]  # no limit known, nothing hashed yet
     assert rows[a.id][10].endswith(" s")
+    as_shown("watcher ls", result.stdout)
 
     listed = {w["watcher_id"]: w for w in ok_json(invoke(sharded, "watcher", "ls", "-o", "json"))}
     assert set(listed) == {a.id, b.id}
@@ -183,6 +215,7 @@ def test_shard_ls_lists_every_shard_once_balanced_across_watchers(
     counts = Counter(row[1] for row in rows.values())
     assert set(counts) == {w.id for w in ws} and set(counts.values()) == {4}
     assert all(int(row[3]) >= 1 and row[4] == "-" for row in rows.values())
+    as_shown("shard ls", result.stdout)
 
     listed = ok_json(invoke(sharded, "shard", "ls", "-o", "json"))
     assert listed["shard_count"] == SHARDS
@@ -221,6 +254,7 @@ def test_shard_move_waits_until_the_target_owns_it(
         assert lines[0].startswith(f"shard {n} moving from {a.id} to {b.id}; forced in ")
         assert lines[-1] == \
             f"shard {n} owned by {b.id} at epoch {before[n].epoch + 1} (handed over)"
+        as_shown("shard move", result.stdout)
         row = table_rows(invoke(held, "shard", "ls").stdout)[str(n)]
         assert (row[1], int(row[3])) == (b.id, before[n].epoch + 1)
         assert owners(lib_held) == Counter({a.id: SHARDS // 2 - 1, b.id: SHARDS // 2 + 1})
@@ -306,6 +340,7 @@ def test_rebalance_dry_run_changes_nothing_and_rebalance_starts_the_moves(
             assert len(rows) == SHARDS // 2
             assert {(r[1], r[2]) for r in rows.values()} == {(a.id, b.id)}
             assert dry.stdout.splitlines()[-1] == "6 moves would start (dry run)"
+            as_shown("shard rebalance --dry-run", dry.stdout)
             assert [(s.shard, s.owner, s.epoch, s.moving_to)
                     for s in lib_held.list_shards().shards] == before
 
@@ -353,6 +388,7 @@ def test_drain_moves_every_shard_away_and_undo_takes_shards_again(
                         "shards owned", lines[0]), lines[0]
     assert lines[-1] == f"watcher {a.id} owns no shards: it may stop now"
     assert not result.stderr  # progress is shown on a terminal only
+    as_shown("watcher drain", result.stdout)
     assert owners(lib)[a.id] == 0
     wait_for(lambda: balanced(lib, [b, c]), what="6 shards each on the others")
     row = table_rows(invoke(sharded, "watcher", "ls").stdout)[a.id]

@@ -569,6 +569,11 @@ PREPARE: dict[str, Callable[[Transcripts], None] | None] = {
 NOT_RUN = {
     "baton top --once": "a live view of a busy stack: rates and ages over minutes, hundreds "
                         "of entries; tests/test_top.py checks what it prints",
+    **dict.fromkeys(
+        ["baton watcher ls", "baton watcher drain 694d8e1fa03b2c51", "baton shard ls",
+         "baton shard move 5 --to 694d8e1fa03b2e09", "baton shard rebalance --dry-run"],
+        "three watchers on other hosts, over a registry of 8 shards: tests/test_cli_shards.py "
+        "runs each command so and checks it prints the lines and columns shown"),
 }
 
 
