@@ -36,7 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drain", type=float, default=300.0,
                         help="at most this many seconds after healing for every task to "
                         "complete (default 300)")
-    parser.add_argument("--ttl", type=int, default=3, help="agents' lease TTL (default 3)")
+    parser.add_argument("--ttl", type=int, default=3,
+                        help="agents' lease TTL, and the watchers' (default 3)")
+    parser.add_argument("--watchers", type=int, default=2,
+                        help="watcher processes sharing the staging root (default 2)")
     parser.add_argument("--gap", type=float, nargs=2, default=(2.0, 5.0),
                         metavar=("MIN", "MAX"), help="seconds between nemeses (default 2 5)")
     parser.add_argument("--nemeses", default=",".join(NEMESES),
@@ -63,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = RunConfig(seed=args.seed, duration=args.duration, out=out,
                     producers=args.producers, consumers=args.consumers,
                     task_size=args.task_size, backlog=args.backlog, drain=args.drain,
-                    ttl=args.ttl, gap=tuple(args.gap),
+                    ttl=args.ttl, watchers=args.watchers, gap=tuple(args.gap),
                     nemeses=kinds, etcd_binary=args.etcd, keep_staging=args.keep_staging,
                     all_members=not args.one_member_per_replica, insecure=args.insecure)
     result = run(cfg)

@@ -341,15 +341,19 @@ def registry_proc(name: str, etcd_endpoint: str, port: int, staging: Path, prefi
 
 
 def watcher_proc(registries: Sequence[str], staging: Path, state_file: Path,
-                 log_path: Path, tls: LocalPKI | None) -> Proc:
+                 log_path: Path, tls: LocalPKI | None, name: str = "watcher",
+                 ttl: int = 4) -> Proc:
+    """A watcher process named ``name`` (its reporter name too); several share the
+    staging root's shards, each registered for ``ttl`` seconds."""
     # gRPC's ipv4: scheme takes a list; pick_first moves on when a replica dies. Over
     # TLS the replicas' certificates are checked against the list's first host.
     target = "ipv4:" + ",".join(registries)
     security = [] if tls is None else list(tls.client_flags(WATCHER))
     argv = [sys.executable, "-u", "-m", "baton_relay.watcher", "--registry", target, *security,
             "--staging", str(staging), "--state-file", str(state_file),
-            "--reconcile-interval", "5", "--stream-timeout", "10", "--retry-delay", "0.1"]
-    return Proc("watcher", argv, log_path, env=daemon_env(),
+            "--reconcile-interval", "5", "--stream-timeout", "10", "--retry-delay", "0.1",
+            "--reporter", name, "--shard-ttl", str(ttl)]
+    return Proc(name, argv, log_path, env=daemon_env(),
                 ready=lambda: log_line_probe(log_path, WATCHER_READY))
 
 

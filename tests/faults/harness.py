@@ -1,10 +1,11 @@
 """A fault run from start to verdict.
 
 1. A 3-member etcd cluster, two registry replicas (each given every member, or
-   replica n only member n), one watcher (on both replicas; over TLS on the first,
-   see ``cluster.watcher_proc``) and the agents: producers, and consumers in two
-   consumer groups. They speak mutual TLS with identities from a CA made in
-   ``OUT/pki`` (``cluster.make_pki``), unless the run is plaintext.
+   replica n only member n), two watchers sharing the staging root's shards (on
+   both replicas; over TLS on the first, see ``cluster.watcher_proc``) and the
+   agents: producers, and consumers in two consumer groups. They speak mutual TLS
+   with identities from a CA made in ``OUT/pki`` (``cluster.make_pki``), unless
+   the run is plaintext.
 2. Load: a feeder creates tasks so that there is always work; nemeses are injected
    one after the other for ``duration`` seconds.
 3. Heal and drain: everything broken is restarted, and the run waits (at most
@@ -59,6 +60,8 @@ class RunConfig:
     consumers: int = 2
     groups: tuple[str, ...] = ("g1", "g2")
     ttl: int = 4
+    #: watcher processes over the one staging root
+    watchers: int = 2
     task_size: int = 40
     #: no new task while this many entries are unfinished (the consumers are behind)
     backlog: int = 160
@@ -216,8 +219,9 @@ def run(cfg: RunConfig, say: Callable[[str], None] = print) -> Result:
     registries = [registry_proc(f"registry-{n}", etcd_for(n), ports[n], staging,
                                 cfg.prefix, out / "logs" / f"registry-{n}.log", tls)
                   for n in range(2)]
-    watcher = watcher_proc(addresses, staging, out / "watcher-state.sqlite",
-                           out / "logs" / "watcher.log", tls)
+    watchers = [watcher_proc(addresses, staging, out / f"watcher-{n}-state.sqlite",
+                             out / "logs" / f"watcher-{n}.log", tls, f"watcher-{n}", cfg.ttl)
+                for n in range(cfg.watchers)]
 
     def make_agent(slot: AgentSlot) -> Proc:
         return agent_proc(slot.role, slot.name, addresses, slot.history, cfg.seed, cfg.ttl,
@@ -228,15 +232,17 @@ def run(cfg: RunConfig, say: Callable[[str], None] = print) -> Result:
               for i in range(cfg.producers)]
     agents += [AgentSlot("consumer", len(agents) + i, g, make_agent, histories)
                for i, g in enumerate(g for g in cfg.groups for _ in range(cfg.consumers))]
-    world = World(cluster, registries, watcher, agents, staging, cfg.ttl, rng, driver)
     replicas = Replicas(addresses, tls)
+    world = World(cluster, registries, watchers, agents, staging, cfg.ttl, rng, driver,
+                  operator=replicas.call)
     feeder = Feeder(cfg, replicas, driver, staging)
     started = time.monotonic()
     try:
         cluster.start()
         for r in registries:
             r.start()
-        watcher.start()
+        for w in watchers:
+            w.start()
         say(f"faults: up in {time.monotonic() - started:.1f} s (etcd {cluster.endpoint(0)}, "
             f"registries {', '.join(addresses)}, "
             f"{'plaintext' if tls is None else 'mutual TLS'}); "
@@ -254,7 +260,8 @@ def run(cfg: RunConfig, say: Callable[[str], None] = print) -> Result:
         for slot in agents:
             assert slot.proc is not None
             slot.proc.stop(15.0)
-        watcher.stop(15.0)
+        for w in watchers:
+            w.stop(15.0)
         for proc in registries:
             proc.stop(10.0)
         diverged = cluster.divergence()
@@ -268,7 +275,7 @@ def run(cfg: RunConfig, say: Callable[[str], None] = print) -> Result:
         for slot in agents:
             if slot.proc is not None:
                 slot.proc.stop(5.0)
-        for proc in [watcher, *registries]:
+        for proc in [*watchers, *registries]:
             proc.stop(10.0)
         cluster.stop()
         driver.close()

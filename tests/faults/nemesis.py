@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from baton_relay.client import Client
+
 from .cluster import EtcdCluster, Proc
 from .history import History
 
@@ -73,13 +75,16 @@ class World:
 
     cluster: EtcdCluster
     registries: list[Proc]
-    watcher: Proc
+    #: watcher processes over the one staging root (they share its shards)
+    watchers: list[Proc]
     agents: list[AgentSlot]
     staging: Path
     ttl: int
     rng: random.Random
     history: History
     stop: threading.Event = field(default_factory=threading.Event)
+    #: runs a call as the operator on a live replica (None: no operator client)
+    operator: Callable[[Callable[[Client], Any]], Any] | None = None
 
     def sleep(self, seconds: float) -> None:
         self.stop.wait(seconds)
@@ -101,7 +106,7 @@ class World:
             if not member.alive:
                 self._crashed(member)
                 member.start()
-        for proc in [*self.registries, self.watcher]:
+        for proc in [*self.registries, *self.watchers]:
             if proc.paused:
                 proc.resume()
             if not proc.alive:
@@ -229,20 +234,57 @@ def _open_staged(pid: int, staging: str) -> str:
 
 
 def kill_watcher_hashing(w: World) -> dict[str, Any]:
-    """SIGKILL the watcher while it has a staged file open (hashing it), then restart it."""
-    pid = w.watcher.pid
-    assert pid is not None
+    """SIGKILL a watcher while it has a staged file open (hashing it), then restart it."""
     staging = os.path.realpath(w.staging) + os.sep
     deadline = time.monotonic() + 15.0
-    caught = ""
+    caught, victim = "", w.watchers[0]
     while not caught and time.monotonic() < deadline and not w.stop.is_set():
-        caught = _open_staged(pid, staging)
+        for proc in w.watchers:
+            if proc.pid is not None and (caught := _open_staged(proc.pid, staging)):
+                victim = proc
+                break
         if not caught:
             time.sleep(0.002)
-    w.watcher.kill()
+    victim.kill()
     w.sleep(w.rng.uniform(0.5, 2.0))
-    w.watcher.start()
-    return {"hashing": caught.removeprefix(staging) or None}
+    victim.start()
+    return {"watcher": victim.name, "hashing": caught.removeprefix(staging) or None}
+
+
+def kill_watcher(w: World) -> dict[str, Any]:
+    """SIGKILL one of the watchers and keep it down past its registration's TTL, so
+    that its shards move to the others; then start it again (it takes shards back)."""
+    victim = w.rng.choice(w.watchers)
+    victim.kill()
+    down = w.rng.uniform(w.ttl + 1.0, w.ttl + 4.0)
+    w.sleep(down)
+    victim.start()
+    return {"watcher": victim.name, "down_s": round(down, 2)}
+
+
+def move_shard(w: World) -> dict[str, Any]:
+    """Move a shard holding work to another watcher, as an operator would (two-phase:
+    the owner hands it over with checks in hand), and wait for the move to finish."""
+    if w.operator is None or len(w.watchers) < 2:
+        return {"skipped": "needs an operator client and two watchers"}
+    shards = [s for s in w.operator(lambda c: c.list_shards().shards) if s.owner]
+    ids = [x.watcher_id for x in w.operator(lambda c: c.list_watchers())]
+    if not shards or len(ids) < 2:
+        return {"skipped": "fewer than two watchers registered"}
+    busy = [s for s in shards if s.tasks] or shards
+    shard = w.rng.choice(busy)
+    to = w.rng.choice([i for i in ids if i != shard.owner])
+    w.operator(lambda c: c.move_shard(shard.shard, to))
+    deadline = time.monotonic() + 40.0
+    owner = shard.owner
+    while time.monotonic() < deadline and not w.stop.is_set():
+        now = {s.shard: s for s in w.operator(lambda c: c.list_shards().shards)}[shard.shard]
+        owner = now.owner
+        if not now.moving_to:
+            break
+        time.sleep(0.1)
+    return {"shard": shard.shard, "tasks": shard.tasks, "from": shard.owner, "to": to,
+            "owner": owner, "epoch": shard.epoch}
 
 
 def _max_queued_events() -> int:
@@ -261,7 +303,8 @@ def inotify_overflow(w: World) -> dict[str, Any]:
         return {"skipped": "no task directory yet"}
     target = dirs[-1]
     files = _max_queued_events() // 2 + 1000  # each file: a close-write and a delete
-    w.watcher.pause()
+    for proc in w.watchers:
+        proc.pause()
     try:
         for i in range(files):
             path = target / f"junk-{i}"
@@ -269,20 +312,23 @@ def inotify_overflow(w: World) -> dict[str, Any]:
                 pass
             path.unlink()
     finally:
-        w.watcher.resume()
+        for proc in w.watchers:
+            proc.resume()
     return {"directory": target.name, "files": files}
 
 
 def compact_etcd(w: World) -> dict[str, Any]:
     """Compact etcd up to its current revision while watches are open; the watcher is
     paused meanwhile, so its stream lags behind and must resume past the compaction."""
-    w.watcher.pause()
+    for proc in w.watchers:
+        proc.pause()
     try:
         w.sleep(w.rng.uniform(0.5, 2.0))
         revision = w.cluster.revision()
         refused = w.cluster.compact(revision)
     finally:
-        w.watcher.resume()
+        for proc in w.watchers:
+            proc.resume()
     return {"revision": revision, "refused": refused or None}
 
 
@@ -293,6 +339,8 @@ NEMESES: dict[str, Nemesis] = {
     "kill-etcd-leader": kill_etcd_leader,
     "pause-etcd-leader": pause_etcd_leader,
     "kill-watcher-hashing": kill_watcher_hashing,
+    "kill-watcher": kill_watcher,
+    "move-shard": move_shard,
     "inotify-overflow": inotify_overflow,
     "compact-etcd": compact_etcd,
 }
