@@ -900,6 +900,107 @@ def test_the_tls_benchmark_runs_as_written(tmp_path: Path) -> None:
     assert "FAILED" not in section
 
 
+def runbook_line(start: str) -> str:
+    """The one command of docs/operations.md's block starting with ``start``."""
+    (block,) = [text for language, text in fenced_blocks(OPERATIONS_MD)
+                if language == "sh" and text.startswith(start)]
+    (line,) = commands(block)
+    return line
+
+
+def test_the_shard_runbooks_run_as_written(etcd: Any, prefix: str, tmp_path: Path) -> None:
+    """docs/operations.md's `baton shard move` and `baton watcher drain`, as written but
+    for the watcher ids (two watchers registered here, speaking the shard protocol, on
+    a registry of the default 64 shards): the move's target owns shard 17 when it
+    returns, and the drained watcher owns none."""
+    from test_cli_shards import Watcher, capacity
+
+    move, drain = runbook_line("baton shard move "), runbook_line("baton watcher drain ")
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    handle = start_registry(etcd.endpoint, prefix, staging)
+    env = clean_env(BATON_REGISTRY=handle.address,
+                    PATH=os.pathsep.join([str(BIN), os.environ.get("PATH", "")]))
+    try:
+        with Client(handle.address) as c:
+            a = Watcher(c, str(staging), capacity())
+            b = Watcher(c, str(staging), capacity())
+            try:
+                deadline = time.monotonic() + 20
+                while {w.shards for w in c.list_watchers()} != {32}:
+                    assert time.monotonic() < deadline, "the two watchers never balanced"
+                    time.sleep(0.05)
+                owner = next(s.owner for s in c.list_shards().shards if s.shard == 17)
+                target = b.id if owner == a.id else a.id
+                (shown_target,) = re.findall(r"--to (\S+)", move)
+
+                def run(line: str, ids: dict[str, str]) -> str:
+                    argv = [ids.get(word, word) for word in shlex.split(line)]
+                    done = subprocess.run(argv, env=env, capture_output=True, text=True,
+                                          timeout=120, check=False)
+                    assert done.returncode == 0, f"`{line}`: {done.stdout}{done.stderr}"
+                    return done.stdout
+
+                run(move, {shown_target: target})
+                assert next(s for s in c.list_shards().shards if s.shard == 17).owner == target
+                out = run(drain, {drain.split()[-1]: target})
+                assert out.splitlines()[-1] == f"watcher {target} owns no shards: it may stop now"
+                assert {w.watcher_id: w.shards for w in c.list_watchers()}[target] == 0
+            finally:
+                a.close()
+                b.close()
+    finally:
+        handle.stop()
+
+
+@pytest.mark.slow
+def test_the_nfs_watcher_command_runs_as_written(etcd: Any, prefix: str,
+                                                  tmp_path: Path) -> None:
+    """docs/operations.md's `baton-watcher` line, run twice as on two hosts (the
+    registry's address, the staging root, each one's state file and the certificates
+    this test's): both register and share the 64 shards, 32 each."""
+    from baton_relay.client import pki
+
+    line = runbook_line("baton-watcher --registry ")
+    made = pki.local_pki(tmp_path / "pki")
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    handle = start_registry(etcd.endpoint, prefix, staging, tls_ca=str(made["ca"].cert),
+                            tls_cert=str(made["registry"].cert),
+                            tls_key=str(made["registry"].key))
+    env = clean_env(PATH=os.pathsep.join([str(BIN), os.environ.get("PATH", "")]))
+    processes = []
+    try:
+        for host in ("nfs01", "nfs02"):
+            files = {"registry.example:7390": handle.address, "/mnt/baton/staging": str(staging),
+                     "/var/lib/baton/watcher-state.sqlite": str(tmp_path / f"{host}.sqlite"),
+                     "/etc/baton/ca.pem": str(made["ca"].cert),
+                     "/etc/baton/watcher.pem": str(made["watcher"].cert),
+                     "/etc/baton/watcher.key": str(made["watcher"].key)}
+            argv = [files.get(word, word) for word in shlex.split(line)]
+            assert set(files) <= set(shlex.split(line)), line
+            process = subprocess.Popen(argv, cwd=ROOT, env=env, text=True,
+                                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+            processes.append(process)
+            Lines(process).until(lambda out: out.startswith("baton-watcher watching"), 30)
+        with Client(handle.address, ca=str(made["ca"].cert), cert=str(made["operator"].cert),
+                    key=str(made["operator"].key)) as c:
+            deadline = time.monotonic() + 30
+            while sorted(w.shards for w in c.list_watchers()) != [32, 32]:
+                assert time.monotonic() < deadline, c.list_watchers()
+                time.sleep(0.1)
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        handle.stop()
+
+
 # --- docs/watcher.md ------------------------------------------------------------------
 
 WATCHER_MD = ROOT / "docs" / "watcher.md"
@@ -1114,6 +1215,9 @@ EXAMPLES = {
         "$ python -m tests.faults --seed 1130": "test_the_recorded_fault_runs_parse",
     },
     "operations.md": {
+        "baton shard move ": "test_the_shard_runbooks_run_as_written",
+        "baton watcher drain ": "test_the_shard_runbooks_run_as_written",
+        "baton-watcher --registry ": "test_the_nfs_watcher_command_runs_as_written",
         "etcdctl ": "test_the_etcd_setup_runs_as_written",
         "python -m bench ": "test_the_tls_benchmark_runs_as_written",
         "grpcurl ": "test_the_grpcurl_lines_run_as_written",
