@@ -24,6 +24,7 @@ from test_cli_ops import plain_tables, table_rows  # noqa: F401  (a fixture)
 from test_docs_run import CLI_MD, transcripts
 
 from baton_relay.client import Client, errors
+from baton_relay.client.cli.watchers import POLL_INTERVAL, StillMoving, Waiter
 from baton_relay.client.v1 import baton_pb2 as pb
 from baton_relay.registry.local.etcdproc import free_port
 from baton_relay.registry.local.stack import UpOptions, child_specs, default_staging
@@ -313,6 +314,25 @@ def test_shard_move_to_an_unknown_watcher_exits_5(
     bad = invoke(sharded, "shard", "move", str(SHARDS), "--to", a.id)
     assert bad.exit_code == 2
     assert one_error_line(bad.stderr) == f"baton: shard {SHARDS} not within 0..{SHARDS - 1}"
+
+
+def test_a_wait_looks_until_its_timeout_then_gives_up() -> None:
+    """The wait of drain and move looks every POLL_INTERVAL by its clock and gives up
+    once the timeout has passed, saying what is not done; a look that returns a text
+    ends it with that text."""
+    now = [0.0]
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        now[0] += seconds
+
+    waiter = Waiter(1.0, clock=lambda: now[0], sleep=sleep)
+    with pytest.raises(StillMoving, match=r"^shard 3 still owned by w after 1 s; it goes on"):
+        waiter.until(lambda: None, "shard 3 still owned by w")
+    assert slept == [POLL_INTERVAL] * 4
+    looks = iter([None, None, "moved"])
+    assert waiter.until(lambda: next(looks), "not moved") == "moved"
 
 
 # --- shard rebalance --------------------------------------------------------------------

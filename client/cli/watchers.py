@@ -21,6 +21,7 @@ import click
 from .. import errors
 from ._common import (
     BatonGroup,
+    F,
     Settings,
     as_dict,
     emit_json,
@@ -86,13 +87,13 @@ class Waiter:
             self.sleep(POLL_INTERVAL)
 
 
-def timeout_option(default: float) -> Callable[[Any], Any]:
+def timeout_option(default: float) -> Callable[[F], F]:
     return click.option(
         "--timeout", "limit", type=click.FloatRange(min=0, min_open=True), default=default,
         show_default=True, metavar="SECONDS", help="give up waiting after this long (exit 1)")
 
 
-def wait_option(f: Any) -> Any:
+def wait_option(f: F) -> F:
     return click.option(
         "--wait/--no-wait", default=True, show_default=True,
         help="wait until the shards have moved")(f)
