@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from registry_fixtures import TEST_RETRY, RegistryHandle
+from registry_fixtures import RegistryHandle
 from watcher_fixtures import digest, histories, make_task, put_bytes, verified_events
 
 from baton_relay.client import Client, Session
@@ -22,6 +22,7 @@ from baton_relay.client.contract import shard_of
 from baton_relay.client.errors import NotFound, NotShardOwner
 from baton_relay.client.v1 import baton_pb2 as pb
 from baton_relay.registry.shards import moves_bound, plan_moves
+from baton_relay.watcher import Watcher, daemon
 from baton_relay.watcher.__main__ import READY
 
 Wait = Callable[..., None]
@@ -323,3 +324,51 @@ def test_three_watchers_over_one_root_survive_a_kill_and_a_fourth_joins(
     assert len(moved) <= math.ceil(SHARDS / 3 * 1.05), moved
     for p in w[1:]:
         assert "registry refused" not in p.log(), p.log()[-3000:]
+
+
+# cold task directories --------------------------------------------------------------
+
+def test_a_cold_task_is_unwatched_left_to_reconciliation_and_warms_up_on_a_change(
+    client: Client, session: Session, watcher_factory: Callable[..., Watcher],
+    wait_for: Wait, staging: Path,
+) -> None:
+    """No change for ``cold_after``: the tree is unwatched and the reconciliation still
+    sees what happens there; a change in the registry watches it again."""
+    make_task(client, "t1", {"a": "a.bin", "b": "b.bin"})
+    w = watcher_factory(cold_after=0.5, reconcile_interval=1.0)
+    put_bytes(client, session, "t1", "a", b"verified while warm")
+    wait_for(lambda: client.get_entry("t1", "a").state == pb.VERIFIED, what="a verified")
+    wait_for(lambda: w.table.task("t1").cold and not w.table.task("t1").watched,  # type: ignore[union-attr]
+             what="t1 cold and unwatched")
+    assert w.capacity().cold_tasks == 1
+    (staging / "t1" / "a.bin").write_bytes(b"changed behind the watcher's back")
+    wait_for(lambda: client.get_entry("t1", "a").state != pb.VERIFIED, timeout=15,
+             what="the reconciliation saw the change")
+    # That change, and the claim, reach the watcher from the registry: it warms up.
+    claim = client.claim("t1", "b", session=session)
+    wait_for(lambda: w.table.task("t1").watched, what="warm again")  # type: ignore[union-attr]
+    data = b"landed while warm"
+    Path(claim.path).write_bytes(data)
+    client.commit("t1", "b", claim.token, len(data), digest(data), session=session)
+    wait_for(lambda: client.get_entry("t1", "b").state == pb.VERIFIED, what="b verified")
+
+
+def test_near_the_watch_limit_the_watcher_says_so_and_sheds_the_idlest_tasks(
+    client: Client, watcher_factory: Callable[..., Watcher], wait_for: Wait, staging: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    for i in range(4):
+        make_task(client, f"t{i}", {"a": "a.bin"})
+        (staging / f"t{i}").mkdir()
+    limit = tmp_path / "max_user_watches"
+    limit.write_text("1000000\n")
+    monkeypatch.setattr(daemon, "MAX_USER_WATCHES", str(limit))
+    w = watcher_factory()
+    wait_for(lambda: sum(1 for t in w.table.task_ids() if w.table.task(t).watched) == 4,  # type: ignore[union-attr]
+             what="4 tasks watched")
+    used = w.watches.watch_count()
+    assert w.capacity().watches_max == 1_000_000
+    limit.write_text(f"{used}\n")  # the host's limit drops to what is used now
+    wait_for(lambda: w.watches.watch_count() <= used * daemon.WATCHES_LOW, what="shed")
+    assert any("near the inotify watch limit" in r.getMessage() for r in caplog.records)
+    assert w.table.cold_count() >= 1 and w.capacity().cold_tasks == w.table.cold_count()
