@@ -37,7 +37,8 @@ if TYPE_CHECKING:
     from ..v1 import baton_pb2 as pb
 
 #: seconds between two looks at the registry while a move or a drain is waited for
-POLL_INTERVAL = 0.25
+#: (ListShards reads every task header to count each shard's tasks: not too often)
+POLL_INTERVAL = 0.5
 
 
 class StillMoving(errors.BatonError):
