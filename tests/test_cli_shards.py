@@ -18,12 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
 from registry_fixtures import TEST_RETRY, RegistryHandle
 from test_cli import invoke, ok_json, one_error_line
 from test_cli_ops import plain_tables, table_rows  # noqa: F401  (a fixture)
 from test_docs_run import CLI_MD, transcripts
 
 from baton_relay.client import Client, errors
+from baton_relay.client.cli import cli
 from baton_relay.client.cli.watchers import POLL_INTERVAL, StillMoving, Waiter
 from baton_relay.client.v1 import baton_pb2 as pb
 from baton_relay.registry.local.etcdproc import free_port
@@ -422,10 +424,36 @@ def test_drain_moves_every_shard_away_and_undo_takes_shards_again(
 
 
 def test_drain_of_an_unknown_watcher_exits_5(sharded: RegistryHandle) -> None:
+    """Draining a watcher that is not registered: exit 5, one line naming it."""
     result = invoke(sharded, "watcher", "drain", "0123456789abcdef")
     assert result.exit_code == 5
     assert one_error_line(result.stderr) == \
         "baton: watcher '0123456789abcdef' is not registered"
+
+
+def test_only_an_operator_moves_shards(registry_factory: Callable[..., RegistryHandle],
+                                       tmp_path: Path) -> None:
+    """Over mutual TLS an agent may not drain a watcher or move a shard (exit 7, one
+    line); an operator may list the shards."""
+    from test_security import PKI
+
+    certs = PKI(tmp_path / "pki")
+    handle = registry_factory(**certs.settings())
+
+    def as_(who: str, *args: str) -> Any:
+        issued = certs.ids[who]
+        return CliRunner().invoke(cli, list(args), env={
+            "BATON_REGISTRY": handle.address, "BATON_CA": certs.ca,
+            "BATON_CERT": str(issued.cert), "BATON_KEY": str(issued.key)})
+
+    for args in (["watcher", "drain", "0123456789abcdef"],
+                 ["shard", "move", "0", "--to", "0123456789abcdef"], ["shard", "rebalance"]):
+        refused = as_("agent", *args)
+        assert refused.exit_code == 7, (args, refused.output)
+        assert "not allowed" in one_error_line(refused.stderr)
+    listed = as_("operator", "shard", "ls")
+    assert (listed.exit_code, listed.stdout) == (
+        0, "no shards yet: no watcher has registered with this registry\n")
 
 
 # --- baton up --watchers N ---------------------------------------------------------------
@@ -452,10 +480,7 @@ def test_up_runs_each_watcher_with_files_of_its_own(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("n", ["0", "17"])
 def test_up_refuses_a_watcher_count_out_of_range(n: str, tmp_path: Path) -> None:
-    from click.testing import CliRunner
-
-    from baton_relay.client.cli import cli
-
+    """baton up --watchers outside 1..16: a usage error (exit 2) before anything starts."""
     result = CliRunner().invoke(cli, ["up", "--data-dir", str(tmp_path), "--watchers", n])
     assert result.exit_code == 2
     assert "--watchers" in result.stderr and "1" in result.stderr
