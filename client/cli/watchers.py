@@ -292,6 +292,9 @@ def shard_move(settings: Settings, number: int, to: str, deadline: int, wait: bo
         def done() -> str | None:
             s = next(s for s in client.list_shards().shards if s.shard == number)
             if s.owner == to:
+                # The shard's record does not say how the move ended: one done after
+                # its deadline was forced (the registry's clock and ours agree to well
+                # under the deadline's seconds).
                 how = ("forced at its deadline: the owner did not hand it over"
                        if time.time() >= started.move_deadline else "handed over")
                 return f"shard {number} owned by {to} at epoch {s.epoch} ({how})"
