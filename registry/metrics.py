@@ -51,6 +51,7 @@ from .model import TaskRecord
 if TYPE_CHECKING:
     from .core import Core
     from .sessions import Reaper, Sessions
+    from .shards import Shards
 
 log = logging.getLogger("baton.registry")
 
@@ -125,6 +126,7 @@ class _Sources:
     core: Core
     reaper: Reaper | None
     sessions: Sessions | None
+    shards: Shards | None = None
 
 
 class RegistryMetrics:
@@ -161,6 +163,9 @@ class RegistryMetrics:
         self._sources: _Sources | None = None
         self._tasks: dict[str, int] = {}
         self._indexes: dict[str, int] = {}
+        #: watchers registered, and shards by state (owned, moving, unowned)
+        self._watchers = 0
+        self._shards: dict[str, int] = {}
         self._counted_at = -1.0
         self._server: asyncio.Server | None = None
         r.register(_Levels(self))
@@ -239,10 +244,10 @@ class RegistryMetrics:
     # what is read and computed when scraped ---------------------------------------
 
     def bind(self, core: Core, reaper: Reaper | None = None,
-             sessions: Sessions | None = None) -> None:
-        """Read what ``core`` (its transactions, its view), ``reaper`` and ``sessions``
-        count, and compute the levels from them, when scraped."""
-        self._sources = _Sources(core, reaper, sessions)
+             sessions: Sessions | None = None, shards: Shards | None = None) -> None:
+        """Read what ``core`` (its transactions, its view), ``reaper``, ``sessions`` and
+        ``shards`` count, and compute the levels from them, when scraped."""
+        self._sources = _Sources(core, reaper, sessions, shards)
 
     async def refresh(self) -> None:
         """Compute the levels: tasks by status (the view, else etcd) at every scrape,
@@ -265,6 +270,8 @@ class RegistryMetrics:
             status = status if status in tasks else "unknown"
             tasks[status] = tasks.get(status, 0) + 1
         self._tasks = tasks
+        if self._sources.shards is not None:
+            await self._count_shards(self._sources.shards)
         now = time.monotonic()
         if self._counted_at >= 0 and now - self._counted_at < self.count_ttl:
             return
@@ -276,6 +283,18 @@ class RegistryMetrics:
         counts = await asyncio.gather(*(core.etcd.count(p) for p in prefixes))
         self._indexes = dict(zip(INDEXES, counts, strict=True))
         self._counted_at = now
+
+    async def _count_shards(self, shards: Shards) -> None:
+        """Watchers registered and shards by state, from the view's mirror."""
+        count, table = await shards.table()
+        watchers = await shards.watchers()
+        states = {"owned": 0, "moving": 0, "unowned": 0}
+        for n in range(count):
+            rec = table[n][1] if n in table else None
+            state = ("unowned" if rec is None or rec.owner not in watchers
+                     else "moving" if rec.moving_to else "owned")
+            states[state] += 1
+        self._watchers, self._shards = len(watchers), states
 
     def collect_levels(self) -> Iterator[Metric]:
         sources = self._sources
@@ -319,6 +338,23 @@ class RegistryMetrics:
                                     value=1 if view.ready else 0)
             yield GaugeMetricFamily("baton_sessions", "Agent sessions open (the view's "
                                     "mirror)", value=view.session_count())
+        if sources.shards is not None:
+            yield CounterMetricFamily(
+                "baton_shards_reassigned", "Shards this replica gave to a live watcher "
+                "because their owner was gone (expired, or never there)",
+                value=sources.shards.reassigned)
+            yield CounterMetricFamily(
+                "baton_shard_moves_forced", "Shard moves this replica forced at their "
+                "deadline (the owner did not hand the shard over in time)",
+                value=sources.shards.forced)
+            yield GaugeMetricFamily("baton_watchers", "Watchers registered (live leases)",
+                                    value=self._watchers)
+            states = GaugeMetricFamily(
+                "baton_shards", "Shards by state: owned, moving (a handover in progress), "
+                "unowned (no live watcher serves its tasks)", labels=["state"])
+            for state, n in self._shards.items():
+                states.add_metric([state], n)
+            yield states
         tasks = GaugeMetricFamily("baton_tasks", "Tasks by status", labels=["status"])
         for status, n in self._tasks.items():
             tasks.add_metric([status], n)

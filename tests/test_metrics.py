@@ -236,6 +236,38 @@ def test_lost_leases_are_counted(
                      str(lost.session_id)])
 
 
+def test_watchers_and_shards_are_counted(
+    registry: RegistryHandle, client: Client, wait_for: Callable[..., None],
+) -> None:
+    """Watchers registered, shards by state (owned, moving, unowned), and shards owned
+    after their owner was gone."""
+    port = metrics_port(registry)
+    assert "baton_watchers 0.0" in scrape(port).text  # no watcher: no shards either
+    kept = client.register_watcher("/r", "kept", ttl=30).watcher_id
+    s = scrape(port)
+    assert s.value("baton_watchers") == 1
+    assert s.value("baton_shards", state="owned") == 64  # given at registration
+    assert s.value("baton_shards", state="unowned") == 0
+    reassigned = s.value("baton_shards_reassigned_total")
+    assert reassigned == 64  # the first watcher was given every shard nobody owned
+    lost = client.register_watcher("/r", "lost", ttl=2).watcher_id
+    assert scrape(port).value("baton_watchers") == 2
+    # Shards start moving to it (two-phase); kept never hands any over here, and the
+    # lost watcher expires first: the moves are called off, nothing is owned again.
+    wait_for(lambda: scrape(port).value("baton_shards", state="moving") > 0,
+             what="moves to the newcomer started")
+
+    def kept_alive() -> bool:
+        client.watcher_heartbeat(kept)
+        return scrape(port).value("baton_watchers") == 1
+
+    wait_for(kept_alive, timeout=15, what="the lost watcher's registration expired")
+    wait_for(lambda: scrape(port).value("baton_shards", state="owned") == 64,
+             what="the moves called off")
+    assert scrape(port).value("baton_shards_reassigned_total") == reassigned
+    check_no_ids(scrape(port), [kept, lost])
+
+
 def test_entry_counts_follow_the_indexes(
     registry_factory: Callable[..., RegistryHandle], client: Client, registry: RegistryHandle,
 ) -> None:
