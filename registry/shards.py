@@ -377,7 +377,7 @@ class Shards:
 
     async def move(self, req: pb.MoveShardRequest) -> pb.ShardInfo:
         """Start moving one shard to a watcher (two-phase; at once if nobody owns it)."""
-        count, _ = await self.table()
+        count, _ = await self.table(fresh=True)
         if not count:
             raise NotFound("no watcher has registered yet: there are no shards")
         if not 0 <= req.shard < count:
@@ -392,7 +392,7 @@ class Shards:
         return self._info(req.shard, rec, hosts, {}, {})
 
     async def _target(self, watcher_id: str) -> str:
-        watchers = await self.watchers()
+        watchers = await self.watchers(fresh=True)
         target = watchers.get(watcher_id)
         if target is None:
             raise NotFound(f"watcher {watcher_id!r} is not registered", watcher_id=watcher_id)
@@ -429,7 +429,7 @@ class Shards:
         return await write(self.core.txns, plan)
 
     async def rebalance(self, req: pb.RebalanceRequest) -> pb.RebalanceResponse:
-        moves = await self.balance_moves()
+        moves = await self.balance_moves(fresh=True)
         if not req.dry_run:
             for n, _, to in moves:
                 await self._start_move(n, to, self.move_deadline, manual=True)
@@ -466,7 +466,7 @@ class Shards:
             return record
 
         record = await write(self.core.txns, plan)
-        moves = await self.balance_moves()
+        moves = await self.balance_moves(fresh=True)
         for n, _, to in moves:
             await self._start_move(n, to, self.move_deadline)
         logs.log(log, logging.INFO, "watcher undrained" if req.undo else "watcher draining",
