@@ -10,6 +10,7 @@ into the same transaction; ``retry_or_dead`` is the one retry path.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import random
@@ -19,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from baton_relay.client import logs
-from baton_relay.client.errors import NotFound
+from baton_relay.client.errors import BatonError, NotFound
 
 from ._etcd import KV, Etcd
 from .keys import Keys
@@ -56,6 +57,21 @@ class Gate:
     async def drain(self) -> None:
         if self._running:
             await asyncio.gather(*self._running)
+
+
+async def every(interval: float, stop: asyncio.Event, sweep: Callable[[], Awaitable[object]],
+                what: str) -> None:
+    """Run ``sweep`` every ``interval`` seconds until ``stop``: a sweep that fails is
+    logged (with its traceback if unexpected) and the next one runs as planned."""
+    while not stop.is_set():
+        try:
+            await sweep()
+        except BatonError as e:
+            log.warning("%s sweep failed: %s", what, e)
+        except Exception:
+            log.exception("%s sweep crashed", what)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), interval)
 
 
 class Core:

@@ -14,7 +14,7 @@ from baton_relay.client.v1 import baton_pb2 as pb
 
 from ._etcd import KV
 from .claims import check_owner, claim_holder
-from .core import Core, Gate
+from .core import Core, Gate, every
 from .identity import Caller
 from .keys import ClaimRef
 from .manifest import check_id
@@ -126,15 +126,7 @@ class Reaper:
         self._complain = Complaints("reaper")
 
     async def run(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            try:
-                await self.sweep()
-            except BatonError as e:
-                log.warning("reaper sweep failed: %s", e)
-            except Exception:
-                log.exception("reaper sweep crashed")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.interval)
+        await every(self.interval, stop, self.sweep, "reaper")
 
     async def orphans(self) -> AsyncIterator[tuple[KV, ClaimRef | None]]:
         """Every twin whose claim is gone (or is another claim), with what it names

@@ -45,7 +45,7 @@ from baton_relay.client.v1 import baton_pb2 as pb
 from ._etcd import KV
 from .claims import check_owner
 from .config import MOVE_DEADLINE
-from .core import Core
+from .core import Core, every
 from .identity import Caller
 from .model import TaskRecord, now
 from .txn import Txn, write
@@ -546,15 +546,7 @@ class Assigner:
         self.interval = interval
 
     async def run(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            try:
-                await self.shards.assign()
-            except BatonError as e:
-                log.warning("shard assigner sweep failed: %s", e)
-            except Exception:
-                log.exception("shard assigner sweep crashed")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.interval)
+        await every(self.interval, stop, self.shards.assign, "shard assigner")
 
 
 def _capacity(cap: pb.WatcherCapacity) -> dict[str, Any]:

@@ -7,15 +7,20 @@ from __future__ import annotations
 import math
 import os
 import signal
-import subprocess
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from registry_fixtures import RegistryHandle
-from watcher_fixtures import digest, histories, make_task, put_bytes, verified_events
+from watcher_fixtures import (
+    WatcherProcess,
+    digest,
+    histories,
+    make_task,
+    put_bytes,
+    verified_events,
+)
 
 from baton_relay.client import Client, Session
 from baton_relay.client.contract import shard_of
@@ -23,7 +28,6 @@ from baton_relay.client.errors import NotFound, NotShardOwner
 from baton_relay.client.v1 import baton_pb2 as pb
 from baton_relay.registry.shards import moves_bound, plan_moves
 from baton_relay.watcher import Watcher, daemon
-from baton_relay.watcher.__main__ import READY
 
 Wait = Callable[..., None]
 SHARDS = 16
@@ -231,45 +235,15 @@ def test_draining_a_watcher_moves_its_shards_away_and_undo_takes_them_back(
 
 # real watcher processes over one staging root ----------------------------------------------
 
-class WatcherProcess:
-    def __init__(self, registry: RegistryHandle, staging: Path, log_path: Path,
-                 name: str) -> None:
-        self.name = name
-        self.log_path = log_path
-        argv = [sys.executable, "-u", "-m", "baton_relay.watcher", "--registry",
-                registry.address, "--staging", str(staging), "--retry-delay", "0.05",
-                "--reporter", name, "--shard-ttl", "3", "--reconcile-interval", "5"]
-        with log_path.open("ab") as log:
-            self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log,
-                                         stdin=subprocess.DEVNULL)
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline().decode()
-        assert line.startswith(READY), f"no ready line, got {line!r}: {self.log()}"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-
-@pytest.fixture
-def processes(registry: RegistryHandle, staging: Path,
-              tmp_path: Path) -> Iterator[Callable[[str], WatcherProcess]]:
-    started: list[WatcherProcess] = []
-
-    def make(name: str) -> WatcherProcess:
-        p = WatcherProcess(registry, staging, tmp_path / f"{name}.log", name)
-        started.append(p)
-        return p
-
-    yield make
-    for p in started:
-        if p.proc.poll() is None:
-            p.proc.kill()
-        p.proc.wait()
+def sharded(processes: Callable[..., WatcherProcess], name: str) -> WatcherProcess:
+    """A watcher process named ``name``, registered for 3 s, reconciling every 5 s."""
+    return processes("--reporter", name, "--shard-ttl", "3", "--reconcile-interval", "5",
+                     log_name=name)
 
 
 @pytest.mark.slow
 def test_three_watchers_over_one_root_survive_a_kill_and_a_fourth_joins(
-    client: Client, session: Session, processes: Callable[[str], WatcherProcess],
+    client: Client, session: Session, processes: Callable[..., WatcherProcess],
     registry: RegistryHandle, wait_for: Wait,
 ) -> None:
     """SIGKILL one of three while files land: its shards move, every file is verified
@@ -278,7 +252,7 @@ def test_three_watchers_over_one_root_survive_a_kill_and_a_fourth_joins(
     files = [f"f{j:03d}" for j in range(25)]
     for t in tasks:
         make_task(client, t, {f: f"{f}.bin" for f in files})
-    w = [processes(f"w{i}") for i in range(3)]
+    w = [sharded(processes, f"w{i}") for i in range(3)]
     wait_for(lambda: len(client.list_watchers()) == 3, what="3 registered")
     ids = [x.watcher_id for x in client.list_watchers()]
     wait_for(balanced(client, ids), timeout=20, what="balanced over 3")
@@ -316,14 +290,14 @@ def test_three_watchers_over_one_root_survive_a_kill_and_a_fourth_joins(
         assert not twice and not retried, (t, twice, retried)
     # A fourth joins: the shards it takes are the only ones that move.
     before = owners(client)
-    processes("w3")
+    sharded(processes, "w3")
     wait_for(lambda: len(client.list_watchers()) == 3, what="fourth registered")
     ids = [x.watcher_id for x in client.list_watchers()]
     wait_for(balanced(client, ids), timeout=20, what="balanced over 3 again")
     moved = [n for n, s in owners(client).items() if s.owner != before[n].owner]
     assert len(moved) <= math.ceil(SHARDS / 3 * 1.05), moved
     for p in w[1:]:
-        assert "registry refused" not in p.log(), p.log()[-3000:]
+        assert "registry refused" not in p.log_tail(10_000), p.log_tail()
 
 
 # cold task directories --------------------------------------------------------------

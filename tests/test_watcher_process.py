@@ -5,58 +5,18 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from registry_fixtures import RegistryHandle
-from watcher_fixtures import histories, make_task, put_bytes, verified_events
+from watcher_fixtures import WatcherProcess, histories, make_task, put_bytes, verified_events
 
 from baton_relay.client import Client, Session
 from baton_relay.client.v1 import baton_pb2 as pb
-from baton_relay.watcher.__main__ import READY
 
 Wait = Callable[..., None]
-
-
-class WatcherProcess:
-    """``python -m baton_relay.watcher`` on the test's registry; stderr (its log) goes to a file."""
-
-    def __init__(self, registry: RegistryHandle, staging: Path, log_path: Path,
-                 *extra: str) -> None:
-        self.log_path = log_path
-        argv = [sys.executable, "-u", "-m", "baton_relay.watcher", "--registry", registry.address,
-                "--staging", str(staging), "--retry-delay", "0.05", *extra]
-        with log_path.open("ab") as log:
-            self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log,
-                                         stdin=subprocess.DEVNULL)
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline().decode()
-        assert line.startswith(READY), f"no ready line, got {line!r}: {self.log_tail()}"
-
-    def log_tail(self, n: int = 30) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-
-
-@pytest.fixture
-def processes(registry: RegistryHandle, staging: Path,
-              tmp_path: Path) -> Iterator[Callable[..., WatcherProcess]]:
-    """Start watcher processes; any still running are killed at teardown."""
-    started: list[WatcherProcess] = []
-
-    def make(*extra: str) -> WatcherProcess:
-        p = WatcherProcess(registry, staging, tmp_path / "watcher.log", *extra)
-        started.append(p)
-        return p
-
-    yield make
-    for p in started:
-        if p.proc.poll() is None:
-            p.proc.kill()
-        p.proc.wait()
 
 
 def all_verified(client: Client, task_id: str, n: int) -> Callable[[], bool]:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ from baton_relay.client.v1 import baton_pb2 as pb
 from baton_relay.registry._etcd import Etcd
 from baton_relay.registry.keys import Keys
 from baton_relay.watcher import Watcher, WatcherConfig, start_watcher
+from baton_relay.watcher.__main__ import READY
 
 #: settings that keep tests fast; the reconciliation interval is long so that tests
 #: prove events (not the periodic sweep) did the work, unless they shorten it
@@ -43,6 +46,44 @@ def watcher_factory(registry: RegistryHandle, staging: Path) -> Iterator[Callabl
     yield make
     for w in started:
         w.stop()
+
+
+class WatcherProcess:
+    """``python -m baton_relay.watcher`` on the test's registry; stderr (its log) goes to a file."""
+
+    def __init__(self, registry: RegistryHandle, staging: Path, log_path: Path,
+                 *extra: str) -> None:
+        self.log_path = log_path
+        argv = [sys.executable, "-u", "-m", "baton_relay.watcher", "--registry", registry.address,
+                "--staging", str(staging), "--retry-delay", "0.05", *extra]
+        with log_path.open("ab") as log:
+            self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log,
+                                         stdin=subprocess.DEVNULL)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline().decode()
+        assert line.startswith(READY), f"no ready line, got {line!r}: {self.log_tail()}"
+
+    def log_tail(self, n: int = 30) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+
+@pytest.fixture
+def processes(registry: RegistryHandle, staging: Path,
+              tmp_path: Path) -> Iterator[Callable[..., WatcherProcess]]:
+    """Start watcher processes (``make(*flags, log_name="watcher")``, each logging to
+    ``LOG_NAME.log``); any still running are killed at teardown."""
+    started: list[WatcherProcess] = []
+
+    def make(*extra: str, log_name: str = "watcher") -> WatcherProcess:
+        p = WatcherProcess(registry, staging, tmp_path / f"{log_name}.log", *extra)
+        started.append(p)
+        return p
+
+    yield make
+    for p in started:
+        if p.proc.poll() is None:
+            p.proc.kill()
+        p.proc.wait()
 
 
 @pytest.fixture
