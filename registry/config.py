@@ -45,6 +45,7 @@ class RegistryConfig:
     archive_dir: str = ""
     archive_after: float = 86400.0
     archive_retention: float = 90 * 86400.0
+    archive_interval: float = 30.0
     # watcher shards
     shards: int = DEFAULT_SHARDS
     shard_move_deadline: float = MOVE_DEADLINE
@@ -73,6 +74,7 @@ _HELP = {
     "archive_after": "seconds after a task finished that it is archived, unless its "
     "manifest says (archive_after_seconds); negative = never",
     "archive_retention": "seconds an archive is kept; then it and the task's header go",
+    "archive_interval": "seconds between looks for finished tasks due for the archive",
     "shards": "shards tasks map to, fixed when the first watcher registers (1..4096)",
     "shard_move_deadline": "seconds a watcher has to hand over a shard before it is taken",
     "metrics": "HOST:PORT to serve Prometheus metrics on, at /metrics (empty = off; "

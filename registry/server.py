@@ -37,8 +37,6 @@ from .tls import ServerCertificates, is_loopback
 log = logging.getLogger("baton.registry")
 
 SERVICE_NAME = baton_pb2.DESCRIPTOR.services_by_name["Registry"].full_name
-#: seconds between looks for finished tasks due for the archive (and expired archives)
-ARCHIVE_INTERVAL = 30.0
 
 
 @dataclass
@@ -167,7 +165,7 @@ async def start(config: RegistryConfig) -> Running:
                   asyncio.create_task(assigner.run(stop))]
     if core.archive is not None:
         background.append(asyncio.create_task(
-            every(ARCHIVE_INTERVAL, stop, core.archive.sweep, "archiver")))
+            every(config.archive_interval, stop, core.archive.sweep, "archiver")))
     log.info("registry on port %d (%s), etcd %s (v%s), prefix %s, staging %s", port,
              "mutual TLS" if certificates else "plaintext, --insecure", config.etcd,
              version, config.prefix, config.staging)
