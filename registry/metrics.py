@@ -338,6 +338,14 @@ class RegistryMetrics:
                                     value=1 if view.ready else 0)
             yield GaugeMetricFamily("baton_sessions", "Agent sessions open (the view's "
                                     "mirror)", value=view.session_count())
+        archive = sources.core.archive
+        if archive is not None:
+            yield CounterMetricFamily(
+                "baton_tasks_archived", "Finished tasks this replica archived out of etcd",
+                value=archive.archived)
+            yield CounterMetricFamily(
+                "baton_archives_expired", "Archives this replica deleted (older than "
+                "--archive-retention), with their tasks' headers", value=archive.expired)
         if sources.shards is not None:
             yield CounterMetricFamily(
                 "baton_shards_reassigned", "Shards this replica gave to a live watcher "

@@ -15,6 +15,7 @@ import blake3
 import pytest
 from click.testing import CliRunner
 from registry_fixtures import RegistryHandle, on_etcd
+from test_metrics import scrape
 
 from baton_relay.client import Client, Session
 from baton_relay.client.cli import cli
@@ -38,7 +39,7 @@ def archive_dir(tmp_path: Path) -> Path:
 @pytest.fixture
 def registry(registry_factory: Callable[..., RegistryHandle], archive_dir: Path
              ) -> RegistryHandle:
-    return registry_factory(archive_dir=str(archive_dir))
+    return registry_factory(archive_dir=str(archive_dir), metrics="127.0.0.1:0")
 
 
 def on_loop(registry: RegistryHandle, coro: Coroutine[Any, Any, T]) -> T:
@@ -117,6 +118,9 @@ def test_a_finished_task_is_archived_and_read_back_from_the_archive(
     assert [t.spec.task_id for t in client.list_tasks()] == []
     assert [t.spec.task_id for t in client.list_tasks(archived=True)] == ["t1"]
     assert client.archive_task("t1").status == pb.TASK_ARCHIVED  # again: nothing to do
+    scraped = scrape(registry._running.metrics_port)
+    assert scraped.value("baton_tasks_archived_total") == 1
+    assert scraped.value("baton_tasks", status="archived") == 1
 
 
 def test_only_a_finished_task_is_archived(
