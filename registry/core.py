@@ -147,6 +147,20 @@ class Core:
                            "archive (--archive-dir)", task_id=task_id)
         return await self.archive.load(task_id)
 
+    async def archived_entry(self, name: str) -> EntryRecord | None:
+        """An entry of another task (``task:file_id``), from its archive if that task is
+        archived; None if it is not (or the archive has no such entry)."""
+        other, sep, file_id = name.partition(":")
+        if not sep or self.archive is None:
+            return None
+        header = await self.etcd.get(self.keys.task(other))
+        if header is None or TaskRecord.load(header.value).status != "archived":
+            return None
+        for _, rec in (await self.archived(other)).entries:
+            if rec.file_id == file_id:
+                return rec
+        return None
+
     # the retry path --------------------------------------------------------
 
     def retry_or_dead(self, rec: EntryRecord, reason: str, token: int = 0) -> None:

@@ -72,6 +72,12 @@ class Keys:
     def entry(self, task_id: str, file_id: str) -> bytes:
         return self._k("entries", task_id, file_id)
 
+    def dependency(self, task_id: str, name: str) -> bytes:
+        """The entry a ``depends_on`` name of an entry of ``task_id`` means: a file id of
+        the same task, or ``other-task:file_id``."""
+        other, sep, file_id = name.partition(":")
+        return self.entry(other, file_id) if sep else self.entry(task_id, name)
+
     def entries(self, task_id: str) -> bytes:
         return self._k("entries", task_id, "")
 

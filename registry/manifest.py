@@ -9,8 +9,9 @@ Limits (documented in docs/cli.md, "The manifest"):
   and ``MAX_SIZE``; ``expected_digest`` empty or 64 lower-case hex digits
 - at most ``MAX_LABELS`` labels per object, keys ≤ 63 and values ≤ 256 chars
 - ``depends_on`` names entries of the same task, never itself nor one twice, and no
-  cycles; it may be long (a dependent with hundreds of dependencies is released
-  like one with a few)
+  cycles; or ``TASK:FILE_ID``, an entry of another task that exists already (so no
+  cycle can cross tasks); it may be long (a dependent with hundreds of dependencies
+  is released like one with a few)
 - ``priority`` 0..9; ``aging_seconds`` 0..86400; backoff values ≥ 0, cap ≤ 86400
 - ``parts`` name other entries of the task, each once; a part belongs to one
   assembly only; an assembly has no ``depends_on`` and is not itself a part; an
@@ -211,13 +212,24 @@ def validate(spec: pb.TaskSpec) -> ValidTask:
                 problems.append(f"entry {shown(e.file_id)}: {what} names [{listed}] more "
                                 "than once")
         for dep in e.depends_on:
-            if dep == e.file_id:
+            other, sep, file_id = dep.partition(":")
+            if sep:  # an entry of another task, which must exist already (tasks.create)
+                if other == spec.task_id:
+                    problems.append(f"entry {shown(e.file_id)} depends on {shown(dep)}: an "
+                                    "entry of its own task is named by its file id alone")
+                elif not (ID_RE.match(other) and ID_RE.match(file_id)):
+                    problems.append(f"entry {shown(e.file_id)} depends on {shown(dep)}: "
+                                    "expected TASK:FILE_ID, both valid ids")
+            elif dep == e.file_id:
                 problems.append(f"entry {shown(e.file_id)} depends on itself")
             elif dep not in ids:
                 problems.append(f"entry {shown(e.file_id)} depends on unknown entry "
                                 f"{shown(dep)}")
     if not problems:
-        cycle = _cycle({e.file_id: list(e.depends_on) for e in spec.entries})
+        # Only within the task: another task's entries existed before this one, so
+        # nothing there can depend on an entry here (no cycle across tasks).
+        cycle = _cycle({e.file_id: [d for d in e.depends_on if ":" not in d]
+                        for e in spec.entries})
         if cycle:
             path = [shown(n) for n in cycle]
             if len(path) > 12:
@@ -271,7 +283,8 @@ def validate(spec: pb.TaskSpec) -> ValidTask:
     dependents: dict[str, list[str]] = {}
     for e in spec.entries:
         for dep in e.depends_on:
-            dependents.setdefault(dep, []).append(e.file_id)
+            if ":" not in dep:  # another task's entries learn nothing of this task
+                dependents.setdefault(dep, []).append(e.file_id)
     entries = [
         EntryRecord(
             task_id=spec.task_id,

@@ -337,11 +337,12 @@ class Operators:
                            good: tuple[str, ...], what: str) -> str:
         missing = []
         dead = []
-        keys = {self.keys.entry(rec.task_id, n): n for n in names}
+        keys = {self.keys.dependency(rec.task_id, n): n for n in names}
         async for _, found in self.core.etcd.get_chunks(list(keys)):
             for key, kv in found:
                 name = keys[key]
-                state = _state(kv) if kv else "missing"
+                archived = None if kv else await self.core.archived_entry(name)
+                state = _state(kv) if kv else archived.state if archived else "missing"
                 if state == DEAD:
                     dead.append(name)
                 elif state not in good:

@@ -256,13 +256,21 @@ class Scheduler:
                            ok: tuple[str, ...]) -> list[EntryRecord] | None:
         """A few dependencies (parts), each pinned if the release goes ahead: the
         release then applies only if every one is still as read."""
-        keys = [self.keys.entry(task_id, n) for n in names]
+        keys = [self.keys.dependency(task_id, n) for n in names]
         found = await txn.peek_many(keys)
-        others = _all_in(found, ok)
+        others = _all_in(await self._records(names, found), ok)
         if others is not None:
             for k, kv in zip(keys, found, strict=True):
                 txn.pin(k, kv)
         return others
+
+    async def _records(self, names: Sequence[str], found: Sequence[KV | None]
+                       ) -> list[EntryRecord | None]:
+        """The entries read; one of another task that is archived (its key gone, never
+        to come back) from that task's archive."""
+        return [EntryRecord.load(kv.value) if kv is not None
+                else await self.core.archived_entry(name)
+                for name, kv in zip(names, found, strict=True)]
 
     async def _read_unpinned(self, task_id: str, names: Sequence[str],
                              ok: tuple[str, ...]) -> list[EntryRecord] | None:
@@ -291,7 +299,8 @@ class Scheduler:
           instant would have been, and a dependency leaving ``verified`` since
           is, to everyone, a departure after the release.
         """
-        keys = [self.keys.entry(task_id, n) for n in names]
+        keys = [self.keys.dependency(task_id, n) for n in names]
+        name_of = dict(zip(keys, names, strict=True))
         others: list[EntryRecord] = []
         first = latest = 0
         chunks = self.core.etcd.get_chunks(keys)
@@ -299,7 +308,7 @@ class Scheduler:
             async for revision, found in chunks:
                 first = first or revision
                 chunk = [kv for _, kv in found]
-                recs = _all_in(chunk, ok)
+                recs = _all_in(await self._records([name_of[k] for k, _ in found], chunk), ok)
                 if recs is None:
                     return None  # one not due is enough: read no further
                 others += recs
@@ -365,14 +374,12 @@ class Scheduler:
         return plan
 
 
-def _all_in(found: Sequence[KV | None], ok: tuple[str, ...]) -> list[EntryRecord] | None:
+def _all_in(found: Sequence[EntryRecord | None], ok: tuple[str, ...]
+            ) -> list[EntryRecord] | None:
     """The entries read, if every one exists and is in an ``ok`` state; else None."""
     out = []
-    for kv in found:
-        if kv is None:
-            return None
-        rec = EntryRecord.load(kv.value)
-        if rec.state not in ok:
+    for rec in found:
+        if rec is None or rec.state not in ok:
             return None
         out.append(rec)
     return out

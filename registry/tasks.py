@@ -14,6 +14,7 @@ from baton_relay.client.errors import (
     InvalidManifest,
     NotFound,
     TaskExists,
+    shown,
 )
 from baton_relay.client.v1 import baton_pb2 as pb
 
@@ -21,7 +22,7 @@ from ._etcd import KV
 from .claims import claim_holder, need_task
 from .core import Core
 from .keys import ClaimRef
-from .manifest import ValidTask, check_id, validate
+from .manifest import ValidTask, check_id, summary, validate
 from .model import (
     DEAD,
     PENDING,
@@ -73,6 +74,7 @@ class Tasks:
         # Validating 100,000 entries takes seconds of CPU: not on the event loop,
         # where it would stall every other call (and agents' keepalives).
         valid, chunks = await asyncio.to_thread(self._prepare, req.spec)
+        await self._check_external(valid)
         archive_after = req.spec.archive_after_seconds
         if not math.isfinite(archive_after) or archive_after > MAX_ARCHIVE_AFTER:
             raise InvalidManifest(f"archive_after_seconds {archive_after} is not a number of "
@@ -132,6 +134,23 @@ class Tasks:
         record = await write(self.core.txns, activate)
         log.info("task created: %s (%d entries)", record.task_id, record.entry_count)
         return pb.CreateTaskResponse(task=record.to_pb(), created=created)
+
+    async def _check_external(self, valid: ValidTask) -> None:
+        """Every entry of another task named in ``depends_on`` must exist (in etcd, or
+        in the archive of that task): refused at creation, like an unknown entry."""
+        names = sorted({d for e in valid.entries for d in e.depends_on if ":" in d})
+        if not names:
+            return
+        keys = {self.keys.dependency(valid.task_id, n): n for n in names}
+        missing = []
+        async for _, found in self.core.etcd.get_chunks(list(keys)):
+            for key, kv in found:
+                if kv is None and await self.core.archived_entry(keys[key]) is None:
+                    missing.append(keys[key])
+        if missing:
+            problems = [f"depends on {shown(n)}, which does not exist (create task "
+                        f"{shown(n.partition(':')[0])} first)" for n in missing]
+            raise InvalidManifest(summary(problems), problems=problems)
 
     @staticmethod
     def _prepare(spec: pb.TaskSpec) -> tuple[ValidTask, list[list[EntryRecord]]]:
@@ -291,7 +310,7 @@ class Tasks:
         if rec.state == PENDING and not rec.deps_ok:
             names = rec.parts or rec.depends_on
             found = [kv async for _, chunk in self.core.etcd.get_chunks(
-                [self.keys.entry(rec.task_id, n) for n in names]) for _, kv in chunk]
+                [self.keys.dependency(rec.task_id, n) for n in names]) for _, kv in chunk]
             entry.blocked = any(kv and EntryRecord.load(kv.value).state == DEAD
                                 for kv in found)
         return entry

@@ -1,0 +1,100 @@
+"""Dependencies across tasks (``depends_on: ["other-task:file_id"]``): checked at
+creation, released by the other task's verification, blocked by its death, and read
+from the other task's archive once it is archived (real etcd, real registry)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import blake3
+import pytest
+from registry_fixtures import RegistryHandle
+
+from baton_relay.client import Client, Session
+from baton_relay.client.errors import IllegalTransition, InvalidManifest
+from baton_relay.client.v1 import baton_pb2 as pb
+
+Wait = Callable[..., None]
+
+
+@pytest.fixture
+def registry(registry_factory: Callable[..., RegistryHandle], tmp_path: Path
+             ) -> RegistryHandle:
+    return registry_factory(archive_dir=str(tmp_path / "archive"))
+
+
+def produce(client: Client, session: Session, task_id: str, file_id: str) -> None:
+    """Claim, write, commit and verify (as a lone watcher would) one entry."""
+    claim = client.claim(task_id, file_id, session=session)
+    data = f"{task_id}/{file_id}".encode()
+    Path(claim.path).parent.mkdir(parents=True, exist_ok=True)
+    Path(claim.path).write_bytes(data)
+    digest = blake3.blake3(data).hexdigest()
+    client.commit(task_id, file_id, claim.token, len(data), digest, session=session)
+    client.report(task_id, file_id, len(data), digest, reporter="test-watcher")
+
+
+def released(client: Client, task_id: str, file_id: str) -> Callable[[], bool]:
+    return lambda: "claimable" in client.explain(task_id, file_id).text
+
+
+def test_an_entry_waits_for_another_tasks_entry_and_is_released_by_its_verification(
+    client: Client, session: Session, wait_for: Wait,
+) -> None:
+    client.create_task({"task_id": "ocr", "entries": [{"file_id": "p1", "path": "p1"}]})
+    client.create_task({"task_id": "report", "entries": [
+        {"file_id": "r", "path": "r", "depends_on": ["ocr:p1"]}]})
+    text = client.explain("report", "r").text
+    assert "It waits for dependencies: ocr:p1 (pending)" in text
+    with pytest.raises(IllegalTransition):
+        client.claim("report", "r", session=session)
+    produce(client, session, "ocr", "p1")
+    wait_for(released(client, "report", "r"), what="r released by ocr:p1's verification")
+    assert client.claim("report", "r", session=session).file_id == "r"
+
+
+def test_another_tasks_entry_must_exist_when_the_task_is_created(client: Client) -> None:
+    client.create_task({"task_id": "ocr", "entries": [{"file_id": "p1", "path": "p1"}]})
+    for deps, message in ((["nope:p1"], "'nope:p1', which does not exist (create task 'nope'"),
+                          (["ocr:p9"], "'ocr:p9', which does not exist"),
+                          (["report:a"], "an entry of its own task is named by its file id"),
+                          (["ocr:"], "expected TASK:FILE_ID")):
+        with pytest.raises(InvalidManifest, match=re.escape(message)):
+            client.create_task({"task_id": "report", "entries": [
+                {"file_id": "a", "path": "a", "depends_on": deps}]})
+        with pytest.raises(Exception, match="no task 'report'"):
+            client.get_task("report")
+
+
+def test_a_dead_dependency_in_another_task_blocks_until_requeued(
+    client: Client, session: Session, wait_for: Wait,
+) -> None:
+    client.create_task({"task_id": "ocr", "max_retries": 0,
+                        "entries": [{"file_id": "p1", "path": "p1"}]})
+    client.create_task({"task_id": "report", "entries": [
+        {"file_id": "r", "path": "r", "depends_on": ["ocr:p1"]}]})
+    claim = client.claim("ocr", "p1", session=session)
+    client.fail("ocr", "p1", claim.token, "scanner jammed", session=session)
+    text = client.explain("report", "r").text
+    assert "It is blocked: dependencies ocr:p1 dead" in text
+    assert client.get_entry("report", "r").blocked
+    client.requeue("ocr", "p1")
+    produce(client, session, "ocr", "p1")
+    wait_for(released(client, "report", "r"), what="released after the requeue")
+
+
+def test_a_dependency_in_an_archived_task_is_read_from_its_archive(
+    client: Client, session: Session, wait_for: Wait,
+) -> None:
+    client.create_task({"task_id": "ocr", "entries": [{"file_id": "p1", "path": "p1"}]})
+    produce(client, session, "ocr", "p1")
+    lease = client.consume("ocr", "default", "p1", session=session)
+    client.ack("ocr", "p1", "default", lease.token, session=session)
+    wait_for(lambda: client.get_task("ocr").status == pb.TASK_COMPLETED, what="completed")
+    client.archive_task("ocr")
+    # Created after its dependency left etcd: found in the archive, released at once.
+    client.create_task({"task_id": "report", "entries": [
+        {"file_id": "r", "path": "r", "depends_on": ["ocr:p1"]}]})
+    wait_for(released(client, "report", "r"), what="released from the archive")
