@@ -265,7 +265,7 @@ class Operators:
             s.append(f"The producer committed {rec.size} bytes; it waits for a watcher to "
                      "hash the file and confirm the digest.")
         elif rec.state == VERIFIED:
-            waiting = [g for g in rec.consumers if g not in rec.consumed_by]
+            waiting = [g for g in rec.receivers if g not in rec.consumed_by]
             held = []
             for g in waiting:
                 c = await self.core.etcd.get(
@@ -284,6 +284,7 @@ class Operators:
                      "`baton requeue` brings it back.")
             if rec.dependents:
                 s.append(f"Dependents blocked by it: {_names(rec.dependents)}.")
+        s += _routing(task, rec)
         return " ".join(s)
 
     async def _waiting_for(self, rec: EntryRecord, names: list[str],
@@ -347,6 +348,27 @@ class Operators:
 
 def _task_replay(raw: bytes, rev: int) -> pb.Task:
     return pb.Task.FromString(raw)
+
+
+def _routing(task: TaskRecord, rec: EntryRecord) -> list[str]:
+    """What the attributes are and what the task's routing rules made of them."""
+    s = [f"Its producer committed the attributes {rec.attributes}."] if (
+        rec.attributes) else []
+    if not rec.routing:
+        return s
+    if rec.rule >= 0:
+        condition = task.routing_rules[rec.rule]["condition"]
+        others = [g for g in rec.consumers if g not in rec.routed_to]
+        s.append(f"Routing rule {rec.rule} ({condition}) held: it goes to "
+                 f"{', '.join(rec.routed_to)} only" + (
+                     f"; {', '.join(others)} never receive it." if others else "."))
+    elif rec.state in (VERIFIED, CONSUMED):
+        s.append(f"None of the task's {len(task.routing_rules)} routing rules held over its "
+                 "attributes: every consumer group receives it.")
+    else:
+        s.append("The task's routing rules decide which consumer groups receive it once "
+                 "it is verified.")
+    return s
 
 
 def _state(kv: KV) -> str:

@@ -85,6 +85,8 @@ class Tasks:
             created_at=now(),
             access=dict(valid.access or {}),
             digest_optional=valid.digest_optional,
+            routing_rules=[{"condition": r.condition, "groups": r.groups}
+                           for r in valid.routing_rules],
         )
 
         async def header(txn: Txn) -> TaskRecord | None:

@@ -297,12 +297,13 @@ def group_progress(t: pb.Task, rows: list[pb.Entry]) -> dict[str, tuple[int, int
     """Per consumer group: (entries it acked, entries it has to ack).
 
     The registry counts the acks; how many entries each group has to ack
-    depends on the entries' own consumer lists (parts have none), so that is
-    counted here. The task's default groups come first.
+    depends on the entries' own consumer lists (parts have none) and on where
+    routing rules sent them, so that is counted here. The task's default groups come first.
     """
     totals: dict[str, int] = dict.fromkeys(t.spec.consumers, 0)
     for e in rows:
-        for g in e.consumers:
+        # A routing rule sent it to some of its groups: the others never see it.
+        for g in e.routed_to if e.HasField("routing_rule") else e.consumers:
             totals[g] = totals.get(g, 0) + 1
     for g in t.consumed_by_group:
         totals.setdefault(g, 0)
