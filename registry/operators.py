@@ -8,6 +8,7 @@ import heapq
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from datetime import UTC, datetime
+from typing import Any
 
 from baton_relay.client.errors import IllegalTransition, InvalidArgument
 from baton_relay.client.v1 import baton_pb2 as pb
@@ -206,8 +207,10 @@ class Operators:
             at=str(data.get("at", "")), event=str(data.get("event", "")),
             who=str(data.get("who") or data.get("owner") or data.get("reporter") or ""),
             token=_int(data.get("token")), from_state=str(data.get("from", "")),
-            to_state=str(data.get("to", "")), reason=str(data.get("reason", "")),
+            to_state=str(data.get("to", "")), reason=_reason(data),
             group=str(data.get("group") or ""),
+            routing_rule=_int(data["rule"]) if data.get("rule") is not None else None,
+            routed_to=[str(g) for g in data.get("groups") or []],
         )
 
     async def explain(self, req: pb.GetEntryRequest, caller: Caller) -> pb.Explanation:
@@ -348,6 +351,17 @@ class Operators:
 
 def _task_replay(raw: bytes, rev: int) -> pb.Task:
     return pb.Task.FromString(raw)
+
+
+def _reason(data: dict[str, Any]) -> str:
+    """A record's reason; for a routed verification, with what routing decided."""
+    reason = str(data.get("reason", ""))
+    if "groups" not in data:
+        return reason
+    groups = ", ".join(str(g) for g in data["groups"])
+    routed = (f"routing rule {data['rule']} held: to {groups}" if data.get("rule") is not None
+              else f"no routing rule held: to every group ({groups})")
+    return f"{reason}; {routed}" if reason else routed
 
 
 def _routing(task: TaskRecord, rec: EntryRecord) -> list[str]:

@@ -976,6 +976,8 @@ class JournalRecord(_message.Message):
     TO_STATE_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     GROUP_FIELD_NUMBER: _builtins.int
+    ROUTING_RULE_FIELD_NUMBER: _builtins.int
+    ROUTED_TO_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     file_id: _builtins.str
     revision: _builtins.int
@@ -990,6 +992,12 @@ class JournalRecord(_message.Message):
     reason: _builtins.str
     group: _builtins.str
     """the consumer group: consuming, acked, nacked, consumer lost"""
+    routing_rule: _builtins.int
+    """verified, on a task with routing rules: the rule that held (unset: none did)
+    and the consumer groups that receive the entry
+    """
+    @_builtins.property
+    def routed_to(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
         self,
         *,
@@ -1004,12 +1012,16 @@ class JournalRecord(_message.Message):
         to_state: _builtins.str = ...,
         reason: _builtins.str = ...,
         group: _builtins.str = ...,
+        routing_rule: _builtins.int | None = ...,
+        routed_to: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_routing_rule", b"_routing_rule", "routing_rule", b"routing_rule"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["at", b"at", "event", b"event", "file_id", b"file_id", "from_state", b"from_state", "group", b"group", "reason", b"reason", "revision", b"revision", "task_id", b"task_id", "to_state", b"to_state", "token", b"token", "who", b"who"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_routing_rule", b"_routing_rule", "at", b"at", "event", b"event", "file_id", b"file_id", "from_state", b"from_state", "group", b"group", "reason", b"reason", "revision", b"revision", "routed_to", b"routed_to", "routing_rule", b"routing_rule", "task_id", b"task_id", "to_state", b"to_state", "token", b"token", "who", b"who"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__routing_rule: _TypeAlias = _typing.Literal["routing_rule"]  # noqa: Y015
+    _WhichOneofArgType__routing_rule: _TypeAlias = _typing.Literal["_routing_rule", b"_routing_rule"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__routing_rule) -> _WhichOneofReturnType__routing_rule | None: ...
 
 Global___JournalRecord: _TypeAlias = JournalRecord  # noqa: Y015
 
