@@ -375,7 +375,7 @@ def _routing(task: TaskRecord, rec: EntryRecord) -> list[str]:
         others = [g for g in rec.consumers if g not in rec.routed_to]
         s.append(f"Routing rule {rec.rule} ({condition}) held: it goes to "
                  f"{', '.join(rec.routed_to)} only" + (
-                     f"; {', '.join(others)} never receive it." if others else "."))
+                     f", not to {', '.join(others)}." if others else "."))
     elif rec.state in (VERIFIED, CONSUMED):
         s.append(f"None of the task's {len(task.routing_rules)} routing rules held over its "
                  "attributes: every consumer group receives it.")

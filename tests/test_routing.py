@@ -182,7 +182,8 @@ def test_reports_go_where_their_compliance_sends_them(client: Client) -> None:
     assert "routing rule 0 held: to human-review" in verified.reason
     text = client.explain("reports", "r0").text
     assert "Routing rule 0 ($[?(@.compliance == 'fail')]) held" in text
-    assert "pdf-composer never receive it" in text and '"compliance":"fail"' in text
+    assert "human-review only, not to pdf-composer." in text
+    assert '"compliance":"fail"' in text
 
 
 def test_task_completes_when_routed_groups_acked(client: Client,
