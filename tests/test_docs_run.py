@@ -583,7 +583,7 @@ PREPARE: dict[str, Callable[[Transcripts], None] | None] = {
     "baton explain scan-42 index": Transcripts.state_a,
     "baton agents": Transcripts.archiver,  # and state A, from above
     "baton put compliance-3 r1 ./r1.json --attributes "
-    """'{"compliance": "fail", "score": 88}'""": Transcripts.compliance,
+    """'{"compliance": "fail", "checked_by": "qa"}'""": Transcripts.compliance,
     "baton explain compliance-3 r1": Transcripts.r1_verified,
 }
 #: transcripts not run, and why
