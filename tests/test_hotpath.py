@@ -243,7 +243,7 @@ def test_routing_reads_nothing_from_etcd(etcd: Any, prefix: str) -> None:
             session = await Sessions(core).open(pb.OpenSessionRequest(agent="a", ttl=30),
                                                 ANONYMOUS)
             producers, verifier = Producers(core), Verifier(core)
-            for i in range(20):
+            for _ in range(20):
                 claim = await producers.claim(pb.ClaimRequest(
                     task_id=task, session_id=session.session_id), ANONYMOUS)
                 await producers.commit(pb.CommitRequest(

@@ -297,9 +297,40 @@ def test_commit_batch_and_put_carry_attributes(client: Client, tmp_path: Any) ->
 def test_attributes_set_while_producing_are_committed(client: Client) -> None:
     """A producer that learns the verdict while writing sets ``out.attributes``."""
     client.create_task(REPORTS)
-    with client.open_session("producer", ttl=10) as s:
-        with produce(client, s, "reports", "r0") as out:
-            out.write(b"report")
-            out.attributes = {"compliance": "fail"}
+    with client.open_session("producer", ttl=10) as s, produce(
+            client, s, "reports", "r0") as out:
+        out.write(b"report")
+        out.attributes = {"compliance": "fail"}
     entry = client.report("reports", "r0", 6, digest(b"report"))
     assert list(entry.routed_to) == ["human-review"]
+
+
+# the command line ------------------------------------------------------------------
+
+def test_cli_commits_attributes_as_written(registry: Any, client: Client,
+                                           tmp_path: Any) -> None:
+    """`commit --attributes` and `put --attributes` send the JSON as written (every
+    digit kept); one that is not an object is exit 2 and the claim stays; `task get`
+    lists the rules in order."""
+    from test_cli import create, invoke, ok_json
+
+    create(registry, REPORTS)
+    shown = invoke(registry, "task", "get", "reports").stdout
+    assert "0: $[?(@.compliance == 'fail')] → human-review" in shown
+    assert "1: $[?(@.compliance == 'pass')] → pdf-composer" in shown
+    with client.open_session("producer", ttl=10) as s:
+        claim = client.claim("reports", "r0", session=s)
+        src = tmp_path / "r0.json"
+        src.write_bytes(b"x")
+        common = ["commit", "reports", "r0", "--token", str(claim.token), "--file", str(src)]
+        bad = invoke(registry, *common, "--attributes", "[95]")
+        assert bad.exit_code == 2 and "must be a JSON object" in bad.stderr
+        assert client.get_entry("reports", "r0").state == pb.WRITING
+        entry = ok_json(invoke(registry, *common, "--attributes",
+                               '{"score": 95.0000000000000000001}', "-o", "json"))
+        assert entry["attributes"] == '{"score": 95.0000000000000000001}'
+    src = tmp_path / "r1.json"
+    src.write_bytes(b"y")
+    put_entry = ok_json(invoke(registry, "put", "reports", "r1", str(src), "--attributes",
+                               '{"compliance": "pass"}', "-o", "json"))
+    assert json.loads(put_entry["attributes"]) == {"compliance": "pass"}

@@ -100,6 +100,10 @@ def task_get(settings: Settings, task_id: str, output: str) -> None:
         "done": f"{progress(t)}  (dead {t.dead}, blocked {t.blocked})",
         "states": "  ".join(f"{s} {t.states[s]}" for s in STATES if t.states.get(s)) or "-",
         "consumers": ", ".join(t.spec.consumers) or "default",
+        # In order: the first rule that holds decides.
+        **({"routing": "\n".join(f"{i}: {r.condition} → {', '.join(r.groups)}"
+                                  for i, r in enumerate(t.spec.routing_rules))}
+           if t.spec.routing_rules else {}),
         "max_retries": str(t.spec.max_retries),
         "priority": f"{t.spec.priority}  (aging: +1 per {t.spec.aging_seconds:g} s waiting)",
         "backoff": f"base {b.base_seconds:g} s, factor {b.factor:g}, cap {b.cap_seconds:g} s",
