@@ -3,9 +3,10 @@ producer committed. The only module that imports the JSONPath library.
 
 A rule's condition is a JSONPath filter, ``$[?(@.score > 95)]``, parsed by
 ``jsonpath-ng``; it holds when the attributes object passes the filter (``@`` is
-the object). The library parses; this module evaluates, because the library
-compares numbers as Python floats and the point of a rule like ``@.score > 95`` is
-that it never gets a float wrong (the seeds' incident): every number — in the
+the object). The library parses; this module evaluates, because the library reads a
+decimal literal as a float and counts only ints and floats as numbers, and the point
+of a rule like ``@.score > 95`` is that it never gets a score wrong (seed 001 §4.3:
+a float comparison once sent high-scoring reports to people): every number — in the
 attributes and in the condition — is read from its text as an exact decimal, so
 ``95.0000000000000000001 > 95`` holds and ``0.1 == 0.10`` too. Comparisons follow
 RFC 9535: only two numbers or two strings are ordered, a string is never a number
@@ -41,7 +42,6 @@ MAX_CONDITION = 1024
 #: nesting of a condition's queries and boolean operators, and of the attributes
 MAX_DEPTH = 32
 
-_ORDERING = {"<", "<=", ">", ">="}
 _EQUALITY = {"==", "=", "!="}
 _FLOAT = re.compile(r"-?\d+\.\d+")
 
@@ -63,8 +63,6 @@ class _ExactLexer(ExtendedJsonPathLexer):
                 token.value = exact
             yield token
 
-
-_PARSER = ExtendedJsonPathParser(lexer_class=_ExactLexer)
 
 _MISSING = object()
 
@@ -89,7 +87,9 @@ def condition(text: str) -> Condition:
     if len(text) > MAX_CONDITION:
         raise RuleError(f"longer than {MAX_CONDITION} characters")
     try:
-        path = _PARSER.parse(text)
+        # A parser of its own: PLY's keeps its state on the parser, and conditions are
+        # parsed in manifest validation's worker threads and on the event loop at once.
+        path = ExtendedJsonPathParser(lexer_class=_ExactLexer).parse(text)
     except (JSONPathError, RecursionError) as e:
         raise RuleError(str(e).strip() or type(e).__name__) from None
     if not (isinstance(path, Child) and isinstance(path.left, Root)
