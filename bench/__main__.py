@@ -1,6 +1,6 @@
 """``python -m bench``: run the scenarios and write the report with its plots.
 
-    python -m bench [--quick] [--only claims,batches,scale,watcher,cli,etcd-tls]
+    python -m bench [--quick] [--only claims,batches,scale,watcher,cli,etcd-tls,lifetime]
                     [--out docs/benchmarks.md] [--set FIELD=VALUE ...]
 
 Every scenario starts its own private etcd and registry (and watcher) on
@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
-from . import batches, claims, cli_startup, etcd_tls, scale, watching
+from . import batches, claims, cli_startup, etcd_tls, lifetime, scale, watching
 from .harness import INTERRUPTED, Machine, cpu_busy, ensure_b3sum, load_average
 from .profiles import FULL, QUICK, Profile
 from .report import Section, render
@@ -36,6 +36,7 @@ SCENARIOS: dict[str, tuple[str, Scenario]] = {
     "watcher": ("Watcher", watching.run),
     "cli": ("CLI startup", cli_startup.run),
     "etcd-tls": ("TLS: etcd over TLS, and mutual TLS to clients", etcd_tls.run),
+    "lifetime": ("Lifetime", lifetime.run),
 }
 DEFAULT_OUT = Path("docs/benchmarks.md")
 

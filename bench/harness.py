@@ -114,7 +114,7 @@ class Stack:
     """
 
     def __init__(self, root: Path, *, etcd_tls: bool = False,
-                 registry_tls: bool = False) -> None:
+                 registry_tls: bool = False, etcd_args: tuple[str, ...] = ()) -> None:
         self.root = root
         tls: EtcdTLS | None = None
         #: the registry's --etcd-* flags, and how it serves clients
@@ -136,7 +136,7 @@ class Stack:
             self.credentials = (str(made["ca"].cert), str(made["operator"].cert),
                                 str(made["operator"].key))
         self.etcd = EtcdProcess(root / "etcd", log_path=root / "etcd.log", binary=etcd_binary(),
-                                tls=tls)
+                                tls=tls, extra_args=etcd_args)
         self.daemons: list[Daemon] = []
 
     def __enter__(self) -> Self:
@@ -167,13 +167,16 @@ class Stack:
                    log_path=log_path, timeout=START_TIMEOUT)
         return daemon
 
-    def registry(self, staging: Path, prefix: str = "/baton/v1/") -> Daemon:
-        """Start a registry on a free port; its address is ``.address``."""
+    def registry(self, staging: Path, prefix: str = "/baton/v1/",
+                 extra: tuple[str, ...] = ()) -> Daemon:
+        """Start a registry on a free port (``extra``: more of its flags); its address
+        is ``.address``."""
         staging.mkdir(parents=True, exist_ok=True)
         daemon = self._spawn("registry", [
             sys.executable, "-u", "-m", "baton_relay.registry", *self.serve_flags, "--etcd",
             self.etcd.endpoint, *self.etcd_flags, "--listen", "127.0.0.1:0", "--staging",
-            str(staging), "--prefix", prefix, "--log-level", "WARNING"], REGISTRY_READY)
+            str(staging), "--prefix", prefix, "--log-level", "WARNING", *extra],
+            REGISTRY_READY)
         line = _line_in(daemon.log_path, REGISTRY_READY) or ""
         daemon.address = line[len(REGISTRY_READY):].strip()
         daemon.credentials = self.credentials

@@ -51,6 +51,13 @@ class Profile:
     hash_files: int
     #: install b3sum with apt-get when it is missing
     install: bool
+    # lifetime
+    #: entries handed over in all, in tasks of ``life_size``, by ``life_agents`` agents
+    life_total: int = 1_000_000
+    life_size: int = 2_000
+    life_agents: int = 4
+    #: seconds between samples of etcd's size and key count
+    life_every: float = 10.0
 
 
 FULL = Profile(
@@ -113,4 +120,8 @@ QUICK = Profile(
     hash_rounds=2,
     hash_files=300,
     install=False,
+    life_total=3_000,
+    life_size=500,
+    life_agents=2,
+    life_every=1.0,
 )

@@ -357,8 +357,9 @@ class Client:
     def get_task(self, task_id: str) -> pb.Task:
         return self._call("GetTask", pb.GetTaskRequest(task_id=task_id))  # type: ignore[no-any-return]
 
-    def list_tasks(self) -> list[pb.Task]:
-        return list(self._call("ListTasks", pb.ListTasksRequest()).tasks)
+    def list_tasks(self, archived: bool = False) -> list[pb.Task]:
+        """The tasks in etcd; with ``archived``, the tasks archived out of it."""
+        return list(self._call("ListTasks", pb.ListTasksRequest(archived=archived)).tasks)
 
     def get_entry(self, task_id: str, file_id: str) -> pb.Entry:
         req = pb.GetEntryRequest(task_id=task_id, file_id=file_id)
@@ -378,6 +379,11 @@ class Client:
     def cancel_task(self, task_id: str, reason: str = "") -> pb.Task:
         """Stop the task for good: its claims are revoked (their tokens die)."""
         return self._call("CancelTask", pb.TaskControlRequest(task_id=task_id, reason=reason))  # type: ignore[no-any-return]
+
+    def archive_task(self, task_id: str, reason: str = "") -> pb.Task:
+        """Archive a completed or cancelled task now: out of etcd, into the archive."""
+        req = pb.TaskControlRequest(task_id=task_id, reason=reason)
+        return self._call("ArchiveTask", req)  # type: ignore[no-any-return]
 
     def delete_task(self, task_id: str, reason: str = "") -> pb.DeleteTaskResponse:
         """Remove a task being created or cancelled, and every key of it; an

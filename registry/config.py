@@ -41,6 +41,11 @@ class RegistryConfig:
     etcd_password_file: str = ""
     # Prometheus metrics over HTTP
     metrics: str = ""
+    # finished tasks out of etcd
+    archive_dir: str = ""
+    archive_after: float = 86400.0
+    archive_retention: float = 90 * 86400.0
+    archive_interval: float = 30.0
     # watcher shards
     shards: int = DEFAULT_SHARDS
     shard_move_deadline: float = MOVE_DEADLINE
@@ -64,6 +69,12 @@ _HELP = {
     "etcd_key": "private key of --etcd-cert",
     "etcd_user": "etcd user (etcd auth enabled); its password comes from --etcd-password-file",
     "etcd_password_file": "file holding the etcd user's password",
+    "archive_dir": "directory finished tasks are archived to, out of etcd; every replica "
+    "must see the same one (empty = finished tasks stay in etcd)",
+    "archive_after": "seconds after a task finished that it is archived, unless its "
+    "manifest says (archive_after_seconds); negative = never",
+    "archive_retention": "seconds an archive is kept; then it and the task's header go",
+    "archive_interval": "seconds between looks for finished tasks due for the archive",
     "shards": "shards tasks map to, fixed when the first watcher registers (1..4096)",
     "shard_move_deadline": "seconds a watcher has to hand over a shard before it is taken",
     "metrics": "HOST:PORT to serve Prometheus metrics on, at /metrics (empty = off; "

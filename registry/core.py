@@ -17,7 +17,7 @@ import random
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from baton_relay.client import logs
 from baton_relay.client.errors import BatonError, NotFound
@@ -27,6 +27,9 @@ from .keys import Keys
 from .model import CONSUMED, DEAD, PENDING, VERIFIED, EntryRecord, TaskRecord, now
 from .txn import Transactions, Txn
 from .view import View
+
+if TYPE_CHECKING:
+    from .archive import Archived, Archiver
 
 log = logging.getLogger("baton.registry")
 
@@ -103,6 +106,8 @@ class Core:
         #: tasks in which an entry was finished here since the scheduler last looked: the
         #: ones that may have just completed (it checks every task now and then anyway)
         self.finishing: set[str] = set()
+        #: where finished tasks go, and archived ones are read from (None: nowhere)
+        self.archive: Archiver | None = None
 
     async def start(self) -> None:
         if self.view is not None:
@@ -134,6 +139,13 @@ class Core:
             raise NotFound(f"no entry {file_id!r} in task {task_id!r}", task_id=task_id,
                            file_id=file_id)
         return kv, EntryRecord.load(kv.value)
+
+    async def archived(self, task_id: str) -> Archived:
+        """An archived task, read back from the archive."""
+        if self.archive is None:
+            raise NotFound(f"task {task_id!r} is archived, and this registry reads no "
+                           "archive (--archive-dir)", task_id=task_id)
+        return await self.archive.load(task_id)
 
     # the retry path --------------------------------------------------------
 

@@ -52,6 +52,7 @@ POLICY: Mapping[str, frozenset[str]] = {
     "ResumeTask": frozenset({OPERATOR}),
     "CancelTask": frozenset({OPERATOR}),
     "DeleteTask": frozenset({OPERATOR}),
+    "ArchiveTask": frozenset({OPERATOR}),
     "Requeue": frozenset({OPERATOR}),
     "ListAgents": frozenset({OPERATOR}),
     # sessions and claims; an operator may close any session (``baton release``)

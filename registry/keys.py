@@ -22,7 +22,8 @@ Layout under the prefix (default ``/baton/v1/``)::
     watchers/{watcher}                 leased watcher registration (its capacity, draining)
     shards/{n}                         owner and epoch of shard n (docs/architecture.md)
     shardmap                           how many shards the deployment's tasks map to
-    requests/{request_id}              outcome of a mutating call, for retries (leased, 1 h)
+    requests/{request_id}              outcome of a mutating call, for retries (leased,
+                                       10 min; a new lease every 15 s)
 
 A claim key and its inflight twin are written by the same transaction, so both
 carry the same create revision: that revision is the fencing token. When the

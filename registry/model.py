@@ -39,7 +39,11 @@ _TASK_STATUS_PB = {
     "cancelled": pb.TASK_CANCELLED,
     "completed": pb.TASK_COMPLETED,
     "deleting": pb.TASK_DELETING,
+    "archiving": pb.TASK_ARCHIVING,
+    "archived": pb.TASK_ARCHIVED,
 }
+#: statuses of a task that is done with: nothing more happens to its entries
+FINISHED = ("completed", "cancelled")
 
 
 
@@ -243,6 +247,14 @@ class TaskRecord:
     #: the manifest's access rules (registry.access.to_dict)
     access: dict[str, Any] = field(default_factory=dict)
     digest_optional: bool = False
+    #: seconds after it finished that it is archived (0: the registry's default; < 0: never)
+    archive_after: float = 0.0
+    #: when it completed or was cancelled (RFC 3339)
+    finished_at: str = ""
+    #: once archived: when, where (the store's name for it), and its entries by state
+    archived_at: str = ""
+    archive: str = ""
+    archived_states: dict[str, int] = field(default_factory=dict)
     #: the manifest's routing rules: [{"condition": ..., "groups": [...]}, ...]
     routing_rules: list[dict[str, Any]] = field(default_factory=list)
 
@@ -268,6 +280,7 @@ class TaskRecord:
             aging_seconds=self.aging,
             access=access_from_dict(self.access),
             digest_optional=self.digest_optional,
+            archive_after_seconds=self.archive_after,
             routing_rules=[pb.RoutingRule(condition=r["condition"], groups=r["groups"])
                            for r in self.routing_rules],
         )
@@ -278,6 +291,9 @@ class TaskRecord:
             entry_count=self.entry_count,
             created_at=self.created_at,
             manifest_digest=self.manifest_digest,
-            states=states or {},
+            states=states or self.archived_states,
             status_reason=self.status_reason,
+            finished_at=self.finished_at,
+            archived_at=self.archived_at,
+            archive=self.archive,
         )

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from baton_relay.client.errors import IllegalTransition, InvalidArgument
+from baton_relay.client.errors import IllegalTransition, InvalidArgument, NotFound
 from baton_relay.client.v1 import baton_pb2 as pb
 
 from . import access
@@ -23,12 +23,14 @@ from .manifest import check_id
 from .model import (
     CONSUMED,
     DEAD,
+    FINISHED,
     PENDING,
     VERIFIED,
     WRITING,
     WRITTEN,
     EntryRecord,
     TaskRecord,
+    now,
 )
 from .txn import Txn, write
 
@@ -76,6 +78,10 @@ class Operators:
                                         f"{task.status}", task_id=req.task_id)
             task.status = target
             task.status_reason = f"{action}: {req.reason}" if req.reason else action
+            if target in FINISHED:
+                task.finished_at = now()
+            elif target == "active":
+                task.finished_at = ""  # resumed: not finished any more
             txn.put(self.keys.task(req.task_id), task.dump())
             return lambda _: task.to_pb()
 
@@ -144,7 +150,7 @@ class Operators:
             task_kv, kv = await txn.get_many([task_key,
                                               self.keys.entry(req.task_id, req.file_id)])
             task = need_task(task_kv, req.task_id)
-            if task.status in ("cancelled", "deleting"):
+            if task.status in ("cancelled", "deleting", "archiving", "archived"):
                 raise IllegalTransition(f"task {req.task_id!r} is {task.status}")
             rec = need_entry(kv, req.task_id, req.file_id)
             if rec.state != DEAD:
@@ -154,6 +160,7 @@ class Operators:
             rec.remember("requeued", who="operator", reason=f"after: {rec.error}")
             if task.status == "completed":  # it has work again
                 task.status, task.status_reason = "active", "entry requeued"
+                task.finished_at = ""
             # The header is written even when the task stays active: the entry is
             # open again, and the scheduler's completion of the task (planned on
             # the header, then on an open index it saw empty) must fail its compare.
@@ -169,7 +176,9 @@ class Operators:
             check_id("file_id", req.file_id)
         if req.limit < 0:
             raise InvalidArgument("limit must be ≥ 0")
-        await self.core.task(req.task_id)  # NotFound for an unknown task
+        _, task = await self.core.task(req.task_id)  # NotFound for an unknown task
+        if task.status == "archived":
+            return await self._archived_journal(req)
         if req.file_id:
             await self.core.entry(req.task_id, req.file_id)
         base = self.keys.journal_all(req.task_id)
@@ -190,6 +199,19 @@ class Operators:
         records = [self._journal_record(req.task_id, base, kv) for _, _, kv in sorted(kept)]
         return pb.JournalResponse(records=records)
 
+    async def _archived_journal(self, req: pb.JournalRequest) -> pb.JournalResponse:
+        archived = await self.core.archived(req.task_id)
+        if req.file_id and not any(r.file_id == req.file_id for _, r in archived.entries):
+            raise NotFound(f"no entry {req.file_id!r} in task {req.task_id!r}",
+                           task_id=req.task_id, file_id=req.file_id)
+        records = sorted((rev, n, file_id, data) for n, (file_id, rev, data)
+                         in enumerate(archived.journal) if file_id == req.file_id or
+                         not req.file_id)
+        if req.limit:
+            records = records[-req.limit:]
+        return pb.JournalResponse(records=[self._record_pb(req.task_id, file_id, rev, data)
+                                           for rev, _, file_id, data in records])
+
     def _journal_record(self, task_id: str, base: bytes, kv: KV) -> pb.JournalRecord:
         file_id = self.keys.parse_tail(kv.key, base)[0]
         try:
@@ -198,12 +220,17 @@ class Operators:
                 raise ValueError("not an object")
         except ValueError:
             data = {"event": "unreadable", "reason": "the journal record is not valid JSON"}
+        return self._record_pb(task_id, file_id, kv.create_revision, data)
+
+    @staticmethod
+    def _record_pb(task_id: str, file_id: str, revision: int,
+                   data: dict[str, Any]) -> pb.JournalRecord:
         if data.get("event") in TOKEN_IS_REVISION and not data.get("token"):
             # A claim's token is the revision of the transaction that made it, which
             # wrote this record too.
-            data["token"] = kv.create_revision
+            data["token"] = revision
         return pb.JournalRecord(
-            task_id=task_id, file_id=file_id, revision=kv.create_revision,
+            task_id=task_id, file_id=file_id, revision=revision,
             at=str(data.get("at", "")), event=str(data.get("event", "")),
             who=str(data.get("who") or data.get("owner") or data.get("reporter") or ""),
             token=_int(data.get("token")), from_state=str(data.get("from", "")),
@@ -221,6 +248,8 @@ class Operators:
         task_kv, kv = [found[0] if found else None for found in await self.core.etcd.read(
             [Get(self.keys.task(req.task_id)), Get(self.keys.entry(req.task_id, req.file_id))])]
         task = need_task(task_kv, req.task_id)
+        if task.status == "archived":
+            return await self._explain_archived(task, req.file_id)
         rec = need_entry(kv, req.task_id, req.file_id)
         assert kv is not None
         text = await self._explain(task, kv, rec)
@@ -229,6 +258,23 @@ class Operators:
         if rules:
             text = f"{text} {rules}"
         entry = rec.to_pb(self.core.staging_dir(rec.task_id), revision=kv.mod_revision)
+        return pb.Explanation(entry=entry, text=text)
+
+    async def _explain_archived(self, task: TaskRecord, file_id: str) -> pb.Explanation:
+        archived = await self.core.archived(task.task_id)
+        found = [(rev, r) for rev, r in archived.entries if r.file_id == file_id]
+        if not found:
+            raise NotFound(f"no entry {file_id!r} in task {task.task_id!r}",
+                           task_id=task.task_id, file_id=file_id)
+        rev, rec = found[0]
+        last = rec.error if rec.state == DEAD else ""
+        text = (f"Entry {file_id} of task {task.task_id} was {rec.state} (revision {rev}, "
+                f"attempt {rec.retry_count + 1} of {rec.max_retries + 1})"
+                f"{f'; last error: {last}' if last else ''} when the task "
+                f"({archived.header.status}: {archived.header.status_reason or 'finished'}) "
+                f"was archived at {task.archived_at}, to {task.archive}. Nothing more will "
+                "happen to it; `baton log` shows its history from the archive.")
+        entry = rec.to_pb(self.core.staging_dir(rec.task_id), revision=rev)
         return pb.Explanation(entry=entry, text=text)
 
     async def _explain(self, task: TaskRecord, kv: KV, rec: EntryRecord) -> str:

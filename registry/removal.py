@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable
 from baton_relay.client.errors import Conflict, IllegalTransition
 from baton_relay.client.v1 import baton_pb2 as pb
 
-from ._etcd import Get, empty
+from ._etcd import KV, Get, empty
 from .claims import need_task, release_slot
 from .core import Core
 from .manifest import check_id
@@ -107,6 +107,17 @@ class Removal:
 
         return plan
 
+    def prefixes_of(self, task_id: str) -> list[bytes]:
+        """Every prefix naming the task (claims, twins, entries, indexes, journal)."""
+        return [*self._claim_prefixes(task_id), *(p for _, p in self._prefixes(task_id))]
+
+    async def sweep(self, task_id: str, before: int = 0) -> Counter[str]:
+        """Delete every key of the task but its header, a chunk per transaction. With
+        ``before``, each key is deleted only as listed (pinned) and only if written
+        before that revision, else ``IllegalTransition``: an archived task loses
+        nothing written after its archive was read."""
+        return await self._sweep_task(task_id, before)
+
     def _prefixes(self, task_id: str) -> list[tuple[str, bytes]]:
         """Every prefix that names the task but its claims, in the order they are
         emptied (entries before the indexes their transitions would rewrite)."""
@@ -127,20 +138,22 @@ class Removal:
     def _claim_prefixes(self, task_id: str) -> list[bytes]:
         return [self.keys.claims_of_task("p", task_id), self.keys.claims_of_task("c", task_id)]
 
-    async def _sweep_task(self, task_id: str) -> Counter[str]:
+    async def _sweep_task(self, task_id: str, before: int = 0) -> Counter[str]:
         removed: Counter[str] = Counter()
         for prefix in self._claim_prefixes(task_id):
-            removed += await self._sweep(prefix, CLAIM_CHUNK, self._claims_chunk)
+            removed += await self._sweep(prefix, CLAIM_CHUNK, self._claims_chunk, before)
         for kind, prefix in self._prefixes(task_id):
-            removed += await self._sweep(prefix, DELETE_CHUNK, self._plain_chunk(kind))
+            removed += await self._sweep(prefix, DELETE_CHUNK,
+                                         self._plain_chunk(kind, bool(before)), before)
         return removed
 
     async def _sweep(self, prefix: bytes, size: int,
-                     handle: Callable[[list[bytes]], Awaitable[Counter[str]]]) -> Counter[str]:
+                     handle: Callable[[list[KV]], Awaitable[Counter[str]]],
+                     before: int = 0) -> Counter[str]:
         """``handle`` the keys under ``prefix`` ``size`` at a time, ``PARALLEL`` chunks
-        at once, listed a page at a time."""
+        at once, listed a page at a time (with ``before``: each written before it)."""
         removed: Counter[str] = Counter()
-        chunks: list[list[bytes]] = [[]]
+        chunks: list[list[KV]] = [[]]
 
         async def flush() -> None:
             results = await asyncio.gather(*(handle(c) for c in chunks if c),
@@ -159,28 +172,38 @@ class Removal:
                         await flush()
                     else:
                         chunks.append([])
-                chunks[-1].append(kv.key)
+                if before and kv.mod_revision >= before:
+                    raise IllegalTransition(
+                        f"{kv.key.decode(errors='replace')} was written at revision "
+                        f"{kv.mod_revision}, after the archive (revision {before - 1}): "
+                        "archive the task again")
+                chunks[-1].append(kv)
         await flush()
         return removed
 
-    def _plain_chunk(self, kind: str) -> Callable[[list[bytes]], Awaitable[Counter[str]]]:
-        """Deletes a chunk of keys of one kind (unread: nothing writes them any more)."""
+    def _plain_chunk(self, kind: str, pinned: bool = False
+                     ) -> Callable[[list[KV]], Awaitable[Counter[str]]]:
+        """Deletes a chunk of keys of one kind: unread (nothing writes them any more),
+        or, ``pinned``, each only if still as listed."""
 
-        async def handle(keys: list[bytes]) -> Counter[str]:
+        async def handle(kvs: list[KV]) -> Counter[str]:
             async def plan(txn: Txn) -> Counter[str]:
-                for key in keys:
-                    txn.delete(key)
-                return Counter({kind: len(keys)})
+                for kv in kvs:
+                    if pinned:
+                        txn.pin(kv.key, kv)
+                    txn.delete(kv.key)
+                return Counter({kind: len(kvs)})
 
             return await write(self.core.txns, plan)
 
         return handle
 
-    async def _claims_chunk(self, keys: list[bytes]) -> Counter[str]:
+    async def _claims_chunk(self, listed: list[KV]) -> Counter[str]:
         """Delete claims as read at commit time (pinned), each with its twin and its
         slot: a claim finished meanwhile may have freed its slot for another claim of
         its session, which keeps it."""
         slots = self.keys.slots_all()
+        keys = [kv.key for kv in listed]
 
         async def plan(txn: Txn) -> Counter[str]:
             counts: Counter[str] = Counter()
@@ -212,8 +235,7 @@ class Removal:
                      ) -> Callable[[Txn], Awaitable[Callable[[int], pb.DeleteTaskResponse]]]:
         """Delete the header, guarded: still ``deleting``, and nothing left of the task."""
         key = self.keys.task(task.task_id)
-        prefixes = [*self._claim_prefixes(task.task_id),
-                    *(p for _, p in self._prefixes(task.task_id))]
+        prefixes = self.prefixes_of(task.task_id)
 
         async def plan(txn: Txn) -> Callable[[int], pb.DeleteTaskResponse]:
             kv = await txn.get(key)

@@ -25,7 +25,7 @@ from ._etcd import KV, empty, present
 from .claims import need_task
 from .core import Core, Gate
 from .keys import prefix_end
-from .model import CONSUMED, PENDING, VERIFIED, EntryRecord, TaskRecord
+from .model import CONSUMED, PENDING, VERIFIED, EntryRecord, TaskRecord, now
 from .txn import Retry, Txn, write
 from .verify import Verifier
 
@@ -357,7 +357,7 @@ class Scheduler:
             # requeue, a verified file that changed) fails this completion.
             txn.require(empty(self.keys.open_all(task_id)))
             dead = await self.core.etcd.count(self.keys.dead_all(task_id))
-            task.status = "completed"
+            task.status, task.finished_at = "completed", now()
             task.status_reason = (f"{task.entry_count - dead} consumed, {dead} dead"
                                   if dead else "every entry consumed")
             txn.put(key, task.dump())

@@ -23,8 +23,9 @@ from baton_relay.client.settings import metrics_url, parse_address
 from baton_relay.client.v1 import baton_pb2
 
 from ._etcd import Etcd, EtcdAuth
+from .archive import Archiver, DirectoryStore
 from .config import RegistryConfig, load_config
-from .core import Core
+from .core import Core, every
 from .keys import Keys
 from .metrics import RegistryMetrics
 from .scheduler import Scheduler
@@ -117,6 +118,9 @@ async def start(config: RegistryConfig) -> Running:
     await etcd.connect()
     version = await etcd.status()
     core = Core(etcd, Keys(config.prefix), config.staging)
+    if config.archive_dir:
+        core.archive = Archiver(core, DirectoryStore(config.archive_dir), config.archive_after,
+                                config.archive_retention)
     await core.start()
     metrics_port = 0
     if metrics is not None:
@@ -159,6 +163,9 @@ async def start(config: RegistryConfig) -> Running:
     assigner = Assigner(shards, config.reap_interval)
     background = [asyncio.create_task(reaper.run(stop)), asyncio.create_task(scheduler.run(stop)),
                   asyncio.create_task(assigner.run(stop))]
+    if core.archive is not None:
+        background.append(asyncio.create_task(
+            every(config.archive_interval, stop, core.archive.sweep, "archiver")))
     log.info("registry on port %d (%s), etcd %s (v%s), prefix %s, staging %s", port,
              "mutual TLS" if certificates else "plaintext, --insecure", config.etcd,
              version, config.prefix, config.staging)

@@ -31,6 +31,7 @@ from baton_relay.client.v1 import baton_pb2_grpc as pb_grpc
 from .consumers import Consumers
 from .core import Core
 from .identity import Caller, authorize, caller_of, current, redact, scoped_request_id
+from .manifest import check_id
 from .operators import Operators
 from .producers import Producers
 from .removal import Removal
@@ -164,6 +165,7 @@ def unary(
 
 class RegistryService(pb_grpc.RegistryServicer):
     def __init__(self, core: Core, shards: Shards | None = None) -> None:
+        self.core = core
         self.shards = shards or Shards(core, DEFAULT_SHARDS)
         self.tasks = Tasks(core)
         self.producers = Producers(core)
@@ -182,7 +184,7 @@ class RegistryService(pb_grpc.RegistryServicer):
 
     @unary
     async def ListTasks(self, request: pb.ListTasksRequest) -> pb.ListTasksResponse:
-        return await self.tasks.list()
+        return await self.tasks.list(request)
 
     @unary
     async def GetEntry(self, request: pb.GetEntryRequest) -> pb.Entry:
@@ -210,6 +212,13 @@ class RegistryService(pb_grpc.RegistryServicer):
     @unary
     async def DeleteTask(self, request: pb.DeleteTaskRequest) -> pb.DeleteTaskResponse:
         return await self.removal.delete(request)
+
+    @unary
+    async def ArchiveTask(self, request: pb.TaskControlRequest) -> pb.Task:
+        if self.core.archive is None:
+            raise InvalidArgument("this registry archives nothing: it has no --archive-dir")
+        check_id("task_id", request.task_id)
+        return await self.core.archive.archive(request.task_id, request.reason)
 
     @unary
     async def Requeue(self, request: pb.RequeueRequest) -> pb.Entry:

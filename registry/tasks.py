@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import AsyncIterator
 
 from baton_relay.client.errors import (
@@ -11,6 +12,7 @@ from baton_relay.client.errors import (
     IllegalTransition,
     InvalidArgument,
     InvalidManifest,
+    NotFound,
     TaskExists,
 )
 from baton_relay.client.v1 import baton_pb2 as pb
@@ -43,6 +45,8 @@ MAX_ENTRY_BYTES = 256 * 1024
 PARALLEL = 8
 #: entries read per page when listing
 LIST_PAGE = 1000
+#: the longest a manifest may keep a finished task in etcd before it is archived
+MAX_ARCHIVE_AFTER = 366 * 86400.0
 
 
 def _stored_size(e: EntryRecord) -> int:
@@ -69,6 +73,11 @@ class Tasks:
         # Validating 100,000 entries takes seconds of CPU: not on the event loop,
         # where it would stall every other call (and agents' keepalives).
         valid, chunks = await asyncio.to_thread(self._prepare, req.spec)
+        archive_after = req.spec.archive_after_seconds
+        if not math.isfinite(archive_after) or archive_after > MAX_ARCHIVE_AFTER:
+            raise InvalidManifest(f"archive_after_seconds {archive_after} is not a number of "
+                                  f"seconds up to {MAX_ARCHIVE_AFTER:.0f} (a year), 0 (the "
+                                  "registry's default) or negative (never)")
         key = self.keys.task(valid.task_id)
         record = TaskRecord(
             task_id=valid.task_id,
@@ -85,6 +94,7 @@ class Tasks:
             created_at=now(),
             access=dict(valid.access or {}),
             digest_optional=valid.digest_optional,
+            archive_after=archive_after,
             routing_rules=[{"condition": r.condition, "groups": r.groups}
                            for r in valid.routing_rules],
         )
@@ -191,6 +201,10 @@ class Tasks:
         """The task with counts by state and by consumer group (reads every entry)."""
         check_id("task_id", task_id)
         _, record = await self.core.task(task_id)
+        if record.status == "archived":  # its counts were kept when it was archived
+            task = record.to_pb()
+            task.dead = record.archived_states.get(DEAD, 0)
+            return task
         counts = dict.fromkeys(STATES, 0)
         by_group = dict.fromkeys(record.consumers, 0)
         states: dict[str, str] = {}
@@ -216,12 +230,19 @@ class Tasks:
         return (await self.core.etcd.count(self.keys.open_all(task_id)),
                 await self.core.etcd.count(self.keys.dead_all(task_id)))
 
-    async def list(self) -> pb.ListTasksResponse:
+    async def list(self, req: pb.ListTasksRequest) -> pb.ListTasksResponse:
+        """The tasks in etcd; with ``archived``, the archived ones instead."""
         kvs, _, _ = await self.core.etcd.range(self.keys.tasks())
         tasks = []
         for kv in kvs:
-            task = TaskRecord.load(kv.value).to_pb()
-            task.open, task.dead = await self._progress(task.spec.task_id)
+            record = TaskRecord.load(kv.value)
+            if (record.status == "archived") != req.archived:
+                continue
+            task = record.to_pb()
+            if req.archived:
+                task.dead = record.archived_states.get(DEAD, 0)
+            else:
+                task.open, task.dead = await self._progress(task.spec.task_id)
             tasks.append(task)
         return pb.ListTasksResponse(tasks=tasks)
 
@@ -243,7 +264,16 @@ class Tasks:
     async def get_entry(self, req: pb.GetEntryRequest) -> pb.Entry:
         check_id("task_id", req.task_id)
         check_id("file_id", req.file_id)
-        kv, rec = await self.core.entry(req.task_id, req.file_id)
+        try:
+            kv, rec = await self.core.entry(req.task_id, req.file_id)
+        except NotFound:
+            _, task = await self.core.task(req.task_id)
+            if task.status != "archived":
+                raise
+            for rev, archived in (await self.core.archived(req.task_id)).entries:
+                if archived.file_id == req.file_id:
+                    return archived.to_pb(self.core.staging_dir(req.task_id), revision=rev)
+            raise
         return await self._entry_pb(kv, rec)
 
     async def _entry_pb(self, kv: KV, rec: EntryRecord) -> pb.Entry:
@@ -270,7 +300,7 @@ class Tasks:
 
     async def list_entries(self, req: pb.ListEntriesRequest) -> pb.ListEntriesResponse:
         check_id("task_id", req.task_id)
-        await self.core.task(req.task_id)
+        _, task = await self.core.task(req.task_id)
         if req.start_after:
             check_id("file_id", req.start_after)
         if req.limit < 0:
@@ -278,13 +308,25 @@ class Tasks:
         want = STATE_FROM_PB.get(req.state) if req.state else None
         staging = self.core.staging_dir(req.task_id)
         out: list[pb.Entry] = []
-        async for kv in self._entries(req.task_id, start_after=req.start_after):
-            rec = EntryRecord.load(kv.value)
+        async for rev, rec in self._records(req.task_id, req.start_after,
+                                            task.status == "archived"):
             if want is None or rec.state == want:
-                out.append(rec.to_pb(staging, revision=kv.mod_revision))
+                out.append(rec.to_pb(staging, revision=rev))
                 if req.limit and len(out) >= req.limit:
                     break
         return pb.ListEntriesResponse(entries=out)
+
+    async def _records(self, task_id: str, start_after: str,
+                       archived: bool) -> AsyncIterator[tuple[int, EntryRecord]]:
+        """The task's entries in file id order (from its archive once archived), each
+        with the revision it was last written at."""
+        if archived:
+            for rev, rec in (await self.core.archived(task_id)).entries:
+                if rec.file_id > start_after:
+                    yield rev, rec
+            return
+        async for kv in self._entries(task_id, start_after=start_after):
+            yield kv.mod_revision, EntryRecord.load(kv.value)
 
     async def watch(self, req: pb.WatchRequest) -> AsyncIterator[pb.TaskEvent]:
         """A snapshot of the task's entries (unless resuming), then every change."""

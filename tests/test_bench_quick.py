@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-SCENARIOS = ("Claims", "Batches", "Scale", "Watcher", "CLI startup")
+SCENARIOS = ("Claims", "Batches", "Scale", "Watcher", "CLI startup", "Lifetime")
 
 
 @pytest.mark.slow
@@ -24,7 +24,7 @@ def test_quick_benchmark_writes_every_scenario(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "bench", "--quick", "--out", str(out)],
         cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True,
-        timeout=240, check=False,
+        timeout=360, check=False,
     )
     assert done.returncode == 0, f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-6000:]}"
     report = out.read_text()

@@ -458,6 +458,13 @@ class Transcripts:
                 for claim in c.claim_batch("scan-41", 3, session=s):
                     c.fail("scan-41", claim.file_id, claim.token, "bad scan", session=s)
 
+    def scan_40(self) -> None:
+        """scan-40, a task cancelled as a duplicate."""
+        spec = {"task_id": "scan-40", "entries": [{"file_id": "p1", "path": "p1.png"}]}
+        with self.client() as c:
+            c.create_task(spec)
+            c.cancel_task("scan-40", "duplicate batch")
+
     def p1_file(self) -> None:
         """The reader wrote p1's page where the claim said."""
         path = self.data_dir / "staging" / "scan-42" / "pages" / "p1.png"
@@ -567,6 +574,7 @@ PREPARE: dict[str, Callable[[Transcripts], None] | None] = {
     "baton task ls": None,  # still state A
     'baton task pause scan-42 --reason "scanner maintenance"': None,
     'baton task cancel scan-41 --reason "wrong batch"': Transcripts.scan_41,
+    'baton task archive scan-40 --reason "kept for the audit"': Transcripts.scan_40,
     "baton status scan-42 --entries": Transcripts.state_a,  # not resumed
     "baton claim scan-42": Transcripts.fresh,
     "baton commit scan-42 p1 --token 25 --file /srv/baton/staging/scan-42/pages/p1.png":

@@ -134,8 +134,9 @@ def test_default_data_dir_follows_xdg(tmp_path: Path, monkeypatch: pytest.Monkey
 
 
 def test_registry_command_line(opts: UpOptions) -> None:
-    """The registry is run as `python -m baton_relay.registry` with the documented flags: mutual TLS
-    and etcd over TLS with the stack's certificates, or --insecure without them."""
+    """The registry is run as `python -m baton_relay.registry` with the documented flags: the
+    archive in the data dir, mutual TLS and etcd over TLS with the stack's certificates,
+    or --insecure without them."""
     pki = LocalPKI(Path("/p"))
     opts = dataclasses.replace(opts, registry_metrics_port=9464, watcher_metrics_ports=(9465,))
     registry, _ = child_specs(opts, "127.0.0.1:2479", pki)
@@ -147,6 +148,7 @@ def test_registry_command_line(opts: UpOptions) -> None:
         "--listen", f"127.0.0.1:{opts.registry_port}",
         "--staging", str(opts.staging),
         "--prefix", "/baton-up-test/",
+        "--archive-dir", str(opts.data_dir / "archive"),
         "--tls-ca", "/p/ca.crt", "--tls-cert", "/p/registry.crt", "--tls-key", "/p/registry.key",
         "--etcd-ca", "/p/ca.crt", "--etcd-cert", "/p/etcd-client.crt",
         "--etcd-key", "/p/etcd-client.key",

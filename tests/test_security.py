@@ -123,6 +123,7 @@ def _request(method: str, world: dict[str, Any]) -> Any:
         "ResumeTask": pb.TaskControlRequest(task_id=t),
         "CancelTask": pb.TaskControlRequest(task_id=t),
         "DeleteTask": pb.DeleteTaskRequest(task_id=t),
+        "ArchiveTask": pb.TaskControlRequest(task_id=t),
         "Requeue": pb.RequeueRequest(task_id=t, file_id="f2"),
         "Journal": pb.JournalRequest(task_id=t),
         "Explain": pb.GetEntryRequest(task_id=t, file_id=f),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -42,10 +43,13 @@ class FakeHost:
     """A watcher that follows the protocol by hand: registers, heartbeats, and hands
     shards over when asked (``release`` False: it ignores the request, as a hung one)."""
 
-    def __init__(self, client: Client, name: str, release: bool = True, ttl: int = 3) -> None:
+    def __init__(self, client: Client, name: str, release: bool = True, ttl: int = 3,
+                 capacity: Callable[[], pb.WatcherCapacity] = pb.WatcherCapacity) -> None:
         self.client = client
         self.release = release
-        self.id = client.register_watcher(f"/roots/{name}", name, ttl=ttl).watcher_id
+        self.capacity = capacity
+        self.id = client.register_watcher(f"/roots/{name}", name, ttl=ttl,
+                                          capacity=capacity()).watcher_id
         self.grants: dict[int, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -54,7 +58,7 @@ class FakeHost:
     def _run(self) -> None:
         while not self._stop.wait(0.1):
             try:
-                reply = self.client.watcher_heartbeat(self.id)
+                reply = self.client.watcher_heartbeat(self.id, self.capacity())
             except Exception:  # the test stops the registry or the host under it
                 continue
             self.grants = {g.shard: g.epoch for g in reply.shards}
@@ -145,6 +149,50 @@ def test_shards_are_owned_and_balanced_and_listed(
     assert listing.shard_count == SHARDS and len(listing.shards) == SHARDS
     assert {w.watcher_id: w.shards for w in client.list_watchers()} == counts(client)
     wait_for(lambda: sum(len(h.grants) for h in (a, b, c)) == SHARDS, what="grants")
+
+
+def test_nothing_moves_while_load_merely_jitters(
+    client: Client, hosts: Callable[..., FakeHost], wait_for: Wait,
+) -> None:
+    """Balanced watchers whose backlog, hash rate and watches change at every heartbeat:
+    no shard changes owner (the epochs stay as they were)."""
+    rng = random.Random(7)
+
+    def jittering() -> pb.WatcherCapacity:
+        return pb.WatcherCapacity(backlog=rng.randrange(0, 5000), hash_mbps=rng.uniform(50, 900),
+                                  watches_used=rng.randrange(100, 80_000),
+                                  watches_max=100_000, tasks=rng.randrange(0, 50))
+
+    a, b, c = (hosts(n, capacity=jittering) for n in "abc")
+    wait_for(balanced(client, [a.id, b.id, c.id]), what="balanced")
+    epochs = {n: s.epoch for n, s in owners(client).items()}
+
+    def new_figures(before: list[pb.WatcherInfo]) -> Callable[[], bool]:
+        return lambda: all(w.capacity.backlog != x.capacity.backlog for w, x in
+                           zip(client.list_watchers(), before, strict=True))
+
+    for _ in range(4):  # several sweeps of the assigner, each after new heartbeats
+        wait_for(new_figures(client.list_watchers()), what="new figures from every watcher")
+    assert {n: s.epoch for n, s in owners(client).items()} == epochs
+
+
+def test_a_watcher_near_its_watch_limit_keeps_its_shards_and_takes_no_more(
+    client: Client, hosts: Callable[..., FakeHost], wait_for: Wait,
+) -> None:
+    full = pb.WatcherCapacity(watches_used=97_000, watches_max=100_000)
+    a = hosts("a")
+    wait_for(lambda: counts(client).get(a.id) == SHARDS, what="a owns every shard")
+    b = hosts("b", capacity=lambda: full)
+    wait_for(lambda: b.id in {w.watcher_id for w in client.list_watchers()}, what="b listed")
+    assert client.rebalance(dry_run=True) == []  # b is full: nothing goes its way
+    assert counts(client) == {a.id: SHARDS}
+    # a goes away: its shards have nowhere to go but to nobody... until a watcher with
+    # room registers, which gets them all at once.
+    client.drain_watcher(a.id)
+    assert counts(client) == {a.id: SHARDS}  # no taker: a keeps them while draining
+    c = hosts("c")
+    wait_for(lambda: counts(client).get(c.id) == SHARDS, what="c took a's shards")
+    assert counts(client).get(b.id, 0) == 0
 
 
 def test_a_report_from_anyone_but_the_owner_at_its_epoch_is_refused(

@@ -46,7 +46,7 @@ from .taskdirs import TaskDirs
 logger = logging.getLogger("baton.watcher")
 
 _TASK_ID = re.compile(r"^[A-Za-z0-9._-]+$")
-FINISHED = (pb.TASK_CANCELLED, pb.TASK_COMPLETED)
+FINISHED = (pb.TASK_CANCELLED, pb.TASK_COMPLETED, pb.TASK_ARCHIVING, pb.TASK_ARCHIVED)
 #: seconds between attempts of a reconciliation that could not reach the registry
 RECONCILE_RETRY = 1.0
 #: seconds a shard's handover waits for the checks in hand before releasing anyway

@@ -1,4 +1,4 @@
-"""Task commands: ``task create|get|ls|pause|resume|cancel|rm`` and ``status``."""
+"""Task commands: ``task create|get|ls|pause|resume|cancel|archive|rm`` and ``status``."""
 
 from __future__ import annotations
 
@@ -118,17 +118,26 @@ def task_get(settings: Settings, task_id: str, output: str) -> None:
 
 
 @task.command("ls")
+@click.option("--archived", is_flag=True, help="list the archived tasks instead")
 @output_option
 @pass_settings
-def task_ls(settings: Settings, output: str) -> None:
-    """List tasks with their progress.
+def task_ls(settings: Settings, archived: bool, output: str) -> None:
+    """List tasks with their progress (or, --archived, the tasks archived out of etcd).
 
     done/total counts entries nothing more will happen to (consumed, dead, or
     verified with no consumer groups); dead ones are also counted on their own.
     """
-    tasks = settings.client().list_tasks()
+    tasks = settings.client().list_tasks(archived=archived)
     if output == "json":
         emit_json([as_dict(t) for t in tasks])
+        return
+    if archived:
+        table = folding_table("task", "entries", "dead", "finished", "archived", "archive",
+                              whole=("entries", "dead"))
+        for t in tasks:
+            table.add_row(t.spec.task_id, str(t.entry_count), str(t.dead), t.finished_at,
+                          t.archived_at, t.archive)
+        emit_table(table)
         return
     table = folding_table("task", "status", "done", "dead", "created", "staging",
                           whole=("status", "done", "dead"))
@@ -143,15 +152,17 @@ def progress(t: pb.Task) -> str:
     incomplete)."""
     from ..v1 import baton_pb2 as pb
 
-    if t.status in (pb.TASK_CREATING, pb.TASK_DELETING):
+    if t.status in (pb.TASK_CREATING, pb.TASK_DELETING, pb.TASK_ARCHIVING):
         return f"-/{t.entry_count}"
+    if t.status == pb.TASK_ARCHIVED:
+        return f"{t.entry_count}/{t.entry_count}"
     return f"{t.entry_count - t.open}/{t.entry_count}"
 
 
 def _control(settings: Settings, action: str, task_id: str, reason: str, output: str) -> None:
     client = settings.client()
     call = {"pause": client.pause_task, "resume": client.resume_task,
-            "cancel": client.cancel_task}[action]
+            "cancel": client.cancel_task, "archive": client.archive_task}[action]
     t = call(task_id, reason)
     if output == "json":
         emit_json(as_dict(t))
@@ -201,6 +212,24 @@ def task_cancel(settings: Settings, task_id: str, reason: str, output: str) -> N
     and nothing more is handed out. A cancelled task cannot be resumed.
     """
     _control(settings, "cancel", task_id, reason, output)
+
+
+@task.command("archive")
+@click.argument("task_id", metavar="TASK")
+@reason_option
+@output_option
+@pass_settings
+def task_archive(settings: Settings, task_id: str, reason: str, output: str) -> None:
+    """Archive a completed or cancelled task now, out of etcd.
+
+    Its header, entries and journal go to the registry's archive (--archive-dir),
+    are checked there, and only then leave etcd; the task is then `archived`, and
+    `baton task get`, `status`, `log` and `explain` read it from the archive. The
+    registry does this by itself once a finished task is older than its
+    archive_after. Interrupted, it finishes when run again; an active or paused
+    task is refused (exit 4).
+    """
+    _control(settings, "archive", task_id, reason, output)
 
 
 #: the order `task rm` reports what it removed in

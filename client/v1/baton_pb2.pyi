@@ -39,6 +39,10 @@ class _TaskStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TaskStatus
     TASK_COMPLETED: _TaskStatus.ValueType  # 5
     TASK_DELETING: _TaskStatus.ValueType  # 6
     """DeleteTask is removing its keys; nothing else touches it"""
+    TASK_ARCHIVING: _TaskStatus.ValueType  # 7
+    """being written to the archive, then removed from etcd"""
+    TASK_ARCHIVED: _TaskStatus.ValueType  # 8
+    """in the archive; etcd keeps only its header"""
 
 class TaskStatus(_TaskStatus, metaclass=_TaskStatusEnumTypeWrapper): ...
 
@@ -51,6 +55,10 @@ TASK_CANCELLED: TaskStatus.ValueType  # 4
 TASK_COMPLETED: TaskStatus.ValueType  # 5
 TASK_DELETING: TaskStatus.ValueType  # 6
 """DeleteTask is removing its keys; nothing else touches it"""
+TASK_ARCHIVING: TaskStatus.ValueType  # 7
+"""being written to the archive, then removed from etcd"""
+TASK_ARCHIVED: TaskStatus.ValueType  # 8
+"""in the archive; etcd keeps only its header"""
 Global___TaskStatus: _TypeAlias = TaskStatus  # noqa: Y015
 
 class _EntryState:
@@ -348,6 +356,7 @@ class TaskSpec(_message.Message):
     AGING_SECONDS_FIELD_NUMBER: _builtins.int
     ACCESS_FIELD_NUMBER: _builtins.int
     DIGEST_OPTIONAL_FIELD_NUMBER: _builtins.int
+    ARCHIVE_AFTER_SECONDS_FIELD_NUMBER: _builtins.int
     ROUTING_RULES_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     schema_version: _builtins.int
@@ -363,6 +372,10 @@ class TaskSpec(_message.Message):
     digest_optional: _builtins.bool
     """A commit must carry the producer's BLAKE3 digest unless this is set (for
     producers that cannot hash; the watcher's digest is then the only one).
+    """
+    archive_after_seconds: _builtins.float
+    """Seconds after the task finished (completed or cancelled) that it is archived
+    out of etcd (0: the registry's --archive-after; negative: never).
     """
     @_builtins.property
     def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___EntrySpec]: ...
@@ -397,11 +410,12 @@ class TaskSpec(_message.Message):
         aging_seconds: _builtins.float = ...,
         access: Global___Access | None = ...,
         digest_optional: _builtins.bool = ...,
+        archive_after_seconds: _builtins.float = ...,
         routing_rules: _abc.Iterable[Global___RoutingRule] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "access", b"access", "backoff", b"backoff", "max_retries", b"max_retries", "priority", b"priority"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "access", b"access", "aging_seconds", b"aging_seconds", "backoff", b"backoff", "consumers", b"consumers", "digest_optional", b"digest_optional", "entries", b"entries", "labels", b"labels", "max_retries", b"max_retries", "priority", b"priority", "routing_rules", b"routing_rules", "schema_version", b"schema_version", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "access", b"access", "aging_seconds", b"aging_seconds", "archive_after_seconds", b"archive_after_seconds", "backoff", b"backoff", "consumers", b"consumers", "digest_optional", b"digest_optional", "entries", b"entries", "labels", b"labels", "max_retries", b"max_retries", "priority", b"priority", "routing_rules", b"routing_rules", "schema_version", b"schema_version", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_retries: _TypeAlias = _typing.Literal["max_retries"]  # noqa: Y015
     _WhichOneofArgType__max_retries: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries"]  # noqa: Y015
@@ -497,6 +511,9 @@ class Task(_message.Message):
     CONSUMED_BY_GROUP_FIELD_NUMBER: _builtins.int
     BLOCKED_FIELD_NUMBER: _builtins.int
     STATUS_REASON_FIELD_NUMBER: _builtins.int
+    ARCHIVED_AT_FIELD_NUMBER: _builtins.int
+    ARCHIVE_FIELD_NUMBER: _builtins.int
+    FINISHED_AT_FIELD_NUMBER: _builtins.int
     status: Global___TaskStatus.ValueType
     staging_dir: _builtins.str
     """absolute, on the registry's staging root"""
@@ -512,6 +529,11 @@ class Task(_message.Message):
     """pending entries with a dead dependency (GetTask only)"""
     status_reason: _builtins.str
     """why it was paused or cancelled"""
+    archived_at: _builtins.str
+    """An archived task: when, and where its entries and journal are kept."""
+    archive: _builtins.str
+    finished_at: _builtins.str
+    """when it completed or was cancelled"""
     @_builtins.property
     def spec(self) -> Global___TaskSpec:
         """entries omitted in listings"""
@@ -539,10 +561,13 @@ class Task(_message.Message):
         consumed_by_group: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         blocked: _builtins.int = ...,
         status_reason: _builtins.str = ...,
+        archived_at: _builtins.str = ...,
+        archive: _builtins.str = ...,
+        finished_at: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocked", b"blocked", "consumed_by_group", b"consumed_by_group", "created_at", b"created_at", "dead", b"dead", "entry_count", b"entry_count", "manifest_digest", b"manifest_digest", "open", b"open", "spec", b"spec", "staging_dir", b"staging_dir", "states", b"states", "status", b"status", "status_reason", b"status_reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["archive", b"archive", "archived_at", b"archived_at", "blocked", b"blocked", "consumed_by_group", b"consumed_by_group", "created_at", b"created_at", "dead", b"dead", "entry_count", b"entry_count", "finished_at", b"finished_at", "manifest_digest", b"manifest_digest", "open", b"open", "spec", b"spec", "staging_dir", b"staging_dir", "states", b"states", "status", b"status", "status_reason", b"status_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1100,12 +1125,17 @@ Global___Explanation: _TypeAlias = Explanation  # noqa: Y015
 class ListTasksRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    ARCHIVED_FIELD_NUMBER: _builtins.int
+    archived: _builtins.bool
+    """list the archived tasks (and only them)"""
     def __init__(
         self,
+        *,
+        archived: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["archived", b"archived"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

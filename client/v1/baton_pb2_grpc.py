@@ -79,6 +79,11 @@ class RegistryStub:
                 request_serializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.DeleteTaskRequest.SerializeToString,
                 response_deserializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.DeleteTaskResponse.FromString,
                 _registered_method=True)
+        self.ArchiveTask = channel.unary_unary(
+                '/baton.v1.Registry/ArchiveTask',
+                request_serializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.TaskControlRequest.SerializeToString,
+                response_deserializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.Task.FromString,
+                _registered_method=True)
         self.Requeue = channel.unary_unary(
                 '/baton.v1.Registry/Requeue',
                 request_serializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.RequeueRequest.SerializeToString,
@@ -268,6 +273,12 @@ class RegistryServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DeleteTask(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ArchiveTask(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -482,6 +493,11 @@ def add_RegistryServicer_to_server(servicer, server):
                     servicer.DeleteTask,
                     request_deserializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.DeleteTaskRequest.FromString,
                     response_serializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.DeleteTaskResponse.SerializeToString,
+            ),
+            'ArchiveTask': grpc.unary_unary_rpc_method_handler(
+                    servicer.ArchiveTask,
+                    request_deserializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.TaskControlRequest.FromString,
+                    response_serializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.Task.SerializeToString,
             ),
             'Requeue': grpc.unary_unary_rpc_method_handler(
                     servicer.Requeue,
@@ -862,6 +878,33 @@ class Registry:
             '/baton.v1.Registry/DeleteTask',
             baton__relay_dot_client_dot_v1_dot_baton__pb2.DeleteTaskRequest.SerializeToString,
             baton__relay_dot_client_dot_v1_dot_baton__pb2.DeleteTaskResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ArchiveTask(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Registry/ArchiveTask',
+            baton__relay_dot_client_dot_v1_dot_baton__pb2.TaskControlRequest.SerializeToString,
+            baton__relay_dot_client_dot_v1_dot_baton__pb2.Task.FromString,
             options,
             channel_credentials,
             insecure,

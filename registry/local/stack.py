@@ -78,6 +78,11 @@ class ExtraNotInstalled(BatonError):
     extra: str
 
 
+#: the private etcd compacts its history every hour (keeping an hour of revisions),
+#: so deleted and rewritten keys free their space; docs/operations.md, "etcd upkeep"
+ETCD_UPKEEP = ("--auto-compaction-mode=periodic", "--auto-compaction-retention=1h")
+
+
 class StackAlreadyRunning(BatonError):
     """Another ``baton up`` holds the data directory ``data_dir`` (its pid is ``pid``)."""
 
@@ -198,6 +203,7 @@ def child_specs(opts: UpOptions, etcd_endpoint: str,
         "--listen", registry_address,
         "--staging", str(opts.staging),
         "--prefix", opts.prefix,
+        "--archive-dir", str(opts.data_dir / "archive"),
         *registry_tls,
         "--metrics", registry_metrics,
     )  # fmt: skip
@@ -504,6 +510,7 @@ def run_up(
             opts.data_dir / "etcd",
             client_port=opts.etcd_port,
             log_path=opts.data_dir / "etcd.log",
+            extra_args=ETCD_UPKEEP,
             tls=None if pki is None else EtcdTLS(
                 cert=Path(pki.cert("etcd")), key=Path(pki.key("etcd")), ca=Path(pki.ca),
                 client_cert=Path(pki.cert("etcd-client")),

@@ -1,0 +1,222 @@
+"""Lifetime: tasks created, run and finished one after the other, totalling many
+entries, while etcd's database and key count are sampled and claim latency is timed."""
+
+from __future__ import annotations
+
+import re
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import blake3
+
+from baton_relay.client import Client, errors
+
+from .harness import BenchError, Stack, check_interrupted, load_average, ms, rss_kib
+from .profiles import Profile
+from .report import Section, Table, line_plot
+
+METHOD = """
+One registry on a fresh etcd that compacts its history every minute
+(`--auto-compaction-mode=periodic --auto-compaction-retention=1m`), archiving finished
+tasks as soon as its archiver next looks (`--archive-dir`, `--archive-after 0`,
+`--archive-interval 5`). {agents} agents (threads, each its own client and session) take tasks of
+{size:,} entries in turn until {total:,} entries have been handed over: each claims
+{batch} entries (`ClaimBatch`), commits them (`CommitBatch`, size 0), reports each as a
+watcher would (`ReportVerification`), consumes it for the task's one consumer group and
+acks it; the first agent to find a task drained creates the next (the same manifest
+sent twice creates it once). So every entry takes the whole path, and every task
+completes and is archived. Every {every:g} s the run samples etcd's own metrics
+(`etcd_mvcc_db_total_size_in_bytes`, `..._in_use_in_bytes`, `etcd_debugging_mvcc_keys_total`)
+and the registry's memory; claim latency is the time of each `ClaimBatch` call, by
+window of {window:,} entries handed over.
+"""
+
+#: entries claimed (and committed) per call
+BATCH = 20
+#: the empty file's BLAKE3 (every benchmark entry has size 0)
+EMPTY = blake3.blake3(b"").hexdigest()
+#: etcd's metrics sampled
+METRICS = {"db": "etcd_mvcc_db_total_size_in_bytes",
+           "in_use": "etcd_mvcc_db_total_size_in_use_in_bytes",
+           "keys": "etcd_debugging_mvcc_keys_total"}
+UPKEEP = ("--auto-compaction-mode=periodic", "--auto-compaction-retention=1m")
+
+
+@dataclass
+class Sample:
+    at: float
+    done: int
+    db: float
+    in_use: float
+    keys: float
+    registry_kib: int
+    archived: int
+
+
+@dataclass
+class Shared:
+    """What the agents share: the next task, what is done, and each claim's latency."""
+
+    total: int
+    task: int = 0
+    done: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    #: (entries handed over before the call, seconds the ClaimBatch took)
+    claims: list[tuple[int, float]] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+
+def spec(n: int, size: int) -> dict[str, object]:
+    return {"task_id": f"life-{n:06d}", "digest_optional": True, "consumers": ["sink"],
+            "entries": [{"file_id": f"e{i:05d}", "path": f"e{i:05d}"} for i in range(size)]}
+
+
+def agent(address: str, name: str, size: int, shared: Shared) -> None:
+    with Client(address, timeout=60) as c, c.open_session(name, ttl=30) as s:
+        task = -1
+        while not shared.stop.is_set():
+            with shared.lock:
+                if shared.done >= shared.total:
+                    return
+                if shared.task != task:
+                    task = shared.task
+                    c.create_task(spec(task, size))
+                done_before = shared.done
+            task_id = f"life-{task:06d}"
+            t0 = time.perf_counter()
+            try:
+                claims = c.claim_batch(task_id, BATCH, session=s)
+            except (errors.NothingToClaim, errors.TaskNotActive):
+                with shared.lock:
+                    if shared.task == task:
+                        shared.task += 1  # drained: the next task
+                continue
+            took = time.perf_counter() - t0
+            c.commit_batch([(task_id, cl.file_id, cl.token, 0, "") for cl in claims])
+            for cl in claims:
+                c.report(task_id, cl.file_id, 0, EMPTY, reporter="bench")
+                lease = c.consume(task_id, "sink", cl.file_id, session=s)
+                c.ack(task_id, cl.file_id, "sink", lease.token, session=s)
+            with shared.lock:
+                shared.claims.append((done_before, took))
+                shared.done += len(claims)
+
+
+def etcd_metrics(stack: Stack) -> dict[str, float]:
+    text = stack.etcd.get("/metrics", timeout=5).decode()
+    out = {}
+    for key, name in METRICS.items():
+        found = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
+        out[key] = float(found.group(1)) if found else float("nan")
+    return out
+
+
+def run(p: Profile, root: Path, plot_dir: Path) -> Section:
+    t0 = time.monotonic()
+    window = max(p.life_size, p.life_total // 10)
+    section = Section("lifetime", "Lifetime",
+                      METHOD.format(agents=p.life_agents, size=p.life_size,
+                                    total=p.life_total, batch=BATCH, every=p.life_every,
+                                    window=window))
+    samples: list[Sample] = []
+    shared = Shared(p.life_total)
+    archive = root / "archive"
+    with Stack(root, etcd_args=UPKEEP) as stack:
+        registry = stack.registry(root / "staging", extra=(
+            "--archive-dir", str(archive), "--archive-after", "0", "--archive-interval", "5"))
+        threads = [threading.Thread(target=_guarded, args=(registry.address, f"agent-{i}",
+                                                            p.life_size, shared))
+                   for i in range(p.life_agents)]
+        started = time.monotonic()
+        for t in threads:
+            t.start()
+
+        def sample() -> None:
+            m = etcd_metrics(stack)
+            samples.append(Sample(time.monotonic() - started, shared.done, m["db"],
+                                  m["in_use"], m["keys"], rss_kib(registry.pid),
+                                  len(list(archive.glob("*.meta.json")))))
+
+        try:
+            while any(t.is_alive() for t in threads):
+                check_interrupted()
+                sample()
+                for t in threads:
+                    t.join(p.life_every / len(threads))
+                if shared.errors:
+                    shared.stop.set()
+        finally:
+            shared.stop.set()
+            for t in threads:
+                t.join(60)
+        # The last finished tasks are archived at the archiver's next look; the task the
+        # agents stopped in stays active.
+        settle = time.monotonic() + 60
+        finished = shared.done // p.life_size
+        while len(list(archive.glob("*.meta.json"))) < finished and (
+                time.monotonic() < settle):
+            check_interrupted()
+            time.sleep(1.0)
+        sample()
+    if shared.errors:
+        raise BenchError(f"an agent failed: {shared.errors[0]}")
+    table = Table("Samples (etcd's metrics; the registry's memory)",
+                  ["seconds", "entries handed over", "tasks archived", "etcd db MiB",
+                   "in use MiB", "keys", "registry RSS MiB"])
+    step = max(1, len(samples) // 12)
+    for s in samples[::step] + ([samples[-1]] if (len(samples) - 1) % step else []):
+        table.rows.append([round(s.at), s.done, s.archived, round(s.db / 2**20, 1),
+                           round(s.in_use / 2**20, 1), int(s.keys), round(s.registry_kib / 1024)])
+    lat = Table(f"ClaimBatch latency by window of {window:,} entries handed over",
+                ["entries", "calls", "p50 ms", "p99 ms"])
+    windows: dict[int, list[float]] = {}
+    for before, took in shared.claims:
+        windows.setdefault(before // window, []).append(took)
+    for w, took in sorted(windows.items()):
+        lat.rows.append([f"{w * window:,} to {(w + 1) * window:,}", len(took), ms(took, 50),
+                         ms(took, 99)])
+    section.tables += [table, lat]
+    xs = [s.done for s in samples]
+    section.plots.append(line_plot(plot_dir / "lifetime-etcd.png",
+                                   "etcd over a deployment's life", "entries handed over",
+                                   "MiB, thousands of keys", {
+                                       "db MiB": (xs, [s.db / 2**20 for s in samples]),
+                                       "in use MiB": (xs, [s.in_use / 2**20 for s in samples]),
+                                       "keys (thousands)": (xs, [s.keys / 1000 for s in samples]),
+                                   }))
+    centres = [(w + 0.5) * window for w in sorted(windows)]
+    section.plots.append(line_plot(plot_dir / "lifetime-claims.png",
+                                   "ClaimBatch latency over a deployment's life",
+                                   "entries handed over", "ms", {
+                                       "claim p50": (centres, [ms(windows[w], 50)
+                                                               for w in sorted(windows)]),
+                                       "claim p99": (centres, [ms(windows[w], 99)
+                                                               for w in sorted(windows)]),
+                                   }))
+    half = samples[len(samples) // 2:]
+    peak_keys = max(s.keys for s in samples)
+    late_keys = max((s.keys for s in half), default=peak_keys)
+    first, last = min(windows), max(windows)
+    drift = ms(windows[last], 50) / ms(windows[first], 50)
+    section.headlines.append(
+        f"Lifetime: {shared.done:,} entries through {shared.task + 1} tasks; etcd held at "
+        f"most {peak_keys:,.0f} keys ({late_keys:,.0f} in the second half), database in "
+        f"use at most {max(s.in_use for s in samples) / 2**20:.0f} MiB; claim p50 in the "
+        f"last window ÷ the first: {drift:.2f}")
+    section.notes.append(f"median of the per-sample key counts: "
+                         f"{statistics.median(s.keys for s in samples):,.0f}")
+    section.seconds = time.monotonic() - t0
+    section.load = load_average()
+    return section
+
+
+def _guarded(address: str, name: str, size: int, shared: Shared) -> None:
+    try:
+        agent(address, name, size, shared)
+    except Exception as e:  # surfaced by run()
+        shared.errors.append(f"{name}: {type(e).__name__}: {e}")
+        shared.stop.set()

@@ -1,0 +1,274 @@
+"""Finished tasks out of etcd: archived (header, entries, journal) into the archive
+store, checked, then removed by guarded deletes; read back from the archive; an
+archive interrupted anywhere finishes when run again, leaving one copy (real etcd,
+real registry, a real directory store)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+import blake3
+import pytest
+from click.testing import CliRunner
+from registry_fixtures import RegistryHandle, on_etcd
+
+from baton_relay.client import Client, Session
+from baton_relay.client.cli import cli
+from baton_relay.client.errors import IllegalTransition, InvalidManifest, NotFound
+from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.registry import removal
+from baton_relay.registry._etcd import Etcd, Put
+from baton_relay.registry.archive import Archiver, ArchiveStore, DirectoryStore
+from baton_relay.registry.keys import Keys
+
+T = TypeVar("T")
+Wait = Callable[..., None]
+FILES = ["a", "b", "c"]
+
+
+@pytest.fixture
+def archive_dir(tmp_path: Path) -> Path:
+    return tmp_path / "archive"
+
+
+@pytest.fixture
+def registry(registry_factory: Callable[..., RegistryHandle], archive_dir: Path
+             ) -> RegistryHandle:
+    return registry_factory(archive_dir=str(archive_dir))
+
+
+def on_loop(registry: RegistryHandle, coro: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine on the registry's own event loop (its archiver lives there)."""
+    return asyncio.run_coroutine_threadsafe(coro, registry._loop).result(60)
+
+
+def archiver(registry: RegistryHandle) -> Archiver:
+    found = registry._running.core.archive
+    assert found is not None
+    return found
+
+
+def finish(client: Client, session: Session, task_id: str, wait_for: Wait) -> None:
+    """Create a task, produce, verify (as a lone watcher would) and consume every entry,
+    and wait until the registry completes it."""
+    client.create_task({"task_id": task_id,
+                        "entries": [{"file_id": f, "path": f"{f}.bin"} for f in FILES]})
+    for f in FILES:
+        claim = client.claim(task_id, f, session=session)
+        data = f"bytes of {f}".encode()
+        Path(claim.path).parent.mkdir(parents=True, exist_ok=True)
+        Path(claim.path).write_bytes(data)
+        digest = blake3.blake3(data).hexdigest()
+        client.commit(task_id, f, claim.token, len(data), digest, session=session)
+        client.report(task_id, f, len(data), digest, reporter="test-watcher")
+        lease = client.consume(task_id, "default", f, session=session)
+        client.ack(task_id, f, "default", lease.token, session=session)
+    wait_for(lambda: client.get_task(task_id).status == pb.TASK_COMPLETED,
+             what="task completed")
+
+
+def task_keys(registry: RegistryHandle, task_id: str) -> list[str]:
+    """Every key naming the task, straight from etcd."""
+    keys = Keys(registry.prefix)
+
+    async def read(etcd: Etcd) -> list[str]:
+        kvs, _, _ = await etcd.range(registry.prefix.encode())
+        return [kv.key.decode() for kv in kvs if f"/{task_id}/" in kv.key.decode()
+                or kv.key == keys.task(task_id)]
+
+    return on_etcd(registry.etcd, read)
+
+
+def before_archive(client: Client, task_id: str) -> tuple[list[pb.Entry], list[pb.JournalRecord]]:
+    return client.list_entries(task_id), client.journal(task_id)
+
+
+def test_a_finished_task_is_archived_and_read_back_from_the_archive(
+    client: Client, session: Session, registry: RegistryHandle, archive_dir: Path,
+    wait_for: Wait,
+) -> None:
+    finish(client, session, "t1", wait_for)
+    entries, journal = before_archive(client, "t1")
+    explained = client.explain("t1", "b").entry
+    task = client.archive_task("t1", reason="test")
+    assert task.status == pb.TASK_ARCHIVED and task.archive and task.archived_at
+    # etcd keeps the header only
+    assert task_keys(registry, "t1") == [Keys(registry.prefix).task("t1").decode()]
+    assert sorted(p.name for p in archive_dir.iterdir()) == ["t1.jsonl.gz", "t1.meta.json"]
+    # every read answers from the archive, as before
+    got = client.get_task("t1")
+    assert got.status == pb.TASK_ARCHIVED and got.states["consumed"] == 3
+    assert [(e.file_id, e.state, e.digest, e.revision) for e in client.list_entries("t1")] \
+        == [(e.file_id, e.state, e.digest, e.revision) for e in entries]
+    assert [e.file_id for e in client.list_entries("t1", pb.CONSUMED)] == FILES
+    assert [(r.file_id, r.event, r.revision) for r in client.journal("t1")] == \
+        [(r.file_id, r.event, r.revision) for r in journal]
+    assert [r.event for r in client.journal("t1", "a")] == \
+        [r.event for r in journal if r.file_id == "a"]
+    assert client.get_entry("t1", "b").digest == explained.digest
+    text = client.explain("t1", "b").text
+    assert "was consumed" in text and "archived" in text
+    with pytest.raises(NotFound):
+        client.get_entry("t1", "zz")
+    assert [t.spec.task_id for t in client.list_tasks()] == []
+    assert [t.spec.task_id for t in client.list_tasks(archived=True)] == ["t1"]
+    assert client.archive_task("t1").status == pb.TASK_ARCHIVED  # again: nothing to do
+
+
+def test_only_a_finished_task_is_archived(
+    client: Client, session: Session, registry: RegistryHandle, archive_dir: Path,
+) -> None:
+    client.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "a"}]})
+    keys = task_keys(registry, "t1")
+    with pytest.raises(IllegalTransition, match="only a completed or cancelled task"):
+        client.archive_task("t1")
+    assert task_keys(registry, "t1") == keys and not archive_dir.exists()
+    client.claim("t1", "a", session=session)
+    client.cancel_task("t1")
+    assert client.archive_task("t1").status == pb.TASK_ARCHIVED
+    assert client.get_entry("t1", "a").state == pb.WRITING  # as it was left
+    with pytest.raises(IllegalTransition):
+        client.resume_task("t1")
+
+
+class Crash(Exception):
+    pass
+
+
+def test_an_archive_interrupted_anywhere_finishes_when_run_again_with_one_copy(
+    client: Client, session: Session, registry: RegistryHandle, archive_dir: Path,
+    wait_for: Wait, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    finish(client, session, "t1", wait_for)
+    entries, journal = before_archive(client, "t1")
+    store = archiver(registry).store
+    # 1. killed while the archive is being written: nothing deleted, no archive kept
+    real_write = DirectoryStore.write
+
+    def dies_writing(self: DirectoryStore, *args: Any) -> Any:
+        raise Crash("killed while writing")
+
+    monkeypatch.setattr(DirectoryStore, "write", dies_writing)
+    with pytest.raises(Exception, match="killed while writing"):
+        on_loop(registry, archiver(registry).archive("t1"))
+    assert client.get_task("t1").status == pb.TASK_ARCHIVING
+    assert len(task_keys(registry, "t1")) > 1 and store.info("t1") is None
+    monkeypatch.setattr(DirectoryStore, "write", real_write)
+    keys_before = task_keys(registry, "t1")
+    # 2. killed half-way through the deletes: the archive is whole and stays as it is
+    real_chunk = removal.Removal._plain_chunk
+    calls = {"n": 0}
+
+    def dies_deleting(self: removal.Removal, kind: str, pinned: bool = False) -> Any:
+        handle = real_chunk(self, kind, pinned)
+
+        async def counted(kvs: Any) -> Any:
+            calls["n"] += 1
+            if calls["n"] == 2:  # the entries are gone, the journal not yet
+                raise Crash("killed while deleting")
+            return await handle(kvs)
+
+        return counted
+
+    monkeypatch.setattr(removal.Removal, "_plain_chunk", dies_deleting)
+    with pytest.raises(Exception, match="killed while deleting"):
+        on_loop(registry, archiver(registry).archive("t1"))
+    monkeypatch.setattr(removal.Removal, "_plain_chunk", real_chunk)
+    written = store.info("t1")
+    assert written is not None
+    assert 1 < len(task_keys(registry, "t1")) < len(keys_before)
+    # 3. run again: finishes, does not write the archive again, one copy
+    assert client.archive_task("t1").status == pb.TASK_ARCHIVED
+    assert store.info("t1") == written
+    assert sorted(p.name for p in archive_dir.iterdir()) == ["t1.jsonl.gz", "t1.meta.json"]
+    assert task_keys(registry, "t1") == [Keys(registry.prefix).task("t1").decode()]
+    assert [e.file_id for e in client.list_entries("t1")] == [e.file_id for e in entries]
+    assert len(client.journal("t1")) == len(journal)
+
+
+def test_a_key_written_after_the_archive_stops_the_deletes(
+    client: Client, session: Session, registry: RegistryHandle, wait_for: Wait,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Nothing written after the archive was read is deleted unarchived."""
+    finish(client, session, "t1", wait_for)
+    keys = Keys(registry.prefix)
+    real_sweep = removal.Removal.sweep
+
+    async def late_write_then_sweep(self: removal.Removal, task_id: str,
+                                    before: int = 0) -> Any:
+        kv = await self.core.etcd.get(keys.entry(task_id, "c"))
+        assert kv is not None
+        record = json.loads(kv.value)
+        record["error"] = "written after the archive"
+        await self.core.etcd.txn([], [Put(kv.key, json.dumps(record).encode())])
+        return await real_sweep(self, task_id, before)
+
+    monkeypatch.setattr(removal.Removal, "sweep", late_write_then_sweep)
+    with pytest.raises(IllegalTransition, match="after the archive"):
+        on_loop(registry, archiver(registry).archive("t1"))
+    assert client.get_task("t1").status == pb.TASK_ARCHIVING
+    assert keys.entry("t1", "c").decode() in task_keys(registry, "t1")
+
+
+def test_finished_tasks_are_archived_after_their_time_and_archives_expire(
+    client: Client, session: Session, registry: RegistryHandle, archive_dir: Path,
+    wait_for: Wait,
+) -> None:
+    finish(client, session, "t1", wait_for)
+    client.create_task({"task_id": "keep", "archive_after_seconds": -1,
+                        "entries": [{"file_id": "a", "path": "a"}]})
+    client.cancel_task("keep")
+    arch = archiver(registry)
+    arch.after = 3600.0
+    assert on_loop(registry, arch.sweep()) == 0  # finished a moment ago: not yet
+    arch.after = 0.001
+    assert on_loop(registry, arch.sweep()) == 1  # t1; "keep" says never
+    assert client.get_task("t1").status == pb.TASK_ARCHIVED
+    assert client.get_task("keep").status == pb.TASK_CANCELLED
+    arch.retention = 0.0
+    on_loop(registry, arch.sweep())
+    with pytest.raises(NotFound):
+        client.get_task("t1")
+    assert not list(archive_dir.iterdir())
+
+
+def test_a_manifest_archive_after_is_checked(client: Client) -> None:
+    with pytest.raises(InvalidManifest, match="archive_after_seconds"):
+        client.create_task({"task_id": "t1", "archive_after_seconds": 10 * 366 * 86400,
+                            "entries": [{"file_id": "a", "path": "a"}]})
+
+
+def test_a_corrupt_archive_is_refused_not_read(tmp_path: Path) -> None:
+    store: ArchiveStore = DirectoryStore(str(tmp_path))
+    info = store.write("t1", 7, iter([{"kind": "task", "header": {}}, {"kind": "entry"}]))
+    assert (info.records, info.revision) == (2, 7)
+    data = tmp_path / "t1.jsonl.gz"
+    data.write_bytes(data.read_bytes()[:-3] + b"xyz")
+    with pytest.raises(Exception, match="does not match its checksum"):
+        store.info("t1")
+
+
+def test_cli_archives_and_lists_archived_tasks(
+    client: Client, session: Session, registry: RegistryHandle, wait_for: Wait,
+) -> None:
+    finish(client, session, "t1", wait_for)
+    env = {"BATON_REGISTRY": registry.address}
+    runner = CliRunner()
+    done = runner.invoke(cli, ["task", "archive", "t1", "--reason", "tidy"], env=env)
+    assert done.exit_code == 0, done.output
+    assert done.output.strip() == "task t1: archived (archive (every entry consumed): tidy)"
+    listed = runner.invoke(cli, ["task", "ls", "--archived", "-o", "json"], env=env)
+    assert listed.exit_code == 0, listed.output
+    (only,) = json.loads(listed.output)
+    assert only["spec"]["task_id"] == "t1" and only["status"] == "TASK_ARCHIVED"
+    active = runner.invoke(cli, ["task", "create", "-"], env=env,
+                           input=json.dumps({"task_id": "t2", "entries": [
+                               {"file_id": "a", "path": "a"}]}))
+    assert active.exit_code == 0, active.output
+    refused = runner.invoke(cli, ["task", "archive", "t2"], env=env)
+    assert refused.exit_code == 4 and "only a completed or cancelled task" in refused.output
