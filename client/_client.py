@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
 import threading
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -234,6 +235,19 @@ class Credentials:
             certificate_chain=read("certificate (BATON_CERT)", self.cert))
 
 
+#: a commit's attributes: a JSON object as a mapping, or as its text
+Attributes = Mapping[str, Any] | str | None
+
+
+def encode_attributes(attributes: Attributes) -> str:
+    """The JSON text a commit carries: a mapping encoded, text sent as it is (so a
+    number keeps every digit it was written with), nothing for None or ``{}``. The
+    registry checks it is an object of at most ``MAX_ATTRIBUTES_BYTES``."""
+    if attributes is None or isinstance(attributes, str):
+        return attributes or ""
+    return json.dumps(dict(attributes), separators=(",", ":")) if attributes else ""
+
+
 class Client:
     """A connection to a registry. Thread-safe; one per process is enough.
 
@@ -432,20 +446,27 @@ class Client:
         return [Claim(task_id, c.entry.file_id, c.token, c.path, c.entry, sid)
                 for c in resp.claims]
 
-    def commit_batch(self, commits: list[tuple[str, str, int, int, str]]) -> list[pb.Entry]:
-        """Commit (task, file_id, token, size, digest) tuples in one transaction."""
+    def commit_batch(self, commits: Sequence[tuple[str, str, int, int, str]
+                                             | tuple[str, str, int, int, str, Attributes]]
+                     ) -> list[pb.Entry]:
+        """Commit (task, file_id, token, size, digest[, attributes]) tuples in one
+        transaction."""
         req = pb.CommitBatchRequest(commits=[
-            pb.CommitRequest(task_id=t, file_id=f, token=tok, size=size, digest=digest)
-            for t, f, tok, size, digest in commits])
+            pb.CommitRequest(task_id=c[0], file_id=c[1], token=c[2], size=c[3], digest=c[4],
+                             attributes=encode_attributes(c[5] if len(c) > 5 else None))
+            for c in commits])
         return list(self._call("CommitBatch", req).entries)
 
     def commit(self, task_id: str, file_id: str, token: int, size: int,
-               digest: str = "", *, session: Session | int = 0) -> pb.Entry:
+               digest: str = "", *, session: Session | int = 0,
+               attributes: Attributes = None) -> pb.Entry:
         """Publish a claim's file: its size and BLAKE3 ``digest`` (required unless the
         task sets ``digest_optional``). ``session``: the one holding the claim (the
-        registry then checks it holds it)."""
+        registry then checks it holds it). ``attributes``: what the task's routing
+        rules look at (see ``encode_attributes``)."""
         req = pb.CommitRequest(task_id=task_id, file_id=file_id, token=token, size=size,
-                               digest=digest, session_id=_named_session(session))
+                               digest=digest, session_id=_named_session(session),
+                               attributes=encode_attributes(attributes))
         return self._call("Commit", req).entry  # type: ignore[no-any-return]
 
     def fail(self, task_id: str, file_id: str, token: int, reason: str = "", *,

@@ -63,6 +63,10 @@ MAX_MANIFEST_BYTES = 160 * MiB
 #: one is refused by gRPC before it is read, and by the client before it is sent
 MAX_REQUEST_BYTES = MAX_MANIFEST_BYTES + MiB
 
+#: the largest ``attributes`` a producer commits with an entry (a JSON object, encoded):
+#: they ride on the entry's record, which every transition of it rewrites
+MAX_ATTRIBUTES_BYTES = 4096
+
 #: the largest reply: every entry of a task at its limits, with room to spare
 MAX_REPLY_BYTES = 256 * MiB
 

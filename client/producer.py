@@ -24,7 +24,7 @@ from typing import BinaryIO
 
 import blake3
 
-from ._client import Claim, Client, Session
+from ._client import Attributes, Claim, Client, Session
 from .contract import TEMP_MARKER
 from .errors import BatonError, InvalidArgument
 from .v1 import baton_pb2 as pb
@@ -149,6 +149,9 @@ class Output:
     size: int = 0
     #: the committed entry, once the ``produce`` block has ended
     entry: pb.Entry | None = None
+    #: committed with the file, for the task's routing rules; the block may set them
+    #: once it knows (a report's verdict, say)
+    attributes: Attributes = None
     _hash: blake3.blake3 = field(default_factory=blake3.blake3)
 
     def write(self, data: bytes) -> int:
@@ -171,7 +174,7 @@ def _unusable(claim: Claim) -> Refusal:
 @contextmanager
 def produce(
     client: Client, session: Session | int, task_id: str, file_id: str = "", *,
-    nonce: Callable[[], str] = new_nonce,
+    nonce: Callable[[], str] = new_nonce, attributes: Attributes = None,
 ) -> Iterator[Output]:
     """Claim an entry and yield its output; publish and commit when the block ends.
 
@@ -182,6 +185,7 @@ def produce(
     A symlink in the entry's path below the staging root, or at its final name,
     fails the entry the same way with ``InvalidArgument``; nothing is written
     through it. ``nonce`` makes the random part of the temp file's name.
+    ``attributes`` (or ``Output.attributes``, set in the block) go with the commit.
     """
     claim = client.claim(task_id, file_id, session=session)
     refused = _unusable(claim)
@@ -195,7 +199,7 @@ def produce(
         fd = os.open(attempt, _TEMP_FLAGS, _FILE_MODE, dir_fd=parent)
         tmp = attempt
         with os.fdopen(fd, "wb") as f:
-            out = Output(claim, f)
+            out = Output(claim, f, attributes=attributes)
             yield out
             f.flush()
             os.fsync(f.fileno())
@@ -218,13 +222,16 @@ def produce(
     finally:
         if parent is not None:
             os.close(parent)
-    out.entry = client.commit(task_id, claim.file_id, claim.token, out.size, out.digest)
+    out.entry = client.commit(task_id, claim.file_id, claim.token, out.size, out.digest,
+                              attributes=out.attributes)
 
 
 def put(client: Client, session: Session | int, task_id: str, file_id: str,
-        src: Path | BinaryIO, chunk: int = 1 << 20) -> pb.Entry:
-    """Claim ``file_id``, copy ``src`` into it durably, and commit."""
-    with produce(client, session, task_id, file_id) as out:
+        src: Path | BinaryIO, chunk: int = 1 << 20, *,
+        attributes: Attributes = None) -> pb.Entry:
+    """Claim ``file_id``, copy ``src`` into it durably, and commit (with
+    ``attributes``, for the task's routing rules)."""
+    with produce(client, session, task_id, file_id, attributes=attributes) as out:
         if isinstance(src, Path):
             with open(src, "rb") as f:
                 shutil.copyfileobj(f, out, chunk)

@@ -47,7 +47,7 @@ class Consumers:
         staging = self.core.staging_dir(req.task_id)
 
         def consumable(rec: EntryRecord) -> bool:
-            return (rec.state == VERIFIED and req.group in rec.consumers
+            return (rec.state == VERIFIED and req.group in rec.receivers
                     and req.group not in rec.consumed_by)
 
         async def planner(txn: Txn) -> Callable[[int], pb.ConsumeResponse]:
@@ -69,6 +69,11 @@ class Consumers:
                         f"group {req.group!r} is not a consumer of {rec.file_id!r} "
                         f"(consumers: {rec.consumers})"
                     )
+                if rec.state == VERIFIED and req.group not in rec.receivers:
+                    raise IllegalTransition(
+                        f"entry {rec.file_id!r} was routed to {rec.receivers} by the task's "
+                        f"routing rule {rec.rule}, not to group {req.group!r}",
+                        task_id=rec.task_id, file_id=rec.file_id, state=rec.state)
                 if not consumable(rec) or cready is None:
                     raise IllegalTransition(
                         f"entry {rec.file_id!r} is {rec.state} and not available to group "
@@ -178,7 +183,7 @@ class Consumers:
             if req.group not in rec.consumed_by:
                 rec.consumed_by.append(req.group)
             rec.remember("acked", who=claim_holder(claim), group=req.group, token=req.token)
-            if all(g in rec.consumed_by for g in rec.consumers):
+            if all(g in rec.consumed_by for g in rec.receivers):
                 rec.state = CONSUMED
             self.core.put_entry(rec, txn)
             return lambda rev: rec.to_pb(staging, revision=rev)

@@ -173,6 +173,8 @@ class Core:
         rec.error = reason
         rec.owner, rec.session = "", 0
         rec.size, rec.digest, rec.committed_digest, rec.observed = 0, "", "", None
+        rec.attributes = ""
+        rec.unroute()
         if rec.retry_count < rec.max_retries:
             rec.retry_count += 1
             rec.state = PENDING

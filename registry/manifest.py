@@ -18,6 +18,9 @@ Limits (documented in docs/cli.md, "The manifest"):
   assembly may have hundreds of parts
 - ``access`` rules as ``registry.access`` checks them (patterns, directories,
   unix groups and modes; groups named must be consumer groups of the task)
+- ``routing_rules`` as ``registry.routing`` checks them (at most ``MAX_RULES``,
+  each condition a filter it can evaluate, its groups consumer groups of every
+  entry the rules route)
 - the manifest, encoded, at most ``client.contract.MAX_MANIFEST_BYTES``
 
 Problems quote the values they are about cut short (``client.errors.shown``), so
@@ -36,7 +39,7 @@ from baton_relay.client.contract import ID_PATTERN, MAX_MANIFEST_BYTES, mib
 from baton_relay.client.errors import InvalidArgument, InvalidManifest, shown
 from baton_relay.client.v1 import baton_pb2 as pb
 
-from . import access
+from . import access, routing
 from .model import SCHEMA_VERSION, EntryRecord, now
 
 MAX_ENTRIES = 100_000
@@ -110,6 +113,7 @@ class ValidTask:
     aging: float = 60.0
     access: dict[str, object] | None = None
     digest_optional: bool = False
+    routing_rules: tuple[routing.Rule, ...] = ()
 
 
 def _labels_problems(where: str, labels: dict[str, str]) -> list[str]:
@@ -154,6 +158,21 @@ def _cycle(deps: dict[str, list[str]]) -> list[str] | None:
                 stack.append((child, iter(deps[child])))
                 path.append(child)
     return None
+
+
+def _routing_problems(spec: pb.TaskSpec, rules: tuple[routing.Rule, ...], groups: list[str],
+                      parts: dict[str, str]) -> list[str]:
+    """The rules' own problems, and a group a rule names that some entry it routes
+    (every entry but the parts, which are consumed as their assembly) does not have."""
+    out = routing.problems(rules, groups)
+    for i, rule in enumerate(rules):
+        lacking = [e.file_id for e in spec.entries if e.consumers and e.file_id not in parts
+                   and not set(rule.groups) <= set(e.consumers)]
+        if lacking and set(rule.groups) <= set(groups):
+            more = f" and {len(lacking) - 1} more" if len(lacking) > 1 else ""
+            out.append(f"routing_rules[{i}]: entry {shown(lacking[0])}{more} has consumers "
+                       f"that do not include all of {', '.join(rule.groups)}")
+    return out
 
 
 def validate(spec: pb.TaskSpec) -> ValidTask:
@@ -269,6 +288,8 @@ def validate(spec: pb.TaskSpec) -> ValidTask:
                             f"{shown(assembly)}")
     all_groups = set(groups) | {g for e in spec.entries for g in e.consumers}
     problems += access.problems(spec.access, all_groups)
+    rules = tuple(routing.Rule(r.condition, list(r.groups)) for r in spec.routing_rules)
+    problems += _routing_problems(spec, rules, groups, owner)
     size = spec.ByteSize()
     if size > MAX_MANIFEST_BYTES:
         problems.append(f"the manifest is {mib(size)} encoded: at most "
@@ -307,10 +328,11 @@ def validate(spec: pb.TaskSpec) -> ValidTask:
             created_at=created,
             producers=access.producers_of(spec.access, e.path, e.producers),
             digest_optional=spec.digest_optional,
+            routing=bool(rules) and e.file_id not in owner,
         )
         for e in spec.entries
     ]
     digest = hashlib.sha256(spec.SerializeToString(deterministic=True)).hexdigest()
     return ValidTask(spec.task_id, groups, task_retries, dict(spec.labels), entries, digest,
                      task_priority, backoff, aging, access.to_dict(spec.access),
-                     spec.digest_optional)
+                     spec.digest_optional, rules)

@@ -123,6 +123,14 @@ class EntryRecord:
     producers: list[str] = field(default_factory=list)
     #: a commit may come without the producer's digest (the task opted out)
     digest_optional: bool = False
+    #: the JSON object its producer committed (text: numbers keep every digit)
+    attributes: str = ""
+    #: the task's routing rules decide who receives it (they stay on the task header)
+    routing: bool = False
+    #: the rule that decided at its last verification, and the groups it named; -1
+    #: and [] while unrouted or when no rule held (then every consumer group)
+    rule: int = -1
+    routed_to: list[str] = field(default_factory=list)
 
     @classmethod
     def load(cls, raw: bytes) -> EntryRecord:
@@ -158,9 +166,18 @@ class EntryRecord:
         return self._from
 
     @property
+    def receivers(self) -> list[str]:
+        """The consumer groups that receive it: those its routing rule named, or all."""
+        return self.routed_to if self.rule >= 0 else self.consumers
+
+    def unroute(self) -> None:
+        """Forget the routing decision: the next verification routes it afresh."""
+        self.rule, self.routed_to = -1, []
+
+    @property
     def done(self) -> bool:
         """Nothing more will happen to it: consumed, dead, or verified with no consumers."""
-        return self.state in (CONSUMED, DEAD) or (self.state == VERIFIED and not self.consumers)
+        return self.state in (CONSUMED, DEAD) or (self.state == VERIFIED and not self.receivers)
 
     def observation(self) -> Observation | None:
         return Observation(**self.observed) if self.observed else None
@@ -196,6 +213,9 @@ class EntryRecord:
             not_before=_iso(self.not_before) if self.not_before > time.time() else "",
             parts=self.parts,
             assembly=self.assembly,
+            attributes=self.attributes,
+            routing_rule=self.rule if self.rule >= 0 else None,
+            routed_to=self.routed_to,
         )
 
 
@@ -235,6 +255,8 @@ class TaskRecord:
     archived_at: str = ""
     archive: str = ""
     archived_states: dict[str, int] = field(default_factory=dict)
+    #: the manifest's routing rules: [{"condition": ..., "groups": [...]}, ...]
+    routing_rules: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def load(cls, raw: bytes) -> TaskRecord:
@@ -259,6 +281,8 @@ class TaskRecord:
             access=access_from_dict(self.access),
             digest_optional=self.digest_optional,
             archive_after_seconds=self.archive_after,
+            routing_rules=[pb.RoutingRule(condition=r["condition"], groups=r["groups"])
+                           for r in self.routing_rules],
         )
         return pb.Task(
             spec=spec,

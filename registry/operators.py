@@ -234,8 +234,10 @@ class Operators:
             at=str(data.get("at", "")), event=str(data.get("event", "")),
             who=str(data.get("who") or data.get("owner") or data.get("reporter") or ""),
             token=_int(data.get("token")), from_state=str(data.get("from", "")),
-            to_state=str(data.get("to", "")), reason=str(data.get("reason", "")),
+            to_state=str(data.get("to", "")), reason=_reason(data),
             group=str(data.get("group") or ""),
+            routing_rule=_int(data["rule"]) if data.get("rule") is not None else None,
+            routed_to=[str(g) for g in data.get("groups") or []],
         )
 
     async def explain(self, req: pb.GetEntryRequest, caller: Caller) -> pb.Explanation:
@@ -312,7 +314,7 @@ class Operators:
             s.append(f"The producer committed {rec.size} bytes; it waits for a watcher to "
                      "hash the file and confirm the digest.")
         elif rec.state == VERIFIED:
-            waiting = [g for g in rec.consumers if g not in rec.consumed_by]
+            waiting = [g for g in rec.receivers if g not in rec.consumed_by]
             held = []
             for g in waiting:
                 c = await self.core.etcd.get(
@@ -331,6 +333,7 @@ class Operators:
                      "`baton requeue` brings it back.")
             if rec.dependents:
                 s.append(f"Dependents blocked by it: {_names(rec.dependents)}.")
+        s += _routing(task, rec)
         return " ".join(s)
 
     async def _waiting_for(self, rec: EntryRecord, names: list[str],
@@ -395,6 +398,38 @@ class Operators:
 
 def _task_replay(raw: bytes, rev: int) -> pb.Task:
     return pb.Task.FromString(raw)
+
+
+def _reason(data: dict[str, Any]) -> str:
+    """A record's reason; for a routed verification, with what routing decided."""
+    reason = str(data.get("reason", ""))
+    if "groups" not in data:
+        return reason
+    groups = ", ".join(str(g) for g in data["groups"])
+    routed = (f"routing rule {data['rule']} held: to {groups}" if data.get("rule") is not None
+              else f"no routing rule held: to every group ({groups})")
+    return f"{reason}; {routed}" if reason else routed
+
+
+def _routing(task: TaskRecord, rec: EntryRecord) -> list[str]:
+    """What the attributes are and what the task's routing rules made of them."""
+    s = [f"Its producer committed the attributes {rec.attributes}."] if (
+        rec.attributes) else []
+    if not rec.routing:
+        return s
+    if rec.rule >= 0:
+        condition = task.routing_rules[rec.rule]["condition"]
+        others = [g for g in rec.consumers if g not in rec.routed_to]
+        s.append(f"Routing rule {rec.rule} ({condition}) held: it goes to "
+                 f"{', '.join(rec.routed_to)} only" + (
+                     f", not to {', '.join(others)}." if others else "."))
+    elif rec.state in (VERIFIED, CONSUMED):
+        s.append(f"None of the task's {len(task.routing_rules)} routing rules held over its "
+                 "attributes: every consumer group receives it.")
+    else:
+        s.append("The task's routing rules decide which consumer groups receive it once "
+                 "it is verified.")
+    return s
 
 
 def _state(kv: KV) -> str:

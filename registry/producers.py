@@ -32,6 +32,7 @@ from .identity import Caller, may
 from .keys import ClaimRef
 from .manifest import DIGEST_RE, check_id
 from .model import PENDING, WRITING, WRITTEN, EntryRecord
+from .routing import parse_attributes
 from .txn import MAX_TXN_OPS, Retry, Txn
 from .verify import Verifier
 
@@ -275,7 +276,8 @@ class Producers:
         txn.delete(self.keys.inflight(ref))
         release_slot(self.keys, claim, txn)
 
-    def _commit(self, txn: Txn, rec: EntryRecord, claim: KV, req: pb.CommitRequest) -> None:
+    async def _commit(self, txn: Txn, rec: EntryRecord, claim: KV,
+                      req: pb.CommitRequest) -> None:
         """Add one commit to a transaction; the scheduler hears if it verified the entry."""
         if req.size < 0:
             raise InvalidArgument(f"size {req.size} is negative")
@@ -294,11 +296,18 @@ class Producers:
         if rec.expected_digest and req.digest and req.digest != rec.expected_digest:
             raise InvalidArgument("digest differs from the manifest's expected_digest",
                                   task_id=rec.task_id, file_id=rec.file_id)
+        try:
+            attributes = parse_attributes(req.attributes) if req.attributes else {}
+        except InvalidArgument as e:
+            raise InvalidArgument(f"commit of {rec.task_id}/{rec.file_id}: {e.message}",
+                                  task_id=rec.task_id, file_id=rec.file_id) from None
         self._finish_claim(txn, rec, claim, req.token)
         rec.state, rec.size, rec.committed_digest = WRITTEN, req.size, req.digest
+        # Kept as sent (numbers keep every digit), and only when there is something.
+        rec.attributes = req.attributes if attributes else ""
         rec.remember("committed", who=rec.owner, token=req.token, size=req.size)
         obs = rec.observation()
-        if obs is not None and obs.size == req.size and self.verifier.settle(
+        if obs is not None and obs.size == req.size and await self.verifier.settle(
                 txn, rec, obs.size, obs.digest):
             # The watcher's report came first; settled now.
             txn.after(self.verifier.notify(rec))
@@ -310,7 +319,7 @@ class Producers:
         async def planner(txn: Txn) -> Callable[[int], pb.Entry]:
             ((rec, claim),) = await self._live_claims(
                 txn, [(req.task_id, req.file_id, req.token, req.session_id)], caller)
-            self._commit(txn, rec, claim, req)
+            await self._commit(txn, rec, claim, req)
             return lambda rev: rec.to_pb(staging, revision=rev)
 
         return await self.core.txns.run(planner, req.request_id, entry_replay)
@@ -330,7 +339,7 @@ class Producers:
                 txn, [(c.task_id, c.file_id, c.token, c.session_id) for c in req.commits],
                 caller)
             for (rec, claim), c in zip(live, req.commits, strict=True):
-                self._commit(txn, rec, claim, c)
+                await self._commit(txn, rec, claim, c)
 
             def reply(rev: int) -> pb.CommitBatchResponse:
                 return pb.CommitBatchResponse(entries=[

@@ -240,7 +240,9 @@ class Scheduler:
             if rec.parts:
                 rec.state, rec.size = VERIFIED, sum(o.size for o in others)
                 rec.digest = assembly_digest([o.digest for o in others])
-                rec.remember("verified", digest=rec.digest, reason="every part verified")
+                routed = await self.verifier.route(txn, rec)
+                rec.remember("verified", digest=rec.digest, reason="every part verified",
+                             **routed)
                 self.verifier.open_to_consumers(rec, txn)
                 # Its own dependents (and task completion) hear of it like any verification.
                 txn.after(self.verifier.notify(rec))

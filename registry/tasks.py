@@ -97,6 +97,8 @@ class Tasks:
             access=dict(valid.access or {}),
             digest_optional=valid.digest_optional,
             archive_after=archive_after,
+            routing_rules=[{"condition": r.condition, "groups": r.groups}
+                           for r in valid.routing_rules],
         )
 
         async def header(txn: Txn) -> TaskRecord | None:

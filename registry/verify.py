@@ -9,11 +9,12 @@ from baton_relay.client.errors import InvalidArgument
 from baton_relay.client.v1 import baton_pb2 as pb
 
 from ._etcd import created_at
-from .claims import entry_replay, need_entry, release_slot
+from .claims import entry_replay, need_entry, need_task, release_slot
 from .core import Core
 from .keys import ClaimRef
 from .manifest import DIGEST_RE, check_id
 from .model import PENDING, VERIFIED, WRITING, WRITTEN, EntryRecord, now
+from .routing import Rule, route
 from .shards import check_reporter
 from .txn import Txn
 
@@ -31,14 +32,15 @@ class Verifier:
             return lambda: None
         return lambda: self.core.verified.put_nowait(key)
 
-    def settle(self, txn: Txn, rec: EntryRecord, size: int, digest: str,
-               who: str = "") -> bool:
+    async def settle(self, txn: Txn, rec: EntryRecord, size: int, digest: str,
+                     who: str = "") -> bool:
         """A written entry meets what is on disk: verified (True), or the retry path."""
         expected = rec.committed_digest or rec.expected_digest
         if size == rec.size and (not expected or expected == digest):
             rec.state, rec.digest, rec.error = VERIFIED, digest, ""
+            routed = await self.route(txn, rec)
             rec.remember("verified", who=who or str((rec.observed or {}).get("reporter", "")),
-                         digest=digest)
+                         digest=digest, **routed)
             self.open_to_consumers(rec, txn)
             return True
         self.core.retry_or_dead(
@@ -48,8 +50,32 @@ class Verifier:
         )
         return False
 
+    async def route(self, txn: Txn, rec: EntryRecord) -> dict[str, object]:
+        """Decide which consumer groups receive ``rec``, now verified: the first of the
+        task's routing rules that holds over its attributes, or every group. What was
+        decided, for the journal record of the verification ({} for an entry the
+        rules do not route).
+
+        The rules are on the task header, which the view mirrors: peeked at, not
+        pinned (a manifest never changes), so routing costs no etcd request and no
+        compare. Entries of tasks without rules never look.
+        """
+        rec.unroute()
+        if not rec.routing:
+            return {}
+        (task_kv,) = await txn.peek_many([self.keys.task(rec.task_id)])
+        task = need_task(task_kv, rec.task_id)
+        rules = [Rule(r["condition"], list(r["groups"])) for r in task.routing_rules]
+        decided = route(rules, rec.attributes)
+        if decided is None:
+            return {"rule": None, "groups": list(rec.consumers)}
+        rec.rule, rec.routed_to = decided
+        return {"rule": rec.rule, "groups": list(rec.routed_to)}
+
     def open_to_consumers(self, rec: EntryRecord, txn: Txn) -> None:
-        for group in rec.consumers:
+        """Make a verified entry claimable for the groups that receive it (and have not
+        acked it yet); the others never see it."""
+        for group in rec.receivers:
             if group not in rec.consumed_by:
                 txn.put(self.keys.cready(rec.task_id, group, rec.file_id), b"")
 
@@ -91,6 +117,7 @@ class Verifier:
         if asm.state == VERIFIED:
             await self._revoke_consumers(txn, asm)
             asm.state, asm.deps_ok, asm.size, asm.digest = PENDING, False, 0, ""
+            asm.unroute()
             asm.error = f"part {part.file_id} left verified: {part.error}"
             asm.remember("unverified", reason=asm.error)
             self.core.put_entry(asm, txn)
@@ -147,7 +174,7 @@ class Verifier:
                     "reporter": req.reporter, "at": now(),
                 }
             elif rec.state == WRITTEN:
-                if self.settle(txn, rec, req.size, req.digest, who=req.reporter):
+                if await self.settle(txn, rec, req.size, req.digest, who=req.reporter):
                     txn.after(self.notify(rec))
             elif rec.state == VERIFIED and req.digest != rec.digest:
                 await self.unverify(txn, rec, f"verified file changed on disk (now size "

@@ -166,7 +166,7 @@ def test_the_cli_docs_manifests_and_shell_agents_run_as_written(
     """docs/cli.md's manifests are valid, and its shell producer and consumer do their work."""
     blocks = fenced_blocks(ROOT / "docs" / "cli.md")
     manifests = [json.loads(text) for language, text in blocks if language == "json"]
-    assert [m["task_id"] for m in manifests] == ["t1", "scan-42", "book-7"]
+    assert [m["task_id"] for m in manifests] == ["t1", "scan-42", "book-7", "compliance-3"]
     with up_stack.client() as c:
         for manifest in manifests:
             assert c.create_task(manifest)[1], manifest["task_id"]

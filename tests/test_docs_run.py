@@ -544,6 +544,24 @@ class Transcripts:
             c.consume("scan-41", "archive", session=self.session(c, "archiver", 30, slots=4))
 
 
+    def compliance(self) -> None:
+        """compliance-3 created from its manifest (scan-42 left as it is), and the
+        reader's report ./r1.json."""
+        (spec,) = [json.loads(text) for language, text in fenced_blocks(CLI_MD)
+                   if language == "json" and '"compliance-3"' in text]
+        with self.client() as c:
+            c.create_task(spec)
+        (self.work / "r1.json").write_bytes(b'{"report": "r1"}\n')
+
+    def r1_verified(self) -> None:
+        """r1, put above, verified by the watcher."""
+        with self.client() as c:
+            deadline = time.monotonic() + 30
+            while c.get_entry("compliance-3", "r1").state != pb.VERIFIED:
+                assert time.monotonic() < deadline, "r1 never verified"
+                time.sleep(0.05)
+
+
 def blake3_hex(data: bytes) -> str:
     return str(blake3.blake3(data).hexdigest())
 
@@ -572,6 +590,9 @@ PREPARE: dict[str, Callable[[Transcripts], None] | None] = {
     "baton log scan-42 p2 --limit 3": None,  # requeued above
     "baton explain scan-42 index": Transcripts.state_a,
     "baton agents": Transcripts.archiver,  # and state A, from above
+    "baton put compliance-3 r1 ./r1.json --attributes "
+    """'{"compliance": "fail", "checked_by": "qa"}'""": Transcripts.compliance,
+    "baton explain compliance-3 r1": Transcripts.r1_verified,
 }
 #: transcripts not run, and why
 NOT_RUN = {

@@ -224,3 +224,44 @@ def test_a_replica_whose_view_is_behind_still_releases_a_dependent(
 
     released, deps_ok = asyncio.run(body())
     assert released and deps_ok == "True"
+
+
+def test_routing_reads_nothing_from_etcd(etcd: Any, prefix: str) -> None:
+    """A verification that routes by the task's rules costs the requests of one that
+    does not: the rules come from the view's copy of the task header."""
+    from baton_relay.registry.verify import Verifier
+
+    async def requests_per_verification(task: str, rules: list[pb.RoutingRule]) -> float:
+        client = CountingEtcd(etcd.endpoint, timeout=60)
+        await client.connect()
+        core = Core(client, Keys(prefix), "/staging")
+        await core.start()
+        try:
+            await Tasks(core).create(pb.CreateTaskRequest(spec=pb.TaskSpec(
+                task_id=task, consumers=["pdf", "review"], routing_rules=rules,
+                entries=[pb.EntrySpec(file_id=f"e{i}", path=f"e{i}") for i in range(20)])))
+            session = await Sessions(core).open(pb.OpenSessionRequest(agent="a", ttl=30),
+                                                ANONYMOUS)
+            producers, verifier = Producers(core), Verifier(core)
+            for _ in range(20):
+                claim = await producers.claim(pb.ClaimRequest(
+                    task_id=task, session_id=session.session_id), ANONYMOUS)
+                await producers.commit(pb.CommitRequest(
+                    task_id=task, file_id=claim.entry.file_id, token=claim.token,
+                    digest=EMPTY, attributes=json.dumps(
+                        {"score": 90 + int(claim.entry.file_id[1:])})), ANONYMOUS)
+            client.requests = 0
+            for i in range(20):
+                entry = await verifier.report(pb.VerificationReport(
+                    task_id=task, file_id=f"e{i}", digest=EMPTY))
+                assert entry.state == pb.VERIFIED
+                assert list(entry.routed_to) == (["review"] if rules and i > 5 else [])
+            return client.requests / 20
+        finally:
+            await core.stop()
+            await client.close()
+
+    plain = asyncio.run(requests_per_verification("plain", []))
+    routed = asyncio.run(requests_per_verification("routed", [pb.RoutingRule(
+        condition="$[?(@.score > 95)]", groups=["review"])]))
+    assert routed <= plain, f"{routed:.2f} requests per routed verification, {plain:.2f} without"

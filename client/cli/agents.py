@@ -13,6 +13,7 @@ import click
 
 from .. import errors
 from ._common import (
+    F,
     Settings,
     agent_option,
     as_dict,
@@ -35,6 +36,14 @@ from ._common import (
     ttl_option,
 )
 from ._root import cli
+
+
+def attributes_option(f: F) -> F:
+    # Sent as written, so that a number keeps every digit; the registry checks it.
+    return click.option(
+        "--attributes", metavar="JSON", default="",
+        help="a JSON object committed with the entry, for the task's routing rules",
+    )(f)  # fmt: skip
 
 
 @cli.command()
@@ -93,14 +102,16 @@ def claim(settings: Settings, task_id: str, file_id: str, batch: int | None, age
 @click.option("--digest", metavar="HEX", help="BLAKE3 hex digest of the bytes written")
 @click.option("--file", "path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="compute --size and --digest from this file")
+@attributes_option
 @output_option
 @pass_settings
 def commit(settings: Settings, task_id: str, file_id: str, token: int, size: int | None,
-           digest: str | None, path: Path | None, output: str) -> None:
+           digest: str | None, path: Path | None, attributes: str, output: str) -> None:
     """Declare a claimed entry written.
 
     Give the --size (and BLAKE3 --digest) of what was written, or --file to
-    compute both from the file.
+    compute both from the file. --attributes: a JSON object the task's routing
+    rules look at.
     """
     if path is not None and (size is not None or digest):
         raise click.UsageError("give either --file or --size/--digest, not both")
@@ -109,7 +120,8 @@ def commit(settings: Settings, task_id: str, file_id: str, token: int, size: int
     if path is not None:
         size, digest = hash_file(path)
     assert size is not None
-    entry = settings.client().commit(task_id, file_id, token, size, digest or "")
+    entry = settings.client().commit(task_id, file_id, token, size, digest or "",
+                                     attributes=attributes)
     emit_entry(entry, output)
 
 
@@ -191,14 +203,16 @@ def fail(settings: Settings, task_id: str, file_id: str, token: int, reason: str
                                        path_type=Path))
 @agent_option
 @ttl_option
+@attributes_option
 @output_option
 @pass_settings
 def put(settings: Settings, task_id: str, file_id: str, src: Path, agent: str, ttl: int,
-        output: str) -> None:
+        attributes: str, output: str) -> None:
     """Claim, copy SRC in durably, and commit.
 
     SRC (- reads stdin) is written to a temporary file beside the entry's path,
-    fsynced, renamed into place, and committed with its size and BLAKE3 digest.
+    fsynced, renamed into place, and committed with its size and BLAKE3 digest
+    (and --attributes, a JSON object the task's routing rules look at).
     """
     from ..producer import put as put_file
 
@@ -207,11 +221,13 @@ def put(settings: Settings, task_id: str, file_id: str, src: Path, agent: str, t
     # while the bytes move and revoked (with nothing left on it) at the end.
     with client.open_session(agent, ttl) as session:
         if str(src) == "-":
-            entry = put_file(client, session, task_id, file_id, sys.stdin.buffer)
+            entry = put_file(client, session, task_id, file_id, sys.stdin.buffer,
+                             attributes=attributes)
         else:
             with src.open("rb") as f, progress_reader(f, src.stat().st_size,
                                                       f"copying {src.name}") as reader:
-                entry = put_file(client, session, task_id, file_id, reader)
+                entry = put_file(client, session, task_id, file_id, reader,
+                                 attributes=attributes)
     emit_entry(entry, output)
 
 

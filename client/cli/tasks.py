@@ -100,6 +100,10 @@ def task_get(settings: Settings, task_id: str, output: str) -> None:
         "done": f"{progress(t)}  (dead {t.dead}, blocked {t.blocked})",
         "states": "  ".join(f"{s} {t.states[s]}" for s in STATES if t.states.get(s)) or "-",
         "consumers": ", ".join(t.spec.consumers) or "default",
+        # In order: the first rule that holds decides.
+        **({"routing": "\n".join(f"{i}: {r.condition} → {', '.join(r.groups)}"
+                                  for i, r in enumerate(t.spec.routing_rules))}
+           if t.spec.routing_rules else {}),
         "max_retries": str(t.spec.max_retries),
         "priority": f"{t.spec.priority}  (aging: +1 per {t.spec.aging_seconds:g} s waiting)",
         "backoff": f"base {b.base_seconds:g} s, factor {b.factor:g}, cap {b.cap_seconds:g} s",
@@ -326,12 +330,13 @@ def group_progress(t: pb.Task, rows: list[pb.Entry]) -> dict[str, tuple[int, int
     """Per consumer group: (entries it acked, entries it has to ack).
 
     The registry counts the acks; how many entries each group has to ack
-    depends on the entries' own consumer lists (parts have none), so that is
-    counted here. The task's default groups come first.
+    depends on the entries' own consumer lists (parts have none) and on where
+    routing rules sent them, so that is counted here. The task's default groups come first.
     """
     totals: dict[str, int] = dict.fromkeys(t.spec.consumers, 0)
     for e in rows:
-        for g in e.consumers:
+        # A routing rule sent it to some of its groups: the others never see it.
+        for g in e.routed_to if e.HasField("routing_rule") else e.consumers:
             totals[g] = totals.get(g, 0) + 1
     for g in t.consumed_by_group:
         totals.setdefault(g, 0)

@@ -357,6 +357,7 @@ class TaskSpec(_message.Message):
     ACCESS_FIELD_NUMBER: _builtins.int
     DIGEST_OPTIONAL_FIELD_NUMBER: _builtins.int
     ARCHIVE_AFTER_SECONDS_FIELD_NUMBER: _builtins.int
+    ROUTING_RULES_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     schema_version: _builtins.int
     """0 means the current version (1)"""
@@ -388,6 +389,13 @@ class TaskSpec(_message.Message):
     def backoff(self) -> Global___RetryBackoff: ...
     @_builtins.property
     def access(self) -> Global___Access: ...
+    @_builtins.property
+    def routing_rules(self) -> _containers.RepeatedCompositeFieldContainer[Global___RoutingRule]:
+        """Which consumer groups receive an entry when it becomes verified, decided by the
+        first rule whose condition holds over the attributes its producer committed;
+        no rule holds (or none given): every consumer group of the entry.
+        """
+
     def __init__(
         self,
         *,
@@ -403,10 +411,11 @@ class TaskSpec(_message.Message):
         access: Global___Access | None = ...,
         digest_optional: _builtins.bool = ...,
         archive_after_seconds: _builtins.float = ...,
+        routing_rules: _abc.Iterable[Global___RoutingRule] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "access", b"access", "backoff", b"backoff", "max_retries", b"max_retries", "priority", b"priority"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "access", b"access", "aging_seconds", b"aging_seconds", "archive_after_seconds", b"archive_after_seconds", "backoff", b"backoff", "consumers", b"consumers", "digest_optional", b"digest_optional", "entries", b"entries", "labels", b"labels", "max_retries", b"max_retries", "priority", b"priority", "schema_version", b"schema_version", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "access", b"access", "aging_seconds", b"aging_seconds", "archive_after_seconds", b"archive_after_seconds", "backoff", b"backoff", "consumers", b"consumers", "digest_optional", b"digest_optional", "entries", b"entries", "labels", b"labels", "max_retries", b"max_retries", "priority", b"priority", "routing_rules", b"routing_rules", "schema_version", b"schema_version", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_retries: _TypeAlias = _typing.Literal["max_retries"]  # noqa: Y015
     _WhichOneofArgType__max_retries: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries"]  # noqa: Y015
@@ -418,6 +427,33 @@ class TaskSpec(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__priority) -> _WhichOneofReturnType__priority | None: ...
 
 Global___TaskSpec: _TypeAlias = TaskSpec  # noqa: Y015
+
+@_typing.final
+class RoutingRule(_message.Message):
+    """One routing rule: a JSONPath filter over an entry's attributes, such as
+    "$[?(@.score > 95)]", and the consumer groups (of the entry) it sends it to.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CONDITION_FIELD_NUMBER: _builtins.int
+    GROUPS_FIELD_NUMBER: _builtins.int
+    condition: _builtins.str
+    @_builtins.property
+    def groups(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        condition: _builtins.str = ...,
+        groups: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["condition", b"condition", "groups", b"groups"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoutingRule: _TypeAlias = RoutingRule  # noqa: Y015
 
 @_typing.final
 class Task(_message.Message):
@@ -584,6 +620,9 @@ class Entry(_message.Message):
     PARTS_FIELD_NUMBER: _builtins.int
     ASSEMBLY_FIELD_NUMBER: _builtins.int
     BLOCKED_FIELD_NUMBER: _builtins.int
+    ATTRIBUTES_FIELD_NUMBER: _builtins.int
+    ROUTING_RULE_FIELD_NUMBER: _builtins.int
+    ROUTED_TO_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     file_id: _builtins.str
     path: _builtins.str
@@ -613,6 +652,12 @@ class Entry(_message.Message):
     """the assembly this entry is a part of"""
     blocked: _builtins.bool
     """a dependency is dead (GetEntry/ListEntries)"""
+    attributes: _builtins.str
+    """JSON object its producer committed, "" = none"""
+    routing_rule: _builtins.int
+    """The task's routing rule (index) that decided which groups receive it; unset
+    while not verified, when no rule held, or when the task has none.
+    """
     @_builtins.property
     def consumers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -627,6 +672,10 @@ class Entry(_message.Message):
 
     @_builtins.property
     def parts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def routed_to(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """the groups that rule sent it to"""
+
     def __init__(
         self,
         *,
@@ -653,12 +702,17 @@ class Entry(_message.Message):
         parts: _abc.Iterable[_builtins.str] | None = ...,
         assembly: _builtins.str = ...,
         blocked: _builtins.bool = ...,
+        attributes: _builtins.str = ...,
+        routing_rule: _builtins.int | None = ...,
+        routed_to: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_routing_rule", b"_routing_rule", "routing_rule", b"routing_rule"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abs_path", b"abs_path", "assembly", b"assembly", "blocked", b"blocked", "consumed_by", b"consumed_by", "consumers", b"consumers", "consuming", b"consuming", "depends_on", b"depends_on", "digest", b"digest", "error", b"error", "file_id", b"file_id", "max_retries", b"max_retries", "not_before", b"not_before", "owner", b"owner", "parts", b"parts", "path", b"path", "priority", b"priority", "retry_count", b"retry_count", "revision", b"revision", "size", b"size", "state", b"state", "task_id", b"task_id", "token", b"token", "updated_at", b"updated_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_routing_rule", b"_routing_rule", "abs_path", b"abs_path", "assembly", b"assembly", "attributes", b"attributes", "blocked", b"blocked", "consumed_by", b"consumed_by", "consumers", b"consumers", "consuming", b"consuming", "depends_on", b"depends_on", "digest", b"digest", "error", b"error", "file_id", b"file_id", "max_retries", b"max_retries", "not_before", b"not_before", "owner", b"owner", "parts", b"parts", "path", b"path", "priority", b"priority", "retry_count", b"retry_count", "revision", b"revision", "routed_to", b"routed_to", "routing_rule", b"routing_rule", "size", b"size", "state", b"state", "task_id", b"task_id", "token", b"token", "updated_at", b"updated_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__routing_rule: _TypeAlias = _typing.Literal["routing_rule"]  # noqa: Y015
+    _WhichOneofArgType__routing_rule: _TypeAlias = _typing.Literal["_routing_rule", b"_routing_rule"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__routing_rule) -> _WhichOneofReturnType__routing_rule | None: ...
 
 Global___Entry: _TypeAlias = Entry  # noqa: Y015
 
@@ -947,6 +1001,8 @@ class JournalRecord(_message.Message):
     TO_STATE_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     GROUP_FIELD_NUMBER: _builtins.int
+    ROUTING_RULE_FIELD_NUMBER: _builtins.int
+    ROUTED_TO_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     file_id: _builtins.str
     revision: _builtins.int
@@ -961,6 +1017,12 @@ class JournalRecord(_message.Message):
     reason: _builtins.str
     group: _builtins.str
     """the consumer group: consuming, acked, nacked, consumer lost"""
+    routing_rule: _builtins.int
+    """verified, on a task with routing rules: the rule that held (unset: none did)
+    and the consumer groups that receive the entry
+    """
+    @_builtins.property
+    def routed_to(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
         self,
         *,
@@ -975,12 +1037,16 @@ class JournalRecord(_message.Message):
         to_state: _builtins.str = ...,
         reason: _builtins.str = ...,
         group: _builtins.str = ...,
+        routing_rule: _builtins.int | None = ...,
+        routed_to: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_routing_rule", b"_routing_rule", "routing_rule", b"routing_rule"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["at", b"at", "event", b"event", "file_id", b"file_id", "from_state", b"from_state", "group", b"group", "reason", b"reason", "revision", b"revision", "task_id", b"task_id", "to_state", b"to_state", "token", b"token", "who", b"who"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_routing_rule", b"_routing_rule", "at", b"at", "event", b"event", "file_id", b"file_id", "from_state", b"from_state", "group", b"group", "reason", b"reason", "revision", b"revision", "routed_to", b"routed_to", "routing_rule", b"routing_rule", "task_id", b"task_id", "to_state", b"to_state", "token", b"token", "who", b"who"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__routing_rule: _TypeAlias = _typing.Literal["routing_rule"]  # noqa: Y015
+    _WhichOneofArgType__routing_rule: _TypeAlias = _typing.Literal["_routing_rule", b"_routing_rule"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__routing_rule) -> _WhichOneofReturnType__routing_rule | None: ...
 
 Global___JournalRecord: _TypeAlias = JournalRecord  # noqa: Y015
 
@@ -1415,6 +1481,7 @@ class CommitRequest(_message.Message):
     DIGEST_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     SESSION_ID_FIELD_NUMBER: _builtins.int
+    ATTRIBUTES_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     file_id: _builtins.str
     token: _builtins.int
@@ -1424,6 +1491,8 @@ class CommitRequest(_message.Message):
     request_id: _builtins.str
     session_id: _builtins.int
     """the session holding the claim; 0 = not said (the identity still is)"""
+    attributes: _builtins.str
+    """a JSON object for the task's routing rules, "" = none"""
     def __init__(
         self,
         *,
@@ -1434,10 +1503,11 @@ class CommitRequest(_message.Message):
         digest: _builtins.str = ...,
         request_id: _builtins.str = ...,
         session_id: _builtins.int = ...,
+        attributes: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "file_id", b"file_id", "request_id", b"request_id", "session_id", b"session_id", "size", b"size", "task_id", b"task_id", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attributes", b"attributes", "digest", b"digest", "file_id", b"file_id", "request_id", b"request_id", "session_id", b"session_id", "size", b"size", "task_id", b"task_id", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
