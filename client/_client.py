@@ -524,6 +524,13 @@ class Client:
                             session_id=_named_session(session))
         return self._call("Ack", req).entry  # type: ignore[no-any-return]
 
+    def ack_batch(self, acks: list[tuple[str, str, str, int]]) -> list[pb.Entry]:
+        """Ack (task, file_id, group, token) tuples in one transaction, all or nothing
+        (at most 21); the entries as acked, in the same order."""
+        req = pb.AckBatchRequest(acks=[
+            pb.AckRequest(task_id=t, file_id=f, group=g, token=tok) for t, f, g, tok in acks])
+        return list(self._call("AckBatch", req).entries)
+
     def nack(self, task_id: str, file_id: str, group: str, token: int,
              reason: str = "", *, session: Session | int = 0) -> pb.Entry:
         req = pb.NackRequest(task_id=task_id, file_id=file_id, group=group, token=token,
