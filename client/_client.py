@@ -365,11 +365,14 @@ class Client:
         """Stop the task for good: its claims are revoked (their tokens die)."""
         return self._call("CancelTask", pb.TaskControlRequest(task_id=task_id, reason=reason))  # type: ignore[no-any-return]
 
-    def delete_task(self, task_id: str, reason: str = "") -> pb.DeleteTaskResponse:
-        """Remove a task being created or cancelled, and every key of it; an
-        interrupted delete, sent again, finishes. An active (paused, completed)
-        task is refused with ``IllegalTransition``: cancel it first."""
-        req = pb.DeleteTaskRequest(task_id=task_id, reason=reason)
+    def delete_task(self, task_id: str, reason: str = "", *,
+                    discard_history: bool = False) -> pb.DeleteTaskResponse:
+        """Remove a task that never ran (no entry was ever claimed) or is stuck being
+        created, and every key of it; an interrupted delete, sent again, finishes. A
+        task that ran is refused with ``IllegalTransition`` (it is kept for audit),
+        unless it is cancelled and ``discard_history`` says to delete its journal too."""
+        req = pb.DeleteTaskRequest(task_id=task_id, reason=reason,
+                                   discard_history=discard_history)
         return self._call("DeleteTask", req)  # type: ignore[no-any-return]
 
     def requeue(self, task_id: str, file_id: str) -> pb.Entry:
