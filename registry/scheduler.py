@@ -17,8 +17,7 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
-import blake3
-
+from baton_relay.client.contract import assembly_digest
 from baton_relay.client.errors import BatonError
 
 from ._etcd import KV, empty, present
@@ -43,11 +42,6 @@ SCAN_PAGE = 1000
 PROMOTE_PARALLEL = 32
 #: dependencies (parts) of one entry pinned by its release; beyond, read unpinned
 PIN_MAX = 100
-
-
-def assembly_digest(part_digests: list[str]) -> str:
-    """An assembly's digest: BLAKE3 of its parts' hex digests, in order, joined by newlines."""
-    return blake3.blake3("\n".join(part_digests).encode()).hexdigest()
 
 
 class Complaints:
