@@ -25,6 +25,7 @@ from .claims import need_task
 from .core import Core, Gate
 from .keys import prefix_end
 from .model import CONSUMED, PENDING, VERIFIED, EntryRecord, TaskRecord
+from .operators import Operators
 from .txn import Retry, Txn, write
 from .verify import Verifier
 
@@ -88,7 +89,7 @@ class Scheduler:
                 if slow:
                     sweeps.append(self.sweep_waiting)
                     if every:
-                        sweeps.append(self.complete_tasks)
+                        sweeps += [self.complete_tasks, self.finish_cancels]
                     else:
                         sweeps.append(self.complete_finishing)
                 for sweep in sweeps:  # one failing sweep does not skip the others
@@ -332,6 +333,25 @@ class Scheduler:
                 else:
                     self._complain.cleared(item)
         return completed
+
+    async def finish_cancels(self) -> int:
+        """Cancelled tasks whose cancel stopped part-way (the registry died in it) have
+        their claims, twins and claimable keys revoked now; how many had some left."""
+        finished = 0
+        operators = Operators(self.core)
+        pages = self.core.etcd.scan(self.keys.tasks(), page=SCAN_PAGE)
+        async with contextlib.aclosing(pages):
+            async for kv in pages:
+                item = f"cancelled task {kv.key.decode(errors='replace')}"
+                try:
+                    task = TaskRecord.load(kv.value)
+                    if task.status == "cancelled":
+                        finished += await operators.finish_cancel(task.task_id)
+                except Exception as e:
+                    self._complain(item, e)
+                else:
+                    self._complain.cleared(item)
+        return finished
 
     def _complete_plan(self, task_id: str) -> Callable[[Txn], Awaitable[bool]]:
         async def plan(txn: Txn) -> bool:
