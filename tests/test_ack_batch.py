@@ -176,3 +176,21 @@ def test_cli_ack_batch_refuses_a_malformed_file(registry: Any, content: str,
     assert result.exit_code == 2 and one_error_line(result.stderr).startswith(
         f"baton: {message}")
 
+
+
+def test_acks_of_a_batch_are_counted_per_entry(registry_factory: Any) -> None:
+    """`baton_acks_total{outcome="ok"}` counts the entries a batch acked; a refused batch
+    counts once under its error."""
+    from test_metrics import metrics_port, scrape
+
+    registry = registry_factory(metrics="127.0.0.1:0")
+    with Client(registry.address, timeout=10) as client, \
+            client.open_session("a", ttl=30) as s:
+        verified_task(client, s, 3, ["g"])
+        held = leases(client, s, "g", 3)
+        with pytest.raises(errors.StaleToken):
+            client.ack_batch([("t", held[0].file_id, "g", held[0].token + 1000)])
+        client.ack_batch([("t", x.file_id, "g", x.token) for x in held])
+    found = scrape(metrics_port(registry))
+    assert found.value("baton_acks_total", outcome="ok") == 3
+    assert found.value("baton_acks_total", outcome="StaleToken") == 1
