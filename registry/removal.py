@@ -1,8 +1,8 @@
 """DeleteTask: remove a task that never ran (or is stuck ``creating``), and every key of it.
 
 A task *ran* once an entry of it was claimed: the claim wrote its first journal
-record. A task that ran is history: it is refused (it is cancelled and kept, for
-audit), unless the caller says ``discard_history`` of a cancelled task.
+record. A task that ran is history, kept for audit (cancelled, if it is to stop): its
+delete is refused, unless it is cancelled and the caller says ``discard_history``.
 
 Three steps, each safe to interrupt: a DeleteTask sent again finishes the job.
 
