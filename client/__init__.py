@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from . import errors
     from ._client import Claim, Client, Lease, Session, parse_manifest
-    from .consumer import Delivery, consume, next_lease, read_verified
+    from .consumer import Delivery, consume, iter_parts, next_lease, read_verified
     from .contract import DEFAULT_REGISTRY
     from .producer import Output, produce, put
     from .retry import RetryPolicy
@@ -37,6 +37,7 @@ _HOME = {
     "parse_manifest": "._client",
     "Delivery": ".consumer",
     "consume": ".consumer",
+    "iter_parts": ".consumer",
     "next_lease": ".consumer",
     "read_verified": ".consumer",
     "Output": ".producer",
@@ -55,6 +56,7 @@ __all__ = [
     "Session",
     "consume",
     "errors",
+    "iter_parts",
     "next_lease",
     "parse_manifest",
     "produce",

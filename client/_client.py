@@ -385,11 +385,14 @@ class Client:
         req = pb.TaskControlRequest(task_id=task_id, reason=reason)
         return self._call("ArchiveTask", req)  # type: ignore[no-any-return]
 
-    def delete_task(self, task_id: str, reason: str = "") -> pb.DeleteTaskResponse:
-        """Remove a task being created or cancelled, and every key of it; an
-        interrupted delete, sent again, finishes. An active (paused, completed)
-        task is refused with ``IllegalTransition``: cancel it first."""
-        req = pb.DeleteTaskRequest(task_id=task_id, reason=reason)
+    def delete_task(self, task_id: str, reason: str = "", *,
+                    discard_history: bool = False) -> pb.DeleteTaskResponse:
+        """Remove a task that never ran (no entry was ever claimed) or is stuck being
+        created, and every key of it; an interrupted delete, sent again, finishes. A
+        task that ran is refused with ``IllegalTransition`` (it is kept for audit),
+        unless it is cancelled and ``discard_history`` says to delete its journal too."""
+        req = pb.DeleteTaskRequest(task_id=task_id, reason=reason,
+                                   discard_history=discard_history)
         return self._call("DeleteTask", req)  # type: ignore[no-any-return]
 
     def requeue(self, task_id: str, file_id: str) -> pb.Entry:
@@ -550,6 +553,13 @@ class Client:
         req = pb.AckRequest(task_id=task_id, file_id=file_id, group=group, token=token,
                             session_id=_named_session(session))
         return self._call("Ack", req).entry  # type: ignore[no-any-return]
+
+    def ack_batch(self, acks: list[tuple[str, str, str, int]]) -> list[pb.Entry]:
+        """Ack (task, file_id, group, token) tuples in one transaction, all or nothing
+        (at most 21); the entries as acked, in the same order."""
+        req = pb.AckBatchRequest(acks=[
+            pb.AckRequest(task_id=t, file_id=f, group=g, token=tok) for t, f, g, tok in acks])
+        return list(self._call("AckBatch", req).entries)
 
     def nack(self, task_id: str, file_id: str, group: str, token: int,
              reason: str = "", *, session: Session | int = 0) -> pb.Entry:

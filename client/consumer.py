@@ -4,6 +4,12 @@ The staging tree is shared, so the leased path is not trusted: it is opened one
 component at a time from the staging root with ``O_NOFOLLOW`` (as the producer
 helper and the watcher do), only a regular file is read, and never more than
 the entry's verified size plus one byte, which is what tells a longer file.
+
+An assembly (an entry with ``parts``) has no file of its own: its bytes are its
+parts', in order, each read and checked as a file of its own. Each part is held
+in memory whole until its digest is checked, never more than one at a time with
+``iter_parts``: parts of 8 to 64 MiB keep that small (and a producer's claim on
+one part short).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from dataclasses import dataclass
 import blake3
 
 from ._client import Client, Lease, Session
+from .contract import assembly_digest
 from .errors import BatonError, ChecksumMismatch, NothingToClaim, Unavailable
 from .producer import Refusal, open_entry_dir
 from .v1 import baton_pb2 as pb
@@ -141,9 +148,43 @@ def read_verified(lease: Lease) -> bytes:
     return data
 
 
+def parts_of(client: Client, lease: Lease) -> list[Lease]:
+    """The parts of a leased assembly, in order, each as a lease of its own (under the
+    assembly's token) for ``read_verified``.
+
+    Checked before any byte is read: every part is still verified, and their digests
+    and sizes are those the assembly was verified with. Raises ``ChecksumMismatch``
+    otherwise (a part changed since; the registry takes the assembly back).
+    """
+    parts = [client.get_entry(lease.task_id, name) for name in lease.entry.parts]
+    what = f"assembly {lease.task_id}/{lease.file_id}"
+    for part in parts:
+        if part.state != pb.VERIFIED:
+            raise ChecksumMismatch(
+                f"{what}: part {part.file_id} is {pb.EntryState.Name(part.state).lower()}, "
+                "no longer verified", task_id=lease.task_id, file_id=lease.file_id)
+    size = sum(p.size for p in parts)
+    digest = assembly_digest([p.digest for p in parts])
+    if size != lease.size or digest != lease.digest:
+        raise ChecksumMismatch(
+            f"{what}: its parts now have {size} bytes and assembly digest {digest}, "
+            f"expected {lease.size} bytes with digest {lease.digest}",
+            task_id=lease.task_id, file_id=lease.file_id)
+    return [Lease(lease.task_id, p.file_id, lease.group, lease.token, p.abs_path, p.size,
+                  p.digest, p, lease.session_id) for p in parts]
+
+
+def iter_parts(client: Client, lease: Lease) -> Iterator[bytes]:
+    """The bytes of a leased assembly, one part at a time, in order, each checked
+    against its verified digest before it is yielded (``read_verified``)."""
+    for part in parts_of(client, lease):
+        yield read_verified(part)
+
+
 @dataclass
 class Delivery:
     lease: Lease
+    #: the entry's checked bytes (an assembly's: its parts', in order)
     data: bytes
 
 
@@ -157,12 +198,16 @@ def consume(
 ) -> Iterator[Delivery]:
     """Yield the next verified entry's checked bytes; ack when the block ends.
 
-    If the bytes do not match the verified digest, or the block raises, the
-    entry is nacked (handed back to the group) and the error propagates.
+    An assembly's bytes are its parts', in order, each checked (``iter_parts``; use
+    it with ``next_lease`` to hold one part at a time instead of all of them). If
+    the bytes do not match the verified digest, or the block raises, the entry is
+    nacked (handed back to the group) and the error propagates.
     """
     lease = next_lease(client, session, task_id, group, timeout)
     try:
-        delivery = Delivery(lease, read_verified(lease))
+        data = (b"".join(iter_parts(client, lease)) if lease.entry.parts
+                else read_verified(lease))
+        delivery = Delivery(lease, data)
         yield delivery
     except BaseException as e:
         # The lease may be gone already; the reaper hands the entry back then.

@@ -32,6 +32,16 @@ ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 #: the mark in the name of a file being written; watchers never hash such a file
 TEMP_MARKER = ".baton-tmp-"
 
+
+def assembly_digest(part_digests: list[str]) -> str:
+    """An assembly's digest: BLAKE3 of its parts' hex digests, in order, joined by
+    newlines. The registry verifies an assembly with it; a consumer checks with it that
+    the parts it reads are the ones the assembly was verified with."""
+    import blake3
+
+    return str(blake3.blake3("\n".join(part_digests).encode()).hexdigest())
+
+
 #: shards a deployment's tasks map to unless its registry is told otherwise
 DEFAULT_SHARDS = 64
 

@@ -12,6 +12,7 @@ from baton_relay.client.errors import (
     PermissionDenied,
     SessionExpired,
     SlotsExhausted,
+    StaleToken,
     TaskNotActive,
 )
 from baton_relay.client.v1 import baton_pb2 as pb
@@ -83,6 +84,20 @@ def need_task(kv: KV | None, task_id: str, active: bool = False) -> TaskRecord:
         raise TaskNotActive(f"task {task_id!r} is {task.status}", task_id=task_id,
                             status=task.status)
     return task
+
+
+#: statuses in which every token of a task is void (its claims are being revoked, or gone)
+VOID = ("cancelled", "deleting")
+
+
+def check_tokens_live(kv: KV | None, task_id: str, what: str, token: int) -> None:
+    """Refuse a token call (commit, fail, ack, nack) on a cancelled task. Read with the
+    claim in the call's own transaction (the header is pinned), so the status change
+    alone stops it: cancel deletes a large task's claims a chunk at a time after it."""
+    task = need_task(kv, task_id)
+    if task.status in VOID:
+        raise StaleToken(f"{what} is void: task {task_id!r} is {task.status}",
+                         task_id=task_id, token=token, status=task.status)
 
 
 def need_session(kv: KV | None, session_id: int) -> str:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from baton_relay.client.errors import IllegalTransition, InvalidArgument, NothingToClaim, StaleToken
 from baton_relay.client.v1 import baton_pb2 as pb
@@ -14,6 +14,7 @@ from .claims import (
     check_claim_session,
     check_owner,
     check_session_id,
+    check_tokens_live,
     claim_holder,
     claim_value,
     entry_replay,
@@ -27,10 +28,15 @@ from .identity import Caller
 from .keys import ClaimRef
 from .manifest import check_id
 from .model import CONSUMED, VERIFIED, EntryRecord
-from .txn import Retry, Txn
+from .txn import MAX_TXN_OPS, Retry, Txn
 
 #: claimable keys looked at per consume
 PAGE = 64
+#: operations one ack adds to a transaction: the claim, its twin and its slot deleted,
+#: the entry and its journal record written, its open key deleted once consumed
+OPS_PER_ACK = 6
+#: acks in one AckBatch: what fits in one transaction
+MAX_ACKS = MAX_TXN_OPS // OPS_PER_ACK
 
 
 class Consumers:
@@ -140,62 +146,119 @@ class Consumers:
         )
 
     async def _live(
-        self, txn: Txn, task_id: str, file_id: str, group: str, token: int,
-        session_id: int, caller: Caller,
-    ) -> tuple[KV, EntryRecord]:
-        """The live consume-claim for ``token`` and the entry, held by the caller (and
-        by ``session_id`` when not 0); deletes the claim (and its twin, and frees its
-        slot) in ``txn``, guarded on the token."""
-        check_id("task_id", task_id)
-        check_id("file_id", file_id)
-        check_id("group", group)
-        ref = ClaimRef("c", task_id, file_id, group)
-        claim_key = self.keys.claim(ref)
-        entry_kv, claim = await txn.get_many([self.keys.entry(task_id, file_id), claim_key])
-        rec = need_entry(entry_kv, task_id, file_id)
-        if token <= 0 or claim is None or claim.create_revision != token:
-            raise StaleToken(
-                f"token {token} is not the live consume-claim of group {group!r} on "
-                f"{task_id}/{file_id} (lost, superseded or already acked)",
-                task_id=task_id, file_id=file_id, group=group, token=token,
+        self, txn: Txn, acks: Sequence[pb.AckRequest | pb.NackRequest], caller: Caller,
+    ) -> list[tuple[KV, EntryRecord]]:
+        """The live consume-claim of each (task, file, group, token) and its entry, held
+        by the caller (and by ``session_id`` when not 0), in a task not cancelled; read
+        in one round trip. Deletes the claims (with their twins, freeing their slots)
+        in ``txn``, guarded on the tokens. Acks of one entry share its record, so that
+        each sees the groups the others acked."""
+        keys: list[bytes] = []
+        for a in acks:
+            check_id("task_id", a.task_id)
+            check_id("file_id", a.file_id)
+            check_id("group", a.group)
+            keys += [self.keys.task(a.task_id), self.keys.entry(a.task_id, a.file_id),
+                     self.keys.claim(ClaimRef("c", a.task_id, a.file_id, a.group))]
+        found = dict(zip(keys, await txn.get_many(keys), strict=True))
+        records: dict[bytes, EntryRecord] = {}
+        out = []
+        for a in acks:
+            ref = ClaimRef("c", a.task_id, a.file_id, a.group)
+            claim_key, entry_key = self.keys.claim(ref), self.keys.entry(a.task_id, a.file_id)
+            claim = found[claim_key]
+            if entry_key not in records:
+                records[entry_key] = need_entry(found[entry_key], a.task_id, a.file_id)
+            if a.token <= 0 or claim is None or claim.create_revision != a.token:
+                raise StaleToken(
+                    f"token {a.token} is not the live consume-claim of group {a.group!r} on "
+                    f"{a.task_id}/{a.file_id} (lost, superseded or already acked)",
+                    task_id=a.task_id, file_id=a.file_id, group=a.group, token=a.token,
+                )
+            what = (f"the consume-claim of group {a.group!r} on {a.task_id}/{a.file_id} "
+                    f"(token {a.token})")
+            check_tokens_live(found[self.keys.task(a.task_id)], a.task_id, what, a.token)
+            check_owner(caller, claim, what)
+            check_claim_session(claim, a.session_id, what)
+            txn.require(created_at(claim_key, a.token))
+            txn.delete(claim_key)
+            txn.delete(self.keys.inflight(ref))
+            release_slot(self.keys, claim, txn)
+            out.append((claim, records[entry_key]))
+        return out
+
+    def _ack(self, rec: EntryRecord, claim: KV, req: pb.AckRequest) -> None:
+        """One group's ack of a verified entry (the caller writes the entry)."""
+        if rec.state != VERIFIED:
+            raise IllegalTransition(
+                f"entry {rec.file_id!r} is {rec.state}: its verified bytes are gone "
+                f"({rec.error or 'no reason recorded'})", task_id=rec.task_id,
+                file_id=rec.file_id, state=rec.state,
             )
-        what = f"the consume-claim of group {group!r} on {task_id}/{file_id} (token {token})"
-        check_owner(caller, claim, what)
-        check_claim_session(claim, session_id, what)
-        txn.require(created_at(claim_key, token))
-        txn.delete(claim_key)
-        txn.delete(self.keys.inflight(ref))
-        release_slot(self.keys, claim, txn)
-        return claim, rec
+        if req.group not in rec.consumed_by:
+            rec.consumed_by.append(req.group)
+        rec.remember("acked", who=claim_holder(claim), group=req.group, token=req.token)
+        if all(g in rec.consumed_by for g in rec.receivers):
+            rec.state = CONSUMED
 
     async def ack(self, req: pb.AckRequest, caller: Caller) -> pb.Entry:
         staging = self.core.staging_dir(req.task_id)
 
         async def planner(txn: Txn) -> Callable[[int], pb.Entry]:
-            claim, rec = await self._live(txn, req.task_id, req.file_id, req.group, req.token,
-                                          req.session_id, caller)
-            if rec.state != VERIFIED:
-                raise IllegalTransition(
-                    f"entry {rec.file_id!r} is {rec.state}: its verified bytes are gone "
-                    f"({rec.error or 'no reason recorded'})", task_id=rec.task_id,
-                    file_id=rec.file_id, state=rec.state,
-                )
-            if req.group not in rec.consumed_by:
-                rec.consumed_by.append(req.group)
-            rec.remember("acked", who=claim_holder(claim), group=req.group, token=req.token)
-            if all(g in rec.consumed_by for g in rec.receivers):
-                rec.state = CONSUMED
+            ((claim, rec),) = await self._live(txn, [req], caller)
+            self._ack(rec, claim, req)
             self.core.put_entry(rec, txn)
             return lambda rev: rec.to_pb(staging, revision=rev)
 
         return await self.core.txns.run(planner, req.request_id, entry_replay)
 
+    async def ack_batch(self, req: pb.AckBatchRequest,
+                        caller: Caller) -> pb.AckBatchResponse:
+        """Ack many consume-claims in one transaction, all or nothing; as many as fit
+        etcd's operation limit by construction, as CommitBatch."""
+        if not req.acks:
+            raise InvalidArgument("a batch needs at least one ack")
+        if len(req.acks) > MAX_ACKS:
+            raise InvalidArgument(
+                f"{len(req.acks)} acks in one batch; at most {MAX_ACKS} (etcd's operation "
+                "limit per transaction)")
+        seen: dict[tuple[str, str, str], int] = {}
+        for i, a in enumerate(req.acks):
+            key = (a.task_id, a.file_id, a.group)
+            if key in seen:
+                raise InvalidArgument(
+                    f"acks [{seen[key]}] and [{i}] both ack {a.task_id}/{a.file_id} for "
+                    f"group {a.group!r}")
+            seen[key] = i
+
+        async def planner(txn: Txn) -> Callable[[int], pb.AckBatchResponse]:
+            live = await self._live(txn, req.acks, caller)
+            for (claim, rec), a in zip(live, req.acks, strict=True):
+                self._ack(rec, claim, a)
+            written = list({id(rec): rec for _, rec in live}.values())
+            for rec in written:
+                self.core.put_entry(rec, txn)
+
+            def reply(rev: int) -> pb.AckBatchResponse:
+                return pb.AckBatchResponse(entries=[
+                    rec.to_pb(self.core.staging_dir(rec.task_id), revision=rev)
+                    for _, rec in live])
+
+            return reply
+
+        def replay(raw: bytes, rev: int) -> pb.AckBatchResponse:
+            resp = pb.AckBatchResponse.FromString(raw)
+            for e in resp.entries:
+                e.revision = rev
+            return resp
+
+        return await self.core.txns.run(planner, req.request_id, replay)
+
     async def nack(self, req: pb.NackRequest, caller: Caller) -> pb.Entry:
         staging = self.core.staging_dir(req.task_id)
 
         async def planner(txn: Txn) -> Callable[[int], pb.Entry]:
-            _claim, rec = await self._live(txn, req.task_id, req.file_id, req.group,
-                                           req.token, req.session_id, caller)
+            ((_claim, rec),) = await self._live(txn, [req], caller)
             rec.remember("nacked", group=req.group, token=req.token, reason=req.reason)
             self.core.put_entry(rec, txn)
             if rec.state == VERIFIED:

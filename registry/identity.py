@@ -67,6 +67,7 @@ POLICY: Mapping[str, frozenset[str]] = {
     "Consume": frozenset({AGENT}),
     "Ack": frozenset({AGENT}),
     "Nack": frozenset({AGENT}),
+    "AckBatch": frozenset({AGENT}),
     # only watchers vouch for a file's bytes
     "ReportVerification": frozenset({WATCHER}),
     "ReportProblem": frozenset({WATCHER}),

@@ -93,15 +93,33 @@ class Operators:
     async def _revoke_claims(self, task_id: str) -> None:
         """Delete a cancelled task's claims (their tokens die; their slots are freed),
         their twins (and twins left by lost claims) and its claimable indexes, a page
-        of keys at a time. The task is already cancelled, so nothing recreates them."""
+        of keys at a time. The task is already cancelled, so nothing recreates them
+        (and no token of it commits, fails, acks or nacks meanwhile: each of those
+        reads the header in its own transaction). Stopped part-way, it is finished by
+        the same cancel sent again, or by the scheduler (``finish_cancel``)."""
         for kind in ("p", "c"):
             await self._each_chunk(self.keys.claims_of_task(kind, task_id), CLAIM_CHUNK,
                                    self._revoke_chunk)
-        prefixes = [self.keys.inflight_of_task("p", task_id),
-                    self.keys.inflight_of_task("c", task_id), self.keys.ready_all(task_id),
-                    self.keys.delayed_of_task(task_id), self.keys.cready_of_task(task_id)]
-        for prefix in prefixes:
+        for prefix in self._revoked(task_id)[2:]:
             await self._each_chunk(prefix, DELETE_CHUNK, self._delete_chunk)
+
+    def _revoked(self, task_id: str) -> list[bytes]:
+        """What cancel deletes, in order: claims, twins, claimable indexes."""
+        k = self.keys
+        return [k.claims_of_task("p", task_id), k.claims_of_task("c", task_id),
+                k.inflight_of_task("p", task_id), k.inflight_of_task("c", task_id),
+                k.ready_all(task_id), k.delayed_of_task(task_id), k.cready_of_task(task_id)]
+
+    async def finish_cancel(self, task_id: str) -> bool:
+        """Revoke what a cancel stopped part-way left of a cancelled task (its holders
+        keep their slots until then); one read when nothing is left. True if anything
+        was."""
+        left = await self.core.etcd.read([Get(p, prefix=True, limit=1, keys_only=True)
+                                          for p in self._revoked(task_id)])
+        if not any(left):
+            return False
+        await self._revoke_claims(task_id)
+        return True
 
     async def _each_chunk(self, prefix: bytes, size: int,
                           handle: Callable[[list[bytes]], Awaitable[None]]) -> None:

@@ -20,6 +20,7 @@ from .claims import (
     check_claim_session,
     check_owner,
     check_session_id,
+    check_tokens_live,
     claim_value,
     entry_replay,
     need_entry,
@@ -243,18 +244,19 @@ class Producers:
         self, txn: Txn, items: list[tuple[str, str, int, int]], caller: Caller
     ) -> list[tuple[EntryRecord, KV]]:
         """Entry and claim of each (task, file, token, session) whose token is the live
-        claim, held by the caller (and by that session, when one is named)."""
+        claim, held by the caller (and by that session, when one is named), in a task
+        not cancelled (its header is pinned too)."""
         keys = []
         for task_id, file_id, _, _ in items:
             check_id("task_id", task_id)
             check_id("file_id", file_id)
-            keys += [self.keys.entry(task_id, file_id),
+            keys += [self.keys.task(task_id), self.keys.entry(task_id, file_id),
                      self.keys.claim(ClaimRef("p", task_id, file_id))]
         found = await txn.get_many(keys)
         out = []
         for i, (task_id, file_id, token, session_id) in enumerate(items):
-            rec = need_entry(found[2 * i], task_id, file_id)
-            claim = found[2 * i + 1]
+            rec = need_entry(found[3 * i + 1], task_id, file_id)
+            claim = found[3 * i + 2]
             if token <= 0 or claim is None or claim.create_revision != token:
                 raise StaleToken(
                     f"token {token} is not the live claim on {task_id}/{file_id} "
@@ -262,6 +264,7 @@ class Producers:
                     task_id=task_id, file_id=file_id, token=token,
                 )
             what = f"the claim on {task_id}/{file_id} (token {token})"
+            check_tokens_live(found[3 * i], task_id, what, token)
             check_owner(caller, claim, what)
             check_claim_session(claim, session_id, what)
             if rec.state != WRITING:  # cannot happen while the claim lives; refuse anyway

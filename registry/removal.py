@@ -1,9 +1,18 @@
-"""DeleteTask: remove a task that is being created or was cancelled, and every key of it.
+"""DeleteTask: remove a task that never ran (or is stuck ``creating``), and every key of it.
+
+A task *ran* once an entry of it was claimed: the claim wrote its first journal
+record. A task that ran is history, kept for audit (cancelled, if it is to stop): its
+delete is refused, unless it is cancelled and the caller says ``discard_history``.
 
 Three steps, each safe to interrupt: a DeleteTask sent again finishes the job.
 
-1. One guarded transaction marks the header ``deleting`` (from ``creating``,
-   ``cancelled``, or ``deleting`` itself). From then on nothing hands out work for
+1. One guarded transaction marks the header ``deleting`` (from ``creating``, from any
+   status if the task never ran, from ``cancelled`` with ``discard_history``, or from
+   ``deleting`` itself). A task that never ran is marked only if its journal is still
+   empty when the mark commits (a range compare): a claim racing the delete either
+   committed first (its journal record fails the compare, and the delete, planned
+   again, is refused) or fails its own compare on the header it pinned (and, planned
+   again, finds the task ``deleting``). From then on nothing hands out work for
    the task: claims and consume leases need an active task, pause/resume/cancel and
    requeue refuse it, the scheduler completes only active tasks, CreateTask of it
    is refused, and a CreateTask still writing its chunks stops (each chunk requires
@@ -49,8 +58,6 @@ LIST_PAGE = 1000
 PARALLEL = 8
 #: sweeps before giving up on a task whose keys keep being written
 ROUNDS = 5
-#: the statuses a task may be deleted from
-DELETABLE = ("creating", "cancelled", "deleting")
 
 
 class _Leftovers(Exception):
@@ -63,7 +70,8 @@ class Removal:
         self.keys = core.keys
 
     async def delete(self, req: pb.DeleteTaskRequest) -> pb.DeleteTaskResponse:
-        """Remove a ``creating``, ``cancelled`` (or half-deleted) task and its keys."""
+        """Remove a task that never ran, or a ``creating`` or half-deleted one, or (with
+        ``discard_history``) a cancelled one, and its keys."""
         check_id("task_id", req.task_id)
         if req.request_id:
             # A retry of a delete that finished: the task is gone, its reply is not.
@@ -88,17 +96,24 @@ class Removal:
 
     def _mark_plan(self, req: pb.DeleteTaskRequest) -> Callable[[Txn], Awaitable[TaskRecord]]:
         key = self.keys.task(req.task_id)
+        journal = self.keys.journal_all(req.task_id)
 
         async def plan(txn: Txn) -> TaskRecord:
             task = need_task(await txn.get(key), req.task_id)
             if task.status == "deleting":
                 return task  # an interrupted delete: carry on
-            if task.status not in DELETABLE:
+            if task.status in ("archiving", "archived"):
                 raise IllegalTransition(
-                    f"cannot delete task {req.task_id!r}: it is {task.status}; only a task "
-                    f"being created or cancelled can be deleted: cancel it first "
-                    f"(`baton task cancel {req.task_id}`)",
+                    f"cannot delete task {req.task_id!r}: it is {task.status}; its archive "
+                    "is kept until --archive-retention, then it goes with its header",
                     task_id=req.task_id, status=task.status)
+            if task.status != "creating":  # nothing is handed out before a task is active
+                ran = await txn.scan(journal, limit=1, keys_only=True)
+                if not ran:
+                    txn.require(empty(journal))  # and still none when the mark commits
+                else:
+                    self._check_history(req, task, self.keys.parse_tail(ran[0].key,
+                                                                        journal)[0])
             was = task.status
             task.status = "deleting"
             task.status_reason = f"delete ({was})" + (f": {req.reason}" if req.reason else "")
@@ -117,6 +132,26 @@ class Removal:
         before that revision, else ``IllegalTransition``: an archived task loses
         nothing written after its archive was read."""
         return await self._sweep_task(task_id, before)
+
+    @staticmethod
+    def _check_history(req: pb.DeleteTaskRequest, task: TaskRecord, file_id: str) -> None:
+        """A task that ran is deleted only when asked to discard its history, and only
+        once cancelled."""
+        t = req.task_id
+        if not req.discard_history:
+            stop = ("" if task.status == "cancelled" else
+                    f"; cancel it first (`baton task cancel {t}`) to stop it")
+            raise IllegalTransition(
+                f"cannot delete task {t!r}: it is {task.status} and has history (entry "
+                f"{file_id!r} ran; `baton log {t}` shows it): a task that ran is kept for "
+                f"audit, not deleted{stop}; once finished it is archived out of etcd "
+                f"(`baton task archive {t}`); --discard-history deletes a cancelled task "
+                "with its journal", task_id=t, status=task.status)
+        if task.status != "cancelled":
+            raise IllegalTransition(
+                f"cannot delete task {t!r}: it is {task.status}; a task with history is "
+                f"deleted only once cancelled: cancel it first (`baton task cancel {t}`)",
+                task_id=t, status=task.status)
 
     def _prefixes(self, task_id: str) -> list[tuple[str, bytes]]:
         """Every prefix that names the task but its claims, in the order they are

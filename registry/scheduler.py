@@ -17,8 +17,7 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
-import blake3
-
+from baton_relay.client.contract import assembly_digest
 from baton_relay.client.errors import BatonError
 
 from ._etcd import KV, empty, present
@@ -26,6 +25,7 @@ from .claims import need_task
 from .core import Core, Gate
 from .keys import prefix_end
 from .model import CONSUMED, PENDING, VERIFIED, EntryRecord, TaskRecord, now
+from .operators import Operators
 from .txn import Retry, Txn, write
 from .verify import Verifier
 
@@ -43,11 +43,6 @@ SCAN_PAGE = 1000
 PROMOTE_PARALLEL = 32
 #: dependencies (parts) of one entry pinned by its release; beyond, read unpinned
 PIN_MAX = 100
-
-
-def assembly_digest(part_digests: list[str]) -> str:
-    """An assembly's digest: BLAKE3 of its parts' hex digests, in order, joined by newlines."""
-    return blake3.blake3("\n".join(part_digests).encode()).hexdigest()
 
 
 class Complaints:
@@ -94,7 +89,7 @@ class Scheduler:
                 if slow:
                     sweeps.append(self.sweep_waiting)
                     if every:
-                        sweeps.append(self.complete_tasks)
+                        sweeps += [self.complete_tasks, self.finish_cancels]
                     else:
                         sweeps.append(self.complete_finishing)
                 for sweep in sweeps:  # one failing sweep does not skip the others
@@ -349,6 +344,25 @@ class Scheduler:
                 else:
                     self._complain.cleared(item)
         return completed
+
+    async def finish_cancels(self) -> int:
+        """Cancelled tasks whose cancel stopped part-way (the registry died in it) have
+        their claims, twins and claimable keys revoked now; how many had some left."""
+        finished = 0
+        operators = Operators(self.core)
+        pages = self.core.etcd.scan(self.keys.tasks(), page=SCAN_PAGE)
+        async with contextlib.aclosing(pages):
+            async for kv in pages:
+                item = f"cancelled task {kv.key.decode(errors='replace')}"
+                try:
+                    task = TaskRecord.load(kv.value)
+                    if task.status == "cancelled":
+                        finished += await operators.finish_cancel(task.task_id)
+                except Exception as e:
+                    self._complain(item, e)
+                else:
+                    self._complain.cleared(item)
+        return finished
 
     def _complete_plan(self, task_id: str) -> Callable[[Txn], Awaitable[bool]]:
         async def plan(txn: Txn) -> bool:

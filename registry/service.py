@@ -294,6 +294,10 @@ class RegistryService(pb_grpc.RegistryServicer):
         return pb.NackResponse(entry=await self.consumers.nack(request, current()))
 
     @unary
+    async def AckBatch(self, request: pb.AckBatchRequest) -> pb.AckBatchResponse:
+        return await self.consumers.ack_batch(request, current())
+
+    @unary
     async def RegisterWatcher(self, request: pb.RegisterWatcherRequest
                               ) -> pb.RegisterWatcherResponse:
         return await self.shards.register(request, current())

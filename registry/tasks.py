@@ -120,7 +120,7 @@ class Tasks:
             if existing.status == "deleting":
                 raise IllegalTransition(
                     f"task {valid.task_id!r} is being deleted; finish that with `baton task "
-                    f"rm {valid.task_id}`, then create it again", task_id=valid.task_id,
+                    f"delete {valid.task_id}`, then create it again", task_id=valid.task_id,
                     status="deleting")
             if existing.status != "creating":
                 return pb.CreateTaskResponse(task=existing.to_pb(), created=False)

@@ -118,6 +118,8 @@ def test_a_finished_task_is_archived_and_read_back_from_the_archive(
     assert [t.spec.task_id for t in client.list_tasks()] == []
     assert [t.spec.task_id for t in client.list_tasks(archived=True)] == ["t1"]
     assert client.archive_task("t1").status == pb.TASK_ARCHIVED  # again: nothing to do
+    with pytest.raises(IllegalTransition, match="its archive is kept"):
+        client.delete_task("t1", discard_history=True)
     scraped = scrape(registry._running.metrics_port)
     assert scraped.value("baton_tasks_archived_total") == 1
     assert scraped.value("baton_tasks", status="archived") == 1

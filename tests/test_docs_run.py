@@ -253,7 +253,7 @@ def children(pid: int) -> dict[int, str]:
 
 #: the exit status of a transcript's command that fails, by the start of its message
 FAILS = {"baton: <stdin>: not valid JSON": 2, "baton: task 'scan-42' is paused": 4,
-         "baton: cannot delete task 'scan-42'": 4}
+         "baton: cannot delete task 'scan-4": 4}
 #: commands whose rows (or lines) come in no set order: one transaction's claims
 UNORDERED = ("baton claim scan-42 --batch 2", "baton commit-batch")
 PAGE = 48213  # the size of a page in the transcripts
@@ -403,7 +403,7 @@ class Transcripts:
             for task in c.list_tasks():
                 if task.status not in (pb.TASK_CANCELLED, pb.TASK_DELETING):
                     c.cancel_task(task.spec.task_id)
-                c.delete_task(task.spec.task_id)
+                c.delete_task(task.spec.task_id, discard_history=True)
             for agent in c.list_agents():
                 c.close_session(agent.session_id)
             shutil.rmtree(self.data_dir / "staging" / "scan-42", ignore_errors=True)
@@ -449,14 +449,31 @@ class Transcripts:
             assert sorted(claim.file_id for claim in claims) == ["p3", "p4"]
 
     def scan_41(self) -> None:
-        """scan-41, a task with entries dead and entries never claimed."""
+        """scan-41, a task with entries dead (p1 to p3) and entries never claimed."""
         spec = {"task_id": "scan-41", "max_retries": 0, "digest_optional": True,
                 "entries": [{"file_id": f"p{n}", "path": f"p{n}.png"} for n in range(1, 7)]}
         with self.client() as c:
             c.create_task(spec)
             with self.session(c, "render-1") as s:
-                for claim in c.claim_batch("scan-41", 3, session=s):
-                    c.fail("scan-41", claim.file_id, claim.token, "bad scan", session=s)
+                for file_id in ("p1", "p2", "p3"):
+                    claim = c.claim("scan-41", file_id, session=s)
+                    c.fail("scan-41", file_id, claim.token, "bad scan", session=s)
+
+    def p3_p4_verified(self) -> None:
+        """scan-42 fresh, with p3 and p4 written and verified by the watcher."""
+        self.fresh()
+        with self.client() as c, self.session(c, "render-2") as s:
+            for file_id in ("p3", "p4"):
+                claim = c.claim("scan-42", file_id, session=s)
+                data = os.urandom(PAGE)
+                Path(claim.path).parent.mkdir(parents=True, exist_ok=True)
+                Path(claim.path).write_bytes(data)
+                c.commit("scan-42", file_id, claim.token, len(data), blake3_hex(data),
+                         session=s)
+            deadline = time.monotonic() + 30
+            while {c.get_entry("scan-42", f).state for f in ("p3", "p4")} != {pb.VERIFIED}:
+                assert time.monotonic() < deadline, "p3 and p4 never verified"
+                time.sleep(0.05)
 
     def scan_40(self) -> None:
         """scan-40, a task cancelled as a duplicate."""
@@ -584,6 +601,7 @@ PREPARE: dict[str, Callable[[Transcripts], None] | None] = {
     "baton put scan-42 p1 ./p1.png": Transcripts.fresh,
     "baton consume scan-42 --group ocr --wait 300 -o json": None,  # p1, put above
     "baton ack scan-42 p1 --group ocr --token 41": None,  # consumed above
+    "baton consume scan-42 p3 --group ocr -o json > p3.json": Transcripts.p3_p4_verified,
     "baton keepalive 1219809381871707840": Transcripts.a_session,
     "baton watch scan-42": None,  # Transcripts.watch
     "baton requeue scan-42 p2": lambda t: (t.fresh(), t.dead_p2()),

@@ -1,5 +1,6 @@
-"""DeleteTask (`baton task rm`): a task being created or cancelled is removed with every
-key that names it, on a real etcd; anything else is refused and left as it was."""
+"""DeleteTask (`baton task delete`): a task that never ran, or is stuck being created, or
+(asked to discard its history) a cancelled one, is removed with every key that names it,
+on a real etcd; anything else is refused and left as it was."""
 
 from __future__ import annotations
 
@@ -169,7 +170,7 @@ def test_a_cancelled_task_leaves_no_key_and_frees_the_slots(
         assert store.under(store.keys.journal_all("t1"))
 
         client.cancel_task("t1", "wrong input")
-        resp = client.delete_task("t1")
+        resp = client.delete_task("t1", discard_history=True)
 
         assert store.naming("t1") == {}
         assert resp.removed["journal"] >= 6 and resp.removed["entries"] == 5
@@ -198,7 +199,7 @@ def test_claims_left_by_an_interrupted_cancel_are_revoked_with_their_slots(
         store.set_status("t1", "cancelled")
         other = store.naming("t10")
 
-        resp = client.delete_task("t1")
+        resp = client.delete_task("t1", discard_history=True)
 
         assert resp.removed["claims"] == 4 and resp.removed["inflight"] == 4
         assert resp.removed["slots"] == 4
@@ -217,10 +218,12 @@ def test_claims_left_by_an_interrupted_cancel_are_revoked_with_their_slots(
 # --- refusals ---------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("discard_history", [False, True])
 @pytest.mark.parametrize("status", ["active", "paused", "completed"])
-def test_a_task_not_creating_or_cancelled_is_refused_and_unchanged(
-        client: Client, store: Store, status: str) -> None:
-    """An active, paused or completed task is refused (cancel it first); no key changes."""
+def test_a_task_that_ran_and_is_not_cancelled_is_refused_and_unchanged(
+        client: Client, store: Store, status: str, discard_history: bool) -> None:
+    """An active, paused or completed task that ran is refused (cancel it first), even
+    when its history may go; no key changes."""
     client.create_task({"task_id": "t1", "entries": entries("a", "b")})
     with client.open_session("p", ttl=30, slots=2) as s:
         client.claim("t1", "a", session=s)
@@ -230,9 +233,110 @@ def test_a_task_not_creating_or_cancelled_is_refused_and_unchanged(
             store.set_status("t1", "completed")
         before = store.all()
         with pytest.raises(errors.IllegalTransition) as refused:
-            client.delete_task("t1")
+            client.delete_task("t1", discard_history=discard_history)
         assert f"it is {status}" in str(refused.value) and "cancel it first" in str(refused.value)
         assert store.all() == before
+
+
+def test_a_cancelled_task_that_ran_is_kept_unless_its_history_may_go(
+        client: Client, store: Store) -> None:
+    """A cancelled task with history is refused, naming the entry that ran, and left as it
+    was; with discard_history it is deleted."""
+    client.create_task({"task_id": "t1", "entries": entries("a", "b")})
+    with client.open_session("p", ttl=30) as s:
+        claim = client.claim("t1", "b", session=s)
+        client.fail("t1", "b", claim.token, "disk full")
+    client.cancel_task("t1")
+    before = store.all()
+    with pytest.raises(errors.IllegalTransition) as refused:
+        client.delete_task("t1")
+    assert str(refused.value) == (
+        "cannot delete task 't1': it is cancelled and has history (entry 'b' ran; "
+        "`baton log t1` shows it): a task that ran is kept for audit, not deleted; once "
+        "finished it is archived out of etcd (`baton task archive t1`); --discard-history "
+        "deletes a cancelled task with its journal")
+    assert store.all() == before
+    assert client.delete_task("t1", discard_history=True).removed["journal"] == 2
+    assert store.naming("t1") == {}
+
+
+@pytest.mark.parametrize("status", ["active", "paused", "cancelled"])
+def test_a_task_that_never_ran_is_deleted_with_every_key(
+        client: Client, store: Store, small_pages: None, status: str) -> None:
+    """No entry of it was ever claimed: deleted whatever its status; no key names it
+    after, under any prefix; another task is untouched."""
+    client.create_task({"task_id": "t1", "consumers": ["g"],
+                        "entries": [*entries(*(f"f{i:02d}" for i in range(12))),
+                                    {"file_id": "late", "path": "late",
+                                     "depends_on": ["f00"]}]})
+    client.create_task({"task_id": "t10", "entries": entries("f00")})
+    if status == "paused":
+        client.pause_task("t1")
+    if status == "cancelled":
+        client.cancel_task("t1")
+    other = store.naming("t10")
+
+    resp = client.delete_task("t1", "created by mistake")
+
+    assert resp.removed["header"] == 1 and resp.removed["entries"] == 13
+    assert "journal" not in resp.removed
+    assert store.naming("t1") == {}
+    assert store.naming("t10") == other
+    with pytest.raises(errors.NotFound):
+        client.get_task("t1")
+
+
+def test_a_claim_that_commits_first_makes_the_delete_refused(
+        client: Client, store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A claim committing between the delete's look at the journal and its mark wins:
+    the delete, planned again, finds the history and is refused; the claim stands."""
+    client.create_task({"task_id": "t1", "entries": entries("a", "b")})
+    real = Removal._mark_plan
+    claims: list[Any] = []
+    session = client.open_session("p", ttl=30)
+
+    def racing(self: Removal, req: pb.DeleteTaskRequest) -> Any:
+        plan = real(self, req)
+
+        async def claim_first(txn: Any) -> Any:
+            task = await plan(txn)
+            if not claims:  # off the registry's loop, which serves the claim
+                claims.append(await asyncio.to_thread(client.claim, "t1", "a",
+                                                      session=session))
+            return task
+
+        return claim_first
+
+    monkeypatch.setattr(Removal, "_mark_plan", racing)
+    with session:
+        with pytest.raises(errors.IllegalTransition, match="has history"):
+            client.delete_task("t1")
+        assert claims and store.status("t1") == "active"
+        assert client.get_entry("t1", "a").state == pb.WRITING
+
+
+def test_a_claim_racing_the_delete_loses_once_the_task_is_marked(
+        client: Client, store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A claim planned on the active task, the delete applied before it commits: the
+    claim is refused and nothing of the task is left."""
+    from baton_relay.registry.producers import Producers
+
+    client.create_task({"task_id": "t1", "entries": entries("a", "b")})
+    real = Producers._session
+    deleted: list[pb.DeleteTaskResponse] = []
+
+    async def delete_meanwhile(self: Producers, txn: Any, *args: Any) -> Any:
+        slots = await real(self, txn, *args)
+        if not deleted:
+            deleted.append(await asyncio.to_thread(client.delete_task, "t1"))
+        return slots
+
+    monkeypatch.setattr(Producers, "_session", delete_meanwhile)
+    with client.open_session("p", ttl=30) as s, \
+            pytest.raises((errors.TaskNotActive, errors.NotFound)):
+        client.claim("t1", "a", session=s)
+    assert deleted and deleted[0].removed["entries"] == 2
+    assert store.naming("t1") == {}
 
 
 def test_an_unknown_task_is_not_found(client: Client) -> None:
@@ -244,7 +348,7 @@ def test_an_unknown_task_is_not_found(client: Client) -> None:
 # --- twice, and interrupted -------------------------------------------------------------
 
 
-def test_rm_twice_replays_then_finds_nothing(client: Client, store: Store) -> None:
+def test_delete_twice_replays_then_finds_nothing(client: Client, store: Store) -> None:
     """A retried delete (same request id) gets the first reply; a new one is NotFound."""
     client.create_task({"task_id": "t1", "entries": entries("a")})
     client.cancel_task("t1")
@@ -277,7 +381,7 @@ def test_an_interrupted_delete_is_finished_by_the_next(
 
     monkeypatch.setattr(Removal, "_sweep", failing)
     with pytest.raises(errors.Unavailable):
-        client.delete_task("t1")
+        client.delete_task("t1", discard_history=True)
 
     assert store.status("t1") == "deleting"
     assert store.under(store.keys.entries("t1")) == [] and store.under(journal)
@@ -291,7 +395,7 @@ def test_an_interrupted_delete_is_finished_by_the_next(
         client.cancel_task("t1")
 
     down.clear()
-    resp = client.delete_task("t1")
+    resp = client.delete_task("t1", discard_history=True)
     assert resp.removed["header"] == 1 and resp.removed["journal"] >= 2
     assert store.naming("t1") == {}
 
@@ -299,42 +403,60 @@ def test_an_interrupted_delete_is_finished_by_the_next(
 # --- the command line -----------------------------------------------------------------
 
 
-def test_cli_task_rm(registry: Any, client: Client, store: Store) -> None:
-    """`task rm --yes` removes a cancelled task; active is exit 4, unknown exit 5."""
+def test_cli_task_delete(registry: Any, client: Client, store: Store) -> None:
+    """`task delete --yes`: a task that ran is exit 4 until cancelled and its history
+    discarded; unknown is exit 5, also through the old name `task rm`."""
     client.create_task({"task_id": "t1", "entries": entries("a", "b")})
-    active = invoke(registry, "task", "rm", "t1", "--yes")
-    assert active.exit_code == 4 and "cancel it first" in one_error_line(active.stderr)
-    client.cancel_task("t1")
-    done = invoke(registry, "task", "rm", "t1", "--yes", "--reason", "wrong batch")
+    with client.open_session("p", ttl=30) as s:
+        client.claim("t1", "a", session=s)
+        active = invoke(registry, "task", "delete", "t1", "--yes")
+        assert active.exit_code == 4 and "cancel it first" in one_error_line(active.stderr)
+        client.cancel_task("t1")
+    kept = invoke(registry, "task", "delete", "t1", "--yes")
+    assert kept.exit_code == 4 and "--discard-history" in one_error_line(kept.stderr)
+    done = invoke(registry, "task", "delete", "t1", "--yes", "--discard-history",
+                  "--reason", "wrong batch")
     assert done.exit_code == 0, done.output
-    # cancel already took the claimable indexes: the header, entries and open keys remain
-    assert done.stdout.strip() == "removed task t1: 5 keys (header 1, entries 2, open 2)"
+    # cancel already took the claims and the claimable indexes
+    assert done.stdout.strip() == ("removed task t1: 6 keys (header 1, entries 2, journal 1, "
+                                   "open 2)")
     assert store.naming("t1") == {}
     gone = invoke(registry, "task", "rm", "t1", "--yes")
     assert gone.exit_code == 5 and "t1" in one_error_line(gone.stderr)
 
 
-def test_cli_task_rm_json_output(registry: Any, client: Client) -> None:
-    """`task rm -o json` prints the reply: keys removed, by kind, and the last header."""
+def test_cli_task_delete_of_a_task_that_never_ran(registry: Any, client: Client,
+                                                  store: Store) -> None:
+    """An active task nobody claimed from is deleted as it is, no cancel needed."""
+    client.create_task({"task_id": "t1", "entries": entries("a", "b")})
+    done = invoke(registry, "task", "delete", "t1", "-y")
+    assert done.exit_code == 0, done.output
+    assert done.stdout.strip() == ("removed task t1: 7 keys (header 1, entries 2, ready 2, "
+                                   "open 2)")
+    assert store.naming("t1") == {}
+
+
+def test_cli_task_delete_json_output(registry: Any, client: Client) -> None:
+    """`task delete -o json` prints the reply: keys removed, by kind, and the last header."""
     client.create_task({"task_id": "t1", "entries": entries("a")})
     client.cancel_task("t1")
-    data = ok_json(invoke(registry, "task", "rm", "t1", "-y", "-o", "json"))
+    data = ok_json(invoke(registry, "task", "delete", "t1", "-y", "-o", "json"))
     assert data["keys_removed"] == 3 and data["removed"] == {"header": 1, "entries": 1,
                                                               "open": 1}
     assert data["task"]["status"] == "TASK_DELETING"
 
 
-def test_cli_task_rm_asks_on_a_terminal(
+def test_cli_task_delete_asks_on_a_terminal(
         registry: Any, client: Client, store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a terminal, rm asks first: `n` removes nothing (exit 1), `y` removes the task."""
+    """On a terminal, delete asks first: `n` removes nothing (exit 1), `y` removes it."""
     from baton_relay.client.cli import tasks as task_commands
 
     monkeypatch.setattr(task_commands, "interactive", lambda: True)
     client.create_task({"task_id": "t1", "entries": entries("a")})
     client.cancel_task("t1")
-    declined = invoke(registry, "task", "rm", "t1", stdin="n\n")
+    declined = invoke(registry, "task", "delete", "t1", stdin="n\n")
     assert declined.exit_code == 1 and store.status("t1") == "cancelled"
-    accepted = invoke(registry, "task", "rm", "t1", stdin="y\n")
+    accepted = invoke(registry, "task", "delete", "t1", stdin="y\n")
     assert accepted.exit_code == 0 and "removed task t1" in accepted.stdout
     assert store.naming("t1") == {}
 

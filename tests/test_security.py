@@ -144,6 +144,8 @@ def _request(method: str, world: dict[str, Any]) -> Any:
         "Consume": pb.ConsumeRequest(task_id=t, group="default", session_id=sid),
         "Ack": pb.AckRequest(task_id=t, file_id=f, group="default", token=tok),
         "Nack": pb.NackRequest(task_id=t, file_id=f, group="default", token=tok),
+        "AckBatch": pb.AckBatchRequest(acks=[pb.AckRequest(task_id=t, file_id=f,
+                                                           group="default", token=tok)]),
         "Watch": pb.WatchRequest(task_id=t),
         "WatchTasks": pb.WatchTasksRequest(),
         "RegisterWatcher": pb.RegisterWatcherRequest(root="/r", ttl=5),

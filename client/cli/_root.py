@@ -25,6 +25,7 @@ from ._common import (
 #: each command of ``baton`` and the module of ``client.cli`` that defines it
 COMMANDS = {
     "ack": "agents",
+    "ack-batch": "agents",
     "claim": "agents",
     "commit": "agents",
     "commit-batch": "agents",

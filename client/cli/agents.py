@@ -1,5 +1,5 @@
-"""Agent commands: claim, commit, commit-batch, fail, put, consume, ack, nack, sessions,
-watch."""
+"""Agent commands: claim, commit, commit-batch, fail, put, consume, ack, ack-batch, nack,
+sessions, watch."""
 
 from __future__ import annotations
 
@@ -147,10 +147,15 @@ def commit_batch(settings: Settings, commits: IO[bytes], output: str) -> None:
 #: keys of a commit-batch item; ``path`` and ``session`` come along from `claim -o json`
 COMMIT_KEYS = {"task": str, "file_id": str, "token": int, "size": int, "digest": str}
 IGNORED_KEYS = {"path", "session"}
+#: keys of an ack-batch item; the rest of `consume -o json` comes along, ignored
+ACK_KEYS = {"task": str, "file_id": str, "group": str, "token": int}
+ACK_IGNORED_KEYS = {"path", "size", "digest", "session"}
 
 
-def load_commits(source: IO[bytes]) -> list[tuple[str, str, int, int, str]]:
-    """The (task, file_id, token, size, digest) tuples of a commit-batch file."""
+def load_batch(source: IO[bytes], what: str, keys: dict[str, type], defaults: dict[str, Any],
+               ignored: set[str]) -> list[dict[str, Any]]:
+    """The items of a batch file (a non-empty JSON list of objects with ``keys``),
+    checked; ``what`` names an item in errors (``commit``, ``ack``)."""
     name = getattr(source, "name", "<stdin>")
     name = "<stdin>" if name in ("-", "<stdin>") else name
     try:
@@ -158,26 +163,38 @@ def load_commits(source: IO[bytes]) -> list[tuple[str, str, int, int, str]]:
     except ValueError as e:  # not JSON, or not UTF-8
         raise errors.InvalidArgument(f"{name}: not valid JSON: {e}") from None
     if not isinstance(data, list) or not data:
-        raise errors.InvalidArgument(f"{name}: expected a non-empty JSON list of commits")
+        raise errors.InvalidArgument(f"{name}: expected a non-empty JSON list of {what}s")
     out = []
     for i, item in enumerate(data):
-        where = f"{name}: commit [{i}]"
+        where = f"{name}: {what} [{i}]"
         if not isinstance(item, dict):
             raise errors.InvalidArgument(f"{where} is not an object")
-        unknown = sorted(set(item) - set(COMMIT_KEYS) - IGNORED_KEYS)
+        unknown = sorted(set(item) - set(keys) - ignored)
         if unknown:
             raise errors.InvalidArgument(f"{where}: unknown field(s) {', '.join(unknown)}")
-        values: dict[str, Any] = {"digest": ""}
-        for key, kind in COMMIT_KEYS.items():
+        values = dict(defaults)
+        for key, kind in keys.items():
             value = item.get(key, values.get(key))
             # bool is an int to Python, never a token or size to us
             if value is None or not isinstance(value, kind) or isinstance(value, bool):
-                what = "an integer" if kind is int else "a string"
-                raise errors.InvalidArgument(f"{where}: {key} must be {what}")
+                what_kind = "an integer" if kind is int else "a string"
+                raise errors.InvalidArgument(f"{where}: {key} must be {what_kind}")
             values[key] = value
-        out.append((values["task"], values["file_id"], values["token"], values["size"],
-                    values["digest"]))
+        out.append(values)
     return out
+
+
+def load_commits(source: IO[bytes]) -> list[tuple[str, str, int, int, str]]:
+    """The (task, file_id, token, size, digest) tuples of a commit-batch file."""
+    return [(v["task"], v["file_id"], v["token"], v["size"], v["digest"])
+            for v in load_batch(source, "commit", COMMIT_KEYS, {"digest": ""}, IGNORED_KEYS)]
+
+
+def load_acks(source: IO[bytes]) -> list[tuple[str, str, str, int]]:
+    """The (task, file_id, group, token) tuples of an ack-batch file."""
+    return [(v["task"], v["file_id"], v["group"], v["token"])
+            for v in load_batch(source, "ack", ACK_KEYS, {"group": "default"},
+                                ACK_IGNORED_KEYS)]
 
 
 @cli.command()
@@ -299,6 +316,25 @@ def ack(settings: Settings, task_id: str, file_id: str, group: str, token: int,
     The entry is consumed once every one of its groups has acked.
     """
     emit_entry(settings.client().ack(task_id, file_id, group, token), output)
+
+
+@cli.command("ack-batch")
+@click.argument("acks", type=click.File("rb"), metavar="FILE")
+@output_option
+@pass_settings
+def ack_batch(settings: Settings, acks: IO[bytes], output: str) -> None:
+    """Ack many consumed entries in one transaction.
+
+    FILE (- reads stdin) is a JSON list of objects with task, file_id, token and
+    optionally group (default: default); the path, size, digest and session of
+    `consume -o json` are ignored. All are acked or, if one is refused, none.
+    """
+    entries = settings.client().ack_batch(load_acks(acks))
+    if output == "json":
+        emit_json([as_dict(e) for e in entries])
+        return
+    for e in entries:
+        click.echo(entry_summary(e))
 
 
 @cli.command()

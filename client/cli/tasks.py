@@ -1,7 +1,8 @@
-"""Task commands: ``task create|get|ls|pause|resume|cancel|archive|rm`` and ``status``."""
+"""Task commands: ``task create|get|ls|pause|resume|cancel|archive|delete`` and ``status``."""
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 from typing import IO, TYPE_CHECKING, Any
@@ -232,7 +233,7 @@ def task_archive(settings: Settings, task_id: str, reason: str, output: str) -> 
     _control(settings, "archive", task_id, reason, output)
 
 
-#: the order `task rm` reports what it removed in
+#: the order `task delete` reports what it removed in
 REMOVED_KINDS = ("header", "entries", "journal", "ready", "delayed", "waiting", "cready",
                  "open", "dead", "claims", "inflight", "slots")
 
@@ -242,26 +243,31 @@ def interactive() -> bool:
     return sys.stdin.isatty() and sys.stderr.isatty()
 
 
-@task.command("rm")
+@task.command("delete")
 @click.argument("task_id", metavar="TASK")
 @click.option("--reason", default="", help="why; logged by the registry")
+@click.option("--discard-history", is_flag=True,
+              help="also delete a cancelled task that ran, with its journal")
 @click.option("-y", "--yes", is_flag=True, help="do not ask for confirmation")
 @output_option
 @pass_settings
-def task_rm(settings: Settings, task_id: str, reason: str, yes: bool, output: str) -> None:
-    """Remove a task and everything the registry keeps of it.
+def task_delete(settings: Settings, task_id: str, reason: str, discard_history: bool,
+                yes: bool, output: str) -> None:
+    """Delete a task that never ran, and everything the registry keeps of it.
 
-    Only a task being created (say, stuck after an interrupted create) or a
-    cancelled one can be removed: an active, paused or completed task is
-    refused (exit 4); cancel it first. Its entries, indexes, journal, claims
-    (whose slots are freed) and header are deleted; files in the staging
-    directory are left alone. An interrupted rm (the task shows as deleting)
-    finishes when run again. On a terminal it asks first, unless --yes.
+    A task none of whose entries was ever claimed (whatever its status), or one
+    stuck being created, is deleted. A task that ran is refused (exit 4): it is
+    kept for audit; cancel it to stop it. With --discard-history a cancelled
+    task that ran is deleted too, journal and all. Its entries, indexes,
+    journal, claims (whose slots are freed) and header go; files in the
+    staging directory are left alone. An interrupted delete (the task shows as
+    deleting) finishes when run again. On a terminal it asks first, unless
+    --yes. `task rm` is the same command.
     """
     if not yes and interactive():
-        click.confirm(f"Remove task {task_id} with its entries, journal and claims?",
+        click.confirm(f"Delete task {task_id} with its entries, journal and claims?",
                       abort=True, err=True)
-    resp = settings.client().delete_task(task_id, reason)
+    resp = settings.client().delete_task(task_id, reason, discard_history=discard_history)
     if output == "json":
         emit_json(as_dict(resp))
         return
@@ -270,6 +276,12 @@ def task_rm(settings: Settings, task_id: str, reason: str, yes: bool, output: st
     n = resp.keys_removed
     click.echo(f"removed task {task_id}: {n} key{'' if n == 1 else 's'}"
                + (f" ({', '.join(parts)})" if parts else ""))
+
+
+# The earlier name, kept so that scripts written for it go on working; not listed.
+task_rm = copy.copy(task_delete)
+task_rm.hidden = True
+task.add_command(task_rm, "rm")
 
 
 @cli.command()

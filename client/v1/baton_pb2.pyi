@@ -891,19 +891,25 @@ class DeleteTaskRequest(_message.Message):
     TASK_ID_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    DISCARD_HISTORY_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     reason: _builtins.str
     request_id: _builtins.str
+    discard_history: _builtins.bool
+    """A task with history (an entry was ever claimed) is refused unless this is set;
+    it must then be cancelled, and its journal goes with it.
+    """
     def __init__(
         self,
         *,
         task_id: _builtins.str = ...,
         reason: _builtins.str = ...,
         request_id: _builtins.str = ...,
+        discard_history: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "request_id", b"request_id", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["discard_history", b"discard_history", "reason", b"reason", "request_id", b"request_id", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2605,6 +2611,51 @@ class NackResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___NackResponse: _TypeAlias = NackResponse  # noqa: Y015
+
+@_typing.final
+class AckBatchRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACKS_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    @_builtins.property
+    def acks(self) -> _containers.RepeatedCompositeFieldContainer[Global___AckRequest]:
+        """their own request_ids are ignored"""
+
+    def __init__(
+        self,
+        *,
+        acks: _abc.Iterable[Global___AckRequest] | None = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acks", b"acks", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AckBatchRequest: _TypeAlias = AckBatchRequest  # noqa: Y015
+
+@_typing.final
+class AckBatchResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENTRIES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___Entry]: ...
+    def __init__(
+        self,
+        *,
+        entries: _abc.Iterable[Global___Entry] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AckBatchResponse: _TypeAlias = AckBatchResponse  # noqa: Y015
 
 @_typing.final
 class WatchRequest(_message.Message):

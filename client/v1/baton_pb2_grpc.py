@@ -169,6 +169,11 @@ class RegistryStub:
                 request_serializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.NackRequest.SerializeToString,
                 response_deserializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.NackResponse.FromString,
                 _registered_method=True)
+        self.AckBatch = channel.unary_unary(
+                '/baton.v1.Registry/AckBatch',
+                request_serializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.AckBatchRequest.SerializeToString,
+                response_deserializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.AckBatchResponse.FromString,
+                _registered_method=True)
         self.Watch = channel.unary_stream(
                 '/baton.v1.Registry/Watch',
                 request_serializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.WatchRequest.SerializeToString,
@@ -386,6 +391,12 @@ class RegistryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AckBatch(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Watch(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -583,6 +594,11 @@ def add_RegistryServicer_to_server(servicer, server):
                     servicer.Nack,
                     request_deserializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.NackRequest.FromString,
                     response_serializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.NackResponse.SerializeToString,
+            ),
+            'AckBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.AckBatch,
+                    request_deserializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.AckBatchRequest.FromString,
+                    response_serializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.AckBatchResponse.SerializeToString,
             ),
             'Watch': grpc.unary_stream_rpc_method_handler(
                     servicer.Watch,
@@ -1364,6 +1380,33 @@ class Registry:
             '/baton.v1.Registry/Nack',
             baton__relay_dot_client_dot_v1_dot_baton__pb2.NackRequest.SerializeToString,
             baton__relay_dot_client_dot_v1_dot_baton__pb2.NackResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AckBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Registry/AckBatch',
+            baton__relay_dot_client_dot_v1_dot_baton__pb2.AckBatchRequest.SerializeToString,
+            baton__relay_dot_client_dot_v1_dot_baton__pb2.AckBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,
