@@ -35,7 +35,6 @@ import logging
 import os
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict, dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -48,7 +47,7 @@ from ._etcd import Get, empty
 from .claims import need_task
 from .core import Core
 from .manifest import check_id
-from .model import FINISHED, STATES, EntryRecord, TaskRecord, now
+from .model import FINISHED, STATES, EntryRecord, TaskRecord, epoch_of, now
 from .removal import Removal
 from .txn import Txn, write
 
@@ -212,13 +211,6 @@ def _sync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _epoch(stamp: str) -> float:
-    try:
-        return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return 0.0
-
-
 @dataclass(frozen=True)
 class Archived:
     """An archived task as read back: its header, entries (with their revisions) and
@@ -354,7 +346,7 @@ class Archiver:
                 if due:
                     await self.archive(task.task_id)
                     moved += 1
-                elif task.status == "archived" and clock - _epoch(task.archived_at) > (
+                elif task.status == "archived" and clock - epoch_of(task.archived_at) > (
                         self.retention):
                     await self.expire(task.task_id)
             except BatonError as e:  # one task never stops the others
@@ -367,7 +359,7 @@ class Archiver:
         if task.status not in FINISHED or not task.finished_at:
             return False
         after = task.archive_after or self.after
-        return after >= 0 and clock - _epoch(task.finished_at) >= after
+        return after >= 0 and clock - epoch_of(task.finished_at) >= after
 
     async def expire(self, task_id: str) -> None:
         """Delete an archive past the retention, then its header (guarded)."""

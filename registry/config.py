@@ -46,6 +46,8 @@ class RegistryConfig:
     archive_after: float = 86400.0
     archive_retention: float = 90 * 86400.0
     archive_interval: float = 30.0
+    # an entry written for longer is counted (status) and named (explain) as stuck
+    stuck_written_after: float = 600.0
     # watcher shards
     shards: int = DEFAULT_SHARDS
     shard_move_deadline: float = MOVE_DEADLINE
@@ -75,6 +77,8 @@ _HELP = {
     "manifest says (archive_after_seconds); negative = never",
     "archive_retention": "seconds an archive is kept; then it and the task's header go",
     "archive_interval": "seconds between looks for finished tasks due for the archive",
+    "stuck_written_after": "seconds after which an entry committed and not yet verified "
+    "is counted by status and named by explain as stuck (no watcher settled it)",
     "shards": "shards tasks map to, fixed when the first watcher registers (1..4096)",
     "shard_move_deadline": "seconds a watcher has to hand over a shard before it is taken",
     "metrics": "HOST:PORT to serve Prometheus metrics on, at /metrics (empty = off; "

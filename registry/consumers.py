@@ -97,6 +97,7 @@ class Consumers:
             txn.delete(cready_key)
             txn.create(self.keys.claim(ref), value, lease=req.session_id)
             txn.put(self.keys.inflight(ref), value)
+            self.core.arm_deadline(txn, ref, rec.consume_deadline)
             self.core.journal_only(rec, "consuming", txn, who=agent, group=req.group)
             revision = entry_kv.mod_revision
 

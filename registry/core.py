@@ -23,13 +23,14 @@ from baton_relay.client import logs
 from baton_relay.client.errors import BatonError, NotFound
 
 from ._etcd import KV, Etcd
-from .keys import Keys
+from .keys import ClaimRef, Keys
 from .model import CONSUMED, DEAD, PENDING, VERIFIED, EntryRecord, TaskRecord, now
 from .txn import Transactions, Txn
 from .view import View
 
 if TYPE_CHECKING:
     from .archive import Archived, Archiver
+    from .deadlines import Deadlines
 
 log = logging.getLogger("baton.registry")
 
@@ -108,6 +109,10 @@ class Core:
         self.finishing: set[str] = set()
         #: where finished tasks go, and archived ones are read from (None: nowhere)
         self.archive: Archiver | None = None
+        #: claims taken away at their processing deadline (None: not swept here)
+        self.deadlines: Deadlines | None = None
+        #: seconds after which a written entry no watcher verified counts as stuck
+        self.stuck_written_after = 600.0
 
     async def start(self) -> None:
         if self.view is not None:
@@ -163,12 +168,14 @@ class Core:
 
     # the retry path --------------------------------------------------------
 
-    def retry_or_dead(self, rec: EntryRecord, reason: str, token: int = 0) -> None:
+    def retry_or_dead(self, rec: EntryRecord, reason: str, token: int = 0,
+                      event: str = "failed") -> None:
         """Send an entry back to ``pending`` (retry_count + 1, after a backoff) or ``dead``.
 
-        The caller's ``put_entry`` writes it, with its index and journal.
+        The caller's ``put_entry`` writes it, with its index and journal (one record of
+        ``event``: ``failed``, or ``deadline`` when a claim ran out of time).
         """
-        rec.remember("failed", reason=reason, who=rec.owner, token=token,
+        rec.remember(event, reason=reason, who=rec.owner, token=token,
                      attempt=rec.retry_count)
         rec.error = reason
         rec.owner, rec.session = "", 0
@@ -258,6 +265,13 @@ class Core:
                          revision=txn.revision, was=was or "new", now=state)
 
         txn.after(emit)
+
+    def arm_deadline(self, txn: Txn, ref: ClaimRef, seconds: float) -> None:
+        """In the transaction making a claim: its processing deadline, ``seconds`` from
+        now (none for 0), which ``deadlines.Deadlines`` enforces."""
+        if seconds > 0:
+            due = int((self.clock() + seconds) * 1000)
+            txn.put(self.keys.deadline(due, ref), b"")
 
     def journal_only(self, rec: EntryRecord, event: str, txn: Txn, **details: Any) -> None:
         """A journal record for an event that leaves the entry itself untouched

@@ -18,6 +18,8 @@ Layout under the prefix (default ``/baton/v1/``)::
     claims/c/{task}/{group}/{file}     leased consume-claim    (lease = agent session)
     inflight/p/{task}/{file}           durable twin of a claim; same create revision
     inflight/c/{task}/{group}/{file}   durable twin of a consume-claim
+    deadlines/{due}/p/{task}/{file}    a claim's processing deadline (epoch ms), written with
+    deadlines/{due}/c/{task}/{group}/{file}  the claim: same create revision
     agents/{session}                   leased agent session
     watchers/{watcher}                 leased watcher registration (its capacity, draining)
     shards/{n}                         owner and epoch of shard n (docs/architecture.md)
@@ -196,6 +198,18 @@ class Keys:
         if parts[0] == "c" and len(parts) == 4:
             return ClaimRef("c", parts[1], parts[3], group=parts[2])
         raise ValueError(f"not a claim key: {key!r}")
+
+    # processing deadlines
+    def deadline(self, due_ms: int, ref: ClaimRef) -> bytes:
+        return self._k("deadlines", f"{due_ms:015d}", *self._ref_parts(ref))
+
+    def deadlines(self) -> bytes:
+        return self._k("deadlines", "")
+
+    def parse_deadline(self, key: bytes) -> tuple[int, ClaimRef]:
+        """(due, in epoch ms; the claim) of a deadline key."""
+        due, _, rest = key[len(self.deadlines()):].partition(b"/")
+        return int(due), self._parse_ref(rest, b"")
 
     # sessions and request outcomes
     def agent(self, session_id: int) -> bytes:

@@ -13,6 +13,7 @@ Limits (documented in docs/cli.md, "The manifest"):
   cycle can cross tasks); it may be long (a dependent with hundreds of dependencies
   is released like one with a few)
 - ``priority`` 0..9; ``aging_seconds`` 0..86400; backoff values ≥ 0, cap ≤ 86400
+- ``claim_deadline_seconds``, ``consume_deadline_seconds`` (task and entries) 0..a week
 - ``parts`` name other entries of the task, each once; a part belongs to one
   assembly only; an assembly has no ``depends_on`` and is not itself a part; an
   assembly may have hundreds of parts
@@ -30,6 +31,7 @@ that a 20,000-character path makes a readable error, not one gRPC cannot carry.
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -52,6 +54,8 @@ DEFAULT_MAX_RETRIES = 3
 DEFAULT_GROUP = "default"
 
 ID_RE = re.compile(ID_PATTERN)
+#: the longest processing deadline a manifest may set: a week
+MAX_DEADLINE = 7 * 86400.0
 DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -258,6 +262,13 @@ def validate(spec: pb.TaskSpec) -> ValidTask:
         problems.append(f"priority {spec.priority} not within 0..9")
     if not 0 <= spec.aging_seconds <= 86400:
         problems.append(f"aging_seconds {spec.aging_seconds} not within 0..86400")
+    for where, obj in [("the task", spec), *((f"entry {shown(e.file_id)}", e)
+                                            for e in spec.entries)]:
+        for name in ("claim_deadline_seconds", "consume_deadline_seconds"):
+            value = getattr(obj, name)
+            if not (math.isfinite(value) and 0 <= value <= MAX_DEADLINE):
+                problems.append(f"{where}: {name} {value} not within 0..{MAX_DEADLINE:.0f} "
+                                "(0: none)")
     b = spec.backoff
     if min(b.base_seconds, b.factor, b.cap_seconds) < 0 or b.cap_seconds > 86400:
         problems.append("backoff values must be ≥ 0 and cap_seconds ≤ 86400")
@@ -329,6 +340,8 @@ def validate(spec: pb.TaskSpec) -> ValidTask:
             producers=access.producers_of(spec.access, e.path, e.producers),
             digest_optional=spec.digest_optional,
             routing=bool(rules) and e.file_id not in owner,
+            claim_deadline=e.claim_deadline_seconds or spec.claim_deadline_seconds,
+            consume_deadline=e.consume_deadline_seconds or spec.consume_deadline_seconds,
         )
         for e in spec.entries
     ]

@@ -339,6 +339,11 @@ class RegistryMetrics:
                                     value=1 if view.ready else 0)
             yield GaugeMetricFamily("baton_sessions", "Agent sessions open (the view's "
                                     "mirror)", value=view.session_count())
+        deadlines = sources.core.deadlines
+        if deadlines is not None:
+            yield CounterMetricFamily(
+                "baton_claims_expired", "Claims this replica took away at their processing "
+                "deadline (claim_deadline, consume_deadline)", value=deadlines.expired)
         archive = sources.core.archive
         if archive is not None:
             yield CounterMetricFamily(

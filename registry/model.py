@@ -46,7 +46,6 @@ _TASK_STATUS_PB = {
 FINISHED = ("completed", "cancelled")
 
 
-
 def _iso(epoch: float) -> str:
     return datetime.fromtimestamp(epoch, UTC).isoformat(timespec="milliseconds").replace(
         "+00:00", "Z")
@@ -55,6 +54,14 @@ def _iso(epoch: float) -> str:
 def now() -> str:
     """UTC timestamp, RFC 3339 with milliseconds: every record uses this form."""
     return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def epoch_of(stamp: str) -> float:
+    """A timestamp as :func:`now` writes it, in epoch seconds (0 if empty or not one)."""
+    try:
+        return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return 0.0
 
 
 def _load(cls: type[Any], raw: bytes) -> Any:
@@ -131,6 +138,9 @@ class EntryRecord:
     #: and [] while unrouted or when no rule held (then every consumer group)
     rule: int = -1
     routed_to: list[str] = field(default_factory=list)
+    #: processing deadlines (seconds; 0: none): claim to commit, consume to ack
+    claim_deadline: float = 0.0
+    consume_deadline: float = 0.0
 
     @classmethod
     def load(cls, raw: bytes) -> EntryRecord:
@@ -216,6 +226,8 @@ class EntryRecord:
             attributes=self.attributes,
             routing_rule=self.rule if self.rule >= 0 else None,
             routed_to=self.routed_to,
+            claim_deadline_seconds=self.claim_deadline,
+            consume_deadline_seconds=self.consume_deadline,
         )
 
 

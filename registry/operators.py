@@ -30,6 +30,7 @@ from .model import (
     WRITTEN,
     EntryRecord,
     TaskRecord,
+    epoch_of,
     now,
 )
 from .txn import Txn, write
@@ -328,9 +329,18 @@ class Operators:
                 ttl = await self.core.etcd.time_to_live(claim.lease)
                 s.append(f"Agent {claim_holder(claim)} is producing it under token "
                          f"{claim.create_revision}; its lease has {ttl}s left.")
+                if rec.claim_deadline:
+                    s.append(f"Its claim is taken away if not committed within "
+                             f"{rec.claim_deadline:g} s of the claim (claim_deadline).")
         elif rec.state == WRITTEN:
             s.append(f"The producer committed {rec.size} bytes; it waits for a watcher to "
                      "hash the file and confirm the digest.")
+            waited = self.core.clock() - epoch_of(rec.updated_at)
+            if epoch_of(rec.updated_at) and waited > self.core.stuck_written_after:
+                s.append(f"It has waited {waited / 60:.0f} min, longer than "
+                         f"{self.core.stuck_written_after / 60:g}: it is stuck. Is a "
+                         "watcher running, owning the task's shard (`baton shard ls`), and "
+                         "able to see the file on its host?")
         elif rec.state == VERIFIED:
             waiting = [g for g in rec.receivers if g not in rec.consumed_by]
             held = []

@@ -72,6 +72,7 @@ class Producers:
         value = claim_value(slots.agent, session_id, slot, caller.name)
         txn.create(self.keys.claim(ref), value, lease=session_id)
         txn.create(self.keys.inflight(ref), value)
+        self.core.arm_deadline(txn, ref, rec.claim_deadline)
         self.core.put_entry(rec, txn)
 
     async def _session(self, txn: Txn, task_id: str, session_id: int, caller: Caller) -> Slots:

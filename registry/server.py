@@ -26,6 +26,7 @@ from ._etcd import Etcd, EtcdAuth
 from .archive import Archiver, DirectoryStore
 from .config import RegistryConfig, load_config
 from .core import Core, every
+from .deadlines import Deadlines
 from .keys import Keys
 from .metrics import RegistryMetrics
 from .scheduler import Scheduler
@@ -118,6 +119,7 @@ async def start(config: RegistryConfig) -> Running:
     await etcd.connect()
     version = await etcd.status()
     core = Core(etcd, Keys(config.prefix), config.staging)
+    core.stuck_written_after = config.stuck_written_after
     if config.archive_dir:
         core.archive = Archiver(core, DirectoryStore(config.archive_dir), config.archive_after,
                                 config.archive_retention)
@@ -163,6 +165,9 @@ async def start(config: RegistryConfig) -> Running:
     assigner = Assigner(shards, config.reap_interval)
     background = [asyncio.create_task(reaper.run(stop)), asyncio.create_task(scheduler.run(stop)),
                   asyncio.create_task(assigner.run(stop))]
+    core.deadlines = Deadlines(core)
+    background.append(asyncio.create_task(
+        every(config.reap_interval, stop, core.deadlines.sweep, "deadlines")))
     if core.archive is not None:
         background.append(asyncio.create_task(
             every(config.archive_interval, stop, core.archive.sweep, "archiver")))

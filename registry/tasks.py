@@ -28,8 +28,10 @@ from .model import (
     PENDING,
     STATE_FROM_PB,
     STATES,
+    WRITTEN,
     EntryRecord,
     TaskRecord,
+    epoch_of,
     now,
 )
 from .txn import Txn, write
@@ -228,9 +230,12 @@ class Tasks:
         by_group = dict.fromkeys(record.consumers, 0)
         states: dict[str, str] = {}
         pending_deps: list[EntryRecord] = []
+        stuck_before = self.core.clock() - self.core.stuck_written_after
+        stuck = 0
         async for kv in self._entries(task_id):
             rec = EntryRecord.load(kv.value)
             counts[rec.state] += 1
+            stuck += rec.state == WRITTEN and 0 < epoch_of(rec.updated_at) < stuck_before
             states[rec.file_id] = rec.state
             for group in rec.consumed_by:
                 by_group[group] = by_group.get(group, 0) + 1
@@ -241,6 +246,7 @@ class Tasks:
         task = record.to_pb(states=counts)
         task.consumed_by_group.update(by_group)
         task.blocked = blocked
+        task.stuck_written = stuck
         task.open, task.dead = await self._progress(task_id)
         return task
 

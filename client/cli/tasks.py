@@ -293,8 +293,9 @@ def status(settings: Settings, task_id: str, entries: bool, output: str) -> None
     """Count a task's entries per state and per consumer group.
 
     Per group: entries it acked out of those it has to ack. Blocked entries
-    are pending ones with a dead dependency (or part). With --entries, also
-    one row per entry: owner, retries, size, digest, error.
+    are pending ones with a dead dependency (or part); stuck ones were committed
+    longer ago than the registry's --stuck-written-after and no watcher verified
+    them. With --entries, also one row per entry: owner, retries, size, digest, error.
     """
     client = settings.client()
     t = client.get_task(task_id)
@@ -305,6 +306,7 @@ def status(settings: Settings, task_id: str, entries: bool, output: str) -> None
         data: dict[str, Any] = {
             "task": task_id, "status": status_name(t.status), "status_reason": t.status_reason,
             "entries_total": t.entry_count, "states": counts, "blocked": t.blocked,
+            "stuck_written": t.stuck_written,
             "done": t.entry_count - t.open,
             "groups": {g: {"consumed": n, "total": total} for g, (n, total) in groups.items()},
         }
@@ -320,6 +322,8 @@ def status(settings: Settings, task_id: str, entries: bool, output: str) -> None
         summary.add_row(s, str(n))
         if s == "pending" and t.blocked:
             summary.add_row("  blocked", str(t.blocked))
+        if s == "written" and t.stuck_written:
+            summary.add_row("  stuck", str(t.stuck_written))
     summary.add_row("total", str(t.entry_count), style="bold")
     emit_table(summary)
     by_group = Table("consumer group", "consumed")

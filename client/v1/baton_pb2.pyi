@@ -127,6 +127,8 @@ class EntrySpec(_message.Message):
     PRIORITY_FIELD_NUMBER: _builtins.int
     PARTS_FIELD_NUMBER: _builtins.int
     PRODUCERS_FIELD_NUMBER: _builtins.int
+    CLAIM_DEADLINE_SECONDS_FIELD_NUMBER: _builtins.int
+    CONSUME_DEADLINE_SECONDS_FIELD_NUMBER: _builtins.int
     file_id: _builtins.str
     """[A-Za-z0-9._-], unique within the task"""
     path: _builtins.str
@@ -139,6 +141,12 @@ class EntrySpec(_message.Message):
     """unset = the task's default"""
     priority: _builtins.int
     """0..9, higher first; unset = the task's default"""
+    claim_deadline_seconds: _builtins.float
+    """Processing deadlines, in seconds (0: the task's; unset there: none): from a
+    producer's claim to its commit, and from a consume to its ack. Past one, the
+    claim is taken away (retry path) or the entry goes back to its group.
+    """
+    consume_deadline_seconds: _builtins.float
     @_builtins.property
     def depends_on(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """file ids of the same task"""
@@ -175,10 +183,12 @@ class EntrySpec(_message.Message):
         priority: _builtins.int | None = ...,
         parts: _abc.Iterable[_builtins.str] | None = ...,
         producers: _abc.Iterable[_builtins.str] | None = ...,
+        claim_deadline_seconds: _builtins.float = ...,
+        consume_deadline_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "max_retries", b"max_retries", "priority", b"priority"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "consumers", b"consumers", "depends_on", b"depends_on", "expected_digest", b"expected_digest", "expected_size", b"expected_size", "file_id", b"file_id", "labels", b"labels", "max_retries", b"max_retries", "parts", b"parts", "path", b"path", "priority", b"priority", "producers", b"producers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "claim_deadline_seconds", b"claim_deadline_seconds", "consume_deadline_seconds", b"consume_deadline_seconds", "consumers", b"consumers", "depends_on", b"depends_on", "expected_digest", b"expected_digest", "expected_size", b"expected_size", "file_id", b"file_id", "labels", b"labels", "max_retries", b"max_retries", "parts", b"parts", "path", b"path", "priority", b"priority", "producers", b"producers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_retries: _TypeAlias = _typing.Literal["max_retries"]  # noqa: Y015
     _WhichOneofArgType__max_retries: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries"]  # noqa: Y015
@@ -358,6 +368,8 @@ class TaskSpec(_message.Message):
     DIGEST_OPTIONAL_FIELD_NUMBER: _builtins.int
     ARCHIVE_AFTER_SECONDS_FIELD_NUMBER: _builtins.int
     ROUTING_RULES_FIELD_NUMBER: _builtins.int
+    CLAIM_DEADLINE_SECONDS_FIELD_NUMBER: _builtins.int
+    CONSUME_DEADLINE_SECONDS_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     schema_version: _builtins.int
     """0 means the current version (1)"""
@@ -377,6 +389,9 @@ class TaskSpec(_message.Message):
     """Seconds after the task finished (completed or cancelled) that it is archived
     out of etcd (0: the registry's --archive-after; negative: never).
     """
+    claim_deadline_seconds: _builtins.float
+    """Processing deadlines of its entries (seconds; 0: none), as in EntrySpec."""
+    consume_deadline_seconds: _builtins.float
     @_builtins.property
     def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___EntrySpec]: ...
     @_builtins.property
@@ -412,10 +427,12 @@ class TaskSpec(_message.Message):
         digest_optional: _builtins.bool = ...,
         archive_after_seconds: _builtins.float = ...,
         routing_rules: _abc.Iterable[Global___RoutingRule] | None = ...,
+        claim_deadline_seconds: _builtins.float = ...,
+        consume_deadline_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "access", b"access", "backoff", b"backoff", "max_retries", b"max_retries", "priority", b"priority"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "access", b"access", "aging_seconds", b"aging_seconds", "archive_after_seconds", b"archive_after_seconds", "backoff", b"backoff", "consumers", b"consumers", "digest_optional", b"digest_optional", "entries", b"entries", "labels", b"labels", "max_retries", b"max_retries", "priority", b"priority", "routing_rules", b"routing_rules", "schema_version", b"schema_version", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "access", b"access", "aging_seconds", b"aging_seconds", "archive_after_seconds", b"archive_after_seconds", "backoff", b"backoff", "claim_deadline_seconds", b"claim_deadline_seconds", "consume_deadline_seconds", b"consume_deadline_seconds", "consumers", b"consumers", "digest_optional", b"digest_optional", "entries", b"entries", "labels", b"labels", "max_retries", b"max_retries", "priority", b"priority", "routing_rules", b"routing_rules", "schema_version", b"schema_version", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_retries: _TypeAlias = _typing.Literal["max_retries"]  # noqa: Y015
     _WhichOneofArgType__max_retries: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries"]  # noqa: Y015
@@ -514,6 +531,7 @@ class Task(_message.Message):
     ARCHIVED_AT_FIELD_NUMBER: _builtins.int
     ARCHIVE_FIELD_NUMBER: _builtins.int
     FINISHED_AT_FIELD_NUMBER: _builtins.int
+    STUCK_WRITTEN_FIELD_NUMBER: _builtins.int
     status: Global___TaskStatus.ValueType
     staging_dir: _builtins.str
     """absolute, on the registry's staging root"""
@@ -534,6 +552,10 @@ class Task(_message.Message):
     archive: _builtins.str
     finished_at: _builtins.str
     """when it completed or was cancelled"""
+    stuck_written: _builtins.int
+    """Entries written (committed) longer ago than the registry's --stuck-written-after
+    and not verified: no watcher has settled them (GetTask only).
+    """
     @_builtins.property
     def spec(self) -> Global___TaskSpec:
         """entries omitted in listings"""
@@ -564,10 +586,11 @@ class Task(_message.Message):
         archived_at: _builtins.str = ...,
         archive: _builtins.str = ...,
         finished_at: _builtins.str = ...,
+        stuck_written: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["archive", b"archive", "archived_at", b"archived_at", "blocked", b"blocked", "consumed_by_group", b"consumed_by_group", "created_at", b"created_at", "dead", b"dead", "entry_count", b"entry_count", "finished_at", b"finished_at", "manifest_digest", b"manifest_digest", "open", b"open", "spec", b"spec", "staging_dir", b"staging_dir", "states", b"states", "status", b"status", "status_reason", b"status_reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["archive", b"archive", "archived_at", b"archived_at", "blocked", b"blocked", "consumed_by_group", b"consumed_by_group", "created_at", b"created_at", "dead", b"dead", "entry_count", b"entry_count", "finished_at", b"finished_at", "manifest_digest", b"manifest_digest", "open", b"open", "spec", b"spec", "staging_dir", b"staging_dir", "states", b"states", "status", b"status", "status_reason", b"status_reason", "stuck_written", b"stuck_written"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -623,6 +646,8 @@ class Entry(_message.Message):
     ATTRIBUTES_FIELD_NUMBER: _builtins.int
     ROUTING_RULE_FIELD_NUMBER: _builtins.int
     ROUTED_TO_FIELD_NUMBER: _builtins.int
+    CLAIM_DEADLINE_SECONDS_FIELD_NUMBER: _builtins.int
+    CONSUME_DEADLINE_SECONDS_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     file_id: _builtins.str
     path: _builtins.str
@@ -658,6 +683,9 @@ class Entry(_message.Message):
     """The task's routing rule (index) that decided which groups receive it; unset
     while not verified, when no rule held, or when the task has none.
     """
+    claim_deadline_seconds: _builtins.float
+    """0: none"""
+    consume_deadline_seconds: _builtins.float
     @_builtins.property
     def consumers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -705,10 +733,12 @@ class Entry(_message.Message):
         attributes: _builtins.str = ...,
         routing_rule: _builtins.int | None = ...,
         routed_to: _abc.Iterable[_builtins.str] | None = ...,
+        claim_deadline_seconds: _builtins.float = ...,
+        consume_deadline_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_routing_rule", b"_routing_rule", "routing_rule", b"routing_rule"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_routing_rule", b"_routing_rule", "abs_path", b"abs_path", "assembly", b"assembly", "attributes", b"attributes", "blocked", b"blocked", "consumed_by", b"consumed_by", "consumers", b"consumers", "consuming", b"consuming", "depends_on", b"depends_on", "digest", b"digest", "error", b"error", "file_id", b"file_id", "max_retries", b"max_retries", "not_before", b"not_before", "owner", b"owner", "parts", b"parts", "path", b"path", "priority", b"priority", "retry_count", b"retry_count", "revision", b"revision", "routed_to", b"routed_to", "routing_rule", b"routing_rule", "size", b"size", "state", b"state", "task_id", b"task_id", "token", b"token", "updated_at", b"updated_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_routing_rule", b"_routing_rule", "abs_path", b"abs_path", "assembly", b"assembly", "attributes", b"attributes", "blocked", b"blocked", "claim_deadline_seconds", b"claim_deadline_seconds", "consume_deadline_seconds", b"consume_deadline_seconds", "consumed_by", b"consumed_by", "consumers", b"consumers", "consuming", b"consuming", "depends_on", b"depends_on", "digest", b"digest", "error", b"error", "file_id", b"file_id", "max_retries", b"max_retries", "not_before", b"not_before", "owner", b"owner", "parts", b"parts", "path", b"path", "priority", b"priority", "retry_count", b"retry_count", "revision", b"revision", "routed_to", b"routed_to", "routing_rule", b"routing_rule", "size", b"size", "state", b"state", "task_id", b"task_id", "token", b"token", "updated_at", b"updated_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__routing_rule: _TypeAlias = _typing.Literal["routing_rule"]  # noqa: Y015
     _WhichOneofArgType__routing_rule: _TypeAlias = _typing.Literal["_routing_rule", b"_routing_rule"]  # noqa: Y015
