@@ -152,7 +152,9 @@ async def start(config: RegistryConfig) -> Running:
     stop = asyncio.Event()
     reaper = Reaper(core, config.reap_interval)
     scheduler = Scheduler(core, config.reap_interval)
-    background = [asyncio.create_task(reaper.run(stop)), asyncio.create_task(scheduler.run(stop))]
+    service.leases.interval = config.reap_interval
+    background = [asyncio.create_task(reaper.run(stop)), asyncio.create_task(scheduler.run(stop)),
+                  asyncio.create_task(service.leases.run(stop))]
     log.info("registry on port %d (%s), etcd %s (v%s), prefix %s, staging %s", port,
              "mutual TLS" if certificates else "plaintext, --insecure", config.etcd,
              version, config.prefix, config.staging)

@@ -1,6 +1,6 @@
 """The ``baton`` command group and the console-script entry point.
 
-The commands live in four modules (agents, ops, stack, tasks); a command's module
+The commands live in modules (agents, leases, ops, pkicmd, stack, tasks, top); a command's module
 is imported when the command is looked up, so ``baton claim`` never loads what
 ``baton up`` or ``baton status`` need. :data:`COMMANDS` says where each one is.
 """
@@ -34,7 +34,8 @@ COMMANDS = {
     "put": "agents",
     "release": "agents",
     "watch": "agents",
-    "agents": "ops",
+    "agents": "leases",
+    "lease": "leases",
     "cert": "pkicmd",
     "explain": "ops",
     "log": "ops",
