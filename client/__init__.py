@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from . import errors
     from ._client import Claim, Client, Lease, Session, parse_manifest
-    from .consumer import Delivery, consume, next_lease, read_verified
+    from .consumer import Delivery, consume, consume_each, next_lease, read_verified
     from .contract import DEFAULT_REGISTRY
-    from .producer import Output, produce, put
+    from .producer import Output, produce, produce_each, put
     from .retry import RetryPolicy
 
 #: each public name and the module that defines it
@@ -37,10 +37,12 @@ _HOME = {
     "parse_manifest": "._client",
     "Delivery": ".consumer",
     "consume": ".consumer",
+    "consume_each": ".consumer",
     "next_lease": ".consumer",
     "read_verified": ".consumer",
     "Output": ".producer",
     "produce": ".producer",
+    "produce_each": ".producer",
     "put": ".producer",
 }
 
@@ -54,10 +56,12 @@ __all__ = [
     "RetryPolicy",
     "Session",
     "consume",
+    "consume_each",
     "errors",
     "next_lease",
     "parse_manifest",
     "produce",
+    "produce_each",
     "put",
     "read_verified",
 ]

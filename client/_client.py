@@ -418,13 +418,15 @@ class Client:
     # sessions --------------------------------------------------------------
 
     def open_session(self, agent: str, ttl: int = 10, *, keepalive: bool = True,
-                     slots: int = 0) -> Session:
+                     slots: int = 0, host: str = "") -> Session:
         """Open an agent session; with ``keepalive`` a thread refreshes it every TTL/3.
 
         ``slots`` caps the claims (producer and consumer) it may hold at once;
-        one more is refused with ``SlotsExhausted`` (0 = no limit).
+        one more is refused with ``SlotsExhausted`` (0 = no limit). ``host`` is the
+        host the session says it runs on, which ``baton lease drain --host`` names
+        (default: this machine's host name; a container may give its node's).
         """
-        req = pb.OpenSessionRequest(agent=agent, ttl=ttl, host=socket.gethostname(),
+        req = pb.OpenSessionRequest(agent=agent, ttl=ttl, host=host or socket.gethostname(),
                                     pid=os.getpid(), version=version(), slots=slots)
         resp = self._call("OpenSession", req)
         session = Session(self, resp.session_id, resp.agent, resp.ttl, keepalive=keepalive)
