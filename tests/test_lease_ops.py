@@ -172,6 +172,8 @@ def test_rotation_under_load_frees_no_claim(registry: RegistryHandle, client: Cl
     paused.stdin.write("commit\n")
     paused.stdin.flush()
     assert json.loads(paused.stdout.readline()) == {"ok": True, "state": pb.WRITTEN}
+    (commit,) = journal_events(client, "p")["committed"]
+    assert commit.token == paused_claim["token"]
     entries = client.list_entries("t")
     assert sorted(e.file_id for e in entries if e.state == pb.CONSUMED) == sorted(claimed)
     assert len(claimed) == n and sorted(acked) == sorted(claimed)
