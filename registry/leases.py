@@ -70,8 +70,9 @@ class Leases:
         self.core = core
         self.keys = core.keys
         self.interval = interval
-        #: claims this replica returned by revoking sessions (for tests and metrics)
+        #: claims this replica returned by revoking sessions, sessions it rotated
         self.returned = 0
+        self.rotated = 0
         self._complain = Complaints("drain sweep")
 
     # choosing sessions ---------------------------------------------------------
@@ -220,6 +221,7 @@ class Leases:
         moved, transactions = await self.move_keys(record)
         old = record.rotating_from
         await self.core.etcd.revoke(old)
+        self.rotated += 1
         log.info("session %x of %s rotated from lease %x to %x (%d keys, %d transactions)",
                  session_id, record.agent, old, record.lease, moved, transactions)
         return pb.RotatedSession(session_id=session_id, old_lease=old, new_lease=record.lease,

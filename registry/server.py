@@ -159,7 +159,7 @@ async def start(config: RegistryConfig) -> Running:
              "mutual TLS" if certificates else "plaintext, --insecure", config.etcd,
              version, config.prefix, config.staging)
     if metrics is not None:
-        metrics.bind(core, reaper, service.sessions)
+        metrics.bind(core, reaper, service.sessions, service.leases)
         log.info("metrics on %s", metrics_url(config.metrics, metrics_port))
     return Running(port, server, etcd, core, reaper, scheduler, health_servicer, stop, background,
                    metrics, metrics_port)
