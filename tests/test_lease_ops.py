@@ -282,7 +282,7 @@ def test_revoke_by_agent_and_by_host(registry: RegistryHandle, client: Client) -
     client.claim("t", "e0002", session=on_host[1])
 
     by_agent = invoke(registry, "lease", "revoke", "--agent", "eater", "--reason", "oom")
-    assert by_agent.exit_code == 0 and "1 claims returned" in by_agent.stdout, by_agent.output
+    assert by_agent.exit_code == 0 and "(claims returned: 1)" in by_agent.stdout, by_agent.output
     with pytest.raises(errors.StaleToken):
         client.ack("t", lease.file_id, "c", lease.token)
     with client.open_session("eater-2", ttl=30) as s:
@@ -394,7 +394,7 @@ def test_drain_cli_waits_for_the_claims_to_go_and_refused_claims_exit_8(
     assert drained.exit_code == 0, drained.output
     assert time.monotonic() - start >= 1.5
     assert drained.stdout.splitlines()[-1] == f"host {here} drained: no claims left"
-    assert "1 claims left on 1 sessions" in drained.stderr
+    assert f"{here}: claims left 1 (sessions 1)" in drained.stderr
     refused = invoke(registry, "claim", "t")
     assert refused.exit_code == 8 and "drained" in one_error_line(refused.stderr)
     assert invoke(registry, "lease", "undrain", "--host", here).exit_code == 0

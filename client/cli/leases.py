@@ -168,8 +168,8 @@ def lease_revoke(settings: Settings, session_id: int | None, agent: str, host: s
                     "claims_returned": s.claims_returned} for s in done])
         return
     for s in done:
-        click.echo(f"session {s.session_id} ({s.agent} on {s.host or '-'}) revoked: "
-                   f"{s.claims_returned} claims returned")
+        click.echo(f"session {s.session_id} ({s.agent} on {s.host or '-'}) revoked (claims "
+                   f"returned: {s.claims_returned})")
     if not done:
         click.echo("no live session matched")
 
@@ -202,8 +202,7 @@ def lease_rotate(settings: Settings, session_id: int | None, every: bool, host: 
         return
     for s in done:
         click.echo(f"session {s.session_id}: lease {s.old_lease} -> {s.new_lease} (ttl "
-                   f"{s.ttl} s; {s.keys_moved} keys moved in {s.transactions} "
-                   f"transaction{'s' if s.transactions != 1 else ''})")
+                   f"{s.ttl} s, keys moved: {s.keys_moved}, transactions: {s.transactions})")
     if not done:
         click.echo("no live session matched")
 
@@ -234,8 +233,8 @@ def lease_drain(settings: Settings, host: str, deadline: int, reason: str,
     """
     client = settings.client()
     reply = client.drain_host(host, deadline, reason)
-    click.echo(f"host {host} draining until {reply.deadline}: {reply.sessions} sessions, "
-               f"{reply.claims} claims")
+    click.echo(f"host {host} draining until {reply.deadline} (sessions {reply.sessions}, "
+               f"claims {reply.claims})")
     if no_wait:
         return
     give_up = time.monotonic() + deadline + SWEEP_GRACE
@@ -246,7 +245,7 @@ def lease_drain(settings: Settings, host: str, deadline: int, reason: str,
         while True:
             sessions, claims = host_claims(client, host)
             if claims != last:
-                text = f"{host}: {claims} claims left on {sessions} sessions"
+                text = f"{host}: claims left {claims} (sessions {sessions})"
                 if console.is_terminal:
                     status.update(text)
                 else:
@@ -281,4 +280,4 @@ class _Quiet:
 def lease_undrain(settings: Settings, host: str) -> None:
     """End a host's drain: its sessions take work again."""
     reply = settings.client().undrain_host(host)
-    click.echo(f"host {host} undrained: {reply.sessions} sessions take work again")
+    click.echo(f"host {host} undrained (sessions taking work again: {reply.sessions})")
