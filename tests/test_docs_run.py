@@ -542,8 +542,13 @@ class Transcripts:
 
     def one_on_scan01(self) -> None:
         """scan01 is this machine (where every session of the transcripts runs), and the
-        archiver has closed its session: ocr-1's session holding p3 and p4 is its one."""
+        archiver has closed its session: ocr-1's session holding p3 and p4 is its one.
+        The replica whose clock runs ahead (dead_p2) is stopped: its sweep would find
+        the drain's deadline passed."""
         self.subs["scan01"] = socket.gethostname()
+        if self.fast is not None:
+            self.fast.stop()
+            self.fast = None
         with self.client() as c:
             for agent in c.list_agents():
                 if agent.agent == "archiver":
