@@ -228,8 +228,9 @@ def run(cfg: RunConfig, say: Callable[[str], None] = print) -> Result:
               for i in range(cfg.producers)]
     agents += [AgentSlot("consumer", len(agents) + i, g, make_agent, histories)
                for i, g in enumerate(g for g in cfg.groups for _ in range(cfg.consumers))]
-    world = World(cluster, registries, watcher, agents, staging, cfg.ttl, rng, driver)
     replicas = Replicas(addresses, tls)
+    world = World(cluster, registries, watcher, agents, staging, cfg.ttl, rng, driver,
+                  operate=replicas.call)
     feeder = Feeder(cfg, replicas, driver, staging)
     started = time.monotonic()
     try:
