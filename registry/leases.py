@@ -214,7 +214,7 @@ class Leases:
         if record.revoked:
             return None
         if not record.rotating_from:
-            begun = await self.begin_rotation(record, ttl or record.ttl)
+            begun = await self.begin_rotation(record, ttl or record.ttl or MIN_TTL)
             if begun is None:
                 return None
             record = begun
