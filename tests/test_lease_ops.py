@@ -17,12 +17,13 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+import blake3
 import pytest
 from registry_fixtures import TEST_RETRY, RegistryHandle, on_etcd
 from test_cli import invoke, ok_json, one_error_line
 from test_leases import wait_for
 
-from baton_relay.client import Client, Session, errors, produce_each
+from baton_relay.client import Client, Session, consume_each, errors, produce_each
 from baton_relay.client.v1 import baton_pb2 as pb
 from baton_relay.registry._etcd import Put
 from baton_relay.registry.claims import SessionRecord
@@ -379,6 +380,32 @@ def test_the_producer_helper_stops_cleanly_when_its_host_drains(
     states = {e.file_id: e.state for e in client.list_entries("t")}
     assert sorted(f for f, st in states.items() if st == pb.WRITTEN) == sorted(done)
     assert len(done) == 3 and list(states.values()).count(pb.PENDING) == 7
+
+
+def test_the_consumer_helper_stops_cleanly_when_its_host_drains(
+        registry: RegistryHandle, client: Client) -> None:
+    """`consume_each` acks the entry in hand, then ends without an error."""
+    client.create_task(manifest("t", 4, consumers=["g"], digest_optional=True))
+    with client.open_session("maker", ttl=10) as s:
+        for c in client.claim_batch("t", 4, session=s):
+            write_file(c.path, b"page")
+            client.commit("t", c.file_id, c.token, 4, session=s)
+            client.report("t", c.file_id, 4, blake3.blake3(b"page").hexdigest())
+    done = []
+    with client.open_session("reader", ttl=10, host="drain-z") as s:
+        for delivery in consume_each(client, s, "t", "g", timeout=5):
+            assert delivery.data == b"page"
+            done.append(delivery.lease.file_id)
+            if len(done) == 2:
+                client.drain_host("drain-z", deadline=60)
+        assert s.draining
+    consumed = [e.file_id for e in client.list_entries("t") if e.state == pb.CONSUMED]
+    assert len(done) == 2 and sorted(consumed) == sorted(done)
+
+
+def write_file(path: str, data: bytes) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_bytes(data)
 
 
 def test_drain_cli_waits_for_the_claims_to_go_and_refused_claims_exit_8(
