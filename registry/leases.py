@@ -220,6 +220,13 @@ class Leases:
             record = begun
         moved, transactions = await self.move_keys(record)
         old = record.rotating_from
+        # A last look before the revoke: etcd's leader answers for the lease's keys, and
+        # may have applied a claim made before the record moved later than the member
+        # that answered the move did. Anything still there moves too.
+        _, left = await self.core.etcd.lease_keys(old)
+        for i in range(0, len(left), MOVE_CHUNK):
+            moved += await self._move(record, left[i:i + MOVE_CHUNK], last=False)
+            transactions += 1
         await self.core.etcd.revoke(old)
         self.rotated += 1
         log.info("session %x of %s rotated from lease %x to %x (%d keys, %d transactions)",
