@@ -118,7 +118,7 @@ class Session:
     def refresh(self) -> int:
         """Refresh the session's lease once and take what the registry says of it
         (its TTL, whether it is draining); the TTL."""
-        reply = self.client._keepalive(self.session_id)
+        reply = self.client.refresh_session(self.session_id)
         if reply.ttl > 0:
             self.ttl = int(reply.ttl)
         if reply.draining:
@@ -435,9 +435,11 @@ class Client:
 
     def keepalive(self, session_id: int) -> int:
         """Refresh a session's lease once; the TTL it now has."""
-        return int(self._keepalive(session_id).ttl)
+        return int(self.refresh_session(session_id).ttl)
 
-    def _keepalive(self, session_id: int) -> pb.KeepAliveResponse:
+    def refresh_session(self, session_id: int) -> pb.KeepAliveResponse:
+        """Refresh a session's lease once; the registry's whole reply: the TTL, and
+        whether the session's host is drained."""
         return self._call("KeepAlive", pb.KeepAliveRequest(session_id=session_id))  # type: ignore[no-any-return]
 
     # leases (operators) ------------------------------------------------------

@@ -344,7 +344,7 @@ def test_drain_refuses_new_work_then_revokes_what_is_left_at_the_deadline(
     late = client.open_session("dx-3", ttl=10, host="drain-x", keepalive=False)
     with pytest.raises(errors.Draining):
         client.consume("t", "default", session=late)
-    assert client._keepalive(late.session_id).draining
+    assert client.refresh_session(late.session_id).draining
     rows = {r["session"]: r for r in ok_json(invoke(registry, "lease", "ls", "-o", "json"))}
     assert rows[str(worker.session_id)]["draining"] is True
     for c in claims[:50]:  # in flight: may finish before the deadline
