@@ -21,9 +21,16 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from . import errors
     from ._client import Claim, Client, Lease, Session, parse_manifest
-    from .consumer import Delivery, consume, iter_parts, next_lease, read_verified
+    from .consumer import (
+        Delivery,
+        consume,
+        consume_each,
+        iter_parts,
+        next_lease,
+        read_verified,
+    )
     from .contract import DEFAULT_REGISTRY
-    from .producer import Output, produce, put
+    from .producer import Output, produce, produce_each, put
     from .retry import RetryPolicy
 
 #: each public name and the module that defines it
@@ -38,10 +45,12 @@ _HOME = {
     "Delivery": ".consumer",
     "consume": ".consumer",
     "iter_parts": ".consumer",
+    "consume_each": ".consumer",
     "next_lease": ".consumer",
     "read_verified": ".consumer",
     "Output": ".producer",
     "produce": ".producer",
+    "produce_each": ".producer",
     "put": ".producer",
 }
 
@@ -55,11 +64,13 @@ __all__ = [
     "RetryPolicy",
     "Session",
     "consume",
+    "consume_each",
     "errors",
     "iter_parts",
     "next_lease",
     "parse_manifest",
     "produce",
+    "produce_each",
     "put",
     "read_verified",
 ]

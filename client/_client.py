@@ -8,7 +8,8 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,6 +92,12 @@ class Session:
     Once the lease is lost (the registry says so, or no refresh succeeded for
     a whole TTL), ``lost`` is set and the client refuses to use the session's
     claims: their fencing tokens may already be dead.
+
+    The registry keeps the session on whichever etcd lease an operator rotated it
+    to; each refresh brings back the TTL the session has now (a rotation may
+    change it), which paces the next ones. ``draining`` turns True when the
+    session's host is drained (a refresh says so, or a claim is refused with
+    ``Draining``): take no new work, finish what is held.
     """
 
     client: Client
@@ -99,9 +106,31 @@ class Session:
     ttl: int
     keepalive: bool = True
     lost: threading.Event = field(default_factory=threading.Event)
+    _draining: threading.Event = field(default_factory=threading.Event)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
     _last_ok: float = field(default_factory=time.monotonic)
+
+    @property
+    def draining(self) -> bool:
+        """Whether the session's host is drained: no new claims or consumes."""
+        return self._draining.is_set()
+
+    def refresh(self) -> int:
+        """Refresh the session's lease once and take what the registry says of it
+        (its TTL, whether it is draining); the TTL."""
+        reply = self.client.refresh_session(self.session_id)
+        if reply.ttl > 0:
+            self.ttl = int(reply.ttl)
+        if reply.draining:
+            self._draining.set()
+        else:
+            self._draining.clear()
+        return int(reply.ttl)
+
+    def drained(self) -> None:
+        """The registry refused new work: the session's host is drained."""
+        self._draining.set()
 
     def start(self) -> None:
         if self.keepalive:
@@ -126,7 +155,7 @@ class Session:
                 # The lease is only known to live for a TTL from when the call was
                 # sent: a reply handled late (the process was paused) proves no more.
                 sent = time.monotonic()
-                self.client.keepalive(self.session_id)
+                self.refresh()
                 self._last_ok = sent
             except SessionExpired:
                 log.warning("session %x lost: lease expired", self.session_id)
@@ -412,13 +441,15 @@ class Client:
     # sessions --------------------------------------------------------------
 
     def open_session(self, agent: str, ttl: int = 10, *, keepalive: bool = True,
-                     slots: int = 0) -> Session:
+                     slots: int = 0, host: str = "") -> Session:
         """Open an agent session; with ``keepalive`` a thread refreshes it every TTL/3.
 
         ``slots`` caps the claims (producer and consumer) it may hold at once;
-        one more is refused with ``SlotsExhausted`` (0 = no limit).
+        one more is refused with ``SlotsExhausted`` (0 = no limit). ``host`` is the
+        host the session says it runs on, which ``baton lease drain --host`` names
+        (default: this machine's host name; a container may give its node's).
         """
-        req = pb.OpenSessionRequest(agent=agent, ttl=ttl, host=socket.gethostname(),
+        req = pb.OpenSessionRequest(agent=agent, ttl=ttl, host=host or socket.gethostname(),
                                     pid=os.getpid(), version=version(), slots=slots)
         resp = self._call("OpenSession", req)
         session = Session(self, resp.session_id, resp.agent, resp.ttl, keepalive=keepalive)
@@ -427,7 +458,38 @@ class Client:
 
     def keepalive(self, session_id: int) -> int:
         """Refresh a session's lease once; the TTL it now has."""
-        return int(self._call("KeepAlive", pb.KeepAliveRequest(session_id=session_id)).ttl)
+        return int(self.refresh_session(session_id).ttl)
+
+    def refresh_session(self, session_id: int) -> pb.KeepAliveResponse:
+        """Refresh a session's lease once; the registry's whole reply: the TTL, and
+        whether the session's host is drained."""
+        return self._call("KeepAlive", pb.KeepAliveRequest(session_id=session_id))  # type: ignore[no-any-return]
+
+    # leases (operators) ------------------------------------------------------
+
+    def revoke_sessions(self, session_id: int = 0, *, agent: str = "", host: str = "",
+                        reason: str = "") -> list[pb.RevokedSession]:
+        """Revoke the session named, or every session of ``agent`` or of ``host``: their
+        claims go back at once without spending a retry, their tokens die."""
+        req = pb.RevokeSessionRequest(session_id=session_id, agent=agent, host=host,
+                                      reason=reason)
+        return list(self._call("RevokeSession", req).sessions)
+
+    def rotate_leases(self, session_id: int = 0, *, every: bool = False, host: str = "",
+                      ttl: int = 0) -> list[pb.RotatedSession]:
+        """Move the session named (every session, those of ``host``) onto a fresh etcd
+        lease, with ``ttl`` (0: its own); claims, tokens and session ids stay."""
+        req = pb.RotateLeaseRequest(session_id=session_id, all=every, host=host, ttl=ttl)
+        return list(self._call("RotateLease", req).sessions)
+
+    def drain_host(self, host: str, deadline: int = 0, reason: str = "") -> pb.DrainHostResponse:
+        """Drain ``host``: its sessions take no new work; what they still hold after
+        ``deadline`` seconds (0: the registry's default) is revoked."""
+        req = pb.DrainHostRequest(host=host, deadline_seconds=deadline, reason=reason)
+        return self._call("DrainHost", req)  # type: ignore[no-any-return]
+
+    def undrain_host(self, host: str) -> pb.UndrainHostResponse:
+        return self._call("UndrainHost", pb.UndrainHostRequest(host=host))  # type: ignore[no-any-return]
 
     def close_session(self, session_id: int) -> None:
         self._call("CloseSession", pb.CloseSessionRequest(session_id=session_id))
@@ -437,15 +499,17 @@ class Client:
     def claim(self, task_id: str, file_id: str = "", *, session: Session | int) -> Claim:
         """Claim an entry (or the next claimable one) for writing."""
         sid = _session_id(session)
-        resp = self._call("Claim", pb.ClaimRequest(task_id=task_id, file_id=file_id,
-                                                   session_id=sid))
+        with _draining(session):
+            resp = self._call("Claim", pb.ClaimRequest(task_id=task_id, file_id=file_id,
+                                                       session_id=sid))
         return Claim(task_id, resp.entry.file_id, resp.token, resp.path, resp.entry, sid)
 
     def claim_batch(self, task_id: str, max_count: int, *, session: Session | int) -> list[Claim]:
         """Claim up to ``max_count`` entries in one transaction (all or nothing)."""
         sid = _session_id(session)
-        resp = self._call("ClaimBatch", pb.ClaimBatchRequest(task_id=task_id, session_id=sid,
-                                                             max=max_count))
+        with _draining(session):
+            resp = self._call("ClaimBatch", pb.ClaimBatchRequest(
+                task_id=task_id, session_id=sid, max=max_count))
         return [Claim(task_id, c.entry.file_id, c.token, c.path, c.entry, sid)
                 for c in resp.claims]
 
@@ -544,7 +608,8 @@ class Client:
         """Take a verified entry (or the next one) for ``group``."""
         sid = _session_id(session)
         req = pb.ConsumeRequest(task_id=task_id, group=group, file_id=file_id, session_id=sid)
-        r = self._call("Consume", req)
+        with _draining(session):
+            r = self._call("Consume", req)
         return Lease(task_id, r.entry.file_id, r.group, r.token, r.path, r.size, r.digest,
                      r.entry, sid)
 
@@ -607,6 +672,17 @@ def _tls_name(target: str) -> str:
     first = rest.lstrip("/").split(",")[0]
     host = first.rpartition(":")[0] if not first.startswith("[") else first[1:].split("]")[0]
     return host.strip("[]")
+
+
+@contextmanager
+def _draining(session: Session | int) -> Iterator[None]:
+    """A ``Draining`` refusal marks the session draining."""
+    try:
+        yield
+    except errors.Draining:
+        if isinstance(session, Session):
+            session.drained()
+        raise
 
 
 def _named_session(session: Session | int) -> int:

@@ -26,7 +26,7 @@ import blake3
 
 from ._client import Client, Lease, Session
 from .contract import assembly_digest
-from .errors import BatonError, ChecksumMismatch, NothingToClaim, Unavailable
+from .errors import BatonError, ChecksumMismatch, Draining, NothingToClaim, Unavailable
 from .producer import Refusal, open_entry_dir
 from .v1 import baton_pb2 as pb
 
@@ -47,7 +47,9 @@ def next_lease(
 
     Waiting is event-driven: a ``Watch`` opened at the current revision is
     started before each attempt, so an entry verified between the attempt and
-    the wait still wakes us. Raises ``NothingToClaim`` when ``timeout`` passes.
+    the wait still wakes us. Raises ``NothingToClaim`` when ``timeout`` passes,
+    and ``Draining`` once the session's host is drained (a keepalive says so
+    while we wait: each wait then lasts at most a third of the session's TTL).
     """
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
@@ -55,7 +57,13 @@ def next_lease(
         if left is not None and left <= 0:
             raise NothingToClaim(f"nothing verified for group {group!r} within {timeout}s",
                                  task_id=task_id, group=group)
-        events = client.watch(task_id, start_revision=-1, timeout=left)
+        wait = left
+        if isinstance(session, Session):
+            if session.draining:
+                raise Draining(f"session {session.session_id:x} is draining: no new work",
+                               session_id=session.session_id)
+            wait = min(left if left is not None else session.ttl, max(session.ttl / 3, 0.5))
+        events = client.watch(task_id, start_revision=-1, timeout=wait)
         try:
             synced = next(events, None)  # SYNCED: the watch is in place
             if synced is None:
@@ -216,3 +224,21 @@ def consume(
                         reason=f"{type(e).__name__}: {e}")
         raise
     client.ack(task_id, lease.file_id, group, lease.token)
+
+
+def consume_each(client: Client, session: Session, task_id: str, group: str = "default",
+                 timeout: float | None = None) -> Iterator[Delivery]:
+    """Consume the group's verified entries one after another: each delivery is
+    yielded, and acked when the loop asks for the next.
+
+    The loop ends, without an error, when none is verified within ``timeout``
+    or once the session's host is drained (``Session.draining``): the entry in
+    hand is acked first, and no new one is taken. Leaving the loop early (``break``,
+    an exception) nacks the entry in hand, as ``consume`` does.
+    """
+    while not session.draining:
+        try:
+            with consume(client, session, task_id, group, timeout) as delivery:
+                yield delivery
+        except (NothingToClaim, Draining):
+            return

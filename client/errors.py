@@ -146,6 +146,16 @@ class SessionExpired(BatonError):
     exit_code = 4
 
 
+class Draining(BatonError):
+    """The session's host is drained (``baton lease drain``): it takes no new claims
+    or consume leases; those it holds may still be committed, failed, acked or
+    nacked until the drain's deadline (``session_id``, ``host``). An agent's cue to
+    finish what it holds and stop."""
+
+    code = _Code("FAILED_PRECONDITION")
+    exit_code = 8
+
+
 class TaskNotActive(BatonError):
     """The task is being created, paused, cancelled or completed."""
 
@@ -223,6 +233,7 @@ _BY_NAME: dict[str, type[BatonError]] = {
         StaleToken,
         NotShardOwner,
         SessionExpired,
+        Draining,
         TaskNotActive,
         SlotsExhausted,
         ChecksumMismatch,

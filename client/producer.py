@@ -26,7 +26,7 @@ import blake3
 
 from ._client import Attributes, Claim, Client, Session
 from .contract import TEMP_MARKER
-from .errors import BatonError, InvalidArgument
+from .errors import BatonError, Draining, InvalidArgument, NothingToClaim
 from .v1 import baton_pb2 as pb
 
 #: random bytes in a temp file's name (hex-encoded): 64 bits nobody can guess
@@ -224,6 +224,23 @@ def produce(
             os.close(parent)
     out.entry = client.commit(task_id, claim.file_id, claim.token, out.size, out.digest,
                               attributes=out.attributes)
+
+
+def produce_each(client: Client, session: Session, task_id: str) -> Iterator[Output]:
+    """Claim the task's entries one after another: each output is yielded to be
+    written, and published and committed when the loop asks for the next.
+
+    The loop ends, without an error, when nothing is left to claim or once the
+    session's host is drained (``Session.draining``): the entry in hand is
+    committed first, and no new one is claimed. Leaving the loop early (``break``,
+    an exception) fails the entry in hand, as ``produce`` does.
+    """
+    while not session.draining:
+        try:
+            with produce(client, session, task_id) as out:
+                yield out
+        except (NothingToClaim, Draining):
+            return
 
 
 def put(client: Client, session: Session | int, task_id: str, file_id: str,

@@ -762,6 +762,15 @@ class Etcd:
         return int(resp.TTL)
 
     @_request("lease")
+    async def lease_keys(self, lease_id: int) -> tuple[int, list[bytes]]:
+        """Seconds left on a lease (-1 if it does not exist) and every key attached to
+        it, as etcd's lessor knows them (one reply: a lease holds what one session
+        holds)."""
+        resp = await self._unary(self._pick().lease.LeaseTimeToLive,
+                                 rpc.LeaseTimeToLiveRequest(ID=lease_id, keys=True))
+        return int(resp.TTL), [bytes(k) for k in resp.keys]
+
+    @_request("lease")
     async def revoke(self, lease_id: int) -> None:
         try:
             await self._unary(self._pick().lease.LeaseRevoke, rpc.LeaseRevokeRequest(ID=lease_id))

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import dataclass
+from typing import Any
 
 from baton_relay.client.errors import (
+    Draining,
     InvalidArgument,
     NotFound,
     PermissionDenied,
@@ -20,15 +23,90 @@ from baton_relay.client.v1 import baton_pb2 as pb
 from ._etcd import KV
 from .identity import ANONYMOUS, Caller
 from .keys import Keys
-from .model import EntryRecord, TaskRecord
+from .model import EntryRecord, TaskRecord, now
 from .txn import Txn
 
 
 def claim_value(agent: str, session: int, slot: int = -1, identity: str = "") -> bytes:
-    value: dict[str, object] = {"agent": agent, "session": session, "slot": slot}
+    """A claim key's value: who holds it, under which session (the claim's lease is the
+    session's lease of the moment, which a rotation changes), which slot, since when."""
+    value: dict[str, object] = {"agent": agent, "session": session, "slot": slot,
+                                "at": now()}
     if identity:
         value["identity"] = identity
     return json.dumps(value).encode()
+
+
+def _json(kv: KV | None) -> dict[str, Any]:
+    if kv is None:
+        return {}
+    try:
+        data = json.loads(kv.value)
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def claim_session(claim: KV) -> int:
+    """The session a claim (or its twin) names in its value (0: none named)."""
+    try:
+        return int(_json(claim).get("session", 0) or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+def claimed_at(claim: KV) -> str:
+    """When a claim was made (its value says; "" for a claim from before it did)."""
+    return str(_json(claim).get("at", ""))
+
+
+@dataclass(frozen=True)
+class SessionRecord:
+    """An agent session's record (``agents/{session}``) as read: its id comes from the
+    key, its lease of the moment from the key's lease."""
+
+    session_id: int
+    lease: int
+    info: dict[str, Any]
+
+    @classmethod
+    def of(cls, kv: KV, session_id: int) -> SessionRecord:
+        return cls(session_id, kv.lease, _json(kv))
+
+    @property
+    def agent(self) -> str:
+        return str(self.info.get("agent", "")) or "?"
+
+    @property
+    def host(self) -> str:
+        return str(self.info.get("host", ""))
+
+    @property
+    def ttl(self) -> int:
+        return int(self.info.get("ttl", 0) or 0)
+
+    @property
+    def draining(self) -> bool:
+        return bool(self.info.get("draining"))
+
+    @property
+    def revoked(self) -> bool:
+        return bool(self.info.get("revoked"))
+
+    @property
+    def rotating_from(self) -> int:
+        """The old lease of a rotation under way (0: none): it still holds keys."""
+        return int(self.info.get("rotating_from", 0) or 0)
+
+    @property
+    def leases(self) -> list[int]:
+        """Every lease holding keys of the session now (two during a rotation)."""
+        return [self.lease] + ([self.rotating_from] if self.rotating_from else [])
+
+    def with_info(self, **changes: Any) -> bytes:
+        """The record's value with ``changes`` (a value of None removes the field)."""
+        info = {**self.info, **changes}
+        return json.dumps({k: v for k, v in info.items() if v is not None}).encode()
 
 
 def identity_of(kv: KV | None) -> str:
@@ -52,7 +130,7 @@ def check_owner(caller: Caller, kv: KV | None, what: str) -> None:
 
 def check_claim_session(claim: KV, session_id: int, what: str) -> None:
     """A token call that names its session must name the one holding the claim."""
-    if session_id and claim.lease != session_id:
+    if session_id and claim_session(claim) != session_id:
         raise PermissionDenied(f"{what} is held by another session than {session_id:x}",
                                session_id=session_id)
 
@@ -100,12 +178,22 @@ def check_tokens_live(kv: KV | None, task_id: str, what: str, token: int) -> Non
                          task_id=task_id, token=token, status=task.status)
 
 
-def need_session(kv: KV | None, session_id: int) -> str:
-    """The agent name of a session a read returned; ``SessionExpired`` if none."""
+def need_session(kv: KV | None, session_id: int) -> SessionRecord:
+    """The record of a session a read returned, for a call that takes new work:
+    ``SessionExpired`` if none (or an operator is revoking it), ``Draining`` if its
+    host is drained. Both come from the record the claim reads anyway."""
     if kv is None:
         raise SessionExpired(f"session {session_id:x} has expired or never existed",
                              session_id=session_id)
-    return claim_holder(kv) or "?"
+    record = SessionRecord.of(kv, session_id)
+    if record.revoked:
+        raise SessionExpired(f"session {session_id:x} is being revoked by an operator",
+                             session_id=session_id)
+    if record.draining:
+        raise Draining(f"session {session_id:x} of {record.agent} is on drained host "
+                       f"{record.host!r}: it takes no new work (claims held may finish)",
+                       session_id=session_id, host=record.host)
+    return record
 
 
 class Slots:
@@ -116,17 +204,19 @@ class Slots:
     can never both take the last slot.
     """
 
-    def __init__(self, keys: Keys, session: KV, used: list[KV]) -> None:
+    def __init__(self, keys: Keys, session: SessionRecord, used: list[KV]) -> None:
         self.keys = keys
-        self.session_id = session.lease
-        self.agent = claim_holder(session)
-        self.limit = int(json.loads(session.value).get("slots", 0) or 0)
+        self.session_id = session.session_id
+        #: the session's lease now, which its new keys are attached to
+        self.lease = session.lease
+        self.agent = session.agent
+        self.limit = int(session.info.get("slots", 0) or 0)
         self.taken = {int(kv.key.rsplit(b"/", 1)[-1]) for kv in used}
 
     @classmethod
-    async def read(cls, txn: Txn, keys: Keys, session: KV) -> Slots:
-        limit = int(json.loads(session.value).get("slots", 0) or 0)
-        used = await txn.scan(keys.slots(session.lease)) if limit > 0 else []
+    async def read(cls, txn: Txn, keys: Keys, session: SessionRecord) -> Slots:
+        limit = int(session.info.get("slots", 0) or 0)
+        used = await txn.scan(keys.slots(session.session_id)) if limit > 0 else []
         return cls(keys, session, used)
 
     @property
@@ -144,19 +234,18 @@ class Slots:
                 f"agent {self.agent} holds {self.limit} claims already (its slot limit); "
                 "finish one first", session_id=self.session_id, slots=self.limit)
         n = rng.choice(free)
-        txn.create(self.keys.slot(self.session_id, n), b"", lease=self.session_id)
+        txn.create(self.keys.slot(self.session_id, n), b"", lease=self.lease)
         self.taken.add(n)  # later claims of the same transaction (a batch) take others
         return n
 
 
 def release_slot(keys: Keys, claim: KV, txn: Txn) -> None:
-    """Free the slot a claim holds (its value names it), in the caller's transaction."""
-    try:
-        info = json.loads(claim.value)
-    except ValueError:
-        return
-    if int(info.get("slot", -1)) >= 0 and claim.lease:
-        txn.delete(keys.slot(claim.lease, int(info["slot"])))
+    """Free the slot a claim holds (its value names session and slot), in the caller's
+    transaction."""
+    info = _json(claim)
+    session = claim_session(claim)
+    if int(info.get("slot", -1)) >= 0 and session:
+        txn.delete(keys.slot(session, int(info["slot"])))
 
 
 def check_session_id(session_id: int) -> None:

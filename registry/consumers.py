@@ -60,11 +60,11 @@ class Consumers:
             task_kv, agent_kv = await txn.get_many([self.keys.task(req.task_id),
                                                     self.keys.agent(req.session_id)])
             task = need_task(task_kv, req.task_id, active=True)  # paused: no new leases
-            agent = need_session(agent_kv, req.session_id)
+            record = need_session(agent_kv, req.session_id)
+            agent = record.agent
             check_owner(caller, agent_kv, f"session {req.session_id:x}")
             check_consumer(caller, req.task_id, req.group, consumers_of(task.access, req.group))
-            assert agent_kv is not None
-            slots = await Slots.read(txn, self.keys, agent_kv)
+            slots = await Slots.read(txn, self.keys, record)
             if req.file_id:
                 entry_kv, cready = await txn.get_many([
                     self.keys.entry(req.task_id, req.file_id),
@@ -95,7 +95,7 @@ class Consumers:
             slot = slots.take(txn, self.core.rng)
             value = claim_value(agent, req.session_id, slot, caller.name)
             txn.delete(cready_key)
-            txn.create(self.keys.claim(ref), value, lease=req.session_id)
+            txn.create(self.keys.claim(ref), value, lease=record.lease)
             txn.put(self.keys.inflight(ref), value)
             self.core.arm_deadline(txn, ref, rec.consume_deadline)
             self.core.journal_only(rec, "consuming", txn, who=agent, group=req.group)

@@ -55,6 +55,10 @@ POLICY: Mapping[str, frozenset[str]] = {
     "ArchiveTask": frozenset({OPERATOR}),
     "Requeue": frozenset({OPERATOR}),
     "ListAgents": frozenset({OPERATOR}),
+    "RevokeSession": frozenset({OPERATOR}),
+    "RotateLease": frozenset({OPERATOR}),
+    "DrainHost": frozenset({OPERATOR}),
+    "UndrainHost": frozenset({OPERATOR}),
     # sessions and claims; an operator may close any session (``baton release``)
     "OpenSession": frozenset({AGENT}),
     "KeepAlive": frozenset({AGENT}),

@@ -14,18 +14,30 @@ Layout under the prefix (default ``/baton/v1/``)::
     dead/{task}/{file}                 index: entry is dead
     journal/{task}/{file}/{seq}        one record per transition, same transaction
     slots/{session}/{n}                leased: one of the session's claim slots
-    claims/p/{task}/{file}             leased producer claim   (lease = agent session)
-    claims/c/{task}/{group}/{file}     leased consume-claim    (lease = agent session)
+    claims/p/{task}/{file}             leased producer claim   (lease = the session's)
+    claims/c/{task}/{group}/{file}     leased consume-claim    (lease = the session's)
     inflight/p/{task}/{file}           durable twin of a claim; same create revision
     inflight/c/{task}/{group}/{file}   durable twin of a consume-claim
     deadlines/{due}/p/{task}/{file}    a claim's processing deadline (epoch ms), written with
     deadlines/{due}/c/{task}/{group}/{file}  the claim: same create revision
-    agents/{session}                   leased agent session
+    agents/{session}                   leased agent session record (JSON)
+    drains/{host}                      a drained host: {deadline, by, reason}
     watchers/{watcher}                 leased watcher registration (its capacity, draining)
     shards/{n}                         owner and epoch of shard n (docs/architecture.md)
     shardmap                           how many shards the deployment's tasks map to
     requests/{request_id}              outcome of a mutating call, for retries (leased,
                                        10 min; a new lease every 15 s)
+
+A session's id is the id of the first etcd lease it had; ``baton lease rotate``
+moves it onto another lease, so the key ``agents/{session}`` stays while its lease
+changes. The record's lease (``kv.lease``) is the session's lease now: every key
+of the session (record, claims, slots) is attached to it, and a claim names its
+session in its value (``session``), never through its lease. The record holds
+agent, host, pid, version, ttl, slots, opened_at, identity, and while something
+is under way: ``rotating_from`` (the old lease of a rotation moving keys in
+chunks; both leases are kept alive until it is cleared), ``draining`` (the host
+is drained: no new claims) and ``revoked`` ({by, reason}: an operator revokes
+it; nothing more is handed to it while its claims go back).
 
 A claim key and its inflight twin are written by the same transaction, so both
 carry the same create revision: that revision is the fencing token. When the
@@ -217,6 +229,16 @@ class Keys:
 
     def agents(self) -> bytes:
         return self._k("agents", "")
+
+    def session_of(self, key: bytes) -> int:
+        """The session id an ``agents/`` key names."""
+        return int(self.last_segment(key), 16)
+
+    def drain(self, host: str) -> bytes:
+        return self._k("drains", host)
+
+    def drains(self) -> bytes:
+        return self._k("drains", "")
 
     # watchers and shards
     def watcher(self, watcher_id: str) -> bytes:

@@ -50,6 +50,7 @@ from .model import TaskRecord
 
 if TYPE_CHECKING:
     from .core import Core
+    from .leases import Leases
     from .sessions import Reaper, Sessions
     from .shards import Shards
 
@@ -128,6 +129,7 @@ class _Sources:
     reaper: Reaper | None
     sessions: Sessions | None
     shards: Shards | None = None
+    leases: Leases | None = None
 
 
 class RegistryMetrics:
@@ -245,10 +247,11 @@ class RegistryMetrics:
     # what is read and computed when scraped ---------------------------------------
 
     def bind(self, core: Core, reaper: Reaper | None = None,
-             sessions: Sessions | None = None, shards: Shards | None = None) -> None:
-        """Read what ``core`` (its transactions, its view), ``reaper``, ``sessions`` and
-        ``shards`` count, and compute the levels from them, when scraped."""
-        self._sources = _Sources(core, reaper, sessions, shards)
+             sessions: Sessions | None = None, shards: Shards | None = None,
+             leases: Leases | None = None) -> None:
+        """Read what ``core`` (its transactions, its view), ``reaper``, ``sessions``,
+        ``shards`` and ``leases`` count, and compute the levels from them, when scraped."""
+        self._sources = _Sources(core, reaper, sessions, shards, leases)
 
     async def refresh(self) -> None:
         """Compute the levels: tasks by status (the view, else etcd) at every scrape,
@@ -328,6 +331,14 @@ class RegistryMetrics:
             yield CounterMetricFamily(
                 "baton_sessions_closed", "Sessions closed by CloseSession on this replica "
                 "(their leases revoked)", value=sources.sessions.closed)
+        if sources.leases is not None:
+            yield CounterMetricFamily(
+                "baton_claims_revoked", "Claims this replica gave back by revoking their "
+                "sessions (lease revoke, a drain's deadline): no retry spent",
+                value=sources.leases.returned)
+            yield CounterMetricFamily(
+                "baton_leases_rotated", "Sessions this replica moved onto a fresh lease "
+                "(lease rotate)", value=sources.leases.rotated)
         view = sources.core.view
         if view is not None:
             yield CounterMetricFamily(

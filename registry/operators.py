@@ -15,7 +15,16 @@ from baton_relay.client.v1 import baton_pb2 as pb
 
 from . import access
 from ._etcd import KV, Get
-from .claims import claim_holder, entry_replay, need_entry, need_task, release_slot
+from .claims import (
+    SessionRecord,
+    claim_holder,
+    claim_session,
+    claimed_at,
+    entry_replay,
+    need_entry,
+    need_task,
+    release_slot,
+)
 from .core import Core
 from .identity import Caller
 from .keys import ClaimRef
@@ -327,8 +336,9 @@ class Operators:
                          "back for a retry within a moment.")
             else:
                 ttl = await self.core.etcd.time_to_live(claim.lease)
-                s.append(f"Agent {claim_holder(claim)} is producing it under token "
-                         f"{claim.create_revision}; its lease has {ttl}s left.")
+                s.append(f"Agent {claim_holder(claim)} (session {claim_session(claim)}) is "
+                         f"producing it under token {claim.create_revision}; its lease has "
+                         f"{ttl}s left.")
                 if rec.claim_deadline:
                     s.append(f"Its claim is taken away if not committed within "
                              f"{rec.claim_deadline:g} s of the claim (claim_deadline).")
@@ -387,16 +397,17 @@ class Operators:
         """Every live session with the claims it holds (both listings read a page at a
         time; every claim is in the answer, so the claims are held by session)."""
         by_session: dict[int, list[pb.ClaimInfo]] = {}
-        claims = self.core.etcd.scan(self.keys.claims_all(), page=LIST_PAGE, keys_only=True)
+        claims = self.core.etcd.scan(self.keys.claims_all(), page=LIST_PAGE)
         async with contextlib.aclosing(claims):
             async for kv in claims:
                 try:
                     ref = self.keys.parse_claim(kv.key)
                 except ValueError:
                     continue
-                by_session.setdefault(kv.lease, []).append(pb.ClaimInfo(
+                # By the session the claim names: its lease changes with a rotation.
+                by_session.setdefault(claim_session(kv), []).append(pb.ClaimInfo(
                     task_id=ref.task_id, file_id=ref.file_id, group=ref.group,
-                    token=kv.create_revision))
+                    token=kv.create_revision, claimed_at=claimed_at(kv)))
         sessions: list[KV] = []
         pages = self.core.etcd.scan(self.keys.agents(), page=LIST_PAGE)
         async with contextlib.aclosing(pages):
@@ -407,18 +418,15 @@ class Operators:
         async def agent(kv: KV) -> pb.AgentInfo:
             async with gate:
                 ttl = await self.core.etcd.time_to_live(kv.lease)
-            try:
-                info = json.loads(kv.value)
-                if not isinstance(info, dict):
-                    raise ValueError("not an object")
-            except ValueError:
-                info = {}
+            record = SessionRecord.of(kv, self.keys.session_of(kv.key))
+            info = record.info
             return pb.AgentInfo(
-                session_id=kv.lease, agent=str(info.get("agent", "")),
-                host=str(info.get("host", "")), pid=_int(info.get("pid")),
+                session_id=record.session_id, agent=str(info.get("agent", "")),
+                host=record.host, pid=_int(info.get("pid")),
                 ttl_left=max(ttl, 0), granted_ttl=_int(info.get("ttl")),
-                slots=_int(info.get("slots")), claims=by_session.get(kv.lease, []),
-                opened_at=str(info.get("opened_at", "")),
+                slots=_int(info.get("slots")), claims=by_session.get(record.session_id, []),
+                opened_at=str(info.get("opened_at", "")), lease_id=kv.lease,
+                draining=record.draining,
             )
 
         return pb.ListAgentsResponse(agents=await asyncio.gather(*map(agent, sessions)))

@@ -70,21 +70,22 @@ class Producers:
         rec.observed, rec.error, rec.not_before = None, "", 0.0
         rec.remember("claimed", who=slots.agent, attempt=rec.retry_count)
         value = claim_value(slots.agent, session_id, slot, caller.name)
-        txn.create(self.keys.claim(ref), value, lease=session_id)
+        txn.create(self.keys.claim(ref), value, lease=slots.lease)
         txn.create(self.keys.inflight(ref), value)
         self.core.arm_deadline(txn, ref, rec.claim_deadline)
         self.core.put_entry(rec, txn)
 
     async def _session(self, txn: Txn, task_id: str, session_id: int, caller: Caller) -> Slots:
-        """The task must hand out work and the session must live, and be the caller's:
-        both pinned."""
+        """The task must hand out work and the session must live, take work (not
+        drained, not being revoked) and be the caller's: both pinned. Pinning the
+        record also pins the session's lease: a rotation meanwhile makes this plan
+        again on the new lease."""
         task_kv, agent_kv = await txn.get_many([self.keys.task(task_id),
                                                 self.keys.agent(session_id)])
         need_task(task_kv, task_id, active=True)
-        need_session(agent_kv, session_id)
+        record = need_session(agent_kv, session_id)
         check_owner(caller, agent_kv, f"session {session_id:x}")
-        assert agent_kv is not None
-        return await Slots.read(txn, self.keys, agent_kv)
+        return await Slots.read(txn, self.keys, record)
 
     async def claim(self, req: pb.ClaimRequest, caller: Caller) -> pb.ClaimResponse:
         self._busy[req.task_id] = self._busy.get(req.task_id, 0) + 1

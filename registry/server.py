@@ -163,8 +163,10 @@ async def start(config: RegistryConfig) -> Running:
     reaper = Reaper(core, config.reap_interval)
     scheduler = Scheduler(core, config.reap_interval)
     assigner = Assigner(shards, config.reap_interval)
+    service.leases.interval = config.reap_interval
     background = [asyncio.create_task(reaper.run(stop)), asyncio.create_task(scheduler.run(stop)),
-                  asyncio.create_task(assigner.run(stop))]
+                  asyncio.create_task(assigner.run(stop)),
+                  asyncio.create_task(service.leases.run(stop))]
     core.deadlines = Deadlines(core)
     background.append(asyncio.create_task(
         every(config.reap_interval, stop, core.deadlines.sweep, "deadlines")))
@@ -175,7 +177,7 @@ async def start(config: RegistryConfig) -> Running:
              "mutual TLS" if certificates else "plaintext, --insecure", config.etcd,
              version, config.prefix, config.staging)
     if metrics is not None:
-        metrics.bind(core, reaper, service.sessions, shards)
+        metrics.bind(core, reaper, service.sessions, shards, service.leases)
         log.info("metrics on %s", metrics_url(config.metrics, metrics_port))
     return Running(port, server, etcd, core, reaper, scheduler, health_servicer, stop, background,
                    assigner, metrics, metrics_port)

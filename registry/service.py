@@ -31,6 +31,7 @@ from baton_relay.client.v1 import baton_pb2_grpc as pb_grpc
 from .consumers import Consumers
 from .core import Core
 from .identity import Caller, authorize, caller_of, current, redact, scoped_request_id
+from .leases import Leases
 from .manifest import check_id
 from .operators import Operators
 from .producers import Producers
@@ -173,6 +174,7 @@ class RegistryService(pb_grpc.RegistryServicer):
         self.sessions = Sessions(core)
         self.operators = Operators(core)
         self.removal = Removal(core)
+        self.leases = Leases(core)
 
     @unary
     async def CreateTask(self, request: pb.CreateTaskRequest) -> pb.CreateTaskResponse:
@@ -240,6 +242,23 @@ class RegistryService(pb_grpc.RegistryServicer):
     @unary
     async def ListAgents(self, request: pb.ListAgentsRequest) -> pb.ListAgentsResponse:
         return await self.operators.agents()
+
+    @unary
+    async def RevokeSession(self, request: pb.RevokeSessionRequest,
+                            ) -> pb.RevokeSessionResponse:
+        return await self.leases.revoke(request, current())
+
+    @unary
+    async def RotateLease(self, request: pb.RotateLeaseRequest) -> pb.RotateLeaseResponse:
+        return await self.leases.rotate(request)
+
+    @unary
+    async def DrainHost(self, request: pb.DrainHostRequest) -> pb.DrainHostResponse:
+        return await self.leases.drain(request, current())
+
+    @unary
+    async def UndrainHost(self, request: pb.UndrainHostRequest) -> pb.UndrainHostResponse:
+        return await self.leases.undrain(request)
 
     @unary
     async def OpenSession(self, request: pb.OpenSessionRequest) -> pb.Session:

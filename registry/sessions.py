@@ -13,11 +13,11 @@ from baton_relay.client.errors import BatonError, InvalidArgument, SessionExpire
 from baton_relay.client.v1 import baton_pb2 as pb
 
 from ._etcd import KV
-from .claims import check_owner, claim_holder
+from .claims import SessionRecord, check_owner, claim_holder, claim_session
 from .core import Core, Gate, every
 from .identity import Caller
 from .keys import ClaimRef
-from .manifest import check_id
+from .manifest import ID_RE, check_id
 from .model import VERIFIED, WRITING, EntryRecord, now
 from .scheduler import Complaints
 from .txn import Txn, write
@@ -46,14 +46,20 @@ class Sessions:
         if not 0 <= req.slots <= 10_000:
             raise InvalidArgument(f"slots {req.slots} not within 0..10000 (0 = no limit)")
         lease, granted = await self.core.etcd.grant(ttl)
-        info = {"agent": req.agent, "host": req.host, "pid": req.pid, "version": req.version,
-                "ttl": granted, "slots": req.slots, "opened_at": now()}
+        info: dict[str, object] = {
+            "agent": req.agent, "host": req.host, "pid": req.pid, "version": req.version,
+            "ttl": granted, "slots": req.slots, "opened_at": now()}
         if caller.name:
             info["identity"] = caller.name
-        key, value = self.keys.agent(lease), json.dumps(info).encode()
+        key = self.keys.agent(lease)  # the first lease's id is the session's for good
 
         async def plan(txn: Txn) -> None:
-            txn.create(key, value, lease=lease)  # a fresh lease: its key cannot exist yet
+            # A session opened on a drained host opens draining; the drain key is
+            # pinned, so a drain committed meanwhile makes this plan again.
+            drained = bool(ID_RE.match(req.host)) and (
+                await txn.get(self.keys.drain(req.host)) is not None)
+            value = {**info, "draining": True} if drained else info
+            txn.create(key, json.dumps(value).encode(), lease=lease)  # a fresh lease
 
         try:
             await write(self.core.txns, plan)
@@ -77,29 +83,51 @@ class Sessions:
         return kv
 
     async def keepalive(self, req: pb.KeepAliveRequest, caller: Caller) -> pb.KeepAliveResponse:
+        """Refresh the session's lease, the one its record is on now (and, while a
+        rotation moves its keys, the old one too), so an agent follows a rotation
+        without knowing. A session being revoked is refused: it is lost."""
         if req.session_id <= 0:
             raise InvalidArgument("keepalive needs a session_id")
-        check_owner(caller, await self._record(req.session_id), f"session {req.session_id:x}")
-        ttl = await self.core.etcd.keepalive(req.session_id)
+        kv = await self._record(req.session_id)
+        check_owner(caller, kv, f"session {req.session_id:x}")
+        ttl = await self._refresh(SessionRecord.of(kv, req.session_id))
+        if ttl <= 0:
+            # The view may still show a lease a rotation (on another replica) has
+            # just left: ask etcd which lease the session is on now.
+            fresh = await self.core.etcd.get(self.keys.agent(req.session_id))
+            if fresh is not None and fresh.lease != kv.lease:
+                kv = fresh
+                ttl = await self._refresh(SessionRecord.of(kv, req.session_id))
         if ttl <= 0:
             raise SessionExpired(f"session {req.session_id:x} has expired",
                                  session_id=req.session_id)
-        return pb.KeepAliveResponse(ttl=ttl)
+        record = SessionRecord.of(kv, req.session_id)
+        return pb.KeepAliveResponse(ttl=ttl, draining=record.draining)
+
+    async def _refresh(self, record: SessionRecord) -> int:
+        """Refresh every lease of the session; the TTL of the one it is on (0: gone)."""
+        if record.revoked:
+            raise SessionExpired(f"session {record.session_id:x} is being revoked by an "
+                                 "operator", session_id=record.session_id)
+        if record.rotating_from:
+            await self.core.etcd.keepalive(record.rotating_from)
+        return await self.core.etcd.keepalive(record.lease)
 
     async def close(self, req: pb.CloseSessionRequest,
                     caller: Caller) -> pb.CloseSessionResponse:
         """Revoke a session's lease: its own identity may, and any operator."""
         if req.session_id <= 0:
             raise InvalidArgument("close needs a session_id")
+        try:
+            kv = await self._record(req.session_id)
+        except SessionExpired:
+            return pb.CloseSessionResponse()  # closing a closed session changes nothing
         if not caller.operator:
-            try:
-                record = await self._record(req.session_id)
-            except SessionExpired:
-                return pb.CloseSessionResponse()  # closing a closed session changes nothing
-            check_owner(caller, record, f"session {req.session_id:x}")
+            check_owner(caller, kv, f"session {req.session_id:x}")
         else:
             log.info("session %x closed by operator %s", req.session_id, caller.name)
-        await self.core.etcd.revoke(req.session_id)
+        for lease in SessionRecord.of(kv, req.session_id).leases:
+            await self.core.etcd.revoke(lease)
         self.closed += 1
         return pb.CloseSessionResponse()
 
@@ -196,7 +224,8 @@ class Reaper:
                 rec = EntryRecord.load(kv.value)
                 if ref.kind == "p" and rec.state == WRITING:
                     self.core.retry_or_dead(
-                        rec, f"lease of agent {holder} lost (token {token})", token=token)
+                        rec, f"lease of agent {holder} (session {claim_session(twin):x}) "
+                        f"lost (token {token})", token=token)
                     self.core.put_entry(rec, txn)
                 elif (ref.kind == "c" and rec.state == VERIFIED
                       and ref.group not in rec.consumed_by):

@@ -202,20 +202,21 @@ def test_explain_pending_writing_and_dead(registry: Any) -> None:
 # --- agents and slots -------------------------------------------------------------------
 
 
-def test_agents_lists_a_session_with_its_claim(registry: Any) -> None:
-    """`agents` shows the claiming session: agent, slots used/limit, its claim and TTL."""
+def test_lease_show_lists_a_session_with_its_claim(registry: Any) -> None:
+    """`lease ls` (`agents`) shows the claiming session; `lease show` its slots and claim."""
     create(registry, MANIFEST)
     claimed = ok_json(invoke(registry, "claim", "t1", "--agent", "ops-1", "--slots", "3",
                              "--ttl", "120", "-o", "json"))
-    agents = ok_json(invoke(registry, "agents", "-o", "json"))
-    (mine,) = [a for a in agents if a["session_id"] == claimed["session"]]
-    assert mine["agent"] == "ops-1" and mine["slots"] == 3 and mine["granted_ttl"] == 120
+    rows = ok_json(invoke(registry, "agents", "-o", "json"))
+    (mine,) = [a for a in rows if a["session"] == claimed["session"]]
+    assert mine["agent"] == "ops-1" and mine["ttl"] == 120 and mine["claims"] == 1
     assert 0 < mine["ttl_left"] <= 120
-    assert mine["claims"] == [{"task_id": "t1", "file_id": "a", "group": "",
-                               "token": claimed["token"]}]
-    row = table_rows(invoke(registry, "agents").stdout)[claimed["session"]]
-    assert row[1] == "ops-1" and row[3] == "1/3"
-    assert row[4] == f"t1/a  token {claimed['token']}"
+    shown = ok_json(invoke(registry, "lease", "show", claimed["session"], "-o", "json"))
+    assert shown["slots"] == 3
+    assert [(c["task"], c["file_id"], c["kind"], c["token"]) for c in shown["claims"]] == [
+        ("t1", "a", "produce", claimed["token"])]
+    row = table_rows(invoke(registry, "lease", "ls").stdout)[claimed["session"]]
+    assert row[1] == "ops-1" and row[6] == "1"
 
 
 def test_slot_limit_refuses_one_claim_too_many(registry: Any, client: Client) -> None:
@@ -226,25 +227,24 @@ def test_slot_limit_refuses_one_claim_too_many(registry: Any, client: Client) ->
         with pytest.raises(errors.SlotsExhausted) as refused:
             client.claim("t1", session=session)
         assert refused.value.exit_code == 3
-        mine = [a for a in ok_json(invoke(registry, "agents", "-o", "json"))
-                if a["session_id"] == str(session.session_id)]
-        assert [(a["slots"], [c["file_id"] for c in a["claims"]]) for a in mine] == [
-            (1, [first.file_id])]
+        mine = ok_json(invoke(registry, "lease", "show", str(session.session_id), "-o",
+                              "json"))
+        assert (mine["slots"], [c["file_id"] for c in mine["claims"]]) == (1, [first.file_id])
         # Committing frees the slot for the next claim.
         client.commit("t1", first.file_id, first.token, 0, EMPTY)
         assert client.claim("t1", session=session).file_id != first.file_id
 
 
 def test_consume_takes_a_slot_limit(registry: Any, client: Client) -> None:
-    """`consume --slots N` opens its session with that limit, as `agents` shows."""
+    """`consume --slots N` opens its session with that limit, as `lease show` shows."""
     create(registry, MANIFEST)
     produce_verified(client, "t1", "a")
     lease = ok_json(invoke(registry, "consume", "t1", "--slots", "2", "-o", "json"))
-    (mine,) = [a for a in ok_json(invoke(registry, "agents", "-o", "json"))
-               if a["session_id"] == lease["session"]]
+    mine = ok_json(invoke(registry, "lease", "show", lease["session"], "-o", "json"))
     assert mine["slots"] == 2
-    assert mine["claims"] == [{"task_id": "t1", "file_id": "a", "group": "default",
-                               "token": lease["token"]}]
+    assert [(c["task"], c["file_id"], c["kind"], c["group"], c["token"])
+            for c in mine["claims"]] == [("t1", "a", "consume default", "default",
+                                          lease["token"])]
 
 
 def test_claim_batch_beyond_the_slot_limit_is_not_an_internal_error(registry: Any) -> None:

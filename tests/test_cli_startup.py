@@ -102,7 +102,7 @@ def test_the_process_ends_with_its_status_and_all_its_output() -> None:
     assert shown.stdout.startswith("Usage: baton [OPTIONS] COMMAND [ARGS]...")
     # the last sentence of the help: all of it reached the pipe
     assert " ".join(shown.stdout.split()).endswith(
-        "7 permission denied (the identity's role or the task's access rules).")
+        "8 the session's host is drained (no new work).")
     usage = subprocess.run([sys.executable, "-m", "baton_relay.client.cli", "claim"],
                            capture_output=True, text=True, timeout=60, env=env, check=False)
     assert usage.returncode == 2 and "Missing argument 'TASK'" in usage.stderr

@@ -22,6 +22,7 @@ import select
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import time
 import warnings
@@ -64,7 +65,9 @@ RULES: list[tuple[str, str, str]] = [
     ("revision", r"^<time>\s+\S+\s+\S+\s+(?P<v>\d+)$", ""),  # a `watch` line
     ("pid", r"(?<=pid )\d+", ""),
     ("left", r"(?<=has )\d+(?=s left)", ""),
-    ("left", r"^\d+(?=/\d+ s$)", ""),  # the ttl column of `agents`
+    ("left", r"\d+(?= s left)", ""),  # `lease show`
+    ("host", r"(?<=\bhost )[\w.-]+(?=  )", ""),  # `lease show`
+    ("host", r"(?<= on )[\w.-]+(?=\) revoked)", ""),  # `lease revoke`
     ("version", r"(?<=etcd )\d+\.\d+\.\d+", ""),
     ("port", r"(?<=^metrics   http://127\.0\.0\.1:)\d+", ""),  # a free port
     # The watcher may have hashed a file before its commit arrived: then it is verified
@@ -74,7 +77,8 @@ RULES: list[tuple[str, str, str]] = [
 ]
 #: table columns whose every cell is such a part
 COLUMNS = {"revision": "revision", "token": "token", "session": "session",
-           "host/pid": "host"}
+           "host/pid": "host", "host": "host", "pid": "pid", "ttl_left": "left",
+           "held": "held"}
 #: JSON keys whose values are
 KEYS = {"token": "token", "session": "session", "digest": "digest", "revision": "revision"}
 #: what the values of these kinds were in the docs and are in this run, for the commands
@@ -253,7 +257,7 @@ def children(pid: int) -> dict[int, str]:
 
 #: the exit status of a transcript's command that fails, by the start of its message
 FAILS = {"baton: <stdin>: not valid JSON": 2, "baton: task 'scan-42' is paused": 4,
-         "baton: cannot delete task 'scan-4": 4}
+         "baton: cannot delete task 'scan-4": 4, "baton: session ": 8}
 #: commands whose rows (or lines) come in no set order: one transaction's claims
 UNORDERED = ("baton claim scan-42 --batch 2", "baton commit-batch")
 PAGE = 48213  # the size of a page in the transcripts
@@ -560,6 +564,20 @@ class Transcripts:
                 time.sleep(0.05)
             c.consume("scan-41", "archive", session=self.session(c, "archiver", 30, slots=4))
 
+    def one_on_scan01(self) -> None:
+        """scan01 is this machine (where every session of the transcripts runs), and the
+        archiver has closed its session: ocr-1's session holding p3 and p4 is its one.
+        The replica whose clock runs ahead (dead_p2) is stopped: its sweep would find
+        the drain's deadline passed."""
+        self.subs["scan01"] = socket.gethostname()
+        if self.fast is not None:
+            self.fast.stop()
+            self.fast = None
+        with self.client() as c:
+            for agent in c.list_agents():
+                if agent.agent == "archiver":
+                    c.close_session(agent.session_id)
+
 
     def compliance(self) -> None:
         """compliance-3 created from its manifest (scan-42 left as it is), and the
@@ -607,7 +625,10 @@ PREPARE: dict[str, Callable[[Transcripts], None] | None] = {
     "baton requeue scan-42 p2": lambda t: (t.fresh(), t.dead_p2()),
     "baton log scan-42 p2 --limit 3": None,  # requeued above
     "baton explain scan-42 index": Transcripts.state_a,
-    "baton agents": Transcripts.archiver,  # and state A, from above
+    "baton lease ls": Transcripts.archiver,  # and state A, from above
+    "baton lease rotate 1219809381871707871 --ttl 120": None,  # listed above
+    'baton lease revoke 1219809381871707840 --reason "ocr-1 is stuck"': None,
+    "baton lease drain --host scan01 --deadline 600 --no-wait": Transcripts.one_on_scan01,
     "baton put compliance-3 r1 ./r1.json --attributes "
     """'{"compliance": "fail", "checked_by": "qa"}'""": Transcripts.compliance,
     "baton explain compliance-3 r1": Transcripts.r1_verified,
@@ -881,6 +902,47 @@ def test_the_etcd_setup_runs_as_written(tmp_path: Path) -> None:
                                           "entries": [{"file_id": "a", "path": "a"}]})[1]
             finally:
                 handle.stop()
+
+
+def test_the_lease_runbook_runs_as_written(registry: RegistryHandle, client: Client) -> None:
+    """docs/operations.md's `baton lease` blocks, as written, against a registry where a
+    session of host scan01 holds two claims: the rotation moves it onto a new lease (its
+    tokens still commit); the drain waits until the test, as the agent, has committed
+    what the session holds, then the host is undrained."""
+    client.create_task({"task_id": "t", "entries": [{"file_id": f"e{i}", "path": f"e{i}"}
+                                                    for i in range(4)],
+                        "digest_optional": True})
+    env = {**clean_env(), "BATON_REGISTRY": registry.address,
+           "PATH": os.pathsep.join([str(BIN), os.environ.get("PATH", "")])}
+    rotate, drain = [t for language, t in fenced_blocks(OPERATIONS_MD)
+                     if language == "sh" and t.startswith("baton lease ")]
+    with client.open_session("ocr-1", ttl=20, host="scan01") as s:
+        claims = client.claim_batch("t", 2, session=s)
+        before = [a.lease_id for a in client.list_agents()]
+        done = subprocess.run(["bash", "-e", "-c", rotate], env=env, capture_output=True,
+                              text=True, timeout=60, check=False)
+        assert done.returncode == 0, done.stdout + done.stderr
+        (after,) = client.list_agents()
+        assert before == [s.session_id] and after.lease_id != s.session_id
+        assert f"-> {after.lease_id} " in done.stdout and str(s.session_id) in done.stdout
+        waiting = subprocess.Popen(["bash", "-e", "-c", drain], env=env, text=True,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            assert waiting.stderr is not None
+            # The drain is in place and waiting once it says what is left.
+            assert waiting.stderr.readline() == "scan01: claims left 2 (sessions 1)\n"
+            assert all(a.draining for a in client.list_agents())
+            for c in claims:
+                client.commit("t", c.file_id, c.token, 0, session=s)
+            out, err = waiting.communicate(timeout=60)
+        finally:
+            if waiting.poll() is None:
+                waiting.kill()
+                waiting.wait()
+        assert waiting.returncode == 0, out + err
+        assert "host scan01 drained: no claims left" in out and "undrained" in out
+        assert err == "scan01: claims left 0 (sessions 1)\n"
+        assert client.claim("t", session=s).file_id  # work goes on after the undrain
 
 
 def grpcurl() -> str | None:
@@ -1268,6 +1330,7 @@ EXAMPLES = {
         "etcdctl ": "test_the_etcd_setup_runs_as_written",
         "python -m bench ": "test_the_tls_benchmark_runs_as_written",
         "grpcurl ": "test_the_grpcurl_lines_run_as_written",
+        "baton lease ": "test_the_lease_runbook_runs_as_written",
     },
     "security.md": {
         "baton cert issue ": "test_the_security_examples_run_as_written",

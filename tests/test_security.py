@@ -128,6 +128,10 @@ def _request(method: str, world: dict[str, Any]) -> Any:
         "Journal": pb.JournalRequest(task_id=t),
         "Explain": pb.GetEntryRequest(task_id=t, file_id=f),
         "ListAgents": pb.ListAgentsRequest(),
+        "RevokeSession": pb.RevokeSessionRequest(session_id=sid, reason="matrix"),
+        "RotateLease": pb.RotateLeaseRequest(session_id=sid),
+        "DrainHost": pb.DrainHostRequest(host="no-such-host", deadline_seconds=60),
+        "UndrainHost": pb.UndrainHostRequest(host="no-such-host"),
         "OpenSession": pb.OpenSessionRequest(agent="x", ttl=30),
         "KeepAlive": pb.KeepAliveRequest(session_id=sid),
         "CloseSession": pb.CloseSessionRequest(session_id=sid),
@@ -181,6 +185,10 @@ def _call(client: Client, method: str, request: Any) -> None:
     client._call(method, request)
 
 
+#: methods that end what the matrix's later calls act on: called last, in this order
+DESTRUCTIVE = ("RevokeSession", "CloseSession", "CancelTask", "DeleteTask")
+
+
 @pytest.mark.parametrize("who", ["operator", "agent", "watcher", "norole", "foreign",
                                  "nocert"])
 def test_role_matrix(secure: RegistryHandle, clients: dict[str, Client], who: str,
@@ -197,7 +205,7 @@ def test_role_matrix(secure: RegistryHandle, clients: dict[str, Client], who: st
                                                                                        set())
     caller = clients[who]
     for method in sorted(POLICY):
-        if method in ("CloseSession", "CancelTask", "DeleteTask"):
+        if method in DESTRUCTIVE:
             continue  # destructive when allowed: checked below, last
         before = snapshot(secure)
         try:
@@ -213,7 +221,7 @@ def test_role_matrix(secure: RegistryHandle, clients: dict[str, Client], who: st
         except errors.BatonError:
             pass  # let in by the table; refused by the state machine (tokens, states)
         assert POLICY[method] & roles, f"{who} got into {method}"
-    for method in ("CloseSession", "CancelTask", "DeleteTask"):
+    for method in DESTRUCTIVE:
         before = snapshot(secure)
         try:
             _call(caller, method, _request(method, world))

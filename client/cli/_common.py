@@ -300,5 +300,6 @@ EXIT_STATUS = ("Exit status: 0 ok, 1 other error, 2 invalid input or usage, 3 no
                "claim or consume, or the session's slots are full, 4 refused (stale token, "
                "illegal transition, exists, session expired, task not active), 5 not found, "
                "6 registry unavailable, or no reply within --timeout, 7 permission denied (the "
-               "identity's role or the task's access rules).")
+               "identity's role or the task's access rules), 8 the session's host is "
+               "drained (no new work).")
 

@@ -1,6 +1,6 @@
 """The ``baton`` command group and the console-script entry point.
 
-Each command lives in a module of this package (agents, ops, stack, tasks,
+Each command lives in a module of this package (agents, leases, ops, stack, tasks,
 watchers, ...); a command's module is imported when the command is looked up, so
 ``baton claim`` never loads what ``baton up`` or ``baton status`` need.
 :data:`COMMANDS` says where each one is.
@@ -36,7 +36,8 @@ COMMANDS = {
     "put": "agents",
     "release": "agents",
     "watch": "agents",
-    "agents": "ops",
+    "agents": "leases",
+    "lease": "leases",
     "cert": "pkicmd",
     "explain": "ops",
     "log": "ops",

@@ -1,4 +1,4 @@
-"""Operator commands: requeue, log (the journal), explain, agents."""
+"""Operator commands: requeue, log (the journal), explain (sessions: ``leases``)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from ._common import (
     folding_table,
     output_option,
     pass_settings,
-    session_json,
 )
 from ._root import cli
 
@@ -89,33 +88,3 @@ def explain(settings: Settings, task_id: str, file_id: str, output: str) -> None
         emit_json(as_dict(explanation))
     else:
         click.echo(explanation.text)
-
-
-@cli.command("agents")
-@output_option
-@pass_settings
-def list_agents(settings: Settings, output: str) -> None:
-    """List live agent sessions and the claims each holds.
-
-    Per session: agent, host and pid, claims held out of its slot limit (-
-    for none), each claim (task/file, /group for a consumer, and its token),
-    and the seconds its lease has left out of its TTL.
-    """
-    agents = settings.client().list_agents()
-    if output == "json":
-        emit_json([{**as_dict(a), "session_id": session_json(a.session_id)} for a in agents])
-        return
-    # The session id stays whole: it is what `keepalive` and `release` take.
-    table = folding_table("session", "agent", "host/pid", "slots", "claims", "ttl",
-                          whole=("session",))
-    for a in sorted(agents, key=lambda a: (a.agent, a.session_id)):
-        table.add_row(str(a.session_id), a.agent, f"{a.host or '?'}/{a.pid or '?'}",
-                      f"{len(a.claims)}/{a.slots or '-'}",
-                      "\n".join(claim_line(c) for c in a.claims) or "-",
-                      f"{a.ttl_left}/{a.granted_ttl} s")
-    emit_table(table)
-
-
-def claim_line(c: pb.ClaimInfo) -> str:
-    where = f"{c.task_id}/{c.file_id}" + (f"/{c.group}" if c.group else "")
-    return f"{where}  token {c.token}"

@@ -1245,7 +1245,7 @@ class Session(_message.Message):
     TTL_FIELD_NUMBER: _builtins.int
     SLOTS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.int
-    """the etcd lease id"""
+    """its first etcd lease's id; stays when `baton lease rotate` moves it"""
     agent: _builtins.str
     ttl: _builtins.int
     """granted TTL"""
@@ -1274,11 +1274,14 @@ class ClaimInfo(_message.Message):
     FILE_ID_FIELD_NUMBER: _builtins.int
     GROUP_FIELD_NUMBER: _builtins.int
     TOKEN_FIELD_NUMBER: _builtins.int
+    CLAIMED_AT_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     file_id: _builtins.str
     group: _builtins.str
     """"" for a producer claim"""
     token: _builtins.int
+    claimed_at: _builtins.str
+    """RFC 3339, UTC ("" for a claim made before it was recorded)"""
     def __init__(
         self,
         *,
@@ -1286,10 +1289,11 @@ class ClaimInfo(_message.Message):
         file_id: _builtins.str = ...,
         group: _builtins.str = ...,
         token: _builtins.int = ...,
+        claimed_at: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["file_id", b"file_id", "group", b"group", "task_id", b"task_id", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["claimed_at", b"claimed_at", "file_id", b"file_id", "group", b"group", "task_id", b"task_id", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1308,6 +1312,8 @@ class AgentInfo(_message.Message):
     SLOTS_FIELD_NUMBER: _builtins.int
     CLAIMS_FIELD_NUMBER: _builtins.int
     OPENED_AT_FIELD_NUMBER: _builtins.int
+    LEASE_ID_FIELD_NUMBER: _builtins.int
+    DRAINING_FIELD_NUMBER: _builtins.int
     session_id: _builtins.int
     agent: _builtins.str
     host: _builtins.str
@@ -1316,6 +1322,10 @@ class AgentInfo(_message.Message):
     granted_ttl: _builtins.int
     slots: _builtins.int
     opened_at: _builtins.str
+    lease_id: _builtins.int
+    """the etcd lease it is on now (differs from session_id once rotated)"""
+    draining: _builtins.bool
+    """its host is drained: no new claims, those held may finish"""
     @_builtins.property
     def claims(self) -> _containers.RepeatedCompositeFieldContainer[Global___ClaimInfo]: ...
     def __init__(
@@ -1330,10 +1340,12 @@ class AgentInfo(_message.Message):
         slots: _builtins.int = ...,
         claims: _abc.Iterable[Global___ClaimInfo] | None = ...,
         opened_at: _builtins.str = ...,
+        lease_id: _builtins.int = ...,
+        draining: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "claims", b"claims", "granted_ttl", b"granted_ttl", "host", b"host", "opened_at", b"opened_at", "pid", b"pid", "session_id", b"session_id", "slots", b"slots", "ttl_left", b"ttl_left"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "claims", b"claims", "draining", b"draining", "granted_ttl", b"granted_ttl", "host", b"host", "lease_id", b"lease_id", "opened_at", b"opened_at", "pid", b"pid", "session_id", b"session_id", "slots", b"slots", "ttl_left", b"ttl_left"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1375,6 +1387,278 @@ class ListAgentsResponse(_message.Message):
 Global___ListAgentsResponse: _TypeAlias = ListAgentsResponse  # noqa: Y015
 
 @_typing.final
+class RevokeSessionRequest(_message.Message):
+    """Revoke sessions at once (operators): the session named, or every session of an
+    agent name or of a host. Their claims go back now (no retry is spent), their
+    tokens die, the journal says who and why; then their leases are revoked.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    AGENT_FIELD_NUMBER: _builtins.int
+    HOST_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.int
+    agent: _builtins.str
+    host: _builtins.str
+    reason: _builtins.str
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.int = ...,
+        agent: _builtins.str = ...,
+        host: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "host", b"host", "reason", b"reason", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RevokeSessionRequest: _TypeAlias = RevokeSessionRequest  # noqa: Y015
+
+@_typing.final
+class RevokedSession(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    AGENT_FIELD_NUMBER: _builtins.int
+    HOST_FIELD_NUMBER: _builtins.int
+    CLAIMS_RETURNED_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.int
+    agent: _builtins.str
+    host: _builtins.str
+    claims_returned: _builtins.int
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.int = ...,
+        agent: _builtins.str = ...,
+        host: _builtins.str = ...,
+        claims_returned: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "claims_returned", b"claims_returned", "host", b"host", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RevokedSession: _TypeAlias = RevokedSession  # noqa: Y015
+
+@_typing.final
+class RevokeSessionResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSIONS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def sessions(self) -> _containers.RepeatedCompositeFieldContainer[Global___RevokedSession]: ...
+    def __init__(
+        self,
+        *,
+        sessions: _abc.Iterable[Global___RevokedSession] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["sessions", b"sessions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RevokeSessionResponse: _TypeAlias = RevokeSessionResponse  # noqa: Y015
+
+@_typing.final
+class RotateLeaseRequest(_message.Message):
+    """Move sessions onto fresh etcd leases (operators): the session named, every
+    session (all), or those of a host. Claims, tokens and session ids stay.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    ALL_FIELD_NUMBER: _builtins.int
+    HOST_FIELD_NUMBER: _builtins.int
+    TTL_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.int
+    all: _builtins.bool
+    host: _builtins.str
+    ttl: _builtins.int
+    """0 = each session's own TTL"""
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.int = ...,
+        all: _builtins.bool = ...,
+        host: _builtins.str = ...,
+        ttl: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["all", b"all", "host", b"host", "session_id", b"session_id", "ttl", b"ttl"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RotateLeaseRequest: _TypeAlias = RotateLeaseRequest  # noqa: Y015
+
+@_typing.final
+class RotatedSession(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    OLD_LEASE_FIELD_NUMBER: _builtins.int
+    NEW_LEASE_FIELD_NUMBER: _builtins.int
+    TTL_FIELD_NUMBER: _builtins.int
+    KEYS_MOVED_FIELD_NUMBER: _builtins.int
+    TRANSACTIONS_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.int
+    old_lease: _builtins.int
+    new_lease: _builtins.int
+    ttl: _builtins.int
+    keys_moved: _builtins.int
+    transactions: _builtins.int
+    """1: every key in one transaction; more: moved in chunks"""
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.int = ...,
+        old_lease: _builtins.int = ...,
+        new_lease: _builtins.int = ...,
+        ttl: _builtins.int = ...,
+        keys_moved: _builtins.int = ...,
+        transactions: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys_moved", b"keys_moved", "new_lease", b"new_lease", "old_lease", b"old_lease", "session_id", b"session_id", "transactions", b"transactions", "ttl", b"ttl"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RotatedSession: _TypeAlias = RotatedSession  # noqa: Y015
+
+@_typing.final
+class RotateLeaseResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSIONS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def sessions(self) -> _containers.RepeatedCompositeFieldContainer[Global___RotatedSession]: ...
+    def __init__(
+        self,
+        *,
+        sessions: _abc.Iterable[Global___RotatedSession] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["sessions", b"sessions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RotateLeaseResponse: _TypeAlias = RotateLeaseResponse  # noqa: Y015
+
+@_typing.final
+class DrainHostRequest(_message.Message):
+    """Drain a host (operators): its sessions take no new work; at the deadline the
+    registry revokes what they still hold.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HOST_FIELD_NUMBER: _builtins.int
+    DEADLINE_SECONDS_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    host: _builtins.str
+    deadline_seconds: _builtins.int
+    """from now; 0 = the default (300)"""
+    reason: _builtins.str
+    def __init__(
+        self,
+        *,
+        host: _builtins.str = ...,
+        deadline_seconds: _builtins.int = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline_seconds", b"deadline_seconds", "host", b"host", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DrainHostRequest: _TypeAlias = DrainHostRequest  # noqa: Y015
+
+@_typing.final
+class DrainHostResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HOST_FIELD_NUMBER: _builtins.int
+    DEADLINE_FIELD_NUMBER: _builtins.int
+    SESSIONS_FIELD_NUMBER: _builtins.int
+    CLAIMS_FIELD_NUMBER: _builtins.int
+    host: _builtins.str
+    deadline: _builtins.str
+    """RFC 3339, UTC"""
+    sessions: _builtins.int
+    """the host's sessions now draining"""
+    claims: _builtins.int
+    """claims they hold"""
+    def __init__(
+        self,
+        *,
+        host: _builtins.str = ...,
+        deadline: _builtins.str = ...,
+        sessions: _builtins.int = ...,
+        claims: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["claims", b"claims", "deadline", b"deadline", "host", b"host", "sessions", b"sessions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DrainHostResponse: _TypeAlias = DrainHostResponse  # noqa: Y015
+
+@_typing.final
+class UndrainHostRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HOST_FIELD_NUMBER: _builtins.int
+    host: _builtins.str
+    def __init__(
+        self,
+        *,
+        host: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["host", b"host"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UndrainHostRequest: _TypeAlias = UndrainHostRequest  # noqa: Y015
+
+@_typing.final
+class UndrainHostResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HOST_FIELD_NUMBER: _builtins.int
+    SESSIONS_FIELD_NUMBER: _builtins.int
+    host: _builtins.str
+    sessions: _builtins.int
+    """sessions that take work again"""
+    def __init__(
+        self,
+        *,
+        host: _builtins.str = ...,
+        sessions: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["host", b"host", "sessions", b"sessions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UndrainHostResponse: _TypeAlias = UndrainHostResponse  # noqa: Y015
+
+@_typing.final
 class KeepAliveRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1398,15 +1682,20 @@ class KeepAliveResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     TTL_FIELD_NUMBER: _builtins.int
+    DRAINING_FIELD_NUMBER: _builtins.int
     ttl: _builtins.int
+    """the session lease's TTL (the client paces its refreshes by it)"""
+    draining: _builtins.bool
+    """the session's host is drained: take no new work"""
     def __init__(
         self,
         *,
         ttl: _builtins.int = ...,
+        draining: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ttl", b"ttl"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draining", b"draining", "ttl", b"ttl"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -104,6 +104,26 @@ class RegistryStub:
                 request_serializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.ListAgentsRequest.SerializeToString,
                 response_deserializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.ListAgentsResponse.FromString,
                 _registered_method=True)
+        self.RevokeSession = channel.unary_unary(
+                '/baton.v1.Registry/RevokeSession',
+                request_serializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.RevokeSessionRequest.SerializeToString,
+                response_deserializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.RevokeSessionResponse.FromString,
+                _registered_method=True)
+        self.RotateLease = channel.unary_unary(
+                '/baton.v1.Registry/RotateLease',
+                request_serializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.RotateLeaseRequest.SerializeToString,
+                response_deserializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.RotateLeaseResponse.FromString,
+                _registered_method=True)
+        self.DrainHost = channel.unary_unary(
+                '/baton.v1.Registry/DrainHost',
+                request_serializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.DrainHostRequest.SerializeToString,
+                response_deserializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.DrainHostResponse.FromString,
+                _registered_method=True)
+        self.UndrainHost = channel.unary_unary(
+                '/baton.v1.Registry/UndrainHost',
+                request_serializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.UndrainHostRequest.SerializeToString,
+                response_deserializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.UndrainHostResponse.FromString,
+                _registered_method=True)
         self.OpenSession = channel.unary_unary(
                 '/baton.v1.Registry/OpenSession',
                 request_serializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.OpenSessionRequest.SerializeToString,
@@ -308,6 +328,30 @@ class RegistryServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListAgents(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RevokeSession(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RotateLease(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DrainHost(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UndrainHost(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -529,6 +573,26 @@ def add_RegistryServicer_to_server(servicer, server):
                     servicer.ListAgents,
                     request_deserializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.ListAgentsRequest.FromString,
                     response_serializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.ListAgentsResponse.SerializeToString,
+            ),
+            'RevokeSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.RevokeSession,
+                    request_deserializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.RevokeSessionRequest.FromString,
+                    response_serializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.RevokeSessionResponse.SerializeToString,
+            ),
+            'RotateLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.RotateLease,
+                    request_deserializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.RotateLeaseRequest.FromString,
+                    response_serializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.RotateLeaseResponse.SerializeToString,
+            ),
+            'DrainHost': grpc.unary_unary_rpc_method_handler(
+                    servicer.DrainHost,
+                    request_deserializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.DrainHostRequest.FromString,
+                    response_serializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.DrainHostResponse.SerializeToString,
+            ),
+            'UndrainHost': grpc.unary_unary_rpc_method_handler(
+                    servicer.UndrainHost,
+                    request_deserializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.UndrainHostRequest.FromString,
+                    response_serializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.UndrainHostResponse.SerializeToString,
             ),
             'OpenSession': grpc.unary_unary_rpc_method_handler(
                     servicer.OpenSession,
@@ -1029,6 +1093,114 @@ class Registry:
             '/baton.v1.Registry/ListAgents',
             baton__relay_dot_client_dot_v1_dot_baton__pb2.ListAgentsRequest.SerializeToString,
             baton__relay_dot_client_dot_v1_dot_baton__pb2.ListAgentsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RevokeSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Registry/RevokeSession',
+            baton__relay_dot_client_dot_v1_dot_baton__pb2.RevokeSessionRequest.SerializeToString,
+            baton__relay_dot_client_dot_v1_dot_baton__pb2.RevokeSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RotateLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Registry/RotateLease',
+            baton__relay_dot_client_dot_v1_dot_baton__pb2.RotateLeaseRequest.SerializeToString,
+            baton__relay_dot_client_dot_v1_dot_baton__pb2.RotateLeaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DrainHost(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Registry/DrainHost',
+            baton__relay_dot_client_dot_v1_dot_baton__pb2.DrainHostRequest.SerializeToString,
+            baton__relay_dot_client_dot_v1_dot_baton__pb2.DrainHostResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UndrainHost(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Registry/UndrainHost',
+            baton__relay_dot_client_dot_v1_dot_baton__pb2.UndrainHostRequest.SerializeToString,
+            baton__relay_dot_client_dot_v1_dot_baton__pb2.UndrainHostResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -83,7 +83,8 @@ class World:
     rng: random.Random
     history: History
     stop: threading.Event = field(default_factory=threading.Event)
-    #: runs a call as the operator on a live replica (None: no operator client)
+    #: runs a call of the client library as the operator, on a live replica (None: no
+    #: operator client)
     operator: Callable[[Callable[[Client], Any]], Any] | None = None
 
     def sleep(self, seconds: float) -> None:
@@ -172,6 +173,35 @@ def pause_agent(w: World) -> dict[str, Any]:
     w.sleep(seconds)
     slot.proc.resume()
     return {"agent": slot.name, "holding": held or None, "seconds": round(seconds, 2)}
+
+
+def rotate_leases(w: World) -> dict[str, Any]:
+    """Rotate every live session onto a fresh lease, as an operator, one to three times;
+    half the time while an agent is SIGSTOPped, most often holding a token, for less
+    than its TTL. No claim may be freed meanwhile and every token must stay good: the
+    checker's counts stay zero, and the reaper has nothing to do."""
+    assert w.operator is not None
+    slot = w.rng.choice(w.agents) if w.rng.random() < 0.5 else None
+    held = ""
+    if slot is not None:
+        assert slot.proc is not None
+        held = _while_holding(w, slot) if w.rng.random() < 0.75 else slot.holding()
+        slot.proc.pause()
+    paused = time.monotonic()
+    rounds, sessions = w.rng.randint(1, 3), []
+    try:
+        for _ in range(rounds):
+            done = w.operator(lambda c: c.rotate_leases(every=True))
+            sessions.append(len(done))
+        if slot is not None:
+            w.sleep(max(0.0, w.rng.uniform(0.2, 0.5) * w.ttl - (time.monotonic() - paused)))
+    finally:
+        if slot is not None:
+            assert slot.proc is not None
+            slot.proc.resume()
+    return {"rounds": rounds, "sessions": sessions,
+            "paused": slot.name if slot is not None else None, "holding": held or None,
+            "paused_for": round(time.monotonic() - paused, 2) if slot is not None else None}
 
 
 def kill_registry(w: World) -> dict[str, Any]:
@@ -335,6 +365,7 @@ def compact_etcd(w: World) -> dict[str, Any]:
 NEMESES: dict[str, Nemesis] = {
     "kill-agent": kill_agent,
     "pause-agent": pause_agent,
+    "rotate-leases": rotate_leases,
     "kill-registry": kill_registry,
     "kill-etcd-leader": kill_etcd_leader,
     "pause-etcd-leader": pause_etcd_leader,

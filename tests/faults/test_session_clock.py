@@ -17,6 +17,7 @@ import time
 import pytest
 
 from baton_relay.client import Session, errors
+from baton_relay.client.v1 import baton_pb2 as pb
 
 
 class LateReplies:
@@ -27,10 +28,10 @@ class LateReplies:
         self.delay = delay
         self.replied = threading.Event()
 
-    def keepalive(self, session_id: int) -> int:
+    def refresh_session(self, session_id: int) -> pb.KeepAliveResponse:
         time.sleep(self.delay)
         self.replied.set()
-        return 2
+        return pb.KeepAliveResponse(ttl=2)
 
 
 def test_a_late_keepalive_reply_does_not_make_the_session_look_fresh() -> None:
