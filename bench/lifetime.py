@@ -4,7 +4,6 @@ entries, while etcd's database and key count are sampled and claim latency is ti
 from __future__ import annotations
 
 import re
-import statistics
 import threading
 import time
 from dataclasses import dataclass, field
@@ -13,8 +12,18 @@ from pathlib import Path
 import blake3
 
 from baton_relay.client import Client, errors
+from baton_relay.registry._etcd import Etcd
+from baton_relay.registry.keys import Keys
 
-from .harness import BenchError, Stack, check_interrupted, load_average, ms, rss_kib
+from .harness import (
+    BenchError,
+    Stack,
+    check_interrupted,
+    load_average,
+    ms,
+    on_etcd,
+    rss_kib,
+)
 from .profiles import Profile
 from .report import Section, Table, line_plot
 
@@ -29,8 +38,9 @@ watcher would (`ReportVerification`), consumes it for the task's one consumer gr
 acks it; the first agent to find a task drained creates the next (the same manifest
 sent twice creates it once). So every entry takes the whole path, and every task
 completes and is archived. Every {every:g} s the run samples etcd's own metrics
-(`etcd_mvcc_db_total_size_in_bytes`, `..._in_use_in_bytes`, `etcd_debugging_mvcc_keys_total`)
-and the registry's memory; claim latency is the time of each `ClaimBatch` call, by
+(`etcd_mvcc_db_total_size_in_bytes`, `..._in_use_in_bytes`, `etcd_debugging_mvcc_keys_total`),
+counts the keys under the registry's prefix (request outcomes apart), and reads the
+registry's memory; claim latency is the time of each `ClaimBatch` call, by
 window of {window:,} entries handed over.
 """
 
@@ -43,6 +53,8 @@ METRICS = {"db": "etcd_mvcc_db_total_size_in_bytes",
            "in_use": "etcd_mvcc_db_total_size_in_use_in_bytes",
            "keys": "etcd_debugging_mvcc_keys_total"}
 UPKEEP = ("--auto-compaction-mode=periodic", "--auto-compaction-retention=1m")
+#: the registry's key prefix (``Stack.registry``'s default)
+PREFIX = "/baton/v1/"
 
 
 @dataclass
@@ -54,6 +66,9 @@ class Sample:
     keys: float
     registry_kib: int
     archived: int
+    #: keys under the registry's prefix: request outcomes, and everything else
+    requests: int = 0
+    task_keys: int = 0
 
 
 @dataclass
@@ -115,6 +130,12 @@ def etcd_metrics(stack: Stack) -> dict[str, float]:
     return out
 
 
+async def counts(etcd: Etcd) -> tuple[int, int]:
+    """(request outcomes, every key) under the registry's prefix."""
+    keys = Keys(PREFIX)
+    return await etcd.count(keys.request("")), await etcd.count(PREFIX.encode())
+
+
 def run(p: Profile, root: Path, plot_dir: Path) -> Section:
     t0 = time.monotonic()
     window = max(p.life_size, p.life_total // 10)
@@ -137,9 +158,11 @@ def run(p: Profile, root: Path, plot_dir: Path) -> Section:
 
         def sample() -> None:
             m = etcd_metrics(stack)
+            requests, everything = on_etcd(stack.etcd.endpoint, counts)
             samples.append(Sample(time.monotonic() - started, shared.done, m["db"],
                                   m["in_use"], m["keys"], rss_kib(registry.pid),
-                                  len(list(archive.glob("*.meta.json")))))
+                                  len(list(archive.glob("*.meta.json"))), requests,
+                                  everything - requests))
 
         try:
             while any(t.is_alive() for t in threads):
@@ -164,21 +187,24 @@ def run(p: Profile, root: Path, plot_dir: Path) -> Section:
         sample()
     if shared.errors:
         raise BenchError(f"an agent failed: {shared.errors[0]}")
-    table = Table("Samples (etcd's metrics; the registry's memory)",
+    table = Table("Samples (etcd's metrics, keys under the registry's prefix by kind, the "
+                  "registry's memory)",
                   ["seconds", "entries handed over", "tasks archived", "etcd db MiB",
-                   "in use MiB", "keys", "registry RSS MiB"])
+                   "in use MiB", "keys (etcd)", "request outcomes", "other keys",
+                   "registry RSS MiB"])
     step = max(1, len(samples) // 12)
     for s in samples[::step] + ([samples[-1]] if (len(samples) - 1) % step else []):
         table.rows.append([round(s.at), s.done, s.archived, round(s.db / 2**20, 1),
-                           round(s.in_use / 2**20, 1), int(s.keys), round(s.registry_kib / 1024)])
+                           round(s.in_use / 2**20, 1), int(s.keys), s.requests, s.task_keys,
+                           round(s.registry_kib / 1024)])
     lat = Table(f"ClaimBatch latency by window of {window:,} entries handed over",
                 ["entries", "calls", "p50 ms", "p99 ms"])
     windows: dict[int, list[float]] = {}
     for before, took in shared.claims:
         windows.setdefault(before // window, []).append(took)
     for w, took in sorted(windows.items()):
-        lat.rows.append([f"{w * window:,} to {(w + 1) * window:,}", len(took), ms(took, 50),
-                         ms(took, 99)])
+        lat.rows.append([f"{w * window:,} to {(w + 1) * window:,}", len(took), ms(took, 0.5),
+                         ms(took, 0.99)])
     section.tables += [table, lat]
     xs = [s.done for s in samples]
     section.plots.append(line_plot(plot_dir / "lifetime-etcd.png",
@@ -187,28 +213,33 @@ def run(p: Profile, root: Path, plot_dir: Path) -> Section:
                                        "db MiB": (xs, [s.db / 2**20 for s in samples]),
                                        "in use MiB": (xs, [s.in_use / 2**20 for s in samples]),
                                        "keys (thousands)": (xs, [s.keys / 1000 for s in samples]),
+                                       "request outcomes (thousands)": (
+                                           xs, [s.requests / 1000 for s in samples]),
+                                       "other keys (thousands)": (
+                                           xs, [s.task_keys / 1000 for s in samples]),
                                    }))
     centres = [(w + 0.5) * window for w in sorted(windows)]
     section.plots.append(line_plot(plot_dir / "lifetime-claims.png",
                                    "ClaimBatch latency over a deployment's life",
                                    "entries handed over", "ms", {
-                                       "claim p50": (centres, [ms(windows[w], 50)
+                                       "claim p50": (centres, [ms(windows[w], 0.5)
                                                                for w in sorted(windows)]),
-                                       "claim p99": (centres, [ms(windows[w], 99)
+                                       "claim p99": (centres, [ms(windows[w], 0.99)
                                                                for w in sorted(windows)]),
                                    }))
-    half = samples[len(samples) // 2:]
-    peak_keys = max(s.keys for s in samples)
-    late_keys = max((s.keys for s in half), default=peak_keys)
     first, last = min(windows), max(windows)
-    drift = ms(windows[last], 50) / ms(windows[first], 50)
+    drift = ms(windows[last], 0.5) / ms(windows[first], 0.5)
     section.headlines.append(
-        f"Lifetime: {shared.done:,} entries through {shared.task + 1} tasks; etcd held at "
-        f"most {peak_keys:,.0f} keys ({late_keys:,.0f} in the second half), database in "
-        f"use at most {max(s.in_use for s in samples) / 2**20:.0f} MiB; claim p50 in the "
-        f"last window ÷ the first: {drift:.2f}")
-    section.notes.append(f"median of the per-sample key counts: "
-                         f"{statistics.median(s.keys for s in samples):,.0f}")
+        f"Lifetime: {shared.done:,} entries through {shared.task + 1} tasks in "
+        f"{samples[-1].at / 60:.0f} min; keys of tasks at most "
+        f"{max(s.task_keys for s in samples):,} (last {samples[-1].task_keys:,}), request "
+        f"outcomes at most {max(s.requests for s in samples):,} (kept 10 min); etcd's "
+        f"database in use at most {max(s.in_use for s in samples) / 2**20:.0f} MiB; claim "
+        f"p50 in the last window ÷ the first: {drift:.2f}")
+    section.notes.append("Request outcomes (`requests/`) are kept 10 minutes, on a lease "
+                         "renewed every 15 s: they level off once the run is longer than "
+                         "that; the other keys are those of live tasks and the headers of "
+                         "archived ones.")
     section.seconds = time.monotonic() - t0
     section.load = load_average()
     return section
