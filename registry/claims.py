@@ -168,6 +168,11 @@ def need_task(kv: KV | None, task_id: str, active: bool = False) -> TaskRecord:
 VOID = ("cancelled", "deleting")
 
 
+def voided(kv: KV | None) -> bool:
+    """Whether a task header (as read) makes every token of its task void."""
+    return kv is not None and TaskRecord.load(kv.value).status in VOID
+
+
 def check_tokens_live(kv: KV | None, task_id: str, what: str, token: int) -> None:
     """Refuse a token call (commit, fail, ack, nack) on a cancelled task. Read with the
     claim in the call's own transaction (the header is pinned), so the status change

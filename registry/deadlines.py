@@ -26,7 +26,7 @@ import logging
 from baton_relay.client import logs
 
 from ._etcd import KV, created_at
-from .claims import claim_holder, release_slot
+from .claims import claim_holder, release_slot, voided
 from .core import Core, Gate
 from .model import VERIFIED, WRITING, EntryRecord
 from .scheduler import Complaints
@@ -97,8 +97,8 @@ class Deadlines:
                 txn.delete(twin_key)
             release_slot(self.keys, claim, txn)
             holder = claim_holder(claim) or "?"
-            entry = await txn.get(entry_key)
-            if entry is not None:
+            entry, task = await txn.get_many([entry_key, self.keys.task(ref.task_id)])
+            if entry is not None and not voided(task):  # a cancelled task's stay as they are
                 rec = EntryRecord.load(entry.value)
                 if ref.kind == "p" and rec.state == WRITING:
                     self.core.retry_or_dead(

@@ -13,7 +13,7 @@ from baton_relay.client.errors import BatonError, InvalidArgument, SessionExpire
 from baton_relay.client.v1 import baton_pb2 as pb
 
 from ._etcd import KV
-from .claims import SessionRecord, check_owner, claim_holder, claim_session
+from .claims import SessionRecord, check_owner, claim_holder, claim_session, voided
 from .core import Core, Gate, every
 from .identity import Caller
 from .keys import ClaimRef
@@ -212,13 +212,20 @@ class Reaper:
         claim_key, twin_key = self.keys.claim(ref), self.keys.inflight(ref)
         entry_key = self.keys.entry(ref.task_id, ref.file_id)
 
+        task_key = self.keys.task(ref.task_id)
+
         async def plan(txn: Txn) -> str:
-            twin, claim, kv = await txn.get_many([twin_key, claim_key, entry_key])
+            twin, claim, kv, task = await txn.get_many([twin_key, claim_key, entry_key,
+                                                        task_key])
             if twin is None or twin.create_revision != token:
                 return ""  # another replica got there first
             if claim is not None:
                 return ""  # the claim lives (the listing was behind)
             txn.delete(twin_key)
+            if voided(task):
+                # A cancelled task's entries stay as they were: its cancel deletes the
+                # claims a chunk at a time, and a lease may end meanwhile: the twin goes.
+                return ""
             holder = claim_holder(twin) or "?"
             if kv is not None:
                 rec = EntryRecord.load(kv.value)

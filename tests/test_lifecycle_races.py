@@ -275,3 +275,38 @@ def test_a_cancel_interrupted_half_way_is_finished(
                      keys.ready_all("t"), keys.slots(s.session_id)):
             assert _count(registry, base) == 0, base
         assert _sweep(registry) == 0
+
+
+def test_a_lease_lost_during_a_cancel_leaves_the_entry_as_it_was(
+        registry: Any, client: Client,
+        paused_revocation: tuple[threading.Event, threading.Event]) -> None:
+    """An agent's lease ends while the cancel is revoking claims: the reaper deletes
+    the twin its claim left, and moves the entry of the cancelled task nowhere."""
+    halfway, go = paused_revocation
+    keys = Keys(registry.prefix)
+    with client.open_session("p", ttl=60, slots=CLAIMS) as s:
+        claims = _claimed_task(client, s)
+        lost = client.open_session("lost", ttl=2, keepalive=False)
+        # the claim to lose is of the task being cancelled: hand one over to it
+        last = claims[-1]
+        client.fail("t", last.file_id, last.token, "handed on", session=s)
+        cancel = threading.Thread(target=lambda: client.cancel_task("t"))
+        try:
+            while "claimable" not in client.explain("t", last.file_id).text:
+                halfway.wait(0.05)
+            client.claim("t", last.file_id, session=lost)
+            cancel.start()
+            assert halfway.wait(30), "cancel never revoked a chunk"
+            twin = keys.inflight(ClaimRef("p", "t", last.file_id))
+            deadline = 30.0
+            while _count(registry, keys.claim(ClaimRef("p", "t", last.file_id))) and deadline:
+                halfway.wait(0.1)  # the lost session's lease runs out (2 s)
+                deadline -= 0.1
+            assert _count(registry, twin) == 1  # the claim went with its lease
+            assert _sweep(registry) == 0  # nothing moved (twin deleted)
+            assert _count(registry, twin) == 0
+            assert client.get_entry("t", last.file_id).state == pb.WRITING
+        finally:
+            go.set()
+            if cancel.is_alive():
+                cancel.join(30)
