@@ -191,6 +191,16 @@ class Unavailable(BatonError):
     exit_code = 6
 
 
+class StorageFull(BatonError):
+    """etcd's database reached its quota (``NOSPACE``): every write is refused until an
+    operator frees space (archive or remove finished tasks, compact, defragment) and
+    disarms the alarm (docs/operations.md, "etcd upkeep"); reads still work. Nothing
+    changed. Not retried: it lasts until someone acts."""
+
+    code = _Code("RESOURCE_EXHAUSTED")
+    exit_code = 6
+
+
 class DeadlineExceeded(Unavailable):
     """No reply came within the call's timeout: the registry was slow, or the
     request took that long to send (``method``, ``timeout`` in seconds). The
@@ -240,6 +250,7 @@ _BY_NAME: dict[str, type[BatonError]] = {
         Conflict,
         Unavailable,
         DeadlineExceeded,
+        StorageFull,
         MessageTooLarge,
         PermissionDenied,
         ClientClosed,

@@ -28,6 +28,7 @@ from baton_relay.client.errors import (
     Internal,
     InvalidArgument,
     SessionExpired,
+    StorageFull,
     Unavailable,
 )
 
@@ -96,6 +97,10 @@ def _translate(exc: BaseException) -> BatonError:
         details = exc.details() or ""
         if "lease not found" in details:
             return SessionExpired(f"etcd lease not found ({details})")
+        if "database space exceeded" in details:
+            return StorageFull(f"etcd refuses writes: its database is full ({details}); "
+                               "free space (archive or remove finished tasks, compact, "
+                               "defragment), then `etcdctl alarm disarm`")
         if exc.code() in _RETRYABLE:
             return Unavailable(f"etcd unavailable: {_hinted(details) or exc.code().name}")
         return Internal(f"etcd error {exc.code().name}: {_hinted(details)}")
