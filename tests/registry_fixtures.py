@@ -16,7 +16,7 @@ from typing import Any, Protocol, TypeVar
 
 import pytest
 
-from baton_relay.client import Client, RetryPolicy
+from baton_relay.client import Client, RetryPolicy, Session
 from baton_relay.registry import RegistryConfig, Running, start
 from baton_relay.registry._etcd import Etcd, EtcdAuth
 
@@ -147,3 +147,17 @@ def client(registry: RegistryHandle) -> Iterator[Client]:
     """A client of the ``registry`` fixture, with short retries."""
     with Client(registry.address, timeout=10, retry=TEST_RETRY) as c:
         yield c
+
+
+def produce_verified(client: Client, session: Session, task_id: str, file_id: str) -> None:
+    """Claim, write, commit and verify one entry, reporting as a lone watcher would
+    (no watcher registered, so the registry believes any report)."""
+    import blake3
+
+    claim = client.claim(task_id, file_id, session=session)
+    data = f"{task_id}/{file_id}".encode()
+    Path(claim.path).parent.mkdir(parents=True, exist_ok=True)
+    Path(claim.path).write_bytes(data)
+    digest = blake3.blake3(data).hexdigest()
+    client.commit(task_id, file_id, claim.token, len(data), digest, session=session)
+    client.report(task_id, file_id, len(data), digest, reporter="test-watcher")

@@ -11,10 +11,9 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
-import blake3
 import pytest
 from click.testing import CliRunner
-from registry_fixtures import RegistryHandle, on_etcd
+from registry_fixtures import RegistryHandle, on_etcd, produce_verified
 from test_metrics import scrape
 
 from baton_relay.client import Client, Session
@@ -59,13 +58,7 @@ def finish(client: Client, session: Session, task_id: str, wait_for: Wait) -> No
     client.create_task({"task_id": task_id,
                         "entries": [{"file_id": f, "path": f"{f}.bin"} for f in FILES]})
     for f in FILES:
-        claim = client.claim(task_id, f, session=session)
-        data = f"bytes of {f}".encode()
-        Path(claim.path).parent.mkdir(parents=True, exist_ok=True)
-        Path(claim.path).write_bytes(data)
-        digest = blake3.blake3(data).hexdigest()
-        client.commit(task_id, f, claim.token, len(data), digest, session=session)
-        client.report(task_id, f, len(data), digest, reporter="test-watcher")
+        produce_verified(client, session, task_id, f)
         lease = client.consume(task_id, "default", f, session=session)
         client.ack(task_id, f, "default", lease.token, session=session)
     wait_for(lambda: client.get_task(task_id).status == pb.TASK_COMPLETED,

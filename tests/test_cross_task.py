@@ -8,9 +8,8 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-import blake3
 import pytest
-from registry_fixtures import RegistryHandle
+from registry_fixtures import RegistryHandle, produce_verified
 
 from baton_relay.client import Client, Session
 from baton_relay.client.errors import IllegalTransition, InvalidManifest
@@ -23,17 +22,6 @@ Wait = Callable[..., None]
 def registry(registry_factory: Callable[..., RegistryHandle], tmp_path: Path
              ) -> RegistryHandle:
     return registry_factory(archive_dir=str(tmp_path / "archive"))
-
-
-def produce(client: Client, session: Session, task_id: str, file_id: str) -> None:
-    """Claim, write, commit and verify (as a lone watcher would) one entry."""
-    claim = client.claim(task_id, file_id, session=session)
-    data = f"{task_id}/{file_id}".encode()
-    Path(claim.path).parent.mkdir(parents=True, exist_ok=True)
-    Path(claim.path).write_bytes(data)
-    digest = blake3.blake3(data).hexdigest()
-    client.commit(task_id, file_id, claim.token, len(data), digest, session=session)
-    client.report(task_id, file_id, len(data), digest, reporter="test-watcher")
 
 
 def released(client: Client, task_id: str, file_id: str) -> Callable[[], bool]:
@@ -50,7 +38,7 @@ def test_an_entry_waits_for_another_tasks_entry_and_is_released_by_its_verificat
     assert "It waits for dependencies: ocr:p1 (pending)" in text
     with pytest.raises(IllegalTransition):
         client.claim("report", "r", session=session)
-    produce(client, session, "ocr", "p1")
+    produce_verified(client, session, "ocr", "p1")
     wait_for(released(client, "report", "r"), what="r released by ocr:p1's verification")
     assert client.claim("report", "r", session=session).file_id == "r"
 
@@ -81,7 +69,7 @@ def test_a_dead_dependency_in_another_task_blocks_until_requeued(
     assert "It is blocked: dependencies ocr:p1 dead" in text
     assert client.get_entry("report", "r").blocked
     client.requeue("ocr", "p1")
-    produce(client, session, "ocr", "p1")
+    produce_verified(client, session, "ocr", "p1")
     wait_for(released(client, "report", "r"), what="released after the requeue")
 
 
@@ -89,7 +77,7 @@ def test_a_dependency_in_an_archived_task_is_read_from_its_archive(
     client: Client, session: Session, wait_for: Wait,
 ) -> None:
     client.create_task({"task_id": "ocr", "entries": [{"file_id": "p1", "path": "p1"}]})
-    produce(client, session, "ocr", "p1")
+    produce_verified(client, session, "ocr", "p1")
     lease = client.consume("ocr", "default", "p1", session=session)
     client.ack("ocr", "p1", "default", lease.token, session=session)
     wait_for(lambda: client.get_task("ocr").status == pb.TASK_COMPLETED, what="completed")

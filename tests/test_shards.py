@@ -5,7 +5,6 @@ staging root (real etcd, real registry, real watcher processes)."""
 from __future__ import annotations
 
 import math
-import os
 import random
 import signal
 import threading
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 from registry_fixtures import RegistryHandle
 from watcher_fixtures import (
+    Producing,
     WatcherProcess,
     digest,
     histories,
@@ -304,21 +304,7 @@ def test_three_watchers_over_one_root_survive_a_kill_and_a_fourth_joins(
     wait_for(lambda: len(client.list_watchers()) == 3, what="3 registered")
     ids = [x.watcher_id for x in client.list_watchers()]
     wait_for(balanced(client, ids), timeout=20, what="balanced over 3")
-    done = threading.Event()
-    errors: list[BaseException] = []
-
-    def produce() -> None:
-        try:
-            for f in files:
-                for t in tasks:
-                    put_bytes(client, session, t, f, os.urandom(512) + f"{t}/{f}".encode())
-        except BaseException as e:  # surfaced below
-            errors.append(e)
-        finally:
-            done.set()
-
-    producer = threading.Thread(target=produce)
-    producer.start()
+    producer = Producing(client, session, [(t, f) for f in files for t in tasks])
     total = len(tasks) * len(files)
     verified = lambda: sum(len(client.list_entries(t, pb.VERIFIED)) for t in tasks)  # noqa: E731
     wait_for(lambda: verified() >= total // 4, timeout=60, what="a quarter verified")
@@ -329,7 +315,6 @@ def test_three_watchers_over_one_root_survive_a_kill_and_a_fourth_joins(
     alive = [x.watcher_id for x in client.list_watchers()]
     wait_for(balanced(client, alive), timeout=15, what="victim's shards owned again")
     producer.join(180)
-    assert done.is_set() and not errors, errors
     wait_for(lambda: verified() == total, timeout=120, what="every file verified")
     for t in tasks:
         hist = histories(registry.etcd, registry.prefix, t, files)

@@ -3,15 +3,20 @@ SIGKILL + restart."""
 
 from __future__ import annotations
 
-import os
 import signal
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from registry_fixtures import RegistryHandle
-from watcher_fixtures import WatcherProcess, histories, make_task, put_bytes, verified_events
+from watcher_fixtures import (
+    Producing,
+    WatcherProcess,
+    histories,
+    make_task,
+    put_bytes,
+    verified_events,
+)
 
 from baton_relay.client import Client, Session
 from baton_relay.client.v1 import baton_pb2 as pb
@@ -49,20 +54,7 @@ def test_killed_and_restarted_while_files_land_verifies_each_once(
     ids = [f"f{i:04d}" for i in range(500)]
     make_task(client, "t1", {f: f"d{i % 5}/{f}.bin" for i, f in enumerate(ids)})
     first = processes("--reconcile-interval", "2")
-    done = threading.Event()
-    errors: list[BaseException] = []
-
-    def produce() -> None:
-        try:
-            for f in ids:
-                put_bytes(client, session, "t1", f, os.urandom(2048) + f.encode())
-        except BaseException as e:  # surfaced below
-            errors.append(e)
-        finally:
-            done.set()
-
-    producer = threading.Thread(target=produce)
-    producer.start()
+    producer = Producing(client, session, [("t1", f) for f in ids], size=2048)
     wait_for(lambda: len(client.list_entries("t1", pb.VERIFIED)) >= 150, timeout=60,
              what="150 verified before the kill")
     first.proc.send_signal(signal.SIGKILL)
@@ -70,7 +62,6 @@ def test_killed_and_restarted_while_files_land_verifies_each_once(
     verified_at_kill = len(client.list_entries("t1", pb.VERIFIED))
     processes("--reconcile-interval", "2")
     producer.join(120)
-    assert done.is_set() and not errors, errors
     wait_for(all_verified(client, "t1", len(ids)), timeout=120, what="all 500 verified")
     hist = histories(registry.etcd, registry.prefix, "t1", ids)
     twice = {f: verified_events(h) for f, h in hist.items() if verified_events(h) != 1}

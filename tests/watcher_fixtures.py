@@ -8,8 +8,10 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import os
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -106,6 +108,34 @@ def put_bytes(client: Client, session: Session, task_id: str, file_id: str,
               data: bytes) -> pb.Entry:
     """Publish ``data`` with the producer helper (temp file, fsync, rename, commit)."""
     return put(client, session, task_id, file_id, io.BytesIO(data))
+
+
+class Producing:
+    """``put_bytes`` of each (task, file id) in turn on a thread of its own, each file
+    ``size`` random bytes and its name: files landing while a test breaks something."""
+
+    def __init__(self, client: Client, session: Session, items: list[tuple[str, str]],
+                 size: int = 512) -> None:
+        self.errors: list[BaseException] = []
+        self.done = threading.Event()
+
+        def produce() -> None:
+            try:
+                for task_id, file_id in items:
+                    put_bytes(client, session, task_id, file_id,
+                              os.urandom(size) + f"{task_id}/{file_id}".encode())
+            except BaseException as e:  # surfaced by join()
+                self.errors.append(e)
+            finally:
+                self.done.set()
+
+        self._thread = threading.Thread(target=produce)
+        self._thread.start()
+
+    def join(self, timeout: float) -> None:
+        """Wait until every file was put; fail with what the thread raised."""
+        self._thread.join(timeout)
+        assert self.done.is_set() and not self.errors, self.errors
 
 
 def digest(data: bytes) -> str:
