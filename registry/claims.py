@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from baton_relay.client.errors import (
     Draining,
@@ -263,3 +264,19 @@ def entry_replay(raw: bytes, revision: int) -> pb.Entry:
     entry = pb.Entry.FromString(raw)
     entry.revision = revision
     return entry
+
+
+Batch = TypeVar("Batch", pb.CommitBatchResponse, pb.AckBatchResponse)
+
+
+def batch_replay(cls: type[Batch]) -> Callable[[bytes, int], Batch]:
+    """How a batch call's recorded reply is sent again: every entry at the revision of
+    the transaction that applied the batch."""
+
+    def replay(raw: bytes, revision: int) -> Batch:
+        resp = cls.FromString(raw)
+        for entry in resp.entries:
+            entry.revision = revision
+        return resp
+
+    return replay

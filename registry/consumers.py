@@ -11,6 +11,7 @@ from ._etcd import KV, created_at, present
 from .access import check_consumer, consumers_of
 from .claims import (
     Slots,
+    batch_replay,
     check_claim_session,
     check_owner,
     check_session_id,
@@ -247,13 +248,8 @@ class Consumers:
 
             return reply
 
-        def replay(raw: bytes, rev: int) -> pb.AckBatchResponse:
-            resp = pb.AckBatchResponse.FromString(raw)
-            for e in resp.entries:
-                e.revision = rev
-            return resp
-
-        return await self.core.txns.run(planner, req.request_id, replay)
+        return await self.core.txns.run(planner, req.request_id,
+                                        batch_replay(pb.AckBatchResponse))
 
     async def nack(self, req: pb.NackRequest, caller: Caller) -> pb.Entry:
         staging = self.core.staging_dir(req.task_id)

@@ -17,6 +17,7 @@ from ._etcd import KV, created_at, present
 from .access import check_producer
 from .claims import (
     Slots,
+    batch_replay,
     check_claim_session,
     check_owner,
     check_session_id,
@@ -353,13 +354,8 @@ class Producers:
 
             return reply
 
-        def replay(raw: bytes, rev: int) -> pb.CommitBatchResponse:
-            resp = pb.CommitBatchResponse.FromString(raw)
-            for e in resp.entries:
-                e.revision = rev
-            return resp
-
-        return await self.core.txns.run(planner, req.request_id, replay)
+        return await self.core.txns.run(planner, req.request_id,
+                                        batch_replay(pb.CommitBatchResponse))
 
     async def fail(self, req: pb.FailRequest, caller: Caller) -> pb.Entry:
         staging = self.core.staging_dir(req.task_id)

@@ -8,6 +8,10 @@ test share state and tests never see each other's.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -161,3 +165,28 @@ def produce_verified(client: Client, session: Session, task_id: str, file_id: st
     digest = blake3.blake3(data).hexdigest()
     client.commit(task_id, file_id, claim.token, len(data), digest, session=session)
     client.report(task_id, file_id, len(data), digest, reporter="test-watcher")
+
+
+#: an agent process that claims, tells the test its token, then waits to be told to commit
+AGENT_PROC = Path(__file__).with_name("agent_proc.py")
+
+
+@pytest.fixture
+def agent(registry: RegistryHandle) -> Iterator[Callable[[str, int], subprocess.Popen[str]]]:
+    """Start ``tests/agent_proc.py`` processes on the test's registry (task, session TTL);
+    any still running are resumed (a test may have SIGSTOPped one) and killed at the end."""
+    procs: list[subprocess.Popen[str]] = []
+
+    def spawn(task: str, ttl: int) -> subprocess.Popen[str]:
+        p = subprocess.Popen([sys.executable, str(AGENT_PROC), registry.address, task,
+                              str(ttl)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+        procs.append(p)
+        return p
+
+    yield spawn
+    for p in procs:
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGCONT)
+            p.kill()
+        p.wait()

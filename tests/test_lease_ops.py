@@ -8,12 +8,10 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -29,7 +27,6 @@ from baton_relay.registry._etcd import Put
 from baton_relay.registry.claims import SessionRecord
 from baton_relay.registry.leases import MOVE_CHUNK, Leases
 
-AGENT = Path(__file__).with_name("agent_proc.py")
 #: a well-formed digest for commits that publish no file (the test reports it as watcher)
 DIGEST = "0" * 64
 T = TypeVar("T")
@@ -69,30 +66,12 @@ def assert_nothing_reaped(registry: RegistryHandle, client: Client, *tasks: str)
         assert lost == [], lost
 
 
-@pytest.fixture
-def paused_agent(registry: RegistryHandle) -> Iterator[Callable[[str, int],
-                                                               subprocess.Popen[str]]]:
-    procs: list[subprocess.Popen[str]] = []
-
-    def spawn(task: str, ttl: int) -> subprocess.Popen[str]:
-        p = subprocess.Popen([sys.executable, str(AGENT), registry.address, task, str(ttl)],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        procs.append(p)
-        return p
-
-    yield spawn
-    for p in procs:
-        if p.poll() is None:
-            os.kill(p.pid, signal.SIGCONT)
-            p.kill()
-        p.wait()
-
 
 # --- rotate -----------------------------------------------------------------------------
 
 
 def test_rotation_under_load_frees_no_claim(registry: RegistryHandle, client: Client,
-                                            paused_agent: Callable[..., Any]) -> None:
+                                            agent: Callable[..., Any]) -> None:
     """Agents produce and consume while every lease is rotated over and over (one agent
     SIGSTOPped across rotations, within its TTL): every entry is committed once, by the
     token it was claimed with, and consumed; no agent errs; the reaper moves nothing."""
@@ -139,7 +118,7 @@ def test_rotation_under_load_frees_no_claim(registry: RegistryHandle, client: Cl
         except errors.BatonError as e:
             failures.append(f"{name}: {type(e).__name__}: {e}")
 
-    paused = paused_agent("p", 10)
+    paused = agent("p", 10)
     paused_claim = json.loads(paused.stdout.readline())
     threads = [threading.Thread(target=producer, args=(f"prod-{i}",)) for i in range(3)]
     threads += [threading.Thread(target=consumer, args=(f"cons-{i}",)) for i in range(2)]

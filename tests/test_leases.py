@@ -5,18 +5,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 
 from baton_relay.client import Client, Lease, errors
 from baton_relay.client.v1 import baton_pb2 as pb
 
-AGENT = Path(__file__).with_name("agent_proc.py")
 #: a lost claim's entry is claimable again at once (the default backoff starts at 1 s)
 FAST: dict[str, object] = {"backoff": {"base_seconds": 0.001}}
 #: a well-formed digest for commits that publish no file (no watcher compares it)
@@ -32,25 +28,6 @@ def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> float:
         time.sleep(0.05)
     pytest.fail(f"timed out after {timeout}s waiting for {what}")
 
-
-@pytest.fixture
-def agent(registry: object) -> Iterator[Callable[[str, int], subprocess.Popen[str]]]:
-    procs: list[subprocess.Popen[str]] = []
-
-    def spawn(task: str, ttl: int) -> subprocess.Popen[str]:
-        p = subprocess.Popen(
-            [sys.executable, str(AGENT), registry.address, task, str(ttl)],  # type: ignore[attr-defined]
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        )
-        procs.append(p)
-        return p
-
-    yield spawn
-    for p in procs:
-        if p.poll() is None:
-            os.kill(p.pid, signal.SIGCONT)
-            p.kill()
-        p.wait()
 
 
 def test_sigkilled_agent_entry_returns_to_pending(client: Client, agent: Callable) -> None:  # type: ignore[type-arg]
