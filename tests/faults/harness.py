@@ -32,15 +32,22 @@ from baton_relay.registry.local.etcdproc import free_port
 from baton_relay.registry.local.stack import LocalPKI
 
 from . import history as hist
+from . import netns
 from .checker import Report, check
 from .cluster import (
     OPERATOR,
     EtcdCluster,
     Proc,
+    agent_node,
     agent_proc,
+    confine,
     credentials,
+    etcd_node,
+    host_number,
     make_pki,
+    registry_node,
     registry_proc,
+    watcher_node,
     watcher_proc,
 )
 from .nemesis import NEMESES, AgentSlot, World, run_nemeses
@@ -78,6 +85,10 @@ class RunConfig:
     keep_staging: bool = False
     #: plaintext and no identities (registries run ``--insecure``)
     insecure: bool = False
+    #: each process in a network namespace of its own (``netns.py``), when this machine
+    #: allows it (root, iproute2, nftables); else, or when False, all on loopback and
+    #: the network nemeses are skipped
+    network: bool = True
 
 
 @dataclass
@@ -207,25 +218,63 @@ def run(cfg: RunConfig, say: Callable[[str], None] = print) -> Result:
     driver.write("run", "info", seed=cfg.seed, duration=cfg.duration,
                  nemeses=list(cfg.nemeses))
     rng = random.Random(cfg.seed)
-    tls = None if cfg.insecure else make_pki(out / "pki")
-    cluster = EtcdCluster(out / "etcd", binary=cfg.etcd_binary)
-    ports = [free_port() for _ in range(2)]
-    addresses = [f"127.0.0.1:{p}" for p in ports]
+    agent_count = cfg.producers + cfg.consumers * len(cfg.groups)
+    network = open_network(cfg, agent_count, driver)
+    try:
+        return _run(cfg, out, staging, driver, rng, network, say)
+    finally:
+        if network is not None:
+            network.close()
+
+
+def open_network(cfg: RunConfig, agents: int, driver: hist.History) -> netns.Network | None:
+    """A namespace per process of the run (None: loopback, and why is recorded)."""
+    why = netns.available() if cfg.network else "not asked for"
+    if why:
+        driver.write("network", "info", namespaces=False, why=why)
+        return None
+    network = netns.Network()
+    network.open()
+    nodes = [*(etcd_node(n) for n in range(3)), *(registry_node(n) for n in range(2)),
+             *(watcher_node(n) for n in range(cfg.watchers)),
+             *(agent_node(i) for i in range(agents))]
+    try:
+        for node in nodes:
+            network.add(node, host_number(node))
+    except Exception:
+        network.close()
+        raise
+    driver.write("network", "info", namespaces=True, subnet=str(network.subnet))
+    return network
+
+
+def _run(cfg: RunConfig, out: Path, staging: Path, driver: hist.History,
+         rng: random.Random, network: netns.Network | None,
+         say: Callable[[str], None]) -> Result:
+    hosts = [network.address(registry_node(n)) if network else "127.0.0.1"
+             for n in range(2)]
+    tls = None if cfg.insecure else make_pki(out / "pki", hosts)
+    cluster = EtcdCluster(out / "etcd", binary=cfg.etcd_binary, network=network)
+    addresses = [f"{host}:{free_port()}" for host in hosts]
     def etcd_for(n: int) -> str:
         if not cfg.all_members:
             return cluster.endpoint(n)
         return ",".join(cluster.endpoint((n + i) % 3) for i in range(3))
 
-    registries = [registry_proc(f"registry-{n}", etcd_for(n), ports[n], staging,
-                                cfg.prefix, out / "logs" / f"registry-{n}.log", tls)
+    registries = [confine(registry_proc(f"registry-{n}", etcd_for(n), addresses[n], staging,
+                                        cfg.prefix, out / "logs" / f"registry-{n}.log", tls),
+                          network, registry_node(n))
                   for n in range(2)]
-    watchers = [watcher_proc(addresses, staging, out / f"watcher-{n}-state.sqlite",
-                             out / "logs" / f"watcher-{n}.log", tls, f"watcher-{n}", cfg.ttl)
+    watchers = [confine(watcher_proc(addresses, staging, out / f"watcher-{n}-state.sqlite",
+                                     out / "logs" / f"watcher-{n}.log", tls, f"watcher-{n}",
+                                     cfg.ttl),
+                        network, watcher_node(n))
                 for n in range(cfg.watchers)]
 
     def make_agent(slot: AgentSlot) -> Proc:
-        return agent_proc(slot.role, slot.name, addresses, slot.history, cfg.seed, cfg.ttl,
-                          slot.group, out / "logs" / f"{slot.name}.log", tls)
+        return confine(agent_proc(slot.role, slot.name, addresses, slot.history, cfg.seed,
+                                  cfg.ttl, slot.group, out / "logs" / f"{slot.name}.log", tls),
+                       network, agent_node(slot.index))
 
     histories = out / "history"
     agents = [AgentSlot("producer", i, "", make_agent, histories)
@@ -234,7 +283,7 @@ def run(cfg: RunConfig, say: Callable[[str], None] = print) -> Result:
                for i, g in enumerate(g for g in cfg.groups for _ in range(cfg.consumers))]
     replicas = Replicas(addresses, tls)
     world = World(cluster, registries, watchers, agents, staging, cfg.ttl, rng, driver,
-                  operator=replicas.call)
+                  operator=replicas.call, network=network)
     feeder = Feeder(cfg, replicas, driver, staging)
     started = time.monotonic()
     try:
@@ -245,7 +294,8 @@ def run(cfg: RunConfig, say: Callable[[str], None] = print) -> Result:
             w.start()
         say(f"faults: up in {time.monotonic() - started:.1f} s (etcd {cluster.endpoint(0)}, "
             f"registries {', '.join(addresses)}, "
-            f"{'plaintext' if tls is None else 'mutual TLS'}); "
+            f"{'plaintext' if tls is None else 'mutual TLS'}, "
+            f"{'a network namespace each' if network else 'loopback'}); "
             f"load for {cfg.duration:g} s, seed {cfg.seed}")
         for slot in agents:
             slot.start()
@@ -283,6 +333,7 @@ def run(cfg: RunConfig, say: Callable[[str], None] = print) -> Result:
     report = check(hist.read_all(out / "history"), snap, feeder.created, count)
     report.stats["seed"] = cfg.seed
     report.stats["tls"] = int(tls is not None)
+    report.stats["netns"] = int(network is not None)
     report.stats["tasks"] = len(feeder.created)
     report.stats["entries"] = len(snap.entries)
     report.stats["drained"] = int(drained)

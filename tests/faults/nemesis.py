@@ -20,8 +20,16 @@ from typing import Any
 
 from baton_relay.client import Client
 
-from .cluster import EtcdCluster, Proc
+from .cluster import (
+    EtcdCluster,
+    Proc,
+    agent_node,
+    etcd_node,
+    registry_node,
+    watcher_node,
+)
 from .history import History
+from .netns import Network
 
 #: the last history record of an agent that holds a live token (claim or consume lease)
 HOLDING = {("claim", "ok"), ("write", "ok"), ("commit", "invoke"),
@@ -86,6 +94,8 @@ class World:
     #: runs a call of the client library as the operator, on a live replica (None: no
     #: operator client)
     operator: Callable[[Callable[[Client], Any]], Any] | None = None
+    #: each process's network namespace (None: all on loopback, no network nemeses)
+    network: Network | None = None
 
     def sleep(self, seconds: float) -> None:
         self.stop.wait(seconds)
@@ -100,7 +110,10 @@ class World:
                                tail="\n".join(tail.splitlines()[-15:]))
 
     def heal(self) -> None:
-        """Resume what is paused, restart what is dead; wait until etcd is whole again."""
+        """Mend the network, resume what is paused, restart what is dead; wait until
+        etcd is whole again."""
+        if self.network is not None:
+            self.network.heal()
         for member in self.cluster.members:
             if member.paused:
                 member.resume()
@@ -362,6 +375,87 @@ def compact_etcd(w: World) -> dict[str, Any]:
     return {"revision": revision, "refused": refused or None}
 
 
+# --- the network (each process in a namespace of its own: netns.py) -------------------
+
+NO_NETWORK = {"skipped": "no network namespaces (see the run's network record)"}
+
+
+def partition_etcd(w: World) -> dict[str, Any]:
+    """Cut one etcd member (the leader half the time) off from the other two for 3-8 s,
+    and a third of the time from the registry replicas too. Cut off from its peers only,
+    it still takes the replicas' calls but cannot commit them (nor, once it sees it has
+    no leader, serve them); the majority elects a leader and goes on."""
+    if w.network is None:
+        return NO_NETWORK
+    leader = w.cluster.leader()
+    n = leader if leader is not None and w.rng.random() < 0.5 else w.rng.randrange(3)
+    others = [etcd_node(m) for m in range(3) if m != n]
+    whole = w.rng.random() < 1 / 3
+    if whole:
+        others += [registry_node(r) for r in range(len(w.registries))]
+    seconds = w.rng.uniform(3.0, 8.0)
+    w.network.cut([etcd_node(n)], others)
+    w.sleep(seconds)
+    new = w.cluster.leader()
+    w.network.heal()
+    return {"member": n, "was_leader": n == leader, "from_replicas": whole,
+            "seconds": round(seconds, 2), "leader_during": new}
+
+
+def partition_registry(w: World) -> dict[str, Any]:
+    """Cut one registry replica off from every etcd member for 2-6 s: its calls to etcd
+    time out. Its clients still reach it; they must get errors, not wrong answers, and
+    move on (to the other replica, or by retrying once the link is back)."""
+    if w.network is None:
+        return NO_NETWORK
+    r = w.rng.randrange(len(w.registries))
+    seconds = w.rng.uniform(2.0, 6.0)
+    w.network.cut([registry_node(r)], [etcd_node(m) for m in range(3)])
+    w.sleep(seconds)
+    w.network.heal()
+    return {"replica": r, "seconds": round(seconds, 2)}
+
+
+def partition_client(w: World) -> dict[str, Any]:
+    """Cut an agent (most often while it holds a token) or a watcher off from both
+    registry replicas for 1.5-2.5 lease TTLs. The process runs on: its keepalives and
+    calls hang and fail, its session (or the watcher's registration) ends, and what it
+    held goes back. When the link returns, a late commit or ack with the dead token must
+    be refused."""
+    if w.network is None:
+        return NO_NETWORK
+    replicas = [registry_node(r) for r in range(len(w.registries))]
+    seconds = w.ttl * w.rng.uniform(1.5, 2.5)
+    if w.rng.random() < 0.25:
+        n = w.rng.randrange(len(w.watchers))
+        w.network.cut([watcher_node(n)], replicas)
+        w.sleep(seconds)
+        w.network.heal()
+        return {"watcher": w.watchers[n].name, "seconds": round(seconds, 2)}
+    slot = w.rng.choice(w.agents)
+    held = _while_holding(w, slot) if w.rng.random() < 0.75 else slot.holding()
+    w.network.cut([agent_node(slot.index)], replicas)
+    w.sleep(seconds)
+    w.network.heal()
+    return {"agent": slot.name, "holding": held or None, "seconds": round(seconds, 2)}
+
+
+def packet_loss(w: World) -> dict[str, Any]:
+    """Drop 5-30 % of the packets, at random, of one to three processes (etcd members,
+    replicas, watchers, agents) for 4-10 s: calls slow down, time out and are retried."""
+    if w.network is None:
+        return NO_NETWORK
+    nodes = sorted(n for n in w.network.nodes if n[0] != "a" or w.rng.random() < 0.3)
+    chosen = w.rng.sample(nodes, w.rng.randint(1, min(3, len(nodes))))
+    percent = w.rng.randint(5, 30)
+    for node in chosen:
+        w.network.lossy(node, percent)
+    seconds = w.rng.uniform(4.0, 10.0)
+    w.sleep(seconds)
+    w.network.heal()
+    return {"nodes": chosen, "percent": percent, "seconds": round(seconds, 2)}
+
+
 NEMESES: dict[str, Nemesis] = {
     "kill-agent": kill_agent,
     "pause-agent": pause_agent,
@@ -374,6 +468,10 @@ NEMESES: dict[str, Nemesis] = {
     "move-shard": move_shard,
     "inotify-overflow": inotify_overflow,
     "compact-etcd": compact_etcd,
+    "partition-etcd": partition_etcd,
+    "partition-registry": partition_registry,
+    "partition-client": partition_client,
+    "packet-loss": packet_loss,
 }
 
 
