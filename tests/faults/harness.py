@@ -75,6 +75,8 @@ class RunConfig:
     nemeses: tuple[str, ...] = tuple(NEMESES)
     #: seconds between two nemeses (uniform)
     gap: tuple[float, float] = (2.0, 5.0)
+    #: go on past ``duration`` until every kind of nemesis has run once (the quick run)
+    every_kind: bool = False
     #: at most this many seconds, after healing, for every task to complete
     drain: float = 120.0
     etcd_binary: str | None = None
@@ -301,7 +303,7 @@ def _run(cfg: RunConfig, out: Path, staging: Path, driver: hist.History,
             slot.start()
         feeder.start()
         count = run_nemeses(world, list(cfg.nemeses), time.monotonic() + cfg.duration,
-                            cfg.gap)
+                            cfg.gap, cfg.every_kind)
         feeder.stop.set()
         feeder.join()
         world.heal()

@@ -484,12 +484,14 @@ def schedule(rng: random.Random, kinds: list[str]) -> Iterator[str]:
 
 
 def run_nemeses(w: World, kinds: list[str], until: float,
-                gap: tuple[float, float]) -> int:
-    """Inject nemeses until time.monotonic() passes ``until``; how many ran."""
+                gap: tuple[float, float], every_kind: bool = False) -> int:
+    """Inject nemeses until time.monotonic() passes ``until`` (with ``every_kind``, and
+    until each kind has run once); how many ran."""
     count = 0
     for kind in schedule(random.Random(w.rng.random()), kinds):
         w.sleep(w.rng.uniform(*gap))
-        if w.stop.is_set() or time.monotonic() >= until:
+        if w.stop.is_set() or (time.monotonic() >= until
+                               and not (every_kind and count < len(kinds))):
             return count
         w.history.invoke("nemesis", kind=kind)
         started = time.monotonic()
