@@ -425,7 +425,13 @@ def _read_pem(path: str, setting: str) -> bytes:
     return data
 
 
-Metadata = tuple[tuple[str, str], ...] | None
+Metadata = tuple[tuple[str, str], ...]
+
+#: sent with every call: a member that knows no leader (cut off from the others, or
+#: mid-election) refuses the call at once ("etcdserver: no leader", retried elsewhere)
+#: instead of holding it until the deadline, and ends a watch it can no longer keep
+#: current, so that the stream is opened again on a member that can
+REQUIRE_LEADER: Metadata = (("hasleader", "true"),)
 
 
 @dataclass(frozen=True, slots=True)
@@ -476,8 +482,9 @@ class Etcd:
         self._timeout = timeout
         self._channels: list[_Channel] = []
         self._turn = 0
-        #: the ``token`` metadata of every call once logged in as ``auth.user``
-        self._metadata: Metadata = None
+        #: the metadata of every call: the leader requirement and, once logged in as
+        #: ``auth.user``, the ``token``
+        self._metadata: Metadata = REQUIRE_LEADER
         self._renewing = asyncio.Lock()
         #: told the kind, duration and success of every request (the registry's metrics)
         self.observe: Callable[[Kind, float, bool], None] = _ignore
@@ -578,7 +585,7 @@ class Etcd:
     async def _authenticate(self) -> Metadata:
         request = rpc.AuthenticateRequest(name=self.auth.user, password=self.auth.password)
         resp = await self._pick().auth.Authenticate(request, timeout=self._timeout)
-        return (("token", str(resp.token)),)
+        return (*REQUIRE_LEADER, ("token", str(resp.token)))
 
     async def _renew(self, stale: Metadata) -> None:
         """Log in again, unless another call already did since ``stale`` was sent."""
@@ -595,7 +602,8 @@ class Etcd:
         try:
             return await call(sent)
         except grpc.aio.AioRpcError as e:
-            if sent is None or not any(m in (e.details() or "") for m in _STALE_TOKEN):
+            if not self.auth.user or not any(m in (e.details() or "")
+                                             for m in _STALE_TOKEN):
                 raise
         await self._renew(sent)
         return await call(self._metadata)
@@ -829,7 +837,7 @@ class Etcd:
                         # once, before any event, log in again and watch anew.
                         stale = any(m in resp.cancel_reason
                                     for m in (*_STALE_TOKEN, "permission denied"))
-                        if attempt == 1 and sent is not None and stale and not delivered:
+                        if attempt == 1 and self.auth.user and stale and not delivered:
                             break
                         raise Unavailable(
                             f"etcd cancelled the watch: {_hinted(resp.cancel_reason)}")

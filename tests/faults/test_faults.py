@@ -14,6 +14,7 @@ import pytest
 
 from baton_relay.registry.local.etcdproc import etcd_version, find_etcd
 
+from . import netns
 from .harness import Result, RunConfig, run
 from .nemesis import NEMESES
 
@@ -63,3 +64,5 @@ def test_quick_fault_run_finds_nothing(tmp_path: Path) -> None:
     assert ran == set(nemeses_for(os.environ.get("BATON_TEST_ETCD") or None)), \
         explain(result)
     assert result.report.stats["consumed"] > 0 and result.report.stats["crashes"] == 0
+    # where namespaces can be made, the network nemeses acted (they are not skipped)
+    assert result.report.stats["netns"] == int(not netns.available()), explain(result)

@@ -1,0 +1,126 @@
+"""An etcd member cut off from its peers, as the ``partition-etcd`` nemesis does it: the
+registry's calls to it must fail at once (and be retried on another member), not hang
+until their deadline, and a watch on it must end rather than go silent.
+
+Three real members, each in a network namespace of its own (``netns.py``); the cut is
+nftables rules inside the namespaces. Needs root, iproute2 and nftables (CI has them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from baton_relay.client.errors import Unavailable
+from baton_relay.registry._etcd import Etcd
+
+from . import netns
+from .cluster import EtcdCluster, etcd_node, host_number
+
+pytestmark = [pytest.mark.faults, pytest.mark.timeout(180)]
+
+#: long enough that a call held until its deadline cannot pass for a refusal
+TIMEOUT = 60.0
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[tuple[EtcdCluster, netns.Network]]:
+    why = netns.available()
+    if why:
+        pytest.fail(f"network namespaces are needed here: {why}")
+    network = netns.Network()
+    network.open()
+    try:
+        for n in range(3):
+            network.add(etcd_node(n), host_number(etcd_node(n)))
+        etcd = EtcdCluster(tmp_path / "etcd", network=network)
+        etcd.start()
+        try:
+            yield etcd, network
+        finally:
+            etcd.stop()
+    finally:
+        network.close()
+
+
+def cut_off(etcd: EtcdCluster, network: netns.Network) -> int:
+    """Cut a follower off from the other two; wait until it knows it has no leader."""
+    leader = etcd.leader()
+    assert leader is not None
+    n = (leader + 1) % 3
+    network.cut([etcd_node(n)], [etcd_node(m) for m in range(3) if m != n])
+    deadline = time.monotonic() + 30
+    while (status := etcd.status(n)) is None or int(status.get("leader", 0)) != 0:
+        assert time.monotonic() < deadline, f"m{n} still follows a leader: {status}"
+        time.sleep(0.1)
+    return n
+
+
+def test_a_member_without_a_leader_refuses_calls_at_once(
+        cluster: tuple[EtcdCluster, netns.Network]) -> None:
+    etcd, network = cluster
+    n = cut_off(etcd, network)
+
+    async def call() -> tuple[str, float]:
+        client = Etcd(etcd.endpoint(n), timeout=TIMEOUT)
+        await client.connect()
+        started = time.monotonic()
+        try:
+            with pytest.raises(Unavailable) as refused:
+                await client.get(b"/partition/key")
+            return str(refused.value), time.monotonic() - started
+        finally:
+            await client.close()
+
+    message, took = asyncio.run(call())
+    assert "no leader" in message
+    assert took < TIMEOUT / 2, f"held {took:.1f} s: {message}"
+    network.heal()
+    ok = asyncio.run(_get_eventually(etcd.endpoint(n)))
+    assert ok is None  # the member serves again once the link is back
+
+
+async def _get_eventually(endpoint: str) -> object:
+    client = Etcd(endpoint, timeout=5.0)
+    await client.connect()
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                return await client.get(b"/partition/key")
+            except Unavailable:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.2)
+    finally:
+        await client.close()
+
+
+def test_a_watch_on_a_member_without_a_leader_ends(
+        cluster: tuple[EtcdCluster, netns.Network]) -> None:
+    etcd, network = cluster
+    leader = etcd.leader()
+    assert leader is not None
+    n = (leader + 1) % 3
+
+    async def watch() -> str:
+        client = Etcd(etcd.endpoint(n), timeout=TIMEOUT)
+        await client.connect()
+        _, revision, _ = await client.range(b"/partition/", limit=1)
+        try:
+            stream = client.watch(b"/partition/", revision + 1)
+            started = asyncio.get_running_loop().run_in_executor(
+                None, cut_off, etcd, network)
+            with pytest.raises(Unavailable) as ended:
+                async with asyncio.timeout(TIMEOUT):
+                    async for _ in stream:
+                        pass
+            await started
+            return str(ended.value)
+        finally:
+            await client.close()
+
+    assert "no leader" in asyncio.run(watch())
