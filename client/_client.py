@@ -18,6 +18,8 @@ import grpc
 from . import errors
 from .contract import (
     DEFAULT_REGISTRY,
+    KEEPALIVE_MS,
+    KEEPALIVE_TIMEOUT_MS,
     MAX_MANIFEST_BYTES,
     MAX_REPLY_BYTES,
     MAX_REQUEST_BYTES,
@@ -302,7 +304,11 @@ class Client:
         self.credentials = Credentials.resolve(ca, cert, key)
         options: list[tuple[str, Any]] = [
             ("grpc.max_receive_message_length", MAX_REPLY_BYTES),
-            ("grpc.max_send_message_length", MAX_REQUEST_BYTES)]
+            ("grpc.max_send_message_length", MAX_REQUEST_BYTES),
+            ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+            ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0)]
         if self.credentials.tls:
             name = _tls_name(target)
             if name:

@@ -80,6 +80,17 @@ MAX_ATTRIBUTES_BYTES = 4096
 #: the largest reply: every entry of a task at its limits, with room to spare
 MAX_REPLY_BYTES = 256 * MiB
 
+#: a client pings its registry this often (ms) when the connection is quiet, and
+#: drops the connection when a ping gets no answer within ``KEEPALIVE_TIMEOUT_MS``: a
+#: replica that went silent (a partition drops packets, nothing resets the
+#: connection) is left within about 10 s for the next one of a list, instead of when
+#: TCP gives up, many minutes later
+KEEPALIVE_MS = 5_000
+KEEPALIVE_TIMEOUT_MS = 5_000
+#: the registry accepts pings this often (a bit more often than clients send them;
+#: more often, and gRPC would count them as abuse and end the connection)
+MIN_PING_INTERVAL_MS = 4_000
+
 
 def mib(n: int) -> str:
     """``n`` bytes in MiB, as messages about these limits print them."""

@@ -15,7 +15,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from baton_relay.client.contract import MAX_REPLY_BYTES, MAX_REQUEST_BYTES
+from baton_relay.client.contract import (
+    MAX_REPLY_BYTES,
+    MAX_REQUEST_BYTES,
+    MIN_PING_INTERVAL_MS,
+)
 from baton_relay.client.errors import BatonError, InvalidArgument
 from baton_relay.client.logs import setup_logging
 from baton_relay.client.sdnotify import Notifier
@@ -138,6 +142,10 @@ async def start(config: RegistryConfig) -> Running:
             # largest valid one is refused by gRPC before it is read into memory.
             ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
             ("grpc.max_send_message_length", MAX_REPLY_BYTES),
+            # Clients ping quiet connections to notice a silent replica (contract.py).
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
+            ("grpc.http2.max_ping_strikes", 0),
         ]
     )
     shards = Shards(core, config.shards, config.shard_move_deadline)

@@ -172,6 +172,11 @@ class Network:
             peers = ", ".join(self.address(a) for a in side)
             self._rule(b, f"ip {{dir}} {{{{ {peers} }}}} drop")
 
+    def cut_harness(self, name: str) -> None:
+        """Drop every packet between node ``name`` and the harness (the root namespace's
+        address), in ``name``'s namespace."""
+        self._rule(name, f"ip {{dir}} {self.gateway} drop")
+
     def lossy(self, name: str, percent: int) -> None:
         """Drop ``percent`` % of node ``name``'s packets (in and out) at random, to and
         from every peer but the harness's own address."""

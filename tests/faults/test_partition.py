@@ -15,11 +15,21 @@ from pathlib import Path
 
 import pytest
 
+from baton_relay.client import Client, errors
 from baton_relay.client.errors import Unavailable
 from baton_relay.registry._etcd import Etcd
+from baton_relay.registry.local.etcdproc import free_port
 
 from . import netns
-from .cluster import EtcdCluster, etcd_node, host_number
+from .cluster import (
+    EtcdCluster,
+    Proc,
+    confine,
+    etcd_node,
+    host_number,
+    registry_node,
+    registry_proc,
+)
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(180)]
 
@@ -124,3 +134,61 @@ def test_a_watch_on_a_member_without_a_leader_ends(
             await client.close()
 
     assert "no leader" in asyncio.run(watch())
+
+
+# --- a client cut off from the replica it talks to -----------------------------------
+
+
+@pytest.fixture
+def replicas(tmp_path: Path) -> Iterator[tuple[list[str], netns.Network]]:
+    """Two registry replicas on three etcd members, each process in its own namespace;
+    the replicas' addresses."""
+    why = netns.available()
+    if why:
+        pytest.fail(f"network namespaces are needed here: {why}")
+    network = netns.Network()
+    network.open()
+    procs: list[Proc] = []
+    try:
+        nodes = [*(etcd_node(n) for n in range(3)), registry_node(0), registry_node(1)]
+        for node in nodes:
+            network.add(node, host_number(node))
+        etcd = EtcdCluster(tmp_path / "etcd", network=network)
+        etcd.start()
+        procs.extend(etcd.members)
+        endpoints = ",".join(etcd.endpoint(n) for n in range(3))
+        addresses = [f"{network.address(registry_node(n))}:{free_port()}" for n in range(2)]
+        for n, address in enumerate(addresses):
+            proc = confine(registry_proc(f"registry-{n}", endpoints, address, tmp_path,
+                                         "/partition/", tmp_path / f"registry-{n}.log", None),
+                           network, registry_node(n))
+            proc.start()
+            procs.append(proc)
+        yield addresses, network
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+        network.close()
+
+
+def test_a_client_on_a_list_of_replicas_leaves_one_it_cannot_reach(
+        replicas: tuple[list[str], netns.Network]) -> None:
+    """The replica the client's channel picked goes silent (packets dropped, no reset):
+    the client must notice and carry on with the other, not wait for TCP to give up."""
+    addresses, network = replicas
+    client = Client("ipv4:" + ",".join(addresses), timeout=5.0, ca="", cert="", key="")
+    try:
+        client.list_tasks()  # connected: pick_first took the first replica
+        network.cut_harness(registry_node(0))
+        started = time.monotonic()
+        deadline = started + 120
+        while True:
+            try:
+                client.list_tasks()
+                break
+            except errors.BatonError as e:
+                assert time.monotonic() < deadline, f"still failing: {e}"
+        took = time.monotonic() - started
+    finally:
+        client.close()
+    assert took < 60, f"the client took {took:.0f} s to leave the silent replica"
