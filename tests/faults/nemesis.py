@@ -418,26 +418,31 @@ def partition_registry(w: World) -> dict[str, Any]:
 
 def partition_client(w: World) -> dict[str, Any]:
     """Cut an agent (most often while it holds a token) or a watcher off from both
-    registry replicas for 1.5-2.5 lease TTLs. The process runs on: its keepalives and
-    calls hang and fail, its session (or the watcher's registration) ends, and what it
-    held goes back. When the link returns, a late commit or ack with the dead token must
-    be refused."""
+    registry replicas, or from one of them, for 1.5-2.5 lease TTLs. The process runs
+    on. Cut from both, its keepalives and calls hang and fail, its session (or the
+    watcher's registration) ends and what it held goes back; when the link returns, a
+    late commit or ack with the dead token must be refused. Cut from one, it must
+    notice the silent replica and go on through the other."""
     if w.network is None:
         return NO_NETWORK
     replicas = [registry_node(r) for r in range(len(w.registries))]
+    if w.rng.random() < 0.4:
+        replicas = [w.rng.choice(replicas)]
     seconds = w.ttl * w.rng.uniform(1.5, 2.5)
     if w.rng.random() < 0.25:
         n = w.rng.randrange(len(w.watchers))
         w.network.cut([watcher_node(n)], replicas)
         w.sleep(seconds)
         w.network.heal()
-        return {"watcher": w.watchers[n].name, "seconds": round(seconds, 2)}
+        return {"watcher": w.watchers[n].name, "from": replicas,
+                "seconds": round(seconds, 2)}
     slot = w.rng.choice(w.agents)
     held = _while_holding(w, slot) if w.rng.random() < 0.75 else slot.holding()
     w.network.cut([agent_node(slot.index)], replicas)
     w.sleep(seconds)
     w.network.heal()
-    return {"agent": slot.name, "holding": held or None, "seconds": round(seconds, 2)}
+    return {"agent": slot.name, "from": replicas, "holding": held or None,
+            "seconds": round(seconds, 2)}
 
 
 def packet_loss(w: World) -> dict[str, Any]:
