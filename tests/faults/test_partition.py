@@ -136,6 +136,33 @@ def test_a_watch_on_a_member_without_a_leader_ends(
     assert "no leader" in asyncio.run(watch())
 
 
+def test_a_watch_on_a_member_that_went_silent_ends(
+        cluster: tuple[EtcdCluster, netns.Network]) -> None:
+    """The member keeps its leader, but nothing it sends reaches the registry (and
+    nothing resets the connection): the watch must end, so that the registry opens it
+    again on another member, rather than stay open and silent."""
+    etcd, network = cluster
+    n = 0
+
+    async def watch() -> str:
+        client = Etcd(etcd.endpoint(n), timeout=TIMEOUT)
+        await client.connect()
+        _, revision, _ = await client.range(b"/partition/", limit=1)
+        try:
+            stream = client.watch(b"/partition/", revision + 1)
+            loop = asyncio.get_running_loop()
+            loop.call_later(1.0, network.cut_harness, etcd_node(n))
+            with pytest.raises(Unavailable) as ended:
+                async with asyncio.timeout(TIMEOUT):
+                    async for _ in stream:
+                        pass
+            return str(ended.value)
+        finally:
+            await client.close()
+
+    assert asyncio.run(watch())
+
+
 # --- a client cut off from the replica it talks to -----------------------------------
 
 
