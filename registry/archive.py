@@ -1,4 +1,4 @@
-"""Finished tasks out of etcd: the archive store, and archiving a task into it.
+"""Finished tasks out of etcd: archiving a task into the archive store, and reading it back.
 
 etcd holds what is live. A task that completed or was cancelled is, after its
 ``archive_after`` (a manifest field; the registry's ``--archive-after`` by default),
@@ -11,204 +11,67 @@ Archiving is three steps, each safe to interrupt, and a rerun finishes the job:
 
 1. One guarded transaction marks the header ``archiving`` (from ``completed`` or
    ``cancelled``): nothing resumes, cancels, requeues or claims from it any more.
-2. Unless the store already holds a verified archive of the task (a rerun after
-   step 3 began), everything of the task is read at one etcd revision, a page at a
-   time, and written as one archive; the store checks it back before anything is
-   deleted. Writing the same task again replaces the file whole: one copy.
+2. Unless the store already holds a verified archive made of this header (a rerun
+   after step 3 began), everything of the task is read at one etcd revision, a page
+   at a time, and written as one archive; the store checks it back before anything
+   is deleted. Writing the same task again replaces the file whole: one copy.
 3. The task's keys are deleted in guarded chunks (``removal.Removal.sweep``; each
    key listed and pinned, so a key written after the archive's revision stops the
    sweep instead of being lost), then the header becomes ``archived`` in a
    transaction that requires every prefix of the task empty.
 
-The store is one small interface (:class:`ArchiveStore`); :class:`DirectoryStore`
-keeps one gzip-compressed JSON Lines file per task with a BLAKE3 checksum beside
-it. An object store fits the same five methods.
+etcd at its quota (``NOSPACE``) refuses every put, so neither step 1 nor the end of
+step 3 can be written; it still applies transactions that only delete (etcd 3.4
+always, 3.5 once its database file is back under the quota). Archiving is then how
+space is freed, with deletes only:
+
+a. The archive is written as in step 2 (or the store's is kept, if it was made of
+   this header and nothing of the task was written since it was read).
+b. The header itself goes first, in a transaction requiring it as archived and no key
+   of the task written after the archive's revision. From then on nothing can change
+   the task: every writer needs its header, and a CreateTask of the same id brings the
+   archived header back first (refused while etcd takes no puts). Reads of the task
+   answer from the archive, as ``archived``.
+c. The task's other keys are deleted as in step 3, each chunk requiring the header
+   still absent.
+d. The header comes back, ``archived``, in a transaction requiring it absent and every
+   prefix of the task empty, as soon as etcd takes puts: at once if it does, else at
+   the archiver's next sweep (or ``baton task archive`` again). Until then the archive
+   store is the only record of the task.
+
+Not relying on the alarm for exclusion is deliberate: an operator may disarm it at any
+moment, and etcd 3.4 does not charge puts nested in a grouped transaction against the
+quota. The store itself is ``archive_store.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import gzip
 import json
 import logging
-import os
-from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
 
-import blake3
-
-from baton_relay.client.errors import BatonError, IllegalTransition, NotFound
+from baton_relay.client.errors import BatonError, IllegalTransition, NotFound, StorageFull
 from baton_relay.client.v1 import baton_pb2 as pb
 
-from ._etcd import Get, empty
-from .claims import need_task
+from ._etcd import KV, Compare, Get, empty
+from .archive_store import ArchiveCorrupt, ArchiveInfo, ArchiveStore, DirectoryStore
 from .core import Core
+from .keys import prefix_end
 from .manifest import check_id
 from .model import FINISHED, STATES, EntryRecord, TaskRecord, epoch_of, now
 from .removal import Removal
 from .txn import Txn, write
 
+__all__ = ["ArchiveCorrupt", "ArchiveInfo", "ArchiveStore", "Archived", "Archiver",
+           "DirectoryStore"]
+
 log = logging.getLogger("baton.registry")
 
 #: keys read per request while an archive is written
 READ_PAGE = 1000
-#: records written to the store per batch (each batch one trip to a thread)
-WRITE_BATCH = 2000
-_SUFFIX = ".jsonl.gz"
-_META = ".meta.json"
-
-
-class ArchiveCorrupt(BatonError):
-    """An archive does not match its checksum (or cannot be read back)."""
-
-
-@dataclass(frozen=True)
-class ArchiveInfo:
-    """What the store knows of one archive."""
-
-    task_id: str
-    location: str
-    digest: str
-    size: int
-    records: int
-    revision: int
-    created_at: str
-
-
-class ArchiveStore(Protocol):
-    """Where archives live. Every method may block; the registry calls them in a thread."""
-
-    def write(self, task_id: str, revision: int, records: Iterator[dict[str, Any]]
-              ) -> ArchiveInfo:
-        """Store the records as the task's archive, replacing any, and check it back."""
-        ...
-
-    def info(self, task_id: str) -> ArchiveInfo | None:
-        """The task's archive, checked against its checksum; None if there is none."""
-        ...
-
-    def read(self, task_id: str) -> Iterator[dict[str, Any]]:
-        """The records of the task's archive, in the order written."""
-        ...
-
-    def list(self) -> list[ArchiveInfo]:
-        """Every archive (as recorded, not re-checked)."""
-        ...
-
-    def delete(self, task_id: str) -> None:
-        ...
-
-
-class DirectoryStore:
-    """``ROOT/{task}.jsonl.gz`` and ``ROOT/{task}.meta.json`` (its BLAKE3 digest, size,
-    record count and etcd revision). Each file is written to a temporary name, synced
-    and renamed; the meta file goes last, so an archive without one is incomplete and
-    is written again."""
-
-    def __init__(self, root: str) -> None:
-        self.root = Path(root)
-
-    def _paths(self, task_id: str) -> tuple[Path, Path]:
-        check_id("task_id", task_id)
-        return self.root / f"{task_id}{_SUFFIX}", self.root / f"{task_id}{_META}"
-
-    def write(self, task_id: str, revision: int, records: Iterator[dict[str, Any]]
-              ) -> ArchiveInfo:
-        self.root.mkdir(parents=True, exist_ok=True)
-        data, meta = self._paths(task_id)
-        with contextlib.suppress(FileNotFoundError):
-            meta.unlink()  # from here on the old archive (if any) is incomplete
-        tmp = data.with_name(f".{data.name}.{os.getpid()}.tmp")
-        count = 0
-        with open(tmp, "wb") as raw:
-            with gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as out:
-                for record in records:
-                    out.write(json.dumps(record, separators=(",", ":")).encode() + b"\n")
-                    count += 1
-            raw.flush()
-            os.fsync(raw.fileno())
-        os.replace(tmp, data)
-        digest, size = _digest(data)
-        info = ArchiveInfo(task_id, str(data), digest, size, count, revision, now())
-        _write_synced(meta, json.dumps(asdict(info)).encode())
-        _sync_dir(self.root)
-        checked = self.info(task_id)
-        if checked is None or checked.records != count:
-            raise ArchiveCorrupt(f"archive of task {task_id!r} did not read back whole")
-        return checked
-
-    def info(self, task_id: str) -> ArchiveInfo | None:
-        data, meta = self._paths(task_id)
-        try:
-            info = ArchiveInfo(**json.loads(meta.read_bytes()))
-        except FileNotFoundError:
-            return None
-        except (ValueError, TypeError) as e:
-            raise ArchiveCorrupt(f"archive of task {task_id!r}: unreadable {meta}: {e}") from e
-        try:
-            digest, size = _digest(data)
-        except FileNotFoundError:
-            raise ArchiveCorrupt(f"archive of task {task_id!r}: {data} is missing") from None
-        if (digest, size) != (info.digest, info.size):
-            raise ArchiveCorrupt(f"archive of task {task_id!r}: {data} does not match its "
-                                 f"checksum (BLAKE3 {digest[:16]}…, recorded "
-                                 f"{info.digest[:16]}…)", task_id=task_id)
-        return info
-
-    def read(self, task_id: str) -> Iterator[dict[str, Any]]:
-        data, _ = self._paths(task_id)
-        try:
-            with gzip.open(data, "rb") as f:
-                for line in f:
-                    yield json.loads(line)
-        except FileNotFoundError:
-            raise NotFound(f"task {task_id!r} has no archive", task_id=task_id) from None
-        except (OSError, ValueError, EOFError) as e:
-            raise ArchiveCorrupt(f"archive of task {task_id!r} cannot be read: {e}",
-                                 task_id=task_id) from e
-
-    def list(self) -> list[ArchiveInfo]:
-        out = []
-        for meta in sorted(self.root.glob(f"*{_META}")):
-            with contextlib.suppress(OSError, ValueError, TypeError):
-                out.append(ArchiveInfo(**json.loads(meta.read_bytes())))
-        return out
-
-    def delete(self, task_id: str) -> None:
-        data, meta = self._paths(task_id)
-        for path in (meta, data):
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-
-
-def _digest(path: Path) -> tuple[str, int]:
-    h = blake3.blake3()
-    size = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-            size += len(chunk)
-    return h.hexdigest(), size
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _sync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @dataclass(frozen=True)
@@ -219,6 +82,30 @@ class Archived:
     header: TaskRecord
     entries: list[tuple[int, EntryRecord]]
     journal: list[tuple[str, int, dict[str, Any]]]
+
+
+def _mark(task: TaskRecord, reason: str) -> None:
+    """``task`` as step 1 writes it (and as a task archived without puts is stored)."""
+    if task.status not in FINISHED:
+        raise IllegalTransition(
+            f"cannot archive task {task.task_id!r}: it is {task.status}; only a completed "
+            "or cancelled task is archived", task_id=task.task_id, status=task.status)
+    task.status = "archiving"
+    task.status_reason = f"archive ({task.status_reason or 'finished'})" + (
+        f": {reason}" if reason else "")
+
+
+def _made_of(info: ArchiveInfo, header: KV) -> bool:
+    """Whether the archive was read with the header as it is now (an archive made before
+    headers' revisions were recorded: of a header marked ``archiving``, never changed)."""
+    return info.header_revision in (header.mod_revision, 0)
+
+
+def _count_states(states: Iterable[str]) -> dict[str, int]:
+    counts = dict.fromkeys(STATES, 0)
+    for state in states:
+        counts[state] = counts.get(state, 0) + 1
+    return {s: n for s, n in counts.items() if n}
 
 
 class Archiver:
@@ -241,50 +128,72 @@ class Archiver:
     # archiving ---------------------------------------------------------------------
 
     async def archive(self, task_id: str, reason: str = "") -> pb.Task:
-        """Archive a finished task now (idempotent: an archived task is returned as is)."""
+        """Archive a finished task now (idempotent: an archived task is returned as is);
+        with deletes only while etcd refuses puts."""
         check_id("task_id", task_id)
-        task = await write(self.core.txns, self._mark_plan(task_id, reason))
+        try:
+            task = await write(self.core.txns, self._mark_plan(task_id, reason))
+        except StorageFull as full:
+            return await self._without_puts(task_id, reason, full)
+        if task is None:  # archived while etcd refused puts: finish it
+            return await self._finish_headerless(task_id)
         if task.status == "archived":
             return task.to_pb()
-        info = await asyncio.to_thread(self.store.info, task_id)
-        if info is None:
-            info = await self._write(task_id)
+        info = await self._archive_of(task_id, reason)
         await self.removal.sweep(task_id, before=info.revision + 1)
         states = await asyncio.to_thread(self._entry_states, task_id)
-        done = await write(self.core.txns, self._final_plan(task_id, info, states))
-        self.archived += 1
-        log.info("task %s archived: %d records in %s (%s)", task_id, info.records,
-                 info.location, reason or "retention")
+        try:
+            done = await write(self.core.txns, self._final_plan(task_id, info, states))
+        except StorageFull as full:
+            return await self._without_puts(task_id, reason, full)
+        self._count(task_id, info, reason)
         return done.to_pb()
 
-    def _mark_plan(self, task_id: str, reason: str) -> Callable[[Txn], Awaitable[TaskRecord]]:
+    def _mark_plan(self, task_id: str, reason: str
+                   ) -> Callable[[Txn], Awaitable[TaskRecord | None]]:
         key = self.keys.task(task_id)
 
-        async def plan(txn: Txn) -> TaskRecord:
-            task = need_task(await txn.get(key), task_id)
+        async def plan(txn: Txn) -> TaskRecord | None:
+            kv = await txn.get(key)
+            if kv is None:
+                return None
+            task = TaskRecord.load(kv.value)
             if task.status in ("archiving", "archived"):
                 return task  # an interrupted archive carries on; a done one is done
-            if task.status not in FINISHED:
-                raise IllegalTransition(
-                    f"cannot archive task {task_id!r}: it is {task.status}; only a "
-                    "completed or cancelled task is archived", task_id=task_id,
-                    status=task.status)
-            task.status = "archiving"
-            task.status_reason = f"archive ({task.status_reason or 'finished'})" + (
-                f": {reason}" if reason else "")
+            _mark(task, reason)
             txn.put(key, task.dump())
             return task
 
         return plan
 
-    async def _write(self, task_id: str) -> ArchiveInfo:
-        """Read the task at one revision, a page at a time, and store it."""
+    async def _archive_of(self, task_id: str, reason: str) -> ArchiveInfo:
+        """The checked archive of the task as it is now: the store's if it was made of
+        this header, else a new one. A task marked ``archiving`` may have lost keys to
+        step 3 already, so its archive is kept whatever; one not marked has lost none
+        (step b goes before any delete), so it is read again if anything of it was
+        written after its archive."""
+        kv = await self.core.etcd.get(self.keys.task(task_id))
+        info = await asyncio.to_thread(self.store.info, task_id)
+        if kv is not None and info is not None and _made_of(info, kv) and (
+                TaskRecord.load(kv.value).status == "archiving"
+                or await self._untouched(task_id, info.revision)):
+            return info
+        return await self._write(task_id, reason)
+
+    async def _write(self, task_id: str, reason: str) -> ArchiveInfo:
+        """Read the task at one revision, a page at a time, and store it, its header as
+        step 1 marks it."""
         found, revision, _ = await self.core.etcd.range(self.keys.task(task_id), limit=1)
         if not found:
             raise NotFound(f"no task {task_id!r}", task_id=task_id)
         header_kv = found[0]
+        header = json.loads(header_kv.value)
+        task = TaskRecord.load(header_kv.value)
+        if task.status != "archiving":
+            _mark(task, reason)
+            header = json.loads(task.dump())
         records: list[dict[str, Any]] = [{"kind": "task", "revision": revision,
-                                          "header": json.loads(header_kv.value)}]
+                                          "header": header}]
         entries_base = self.keys.entries(task_id)
         async for kv in self.core.etcd.scan(entries_base, page=READ_PAGE, revision=revision):
             records.append({"kind": "entry", "revision": kv.mod_revision,
@@ -294,27 +203,25 @@ class Archiver:
             file_id = self.keys.parse_tail(kv.key, journal_base)[0]
             records.append({"kind": "journal", "file_id": file_id,
                             "revision": kv.create_revision, "record": json.loads(kv.value)})
-        return await asyncio.to_thread(self.store.write, task_id, revision, iter(records))
+        return await asyncio.to_thread(self.store.write, task_id, revision, iter(records),
+                                       header_kv.mod_revision)
 
     def _final_plan(self, task_id: str, info: ArchiveInfo, states: dict[str, int]
                     ) -> Callable[[Txn], Awaitable[TaskRecord]]:
         key = self.keys.task(task_id)
-        prefixes = self.removal.prefixes_of(task_id)
 
         async def plan(txn: Txn) -> TaskRecord:
-            task = need_task(await txn.get(key), task_id)
+            kv = await txn.get(key)
+            if kv is None:
+                raise NotFound(f"no task {task_id!r}", task_id=task_id)
+            task = TaskRecord.load(kv.value)
             if task.status == "archived":
                 return task
             if task.status != "archiving":
                 raise IllegalTransition(f"task {task_id!r} is {task.status}; not archived",
                                         task_id=task_id)
-            left = await self.core.etcd.read([Get(p, prefix=True, limit=1, keys_only=True)
-                                              for p in prefixes])
-            if any(left):
-                raise IllegalTransition(f"keys of task {task_id!r} were written after its "
-                                        "archive: archive it again", task_id=task_id)
-            for p in prefixes:
-                txn.require(empty(p))
+            await self._require_empty(txn, task_id, "were written after its archive: "
+                                      "archive it again")
             task.status, task.archived_at, task.archive = "archived", now(), info.location
             task.archived_states = states
             txn.put(key, task.dump())
@@ -322,25 +229,172 @@ class Archiver:
 
         return plan
 
+    async def _require_empty(self, txn: Txn, task_id: str, why: str) -> None:
+        """Nothing of the task but its header in etcd, now (else ``IllegalTransition``
+        saying ``why``) and when ``txn`` commits."""
+        prefixes = self.removal.prefixes_of(task_id)
+        # Straight from etcd (the view may be behind); the compares below keep it so.
+        left = await self.core.etcd.read([Get(p, prefix=True, limit=1, keys_only=True)
+                                          for p in prefixes])
+        if any(left):
+            raise IllegalTransition(f"keys of task {task_id!r} {why}", task_id=task_id)
+        for p in prefixes:
+            txn.require(empty(p))
+
+    def _count(self, task_id: str, info: ArchiveInfo, reason: str) -> None:
+        self.archived += 1
+        log.info("task %s archived: %d records in %s (%s)", task_id, info.records,
+                 info.location, reason or "retention")
+
     def _entry_states(self, task_id: str) -> dict[str, int]:
         """The archived entries by state (what GetTask answers for the task)."""
-        states = dict.fromkeys(STATES, 0)
-        for r in self.store.read(task_id):
-            if r.get("kind") == "entry":
-                state = str(r["record"].get("state", ""))
-                states[state] = states.get(state, 0) + 1
-        return {s: n for s, n in states.items() if n}
+        return _count_states(str(r["record"].get("state", ""))
+                             for r in self.store.read(task_id) if r.get("kind") == "entry")
+
+    # archiving while etcd refuses puts -------------------------------------------------
+
+    async def _without_puts(self, task_id: str, reason: str, full: StorageFull) -> pb.Task:
+        """Steps a to d of the module: the archive, the header deleted first, then the
+        other keys; the header back at once if etcd takes puts again."""
+        if await self.core.etcd.get(self.keys.task(task_id)) is None:
+            return await self._finish_headerless(task_id)
+        log.warning("archiving task %s with deletes only: %s", task_id, full)
+        try:
+            info = await self._archive_of(task_id, reason)
+            dropped = await write(self.core.txns, self._drop_plan(task_id, info), fresh=True)
+        except StorageFull as e:
+            raise _deletes_refused(task_id, e) from e
+        if dropped:
+            self._count(task_id, info, reason or "etcd full")
+        return await self._finish_headerless(task_id, info)
+
+    def _untouched_since(self, task_id: str, revision: int) -> list[Compare]:
+        """No key of the task (but its header) written after ``revision``: deleted keys
+        are in the archive read then, and absent ones compare as revision 0."""
+        return [Compare(p, "mod", "<", revision + 1, range_end=prefix_end(p))
+                for p in self.removal.prefixes_of(task_id)]
+
+    async def _untouched(self, task_id: str, revision: int) -> bool:
+        """Whether nothing of the task was written after ``revision`` (a compare-only
+        transaction: etcd answers it at its quota too)."""
+        return (await self.core.etcd.txn(self._untouched_since(task_id, revision), [])
+                ).succeeded
+
+    def _drop_plan(self, task_id: str, info: ArchiveInfo
+                   ) -> Callable[[Txn], Awaitable[bool]]:
+        """Step b: delete the header as the archive read it, if nothing of the task was
+        written after the archive; whether this deleted it."""
+        key = self.keys.task(task_id)
+
+        async def plan(txn: Txn) -> bool:
+            kv = await txn.get(key)
+            if kv is None:
+                return False  # gone already: a rerun, or another replica
+            if not _made_of(info, kv):
+                raise IllegalTransition(f"task {task_id!r} changed after its archive was "
+                                        "read: nothing deleted; archive it again",
+                                        task_id=task_id)
+            untouched = self._untouched_since(task_id, info.revision)
+            if not (await self.core.etcd.txn(untouched, [])).succeeded:
+                raise IllegalTransition(
+                    f"keys of task {task_id!r} were written after its archive was read "
+                    f"(revision {info.revision}): nothing deleted; archive it again",
+                    task_id=task_id)
+            for compare in untouched:
+                txn.require(compare)
+            txn.delete(key)
+            return True
+
+        return plan
+
+    async def _finish_headerless(self, task_id: str, info: ArchiveInfo | None = None
+                                 ) -> pb.Task:
+        """Steps c and d for a task whose header is gone (``NotFound`` if the store has
+        no archive of it either): the task as archived."""
+        if info is None:
+            info = await asyncio.to_thread(self.store.info, task_id)
+            if info is None:
+                raise NotFound(f"no task {task_id!r}", task_id=task_id)
+        try:
+            await self.removal.sweep(task_id, before=info.revision + 1,
+                                     guard=self._header_gone(task_id))
+        except StorageFull as e:
+            raise _deletes_refused(task_id, e) from e
+        record = await self._restored(task_id, info)
+        try:
+            back = await write(self.core.txns, self._restore_plan(record), fresh=True)
+        except StorageFull:
+            log.info("task %s archived while etcd refuses writes: its header comes back, "
+                     "archived, once etcd takes writes again", task_id)
+            return record.to_pb()
+        return back.to_pb()
+
+    def _header_gone(self, task_id: str) -> Callable[[Txn], Awaitable[None]]:
+        """Step c's guard of each chunk: the header still absent."""
+        key = self.keys.task(task_id)
+
+        async def guard(txn: Txn) -> None:
+            if await txn.get(key) is not None:
+                raise IllegalTransition(f"task {task_id!r} has a header again: its keys "
+                                        "are left as they are", task_id=task_id)
+
+        return guard
+
+    def _restore_plan(self, record: TaskRecord) -> Callable[[Txn], Awaitable[TaskRecord]]:
+        """Step d: the header back, ``archived``, where there is none and nothing of the
+        task is left."""
+        task_id = record.task_id
+        key = self.keys.task(task_id)
+
+        async def plan(txn: Txn) -> TaskRecord:
+            kv = await txn.get(key)
+            if kv is not None:
+                found = TaskRecord.load(kv.value)
+                if found.status != "archived":
+                    raise IllegalTransition(
+                        f"task {task_id!r} is {found.status} in etcd, yet archived in "
+                        f"{record.archive}: its header is not restored", task_id=task_id)
+                return found
+            await self._require_empty(txn, task_id, "are still in etcd: archive it again")
+            txn.put(key, record.dump())
+            txn.after(lambda: log.info("task %s: header back in etcd, archived", task_id))
+            return record
+
+        return plan
+
+    async def _restored(self, task_id: str, info: ArchiveInfo) -> TaskRecord:
+        """The header of a task archived while etcd refused puts, as step d writes it."""
+        archived = await self.load(task_id)
+        task = archived.header
+        task.status, task.archived_at, task.archive = "archived", info.created_at, info.location
+        task.archived_states = _count_states(rec.state for _, rec in archived.entries)
+        return task
+
+    async def headerless(self, task_id: str) -> TaskRecord | None:
+        """For a task etcd has no header of: its header as archived, if the store has an
+        archive of it (archived while etcd refused puts, the header not back yet)."""
+        info = await asyncio.to_thread(self.store.info, task_id)
+        return None if info is None else await self._restored(task_id, info)
+
+    async def headerless_all(self, present: set[str]) -> list[TaskRecord]:
+        """The archived tasks whose headers are not back in etcd (``present``: the task
+        ids etcd has headers of)."""
+        infos = await asyncio.to_thread(self.store.list)
+        return [await self._restored(i.task_id, i) for i in infos if i.task_id not in present]
 
     # the background sweep ------------------------------------------------------------
 
     async def sweep(self) -> int:
         """Archive the tasks finished longer ago than their ``archive_after``, finish
-        interrupted archives, and expire archives past the retention."""
+        interrupted archives (headers restored too), and expire archives past the
+        retention."""
         moved = 0
         clock = self.core.clock()
         kvs, _, _ = await self.core.etcd.range(self.keys.tasks())
+        present = set()
         for kv in kvs:
             task = TaskRecord.load(kv.value)
+            present.add(task.task_id)
             due = self._due(task, clock)
             try:
                 if due:
@@ -351,6 +405,12 @@ class Archiver:
                     await self.expire(task.task_id)
             except BatonError as e:  # one task never stops the others
                 log.warning("archiving task %s: %s", task.task_id, e)
+        for info in await asyncio.to_thread(self.store.list):
+            if info.task_id not in present:  # archived while etcd refused puts
+                try:
+                    await self.archive(info.task_id)
+                except BatonError as e:
+                    log.warning("archiving task %s: %s", info.task_id, e)
         return moved
 
     def _due(self, task: TaskRecord, clock: float) -> bool:
@@ -403,3 +463,13 @@ class Archiver:
         kvs, _, _ = await self.core.etcd.range(self.keys.tasks())
         return [t for t in (TaskRecord.load(kv.value) for kv in kvs) if t.status == "archived"]
 
+
+def _deletes_refused(task_id: str, e: StorageFull) -> StorageFull:
+    """etcd refused a transaction that only deletes or compares: etcd 3.5 does while its
+    database file is over the quota, the alarm or not."""
+    return StorageFull(
+        f"cannot archive task {task_id!r} while etcd refuses even transactions that only "
+        f"delete ({e}; etcd 3.5 does while its database file is over the quota): compact "
+        "and defragment etcd (`etcdctl compact`, `etcdctl defrag`), archive again, then "
+        "`etcdctl alarm disarm`; if that frees too little, raise --quota-backend-bytes "
+        "for a while (docs/operations.md, \"etcd upkeep\")", task_id=task_id)

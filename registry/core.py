@@ -132,11 +132,16 @@ class Core:
 
     # reading (operators' paths, straight from etcd) ---------------------------
 
-    async def task(self, task_id: str) -> tuple[KV, TaskRecord]:
+    async def task(self, task_id: str) -> tuple[KV | None, TaskRecord]:
+        """The task's header (and its key), or, if etcd has none, the header of its
+        archive, as ``archived`` (archived while etcd refused writes; no key)."""
         kv = await self.etcd.get(self.keys.task(task_id))
-        if kv is None:
+        if kv is not None:
+            return kv, TaskRecord.load(kv.value)
+        archived = await self.archive.headerless(task_id) if self.archive else None
+        if archived is None:
             raise NotFound(f"no task {task_id!r}", task_id=task_id)
-        return kv, TaskRecord.load(kv.value)
+        return None, archived
 
     async def entry(self, task_id: str, file_id: str) -> tuple[KV, EntryRecord]:
         kv = await self.etcd.get(self.keys.entry(task_id, file_id))
@@ -158,8 +163,11 @@ class Core:
         other, sep, file_id = name.partition(":")
         if not sep or self.archive is None:
             return None
-        header = await self.etcd.get(self.keys.task(other))
-        if header is None or TaskRecord.load(header.value).status != "archived":
+        try:
+            _, header = await self.task(other)
+        except NotFound:
+            return None
+        if header.status != "archived":
             return None
         for _, rec in (await self.archived(other)).entries:
             if rec.file_id == file_id:

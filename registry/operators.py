@@ -275,7 +275,9 @@ class Operators:
         check_id("file_id", req.file_id)
         task_kv, kv = [found[0] if found else None for found in await self.core.etcd.read(
             [Get(self.keys.task(req.task_id)), Get(self.keys.entry(req.task_id, req.file_id))])]
-        task = need_task(task_kv, req.task_id)
+        # No header: the task may have been archived while etcd refused writes.
+        task = need_task(task_kv, req.task_id) if task_kv else (
+            await self.core.task(req.task_id))[1]
         if task.status == "archived":
             return await self._explain_archived(task, req.file_id)
         rec = need_entry(kv, req.task_id, req.file_id)

@@ -48,7 +48,8 @@ from .txn import Txn, write
 
 log = logging.getLogger("baton.registry")
 
-#: keys deleted per transaction (etcd allows 128 operations in one)
+#: keys deleted per transaction (etcd allows 128 operations in one, and 128 compares:
+#: one per key when pinned, and what a guard pins)
 DELETE_CHUNK = 100
 #: claims per transaction: each read (pinned), deleted with its twin and its slot
 CLAIM_CHUNK = 40
@@ -58,6 +59,11 @@ LIST_PAGE = 1000
 PARALLEL = 8
 #: sweeps before giving up on a task whose keys keep being written
 ROUNDS = 5
+
+
+#: what a sweep's every chunk also requires: it reads (pins) it through the chunk's
+#: transaction, or raises
+Guard = Callable[[Txn], Awaitable[None]]
 
 
 class _Leftovers(Exception):
@@ -126,12 +132,14 @@ class Removal:
         """Every prefix naming the task (claims, twins, entries, indexes, journal)."""
         return [*self._claim_prefixes(task_id), *(p for _, p in self._prefixes(task_id))]
 
-    async def sweep(self, task_id: str, before: int = 0) -> Counter[str]:
+    async def sweep(self, task_id: str, before: int = 0, guard: Guard | None = None
+                    ) -> Counter[str]:
         """Delete every key of the task but its header, a chunk per transaction. With
         ``before``, each key is deleted only as listed (pinned) and only if written
         before that revision, else ``IllegalTransition``: an archived task loses
-        nothing written after its archive was read."""
-        return await self._sweep_task(task_id, before)
+        nothing written after its archive was read. ``guard`` reads (pins) what every
+        chunk's transaction also requires, or raises."""
+        return await self._sweep_task(task_id, before, guard)
 
     @staticmethod
     def _check_history(req: pb.DeleteTaskRequest, task: TaskRecord, file_id: str) -> None:
@@ -173,13 +181,15 @@ class Removal:
     def _claim_prefixes(self, task_id: str) -> list[bytes]:
         return [self.keys.claims_of_task("p", task_id), self.keys.claims_of_task("c", task_id)]
 
-    async def _sweep_task(self, task_id: str, before: int = 0) -> Counter[str]:
+    async def _sweep_task(self, task_id: str, before: int = 0, guard: Guard | None = None
+                          ) -> Counter[str]:
         removed: Counter[str] = Counter()
         for prefix in self._claim_prefixes(task_id):
-            removed += await self._sweep(prefix, CLAIM_CHUNK, self._claims_chunk, before)
+            removed += await self._sweep(prefix, CLAIM_CHUNK,
+                                         lambda kvs: self._claims_chunk(kvs, guard), before)
         for kind, prefix in self._prefixes(task_id):
             removed += await self._sweep(prefix, DELETE_CHUNK,
-                                         self._plain_chunk(kind, bool(before)), before)
+                                         self._plain_chunk(kind, bool(before), guard), before)
         return removed
 
     async def _sweep(self, prefix: bytes, size: int,
@@ -216,13 +226,15 @@ class Removal:
         await flush()
         return removed
 
-    def _plain_chunk(self, kind: str, pinned: bool = False
+    def _plain_chunk(self, kind: str, pinned: bool = False, guard: Guard | None = None
                      ) -> Callable[[list[KV]], Awaitable[Counter[str]]]:
         """Deletes a chunk of keys of one kind: unread (nothing writes them any more),
-        or, ``pinned``, each only if still as listed."""
+        or, ``pinned``, each only if still as listed; and as ``guard`` requires."""
 
         async def handle(kvs: list[KV]) -> Counter[str]:
             async def plan(txn: Txn) -> Counter[str]:
+                if guard is not None:
+                    await guard(txn)
                 for kv in kvs:
                     if pinned:
                         txn.pin(kv.key, kv)
@@ -233,14 +245,17 @@ class Removal:
 
         return handle
 
-    async def _claims_chunk(self, listed: list[KV]) -> Counter[str]:
+    async def _claims_chunk(self, listed: list[KV], guard: Guard | None = None
+                            ) -> Counter[str]:
         """Delete claims as read at commit time (pinned), each with its twin and its
         slot: a claim finished meanwhile may have freed its slot for another claim of
-        its session, which keeps it."""
+        its session, which keeps it. And as ``guard`` requires."""
         slots = self.keys.slots_all()
         keys = [kv.key for kv in listed]
 
         async def plan(txn: Txn) -> Counter[str]:
+            if guard is not None:
+                await guard(txn)
             counts: Counter[str] = Counter()
             claims = await txn.get_many(keys)
             twins = {k: self._twin(k) for k in keys}

@@ -18,7 +18,7 @@ from baton_relay.client.errors import (
 )
 from baton_relay.client.v1 import baton_pb2 as pb
 
-from ._etcd import KV
+from ._etcd import KV, empty
 from .claims import claim_holder, need_task
 from .core import Core
 from .keys import ClaimRef
@@ -34,6 +34,7 @@ from .model import (
     epoch_of,
     now,
 )
+from .removal import Removal
 from .txn import Txn, write
 
 log = logging.getLogger("baton.registry")
@@ -60,10 +61,15 @@ def _stored_size(e: EntryRecord) -> int:
     return 1000 + 2 * len(e.path) + 4 * len(e.file_id) + len(e.task_id) * 3 + lists + labels
 
 
+class _HeaderNotBack(Exception):
+    """CreateTask of a task archived while etcd refused writes, its header not back."""
+
+
 class Tasks:
     def __init__(self, core: Core) -> None:
         self.core = core
         self.keys = core.keys
+        self.removal = Removal(core)
 
     async def create(self, req: pb.CreateTaskRequest) -> pb.CreateTaskResponse:
         """Create a task, or finish creating it, or confirm it exists unchanged.
@@ -108,10 +114,16 @@ class Tasks:
             found = await txn.get(key)
             if found is not None:
                 return TaskRecord.load(found.value)
+            await self._not_archived(valid.task_id)
+            for prefix in self.removal.prefixes_of(valid.task_id):
+                txn.require(empty(prefix))  # no key of an earlier task of this id left
             txn.put(key, record.dump())
             return None
 
-        existing = await write(self.core.txns, header)
+        try:
+            existing = await write(self.core.txns, header)
+        except _HeaderNotBack:
+            existing = await self._header_back(valid.task_id)
         created = existing is None
         if existing is not None:
             if existing.manifest_digest != valid.digest:
@@ -138,6 +150,28 @@ class Tasks:
         record = await write(self.core.txns, activate)
         log.info("task created: %s (%d entries)", record.task_id, record.entry_count)
         return pb.CreateTaskResponse(task=record.to_pb(), created=created)
+
+    async def _not_archived(self, task_id: str) -> None:
+        """A task of this id archived while etcd refused writes (its header not back in
+        etcd yet) raises ``_HeaderNotBack``."""
+        if self.core.archive is not None and await asyncio.to_thread(
+                self.core.archive.store.info, task_id) is not None:
+            raise _HeaderNotBack()
+
+    async def _header_back(self, task_id: str) -> TaskRecord:
+        """The header of a task archived while etcd refused writes, put back (as the
+        archiver's sweep would) to answer a CreateTask of the same id as for any
+        archived task; ``IllegalTransition`` if etcd does not take it yet."""
+        assert self.core.archive is not None
+        await self.core.archive.archive(task_id)
+        kv = await self.core.etcd.get(self.keys.task(task_id))
+        if kv is None:
+            raise IllegalTransition(
+                f"task {task_id!r} was archived while etcd refused writes, and its header "
+                "is not back in etcd yet: it cannot be created again (once etcd takes "
+                f"writes, the archiver's sweep or `baton task archive {task_id}` brings "
+                "it back)", task_id=task_id, status="archived")
+        return TaskRecord.load(kv.value)
 
     async def _check_external(self, valid: ValidTask) -> None:
         """Every entry of another task named in ``depends_on`` must exist (in etcd, or
@@ -258,9 +292,13 @@ class Tasks:
     async def list(self, req: pb.ListTasksRequest) -> pb.ListTasksResponse:
         """The tasks in etcd; with ``archived``, the archived ones instead."""
         kvs, _, _ = await self.core.etcd.range(self.keys.tasks())
+        records = [TaskRecord.load(kv.value) for kv in kvs]
+        if req.archived and self.core.archive is not None:
+            # and those archived while etcd refused writes, their headers not back yet
+            records += await self.core.archive.headerless_all({r.task_id for r in records})
+            records.sort(key=lambda r: r.task_id)
         tasks = []
-        for kv in kvs:
-            record = TaskRecord.load(kv.value)
+        for record in records:
             if (record.status == "archived") != req.archived:
                 continue
             task = record.to_pb()

@@ -162,8 +162,8 @@ def test_an_archive_interrupted_anywhere_finishes_when_run_again_with_one_copy(
     real_chunk = removal.Removal._plain_chunk
     calls = {"n": 0}
 
-    def dies_deleting(self: removal.Removal, kind: str, pinned: bool = False) -> Any:
-        handle = real_chunk(self, kind, pinned)
+    def dies_deleting(self: removal.Removal, kind: str, *args: Any) -> Any:
+        handle = real_chunk(self, kind, *args)
 
         async def counted(kvs: Any) -> Any:
             calls["n"] += 1

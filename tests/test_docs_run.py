@@ -43,6 +43,7 @@ from test_docs import (
     fenced_blocks,
     up_stack,  # noqa: F401  (a fixture)
 )
+from test_quota import archive_dir, archiving, small_etcd  # noqa: F401  (fixtures)
 
 from baton_relay.client import Client, Session
 from baton_relay.client.v1 import baton_pb2 as pb
@@ -945,6 +946,42 @@ def test_the_lease_runbook_runs_as_written(registry: RegistryHandle, client: Cli
         assert client.claim("t", session=s).file_id  # work goes on after the undrain
 
 
+def test_the_quota_runbook_runs_as_written(
+        small_etcd: Any, archiving: RegistryHandle, archive_dir: Path,  # noqa: F811
+) -> None:  # (test_quota's fixtures)
+    """docs/operations.md's `NOSPACE` block, as written, against an etcd at its quota
+    (a private one, with 4 MiB of quota) where task scan-40 is cancelled: etcdctl's
+    endpoint is that etcd's (ETCDCTL_ENDPOINTS). scan-40 is archived, the space given
+    back, the alarm disarmed; then writes go through, and the archiver's sweep puts its
+    header back."""
+    from test_archive import archiver, on_loop
+    from test_quota import big_task, fill, history
+
+    from baton_relay.registry.local.etcdproc import find_etcdctl
+
+    (block,) = [t for language, t in fenced_blocks(OPERATIONS_MD)
+                if language == "sh" and t.startswith("rev() ")]
+    with Client(archiving.address, timeout=10) as client:
+        big_task(client, "scan-40")
+        history(small_etcd.endpoint)
+        fill(client)
+    etcdctl = Path(find_etcdctl(small_etcd.binary)).parent
+    env = {**clean_env(), "BATON_REGISTRY": archiving.address, "ETCDCTL_API": "3",
+           "ETCDCTL_ENDPOINTS": small_etcd.url,
+           "PATH": os.pathsep.join([str(BIN), str(etcdctl), os.environ.get("PATH", "")])}
+    done = subprocess.run(["bash", "-e", "-c", block], env=env, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "task scan-40: archived (archive (cancel): etcd full)" in done.stdout
+    assert sorted(p.name for p in archive_dir.iterdir()) == ["scan-40.jsonl.gz",
+                                                             "scan-40.meta.json"]
+    with Client(archiving.address, timeout=10) as client:
+        client.create_task({"task_id": "after", "entries": [{"file_id": "a", "path": "a"}]})
+        on_loop(archiving, archiver(archiving).sweep())
+        task = client.get_task("scan-40")
+        assert task.status == pb.TASK_ARCHIVED and task.states["pending"] == 400
+
+
 def grpcurl() -> str | None:
     return shutil.which("grpcurl", path=os.pathsep.join([str(BIN), os.environ.get("PATH", "")]))
 
@@ -1332,6 +1369,7 @@ EXAMPLES = {
         "python -m bench ": "test_the_tls_benchmark_runs_as_written",
         "grpcurl ": "test_the_grpcurl_lines_run_as_written",
         "baton lease ": "test_the_lease_runbook_runs_as_written",
+        "rev() { etcdctl ": "test_the_quota_runbook_runs_as_written",
     },
     "security.md": {
         "baton cert issue ": "test_the_security_examples_run_as_written",

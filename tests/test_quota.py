@@ -1,34 +1,99 @@
 """etcd at its quota (``NOSPACE``): writes are refused with ``StorageFull`` (exit 6),
-reads go on, and once the quota is raised and the alarm disarmed, work goes on (a
-private etcd with a small ``--quota-backend-bytes``, a real registry)."""
+reads go on, finished tasks are archived with deletes only (freeing space), and once
+space is freed and the alarm disarmed, work goes on and the archived tasks' headers
+come back (a private etcd with a small ``--quota-backend-bytes``, a real registry,
+a real archive directory)."""
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
 from registry_fixtures import TEST_RETRY, RegistryHandle, on_etcd, start_registry
+from test_archive import Crash, archiver, finish, on_loop, task_keys
 
 from baton_relay.client import Client
 from baton_relay.client.cli import cli
-from baton_relay.client.errors import StorageFull
+from baton_relay.client.errors import IllegalTransition, StorageFull, TaskExists
 from baton_relay.client.v1 import baton_pb2 as pb
-from baton_relay.registry._etcd import Etcd
-from baton_relay.registry.local.etcdproc import EtcdProcess
+from baton_relay.registry import removal
+from baton_relay.registry._etcd import Etcd, Put
+from baton_relay.registry.archive import Archiver, DirectoryStore
+from baton_relay.registry.keys import Keys
+from baton_relay.registry.local.etcdproc import EtcdProcess, etcd_version
 
 QUOTA = ("--quota-backend-bytes=4194304",)  # 4 MiB
+PREFIX = "/quota/"
+#: entries of each cancelled task the archive tests free space with
+BIG = 400
 
 
 @pytest.fixture
 def small_etcd(tmp_path: Path) -> Iterator[EtcdProcess]:
-    process = EtcdProcess(tmp_path / "etcd", log_path=tmp_path / "etcd.log", extra_args=QUOTA)
+    # BATON_TEST_ETCD picks the binary, as for the session's etcd (CI: 3.4 and 3.5).
+    process = EtcdProcess(tmp_path / "etcd", log_path=tmp_path / "etcd.log", extra_args=QUOTA,
+                          binary=os.environ.get("BATON_TEST_ETCD") or None)
     process.start()
     try:
         yield process
     finally:
         process.kill()
+
+
+@pytest.fixture
+def archive_dir(tmp_path: Path) -> Path:
+    return tmp_path / "archive"
+
+
+@pytest.fixture
+def archiving(small_etcd: EtcdProcess, tmp_path: Path, archive_dir: Path
+              ) -> Iterator[RegistryHandle]:
+    """A registry on the small etcd that archives to ``archive_dir`` (its own sweep
+    only at start: the tests run it when they mean to)."""
+    handle = start_registry(small_etcd.endpoint, PREFIX, tmp_path / "s",
+                            archive_dir=str(archive_dir), archive_interval=3600.0)
+    try:
+        yield handle
+    finally:
+        handle.stop()
+
+
+async def _compact_defrag(etcd: Etcd) -> None:
+    """`etcdctl compact` at the current revision, then `etcdctl defrag` (through etcd's
+    own stubs)."""
+    from aetcd import rpc
+
+    channel = etcd._pick()
+    _, revision, _ = await etcd.range(PREFIX.encode(), limit=1)
+    await etcd._unary(channel.kv.Compact, rpc.CompactionRequest(revision=revision,
+                                                                physical=True))
+    await etcd._unary(channel.maint.Defragment, rpc.DefragmentRequest())
+
+
+async def _disarm(etcd: Etcd) -> list[int]:
+    """`etcdctl alarm disarm`; the alarms that were raised."""
+    from aetcd import rpc
+
+    channel = etcd._pick()
+    raised = await etcd._unary(channel.maint.Alarm, rpc.AlarmRequest(
+        action=rpc.AlarmRequest.GET))
+    for alarm in raised.alarms:
+        await etcd._unary(channel.maint.Alarm, rpc.AlarmRequest(
+            action=rpc.AlarmRequest.DEACTIVATE, memberID=alarm.memberID, alarm=alarm.alarm))
+    return [a.alarm for a in raised.alarms]
+
+
+async def compact_defrag_disarm(etcd: Etcd) -> None:
+    """The runbook once space is freed: compact, defragment, disarm."""
+    from aetcd import rpc
+
+    await _compact_defrag(etcd)
+    assert await _disarm(etcd) == [rpc.NOSPACE]
 
 
 async def _free_and_disarm(etcd: Etcd) -> None:
@@ -47,16 +112,29 @@ async def _free_and_disarm(etcd: Etcd) -> None:
                 key = b"/quota/" + kind + b"/" + task_id + b"/"
                 await etcd._unary(channel.kv.DeleteRange, rpc.DeleteRangeRequest(
                     key=key, range_end=prefix_end(key)))
-    _, revision, _ = await etcd.range(b"/quota/", limit=1)
-    await etcd._unary(channel.kv.Compact, rpc.CompactionRequest(revision=revision,
-                                                                physical=True))
-    await etcd._unary(channel.maint.Defragment, rpc.DefragmentRequest())
-    raised = await etcd._unary(channel.maint.Alarm, rpc.AlarmRequest(
-        action=rpc.AlarmRequest.GET))
-    assert [a.alarm for a in raised.alarms] == [rpc.NOSPACE]
-    for alarm in raised.alarms:
-        await etcd._unary(channel.maint.Alarm, rpc.AlarmRequest(
-            action=rpc.AlarmRequest.DEACTIVATE, memberID=alarm.memberID, alarm=alarm.alarm))
+    await compact_defrag_disarm(etcd)
+
+
+async def _history(etcd: Etcd) -> None:
+    """1.6 MB of old revisions of one key, outside the registry's prefix: what
+    compaction frees (as it frees a registry's old transitions)."""
+    for n in range(16):
+        await etcd.txn([], [Put(b"/elsewhere/history", bytes([n]) * 100_000)])
+
+
+def history(endpoint: str) -> None:
+    on_etcd(endpoint, _history)
+
+
+async def _deletes_accepted(etcd: Etcd) -> None:
+    """etcd 3.5 refuses every transaction, deletes-only too, while its database file is
+    over the quota: as the runbook says, compact and defragment first (the alarm stays
+    raised, so puts are still refused). etcd 3.4 applies them as it is."""
+    try:
+        await etcd.txn([], [])
+    except StorageFull:
+        await _compact_defrag(etcd)
+        await etcd.txn([], [])
 
 
 def fill(client: Client) -> int:
@@ -99,3 +177,240 @@ def test_writes_are_refused_with_a_clear_error_and_reads_go_on(
                 assert client.claim("after", session=s).file_id == "a"
     finally:
         registry.stop()
+
+
+# --- archiving at the quota: deletes only ---------------------------------------------
+
+
+def big_task(client: Client, task_id: str) -> None:
+    """A cancelled task of ``BIG`` entries: finished, and worth archiving."""
+    client.create_task({"task_id": task_id, "labels": {"pad": "x" * 200},
+                        "entries": [{"file_id": f"f{i:04d}", "path": f"p/{i:04d}",
+                                     "labels": {"pad": "y" * 200}} for i in range(BIG)]})
+    client.cancel_task(task_id)
+
+
+def finished_then_full(client: Client, endpoint: str, wait_for: Any
+                       ) -> tuple[list[pb.Entry], list[pb.JournalRecord], pb.Explanation]:
+    """t1 completed (three entries produced and consumed: a journal), big-0 and big-1
+    cancelled, then etcd filled to its quota; t1's entries, journal and an explanation,
+    as read before."""
+    with client.open_session("producer", ttl=30) as session:
+        finish(client, session, "t1", wait_for)
+    seen = client.list_entries("t1"), client.journal("t1"), client.explain("t1", "b")
+    big_task(client, "big-0")
+    big_task(client, "big-1")
+    history(endpoint)
+    fill(client)
+    on_etcd(endpoint, _deletes_accepted)
+    return seen
+
+
+def header_key(task_id: str) -> str:
+    return Keys(PREFIX).task(task_id).decode()
+
+
+def test_a_finished_task_is_archived_at_the_quota_with_deletes_only(
+    small_etcd: EtcdProcess, archiving: RegistryHandle, archive_dir: Path, wait_for: Any,
+) -> None:
+    """Under NOSPACE `task archive` deletes the task's keys, header included, and frees
+    space; every read answers from the archive; a CreateTask of the id is refused. Once
+    space is freed and the alarm disarmed, the sweep puts the headers back, archived."""
+    env = {"BATON_REGISTRY": archiving.address}
+    with Client(archiving.address, timeout=10, retry=TEST_RETRY) as client:
+        entries, journal, explained = finished_then_full(client, small_etcd.endpoint,
+                                                         wait_for)
+        task = client.archive_task("t1", reason="etcd full")
+        assert task.status == pb.TASK_ARCHIVED and task.archive and task.archived_at
+        assert task.status_reason == "archive (every entry consumed): etcd full"
+        # nothing of it left in etcd, not even its header: the archive is the record
+        assert task_keys(archiving, "t1") == []
+        assert sorted(p.name for p in archive_dir.iterdir()) == ["t1.jsonl.gz",
+                                                                 "t1.meta.json"]
+        got = client.get_task("t1")
+        assert got.status == pb.TASK_ARCHIVED and got.states["consumed"] == 3
+        assert [(e.file_id, e.state, e.digest, e.revision)
+                for e in client.list_entries("t1")] == [
+            (e.file_id, e.state, e.digest, e.revision) for e in entries]
+        assert [(r.file_id, r.event, r.revision) for r in client.journal("t1")] == \
+            [(r.file_id, r.event, r.revision) for r in journal]
+        assert client.get_entry("t1", "b").digest == explained.entry.digest
+        text = client.explain("t1", "b").text
+        assert "was consumed" in text and "archived" in text
+        assert [t.spec.task_id for t in client.list_tasks(archived=True)] == ["t1"]
+        # the CLI, and the library again: the big tasks go too
+        done = CliRunner().invoke(cli, ["task", "archive", "big-0", "--reason", "etcd full"],
+                                  env=env)
+        assert done.exit_code == 0, done.output
+        assert done.output.strip() == "task big-0: archived (archive (cancel): etcd full)"
+        assert client.archive_task("big-1").status == pb.TASK_ARCHIVED
+        assert task_keys(archiving, "big-0") == task_keys(archiving, "big-1") == []
+        assert [t.spec.task_id for t in client.list_tasks(archived=True)] == [
+            "big-0", "big-1", "t1"]
+        assert client.archive_task("t1").status == pb.TASK_ARCHIVED  # again: the same
+        with pytest.raises(IllegalTransition, match="its header is not back in etcd yet"):
+            client.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "a"}]})
+        listed = CliRunner().invoke(cli, ["task", "ls", "--archived"], env=env)
+        assert listed.exit_code == 0 and "big-1" in listed.output, listed.output
+    # The space the archives freed is given back, the alarm disarmed: nothing else.
+    on_etcd(small_etcd.endpoint, compact_defrag_disarm)
+    with Client(archiving.address, timeout=10, retry=TEST_RETRY) as client:
+        # a CreateTask of the id puts the header back first, then answers as for any
+        # archived task
+        with pytest.raises(TaskExists):
+            client.create_task({"task_id": "t1", "entries": [{"file_id": "z", "path": "z"}]})
+        assert task_keys(archiving, "t1") == [header_key("t1")]
+        # the archiver's sweep puts back the others
+        assert on_loop(archiving, archiver(archiving).sweep()) == 0
+        for task_id in ("big-0", "big-1"):
+            assert task_keys(archiving, task_id) == [header_key(task_id)]
+        back = client.get_task("t1")
+        assert back.status == pb.TASK_ARCHIVED and back.states["consumed"] == 3
+        assert back.archive == task.archive and back.archived_at == task.archived_at
+        assert len(client.list_entries("t1")) == 3
+        # and the registry carries on
+        client.create_task({"task_id": "after", "entries": [{"file_id": "a", "path": "a"}]})
+        with client.open_session("p", ttl=10) as s:
+            assert client.claim("after", session=s).file_id == "a"
+
+
+def test_an_archive_interrupted_at_the_quota_finishes_when_run_again_with_one_copy(
+    small_etcd: EtcdProcess, archiving: RegistryHandle, archive_dir: Path, wait_for: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Killed writing the archive, before the header goes, or half-way through the
+    deletes, then run again: one archive, written once, and nothing of the task left
+    in etcd but, once it takes puts, its header."""
+    arch = archiver(archiving)
+    store = arch.store
+    with Client(archiving.address, timeout=10, retry=TEST_RETRY) as client:
+        finished_then_full(client, small_etcd.endpoint, wait_for)
+        keys_before = task_keys(archiving, "big-0")
+        # 1. killed while the archive is written: nothing deleted, no archive
+        real_write = DirectoryStore.write
+
+        def dies_writing(self: DirectoryStore, *args: Any) -> Any:
+            raise Crash("killed while writing")
+
+        monkeypatch.setattr(DirectoryStore, "write", dies_writing)
+        with pytest.raises(Crash):
+            on_loop(archiving, arch.archive("big-0"))
+        monkeypatch.setattr(DirectoryStore, "write", real_write)
+        assert task_keys(archiving, "big-0") == keys_before and store.info("big-0") is None
+        assert client.get_task("big-0").status == pb.TASK_CANCELLED
+        # 2. killed once the archive is written, before the header goes: kept
+        real_drop = Archiver._drop_plan
+
+        def dies_dropping(self: Archiver, *args: Any) -> Any:
+            raise Crash("killed before the header went")
+
+        monkeypatch.setattr(Archiver, "_drop_plan", dies_dropping)
+        with pytest.raises(Crash):
+            on_loop(archiving, arch.archive("big-0"))
+        monkeypatch.setattr(Archiver, "_drop_plan", real_drop)
+        written = store.info("big-0")
+        assert written is not None and task_keys(archiving, "big-0") == keys_before
+        # 3. killed half-way through the deletes (the header went first)
+        real_chunk = removal.Removal._plain_chunk
+        calls = {"n": 0}
+
+        def dies_deleting(self: removal.Removal, kind: str, *args: Any) -> Any:
+            handle = real_chunk(self, kind, *args)
+
+            async def counted(kvs: Any) -> Any:
+                calls["n"] += 1
+                if calls["n"] == 2:  # one chunk of entries stays, and the rest
+                    raise Crash("killed while deleting")
+                return await handle(kvs)
+
+            return counted
+
+        monkeypatch.setattr(removal.Removal, "_plain_chunk", dies_deleting)
+        with pytest.raises(Crash):
+            on_loop(archiving, arch.archive("big-0"))
+        monkeypatch.setattr(removal.Removal, "_plain_chunk", real_chunk)
+        left = task_keys(archiving, "big-0")
+        assert header_key("big-0") not in left and 0 < len(left) < len(keys_before)
+        assert store.info("big-0") == written  # the same archive, not read again
+        # reads answer from the archive meanwhile
+        assert client.get_task("big-0").status == pb.TASK_ARCHIVED
+        assert len(client.list_entries("big-0")) == BIG
+        assert "big-0" in [t.spec.task_id for t in client.list_tasks(archived=True)]
+        # 4. run again (the CLI): finishes, one copy, nothing left in etcd
+        done = CliRunner().invoke(cli, ["task", "archive", "big-0"],
+                                  env={"BATON_REGISTRY": archiving.address})
+        assert done.exit_code == 0, done.output
+        assert task_keys(archiving, "big-0") == []
+        assert store.info("big-0") == written
+        assert sorted(p.name for p in archive_dir.iterdir()) == ["big-0.jsonl.gz",
+                                                                 "big-0.meta.json"]
+    on_etcd(small_etcd.endpoint, compact_defrag_disarm)
+    on_loop(archiving, arch.sweep())
+    assert task_keys(archiving, "big-0") == [header_key("big-0")]
+    assert store.info("big-0") == written
+
+
+def test_a_key_written_after_the_archive_is_read_at_the_quota_is_not_deleted(
+    small_etcd: EtcdProcess, archiving: RegistryHandle, wait_for: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An operator frees space and disarms the alarm while a task is archived with
+    deletes only, and an entry of it is written after its archive was read: nothing of
+    the task is deleted; archived again, the late write is in the archive."""
+    keys = Keys(PREFIX)
+    with Client(archiving.address, timeout=10, retry=TEST_RETRY) as client:
+        finished_then_full(client, small_etcd.endpoint, wait_for)
+        client.archive_task("big-0")  # the space to free
+        real_write = DirectoryStore.write
+
+        async def late_write(etcd: Etcd) -> None:
+            await compact_defrag_disarm(etcd)
+            kv = await etcd.get(keys.entry("t1", "c"))
+            assert kv is not None
+            record = json.loads(kv.value)
+            record["error"] = "written after the archive"
+            await etcd.txn([], [Put(kv.key, json.dumps(record).encode())])
+
+        def write_then_late(self: DirectoryStore, task_id: str, *args: Any) -> Any:
+            info = real_write(self, task_id, *args)
+            on_etcd(small_etcd.endpoint, late_write)
+            return info
+
+        keys_before = task_keys(archiving, "t1")
+        monkeypatch.setattr(DirectoryStore, "write", write_then_late)
+        with pytest.raises(IllegalTransition, match="written after its archive was read"):
+            on_loop(archiving, archiver(archiving).archive("t1"))
+        monkeypatch.setattr(DirectoryStore, "write", real_write)
+        assert task_keys(archiving, "t1") == keys_before
+        assert client.get_task("t1").status == pb.TASK_COMPLETED
+        # etcd takes puts again: archived as usual, the late write with it
+        assert client.archive_task("t1").status == pb.TASK_ARCHIVED
+        assert task_keys(archiving, "t1") == [header_key("t1")]
+        assert client.get_entry("t1", "c").error == "written after the archive"
+
+
+def test_an_etcd_refusing_every_transaction_at_its_quota_is_compacted_first(
+    small_etcd: EtcdProcess, archiving: RegistryHandle, wait_for: Any,
+) -> None:
+    """etcd 3.5 refuses every transaction while its database file is over the quota,
+    those that only delete too: archiving is refused, saying what to do, and nothing is
+    deleted; once etcd is compacted and defragmented (the alarm still raised), the
+    archive goes on with deletes only, the one already written kept."""
+    if etcd_version(small_etcd.binary).startswith("3.4."):
+        pytest.skip("etcd 3.4 applies transactions without puts at its quota")
+    with Client(archiving.address, timeout=10, retry=TEST_RETRY) as client:
+        big_task(client, "big-0")
+        history(small_etcd.endpoint)
+        fill(client)
+        keys_before = task_keys(archiving, "big-0")
+        with pytest.raises(StorageFull, match="compact and defragment etcd"):
+            client.archive_task("big-0")
+        assert task_keys(archiving, "big-0") == keys_before
+        assert client.get_task("big-0").status == pb.TASK_CANCELLED
+        written = archiver(archiving).store.info("big-0")
+        on_etcd(small_etcd.endpoint, _compact_defrag)
+        with pytest.raises(StorageFull):
+            client.pause_task("fill-0")  # puts: still refused
+        assert client.archive_task("big-0").status == pb.TASK_ARCHIVED
+        assert task_keys(archiving, "big-0") == []
+        assert archiver(archiving).store.info("big-0") == written
