@@ -12,6 +12,7 @@ import asyncio
 import functools
 import ipaddress
 import logging
+import math
 import socket
 import ssl
 import time
@@ -129,7 +130,10 @@ def _request(kind: Kind) -> Callable[[Callable[Concatenate[Etcd, P], Awaitable[R
                 ok = True
                 return result
             except grpc.aio.AioRpcError as e:
-                raise _translate(e) from e
+                error = _translate(e)
+                if isinstance(error, StorageFull):
+                    self.full_at = time.monotonic()
+                raise error from e
             finally:
                 self.observe(kind, time.perf_counter() - start, ok)
 
@@ -499,6 +503,9 @@ class Etcd:
         #: ``auth.user``, the ``token``
         self._metadata: Metadata = REQUIRE_LEADER
         self._renewing = asyncio.Lock()
+        #: when etcd last refused a request for want of space (``time.monotonic()``;
+        #: -inf: never), so that writes go alone for a while (``txn.Committer``)
+        self.full_at = -math.inf
         #: told the kind, duration and success of every request (the registry's metrics)
         self.observe: Callable[[Kind, float, bool], None] = _ignore
 

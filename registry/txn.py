@@ -64,6 +64,9 @@ MAX_ATTEMPTS = 32
 MAX_TXN_OPS = 128
 #: bytes one group request may carry (etcd refuses requests over 1.5 MiB by default)
 MAX_GROUP_BYTES = 1024 * 1024
+#: seconds after etcd last refused a request for want of space during which every
+#: transaction goes alone, so that etcd's quota sees (and refuses) its puts
+ALONE_AFTER_FULL = 30.0
 #: how long the outcome of a mutating call is kept for retries of that call (a client
 #: retries for 30 s by default; ten minutes covers a registry restart in between)
 REQUEST_TTL = 600
@@ -318,6 +321,10 @@ class Committer:
             task.add_done_callback(self._sending.discard)
 
     def _take(self) -> list[_Pending]:
+        if time.monotonic() - self.etcd.full_at < ALONE_AFTER_FULL:
+            # etcd charges a request's own puts against its quota, not those of the
+            # transactions nested in it: grouped, writes would land past the quota.
+            return [self._queue.pop(0)]
         group: list[_Pending] = []
         reads: set[bytes] = set()
         ranges: list[tuple[bytes, bytes]] = []

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -175,6 +177,38 @@ def test_writes_are_refused_with_a_clear_error_and_reads_go_on(
                                                                   "path": "a"}]})
             with client.open_session("p", ttl=10) as s:
                 assert client.claim("after", session=s).file_id == "a"
+    finally:
+        registry.stop()
+
+
+def test_writes_sent_together_at_the_quota_are_refused_too(
+    small_etcd: EtcdProcess, tmp_path: Path,
+) -> None:
+    """etcd charges a request's own puts against its quota, not those of transactions
+    nested in it: once etcd has said it is full, the registry sends every write alone
+    (no group commit), so that many callers at once are refused as one would be."""
+    registry: RegistryHandle = start_registry(small_etcd.endpoint, "/quota/", tmp_path / "s")
+    try:
+        with Client(registry.address, timeout=10, retry=TEST_RETRY) as client:
+            created = fill(client)
+            tasks = [f"fill-{n}" for n in range(min(created, 16))]
+            _, before, _ = on_etcd(small_etcd.endpoint, lambda e: e.range(b"/quota/", limit=1))
+            barrier = threading.Barrier(len(tasks))
+
+            def pause(task_id: str) -> BaseException | None:
+                barrier.wait()
+                try:
+                    client.pause_task(task_id)
+                except StorageFull as e:
+                    return e
+                return None
+
+            with ThreadPoolExecutor(len(tasks)) as pool:
+                outcomes = list(pool.map(pause, tasks))
+            landed = [t for t, o in zip(tasks, outcomes, strict=True) if o is None]
+            assert landed == [], f"paused at the quota: {landed}"
+            _, after, _ = on_etcd(small_etcd.endpoint, lambda e: e.range(b"/quota/", limit=1))
+            assert after == before
     finally:
         registry.stop()
 
