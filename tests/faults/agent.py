@@ -46,6 +46,11 @@ SIZES = ((0.70, 1, 64 << 10), (0.25, 64 << 10, 1 << 20), (0.05, 1 << 20, 6 << 20
 CHUNK = 64 << 10
 TASKS_REFRESH = 10.0
 TASKS_IDLE = 1.0
+#: etcd at its quota (``StorageFull``): a refused commit or ack is sent again after
+#: these pauses (first, longest), for at most ``FULL_PATIENCE`` seconds; a refused claim
+#: or consume is followed by the first pause
+FULL_PAUSE = (0.25, 2.0)
+FULL_PATIENCE = 60.0
 
 
 class Agent:
@@ -201,15 +206,23 @@ class Agent:
                     self.abandon_session(f"claim outcome unknown: {e}")
                 elif isinstance(e, errors.SessionExpired):
                     self.abandon_session("session expired")
+                if isinstance(e, errors.StorageFull):
+                    self.pause(FULL_PAUSE[0])
                 return True
             assert claim is not None
             if stage == "commit":
                 h.error("commit", e, task=task, file=claim.file_id, token=claim.token)
-                if phase_of(e) == "info":
+                if isinstance(e, errors.StorageFull):  # refused: send it again later
+                    self.commit_again(task, claim.file_id, claim.token, size, digest,
+                                      full=True)
+                elif phase_of(e) == "info":
                     self.switch()
                     self.commit_again(task, claim.file_id, claim.token, size, digest)
             else:  # the block failed and produce() failed the claim; that call raised
                 h.error("fail", e, task=task, file=claim.file_id, token=claim.token)
+                if phase_of(e) == "info":  # the claim may still be ours: let it go
+                    self.switch()
+                    self.abandon_session(f"fail outcome unknown: {e}")
             return True
         except OSError as e:  # writing or publishing failed; produce() failed the claim
             h.write("write", "fail", task=task, file=claim.file_id if claim else "",
@@ -221,17 +234,30 @@ class Agent:
              state=pb.EntryState.Name(out.entry.state))
         return True
 
-    def commit_again(self, task: str, file: str, token: int, size: int, digest: str) -> None:
-        """The commit's outcome is unknown: send it again through the other replica."""
+    def commit_again(self, task: str, file: str, token: int, size: int, digest: str,
+                     full: bool = False) -> None:
+        """The commit's outcome is unknown: send it again (through the other replica).
+        With ``full`` etcd refused it at its quota: send it again after a pause, as long
+        as etcd refuses (``FULL_PATIENCE`` at most); the token lives meanwhile."""
         h = self.history
-        h.invoke("commit", task=task, file=file, token=token, size=size, digest=digest,
-                 registry=self.current, again=True)
-        try:
-            entry = self.client.commit(task, file, token, size, digest)
-        except errors.BatonError as e:
-            h.error("commit", e, task=task, file=file, token=token)
+        pause, give_up = FULL_PAUSE[0], time.monotonic() + FULL_PATIENCE
+        while True:
+            if full:
+                self.pause(pause)
+                pause = min(2 * pause, FULL_PAUSE[1])
+            h.invoke("commit", task=task, file=file, token=token, size=size, digest=digest,
+                     registry=self.current, again=True)
+            try:
+                entry = self.client.commit(task, file, token, size, digest)
+            except errors.BatonError as e:
+                h.error("commit", e, task=task, file=file, token=token)
+                full = isinstance(e, errors.StorageFull)
+                if full and time.monotonic() < give_up and not self.stop.is_set():
+                    continue
+                return
+            h.ok("commit", task=task, file=file, token=token,
+                 state=pb.EntryState.Name(entry.state))
             return
-        h.ok("commit", task=task, file=file, token=token, state=pb.EntryState.Name(entry.state))
 
     # consumers --------------------------------------------------------------------
 
@@ -251,6 +277,8 @@ class Agent:
                 self.abandon_session(f"consume outcome unknown: {e}")
             elif isinstance(e, errors.SessionExpired):
                 self.abandon_session("session expired")
+            if isinstance(e, errors.StorageFull):
+                self.pause(FULL_PAUSE[0])
             return True
         ident = {"task": task, "file": lease.file_id, "group": group, "token": lease.token}
         h.ok("consume", **ident, size=lease.size, digest=lease.digest)
@@ -264,19 +292,27 @@ class Agent:
         h.ok("read", **ident, size=len(data), digest=payload.digest(data),
              origin=asdict(origin) if origin else None)
         self.pause(self.rng.random() * 0.1)  # "work" with the bytes
-        for again in (False, True):
+        # Sent again once through the other replica when its outcome is unknown; while
+        # etcd is at its quota (refused: nothing applied), again after a pause.
+        again, pause, give_up = False, FULL_PAUSE[0], time.monotonic() + FULL_PATIENCE
+        while True:
             h.invoke("ack", **ident, registry=self.current, again=again)
             try:
                 entry = self.client.ack(task, lease.file_id, group, lease.token)
             except errors.BatonError as e:
                 h.error("ack", e, **ident)
+                if isinstance(e, errors.StorageFull) and time.monotonic() < give_up \
+                        and not self.stop.is_set():
+                    self.pause(pause)
+                    pause, again = min(2 * pause, FULL_PAUSE[1]), True
+                    continue
                 if phase_of(e) == "info" and not again:
                     self.switch()
+                    again = True
                     continue
                 return True
             h.ok("ack", **ident, state=pb.EntryState.Name(entry.state))
             return True
-        return True
 
     def nack(self, ident: dict[str, object], reason: str) -> None:
         h = self.history

@@ -9,7 +9,8 @@ Five kinds of violation fail a run:
 - ``double``: one consumer group handed or acking one entry twice;
 - ``stale``: a claim, commit or ack accepted while its token was not the live one;
 - ``badverify``: a verification whose digest is not the digest of the bytes the
-  producer of the accepted commit wrote;
+  producer of the accepted commit wrote, or a commit accepted for bytes its producer
+  did not write (no successful write of that size recorded, or a failed one);
 - ``badread``: a consumer given a lease on an entry that was not verified, or whose
   digest is not the verified one, or that read bytes other than the verified ones
   (every payload names its producer attempt, see ``payload.py``).
@@ -80,17 +81,24 @@ class _Histories:
         self.writes: dict[tuple[str, str, int], dict[str, Any]] = {}
         self.leases: dict[EntryKey, list[dict[str, Any]]] = defaultdict(list)
         self.ok: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        #: attempts whose write or publish failed (ENOSPC...): nothing may be committed
+        self.write_failures: dict[tuple[str, str, int], dict[str, Any]] = {}
         self.reads: list[dict[str, Any]] = []
         self.read_failures = 0
         self.unknown = 0
+        #: calls refused because etcd was at its quota
+        self.storage_full = 0
         self.ops = 0
         for r in records:
             op, phase = r.get("op", ""), r.get("phase", "")
             if op in CALLS and phase in ("ok", "fail", "info"):
                 self.ops += 1
                 self.unknown += phase == "info"
+                self.storage_full += r.get("error") == "StorageFull"
             if op == "write" and phase == "ok":
                 self.writes[(r["task"], r["file"], int(r["token"]))] = r
+            elif op == "write" and phase == "fail":
+                self.write_failures[(r["task"], r["file"], int(r.get("token") or 0))] = r
             elif op == "consume" and phase == "ok":
                 self.leases[(r["task"], r["file"])].append(r)
             elif op == "read":
@@ -119,7 +127,7 @@ def check(records: list[dict[str, Any]], snap: Snapshot,
     report = Report(ops=hist.ops, nemeses=nemeses)
     # Counted below only when they happen; the summary line shows them at 0 too, so
     # every run's line carries the same keys (a reader's grep finds them).
-    for always in ("reaped", "retries"):
+    for always in ("reaped", "retries", "tmp_left"):
         report.stats[always] += 0
     seen = _Seen()
     for key in sorted(set(snap.entries) | set(snap.journal)):
@@ -131,6 +139,8 @@ def check(records: list[dict[str, Any]], snap: Snapshot,
     _explain_retries(snap, hist, report)
     report.stats["unknown"] = hist.unknown
     report.stats["mismatched_reads"] = hist.read_failures
+    report.stats["write_failed"] = len(hist.write_failures)
+    report.stats["storage_full"] = hist.storage_full
     return report
 
 
@@ -153,6 +163,7 @@ def _walk(key: EntryKey, journal: list[JournalRecord], hist: _Histories, report:
             if r.token != live_p:
                 report.add("stale", key, f"commit with token {r.token} accepted at revision "
                            f"{rev}; the live claim was {live_p}")
+            _check_written(key, r, hist, report)
             committed, live_p = r, None
         elif r.event == "verified":
             _check_verified(key, r, committed, hist, report)
@@ -187,6 +198,26 @@ def _walk(key: EntryKey, journal: list[JournalRecord], hist: _Histories, report:
             live_c.clear()  # unverified: every consume-claim was revoked with it
             verified = None
         state = r.to_state
+
+
+def _check_written(key: EntryKey, r: JournalRecord, hist: _Histories,
+                   report: Report) -> None:
+    """A commit is accepted only for bytes its producer wrote: a successful write of
+    that size recorded under its token, and no failed write or publish."""
+    attempt = (key[0], key[1], r.token)
+    write = hist.writes.get(attempt)
+    failed = hist.write_failures.get(attempt)
+    if failed is not None:
+        report.add("badverify", key, f"commit of token {r.token} accepted at revision "
+                   f"{r.rev}, but {failed['process']}'s write of it failed: "
+                   f"{failed.get('error')}: {failed.get('message', '')[:120]}")
+    elif write is None:
+        report.add("badverify", key, f"commit of token {r.token} accepted at revision "
+                   f"{r.rev}, but no producer recorded writing its bytes")
+    elif int(write["size"]) != r.size:
+        report.add("badverify", key, f"commit of token {r.token} accepted at revision "
+                   f"{r.rev} with size {r.size}; {write['process']} wrote {write['size']} "
+                   "bytes")
 
 
 def _check_verified(key: EntryKey, r: JournalRecord, committed: JournalRecord | None,
@@ -344,3 +375,29 @@ def _explain_retries(snap: Snapshot, hist: _Histories, report: Report) -> None:
             else:
                 report.notes.append(f"{key[0]}/{key[1]} at revision {r.rev}: bytes of no "
                                     f"other attempt: {r.reason}")
+
+
+#: the token in a temp file's name: ``.NAME.baton-tmp-TOKEN-NONCE``
+_TEMP_TOKEN = re.compile(r"\.baton-tmp-(\d+)-[0-9a-f]+$")
+#: a producer's records that end an attempt (after which its temp file is gone)
+_ENDED = {("write", "fail"), ("fail", "ok"), ("fail", "fail"), ("fail", "info"),
+          ("commit", "ok"), ("commit", "fail"), ("commit", "info")}
+
+
+def leftover_temp_files(paths: list[str], records: list[dict[str, Any]]
+                        ) -> tuple[list[str], list[str]]:
+    """Split temp files found under the staging root (``TASK/.../.NAME.baton-tmp-TOKEN-
+    NONCE``, relative) into those left by an attempt that ended (a bug: the helper
+    removes its temp file whatever happens) and those of attempts a SIGKILL cut short
+    (their producer recorded no end; nothing can remove them)."""
+    claimed = {(r.get("task"), int(r.get("token") or 0)) for r in records
+               if (r.get("op"), r.get("phase")) == ("claim", "ok")}
+    ended = {(r.get("task"), int(r.get("token") or 0)) for r in records
+             if (r.get("op"), r.get("phase")) in _ENDED}
+    left: list[str] = []
+    killed: list[str] = []
+    for path in paths:
+        match = _TEMP_TOKEN.search(path)
+        attempt = (path.split("/", 1)[0], int(match.group(1)) if match else 0)
+        (killed if attempt in claimed and attempt not in ended else left).append(path)
+    return left, killed

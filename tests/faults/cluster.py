@@ -13,6 +13,7 @@ certificate for loopback, the watcher a ``watcher`` identity, each agent process
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from baton_relay.client import pki
+from baton_relay.registry.keys import prefix_end
 from baton_relay.registry.local.etcdproc import (
     port_in_use,
     tail,
@@ -157,6 +159,19 @@ def _post(address: str, path: str, body: dict[str, Any], timeout: float = 2.0
         return data
 
 
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def refusal(error: urllib.error.HTTPError) -> str:
+    """What etcd's JSON gateway said when it refused a call."""
+    text = error.read().decode(errors="replace")
+    try:
+        return str(json.loads(text).get("error") or text)[:300]
+    except ValueError:
+        return text[:300] or str(error)
+
+
 def free_base_port(count: int = 2 * MEMBERS, start: int = 24000) -> int:
     """A base port such that ``count`` consecutive ports from it are free."""
     base = start + (os.getpid() % 500) * 8
@@ -173,11 +188,20 @@ class EtcdCluster:
 
     def __init__(self, data_dir: Path, binary: str | None = None,
                  extra_args: str = "--snapshot-count 5000",
-                 network: Network | None = None) -> None:
+                 network: Network | None = None, quota: int = 0,
+                 compaction: str = "") -> None:
+        """``quota``: ``--quota-backend-bytes`` (0: etcd's default); ``compaction``:
+        ``--auto-compaction-retention`` in periodic mode, e.g. ``5m`` ("": none)."""
         self.data_dir = data_dir
         self.base = free_base_port()
         self.hosts = [network.address(etcd_node(n)) if network else "127.0.0.1"
                       for n in range(MEMBERS)]
+        self.quota = quota
+        if quota:
+            extra_args += f" --quota-backend-bytes {quota}"
+        if compaction:
+            extra_args += (" --auto-compaction-mode periodic "
+                           f"--auto-compaction-retention {compaction}")
         env = dict(os.environ)
         env["PYTHON"] = sys.executable
         env["BATON_ETCD_ARGS"] = extra_args
@@ -305,6 +329,50 @@ class EtcdCluster:
     def healthy(self) -> bool:
         return all(m.alive and not m.paused and self.member_healthy(n)
                    for n, m in enumerate(self.members))
+
+    # --- the quota (the etcd-quota nemesis): every call through :meth:`gateway` ------
+
+    def gateway(self, n: int, path: str, body: dict[str, Any],
+                timeout: float = 2.0) -> dict[str, Any]:
+        """A call to member ``n``'s v3 JSON gateway (``path`` is ``/v3/...``); an
+        ``urllib.error.HTTPError`` when etcd refuses it (:func:`refusal` reads why)."""
+        return _post(self.endpoint(n), path, body, timeout)
+
+    def put(self, n: int, key: bytes, value: bytes, timeout: float = 10.0) -> str:
+        """Put ``key`` through member ``n``: "" or why etcd refused it (at the quota
+        ``etcdserver: mvcc: database space exceeded``)."""
+        try:
+            self.gateway(n, "/v3/kv/put", {"key": _b64(key), "value": _b64(value)}, timeout)
+        except urllib.error.HTTPError as e:
+            return refusal(e)
+        return ""
+
+    def delete_prefix(self, n: int, prefix: bytes, timeout: float = 30.0) -> int:
+        """Delete every key under ``prefix`` through member ``n`` (etcd accepts deletes
+        at its quota); how many were deleted."""
+        body = {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))}
+        return int(self.gateway(n, "/v3/kv/deleterange", body, timeout).get("deleted", 0))
+
+    def db_size(self, n: int) -> int | None:
+        """Member ``n``'s backend size in bytes (what the quota is held against)."""
+        status = self.status(n)
+        return int(status["dbSize"]) if status is not None else None
+
+    def defragment(self, n: int, timeout: float = 60.0) -> None:
+        """Defragment member ``n``'s backend: the space compaction freed goes back."""
+        self.gateway(n, "/v3/maintenance/defragment", {}, timeout)
+
+    def alarms(self, n: int) -> list[dict[str, Any]]:
+        """The alarms raised in the cluster, as member ``n`` lists them: each a
+        ``memberID`` and an ``alarm`` (``NOSPACE``, ``CORRUPT``)."""
+        raised = self.gateway(n, "/v3/maintenance/alarm", {"action": "GET"}).get("alarms")
+        return list(raised or [])
+
+    def disarm(self, n: int, alarm: dict[str, Any]) -> None:
+        """Deactivate one alarm of :meth:`alarms`, through member ``n``."""
+        self.gateway(n, "/v3/maintenance/alarm", {
+            "action": "DEACTIVATE", "memberID": alarm.get("memberID", "0"),
+            "alarm": alarm.get("alarm", "NOSPACE")})
 
 
 # --- where each process runs ----------------------------------------------------------

@@ -33,7 +33,7 @@ from baton_relay.registry.local.stack import LocalPKI
 
 from . import history as hist
 from . import netns
-from .checker import Report, check
+from .checker import Report, check, leftover_temp_files
 from .cluster import (
     OPERATOR,
     EtcdCluster,
@@ -51,6 +51,7 @@ from .cluster import (
     watcher_proc,
 )
 from .nemesis import NEMESES, AgentSlot, World, run_nemeses
+from .staging import StagingFs, temp_files
 from .state import read_snapshot
 
 T = TypeVar("T")
@@ -91,6 +92,19 @@ class RunConfig:
     #: allows it (root, iproute2, nftables); else, or when False, all on loopback and
     #: the network nemeses are skipped
     network: bool = True
+    #: the staging root is a tmpfs of this many MiB when the harness may mount one
+    #: (root), so fill-staging can fill it (0: a plain directory). The feeder deletes
+    #: completed tasks' files: a run holds the payloads of its open tasks (about 340
+    #: KiB each on average, see agent.SIZES), at most 281 MiB with the command line's
+    #: defaults (task size 200, backlog 400), under 90 MiB in the quick run
+    staging_mib: int = 512
+    #: etcd's ``--quota-backend-bytes`` in MiB (0: etcd's default), which etcd-quota
+    #: fills. A run's database grows by about 100 KiB/s (entries, journals, request
+    #: outcomes, 5 min of history): 43 MiB after 440 s with the command line's
+    #: defaults, some 100 MiB after 1800 s; every etcd-quota compacts and defragments it
+    etcd_quota_mib: int = 256
+    #: etcd's ``--auto-compaction-retention`` (periodic mode; "": none)
+    etcd_compaction: str = "5m"
 
 
 @dataclass
@@ -256,7 +270,9 @@ def _run(cfg: RunConfig, out: Path, staging: Path, driver: hist.History,
     hosts = [network.address(registry_node(n)) if network else "127.0.0.1"
              for n in range(2)]
     tls = None if cfg.insecure else make_pki(out / "pki", hosts)
-    cluster = EtcdCluster(out / "etcd", binary=cfg.etcd_binary, network=network)
+    cluster = EtcdCluster(out / "etcd", binary=cfg.etcd_binary, network=network,
+                          quota=cfg.etcd_quota_mib << 20, compaction=cfg.etcd_compaction)
+    staging_fs = StagingFs(staging, cfg.staging_mib)
     addresses = [f"{host}:{free_port()}" for host in hosts]
     def etcd_for(n: int) -> str:
         if not cfg.all_members:
@@ -285,10 +301,12 @@ def _run(cfg: RunConfig, out: Path, staging: Path, driver: hist.History,
                for i, g in enumerate(g for g in cfg.groups for _ in range(cfg.consumers))]
     replicas = Replicas(addresses, tls)
     world = World(cluster, registries, watchers, agents, staging, cfg.ttl, rng, driver,
-                  operator=replicas.call, network=network)
+                  operator=replicas.call, network=network, etcd_quota=cluster.quota)
     feeder = Feeder(cfg, replicas, driver, staging)
     started = time.monotonic()
+    released = ""
     try:
+        world.staging_tmpfs = staging_fs.mount()
         cluster.start()
         for r in registries:
             r.start()
@@ -316,6 +334,8 @@ def _run(cfg: RunConfig, out: Path, staging: Path, driver: hist.History,
             w.stop(15.0)
         for proc in registries:
             proc.stop(10.0)
+        temps = temp_files(staging)
+        db_size = cluster.db_size(cluster.answering() or 0)
         diverged = cluster.divergence()
         member = cluster.leader()
         assert member is not None, "no etcd member leads after healing"
@@ -331,8 +351,11 @@ def _run(cfg: RunConfig, out: Path, staging: Path, driver: hist.History,
             proc.stop(10.0)
         cluster.stop()
         driver.close()
+        released = staging_fs.release(keep=cfg.keep_staging)
     snap.dump(out / "journal.jsonl")
-    report = check(hist.read_all(out / "history"), snap, feeder.created, count)
+    records = hist.read_all(out / "history")
+    report = check(records, snap, feeder.created, count)
+    _count_temp_files(report, temps, records)
     report.stats["seed"] = cfg.seed
     report.stats["tls"] = int(tls is not None)
     report.stats["netns"] = int(network is not None)
@@ -346,6 +369,11 @@ def _run(cfg: RunConfig, out: Path, staging: Path, driver: hist.History,
         report.notes.append(f"etcd {diverged}: the verdict is about etcd, not Baton "
                             "(etcd 3.5.0-3.5.2 lose applied writes after a crash: "
                             "etcd-io/etcd#13766)")
+    report.notes.append(f"staging: {staging_fs.describe()}" + (f"; {released}" if released
+                                                                 else ""))
+    if db_size is not None and cluster.quota:
+        report.notes.append(f"etcd's database at the end: {db_size / 2**20:.1f} MiB of its "
+                            f"{cluster.quota / 2**20:g} MiB quota")
     driven = list(hist.read(out / "history" / "driver.jsonl"))
     _count_crashes(report, [d for d in driven if d["op"] == "crash"])
     nemeses = [d for d in driven if d["op"] == "nemesis" and d["phase"] != "invoke"]
@@ -366,6 +394,19 @@ def _count_crashes(report: Report, crashes: list[dict[str, Any]]) -> None:
         else:
             report.notes.append(f"{c['name']} crashed (exit {c['status']}); see its log "
                                 f"{c['log']}")
+
+
+def _count_temp_files(report: Report, temps: list[str],
+                      records: list[dict[str, Any]]) -> None:
+    """Temp files left under the staging root: those of attempts a SIGKILL cut short
+    are expected (noted); any other is counted (``tmp_left``) and fails the run."""
+    left, killed = leftover_temp_files(temps, records)
+    report.stats["tmp_left"] = len(left)
+    for path in left:
+        report.notes.append(f"temp file left behind by an attempt that ended: {path}")
+    if killed:
+        report.notes.append(f"{len(killed)} temp file(s) of attempts cut short by a SIGKILL "
+                            f"(expected): {', '.join(killed[:5])}")
 
 
 def _drain(feeder: Feeder, timeout: float) -> bool:

@@ -8,6 +8,7 @@ same sequence (the timing of the processes under it still varies).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -96,6 +97,13 @@ class World:
     operator: Callable[[Callable[[Client], Any]], Any] | None = None
     #: each process's network namespace (None: all on loopback, no network nemeses)
     network: Network | None = None
+    #: the staging root is a tmpfs the harness mounted (fill-staging may fill it)
+    staging_tmpfs: bool = False
+    #: etcd's ``--quota-backend-bytes`` (0: etcd's default, etcd-quota does nothing)
+    etcd_quota: int = 0
+    #: what a nemesis left to clean up if it stopped half-way ("fill-staging",
+    #: "etcd-quota"); :meth:`heal` cleans it
+    mess: set[str] = field(default_factory=set)
 
     def sleep(self, seconds: float) -> None:
         self.stop.wait(seconds)
@@ -136,6 +144,21 @@ class World:
         deadline = time.monotonic() + 60
         while not self.cluster.healthy() and time.monotonic() < deadline:
             time.sleep(0.1)
+        self._clean()
+
+    def _clean(self) -> None:
+        """Undo what a nemesis that failed half-way left behind: the staging filler,
+        etcd's junk and its NOSPACE alarm. What cannot be undone now is tried again at
+        the next healing."""
+        cleaners = {"fill-staging": remove_filler, "etcd-quota": recover_etcd}
+        for what in sorted(self.mess):
+            try:
+                done = cleaners[what](self)
+            except Exception as e:
+                self.history.write("heal", "fail", mess=what, error=f"{type(e).__name__}: {e}")
+                continue
+            self.mess.discard(what)
+            self.history.write("heal", "ok", mess=what, **done)
 
 
 Nemesis = Callable[[World], dict[str, Any]]
@@ -461,6 +484,187 @@ def packet_loss(w: World) -> dict[str, Any]:
     return {"nodes": chosen, "percent": percent, "seconds": round(seconds, 2)}
 
 
+#: the staging filler (fill-staging), at the staging root: no task's, never hashed
+FILLER = "junk-fill-staging"
+#: etcd-quota's keys, outside the registry's prefix
+JUNK = b"/nemesis-junk/"
+#: etcd-quota's values: etcd takes requests of at most 1.5 MiB
+JUNK_VALUE = 1 << 20
+#: seconds the staging root is held full. An entry whose producers keep failing backs
+#: off 0.2, 0.4, 0.8, 1.6, then 2 s (task_spec), so its fifth failure comes 3 s after
+#: its first and its sixth 5 s after: a hold of at most 4 s (plus the fill) costs an
+#: entry at most six of its twelve retries (max_retries)
+STAGING_HOLD = (2.0, 4.0)
+#: seconds etcd is held at NOSPACE after it first refused (recovery takes longer)
+ETCD_HOLD = (2.0, 5.0)
+
+
+def _free(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def _top_up(fd: int, chunk: bytes) -> int:
+    """Write ``chunk`` to ``fd`` until the file system is full; the bytes written."""
+    written = 0
+    while True:
+        try:
+            n = os.write(fd, chunk)
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                return written
+            raise
+        written += n
+
+
+def fill_staging(w: World) -> dict[str, Any]:
+    """Fill the staging file system until ENOSPC and keep it full for a few seconds
+    (space a producer's failed attempt or the feeder frees is taken again at once),
+    then remove the filler. Producers get ENOSPC: their entries are failed and retried;
+    nothing unwritten may be committed, no temp file may stay behind."""
+    if not w.staging_tmpfs:
+        return {"skipped": "the staging root is not a tmpfs the harness mounted "
+                "(that needs root and --staging-mib)"}
+    hold = w.rng.uniform(*STAGING_HOLD)
+    free_before = _free(w.staging)
+    chunk = bytes(1 << 20)
+    w.mess.add("fill-staging")
+    fd = os.open(w.staging / FILLER, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
+                 0o600)
+    try:
+        filled = _top_up(fd, chunk)
+        full = time.monotonic()
+        topped = tops = 0
+        while time.monotonic() - full < hold and not w.stop.is_set():
+            w.sleep(0.02)
+            if more := _top_up(fd, chunk):
+                topped, tops = topped + more, tops + 1
+        held = time.monotonic() - full
+        free_full = _free(w.staging)
+    finally:
+        os.close(fd)
+    remove_filler(w)
+    w.mess.discard("fill-staging")
+    return {"free_before_mib": round(free_before / 2**20, 1),
+            "filled_bytes": filled, "held_s": round(held, 2),
+            "free_when_full": free_full, "topped_up_kib": topped >> 10,
+            "top_ups": tops}
+
+
+def remove_filler(w: World) -> dict[str, Any]:
+    try:
+        size = (w.staging / FILLER).stat().st_size
+        (w.staging / FILLER).unlink()
+    except FileNotFoundError:
+        size = 0
+    return {"filler_removed_mib": round(size / 2**20, 1)}
+
+
+def _fill_etcd(w: World, deadline: float) -> tuple[int, float, str]:
+    """Put junk through every member at once until one refuses with NOSPACE: the
+    bytes put, when NOSPACE was first answered, and the refusal."""
+    stop = threading.Event()
+    lock = threading.Lock()
+    written = [0]
+    refused: list[tuple[float, str]] = []
+    value = bytes(JUNK_VALUE)
+
+    def writer(n: int) -> None:
+        i = 0
+        while not stop.is_set() and not w.stop.is_set() and time.monotonic() < deadline:
+            try:
+                why = w.cluster.put(n, JUNK + b"m%d/%07d" % (n, i), value)
+            except OSError as e:  # a member restarting, a timeout: another member goes on
+                why = f"{type(e).__name__}: {e}"
+            if "database space exceeded" in why:
+                with lock:
+                    refused.append((time.monotonic(), why))
+                stop.set()
+                return
+            if why:
+                time.sleep(0.1)
+                continue
+            i += 1
+            with lock:
+                written[0] += len(value)
+
+    threads = [threading.Thread(target=writer, args=(n,), name=f"junk-m{n}", daemon=True)
+               for n in range(len(w.cluster.members))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if not refused:
+        raise RuntimeError(f"etcd took {written[0] >> 20} MiB of junk without refusing "
+                           "(no NOSPACE)")
+    first = min(refused)
+    return written[0], first[0], first[1]
+
+
+def etcd_quota(w: World) -> dict[str, Any]:
+    """Fill etcd with junk keys (outside the registry's prefix) until it answers
+    NOSPACE, hold it there a few seconds while the agents run (writes are refused with
+    ``StorageFull``; reads go on, one is checked), then recover as an operator would:
+    delete the junk, compact, defragment every member, disarm the alarms."""
+    if not w.etcd_quota:
+        return {"skipped": "etcd runs without --quota-backend-bytes"}
+    hold = w.rng.uniform(*ETCD_HOLD)
+    before = [w.cluster.db_size(n) for n in range(len(w.cluster.members))]
+    w.mess.add("etcd-quota")
+    written, full, why = _fill_etcd(w, time.monotonic() + 180.0)
+    n = w.cluster.answering()
+    alarms = w.cluster.alarms(n) if n is not None else []
+    read = ""
+    try:
+        assert w.operator is not None
+        tasks = w.operator(lambda c: c.list_tasks())
+        read = f"list_tasks: {len(tasks)} tasks"
+    except Exception as e:  # reads must go on at the quota: a finding, raised below
+        read = f"{type(e).__name__}: {e}"[:300]
+    w.sleep(max(0.0, hold - (time.monotonic() - full)))
+    recovered = recover_etcd(w)
+    held = time.monotonic() - full
+    w.mess.discard("etcd-quota")
+    if not read.startswith("list_tasks"):
+        raise RuntimeError(f"a read failed while etcd was at its quota: {read}")
+    return {"quota_mib": round(w.etcd_quota / 2**20), "written_bytes": written,
+            "db_before_mib": [_mib(b) for b in before], "nospace_s": round(held, 2),
+            "alarms": len(alarms), "refusal": why[:80], "read": read, **recovered}
+
+
+def _mib(size: int | None) -> float | None:
+    return None if size is None else round(size / 2**20, 1)
+
+
+def recover_etcd(w: World) -> dict[str, Any]:
+    """What an operator does at the quota: delete the junk (etcd takes deletes under
+    NOSPACE), compact, defragment every member, disarm each NOSPACE alarm (as
+    ``alarm list`` names them, per member); then a write is accepted again."""
+    c = w.cluster
+    n = c.answering()
+    if n is None:
+        raise RuntimeError("no etcd member answers")
+    deleted = c.delete_prefix(n, JUNK)
+    refused = c.compact(c.revision())
+    for m in range(len(c.members)):
+        c.defragment(m)
+    after = [_mib(c.db_size(m)) for m in range(len(c.members))]
+    disarmed = 0
+    probe = JUNK + b"probe"
+    for _ in range(50):
+        raised = [a for a in c.alarms(n) if a.get("alarm") == "NOSPACE"]
+        for alarm in raised:
+            c.disarm(n, alarm)
+        disarmed += len(raised)
+        if not raised and not c.put(n, probe, b""):
+            c.delete_prefix(n, probe)
+            break
+        time.sleep(0.1)
+    else:
+        raise RuntimeError("etcd still refuses writes once its alarms are disarmed")
+    return {"deleted": deleted, "compact_refused": refused or None, "disarmed": disarmed,
+            "db_after_mib": after}
+
 NEMESES: dict[str, Nemesis] = {
     "kill-agent": kill_agent,
     "pause-agent": pause_agent,
@@ -477,6 +681,8 @@ NEMESES: dict[str, Nemesis] = {
     "partition-registry": partition_registry,
     "partition-client": partition_client,
     "packet-loss": packet_loss,
+    "fill-staging": fill_staging,
+    "etcd-quota": etcd_quota,
 }
 
 

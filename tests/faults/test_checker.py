@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from . import payload
-from .checker import Report, check
+from .checker import Report, check, leftover_temp_files
 from .state import JournalRecord, Snapshot
 
 PREFIX = "/p/"
@@ -167,3 +167,66 @@ def test_bytes_that_are_no_payload_are_badread() -> None:
     history = clean_history()
     history[4] = {**history[4], "origin": None}
     assert "badread" in kinds(run(history=history))
+
+
+def test_a_commit_of_bytes_never_written_is_badverify() -> None:
+    """A commit accepted although its producer recorded no write of those bytes (the
+    watcher then sent it back: no verification ever named it)."""
+    journal = [rec(10, 1, "claimed", "pending", "writing"),
+               rec(11, 2, "committed", "writing", "written", token=10, size=len(DATA)),
+               rec(12, 3, "failed", "written", "pending", token=10,
+                   reason="checksum mismatch")]
+    history = clean_history()[:1]
+    report = run(journal, history=history, state="pending",
+                 keys=(b"/p/ready/t0/000000000000001/f0",),
+                 index="/p/ready/t0/000000000000001/f0")
+    assert kinds(report) == {"badverify"}, report.violations
+
+
+def test_a_commit_whose_write_failed_is_badverify() -> None:
+    """The producer's write failed (ENOSPC: a full staging root), yet a commit of that
+    attempt was accepted."""
+    history = clean_history()
+    history[1] = {"op": "write", "phase": "fail", "task": TASK, "file": FILE, "token": 10,
+                  "error": "OSError", "message": "[Errno 28] No space left on device",
+                  "process": "p0.0"}
+    report = run(history=history)
+    assert "badverify" in kinds(report)
+    assert report.stats["write_failed"] == 1
+
+
+def test_a_failed_write_that_took_the_retry_path_passes() -> None:
+    """ENOSPC on the first attempt (failed, retried), the second one committed."""
+    journal = [rec(8, 1, "claimed", "pending", "writing"),
+               rec(9, 2, "failed", "writing", "pending", token=8,
+                   reason="OSError: [Errno 28] No space left on device"),
+               *(dataclasses.replace(r, seq=r.seq + 2) for r in clean_journal())]
+    history = [{"op": "claim", "phase": "ok", "task": TASK, "file": FILE, "token": 8,
+                "process": "p1.0"},
+               {"op": "write", "phase": "fail", "task": TASK, "file": FILE, "token": 8,
+                "error": "OSError", "message": "[Errno 28] No space left on device",
+                "process": "p1.0"},
+               *clean_history()]
+    report = run(journal, history=history)
+    assert report.ok, report.violations
+    assert report.stats["write_failed"] == 1
+
+
+def test_temp_files_left_by_ended_attempts_are_told_apart() -> None:
+    """A temp file of an attempt that ended (its write failed, or it committed) is left
+    behind wrongly; one whose producer was SIGKILLed mid-attempt cannot be removed."""
+    history = [
+        {"op": "claim", "phase": "ok", "task": TASK, "token": 7, "process": "p0.0"},
+        {"op": "write", "phase": "fail", "task": TASK, "token": 7, "process": "p0.0"},
+        {"op": "claim", "phase": "ok", "task": TASK, "token": 9, "process": "p1.0"},
+        {"op": "write", "phase": "ok", "task": TASK, "token": 9, "process": "p1.0"},
+        {"op": "claim", "phase": "ok", "task": TASK, "token": 11, "process": "p1.1"},
+        {"op": "commit", "phase": "ok", "task": TASK, "token": 11, "process": "p1.1"},
+    ]
+    paths = [f"{TASK}/d0/.f0.bin.baton-tmp-7-{'a' * 16}",
+             f"{TASK}/d1/.f1.bin.baton-tmp-9-{'b' * 16}",
+             f"{TASK}/d2/.f2.bin.baton-tmp-11-{'c' * 16}",
+             f"{TASK}/d0/.f3.bin.baton-tmp-13-{'d' * 16}"]
+    left, killed = leftover_temp_files(paths, history)
+    assert killed == [paths[1]]
+    assert left == [paths[0], paths[2], paths[3]]

@@ -23,10 +23,13 @@ pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.timeout(600)]
 #: the quick run's seed: the one whose run found the keepalive-clock bug
 #: (test_session_clock.py); its schedule meets every nemesis kind within the load time
 QUICK_SEED = 5
-#: short leases (2 s) so that pauses and leader elections cost claims often; the load
-#: goes on until every kind of nemesis has run once
+#: short leases (2 s) so that pauses and leader elections cost claims often; a small
+#: etcd quota and staging tmpfs (the run's database stays under 5 MiB, its payloads
+#: under 90 MiB), so that etcd-quota and fill-staging fill them fast; the load goes on
+#: until every kind of nemesis has run once
 QUICK = {"duration": 75.0, "drain": 90.0, "task_size": 30, "backlog": 120, "ttl": 2,
-         "producers": 3, "gap": (1.0, 2.5), "every_kind": True}
+         "producers": 3, "gap": (1.0, 2.5), "every_kind": True, "etcd_quota_mib": 32,
+         "staging_mib": 256}
 
 
 #: etcd releases that lose applied writes when a member crashes (etcd-io/etcd#13766,
@@ -64,5 +67,6 @@ def test_quick_fault_run_finds_nothing(tmp_path: Path) -> None:
     assert ran == set(nemeses_for(os.environ.get("BATON_TEST_ETCD") or None)), \
         explain(result)
     assert result.report.stats["consumed"] > 0 and result.report.stats["crashes"] == 0
+    assert result.report.stats["tmp_left"] == 0, explain(result)
     # where namespaces can be made, the network nemeses acted (they are not skipped)
     assert result.report.stats["netns"] == int(not netns.available()), explain(result)
