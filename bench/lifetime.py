@@ -34,8 +34,8 @@ tasks as soon as its archiver next looks (`--archive-dir`, `--archive-after 0`,
 `--archive-interval 5`). {agents} agents (threads, each its own client and session) take tasks of
 {size:,} entries in turn until {total:,} entries have been handed over: each claims
 {batch} entries (`ClaimBatch`), commits them (`CommitBatch`, size 0), reports each as a
-watcher would (`ReportVerification`), consumes it for the task's one consumer group and
-acks it; the first agent to find a task drained creates the next (the same manifest
+watcher would (`ReportVerification`), consumes it for the task's one consumer group,
+and acks the {batch} in one call (`AckBatch`); the first agent to find a task drained creates the next (the same manifest
 sent twice creates it once). So every entry takes the whole path, and every task
 completes and is archived. Every {every:g} s the run samples etcd's own metrics
 (`etcd_mvcc_db_total_size_in_bytes`, `..._in_use_in_bytes`, `etcd_debugging_mvcc_keys_total`),
@@ -112,10 +112,12 @@ def agent(address: str, name: str, size: int, shared: Shared) -> None:
                 continue
             took = time.perf_counter() - t0
             c.commit_batch([(task_id, cl.file_id, cl.token, 0, "") for cl in claims])
+            acks = []
             for cl in claims:
                 c.report(task_id, cl.file_id, 0, EMPTY, reporter="bench")
                 lease = c.consume(task_id, "sink", cl.file_id, session=s)
-                c.ack(task_id, cl.file_id, "sink", lease.token, session=s)
+                acks.append((task_id, cl.file_id, "sink", lease.token))
+            c.ack_batch(acks)
             with shared.lock:
                 shared.claims.append((done_before, took))
                 shared.done += len(claims)
