@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -138,6 +139,31 @@ class Crash(Exception):
     pass
 
 
+@contextmanager
+def killed_at_second_chunk(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Within: the removal's second chunk of deletes dies (``Crash``), the first goes
+    through, as when the registry is killed half-way through the deletes."""
+    real_chunk = removal.Removal._plain_chunk
+    calls = {"n": 0}
+
+    def dies_deleting(self: removal.Removal, kind: str, *args: Any) -> Any:
+        handle = real_chunk(self, kind, *args)
+
+        async def counted(kvs: Any) -> Any:
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise Crash("killed while deleting")
+            return await handle(kvs)
+
+        return counted
+
+    monkeypatch.setattr(removal.Removal, "_plain_chunk", dies_deleting)
+    try:
+        yield
+    finally:
+        monkeypatch.setattr(removal.Removal, "_plain_chunk", real_chunk)
+
+
 def test_an_archive_interrupted_anywhere_finishes_when_run_again_with_one_copy(
     client: Client, session: Session, registry: RegistryHandle, archive_dir: Path,
     wait_for: Wait, monkeypatch: pytest.MonkeyPatch,
@@ -158,25 +184,11 @@ def test_an_archive_interrupted_anywhere_finishes_when_run_again_with_one_copy(
     assert len(task_keys(registry, "t1")) > 1 and store.info("t1") is None
     monkeypatch.setattr(DirectoryStore, "write", real_write)
     keys_before = task_keys(registry, "t1")
-    # 2. killed half-way through the deletes: the archive is whole and stays as it is
-    real_chunk = removal.Removal._plain_chunk
-    calls = {"n": 0}
-
-    def dies_deleting(self: removal.Removal, kind: str, *args: Any) -> Any:
-        handle = real_chunk(self, kind, *args)
-
-        async def counted(kvs: Any) -> Any:
-            calls["n"] += 1
-            if calls["n"] == 2:  # the entries are gone, the journal not yet
-                raise Crash("killed while deleting")
-            return await handle(kvs)
-
-        return counted
-
-    monkeypatch.setattr(removal.Removal, "_plain_chunk", dies_deleting)
-    with pytest.raises(Exception, match="killed while deleting"):
+    # 2. killed half-way through the deletes (the entries are gone, the journal not
+    # yet): the archive is whole and stays as it is
+    with killed_at_second_chunk(monkeypatch), \
+            pytest.raises(Exception, match="killed while deleting"):
         on_loop(registry, archiver(registry).archive("t1"))
-    monkeypatch.setattr(removal.Removal, "_plain_chunk", real_chunk)
     written = store.info("t1")
     assert written is not None
     assert 1 < len(task_keys(registry, "t1")) < len(keys_before)

@@ -11,19 +11,26 @@ import os
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 from click.testing import CliRunner
 from registry_fixtures import TEST_RETRY, RegistryHandle, on_etcd, start_registry
-from test_archive import Crash, archiver, finish, on_loop, task_keys
+from test_archive import (
+    Crash,
+    archiver,
+    finish,
+    killed_at_second_chunk,
+    on_loop,
+    task_keys,
+)
 
 from baton_relay.client import Client
 from baton_relay.client.cli import cli
 from baton_relay.client.errors import IllegalTransition, StorageFull, TaskExists
 from baton_relay.client.v1 import baton_pb2 as pb
-from baton_relay.registry import removal
 from baton_relay.registry._etcd import Etcd, Put
 from baton_relay.registry.archive import Archiver, DirectoryStore
 from baton_relay.registry.keys import Keys
@@ -137,6 +144,22 @@ async def _deletes_accepted(etcd: Etcd) -> None:
     except StorageFull:
         await _compact_defrag(etcd)
         await etcd.txn([], [])
+
+
+@contextmanager
+def crashing(monkeypatch: pytest.MonkeyPatch, cls: type,
+             method: str) -> Iterator[None]:
+    """Within: ``cls.method`` dies (``Crash``) as when the registry is killed there."""
+    real = getattr(cls, method)
+
+    def dies(self: Any, *args: Any) -> Any:
+        raise Crash(f"killed in {cls.__name__}.{method}")
+
+    monkeypatch.setattr(cls, method, dies)
+    try:
+        yield
+    finally:
+        monkeypatch.setattr(cls, method, real)
 
 
 def fill(client: Client) -> int:
@@ -321,48 +344,19 @@ def test_an_archive_interrupted_at_the_quota_finishes_when_run_again_with_one_co
         finished_then_full(client, small_etcd.endpoint, wait_for)
         keys_before = task_keys(archiving, "big-0")
         # 1. killed while the archive is written: nothing deleted, no archive
-        real_write = DirectoryStore.write
-
-        def dies_writing(self: DirectoryStore, *args: Any) -> Any:
-            raise Crash("killed while writing")
-
-        monkeypatch.setattr(DirectoryStore, "write", dies_writing)
-        with pytest.raises(Crash):
+        with crashing(monkeypatch, DirectoryStore, "write"), pytest.raises(Crash):
             on_loop(archiving, arch.archive("big-0"))
-        monkeypatch.setattr(DirectoryStore, "write", real_write)
         assert task_keys(archiving, "big-0") == keys_before and store.info("big-0") is None
         assert client.get_task("big-0").status == pb.TASK_CANCELLED
         # 2. killed once the archive is written, before the header goes: kept
-        real_drop = Archiver._drop_plan
-
-        def dies_dropping(self: Archiver, *args: Any) -> Any:
-            raise Crash("killed before the header went")
-
-        monkeypatch.setattr(Archiver, "_drop_plan", dies_dropping)
-        with pytest.raises(Crash):
+        with crashing(monkeypatch, Archiver, "_drop_plan"), pytest.raises(Crash):
             on_loop(archiving, arch.archive("big-0"))
-        monkeypatch.setattr(Archiver, "_drop_plan", real_drop)
         written = store.info("big-0")
         assert written is not None and task_keys(archiving, "big-0") == keys_before
-        # 3. killed half-way through the deletes (the header went first)
-        real_chunk = removal.Removal._plain_chunk
-        calls = {"n": 0}
-
-        def dies_deleting(self: removal.Removal, kind: str, *args: Any) -> Any:
-            handle = real_chunk(self, kind, *args)
-
-            async def counted(kvs: Any) -> Any:
-                calls["n"] += 1
-                if calls["n"] == 2:  # one chunk of entries stays, and the rest
-                    raise Crash("killed while deleting")
-                return await handle(kvs)
-
-            return counted
-
-        monkeypatch.setattr(removal.Removal, "_plain_chunk", dies_deleting)
-        with pytest.raises(Crash):
+        # 3. killed half-way through the deletes (the header went first): one chunk
+        # of entries stays, and the rest
+        with killed_at_second_chunk(monkeypatch), pytest.raises(Crash):
             on_loop(archiving, arch.archive("big-0"))
-        monkeypatch.setattr(removal.Removal, "_plain_chunk", real_chunk)
         left = task_keys(archiving, "big-0")
         assert header_key("big-0") not in left and 0 < len(left) < len(keys_before)
         assert store.info("big-0") == written  # the same archive, not read again

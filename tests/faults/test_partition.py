@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -109,31 +109,33 @@ async def _get_eventually(endpoint: str) -> object:
         await client.close()
 
 
+async def _watch_until_it_ends(endpoint: str, act: Callable[[], object]) -> str:
+    """Open a watch on the member at ``endpoint``, then ``act`` (in a thread); why the
+    watch ended (``Unavailable``), failing if it is still open after ``TIMEOUT``."""
+    client = Etcd(endpoint, timeout=TIMEOUT)
+    await client.connect()
+    _, revision, _ = await client.range(b"/partition/", limit=1)
+    try:
+        stream = client.watch(b"/partition/", revision + 1)
+        acting = asyncio.get_running_loop().run_in_executor(None, act)
+        with pytest.raises(Unavailable) as ended:
+            async with asyncio.timeout(TIMEOUT):
+                async for _ in stream:
+                    pass
+        await acting
+        return str(ended.value)
+    finally:
+        await client.close()
+
+
 def test_a_watch_on_a_member_without_a_leader_ends(
         cluster: tuple[EtcdCluster, netns.Network]) -> None:
     etcd, network = cluster
     leader = etcd.leader()
     assert leader is not None
-    n = (leader + 1) % 3
-
-    async def watch() -> str:
-        client = Etcd(etcd.endpoint(n), timeout=TIMEOUT)
-        await client.connect()
-        _, revision, _ = await client.range(b"/partition/", limit=1)
-        try:
-            stream = client.watch(b"/partition/", revision + 1)
-            started = asyncio.get_running_loop().run_in_executor(
-                None, cut_off, etcd, network)
-            with pytest.raises(Unavailable) as ended:
-                async with asyncio.timeout(TIMEOUT):
-                    async for _ in stream:
-                        pass
-            await started
-            return str(ended.value)
-        finally:
-            await client.close()
-
-    assert "no leader" in asyncio.run(watch())
+    n = (leader + 1) % 3  # the member cut_off picks
+    why = asyncio.run(_watch_until_it_ends(etcd.endpoint(n), lambda: cut_off(etcd, network)))
+    assert "no leader" in why
 
 
 def test_a_watch_on_a_member_that_went_silent_ends(
@@ -142,25 +144,12 @@ def test_a_watch_on_a_member_that_went_silent_ends(
     nothing resets the connection): the watch must end, so that the registry opens it
     again on another member, rather than stay open and silent."""
     etcd, network = cluster
-    n = 0
 
-    async def watch() -> str:
-        client = Etcd(etcd.endpoint(n), timeout=TIMEOUT)
-        await client.connect()
-        _, revision, _ = await client.range(b"/partition/", limit=1)
-        try:
-            stream = client.watch(b"/partition/", revision + 1)
-            loop = asyncio.get_running_loop()
-            loop.call_later(1.0, network.cut_harness, etcd_node(n))
-            with pytest.raises(Unavailable) as ended:
-                async with asyncio.timeout(TIMEOUT):
-                    async for _ in stream:
-                        pass
-            return str(ended.value)
-        finally:
-            await client.close()
+    def go_silent() -> None:
+        time.sleep(1.0)
+        network.cut_harness(etcd_node(0))
 
-    assert asyncio.run(watch())
+    assert asyncio.run(_watch_until_it_ends(etcd.endpoint(0), go_silent))
 
 
 # --- a client cut off from the replica it talks to -----------------------------------
