@@ -36,7 +36,7 @@ import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable
 
-from baton_relay.client.errors import Conflict, IllegalTransition
+from baton_relay.client.errors import Conflict, IllegalTransition, NotFound
 from baton_relay.client.v1 import baton_pb2 as pb
 
 from ._etcd import KV, Get, empty
@@ -84,7 +84,14 @@ class Removal:
             done = await self.core.etcd.get(self.keys.request(req.request_id))
             if done is not None:
                 return _reply_replay(done.value, done.create_revision)
-        task = await write(self.core.txns, self._mark_plan(req))
+        try:
+            task = await write(self.core.txns, self._mark_plan(req))
+        except NotFound:
+            # No header: an archive made while etcd refused puts still answers for it.
+            archive = self.core.archive
+            if archive is not None and await archive.headerless(req.task_id) is not None:
+                raise _archived(req.task_id, "archived") from None
+            raise
         removed: Counter[str] = Counter()
         for _ in range(ROUNDS):
             removed += await self._sweep_task(req.task_id)
@@ -109,10 +116,7 @@ class Removal:
             if task.status == "deleting":
                 return task  # an interrupted delete: carry on
             if task.status in ("archiving", "archived"):
-                raise IllegalTransition(
-                    f"cannot delete task {req.task_id!r}: it is {task.status}; its archive "
-                    "is kept until --archive-retention, then it goes with its header",
-                    task_id=req.task_id, status=task.status)
+                raise _archived(req.task_id, task.status)
             if task.status != "creating":  # nothing is handed out before a task is active
                 ran = await txn.scan(journal, limit=1, keys_only=True)
                 if not ran:
@@ -311,6 +315,12 @@ class Removal:
             return lambda _rev: reply
 
         return plan
+
+
+def _archived(task_id: str, status: str) -> IllegalTransition:
+    return IllegalTransition(
+        f"cannot delete task {task_id!r}: it is {status}; its archive is kept until "
+        "--archive-retention, then it goes with its header", task_id=task_id, status=status)
 
 
 def _reply_replay(raw: bytes, revision: int) -> pb.DeleteTaskResponse:

@@ -31,7 +31,7 @@ from baton_relay.client import Client
 from baton_relay.client.cli import cli
 from baton_relay.client.errors import IllegalTransition, StorageFull, TaskExists
 from baton_relay.client.v1 import baton_pb2 as pb
-from baton_relay.registry._etcd import Etcd, Put
+from baton_relay.registry._etcd import Etcd, Guarded, Put
 from baton_relay.registry.archive import Archiver, DirectoryStore
 from baton_relay.registry.keys import Keys
 from baton_relay.registry.local.etcdproc import EtcdProcess, etcd_version
@@ -133,6 +133,25 @@ async def _history(etcd: Etcd) -> None:
 
 def history(endpoint: str) -> None:
     on_etcd(endpoint, _history)
+
+
+async def _over_quota(etcd: Etcd) -> None:
+    """etcd's database file over its quota, so that etcd 3.5 refuses every transaction.
+    ``fill`` stops at the first put etcd refuses, which may leave the file just under the
+    quota (etcd refuses a put whose size would cross it, then raises the alarm): puts
+    nested in a transaction are not charged against the quota, so old revisions of one
+    key outside the prefix (what compaction frees) are written that way until etcd
+    refuses those too."""
+    for n in range(100):
+        try:
+            await etcd.txn_group([Guarded([], [Put(b"/elsewhere/history",
+                                                   bytes([n % 256]) * 100_000)])])
+        except StorageFull:
+            break
+    else:
+        raise AssertionError("etcd took 10 MB of nested puts past its 4 MiB quota")
+    with pytest.raises(StorageFull):
+        await etcd.txn([], [])
 
 
 async def _deletes_accepted(etcd: Etcd) -> None:
@@ -307,6 +326,14 @@ def test_a_finished_task_is_archived_at_the_quota_with_deletes_only(
         assert client.archive_task("t1").status == pb.TASK_ARCHIVED  # again: the same
         with pytest.raises(IllegalTransition, match="its header is not back in etcd yet"):
             client.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "a"}]})
+        with pytest.raises(IllegalTransition, match="it is archived; its archive is kept"):
+            client.delete_task("t1", discard_history=True)
+        assert sorted(p.name for p in archive_dir.iterdir()) == ["big-0.jsonl.gz",
+                                                                 "big-0.meta.json",
+                                                                 "big-1.jsonl.gz",
+                                                                 "big-1.meta.json",
+                                                                 "t1.jsonl.gz",
+                                                                 "t1.meta.json"]
         listed = CliRunner().invoke(cli, ["task", "ls", "--archived"], env=env)
         assert listed.exit_code == 0 and "big-1" in listed.output, listed.output
     # The space the archives freed is given back, the alarm disarmed: nothing else.
@@ -430,6 +457,7 @@ def test_an_etcd_refusing_every_transaction_at_its_quota_is_compacted_first(
         big_task(client, "big-0")
         history(small_etcd.endpoint)
         fill(client)
+        on_etcd(small_etcd.endpoint, _over_quota)
         keys_before = task_keys(archiving, "big-0")
         with pytest.raises(StorageFull, match="compact and defragment etcd"):
             client.archive_task("big-0")
