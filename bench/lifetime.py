@@ -31,17 +31,18 @@ METHOD = """
 One registry on a fresh etcd that compacts its history every minute
 (`--auto-compaction-mode=periodic --auto-compaction-retention=1m`), archiving finished
 tasks as soon as its archiver next looks (`--archive-dir`, `--archive-after 0`,
-`--archive-interval 5`). {agents} agents (threads, each its own client and session) take tasks of
-{size:,} entries in turn until {total:,} entries have been handed over: each claims
-{batch} entries (`ClaimBatch`), commits them (`CommitBatch`, size 0), reports each as a
-watcher would (`ReportVerification`), consumes it for the task's one consumer group,
-and acks the {batch} in one call (`AckBatch`); the first agent to find a task drained creates the next (the same manifest
-sent twice creates it once). So every entry takes the whole path, and every task
-completes and is archived. Every {every:g} s the run samples etcd's own metrics
-(`etcd_mvcc_db_total_size_in_bytes`, `..._in_use_in_bytes`, `etcd_debugging_mvcc_keys_total`),
-counts the keys under the registry's prefix (request outcomes apart), and reads the
-registry's memory; claim latency is the time of each `ClaimBatch` call, by
-window of {window:,} entries handed over.
+`--archive-interval 5`). {agents} agents (threads, each its own client and session) take
+tasks of {size:,} entries in turn until {total:,} entries have been handed over: each
+claims {batch} entries (`ClaimBatch`), commits them (`CommitBatch`, size 0), reports
+each as a watcher would (`ReportVerification`), consumes it for the task's one consumer
+group, and acks the {batch} in one call (`AckBatch`); the first agent to find a task
+drained creates the next (the same manifest sent twice creates it once). So every entry
+takes the whole path, and every task completes and is archived. Every {every:g} s the
+run samples etcd's own metrics (`etcd_mvcc_db_total_size_in_bytes`,
+`..._in_use_in_bytes`, `etcd_debugging_mvcc_keys_total`), counts the keys under the
+registry's prefix (request outcomes apart), and reads the registry's memory; claim
+latency is the time of each `ClaimBatch` call, by window of {window:,} entries handed
+over.
 """
 
 #: entries claimed (and committed) per call

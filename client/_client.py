@@ -435,8 +435,15 @@ class Client:
         return self._call("Requeue", pb.RequeueRequest(task_id=task_id, file_id=file_id))  # type: ignore[no-any-return]
 
     def journal(self, task_id: str, file_id: str = "", limit: int = 0) -> list[pb.JournalRecord]:
+        """The journal's records, oldest first: the newest ``limit`` (0: all, up to the
+        registry's bound on a reply; ``journal_reply`` says how many there are)."""
+        return list(self.journal_reply(task_id, file_id, limit).records)
+
+    def journal_reply(self, task_id: str, file_id: str = "", limit: int = 0
+                      ) -> pb.JournalResponse:
+        """``journal``'s reply: its records and ``total``, how many the journal holds."""
         req = pb.JournalRequest(task_id=task_id, file_id=file_id, limit=limit)
-        return list(self._call("Journal", req).records)
+        return self._call("Journal", req)  # type: ignore[no-any-return]
 
     def explain(self, task_id: str, file_id: str) -> pb.Explanation:
         return self._call("Explain", pb.GetEntryRequest(task_id=task_id, file_id=file_id))  # type: ignore[no-any-return]

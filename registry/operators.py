@@ -50,6 +50,9 @@ DELETE_CHUNK = 100
 CLAIM_CHUNK = 40
 #: keys read per request by listings (journal, agents, a cancelled task's claims)
 LIST_PAGE = 1000
+#: the most journal records one reply carries (the newest of them): a task's whole
+#: journal grows with its entries and their retries, a reply must not
+MAX_JOURNAL_RECORDS = 100_000
 #: lease lookups in flight while listing agents
 TTL_PARALLEL = 32
 #: journal events written by the transaction that made a claim (producer or consumer),
@@ -210,22 +213,23 @@ class Operators:
         if req.file_id:
             await self.core.entry(req.task_id, req.file_id)
         base = self.keys.journal_all(req.task_id)
-        # Records in the order they were written (their create revision). With a
-        # limit only the last ``limit`` are kept while the pages go by.
+        # Records in the order they were written (their create revision): only the
+        # newest ``limit`` (at most MAX_JOURNAL_RECORDS) are kept while the pages go by.
+        limit = min(req.limit or MAX_JOURNAL_RECORDS, MAX_JOURNAL_RECORDS)
         kept: list[tuple[int, int, KV]] = []
+        total = 0
         pages = self.core.etcd.scan(self.keys.journal_all(req.task_id, req.file_id),
                                     page=LIST_PAGE)
         async with contextlib.aclosing(pages):
             async for n, kv in _numbered(pages):
+                total = n + 1
                 item = (kv.create_revision, n, kv)
-                if not req.limit:
-                    kept.append(item)
-                elif len(kept) < req.limit:
+                if len(kept) < limit:
                     heapq.heappush(kept, item)
                 else:
                     heapq.heappushpop(kept, item)
         records = [self._journal_record(req.task_id, base, kv) for _, _, kv in sorted(kept)]
-        return pb.JournalResponse(records=records)
+        return pb.JournalResponse(records=records, total=total)
 
     async def _archived_journal(self, req: pb.JournalRequest) -> pb.JournalResponse:
         archived = await self.core.archived(req.task_id)
@@ -235,10 +239,10 @@ class Operators:
         records = sorted((rev, n, file_id, data) for n, (file_id, rev, data)
                          in enumerate(archived.journal) if file_id == req.file_id or
                          not req.file_id)
-        if req.limit:
-            records = records[-req.limit:]
+        total = len(records)
+        records = records[-min(req.limit or MAX_JOURNAL_RECORDS, MAX_JOURNAL_RECORDS):]
         return pb.JournalResponse(records=[self._record_pb(req.task_id, file_id, rev, data)
-                                           for rev, _, file_id, data in records])
+                                           for rev, _, file_id, data in records], total=total)
 
     def _journal_record(self, task_id: str, base: bytes, kv: KV) -> pb.JournalRecord:
         file_id = self.keys.parse_tail(kv.key, base)[0]

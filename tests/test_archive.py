@@ -21,6 +21,7 @@ from baton_relay.client import Client, Session
 from baton_relay.client.cli import cli
 from baton_relay.client.errors import IllegalTransition, InvalidManifest, NotFound
 from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.registry import operators as operators_mod
 from baton_relay.registry import removal
 from baton_relay.registry._etcd import Etcd, Put
 from baton_relay.registry.archive import Archiver, ArchiveStore, DirectoryStore
@@ -104,6 +105,12 @@ def test_a_finished_task_is_archived_and_read_back_from_the_archive(
         [(r.file_id, r.event, r.revision) for r in journal]
     assert [r.event for r in client.journal("t1", "a")] == \
         [r.event for r in journal if r.file_id == "a"]
+    # the archive's journal has the same bound on a reply as a live one
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(operators_mod, "MAX_JOURNAL_RECORDS", 2)
+        bounded = client.journal_reply("t1")
+    assert bounded.total == len(journal) > 2
+    assert [r.revision for r in bounded.records] == [r.revision for r in journal[-2:]]
     assert client.get_entry("t1", "b").digest == explained.digest
     text = client.explain("t1", "b").text
     assert "was consumed" in text and "archived" in text

@@ -15,9 +15,11 @@ from typing import Any, TypeVar
 
 import blake3
 import pytest
-from registry_fixtures import on_etcd
+from click.testing import CliRunner
+from registry_fixtures import RegistryHandle, on_etcd
 
 from baton_relay.client import Client, Session, errors
+from baton_relay.client.cli import cli
 from baton_relay.client.v1 import baton_pb2 as pb
 from baton_relay.registry import _etcd as etcd_mod
 from baton_relay.registry import operators as operators_mod
@@ -396,6 +398,50 @@ def test_journal_pages_through_every_record(
     assert last == whole[-3:]
     assert [r.event for r in client.journal("t", "a")].count("failed") == 4
     assert paged(ranges, f"{prefix}journal/", LIST_PAGE) >= 5
+
+
+def test_a_journal_reply_is_bounded_to_its_newest_records(
+        monkeypatch: pytest.MonkeyPatch, client: Client, etcd: EtcdProcess, prefix: str,
+        registry: RegistryHandle) -> None:
+    """With replies bounded to 4 records, a journal of more returns its newest 4 and how
+    many it holds, a smaller limit is kept, one entry's journal is bounded too, and
+    `baton log` says on standard error that it shows only the newest."""
+    monkeypatch.setattr(operators_mod, "MAX_JOURNAL_RECORDS", 4)
+    client.create_task({"task_id": "t", "backoff": FAST, "max_retries": 5,
+                        "entries": entries("a", "b")})
+    with client.open_session("p", ttl=30) as s:
+        for _ in range(3):
+            c = wait_for(lambda: _claim(client, s, "a"), what="a claimable")
+            client.fail("t", "a", c.token, "again")
+        produce_all(client, s, "t", {"b": b"b"})
+    stored = raw_keys(etcd, Keys(prefix).journal_all("t"))
+    assert len(stored) >= 8
+    reply = client.journal_reply("t")
+    assert reply.total == len(stored) and len(reply.records) == 4
+    revisions = sorted(_create_revisions(etcd, prefix))
+    assert [r.revision for r in reply.records] == revisions[-4:]
+    two = client.journal_reply("t", limit=2)
+    assert [r.revision for r in two.records] == revisions[-2:] and two.total == len(stored)
+    a = client.journal_reply("t", "a")
+    assert len(a.records) == 4
+    assert a.total == len(raw_keys(etcd, Keys(prefix).journal_all("t", "a"))) >= 6
+    env = {"BATON_REGISTRY": registry.address}
+    shown = CliRunner().invoke(cli, ["log", "t", "-o", "json"], env=env)
+    assert shown.exit_code == 0, shown.output
+    assert len(shown.stdout.splitlines()) == 4
+    assert f"the newest 4 of {len(stored)} records" in shown.stderr
+    limited = CliRunner().invoke(cli, ["log", "t", "--limit", "2", "-o", "json"], env=env)
+    assert limited.exit_code == 0 and limited.stderr == "", limited.output
+
+
+def _create_revisions(etcd: EtcdProcess, prefix: str) -> list[int]:
+    """The create revisions of task t's journal records, straight from etcd."""
+    base = Keys(prefix).journal_all("t")
+
+    async def read(conn: Etcd) -> list[int]:
+        return [kv.create_revision async for kv in conn.scan(base, page=100)]
+
+    return on_etcd(etcd, read)
 
 
 def _claim(client: Client, s: Session, file_id: str) -> Any:

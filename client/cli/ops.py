@@ -51,7 +51,11 @@ def journal(settings: Settings, task_id: str, file_id: str, limit: int, output: 
     from → to state, who, consumer group (when any record has one), token,
     reason (-o json: one JSON object per line).
     """
-    records = settings.client().journal(task_id, file_id, limit)
+    reply = settings.client().journal_reply(task_id, file_id, limit)
+    records = reply.records
+    if reply.total > len(records) and not (limit and len(records) == limit):
+        click.echo(f"baton: the newest {len(records):,} of {reply.total:,} records (the most "
+                   "a reply carries); name an entry, or --limit N, for fewer", err=True)
     if output == "json":
         for r in records:
             emit_json(as_dict(r))

@@ -1097,7 +1097,7 @@ class JournalRequest(_message.Message):
     file_id: _builtins.str
     """"" = the whole task"""
     limit: _builtins.int
-    """0 = all"""
+    """0 = all, up to the registry's bound (the newest are kept)"""
     def __init__(
         self,
         *,
@@ -1118,16 +1118,22 @@ class JournalResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     RECORDS_FIELD_NUMBER: _builtins.int
+    TOTAL_FIELD_NUMBER: _builtins.int
+    total: _builtins.int
+    """Records the journal holds (of the task, or the entry): more than `records` when
+    the limit, or the registry's bound on a reply, kept only the newest.
+    """
     @_builtins.property
     def records(self) -> _containers.RepeatedCompositeFieldContainer[Global___JournalRecord]: ...
     def __init__(
         self,
         *,
         records: _abc.Iterable[Global___JournalRecord] | None = ...,
+        total: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["records", b"records"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["records", b"records", "total", b"total"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
