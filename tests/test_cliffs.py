@@ -378,17 +378,22 @@ def test_agents_listing_pages_through_sessions_and_claims(
             s.close()
 
 
+def failed_then_produced(client: Client, failures: int) -> None:
+    """Task t: entry a claimed and failed ``failures`` times, entry b produced."""
+    client.create_task({"task_id": "t", "backoff": FAST, "max_retries": 5,
+                        "entries": entries("a", "b")})
+    with client.open_session("p", ttl=30) as s:
+        for _ in range(failures):
+            c = wait_for(lambda: _claim(client, s, "a"), what="a claimable")
+            client.fail("t", "a", c.token, "again")
+        produce_all(client, s, "t", {"b": b"b"})
+
+
 def test_journal_pages_through_every_record(
         small_pages: None, ranges: list[tuple[bytes, int]], client: Client, etcd: EtcdProcess,
         prefix: str) -> None:
     """With 2 records a page, the journal returns every record in order, or the last N."""
-    client.create_task({"task_id": "t", "backoff": FAST, "max_retries": 5,
-                        "entries": entries("a", "b")})
-    with client.open_session("p", ttl=30) as s:
-        for _ in range(4):
-            c = wait_for(lambda: _claim(client, s, "a"), what="a claimable")
-            client.fail("t", "a", c.token, "again")
-        produce_all(client, s, "t", {"b": b"b"})
+    failed_then_produced(client, 4)
     stored = raw_keys(etcd, Keys(prefix).journal_all("t"))
     ranges.clear()
     whole = [(r.file_id, r.event, r.revision) for r in client.journal("t")]
@@ -407,13 +412,7 @@ def test_a_journal_reply_is_bounded_to_its_newest_records(
     many it holds, a smaller limit is kept, one entry's journal is bounded too, and
     `baton log` says on standard error that it shows only the newest."""
     monkeypatch.setattr(operators_mod, "MAX_JOURNAL_RECORDS", 4)
-    client.create_task({"task_id": "t", "backoff": FAST, "max_retries": 5,
-                        "entries": entries("a", "b")})
-    with client.open_session("p", ttl=30) as s:
-        for _ in range(3):
-            c = wait_for(lambda: _claim(client, s, "a"), what="a claimable")
-            client.fail("t", "a", c.token, "again")
-        produce_all(client, s, "t", {"b": b"b"})
+    failed_then_produced(client, 3)
     stored = raw_keys(etcd, Keys(prefix).journal_all("t"))
     assert len(stored) >= 8
     reply = client.journal_reply("t")
