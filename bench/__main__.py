@@ -3,8 +3,10 @@
     python -m bench [--quick] [--only claims,batches,scale,watcher,cli,etcd-tls,lifetime]
                     [--out docs/benchmarks.md] [--set FIELD=VALUE ...]
 
-Every scenario starts its own private etcd and registry (and watcher) on
-127.0.0.1 in a temporary directory and stops them when it ends, also on Ctrl-C.
+Without ``--only``, every scenario but the lifetime, which runs for hours at full size
+(``--only lifetime``; ``--quick`` runs it too, briefly). Every scenario starts its own
+private etcd and registry (and watcher) on 127.0.0.1 in a temporary directory and stops
+them when it ends, also on Ctrl-C.
 ``$BATON_BENCH_ETCD`` picks the etcd binary. ``--quick`` runs each scenario for
 seconds and writes to a temporary file unless ``--out`` is given.
 """
@@ -38,6 +40,8 @@ SCENARIOS: dict[str, tuple[str, Scenario]] = {
     "etcd-tls": ("TLS: etcd over TLS, and mutual TLS to clients", etcd_tls.run),
     "lifetime": ("Lifetime", lifetime.run),
 }
+#: scenarios that run only when named (or with --quick): hours at full size
+LONG = ("lifetime",)
 DEFAULT_OUT = Path("docs/benchmarks.md")
 
 
@@ -45,8 +49,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0]
                                 if __doc__ else None)
     p.add_argument("--quick", action="store_true", help="a few seconds per scenario")
-    p.add_argument("--only", default=",".join(SCENARIOS),
-                   help=f"comma-separated scenarios (default: all of {','.join(SCENARIOS)})")
+    p.add_argument("--only", default="",
+                   help=f"comma-separated scenarios of {','.join(SCENARIOS)} (default: all "
+                        f"but {','.join(LONG)}, which take hours; with --quick all)")
     p.add_argument("--out", type=Path, default=None,
                    help=f"report file; plots go to a 'benchmarks' folder beside it "
                         f"(default {DEFAULT_OUT}; with --quick a temporary file)")
@@ -58,7 +63,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    help="override a field of the profile (bench/profiles.py), e.g. "
                         "--set claim_agents=1,16,64 --set claim_rounds=1")
     args = p.parse_args(argv)
-    args.only = [s.strip() for s in args.only.split(",") if s.strip()]
+    args.only = [s.strip() for s in args.only.split(",") if s.strip()] or [
+        s for s in SCENARIOS if args.quick or s not in LONG]
     unknown = [s for s in args.only if s not in SCENARIOS]
     if unknown:
         p.error(f"unknown scenario(s) {', '.join(unknown)}; choose from {', '.join(SCENARIOS)}")

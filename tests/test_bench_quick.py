@@ -35,3 +35,15 @@ def test_quick_benchmark_writes_every_scenario(tmp_path: Path) -> None:
         assert "FAILED" not in section
     for plot in re.findall(r"!\[\]\((benchmarks/[\w.]+\.png)\)", report):
         assert (tmp_path / plot).stat().st_size > 0
+
+
+def test_the_full_run_leaves_out_the_long_scenarios_unless_named() -> None:
+    """`python -m bench` runs every scenario but the lifetime (hours at full size); named,
+    or with --quick, the lifetime runs too."""
+    from bench.__main__ import LONG, SCENARIOS, parse
+
+    assert LONG == ("lifetime",)
+    assert parse([]).only == [s for s in SCENARIOS if s != "lifetime"]
+    assert parse(["--quick"]).only == list(SCENARIOS)
+    assert parse(["--only", "lifetime"]).only == ["lifetime"]
+    assert parse(["--only", "claims,lifetime"]).only == ["claims", "lifetime"]
