@@ -748,9 +748,19 @@ def test_the_fault_run_commands_run_as_written(tmp_path: Path) -> None:
     assert "tests/faults/test_faults.py::test_quick_fault_run_finds_nothing" in \
         collected.stdout, collected.stdout[-2000:] + collected.stderr[-2000:]
 
-    done = subprocess.run([str(PYTHON), *shlex.split(run_line.replace("1800", "20"))[1:]],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=220,
-                          check=False)
+    # 20 s of load, then up to --drain (120 s) for every task to complete, the checker,
+    # and the setup and teardown of a cluster in network namespaces: minutes on a busy
+    # machine. On a timeout every process of the run is killed, none left running.
+    run = subprocess.Popen([str(PYTHON), *shlex.split(run_line.replace("1800", "20"))[1:]],
+                           cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, start_new_session=True)
+    try:
+        stdout, stderr = run.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(run.pid, signal.SIGKILL)
+        stdout, stderr = run.communicate()
+        pytest.fail(f"the fault run took over 600 s:\n{stdout[-3000:]}{stderr[-3000:]}")
+    done = subprocess.CompletedProcess(run.args, run.returncode, stdout, stderr)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (summary,) = SUMMARY.findall(done.stdout)
     out = Path(done.stdout.split("faults: report and histories in ")[1].split()[0])
