@@ -215,7 +215,7 @@ class Operators:
         base = self.keys.journal_all(req.task_id)
         # Records in the order they were written (their create revision): only the
         # newest ``limit`` (at most MAX_JOURNAL_RECORDS) are kept while the pages go by.
-        limit = min(req.limit or MAX_JOURNAL_RECORDS, MAX_JOURNAL_RECORDS)
+        limit = _journal_limit(req)
         kept: list[tuple[int, int, KV]] = []
         total = 0
         pages = self.core.etcd.scan(self.keys.journal_all(req.task_id, req.file_id),
@@ -240,7 +240,7 @@ class Operators:
                          in enumerate(archived.journal) if file_id == req.file_id or
                          not req.file_id)
         total = len(records)
-        records = records[-min(req.limit or MAX_JOURNAL_RECORDS, MAX_JOURNAL_RECORDS):]
+        records = records[-_journal_limit(req):]
         return pb.JournalResponse(records=[self._record_pb(req.task_id, file_id, rev, data)
                                            for rev, _, file_id, data in records], total=total)
 
@@ -493,6 +493,12 @@ def _names(names: Sequence[str], shown: int = 20) -> str:
     """A list of names for a sentence: the first ``shown`` and how many more."""
     more = f" and {len(names) - shown} more" if len(names) > shown else ""
     return ", ".join(names[:shown]) + more
+
+
+def _journal_limit(req: pb.JournalRequest) -> int:
+    """How many of the newest records a journal reply keeps: the limit asked for (0: all),
+    at most MAX_JOURNAL_RECORDS."""
+    return min(req.limit or MAX_JOURNAL_RECORDS, MAX_JOURNAL_RECORDS)
 
 
 async def _numbered(kvs: AsyncIterator[KV]) -> AsyncIterator[tuple[int, KV]]:
