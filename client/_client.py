@@ -626,6 +626,18 @@ class Client:
         return Lease(task_id, r.entry.file_id, r.group, r.token, r.path, r.size, r.digest,
                      r.entry, sid)
 
+    def consume_batch(self, task_id: str, group: str = "default", max_count: int = 21, *,
+                      session: Session | int) -> list[Lease]:
+        """Take up to ``max_count`` verified entries for ``group`` in one transaction
+        (all or nothing, at most 21); ack them together with :meth:`ack_batch`."""
+        sid = _session_id(session)
+        req = pb.ConsumeBatchRequest(task_id=task_id, group=group, session_id=sid,
+                                     max=max_count)
+        with _draining(session):
+            resp = self._call("ConsumeBatch", req)
+        return [Lease(task_id, r.entry.file_id, r.group, r.token, r.path, r.size, r.digest,
+                      r.entry, sid) for r in resp.leases]
+
     def ack(self, task_id: str, file_id: str, group: str, token: int, *,
             session: Session | int = 0) -> pb.Entry:
         req = pb.AckRequest(task_id=task_id, file_id=file_id, group=group, token=token,

@@ -38,6 +38,20 @@ PAGE = 64
 OPS_PER_ACK = 6
 #: acks in one AckBatch: what fits in one transaction
 MAX_ACKS = MAX_TXN_OPS // OPS_PER_ACK
+#: operations one consume adds to a transaction: its claimable key deleted, its slot,
+#: claim, twin, deadline and journal record written (compares: four)
+OPS_PER_CONSUME = 6
+#: leases in one ConsumeBatch: what fits in one transaction
+MAX_CONSUMES = MAX_TXN_OPS // OPS_PER_CONSUME
+
+
+def _consumable(group: str) -> Callable[[EntryRecord], bool]:
+    """Whether an entry may be leased to ``group``: verified, routed to it, not yet
+    consumed by it."""
+    def consumable(rec: EntryRecord) -> bool:
+        return (rec.state == VERIFIED and group in rec.receivers
+                and group not in rec.consumed_by)
+    return consumable
 
 
 class Consumers:
@@ -53,19 +67,10 @@ class Consumers:
         check_session_id(req.session_id)
         staging = self.core.staging_dir(req.task_id)
 
-        def consumable(rec: EntryRecord) -> bool:
-            return (rec.state == VERIFIED and req.group in rec.receivers
-                    and req.group not in rec.consumed_by)
+        consumable = _consumable(req.group)
 
         async def planner(txn: Txn) -> Callable[[int], pb.ConsumeResponse]:
-            task_kv, agent_kv = await txn.get_many([self.keys.task(req.task_id),
-                                                    self.keys.agent(req.session_id)])
-            task = need_task(task_kv, req.task_id, active=True)  # paused: no new leases
-            record = need_session(agent_kv, req.session_id)
-            agent = record.agent
-            check_owner(caller, agent_kv, f"session {req.session_id:x}")
-            check_consumer(caller, req.task_id, req.group, consumers_of(task.access, req.group))
-            slots = await Slots.read(txn, self.keys, record)
+            slots = await self._session(txn, req.task_id, req.group, req.session_id, caller)
             if req.file_id:
                 entry_kv, cready = await txn.get_many([
                     self.keys.entry(req.task_id, req.file_id),
@@ -89,17 +94,9 @@ class Consumers:
                     )
                 assert entry_kv is not None
             else:
-                entry_kv, rec = await self._pick(txn, req.task_id, req.group, consumable)
-            ref = ClaimRef("c", rec.task_id, rec.file_id, req.group)
-            cready_key = self.keys.cready(rec.task_id, req.group, rec.file_id)
-            txn.require(present(cready_key))
-            slot = slots.take(txn, self.core.rng)
-            value = claim_value(agent, req.session_id, slot, caller.name)
-            txn.delete(cready_key)
-            txn.create(self.keys.claim(ref), value, lease=record.lease)
-            txn.put(self.keys.inflight(ref), value)
-            self.core.arm_deadline(txn, ref, rec.consume_deadline)
-            self.core.journal_only(rec, "consuming", txn, who=agent, group=req.group)
+                ((entry_kv, rec),) = await self._pick(txn, req.task_id, req.group,
+                                                      consumable)
+            self._lease(txn, rec, req.group, slots, caller)
             revision = entry_kv.mod_revision
 
             def reply(rev: int) -> pb.ConsumeResponse:
@@ -118,18 +115,88 @@ class Consumers:
 
         return await self.core.txns.run(planner, req.request_id, replay)
 
+    async def _session(self, txn: Txn, task_id: str, group: str, session_id: int,
+                       caller: Caller) -> Slots:
+        """The session's slots, once the task is active (paused: no new leases), the
+        session the caller's and the caller one of the group's consumers."""
+        task_kv, agent_kv = await txn.get_many([self.keys.task(task_id),
+                                                self.keys.agent(session_id)])
+        task = need_task(task_kv, task_id, active=True)
+        record = need_session(agent_kv, session_id)
+        check_owner(caller, agent_kv, f"session {session_id:x}")
+        check_consumer(caller, task_id, group, consumers_of(task.access, group))
+        return await Slots.read(txn, self.keys, record)
+
+    def _lease(self, txn: Txn, rec: EntryRecord, group: str, slots: Slots,
+               caller: Caller) -> None:
+        """Add one consume-claim (a lease of a verified entry to the session) to a
+        transaction being planned: guarded on the entry's claimable key for ``group``."""
+        ref = ClaimRef("c", rec.task_id, rec.file_id, group)
+        cready_key = self.keys.cready(rec.task_id, group, rec.file_id)
+        txn.require(present(cready_key))
+        slot = slots.take(txn, self.core.rng)
+        value = claim_value(slots.agent, slots.session_id, slot, caller.name)
+        txn.delete(cready_key)
+        txn.create(self.keys.claim(ref), value, lease=slots.lease)
+        txn.put(self.keys.inflight(ref), value)
+        self.core.arm_deadline(txn, ref, rec.consume_deadline)
+        self.core.journal_only(rec, "consuming", txn, who=slots.agent, group=group)
+
+    async def consume_batch(self, req: pb.ConsumeBatchRequest,
+                            caller: Caller) -> pb.ConsumeBatchResponse:
+        """Lease up to ``max`` verified entries to one session for ``group`` in one
+        transaction (as many as etcd's operation limit allows), all or nothing; each
+        lease's token is that transaction's revision."""
+        check_id("task_id", req.task_id)
+        check_id("group", req.group)
+        check_session_id(req.session_id)
+        if req.max < 1:
+            raise InvalidArgument("max must be at least 1")
+        want = min(req.max, MAX_CONSUMES)
+        staging = self.core.staging_dir(req.task_id)
+
+        async def planner(txn: Txn) -> Callable[[int], pb.ConsumeBatchResponse]:
+            slots = await self._session(txn, req.task_id, req.group, req.session_id, caller)
+            free = slots.free
+            picked = await self._pick(txn, req.task_id, req.group, _consumable(req.group),
+                                      want if free is None else max(1, min(want, free)))
+            for _, rec in picked:
+                self._lease(txn, rec, req.group, slots, caller)
+
+            def reply(rev: int) -> pb.ConsumeBatchResponse:
+                out = []
+                for kv, rec in picked:
+                    entry = rec.to_pb(staging, revision=kv.mod_revision)
+                    out.append(pb.ConsumeResponse(
+                        entry=entry, token=rev, path=entry.abs_path, size=rec.size,
+                        digest=rec.digest, group=req.group))
+                return pb.ConsumeBatchResponse(leases=out)
+
+            return reply
+
+        def replay(raw: bytes, rev: int) -> pb.ConsumeBatchResponse:
+            resp = pb.ConsumeBatchResponse.FromString(raw)
+            for lease in resp.leases:
+                lease.token = rev
+            return resp
+
+        return await self.core.txns.run(planner, req.request_id, replay)
+
     async def _pick(self, txn: Txn, task_id: str, group: str,
-                    consumable: Callable[[EntryRecord], bool]) -> tuple[KV, EntryRecord]:
-        """A consumable entry from the head of the group's claimable index, in a random
-        order (concurrent consumers read the same head)."""
+                    consumable: Callable[[EntryRecord], bool],
+                    want: int = 1) -> list[tuple[KV, EntryRecord]]:
+        """Up to ``want`` consumable entries from the head of the group's claimable
+        index, in a random order (concurrent consumers read the same head)."""
         base = self.keys.cready_all(task_id, group)
         page = await txn.scan(base, PAGE, keys_only=True)
         order = list(page)
         self.core.rng.shuffle(order)
-        keys = [self.keys.entry(task_id, self.keys.last_segment(k.key)) for k in order[:8]]
+        order = order[:max(want * 2, 8)]
+        keys = [self.keys.entry(task_id, self.keys.last_segment(k.key)) for k in order]
         view = self.core.view if not txn.fresh else None
         moved = False
-        for key, ready, kv in zip(keys, order, await txn.peek_many(keys), strict=False):
+        picked: list[tuple[KV, EntryRecord]] = []
+        for key, ready, kv in zip(keys, order, await txn.peek_many(keys), strict=True):
             rec = EntryRecord.load(kv.value) if kv is not None else None
             if kv is None or rec is None or not consumable(rec):
                 moved = True
@@ -137,7 +204,11 @@ class Consumers:
             if view is not None and not view.reserve(txn, ready.key):
                 continue
             txn.pin(key, kv)
-            return kv, rec
+            picked.append((kv, rec))
+            if len(picked) == want:
+                break
+        if picked:
+            return picked
         if moved or len(page) >= PAGE:
             if view is not None and moved:
                 view.invalidate(base)

@@ -69,6 +69,7 @@ POLICY: Mapping[str, frozenset[str]] = {
     "CommitBatch": frozenset({AGENT}),
     "Fail": frozenset({AGENT}),
     "Consume": frozenset({AGENT}),
+    "ConsumeBatch": frozenset({AGENT}),
     "Ack": frozenset({AGENT}),
     "Nack": frozenset({AGENT}),
     "AckBatch": frozenset({AGENT}),

@@ -72,7 +72,8 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 
 #: methods whose outcome is counted per step, and the counter they add to
 STEPS = {"Claim": "claims", "ClaimBatch": "claims", "Commit": "commits",
-         "CommitBatch": "commits", "Fail": "fails", "Consume": "consumes", "Ack": "acks",
+         "CommitBatch": "commits", "Fail": "fails", "Consume": "consumes",
+         "ConsumeBatch": "consumes", "Ack": "acks",
          "AckBatch": "acks", "Nack": "nacks"}
 _STEP_HELP = {
     "claims": "Entries handed to producers (Claim, ClaimBatch: ok counts entries), and "
@@ -80,7 +81,8 @@ _STEP_HELP = {
     "commits": "Entries committed (Commit, CommitBatch: ok counts entries), and refused "
     "commit calls by error",
     "fails": "Fail calls (a producer gave an entry up), by outcome",
-    "consumes": "Consume calls, by outcome (ok: an entry was leased to a consumer)",
+    "consumes": "Entries leased to consumers (Consume, ConsumeBatch: ok counts entries), "
+    "and refused consume calls by error",
     "acks": "Entries acked (Ack, AckBatch: ok counts entries), and refused ack calls by "
     "error",
     "nacks": "Nack calls, by outcome",
@@ -474,6 +476,8 @@ def _entries_in(reply: Any) -> int:
     """Entries a successful step moved: a batch's, else one."""
     if isinstance(reply, pb.ClaimBatchResponse):
         return len(reply.claims)
+    if isinstance(reply, pb.ConsumeBatchResponse):
+        return len(reply.leases)
     if isinstance(reply, pb.CommitBatchResponse | pb.AckBatchResponse):
         return len(reply.entries)
     return 1

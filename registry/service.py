@@ -305,6 +305,10 @@ class RegistryService(pb_grpc.RegistryServicer):
         return await self.consumers.consume(request, current())
 
     @unary
+    async def ConsumeBatch(self, request: pb.ConsumeBatchRequest) -> pb.ConsumeBatchResponse:
+        return await self.consumers.consume_batch(request, current())
+
+    @unary
     async def Ack(self, request: pb.AckRequest) -> pb.AckResponse:
         return pb.AckResponse(entry=await self.consumers.ack(request, current()))
 

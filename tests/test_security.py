@@ -157,6 +157,8 @@ def _request(method: str, world: dict[str, Any]) -> Any:
         "ReportProblem": pb.ProblemReport(task_id=t, file_id=f, kind=pb.ProblemReport.MISSING,
                                           reason="forged"),
         "Consume": pb.ConsumeRequest(task_id=t, group="default", session_id=sid),
+        "ConsumeBatch": pb.ConsumeBatchRequest(task_id=t, group="default", session_id=sid,
+                                               max=2),
         "Ack": pb.AckRequest(task_id=t, file_id=f, group="default", token=tok),
         "Nack": pb.NackRequest(task_id=t, file_id=f, group="default", token=tok),
         "AckBatch": pb.AckBatchRequest(acks=[pb.AckRequest(task_id=t, file_id=f,

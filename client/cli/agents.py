@@ -7,7 +7,7 @@ import json
 import sys
 from contextlib import nullcontext
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import click
 
@@ -36,6 +36,9 @@ from ._common import (
     ttl_option,
 )
 from ._root import cli
+
+if TYPE_CHECKING:
+    from .._client import Client
 
 
 def attributes_option(f: F) -> F:
@@ -255,6 +258,8 @@ def put(settings: Settings, task_id: str, file_id: str, src: Path, agent: str, t
 @click.argument("task_id", metavar="TASK")
 @click.argument("file_id", required=False, default="")
 @click.option("-g", "--group", default="default", show_default=True, help="consumer group")
+@click.option("--batch", type=click.IntRange(min=1), metavar="N",
+              help="take up to N verified entries in one transaction (not with FILE_ID)")
 @agent_option
 @ttl_option
 @slots_option
@@ -262,17 +267,24 @@ def put(settings: Settings, task_id: str, file_id: str, src: Path, agent: str, t
               help="wait this long for an entry to be verified (not with FILE_ID)")
 @output_option
 @pass_settings
-def consume(settings: Settings, task_id: str, file_id: str, group: str, agent: str, ttl: int,
-            slots: int, wait: float | None, output: str) -> None:
+def consume(settings: Settings, task_id: str, file_id: str, group: str, batch: int | None,
+            agent: str, ttl: int, slots: int, wait: float | None, output: str) -> None:
     """Take a verified entry for a consumer group.
 
     Takes FILE_ID, or the next verified entry without it, and prints the token,
-    the path to read and its size and digest. Like `claim`, the hold outlives
-    this command for --ttl seconds.
+    the path to read and its size and digest. With --batch N, takes up to N of
+    the next verified entries at once (-o json: a list, which `ack-batch`
+    reads). Like `claim`, the hold outlives this command for --ttl seconds.
     """
     if wait is not None and file_id:
         raise click.UsageError("--wait takes the next verified entry; leave out FILE_ID")
+    if batch is not None and (file_id or wait is not None):
+        raise click.UsageError("--batch takes the next verified entries; leave out FILE_ID "
+                               "and --wait")
     client = settings.client()
+    if batch is not None:
+        _consume_batch(client, task_id, group, batch, agent, ttl, slots, output)
+        return
     # While waiting, a keepalive thread stops the session expiring under us.
     session = client.open_session(agent, ttl, keepalive=wait is not None, slots=slots)
     try:
@@ -299,6 +311,24 @@ def consume(settings: Settings, task_id: str, file_id: str, group: str, agent: s
     click.echo(f"path     {lease.path}")
     click.echo(f"size     {lease.size}")
     click.echo(f"digest   {lease.digest}")
+    click.echo(session_line(session))
+
+
+def _consume_batch(client: Client, task_id: str, group: str, batch: int, agent: str,
+                   ttl: int, slots: int, output: str) -> None:
+    session = client.open_session(agent, ttl, keepalive=False, slots=slots)
+    try:
+        leases = client.consume_batch(task_id, group, batch, session=session)
+    except BaseException:
+        close_quietly(client, session)
+        raise
+    if output == "json":
+        emit_json([{**x.as_dict(), "session": session_json(x.session_id)} for x in leases])
+        return
+    table = folding_table("file_id", "token", "size", "path", whole=("token", "size"))
+    for x in leases:
+        table.add_row(x.file_id, str(x.token), str(x.size), x.path)
+    emit_table(table)
     click.echo(session_line(session))
 
 

@@ -2825,6 +2825,58 @@ class ConsumeResponse(_message.Message):
 Global___ConsumeResponse: _TypeAlias = ConsumeResponse  # noqa: Y015
 
 @_typing.final
+class ConsumeBatchRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    GROUP_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    MAX_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    task_id: _builtins.str
+    group: _builtins.str
+    session_id: _builtins.int
+    max: _builtins.int
+    """lease up to this many (≥ 1)"""
+    request_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        task_id: _builtins.str = ...,
+        group: _builtins.str = ...,
+        session_id: _builtins.int = ...,
+        max: _builtins.int = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group", b"group", "max", b"max", "request_id", b"request_id", "session_id", b"session_id", "task_id", b"task_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ConsumeBatchRequest: _TypeAlias = ConsumeBatchRequest  # noqa: Y015
+
+@_typing.final
+class ConsumeBatchResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEASES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def leases(self) -> _containers.RepeatedCompositeFieldContainer[Global___ConsumeResponse]: ...
+    def __init__(
+        self,
+        *,
+        leases: _abc.Iterable[Global___ConsumeResponse] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["leases", b"leases"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ConsumeBatchResponse: _TypeAlias = ConsumeBatchResponse  # noqa: Y015
+
+@_typing.final
 class AckRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -179,6 +179,11 @@ class RegistryStub:
                 request_serializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.ConsumeRequest.SerializeToString,
                 response_deserializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.ConsumeResponse.FromString,
                 _registered_method=True)
+        self.ConsumeBatch = channel.unary_unary(
+                '/baton.v1.Registry/ConsumeBatch',
+                request_serializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.ConsumeBatchRequest.SerializeToString,
+                response_deserializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.ConsumeBatchResponse.FromString,
+                _registered_method=True)
         self.Ack = channel.unary_unary(
                 '/baton.v1.Registry/Ack',
                 request_serializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.AckRequest.SerializeToString,
@@ -423,6 +428,12 @@ class RegistryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ConsumeBatch(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Ack(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -648,6 +659,11 @@ def add_RegistryServicer_to_server(servicer, server):
                     servicer.Consume,
                     request_deserializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.ConsumeRequest.FromString,
                     response_serializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.ConsumeResponse.SerializeToString,
+            ),
+            'ConsumeBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.ConsumeBatch,
+                    request_deserializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.ConsumeBatchRequest.FromString,
+                    response_serializer=baton__relay_dot_client_dot_v1_dot_baton__pb2.ConsumeBatchResponse.SerializeToString,
             ),
             'Ack': grpc.unary_unary_rpc_method_handler(
                     servicer.Ack,
@@ -1498,6 +1514,33 @@ class Registry:
             '/baton.v1.Registry/Consume',
             baton__relay_dot_client_dot_v1_dot_baton__pb2.ConsumeRequest.SerializeToString,
             baton__relay_dot_client_dot_v1_dot_baton__pb2.ConsumeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ConsumeBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Registry/ConsumeBatch',
+            baton__relay_dot_client_dot_v1_dot_baton__pb2.ConsumeBatchRequest.SerializeToString,
+            baton__relay_dot_client_dot_v1_dot_baton__pb2.ConsumeBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,
