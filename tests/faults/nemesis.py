@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from baton_relay.client import Client
+from baton_relay.client import Client, errors
 
 from .cluster import (
     EtcdCluster,
@@ -333,14 +333,24 @@ def move_shard(w: World) -> dict[str, Any]:
     the owner hands it over with checks in hand), and wait for the move to finish."""
     if w.operator is None or len(w.watchers) < 2:
         return {"skipped": "needs an operator client and two watchers"}
-    shards = [s for s in w.operator(lambda c: c.list_shards().shards) if s.owner]
-    ids = [x.watcher_id for x in w.operator(lambda c: c.list_watchers())]
-    if not shards or len(ids) < 2:
-        return {"skipped": "fewer than two watchers registered"}
-    busy = [s for s in shards if s.tasks] or shards
-    shard = w.rng.choice(busy)
-    to = w.rng.choice([i for i in ids if i != shard.owner])
-    w.operator(lambda c: c.move_shard(shard.shard, to))
+    # A registration listed may run out before the move names it (a watcher killed
+    # and started again has a new id; its old one lingers for a TTL): the registry
+    # refuses the move with NotFound, and an operator lists again and picks another.
+    for attempt in range(5):
+        shards = [s for s in w.operator(lambda c: c.list_shards().shards) if s.owner]
+        ids = [x.watcher_id for x in w.operator(lambda c: c.list_watchers())]
+        if not shards or len(ids) < 2:
+            return {"skipped": "fewer than two watchers registered"}
+        busy = [s for s in shards if s.tasks] or shards
+        shard = w.rng.choice(busy)
+        to = w.rng.choice([i for i in ids if i != shard.owner])
+        try:
+            w.operator(lambda c, n=shard.shard, t=to: c.move_shard(n, t))
+            break
+        except errors.NotFound:
+            if attempt == 4:
+                raise
+            w.sleep(1.0)
     deadline = time.monotonic() + 40.0
     owner = shard.owner
     while time.monotonic() < deadline and not w.stop.is_set():
