@@ -50,6 +50,10 @@ def next_lease(
     the wait still wakes us. Raises ``NothingToClaim`` when ``timeout`` passes,
     and ``Draining`` once the session's host is drained (a keepalive says so
     while we wait: each wait then lasts at most a third of the session's TTL).
+    A broken watch is opened again; a consume whose outcome is unknown (the
+    registry became unreachable before it replied) raises ``Unavailable`` at once,
+    never ``NothingToClaim``: it may have leased an entry to the session, which
+    only the session's end (``close`` with revoke) hands back.
     """
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
@@ -65,22 +69,35 @@ def next_lease(
             wait = min(left if left is not None else session.ttl, max(session.ttl / 3, 0.5))
         events = client.watch(task_id, start_revision=-1, timeout=wait)
         try:
-            synced = next(events, None)  # SYNCED: the watch is in place
+            try:
+                synced = next(events, None)  # SYNCED: the watch is in place
+            except Unavailable as e:
+                _pause_or_raise(deadline, e)
+                continue
             if synced is None:
                 continue
+            # Unavailable here is not retried: the consume may have been applied with
+            # its reply lost, so a lease may be held; the caller must know it.
             try:
                 return client.consume(task_id, group, session=session)
             except NothingToClaim:
                 pass
-            for event in events:
-                if event.entry.state == pb.VERIFIED and group in event.entry.consumers:
-                    break
-        except Unavailable:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise
-            time.sleep(0.2)
+            try:
+                for event in events:
+                    if event.entry.state == pb.VERIFIED and group in event.entry.consumers:
+                        break
+            except Unavailable as e:
+                _pause_or_raise(deadline, e)
         finally:
             events.close()
+
+
+def _pause_or_raise(deadline: float | None, error: Unavailable) -> None:
+    """The watch broke (nothing was taken): wait a little and look again, unless the
+    caller's time is up."""
+    if deadline is not None and time.monotonic() >= deadline:
+        raise error
+    time.sleep(0.2)
 
 
 def _refusal(lease: Lease) -> Refusal:

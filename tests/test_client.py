@@ -109,6 +109,32 @@ def test_consumer_times_out_when_nothing_comes(client: Client) -> None:
         next_lease(client, s, "t1", timeout=0.5)
 
 
+def test_a_consume_whose_reply_is_lost_is_not_reported_as_nothing(client: Client,
+                                                                   monkeypatch: Any) -> None:
+    """The registry applies a consume and its reply never comes back (the replica died):
+    next_lease raises Unavailable at once, not NothingToClaim once its time is up, so the
+    caller knows a lease may be held (a fault run once found one held all run long)."""
+    one_entry(client)
+    with client.open_session("producer", ttl=10) as ps:
+        with produce(client, ps, "t1") as out:
+            out.write(b"data")
+        client.report("t1", "a", out.size, out.digest)
+    applied: list[int] = []
+    real = client.consume
+
+    def reply_lost(*args: Any, **kwargs: Any) -> Any:
+        applied.append(real(*args, **kwargs).token)
+        raise errors.Unavailable("the registry went away before it replied")
+
+    monkeypatch.setattr(client, "consume", reply_lost)
+    with client.open_session("c", ttl=10) as s:
+        with pytest.raises(errors.Unavailable):
+            next_lease(client, s, "t1", timeout=5)
+        assert len(applied) == 1  # not retried: a second lease would be another entry
+        (held,) = [a for a in client.list_agents() if a.session_id == s.session_id]
+        assert [(c.file_id, c.token) for c in held.claims] == [("a", applied[0])]
+
+
 def test_consume_refuses_bytes_that_differ_from_the_verified_digest(client: Client) -> None:
     """consume() checks the file against the verified digest, and nacks on a mismatch."""
     one_entry(client)
