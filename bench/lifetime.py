@@ -36,9 +36,9 @@ tasks of {size:,} entries in turn until {total:,} entries have been handed over:
 claims {batch} entries (`ClaimBatch`), commits them (`CommitBatch`, size 0), reports
 each as a watcher would (`ReportVerification`), takes {batch} verified entries for the
 task's one consumer group (`ConsumeBatch`) and acks them in one call (`AckBatch`); the
-first agent to find a task drained creates the next (the same manifest sent twice
-creates it once). So every entry
-takes the whole path, and every task completes and is archived. Every {every:g} s the
+first agent to find a task drained moves all of them to the next, which the first of
+them to get there creates. So every entry takes the whole path, and every task
+completes and is archived. Every {every:g} s the
 run samples etcd's own metrics (`etcd_mvcc_db_total_size_in_bytes`,
 `..._in_use_in_bytes`, `etcd_debugging_mvcc_keys_total`), counts the keys under the
 registry's prefix (request outcomes apart), and reads the registry's memory; claim
@@ -79,6 +79,8 @@ class Shared:
 
     total: int
     task: int = 0
+    #: the last task created (-1: none yet)
+    created: int = -1
     done: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
     #: (entries handed over before the call, seconds the ClaimBatch took)
@@ -101,7 +103,9 @@ def agent(address: str, name: str, size: int, shared: Shared) -> None:
                     return
                 if shared.task != task:
                     task = shared.task
-                    c.create_task(spec(task, size))
+                    if shared.created < task:  # the first agent to get there sends it
+                        c.create_task(spec(task, size))
+                        shared.created = task
                 done_before = shared.done
             task_id = f"life-{task:06d}"
             t0 = time.perf_counter()
