@@ -54,6 +54,14 @@ def _consumable(group: str) -> Callable[[EntryRecord], bool]:
     return consumable
 
 
+def _leased(rec: EntryRecord, staging: str, revision: int, token: int,
+            group: str) -> pb.ConsumeResponse:
+    """The reply for one lease: the entry as read (at ``revision``) and its token."""
+    entry = rec.to_pb(staging, revision=revision)
+    return pb.ConsumeResponse(entry=entry, token=token, path=entry.abs_path, size=rec.size,
+                              digest=rec.digest, group=group)
+
+
 class Consumers:
     def __init__(self, core: Core) -> None:
         self.core = core
@@ -99,14 +107,7 @@ class Consumers:
             self._lease(txn, rec, req.group, slots, caller)
             revision = entry_kv.mod_revision
 
-            def reply(rev: int) -> pb.ConsumeResponse:
-                entry = rec.to_pb(staging, revision=revision)
-                return pb.ConsumeResponse(
-                    entry=entry, token=rev, path=entry.abs_path, size=rec.size,
-                    digest=rec.digest, group=req.group,
-                )
-
-            return reply
+            return lambda rev: _leased(rec, staging, revision, rev, req.group)
 
         def replay(raw: bytes, rev: int) -> pb.ConsumeResponse:
             resp = pb.ConsumeResponse.FromString(raw)
@@ -164,13 +165,9 @@ class Consumers:
                 self._lease(txn, rec, req.group, slots, caller)
 
             def reply(rev: int) -> pb.ConsumeBatchResponse:
-                out = []
-                for kv, rec in picked:
-                    entry = rec.to_pb(staging, revision=kv.mod_revision)
-                    out.append(pb.ConsumeResponse(
-                        entry=entry, token=rev, path=entry.abs_path, size=rec.size,
-                        digest=rec.digest, group=req.group))
-                return pb.ConsumeBatchResponse(leases=out)
+                return pb.ConsumeBatchResponse(leases=[
+                    _leased(rec, staging, kv.mod_revision, rev, req.group)
+                    for kv, rec in picked])
 
             return reply
 
