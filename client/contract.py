@@ -58,6 +58,8 @@ def shard_of(task_id: str, count: int) -> int:
 #: where `baton up` serves the registry, and where clients look by default
 DEFAULT_REGISTRY = "127.0.0.1:7390"
 REGISTRY_PORT = int(DEFAULT_REGISTRY.rpartition(":")[2])
+#: the gRPC service a registry serves (and reports healthy in its health service)
+REGISTRY_SERVICE = "baton.v1.Registry"
 #: the client port of `baton up`'s private etcd
 LOCAL_ETCD_PORT = 2479
 

@@ -19,12 +19,12 @@ from baton_relay.client.contract import (
     MAX_REPLY_BYTES,
     MAX_REQUEST_BYTES,
     MIN_PING_INTERVAL_MS,
+    REGISTRY_SERVICE,
 )
 from baton_relay.client.errors import BatonError, InvalidArgument
 from baton_relay.client.logs import setup_logging
 from baton_relay.client.sdnotify import Notifier
 from baton_relay.client.settings import metrics_url, parse_address
-from baton_relay.client.v1 import baton_pb2
 
 from ._etcd import Etcd, EtcdAuth
 from .archive import Archiver, DirectoryStore
@@ -41,7 +41,7 @@ from .tls import ServerCertificates, is_loopback
 
 log = logging.getLogger("baton.registry")
 
-SERVICE_NAME = baton_pb2.DESCRIPTOR.services_by_name["Registry"].full_name
+SERVICE_NAME = REGISTRY_SERVICE
 
 
 @dataclass

@@ -19,7 +19,13 @@ import pytest
 from baton_relay.client import Client, put
 from baton_relay.client.v1 import baton_pb2 as pb
 from baton_relay.registry.local import stack as embedded
-from baton_relay.registry.local.etcdproc import DaemonFailed, free_port, port_in_use, write_banner
+from baton_relay.registry.local.etcdproc import (
+    DaemonFailed,
+    EtcdProcess,
+    free_port,
+    port_in_use,
+    write_banner,
+)
 from baton_relay.registry.local.stack import (
     ChildSpec,
     LocalPKI,
@@ -408,6 +414,24 @@ def test_port_in_use_is_refused_up_front(opts: UpOptions) -> None:
         with pytest.raises(DaemonFailed, match=f"{opts.registry_port} is already in use"):
             run_up(opts, lambda line: None, stop=threading.Event())
     assert not (opts.data_dir / "etcd").exists()
+
+
+def test_a_port_named_twice_is_refused_up_front(opts: UpOptions) -> None:
+    """The same port for etcd and the registry is refused, naming both, before etcd
+    starts: one of the two could not listen, and the other would answer in its place."""
+    twice = dataclasses.replace(opts, etcd_port=opts.registry_port)
+    with pytest.raises(DaemonFailed, match=f"port {opts.registry_port} is given twice "
+                                           r"\(--etcd-port and --registry-port\)"):
+        run_up(twice, lambda line: None, stop=threading.Event())
+    assert not (opts.data_dir / "etcd").exists()
+
+
+def test_the_registry_probe_is_not_fooled_by_etcd(etcd: EtcdProcess) -> None:
+    """etcd's own health service says SERVING for the server as a whole: only a
+    registry's health for the Baton service counts as a registry being ready."""
+    address = etcd.endpoint
+    assert grpc_health_probe(address, service="")()  # etcd does answer for ""
+    assert not grpc_health_probe(address)()
 
 
 def test_an_agent_install_has_no_server_side() -> None:

@@ -13,6 +13,7 @@ supervises the registry the same way.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import platform
@@ -25,7 +26,7 @@ import subprocess
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -197,12 +198,33 @@ def etcd_version(binary: str) -> str:
 # --- process helpers shared with registry.local.stack ----------------------------------
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nobody listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+#: ports :func:`free_port` handed out in this process, oldest first (a bounded memory)
+_HANDED_OUT: collections.OrderedDict[int, None] = collections.OrderedDict()
+_HANDED_OUT_MAX = 4096
+_HANDED_OUT_LOCK = threading.Lock()
+
+
+def free_port(avoid: Iterable[int] = ()) -> int:
+    """A TCP port on 127.0.0.1 that nobody listens on right now, other than ``avoid``
+    and the last few thousand this process was given.
+
+    The kernel may hand out the port it just gave to the call before once that
+    socket is closed, and nobody has bound it yet when a second port is asked for:
+    two daemons told to listen on "free" ports would then collide. So a port is
+    never handed out twice by one process (a daemon given one binds it soon after).
+    """
+    avoid = set(avoid)
+    with _HANDED_OUT_LOCK:
+        while True:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.bind(("127.0.0.1", 0))
+                port: int = sock.getsockname()[1]
+            if port in _HANDED_OUT or port in avoid:
+                continue
+            _HANDED_OUT[port] = None
+            if len(_HANDED_OUT) > _HANDED_OUT_MAX:
+                _HANDED_OUT.popitem(last=False)
+            return port
 
 
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
@@ -373,9 +395,7 @@ class EtcdProcess:
     ) -> None:
         self.data_dir = Path(data_dir)
         self.client_port = client_port or free_port()
-        self.peer_port = peer_port or free_port()
-        while self.peer_port == self.client_port:
-            self.peer_port = free_port()
+        self.peer_port = peer_port or free_port(avoid=[self.client_port])
         self.name = name
         self.log_path = (
             Path(log_path)

@@ -32,7 +32,7 @@ from typing import Any
 
 import grpc
 
-from baton_relay.client.contract import LOCAL_ETCD_PORT, REGISTRY_PORT
+from baton_relay.client.contract import LOCAL_ETCD_PORT, REGISTRY_PORT, REGISTRY_SERVICE
 from baton_relay.client.errors import BatonError
 from baton_relay.registry.local.etcdproc import (
     BANNER_PREFIX,
@@ -253,6 +253,25 @@ def watcher_spec(opts: UpOptions, n: int, registry_address: str,
     )
 
 
+def _distinct_ports(opts: UpOptions) -> list[int]:
+    """The ports ``opts`` names (0: any free one); DaemonFailed if one is named twice,
+    since two daemons cannot listen on it (and a probe could ask the wrong one)."""
+    named = [(opts.etcd_port, "etcd", "--etcd-port"),
+             (opts.registry_port, "registry", "--registry-port"),
+             (opts.registry_metrics_port, "registry", "the registry's metrics port"),
+             *((port, "watcher", "a watcher's metrics port")
+               for port in opts.watcher_metrics_ports)]
+    seen: dict[int, str] = {}
+    for port, daemon, what in named:
+        if not port:
+            continue
+        if port in seen:
+            raise DaemonFailed(f"port {port} is given twice ({seen[port]} and {what}); "
+                               "each daemon needs a port of its own", daemon=daemon)
+        seen[port] = what
+    return list(seen)
+
+
 def log_line_probe(log_path: Path, text: str) -> Callable[[], bool]:
     """A probe that is True once a line starting with ``text`` follows the log's last banner.
 
@@ -294,10 +313,12 @@ def _health_modules() -> tuple[Any, Any]:
     return health_pb2, health_pb2_grpc
 
 
-def grpc_health_probe(target: str, service: str = "",
+def grpc_health_probe(target: str, service: str = REGISTRY_SERVICE,
                       pki: LocalPKI | None = None) -> Callable[[], bool]:
-    """A probe that is True when ``target``'s gRPC health service says SERVING (over
-    mutual TLS as the operator identity of ``pki``, when given)."""
+    """A probe that is True when ``target``'s gRPC health service says ``service`` (by
+    default a Baton registry's) is SERVING (over mutual TLS as the operator identity of
+    ``pki``, when given). Not the server as a whole (""): any gRPC server answers for
+    that, etcd among them, which a port mix-up could put where a registry should be."""
     health_pb2, health_pb2_grpc = _health_modules()
     request = health_pb2.HealthCheckRequest(service=service)
     serving = health_pb2.HealthCheckResponse.SERVING
@@ -480,16 +501,27 @@ def run_up(
     when the stack cannot start; whatever had started is stopped first.
     """
     stop = stop if stop is not None else threading.Event()
+    given = _distinct_ports(opts)
+    taken = set(given)
+
+    def chosen(port: int) -> int:
+        """``port``, or a free one none of the others uses (0)."""
+        if not port:
+            port = free_port(avoid=taken)
+            taken.add(port)
+        return port
+
     opts = dataclasses.replace(
         opts,
         data_dir=opts.data_dir.expanduser().absolute(),
         staging=opts.staging.expanduser().absolute(),
         # Chosen once: a daemon restarted by the supervisor serves where it did.
-        registry_metrics_port=opts.registry_metrics_port or free_port(),
+        registry_metrics_port=chosen(opts.registry_metrics_port),
         watcher_metrics_ports=tuple(
-            port or free_port() for port in
+            chosen(port) for port in
             (*opts.watcher_metrics_ports, *[0] * opts.watchers)[:opts.watchers]),
     )
+    etcd_peer_port = chosen(0)
     _check_installed()
     ports = [(opts.etcd_port, "etcd"), (opts.registry_port, "registry"),
              (opts.registry_metrics_port, "registry"),
@@ -509,6 +541,7 @@ def run_up(
         etcd = EtcdProcess(
             opts.data_dir / "etcd",
             client_port=opts.etcd_port,
+            peer_port=etcd_peer_port,
             log_path=opts.data_dir / "etcd.log",
             extra_args=ETCD_UPKEEP,
             tls=None if pki is None else EtcdTLS(
