@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from registry_fixtures import RegistryHandle
 from watcher_fixtures import (
     digest,
@@ -252,3 +254,78 @@ def test_a_file_with_one_name_is_not_polled(
     wait_for(is_state(client, "t1", "a", pb.VERIFIED), what="a verified")
     wait_for(w.jobs.idle, what="the watcher idle")
     assert len(w.checker.links) == 0 and w.metrics.get("linked") == 0
+
+
+def _again(client: Client, task_id: str) -> None:
+    """``task_id`` cancelled, deleted and created anew under the same id."""
+    client.cancel_task(task_id)
+    client.delete_task(task_id, discard_history=True)
+    make_task(client, task_id, {"a": "a.bin"})
+
+
+def test_late_news_of_a_deleted_task_leaves_its_successor_served(
+    client: Client, session: Session, watcher_factory: Callable[..., Watcher], wait_for: Wait
+) -> None:
+    """A task created again under its id is served: the old incarnation's stream,
+    ending late with "not found", stops only the old one's serving."""
+    w = watcher_factory()
+    make_task(client, "t1", {"a": "a.bin"})
+    wait_for(lambda: w.table.task("t1") is not None, what="t1 served")
+    old = w.table.task("t1")
+    _again(client, "t1")
+    wait_for(lambda: w.table.task("t1") not in (None, old), what="the new t1 served")
+    w.streams.on_gone(old)  # what the old stream does when it learns its task is gone
+    assert w.table.task("t1") is not None
+    put_bytes(client, session, "t1", "a", b"the new incarnation's")
+    # No reconciliation comes to the rescue: FAST's is minutes away.
+    wait_for(is_state(client, "t1", "a", pb.VERIFIED), what="a of the new t1 verified")
+
+
+def test_a_task_back_before_its_old_stream_said_gone_is_served_again(
+    client: Client, session: Session, watcher_factory: Callable[..., Watcher], wait_for: Wait
+) -> None:
+    """When the stream of a served view ends with "not found" after the task was created
+    again (whose header, arriving while that view was served, started nothing), the
+    watcher looks once more and serves the task that is there."""
+    w = watcher_factory()
+    make_task(client, "t1", {"a": "a.bin"})
+    wait_for(lambda: w.table.task("t1") is not None, what="t1 served")
+    view = w.table.task("t1")
+    assert view is not None
+    w.streams.on_gone(view)  # the registry has a t1: it is this view that is stale
+    wait_for(lambda: w.table.task("t1") not in (None, view), what="t1 served again")
+    put_bytes(client, session, "t1", "a", b"served again")
+    wait_for(is_state(client, "t1", "a", pb.VERIFIED), what="a verified")
+
+
+@pytest.mark.parametrize("listed", ["cancelled", "deleted"])
+def test_a_reconciliation_listed_before_a_task_came_back_leaves_it_served(
+    client: Client, session: Session, watcher_factory: Callable[..., Watcher], wait_for: Wait,
+    monkeypatch: pytest.MonkeyPatch, listed: str,
+) -> None:
+    """A reconciliation whose listing shows a task finished (or gone), and which acts on
+    it after the task was created again and served, leaves the new one served."""
+    w = watcher_factory()
+    make_task(client, "t1", {"a": "a.bin"})
+    wait_for(lambda: w.table.task("t1") is not None, what="t1 served")
+    client.cancel_task("t1")
+    if listed == "deleted":
+        client.delete_task("t1", discard_history=True)
+    wait_for(lambda: w.table.task("t1") is None, what="the finished t1 no longer served")
+    list_tasks, test = w.client.list_tasks, threading.current_thread()
+
+    def listing_then_t1_again() -> list[pb.Task]:
+        tasks = list_tasks()
+        if threading.current_thread() is test:  # this reconciliation, not the daemon's
+            if listed == "cancelled":
+                client.delete_task("t1", discard_history=True)
+            make_task(client, "t1", {"a": "a.bin"})
+            wait_for(lambda: w.table.task("t1") is not None, what="the new t1 served")
+        return tasks
+
+    monkeypatch.setattr(w.client, "list_tasks", listing_then_t1_again)
+    assert w.reconcile("test")
+    monkeypatch.undo()
+    assert w.table.task("t1") is not None
+    put_bytes(client, session, "t1", "a", b"the new incarnation's")
+    wait_for(is_state(client, "t1", "a", pb.VERIFIED), what="a of the new t1 verified")

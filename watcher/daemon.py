@@ -24,7 +24,7 @@ from typing import Any
 
 from baton_relay.client import Client, RetryPolicy
 from baton_relay.client.contract import shard_of
-from baton_relay.client.errors import BatonError
+from baton_relay.client.errors import BatonError, NotFound
 from baton_relay.client.logs import log
 from baton_relay.client.settings import metrics_url
 from baton_relay.client.v1 import baton_pb2 as pb
@@ -39,14 +39,16 @@ from .jobs import JobQueue
 from .metrics import Levels, Metrics
 from .observe import Watches
 from .shards import Membership
-from .state import LIVE, Change, Table
+from .state import LIVE, Change, Table, TaskView
 from .sync import TaskStreams
 from .taskdirs import TaskDirs
 
 logger = logging.getLogger("baton.watcher")
 
 _TASK_ID = re.compile(r"^[A-Za-z0-9._-]+$")
-FINISHED = (pb.TASK_CANCELLED, pb.TASK_COMPLETED, pb.TASK_ARCHIVING, pb.TASK_ARCHIVED)
+#: task statuses a watcher does not serve: finished, or on the way out of etcd
+FINISHED = (pb.TASK_CANCELLED, pb.TASK_COMPLETED, pb.TASK_ARCHIVING, pb.TASK_ARCHIVED,
+            pb.TASK_DELETING)
 #: seconds between attempts of a reconciliation that could not reach the registry
 RECONCILE_RETRY = 1.0
 #: seconds a shard's handover waits for the checks in hand before releasing anyway
@@ -94,8 +96,9 @@ class Watcher:
         self._shedding = False
         self.streams = TaskStreams(
             self.client, self.table, on_changes=self._on_changes,
-            on_lost=self._registry_lost, on_gone=self._forget, stop=self._stop,
-            timeout=config.stream_timeout,
+            on_lost=self._registry_lost,
+            on_gone=self._gone,
+            stop=self._stop, timeout=config.stream_timeout,
         )
         self._threads = [
             threading.Thread(target=self._dispatch, name="watcher-dispatch", daemon=True),
@@ -253,16 +256,52 @@ class Watcher:
             if e.file_id in wanted and e.state in LIVE:
                 self.jobs.submit((task_id, e.file_id))
 
-    def _forget(self, task_id: str) -> None:
+    def _forget(self, task_id: str, view: TaskView | None = None) -> None:
+        """Stop serving ``task_id``; with ``view``, only if that is still how it is
+        served (news about a task that was deleted and created again under the same id
+        must not stop the new one being served)."""
+        removed = self.table.remove_task(task_id, view)
+        if view is not None and removed is None:
+            return
         self.taskdirs.forget(task_id)
-        view = self.table.remove_task(task_id)
-        if view is not None:
-            self.watches.unwatch_tree(view.directory)
+        if removed is not None:
+            self.watches.unwatch_tree(removed.directory)
             self.cache.drop_task(task_id)
             log(logger, logging.INFO, "no longer serving task", task=task_id)
 
+    def _gone(self, view: TaskView) -> None:
+        """The registry says ``view``'s task is not there: stop serving that view, then
+        ask once more. A task created again under the id in the meantime is served: its
+        header, if it came while the old view was still served, started nothing."""
+        self._forget(view.task_id, view)
+        try:
+            task = self.client.get_task(view.task_id)
+        except NotFound:
+            return
+        except BatonError as e:
+            log(logger, logging.WARNING, "task gone; cannot tell whether it is back",
+                task=view.task_id, error=str(e))
+            self._reconcile_now.set()
+            return
+        self._serve(task)
+
+    def _serve(self, task: pb.Task) -> None:
+        """Follow ``task`` from its header: serve it if it is this watcher's to serve
+        (its files are checked by its stream's snapshot), forget it once finished."""
+        task_id = task.spec.task_id
+        if task.status in FINISHED:
+            self._forget(task_id)
+        elif task.status != pb.TASK_CREATING and self._serves(task_id):
+            self.taskdirs.prepare(task)
+            self.streams.follow(task_id)
+
     def reconcile(self, reason: str) -> bool:
         """Compare the registry with the disk for every served task; False if unreachable."""
+        # What was served before the listing was asked for: only those views may be
+        # dropped on its word. A task created (or created again) meanwhile is newer
+        # than the listing, which may still show it finished, or not at all.
+        before = {task_id: view for task_id in self.table.task_ids()
+                  if (view := self.table.task(task_id)) is not None}
         try:
             tasks = self.client.list_tasks()
         except BatonError as e:
@@ -271,14 +310,16 @@ class Watcher:
             return False
         served = set()
         for t in tasks:
-            if t.status in FINISHED or not self._serves(t.spec.task_id):
-                self._forget(t.spec.task_id)
+            task_id = t.spec.task_id
+            if t.status in FINISHED or not self._serves(task_id):
+                if task_id in before:
+                    self._forget(task_id, before[task_id])
             else:
-                served.add(t.spec.task_id)
+                served.add(task_id)
                 self.taskdirs.prepare(t, again=True)
-                self.streams.follow(t.spec.task_id)
-        for task_id in set(self.table.task_ids()) - served:
-            self._forget(task_id)
+                self.streams.follow(task_id)
+        for task_id in before.keys() - served:
+            self._forget(task_id, before[task_id])
         checked = 0
         for task_id in served:
             try:
@@ -306,12 +347,7 @@ class Watcher:
                 for task in self.client.watch_tasks(timeout=self.config.stream_timeout):
                     if self._stop.is_set():
                         return
-                    task_id = task.spec.task_id
-                    if task.status in FINISHED:
-                        self._forget(task_id)
-                    elif task.status != pb.TASK_CREATING and self._serves(task_id):
-                        self.taskdirs.prepare(task)
-                        self.streams.follow(task_id)
+                    self._serve(task)
             except BatonError as e:
                 if self._stop.is_set():
                     return

@@ -96,8 +96,13 @@ class Table:
             self._tasks[task_id] = view
             return view, True
 
-    def remove_task(self, task_id: str) -> TaskView | None:
+    def remove_task(self, task_id: str, view: TaskView | None = None) -> TaskView | None:
+        """Stop serving ``task_id``; its view, or None if it was not served. With
+        ``view``, only that one: a task deleted and created again under the same id has
+        a new view, which news about the old one must not remove."""
         with self._lock:
+            if view is not None and self._tasks.get(task_id) is not view:
+                return None
             view = self._tasks.pop(task_id, None)
         if view is not None:
             view.forgotten.set()

@@ -29,7 +29,7 @@ OnChanges = Callable[[str, list[Change], bool], None]
 
 class TaskStreams:
     def __init__(self, client: Client, table: Table, *, on_changes: OnChanges,
-                 on_lost: Callable[[], None], on_gone: Callable[[str], None],
+                 on_lost: Callable[[], None], on_gone: Callable[[TaskView], None],
                  stop: threading.Event, timeout: float, backoff: float = 0.5) -> None:
         self.client = client
         self.table = table
@@ -92,7 +92,7 @@ class TaskStreams:
                 failures = 0
             except NotFound:
                 log(logger, logging.INFO, "task not in the registry", task=task_id)
-                self.on_gone(task_id)
+                self.on_gone(view)  # this view only: the id may be served anew already
                 return
             except BatonError as e:
                 if not self._current(view):
