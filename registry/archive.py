@@ -47,9 +47,11 @@ quota. The store itself is ``archive_store.py``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+import queue
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,6 +74,59 @@ log = logging.getLogger("baton.registry")
 
 #: keys read per request while an archive is written
 READ_PAGE = 1000
+#: pages of records read from etcd ahead of the store: what an archive holds in memory
+#: is about this many pages (and the one in hand), whatever the task's size
+PAGES_AHEAD = 2
+
+
+class ArchiveAborted(BatonError):
+    """Reading the task from etcd failed while its archive was being written: the
+    store drops what it wrote (the archive is written again next time)."""
+
+
+class _Handoff:
+    """Records from the event loop, where they are read from etcd, to the store's
+    thread, where they are written: a page at a time, and at most ``PAGES_AHEAD``
+    pages ahead of the store, so that archiving a task of 100,000 entries never holds
+    them all at once."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._pages: queue.SimpleQueue[list[dict[str, Any]] | BaseException | None] = (
+            queue.SimpleQueue())
+        self._room = asyncio.Semaphore(PAGES_AHEAD)
+
+    def records(self) -> Iterator[dict[str, Any]]:
+        """Every record handed over, in order (on the store's thread); raises
+        :class:`ArchiveAborted` if the reading side gave up."""
+        while (page := self._pages.get()) is not None:
+            if isinstance(page, BaseException):
+                raise page
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
+                self._loop.call_soon_threadsafe(self._room.release)
+            yield from page
+
+    async def put(self, page: list[dict[str, Any]], store: asyncio.Future[Any]) -> None:
+        """Hand ``page`` over once the store has room; raises what the store raised if
+        it stopped reading first."""
+        room = asyncio.ensure_future(self._room.acquire())
+        try:
+            await asyncio.wait({room, store}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not room.done():
+                room.cancel()
+        if store.done():  # it stopped reading: with its error, or too early
+            if room.done() and not room.cancelled():
+                self._room.release()
+            await store
+            raise ArchiveCorrupt("the archive store stopped reading before the end")
+        self._pages.put(page)
+
+    def end(self) -> None:
+        self._pages.put(None)
+
+    def abort(self, reason: str) -> None:
+        self._pages.put(ArchiveAborted(reason))
 
 
 @dataclass(frozen=True)
@@ -124,6 +179,30 @@ class Archiver:
         #: tasks this replica archived, and archives it expired (for metrics)
         self.archived = 0
         self.expired = 0
+        #: per task this replica is archiving or expiring: its lock, and how many use it
+        self._busy: dict[str, tuple[asyncio.Lock, int]] = {}
+
+    @contextlib.asynccontextmanager
+    async def _one_at_a_time(self, task_id: str) -> AsyncIterator[None]:
+        """One archive (or expiry) of a task at a time in this replica: the sweep finds
+        a task ``archiving`` while ``baton task archive`` is still writing it, and two
+        writes of one archive would only do the work twice. (Replicas racing are kept
+        apart by the guarded transactions, and the store's temporary names.)"""
+        lock, users = self._busy.get(task_id, (asyncio.Lock(), 0))
+        self._busy[task_id] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._busy[task_id]
+            if users == 1:
+                del self._busy[task_id]
+            else:
+                self._busy[task_id] = (lock, users - 1)
+
+    def busy(self, task_id: str) -> bool:
+        """Whether this replica is archiving (or expiring) the task right now."""
+        return task_id in self._busy
 
     # archiving ---------------------------------------------------------------------
 
@@ -131,6 +210,10 @@ class Archiver:
         """Archive a finished task now (idempotent: an archived task is returned as is);
         with deletes only while etcd refuses puts."""
         check_id("task_id", task_id)
+        async with self._one_at_a_time(task_id):
+            return await self._archive(task_id, reason)
+
+    async def _archive(self, task_id: str, reason: str) -> pb.Task:
         try:
             task = await write(self.core.txns, self._mark_plan(task_id, reason))
         except StorageFull as full:
@@ -192,19 +275,37 @@ class Archiver:
         if task.status != "archiving":
             _mark(task, reason)
             header = json.loads(task.dump())
-        records: list[dict[str, Any]] = [{"kind": "task", "revision": revision,
-                                          "header": header}]
+        handoff = _Handoff()
+        store = asyncio.ensure_future(asyncio.to_thread(
+            self.store.write, task_id, revision, handoff.records(), header_kv.mod_revision))
+        try:
+            page: list[dict[str, Any]] = [{"kind": "task", "revision": revision,
+                                           "header": header}]
+            async for record in self._records(task_id, revision):
+                page.append(record)
+                if len(page) >= READ_PAGE:
+                    await handoff.put(page, store)
+                    page = []
+            await handoff.put(page, store)
+        except BaseException as e:
+            handoff.abort(f"reading task {task_id!r} from etcd failed: {e!r}")
+            store.add_done_callback(_retrieved)  # its ArchiveAborted is ours, raised here
+            raise
+        handoff.end()
+        return await store
+
+    async def _records(self, task_id: str, revision: int) -> AsyncIterator[dict[str, Any]]:
+        """The task's entries, then its journal, as archive records: as etcd had them at
+        ``revision``, read a page at a time."""
         entries_base = self.keys.entries(task_id)
         async for kv in self.core.etcd.scan(entries_base, page=READ_PAGE, revision=revision):
-            records.append({"kind": "entry", "revision": kv.mod_revision,
-                            "record": json.loads(kv.value)})
+            yield {"kind": "entry", "revision": kv.mod_revision,
+                   "record": json.loads(kv.value)}
         journal_base = self.keys.journal_all(task_id)
         async for kv in self.core.etcd.scan(journal_base, page=READ_PAGE, revision=revision):
             file_id = self.keys.parse_tail(kv.key, journal_base)[0]
-            records.append({"kind": "journal", "file_id": file_id,
-                            "revision": kv.create_revision, "record": json.loads(kv.value)})
-        return await asyncio.to_thread(self.store.write, task_id, revision, iter(records),
-                                       header_kv.mod_revision)
+            yield {"kind": "journal", "file_id": file_id,
+                   "revision": kv.create_revision, "record": json.loads(kv.value)}
 
     def _final_plan(self, task_id: str, info: ArchiveInfo, states: dict[str, int]
                     ) -> Callable[[Txn], Awaitable[TaskRecord]]:
@@ -390,27 +491,26 @@ class Archiver:
         retention."""
         moved = 0
         clock = self.core.clock()
-        kvs, _, _ = await self.core.etcd.range(self.keys.tasks())
         present = set()
-        for kv in kvs:
-            task = TaskRecord.load(kv.value)
+        for task in await self.headers():
             present.add(task.task_id)
-            due = self._due(task, clock)
+            if self.busy(task.task_id):
+                continue  # being archived here right now (`baton task archive`)
             try:
-                if due:
+                if self._due(task, clock):
                     await self.archive(task.task_id)
                     moved += 1
                 elif task.status == "archived" and clock - epoch_of(task.archived_at) > (
                         self.retention):
                     await self.expire(task.task_id)
-            except BatonError as e:  # one task never stops the others
-                log.warning("archiving task %s: %s", task.task_id, e)
+            except Exception as e:  # one task (or its store's failure) never stops the others
+                log.warning("archiving task %s: %s", task.task_id, _described(e))
         for info in await asyncio.to_thread(self.store.list):
-            if info.task_id not in present:  # archived while etcd refused puts
-                try:
+            if info.task_id not in present and not self.busy(info.task_id):
+                try:  # archived while etcd refused puts
                     await self.archive(info.task_id)
-                except BatonError as e:
-                    log.warning("archiving task %s: %s", info.task_id, e)
+                except Exception as e:
+                    log.warning("archiving task %s: %s", info.task_id, _described(e))
         return moved
 
     def _due(self, task: TaskRecord, clock: float) -> bool:
@@ -423,6 +523,10 @@ class Archiver:
 
     async def expire(self, task_id: str) -> None:
         """Delete an archive past the retention, then its header (guarded)."""
+        async with self._one_at_a_time(task_id):
+            await self._expire(task_id)
+
+    async def _expire(self, task_id: str) -> None:
         key = self.keys.task(task_id)
         await asyncio.to_thread(self.store.delete, task_id)
 
@@ -459,9 +563,21 @@ class Archiver:
         return Archived(header, entries, journal)
 
     async def headers(self) -> list[TaskRecord]:
-        """The headers etcd keeps of archived tasks."""
-        kvs, _, _ = await self.core.etcd.range(self.keys.tasks())
-        return [t for t in (TaskRecord.load(kv.value) for kv in kvs) if t.status == "archived"]
+        """Every task header etcd keeps, read a page at a time."""
+        return [TaskRecord.load(kv.value) async for kv in self.core.etcd.scan(
+            self.keys.tasks(), page=READ_PAGE)]
+
+
+def _described(e: Exception) -> str:
+    """A failure as a log line says it: Baton's own errors by their message, others
+    (the store's OSError) with their type too."""
+    return str(e) if isinstance(e, BatonError) else f"{type(e).__name__}: {e}"
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    """Done callback: the future's exception is known already (no "never retrieved")."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _deletes_refused(task_id: str, e: StorageFull) -> StorageFull:

@@ -12,6 +12,7 @@ import contextlib
 import gzip
 import json
 import os
+import secrets
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -54,7 +55,11 @@ class ArchiveStore(Protocol):
 
     def write(self, task_id: str, revision: int, records: Iterator[dict[str, Any]],
               header_revision: int = 0) -> ArchiveInfo:
-        """Store the records as the task's archive, replacing any, and check it back."""
+        """Store the records as the task's archive, replacing any, and check it back.
+
+        ``records`` are read from etcd while they are written (a few pages ahead): it
+        must be consumed to its end, and if it raises (the reading failed), nothing of
+        this write may be kept."""
         ...
 
     def info(self, task_id: str) -> ArchiveInfo | None:
@@ -92,15 +97,20 @@ class DirectoryStore:
         data, meta = self._paths(task_id)
         with contextlib.suppress(FileNotFoundError):
             meta.unlink()  # from here on the old archive (if any) is incomplete
-        tmp = data.with_name(f".{data.name}.{os.getpid()}.tmp")
+        tmp = _temporary(data)
         count = 0
-        with open(tmp, "wb") as raw:
-            with gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as out:
-                for record in records:
-                    out.write(json.dumps(record, separators=(",", ":")).encode() + b"\n")
-                    count += 1
-            raw.flush()
-            os.fsync(raw.fileno())
+        try:
+            with open(tmp, "wb") as raw:
+                with gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as out:
+                    for record in records:
+                        out.write(json.dumps(record, separators=(",", ":")).encode() + b"\n")
+                        count += 1
+                raw.flush()
+                os.fsync(raw.fileno())
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()  # half an archive: nothing of it is kept
+            raise
         os.replace(tmp, data)
         digest, size = _digest(data)
         info = ArchiveInfo(task_id, str(data), digest, size, count, revision, now(),
@@ -166,8 +176,15 @@ def _digest(path: Path) -> tuple[str, int]:
     return h.hexdigest(), size
 
 
+def _temporary(path: Path) -> Path:
+    """A name to write ``path`` under before it is renamed into place: one no other
+    writer uses, in this process (two archives of a task at once) or on another host
+    sharing the directory (the same process id)."""
+    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(8)}.tmp")
+
+
 def _write_synced(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = _temporary(path)
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()

@@ -291,8 +291,8 @@ class Tasks:
 
     async def list(self, req: pb.ListTasksRequest) -> pb.ListTasksResponse:
         """The tasks in etcd; with ``archived``, the archived ones instead."""
-        kvs, _, _ = await self.core.etcd.range(self.keys.tasks())
-        records = [TaskRecord.load(kv.value) for kv in kvs]
+        records = [TaskRecord.load(kv.value) async for kv in self.core.etcd.scan(
+            self.keys.tasks(), page=LIST_PAGE)]
         if req.archived and self.core.archive is not None:
             # and those archived while etcd refused writes, their headers not back yet
             records += await self.core.archive.headerless_all({r.task_id for r in records})
@@ -424,8 +424,8 @@ class Tasks:
 
     async def watch_tasks(self) -> AsyncIterator[pb.Task]:
         """Every task header now, then each one again whenever it changes."""
-        kvs, at, _ = await self.core.etcd.range(self.keys.tasks())
-        for kv in kvs:
+        _, at, _ = await self.core.etcd.range(self.keys.tasks(), limit=1, keys_only=True)
+        async for kv in self.core.etcd.scan(self.keys.tasks(), page=LIST_PAGE, revision=at):
             yield TaskRecord.load(kv.value).to_pb()
         async for batch in self.core.etcd.watch(self.keys.tasks(), at + 1):
             for ev in batch:

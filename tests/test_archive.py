@@ -6,8 +6,10 @@ real registry, a real directory store)."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
-from collections.abc import Callable, Coroutine, Iterator
+import threading
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -21,6 +23,7 @@ from baton_relay.client import Client, Session
 from baton_relay.client.cli import cli
 from baton_relay.client.errors import IllegalTransition, InvalidManifest, NotFound
 from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.registry import archive as archive_mod
 from baton_relay.registry import operators as operators_mod
 from baton_relay.registry import removal
 from baton_relay.registry._etcd import Etcd, Put
@@ -290,3 +293,190 @@ def test_cli_archives_and_lists_archived_tasks(
     assert active.exit_code == 0, active.output
     refused = runner.invoke(cli, ["task", "archive", "t2"], env=env)
     assert refused.exit_code == 4 and "only a completed or cancelled task" in refused.output
+
+
+def cancelled(client: Client, task_id: str, entries: int) -> None:
+    """A task of ``entries`` entries that never ran, cancelled: ready to archive."""
+    client.create_task({"task_id": task_id, "entries": [
+        {"file_id": f"f{n}", "path": f"f{n}.bin"} for n in range(entries)]})
+    client.cancel_task(task_id, "test")
+
+
+def test_an_archive_holds_a_few_pages_of_the_task_not_all_of_it(
+    client: Client, registry: RegistryHandle, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The store writes while etcd is read: it is never more than PAGES_AHEAD pages
+    (and the page it is in, and the one being read) behind the reading, so an archive's
+    memory does not grow with its task."""
+    page = 10
+    monkeypatch.setattr(archive_mod, "READ_PAGE", page)
+    cancelled(client, "t1", 300)
+    entries, journal = before_archive(client, "t1")
+    read = 0
+    real_records = Archiver._records
+
+    async def counted(self: Archiver, task_id: str, revision: int) -> AsyncIterator[Any]:
+        nonlocal read
+        async for record in real_records(self, task_id, revision):
+            read += 1
+            yield record
+
+    behind: list[int] = []
+    real_write = DirectoryStore.write
+
+    def watched(self: DirectoryStore, task_id: str, revision: int, records: Iterator[Any],
+                header_revision: int = 0) -> Any:
+        def seen() -> Iterator[Any]:
+            for n, record in enumerate(records):  # n: records before this one, header too
+                behind.append(read - n)
+                yield record
+
+        return real_write(self, task_id, revision, seen(), header_revision)
+
+    monkeypatch.setattr(Archiver, "_records", counted)
+    monkeypatch.setattr(DirectoryStore, "write", watched)
+    assert client.archive_task("t1").status == pb.TASK_ARCHIVED
+    assert len(behind) == 1 + len(entries) + len(journal) == 1 + read
+    assert max(behind) <= (archive_mod.PAGES_AHEAD + 2) * page
+    assert [e.file_id for e in client.list_entries("t1")] == [e.file_id for e in entries]
+
+
+def test_an_archive_whose_reading_fails_half_way_keeps_nothing_and_runs_again(
+    client: Client, registry: RegistryHandle, archive_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(archive_mod, "READ_PAGE", 10)
+    cancelled(client, "t1", 100)
+    keys_before = task_keys(registry, "t1")
+    real_records = Archiver._records
+
+    async def fails(self: Archiver, task_id: str, revision: int) -> AsyncIterator[Any]:
+        n = 0
+        async for record in real_records(self, task_id, revision):
+            n += 1
+            if n > 35:
+                raise ConnectionError("etcd went away")
+            yield record
+
+    monkeypatch.setattr(Archiver, "_records", fails)
+    with pytest.raises(ConnectionError, match="etcd went away"):
+        on_loop(registry, archiver(registry).archive("t1"))
+    assert archiver(registry).store.info("t1") is None
+    assert list(archive_dir.iterdir()) == []  # no half archive, no temporary file
+    assert task_keys(registry, "t1") == keys_before
+    monkeypatch.setattr(Archiver, "_records", real_records)
+    assert client.archive_task("t1").status == pb.TASK_ARCHIVED
+    assert len(client.list_entries("t1")) == 100
+
+
+def test_a_store_failing_half_way_stops_the_archive_and_keeps_nothing(
+    client: Client, registry: RegistryHandle, archive_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A store that fails while writing (a full disk) fails the archive with its error
+    at once, however much of the task is left to read, and leaves no file behind."""
+    monkeypatch.setattr(archive_mod, "READ_PAGE", 10)
+    cancelled(client, "t1", 200)
+    keys_before = task_keys(registry, "t1")
+    real_write = DirectoryStore.write
+
+    def disk_fills(self: DirectoryStore, task_id: str, revision: int,
+                   records: Iterator[Any], header_revision: int = 0) -> Any:
+        def until_full() -> Iterator[Any]:
+            for n, record in enumerate(records):
+                if n == 50:
+                    raise OSError(28, "No space left on device")
+                yield record
+
+        return real_write(self, task_id, revision, until_full(), header_revision)
+
+    monkeypatch.setattr(DirectoryStore, "write", disk_fills)
+    with pytest.raises(OSError, match="No space left on device"):
+        on_loop(registry, archiver(registry).archive("t1"))
+    assert list(archive_dir.iterdir()) == []
+    assert task_keys(registry, "t1") == keys_before
+    monkeypatch.setattr(DirectoryStore, "write", real_write)
+    assert client.archive_task("t1").status == pb.TASK_ARCHIVED
+
+
+def test_the_sweep_leaves_a_task_this_replica_is_archiving_to_it(
+    client: Client, registry: RegistryHandle, archive_dir: Path, wait_for: Wait,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A task is `archiving` for as long as its archive is written; the sweep that
+    comes by meanwhile (it finishes interrupted archives) does not write it a second
+    time beside the first."""
+    cancelled(client, "t1", 50)
+    writes: list[int] = []
+    release = threading.Event()
+    real_write = DirectoryStore.write
+
+    def slow(self: DirectoryStore, *args: Any) -> Any:
+        writes.append(1)
+        assert release.wait(60), "never released"
+        return real_write(self, *args)
+
+    monkeypatch.setattr(DirectoryStore, "write", slow)
+    done: list[pb.Task] = []
+    explicit = threading.Thread(target=lambda: done.append(client.archive_task("t1")))
+    explicit.start()
+    try:
+        wait_for(lambda: len(writes) == 1, what="the archive being written")
+        assert client.get_task("t1").status == pb.TASK_ARCHIVING
+        assert on_loop(registry, archiver(registry).sweep()) == 0
+        assert len(writes) == 1
+    finally:
+        release.set()
+        explicit.join(60)
+    assert [t.status for t in done] == [pb.TASK_ARCHIVED]
+    assert len(writes) == 1
+    assert sorted(p.name for p in archive_dir.iterdir()) == ["t1.jsonl.gz", "t1.meta.json"]
+
+
+def test_two_writes_of_one_archive_at_once_do_not_trip_over_each_other(
+    tmp_path: Path,
+) -> None:
+    """Two writers of the same archive at once (two replicas sharing the directory, the
+    same process id on their hosts): each writes under a name of its own, and both end
+    with the archive whole."""
+    store = DirectoryStore(str(tmp_path))
+    both_writing = threading.Barrier(2, timeout=30)
+    records = [{"kind": "task", "revision": 7, "header": {"task_id": "t1"}},
+               *({"kind": "entry", "revision": n, "record": {"n": n}} for n in range(100))]
+
+    def write() -> Any:
+        def meeting() -> Iterator[dict[str, Any]]:
+            yield from records[:50]
+            both_writing.wait()  # both halfway through
+            yield from records[50:]
+
+        return store.write("t1", 7, meeting(), 3)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        infos = [f.result(60) for f in [pool.submit(write), pool.submit(write)]]
+    assert [i.records for i in infos] == [len(records)] * 2
+    assert list(store.read("t1")) == records
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t1.jsonl.gz", "t1.meta.json"]
+
+
+def test_one_task_whose_store_fails_does_not_stop_the_sweep_archiving_others(
+    client: Client, registry: RegistryHandle, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cancelled(client, "t1", 5)
+    cancelled(client, "t2", 5)
+    real_write = DirectoryStore.write
+
+    def full_for_t1(self: DirectoryStore, task_id: str, *args: Any) -> Any:
+        if task_id == "t1":
+            raise OSError(28, "No space left on device")
+        return real_write(self, task_id, *args)
+
+    monkeypatch.setattr(DirectoryStore, "write", full_for_t1)
+    arch = archiver(registry)
+    monkeypatch.setattr(arch, "after", 0.001)
+    assert on_loop(registry, arch.sweep()) == 1
+    assert client.get_task("t2").status == pb.TASK_ARCHIVED
+    assert client.get_task("t1").status == pb.TASK_ARCHIVING  # the next sweep goes on
+    monkeypatch.setattr(DirectoryStore, "write", real_write)
+    assert on_loop(registry, arch.sweep()) == 1
+    assert client.get_task("t1").status == pb.TASK_ARCHIVED
