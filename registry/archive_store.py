@@ -101,7 +101,9 @@ class DirectoryStore:
         count = 0
         try:
             with open(tmp, "wb") as raw:
-                with gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as out:
+                # No name or time in the gzip header: the same records make the same
+                # bytes, whichever temporary name they were written under.
+                with gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0) as out:
                     for record in records:
                         out.write(json.dumps(record, separators=(",", ":")).encode() + b"\n")
                         count += 1
