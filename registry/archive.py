@@ -290,6 +290,10 @@ class Archiver:
         except BaseException as e:
             handoff.abort(f"reading task {task_id!r} from etcd failed: {e!r}")
             store.add_done_callback(_retrieved)  # its ArchiveAborted is ours, raised here
+            # The store drops what it wrote before this archive is over (and another may
+            # begin): nothing half-written outlives a failed archive.
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await asyncio.shield(store)
             raise
         handoff.end()
         return await store
