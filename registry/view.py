@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -43,6 +44,9 @@ log = logging.getLogger("baton.registry")
 CACHE_MAX = 50_000
 #: index windows kept (one per task, and per consumer group, claimed from lately)
 WINDOWS_MAX = 1024
+#: task statuses nothing is claimed in any more: their index windows are dropped (a
+#: task that comes back, requeued, has its windows read again when claimed from)
+_DONE = frozenset({"completed", "cancelled", "archiving", "archived", "deleting"})
 #: index keys read per window refill (also the entries prefetched with them)
 WINDOW_PAGE = 128
 #: seconds before a broken watch is set up again
@@ -77,6 +81,7 @@ class View:
                               keys.shards(), keys.shardmap())
         self._agents = keys.agents()
         self._cache_bases = (keys.entries_all(), keys.claims_all())
+        self._tasks_base = keys.tasks()
         self._ready_base = keys.ready_root()
         self._cready_base = keys.cready_root()
         self._mirror: dict[bytes, KV] = {}
@@ -205,6 +210,8 @@ class View:
                 self._mirror_pop(key)
             else:
                 self._mirror_put(kv)
+            if self._group_of(key) == self._tasks_base and (kv is None or _done(kv.value)):
+                self._drop_windows(key[len(self._tasks_base):].decode())
         elif kind == _CACHE:
             if watched and key not in self._cache:
                 return
@@ -279,6 +286,13 @@ class View:
             self._apply(key, found[0] if found else None, revision, watched=kind != _CACHE)
             if kind == _MIRROR and not found:
                 self._mirror_pop(key)
+
+    def _drop_windows(self, task_id: str) -> None:
+        """Forget the index windows of a task nothing is claimed in any more: else they
+        stay (about 2 KB each, emptied) until ``WINDOWS_MAX`` windows push them out."""
+        mine = (self.keys.ready_all(task_id), self.keys.cready_of_task(task_id))
+        for base in [b for b in self._windows if b.startswith(mine)]:
+            del self._windows[base]
 
     def invalidate(self, base: bytes) -> None:
         """An index window proved behind etcd: read it again from its start."""
@@ -377,3 +391,11 @@ class View:
                 self._cache.pop(key, None)
             await self.get_many(wanted)
         log.debug("view: window %s refilled with %d keys at revision %d", base, len(kvs), rev)
+
+
+def _done(header: bytes) -> bool:
+    """Whether a task header's status is one nothing is claimed in any more."""
+    try:
+        return json.loads(header).get("status") in _DONE
+    except (ValueError, AttributeError):
+        return False

@@ -480,3 +480,34 @@ def test_one_task_whose_store_fails_does_not_stop_the_sweep_archiving_others(
     monkeypatch.setattr(DirectoryStore, "write", real_write)
     assert on_loop(registry, arch.sweep()) == 1
     assert client.get_task("t1").status == pb.TASK_ARCHIVED
+
+
+def test_the_index_windows_of_a_finished_task_are_let_go(
+    client: Client, session: Session, registry: RegistryHandle, wait_for: Wait,
+) -> None:
+    """The view's windows on a task's ready indexes (kept while agents claim from it)
+    go when the task finishes, on the header's change: not only once a thousand other
+    tasks' windows push them out. A task still running keeps its own."""
+    view = registry._running.core.view
+    assert view is not None
+    keys = Keys(registry.prefix)
+    for task_id in ("t1", "t10"):
+        cancelled_later = {"task_id": task_id, "consumers": ["ocr"],
+                           "entries": [{"file_id": f"f{n}", "path": f"f{n}.bin"}
+                                       for n in range(4)]}
+        client.create_task(cancelled_later)
+        produce_verified(client, session, task_id, "f0")
+        client.consume(task_id, "ocr", session=session)  # its consumer index too
+        client.claim(task_id, session=session)
+
+    def windows(task_id: str) -> list[bytes]:
+        mine = (keys.ready_all(task_id), keys.cready_of_task(task_id))
+        return [base for base in list(view._windows) if base.startswith(mine)]
+
+    assert len(windows("t1")) == 2 and len(windows("t10")) == 2
+    client.cancel_task("t1")
+    wait_for(lambda: not windows("t1"), what="t1's windows let go")
+    assert len(windows("t10")) == 2
+    client.claim("t10", session=session)  # still served from its window
+    client.cancel_task("t10")
+    wait_for(lambda: not windows("t10"), what="t10's windows let go")
