@@ -41,8 +41,6 @@ from .tls import ServerCertificates, is_loopback
 
 log = logging.getLogger("baton.registry")
 
-SERVICE_NAME = REGISTRY_SERVICE
-
 
 @dataclass
 class Running:
@@ -154,7 +152,7 @@ async def start(config: RegistryConfig) -> Running:
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        (REGISTRY_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME),
         server,
     )
@@ -165,7 +163,7 @@ async def start(config: RegistryConfig) -> Running:
     if port == 0:
         raise BatonError(f"cannot listen on {config.listen}")
     await server.start()
-    for name in ("", SERVICE_NAME):
+    for name in ("", REGISTRY_SERVICE):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     stop = asyncio.Event()
     reaper = Reaper(core, config.reap_interval)

@@ -96,9 +96,8 @@ class Watcher:
         self._shedding = False
         self.streams = TaskStreams(
             self.client, self.table, on_changes=self._on_changes,
-            on_lost=self._registry_lost,
-            on_gone=self._gone,
-            stop=self._stop, timeout=config.stream_timeout,
+            on_lost=self._registry_lost, on_gone=self._gone, stop=self._stop,
+            timeout=config.stream_timeout,
         )
         self._threads = [
             threading.Thread(target=self._dispatch, name="watcher-dispatch", daemon=True),
@@ -300,8 +299,7 @@ class Watcher:
         # What was served before the listing was asked for: only those views may be
         # dropped on its word. A task created (or created again) meanwhile is newer
         # than the listing, which may still show it finished, or not at all.
-        before = {task_id: view for task_id in self.table.task_ids()
-                  if (view := self.table.task(task_id)) is not None}
+        before = self.table.views()
         try:
             tasks = self.client.list_tasks()
         except BatonError as e:

@@ -84,6 +84,11 @@ class Table:
         with self._lock:
             return list(self._tasks)
 
+    def views(self) -> dict[str, TaskView]:
+        """Every served task's view, as of now."""
+        with self._lock:
+            return dict(self._tasks)
+
     def task(self, task_id: str) -> TaskView | None:
         with self._lock:
             return self._tasks.get(task_id)
