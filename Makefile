@@ -3,10 +3,17 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: install test lint up faults-long bench
+.PHONY: install deps test lint up faults-long bench
 
-# Re-installs only when pyproject.toml changed since the last install.
-install: $(VENV)/.installed
+# The programs the tests run beside the virtualenv (b3sum, jq, promtool, nftables,
+# iproute2, systemd-analyze, PostgreSQL's server, Debian's etcd 3.4): installed on
+# Debian as root, without leaving a service running; elsewhere one line per missing
+# program says what needs it and how to get it. Quick when everything is there.
+deps:
+	$(PYTHON) scripts/install_deps.py
+
+# The virtualenv re-installs only when pyproject.toml changed since the last install.
+install: deps $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,6 +26,7 @@ test: install
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+	$(BIN)/mypy --strict scripts/install_deps.py
 
 up: install
 	$(BIN)/baton up --demo

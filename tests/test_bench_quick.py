@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tools import require
 
 SCENARIOS = ("Claims", "Batches", "Scale", "Watcher", "CLI startup", "Lifetime")
 
@@ -16,6 +17,7 @@ SCENARIOS = ("Claims", "Batches", "Scale", "Watcher", "CLI startup", "Lifetime")
 @pytest.mark.slow
 def test_quick_benchmark_writes_every_scenario(tmp_path: Path) -> None:
     """`python -m bench --quick --out FILE` writes a table and no failure for each scenario."""
+    require("postgres")
     out = tmp_path / "report.md"
     env = dict(os.environ)
     # The suite's etcd (CI runs it on 3.4 and 3.5) is the benchmark's etcd too.

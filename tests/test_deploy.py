@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 import yaml
 from registry_fixtures import RegistryHandle
+from tools import require
 
 from baton_relay.client import pki
 from baton_relay.client.contract import REGISTRY_PORT
@@ -149,12 +150,7 @@ def test_compose_file_matches_the_compose_spec() -> None:
 
 @pytest.fixture(scope="module")
 def systemd_analyze() -> str:
-    found = shutil.which("systemd-analyze")
-    if found is None:
-        if os.environ.get("CI"):
-            pytest.fail("systemd-analyze is missing (.ci/run installs Debian's systemd)")
-        pytest.skip("systemd-analyze is missing: apt-get install systemd")
-    return found
+    return require("systemd-analyze")
 
 
 def test_systemd_units_verify(systemd_analyze: str, tmp_path: Path) -> None:

@@ -30,6 +30,7 @@ from pathlib import Path
 import click
 import pytest
 from test_cli import Lines
+from tools import require
 
 from baton_relay.client import Client
 from baton_relay.client.cli import cli
@@ -164,6 +165,7 @@ def test_the_cli_docs_manifests_and_shell_agents_run_as_written(
     up_stack: UpStack, tmp_path: Path
 ) -> None:
     """docs/cli.md's manifests are valid, and its shell producer and consumer do their work."""
+    require("b3sum", "jq")
     blocks = fenced_blocks(ROOT / "docs" / "cli.md")
     manifests = [json.loads(text) for language, text in blocks if language == "json"]
     assert [m["task_id"] for m in manifests] == ["t1", "scan-42", "book-7", "compliance-3"]

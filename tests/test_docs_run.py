@@ -45,6 +45,7 @@ from test_docs import (
     up_stack,  # noqa: F401  (a fixture)
 )
 from test_quota import archive_dir, archiving, small_etcd  # noqa: F401  (fixtures)
+from tools import require
 
 from baton_relay.client import Client, Session
 from baton_relay.client.v1 import baton_pb2 as pb
@@ -1251,6 +1252,7 @@ def test_the_watcher_measurements_run_as_written(tmp_path: Path) -> None:
     --files 100 (not 1000, at the same rate); their output has the lines shown, numbers
     apart. `apt-get install -y b3sum` runs with --simulate (it installs a system
     package; b3sum itself must be there for hash_throughput)."""
+    require("b3sum")
     blocks = plain_blocks(WATCHER_MD)
     doc = WATCHER_MD.read_text()
     env = clean_env(TMPDIR=str(tmp_path))

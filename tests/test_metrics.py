@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from registry_fixtures import RegistryHandle
+from tools import require
 from watcher_fixtures import digest, make_task
 
 from baton_relay.client import Client, put
@@ -501,12 +502,9 @@ def test_dashboard_panels_query_exported_metrics(exported: dict[str, set[str]]) 
 def test_alerting_rules_pass_promtool() -> None:
     """promtool checks the rule file and runs its unit tests, which
     make each alert fire, and stay quiet, on made-up series."""
-    import shutil
     import subprocess
 
-    promtool = shutil.which("promtool")
-    assert promtool is not None, (
-        "promtool is not installed: .ci/run takes it out of Debian's prometheus package")
+    promtool = require("promtool")
     for argv in ([promtool, "check", "rules", RULES.name],
                  [promtool, "test", "rules", "baton-rules.test.yaml"]):
         done = subprocess.run(argv, cwd=RULES.parent, capture_output=True, text=True,

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from tools import require
 
 from baton_relay.client import Client, errors
 from baton_relay.client.errors import Unavailable
@@ -39,6 +40,7 @@ TIMEOUT = 60.0
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[tuple[EtcdCluster, netns.Network]]:
+    require("ip", "nft")
     why = netns.available()
     if why:
         pytest.fail(f"network namespaces are needed here: {why}")
@@ -159,6 +161,7 @@ def test_a_watch_on_a_member_that_went_silent_ends(
 def replicas(tmp_path: Path) -> Iterator[tuple[list[str], netns.Network]]:
     """Two registry replicas on three etcd members, each process in its own namespace;
     the replicas' addresses."""
+    require("ip", "nft")
     why = netns.available()
     if why:
         pytest.fail(f"network namespaces are needed here: {why}")
