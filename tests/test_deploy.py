@@ -1,16 +1,19 @@
 """The deployment files (deploy/): validated offline, and wired to what the daemons read.
 
-Every Kustomize overlay is rendered (deploy/kustomize.py) and each object checked
-against Kubernetes' schemas; every YAML file passes yamllint; the systemd units pass
-``systemd-analyze verify`` and keep their ``security`` scores; the compose file
-passes the compose-spec schema. The wiring: ports, probes, the staging hostPath, the
-disruption budget, every TOML key a setting, every flag in ``--help``, every host
-named in a configuration carried by the certificates deploy/pki.py makes. And the
-daemons' side of it: sd_notify on a real socket, the probe against a real registry.
+Every kustomization is rendered by ``kubectl kustomize`` (kubectl 1.27 or newer; the
+Kubernetes checks skip, saying so in one line, where there is none), with no warning,
+and each object checked against Kubernetes' schemas; every YAML file passes yamllint;
+the systemd units pass ``systemd-analyze verify`` and keep their ``security`` scores;
+the compose file passes the compose-spec schema. The wiring: ports, probes, the
+staging hostPath, the disruption budget, generated names, every TOML key a setting,
+every flag in ``--help``, every name docs/deploy.md uses, every host named in a
+configuration carried by the certificates deploy/pki.py makes. And the daemons' side
+of it: sd_notify on a real socket, the probe against a real registry.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -20,6 +23,7 @@ import subprocess
 import sys
 import tomllib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -47,11 +51,6 @@ COMPOSE = DEPLOY / "compose" / "compose.yaml"
 #: the oldest Kubernetes these manifests are for, and a current one
 KUBERNETES_VERSIONS = ("1.30.0", "1.34.0")
 HEALTH = "baton_relay.registry.health"
-
-sys.path.insert(0, str(DEPLOY))
-import kustomize  # noqa: E402  (deploy/ is not a package)
-
-sys.path.pop(0)
 
 
 # --- what the daemons accept ---------------------------------------------------------
@@ -91,10 +90,66 @@ def check_toml(path: Path, module: str, scratch: Path) -> Any:
 
 # --- the rendered manifests --------------------------------------------------------------
 
+#: kubectl carries Kustomize v5 from 1.27 on
+KUBECTL_OLDEST = (1, 27)
+KUBECTL_WANTED = ("the Kubernetes checks render deploy/kubernetes with kubectl >= 1.27 "
+                  "(Kustomize v5): get it from https://kubernetes.io/releases/download/ "
+                  "(curl -LO https://dl.k8s.io/release/v1.32.0/bin/linux/amd64/kubectl "
+                  "&& install -m 0755 kubectl /usr/local/bin/)")
+
+
+class KubectlUnfit(Exception):
+    """No kubectl that renders with Kustomize v5: none on the path, one older than 1.27,
+    or one that does not tell its version. The message is one line: which, and how to
+    get one."""
+
+
+def find_kubectl(search_path: str | None = None) -> str:
+    """The kubectl on ``search_path`` (PATH when None), if it is 1.27 or newer."""
+    found = shutil.which("kubectl", path=search_path)
+    if found is None:
+        raise KubectlUnfit(f"no kubectl on PATH; {KUBECTL_WANTED}")
+    out = subprocess.run([found, "version", "--client", "-o", "json"],
+                         capture_output=True, text=True)
+    try:
+        version = json.loads(out.stdout)["clientVersion"]["gitVersion"]
+    except (ValueError, KeyError, TypeError):
+        version = ""
+    # "v1.32.4", or a vendor's "v1.32.4-gke.100": only major and minor count
+    match = re.match(r"v(\d+)\.(\d+)\.", str(version))
+    if match is None:
+        said = " ".join((out.stdout + out.stderr).split())[:100]
+        raise KubectlUnfit(f"{found} version --client -o json gave no version ({said!r}); "
+                           f"{KUBECTL_WANTED}")
+    if (int(match[1]), int(match[2])) < KUBECTL_OLDEST:
+        raise KubectlUnfit(f"{found} is {version}, too old; {KUBECTL_WANTED}")
+    return found
+
+
+@pytest.fixture(scope="module")
+def kubectl() -> str:
+    try:
+        return find_kubectl()
+    except KubectlUnfit as e:
+        pytest.skip(str(e))
+
+
+@dataclass(frozen=True)
+class Rendered:
+    objects: tuple[dict[str, Any], ...]
+    warnings: str
+
 
 @cache
-def rendered(root: Path) -> tuple[dict[str, Any], ...]:
-    return tuple(kustomize.render(root))
+def kustomize(kubectl: str, root: Path) -> Rendered:
+    """``kubectl kustomize root``: what ``kubectl apply -k root`` sends, and its stderr."""
+    out = subprocess.run([kubectl, "kustomize", str(root)], capture_output=True, text=True)
+    assert out.returncode == 0, f"kubectl kustomize {root}: {out.stderr}"
+    return Rendered(tuple(d for d in yaml.safe_load_all(out.stdout) if d), out.stderr)
+
+
+def rendered(kubectl: str, root: Path) -> tuple[dict[str, Any], ...]:
+    return kustomize(kubectl, root).objects
 
 
 def find(objs: tuple[dict[str, Any], ...], kind: str, name: str) -> dict[str, Any]:
@@ -126,12 +181,20 @@ def test_yamllint_passes_on_every_yaml_file() -> None:
 
 
 @pytest.mark.parametrize("root", KUSTOMIZATIONS, ids=lambda p: p.name)
+def test_every_kustomization_renders_without_a_warning(kubectl: str, root: Path) -> None:
+    """``kubectl kustomize`` renders each kustomization and says nothing on stderr (a
+    field Kustomize deprecates is caught when it starts warning)."""
+    assert kustomize(kubectl, root).warnings == ""
+
+
+@pytest.mark.parametrize("root", KUSTOMIZATIONS, ids=lambda p: p.name)
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
-def test_every_rendered_object_is_valid_kubernetes(root: Path, version: str) -> None:
+def test_every_rendered_object_is_valid_kubernetes(
+        kubectl: str, root: Path, version: str) -> None:
     """Each object of each rendered kustomization passes kubernetes-validate --strict."""
     import kubernetes_validate
 
-    objs = rendered(root)
+    objs = rendered(kubectl, root)
     assert objs
     for obj in objs:
         try:
@@ -200,8 +263,13 @@ def test_every_toml_key_is_a_setting_the_daemon_reads(tmp_path: Path) -> None:
         module = "watcher" if path.name.startswith("watcher") else "registry"
         assert path.name.startswith(module), path
         check_toml(path, module, tmp_path)
+
+
+def test_every_config_map_holds_settings_the_daemon_reads(kubectl: str) -> None:
+    """The generated ConfigMaps of each kustomization carry one TOML each whose keys
+    are the daemon's settings."""
     for root in KUSTOMIZATIONS:
-        objs = rendered(root)
+        objs = rendered(kubectl, root)
         for name, module in (("baton-registry", "registry"), ("baton-watcher", "watcher")):
             data = config_map_toml(objs, name)
             assert set(data) - {"metrics"} <= {f.replace("-", "_")[2:] for f in flags(module)}
@@ -225,17 +293,43 @@ def module_of(argv: list[str]) -> str:
     return {"baton-registry": "registry", "baton-watcher": "watcher"}[program]
 
 
+def check_commands(commands: list[list[str]], env_names: set[tuple[str, str]]) -> None:
+    """Each command's flags are in its daemon's --help, each (daemon, BATON_*) a setting."""
+    for argv in commands:
+        module = module_of(argv)
+        assert command_flags(argv) <= flags(module), (argv, command_flags(argv) - flags(module))
+    for module, env in env_names:
+        assert f"--{env[6:].lower().replace('_', '-')}" in flags(module), (module, env)
+
+
 def test_every_flag_passed_is_in_the_daemons_help() -> None:
-    """Flags in units, manifests, probes and compose commands exist, and each
-    BATON_* variable given is a setting."""
+    """Flags in units, compose commands and health checks exist, and each BATON_*
+    variable compose gives is a setting."""
     commands: list[list[str]] = []
     for unit in UNITS:
         for line in unit.read_text().splitlines():
             if line.startswith("ExecStart="):
                 commands.append(line.split("=", 1)[1].split())
     env_names: set[tuple[str, str]] = set()
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    for name, service in services.items():
+        if name.startswith(("registry", "watcher")):
+            commands.append(service["command"])
+            env_names |= {(service["command"][0].split("-")[1], k)
+                          for k in service.get("environment", {}) if k.startswith("BATON_")}
+        if "healthcheck" in service:
+            commands.append(service["healthcheck"]["test"][1:])
+    assert len(commands) >= 7 and env_names
+    check_commands(commands, env_names)
+
+
+def test_every_flag_the_manifests_pass_is_in_the_daemons_help(kubectl: str) -> None:
+    """Flags in the pods' commands and probes exist, and each BATON_* variable a pod
+    sets is a setting."""
+    commands: list[list[str]] = []
+    env_names: set[tuple[str, str]] = set()
     for root in KUSTOMIZATIONS:
-        for obj in rendered(root):
+        for obj in rendered(kubectl, root):
             if obj["kind"] not in ("Deployment", "DaemonSet"):
                 continue
             c = container(obj)
@@ -246,28 +340,25 @@ def test_every_flag_passed_is_in_the_daemons_help() -> None:
             module = module_of(c["command"])
             env_names |= {(module, e["name"]) for e in c.get("env", [])
                           if e["name"].startswith("BATON_")}
-    services = yaml.safe_load(COMPOSE.read_text())["services"]
-    for name, service in services.items():
-        if name.startswith(("registry", "watcher")):
-            commands.append(service["command"])
-            env_names |= {(service["command"][0].split("-")[1], k)
-                          for k in service.get("environment", {}) if k.startswith("BATON_")}
-        if "healthcheck" in service:
-            commands.append(service["healthcheck"]["test"][1:])
-    assert len(commands) >= 10
-    for argv in commands:
-        module = module_of(argv)
-        assert command_flags(argv) <= flags(module), (argv, command_flags(argv) - flags(module))
-    for module, env in env_names:
-        assert f"--{env[6:].lower().replace('_', '-')}" in flags(module), (module, env)
+    assert len(commands) >= 5 * len(KUSTOMIZATIONS) and env_names
+    check_commands(commands, env_names)
 
 
 def test_ports_agree_everywhere() -> None:
-    """gRPC is 7390 in the contract, the TOMLs, the pods, the Service and compose;
-    metrics are 9390 (registry) and 9391 (watcher) in the TOMLs and the pods."""
+    """gRPC is 7390 in the contract, every registry TOML and compose."""
     assert REGISTRY_PORT == 7390
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    assert services["registry-1"]["ports"] == ["7390:7390"]
+    assert services["registry-2"]["ports"] == ["7391:7390"]
+    for path in DEPLOY.glob("**/registry*.toml"):
+        assert tomllib.loads(path.read_text())["listen"].endswith(":7390"), path
+
+
+def test_ports_agree_in_the_manifests(kubectl: str) -> None:
+    """gRPC is 7390 in the ConfigMaps, the pods and the Service; metrics are 9390
+    (registry) and 9391 (watcher) in the ConfigMaps, the pods and their annotations."""
     for root in KUSTOMIZATIONS:
-        objs = rendered(root)
+        objs = rendered(kubectl, root)
         reg, wat = find(objs, "Deployment", "baton-registry"), find(objs, "DaemonSet", "baton-")
         ports = {p["name"]: p["containerPort"] for p in container(reg)["ports"]}
         assert ports == {"grpc": 7390, "metrics": 9390}
@@ -281,18 +372,12 @@ def test_ports_agree_everywhere() -> None:
         (svc_port,) = find(objs, "Service", "baton-registry")["spec"]["ports"]
         assert (svc_port["port"], svc_port["targetPort"]) == (7390, "grpc")
         assert config_map_toml(objs, "baton-watcher")["registry"].endswith(":7390")
-    services = yaml.safe_load(COMPOSE.read_text())["services"]
-    assert services["registry-1"]["ports"] == ["7390:7390"]
-    assert services["registry-2"]["ports"] == ["7391:7390"]
-    for path in DEPLOY.glob("**/registry*.toml"):
-        assert tomllib.loads(path.read_text())["listen"].endswith(":7390"), path
 
 
-def test_registry_probes_ask_grpc_health_with_the_registry_settings() -> None:
-    """Startup, readiness and liveness run registry.health on the mounted TOML; the
-    compose health check does the same."""
+def test_registry_probes_ask_grpc_health_with_the_registry_settings(kubectl: str) -> None:
+    """Startup, readiness and liveness run registry.health on the mounted TOML."""
     for root in KUSTOMIZATIONS:
-        reg = container(find(rendered(root), "Deployment", "baton-registry"))
+        reg = container(find(rendered(kubectl, root), "Deployment", "baton-registry"))
         mounts = {m["mountPath"]: m for m in reg["volumeMounts"]}
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             argv = reg[probe]["exec"]["command"]
@@ -302,26 +387,30 @@ def test_registry_probes_ask_grpc_health_with_the_registry_settings() -> None:
             timeout = float(argv[argv.index("--timeout") + 1])
             assert timeout < reg[probe]["timeoutSeconds"]
         assert reg["livenessProbe"]["exec"]["command"][-2:] == ["--service", ""]
+
+
+def test_compose_health_check_is_the_registry_probe() -> None:
+    """The compose registries' health check runs registry.health, as the pods' probes do."""
     services = yaml.safe_load(COMPOSE.read_text())["services"]
     assert services["registry-1"]["healthcheck"]["test"][1:4] == ["python", "-m", HEALTH]
 
 
-def test_every_object_is_in_the_namespace_and_labelled() -> None:
+def test_every_object_is_in_the_namespace_and_labelled(kubectl: str) -> None:
     """Each namespaced object of each kustomization is in ``baton`` and labelled as
     part of Baton (an overlay's own resources too)."""
     for root in KUSTOMIZATIONS:
-        for obj in rendered(root):
+        for obj in rendered(kubectl, root):
             meta = obj["metadata"]
             assert meta["labels"]["app.kubernetes.io/part-of"] == "baton", (root, meta)
             if obj["kind"] != "Namespace":
                 assert meta.get("namespace") == "baton", (root.name, obj["kind"], meta["name"])
 
 
-def test_registry_replicas_and_disruption_budget() -> None:
+def test_registry_replicas_and_disruption_budget(kubectl: str) -> None:
     """At least two replicas, rolled with none unavailable; the PDB selects exactly
     the registry's pods and lets one go at a time."""
     for root in KUSTOMIZATIONS:
-        objs = rendered(root)
+        objs = rendered(kubectl, root)
         reg, pdb = find(objs, "Deployment", "baton-registry"), find(
             objs, "PodDisruptionBudget", "baton-registry")
         assert reg["spec"]["replicas"] >= 2
@@ -334,12 +423,11 @@ def test_registry_replicas_and_disruption_budget() -> None:
         assert svc["spec"]["selector"].items() <= labels.items()
 
 
-def test_watcher_mounts_the_staging_root_it_watches() -> None:
+def test_watcher_mounts_the_staging_root_it_watches(kubectl: str) -> None:
     """The DaemonSet's hostPath is the watcher's staging root, writable (it makes task
-    directories), and its state file lives on the node too; the unit's
-    ReadWritePaths= is the example's staging root."""
+    directories), and its state file lives on the node too."""
     for root in KUSTOMIZATIONS:
-        objs = rendered(root)
+        objs = rendered(kubectl, root)
         ds = find(objs, "DaemonSet", "baton-watcher")
         toml = config_map_toml(objs, "baton-watcher")
         pod = ds["spec"]["template"]["spec"]
@@ -353,6 +441,11 @@ def test_watcher_mounts_the_staging_root_it_watches() -> None:
         caps = container(ds)["securityContext"]["capabilities"]
         assert caps == {"drop": ["ALL"], "add": ["CHOWN", "FOWNER", "FSETID", "DAC_READ_SEARCH"]}
         assert pod["nodeSelector"] == {"baton/staging": "true"}
+
+
+def test_watcher_unit_may_write_the_staging_root_it_watches() -> None:
+    """The unit's ReadWritePaths= and RequiresMountsFor= are the example's staging
+    root, and its StateDirectory= holds the example's state file."""
     unit = (DEPLOY / "systemd/baton-watcher.service").read_text()
     example = tomllib.loads((DEPLOY / "watcher.example.toml").read_text())
     assert f"ReadWritePaths={example['staging']}\n" in unit
@@ -360,78 +453,147 @@ def test_watcher_mounts_the_staging_root_it_watches() -> None:
     assert "StateDirectory=" + Path(example["state_file"]).parent.name in unit
 
 
-def test_certificates_name_every_host_the_configurations_dial(tmp_path: Path) -> None:
-    """deploy/pki.py's certificates carry each etcd member and registry host that the
-    Kubernetes and compose settings name (TLS checks the host as written)."""
+def pki_names(cert: Path) -> set[str]:
+    """The DNS names a certificate deploy/pki.py made is for."""
     from cryptography import x509
 
-    def names(cert: Path) -> set[str]:
-        c = x509.load_pem_x509_certificate(cert.read_bytes())
-        alt = c.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-        return set(alt.get_values_for_type(x509.DNSName))
+    c = x509.load_pem_x509_certificate(cert.read_bytes())
+    alt = c.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    return set(alt.get_values_for_type(x509.DNSName))
 
-    def hosts(endpoints: str) -> set[str]:
-        return {e.rpartition(":")[0] for e in endpoints.split(",")}
 
-    script = [sys.executable, str(DEPLOY / "pki.py")]
-    subprocess.run([*script, str(tmp_path / "k"), "--kubernetes", "baton"], check=True,
+def hosts(endpoints: str) -> set[str]:
+    return {e.rpartition(":")[0] for e in endpoints.split(",")}
+
+
+def make_pki(out: Path, *args: str) -> Path:
+    subprocess.run([sys.executable, str(DEPLOY / "pki.py"), str(out), *args], check=True,
                    capture_output=True)
-    subprocess.run([*script, str(tmp_path / "c"), "--compose"], check=True, capture_output=True)
-    objs = rendered(KUBE / "overlays/etcd-statefulset")
-    assert hosts(config_map_toml(objs, "baton-registry")["etcd"]) <= names(tmp_path / "k/etcd.crt")
-    assert hosts(config_map_toml(objs, "baton-watcher")["registry"]) <= names(
-        tmp_path / "k/registry.crt")
+    return out
+
+
+def test_certificates_name_every_host_the_manifests_dial(kubectl: str, tmp_path: Path) -> None:
+    """deploy/pki.py --kubernetes makes certificates carrying each etcd member and the
+    registry host the Kubernetes settings name (TLS checks the host as written)."""
+    made = make_pki(tmp_path / "k", "--kubernetes", "baton")
+    objs = rendered(kubectl, KUBE / "overlays/etcd-statefulset")
+    assert hosts(config_map_toml(objs, "baton-registry")["etcd"]) <= pki_names(made / "etcd.crt")
+    assert hosts(config_map_toml(objs, "baton-watcher")["registry"]) <= pki_names(
+        made / "registry.crt")
+    assert pki.identity((made / "watcher.crt").read_bytes())[1] == ("watcher",)
+
+
+def test_certificates_name_every_host_compose_dials(tmp_path: Path) -> None:
+    """deploy/pki.py --compose makes certificates carrying each etcd member and registry
+    host that the compose settings name."""
+    made = make_pki(tmp_path / "c", "--compose")
     compose = DEPLOY / "compose"
-    assert hosts(tomllib.loads((compose / "registry.toml").read_text())["etcd"]) <= names(
-        tmp_path / "c/etcd.crt")
-    assert hosts(tomllib.loads((compose / "watcher.toml").read_text())["registry"]) <= names(
-        tmp_path / "c/registry.crt")
-    watcher = (tmp_path / "k/watcher.crt").read_bytes()
-    assert pki.identity(watcher)[1] == ("watcher",)
+    assert hosts(tomllib.loads((compose / "registry.toml").read_text())["etcd"]) <= pki_names(
+        made / "etcd.crt")
+    assert hosts(tomllib.loads((compose / "watcher.toml").read_text())["registry"]) <= pki_names(
+        made / "registry.crt")
 
 
-# --- the renderer -------------------------------------------------------------------------
+# --- kubectl kustomize -----------------------------------------------------------------------
 
 
-def test_renderer_merges_patches_and_follows_generated_names(tmp_path: Path) -> None:
-    """Named list items merge by name, a changed ConfigMap gets a new name that the
-    pods follow, and anything it does not understand is refused."""
-    base, overlay = tmp_path / "base", tmp_path / "overlay"
-    base.mkdir()
-    overlay.mkdir()
-    (base / "kustomization.yaml").write_text(
-        "namespace: ns\ncommonLabels: {a: b}\nresources: [d.yaml]\n"
-        "configMapGenerator: [{name: cfg, files: [x.toml]}]\n")
-    (base / "x.toml").write_text("k = 1\n")
-    (base / "d.yaml").write_text(yaml.safe_dump({
-        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "d"},
-        "spec": {"selector": {"matchLabels": {"app": "d"}}, "template": {
-            "metadata": {"labels": {"app": "d"}},
-            "spec": {"containers": [{"name": "c", "image": "img:1", "args": ["x"]},
-                                    {"name": "s", "image": "side:1"}],
-                     "volumes": [{"name": "v", "configMap": {"name": "cfg"}}]}}}}))
-    (overlay / "kustomization.yaml").write_text(
-        "resources: [../base]\npatches: [{path: p.yaml}]\n"
-        "configMapGenerator: [{name: cfg, behavior: replace, files: [x.toml]}]\n"
-        "images: [{name: img, newName: reg/img, newTag: '2'}]\n")
-    (overlay / "x.toml").write_text("k = 2\n")
-    (overlay / "p.yaml").write_text(yaml.safe_dump({
-        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "d"},
-        "spec": {"template": {"spec": {"containers": [{"name": "c", "args": ["y"]}]}}}}))
-    b, o = kustomize.render(base), kustomize.render(overlay)
-    cm_b, cm_o = find(tuple(b), "ConfigMap", "cfg"), find(tuple(o), "ConfigMap", "cfg")
-    assert cm_b["metadata"]["name"] != cm_o["metadata"]["name"]
-    assert cm_o["data"] == {"x.toml": "k = 2\n"}
-    dep = find(tuple(o), "Deployment", "d")
-    pod = dep["spec"]["template"]["spec"]
-    assert pod["volumes"][0]["configMap"]["name"] == cm_o["metadata"]["name"]
-    assert [(c["name"], c["image"], c.get("args")) for c in pod["containers"]] == [
-        ("c", "reg/img:2", ["y"]), ("s", "side:1", None)]
-    assert dep["metadata"]["namespace"] == "ns"
-    assert dep["spec"]["selector"]["matchLabels"] == {"app": "d", "a": "b"}
-    (overlay / "kustomization.yaml").write_text("resources: [../base]\nreplicas: []\n")
-    with pytest.raises(kustomize.KustomizeError, match="replicas"):
-        kustomize.render(overlay)
+def fake_kubectl(bin_dir: Path, version: str) -> str:
+    """A stand-in ``kubectl`` in ``bin_dir`` that answers ``version`` as ``version`` would
+    (a kubectl older than 1.27 cannot be installed here); the search path holding it."""
+    bin_dir.mkdir()
+    said = json.dumps({"clientVersion": {"gitVersion": version}})
+    script = bin_dir / "kubectl"
+    script.write_text(f"#!/bin/sh\necho '{said}'\n")
+    script.chmod(0o755)
+    return str(bin_dir)
+
+
+def test_kubectl_older_than_1_27_or_missing_is_refused_in_one_line(tmp_path: Path) -> None:
+    """A kubectl 1.26 (Kustomize v4) or none at all is refused, saying in one line what
+    is missing and where to get it; 1.27, and a vendor's build of it, are taken."""
+    for version in ("v1.26.15", "v1.20.15"):
+        path = fake_kubectl(tmp_path / version, version)
+        with pytest.raises(KubectlUnfit) as refused:
+            find_kubectl(path)
+        said = str(refused.value)
+        assert f"is {version}, too old" in said and "\n" not in said, said
+        assert ">= 1.27 (Kustomize v5)" in said and "https://dl.k8s.io/release/" in said, said
+    with pytest.raises(KubectlUnfit, match=r"^no kubectl on PATH; .*>= 1\.27") as refused:
+        find_kubectl(str(tmp_path / "nowhere"))
+    assert "\n" not in str(refused.value)
+    for version in ("v1.27.0", "v1.32.4-gke.100"):
+        path = fake_kubectl(tmp_path / version, version)
+        assert find_kubectl(path) == str(tmp_path / version / "kubectl")
+    silent = fake_kubectl(tmp_path / "silent", "")
+    with pytest.raises(KubectlUnfit, match="gave no version"):
+        find_kubectl(silent)
+
+
+def config_map_references(obj: dict[str, Any]) -> list[str]:
+    """The ConfigMaps a workload's pods mount."""
+    pod = obj["spec"]["template"]["spec"]
+    return [v["configMap"]["name"] for v in pod.get("volumes", []) if "configMap" in v]
+
+
+def test_generated_config_maps_are_named_by_their_content(kubectl: str, tmp_path: Path) -> None:
+    """Each kustomization's ConfigMaps are ``baton-registry-``/``baton-watcher-`` and a
+    hash, the pods mount those; a changed TOML renames its ConfigMap only, and the pods
+    follow (docs/deploy.md: a change rolls the pods)."""
+    for root in KUSTOMIZATIONS:
+        objs = rendered(kubectl, root)
+        maps = {o["metadata"]["name"] for o in objs if o["kind"] == "ConfigMap"}
+        assert len(maps) == 2 and all(
+            re.fullmatch(r"baton-(registry|watcher)-[a-z0-9]{10}", m) for m in maps), maps
+        mounted = [m for o in objs if o["kind"] in ("Deployment", "DaemonSet", "StatefulSet")
+                   for m in config_map_references(o)]
+        assert sorted(mounted) == sorted(maps), (root.name, mounted)
+    before = rendered(kubectl, KUBE / "overlays/external-etcd")
+    shutil.copytree(KUBE, tmp_path / "kubernetes")
+    overlay = tmp_path / "kubernetes/overlays/external-etcd"
+    with (overlay / "registry.toml").open("a") as toml:
+        toml.write('log_level = "DEBUG"\n')
+    after = rendered(kubectl, overlay)
+    for name, changed in (("baton-registry", True), ("baton-watcher", False)):
+        old, new = find(before, "ConfigMap", name), find(after, "ConfigMap", name)
+        assert (old["metadata"]["name"] != new["metadata"]["name"]) == changed, name
+    assert config_map_references(find(after, "Deployment", "baton-registry")) == [
+        find(after, "ConfigMap", "baton-registry")["metadata"]["name"]]
+
+
+def test_the_docs_apply_and_name_what_the_manifests_make(kubectl: str) -> None:
+    """Each ``kubectl apply -k`` of docs/deploy.md and of the kustomizations' comments
+    names a kustomization rendered here; the Secrets the docs create are the ones the
+    pods mount (one overlay's only where the docs say so); what the docs wait on and
+    dial exists in every overlay."""
+    doc = (ROOT / "docs/deploy.md").read_text()
+    comments = "".join(p.read_text() for p in KUBE.glob("**/kustomization.yaml"))
+    applied = set(re.findall(r"kubectl apply -k (\S+)", doc + comments))
+    assert applied and {ROOT / a for a in applied} <= set(KUSTOMIZATIONS), applied
+    assert 'kubectl kustomize "$d"' in doc, "the offline check renders with kubectl"
+    secrets = {name: only for name, only in re.findall(
+        r"^ *secret (\S+) \S+ *(?:#.*?(overlays/\S+) only)?", doc, re.MULTILINE)}
+    waited = re.findall(r"kubectl -n (\S+) rollout status (deploy|ds)/(\S+)", doc)
+    dialled = re.findall(r"`([a-z0-9-]+)\.([a-z0-9-]+)\.svc:(\d+)`", doc)
+    assert len(secrets) >= 4 and len(waited) == 2 and dialled
+    kinds = {"deploy": "Deployment", "ds": "DaemonSet"}
+    mounted: set[str] = set()
+    for root in KUSTOMIZATIONS[1:]:
+        objs = rendered(kubectl, root)
+        here = {(o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"]): o
+                for o in objs}
+        for namespace, kind, name in waited:
+            assert (kinds[kind], namespace, name) in here, (root.name, kind, name)
+        for name, namespace, port in dialled:
+            service = here[("Service", namespace, name)]
+            assert [p["port"] for p in service["spec"]["ports"]] == [int(port)]
+        for obj in objs:
+            if obj["kind"] in ("Deployment", "DaemonSet", "StatefulSet"):
+                for volume in obj["spec"]["template"]["spec"]["volumes"]:
+                    if "secret" in volume:
+                        name = volume["secret"]["secretName"]
+                        assert secrets.get(name) in ("", f"overlays/{root.name}"), (root, name)
+                        mounted.add(name)
+    assert set(secrets) == mounted, (secrets, mounted)
 
 
 # --- sd_notify ----------------------------------------------------------------------------
