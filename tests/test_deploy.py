@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 import yaml
 from registry_fixtures import RegistryHandle
-from tools import require
+from tools import KUBECTL_LINE, KUBECTL_WANTED, require
 
 from baton_relay.client import pki
 from baton_relay.client.contract import REGISTRY_PORT
@@ -92,10 +92,6 @@ def check_toml(path: Path, module: str, scratch: Path) -> Any:
 
 #: kubectl carries Kustomize v5 from 1.27 on
 KUBECTL_OLDEST = (1, 27)
-KUBECTL_WANTED = ("the Kubernetes checks render deploy/kubernetes with kubectl >= 1.27 "
-                  "(Kustomize v5): get it from https://kubernetes.io/releases/download/ "
-                  "(curl -LO https://dl.k8s.io/release/v1.32.0/bin/linux/amd64/kubectl "
-                  "&& install -m 0755 kubectl /usr/local/bin/)")
 
 
 class KubectlUnfit(Exception):
@@ -108,7 +104,7 @@ def find_kubectl(search_path: str | None = None) -> str:
     """The kubectl on ``search_path`` (PATH when None), if it is 1.27 or newer."""
     found = shutil.which("kubectl", path=search_path)
     if found is None:
-        raise KubectlUnfit(f"no kubectl on PATH; {KUBECTL_WANTED}")
+        raise KubectlUnfit(KUBECTL_LINE)
     out = subprocess.run([found, "version", "--client", "-o", "json"],
                          capture_output=True, text=True)
     try:

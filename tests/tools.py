@@ -34,6 +34,8 @@ _script = sys.modules.get("baton_install_deps") or _load()
 TOOLS: tuple[Any, ...] = _script.TOOLS
 #: what it prints when kubectl is missing (the deploy tests skip with that line)
 KUBECTL_LINE: str = _script.KUBECTL_LINE
+#: what kubectl the Kubernetes checks want, and how to get it
+KUBECTL_WANTED: str = _script.KUBECTL_WANTED
 
 
 def missing_line(name: str) -> str:
