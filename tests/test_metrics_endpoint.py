@@ -163,3 +163,26 @@ def test_a_bad_address_ends_both_daemons_with_one_line(
         assert refused(prog, address, etcd, prefix, registry, staging) == [
             f"{prog}: --metrics {address}: {reason}"], prog
 
+
+def test_the_documented_errors_are_what_the_daemons_print(
+    etcd: Any, prefix: str, registry: RegistryHandle, staging: Path,
+) -> None:
+    """Each line of docs/operations.md's block of --metrics errors is what that daemon
+    prints given that address (its port held by another socket for "in use")."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "operations.md").read_text()
+    (block,) = re.findall(r"^```\n(baton-registry: --metrics .*?)^```", doc, re.S | re.M)
+    lines = block.splitlines()
+    assert len(lines) >= 4
+    for line in lines:
+        m = re.fullmatch(r"(baton-registry|baton-watcher): --metrics (\S+): (.*)", line)
+        assert m, line
+        prog, address, reason = m.groups()
+        with socket.socket() as holder:
+            if "in use" in reason:
+                host, _, port = address.rpartition(":")
+                try:
+                    holder.bind((host, int(port)))
+                    holder.listen()
+                except OSError:  # another process holds it: in use all the same
+                    pass
+            assert refused(prog, address, etcd, prefix, registry, staging) == [line]
