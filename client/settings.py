@@ -32,25 +32,6 @@ def _parse(kind: type[Any], raw: Any) -> Any:
     return kind(raw)
 
 
-def parse_address(address: str) -> tuple[str, int]:
-    """A daemon's ``--metrics HOST:PORT`` (an IPv6 host in brackets) as (host, port);
-    ``InvalidArgument`` names the setting."""
-    from .errors import InvalidArgument
-
-    host, sep, port = address.rpartition(":")
-    host = host.removeprefix("[").removesuffix("]")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise InvalidArgument(f"--metrics {address!r}: expected HOST:PORT (port 0 = pick one)",
-                              setting="--metrics")
-    return host, int(port)
-
-
-def metrics_url(address: str, port: int) -> str:
-    """Where ``/metrics`` is served when ``address`` (``HOST:PORT``) is bound to ``port``."""
-    host = parse_address(address)[0]
-    return f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics"
-
-
 def load(
     cls: type[T],
     argv: Sequence[str],

@@ -1,4 +1,4 @@
-"""The registry's Prometheus metrics, and the ``/metrics`` endpoint that serves them.
+"""The registry's Prometheus metrics, and how its ``/metrics`` endpoint reads them.
 
 The only module of the registry that imports ``prometheus_client``. Each replica
 keeps its own ``CollectorRegistry`` (several replicas may share a process, as in
@@ -14,14 +14,16 @@ Label values come from bounded sets only: method names of the service, gRPC
 status codes, names of Baton's error classes, entry states, task statuses, etcd
 request kinds. Never an id, a path, a host or an identity.
 
-The endpoint is served on the replica's event loop (asyncio streams), so what it
-reads needs no lock, and a scrape can await etcd.
+The endpoint is prometheus_client's HTTP server on a thread of its own
+(``client.metrics_endpoint``, the watcher's too). A scrape there asks the replica's
+event loop for the levels (:meth:`RegistryMetrics.scraped_levels`): they are refreshed
+and read on the loop, so what they read needs no lock, and a refresh can await etcd.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import concurrent.futures
 import functools
 import logging
 import time
@@ -36,14 +38,13 @@ from prometheus_client import (
     Gauge,
     Histogram,
     disable_created_metrics,
-    generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from baton_relay.client import errors
-from baton_relay.client.errors import ERROR_NAMES, BatonError, InvalidArgument
-from baton_relay.client.settings import parse_address
+from baton_relay.client.errors import ERROR_NAMES, BatonError
+from baton_relay.client.metrics_endpoint import MetricsEndpoint, serve_metrics
 from baton_relay.client.v1 import baton_pb2 as pb
 
 from .model import TaskRecord
@@ -60,12 +61,10 @@ log = logging.getLogger("baton.registry")
 # own (``*_created``); nothing reads them, and they double what is stored.
 disable_created_metrics()  # type: ignore[no-untyped-call]
 
-#: the text format every Prometheus reads (what ``generate_latest`` writes)
-TEXT_FORMAT = "text/plain; version=0.0.4; charset=utf-8"
 #: seconds the entry counts (count-only reads of the indexes) are reused between scrapes
 COUNT_TTL = 10.0
-#: seconds a client of the endpoint has to send its request
-REQUEST_TIMEOUT = 5.0
+#: seconds a scrape waits for the levels to be refreshed (then serves the last ones)
+REFRESH_TIMEOUT = 5.0
 #: handling times of calls and etcd requests: a claim takes about a millisecond
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                    5.0, 10.0)
@@ -172,7 +171,9 @@ class RegistryMetrics:
         self._watchers = 0
         self._shards: dict[str, int] = {}
         self._counted_at = -1.0
-        self._server: asyncio.Server | None = None
+        self._endpoint: MetricsEndpoint | None = None
+        #: the replica's loop, where a scrape refreshes and reads the levels
+        self._loop: asyncio.AbstractEventLoop | None = None
         r.register(_Levels(self))
 
     # what moves on every call -------------------------------------------------
@@ -410,63 +411,64 @@ class RegistryMetrics:
     # the endpoint ----------------------------------------------------------------------
 
     async def serve(self, address: str) -> int:
-        """Serve ``/metrics`` on ``address`` (``HOST:PORT``); the bound port."""
-        host, port = parse_address(address)
-        try:
-            self._server = await asyncio.start_server(self._handle, host, port)
-        except OSError as e:
-            raise InvalidArgument(f"--metrics {address}: cannot listen ({e.strerror or e})",
-                                  setting="--metrics") from e
-        return int(self._server.sockets[0].getsockname()[1])
+        """Serve ``/metrics`` on ``address`` (``HOST:PORT``); the bound port. A bad
+        address is ``InvalidArgument`` (``client.metrics_endpoint``)."""
+        self._loop = asyncio.get_running_loop()
+        # On a thread: a host name is resolved by a blocking call.
+        self._endpoint = await asyncio.to_thread(serve_metrics, address, self.registry, log)
+        return self._endpoint.port
 
     async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-            self._server = None
+        if self._endpoint is not None:
+            await asyncio.to_thread(self._endpoint.close)
+            self._endpoint = None
 
-    async def scrape(self) -> bytes:
-        """The exposition text, levels refreshed (what ``GET /metrics`` answers)."""
+    def scraped_levels(self) -> list[Metric]:
+        """The levels for a scrape on the endpoint's thread: refreshed and read on the
+        replica's loop. Without a loop to ask (none served, or asked from the loop
+        itself), the levels as last refreshed."""
+        loop = self._loop
+        if loop is None or _running_loop() is loop:
+            return list(self.collect_levels())
         try:
-            await self.refresh()
-        except BatonError as e:  # etcd away: serve what is counted, and the old levels
-            log.debug("metrics: levels not refreshed: %s", e)
+            future = asyncio.run_coroutine_threadsafe(self._refreshed_levels(), loop)
+        except RuntimeError:  # the loop is closed: the replica has stopped
+            return []
+        try:
+            return future.result(REFRESH_TIMEOUT + 5.0)
+        except TimeoutError:  # the loop is stuck: serve what is counted
+            future.cancel()
+            log.warning("metrics: the event loop did not answer a scrape within %gs",
+                        REFRESH_TIMEOUT + 5.0)
+            return []
+        except concurrent.futures.CancelledError:  # the loop ended while asked
+            return []
+
+    async def _refreshed_levels(self) -> list[Metric]:
+        try:
+            await asyncio.wait_for(self.refresh(), REFRESH_TIMEOUT)
+        except (BatonError, TimeoutError) as e:  # etcd away: the old levels
+            log.debug("metrics: levels not refreshed: %s", str(e) or "timed out")
         except Exception:
             log.exception("metrics: levels not refreshed")
-        return generate_latest(self.registry)
+        return list(self.collect_levels())
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT)
-            method, path, *_ = [*head.split(b"\r\n", 1)[0].decode("latin-1").split(" "), "", ""]
-            if method not in ("GET", "HEAD"):
-                status, body, kind = "405 Method Not Allowed", b"GET /metrics\n", "text/plain"
-            elif path.partition("?")[0] != "/metrics":
-                status, body, kind = "404 Not Found", b"GET /metrics\n", "text/plain"
-            else:
-                status, body, kind = "200 OK", await self.scrape(), TEXT_FORMAT
-            writer.write(
-                f"HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {len(body)}\r\n"
-                "Connection: close\r\n\r\n".encode("latin-1")
-                + (body if method != "HEAD" else b""))
-            await writer.drain()
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError,
-                ConnectionError):
-            pass  # a client that went away or never asked
-        finally:
-            writer.close()
-            with contextlib.suppress(ConnectionError):
-                await writer.wait_closed()
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 class _Levels(Collector):
-    """Reads :meth:`RegistryMetrics.collect_levels` into the registry's exposition."""
+    """Reads :meth:`RegistryMetrics.scraped_levels` into the registry's exposition."""
 
     def __init__(self, metrics: RegistryMetrics) -> None:
         self._metrics = metrics
 
     def collect(self) -> Iterable[Metric]:
-        return list(self._metrics.collect_levels())
+        return self._metrics.scraped_levels()
 
     def describe(self) -> Iterable[Metric]:
         return []  # computed when scraped: nothing to check for clashes up front

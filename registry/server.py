@@ -24,7 +24,6 @@ from baton_relay.client.contract import (
 from baton_relay.client.errors import BatonError, InvalidArgument
 from baton_relay.client.logs import setup_logging
 from baton_relay.client.sdnotify import Notifier
-from baton_relay.client.settings import metrics_url, parse_address
 
 from ._etcd import Etcd, EtcdAuth
 from .archive import Archiver, DirectoryStore
@@ -111,10 +110,20 @@ def server_certificates(config: RegistryConfig) -> ServerCertificates | None:
 async def start(config: RegistryConfig) -> Running:
     """Connect to etcd and serve on ``config.listen`` (port 0 picks a free port)."""
     certificates = server_certificates(config)
-    metrics = None
-    if config.metrics:
-        parse_address(config.metrics)  # a bad address fails before anything starts
-        metrics = RegistryMetrics()
+    if not config.metrics:
+        return await _start(config, certificates, None, 0)
+    metrics = RegistryMetrics()
+    # First: a --metrics address that cannot be served ends the start before etcd is asked.
+    metrics_port = await metrics.serve(config.metrics)
+    try:
+        return await _start(config, certificates, metrics, metrics_port)
+    except BaseException:
+        await metrics.close()
+        raise
+
+
+async def _start(config: RegistryConfig, certificates: ServerCertificates | None,
+                 metrics: RegistryMetrics | None, metrics_port: int) -> Running:
     etcd = Etcd(config.etcd, auth=etcd_auth(config))
     if metrics is not None:
         etcd.observe = metrics.etcd_request
@@ -126,14 +135,6 @@ async def start(config: RegistryConfig) -> Running:
         core.archive = Archiver(core, DirectoryStore(config.archive_dir), config.archive_after,
                                 config.archive_retention)
     await core.start()
-    metrics_port = 0
-    if metrics is not None:
-        try:
-            metrics_port = await metrics.serve(config.metrics)
-        except BaseException:
-            await core.stop()
-            await etcd.close()
-            raise
     server = grpc.aio.server(
         options=[
             # A manifest travels in one CreateTask call; anything larger than the
@@ -184,7 +185,6 @@ async def start(config: RegistryConfig) -> Running:
              version, config.prefix, config.staging)
     if metrics is not None:
         metrics.bind(core, reaper, service.sessions, shards, service.leases)
-        log.info("metrics on %s", metrics_url(config.metrics, metrics_port))
     return Running(port, server, etcd, core, reaper, scheduler, health_servicer, stop, background,
                    assigner, metrics, metrics_port)
 

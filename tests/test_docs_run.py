@@ -1391,6 +1391,8 @@ EXAMPLES = {
         "grpcurl ": "test_the_grpcurl_lines_run_as_written",
         "baton lease ": "test_the_lease_runbook_runs_as_written",
         "rev() { etcdctl ": "test_the_quota_runbook_runs_as_written",
+        "baton-registry: --metrics ": "test_metrics_endpoint.py: "
+        "test_the_documented_errors_are_what_the_daemons_print",
     },
     "security.md": {
         "baton cert issue ": "test_the_security_examples_run_as_written",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import io
 import re
 import socket
@@ -17,7 +18,7 @@ from watcher_fixtures import digest, make_task
 
 from baton_relay.client import Client, put
 from baton_relay.client.errors import InvalidArgument, NotFound, NothingToClaim, StaleToken
-from baton_relay.client.settings import parse_address
+from baton_relay.client.metrics_endpoint import parse_address
 from baton_relay.client.v1 import baton_pb2 as pb
 from baton_relay.registry import RegistryConfig
 from baton_relay.registry.config import load_config as registry_config
@@ -308,34 +309,81 @@ def test_refused_calls_are_counted(registry: RegistryHandle, client: Client) -> 
     check_no_ids(s, ["no-such-task-q7z"])
 
 
-def test_endpoint_answers_only_metrics(registry: RegistryHandle) -> None:
-    """Another path is 404; the endpoint answers HEAD and a plain HTTP client."""
-    port = metrics_port(registry)
+def fetch(port: int, method: str = "GET", path: str = "/metrics",
+          **headers: str) -> tuple[int, dict[str, str], bytes]:
+    """One request to ``127.0.0.1:port``: status, headers, body (an HTTP error included)."""
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    with pytest.raises(urllib.error.HTTPError) as e:
-        opener.open(f"http://127.0.0.1:{port}/", timeout=10)
-    assert e.value.code == 404
-    head = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", method="HEAD")
-    with opener.open(head, timeout=10) as resp:
-        assert resp.status == 200 and resp.read() == b""
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        sock.sendall(b"GET /metrics?x=1 HTTP/1.0\r\n\r\n")
-        reply = b""
-        while chunk := sock.recv(65536):
-            reply += chunk
-    assert reply.startswith(b"HTTP/1.1 200 OK\r\n") and b"baton_grpc_calls_total" in reply
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method,
+                                     headers=headers)
+    try:
+        with opener.open(request, timeout=10) as resp:
+            return resp.status, dict(resp.headers), resp.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+def test_both_daemons_answer_alike(
+    registry: RegistryHandle, watcher_factory: Callable[..., Watcher],
+) -> None:
+    """The registry's and the watcher's endpoints are the same server (prometheus_client's):
+    the text format on GET /metrics, OpenMetrics when asked as Prometheus asks, gzip when
+    asked, HEAD refused with 405, a plain HTTP/1.0 client answered."""
+    watcher = watcher_factory(metrics="127.0.0.1:0")
+    for port, family in ((metrics_port(registry), "baton_grpc_calls"),
+                         (watcher.metrics_port, "baton_watcher_events")):
+        status, headers, body = fetch(port)
+        assert status == 200
+        assert headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
+        assert f"# TYPE {family}_total counter" in body.decode()
+        status, headers, body = fetch(port, Accept="application/openmetrics-text;"
+                                      "version=1.0.0,text/plain;version=0.0.4;q=0.5")
+        assert headers["Content-Type"].startswith("application/openmetrics-text")
+        assert f"# TYPE {family} counter" in body.decode() and body.endswith(b"# EOF\n")
+        status, headers, body = fetch(port, **{"Accept-Encoding": "gzip"})
+        assert headers["Content-Encoding"] == "gzip"
+        assert f"# TYPE {family}_total counter" in gzip.decompress(body).decode()
+        assert fetch(port, "HEAD")[0] == 405
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(b"GET /metrics?x=1 HTTP/1.0\r\n\r\n")
+            reply = b""
+            while chunk := sock.recv(65536):
+                reply += chunk
+        assert reply.startswith(b"HTTP/1.0 200 OK\r\n") and family.encode() in reply
+
+
+def test_stop_closes_the_endpoint_of_both_daemons(
+    registry_factory: Callable[..., RegistryHandle], watcher_factory: Callable[..., Watcher],
+) -> None:
+    """A registry's stop and a watcher's stop close their /metrics port."""
+    registry = registry_factory(metrics="127.0.0.1:0")
+    watcher = watcher_factory(metrics="127.0.0.1:0")
+    ports = [metrics_port(registry), watcher.metrics_port]
+    for port in ports:
+        assert fetch(port)[0] == 200
+    registry.stop()
+    watcher.stop()
+    for port in ports:
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=10).close()
 
 
 def test_metrics_setting() -> None:
     """--metrics, BATON_METRICS and the TOML key set both daemons' address; off by default;
-    a bad address is refused before anything starts."""
-    assert registry_config([], {}).metrics == ""
-    assert registry_config(["--metrics", "127.0.0.1:9464"], {}).metrics == "127.0.0.1:9464"
-    assert registry_config([], {"BATON_METRICS": "[::1]:0"}).metrics == "[::1]:0"
-    assert watcher_config([], {"BATON_METRICS": "0.0.0.0:9465"}).metrics == "0.0.0.0:9465"
-    for bad in ("9464", "host:", "host:99999", ":9464"):
-        with pytest.raises(InvalidArgument, match="--metrics"):
+    a bad address is refused with the setting, the address and the reason."""
+    for load in (registry_config, watcher_config):
+        assert load([], {}).metrics == ""
+        assert load(["--metrics", "127.0.0.1:9464"], {}).metrics == "127.0.0.1:9464"
+        assert load([], {"BATON_METRICS": "[::1]:0"}).metrics == "[::1]:0"
+    assert parse_address("[::1]:0") == ("::1", 0)
+    assert parse_address("0.0.0.0:9465") == ("0.0.0.0", 9465)
+    form = "expected HOST:PORT (an IPv6 host in brackets; port 0 = pick one)"
+    for bad, reason in (("9464", form), ("host:", form), (":9464", form), ("host:-1", form),
+                        ("host:99999", "port 99999 is out of range (0-65535)")):
+        with pytest.raises(InvalidArgument) as e:
             parse_address(bad)
+        assert str(e.value) == f"--metrics {bad}: {reason}"
+        assert (e.value.setting, e.value.address, e.value.reason) == (  # type: ignore[attr-defined]
+            "--metrics", bad, reason)
 
 
 def test_registry_refuses_a_bad_metrics_address(
@@ -349,7 +397,7 @@ def test_registry_refuses_a_bad_metrics_address(
     config = RegistryConfig(etcd=etcd.endpoint, listen="127.0.0.1:0",  # type: ignore[attr-defined]
                             staging=str(staging), prefix=prefix, insecure=True,
                             metrics="not-an-address")
-    with pytest.raises(InvalidArgument, match="--metrics"):
+    with pytest.raises(InvalidArgument, match=r"^--metrics not-an-address: expected HOST:PORT"):
         asyncio.run(start(config))
 
 

@@ -11,6 +11,7 @@ import time
 from collections.abc import Sequence
 from types import FrameType
 
+from baton_relay.client.errors import BatonError
 from baton_relay.client.logs import setup_logging
 from baton_relay.client.sdnotify import Notifier
 
@@ -36,7 +37,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
     notifier = Notifier.from_environ(os.environ)
-    watcher = Watcher(config)
+    try:
+        watcher = Watcher(config)
+    except BatonError as e:
+        print(f"baton-watcher: {e}", file=sys.stderr)
+        return 1
+    failed: BatonError | None = None
     try:
         watcher.start()
         print(f"{READY} {watcher.root}", flush=True)
@@ -48,12 +54,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             if time.monotonic() >= next_ping:
                 notifier.watchdog()
                 next_ping = time.monotonic() + (interval or math.inf)
+    except BatonError as e:  # at start: a setting it cannot use (--metrics)
+        failed = e
     finally:
         notifier.stopping()
         # Each worker finishes and reports the file it is hashing.
         watcher.stop()
+    if failed is not None:
+        # Last, after the log of the stop: the line a reader of the unit's log sees.
+        print(f"baton-watcher: {failed}", file=sys.stderr)
+        return 1
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -26,7 +26,6 @@ from baton_relay.client import Client, RetryPolicy
 from baton_relay.client.contract import shard_of
 from baton_relay.client.errors import BatonError, NotFound
 from baton_relay.client.logs import log
-from baton_relay.client.settings import metrics_url
 from baton_relay.client.v1 import baton_pb2 as pb
 
 from .cache import IdentityCache, open_cache
@@ -115,11 +114,11 @@ class Watcher:
     # lifecycle ---------------------------------------------------------------------
 
     def start(self) -> Watcher:
-        """Watch the root, start the threads, reconcile once; returns self."""
+        """Watch the root, start the threads, reconcile once; returns self. A
+        ``--metrics`` address that cannot be served raises ``InvalidArgument`` before
+        anything else starts."""
         if self.config.metrics:
-            self.metrics_port = self.metrics.serve(self.config.metrics)
-            log(logger, logging.INFO, "serving metrics",
-                url=metrics_url(self.config.metrics, self.metrics_port))
+            self.metrics_port = self.metrics.serve(self.config.metrics, logger)
         self.watches.start()
         for t in self._threads:
             t.start()
@@ -143,7 +142,9 @@ class Watcher:
         self.intake.close()
         self.jobs.close()
         self._reconcile_now.set()
-        for t in self._threads:
+        # Threads not started: the start failed (a bad --metrics), nothing ran to stop.
+        started = [t for t in self._threads if t.ident is not None]
+        for t in started:
             t.join(timeout)
         self.client.close()  # ends the Watch streams
         self.streams.join(timeout)
@@ -152,7 +153,8 @@ class Watcher:
         self.hasher.close()
         self.cache.close()
         self.metrics.close()
-        log(logger, logging.INFO, "stopped", **self.metrics.snapshot())
+        if started:
+            log(logger, logging.INFO, "stopped", **self.metrics.snapshot())
 
     def __enter__(self) -> Watcher:
         return self

@@ -1,11 +1,13 @@
-"""What the watcher counts about itself, and the Prometheus endpoint that serves it.
+"""What the watcher counts about itself, in the form its ``/metrics`` endpoint serves.
 
 Counters are plain integers under a lock (read by tests, benchmarks and the log
 line at stop) and are read into Prometheus families when scraped; hash times go
 into a histogram; levels (queue depth, inotify watches, entries the watcher
-knows of) are asked of the daemon when scraped (:meth:`Metrics.levels`). The only
-module of the watcher that imports ``prometheus_client``; each watcher keeps its
-own ``CollectorRegistry``, so several can run in one process (as in the tests).
+knows of) are asked of the daemon when scraped (:meth:`Metrics.levels`), on the
+thread of the endpoint's request. The only module of the watcher that imports
+``prometheus_client``; each watcher keeps its own ``CollectorRegistry``, so several
+can run in one process (as in the tests). The endpoint is the registry's too
+(``client.metrics_endpoint``).
 
 Label values come from bounded sets only: report kinds, entry states, names of
 Baton's errors, queue names. Never a task or file id, a path or a host.
@@ -13,21 +15,20 @@ Baton's errors, queue names. Never a task or file id, a path or a host.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics
-from prometheus_client import start_http_server as _start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from baton_relay.client import errors
-from baton_relay.client.errors import ERROR_NAMES, InvalidArgument
-from baton_relay.client.settings import parse_address
+from baton_relay.client.errors import ERROR_NAMES
+from baton_relay.client.metrics_endpoint import MetricsEndpoint, serve_metrics
 
 # Nothing reads the ``*_created`` series the text format would add per counter.
 disable_created_metrics()  # type: ignore[no-untyped-call]
@@ -90,8 +91,7 @@ class Metrics:
             "the checks that it did not change included)", buckets=HASH_BUCKETS,
             registry=self.registry)
         self._levels: Callable[[], Levels] = Levels
-        self._server: Any = None
-        self._thread: threading.Thread | None = None
+        self._endpoint: MetricsEndpoint | None = None
         self.registry.register(_Exported(self))
 
     def add(self, name: str, n: int = 1) -> None:
@@ -182,24 +182,16 @@ class Metrics:
             "state written was committed (0: none is written): a written entry waits for "
             "this watcher's digest", value=levels.oldest_written)
 
-    def serve(self, address: str) -> int:
-        """Serve ``/metrics`` on ``address`` (``HOST:PORT``) from a thread; the bound port."""
-        host, port = parse_address(address)
-        try:
-            self._server, self._thread = _start_http_server(port, host, registry=self.registry)
-        except OSError as e:
-            raise InvalidArgument(f"--metrics {address}: cannot listen ({e.strerror or e})",
-                                  setting="--metrics") from e
-        return int(self._server.server_port)
+    def serve(self, address: str, logger: logging.Logger) -> int:
+        """Serve ``/metrics`` on ``address`` (``HOST:PORT``) from a thread; the bound port.
+        A bad address is ``InvalidArgument`` (``client.metrics_endpoint``)."""
+        self._endpoint = serve_metrics(address, self.registry, logger)
+        return self._endpoint.port
 
     def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-        if self._thread is not None:
-            self._thread.join(5)
-            self._thread = None
+        if self._endpoint is not None:
+            self._endpoint.close()
+            self._endpoint = None
 
 
 class _Exported(Collector):
