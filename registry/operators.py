@@ -391,18 +391,9 @@ class Operators:
 
     async def _waiting_for(self, rec: EntryRecord, names: list[str],
                            good: tuple[str, ...], what: str) -> str:
-        missing = []
-        dead = []
-        keys = {self.keys.dependency(rec.task_id, n): n for n in names}
-        async for _, found in self.core.etcd.get_chunks(list(keys)):
-            for key, kv in found:
-                name = keys[key]
-                archived = None if kv else await self.core.archived_entry(name)
-                state = _state(kv) if kv else archived.state if archived else "missing"
-                if state == DEAD:
-                    dead.append(name)
-                elif state not in good:
-                    missing.append(f"{name} ({state})")
+        states = await self.core.dependency_states(rec.task_id, names)
+        dead = rec.blocked_by(states)
+        missing = [f"{n} ({states[n]})" for n in names if states[n] not in (DEAD, *good)]
         if dead:
             return (f"It is blocked: {what} {_names(dead)} dead; requeue to unblock "
                     "this entry.")
