@@ -405,7 +405,8 @@ class Client:
         return list(self._call("ListEntries", req).entries)
 
     def pause_task(self, task_id: str, reason: str = "") -> pb.Task:
-        """No new claims; claims in flight may finish."""
+        """No new work: claims and consumes are refused (``TaskNotActive``) until
+        ``resume_task``; claims and consumes in hand may still be finished."""
         return self._call("PauseTask", pb.TaskControlRequest(task_id=task_id, reason=reason))  # type: ignore[no-any-return]
 
     def resume_task(self, task_id: str, reason: str = "") -> pb.Task:
