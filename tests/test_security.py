@@ -7,8 +7,8 @@ a CA made for the test session (``client.pki``), on a real etcd.
 
 from __future__ import annotations
 
-import shutil
 import logging
+import shutil
 import socket
 import ssl
 import threading
