@@ -11,15 +11,7 @@ calls act on that:
   guarded transaction and without spending a retry; then its lease is revoked.
   A crash anywhere leaves a record still marked, and a rerun finishes the job.
 - rotate: a fresh lease is granted and the record moves onto it with
-  ``rotating_from`` naming the old one. A rotation never extends liveness: the
-  new lease is granted the whole seconds the old one has left (etcd's
-  TimeToLive, rounded down), not the session's TTL, and a session with less
-  left than etcd grants (its minimum TTL) is not rotated; nor is one whose
-  lease a rotation granted and its agent has not renewed since (rotated again
-  it would lose up to a second each time). The agent's next keepalive, which
-  proves it lives, moves the session onto a lease of its full TTL again
-  (``renew``). A session whose agent is gone thus dies when its lease would
-  have, however often it is rotated (claims planned on the old record fail
+  ``rotating_from`` naming the old one (claims planned on the old record fail
   their compare and plan again on the new lease; keepalives refresh both). The
   keys still on the old lease, as etcd lists them, are then put again with the
   new lease, each guarded by its revision: a put keeps a key's create revision,
@@ -28,6 +20,15 @@ calls act on that:
   and the clearing of ``rotating_from`` are that one transaction; else chunks
   of ``MOVE_CHUNK`` go first. Last, the old lease is revoked, holding nothing.
   A rerun finds ``rotating_from`` set and finishes the move.
+  A rotation never extends liveness: the new lease is granted the whole
+  seconds the old one has left (etcd's TimeToLive, rounded down), not the
+  session's TTL, and the old one is not refreshed. A session with less left
+  than etcd grants (its minimum TTL) is not rotated, nor one still on a lease a
+  rotation granted that its agent has not refreshed since (rotated again, it
+  would lose up to a second each time). The agent's next keepalive, which
+  proves it lives, moves the session onto a lease of its full TTL (``renew``).
+  A session whose agent is gone thus dies when its last keepalive runs out,
+  however often it is rotated.
 - drain: ``drains/{host}`` records the deadline, and every session of the host
   gets ``draining`` in its record: claims and consumes are refused with
   ``Draining``, while what the sessions hold may still be finished. A sweep in

@@ -109,7 +109,13 @@ class Sessions:
         if ttl < record.ttl and not record.rotating_from and self.renew is not None:
             # A rotation gave the lease only what the old one had left; the refresh
             # just made proves the agent lives, so it is owed its whole TTL again.
-            ttl = await self.renew(req.session_id) or ttl
+            try:
+                ttl = await self.renew(req.session_id) or ttl
+            except BatonError as e:
+                # The refresh itself holds: the next keepalive tries the move again
+                # (or, if it began, finds ``rotating_from`` and refreshes both leases).
+                log.warning("session %x: its full TTL back after a rotation: %s",
+                            req.session_id, e)
         return pb.KeepAliveResponse(ttl=ttl, draining=record.draining)
 
     async def _refresh(self, record: SessionRecord) -> int:
