@@ -405,7 +405,8 @@ class Client:
         return list(self._call("ListEntries", req).entries)
 
     def pause_task(self, task_id: str, reason: str = "") -> pb.Task:
-        """No new claims; claims in flight may finish."""
+        """No new work: claims and consumes are refused (``TaskNotActive``) until
+        ``resume_task``; claims and consumes in hand may still be finished."""
         return self._call("PauseTask", pb.TaskControlRequest(task_id=task_id, reason=reason))  # type: ignore[no-any-return]
 
     def resume_task(self, task_id: str, reason: str = "") -> pb.Task:
@@ -491,7 +492,8 @@ class Client:
     def rotate_leases(self, session_id: int = 0, *, every: bool = False, host: str = "",
                       ttl: int = 0) -> list[pb.RotatedSession]:
         """Move the session named (every session, those of ``host``) onto a fresh etcd
-        lease, with ``ttl`` (0: its own); claims, tokens and session ids stay."""
+        lease, with ``ttl`` (0: its own) from its next keepalive; claims, tokens and
+        session ids stay. The new lease has no more time than the old one had left."""
         req = pb.RotateLeaseRequest(session_id=session_id, all=every, host=host, ttl=ttl)
         return list(self._call("RotateLease", req).sessions)
 

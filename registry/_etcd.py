@@ -795,6 +795,15 @@ class Etcd:
         return int(resp.TTL)
 
     @_request("lease")
+    async def lease_times(self, lease_id: int) -> tuple[int, int]:
+        """Seconds left on a lease, as etcd counts them (whole seconds, rounded down:
+        the lease has at least that long), and the TTL it was granted, which each
+        refresh gives it again; (-1, 0) if it does not exist."""
+        resp = await self._unary(self._pick().lease.LeaseTimeToLive,
+                                 rpc.LeaseTimeToLiveRequest(ID=lease_id))
+        return (int(resp.TTL), int(resp.grantedTTL)) if resp.TTL >= 0 else (-1, 0)
+
+    @_request("lease")
     async def lease_keys(self, lease_id: int) -> tuple[int, list[bytes]]:
         """Seconds left on a lease (-1 if it does not exist) and every key attached to
         it, as etcd's lessor knows them (one reply: a lease holds what one session

@@ -206,10 +206,14 @@ class Archiver:
 
     # archiving ---------------------------------------------------------------------
 
-    async def archive(self, task_id: str, reason: str = "") -> pb.Task:
+    async def archive(self, task_id: str, reason: str = "", who: str = "") -> pb.Task:
         """Archive a finished task now (idempotent: an archived task is returned as is);
-        with deletes only while etcd refuses puts."""
+        with deletes only while etcd refuses puts. ``who``: the operator who asked
+        (none: the registry's own archiving)."""
         check_id("task_id", task_id)
+        if who:
+            log.info("task %s: archive asked by %s (%s)", task_id, who,
+                     reason or "no reason given")
         async with self._one_at_a_time(task_id):
             return await self._archive(task_id, reason)
 

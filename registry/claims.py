@@ -154,11 +154,20 @@ def need_entry(kv: KV | None, task_id: str, file_id: str) -> EntryRecord:
 
 
 def need_task(kv: KV | None, task_id: str, active: bool = False) -> TaskRecord:
-    """The task a read returned; ``NotFound``, or ``TaskNotActive`` if ``active``."""
+    """The task a read returned; ``NotFound``, or with ``active`` (new work is to be
+    handed out: a claim, a consume) ``TaskNotActive`` unless it is active."""
     if kv is None:
         raise NotFound(f"no task {task_id!r}", task_id=task_id)
     task = TaskRecord.load(kv.value)
     # A completed task has nothing left to hand out: callers then find nothing.
+    if active and task.status == "paused":
+        # Paused keeps everything as it is and hands out no new work, to producers
+        # and consumers alike; what is in hand may still be finished.
+        why = f" ({task.status_reason})" if task.status_reason else ""
+        raise TaskNotActive(f"task {task_id!r} is paused{why}: it hands out no new claims "
+                            "or consumes until `baton task resume`; claims and consumes "
+                            "in hand may still be finished", task_id=task_id,
+                            status=task.status)
     if active and task.status not in ("active", "completed"):
         raise TaskNotActive(f"task {task_id!r} is {task.status}", task_id=task_id,
                             status=task.status)

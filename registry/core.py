@@ -16,7 +16,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from baton_relay.client import logs
@@ -156,6 +156,29 @@ class Core:
             raise NotFound(f"task {task_id!r} is archived, and this registry reads no "
                            "archive (--archive-dir)", task_id=task_id)
         return await self.archive.load(task_id)
+
+    async def dependency_states(self, task_id: str, names: Iterable[str],
+                                known: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The state of the entry each ``depends_on`` (or ``parts``) name of an entry of
+        ``task_id`` means, by name: a file id of that task, or ``task:file_id`` of
+        another, read from etcd, or from the other task's archive once it is archived;
+        "missing" if there is none. ``known``: states of ``task_id``'s own entries by
+        file id, already read (not read again)."""
+        known = known or {}
+        states = {n: known[n] for n in names if ":" not in n and n in known}
+        keys = {self.keys.dependency(task_id, n): n for n in names if n not in states}
+        async for _, found in self.etcd.get_chunks(list(keys)):
+            for key, kv in found:
+                name = keys[key]
+                if kv is not None:
+                    try:
+                        states[name] = EntryRecord.load(kv.value).state
+                    except (ValueError, TypeError):
+                        states[name] = "unreadable"
+                    continue
+                archived = await self.archived_entry(name)
+                states[name] = archived.state if archived else "missing"
+        return states
 
     async def archived_entry(self, name: str) -> EntryRecord | None:
         """An entry of another task (``task:file_id``), from its archive if that task is

@@ -20,6 +20,15 @@ calls act on that:
   and the clearing of ``rotating_from`` are that one transaction; else chunks
   of ``MOVE_CHUNK`` go first. Last, the old lease is revoked, holding nothing.
   A rerun finds ``rotating_from`` set and finishes the move.
+  A rotation never extends liveness: the new lease is granted the whole
+  seconds the old one has left (etcd's TimeToLive, rounded down), not the
+  session's TTL, and the old one is not refreshed. A session with less left
+  than etcd grants (its minimum TTL) is not rotated, nor one still on a lease a
+  rotation granted that its agent has not refreshed since (rotated again, it
+  would lose up to a second each time). The agent's next keepalive, which
+  proves it lives, moves the session onto a lease of its full TTL (``renew``).
+  A session whose agent is gone thus dies when its last keepalive runs out,
+  however often it is rotated.
 - drain: ``drains/{host}`` records the deadline, and every session of the host
   gets ``draining`` in its record: claims and consumes are refused with
   ``Draining``, while what the sessions hold may still be finished. A sweep in
@@ -194,19 +203,32 @@ class Leases:
 
     # rotate ---------------------------------------------------------------------
 
-    async def rotate(self, req: pb.RotateLeaseRequest) -> pb.RotateLeaseResponse:
+    async def rotate(self, req: pb.RotateLeaseRequest, caller: Caller) -> pb.RotateLeaseResponse:
         if req.ttl and not MIN_TTL <= req.ttl <= MAX_TTL:
             raise InvalidArgument(f"ttl {req.ttl} not within {MIN_TTL}..{MAX_TTL} seconds")
         out = []
         for session_id in await self._select(req.session_id, "", req.host, req.all):
-            done = await self.rotate_session(session_id, req.ttl)
+            done = await self.rotate_session(session_id, req.ttl,
+                                             who=caller.name or "operator")
             if done is not None:
                 out.append(done)
         return pb.RotateLeaseResponse(sessions=out)
 
-    async def rotate_session(self, session_id: int, ttl: int = 0) -> pb.RotatedSession | None:
+    async def renew(self, session_id: int) -> int:
+        """The session's agent has just refreshed a lease that a rotation granted with
+        the time its old lease had left: move the session onto a lease of its full TTL,
+        which the refresh proves it is owed. The TTL its lease has now (0: the session
+        went meanwhile, or another rotation took it on)."""
+        done = await self.rotate_session(session_id, renewed=True, who="its keepalive")
+        return int(done.ttl) if done is not None else 0
+
+    async def rotate_session(self, session_id: int, ttl: int = 0, *, renewed: bool = False,
+                             who: str = "operator") -> pb.RotatedSession | None:
         """Move one session onto a fresh lease (see the module's docstring), or finish
-        a move a crash interrupted; None if the session is gone or being revoked."""
+        a move a crash interrupted; None if the session is gone, being revoked, or not
+        to be rotated now (too little left on its lease, or a rotation's lease its agent
+        has not renewed yet). ``renewed``: the agent has just refreshed the session's
+        lease, so the new lease may have the session's full TTL."""
         kv = await self.core.etcd.get(self.keys.agent(session_id))
         if kv is None:
             return None
@@ -214,7 +236,8 @@ class Leases:
         if record.revoked:
             return None
         if not record.rotating_from:
-            begun = await self.begin_rotation(record, ttl or record.ttl or MIN_TTL)
+            begun = await self.begin_rotation(record, ttl or record.ttl or MIN_TTL,
+                                              renewed=renewed)
             if begun is None:
                 return None
             record = begun
@@ -229,21 +252,48 @@ class Leases:
             transactions += 1
         await self.core.etcd.revoke(old)
         self.rotated += 1
-        log.info("session %x of %s rotated from lease %x to %x (%d keys, %d transactions)",
-                 session_id, record.agent, old, record.lease, moved, transactions)
+        log.info("session %x of %s rotated by %s from lease %x to %x (%d keys, %d "
+                 "transactions)", session_id, record.agent, who, old, record.lease, moved,
+                 transactions)
         return pb.RotatedSession(session_id=session_id, old_lease=old, new_lease=record.lease,
                                  ttl=record.ttl, keys_moved=moved, transactions=transactions)
 
-    async def begin_rotation(self, record: SessionRecord, ttl: int) -> SessionRecord | None:
+    async def begin_rotation(self, record: SessionRecord, ttl: int,
+                             renewed: bool = False) -> SessionRecord | None:
         """Grant the new lease and move the record onto it, naming the old lease in
-        ``rotating_from``; the record as written (None: the session is gone, revoked
-        or rotated meanwhile, and the new lease is revoked again)."""
+        ``rotating_from``; the record as written, its ``ttl`` the session's from then
+        on (None: the session is gone, revoked or rotated meanwhile, or not to be
+        rotated now, and no new lease is left behind).
+
+        The new lease lives no longer than the old one would have: it is granted the
+        whole seconds etcd says the old one has left, or ``ttl`` if that is less; the
+        session's own TTL comes back with its agent's next keepalive (``renew``).
+        Only ``renewed`` (the agent has just refreshed the old lease) grants ``ttl``.
+        """
         key = self.keys.agent(record.session_id)
-        # A fresh TTL for the old lease too: the move must end before either expires,
-        # even when the agent that keeps them alive is paused.
-        if await self.core.etcd.keepalive(record.lease) <= 0:
+        left, granted_before = await self.core.etcd.lease_times(record.lease)
+        if left <= 0:
+            return None  # expired, or about to: the session dies as it would have
+        if renewed:
+            if granted_before >= ttl:
+                return None  # another rotation restored it already
+            asked = ttl
+        elif granted_before < record.ttl:
+            # A rotation's lease its agent has not refreshed since: rotated again, it
+            # would lose what etcd's whole seconds round off, each time.
+            log.info("session %x of %s not rotated: its agent has not renewed the lease "
+                     "the last rotation granted (%d s left)", record.session_id,
+                     record.agent, left)
             return None
-        new, granted = await self.core.etcd.grant(ttl)
+        else:
+            asked = min(ttl, left)
+        new, granted = await self.core.etcd.grant(asked)
+        if granted > asked and not renewed:
+            # etcd raised it to its minimum TTL: that would be time the session never had.
+            await self.core.etcd.revoke(new)
+            log.info("session %x of %s not rotated: its lease has %d s left, less than "
+                     "etcd grants", record.session_id, record.agent, left)
+            return None
 
         async def plan(txn: Txn) -> SessionRecord | None:
             kv = await txn.get(key)
@@ -252,7 +302,9 @@ class Leases:
             now = SessionRecord.of(kv, record.session_id)
             if now.revoked or now.rotating_from:
                 return None
-            value = now.with_info(ttl=granted, rotating_from=record.lease)
+            # The session's TTL: what its agent's keepalives give it from now on.
+            value = now.with_info(ttl=granted if renewed else ttl,
+                                  rotating_from=record.lease)
             txn.put(key, value, lease=new)
             return SessionRecord(record.session_id, new, json.loads(value))
 
@@ -333,7 +385,8 @@ class Leases:
         return pb.DrainHostResponse(host=req.host, deadline=_iso(deadline), sessions=sessions,
                                     claims=claims)
 
-    async def undrain(self, req: pb.UndrainHostRequest) -> pb.UndrainHostResponse:
+    async def undrain(self, req: pb.UndrainHostRequest,
+                      caller: Caller) -> pb.UndrainHostResponse:
         check_id("host", req.host)
 
         async def plan(txn: Txn) -> None:
@@ -343,6 +396,8 @@ class Leases:
         sessions = 0
         async for record in self._records(host=req.host):
             sessions += await self._set_draining(record.session_id, False)
+        log.info("host %s undrained by %s: %d sessions", req.host, caller.name or "operator",
+                 sessions)
         return pb.UndrainHostResponse(host=req.host, sessions=sessions)
 
     async def _set_draining(self, session_id: int, draining: bool) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from datetime import UTC, datetime
 from typing import Any
@@ -166,6 +167,15 @@ class EntryRecord:
         """Record an event for the journal, written with the entry's next ``put_entry``
         (the journal is the entry's history; the entry itself keeps none)."""
         self._events.append({"at": now(), "event": event, **details})
+
+    def blocked_by(self, states: Mapping[str, str]) -> list[str]:
+        """The dependencies (an assembly's parts) whose death keeps this entry from
+        being released, given the state of each by name (``Core.dependency_states``):
+        none unless it is pending and not released yet. The one rule behind
+        ``explain``'s "blocked", an entry's ``blocked`` and a task's count of them."""
+        if self.state != PENDING or self.deps_ok:
+            return []
+        return [n for n in self.parts or self.depends_on if states.get(n) == DEAD]
 
     def take_events(self) -> list[dict[str, Any]]:
         events, self._events = self._events, []

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import heapq
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any
@@ -44,6 +45,8 @@ from .model import (
 )
 from .txn import Txn, write
 
+log = logging.getLogger("baton.registry")
+
 #: a cancelled task's keys are deleted in chunks of this many per transaction
 DELETE_CHUNK = 100
 #: claims revoked per transaction: each read (pinned), deleted with its twin and slot
@@ -71,15 +74,17 @@ class Operators:
         self.core = core
         self.keys = core.keys
 
-    async def control(self, action: str, req: pb.TaskControlRequest) -> pb.Task:
+    async def control(self, action: str, req: pb.TaskControlRequest,
+                      caller: Caller) -> pb.Task:
         """Pause (no new claims, running ones finish), resume, or cancel a task.
 
         Cancel also deletes the task's claims, so their tokens die at once, and
         its claimable indexes, so nothing more is handed out. Every change is
-        recorded on the task (``status_reason``) and logged.
+        recorded on the task (``status_reason``) and logged with who made it.
         """
         check_id("task_id", req.task_id)
         allowed, target = _ALLOWED[action]
+        who = caller.name or "operator"
 
         async def planner(txn: Txn) -> Callable[[int], pb.Task]:
             kv = await txn.get(self.keys.task(req.task_id))
@@ -96,6 +101,8 @@ class Operators:
             elif target == "active":
                 task.finished_at = ""  # resumed: not finished any more
             txn.put(self.keys.task(req.task_id), task.dump())
+            txn.after(lambda: log.info("task %s: %s by %s, now %s (%s)", req.task_id,
+                                       action, who, target, task.status_reason))
             return lambda _: task.to_pb()
 
         task = await self.core.txns.run(planner, req.request_id, _task_replay)
@@ -170,8 +177,10 @@ class Operators:
 
         await write(self.core.txns, plan)
 
-    async def requeue(self, req: pb.RequeueRequest) -> pb.Entry:
-        """Bring a dead entry back to pending with a fresh retry budget."""
+    async def requeue(self, req: pb.RequeueRequest, caller: Caller) -> pb.Entry:
+        """Bring a dead entry back to pending with a fresh retry budget; the journal
+        names the operator's identity."""
+        who = caller.name or "operator"
         check_id("task_id", req.task_id)
         check_id("file_id", req.file_id)
         staging = self.core.staging_dir(req.task_id)
@@ -188,7 +197,7 @@ class Operators:
                 raise IllegalTransition(f"entry {req.file_id!r} is {rec.state}; only dead "
                                         "entries can be requeued", state=rec.state)
             rec.state, rec.retry_count, rec.not_before = PENDING, 0, 0.0
-            rec.remember("requeued", who="operator", reason=f"after: {rec.error}")
+            rec.remember("requeued", who=who, reason=f"after: {rec.error}")
             if task.status == "completed":  # it has work again
                 task.status, task.status_reason = "active", "entry requeued"
                 task.finished_at = ""
@@ -382,18 +391,9 @@ class Operators:
 
     async def _waiting_for(self, rec: EntryRecord, names: list[str],
                            good: tuple[str, ...], what: str) -> str:
-        missing = []
-        dead = []
-        keys = {self.keys.dependency(rec.task_id, n): n for n in names}
-        async for _, found in self.core.etcd.get_chunks(list(keys)):
-            for key, kv in found:
-                name = keys[key]
-                archived = None if kv else await self.core.archived_entry(name)
-                state = _state(kv) if kv else archived.state if archived else "missing"
-                if state == DEAD:
-                    dead.append(name)
-                elif state not in good:
-                    missing.append(f"{name} ({state})")
+        states = await self.core.dependency_states(rec.task_id, names)
+        dead = rec.blocked_by(states)
+        missing = [f"{n} ({states[n]})" for n in names if states[n] not in (DEAD, *good)]
         if dead:
             return (f"It is blocked: {what} {_names(dead)} dead; requeue to unblock "
                     "this entry.")

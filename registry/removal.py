@@ -42,6 +42,7 @@ from baton_relay.client.v1 import baton_pb2 as pb
 from ._etcd import KV, Get, empty
 from .claims import need_task, release_slot
 from .core import Core
+from .identity import Caller
 from .manifest import check_id
 from .model import TaskRecord
 from .txn import Txn, write
@@ -75,7 +76,7 @@ class Removal:
         self.core = core
         self.keys = core.keys
 
-    async def delete(self, req: pb.DeleteTaskRequest) -> pb.DeleteTaskResponse:
+    async def delete(self, req: pb.DeleteTaskRequest, caller: Caller) -> pb.DeleteTaskResponse:
         """Remove a task that never ran, or a ``creating`` or half-deleted one, or (with
         ``discard_history``) a cancelled one, and its keys."""
         check_id("task_id", req.task_id)
@@ -100,8 +101,9 @@ class Removal:
                                                  req.request_id, _reply_replay)
             except _Leftovers:
                 continue
-            log.info("task %s deleted: %d keys removed (%s)", req.task_id,
-                     reply.keys_removed, req.reason or "no reason given")
+            log.info("task %s deleted by %s: %d keys removed (%s)", req.task_id,
+                     caller.name or "operator", reply.keys_removed,
+                     req.reason or "no reason given")
             return reply
         raise Conflict(f"keys of task {req.task_id!r} kept being written while it was "
                        "deleted (is a CreateTask of it still running?); send the delete "

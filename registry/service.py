@@ -171,10 +171,10 @@ class RegistryService(pb_grpc.RegistryServicer):
         self.tasks = Tasks(core)
         self.producers = Producers(core)
         self.consumers = Consumers(core)
-        self.sessions = Sessions(core)
+        self.leases = Leases(core)
+        self.sessions = Sessions(core, renew=self.leases.renew)
         self.operators = Operators(core)
         self.removal = Removal(core)
-        self.leases = Leases(core)
 
     @unary
     async def CreateTask(self, request: pb.CreateTaskRequest) -> pb.CreateTaskResponse:
@@ -201,30 +201,31 @@ class RegistryService(pb_grpc.RegistryServicer):
 
     @unary
     async def PauseTask(self, request: pb.TaskControlRequest) -> pb.Task:
-        return await self.operators.control("pause", request)
+        return await self.operators.control("pause", request, current())
 
     @unary
     async def ResumeTask(self, request: pb.TaskControlRequest) -> pb.Task:
-        return await self.operators.control("resume", request)
+        return await self.operators.control("resume", request, current())
 
     @unary
     async def CancelTask(self, request: pb.TaskControlRequest) -> pb.Task:
-        return await self.operators.control("cancel", request)
+        return await self.operators.control("cancel", request, current())
 
     @unary
     async def DeleteTask(self, request: pb.DeleteTaskRequest) -> pb.DeleteTaskResponse:
-        return await self.removal.delete(request)
+        return await self.removal.delete(request, current())
 
     @unary
     async def ArchiveTask(self, request: pb.TaskControlRequest) -> pb.Task:
         if self.core.archive is None:
             raise InvalidArgument("this registry archives nothing: it has no --archive-dir")
         check_id("task_id", request.task_id)
-        return await self.core.archive.archive(request.task_id, request.reason)
+        return await self.core.archive.archive(request.task_id, request.reason,
+                                                who=current().name or "operator")
 
     @unary
     async def Requeue(self, request: pb.RequeueRequest) -> pb.Entry:
-        return await self.operators.requeue(request)
+        return await self.operators.requeue(request, current())
 
     @unary
     async def Journal(self, request: pb.JournalRequest) -> pb.JournalResponse:
@@ -250,7 +251,7 @@ class RegistryService(pb_grpc.RegistryServicer):
 
     @unary
     async def RotateLease(self, request: pb.RotateLeaseRequest) -> pb.RotateLeaseResponse:
-        return await self.leases.rotate(request)
+        return await self.leases.rotate(request, current())
 
     @unary
     async def DrainHost(self, request: pb.DrainHostRequest) -> pb.DrainHostResponse:
@@ -258,7 +259,7 @@ class RegistryService(pb_grpc.RegistryServicer):
 
     @unary
     async def UndrainHost(self, request: pb.UndrainHostRequest) -> pb.UndrainHostResponse:
-        return await self.leases.undrain(request)
+        return await self.leases.undrain(request, current())
 
     @unary
     async def OpenSession(self, request: pb.OpenSessionRequest) -> pb.Session:
@@ -344,15 +345,15 @@ class RegistryService(pb_grpc.RegistryServicer):
 
     @unary
     async def MoveShard(self, request: pb.MoveShardRequest) -> pb.ShardInfo:
-        return await self.shards.move(request)
+        return await self.shards.move(request, current())
 
     @unary
     async def Rebalance(self, request: pb.RebalanceRequest) -> pb.RebalanceResponse:
-        return await self.shards.rebalance(request)
+        return await self.shards.rebalance(request, current())
 
     @unary
     async def DrainWatcher(self, request: pb.DrainWatcherRequest) -> pb.DrainWatcherResponse:
-        return await self.shards.drain(request)
+        return await self.shards.drain(request, current())
 
     async def Watch(
         self, request: pb.WatchRequest, context: grpc.aio.ServicerContext[Any, Any]

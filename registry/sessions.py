@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from baton_relay.client import logs
 from baton_relay.client.errors import BatonError, InvalidArgument, SessionExpired
@@ -32,9 +32,13 @@ REAP_PARALLEL = 32
 
 
 class Sessions:
-    def __init__(self, core: Core) -> None:
+    def __init__(self, core: Core,
+                 renew: Callable[[int], Awaitable[int]] | None = None) -> None:
         self.core = core
         self.keys = core.keys
+        #: moves a session whose agent has just refreshed a rotation's lease (granted
+        #: what the old one had left) onto a lease of its full TTL; its TTL then
+        self.renew = renew
         #: sessions whose lease this replica revoked (for metrics: the others expired)
         self.closed = 0
 
@@ -102,6 +106,16 @@ class Sessions:
             raise SessionExpired(f"session {req.session_id:x} has expired",
                                  session_id=req.session_id)
         record = SessionRecord.of(kv, req.session_id)
+        if ttl < record.ttl and not record.rotating_from and self.renew is not None:
+            # A rotation gave the lease only what the old one had left; the refresh
+            # just made proves the agent lives, so it is owed its whole TTL again.
+            try:
+                ttl = await self.renew(req.session_id) or ttl
+            except BatonError as e:
+                # The refresh itself holds: the next keepalive tries the move again
+                # (or, if it began, finds ``rotating_from`` and refreshes both leases).
+                log.warning("session %x: its full TTL back after a rotation: %s",
+                            req.session_id, e)
         return pb.KeepAliveResponse(ttl=ttl, draining=record.draining)
 
     async def _refresh(self, record: SessionRecord) -> int:

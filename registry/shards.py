@@ -375,7 +375,7 @@ class Shards:
                             move_deadline=rec.deadline, tasks=tasks.get(n, 0),
                             backlog=backlog.get(n, 0))
 
-    async def move(self, req: pb.MoveShardRequest) -> pb.ShardInfo:
+    async def move(self, req: pb.MoveShardRequest, caller: Caller) -> pb.ShardInfo:
         """Start moving one shard to a watcher (two-phase; at once if nobody owns it)."""
         count, _ = await self.table(fresh=True)
         if not count:
@@ -386,7 +386,7 @@ class Shards:
             raise InvalidArgument(f"deadline {req.deadline} must be ≥ 0 seconds")
         deadline = req.deadline or self.move_deadline
         to = await self._target(req.to_watcher)
-        rec = await self._start_move(req.shard, to, deadline, manual=True)
+        rec = await self._start_move(req.shard, to, deadline, by=caller.name or "operator")
         hosts = {w.watcher_id: str(w.info.get("host", "")) for w in
                  (await self.watchers()).values()}
         return self._info(req.shard, rec, hosts, {}, {})
@@ -401,7 +401,9 @@ class Shards:
         return watcher_id
 
     async def _start_move(self, n: int, to: str, deadline: float,
-                          manual: bool = False) -> ShardRecord:
+                          by: str = "assigner") -> ShardRecord:
+        """Start moving shard ``n`` to watcher ``to``; ``by``: the operator who asked, or
+        the assigner."""
         key = self.keys.shard(n)
 
         async def plan(txn: Txn) -> ShardRecord:
@@ -423,16 +425,16 @@ class Shards:
             txn.after(lambda: logs.log(
                 log, logging.INFO, "shard move started" if new.moving_to else "shard owned",
                 shard=n, owner=new.owner, to=to, epoch=new.epoch,
-                by="operator" if manual else "assigner"))
+                by=by))
             return new
 
         return await write(self.core.txns, plan)
 
-    async def rebalance(self, req: pb.RebalanceRequest) -> pb.RebalanceResponse:
+    async def rebalance(self, req: pb.RebalanceRequest, caller: Caller) -> pb.RebalanceResponse:
         moves = await self.balance_moves(fresh=True)
         if not req.dry_run:
             for n, _, to in moves:
-                await self._start_move(n, to, self.move_deadline, manual=True)
+                await self._start_move(n, to, self.move_deadline, by=caller.name or "operator")
         return pb.RebalanceResponse(moves=[pb.ShardMove(shard=n, from_watcher=a, to_watcher=b)
                                            for n, a, b in moves])
 
@@ -450,7 +452,7 @@ class Shards:
         keepers = [w for w, r in watchers.items() if r.full and not r.draining]
         return plan_moves(owned, receivers, keepers)
 
-    async def drain(self, req: pb.DrainWatcherRequest) -> pb.DrainWatcherResponse:
+    async def drain(self, req: pb.DrainWatcherRequest, caller: Caller) -> pb.DrainWatcherResponse:
         """Mark a watcher draining (its shards move away; it takes none), or undo it."""
         key = self.keys.watcher(req.watcher_id)
 
@@ -470,7 +472,7 @@ class Shards:
         for n, _, to in moves:
             await self._start_move(n, to, self.move_deadline)
         logs.log(log, logging.INFO, "watcher undrained" if req.undo else "watcher draining",
-                 watcher=req.watcher_id, moves=len(moves))
+                 watcher=req.watcher_id, moves=len(moves), by=caller.name or "operator")
         ttl = await self.core.etcd.time_to_live(record.kv.lease)
         _, shards = await self.table()
         owned = sum(1 for _, rec in shards.values() if rec.owner == req.watcher_id)

@@ -275,8 +275,11 @@ class Tasks:
                 by_group[group] = by_group.get(group, 0) + 1
             if rec.state == PENDING and not rec.deps_ok:
                 pending_deps.append(rec)
-        blocked = sum(1 for rec in pending_deps
-                      if any(states.get(d) == DEAD for d in rec.parts or rec.depends_on))
+        # Dependencies on other tasks' entries are read (this task's are known).
+        deps = await self.core.dependency_states(
+            task_id, {n for rec in pending_deps for n in rec.parts or rec.depends_on},
+            known=states)
+        blocked = sum(1 for rec in pending_deps if rec.blocked_by(deps))
         task = record.to_pb(states=counts)
         task.consumed_by_group.update(by_group)
         task.blocked = blocked
@@ -354,11 +357,8 @@ class Tasks:
             consuming=consuming,
         )
         if rec.state == PENDING and not rec.deps_ok:
-            names = rec.parts or rec.depends_on
-            found = [kv async for _, chunk in self.core.etcd.get_chunks(
-                [self.keys.dependency(rec.task_id, n) for n in names]) for _, kv in chunk]
-            entry.blocked = any(kv and EntryRecord.load(kv.value).state == DEAD
-                                for kv in found)
+            entry.blocked = bool(rec.blocked_by(await self.core.dependency_states(
+                rec.task_id, rec.parts or rec.depends_on)))
         return entry
 
     async def list_entries(self, req: pb.ListEntriesRequest) -> pb.ListEntriesResponse:

@@ -75,15 +75,19 @@ def table_rows(stdout: str) -> dict[str, list[str]]:
 # --- task control -------------------------------------------------------------------
 
 
-def test_pause_refuses_claims_and_resume_allows_them(registry: Any) -> None:
-    """A paused task refuses claims with exit 4; once resumed, claims succeed."""
+def test_pause_refuses_claims_and_consumes_and_resume_allows_them(registry: Any) -> None:
+    """A paused task refuses claims and consumes with exit 4, naming the pause and its
+    reason (as `task pause --help` says); once resumed, claims succeed."""
     create(registry, MANIFEST)
     paused = invoke(registry, "task", "pause", "t1", "--reason", "disk swap")
     assert paused.exit_code == 0, paused.output
     assert paused.stdout.strip() == "task t1: paused (pause: disk swap)"
-    refused = run(registry, "claim", "t1")
-    assert refused.returncode == 4
-    assert "paused" in one_error_line(refused.stderr)
+    for refused in (run(registry, "claim", "t1"), run(registry, "consume", "t1")):
+        assert refused.returncode == 4
+        assert "task 't1' is paused (pause: disk swap): it hands out no new claims or " \
+            "consumes" in one_error_line(refused.stderr)
+    helped = invoke(registry, "task", "pause", "--help").stdout
+    assert "claims and consumes" in helped and "may still take" not in helped
     shown = ok_json(invoke(registry, "task", "get", "t1", "-o", "json"))
     assert shown["status"] == "TASK_PAUSED" and shown["status_reason"] == "pause: disk swap"
     resumed = ok_json(invoke(registry, "task", "resume", "t1", "-o", "json"))

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from registry_fixtures import RegistryHandle, produce_verified
+from test_cli import invoke, ok_json
 
 from baton_relay.client import Client, Session
 from baton_relay.client.errors import IllegalTransition, InvalidManifest
@@ -86,3 +87,48 @@ def test_a_dependency_in_an_archived_task_is_read_from_its_archive(
     client.create_task({"task_id": "report", "entries": [
         {"file_id": "r", "path": "r", "depends_on": ["ocr:p1"]}]})
     wait_for(released(client, "report", "r"), what="released from the archive")
+
+
+def test_a_dead_dependency_in_another_task_is_counted_as_blocked(
+    client: Client, session: Session, registry: RegistryHandle, wait_for: Wait,
+) -> None:
+    """A task counts an entry blocked by another task's dead entry as `explain` and the
+    entry say, in `task get` and `status`, while that task is live and once it is
+    archived; an entry blocked within its own task is counted alongside."""
+    client.create_task({"task_id": "xa", "max_retries": 0,
+                        "entries": [{"file_id": "a1", "path": "a1"},
+                                    {"file_id": "a2", "path": "a2"}]})
+    client.create_task({"task_id": "xb", "max_retries": 0, "entries": [
+        {"file_id": "b1", "path": "b1", "depends_on": ["xa:a2"]},
+        {"file_id": "b2", "path": "b2"},
+        {"file_id": "b3", "path": "b3", "depends_on": ["b2"]},
+        {"file_id": "b4", "path": "b4", "depends_on": ["xa:a1"]}]})
+
+    def counted() -> tuple[int, int, int, list[str]]:
+        """(task get's count, `task get -o json`'s, `status -o json`'s, the entries
+        `explain` calls blocked)."""
+        shown = ok_json(invoke(registry, "task", "get", "xb", "-o", "json"))
+        status = ok_json(invoke(registry, "status", "xb", "-o", "json"))
+        explained = [f for f in ("b1", "b2", "b3", "b4")
+                     if "It is blocked" in client.explain("xb", f).text]
+        return client.get_task("xb").blocked, int(shown["blocked"]), status["blocked"], \
+            explained
+
+    assert counted() == (0, 0, 0, [])
+    claim = client.claim("xa", "a2", session=session)
+    client.fail("xa", "a2", claim.token, "scanner jammed", session=session)
+    assert "It is blocked: dependencies xa:a2 dead" in client.explain("xb", "b1").text
+    assert client.get_entry("xb", "b1").blocked
+    assert counted() == (1, 1, 1, ["b1"])
+    claim = client.claim("xb", "b2", session=session)
+    client.fail("xb", "b2", claim.token, "bad page", session=session)
+    assert counted() == (2, 2, 2, ["b1", "b3"])
+    # xa finishes (a1 consumed, a2 dead) and leaves etcd: its archive still says a2 died.
+    produce_verified(client, session, "xa", "a1")
+    lease = client.consume("xa", "default", "a1", session=session)
+    client.ack("xa", "a1", "default", lease.token, session=session)
+    wait_for(lambda: client.get_task("xa").status == pb.TASK_COMPLETED, what="completed")
+    client.archive_task("xa")
+    wait_for(released(client, "xb", "b4"), what="b4 released by xa:a1")
+    assert counted() == (2, 2, 2, ["b1", "b3"])
+    assert client.get_entry("xb", "b1").blocked

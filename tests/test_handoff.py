@@ -408,6 +408,42 @@ def test_unverified_entry_frees_its_consumers_slots(client: Client) -> None:
         assert client.consume("t", "default", session=s).file_id != lease.file_id
 
 
+def test_a_paused_task_takes_no_new_work_and_lets_work_in_hand_finish(
+        client: Client) -> None:
+    """Pausing keeps the run and takes no new work: claims and consumes, single and
+    batched, are refused with a TaskNotActive naming the pause and its reason, while a
+    claim and a consume lease taken before commit, ack and nack; resume hands out the
+    rest from where it was."""
+    client.create_task({"task_id": "t", "entries": entries("a", "b", "c", "d", "e"),
+                        "consumers": ["g"]})
+    with client.open_session("p", ttl=10) as s:
+        for f in ("a", "b", "c"):
+            produce_verified(client, s, "t", f)
+        writing = client.claim("t", "d", session=s)
+        acked = client.consume("t", "g", "a", session=s)
+        nacked = client.consume("t", "g", "b", session=s)
+        client.pause_task("t", "disk swap")
+        for take in (lambda: client.claim("t", session=s),
+                     lambda: client.claim_batch("t", 2, session=s),
+                     lambda: client.consume("t", "g", session=s),
+                     lambda: client.consume_batch("t", "g", 2, session=s)):
+            with pytest.raises(errors.TaskNotActive,
+                               match=r"paused \(pause: disk swap\): it hands out no new "
+                                     r"claims or consumes until `baton task resume`"):
+                take()
+        assert client.commit("t", "d", writing.token, 1, X, session=s).state == pb.WRITTEN
+        assert client.ack("t", "a", "g", acked.token, session=s).state == pb.CONSUMED
+        client.nack("t", "b", "g", nacked.token, session=s)
+        task = client.get_task("t")
+        assert task.status == pb.TASK_PAUSED and task.status_reason == "pause: disk swap"
+        assert dict(task.states) == {**dict.fromkeys(task.states, 0), "consumed": 1,
+                                     "verified": 2, "written": 1, "pending": 1}
+        assert client.resume_task("t").status == pb.TASK_ACTIVE
+        assert client.claim("t", session=s).file_id == "e"
+        assert sorted(lease.file_id for lease in client.consume_batch("t", "g", 5, session=s)
+                      ) == ["b", "c"]
+
+
 def test_pause_stops_new_consume_leases(client: Client) -> None:
     """A paused task hands out no consume leases either."""
     client.create_task({"task_id": "t", "entries": entries("a")})

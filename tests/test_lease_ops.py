@@ -165,6 +165,82 @@ def test_rotation_under_load_frees_no_claim(registry: RegistryHandle, client: Cl
     assert_nothing_reaped(registry, client, "t", "p")
 
 
+def rotate_every(client: Client, period: float, until: Callable[[], bool],
+                 deadline: float, what: str) -> int:
+    """Rotate every session's lease each ``period`` seconds (an SRE's timer) until
+    ``until()``; how many rotations the registry made. Fails past ``deadline``
+    (``time.monotonic()``)."""
+    rotated = 0
+    tick = time.monotonic()
+    while not until():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not so by the deadline, after {rotated} rotations")
+        rotated += len(client.rotate_leases(every=True))
+        tick += period
+        # The timer's cadence, not a wait for a condition: that is ``until``.
+        time.sleep(max(0.0, tick - time.monotonic()))
+    return rotated
+
+
+def test_rotations_never_keep_a_killed_agent_alive(registry: RegistryHandle, client: Client,
+                                                   agent: Callable[..., Any]) -> None:
+    """An agent SIGKILLed while holding a claim, its lease rotated every second: its
+    session and claim die within its TTL (and a margin) of the kill, as without the
+    rotations, and another agent claims the entry."""
+    ttl = 4
+    client.create_task({"task_id": "t", "entries": [{"file_id": "a", "path": "a"}],
+                        "backoff": {"base_seconds": 0.001}})
+    proc = agent("t", ttl)
+    claim = json.loads(proc.stdout.readline())
+    (session,) = [a.session_id for a in client.list_agents()]
+    proc.kill()
+    killed = time.monotonic()
+    proc.wait()
+
+    def gone() -> bool:
+        return all(a.session_id != session for a in client.list_agents())
+
+    # Its last keepalive came before the kill: the lease ends at most a TTL after it.
+    rotated = rotate_every(client, 1.0, gone, killed + ttl + 1.5, "the killed agent's "
+                           "session gone within its TTL")
+    assert rotated >= 1  # a rotation did happen while it was dying
+    assert client.get_entry("t", "a").token == 0  # the claim went with the lease
+    wait_for(lambda: client.get_entry("t", "a").state == pb.PENDING, 5, "the reaper")
+    with client.open_session("other", ttl=10) as s:
+        fresh = client.claim("t", "a", session=s)
+        assert fresh.token > claim["token"]
+        assert client.commit("t", "a", fresh.token, 1, DIGEST, session=s).state == pb.WRITTEN
+    with pytest.raises(errors.StaleToken):
+        client.commit("t", "a", claim["token"], 1, DIGEST)
+
+
+def test_a_live_agent_keeps_its_claim_and_ttl_through_rotations(registry: RegistryHandle,
+                                                                 client: Client) -> None:
+    """A kept-alive session rotated twice a second for several TTLs keeps its claim and
+    token; each keepalive after a rotation gives it its full TTL again (so it is rotated
+    again and again, not just once), and it is left on a lease of its own TTL."""
+    ttl = 3
+    client.create_task(manifest("t", 1))
+    with client.open_session("live", ttl=ttl) as s:
+        claim = client.claim("t", session=s)
+        until = time.monotonic() + 3 * ttl
+        rotated = rotate_every(client, 0.5, lambda: time.monotonic() > until, until + 30,
+                               "three TTLs of rotations")
+        assert rotated >= 4, rotated
+        assert client.get_entry("t", "e0000").token == claim.token
+
+        def full() -> bool:
+            (info,) = client.list_agents()
+            left, granted = on_etcd(registry.etcd, lambda e: e.lease_times(info.lease_id))
+            return granted == ttl and left > 0 and info.granted_ttl == ttl
+
+        wait_for(full, 2 * ttl, "a keepalive to renew the session onto its full TTL")
+        assert s.ttl == ttl and not s.lost.is_set()
+        assert client.commit("t", "e0000", claim.token, 1, DIGEST, session=s).state == \
+            pb.WRITTEN
+    assert_nothing_reaped(registry, client, "t")
+
+
 def test_rotation_of_more_keys_than_one_transaction_moves_them_in_chunks(
         registry: RegistryHandle, client: Client) -> None:
     """300 claims do not fit one transaction: they move in chunks while both leases
@@ -205,7 +281,8 @@ def test_an_interrupted_rotation_is_finished_by_a_rerun(registry: RegistryHandle
 
         old, moved = in_registry(registry, half)
         assert moved == MOVE_CHUNK
-        assert client.keepalive(s.session_id) == 20
+        # The new lease has what the old one had left (whole seconds), not a fresh TTL.
+        assert 0 < client.keepalive(s.session_id) < 20
         ttl, keys = on_etcd(registry.etcd, lambda e: e.lease_keys(old))
         assert ttl > 0 and len(keys) == 300 - MOVE_CHUNK
         (r,) = client.rotate_leases(s.session_id)

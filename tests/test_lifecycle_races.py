@@ -65,7 +65,7 @@ async def _finished_task(core: Core) -> None:
 
 
 async def _requeue_dead(core: Core) -> None:
-    await Operators(core).requeue(pb.RequeueRequest(task_id="t", file_id="d"))
+    await Operators(core).requeue(pb.RequeueRequest(task_id="t", file_id="d"), ANONYMOUS)
 
 
 async def _part_changed_on_disk(core: Core) -> None:

@@ -7,6 +7,7 @@ a CA made for the test session (``client.pki``), on a real etcd.
 
 from __future__ import annotations
 
+import logging
 import shutil
 import socket
 import ssl
@@ -46,6 +47,8 @@ class PKI:
             "agent2": pki.issue(root, "ag2", root, roles=["agent"]),
             "watcher": pki.issue(root, "wa", root, roles=["watcher"]),
             "norole": pki.issue(root, "nobody", root),
+            # an operator as a person holds one: named after her, not after the role
+            "ops-carol": pki.issue(root, "ops-carol", root, roles=["operator"]),
         }
         foreign = root / "foreign"
         pki.create_ca(foreign, name="Some other CA")
@@ -331,6 +334,51 @@ def test_only_operators_list_sessions_and_see_tokens(clients: dict[str, Client])
     assert any(r.token == c.token for r in op.journal("t", "f0"))
     listed = [a for a in op.list_agents() if a.session_id == s.session_id]
     assert listed and listed[0].claims[0].token == c.token
+
+
+def test_operator_actions_record_the_operators_identity(
+        clients: dict[str, Client], caplog: pytest.LogCaptureFixture,
+        wait_for: Callable[..., None]) -> None:
+    """What an operator does is recorded under her certificate's identity, never a bare
+    "operator": the journal's `requeued`, `revoked` by `lease revoke` and by a drain's
+    deadline name ops-carol, and the registry's log names her for task controls, lease
+    rotations and undrains."""
+    agent, carol = clients["agent"], clients["ops-carol"]
+    agent.create_task(manifest(n=4, max_retries=0))
+    caplog.set_level(logging.INFO, logger="baton.registry")
+    with agent.open_session("p", ttl=30) as s:
+        c = agent.claim("t", "f0", session=s)
+        agent.fail("t", "f0", c.token, "scanner jammed", session=s)
+    assert agent.get_entry("t", "f0").state == pb.DEAD
+    carol.requeue("t", "f0")
+    (requeued,) = [r for r in carol.journal("t", "f0") if r.event == "requeued"]
+    assert requeued.who == "ops-carol"
+
+    s = agent.open_session("p", ttl=30, keepalive=False)
+    agent.claim("t", "f1", session=s)
+    assert carol.rotate_leases(s.session_id)
+    carol.revoke_sessions(s.session_id, reason="stuck")
+    (revoked,) = [r for r in carol.journal("t", "f1") if r.event == "revoked"]
+    assert (revoked.who, revoked.reason) == ("ops-carol", "stuck")
+
+    s = agent.open_session("p", ttl=30, keepalive=False, host="h-9")
+    agent.claim("t", "f2", session=s)
+    carol.drain_host("h-9", deadline=1, reason="reboot")
+    wait_for(lambda: agent.get_entry("t", "f2").state == pb.PENDING, what="the deadline")
+    (revoked,) = [r for r in carol.journal("t", "f2") if r.event == "revoked"]
+    assert (revoked.who, revoked.reason) == ("ops-carol", "drain deadline")
+    carol.undrain_host("h-9")
+
+    carol.pause_task("t", "disk swap")
+    carol.resume_task("t")
+    carol.cancel_task("t")
+    logged = [r.getMessage() for r in caplog.records if r.name == "baton.registry"]
+    for what in ("task t: pause by ops-carol, now paused (pause: disk swap)",
+                 "task t: resume by ops-carol, now active", "task t: cancel by ops-carol",
+                 "rotated by ops-carol",
+                 "host h-9 undrained by ops-carol"):
+        assert any(what in line for line in logged), (what, logged)
+    assert not any("by operator" in line for line in logged), logged
 
 
 def test_request_ids_are_scoped_to_their_caller(clients: dict[str, Client]) -> None:

@@ -179,7 +179,8 @@ def lease_revoke(settings: Settings, session_id: int | None, agent: str, host: s
 @click.option("--all", "every", is_flag=True, help="every live session")
 @click.option("--host", default="", metavar="HOST", help="every session of this host")
 @click.option("--ttl", type=click.IntRange(2, 3600), default=None,
-              help="the new lease's TTL in seconds (default: each session's own)")
+              help="the sessions' TTL in seconds from their next keepalive (default: each "
+              "session's own)")
 @output_option
 @pass_settings
 def lease_rotate(settings: Settings, session_id: int | None, every: bool, host: str,
@@ -190,7 +191,9 @@ def lease_rotate(settings: Settings, session_id: int | None, every: bool, host: 
     lease (one transaction when they fit etcd's limit of 128 operations, else in
     chunks while both leases are kept alive), then the old lease is revoked.
     Claims are never free meanwhile, tokens and session ids stay, and agents'
-    keepalives follow the new lease by themselves.
+    keepalives follow the new lease by themselves. A rotation never extends
+    liveness: the new lease has what the old one had left (or --ttl if less),
+    and only the agent's next keepalive gives the session its TTL again.
     """
     one_way(session_id, every=every, host=host)
     done = settings.client().rotate_leases(session_id or 0, every=every, host=host,

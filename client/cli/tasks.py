@@ -183,10 +183,12 @@ def reason_option(f: F) -> F:
 @output_option
 @pass_settings
 def task_pause(settings: Settings, task_id: str, reason: str, output: str) -> None:
-    """Stop handing out producer claims of a task.
+    """Stop handing out new work of a task: claims and consumes.
 
-    Claims already made may still be committed or failed, and consumers may
-    still take verified entries. `baton task resume` undoes it.
+    Both are refused (exit 4, TaskNotActive) while it is paused. What is in
+    hand may still be finished: claims committed or failed, consumes acked or
+    nacked; the watcher still verifies. Nothing is lost: `baton task resume`
+    hands out work again from where it was.
     """
     _control(settings, "pause", task_id, reason, output)
 
