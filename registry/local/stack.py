@@ -34,13 +34,14 @@ import grpc
 
 from baton_relay.client.contract import LOCAL_ETCD_PORT, REGISTRY_PORT, REGISTRY_SERVICE
 from baton_relay.client.errors import BatonError
+from baton_relay.registry.etcd_versions import warning_lines
 from baton_relay.registry.local.etcdproc import (
     BANNER_PREFIX,
     DaemonFailed,
     EtcdProcess,
     EtcdTLS,
     StartCancelled,
-    etcd_version,
+    choose_etcd,
     free_port,
     port_in_use,
     terminate,
@@ -176,12 +177,14 @@ class ChildSpec:
 
 
 def child_specs(opts: UpOptions, etcd_endpoint: str,
-                pki: LocalPKI | None = None) -> list[ChildSpec]:
+                pki: LocalPKI | None = None, allow_etcd_version: str = "") -> list[ChildSpec]:
     """The daemons run after etcd, in start order (stopped in reverse).
 
     The watchers come after the registry they report to. With ``pki`` the registry
     serves mutual TLS, reaches etcd over TLS with its client certificate, and the
     watchers present the watcher identity; without, all is plaintext.
+    ``allow_etcd_version`` is the affected etcd release the stack runs (after
+    ``run_up`` warned about it), which the registry would refuse otherwise.
     """
     registry_address = f"127.0.0.1:{opts.registry_port}"
     registry_metrics = f"127.0.0.1:{opts.registry_metrics_port}"
@@ -206,6 +209,7 @@ def child_specs(opts: UpOptions, etcd_endpoint: str,
         "--archive-dir", str(opts.data_dir / "archive"),
         *registry_tls,
         "--metrics", registry_metrics,
+        *(("--allow-etcd-version", allow_etcd_version) if allow_etcd_version else ()),
     )  # fmt: skip
     registry = ChildSpec(
         name="registry",
@@ -533,6 +537,10 @@ def run_up(
                 "free it or choose another port",
                 daemon=daemon,
             )
+    etcd_choice = choose_etcd()
+    if etcd_choice.affected:
+        for line in warning_lines(etcd_choice.binary, etcd_choice.version):
+            out(line)
     opts.data_dir.mkdir(parents=True, exist_ok=True)
     opts.staging.mkdir(parents=True, exist_ok=True)
 
@@ -543,6 +551,7 @@ def run_up(
             client_port=opts.etcd_port,
             peer_port=etcd_peer_port,
             log_path=opts.data_dir / "etcd.log",
+            binary=etcd_choice.binary,
             extra_args=ETCD_UPKEEP,
             tls=None if pki is None else EtcdTLS(
                 cert=Path(pki.cert("etcd")), key=Path(pki.key("etcd")), ca=Path(pki.ca),
@@ -553,11 +562,12 @@ def run_up(
         failure: str | None = None
         try:
             etcd.start(ready_timeout, cancel=stop)
-            for spec in child_specs(opts, etcd.endpoint, pki):
+            allow = etcd_choice.version if etcd_choice.affected else ""
+            for spec in child_specs(opts, etcd.endpoint, pki, allow):
                 child = _Child(spec)
                 children.append(child)  # before start: a failed start is cleaned up too
                 child.start(ready_timeout, stop)
-            _print_summary(out, etcd, children, pki, opts.data_dir)
+            _print_summary(out, etcd_choice.version, etcd, children, pki, opts.data_dir)
             supervisor = Supervisor([_Etcd(etcd), *children], out, restart,
                                     ready_timeout=ready_timeout)
             failure = supervisor.run(stop)
@@ -585,9 +595,8 @@ def _local_pki(root: Path) -> LocalPKI:
     return LocalPKI(root)
 
 
-def _print_summary(out: Callable[[str], None], etcd: EtcdProcess, children: list[_Child],
-                   pki: LocalPKI | None, data_dir: Path) -> None:
-    version = etcd_version(etcd.binary)
+def _print_summary(out: Callable[[str], None], version: str, etcd: EtcdProcess,
+                   children: list[_Child], pki: LocalPKI | None, data_dir: Path) -> None:
     tls = "TLS, client certificates" if pki is not None else "plaintext"
     out(
         f"{'etcd':<9} {etcd.endpoint}  "
