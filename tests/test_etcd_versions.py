@@ -185,6 +185,28 @@ def _path_of(tmp: Path, *binaries: str) -> str:
     return os.pathsep.join(dirs)
 
 
+def _run_until_ready(opts: UpOptions) -> list[str]:
+    """What ``run_up`` printed until it was ready; it is then stopped (and returned 0)."""
+    lines: list[str] = []
+    ready, stop = threading.Event(), threading.Event()
+
+    def out(line: str) -> None:
+        lines.append(line)
+        if line.startswith("ready"):
+            ready.set()
+
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(run_up(opts, out, stop=stop)))
+    thread.start()
+    try:
+        assert ready.wait(60), lines
+    finally:
+        stop.set()
+        thread.join(60)
+    assert result == [0], lines
+    return lines
+
+
 def test_choose_etcd_prefers_a_safe_release_over_an_earlier_affected_one(
         binaries: tuple[str, str], tmp_path: Path) -> None:
     """With 3.5.1 first on PATH and 3.4 after it, the 3.4 one is chosen."""
@@ -216,23 +238,7 @@ def test_baton_up_warns_first_and_runs_when_only_3_5_1_exists(
     data_dir = tmp_path / "baton"
     opts = UpOptions(data_dir, data_dir / "staging", etcd_port=free_port(),
                      registry_port=free_port(), insecure=True)
-    lines: list[str] = []
-    ready, stop = threading.Event(), threading.Event()
-
-    def out(line: str) -> None:
-        lines.append(line)
-        if line.startswith("ready"):
-            ready.set()
-
-    result: list[int] = []
-    thread = threading.Thread(target=lambda: result.append(run_up(opts, out, stop=stop)))
-    thread.start()
-    try:
-        assert ready.wait(60), lines
-    finally:
-        stop.set()
-        thread.join(60)
-    assert result == [0], lines
+    lines = _run_until_ready(opts)
     warning = [line for line in lines if line.startswith("WARNING:")]
     assert lines[:len(warning)] == warning and len(warning) == 4, lines
     shown = _doc_block("WARNING: the only etcd found")
@@ -245,6 +251,26 @@ def test_baton_up_warns_first_and_runs_when_only_3_5_1_exists(
                    "writes can be lost if etcd crashes", "apt-get install etcd-server"):
         assert needed in text, text
     assert any(line.startswith("etcd") and "(etcd 3.5.1," in line for line in lines), lines
+
+
+def test_baton_up_stays_on_the_release_that_wrote_its_data(
+        binaries: tuple[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stack whose etcd data 3.5.1 wrote (no record of it, as before releases were
+    recorded) is run on 3.5.1 even with 3.4 first on PATH (etcd 3.4 cannot open it),
+    with the warning and why; the release is then recorded for the next start."""
+    safe, wheel = binaries
+    data_dir = tmp_path / "baton"
+    written = EtcdProcess(data_dir / "etcd", binary=wheel, log_path=tmp_path / "first.log")
+    written.start()
+    written.stop()
+    monkeypatch.setenv("PATH", _path_of(tmp_path, safe))
+    opts = UpOptions(data_dir, data_dir / "staging", etcd_port=free_port(),
+                     registry_port=free_port(), insecure=True)
+    lines = _run_until_ready(opts)
+    warning = [line for line in lines if line.startswith("WARNING:")]
+    assert warning and "3.5.1" in warning[0] and "written by etcd 3.5" in warning[-1], lines
+    assert any("(etcd 3.5.1," in line for line in lines), lines
+    assert (data_dir / "etcd-release").read_text() == "3.5.1\n"
 
 
 def test_baton_up_passes_the_allow_flag_only_for_an_affected_etcd(tmp_path: Path) -> None:

@@ -33,7 +33,7 @@ from types import TracebackType
 from typing import Any, Self
 
 from baton_relay.client.errors import BatonError
-from baton_relay.registry.etcd_versions import KnownBug, affected_by
+from baton_relay.registry.etcd_versions import KnownBug, affected_by, parse_version
 
 __all__ = [
     "DaemonFailed",
@@ -169,9 +169,12 @@ def _cached_version(binary: str) -> str:
     return _VERSIONS[key]
 
 
-def choose_etcd(candidates: Sequence[str] | None = None) -> EtcdChoice:
+def choose_etcd(candidates: Sequence[str] | None = None,
+                at_least: tuple[int, int] = (0, 0)) -> EtcdChoice:
     """The first of ``candidates`` (default :func:`etcd_candidates`: PATH's, then the
-    wheel's) whose version has no known bug, else the first that runs at all.
+    wheel's) whose version has no known bug, else the first that runs at all; with
+    ``at_least`` (major, minor), only releases from that one on (a data directory
+    written by etcd 3.5 cannot be opened by 3.4: etcd does not downgrade).
 
     PATH order is respected among the safe ones, so an operator's choice of etcd
     stands unless it is an affected release and a safe one exists; the caller of
@@ -187,12 +190,23 @@ def choose_etcd(candidates: Sequence[str] | None = None) -> EtcdChoice:
         except (OSError, EtcdNotInstalled) as e:
             failures.append(str(e))
             continue
+        parsed = parse_version(version)
+        if parsed is None or parsed[:2] < at_least:
+            failures.append(f"{binary} is etcd {version}, older than the "
+                            f"{at_least[0]}.{at_least[1]} that wrote the data")
+            continue
         choice = EtcdChoice(binary, version, tuple(affected_by(version)))
         if not choice.affected:
             return choice
         runnable.append(choice)
     if runnable:
         return runnable[0]
+    if failures and at_least > (0, 0):
+        raise EtcdNotInstalled(
+            f"no etcd {at_least[0]}.{at_least[1]} or later found ("
+            + "; ".join(failures) + "): etcd cannot open data a later release wrote; "
+            "install etcd 3.5.5 or later, or move the stack's etcd data directory away "
+            "to start with an empty store")
     if failures:
         raise EtcdNotInstalled("no etcd binary that runs: " + "; ".join(failures)
                                + f"; {_INSTALL_HINT}")
