@@ -20,7 +20,6 @@ __all__ = [
     "KnownBug",
     "affected_by",
     "crash_loses_writes",
-    "is_affected",
     "markdown_table",
     "parse_version",
     "refusal",
@@ -96,10 +95,6 @@ def affected_by(version: str) -> list[KnownBug]:
     if parsed is None:
         return []
     return [bug for bug in KNOWN_BAD if bug.covers(parsed)]
-
-
-def is_affected(version: str) -> bool:
-    return bool(affected_by(version))
 
 
 def crash_loses_writes(version: str) -> bool:
