@@ -28,7 +28,7 @@ import blake3
 from baton_relay.client import Client
 from baton_relay.client.producer import temp_path
 from baton_relay.client.v1 import baton_pb2 as pb
-from baton_relay.registry.local.etcdproc import EtcdProcess, free_port, wait_ready
+from baton_relay.registry.local.etcdproc import EtcdProcess, etcd_version, free_port, wait_ready
 from baton_relay.registry.local.stack import grpc_health_probe
 
 
@@ -77,7 +77,8 @@ def stack(root: Path, etcd: EtcdProcess, args: argparse.Namespace) -> None:
         try:
             reg = subprocess.Popen([sys.executable, "-m", "baton_relay.registry", "--insecure",
                                     "--etcd", etcd.endpoint, "--listen", address,
-                                    "--staging", str(staging)],
+                                    "--staging", str(staging), "--allow-etcd-version",
+                                    etcd_version(etcd.binary)],
                                    stdout=rlog, stderr=subprocess.STDOUT)
             procs.append(reg)
             wait_ready(grpc_health_probe(address), reg, daemon="registry",

@@ -460,6 +460,7 @@ class _Channel:
     watch: Any
     maint: Any
     auth: Any
+    cluster: Any
 
     @classmethod
     def open(cls, target: str, credentials: grpc.ChannelCredentials | None) -> _Channel:
@@ -470,7 +471,28 @@ class _Channel:
         channel = (grpc.aio.insecure_channel(target, options=options) if credentials is None
                    else grpc.aio.secure_channel(target, credentials, options=options))
         return cls(target, channel, rpc.KVStub(channel), rpc.LeaseStub(channel),
-                   rpc.WatchStub(channel), rpc.MaintenanceStub(channel), rpc.AuthStub(channel))
+                   rpc.WatchStub(channel), rpc.MaintenanceStub(channel), rpc.AuthStub(channel),
+                   rpc.ClusterStub(channel))
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    """One member of the etcd cluster as :meth:`Etcd.member_statuses` found it."""
+
+    id: int
+    #: its ``--name`` ("" for a member added but not started yet)
+    name: str
+    client_urls: tuple[str, ...]
+    #: the etcd release it runs ("" when it could not be asked: see ``problem``)
+    version: str
+    #: why its version is unknown ("" when known)
+    problem: str = ""
+    is_learner: bool = False
+
+    @property
+    def label(self) -> str:
+        """How logs, errors and metrics name it: its name, else its id in hex."""
+        return self.name or f"{self.id:x}"
 
 
 class Etcd:
@@ -659,6 +681,54 @@ class Etcd:
         """The etcd server version (also a cheap liveness probe)."""
         resp = await self._unary(self._pick().maint.Status, rpc.StatusRequest())
         return str(resp.version)
+
+    @_request("status")
+    async def member_statuses(self) -> list[Member]:
+        """Every member of the cluster (etcd's member list) with the release it runs,
+        read from its own Status: first through the channels the registry already has,
+        then, for members those did not reach, on a short-lived channel to the member's
+        first client URL (with the registry's credentials). A member that cannot be
+        asked is returned with ``version`` "" and the reason in ``problem``."""
+        listed = await self._unary(self._pick().cluster.MemberList, rpc.MemberListRequest())
+        versions: dict[int, str] = {}
+        answers = await asyncio.gather(*(self._status_of(c) for c in self._channels),
+                                       return_exceptions=True)
+        for answer in answers:
+            if not isinstance(answer, BaseException):
+                versions[int(answer.header.member_id)] = str(answer.version)
+        missing = [m for m in listed.members if int(m.ID) not in versions]
+        asked = await asyncio.gather(*(self._member_version(tuple(m.clientURLs))
+                                       for m in missing))
+        problems: dict[int, str] = {}
+        for m, (version, problem) in zip(missing, asked, strict=True):
+            versions[int(m.ID)] = version
+            problems[int(m.ID)] = problem
+        return [Member(int(m.ID), str(m.name), tuple(m.clientURLs), versions[int(m.ID)],
+                       problems.get(int(m.ID), ""), bool(m.isLearner))
+                for m in listed.members]
+
+    def _status_of(self, channel: _Channel) -> Awaitable[Any]:
+        """Status of the member(s) behind ``channel``, with the timeout and token."""
+        return self._with_token(lambda metadata: channel.maint.Status(
+            rpc.StatusRequest(), timeout=self._timeout, metadata=metadata))
+
+    async def _member_version(self, urls: tuple[str, ...]) -> tuple[str, str]:
+        """(version, "") of the member serving at its first client URL, or ("", why not)."""
+        if not urls:
+            return "", "it advertises no client URL (added but not started yet?)"
+        try:
+            (member,) = parse_endpoints(urls[0], tls=bool(self.auth.ca))
+        except ValueError as e:
+            return "", f"its client URL {urls[0]} cannot be dialled here ({e})"
+        channel = _Channel.open(_target([member]), self.auth._credentials())
+        try:
+            answer = await self._status_of(channel)
+        except grpc.aio.AioRpcError as e:
+            return "", (f"{urls[0]} does not answer: "
+                        f"{_hinted(e.details() or e.code().name, bool(self.auth.ca))}")
+        finally:
+            await channel.channel.close(None)
+        return str(answer.version), ""
 
     @_request("range")
     async def get(self, key: bytes) -> KV | None:

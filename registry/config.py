@@ -39,6 +39,10 @@ class RegistryConfig:
     etcd_key: str = ""
     etcd_user: str = ""
     etcd_password_file: str = ""
+    # etcd releases with a known bug served anyway (comma-separated), and how often
+    # every member's release is read again
+    allow_etcd_version: str = ""
+    etcd_check_interval: float = 10.0
     # Prometheus metrics over HTTP
     metrics: str = ""
     # finished tasks out of etcd
@@ -71,6 +75,11 @@ _HELP = {
     "etcd_key": "private key of --etcd-cert",
     "etcd_user": "etcd user (etcd auth enabled); its password comes from --etcd-password-file",
     "etcd_password_file": "file holding the etcd user's password",
+    "allow_etcd_version": "serve even though an etcd member runs this release with a known "
+    "bug (exactly as the member reports it, e.g. 3.5.1; several: comma-separated); "
+    "see docs/operations.md, etcd versions",
+    "etcd_check_interval": "seconds between reads of every etcd member's release (a "
+    "member added or upgraded is seen within this)",
     "archive_dir": "directory finished tasks are archived to, out of etcd; every replica "
     "must see the same one (empty = finished tasks stay in etcd)",
     "archive_after": "seconds after a task finished that it is archived, unless its "

@@ -10,6 +10,10 @@ no name of its own in the certificate. Kubernetes' built-in gRPC probe cannot
 present a client certificate, which a registry serving mutual TLS requires of
 every connection.
 
+The line it prints names every etcd member and the release it runs (the replica
+sends them in the reply's trailing metadata), and, when the replica is
+``NOT_SERVING`` because an etcd member runs a release with a known bug, why.
+
 Exit status: 0 when the service answers ``SERVING``, 1 when it answers anything
 else or cannot be reached in ``--timeout`` seconds, 2 for a usage error.
 """
@@ -26,6 +30,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from .config import RegistryConfig, load_config
+from .etcd_members import MEMBERS_KEY, REASON_KEY
 
 _ANY = {"", "0.0.0.0", "[::]", "::"}
 
@@ -81,7 +86,7 @@ def check(argv: Sequence[str], environ: Mapping[str, str]) -> tuple[int, str]:
     address = ours.address or local_address(config.listen)
     try:
         with channel(config, address) as ch:
-            reply = health_pb2_grpc.HealthStub(ch).Check(
+            reply, call = health_pb2_grpc.HealthStub(ch).Check.with_call(
                 health_pb2.HealthCheckRequest(service=ours.service), timeout=ours.timeout)
     except OSError as e:
         return 1, f"cannot read TLS file {e.filename}: {e.strerror}"
@@ -89,8 +94,13 @@ def check(argv: Sequence[str], environ: Mapping[str, str]) -> tuple[int, str]:
         return 1, f"{address}: {e.code().name}: {e.details()}"
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     what = ours.service or "server"
-    return (0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1,
-            f"{address} {what}: {status}")
+    trailers = {key: str(value) for key, value in call.trailing_metadata() or ()}
+    line = f"{address} {what}: {status}"
+    if trailers.get(MEMBERS_KEY):
+        line += f" (etcd members: {trailers[MEMBERS_KEY].replace(',', ', ')})"
+    if trailers.get(REASON_KEY):
+        line += f"\n{trailers[REASON_KEY]}"
+    return (0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1, line)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

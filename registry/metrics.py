@@ -12,7 +12,8 @@ cached for ``COUNT_TTL`` seconds (see docs/operations.md, Metrics, for the cost)
 
 Label values come from bounded sets only: method names of the service, gRPC
 status codes, names of Baton's error classes, entry states, task statuses, etcd
-request kinds. Never an id, a path, a host or an identity.
+request kinds; and etcd member names and releases (as many as the cluster has
+members). Never an id, a path, a host or an identity.
 
 The endpoint is prometheus_client's HTTP server on a thread of its own
 (``client.metrics_endpoint``, the watcher's too). A scrape there asks the replica's
@@ -51,6 +52,7 @@ from .model import TaskRecord
 
 if TYPE_CHECKING:
     from .core import Core
+    from .etcd_members import EtcdMembers
     from .leases import Leases
     from .sessions import Reaper, Sessions
     from .shards import Shards
@@ -131,6 +133,7 @@ class _Sources:
     sessions: Sessions | None
     shards: Shards | None = None
     leases: Leases | None = None
+    etcd_members: EtcdMembers | None = None
 
 
 class RegistryMetrics:
@@ -251,10 +254,11 @@ class RegistryMetrics:
 
     def bind(self, core: Core, reaper: Reaper | None = None,
              sessions: Sessions | None = None, shards: Shards | None = None,
-             leases: Leases | None = None) -> None:
+             leases: Leases | None = None, etcd_members: EtcdMembers | None = None) -> None:
         """Read what ``core`` (its transactions, its view), ``reaper``, ``sessions``,
-        ``shards`` and ``leases`` count, and compute the levels from them, when scraped."""
-        self._sources = _Sources(core, reaper, sessions, shards, leases)
+        ``shards`` and ``leases`` count, and compute the levels from them, when scraped;
+        and the etcd members' releases as ``etcd_members`` last read them."""
+        self._sources = _Sources(core, reaper, sessions, shards, leases, etcd_members)
 
     async def refresh(self) -> None:
         """Compute the levels: tasks by status (the view, else etcd) at every scrape,
@@ -383,6 +387,8 @@ class RegistryMetrics:
             for state, n in self._shards.items():
                 states.add_metric([state], n)
             yield states
+        if sources.etcd_members is not None:
+            yield from _etcd_members(sources.etcd_members)
         tasks = GaugeMetricFamily("baton_tasks", "Tasks by status", labels=["status"])
         for status, n in self._tasks.items():
             tasks.add_metric([status], n)
@@ -472,6 +478,20 @@ class _Levels(Collector):
 
     def describe(self) -> Iterable[Metric]:
         return []  # computed when scraped: nothing to check for clashes up front
+
+
+def _etcd_members(members: EtcdMembers) -> Iterator[Metric]:
+    info = GaugeMetricFamily(
+        "baton_etcd_server_info", "1 per etcd member, labelled with the release it runs "
+        "(unknown: it could not be asked) as the registry last read it",
+        labels=["member", "version"])
+    for m in members.members:
+        info.add_metric([m.label, m.version or "unknown"], 1)
+    yield info
+    yield GaugeMetricFamily(
+        "baton_etcd_version_refused", "1 while an etcd member runs a release with a known "
+        "bug that --allow-etcd-version does not name (health NOT_SERVING), else 0",
+        value=1 if members.refusals else 0)
 
 
 def _entries_in(reply: Any) -> int:

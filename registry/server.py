@@ -30,6 +30,7 @@ from .archive import Archiver, DirectoryStore
 from .config import RegistryConfig, load_config
 from .core import Core, every
 from .deadlines import Deadlines
+from .etcd_members import MEMBERS_KEY, REASON_KEY, EtcdMembers, allowed_versions
 from .keys import Keys
 from .metrics import RegistryMetrics
 from .scheduler import Scheduler
@@ -56,6 +57,8 @@ class Running:
     _background: list[asyncio.Task[None]]
     #: keeps every watcher shard owned and the watchers balanced
     assigner: Assigner | None = None
+    #: every etcd member's release, as last read
+    etcd_members: EtcdMembers | None = None
     #: the replica's metrics, and the port ``/metrics`` is served on (None, 0: off)
     metrics: RegistryMetrics | None = None
     metrics_port: int = 0
@@ -70,6 +73,34 @@ class Running:
             await self.metrics.close()
         await self.core.stop()
         await self.etcd.close()
+
+
+class _Health(health.HealthServicer):
+    """gRPC health checking, with every etcd member's release in each reply's trailing
+    metadata (and, while one is refused, why: ``etcd_members``), and the registry's
+    service ``NOT_SERVING`` while an etcd member runs a refused release."""
+
+    def __init__(self, members: EtcdMembers) -> None:
+        super().__init__()
+        self.members = members
+        self._refused = False
+
+    def Check(self, request: health_pb2.HealthCheckRequest,
+              context: grpc.ServicerContext) -> health_pb2.HealthCheckResponse:
+        reply = super().Check(request, context)
+        trailers = [(MEMBERS_KEY, self.members.versions())]
+        if self.members.reason:
+            trailers.append((REASON_KEY, self.members.reason))
+        context.set_trailing_metadata(tuple(trailers))
+        return reply
+
+    async def check_etcd(self) -> None:
+        """Read the members again; the registry's service follows the verdict."""
+        refused = bool(await self.members.check())
+        if refused != self._refused:
+            self._refused = refused
+            self.set(REGISTRY_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING if refused
+                     else health_pb2.HealthCheckResponse.SERVING)
 
 
 def etcd_auth(config: RegistryConfig) -> EtcdAuth:
@@ -110,24 +141,32 @@ def server_certificates(config: RegistryConfig) -> ServerCertificates | None:
 async def start(config: RegistryConfig) -> Running:
     """Connect to etcd and serve on ``config.listen`` (port 0 picks a free port)."""
     certificates = server_certificates(config)
+    allowed = allowed_versions(config.allow_etcd_version)
     if not config.metrics:
-        return await _start(config, certificates, None, 0)
+        return await _start(config, certificates, allowed, None, 0)
     metrics = RegistryMetrics()
     # First: a --metrics address that cannot be served ends the start before etcd is asked.
     metrics_port = await metrics.serve(config.metrics)
     try:
-        return await _start(config, certificates, metrics, metrics_port)
+        return await _start(config, certificates, allowed, metrics, metrics_port)
     except BaseException:
         await metrics.close()
         raise
 
 
 async def _start(config: RegistryConfig, certificates: ServerCertificates | None,
-                 metrics: RegistryMetrics | None, metrics_port: int) -> Running:
+                 allowed: frozenset[str], metrics: RegistryMetrics | None,
+                 metrics_port: int) -> Running:
     etcd = Etcd(config.etcd, auth=etcd_auth(config))
     if metrics is not None:
         etcd.observe = metrics.etcd_request
     await etcd.connect()
+    members = EtcdMembers(etcd, allowed)
+    try:
+        await members.require()
+    except BaseException:
+        await etcd.close()
+        raise
     version = await etcd.status()
     core = Core(etcd, Keys(config.prefix), config.staging)
     core.stuck_written_after = config.stuck_written_after
@@ -150,7 +189,7 @@ async def _start(config: RegistryConfig, certificates: ServerCertificates | None
     shards = Shards(core, config.shards, config.shard_move_deadline)
     service = RegistryService(core, shards)
     add_to_server(service, server, secure=certificates is not None, metrics=metrics)
-    health_servicer = health.HealthServicer()
+    health_servicer = _Health(members)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (REGISTRY_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
@@ -174,6 +213,8 @@ async def _start(config: RegistryConfig, certificates: ServerCertificates | None
     background = [asyncio.create_task(reaper.run(stop)), asyncio.create_task(scheduler.run(stop)),
                   asyncio.create_task(assigner.run(stop)),
                   asyncio.create_task(service.leases.run(stop))]
+    background.append(asyncio.create_task(
+        every(config.etcd_check_interval, stop, health_servicer.check_etcd, "etcd versions")))
     core.deadlines = Deadlines(core)
     background.append(asyncio.create_task(
         every(config.reap_interval, stop, core.deadlines.sweep, "deadlines")))
@@ -184,9 +225,9 @@ async def _start(config: RegistryConfig, certificates: ServerCertificates | None
              "mutual TLS" if certificates else "plaintext, --insecure", config.etcd,
              version, config.prefix, config.staging)
     if metrics is not None:
-        metrics.bind(core, reaper, service.sessions, shards, service.leases)
+        metrics.bind(core, reaper, service.sessions, shards, service.leases, members)
     return Running(port, server, etcd, core, reaper, scheduler, health_servicer, stop, background,
-                   assigner, metrics, metrics_port)
+                   assigner, members, metrics, metrics_port)
 
 
 async def serve(config: RegistryConfig, notifier: Notifier | None = None) -> None:

@@ -116,7 +116,8 @@ def stacks() -> Iterator[Callable[..., Stack]]:
 def fake_children(argv: list[str]) -> Callable[..., list[ChildSpec]]:
     """A child_specs replacement running ``argv`` (ready as soon as it runs)."""
 
-    def specs(opts: UpOptions, etcd_endpoint: str, pki: object = None) -> list[ChildSpec]:
+    def specs(opts: UpOptions, etcd_endpoint: str, pki: object = None,
+              allow_etcd_version: str = "") -> list[ChildSpec]:
         return [
             ChildSpec(
                 name="fake",
@@ -381,7 +382,8 @@ def test_a_child_that_fails_to_start_raises(
     """A daemon that never gets ready raises DaemonFailed and etcd is stopped again."""
     specs = fake_children([sys.executable, "-c", "print('cannot start'); raise SystemExit(3)"])
 
-    def never_ready(opts: UpOptions, endpoint: str, pki: object = None) -> list[ChildSpec]:
+    def never_ready(opts: UpOptions, endpoint: str, pki: object = None,
+                    allow_etcd_version: str = "") -> list[ChildSpec]:
         return [dataclasses.replace(spec, ready=lambda: False) for spec in specs(opts, endpoint)]
 
     monkeypatch.setattr(embedded, "child_specs", never_ready)

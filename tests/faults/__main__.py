@@ -13,6 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from baton_relay.registry.etcd_versions import crash_loses_writes
 from baton_relay.registry.local.etcdproc import etcd_version, find_etcd
 
 from .harness import RunConfig, run
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown nemeses: {', '.join(sorted(unknown))}")
     version = etcd_version(args.etcd or find_etcd())
-    if version in ("3.5.0", "3.5.1", "3.5.2") and "kill-etcd-leader" in kinds:
+    if crash_loses_writes(version) and "kill-etcd-leader" in kinds:
         print(f"faults: warning: etcd {version} loses applied writes when a member "
               "crashes (etcd-io/etcd#13766); kill-etcd-leader may make this run about etcd")
     out = args.out or Path(tempfile.mkdtemp(prefix=f"baton-faults-{args.seed}-"))

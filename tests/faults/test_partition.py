@@ -179,7 +179,8 @@ def replicas(tmp_path: Path) -> Iterator[tuple[list[str], netns.Network]]:
         addresses = [f"{network.address(registry_node(n))}:{free_port()}" for n in range(2)]
         for n, address in enumerate(addresses):
             proc = confine(registry_proc(f"registry-{n}", endpoints, address, tmp_path,
-                                         "/partition/", tmp_path / f"registry-{n}.log", None),
+                                         "/partition/", tmp_path / f"registry-{n}.log", None,
+                                         etcd.version),
                            network, registry_node(n))
             proc.start()
             procs.append(proc)
