@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from registry_fixtures import RegistryHandle
+from registry_fixtures import RegistryHandle, allow_suite_etcd
 from test_metrics import scrape
 from watcher_fixtures import make_task, put_bytes
 
@@ -75,8 +75,8 @@ def daemons() -> Iterator[Callable[[list[str], Path], Daemon]]:
 
 def registry_argv(etcd: Any, prefix: str, staging: Path, metrics: str) -> list[str]:
     return [str(BIN / "baton-registry"), "--insecure", "--etcd", etcd.endpoint,
-            "--listen", "127.0.0.1:0", "--staging", str(staging), "--prefix", prefix,
-            "--log-format", "kv", "--metrics", metrics]
+            *allow_suite_etcd(), "--listen", "127.0.0.1:0", "--staging", str(staging),
+            "--prefix", prefix, "--log-format", "kv", "--metrics", metrics]
 
 
 def watcher_argv(registry: str, staging: Path, metrics: str) -> list[str]:
