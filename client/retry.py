@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from .backoff import Backoff
 from .errors import Unavailable
 
 R = TypeVar("R")
@@ -38,8 +39,8 @@ class RetryPolicy:
 
     def wait(self, attempt: int) -> float:
         """Seconds to wait after failed attempt ``attempt`` (1, 2, ...): anything up to
-        ``initial`` doubled per attempt, at most ``cap``."""
-        return self.jitter(0.0, min(self.cap, self.initial * 2 ** (attempt - 1)))
+        ``initial`` doubled per attempt, at most ``cap`` (Baton's one :class:`Backoff`)."""
+        return Backoff(self.initial, self.cap, jitter=self.jitter).delay(attempt)
 
     def call(self, fn: Callable[[], R]) -> R:
         """``fn()``, tried again on ``Unavailable`` until ``attempts`` calls were made

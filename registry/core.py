@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from baton_relay.client import logs
+from baton_relay.client.backoff import Backoff
 from baton_relay.client.errors import BatonError, NotFound
 
 from ._etcd import KV, Etcd
@@ -217,9 +218,10 @@ class Core:
             rec.retry_count += 1
             rec.state = PENDING
             base, factor, cap = rec.backoff
-            delay = min(cap, base * factor ** (rec.retry_count - 1))
-            # Jitter spreads retries of entries that failed together.
-            rec.not_before = self.clock() + delay * (0.5 + 0.5 * self.rng.random())
+            # Jitter spreads retries of entries that failed together; at least half the
+            # task's backoff is kept.
+            backoff = Backoff(base, cap, factor, floor=0.5, jitter=self.rng.uniform)
+            rec.not_before = self.clock() + backoff.delay(rec.retry_count)
         else:
             rec.state = DEAD
 

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from google.protobuf.message import Message
 
+from baton_relay.client.backoff import Backoff
 from baton_relay.client.errors import BatonError, Conflict, Internal
 
 from ._etcd import (
@@ -405,6 +406,8 @@ class Transactions:
         self._request_key = request_key
         self.sleep = sleep
         self.rng = rng or random.Random()
+        #: between attempts of one transaction: up to 2 ms doubling, at most 50 ms
+        self.retry_backoff = Backoff(0.002, 0.05, jitter=self.rng.uniform)
         self._request_lease = 0
         self._request_lease_until = 0.0
         self._lease_lock = asyncio.Lock()
@@ -519,7 +522,7 @@ class Transactions:
 
     async def _backoff(self, attempt: int) -> None:
         if attempt:
-            await self.sleep(min(0.05, 0.001 * (2**attempt)) * self.rng.random())
+            await self.sleep(self.retry_backoff.delay(attempt))
 
 
 async def write(txns: Transactions, planner: Callable[[Txn], Awaitable[R]],

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from baton_relay.client import Client, put
+from baton_relay.client.backoff import upper
 from baton_relay.client.v1 import baton_pb2 as pb
 from baton_relay.registry.local import stack as embedded
 from baton_relay.registry.local.etcdproc import (
@@ -371,9 +372,13 @@ def test_a_child_that_keeps_crashing_stops_the_stack(
 
 
 def test_restart_backoff_doubles_up_to_its_cap() -> None:
-    """The wait before a restart doubles with each recent crash and stops at the cap."""
-    policy = RestartPolicy(initial=0.5, cap=4.0)
+    """The bound of the wait before a restart doubles with each recent crash and stops at
+    the cap; the wait itself is drawn below it."""
+    policy = RestartPolicy(initial=0.5, cap=4.0, jitter=upper)
     assert [policy.delay(n) for n in range(1, 7)] == [0.5, 1.0, 2.0, 4.0, 4.0, 4.0]
+    spread = RestartPolicy(initial=0.5, cap=4.0)
+    delays = [spread.delay(3) for _ in range(200)]
+    assert all(0 <= d <= 2.0 for d in delays) and len(set(delays)) > 100
 
 
 def test_a_child_that_fails_to_start_raises(

@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable
 
 from baton_relay.client import Client
+from baton_relay.client.backoff import Backoff
 from baton_relay.client.errors import BatonError, NotFound
 from baton_relay.client.logs import log
 from baton_relay.client.v1 import baton_pb2 as pb
@@ -38,7 +39,8 @@ class TaskStreams:
         self.on_gone = on_gone
         self.stop = stop
         self.timeout = timeout
-        self.backoff = backoff
+        #: between tries of a broken task stream: up to ``backoff`` doubling, at most 5 s
+        self.backoff = Backoff(backoff, max(backoff, 5.0))
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
 
@@ -102,4 +104,4 @@ class TaskStreams:
                     task=task_id, error=f"{type(e).__name__}: {e}", attempt=failures)
                 revision = 0
                 self.on_lost()
-                self.stop.wait(min(self.backoff * failures, 5.0))
+                self.stop.wait(self.backoff.delay(failures))

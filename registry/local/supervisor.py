@@ -1,13 +1,15 @@
 """Keeping ``baton up``'s daemons running: a crashed one is started again.
 
 A daemon that exits on its own is restarted after a backoff that doubles with
-each recent crash, and the console is told both. Only a crash loop stops the
-stack: a daemon that crashed ``max_crashes`` times within ``window`` seconds is
-left down, and :meth:`Supervisor.run` returns why, with its log tail.
+each recent crash (jittered: Baton's one backoff), and the console is told both.
+Only a crash loop stops the stack: a daemon that crashed ``max_crashes`` times
+within ``window`` seconds is left down, and :meth:`Supervisor.run` returns why,
+with its log tail.
 """
 
 from __future__ import annotations
 
+import random
 import signal
 import threading
 import time
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from baton_relay.client.backoff import Backoff
 from baton_relay.registry.local.etcdproc import DaemonFailed, StartCancelled
 
 __all__ = ["Daemon", "RestartPolicy", "Supervisor"]
@@ -53,13 +56,16 @@ class RestartPolicy:
     #: crashes of one daemon within ``window`` seconds that stop the stack
     max_crashes: int = 5
     window: float = 60.0
-    #: seconds before the first restart; doubled for each recent crash, up to ``cap``
+    #: at most this long before the first restart; doubled for each recent crash, up
+    #: to ``cap`` (Baton's one :class:`Backoff`, jittered)
     initial: float = 0.5
     cap: float = 8.0
+    #: a number between its two arguments
+    jitter: Callable[[float, float], float] = random.uniform
 
     def delay(self, recent: int) -> float:
         """Seconds to wait before restarting a daemon with ``recent`` crashes in the window."""
-        return float(min(self.cap, self.initial * 2 ** max(recent - 1, 0)))
+        return Backoff(self.initial, self.cap, jitter=self.jitter).delay(max(recent, 1))
 
 
 def exit_status(code: int) -> str:
@@ -118,7 +124,7 @@ class Supervisor:
                 f"{self.policy.window:g} s; not restarting it again",
                 daemon=daemon.name, log_path=daemon.log_path, returncode=code))
         delay = self.policy.delay(recent)
-        self.out(f"{daemon.name}: exited with {exit_status(code)}; restarting in {delay:g} s "
+        self.out(f"{daemon.name}: exited with {exit_status(code)}; restarting in {delay:.1f} s "
                  f"(crash {recent} of {self.policy.max_crashes} allowed within "
                  f"{self.policy.window:g} s, log: {daemon.log_path})")
         if stop.wait(delay):
