@@ -68,6 +68,7 @@ RULES: list[tuple[str, str, str]] = [
     ("revision", r"(?<=revision )\d+", ""),
     ("revision", r"^<time>\s+\S+\s+\S+\s+(?P<v>\d+)$", ""),  # a `watch` line
     ("pid", r"(?<=pid )\d+", ""),
+    ("wait", r"(?<=restarting in )\d+\.\d(?= s )", ""),  # a jittered backoff
     ("left", r"(?<=has )\d+(?=s left)", ""),
     ("left", r"\d+(?= s left)", ""),  # `lease show`
     ("host", r"(?<=\bhost )[\w.-]+(?=  )", ""),  # `lease show`
