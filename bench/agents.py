@@ -13,7 +13,8 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from baton_relay.client import Client, errors
+from baton_relay.client import Client
+from baton_relay.kernel import errors
 
 from .pool import Ready
 

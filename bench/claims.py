@@ -11,7 +11,7 @@ from pathlib import Path
 from statistics import median
 
 from baton_relay.client import Client
-from baton_relay.client.errors import BatonError
+from baton_relay.kernel.errors import BatonError
 
 from . import manifest_peer, pg_peer, profiling
 from .agents import AgentArgs, RawArgs, baton_agent, double_claims, rate, raw_etcd_agent

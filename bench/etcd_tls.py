@@ -20,7 +20,7 @@ client certificates (`--client-cert-auth`) and whose registry connects with
 `--etcd-ca`, `--etcd-cert` and `--etcd-key`; and *mutual TLS*, which adds TLS with
 client certificates between the agents and the registry (`--tls-ca`, `--tls-cert`,
 `--tls-key`; every call checked against the access table), as `baton up` runs it.
-Certificates come from `client.pki`. At each number of agents, in each round, the
+Certificates come from `kernel.pki`. At each number of agents, in each round, the
 claims scenario's Baton loop (each agent opens a session and loops claim → commit on
 a fresh task) runs on each stack in turn, each round in another order.
 """

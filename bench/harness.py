@@ -1,6 +1,6 @@
 """What every scenario shares: the daemons, statistics, the machine.
 
-* :class:`Stack` runs a private etcd (:class:`registry.local.etcdproc.EtcdProcess`), registry
+* :class:`Stack` runs a private etcd (:class:`local.etcdproc.EtcdProcess`), registry
   processes and a watcher on 127.0.0.1 and stops them all when it closes, also
   after Ctrl-C or SIGTERM (``python -m bench`` turns SIGTERM into KeyboardInterrupt).
 * Percentiles, ``VmRSS`` of a process, etcd's request counters, how busy the CPUs are.
@@ -26,8 +26,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Self, TypeVar
 
-from baton_relay.client import pki
-from baton_relay.registry.local.etcdproc import (
+from baton_relay.kernel import pki
+from baton_relay.local.etcdproc import (
     EtcdProcess,
     EtcdTLS,
     etcd_version,
@@ -107,7 +107,7 @@ def _line_in(path: Path, prefix: str) -> str | None:
 class Stack:
     """A private etcd plus registry/watcher processes, all on 127.0.0.1, in ``root``.
 
-    With ``etcd_tls`` etcd serves TLS with client certificates (from ``client.pki``, in
+    With ``etcd_tls`` etcd serves TLS with client certificates (from ``kernel.pki``, in
     ``root/pki``) and the registries connect to it with theirs. With ``registry_tls``
     the registries serve mutual TLS too, as ``baton up`` runs them (``etcd_tls``
     implied), and their ``credentials`` are the operator identity's.

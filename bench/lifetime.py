@@ -11,7 +11,8 @@ from pathlib import Path
 
 import blake3
 
-from baton_relay.client import Client, Session, errors
+from baton_relay.client import Client, Session
+from baton_relay.kernel import errors
 from baton_relay.registry._etcd import Etcd
 from baton_relay.registry.keys import Keys
 

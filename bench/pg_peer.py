@@ -32,7 +32,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
-from baton_relay.registry.local.etcdproc import wait_ready
+from baton_relay.local.etcdproc import wait_ready
 
 from .harness import BenchError, die_with_parent
 from .pool import Ready

@@ -19,7 +19,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-from baton_relay.registry.local.etcdproc import tail, wait_ready
+from baton_relay.local.etcdproc import tail, wait_ready
 
 from .harness import START_TIMEOUT, BenchError, die_with_parent
 

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import mean, median
 
-from baton_relay.client import Client, RetryPolicy, Session, errors, parse_manifest
+from baton_relay.client import Client, RetryPolicy, Session, parse_manifest
+from baton_relay.kernel import errors
 
 from .agents import AgentArgs, baton_agent, double_claims, rate
 from .harness import (

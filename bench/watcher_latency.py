@@ -27,9 +27,9 @@ import blake3
 
 from baton_relay.client import Client
 from baton_relay.client.producer import temp_path
-from baton_relay.client.v1 import baton_pb2 as pb
-from baton_relay.registry.local.etcdproc import EtcdProcess, etcd_version, free_port, wait_ready
-from baton_relay.registry.local.stack import grpc_health_probe
+from baton_relay.kernel.v1 import baton_pb2 as pb
+from baton_relay.local.etcdproc import EtcdProcess, etcd_version, free_port, wait_ready
+from baton_relay.local.stack import grpc_health_probe
 
 
 def pct(values: list[float], q: float) -> float:

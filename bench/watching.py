@@ -22,7 +22,7 @@ from pathlib import Path
 import blake3
 
 from baton_relay.client import Client, next_lease
-from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.kernel.v1 import baton_pb2 as pb
 
 from .harness import BenchError, Stack, check_interrupted, etcd_binary, load_average, ms
 from .pool import Pool, Ready

@@ -18,7 +18,7 @@ again only adds what is missing):
 | ``operator.crt/.key`` | a first operator (roles ``operator``, ``agent``) |
 
 More identities: ``baton cert issue --pki OUT --role agent --name ocr-1 --out DIR``.
-Built on Baton's own ``client.pki`` (the ``baton-relay[pki]`` extra); any CA works as
+Built on Baton's own ``kernel.pki`` (the ``baton-relay[pki]`` extra); any CA works as
 well, Baton reads only the CN and OUs (docs/security.md).
 """
 
@@ -28,8 +28,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from baton_relay.client import pki
-from baton_relay.client.errors import BatonError
+from baton_relay.kernel import pki
+from baton_relay.kernel.errors import BatonError
 
 LOOPBACK = ["localhost", "127.0.0.1"]
 

@@ -13,7 +13,8 @@ import sys
 
 import blake3
 
-from baton_relay.client import Client, RetryPolicy, errors
+from baton_relay.client import Client, RetryPolicy
+from baton_relay.kernel import errors
 
 
 def main() -> None:

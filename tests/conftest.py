@@ -17,7 +17,7 @@ from uuid import uuid4
 
 import pytest
 
-from baton_relay.registry.local.etcdproc import EtcdProcess
+from baton_relay.local.etcdproc import EtcdProcess
 
 # Real registry replicas (tests/registry_fixtures.py), built on the fixtures below.
 pytest_plugins = ["registry_fixtures", "watcher_fixtures"]

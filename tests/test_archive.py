@@ -21,8 +21,8 @@ from test_metrics import scrape
 
 from baton_relay.client import Client, Session
 from baton_relay.client.cli import cli
-from baton_relay.client.errors import IllegalTransition, InvalidManifest, NotFound
-from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.kernel.errors import IllegalTransition, InvalidManifest, NotFound
+from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.registry import archive as archive_mod
 from baton_relay.registry import operators as operators_mod
 from baton_relay.registry import removal

@@ -11,8 +11,9 @@ from typing import Any
 import blake3
 import pytest
 
-from baton_relay.client import Client, Session, consume, errors, iter_parts, next_lease, put
-from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.client import Client, Session, consume, iter_parts, next_lease, put
+from baton_relay.kernel import errors
+from baton_relay.kernel.v1 import baton_pb2 as pb
 
 PARTS = {"p1": b"first part, ", "p2": b"second part, ", "p3": b"third."}
 

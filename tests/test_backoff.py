@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from baton_relay.client.backoff import Backoff, upper
 from baton_relay.client.retry import RetryPolicy
-from baton_relay.registry.local.supervisor import RestartPolicy
+from baton_relay.kernel.backoff import Backoff, upper
+from baton_relay.local.supervisor import RestartPolicy
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,10 +57,10 @@ HAND_WRITTEN = re.compile(r"\*\*[^#]{0,24}?(attempt|failure|retr|crash|recent)",
 
 
 def test_no_other_backoff_formula_is_written() -> None:
-    """Outside client/backoff.py, no module of the three packages raises anything to the
+    """Outside kernel/backoff.py, no module of Baton's packages raises anything to the
     power of an attempt, failure, retry or crash count: they all wait with Backoff."""
     found = []
-    for package in ("client", "registry", "watcher"):
+    for package in ("kernel", "client", "registry", "watcher", "local"):
         for path in (ROOT / package).rglob("*.py"):
             if path.name == "backoff.py" or path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
                 continue
@@ -68,6 +68,7 @@ def test_no_other_backoff_formula_is_written() -> None:
                 if HAND_WRITTEN.search(line):
                     found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert not found, "\n".join(found)
-    for user in ("client/retry.py", "registry/txn.py", "registry/core.py",
-                 "registry/local/supervisor.py", "watcher/sync.py"):
+    for user in ("client/baton_relay/client/retry.py", "registry/baton_relay/registry/txn.py",
+                 "registry/baton_relay/registry/core.py",
+                 "local/baton_relay/local/supervisor.py", "watcher/baton_relay/watcher/sync.py"):
         assert "Backoff(" in (ROOT / user).read_text(), user

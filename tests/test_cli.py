@@ -27,9 +27,9 @@ from click.testing import CliRunner, Result
 from baton_relay.client import DEFAULT_REGISTRY, Client, RetryPolicy
 from baton_relay.client.cli import cli
 from baton_relay.client.cli._common import default_agent
-from baton_relay.client.v1 import baton_pb2 as pb
-from baton_relay.registry.local.etcdproc import free_port
-from baton_relay.registry.local.stack import LocalPKI
+from baton_relay.kernel.v1 import baton_pb2 as pb
+from baton_relay.local.etcdproc import free_port
+from baton_relay.local.stack import LocalPKI
 
 MANIFEST = {"task_id": "t1", "entries": [{"file_id": "a", "path": "a.json"}]}
 TWO = {"task_id": "t1", "entries": [{"file_id": "a", "path": "a.json"},

@@ -15,8 +15,9 @@ import blake3
 import pytest
 from test_cli import MANIFEST, TWO, create, invoke, ok_json, one_error_line, run
 
-from baton_relay.client import Client, errors
-from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.client import Client
+from baton_relay.kernel import errors
+from baton_relay.kernel.v1 import baton_pb2 as pb
 
 #: the BLAKE3 digest of no bytes: the commits of size 0 here publish no file
 EMPTY = blake3.blake3(b"").hexdigest()

@@ -24,12 +24,13 @@ from test_cli import invoke, ok_json, one_error_line
 from test_cli_ops import plain_tables, table_rows  # noqa: F401  (a fixture)
 from test_docs_run import CLI_MD, transcripts
 
-from baton_relay.client import Client, errors
+from baton_relay.client import Client
 from baton_relay.client.cli import cli
 from baton_relay.client.cli.watchers import POLL_INTERVAL, StillMoving, Waiter
-from baton_relay.client.v1 import baton_pb2 as pb
-from baton_relay.registry.local.etcdproc import free_port
-from baton_relay.registry.local.stack import UpOptions, child_specs, default_staging
+from baton_relay.kernel import errors
+from baton_relay.kernel.v1 import baton_pb2 as pb
+from baton_relay.local.etcdproc import free_port
+from baton_relay.local.stack import UpOptions, child_specs, default_staging
 
 SHARDS = 12
 HEARTBEAT = 0.1
@@ -495,7 +496,7 @@ def test_up_with_two_watchers_lists_and_registers_both(
     metrics; both register with the registry and share its shards."""
     import queue
 
-    from baton_relay.registry.local.stack import run_up
+    from baton_relay.local.stack import run_up
 
     data = tmp_path / "baton"
     opts = UpOptions(data, default_staging(data), etcd_port=free_port(),

@@ -14,9 +14,9 @@ import pytest
 from baton_relay.client.cli._root import COMMANDS, cli
 
 #: modules a command may or may not need, checked below
-HEAVY = ("grpc", "google.protobuf", "rich", "blake3", "baton_relay.registry.local.stack",
-         "baton_relay.registry.local.demo", "baton_relay.client.consumer",
-         "baton_relay.client.producer", "baton_relay.client.v1.baton_pb2_grpc")
+HEAVY = ("grpc", "google.protobuf", "rich", "blake3", "baton_relay.local.stack",
+         "baton_relay.local.demo", "baton_relay.client.consumer",
+         "baton_relay.client.producer", "baton_relay.kernel.v1.baton_pb2_grpc")
 
 PROBE = """
 import json, sys
@@ -67,9 +67,9 @@ def test_agent_commands_load_grpc_but_not_rich_or_the_stack(
     """claim and commit load gRPC and the messages, not rich, BLAKE3, the stack or the stubs."""
     loaded = loaded_after(args, registry.address)
     assert {"grpc", "google.protobuf"} <= set(loaded)
-    assert not {"rich", "blake3", "baton_relay.registry.local.stack",
-                "baton_relay.registry.local.demo", "baton_relay.client.consumer",
-                "baton_relay.client.producer", "baton_relay.client.v1.baton_pb2_grpc"
+    assert not {"rich", "blake3", "baton_relay.local.stack",
+                "baton_relay.local.demo", "baton_relay.client.consumer",
+                "baton_relay.client.producer", "baton_relay.kernel.v1.baton_pb2_grpc"
                 } & set(loaded), loaded
 
 
@@ -89,7 +89,7 @@ def test_importing_the_cli_imports_no_command_module() -> None:
     assert done.stdout.split() == [
         "baton_relay", "baton_relay.client", "baton_relay.client.cli",
         "baton_relay.client.cli._common", "baton_relay.client.cli._root",
-        "baton_relay.client.contract", "baton_relay.client.errors"]
+        "baton_relay.kernel", "baton_relay.kernel.contract", "baton_relay.kernel.errors"]
 
 
 def test_the_process_ends_with_its_status_and_all_its_output() -> None:

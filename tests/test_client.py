@@ -11,9 +11,10 @@ import blake3
 import pytest
 from registry_fixtures import start_registry
 
-from baton_relay.client import Client, RetryPolicy, consume, errors, next_lease, produce
-from baton_relay.client.v1 import baton_pb2 as pb
-from baton_relay.registry.local.etcdproc import free_port
+from baton_relay.client import Client, RetryPolicy, consume, next_lease, produce
+from baton_relay.kernel import errors
+from baton_relay.kernel.v1 import baton_pb2 as pb
+from baton_relay.local.etcdproc import free_port
 
 
 def one_entry(client: Client, task: str = "t1") -> None:

@@ -17,9 +17,10 @@ import blake3
 import pytest
 from registry_fixtures import RegistryHandle
 
-from baton_relay.client import Client, Session, consume, errors, produce, put, read_verified
+from baton_relay.client import Client, Session, consume, produce, put, read_verified
 from baton_relay.client.producer import NAME_MAX, TEMP_MARKER, temp_name
-from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.kernel import errors
+from baton_relay.kernel.v1 import baton_pb2 as pb
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,7 +35,8 @@ DEADLINE = 20.0
 #: in a test run that eats the machine's memory or never ends.
 CONSUMER = """
 import resource, sys, time
-from baton_relay.client import Client, consume, errors
+from baton_relay.client import Client, consume
+from baton_relay.kernel import errors
 address, task, headroom = sys.argv[1], sys.argv[2], int(sys.argv[3])
 with Client(address, timeout=10) as c, c.open_session("reader", ttl=10) as s:
     with open("/proc/self/status") as f:

@@ -18,9 +18,11 @@ import pytest
 from click.testing import CliRunner
 from registry_fixtures import RegistryHandle, on_etcd
 
-from baton_relay.client import Client, Session, errors
+from baton_relay.client import Client, Session
 from baton_relay.client.cli import cli
-from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.kernel import errors
+from baton_relay.kernel.v1 import baton_pb2 as pb
+from baton_relay.local.etcdproc import EtcdProcess
 from baton_relay.registry import _etcd as etcd_mod
 from baton_relay.registry import operators as operators_mod
 from baton_relay.registry import scheduler as scheduler_mod
@@ -28,7 +30,6 @@ from baton_relay.registry import sessions as sessions_mod
 from baton_relay.registry._etcd import KV, Etcd, Put
 from baton_relay.registry.core import Core
 from baton_relay.registry.keys import ClaimRef, Keys
-from baton_relay.registry.local.etcdproc import EtcdProcess
 from baton_relay.registry.model import PENDING, VERIFIED, EntryRecord, TaskRecord
 from baton_relay.registry.scheduler import assembly_digest
 from baton_relay.registry.txn import Txn, write

@@ -10,8 +10,9 @@ import pytest
 from test_ack_batch import keys_under, verified_task
 from test_cli import invoke, ok_json
 
-from baton_relay.client import Client, errors
-from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.client import Client
+from baton_relay.kernel import errors
+from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.registry.consumers import MAX_CONSUMES
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from baton_relay.client import errors
-from baton_relay.client.v1 import regen
+from baton_relay.kernel import errors
+from baton_relay.kernel.v1 import regen
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -17,10 +17,10 @@ def test_committed_stubs_match_the_proto(tmp_path: Path) -> None:
     """Regenerating from baton.proto reproduces the committed stubs byte for byte."""
     regen.generate(tmp_path)
     for name in ("baton_pb2.py", "baton_pb2.pyi", "baton_pb2_grpc.py"):
-        fresh = (tmp_path / "baton_relay" / "client" / "v1" / name).read_text()
-        committed = (ROOT / "client" / "v1" / name).read_text()
+        fresh = (tmp_path / "baton_relay" / "kernel" / "v1" / name).read_text()
+        committed = (ROOT / "kernel" / "baton_relay" / "kernel" / "v1" / name).read_text()
         assert fresh == committed, (
-            f"client/v1/{name} is stale: run python -m baton_relay.client.v1.regen")
+            f"kernel v1/{name} is stale: run python -m baton_relay.kernel.v1.regen")
 
 
 ALL_ERRORS = [cls for cls in vars(errors).values()

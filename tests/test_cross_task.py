@@ -13,8 +13,8 @@ from registry_fixtures import RegistryHandle, produce_verified
 from test_cli import invoke, ok_json
 
 from baton_relay.client import Client, Session
-from baton_relay.client.errors import IllegalTransition, InvalidManifest
-from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.kernel.errors import IllegalTransition, InvalidManifest
+from baton_relay.kernel.v1 import baton_pb2 as pb
 
 Wait = Callable[..., None]
 

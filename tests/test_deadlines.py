@@ -12,8 +12,8 @@ import pytest
 from registry_fixtures import RegistryHandle, on_etcd
 
 from baton_relay.client import Client
-from baton_relay.client.errors import InvalidManifest, StaleToken
-from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.kernel.errors import InvalidManifest, StaleToken
+from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.registry._etcd import Etcd
 from baton_relay.registry.keys import Keys
 

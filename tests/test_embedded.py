@@ -1,4 +1,4 @@
-"""registry.local.stack (``baton up``) with a real etcd and real child processes."""
+"""local.stack (``baton up``) with a real etcd and real child processes."""
 
 from __future__ import annotations
 
@@ -17,17 +17,17 @@ from pathlib import Path
 import pytest
 
 from baton_relay.client import Client, put
-from baton_relay.client.backoff import upper
-from baton_relay.client.v1 import baton_pb2 as pb
-from baton_relay.registry.local import stack as embedded
-from baton_relay.registry.local.etcdproc import (
+from baton_relay.kernel.backoff import upper
+from baton_relay.kernel.v1 import baton_pb2 as pb
+from baton_relay.local import stack as embedded
+from baton_relay.local.etcdproc import (
     DaemonFailed,
     EtcdProcess,
     free_port,
     port_in_use,
     write_banner,
 )
-from baton_relay.registry.local.stack import (
+from baton_relay.local.stack import (
     ChildSpec,
     LocalPKI,
     RestartPolicy,

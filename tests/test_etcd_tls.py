@@ -1,7 +1,7 @@
 """The registry's etcd connection over TLS, with client certificates and etcd users.
 
 Every etcd here is a real one of this module's own, serving its client API over
-TLS (``registry.local.etcdproc.EtcdTLS``) with certificates from ``client.pki``;
+TLS (``local.etcdproc.EtcdTLS``) with certificates from ``kernel.pki``;
 ``BATON_TEST_ETCD`` picks the binary, so the module runs on 3.4 and 3.5 alike.
 The auth-enabled etcd grants the user ``baton`` readwrite on ``/baton-test/``
 and nothing else: whatever the registry does through it needs no more.
@@ -23,9 +23,10 @@ import pytest
 from registry_fixtures import TEST_RETRY, on_etcd, start_registry
 from test_etcd_endpoints import Relay, needs_ipv6
 
-from baton_relay.client import Client, errors, pki
+from baton_relay.client import Client
+from baton_relay.kernel import errors, pki
+from baton_relay.local.etcdproc import EtcdProcess, EtcdTLS, free_port
 from baton_relay.registry._etcd import Etcd, EtcdAuth, Get, Put, absent
-from baton_relay.registry.local.etcdproc import EtcdProcess, EtcdTLS, free_port
 
 T = TypeVar("T")
 

@@ -24,8 +24,16 @@ from registry_fixtures import TEST_RETRY, RegistryHandle, start_registry
 from tools import require
 
 from baton_relay.client import Client
-from baton_relay.client.contract import REGISTRY_SERVICE
-from baton_relay.client.errors import BatonError, InvalidArgument
+from baton_relay.kernel.contract import REGISTRY_SERVICE
+from baton_relay.kernel.errors import BatonError, InvalidArgument
+from baton_relay.local.etcdproc import (
+    EtcdProcess,
+    choose_etcd,
+    etcd_candidates,
+    etcd_version,
+    free_port,
+)
+from baton_relay.local.stack import UpOptions, child_specs, run_up
 from baton_relay.registry import RegistryConfig, start
 from baton_relay.registry.etcd_members import (
     MEMBERS_KEY,
@@ -39,14 +47,6 @@ from baton_relay.registry.etcd_versions import (
     markdown_table,
     parse_version,
 )
-from baton_relay.registry.local.etcdproc import (
-    EtcdProcess,
-    choose_etcd,
-    etcd_candidates,
-    etcd_version,
-    free_port,
-)
-from baton_relay.registry.local.stack import UpOptions, child_specs, run_up
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVING = health_pb2.HealthCheckResponse.SERVING

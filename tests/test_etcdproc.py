@@ -1,4 +1,4 @@
-"""registry.local.etcdproc against the real etcd binary (whichever find_etcd picks)."""
+"""local.etcdproc against the real etcd binary (whichever find_etcd picks)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from baton_relay.registry.local.etcdproc import (
+from baton_relay.local.etcdproc import (
     BANNER_PREFIX,
     DaemonFailed,
     EtcdNotInstalled,

@@ -18,8 +18,8 @@ from registry_fixtures import RegistryHandle
 
 from baton_relay.client import Client, put
 from baton_relay.client.cli import cli
-from baton_relay.client.contract import TEMP_MARKER
-from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.kernel.contract import TEMP_MARKER
+from baton_relay.kernel.v1 import baton_pb2 as pb
 
 Wait = Callable[..., None]
 

@@ -13,8 +13,9 @@ from typing import Any
 import blake3
 import pytest
 
-from baton_relay.client import Client, Session, errors
-from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.client import Client, Session
+from baton_relay.kernel import errors
+from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.registry.scheduler import assembly_digest
 
 FAST = {"base_seconds": 0.001}

@@ -9,7 +9,7 @@ from typing import Any
 
 import blake3
 
-from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.registry._etcd import KV, Compare, Etcd, Guarded, TxnOp, TxnResult
 from baton_relay.registry.core import Core
 from baton_relay.registry.identity import ANONYMOUS

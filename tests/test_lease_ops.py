@@ -21,8 +21,9 @@ from registry_fixtures import TEST_RETRY, RegistryHandle, on_etcd
 from test_cli import invoke, ok_json, one_error_line
 from test_leases import wait_for
 
-from baton_relay.client import Client, Session, consume_each, errors, produce_each
-from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.client import Client, Session, consume_each, produce_each
+from baton_relay.kernel import errors
+from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.registry._etcd import Put
 from baton_relay.registry.claims import SessionRecord
 from baton_relay.registry.leases import MOVE_CHUNK, Leases

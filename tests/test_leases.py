@@ -10,8 +10,9 @@ from collections.abc import Callable
 
 import pytest
 
-from baton_relay.client import Client, Lease, errors
-from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.client import Client, Lease
+from baton_relay.kernel import errors
+from baton_relay.kernel.v1 import baton_pb2 as pb
 
 #: a lost claim's entry is claimable again at once (the default backoff starts at 1 s)
 FAST: dict[str, object] = {"backoff": {"base_seconds": 0.001}}

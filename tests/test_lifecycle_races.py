@@ -13,8 +13,9 @@ import blake3
 import pytest
 from registry_fixtures import on_etcd
 
-from baton_relay.client import Client, errors
-from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.client import Client
+from baton_relay.kernel import errors
+from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.registry._etcd import Etcd
 from baton_relay.registry.consumers import Consumers
 from baton_relay.registry.core import Core

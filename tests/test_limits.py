@@ -21,9 +21,10 @@ import pytest
 from registry_fixtures import TEST_RETRY, RegistryHandle
 from test_cli import cli_env
 
-from baton_relay.client import Client, errors
-from baton_relay.client.contract import MAX_MANIFEST_BYTES, MAX_REQUEST_BYTES
-from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.client import Client
+from baton_relay.kernel import errors
+from baton_relay.kernel.contract import MAX_MANIFEST_BYTES, MAX_REQUEST_BYTES
+from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.registry import server as registry_server
 
 SUBPROCESS_TIMEOUT = 60

@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 from registry_fixtures import RegistryHandle, allow_suite_etcd
 
-from baton_relay.client import Client, errors
-from baton_relay.client.logs import formatter, setup_logging
+from baton_relay.client import Client
+from baton_relay.kernel import errors
+from baton_relay.kernel.logs import formatter, setup_logging
 
 
 def test_entry_lines_carry_task_file_and_revision(

@@ -6,7 +6,8 @@ from typing import Any
 
 import pytest
 
-from baton_relay.client import Client, errors, parse_manifest
+from baton_relay.client import Client, parse_manifest
+from baton_relay.kernel import errors
 from baton_relay.registry.manifest import MAX_ENTRIES, MAX_PATH, path_problem, validate
 
 

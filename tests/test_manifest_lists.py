@@ -6,7 +6,8 @@ from typing import Any
 
 import pytest
 
-from baton_relay.client import errors, parse_manifest
+from baton_relay.client import parse_manifest
+from baton_relay.kernel import errors
 from baton_relay.registry.manifest import validate
 
 

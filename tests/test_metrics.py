@@ -17,9 +17,9 @@ from tools import require
 from watcher_fixtures import digest, make_task
 
 from baton_relay.client import Client, put
-from baton_relay.client.errors import InvalidArgument, NotFound, NothingToClaim, StaleToken
-from baton_relay.client.metrics_endpoint import parse_address
-from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.kernel.errors import InvalidArgument, NotFound, NothingToClaim, StaleToken
+from baton_relay.kernel.metrics_endpoint import parse_address
+from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.registry import RegistryConfig
 from baton_relay.registry.config import load_config as registry_config
 from baton_relay.registry.metrics import RegistryMetrics

@@ -29,12 +29,12 @@ from test_archive import (
 
 from baton_relay.client import Client
 from baton_relay.client.cli import cli
-from baton_relay.client.errors import IllegalTransition, StorageFull, TaskExists
-from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.kernel.errors import IllegalTransition, StorageFull, TaskExists
+from baton_relay.kernel.v1 import baton_pb2 as pb
+from baton_relay.local.etcdproc import EtcdProcess, etcd_version
 from baton_relay.registry._etcd import Etcd, Guarded, Put
 from baton_relay.registry.archive import Archiver, DirectoryStore
 from baton_relay.registry.keys import Keys
-from baton_relay.registry.local.etcdproc import EtcdProcess, etcd_version
 
 QUOTA = ("--quota-backend-bytes=4194304",)  # 4 MiB
 PREFIX = "/quota/"

@@ -9,8 +9,9 @@ from collections.abc import Callable
 
 from registry_fixtures import TEST_RETRY
 
-from baton_relay.client import Client, errors
-from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.client import Client
+from baton_relay.kernel import errors
+from baton_relay.kernel.v1 import baton_pb2 as pb
 
 AGENTS = 16
 ENTRIES = 200

@@ -14,8 +14,9 @@ import pytest
 from registry_fixtures import on_etcd
 from test_cli import invoke, ok_json, one_error_line
 
-from baton_relay.client import Client, errors
-from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.client import Client
+from baton_relay.kernel import errors
+from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.registry import removal
 from baton_relay.registry._etcd import KV, Etcd, Put
 from baton_relay.registry.keys import Keys

@@ -10,9 +10,10 @@ from typing import Any
 import blake3
 import pytest
 
-from baton_relay.client import Client, errors, parse_manifest, produce, put
-from baton_relay.client.contract import MAX_ATTRIBUTES_BYTES
-from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.client import Client, parse_manifest, produce, put
+from baton_relay.kernel import errors
+from baton_relay.kernel.contract import MAX_ATTRIBUTES_BYTES
+from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.registry.manifest import validate
 from baton_relay.registry.routing import MAX_RULES, condition, parse_attributes
 

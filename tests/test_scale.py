@@ -6,7 +6,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.registry._etcd import KV, Etcd
 from baton_relay.registry.core import Core
 from baton_relay.registry.identity import ANONYMOUS

@@ -2,7 +2,7 @@
 request ids scoped to their caller, tokens for operators only, task access rules.
 
 Every case runs against a real registry serving mutual TLS, with certificates from
-a CA made for the test session (``client.pki``), on a real etcd.
+a CA made for the test session (``kernel.pki``), on a real etcd.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ import grpc
 import pytest
 from registry_fixtures import TEST_RETRY, RegistryHandle, on_etcd
 
-from baton_relay.client import Client, errors, pki
-from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.client import Client
+from baton_relay.kernel import errors, pki
+from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.registry._etcd import Etcd
 from baton_relay.registry.identity import POLICY
 from baton_relay.registry.keys import Keys

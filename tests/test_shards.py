@@ -24,9 +24,9 @@ from watcher_fixtures import (
 )
 
 from baton_relay.client import Client, Session
-from baton_relay.client.contract import shard_of
-from baton_relay.client.errors import NotFound, NotShardOwner
-from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.kernel.contract import shard_of
+from baton_relay.kernel.errors import NotFound, NotShardOwner
+from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.registry.shards import moves_bound, plan_moves
 from baton_relay.watcher import Watcher, daemon
 

@@ -16,8 +16,9 @@ from registry_fixtures import TEST_RETRY, RegistryHandle
 from test_cli import SUBPROCESS_TIMEOUT, Address, Lines, cli_env, invoke, ok_json
 from test_cli_startup import loaded_after
 
-from baton_relay.client import Client, Session, pki
+from baton_relay.client import Client, Session
 from baton_relay.client.cli.top import age_text
+from baton_relay.kernel import pki
 
 #: one entry in each state: f0 consumed, f1 verified, f2 written, f3 writing (held by
 #: the session), f4 dead, f5 pending

@@ -8,8 +8,9 @@ from pathlib import Path
 import blake3
 import pytest
 
-from baton_relay.client import Claim, Client, errors, produce
-from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.client import Claim, Client, produce
+from baton_relay.kernel import errors
+from baton_relay.kernel.v1 import baton_pb2 as pb
 
 #: retries become claimable again at once (the default backoff starts at 1 s)
 FAST_RETRY = {"base_seconds": 0.001}

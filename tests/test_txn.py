@@ -9,10 +9,10 @@ from typing import TypeVar
 import pytest
 from registry_fixtures import on_etcd
 
-from baton_relay.client.errors import Conflict, NotFound
+from baton_relay.kernel.errors import Conflict, NotFound
+from baton_relay.local.etcdproc import EtcdProcess
 from baton_relay.registry._etcd import Etcd, Put
 from baton_relay.registry.keys import Keys
-from baton_relay.registry.local.etcdproc import EtcdProcess
 from baton_relay.registry.txn import Transactions, Txn, write
 from baton_relay.registry.view import View
 

@@ -20,7 +20,7 @@ from watcher_fixtures import (
 )
 
 from baton_relay.client import Client, Session
-from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.watcher import Watcher
 
 Wait = Callable[..., None]

@@ -19,7 +19,7 @@ import pytest
 from watcher_fixtures import is_state, put_bytes
 
 from baton_relay.client import Client, Session
-from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.watcher import Watcher
 from baton_relay.watcher.taskdirs import DirRule, TaskDirFailed, TaskDirs, dir_rules, prepare_dir
 

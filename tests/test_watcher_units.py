@@ -13,8 +13,8 @@ from pathlib import Path
 import blake3
 import pytest
 
-from baton_relay.client.errors import BatonError
-from baton_relay.client.logs import formatter, log
+from baton_relay.kernel.errors import BatonError
+from baton_relay.kernel.logs import formatter, log
 from baton_relay.watcher import Watcher, WatcherConfig, load_config
 from baton_relay.watcher.emitter import InotifyEmitter
 from baton_relay.watcher.errors import FileChanged, Refused

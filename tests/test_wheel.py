@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from registry_fixtures import allow_suite_etcd
 
-from baton_relay.registry.local.etcdproc import free_port, wait_ready
+from baton_relay.local.etcdproc import free_port, wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,13 +48,15 @@ def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.slow
 def test_the_wheel_and_sdist_carry_every_package_and_data_file(dist: Path) -> None:
-    """Both hold the three packages, the local stack, the contract and its stubs."""
+    """Both hold the kernel, the three packages, the local stack, the contract and its
+    stubs."""
     (wheel,) = dist.glob("*.whl")
     (sdist,) = dist.glob("*.tar.gz")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for needed in ("client/v1/baton.proto", "client/v1/baton_pb2.py", "client/py.typed",
-                   "client/pki.py", "registry/local/stack.py", "registry/local/etcdproc.py",
-                   "registry/identity.py", "watcher/taskdirs.py", "watcher/py.typed"):
+    for needed in ("kernel/v1/baton.proto", "kernel/v1/baton_pb2.py", "kernel/py.typed",
+                   "kernel/pki.py", "client/py.typed", "local/stack.py", "local/etcdproc.py",
+                   "local/cli.py", "registry/identity.py", "watcher/taskdirs.py",
+                   "watcher/py.typed"):
         assert f"baton_relay/{needed}" in names, needed
     # one import root, named after the distribution: nothing else at the top
     assert {n.split("/")[0] for n in names} == {"baton_relay", wheel.name.split("-")[0] + "-"
@@ -62,7 +64,9 @@ def test_the_wheel_and_sdist_carry_every_package_and_data_file(dist: Path) -> No
     with tarfile.open(sdist) as tar:
         members = {m.name.split("/", 1)[1] for m in tar.getmembers() if "/" in m.name}
     assert {"pyproject.toml", "README.md",
-            "src/baton_relay/client/v1/baton.proto"} <= members
+            "kernel/baton_relay/kernel/v1/baton.proto"} <= members
+    # baton_relay is a namespace package spread over the five folders: no __init__.py
+    assert "baton_relay/__init__.py" not in names
 
 
 @pytest.mark.slow

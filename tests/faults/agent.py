@@ -36,7 +36,7 @@ from baton_relay.client import (
     produce,
     read_verified,
 )
-from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.kernel.v1 import baton_pb2 as pb
 
 from . import payload
 from .history import History, phase_of

@@ -26,9 +26,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from baton_relay.client import pki
-from baton_relay.registry.keys import prefix_end
-from baton_relay.registry.local.etcdproc import (
+from baton_relay.kernel import pki
+from baton_relay.local.etcdproc import (
     etcd_version,
     find_etcd,
     port_in_use,
@@ -37,7 +36,8 @@ from baton_relay.registry.local.etcdproc import (
     wait_ready,
     write_banner,
 )
-from baton_relay.registry.local.stack import LocalPKI, grpc_health_probe, log_line_probe
+from baton_relay.local.stack import LocalPKI, grpc_health_probe, log_line_probe
+from baton_relay.registry.keys import prefix_end
 
 from .netns import Network
 

@@ -26,10 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from baton_relay.client import Client, RetryPolicy, errors
-from baton_relay.client.v1 import baton_pb2 as pb
-from baton_relay.registry.local.etcdproc import free_port
-from baton_relay.registry.local.stack import LocalPKI
+from baton_relay.client import Client, RetryPolicy
+from baton_relay.kernel import errors
+from baton_relay.kernel.v1 import baton_pb2 as pb
+from baton_relay.local.etcdproc import free_port
+from baton_relay.local.stack import LocalPKI
 
 from . import history as hist
 from . import netns

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
-from baton_relay.client import errors
+from baton_relay.kernel import errors
 
 #: errors after which the call certainly did not apply (refused before any write)
 DEFINITE = (

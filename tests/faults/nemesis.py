@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from baton_relay.client import Client, errors
+from baton_relay.client import Client
+from baton_relay.kernel import errors
 
 from .cluster import (
     EtcdCluster,

@@ -14,7 +14,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from baton_relay.client.contract import TEMP_MARKER
+from baton_relay.kernel.contract import TEMP_MARKER
 
 
 def temp_files(root: Path) -> list[str]:

@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 import sys
 
-from baton_relay.client import Client, RetryPolicy, errors, produce
+from baton_relay.client import Client, RetryPolicy, produce
+from baton_relay.kernel import errors
 
 PAYLOAD = b"A" * 1000
 

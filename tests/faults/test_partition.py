@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 from tools import require
 
-from baton_relay.client import Client, errors
-from baton_relay.client.errors import Unavailable
+from baton_relay.client import Client
+from baton_relay.kernel import errors
+from baton_relay.kernel.errors import Unavailable
+from baton_relay.local.etcdproc import free_port
 from baton_relay.registry._etcd import Etcd
-from baton_relay.registry.local.etcdproc import free_port
 
 from . import netns
 from .cluster import (

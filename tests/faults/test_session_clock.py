@@ -16,8 +16,9 @@ import time
 
 import pytest
 
-from baton_relay.client import Session, errors
-from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.client import Session
+from baton_relay.kernel import errors
+from baton_relay.kernel.v1 import baton_pb2 as pb
 
 
 class LateReplies:

@@ -25,8 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from baton_relay.client import Client, errors, put
-from baton_relay.client.v1 import baton_pb2 as pb
+from baton_relay.client import Client, put
+from baton_relay.kernel import errors
+from baton_relay.kernel.v1 import baton_pb2 as pb
 
 from .cluster import REPO
 from .stale_producer import PAYLOAD
