@@ -17,10 +17,10 @@ def test_committed_stubs_match_the_proto(tmp_path: Path) -> None:
     """Regenerating from baton.proto reproduces the committed stubs byte for byte."""
     regen.generate(tmp_path)
     for name in ("baton_pb2.py", "baton_pb2.pyi", "baton_pb2_grpc.py"):
-        fresh = (tmp_path / "baton_relay" / "kernel" / "v1" / name).read_text()
-        committed = (ROOT / "kernel" / "baton_relay" / "kernel" / "v1" / name).read_text()
+        fresh = (tmp_path / name).read_text()
+        committed = (ROOT / "kernel" / "v1" / name).read_text()
         assert fresh == committed, (
-            f"kernel v1/{name} is stale: run python -m baton_relay.kernel.v1.regen")
+            f"kernel/v1/{name} is stale: run python -m baton_relay.kernel.v1.regen")
 
 
 ALL_ERRORS = [cls for cls in vars(errors).values()

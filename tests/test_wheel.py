@@ -64,9 +64,14 @@ def test_the_wheel_and_sdist_carry_every_package_and_data_file(dist: Path) -> No
     with tarfile.open(sdist) as tar:
         members = {m.name.split("/", 1)[1] for m in tar.getmembers() if "/" in m.name}
     assert {"pyproject.toml", "README.md",
-            "kernel/baton_relay/kernel/v1/baton.proto"} <= members
-    # baton_relay is a namespace package spread over the five folders: no __init__.py
-    assert "baton_relay/__init__.py" not in names
+            "kernel/v1/baton.proto", "__init__.py"} <= members
+    # the packages pyproject.toml lists are every package folder of the repository
+    packages = {n.rsplit("/", 1)[0].replace("/", ".") for n in names
+                if n.endswith("/__init__.py")}
+    folders = {"baton_relay." + str(p.parent.relative_to(ROOT)).replace("/", ".")
+               for top in ("kernel", "client", "registry", "watcher", "local")
+               for p in (ROOT / top).rglob("__init__.py")} | {"baton_relay"}
+    assert packages == folders, packages ^ folders
 
 
 @pytest.mark.slow

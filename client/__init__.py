@@ -1,0 +1,96 @@
+"""Baton's client: the agent library and the ``baton`` CLI (the wire contract and the
+errors are the kernel's, :mod:`baton_relay.kernel`; ``errors`` is re-exported here).
+
+    from baton_relay.client import Client, produce, consume
+
+    with Client("127.0.0.1:7390") as c, c.open_session("ocr-1", ttl=10) as s:
+        with produce(c, s, "t1", "a") as out:
+            out.write(b"hello")
+        with consume(c, s, "t1", group="default", timeout=30) as got:
+            print(got.data)
+
+The names below are loaded on first use: ``import baton_relay.client`` (and the ``baton``
+command, whose every run starts a process) does not pay for gRPC, protobuf or
+BLAKE3 until something needs them.
+"""
+
+from __future__ import annotations
+
+if __name__ != "baton_relay.client":  # one import name per file
+    raise ImportError(f"{__name__} is baton_relay.client: import it by that name "
+                      "(the repository's root is the package baton_relay)")
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..kernel import errors
+    from ..kernel.contract import DEFAULT_REGISTRY
+    from ._client import Claim, Client, Lease, Session, parse_manifest
+    from .consumer import (
+        Delivery,
+        consume,
+        consume_each,
+        iter_parts,
+        next_lease,
+        read_verified,
+    )
+    from .producer import Output, produce, produce_each, put
+    from .retry import RetryPolicy
+
+#: each public name and the module that defines it
+_HOME = {
+    "DEFAULT_REGISTRY": "baton_relay.kernel.contract",
+    "Claim": "._client",
+    "Client": "._client",
+    "Lease": "._client",
+    "RetryPolicy": ".retry",
+    "Session": "._client",
+    "parse_manifest": "._client",
+    "Delivery": ".consumer",
+    "consume": ".consumer",
+    "iter_parts": ".consumer",
+    "consume_each": ".consumer",
+    "next_lease": ".consumer",
+    "read_verified": ".consumer",
+    "Output": ".producer",
+    "produce": ".producer",
+    "produce_each": ".producer",
+    "put": ".producer",
+}
+
+__all__ = [
+    "DEFAULT_REGISTRY",
+    "Claim",
+    "Client",
+    "Delivery",
+    "Lease",
+    "Output",
+    "RetryPolicy",
+    "Session",
+    "consume",
+    "consume_each",
+    "errors",
+    "iter_parts",
+    "next_lease",
+    "parse_manifest",
+    "produce",
+    "produce_each",
+    "put",
+    "read_verified",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "errors":
+        value: Any = importlib.import_module("baton_relay.kernel.errors")
+    elif name in _HOME:
+        value = getattr(importlib.import_module(_HOME[name], __name__), name)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -1,0 +1,744 @@
+"""The agent-side client: one gRPC channel, typed errors, safe retries, sessions."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Generator, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from ..kernel import errors
+from ..kernel.contract import (
+    DEFAULT_REGISTRY,
+    KEEPALIVE_MS,
+    KEEPALIVE_TIMEOUT_MS,
+    MAX_MANIFEST_BYTES,
+    MAX_REPLY_BYTES,
+    MAX_REQUEST_BYTES,
+    mib,
+    version,
+)
+from ..kernel.errors import SessionExpired
+from ..kernel.v1 import baton_pb2 as pb
+from .retry import RetryPolicy
+
+__all__ = ["DEFAULT_REGISTRY", "Claim", "Client", "Lease", "RetryPolicy", "Session",
+           "parse_manifest"]
+
+log = logging.getLogger("baton.client")
+
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A producer's claim: write ``path``, then commit or fail with ``token``."""
+
+    task_id: str
+    file_id: str
+    token: int
+    path: str
+    entry: pb.Entry
+    session_id: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"task": self.task_id, "file_id": self.file_id, "token": self.token,
+                "path": self.path, "session": self.session_id}
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A consumer's hold on a verified entry: read ``path``, then ack or nack."""
+
+    task_id: str
+    file_id: str
+    group: str
+    token: int
+    path: str
+    size: int
+    digest: str
+    entry: pb.Entry
+    session_id: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"task": self.task_id, "file_id": self.file_id, "group": self.group,
+                "token": self.token, "path": self.path, "size": self.size,
+                "digest": self.digest, "session": self.session_id}
+
+
+def _raise_from_rpc(e: grpc.RpcError, method: str = "", timeout: float = 0.0
+                    ) -> errors.BatonError:
+    code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
+    details = e.details() if hasattr(e, "details") else str(e)
+    trailing = e.trailing_metadata() if hasattr(e, "trailing_metadata") else ()
+    error = errors.from_status(code, details, trailing)
+    if type(error) is errors.DeadlineExceeded and method:
+        # The transport only says "Deadline Exceeded"; say which call and how long.
+        return errors.DeadlineExceeded(
+            f"{method}: no reply from the registry within {timeout:g} s (deadline exceeded)",
+            method=method, timeout=timeout)
+    return error
+
+
+@dataclass
+class Session:
+    """An agent session: an etcd lease the client keeps alive in the background.
+
+    Once the lease is lost (the registry says so, or no refresh succeeded for
+    a whole TTL), ``lost`` is set and the client refuses to use the session's
+    claims: their fencing tokens may already be dead.
+
+    The registry keeps the session on whichever etcd lease an operator rotated it
+    to; each refresh brings back the TTL the session has now (a rotation may
+    change it), which paces the next ones. ``draining`` turns True when the
+    session's host is drained (a refresh says so, or a claim is refused with
+    ``Draining``): take no new work, finish what is held.
+    """
+
+    client: Client
+    session_id: int
+    agent: str
+    ttl: int
+    keepalive: bool = True
+    lost: threading.Event = field(default_factory=threading.Event)
+    _draining: threading.Event = field(default_factory=threading.Event)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+    _last_ok: float = field(default_factory=time.monotonic)
+
+    @property
+    def draining(self) -> bool:
+        """Whether the session's host is drained: no new claims or consumes."""
+        return self._draining.is_set()
+
+    def refresh(self) -> int:
+        """Refresh the session's lease once and take what the registry says of it
+        (its TTL, whether it is draining); the TTL."""
+        reply = self.client.refresh_session(self.session_id)
+        if reply.ttl > 0:
+            self.ttl = int(reply.ttl)
+        if reply.draining:
+            self._draining.set()
+        else:
+            self._draining.clear()
+        return int(reply.ttl)
+
+    def drained(self) -> None:
+        """The registry refused new work: the session's host is drained."""
+        self._draining.set()
+
+    def start(self) -> None:
+        if self.keepalive:
+            self._thread = threading.Thread(
+                target=self._run, name=f"baton-keepalive-{self.session_id:x}", daemon=True
+            )
+            self._thread.start()
+
+    def check(self) -> None:
+        """Raise ``SessionExpired`` if this session can no longer be trusted."""
+        if self.lost.is_set() or (
+            self.keepalive and time.monotonic() - self._last_ok > self.ttl
+        ):
+            self.lost.set()
+            raise SessionExpired(f"session {self.session_id:x} of {self.agent} was lost",
+                                 session_id=self.session_id)
+
+    def _run(self) -> None:
+        interval = max(self.ttl / 3, 0.2)
+        while not self._stop.wait(interval):
+            try:
+                # The lease is only known to live for a TTL from when the call was
+                # sent: a reply handled late (the process was paused) proves no more.
+                sent = time.monotonic()
+                self.refresh()
+                self._last_ok = sent
+            except SessionExpired:
+                log.warning("session %x lost: lease expired", self.session_id)
+                self.lost.set()
+                return
+            except errors.ClientClosed:
+                return  # closed under the session: nobody is left to keep it alive for
+            except errors.BatonError as e:
+                if time.monotonic() - self._last_ok > self.ttl:
+                    log.warning("session %x lost: no keepalive for %ds (%s)", self.session_id,
+                                self.ttl, e)
+                    self.lost.set()
+                    return
+                interval = max(self.ttl / 10, 0.1)
+                continue
+            interval = max(self.ttl / 3, 0.2)
+
+    def close(self, revoke: bool = True) -> None:
+        """Stop the keepalive; with ``revoke`` end the lease (claims go back now)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if revoke and not self.lost.is_set():
+            try:
+                self.client.close_session(self.session_id)
+            except errors.BatonError as e:
+                log.warning("closing session %x: %s", self.session_id, e)
+        self.lost.set()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _Stub:
+    """The registry's methods on a channel, each made when first called, from the
+    service descriptor. The generated ``RegistryStub`` makes all thirty at once, a
+    cost every short-lived ``baton`` process would pay for its one or two calls."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        self._channel = channel
+        self._service = pb.DESCRIPTOR.services_by_name["Registry"]
+
+    def __getattr__(self, name: str) -> Any:
+        method = self._service.methods_by_name.get(name)
+        if method is None:
+            raise AttributeError(name)
+        request = getattr(pb, method.input_type.name)
+        reply = getattr(pb, method.output_type.name)
+        make = self._channel.unary_stream if method.server_streaming else self._channel.unary_unary
+        call = make(f"/{self._service.full_name}/{name}",
+                    request_serializer=request.SerializeToString,
+                    response_deserializer=reply.FromString,
+                    _registered_method=True)  # type: ignore[call-arg]  # as generated stubs do
+        setattr(self, name, call)
+        return call
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """The files of a client identity: the CA that signed the registry's certificate,
+    and this client's certificate and key (see docs/security.md)."""
+
+    ca: str = ""
+    cert: str = ""
+    key: str = ""
+
+    @classmethod
+    def resolve(cls, ca: str | None, cert: str | None, key: str | None) -> Credentials:
+        """The three given; when none is, ``BATON_CA``, ``BATON_CERT``, ``BATON_KEY``."""
+        if ca is None and cert is None and key is None:
+            env = os.environ
+            return cls(env.get("BATON_CA", ""), env.get("BATON_CERT", ""),
+                       env.get("BATON_KEY", ""))
+        return cls(ca or "", cert or "", key or "")
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.ca or self.cert or self.key)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        if not self.ca:
+            raise errors.InvalidArgument(
+                "TLS needs the CA that signed the registry's certificate "
+                "(--ca or BATON_CA) along with the client certificate")
+        if bool(self.cert) != bool(self.key):
+            raise errors.InvalidArgument(
+                "a client certificate needs its key and the reverse "
+                "(--cert/BATON_CERT with --key/BATON_KEY)")
+
+        def read(what: str, path: str) -> bytes | None:
+            if not path:
+                return None
+            try:
+                with open(path, "rb") as f:
+                    return f.read()
+            except OSError as e:
+                raise errors.InvalidArgument(f"cannot read the {what} {path}: {e.strerror}",
+                                             path=path) from None
+
+        return grpc.ssl_channel_credentials(
+            root_certificates=read("CA (BATON_CA)", self.ca),
+            private_key=read("key (BATON_KEY)", self.key),
+            certificate_chain=read("certificate (BATON_CERT)", self.cert))
+
+
+#: a commit's attributes: a JSON object as a mapping, or as its text
+Attributes = Mapping[str, Any] | str | None
+
+
+def encode_attributes(attributes: Attributes) -> str:
+    """The JSON text a commit carries: a mapping encoded, text sent as it is (so a
+    number keeps every digit it was written with), nothing for None or ``{}``. The
+    registry checks it is an object of at most ``MAX_ATTRIBUTES_BYTES``."""
+    if attributes is None or isinstance(attributes, str):
+        return attributes or ""
+    return json.dumps(dict(attributes), separators=(",", ":")) if attributes else ""
+
+
+class Client:
+    """A connection to a registry. Thread-safe; one per process is enough.
+
+    With ``ca``, ``cert`` and ``key`` (paths of PEM files) it speaks mutual TLS,
+    the certificate being the caller's identity; given none of them, it reads
+    ``BATON_CA``, ``BATON_CERT`` and ``BATON_KEY``; with none set anywhere it
+    speaks plaintext, which only a registry started with ``--insecure`` accepts.
+    """
+
+    def __init__(
+        self,
+        target: str = DEFAULT_REGISTRY,
+        *,
+        timeout: float = 10.0,
+        retry: RetryPolicy | None = None,
+        ca: str | None = None,
+        cert: str | None = None,
+        key: str | None = None,
+    ) -> None:
+        self.target = target
+        self.timeout = timeout
+        self.retry = retry or RetryPolicy()
+        self.credentials = Credentials.resolve(ca, cert, key)
+        options: list[tuple[str, Any]] = [
+            ("grpc.max_receive_message_length", MAX_REPLY_BYTES),
+            ("grpc.max_send_message_length", MAX_REQUEST_BYTES),
+            ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+            ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0)]
+        if self.credentials.tls:
+            name = _tls_name(target)
+            if name:
+                # A list of replicas is one gRPC target: the certificate is checked
+                # against its first host, which every replica's certificate must name.
+                options.append(("grpc.ssl_target_name_override", name))
+            self._channel = grpc.secure_channel(
+                target, self.credentials.channel_credentials(), options=options)
+        else:
+            self._channel = grpc.insecure_channel(target, options=options)
+        self._stub = _Stub(self._channel)
+        #: guards the channel against use once closed (see :meth:`_method`)
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def close(self) -> None:
+        """Close the channel; calls made afterwards raise ``ClientClosed``."""
+        with self._lock:
+            self.closed = True
+            self._channel.close()
+
+    def _method(self, name: str) -> Any:
+        """The callable of a registry method. Making one on a closed channel crashes the
+        process inside gRPC, so it is made under the lock ``close`` takes, and refused
+        once closed (a session's keepalive thread may outlive its client)."""
+        with self._lock:
+            if self.closed:
+                raise errors.ClientClosed(f"{name}: this client of {self.target} is closed")
+            return getattr(self._stub, name)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, method: str, request: Any) -> Any:
+        if hasattr(request, "request_id") and not request.request_id:
+            request.request_id = os.urandom(16).hex()  # the same across retries
+        size = request.ByteSize()
+        if size > MAX_REQUEST_BYTES:
+            raise errors.MessageTooLarge(
+                f"{method}: the request is {mib(size)}; a registry accepts at most "
+                f"{mib(MAX_REQUEST_BYTES)}", size=size, limit=MAX_REQUEST_BYTES)
+        rpc = self._method(method)
+
+        def attempt() -> Any:
+            try:
+                return rpc(request, timeout=self.timeout)
+            except grpc.RpcError as e:
+                raise self._explain(_raise_from_rpc(e, method, self.timeout)) from None
+
+        return self.retry.call(attempt)
+
+    def _explain(self, error: errors.BatonError) -> errors.BatonError:
+        """A connection refused by the transport, with what usually causes it."""
+        if type(error) is not errors.Unavailable:
+            return error
+        text = error.message.lower()
+        if self.credentials.tls and ("ssl" in text or "handshake" in text or "tls" in text):
+            return errors.Unavailable(
+                f"{error.message} (the TLS handshake with {self.target} failed: is "
+                "BATON_CA the CA of the registry's certificate, and BATON_CERT/BATON_KEY "
+                "an identity that CA signed?)")
+        if not self.credentials.tls and "refused" not in text:
+            return errors.Unavailable(
+                f"{error.message} (this client speaks plaintext: a registry serving TLS "
+                "needs BATON_CA, BATON_CERT and BATON_KEY)")
+        return error
+
+    # tasks -----------------------------------------------------------------
+
+    def create_task(self, spec: pb.TaskSpec | dict[str, Any]) -> tuple[pb.Task, bool]:
+        """Create a task from a manifest; (task, created). Same manifest again: no-op."""
+        if isinstance(spec, dict):
+            spec = parse_manifest(spec)
+        check_manifest_size(spec)
+        resp = self._call("CreateTask", pb.CreateTaskRequest(spec=spec))
+        return resp.task, resp.created
+
+    def get_task(self, task_id: str) -> pb.Task:
+        return self._call("GetTask", pb.GetTaskRequest(task_id=task_id))  # type: ignore[no-any-return]
+
+    def list_tasks(self, archived: bool = False) -> list[pb.Task]:
+        """The tasks in etcd; with ``archived``, the tasks archived out of it."""
+        return list(self._call("ListTasks", pb.ListTasksRequest(archived=archived)).tasks)
+
+    def get_entry(self, task_id: str, file_id: str) -> pb.Entry:
+        req = pb.GetEntryRequest(task_id=task_id, file_id=file_id)
+        return self._call("GetEntry", req)  # type: ignore[no-any-return]
+
+    def list_entries(self, task_id: str, state: int = 0, limit: int = 0) -> list[pb.Entry]:
+        req = pb.ListEntriesRequest(task_id=task_id, state=state, limit=limit)  # type: ignore[arg-type]
+        return list(self._call("ListEntries", req).entries)
+
+    def pause_task(self, task_id: str, reason: str = "") -> pb.Task:
+        """No new work: claims and consumes are refused (``TaskNotActive``) until
+        ``resume_task``; claims and consumes in hand may still be finished."""
+        return self._call("PauseTask", pb.TaskControlRequest(task_id=task_id, reason=reason))  # type: ignore[no-any-return]
+
+    def resume_task(self, task_id: str, reason: str = "") -> pb.Task:
+        return self._call("ResumeTask", pb.TaskControlRequest(task_id=task_id, reason=reason))  # type: ignore[no-any-return]
+
+    def cancel_task(self, task_id: str, reason: str = "") -> pb.Task:
+        """Stop the task for good: its claims are revoked (their tokens die)."""
+        return self._call("CancelTask", pb.TaskControlRequest(task_id=task_id, reason=reason))  # type: ignore[no-any-return]
+
+    def archive_task(self, task_id: str, reason: str = "") -> pb.Task:
+        """Archive a completed or cancelled task now: out of etcd, into the archive."""
+        req = pb.TaskControlRequest(task_id=task_id, reason=reason)
+        return self._call("ArchiveTask", req)  # type: ignore[no-any-return]
+
+    def delete_task(self, task_id: str, reason: str = "", *,
+                    discard_history: bool = False) -> pb.DeleteTaskResponse:
+        """Remove a task that never ran (no entry was ever claimed) or is stuck being
+        created, and every key of it; an interrupted delete, sent again, finishes. A
+        task that ran is refused with ``IllegalTransition`` (it is kept for audit),
+        unless it is cancelled and ``discard_history`` says to delete its journal too."""
+        req = pb.DeleteTaskRequest(task_id=task_id, reason=reason,
+                                   discard_history=discard_history)
+        return self._call("DeleteTask", req)  # type: ignore[no-any-return]
+
+    def requeue(self, task_id: str, file_id: str) -> pb.Entry:
+        """Bring a dead entry back to pending with a fresh retry budget."""
+        return self._call("Requeue", pb.RequeueRequest(task_id=task_id, file_id=file_id))  # type: ignore[no-any-return]
+
+    def journal(self, task_id: str, file_id: str = "", limit: int = 0) -> list[pb.JournalRecord]:
+        """The journal's records, oldest first: the newest ``limit`` (0: all, up to the
+        registry's bound on a reply; ``journal_reply`` says how many there are)."""
+        return list(self.journal_reply(task_id, file_id, limit).records)
+
+    def journal_reply(self, task_id: str, file_id: str = "", limit: int = 0
+                      ) -> pb.JournalResponse:
+        """``journal``'s reply: its records and ``total``, how many the journal holds."""
+        req = pb.JournalRequest(task_id=task_id, file_id=file_id, limit=limit)
+        return self._call("Journal", req)  # type: ignore[no-any-return]
+
+    def explain(self, task_id: str, file_id: str) -> pb.Explanation:
+        return self._call("Explain", pb.GetEntryRequest(task_id=task_id, file_id=file_id))  # type: ignore[no-any-return]
+
+    def list_agents(self) -> list[pb.AgentInfo]:
+        return list(self._call("ListAgents", pb.ListAgentsRequest()).agents)
+
+    # sessions --------------------------------------------------------------
+
+    def open_session(self, agent: str, ttl: int = 10, *, keepalive: bool = True,
+                     slots: int = 0, host: str = "") -> Session:
+        """Open an agent session; with ``keepalive`` a thread refreshes it every TTL/3.
+
+        ``slots`` caps the claims (producer and consumer) it may hold at once;
+        one more is refused with ``SlotsExhausted`` (0 = no limit). ``host`` is the
+        host the session says it runs on, which ``baton lease drain --host`` names
+        (default: this machine's host name; a container may give its node's).
+        """
+        req = pb.OpenSessionRequest(agent=agent, ttl=ttl, host=host or socket.gethostname(),
+                                    pid=os.getpid(), version=version(), slots=slots)
+        resp = self._call("OpenSession", req)
+        session = Session(self, resp.session_id, resp.agent, resp.ttl, keepalive=keepalive)
+        session.start()
+        return session
+
+    def keepalive(self, session_id: int) -> int:
+        """Refresh a session's lease once; the TTL it now has."""
+        return int(self.refresh_session(session_id).ttl)
+
+    def refresh_session(self, session_id: int) -> pb.KeepAliveResponse:
+        """Refresh a session's lease once; the registry's whole reply: the TTL, and
+        whether the session's host is drained."""
+        return self._call("KeepAlive", pb.KeepAliveRequest(session_id=session_id))  # type: ignore[no-any-return]
+
+    # leases (operators) ------------------------------------------------------
+
+    def revoke_sessions(self, session_id: int = 0, *, agent: str = "", host: str = "",
+                        reason: str = "") -> list[pb.RevokedSession]:
+        """Revoke the session named, or every session of ``agent`` or of ``host``: their
+        claims go back at once without spending a retry, their tokens die."""
+        req = pb.RevokeSessionRequest(session_id=session_id, agent=agent, host=host,
+                                      reason=reason)
+        return list(self._call("RevokeSession", req).sessions)
+
+    def rotate_leases(self, session_id: int = 0, *, every: bool = False, host: str = "",
+                      ttl: int = 0) -> list[pb.RotatedSession]:
+        """Move the session named (every session, those of ``host``) onto a fresh etcd
+        lease, with ``ttl`` (0: its own) from its next keepalive; claims, tokens and
+        session ids stay. The new lease has no more time than the old one had left."""
+        req = pb.RotateLeaseRequest(session_id=session_id, all=every, host=host, ttl=ttl)
+        return list(self._call("RotateLease", req).sessions)
+
+    def drain_host(self, host: str, deadline: int = 0, reason: str = "") -> pb.DrainHostResponse:
+        """Drain ``host``: its sessions take no new work; what they still hold after
+        ``deadline`` seconds (0: the registry's default) is revoked."""
+        req = pb.DrainHostRequest(host=host, deadline_seconds=deadline, reason=reason)
+        return self._call("DrainHost", req)  # type: ignore[no-any-return]
+
+    def undrain_host(self, host: str) -> pb.UndrainHostResponse:
+        return self._call("UndrainHost", pb.UndrainHostRequest(host=host))  # type: ignore[no-any-return]
+
+    def close_session(self, session_id: int) -> None:
+        self._call("CloseSession", pb.CloseSessionRequest(session_id=session_id))
+
+    # producers -------------------------------------------------------------
+
+    def claim(self, task_id: str, file_id: str = "", *, session: Session | int) -> Claim:
+        """Claim an entry (or the next claimable one) for writing."""
+        sid = _session_id(session)
+        with _draining(session):
+            resp = self._call("Claim", pb.ClaimRequest(task_id=task_id, file_id=file_id,
+                                                       session_id=sid))
+        return Claim(task_id, resp.entry.file_id, resp.token, resp.path, resp.entry, sid)
+
+    def claim_batch(self, task_id: str, max_count: int, *, session: Session | int) -> list[Claim]:
+        """Claim up to ``max_count`` entries in one transaction (all or nothing)."""
+        sid = _session_id(session)
+        with _draining(session):
+            resp = self._call("ClaimBatch", pb.ClaimBatchRequest(
+                task_id=task_id, session_id=sid, max=max_count))
+        return [Claim(task_id, c.entry.file_id, c.token, c.path, c.entry, sid)
+                for c in resp.claims]
+
+    def commit_batch(self, commits: Sequence[tuple[str, str, int, int, str]
+                                             | tuple[str, str, int, int, str, Attributes]]
+                     ) -> list[pb.Entry]:
+        """Commit (task, file_id, token, size, digest[, attributes]) tuples in one
+        transaction."""
+        req = pb.CommitBatchRequest(commits=[
+            pb.CommitRequest(task_id=c[0], file_id=c[1], token=c[2], size=c[3], digest=c[4],
+                             attributes=encode_attributes(c[5] if len(c) > 5 else None))
+            for c in commits])
+        return list(self._call("CommitBatch", req).entries)
+
+    def commit(self, task_id: str, file_id: str, token: int, size: int,
+               digest: str = "", *, session: Session | int = 0,
+               attributes: Attributes = None) -> pb.Entry:
+        """Publish a claim's file: its size and BLAKE3 ``digest`` (required unless the
+        task sets ``digest_optional``). ``session``: the one holding the claim (the
+        registry then checks it holds it). ``attributes``: what the task's routing
+        rules look at (see ``encode_attributes``)."""
+        req = pb.CommitRequest(task_id=task_id, file_id=file_id, token=token, size=size,
+                               digest=digest, session_id=_named_session(session),
+                               attributes=encode_attributes(attributes))
+        return self._call("Commit", req).entry  # type: ignore[no-any-return]
+
+    def fail(self, task_id: str, file_id: str, token: int, reason: str = "", *,
+             session: Session | int = 0) -> pb.Entry:
+        req = pb.FailRequest(task_id=task_id, file_id=file_id, token=token, reason=reason,
+                             session_id=_named_session(session))
+        return self._call("Fail", req).entry  # type: ignore[no-any-return]
+
+    def report(self, task_id: str, file_id: str, size: int, digest: str,
+               identity: pb.FileIdentity | None = None, reporter: str = "", *,
+               watcher_id: str = "", shard_epoch: int = 0) -> pb.Entry:
+        """Report what a watcher hashed on disk (the registry verifies against it).
+        ``watcher_id``, ``shard_epoch``: the reporting watcher and the epoch at which
+        it owns the task's shard (once watchers hold shards, only the owner counts)."""
+        req = pb.VerificationReport(task_id=task_id, file_id=file_id, size=size, digest=digest,
+                                    identity=identity, reporter=reporter,
+                                    watcher_id=watcher_id, shard_epoch=shard_epoch)
+        return self._call("ReportVerification", req).entry  # type: ignore[no-any-return]
+
+    def report_problem(self, task_id: str, file_id: str, kind: int, reason: str,
+                       reporter: str = "", *, watcher_id: str = "",
+                       shard_epoch: int = 0) -> pb.Entry:
+        """Report that a file cannot be vouched for (``pb.ProblemReport.CORRUPTED``/``MISSING``)."""
+        req = pb.ProblemReport(task_id=task_id, file_id=file_id, kind=kind,  # type: ignore[arg-type]
+                               reason=reason, reporter=reporter, watcher_id=watcher_id,
+                               shard_epoch=shard_epoch)
+        return self._call("ReportProblem", req).entry  # type: ignore[no-any-return]
+
+    # watcher membership and shards --------------------------------------------
+
+    def register_watcher(self, root: str, reporter: str = "", ttl: int = 10,
+                         capacity: pb.WatcherCapacity | None = None
+                         ) -> pb.RegisterWatcherResponse:
+        """Register a watcher on its own lease; keep it with :meth:`watcher_heartbeat`."""
+        req = pb.RegisterWatcherRequest(host=socket.gethostname(), pid=os.getpid(), root=root,
+                                        reporter=reporter, ttl=ttl, version=version(),
+                                        capacity=capacity)
+        return self._call("RegisterWatcher", req)  # type: ignore[no-any-return]
+
+    def watcher_heartbeat(self, watcher_id: str, capacity: pb.WatcherCapacity | None = None
+                          ) -> pb.WatcherHeartbeatResponse:
+        """Refresh a watcher's lease; the shards it owns now (and those to hand over)."""
+        req = pb.WatcherHeartbeatRequest(watcher_id=watcher_id, capacity=capacity)
+        return self._call("WatcherHeartbeat", req)  # type: ignore[no-any-return]
+
+    def release_shard(self, watcher_id: str, shard: int, epoch: int) -> pb.ShardInfo:
+        req = pb.ReleaseShardRequest(watcher_id=watcher_id, shard=shard, epoch=epoch)
+        return self._call("ReleaseShard", req).shard  # type: ignore[no-any-return]
+
+    def list_watchers(self) -> list[pb.WatcherInfo]:
+        return list(self._call("ListWatchers", pb.ListWatchersRequest()).watchers)
+
+    def list_shards(self) -> pb.ListShardsResponse:
+        return self._call("ListShards", pb.ListShardsRequest())  # type: ignore[no-any-return]
+
+    def move_shard(self, shard: int, to_watcher: str, deadline: int = 0) -> pb.ShardInfo:
+        """Start moving a shard (its owner hands it over within ``deadline`` seconds)."""
+        req = pb.MoveShardRequest(shard=shard, to_watcher=to_watcher, deadline=deadline)
+        return self._call("MoveShard", req)  # type: ignore[no-any-return]
+
+    def rebalance(self, dry_run: bool = False) -> list[pb.ShardMove]:
+        return list(self._call("Rebalance", pb.RebalanceRequest(dry_run=dry_run)).moves)
+
+    def drain_watcher(self, watcher_id: str, undo: bool = False) -> pb.DrainWatcherResponse:
+        req = pb.DrainWatcherRequest(watcher_id=watcher_id, undo=undo)
+        return self._call("DrainWatcher", req)  # type: ignore[no-any-return]
+
+    # consumers -------------------------------------------------------------
+
+    def consume(self, task_id: str, group: str = "default", file_id: str = "", *,
+                session: Session | int) -> Lease:
+        """Take a verified entry (or the next one) for ``group``."""
+        sid = _session_id(session)
+        req = pb.ConsumeRequest(task_id=task_id, group=group, file_id=file_id, session_id=sid)
+        with _draining(session):
+            r = self._call("Consume", req)
+        return Lease(task_id, r.entry.file_id, r.group, r.token, r.path, r.size, r.digest,
+                     r.entry, sid)
+
+    def consume_batch(self, task_id: str, group: str = "default", max_count: int = 21, *,
+                      session: Session | int) -> list[Lease]:
+        """Take up to ``max_count`` verified entries for ``group`` in one transaction
+        (all or nothing, at most 21); ack them together with :meth:`ack_batch`."""
+        sid = _session_id(session)
+        req = pb.ConsumeBatchRequest(task_id=task_id, group=group, session_id=sid,
+                                     max=max_count)
+        with _draining(session):
+            resp = self._call("ConsumeBatch", req)
+        return [Lease(task_id, r.entry.file_id, r.group, r.token, r.path, r.size, r.digest,
+                      r.entry, sid) for r in resp.leases]
+
+    def ack(self, task_id: str, file_id: str, group: str, token: int, *,
+            session: Session | int = 0) -> pb.Entry:
+        req = pb.AckRequest(task_id=task_id, file_id=file_id, group=group, token=token,
+                            session_id=_named_session(session))
+        return self._call("Ack", req).entry  # type: ignore[no-any-return]
+
+    def ack_batch(self, acks: list[tuple[str, str, str, int]]) -> list[pb.Entry]:
+        """Ack (task, file_id, group, token) tuples in one transaction, all or nothing
+        (at most 21); the entries as acked, in the same order."""
+        req = pb.AckBatchRequest(acks=[
+            pb.AckRequest(task_id=t, file_id=f, group=g, token=tok) for t, f, g, tok in acks])
+        return list(self._call("AckBatch", req).entries)
+
+    def nack(self, task_id: str, file_id: str, group: str, token: int,
+             reason: str = "", *, session: Session | int = 0) -> pb.Entry:
+        req = pb.NackRequest(task_id=task_id, file_id=file_id, group=group, token=token,
+                             reason=reason, session_id=_named_session(session))
+        return self._call("Nack", req).entry  # type: ignore[no-any-return]
+
+    # events ----------------------------------------------------------------
+
+    def watch_tasks(self, timeout: float | None = None) -> Generator[pb.Task, None, None]:
+        """Every task header, then each again as it changes (created, paused, completed)."""
+        call = self._method("WatchTasks")(pb.WatchTasksRequest(), timeout=timeout)
+        try:
+            yield from call
+        except grpc.RpcError as e:
+            if e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+                return
+            raise _raise_from_rpc(e) from None
+        finally:
+            call.cancel()
+
+    def watch(self, task_id: str, start_revision: int = 0,
+              timeout: float | None = None) -> Generator[pb.TaskEvent, None, None]:
+        """The task's events (see ``WatchRequest``); ends quietly when ``timeout`` passes."""
+        request = pb.WatchRequest(task_id=task_id, start_revision=start_revision)
+        call = self._method("Watch")(request, timeout=timeout)
+        try:
+            yield from call
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return
+            if e.code() == grpc.StatusCode.CANCELLED:
+                return
+            raise _raise_from_rpc(e) from None
+        finally:
+            call.cancel()
+
+
+def _tls_name(target: str) -> str:
+    """The host a list target (``ipv4:A:P,B:P``, ``ipv6:[A]:P,...``) names first, whose
+    name the replicas' certificates carry; "" for a plain ``host:port``."""
+    scheme, sep, rest = target.partition(":")
+    if not sep or scheme not in ("ipv4", "ipv6", "dns"):
+        return ""
+    first = rest.lstrip("/").split(",")[0]
+    host = first.rpartition(":")[0] if not first.startswith("[") else first[1:].split("]")[0]
+    return host.strip("[]")
+
+
+@contextmanager
+def _draining(session: Session | int) -> Iterator[None]:
+    """A ``Draining`` refusal marks the session draining."""
+    try:
+        yield
+    except errors.Draining:
+        if isinstance(session, Session):
+            session.drained()
+        raise
+
+
+def _named_session(session: Session | int) -> int:
+    """The id of the session a token call names (no check: the registry decides)."""
+    return session.session_id if isinstance(session, Session) else int(session)
+
+
+def _session_id(session: Session | int) -> int:
+    if isinstance(session, Session):
+        session.check()
+        return session.session_id
+    return int(session)
+
+
+def check_manifest_size(spec: pb.TaskSpec) -> None:
+    """Refuse a manifest larger than a registry accepts, before sending it."""
+    size = spec.ByteSize()
+    if size > MAX_MANIFEST_BYTES:
+        why = (f"the manifest is {mib(size)} encoded; a registry accepts at most "
+               f"{mib(MAX_MANIFEST_BYTES)} (split the task, or shorten paths, ids and labels)")
+        raise errors.InvalidManifest(f"invalid manifest: {why}", problems=[why],
+                                     size=size, limit=MAX_MANIFEST_BYTES)
+
+
+def parse_manifest(data: dict[str, Any]) -> pb.TaskSpec:
+    """A manifest (JSON object) as a ``TaskSpec``; unknown fields are an error."""
+    from google.protobuf import json_format  # only manifests need it, not every command
+
+    try:
+        return json_format.ParseDict(data, pb.TaskSpec())
+    except json_format.ParseError as e:
+        raise errors.InvalidManifest(f"invalid manifest: {e}", problems=[str(e)]) from None

@@ -1,0 +1,305 @@
+"""Shared pieces of the CLI: settings, options, errors and rendering.
+
+Every run of ``baton`` is a new process, and shell agents run it in loops, so this
+module imports only what every command needs (click, the errors): gRPC and the
+stubs come with the client on its first use, rich with the first table, BLAKE3
+with the first file hashed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar, cast
+
+import click
+
+from ...kernel import errors
+
+if TYPE_CHECKING:
+    from google.protobuf.message import Message
+    from rich.console import Console, RenderableType
+    from rich.table import Table
+
+    from ...kernel.v1 import baton_pb2 as pb
+    from .._client import Client, Session
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: files at least this large get a progress bar (when stderr is a terminal)
+PROGRESS_MIN_BYTES = 8 << 20
+#: files at least this large are hashed with every core
+PARALLEL_HASH_MIN_BYTES = 16 << 20
+CHUNK = 4 << 20
+DIGEST_PREFIX = 12
+STATES = ("pending", "writing", "written", "verified", "consumed", "dead")
+
+
+# --- settings, errors, rendering helpers ------------------------------------------
+
+
+@dataclass
+class Settings:
+    """The group's options; the client is made on first use and closed at exit."""
+
+    registry: str
+    timeout: float
+    ca: str = ""
+    cert: str = ""
+    key: str = ""
+    _client: Client | None = field(default=None, repr=False)
+
+    def client(self) -> Client:
+        if self._client is None:
+            from .._client import Client, RetryPolicy
+
+            # Retries of UNAVAILABLE stop at --timeout too: an unreachable registry
+            # must not hold a script for the library's default 30 s.
+            retry = RetryPolicy(deadline=self.timeout)
+            self._client = Client(self.registry, timeout=self.timeout, retry=retry,
+                                  ca=self.ca, cert=self.cert, key=self.key)
+        return self._client
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+
+
+pass_settings = click.make_pass_decorator(Settings)
+
+
+class BatonGroup(click.Group):
+    """A group that turns expected errors into one stderr line and an exit status."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except errors.BatonError as e:
+            message = _one_line(e)
+            settings = ctx.find_object(Settings)
+            if isinstance(e, errors.DeadlineExceeded):
+                message += "; a busy registry or a large request may need a longer --timeout"
+            elif isinstance(e, errors.Unavailable) and settings is not None:
+                message = f"registry {settings.registry} unavailable: {message}"
+            _fail(ctx, message, e.exit_code)
+        except BrokenPipeError:
+            # The reader of our stdout went away (`baton watch | head`): stop quietly,
+            # and keep Python from complaining while it flushes stdout at exit.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            ctx.exit(1)
+        except OSError as e:
+            _fail(ctx, str(e), 1)
+
+
+def _one_line(e: errors.BatonError) -> str:
+    lines = e.message.strip().splitlines() or [type(e).__name__]
+    log_path = getattr(e, "log_path", None)
+    if len(lines) > 1 and log_path:
+        return f"{lines[0]} (see {log_path})"
+    return lines[0]
+
+
+def _fail(ctx: click.Context, message: str, code: int) -> None:
+    click.echo(f"baton: {message}", err=True)
+    ctx.exit(code)
+
+
+def default_agent() -> str:
+    """``hostname-pid``, reduced to the characters an agent name may hold."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", f"{socket.gethostname()}-{os.getpid()}")
+    return name.lstrip("._-")[:128] or f"agent-{os.getpid()}"
+
+
+def parse_session_id(ctx: click.Context, param: click.Parameter, value: str) -> int:
+    """A session (etcd lease) id: decimal as ``claim`` prints it, or ``0x``-hex as logged."""
+    text = value.strip().lower()
+    try:
+        number = int(text, 16) if text.startswith("0x") else int(text, 10)
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a session id (decimal, or hex with 0x)",
+                                 ctx, param) from None
+    if number <= 0:
+        raise click.BadParameter(f"{value!r} is not a session id (must be positive)", ctx, param)
+    return number
+
+
+def output_option(f: F) -> F:
+    return click.option(
+        "-o", "--output", type=click.Choice(["table", "json"]), default="table",
+        show_default=True, help="table: for people; json: for scripts",
+    )(f)  # fmt: skip
+
+
+def agent_option(f: F) -> F:
+    return click.option(
+        "--agent", envvar="BATON_AGENT", show_envvar=True, default=default_agent,
+        show_default="HOSTNAME-PID", help="agent name recorded as the owner",
+    )(f)  # fmt: skip
+
+
+def ttl_option(f: F) -> F:
+    return click.option(
+        "--ttl", type=click.IntRange(2, 3600), default=60, show_default=True,
+        help="seconds the session (and its claim) lives unless kept alive",
+    )(f)  # fmt: skip
+
+
+def slots_option(f: F) -> F:
+    return click.option(
+        "--slots", type=click.IntRange(0, 10_000), default=0, show_default=True,
+        help="claims the session may hold at once (0: no limit)",
+    )(f)  # fmt: skip
+
+
+def as_dict(msg: Message) -> dict[str, Any]:
+    """A message as JSON-ready data: proto field names, every field, numbers as numbers."""
+    from google.protobuf import json_format
+
+    return json_format.MessageToDict(
+        msg,
+        preserving_proto_field_name=True,
+        always_print_fields_with_no_presence=True,
+        unquote_int64_if_possible=True,
+    )
+
+
+def emit_json(data: Any) -> None:
+    click.echo(json.dumps(data))
+
+
+def folding_table(*columns: str, whole: tuple[str, ...] = (),
+                  min_widths: dict[str, int] | None = None) -> Table:
+    """A table whose cells wrap (long words fold) when the terminal is narrow,
+    rather than being cut short with an ellipsis; ``whole`` columns never wrap."""
+    from rich.table import Table
+
+    table = Table()
+    for name in columns:
+        min_width = (min_widths or {}).get(name)
+        if name in whole:
+            table.add_column(name, no_wrap=True, min_width=min_width)
+        else:
+            table.add_column(name, overflow="fold", min_width=min_width)
+    return table
+
+
+#: the widest a table printed to a pipe or file may get
+MAX_PIPE_WIDTH = 1000
+
+
+def emit_table(table: RenderableType) -> None:
+    """Print a table (or a group of them): fitted to a terminal; at its natural width
+    into a pipe or file (unless COLUMNS says otherwise), so each row stays one line
+    for grep."""
+    from rich.console import Console
+
+    console = Console(soft_wrap=False)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        natural = Console(width=MAX_PIPE_WIDTH).measure(table).maximum
+        console = Console(soft_wrap=False, width=max(natural, 1))
+    console.print(table)
+
+
+def err_console() -> Console:
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+def state_name(state: int) -> str:
+    from ...kernel.v1 import baton_pb2 as pb
+
+    return pb.EntryState.Name(cast(Any, state)).lower()
+
+
+def status_name(status: int) -> str:
+    from ...kernel.v1 import baton_pb2 as pb
+
+    return pb.TaskStatus.Name(cast(Any, status)).removeprefix("TASK_").lower()
+
+
+def session_json(session_id: int) -> str:
+    # A string, as ProtoJSON writes int64: lease ids exceed 2**53 and jq 1.6 would
+    # round them to a different, dead lease.
+    return str(session_id)
+
+
+def entry_summary(entry: pb.Entry) -> str:
+    from ...kernel.v1 import baton_pb2 as pb
+
+    text = f"{entry.task_id}/{entry.file_id}: {state_name(entry.state)}"
+    if entry.state in (pb.PENDING, pb.DEAD) and entry.retry_count:
+        text += f" (retry {entry.retry_count}/{entry.max_retries})"
+    if entry.state in (pb.WRITTEN, pb.VERIFIED, pb.CONSUMED):
+        text += f", {entry.size} bytes"
+    if entry.consumed_by:
+        text += f", acked by {', '.join(entry.consumed_by)}"
+    if entry.error and entry.state in (pb.PENDING, pb.DEAD):
+        text += f"; last error: {entry.error}"
+    return text
+
+
+def emit_entry(entry: pb.Entry, output: str) -> None:
+    if output == "json":
+        emit_json(as_dict(entry))
+    else:
+        click.echo(entry_summary(entry))
+
+
+@contextmanager
+def progress_reader(f: BinaryIO, total: int, description: str) -> Iterator[BinaryIO]:
+    """``f``, with a progress bar on stderr for large reads in a terminal."""
+    console = err_console()
+    if total < PROGRESS_MIN_BYTES or not console.is_terminal:
+        yield f
+        return
+    import rich.progress
+
+    with rich.progress.wrap_file(f, total, description=description, console=console,
+                                 transient=True) as wrapped:
+        yield wrapped
+
+
+def hash_file(path: Path) -> tuple[int, str]:
+    """Size and BLAKE3 hex digest of what was read from ``path``."""
+    import blake3
+
+    total = path.stat().st_size
+    threads = blake3.blake3.AUTO if total >= PARALLEL_HASH_MIN_BYTES else 1
+    digest, size = blake3.blake3(max_threads=threads), 0
+    with path.open("rb") as f, progress_reader(f, total, f"hashing {path.name}") as src:
+        while chunk := src.read(CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+    return size, digest.hexdigest()
+
+
+def close_quietly(client: Client, session: Session) -> None:
+    """Revoke a session whose claim failed; the command's own error is what matters."""
+    with suppress(errors.BatonError):
+        client.close_session(session.session_id)
+
+
+def session_line(session: Session) -> str:
+    return (f"session  {session.session_id}  (ttl {session.ttl} s; extend with "
+            f"`baton keepalive {session.session_id}`)")
+
+
+# --- the group ------------------------------------------------------------------
+
+
+EXIT_STATUS = ("Exit status: 0 ok, 1 other error, 2 invalid input or usage, 3 nothing to "
+               "claim or consume, or the session's slots are full, 4 refused (stale token, "
+               "illegal transition, exists, session expired, task not active), 5 not found, "
+               "6 registry unavailable, or no reply within --timeout, 7 permission denied (the "
+               "identity's role or the task's access rules), 8 the session's host is "
+               "drained (no new work).")
+

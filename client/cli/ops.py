@@ -1,0 +1,94 @@
+"""Operator commands: requeue, log (the journal), explain (sessions: ``leases``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import click
+
+from ._common import (
+    Settings,
+    as_dict,
+    emit_entry,
+    emit_json,
+    emit_table,
+    folding_table,
+    output_option,
+    pass_settings,
+)
+from ._root import cli
+
+if TYPE_CHECKING:
+    from ...kernel.v1 import baton_pb2 as pb
+
+
+@cli.command()
+@click.argument("task_id", metavar="TASK")
+@click.argument("file_id")
+@output_option
+@pass_settings
+def requeue(settings: Settings, task_id: str, file_id: str, output: str) -> None:
+    """Bring a dead entry back to pending.
+
+    It gets a fresh retry budget; entries blocked by it (through depends_on)
+    go ahead once it is verified. Only dead entries can be requeued (exit 4
+    otherwise).
+    """
+    emit_entry(settings.client().requeue(task_id, file_id), output)
+
+
+@cli.command("log")
+@click.argument("task_id", metavar="TASK")
+@click.argument("file_id", required=False, default="")
+@click.option("--limit", type=click.IntRange(min=0), default=0, show_default=True,
+              metavar="N", help="only the last N records (0: all)")
+@output_option
+@pass_settings
+def journal(settings: Settings, task_id: str, file_id: str, limit: int, output: str) -> None:
+    """Show the journal of a task, or of one of its entries.
+
+    One record per transition, oldest first: revision, time, file, event,
+    from → to state, who, consumer group (when any record has one), token,
+    reason (-o json: one JSON object per line).
+    """
+    reply = settings.client().journal_reply(task_id, file_id, limit)
+    records = reply.records
+    if reply.total > len(records) and not (limit and len(records) == limit):
+        click.echo(f"baton: the newest {len(records):,} of {reply.total:,} records (the most "
+                   "a reply carries); name an entry, or --limit N, for fewer", err=True)
+    if output == "json":
+        for r in records:
+            emit_json(as_dict(r))
+        return
+    groups = any(r.group for r in records)
+    columns = ["revision", "time", "file", "event", "from → to", "who",
+               *(["group"] if groups else []), "token", "reason"]
+    table = folding_table(*columns, whole=("revision", "event", "token"),
+                          min_widths={"time": 13, "from → to": 10})
+    for r in records:
+        # A space instead of the T lets a narrow terminal wrap date and time apart.
+        table.add_row(str(r.revision), r.at.replace("T", " ", 1), r.file_id, r.event,
+                      transition(r), r.who or "-", *([r.group or "-"] if groups else []),
+                      str(r.token) if r.token else "-", r.reason)
+    emit_table(table)
+
+
+def transition(r: pb.JournalRecord) -> str:
+    return f"{r.from_state or '-'} → {r.to_state or '-'}"
+
+
+@cli.command()
+@click.argument("task_id", metavar="TASK")
+@click.argument("file_id")
+@output_option
+@pass_settings
+def explain(settings: Settings, task_id: str, file_id: str, output: str) -> None:
+    """Say where an entry is and what it waits for.
+
+    One paragraph from the registry; -o json: {"entry": {...}, "text": "..."}.
+    """
+    explanation = settings.client().explain(task_id, file_id)
+    if output == "json":
+        emit_json(as_dict(explanation))
+    else:
+        click.echo(explanation.text)

@@ -1,0 +1,267 @@
+"""Consuming a file safely: wait for a verified entry, check its digest, ack.
+
+The staging tree is shared, so the leased path is not trusted: it is opened one
+component at a time from the staging root with ``O_NOFOLLOW`` (as the producer
+helper and the watcher do), only a regular file is read, and never more than
+the entry's verified size plus one byte, which is what tells a longer file.
+
+An assembly (an entry with ``parts``) has no file of its own: its bytes are its
+parts', in order, each read and checked as a file of its own. Each part is held
+in memory whole until its digest is checked, never more than one at a time with
+``iter_parts``: parts of 8 to 64 MiB keep that small (and a producer's claim on
+one part short).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+
+import blake3
+
+from ..kernel.contract import assembly_digest
+from ..kernel.errors import (
+    BatonError,
+    ChecksumMismatch,
+    Draining,
+    NothingToClaim,
+    Unavailable,
+)
+from ..kernel.v1 import baton_pb2 as pb
+from ._client import Client, Lease, Session
+from .producer import Refusal, open_entry_dir
+
+# O_NONBLOCK: opening a FIFO for reading must not wait for a writer (it is refused
+# after fstat); it changes nothing for a regular file. O_NOCTTY: a terminal device
+# planted there never becomes our controlling terminal.
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+
+
+def next_lease(
+    client: Client,
+    session: Session | int,
+    task_id: str,
+    group: str = "default",
+    timeout: float | None = None,
+) -> Lease:
+    """Consume the next verified entry for ``group``, waiting for one if needed.
+
+    Waiting is event-driven: a ``Watch`` opened at the current revision is
+    started before each attempt, so an entry verified between the attempt and
+    the wait still wakes us. Raises ``NothingToClaim`` when ``timeout`` passes,
+    and ``Draining`` once the session's host is drained (a keepalive says so
+    while we wait: each wait then lasts at most a third of the session's TTL).
+    A broken watch is opened again; a consume whose outcome is unknown (the
+    registry became unreachable before it replied) raises ``Unavailable`` at once,
+    never ``NothingToClaim``: it may have leased an entry to the session, which
+    only the session's end (``close`` with revoke) hands back.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            raise NothingToClaim(f"nothing verified for group {group!r} within {timeout}s",
+                                 task_id=task_id, group=group)
+        wait = left
+        if isinstance(session, Session):
+            if session.draining:
+                raise Draining(f"session {session.session_id:x} is draining: no new work",
+                               session_id=session.session_id)
+            wait = min(left if left is not None else session.ttl, max(session.ttl / 3, 0.5))
+        events = client.watch(task_id, start_revision=-1, timeout=wait)
+        try:
+            try:
+                synced = next(events, None)  # SYNCED: the watch is in place
+            except Unavailable as e:
+                _pause_or_raise(deadline, e)
+                continue
+            if synced is None:
+                continue
+            # Unavailable here is not retried: the consume may have been applied with
+            # its reply lost, so a lease may be held; the caller must know it.
+            try:
+                return client.consume(task_id, group, session=session)
+            except NothingToClaim:
+                pass
+            try:
+                for event in events:
+                    if event.entry.state == pb.VERIFIED and group in event.entry.consumers:
+                        break
+            except Unavailable as e:
+                _pause_or_raise(deadline, e)
+        finally:
+            events.close()
+
+
+def _pause_or_raise(deadline: float | None, error: Unavailable) -> None:
+    """The watch broke (nothing was taken): wait a little and look again, unless the
+    caller's time is up."""
+    if deadline is not None and time.monotonic() >= deadline:
+        raise error
+    time.sleep(0.2)
+
+
+def _refusal(lease: Lease) -> Refusal:
+    def refused(reason: str) -> BatonError:
+        return ChecksumMismatch(f"{lease.path}: {reason}; not the verified file",
+                                task_id=lease.task_id, file_id=lease.file_id, path=lease.path)
+    return refused
+
+
+def _open_leased(lease: Lease) -> tuple[int, int]:
+    """A descriptor of the leased file, reached without symlinks, and its size now:
+    a regular file no longer than the verified size."""
+    refused = _refusal(lease)
+    parent, name = open_entry_dir(lease.task_id, lease.path, lease.entry.path, refused)
+    try:
+        fd = os.open(name, _FILE_FLAGS, dir_fd=parent)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise refused("it is a symlink (refused, not followed)") from e
+        raise
+    finally:
+        os.close(parent)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise refused("not a regular file")
+        if st.st_size > lease.size:
+            raise refused(f"{st.st_size} bytes, longer than the verified {lease.size}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st.st_size
+
+
+def _read_at_most(fd: int, limit: int) -> bytes:
+    # One read usually returns it all, in one buffer; a file that changes meanwhile,
+    # or one past Linux's 2 GiB per read, takes more (and a join).
+    data = os.read(fd, limit)
+    if not data or len(data) == limit:
+        return data
+    chunks, total = [data], len(data)
+    while total < limit and (more := os.read(fd, limit - total)):
+        chunks.append(more)
+        total += len(more)
+    return b"".join(chunks)
+
+
+def read_verified(lease: Lease) -> bytes:
+    """The bytes of a leased entry, after checking them against the verified digest.
+
+    They are all held in memory, so this is for files that fit: no more than the
+    verified size plus one byte is ever read, whatever the path leads to. Raises
+    ``ChecksumMismatch`` when the path is not the verified file: different bytes,
+    longer or shorter, a symlink anywhere below the staging root, or not a regular
+    file (a FIFO, a device).
+    """
+    fd, size = _open_leased(lease)
+    try:
+        # Reading to the size seen, not the lease's, sizes the buffer by what is
+        # there; the one byte more tells a file that grew since.
+        data = _read_at_most(fd, size + 1)
+    finally:
+        os.close(fd)
+    if len(data) > size:
+        raise _refusal(lease)(f"grew while read, past {size} bytes (changed since verified)")
+    digest = blake3.blake3(data).hexdigest()
+    if len(data) != lease.size or digest != lease.digest:
+        raise ChecksumMismatch(
+            f"{lease.path}: read {len(data)} bytes with digest {digest}, expected "
+            f"{lease.size} bytes with digest {lease.digest}",
+            task_id=lease.task_id, file_id=lease.file_id,
+        )
+    return data
+
+
+def parts_of(client: Client, lease: Lease) -> list[Lease]:
+    """The parts of a leased assembly, in order, each as a lease of its own (under the
+    assembly's token) for ``read_verified``.
+
+    Checked before any byte is read: every part is still verified, and their digests
+    and sizes are those the assembly was verified with. Raises ``ChecksumMismatch``
+    otherwise (a part changed since; the registry takes the assembly back).
+    """
+    parts = [client.get_entry(lease.task_id, name) for name in lease.entry.parts]
+    what = f"assembly {lease.task_id}/{lease.file_id}"
+    for part in parts:
+        if part.state != pb.VERIFIED:
+            raise ChecksumMismatch(
+                f"{what}: part {part.file_id} is {pb.EntryState.Name(part.state).lower()}, "
+                "no longer verified", task_id=lease.task_id, file_id=lease.file_id)
+    size = sum(p.size for p in parts)
+    digest = assembly_digest([p.digest for p in parts])
+    if size != lease.size or digest != lease.digest:
+        raise ChecksumMismatch(
+            f"{what}: its parts now have {size} bytes and assembly digest {digest}, "
+            f"expected {lease.size} bytes with digest {lease.digest}",
+            task_id=lease.task_id, file_id=lease.file_id)
+    return [Lease(lease.task_id, p.file_id, lease.group, lease.token, p.abs_path, p.size,
+                  p.digest, p, lease.session_id) for p in parts]
+
+
+def iter_parts(client: Client, lease: Lease) -> Iterator[bytes]:
+    """The bytes of a leased assembly, one part at a time, in order, each checked
+    against its verified digest before it is yielded (``read_verified``)."""
+    for part in parts_of(client, lease):
+        yield read_verified(part)
+
+
+@dataclass
+class Delivery:
+    lease: Lease
+    #: the entry's checked bytes (an assembly's: its parts', in order)
+    data: bytes
+
+
+@contextmanager
+def consume(
+    client: Client,
+    session: Session | int,
+    task_id: str,
+    group: str = "default",
+    timeout: float | None = None,
+) -> Iterator[Delivery]:
+    """Yield the next verified entry's checked bytes; ack when the block ends.
+
+    An assembly's bytes are its parts', in order, each checked (``iter_parts``; use
+    it with ``next_lease`` to hold one part at a time instead of all of them). If
+    the bytes do not match the verified digest, or the block raises, the entry is
+    nacked (handed back to the group) and the error propagates.
+    """
+    lease = next_lease(client, session, task_id, group, timeout)
+    try:
+        data = (b"".join(iter_parts(client, lease)) if lease.entry.parts
+                else read_verified(lease))
+        delivery = Delivery(lease, data)
+        yield delivery
+    except BaseException as e:
+        # The lease may be gone already; the reaper hands the entry back then.
+        with suppress(BatonError):
+            client.nack(task_id, lease.file_id, group, lease.token,
+                        reason=f"{type(e).__name__}: {e}")
+        raise
+    client.ack(task_id, lease.file_id, group, lease.token)
+
+
+def consume_each(client: Client, session: Session, task_id: str, group: str = "default",
+                 timeout: float | None = None) -> Iterator[Delivery]:
+    """Consume the group's verified entries one after another: each delivery is
+    yielded, and acked when the loop asks for the next.
+
+    The loop ends, without an error, when none is verified within ``timeout``
+    or once the session's host is drained (``Session.draining``): the entry in
+    hand is acked first, and no new one is taken. Leaving the loop early (``break``,
+    an exception) nacks the entry in hand, as ``consume`` does.
+    """
+    while not session.draining:
+        try:
+            with consume(client, session, task_id, group, timeout) as delivery:
+                yield delivery
+        except (NothingToClaim, Draining):
+            return

@@ -1,0 +1,258 @@
+"""Producing a file safely: claim, write a temp file, fsync, rename, fsync the dir, commit.
+
+The staging tree is shared, so nothing under a task's directory is trusted: the
+entry's directory is reached one component at a time from the staging root with
+``O_NOFOLLOW`` (a symlink on the way is refused, never followed, and a missing
+directory is created where it was looked for), and every later step names files
+relative to that directory's descriptor. The temp file gets a name nobody can
+guess and is created with ``O_EXCL``, so a file or symlink planted in advance,
+or one left by a crashed attempt, is never written through or reused.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import shutil
+import stat
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO
+
+import blake3
+
+from ..kernel.contract import TEMP_MARKER
+from ..kernel.errors import BatonError, Draining, InvalidArgument, NothingToClaim
+from ..kernel.v1 import baton_pb2 as pb
+from ._client import Attributes, Claim, Client, Session
+
+#: random bytes in a temp file's name (hex-encoded): 64 bits nobody can guess
+NONCE_BYTES = 8
+
+#: longest file name most file systems take, in bytes (NAME_MAX)
+NAME_MAX = 255
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_TEMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+# The umask decides the published file's mode, as it does for `cp` and for what this
+# helper wrote before: the watcher and the consumers may run as other users, and
+# which of them may read is the operator's choice (umask, the staging dir's ACLs).
+# The temp file needs no tighter mode than the file it becomes: what protects it is
+# O_EXCL on a name nobody can guess, so nothing planted in advance is written through.
+_FILE_MODE = 0o666
+_DIR_MODE = 0o777
+
+#: builds the error for a path that cannot be used safely, from the reason
+Refusal = Callable[[str], BatonError]
+
+
+def new_nonce() -> str:
+    """The random part of a temp file's name."""
+    return secrets.token_hex(NONCE_BYTES)
+
+
+def temp_name(name: str, token: int, nonce: str | None = None) -> str:
+    """The name the bytes of ``name`` are written under before the rename publishes them.
+
+    ``.NAME.baton-tmp-TOKEN-NONCE``: hidden, marked for the watcher, naming the
+    attempt, and unpredictable. A name too long for the file system loses the end
+    of its ``NAME`` part, never the marker or the nonce.
+    """
+    tail = f"{TEMP_MARKER}{token}-{nonce if nonce is not None else new_nonce()}"
+    room = max(NAME_MAX - 1 - len(tail.encode()), 0)
+    head = name.encode()[:room].decode(errors="ignore")
+    return f".{head}{tail}"
+
+
+def temp_path(final: Path, token: int, nonce: str | None = None) -> Path:
+    """Where the bytes of ``final`` are written before the rename publishes them."""
+    return final.with_name(temp_name(final.name, token, nonce))
+
+
+def entry_parts(task_id: str, path: str, rel: str, refused: Refusal) -> tuple[str, list[str]]:
+    """The staging root of an entry's absolute ``path`` and the components below it,
+    the task's directory first (``path`` is ``ROOT/TASK/REL``, as the registry joins it)."""
+    parts = [task_id, *rel.split("/")]
+    suffix = "/" + "/".join(parts)
+    if not rel or any(p in ("", ".", "..") for p in parts) or not path.endswith(suffix):
+        raise refused(f"not an entry path of task {task_id!r} below a staging root "
+                      f"(entry path {rel!r})")
+    return path[: -len(suffix)] or "/", parts
+
+
+def _is_link(name: str, dir_fd: int) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def _open_dir(name: str, dir_fd: int, where: str, refused: Refusal) -> int:
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            if _is_link(name, dir_fd):
+                raise refused(f"{where} is a symlink (refused, not followed)") from e
+            raise refused(f"{where} is not a directory") from e
+        raise
+
+
+def open_entry_dir(task_id: str, path: str, rel: str, refused: Refusal, *,
+                   create: bool = False) -> tuple[int, str]:
+    """A descriptor of the directory that holds an entry's file, and the file's name
+    in it, reached from the staging root without following a symlink.
+
+    The staging root itself is the operator's and may be a symlink. With ``create``,
+    missing directories are made (the root too, as ``mkdir -p`` would). The caller
+    closes the descriptor.
+    """
+    root, parts = entry_parts(task_id, path, rel, refused)
+    if create:
+        os.makedirs(root, exist_ok=True)
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for depth, name in enumerate(parts[:-1], 1):
+            where = "/".join(parts[:depth])
+            try:
+                child = _open_dir(name, fd, where, refused)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                with suppress(FileExistsError):  # made by another producer meanwhile
+                    os.mkdir(name, _DIR_MODE, dir_fd=fd)
+                    os.fsync(fd)  # the new directory's name is durable before files in it
+                child = _open_dir(name, fd, where, refused)
+            os.close(fd)
+            fd = child
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, parts[-1]
+
+
+def refuse_link(name: str, dir_fd: int, where: str, refused: Refusal) -> None:
+    """Refuse a symlink at ``name``: the path is not ours to publish to."""
+    if _is_link(name, dir_fd):
+        raise refused(f"{where} is a symlink (refused, not replaced)")
+
+
+@dataclass
+class Output:
+    """The open temp file of a claim: write to it; size and digest follow along."""
+
+    claim: Claim
+    file: BinaryIO
+    size: int = 0
+    #: the committed entry, once the ``produce`` block has ended
+    entry: pb.Entry | None = None
+    #: committed with the file, for the task's routing rules; the block may set them
+    #: once it knows (a report's verdict, say)
+    attributes: Attributes = None
+    _hash: blake3.blake3 = field(default_factory=blake3.blake3)
+
+    def write(self, data: bytes) -> int:
+        self._hash.update(data)
+        self.size += len(data)
+        return self.file.write(data)
+
+    @property
+    def digest(self) -> str:
+        return self._hash.hexdigest()
+
+
+def _unusable(claim: Claim) -> Refusal:
+    def refused(reason: str) -> BatonError:
+        return InvalidArgument(f"cannot publish {claim.path}: {reason}", task_id=claim.task_id,
+                               file_id=claim.file_id, path=claim.path)
+    return refused
+
+
+@contextmanager
+def produce(
+    client: Client, session: Session | int, task_id: str, file_id: str = "", *,
+    nonce: Callable[[], str] = new_nonce, attributes: Attributes = None,
+) -> Iterator[Output]:
+    """Claim an entry and yield its output; publish and commit when the block ends.
+
+    If the block raises, the temp file is removed and the entry failed (it goes
+    back to ``pending`` or to ``dead``), and the exception propagates. The file
+    becomes visible under its final name only complete and on disk.
+
+    A symlink in the entry's path below the staging root, or at its final name,
+    fails the entry the same way with ``InvalidArgument``; nothing is written
+    through it. ``nonce`` makes the random part of the temp file's name.
+    ``attributes`` (or ``Output.attributes``, set in the block) go with the commit.
+    """
+    claim = client.claim(task_id, file_id, session=session)
+    refused = _unusable(claim)
+    parent: int | None = None
+    tmp = ""  # set once the temp file is ours to remove
+    try:
+        parent, name = open_entry_dir(claim.task_id, claim.path, claim.entry.path, refused,
+                                      create=True)
+        refuse_link(name, parent, "the final name", refused)
+        attempt = temp_name(name, claim.token, nonce())
+        fd = os.open(attempt, _TEMP_FLAGS, _FILE_MODE, dir_fd=parent)
+        tmp = attempt
+        with os.fdopen(fd, "wb") as f:
+            out = Output(claim, f, attributes=attributes)
+            yield out
+            f.flush()
+            os.fsync(f.fileno())
+        if isinstance(session, Session):
+            # A claim lost while we wrote (paused past the TTL) must not publish over
+            # the attempt that replaced it; the registry would refuse the commit anyway.
+            session.check()
+        # rename() replaces a symlink, never writes through it; one planted while we
+        # wrote is refused all the same, not silently replaced.
+        refuse_link(name, parent, "the final name", refused)
+        os.rename(tmp, name, src_dir_fd=parent, dst_dir_fd=parent)
+        tmp = ""
+        os.fsync(parent)
+    except BaseException as e:
+        if tmp and parent is not None:
+            with suppress(FileNotFoundError):
+                os.unlink(tmp, dir_fd=parent)
+        client.fail(task_id, claim.file_id, claim.token, reason=f"{type(e).__name__}: {e}")
+        raise
+    finally:
+        if parent is not None:
+            os.close(parent)
+    out.entry = client.commit(task_id, claim.file_id, claim.token, out.size, out.digest,
+                              attributes=out.attributes)
+
+
+def produce_each(client: Client, session: Session, task_id: str) -> Iterator[Output]:
+    """Claim the task's entries one after another: each output is yielded to be
+    written, and published and committed when the loop asks for the next.
+
+    The loop ends, without an error, when nothing is left to claim or once the
+    session's host is drained (``Session.draining``): the entry in hand is
+    committed first, and no new one is claimed. Leaving the loop early (``break``,
+    an exception) fails the entry in hand, as ``produce`` does.
+    """
+    while not session.draining:
+        try:
+            with produce(client, session, task_id) as out:
+                yield out
+        except (NothingToClaim, Draining):
+            return
+
+
+def put(client: Client, session: Session | int, task_id: str, file_id: str,
+        src: Path | BinaryIO, chunk: int = 1 << 20, *,
+        attributes: Attributes = None) -> pb.Entry:
+    """Claim ``file_id``, copy ``src`` into it durably, and commit (with
+    ``attributes``, for the task's routing rules)."""
+    with produce(client, session, task_id, file_id, attributes=attributes) as out:
+        if isinstance(src, Path):
+            with open(src, "rb") as f:
+                shutil.copyfileobj(f, out, chunk)
+        else:
+            shutil.copyfileobj(src, out, chunk)
+    assert out.entry is not None
+    return out.entry

@@ -1,0 +1,290 @@
+"""What claims of both kinds share: the claim key's value, claim slots, and the
+checks every planner makes on what it read (task, session, entry)."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from ..kernel.errors import (
+    Draining,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    SessionExpired,
+    SlotsExhausted,
+    StaleToken,
+    TaskNotActive,
+)
+from ..kernel.v1 import baton_pb2 as pb
+from ._etcd import KV
+from .identity import ANONYMOUS, Caller
+from .keys import Keys
+from .model import EntryRecord, TaskRecord, now
+from .txn import Txn
+
+
+def claim_value(agent: str, session: int, slot: int = -1, identity: str = "") -> bytes:
+    """A claim key's value: who holds it, under which session (the claim's lease is the
+    session's lease of the moment, which a rotation changes), which slot, since when."""
+    value: dict[str, object] = {"agent": agent, "session": session, "slot": slot,
+                                "at": now()}
+    if identity:
+        value["identity"] = identity
+    return json.dumps(value).encode()
+
+
+def _json(kv: KV | None) -> dict[str, Any]:
+    if kv is None:
+        return {}
+    try:
+        data = json.loads(kv.value)
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def claim_session(claim: KV) -> int:
+    """The session a claim (or its twin) names in its value (0: none named)."""
+    try:
+        return int(_json(claim).get("session", 0) or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+def claimed_at(claim: KV) -> str:
+    """When a claim was made (its value says; "" for a claim from before it did)."""
+    return str(_json(claim).get("at", ""))
+
+
+@dataclass(frozen=True)
+class SessionRecord:
+    """An agent session's record (``agents/{session}``) as read: its id comes from the
+    key, its lease of the moment from the key's lease."""
+
+    session_id: int
+    lease: int
+    info: dict[str, Any]
+
+    @classmethod
+    def of(cls, kv: KV, session_id: int) -> SessionRecord:
+        return cls(session_id, kv.lease, _json(kv))
+
+    @property
+    def agent(self) -> str:
+        return str(self.info.get("agent", "")) or "?"
+
+    @property
+    def host(self) -> str:
+        return str(self.info.get("host", ""))
+
+    @property
+    def ttl(self) -> int:
+        return int(self.info.get("ttl", 0) or 0)
+
+    @property
+    def draining(self) -> bool:
+        return bool(self.info.get("draining"))
+
+    @property
+    def revoked(self) -> bool:
+        return bool(self.info.get("revoked"))
+
+    @property
+    def rotating_from(self) -> int:
+        """The old lease of a rotation under way (0: none): it still holds keys."""
+        return int(self.info.get("rotating_from", 0) or 0)
+
+    @property
+    def leases(self) -> list[int]:
+        """Every lease holding keys of the session now (two during a rotation)."""
+        return [self.lease] + ([self.rotating_from] if self.rotating_from else [])
+
+    def with_info(self, **changes: Any) -> bytes:
+        """The record's value with ``changes`` (a value of None removes the field)."""
+        info = {**self.info, **changes}
+        return json.dumps({k: v for k, v in info.items() if v is not None}).encode()
+
+
+def identity_of(kv: KV | None) -> str:
+    """The identity that opened a session (its record) or holds a claim (its key)."""
+    if kv is None:
+        return ""
+    try:
+        return str(json.loads(kv.value).get("identity", ""))
+    except ValueError:
+        return ""
+
+
+def check_owner(caller: Caller, kv: KV | None, what: str) -> None:
+    """Refuse ``caller`` unless it is the identity behind ``kv`` (a session record or a
+    claim): a session id or a token is not a capability on its own."""
+    if caller is ANONYMOUS or caller.name == identity_of(kv):
+        return
+    raise PermissionDenied(f"{what} belongs to another identity, not to {caller.describe()}",
+                           identity=caller.name)
+
+
+def check_claim_session(claim: KV, session_id: int, what: str) -> None:
+    """A token call that names its session must name the one holding the claim."""
+    if session_id and claim_session(claim) != session_id:
+        raise PermissionDenied(f"{what} is held by another session than {session_id:x}",
+                               session_id=session_id)
+
+
+def claim_holder(kv: KV | None) -> str:
+    if kv is None:
+        return ""
+    try:
+        return str(json.loads(kv.value).get("agent", ""))
+    except ValueError:
+        return ""
+
+
+def need_entry(kv: KV | None, task_id: str, file_id: str) -> EntryRecord:
+    """The entry a read returned; ``NotFound`` if it returned none."""
+    if kv is None:
+        raise NotFound(f"no entry {file_id!r} in task {task_id!r}", task_id=task_id,
+                       file_id=file_id)
+    return EntryRecord.load(kv.value)
+
+
+def need_task(kv: KV | None, task_id: str, active: bool = False) -> TaskRecord:
+    """The task a read returned; ``NotFound``, or with ``active`` (new work is to be
+    handed out: a claim, a consume) ``TaskNotActive`` unless it is active."""
+    if kv is None:
+        raise NotFound(f"no task {task_id!r}", task_id=task_id)
+    task = TaskRecord.load(kv.value)
+    # A completed task has nothing left to hand out: callers then find nothing.
+    if active and task.status == "paused":
+        # Paused keeps everything as it is and hands out no new work, to producers
+        # and consumers alike; what is in hand may still be finished.
+        why = f" ({task.status_reason})" if task.status_reason else ""
+        raise TaskNotActive(f"task {task_id!r} is paused{why}: it hands out no new claims "
+                            "or consumes until `baton task resume`; claims and consumes "
+                            "in hand may still be finished", task_id=task_id,
+                            status=task.status)
+    if active and task.status not in ("active", "completed"):
+        raise TaskNotActive(f"task {task_id!r} is {task.status}", task_id=task_id,
+                            status=task.status)
+    return task
+
+
+#: statuses in which every token of a task is void (its claims are being revoked, or gone)
+VOID = ("cancelled", "deleting")
+
+
+def voided(kv: KV | None) -> bool:
+    """Whether a task header (as read) makes every token of its task void."""
+    return kv is not None and TaskRecord.load(kv.value).status in VOID
+
+
+def check_tokens_live(kv: KV | None, task_id: str, what: str, token: int) -> None:
+    """Refuse a token call (commit, fail, ack, nack) on a cancelled task. Read with the
+    claim in the call's own transaction (the header is pinned), so the status change
+    alone stops it: cancel deletes a large task's claims a chunk at a time after it."""
+    task = need_task(kv, task_id)
+    if task.status in VOID:
+        raise StaleToken(f"{what} is void: task {task_id!r} is {task.status}",
+                         task_id=task_id, token=token, status=task.status)
+
+
+def need_session(kv: KV | None, session_id: int) -> SessionRecord:
+    """The record of a session a read returned, for a call that takes new work:
+    ``SessionExpired`` if none (or an operator is revoking it), ``Draining`` if its
+    host is drained. Both come from the record the claim reads anyway."""
+    if kv is None:
+        raise SessionExpired(f"session {session_id:x} has expired or never existed",
+                             session_id=session_id)
+    record = SessionRecord.of(kv, session_id)
+    if record.revoked:
+        raise SessionExpired(f"session {session_id:x} is being revoked by an operator",
+                             session_id=session_id)
+    if record.draining:
+        raise Draining(f"session {session_id:x} of {record.agent} is on drained host "
+                       f"{record.host!r}: it takes no new work (claims held may finish)",
+                       session_id=session_id, host=record.host)
+    return record
+
+
+class Slots:
+    """A session's claim slots as one planner sees them.
+
+    Slots are leased keys ``slots/{session}/{n}``, ``n < slots``: taking one is a
+    create-only put in the claim's own transaction, so two concurrent claims
+    can never both take the last slot.
+    """
+
+    def __init__(self, keys: Keys, session: SessionRecord, used: list[KV]) -> None:
+        self.keys = keys
+        self.session_id = session.session_id
+        #: the session's lease now, which its new keys are attached to
+        self.lease = session.lease
+        self.agent = session.agent
+        self.limit = int(session.info.get("slots", 0) or 0)
+        self.taken = {int(kv.key.rsplit(b"/", 1)[-1]) for kv in used}
+
+    @classmethod
+    async def read(cls, txn: Txn, keys: Keys, session: SessionRecord) -> Slots:
+        limit = int(session.info.get("slots", 0) or 0)
+        used = await txn.scan(keys.slots(session.session_id)) if limit > 0 else []
+        return cls(keys, session, used)
+
+    @property
+    def free(self) -> int | None:
+        """How many more claims the session may hold (None: no limit)."""
+        return None if self.limit <= 0 else max(0, self.limit - len(self.taken))
+
+    def take(self, txn: Txn, rng: random.Random) -> int:
+        """Reserve a free slot in ``txn`` (-1 when the session has no limit)."""
+        if self.limit <= 0:
+            return -1
+        free = [n for n in range(self.limit) if n not in self.taken]
+        if not free:
+            raise SlotsExhausted(
+                f"agent {self.agent} holds {self.limit} claims already (its slot limit); "
+                "finish one first", session_id=self.session_id, slots=self.limit)
+        n = rng.choice(free)
+        txn.create(self.keys.slot(self.session_id, n), b"", lease=self.lease)
+        self.taken.add(n)  # later claims of the same transaction (a batch) take others
+        return n
+
+
+def release_slot(keys: Keys, claim: KV, txn: Txn) -> None:
+    """Free the slot a claim holds (its value names session and slot), in the caller's
+    transaction."""
+    info = _json(claim)
+    session = claim_session(claim)
+    if int(info.get("slot", -1)) >= 0 and session:
+        txn.delete(keys.slot(session, int(info["slot"])))
+
+
+def check_session_id(session_id: int) -> None:
+    if session_id <= 0:
+        raise InvalidArgument("this call needs a session_id (open a session first)")
+
+
+def entry_replay(raw: bytes, revision: int) -> pb.Entry:
+    """The recorded reply of an entry-returning call, as first sent."""
+    entry = pb.Entry.FromString(raw)
+    entry.revision = revision
+    return entry
+
+
+Batch = TypeVar("Batch", pb.CommitBatchResponse, pb.AckBatchResponse)
+
+
+def batch_replay(cls: type[Batch]) -> Callable[[bytes, int], Batch]:
+    """How a batch call's recorded reply is sent again: every entry at the revision of
+    the transaction that applied the batch."""
+
+    def replay(raw: bytes, revision: int) -> Batch:
+        resp = cls.FromString(raw)
+        for entry in resp.entries:
+            entry.revision = revision
+        return resp
+
+    return replay

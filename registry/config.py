@@ -1,0 +1,102 @@
+"""The registry's configuration: flags, ``BATON_*`` variables, an optional TOML file.
+
+Precedence: flag > environment > TOML file > default. Every flag ``--some-name``
+has the variable ``BATON_SOME_NAME`` and the TOML key ``some_name`` (the loader,
+``kernel.settings``, is the watcher's too). This is the only place that reads the
+environment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from ..kernel import settings
+from ..kernel.contract import DEFAULT_SHARDS
+from ..kernel.logs import FORMATS
+
+MOVE_DEADLINE = 30.0
+
+
+@dataclass(frozen=True)
+class RegistryConfig:
+    etcd: str = "127.0.0.1:2379"
+    listen: str = "127.0.0.1:7390"
+    staging: str = "/var/lib/baton/staging"
+    prefix: str = "/baton/v1/"
+    reap_interval: float = 0.5
+    grace: float = 10.0
+    log_level: str = "INFO"
+    log_format: str = "kv"
+    # mutual TLS towards clients
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    insecure: bool = False
+    # etcd over TLS, with the registry's own credentials
+    etcd_ca: str = ""
+    etcd_cert: str = ""
+    etcd_key: str = ""
+    etcd_user: str = ""
+    etcd_password_file: str = ""
+    # etcd releases with a known bug served anyway (comma-separated), and how often
+    # every member's release is read again
+    allow_etcd_version: str = ""
+    etcd_check_interval: float = 10.0
+    # Prometheus metrics over HTTP
+    metrics: str = ""
+    # finished tasks out of etcd
+    archive_dir: str = ""
+    archive_after: float = 86400.0
+    archive_retention: float = 90 * 86400.0
+    archive_interval: float = 30.0
+    # an entry written for longer is counted (status) and named (explain) as stuck
+    stuck_written_after: float = 600.0
+    # watcher shards
+    shards: int = DEFAULT_SHARDS
+    shard_move_deadline: float = MOVE_DEADLINE
+
+
+_HELP = {
+    "etcd": "etcd endpoint host:port, or several (members of one cluster) joined by commas",
+    "listen": "gRPC address to serve on (port 0 = pick one)",
+    "staging": "staging root; a task's files live under STAGING/TASK/",
+    "prefix": "etcd key prefix (start and end with '/')",
+    "reap_interval": "seconds between sweeps for claims whose lease died",
+    "grace": "seconds in-flight calls get to finish on SIGTERM",
+    "log_level": "DEBUG, INFO, WARNING or ERROR",
+    "log_format": "kv (key=value lines) or json (one object per line)",
+    "tls_ca": "CA bundle client certificates must chain to (re-read when it changes)",
+    "tls_cert": "the registry's server certificate, PEM (re-read when it changes)",
+    "tls_key": "the server certificate's private key, PEM",
+    "insecure": "serve plaintext with no client identities (loopback, or when you mean it)",
+    "etcd_ca": "CA bundle etcd's server certificate must chain to (turns on TLS to etcd)",
+    "etcd_cert": "client certificate the registry presents to etcd",
+    "etcd_key": "private key of --etcd-cert",
+    "etcd_user": "etcd user (etcd auth enabled); its password comes from --etcd-password-file",
+    "etcd_password_file": "file holding the etcd user's password",
+    "allow_etcd_version": "serve even though an etcd member runs this release with a known "
+    "bug (exactly as the member reports it, e.g. 3.5.1; several: comma-separated); "
+    "see docs/operations.md, etcd versions",
+    "etcd_check_interval": "seconds between reads of every etcd member's release (a "
+    "member added or upgraded is seen within this)",
+    "archive_dir": "directory finished tasks are archived to, out of etcd; every replica "
+    "must see the same one (empty = finished tasks stay in etcd)",
+    "archive_after": "seconds after a task finished that it is archived, unless its "
+    "manifest says (archive_after_seconds); negative = never",
+    "archive_retention": "seconds an archive is kept; then it and the task's header go",
+    "archive_interval": "seconds between looks for finished tasks due for the archive",
+    "stuck_written_after": "seconds after which an entry committed and not yet verified "
+    "is counted by status and named by explain as stuck (no watcher settled it)",
+    "shards": "shards tasks map to, fixed when the first watcher registers (1..4096)",
+    "shard_move_deadline": "seconds a watcher has to hand over a shard before it is taken",
+    "metrics": "HOST:PORT to serve Prometheus metrics on, at /metrics (empty = off; "
+    "port 0 = pick one and log it)",
+}
+
+def load_config(argv: Sequence[str], environ: Mapping[str, str]) -> RegistryConfig:
+    """Build the configuration from the command line and environment (pure)."""
+    return settings.load(
+        RegistryConfig, argv, environ, prog="baton-registry",
+        description="Baton registry: the gRPC server that owns the entry state machine.",
+        help=_HELP, choices={"log_format": FORMATS})

@@ -1,0 +1,332 @@
+"""Consumer transitions: consume (lease a verified entry to one agent of a group), ack, nack."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from ..kernel.errors import IllegalTransition, InvalidArgument, NothingToClaim, StaleToken
+from ..kernel.v1 import baton_pb2 as pb
+from ._etcd import KV, created_at, present
+from .access import check_consumer, consumers_of
+from .claims import (
+    Slots,
+    batch_replay,
+    check_claim_session,
+    check_owner,
+    check_session_id,
+    check_tokens_live,
+    claim_holder,
+    claim_value,
+    entry_replay,
+    need_entry,
+    need_session,
+    need_task,
+    release_slot,
+)
+from .core import Core
+from .identity import Caller
+from .keys import ClaimRef
+from .manifest import check_id
+from .model import CONSUMED, VERIFIED, EntryRecord
+from .txn import MAX_TXN_OPS, Retry, Txn
+
+#: claimable keys looked at per consume
+PAGE = 64
+#: operations one ack adds to a transaction: the claim, its twin and its slot deleted,
+#: the entry and its journal record written, its open key deleted once consumed
+OPS_PER_ACK = 6
+#: acks in one AckBatch: what fits in one transaction
+MAX_ACKS = MAX_TXN_OPS // OPS_PER_ACK
+#: operations one consume adds to a transaction: its claimable key deleted, its slot,
+#: claim, twin, deadline and journal record written (compares: four)
+OPS_PER_CONSUME = 6
+#: leases in one ConsumeBatch: what fits in one transaction
+MAX_CONSUMES = MAX_TXN_OPS // OPS_PER_CONSUME
+
+
+def _consumable(group: str) -> Callable[[EntryRecord], bool]:
+    """Whether an entry may be leased to ``group``: verified, routed to it, not yet
+    consumed by it."""
+    def consumable(rec: EntryRecord) -> bool:
+        return (rec.state == VERIFIED and group in rec.receivers
+                and group not in rec.consumed_by)
+    return consumable
+
+
+def _leased(rec: EntryRecord, staging: str, revision: int, token: int,
+            group: str) -> pb.ConsumeResponse:
+    """The reply for one lease: the entry as read (at ``revision``) and its token."""
+    entry = rec.to_pb(staging, revision=revision)
+    return pb.ConsumeResponse(entry=entry, token=token, path=entry.abs_path, size=rec.size,
+                              digest=rec.digest, group=group)
+
+
+class Consumers:
+    def __init__(self, core: Core) -> None:
+        self.core = core
+        self.keys = core.keys
+
+    async def consume(self, req: pb.ConsumeRequest, caller: Caller) -> pb.ConsumeResponse:
+        check_id("task_id", req.task_id)
+        check_id("group", req.group)
+        if req.file_id:
+            check_id("file_id", req.file_id)
+        check_session_id(req.session_id)
+        staging = self.core.staging_dir(req.task_id)
+
+        consumable = _consumable(req.group)
+
+        async def planner(txn: Txn) -> Callable[[int], pb.ConsumeResponse]:
+            slots = await self._session(txn, req.task_id, req.group, req.session_id, caller)
+            if req.file_id:
+                entry_kv, cready = await txn.get_many([
+                    self.keys.entry(req.task_id, req.file_id),
+                    self.keys.cready(req.task_id, req.group, req.file_id)])
+                rec = need_entry(entry_kv, req.task_id, req.file_id)
+                if req.group not in rec.consumers:
+                    raise InvalidArgument(
+                        f"group {req.group!r} is not a consumer of {rec.file_id!r} "
+                        f"(consumers: {rec.consumers})"
+                    )
+                if rec.state == VERIFIED and req.group not in rec.receivers:
+                    raise IllegalTransition(
+                        f"entry {rec.file_id!r} was routed to {rec.receivers} by the task's "
+                        f"routing rule {rec.rule}, not to group {req.group!r}",
+                        task_id=rec.task_id, file_id=rec.file_id, state=rec.state)
+                if not consumable(rec) or cready is None:
+                    raise IllegalTransition(
+                        f"entry {rec.file_id!r} is {rec.state} and not available to group "
+                        f"{req.group!r} (consumed by {rec.consumed_by}, or held by another "
+                        "agent)", task_id=rec.task_id, file_id=rec.file_id, state=rec.state,
+                    )
+                assert entry_kv is not None
+            else:
+                ((entry_kv, rec),) = await self._pick(txn, req.task_id, req.group,
+                                                      consumable)
+            self._lease(txn, rec, req.group, slots, caller)
+            revision = entry_kv.mod_revision
+
+            return lambda rev: _leased(rec, staging, revision, rev, req.group)
+
+        def replay(raw: bytes, rev: int) -> pb.ConsumeResponse:
+            resp = pb.ConsumeResponse.FromString(raw)
+            resp.token = rev
+            return resp
+
+        return await self.core.txns.run(planner, req.request_id, replay)
+
+    async def _session(self, txn: Txn, task_id: str, group: str, session_id: int,
+                       caller: Caller) -> Slots:
+        """The session's slots, once the task is active (paused: no new leases), the
+        session the caller's and the caller one of the group's consumers."""
+        task_kv, agent_kv = await txn.get_many([self.keys.task(task_id),
+                                                self.keys.agent(session_id)])
+        task = need_task(task_kv, task_id, active=True)
+        record = need_session(agent_kv, session_id)
+        check_owner(caller, agent_kv, f"session {session_id:x}")
+        check_consumer(caller, task_id, group, consumers_of(task.access, group))
+        return await Slots.read(txn, self.keys, record)
+
+    def _lease(self, txn: Txn, rec: EntryRecord, group: str, slots: Slots,
+               caller: Caller) -> None:
+        """Add one consume-claim (a lease of a verified entry to the session) to a
+        transaction being planned: guarded on the entry's claimable key for ``group``."""
+        ref = ClaimRef("c", rec.task_id, rec.file_id, group)
+        cready_key = self.keys.cready(rec.task_id, group, rec.file_id)
+        txn.require(present(cready_key))
+        slot = slots.take(txn, self.core.rng)
+        value = claim_value(slots.agent, slots.session_id, slot, caller.name)
+        txn.delete(cready_key)
+        txn.create(self.keys.claim(ref), value, lease=slots.lease)
+        txn.put(self.keys.inflight(ref), value)
+        self.core.arm_deadline(txn, ref, rec.consume_deadline)
+        self.core.journal_only(rec, "consuming", txn, who=slots.agent, group=group)
+
+    async def consume_batch(self, req: pb.ConsumeBatchRequest,
+                            caller: Caller) -> pb.ConsumeBatchResponse:
+        """Lease up to ``max`` verified entries to one session for ``group`` in one
+        transaction (as many as etcd's operation limit allows), all or nothing; each
+        lease's token is that transaction's revision."""
+        check_id("task_id", req.task_id)
+        check_id("group", req.group)
+        check_session_id(req.session_id)
+        if req.max < 1:
+            raise InvalidArgument("max must be at least 1")
+        want = min(req.max, MAX_CONSUMES)
+        staging = self.core.staging_dir(req.task_id)
+
+        async def planner(txn: Txn) -> Callable[[int], pb.ConsumeBatchResponse]:
+            slots = await self._session(txn, req.task_id, req.group, req.session_id, caller)
+            free = slots.free
+            picked = await self._pick(txn, req.task_id, req.group, _consumable(req.group),
+                                      want if free is None else max(1, min(want, free)))
+            for _, rec in picked:
+                self._lease(txn, rec, req.group, slots, caller)
+
+            def reply(rev: int) -> pb.ConsumeBatchResponse:
+                return pb.ConsumeBatchResponse(leases=[
+                    _leased(rec, staging, kv.mod_revision, rev, req.group)
+                    for kv, rec in picked])
+
+            return reply
+
+        def replay(raw: bytes, rev: int) -> pb.ConsumeBatchResponse:
+            resp = pb.ConsumeBatchResponse.FromString(raw)
+            for lease in resp.leases:
+                lease.token = rev
+            return resp
+
+        return await self.core.txns.run(planner, req.request_id, replay)
+
+    async def _pick(self, txn: Txn, task_id: str, group: str,
+                    consumable: Callable[[EntryRecord], bool],
+                    want: int = 1) -> list[tuple[KV, EntryRecord]]:
+        """Up to ``want`` consumable entries from the head of the group's claimable
+        index, in a random order (concurrent consumers read the same head)."""
+        base = self.keys.cready_all(task_id, group)
+        page = await txn.scan(base, PAGE, keys_only=True)
+        order = list(page)
+        self.core.rng.shuffle(order)
+        order = order[:max(want * 2, 8)]
+        keys = [self.keys.entry(task_id, self.keys.last_segment(k.key)) for k in order]
+        view = self.core.view if not txn.fresh else None
+        moved = False
+        picked: list[tuple[KV, EntryRecord]] = []
+        for key, ready, kv in zip(keys, order, await txn.peek_many(keys), strict=True):
+            rec = EntryRecord.load(kv.value) if kv is not None else None
+            if kv is None or rec is None or not consumable(rec):
+                moved = True
+                continue
+            if view is not None and not view.reserve(txn, ready.key):
+                continue
+            txn.pin(key, kv)
+            picked.append((kv, rec))
+            if len(picked) == want:
+                break
+        if picked:
+            return picked
+        if moved or len(page) >= PAGE:
+            if view is not None and moved:
+                view.invalidate(base)
+            raise Retry()
+        raise NothingToClaim(
+            f"nothing to consume for group {group!r} in task {task_id!r}",
+            task_id=task_id, group=group,
+        )
+
+    async def _live(
+        self, txn: Txn, acks: Sequence[pb.AckRequest | pb.NackRequest], caller: Caller,
+    ) -> list[tuple[KV, EntryRecord]]:
+        """The live consume-claim of each (task, file, group, token) and its entry, held
+        by the caller (and by ``session_id`` when not 0), in a task not cancelled; read
+        in one round trip. Deletes the claims (with their twins, freeing their slots)
+        in ``txn``, guarded on the tokens. Acks of one entry share its record, so that
+        each sees the groups the others acked."""
+        keys: list[bytes] = []
+        for a in acks:
+            check_id("task_id", a.task_id)
+            check_id("file_id", a.file_id)
+            check_id("group", a.group)
+            keys += [self.keys.task(a.task_id), self.keys.entry(a.task_id, a.file_id),
+                     self.keys.claim(ClaimRef("c", a.task_id, a.file_id, a.group))]
+        found = dict(zip(keys, await txn.get_many(keys), strict=True))
+        records: dict[bytes, EntryRecord] = {}
+        out = []
+        for a in acks:
+            ref = ClaimRef("c", a.task_id, a.file_id, a.group)
+            claim_key, entry_key = self.keys.claim(ref), self.keys.entry(a.task_id, a.file_id)
+            claim = found[claim_key]
+            if entry_key not in records:
+                records[entry_key] = need_entry(found[entry_key], a.task_id, a.file_id)
+            if a.token <= 0 or claim is None or claim.create_revision != a.token:
+                raise StaleToken(
+                    f"token {a.token} is not the live consume-claim of group {a.group!r} on "
+                    f"{a.task_id}/{a.file_id} (lost, superseded or already acked)",
+                    task_id=a.task_id, file_id=a.file_id, group=a.group, token=a.token,
+                )
+            what = (f"the consume-claim of group {a.group!r} on {a.task_id}/{a.file_id} "
+                    f"(token {a.token})")
+            check_tokens_live(found[self.keys.task(a.task_id)], a.task_id, what, a.token)
+            check_owner(caller, claim, what)
+            check_claim_session(claim, a.session_id, what)
+            txn.require(created_at(claim_key, a.token))
+            txn.delete(claim_key)
+            txn.delete(self.keys.inflight(ref))
+            release_slot(self.keys, claim, txn)
+            out.append((claim, records[entry_key]))
+        return out
+
+    def _ack(self, rec: EntryRecord, claim: KV, req: pb.AckRequest) -> None:
+        """One group's ack of a verified entry (the caller writes the entry)."""
+        if rec.state != VERIFIED:
+            raise IllegalTransition(
+                f"entry {rec.file_id!r} is {rec.state}: its verified bytes are gone "
+                f"({rec.error or 'no reason recorded'})", task_id=rec.task_id,
+                file_id=rec.file_id, state=rec.state,
+            )
+        if req.group not in rec.consumed_by:
+            rec.consumed_by.append(req.group)
+        rec.remember("acked", who=claim_holder(claim), group=req.group, token=req.token)
+        if all(g in rec.consumed_by for g in rec.receivers):
+            rec.state = CONSUMED
+
+    async def ack(self, req: pb.AckRequest, caller: Caller) -> pb.Entry:
+        staging = self.core.staging_dir(req.task_id)
+
+        async def planner(txn: Txn) -> Callable[[int], pb.Entry]:
+            ((claim, rec),) = await self._live(txn, [req], caller)
+            self._ack(rec, claim, req)
+            self.core.put_entry(rec, txn)
+            return lambda rev: rec.to_pb(staging, revision=rev)
+
+        return await self.core.txns.run(planner, req.request_id, entry_replay)
+
+    async def ack_batch(self, req: pb.AckBatchRequest,
+                        caller: Caller) -> pb.AckBatchResponse:
+        """Ack many consume-claims in one transaction, all or nothing; as many as fit
+        etcd's operation limit by construction, as CommitBatch."""
+        if not req.acks:
+            raise InvalidArgument("a batch needs at least one ack")
+        if len(req.acks) > MAX_ACKS:
+            raise InvalidArgument(
+                f"{len(req.acks)} acks in one batch; at most {MAX_ACKS} (etcd's operation "
+                "limit per transaction)")
+        seen: dict[tuple[str, str, str], int] = {}
+        for i, a in enumerate(req.acks):
+            key = (a.task_id, a.file_id, a.group)
+            if key in seen:
+                raise InvalidArgument(
+                    f"acks [{seen[key]}] and [{i}] both ack {a.task_id}/{a.file_id} for "
+                    f"group {a.group!r}")
+            seen[key] = i
+
+        async def planner(txn: Txn) -> Callable[[int], pb.AckBatchResponse]:
+            live = await self._live(txn, req.acks, caller)
+            for (claim, rec), a in zip(live, req.acks, strict=True):
+                self._ack(rec, claim, a)
+            written = list({id(rec): rec for _, rec in live}.values())
+            for rec in written:
+                self.core.put_entry(rec, txn)
+
+            def reply(rev: int) -> pb.AckBatchResponse:
+                return pb.AckBatchResponse(entries=[
+                    rec.to_pb(self.core.staging_dir(rec.task_id), revision=rev)
+                    for _, rec in live])
+
+            return reply
+
+        return await self.core.txns.run(planner, req.request_id,
+                                        batch_replay(pb.AckBatchResponse))
+
+    async def nack(self, req: pb.NackRequest, caller: Caller) -> pb.Entry:
+        staging = self.core.staging_dir(req.task_id)
+
+        async def planner(txn: Txn) -> Callable[[int], pb.Entry]:
+            ((_claim, rec),) = await self._live(txn, [req], caller)
+            rec.remember("nacked", group=req.group, token=req.token, reason=req.reason)
+            self.core.put_entry(rec, txn)
+            if rec.state == VERIFIED:
+                txn.put(self.keys.cready(rec.task_id, req.group, rec.file_id), b"")
+            return lambda rev: rec.to_pb(staging, revision=rev)
+
+        return await self.core.txns.run(planner, req.request_id, entry_replay)

@@ -1,0 +1,120 @@
+"""Processing deadlines: a claim held too long is taken away.
+
+A lease proves an agent's keepalive runs, not that its work moves: a hung agent
+whose keepalive thread lives would hold its claim for ever. An entry may carry a
+``claim_deadline`` (seconds from a producer's claim to its commit) and a
+``consume_deadline`` (from a consume to its ack), from its manifest or its task's.
+
+The transaction that makes such a claim also writes ``deadlines/{due}/{claim}``
+(``Core.arm_deadline``)
+with ``due`` in epoch milliseconds, so the keys sort by it; the key therefore has the
+claim's create revision, its token. Nothing else deletes these keys: a commit,
+an ack or a reaped lease leaves its deadline key behind, and the sweep, when the
+key falls due, finds the claim gone (or another claim, of another revision) and
+deletes the key alone. A claim still there at its due time is revoked in one
+guarded transaction, as the reaper moves a lost one on: the producer's entry
+takes the retry path (journal event ``deadline``), a consumer's entry goes back to
+its group; claim, twin, slot and deadline key go together, so the holder's token
+dies and its commit or ack is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+from ..kernel import logs
+from ._etcd import KV, created_at
+from .claims import claim_holder, release_slot, voided
+from .core import Core, Gate
+from .model import VERIFIED, WRITING, EntryRecord
+from .scheduler import Complaints
+from .txn import Txn, write
+
+log = logging.getLogger("baton.registry")
+
+#: keys read per request while looking for deadlines due
+PAGE = 1000
+#: claims revoked at once (each its own guarded transaction)
+PARALLEL = 32
+
+
+class Deadlines:
+    def __init__(self, core: Core) -> None:
+        self.core = core
+        self.keys = core.keys
+        #: claims this replica took away at their deadline (for metrics)
+        self.expired = 0
+        self._complain = Complaints("deadlines")
+
+    async def sweep(self) -> int:
+        """Revoke every claim whose deadline has passed; forget deadlines of claims
+        that ended. Keys sort by due time: the listing stops at the first not due."""
+        now_ms = int(self.core.clock() * 1000)
+        gate = Gate(PARALLEL)
+        taken = 0
+
+        async def one(kv: KV) -> None:
+            nonlocal taken
+            try:
+                if await self._expire(kv):
+                    taken += 1
+            except Exception as e:  # one bad key never stops the others
+                self._complain(kv.key.decode(errors="replace"), e)
+
+        pages = self.core.etcd.scan(self.keys.deadlines(), page=PAGE, keys_only=True)
+        async with contextlib.aclosing(pages):
+            async for kv in pages:
+                try:
+                    due, _ = self.keys.parse_deadline(kv.key)
+                except ValueError as e:
+                    self._complain(kv.key.decode(errors="replace"), e)
+                    continue
+                if due > now_ms:
+                    break
+                await gate.submit(one(kv))
+        await gate.drain()
+        self.expired += taken
+        return taken
+
+    async def _expire(self, deadline: KV) -> bool:
+        _, ref = self.keys.parse_deadline(deadline.key)
+        claim_key, twin_key = self.keys.claim(ref), self.keys.inflight(ref)
+        entry_key = self.keys.entry(ref.task_id, ref.file_id)
+
+        async def plan(txn: Txn) -> bool:
+            kv, claim, twin = await txn.get_many([deadline.key, claim_key, twin_key])
+            if kv is None:
+                return False  # another replica got there first
+            txn.delete(deadline.key)
+            if claim is None or claim.create_revision != kv.create_revision:
+                return False  # that claim ended (committed, acked, reaped): just forget it
+            token = claim.create_revision
+            txn.require(created_at(claim_key, token))
+            txn.delete(claim_key)
+            if twin is not None:
+                txn.delete(twin_key)
+            release_slot(self.keys, claim, txn)
+            holder = claim_holder(claim) or "?"
+            entry, task = await txn.get_many([entry_key, self.keys.task(ref.task_id)])
+            if entry is not None and not voided(task):  # a cancelled task's stay as they are
+                rec = EntryRecord.load(entry.value)
+                if ref.kind == "p" and rec.state == WRITING:
+                    self.core.retry_or_dead(
+                        rec, f"claim deadline: no commit within {rec.claim_deadline:g} s of "
+                        f"the claim by {holder} (token {token})", token=token, event="deadline")
+                    self.core.put_entry(rec, txn)
+                elif ref.kind == "c" and rec.state == VERIFIED and (
+                        ref.group not in rec.consumed_by):
+                    rec.remember("deadline", group=ref.group, who=holder, token=token,
+                                 reason=f"consume deadline: no ack within "
+                                 f"{rec.consume_deadline:g} s")
+                    self.core.put_entry(rec, txn)
+                    txn.put(self.keys.cready(ref.task_id, ref.group, ref.file_id), b"")
+            txn.after(lambda: logs.log(
+                log, logging.WARNING, "claim taken away at its deadline", task=ref.task_id,
+                file_id=ref.file_id, revision=txn.revision, kind=ref.kind,
+                group=ref.group or None, token=token, agent=holder))
+            return True
+
+        return await write(self.core.txns, plan)

@@ -1,0 +1,176 @@
+"""Who is calling, and what each role may call: the registry's one access table.
+
+A caller is the identity in its client certificate (docs/security.md): the CN is
+its name, each OU that names a role is a role it holds. :data:`POLICY` maps every
+method of the Registry service to the roles that may call it; a method missing
+from it is refused to everyone (deny by default). ``service.add_to_server``
+enforces it for every call before a handler runs, the only place it is checked.
+
+A registry serving plaintext (``--insecure``) has no identities: every caller is
+:data:`ANONYMOUS`, which holds every role.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import fnmatch
+import functools
+import hashlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+from ..kernel.errors import PermissionDenied
+from ..kernel.pki import ROLES
+from ..kernel.pki import identity as cert_identity
+
+OPERATOR, AGENT, WATCHER = ROLES
+
+
+class _HasToken(Protocol):
+    token: int
+
+
+T = TypeVar("T", bound=_HasToken)
+_ANY = frozenset(ROLES)
+
+#: every method of the Registry service and the roles that may call it
+POLICY: Mapping[str, frozenset[str]] = {
+    # reads: everyone with an identity
+    "GetTask": _ANY,
+    "ListTasks": _ANY,
+    "GetEntry": _ANY,
+    "ListEntries": _ANY,
+    "Journal": _ANY,
+    "Explain": _ANY,
+    "Watch": _ANY,
+    "WatchTasks": _ANY,
+    # tasks are made by pipelines (agents) and people (operators)
+    "CreateTask": frozenset({OPERATOR, AGENT}),
+    # operating tasks, entries and leases
+    "PauseTask": frozenset({OPERATOR}),
+    "ResumeTask": frozenset({OPERATOR}),
+    "CancelTask": frozenset({OPERATOR}),
+    "DeleteTask": frozenset({OPERATOR}),
+    "ArchiveTask": frozenset({OPERATOR}),
+    "Requeue": frozenset({OPERATOR}),
+    "ListAgents": frozenset({OPERATOR}),
+    "RevokeSession": frozenset({OPERATOR}),
+    "RotateLease": frozenset({OPERATOR}),
+    "DrainHost": frozenset({OPERATOR}),
+    "UndrainHost": frozenset({OPERATOR}),
+    # sessions and claims; an operator may close any session (``baton release``)
+    "OpenSession": frozenset({AGENT}),
+    "KeepAlive": frozenset({AGENT}),
+    "CloseSession": frozenset({AGENT, OPERATOR}),
+    "Claim": frozenset({AGENT}),
+    "ClaimBatch": frozenset({AGENT}),
+    "Commit": frozenset({AGENT}),
+    "CommitBatch": frozenset({AGENT}),
+    "Fail": frozenset({AGENT}),
+    "Consume": frozenset({AGENT}),
+    "ConsumeBatch": frozenset({AGENT}),
+    "Ack": frozenset({AGENT}),
+    "Nack": frozenset({AGENT}),
+    "AckBatch": frozenset({AGENT}),
+    # only watchers vouch for a file's bytes
+    "ReportVerification": frozenset({WATCHER}),
+    "ReportProblem": frozenset({WATCHER}),
+    # watcher membership: watchers register and hold shards; operators move them
+    "RegisterWatcher": frozenset({WATCHER}),
+    "WatcherHeartbeat": frozenset({WATCHER}),
+    "ReleaseShard": frozenset({WATCHER}),
+    "ListWatchers": frozenset({OPERATOR, WATCHER}),
+    "ListShards": frozenset({OPERATOR, WATCHER}),
+    "MoveShard": frozenset({OPERATOR}),
+    "Rebalance": frozenset({OPERATOR}),
+    "DrainWatcher": frozenset({OPERATOR}),
+}
+
+
+@dataclass(frozen=True)
+class Caller:
+    """The identity behind a call: a name and the roles it holds."""
+
+    name: str
+    roles: frozenset[str]
+
+    @property
+    def operator(self) -> bool:
+        return OPERATOR in self.roles
+
+    def describe(self) -> str:
+        roles = ", ".join(sorted(self.roles)) or "no role"
+        return f"{self.name or 'an anonymous caller'} ({roles})"
+
+
+#: every caller of a registry that serves plaintext (``--insecure``)
+ANONYMOUS = Caller("", _ANY)
+
+_current: contextvars.ContextVar[Caller] = contextvars.ContextVar("baton_caller",
+                                                                  default=ANONYMOUS)
+
+
+def current() -> Caller:
+    """The caller of the call being handled (set before the handler runs)."""
+    return _current.get()
+
+
+@functools.lru_cache(maxsize=4096)
+def _from_pem(pem: bytes) -> Caller:
+    name, roles = cert_identity(pem)
+    return Caller(name, frozenset(roles))
+
+
+def caller_of(auth_context: Mapping[str, Iterable[bytes]], secure: bool) -> Caller:
+    """The caller a connection's authentication context names (``ANONYMOUS`` when
+    the registry serves plaintext). A TLS peer without a certificate has no name and
+    no role: every method refuses it."""
+    if not secure:
+        return ANONYMOUS
+    pems = list(auth_context.get("x509_pem_cert", ()))
+    if not pems:
+        return Caller("", frozenset())
+    return _from_pem(pems[0])
+
+
+def authorize(method: str, caller: Caller) -> contextvars.Token[Caller]:
+    """Let ``caller`` into ``method`` or raise ``PermissionDenied``; on success the
+    caller is what :func:`current` returns for the rest of the call."""
+    allowed = POLICY.get(method, frozenset())
+    if not allowed & caller.roles:
+        need = " or ".join(sorted(allowed)) or "no role (not in the access table)"
+        raise PermissionDenied(
+            f"{method} is not allowed to {caller.describe()}: it needs the role {need}",
+            method=method, identity=caller.name, roles=sorted(caller.roles))
+    return _current.set(caller)
+
+
+def scoped_request_id(caller: Caller, request_id: str) -> str:
+    """A request id as recorded: scoped to its caller, so a replay can only ever
+    return the caller's own reply (another identity's same id is another request)."""
+    if not request_id or not caller.name:
+        return request_id
+    scope = hashlib.blake2b(caller.name.encode(), digest_size=8).hexdigest()
+    return f"{scope}.{request_id}"
+
+
+def matches(name: str, patterns: Iterable[str]) -> bool:
+    """Whether an identity name matches one of the shell patterns (case-sensitive)."""
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def may(caller: Caller, patterns: Iterable[str]) -> bool:
+    """Whether ``caller`` passes an access rule: no patterns allow everyone; an
+    anonymous caller (plaintext registry) passes every rule."""
+    patterns = list(patterns)
+    return not patterns or caller is ANONYMOUS or matches(caller.name, patterns)
+
+
+def redact(message: T, caller: Caller) -> T:
+    """An entry or journal record with its fencing token cleared, for a caller who is
+    not an operator: a token names a live claim, and only its holder learns it (from
+    the claim's reply)."""
+    if not caller.operator:
+        message.token = 0
+    return message

@@ -1,0 +1,320 @@
+"""The records the registry keeps in etcd (JSON values) and their wire forms."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from datetime import UTC, datetime
+from typing import Any
+
+from ..kernel.v1 import baton_pb2 as pb
+from .access import from_dict as access_from_dict
+
+SCHEMA_VERSION = 1
+
+PENDING = "pending"
+WRITING = "writing"
+WRITTEN = "written"
+VERIFIED = "verified"
+CONSUMED = "consumed"
+DEAD = "dead"
+STATES = (PENDING, WRITING, WRITTEN, VERIFIED, CONSUMED, DEAD)
+
+_STATE_PB = {
+    PENDING: pb.PENDING,
+    WRITING: pb.WRITING,
+    WRITTEN: pb.WRITTEN,
+    VERIFIED: pb.VERIFIED,
+    CONSUMED: pb.CONSUMED,
+    DEAD: pb.DEAD,
+}
+STATE_FROM_PB = {v: k for k, v in _STATE_PB.items()}
+
+_TASK_STATUS_PB = {
+    "creating": pb.TASK_CREATING,
+    "active": pb.TASK_ACTIVE,
+    "paused": pb.TASK_PAUSED,
+    "cancelled": pb.TASK_CANCELLED,
+    "completed": pb.TASK_COMPLETED,
+    "deleting": pb.TASK_DELETING,
+    "archiving": pb.TASK_ARCHIVING,
+    "archived": pb.TASK_ARCHIVED,
+}
+#: statuses of a task that is done with: nothing more happens to its entries
+FINISHED = ("completed", "cancelled")
+
+
+def _iso(epoch: float) -> str:
+    return datetime.fromtimestamp(epoch, UTC).isoformat(timespec="milliseconds").replace(
+        "+00:00", "Z")
+
+
+def now() -> str:
+    """UTC timestamp, RFC 3339 with milliseconds: every record uses this form."""
+    return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def epoch_of(stamp: str) -> float:
+    """A timestamp as :func:`now` writes it, in epoch seconds (0 if empty or not one)."""
+    try:
+        return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return 0.0
+
+
+def _load(cls: type[Any], raw: bytes) -> Any:
+    data = json.loads(raw)
+    known = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in data.items() if k in known})
+
+
+@dataclass
+class Observation:
+    """What a watcher saw on disk for an entry."""
+
+    size: int
+    digest: str
+    inode: int = 0
+    device: int = 0
+    mtime_ns: int = 0
+    reporter: str = ""
+    at: str = ""
+
+
+@dataclass
+class EntryRecord:
+    task_id: str
+    file_id: str
+    path: str
+    state: str = PENDING
+    consumers: list[str] = field(default_factory=list)
+    consumed_by: list[str] = field(default_factory=list)
+    depends_on: list[str] = field(default_factory=list)
+    #: entries of the task that depend on this one (filled in at creation)
+    dependents: list[str] = field(default_factory=list)
+    #: an assembly lists its parts; a part names its assembly
+    parts: list[str] = field(default_factory=list)
+    assembly: str = ""
+    max_retries: int = 3
+    retry_count: int = 0
+    expected_size: int = 0
+    expected_digest: str = ""
+    labels: dict[str, str] = field(default_factory=dict)
+    priority: int = 0
+    #: retry backoff (base, factor, cap) in seconds, and the aging interval
+    backoff: list[float] = field(default_factory=lambda: [1.0, 2.0, 60.0])
+    aging: float = 60.0
+    #: dependencies (or parts) satisfied; False while the entry waits for them
+    deps_ok: bool = True
+    #: not claimable before this UTC epoch time (retry backoff)
+    not_before: float = 0.0
+    #: when it last became claimable (UTC epoch seconds), for ordering and aging
+    enqueued_at: float = 0.0
+    #: the index key (full etcd key) the entry is listed under while pending
+    index: str = ""
+    #: transitions so far: numbers the journal records
+    seq: int = 0
+    # the producer attempt
+    owner: str = ""
+    session: int = 0
+    size: int = 0
+    digest: str = ""
+    committed_digest: str = ""
+    observed: dict[str, Any] | None = None
+    error: str = ""
+    created_at: str = ""
+    updated_at: str = ""
+    #: identity patterns that may produce it (the task's access rules; [] = any agent)
+    producers: list[str] = field(default_factory=list)
+    #: a commit may come without the producer's digest (the task opted out)
+    digest_optional: bool = False
+    #: the JSON object its producer committed (text: numbers keep every digit)
+    attributes: str = ""
+    #: the task's routing rules decide who receives it (they stay on the task header)
+    routing: bool = False
+    #: the rule that decided at its last verification, and the groups it named; -1
+    #: and [] while unrouted or when no rule held (then every consumer group)
+    rule: int = -1
+    routed_to: list[str] = field(default_factory=list)
+    #: processing deadlines (seconds; 0: none): claim to commit, consume to ack
+    claim_deadline: float = 0.0
+    consume_deadline: float = 0.0
+
+    @classmethod
+    def load(cls, raw: bytes) -> EntryRecord:
+        rec: EntryRecord = _load(cls, raw)
+        rec._from = rec.state
+        return rec
+
+    def __post_init__(self) -> None:
+        #: the state as loaded (None for a new entry) and events not yet journalled
+        self._from: str | None = None
+        self._events: list[dict[str, Any]] = []
+
+    def dump(self) -> bytes:
+        """The stored form: fields at their default value are left out (``load``
+        restores them), which keeps a pending entry to about a third of its full size."""
+        self.updated_at = now()
+        # Every field is already a JSON value: skip asdict()'s deep copy (hot path).
+        data = {k: v for k, v in vars(self).items()
+                if not k.startswith("_") and _ENTRY_DEFAULTS.get(k, _NO_DEFAULT) != v}
+        return json.dumps(data, separators=(",", ":")).encode()
+
+    def remember(self, event: str, **details: Any) -> None:
+        """Record an event for the journal, written with the entry's next ``put_entry``
+        (the journal is the entry's history; the entry itself keeps none)."""
+        self._events.append({"at": now(), "event": event, **details})
+
+    def blocked_by(self, states: Mapping[str, str]) -> list[str]:
+        """The dependencies (an assembly's parts) whose death keeps this entry from
+        being released, given the state of each by name (``Core.dependency_states``):
+        none unless it is pending and not released yet. The one rule behind
+        ``explain``'s "blocked", an entry's ``blocked`` and a task's count of them."""
+        if self.state != PENDING or self.deps_ok:
+            return []
+        return [n for n in self.parts or self.depends_on if states.get(n) == DEAD]
+
+    def take_events(self) -> list[dict[str, Any]]:
+        events, self._events = self._events, []
+        return events
+
+    @property
+    def from_state(self) -> str | None:
+        return self._from
+
+    @property
+    def receivers(self) -> list[str]:
+        """The consumer groups that receive it: those its routing rule named, or all."""
+        return self.routed_to if self.rule >= 0 else self.consumers
+
+    def unroute(self) -> None:
+        """Forget the routing decision: the next verification routes it afresh."""
+        self.rule, self.routed_to = -1, []
+
+    @property
+    def done(self) -> bool:
+        """Nothing more will happen to it: consumed, dead, or verified with no consumers."""
+        return self.state in (CONSUMED, DEAD) or (self.state == VERIFIED and not self.receivers)
+
+    def observation(self) -> Observation | None:
+        return Observation(**self.observed) if self.observed else None
+
+    def to_pb(
+        self,
+        staging_dir: str,
+        revision: int = 0,
+        token: int = 0,
+        consuming: dict[str, str] | None = None,
+    ) -> pb.Entry:
+        return pb.Entry(
+            task_id=self.task_id,
+            file_id=self.file_id,
+            path=self.path,
+            # Paths are validated relative and normalised: joining is all it takes.
+            abs_path=f"{staging_dir.rstrip('/')}/{self.path}",
+            state=_STATE_PB[self.state],
+            size=self.size,
+            digest=self.digest,
+            retry_count=self.retry_count,
+            max_retries=self.max_retries,
+            owner=self.owner,
+            token=token,
+            consumers=self.consumers,
+            consumed_by=self.consumed_by,
+            depends_on=self.depends_on,
+            error=self.error,
+            updated_at=self.updated_at,
+            revision=revision,
+            consuming=consuming or {},
+            priority=self.priority,
+            not_before=_iso(self.not_before) if self.not_before > time.time() else "",
+            parts=self.parts,
+            assembly=self.assembly,
+            attributes=self.attributes,
+            routing_rule=self.rule if self.rule >= 0 else None,
+            routed_to=self.routed_to,
+            claim_deadline_seconds=self.claim_deadline,
+            consume_deadline_seconds=self.consume_deadline,
+        )
+
+
+_NO_DEFAULT = object()
+_ENTRY_DEFAULTS: dict[str, Any] = {
+    f.name: f.default if f.default is not MISSING else f.default_factory()  # type: ignore[operator]
+    for f in fields(EntryRecord)
+    if f.default is not MISSING or f.default_factory is not MISSING
+}
+
+
+@dataclass
+class TaskRecord:
+    task_id: str
+    status: str
+    staging_dir: str
+    entry_count: int
+    manifest_digest: str
+    consumers: list[str]
+    max_retries: int
+    labels: dict[str, str] = field(default_factory=dict)
+    schema_version: int = SCHEMA_VERSION
+    priority: int = 0
+    backoff: list[float] = field(default_factory=lambda: [1.0, 2.0, 60.0])
+    aging: float = 60.0
+    status_reason: str = ""
+    created_at: str = ""
+    updated_at: str = ""
+    #: the manifest's access rules (registry.access.to_dict)
+    access: dict[str, Any] = field(default_factory=dict)
+    digest_optional: bool = False
+    #: seconds after it finished that it is archived (0: the registry's default; < 0: never)
+    archive_after: float = 0.0
+    #: when it completed or was cancelled (RFC 3339)
+    finished_at: str = ""
+    #: once archived: when, where (the store's name for it), and its entries by state
+    archived_at: str = ""
+    archive: str = ""
+    archived_states: dict[str, int] = field(default_factory=dict)
+    #: the manifest's routing rules: [{"condition": ..., "groups": [...]}, ...]
+    routing_rules: list[dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def load(cls, raw: bytes) -> TaskRecord:
+        rec: TaskRecord = _load(cls, raw)
+        return rec
+
+    def dump(self) -> bytes:
+        self.updated_at = now()
+        return json.dumps(asdict(self), separators=(",", ":"), sort_keys=True).encode()
+
+    def to_pb(self, states: dict[str, int] | None = None) -> pb.Task:
+        spec = pb.TaskSpec(
+            task_id=self.task_id,
+            schema_version=self.schema_version,
+            consumers=self.consumers,
+            max_retries=self.max_retries,
+            labels=self.labels,
+            priority=self.priority,
+            backoff=pb.RetryBackoff(base_seconds=self.backoff[0], factor=self.backoff[1],
+                                    cap_seconds=self.backoff[2]),
+            aging_seconds=self.aging,
+            access=access_from_dict(self.access),
+            digest_optional=self.digest_optional,
+            archive_after_seconds=self.archive_after,
+            routing_rules=[pb.RoutingRule(condition=r["condition"], groups=r["groups"])
+                           for r in self.routing_rules],
+        )
+        return pb.Task(
+            spec=spec,
+            status=_TASK_STATUS_PB[self.status],
+            staging_dir=self.staging_dir,
+            entry_count=self.entry_count,
+            created_at=self.created_at,
+            manifest_digest=self.manifest_digest,
+            states=states or self.archived_states,
+            status_reason=self.status_reason,
+            finished_at=self.finished_at,
+            archived_at=self.archived_at,
+            archive=self.archive,
+        )

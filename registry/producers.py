@@ -1,0 +1,371 @@
+"""Producer transitions: claim (pending → writing), commit (→ written), fail; and batches."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..kernel.errors import (
+    AlreadyClaimed,
+    IllegalTransition,
+    InvalidArgument,
+    NothingToClaim,
+    StaleToken,
+)
+from ..kernel.v1 import baton_pb2 as pb
+from ._etcd import KV, created_at, present
+from .access import check_producer
+from .claims import (
+    Slots,
+    batch_replay,
+    check_claim_session,
+    check_owner,
+    check_session_id,
+    check_tokens_live,
+    claim_value,
+    entry_replay,
+    need_entry,
+    need_session,
+    need_task,
+    release_slot,
+)
+from .core import Core
+from .identity import Caller, may
+from .keys import ClaimRef
+from .manifest import DIGEST_RE, check_id
+from .model import PENDING, WRITING, WRITTEN, EntryRecord
+from .routing import parse_attributes
+from .txn import MAX_TXN_OPS, Retry, Txn
+from .verify import Verifier
+
+#: ready keys looked at per claim when picking the next claimable entry
+PAGE = 64
+#: compares and operations one claim (one commit) adds to a transaction
+OPS_PER_CLAIM = 6
+OPS_PER_COMMIT = 6
+
+
+class Producers:
+    def __init__(self, core: Core) -> None:
+        self.core = core
+        self.keys = core.keys
+        self.verifier = Verifier(core)
+        #: claim calls in flight per task on this replica (how widely to spread picks)
+        self._busy: dict[str, int] = {}
+
+    # claim -----------------------------------------------------------------
+
+    def _claim(self, txn: Txn, rec: EntryRecord, slots: Slots, session_id: int,
+               caller: Caller) -> None:
+        """Add one claim (pending → writing) to a transaction being planned."""
+        check_producer(caller, rec.task_id, rec.file_id, rec.producers)
+        claimable = rec.index.startswith(self.keys.ready_all(rec.task_id).decode()) or (
+            rec.index.startswith(self.keys.delayed_of_task(rec.task_id).decode())
+            and rec.not_before <= self.core.clock())
+        if not claimable:
+            raise IllegalTransition(f"entry {rec.file_id!r} is not claimable yet")
+        slot = slots.take(txn, self.core.rng)
+        ref = ClaimRef("p", rec.task_id, rec.file_id)
+        txn.require(present(rec.index.encode()))
+        rec.state, rec.owner, rec.session = WRITING, slots.agent, session_id
+        rec.observed, rec.error, rec.not_before = None, "", 0.0
+        rec.remember("claimed", who=slots.agent, attempt=rec.retry_count)
+        value = claim_value(slots.agent, session_id, slot, caller.name)
+        txn.create(self.keys.claim(ref), value, lease=slots.lease)
+        txn.create(self.keys.inflight(ref), value)
+        self.core.arm_deadline(txn, ref, rec.claim_deadline)
+        self.core.put_entry(rec, txn)
+
+    async def _session(self, txn: Txn, task_id: str, session_id: int, caller: Caller) -> Slots:
+        """The task must hand out work and the session must live, take work (not
+        drained, not being revoked) and be the caller's: both pinned. Pinning the
+        record also pins the session's lease: a rotation meanwhile makes this plan
+        again on the new lease."""
+        task_kv, agent_kv = await txn.get_many([self.keys.task(task_id),
+                                                self.keys.agent(session_id)])
+        need_task(task_kv, task_id, active=True)
+        record = need_session(agent_kv, session_id)
+        check_owner(caller, agent_kv, f"session {session_id:x}")
+        return await Slots.read(txn, self.keys, record)
+
+    async def claim(self, req: pb.ClaimRequest, caller: Caller) -> pb.ClaimResponse:
+        self._busy[req.task_id] = self._busy.get(req.task_id, 0) + 1
+        try:
+            return await self._claim_one(req, caller)
+        finally:
+            self._busy[req.task_id] -= 1
+            if not self._busy[req.task_id]:
+                del self._busy[req.task_id]
+
+    async def _claim_one(self, req: pb.ClaimRequest, caller: Caller) -> pb.ClaimResponse:
+        check_id("task_id", req.task_id)
+        if req.file_id:
+            check_id("file_id", req.file_id)
+        check_session_id(req.session_id)
+        staging = self.core.staging_dir(req.task_id)
+
+        async def planner(txn: Txn) -> Callable[[int], pb.ClaimResponse]:
+            slots = await self._session(txn, req.task_id, req.session_id, caller)
+            if req.file_id:
+                rec = need_entry(await txn.get(self.keys.entry(req.task_id, req.file_id)),
+                                 req.task_id, req.file_id)
+                check_producer(caller, rec.task_id, rec.file_id, rec.producers)
+                self._check_claimable(rec, staging)
+            else:
+                (rec,) = await self._pick(txn, req.task_id, 1, caller)
+            self._claim(txn, rec, slots, req.session_id, caller)
+
+            def reply(rev: int) -> pb.ClaimResponse:
+                entry = rec.to_pb(staging, revision=rev, token=rev)
+                return pb.ClaimResponse(entry=entry, token=rev, path=entry.abs_path)
+
+            return reply
+
+        def replay(raw: bytes, rev: int) -> pb.ClaimResponse:
+            resp = pb.ClaimResponse.FromString(raw)
+            resp.token = resp.entry.token = resp.entry.revision = rev
+            return resp
+
+        return await self.core.txns.run(planner, req.request_id, replay)
+
+    def _check_claimable(self, rec: EntryRecord, staging: str) -> None:
+        if rec.state != PENDING:
+            cls = AlreadyClaimed if rec.state == WRITING else IllegalTransition
+            raise cls(f"entry {rec.file_id!r} is {rec.state}, not pending",
+                      task_id=rec.task_id, file_id=rec.file_id, state=rec.state)
+        if not rec.deps_ok:
+            what = "parts" if rec.parts else f"dependencies {rec.depends_on}"
+            raise IllegalTransition(f"entry {rec.file_id!r} waits for its {what}",
+                                    task_id=rec.task_id, file_id=rec.file_id)
+        if rec.not_before > self.core.clock():
+            raise IllegalTransition(
+                f"entry {rec.file_id!r} is in retry backoff until "
+                f"{rec.to_pb(staging).not_before}", task_id=rec.task_id,
+                file_id=rec.file_id)
+
+    async def _candidates(self, txn: Txn, task_id: str) -> list[KV]:
+        """Index keys at the head of the task's ready index (from the view's window),
+        and, read straight from etcd, retries whose backoff is over and which the
+        scheduler has not moved to the ready index yet."""
+        head = await txn.scan(self.keys.ready_all(task_id), PAGE, keys_only=True)
+        if not txn.fresh:
+            return head
+        now_ms = int(self.core.clock() * 1000)
+        base = self.keys.delayed_of_task(task_id)
+        delayed = await txn.scan(base, PAGE, keys_only=True)
+        return head + [kv for kv in delayed
+                       if int(self.keys.parse_tail(kv.key, base)[0]) <= now_ms]
+
+    async def _pick(self, txn: Txn, task_id: str, want: int,
+                    caller: Caller) -> list[EntryRecord]:
+        """Up to ``want`` claimable entries from the head of the ready index.
+
+        The index is sorted by priority (with aging) then age, so the head is
+        the work to do first; no claim ever scans the task. Concurrent claimers
+        on this replica pass over entries another planner holds (the view's
+        reservations); claimers on other replicas read the same head, so each
+        tries it in a random order. Entries the caller may not produce (the
+        task's access rules) are passed over.
+        """
+        page = await self._candidates(txn, task_id)
+        window = min(len(page), want + self._busy.get(task_id, 1) - 1)
+        head = list(page[:window])
+        self.core.rng.shuffle(head)
+        order = (head + list(page[window:]))[: max(want * 2, 8)]
+        keys = [self.keys.entry(task_id, self.keys.last_segment(k.key)) for k in order]
+        picked: list[EntryRecord] = []
+        moved = False
+        denied = 0
+        view = self.core.view if not txn.fresh else None
+        for key, ready, kv in zip(keys, order, await txn.peek_many(keys), strict=True):
+            rec = EntryRecord.load(kv.value) if kv else None
+            if kv is None or rec is None or rec.state != PENDING or (
+                    rec.index != ready.key.decode()):
+                moved = True  # taken while we looked
+                continue
+            if not may(caller, rec.producers):
+                denied += 1
+                continue
+            if view is not None and not view.reserve(txn, ready.key):
+                continue
+            txn.pin(key, kv)
+            picked.append(rec)
+            if len(picked) == want:
+                break
+        if picked:
+            return picked
+        if denied and not moved:
+            raise NothingToClaim(
+                f"nothing to claim in task {task_id!r} that {caller.name} may produce (the "
+                f"next {denied} are for other producers, by the task's access rules)",
+                task_id=task_id)
+        if moved or len(page) >= PAGE:
+            if view is not None and moved:
+                view.invalidate(self.keys.ready_all(task_id))  # the window was behind
+            raise Retry()  # every candidate moved while we looked; look again
+        raise NothingToClaim(f"nothing to claim in task {task_id!r}", task_id=task_id)
+
+    async def claim_batch(self, req: pb.ClaimBatchRequest,
+                          caller: Caller) -> pb.ClaimBatchResponse:
+        """Claim up to ``max`` entries in one transaction (as many as etcd's op limit
+        allows); all or nothing. Each claim's token is that transaction's revision."""
+        check_id("task_id", req.task_id)
+        check_session_id(req.session_id)
+        if req.max < 1:
+            raise InvalidArgument("max must be at least 1")
+        want = min(req.max, MAX_TXN_OPS // OPS_PER_CLAIM)
+        staging = self.core.staging_dir(req.task_id)
+
+        async def planner(txn: Txn) -> Callable[[int], pb.ClaimBatchResponse]:
+            slots = await self._session(txn, req.task_id, req.session_id, caller)
+            free = slots.free
+            picked = await self._pick(txn, req.task_id, want if free is None else
+                                      max(1, min(want, free)), caller)
+            for rec in picked:
+                self._claim(txn, rec, slots, req.session_id, caller)
+
+            def reply(rev: int) -> pb.ClaimBatchResponse:
+                out = []
+                for rec in picked:
+                    entry = rec.to_pb(staging, revision=rev, token=rev)
+                    out.append(pb.ClaimResponse(entry=entry, token=rev, path=entry.abs_path))
+                return pb.ClaimBatchResponse(claims=out)
+
+            return reply
+
+        def replay(raw: bytes, rev: int) -> pb.ClaimBatchResponse:
+            resp = pb.ClaimBatchResponse.FromString(raw)
+            for c in resp.claims:
+                c.token = c.entry.token = c.entry.revision = rev
+            return resp
+
+        return await self.core.txns.run(planner, req.request_id, replay)
+
+    # commit and fail -------------------------------------------------------------
+
+    async def _live_claims(
+        self, txn: Txn, items: list[tuple[str, str, int, int]], caller: Caller
+    ) -> list[tuple[EntryRecord, KV]]:
+        """Entry and claim of each (task, file, token, session) whose token is the live
+        claim, held by the caller (and by that session, when one is named), in a task
+        not cancelled (its header is pinned too)."""
+        keys = []
+        for task_id, file_id, _, _ in items:
+            check_id("task_id", task_id)
+            check_id("file_id", file_id)
+            keys += [self.keys.task(task_id), self.keys.entry(task_id, file_id),
+                     self.keys.claim(ClaimRef("p", task_id, file_id))]
+        found = await txn.get_many(keys)
+        out = []
+        for i, (task_id, file_id, token, session_id) in enumerate(items):
+            rec = need_entry(found[3 * i + 1], task_id, file_id)
+            claim = found[3 * i + 2]
+            if token <= 0 or claim is None or claim.create_revision != token:
+                raise StaleToken(
+                    f"token {token} is not the live claim on {task_id}/{file_id} "
+                    "(the claim was lost, superseded or already finished)",
+                    task_id=task_id, file_id=file_id, token=token,
+                )
+            what = f"the claim on {task_id}/{file_id} (token {token})"
+            check_tokens_live(found[3 * i], task_id, what, token)
+            check_owner(caller, claim, what)
+            check_claim_session(claim, session_id, what)
+            if rec.state != WRITING:  # cannot happen while the claim lives; refuse anyway
+                raise IllegalTransition(f"entry {file_id!r} is {rec.state}, not writing")
+            out.append((rec, claim))
+        return out
+
+    def _finish_claim(self, txn: Txn, rec: EntryRecord, claim: KV, token: int) -> None:
+        ref = ClaimRef("p", rec.task_id, rec.file_id)
+        txn.require(created_at(self.keys.claim(ref), token))
+        txn.delete(self.keys.claim(ref))
+        txn.delete(self.keys.inflight(ref))
+        release_slot(self.keys, claim, txn)
+
+    async def _commit(self, txn: Txn, rec: EntryRecord, claim: KV,
+                      req: pb.CommitRequest) -> None:
+        """Add one commit to a transaction; the scheduler hears if it verified the entry."""
+        if req.size < 0:
+            raise InvalidArgument(f"size {req.size} is negative")
+        if req.digest and not DIGEST_RE.match(req.digest):
+            raise InvalidArgument("digest must be 64 lower-case hex digits (BLAKE3)")
+        if not req.digest and not rec.digest_optional:
+            raise InvalidArgument(
+                f"commit of {rec.task_id}/{rec.file_id} needs the producer's BLAKE3 digest "
+                "(baton commit --digest HEX, or --file PATH to compute it); the task does "
+                "not set digest_optional", task_id=rec.task_id,
+                file_id=rec.file_id)
+        if rec.expected_size and req.size != rec.expected_size:
+            raise InvalidArgument(
+                f"size {req.size} differs from the manifest's expected_size "
+                f"{rec.expected_size}", task_id=rec.task_id, file_id=rec.file_id)
+        if rec.expected_digest and req.digest and req.digest != rec.expected_digest:
+            raise InvalidArgument("digest differs from the manifest's expected_digest",
+                                  task_id=rec.task_id, file_id=rec.file_id)
+        try:
+            attributes = parse_attributes(req.attributes) if req.attributes else {}
+        except InvalidArgument as e:
+            raise InvalidArgument(f"commit of {rec.task_id}/{rec.file_id}: {e.message}",
+                                  task_id=rec.task_id, file_id=rec.file_id) from None
+        self._finish_claim(txn, rec, claim, req.token)
+        rec.state, rec.size, rec.committed_digest = WRITTEN, req.size, req.digest
+        # Kept as sent (numbers keep every digit), and only when there is something.
+        rec.attributes = req.attributes if attributes else ""
+        rec.remember("committed", who=rec.owner, token=req.token, size=req.size)
+        obs = rec.observation()
+        if obs is not None and obs.size == req.size and await self.verifier.settle(
+                txn, rec, obs.size, obs.digest):
+            # The watcher's report came first; settled now.
+            txn.after(self.verifier.notify(rec))
+        self.core.put_entry(rec, txn)
+
+    async def commit(self, req: pb.CommitRequest, caller: Caller) -> pb.Entry:
+        staging = self.core.staging_dir(req.task_id)
+
+        async def planner(txn: Txn) -> Callable[[int], pb.Entry]:
+            ((rec, claim),) = await self._live_claims(
+                txn, [(req.task_id, req.file_id, req.token, req.session_id)], caller)
+            await self._commit(txn, rec, claim, req)
+            return lambda rev: rec.to_pb(staging, revision=rev)
+
+        return await self.core.txns.run(planner, req.request_id, entry_replay)
+
+    async def commit_batch(self, req: pb.CommitBatchRequest,
+                           caller: Caller) -> pb.CommitBatchResponse:
+        """Commit many claims in one transaction, all or nothing."""
+        if not req.commits:
+            raise InvalidArgument("a batch needs at least one commit")
+        if len(req.commits) > MAX_TXN_OPS // OPS_PER_COMMIT:
+            raise InvalidArgument(
+                f"at most {MAX_TXN_OPS // OPS_PER_COMMIT} commits per batch (etcd's "
+                "operation limit per transaction)")
+
+        async def planner(txn: Txn) -> Callable[[int], pb.CommitBatchResponse]:
+            live = await self._live_claims(
+                txn, [(c.task_id, c.file_id, c.token, c.session_id) for c in req.commits],
+                caller)
+            for (rec, claim), c in zip(live, req.commits, strict=True):
+                await self._commit(txn, rec, claim, c)
+
+            def reply(rev: int) -> pb.CommitBatchResponse:
+                return pb.CommitBatchResponse(entries=[
+                    rec.to_pb(self.core.staging_dir(rec.task_id), revision=rev)
+                    for rec, _ in live])
+
+            return reply
+
+        return await self.core.txns.run(planner, req.request_id,
+                                        batch_replay(pb.CommitBatchResponse))
+
+    async def fail(self, req: pb.FailRequest, caller: Caller) -> pb.Entry:
+        staging = self.core.staging_dir(req.task_id)
+
+        async def planner(txn: Txn) -> Callable[[int], pb.Entry]:
+            ((rec, claim),) = await self._live_claims(
+                txn, [(req.task_id, req.file_id, req.token, req.session_id)], caller)
+            self._finish_claim(txn, rec, claim, req.token)
+            self.core.retry_or_dead(rec, f"producer failed: {req.reason or 'no reason given'}",
+                                    token=req.token)
+            self.core.put_entry(rec, txn)
+            return lambda rev: rec.to_pb(staging, revision=rev)
+
+        return await self.core.txns.run(planner, req.request_id, entry_replay)

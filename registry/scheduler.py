@@ -1,0 +1,400 @@
+"""Background moves that no caller makes: entries whose backoff ended, whose
+dependencies (or parts) are now verified, and tasks whose entries are all done.
+
+Each move is one guarded transaction (``txn.write``), so several replicas may
+run schedulers at once: the compares let exactly one of them apply each move.
+Verifications made by this replica wake the scheduler at once
+(``Core.verified``); a periodic sweep catches everything else (other replicas,
+restarts). Every listing is read a page at a time, and one entry or task that
+cannot be handled (a corrupt record, a move that keeps conflicting) is logged
+and passed over: it never stops the sweep for the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+
+from ..kernel.contract import assembly_digest
+from ..kernel.errors import BatonError
+from ._etcd import KV, empty, present
+from .claims import need_task
+from .core import Core, Gate
+from .keys import prefix_end
+from .model import CONSUMED, PENDING, VERIFIED, EntryRecord, TaskRecord, now
+from .operators import Operators
+from .txn import Retry, Txn, write
+from .verify import Verifier
+
+log = logging.getLogger("baton.registry")
+
+#: seconds between full sweeps of waiting entries, and between looks at the tasks in
+#: which an entry finished
+SLOW_SWEEP = 2.0
+#: seconds between looks at every active task for completion (other replicas finish
+#: entries too; this replica hears only of its own)
+FULL_COMPLETION_SWEEP = 30.0
+#: keys read per request when listing an index (delayed, waiting, task headers)
+SCAN_PAGE = 1000
+#: entries promoted at once when their backoffs end (each its own transaction)
+PROMOTE_PARALLEL = 32
+#: dependencies (parts) of one entry pinned by its release; beyond, read unpinned
+PIN_MAX = 100
+
+
+class Complaints:
+    """Logs a failure once per item and error (a poisoned record is not news every
+    half second); repeats go to debug. Shared by the scheduler and the reaper."""
+
+    def __init__(self, who: str) -> None:
+        self.who = who
+        self._seen: dict[str, str] = {}
+
+    def __call__(self, item: str, exc: BaseException) -> None:
+        what = f"{type(exc).__name__}: {exc}"
+        if self._seen.get(item) == what:
+            log.debug("%s: %s still fails: %s", self.who, item, what)
+            return
+        if len(self._seen) > 10_000:
+            self._seen.clear()
+        self._seen[item] = what
+        if isinstance(exc, BatonError):
+            log.warning("%s: %s failed: %s", self.who, item, what)
+        else:
+            log.error("%s: %s failed", self.who, item, exc_info=exc)
+
+    def cleared(self, item: str) -> None:
+        self._seen.pop(item, None)
+
+
+class Scheduler:
+    def __init__(self, core: Core, interval: float = 0.5) -> None:
+        self.core = core
+        self.keys = core.keys
+        self.interval = interval
+        self.verifier = Verifier(core)
+        self._complain = Complaints("scheduler")
+
+    async def run(self, stop: asyncio.Event) -> None:
+        events = asyncio.create_task(self._on_verified(stop))
+        loops = 0
+        try:
+            while not stop.is_set():
+                slow = loops % max(1, int(SLOW_SWEEP / self.interval)) == 0
+                every = loops % max(1, int(FULL_COMPLETION_SWEEP / self.interval)) == 0
+                sweeps: list[Callable[[], Awaitable[object]]] = [self.promote_due]
+                if slow:
+                    sweeps.append(self.sweep_waiting)
+                    if every:
+                        sweeps += [self.complete_tasks, self.finish_cancels]
+                    else:
+                        sweeps.append(self.complete_finishing)
+                for sweep in sweeps:  # one failing sweep does not skip the others
+                    try:
+                        await sweep()
+                    except BatonError as e:
+                        log.warning("scheduler: %s failed: %s", sweep.__name__, e)
+                    except Exception:
+                        log.exception("scheduler: %s crashed", sweep.__name__)
+                loops += 1
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self.interval)
+        finally:
+            events.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await events
+
+    async def _on_verified(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            task_id, file_id = await self.core.verified.get()
+            try:
+                kv = await self.core.etcd.get(self.keys.entry(task_id, file_id))
+                if kv is None:
+                    continue
+                rec = EntryRecord.load(kv.value)
+            except Exception as e:
+                self._complain(f"entry {task_id}/{file_id}", e)
+                continue
+            for name in [*rec.dependents, *([rec.assembly] if rec.assembly else [])]:
+                await self._check(task_id, name)
+
+    async def _check(self, task_id: str, file_id: str) -> bool:
+        """``check_waiting`` for one entry of a sweep: failures are logged, not raised."""
+        item = f"waiting entry {task_id}/{file_id}"
+        try:
+            moved = await self.check_waiting(task_id, file_id)
+        except Exception as e:
+            self._complain(item, e)
+            return False
+        self._complain.cleared(item)
+        return moved
+
+    # retry backoff ---------------------------------------------------------
+
+    async def promote_due(self) -> int:
+        """Entries whose retry backoff is over become claimable."""
+        base = self.keys.delayed_all()
+        now_ms = int(self.core.clock() * 1000)
+        moved = 0
+        gate = Gate(PROMOTE_PARALLEL)
+
+        async def promote(task_id: str, file_id: str, index: bytes) -> None:
+            nonlocal moved
+            item = f"delayed entry {task_id}/{file_id}"
+            try:
+                # Fresh: the plan peeks at the entry and may do nothing (see run()).
+                moved += await write(self.core.txns, self._promote_plan(task_id, file_id,
+                                                                         index), fresh=True)
+            except Exception as e:
+                self._complain(item, e)
+            else:
+                self._complain.cleared(item)
+
+        start: bytes | None = None
+        while True:
+            skip_to: bytes | None = None
+            pages = self.core.etcd.scan(base, page=SCAN_PAGE, keys_only=True, start=start)
+            async with contextlib.aclosing(pages):
+                async for key in pages:
+                    try:
+                        task_id, due, file_id = self.keys.parse_tail(key.key, base)
+                        if int(due) > now_ms:
+                            # A task's delayed keys sort by due time: the rest of
+                            # this task's are not due either; go on with the next task.
+                            skip_to = prefix_end(self.keys.delayed_of_task(task_id))
+                            break
+                    except ValueError as e:
+                        self._complain(f"delayed key {key.key!r}", e)
+                        continue
+                    await gate.submit(promote(task_id, file_id, key.key))
+            if skip_to is None:
+                await gate.drain()
+                return moved
+            start = skip_to
+
+    def _promote_plan(self, task_id: str, file_id: str,
+                      index: bytes) -> Callable[[Txn], Awaitable[bool]]:
+        async def plan(txn: Txn) -> bool:
+            key = self.keys.entry(task_id, file_id)
+            (kv,) = await txn.peek_many([key])
+            if kv is None:
+                return False
+            rec = EntryRecord.load(kv.value)
+            if rec.index != index.decode() or rec.not_before > self.core.clock():
+                return False  # moved on already (nothing pinned: no commit at all)
+            txn.pin(key, kv)
+            # The index key is written with the entry, but a cancel deletes a
+            # task's index keys alone: never bring one back for a cancelled task.
+            txn.require(present(index))
+            self.core.put_entry(rec, txn)
+            return True
+
+        return plan
+
+    # dependencies and assemblies ---------------------------------------------
+
+    async def sweep_waiting(self) -> int:
+        """Every entry waiting for dependencies (or an assembly for its parts), checked."""
+        base = self.keys.waiting_all()
+        moved = 0
+        pages = self.core.etcd.scan(base, page=SCAN_PAGE, keys_only=True)
+        async with contextlib.aclosing(pages):
+            async for key in pages:
+                try:
+                    task_id, file_id = self.keys.parse_tail(key.key, base)
+                except ValueError as e:
+                    self._complain(f"waiting key {key.key!r}", e)
+                    continue
+                moved += await self._check(task_id, file_id)
+        return moved
+
+    async def check_waiting(self, task_id: str, file_id: str) -> bool:
+        """Release an entry waiting for dependencies, or verify an assembly, if due."""
+
+        async def plan(txn: Txn) -> bool:
+            key = self.keys.entry(task_id, file_id)
+            (kv,) = await txn.peek_many([key])
+            if kv is None:
+                return False
+            rec = EntryRecord.load(kv.value)
+            if rec.state != PENDING or rec.deps_ok:
+                return False
+            names = rec.parts or rec.depends_on
+            ok = (VERIFIED,) if rec.parts else (VERIFIED, CONSUMED)
+            if len(names) <= PIN_MAX:
+                others = await self._read_pinned(txn, task_id, names, ok)
+            else:
+                others = await self._read_unpinned(task_id, names, ok)
+            if others is None:
+                return False  # not due (nothing pinned: no commit at all)
+            txn.pin(key, kv)
+            rec.deps_ok = True
+            if rec.parts:
+                rec.state, rec.size = VERIFIED, sum(o.size for o in others)
+                rec.digest = assembly_digest([o.digest for o in others])
+                routed = await self.verifier.route(txn, rec)
+                rec.remember("verified", digest=rec.digest, reason="every part verified",
+                             **routed)
+                self.verifier.open_to_consumers(rec, txn)
+                # Its own dependents (and task completion) hear of it like any verification.
+                txn.after(self.verifier.notify(rec))
+            else:
+                rec.remember("released", reason="dependencies verified")
+            self.core.put_entry(rec, txn)
+            return True
+
+        # Fresh: the plan peeks at the entry and its dependencies and may do nothing.
+        return await write(self.core.txns, plan, fresh=True)
+
+    async def _read_pinned(self, txn: Txn, task_id: str, names: Sequence[str],
+                           ok: tuple[str, ...]) -> list[EntryRecord] | None:
+        """A few dependencies (parts), each pinned if the release goes ahead: the
+        release then applies only if every one is still as read."""
+        keys = [self.keys.dependency(task_id, n) for n in names]
+        found = await txn.peek_many(keys)
+        others = _all_in(await self._records(names, found), ok)
+        if others is not None:
+            for k, kv in zip(keys, found, strict=True):
+                txn.pin(k, kv)
+        return others
+
+    async def _records(self, names: Sequence[str], found: Sequence[KV | None]
+                       ) -> list[EntryRecord | None]:
+        """The entries read; one of another task that is archived (its key gone, never
+        to come back) from that task's archive."""
+        return [EntryRecord.load(kv.value) if kv is not None
+                else await self.core.archived_entry(name)
+                for name, kv in zip(names, found, strict=True)]
+
+    async def _read_unpinned(self, task_id: str, names: Sequence[str],
+                             ok: tuple[str, ...]) -> list[EntryRecord] | None:
+        """Many dependencies (parts): more than one transaction may compare (etcd
+        allows 128 compares along a transaction's path), so they are read, not pinned.
+
+        They are read straight from etcd, a chunk per request (``Etcd.get_chunks``), after the
+        waiting entry itself was read (its pin is the release's guard), and must
+        be as of one instant: a key changed after the first request's revision
+        means the chunks may disagree, and the plan starts over (``Retry``).
+        The view is not used: its keys may be behind by different amounts.
+
+        Why the release stays right without pins:
+
+        * An assembly: a part that leaves ``verified`` re-puts its assembly in the
+          same transaction (``Verifier._unverify_assembly``), so the assembly's
+          mod revision (pinned) moves, and a release planned on parts as they
+          were fails its compare and is planned again. Every part was read after
+          the assembly, so each was verified from its read until the commit.
+        * Dependencies: a released dependent is never blocked again when a
+          dependency later leaves ``verified`` (``deps_ok`` only goes from False
+          to True for a dependent). The dependencies were all verified or
+          consumed at one instant (the first read's revision), while the
+          dependent waited (it waits from creation until its release, and its
+          pin says it still does): a release then is what a release at that
+          instant would have been, and a dependency leaving ``verified`` since
+          is, to everyone, a departure after the release.
+        """
+        keys = [self.keys.dependency(task_id, n) for n in names]
+        name_of = dict(zip(keys, names, strict=True))
+        others: list[EntryRecord] = []
+        first = latest = 0
+        chunks = self.core.etcd.get_chunks(keys)
+        async with contextlib.aclosing(chunks):
+            async for revision, found in chunks:
+                first = first or revision
+                chunk = [kv for _, kv in found]
+                recs = _all_in(await self._records([name_of[k] for k, _ in found], chunk), ok)
+                if recs is None:
+                    return None  # one not due is enough: read no further
+                others += recs
+                latest = max([latest, *(kv.mod_revision for kv in chunk if kv is not None)])
+        if latest > first:
+            raise Retry()  # changed while we read: not one instant; read again
+        return others
+
+    # task completion ---------------------------------------------------------
+
+    async def complete_finishing(self) -> int:
+        """``complete_tasks`` for the tasks in which this replica finished an entry since
+        the last look: checking whether a task has open entries makes etcd count them
+        all, so tasks nothing finished in are left to the full sweep."""
+        hints, self.core.finishing = self.core.finishing, set()
+        return await self.complete_tasks(only=hints) if hints else 0
+
+    async def complete_tasks(self, only: set[str] | None = None) -> int:
+        """An active task none of whose entries is open any more is completed (of the
+        tasks in ``only``, if given)."""
+        completed = 0
+        if only is None:
+            self.core.finishing.clear()  # every task is looked at now
+        pages = self.core.etcd.scan(self.keys.tasks(), page=SCAN_PAGE)
+        async with contextlib.aclosing(pages):
+            async for kv in pages:
+                item = f"task header {kv.key.decode(errors='replace')}"
+                try:
+                    task = TaskRecord.load(kv.value)
+                    if task.status != "active" or (only is not None
+                                                   and task.task_id not in only):
+                        continue
+                    completed += await write(self.core.txns, self._complete_plan(task.task_id))
+                except Exception as e:
+                    self._complain(item, e)
+                else:
+                    self._complain.cleared(item)
+        return completed
+
+    async def finish_cancels(self) -> int:
+        """Cancelled tasks whose cancel stopped part-way (the registry died in it) have
+        their claims, twins and claimable keys revoked now; how many had some left."""
+        finished = 0
+        operators = Operators(self.core)
+        pages = self.core.etcd.scan(self.keys.tasks(), page=SCAN_PAGE)
+        async with contextlib.aclosing(pages):
+            async for kv in pages:
+                item = f"cancelled task {kv.key.decode(errors='replace')}"
+                try:
+                    task = TaskRecord.load(kv.value)
+                    if task.status == "cancelled":
+                        finished += await operators.finish_cancel(task.task_id)
+                except Exception as e:
+                    self._complain(item, e)
+                else:
+                    self._complain.cleared(item)
+        return finished
+
+    def _complete_plan(self, task_id: str) -> Callable[[Txn], Awaitable[bool]]:
+        async def plan(txn: Txn) -> bool:
+            key = self.keys.task(task_id)
+            (kv,) = await txn.peek_many([key])
+            if kv is None:
+                return False
+            task = need_task(kv, task_id)
+            if task.status != "active":
+                return False
+            if await txn.scan(self.keys.open_all(task_id), limit=1, keys_only=True):
+                return False  # work left (nothing pinned: no commit at all)
+            txn.pin(key, kv)
+            # And still none when it commits: an entry opened again in between (a
+            # requeue, a verified file that changed) fails this completion.
+            txn.require(empty(self.keys.open_all(task_id)))
+            dead = await self.core.etcd.count(self.keys.dead_all(task_id))
+            task.status, task.finished_at = "completed", now()
+            task.status_reason = (f"{task.entry_count - dead} consumed, {dead} dead"
+                                  if dead else "every entry consumed")
+            txn.put(key, task.dump())
+            txn.after(lambda: log.info("task %s completed (%s)", task_id, task.status_reason))
+            return True
+
+        return plan
+
+
+def _all_in(found: Sequence[EntryRecord | None], ok: tuple[str, ...]
+            ) -> list[EntryRecord] | None:
+    """The entries read, if every one exists and is in an ``ok`` state; else None."""
+    out = []
+    for rec in found:
+        if rec is None or rec.state not in ok:
+            return None
+        out.append(rec)
+    return out

@@ -1,0 +1,261 @@
+"""Building, running and stopping a registry replica."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from ..kernel.contract import (
+    MAX_REPLY_BYTES,
+    MAX_REQUEST_BYTES,
+    MIN_PING_INTERVAL_MS,
+    REGISTRY_SERVICE,
+)
+from ..kernel.errors import BatonError, InvalidArgument
+from ..kernel.logs import setup_logging
+from ..kernel.sdnotify import Notifier
+from ._etcd import Etcd, EtcdAuth
+from .archive import Archiver, DirectoryStore
+from .config import RegistryConfig, load_config
+from .core import Core, every
+from .deadlines import Deadlines
+from .etcd_members import MEMBERS_KEY, REASON_KEY, EtcdMembers, allowed_versions
+from .keys import Keys
+from .metrics import RegistryMetrics
+from .scheduler import Scheduler
+from .service import RegistryService, add_to_server
+from .sessions import Reaper
+from .shards import Assigner, Shards
+from .tls import ServerCertificates, is_loopback
+
+log = logging.getLogger("baton.registry")
+
+
+@dataclass
+class Running:
+    """A started replica: its bound port and how to stop it."""
+
+    port: int
+    server: grpc.aio.Server
+    etcd: Etcd
+    core: Core
+    reaper: Reaper
+    scheduler: Scheduler
+    health: health.HealthServicer
+    _stop: asyncio.Event
+    _background: list[asyncio.Task[None]]
+    #: keeps every watcher shard owned and the watchers balanced
+    assigner: Assigner | None = None
+    #: every etcd member's release, as last read
+    etcd_members: EtcdMembers | None = None
+    #: the replica's metrics, and the port ``/metrics`` is served on (None, 0: off)
+    metrics: RegistryMetrics | None = None
+    metrics_port: int = 0
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        """Stop taking calls, let in-flight ones finish within ``grace``, then close."""
+        self.health.enter_graceful_shutdown()
+        self._stop.set()
+        await self.server.stop(grace)
+        await asyncio.gather(*self._background)
+        if self.metrics is not None:
+            await self.metrics.close()
+        await self.core.stop()
+        await self.etcd.close()
+
+
+class _Health(health.HealthServicer):
+    """gRPC health checking, with every etcd member's release in each reply's trailing
+    metadata (and, while one is refused, why: ``etcd_members``), and the registry's
+    service ``NOT_SERVING`` while an etcd member runs a refused release."""
+
+    def __init__(self, members: EtcdMembers) -> None:
+        super().__init__()
+        self.members = members
+        self._refused = False
+
+    def Check(self, request: health_pb2.HealthCheckRequest,
+              context: grpc.ServicerContext) -> health_pb2.HealthCheckResponse:
+        reply = super().Check(request, context)
+        trailers = [(MEMBERS_KEY, self.members.versions())]
+        if self.members.reason:
+            trailers.append((REASON_KEY, self.members.reason))
+        context.set_trailing_metadata(tuple(trailers))
+        return reply
+
+    async def check_etcd(self) -> None:
+        """Read the members again; the registry's service follows the verdict."""
+        refused = bool(await self.members.check())
+        if refused != self._refused:
+            self._refused = refused
+            self.set(REGISTRY_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING if refused
+                     else health_pb2.HealthCheckResponse.SERVING)
+
+
+def etcd_auth(config: RegistryConfig) -> EtcdAuth:
+    """The registry's credentials towards etcd, from its settings."""
+    password = ""
+    if config.etcd_password_file:
+        try:
+            password = Path(config.etcd_password_file).read_text().strip()
+        except OSError as e:
+            raise InvalidArgument(
+                f"--etcd-password-file: cannot read {config.etcd_password_file}: "
+                f"{e.strerror}") from e
+    elif config.etcd_user:
+        raise InvalidArgument("--etcd-user needs --etcd-password-file")
+    return EtcdAuth(ca=config.etcd_ca, cert=config.etcd_cert, key=config.etcd_key,
+                    user=config.etcd_user, password=password)
+
+
+def server_certificates(config: RegistryConfig) -> ServerCertificates | None:
+    """The registry's TLS files, or None when it serves plaintext (``--insecure``)."""
+    tls = bool(config.tls_ca or config.tls_cert or config.tls_key)
+    if config.insecure:
+        if tls:
+            raise InvalidArgument("--insecure and --tls-* settings contradict each other: "
+                                  "choose one")
+        if not is_loopback(config.listen):
+            log.warning("serving PLAINTEXT on %s, beyond loopback (--insecure): anyone who "
+                        "reaches it may do anything", config.listen)
+        return None
+    if not tls:
+        raise InvalidArgument(
+            "no TLS configured: give --tls-ca, --tls-cert and --tls-key (clients must then "
+            "present certificates from that CA), or --insecure to serve plaintext with no "
+            "identities")
+    return ServerCertificates(config.tls_ca, config.tls_cert, config.tls_key)
+
+
+async def start(config: RegistryConfig) -> Running:
+    """Connect to etcd and serve on ``config.listen`` (port 0 picks a free port)."""
+    certificates = server_certificates(config)
+    allowed = allowed_versions(config.allow_etcd_version)
+    if not config.metrics:
+        return await _start(config, certificates, allowed, None, 0)
+    metrics = RegistryMetrics()
+    # First: a --metrics address that cannot be served ends the start before etcd is asked.
+    metrics_port = await metrics.serve(config.metrics)
+    try:
+        return await _start(config, certificates, allowed, metrics, metrics_port)
+    except BaseException:
+        await metrics.close()
+        raise
+
+
+async def _start(config: RegistryConfig, certificates: ServerCertificates | None,
+                 allowed: frozenset[str], metrics: RegistryMetrics | None,
+                 metrics_port: int) -> Running:
+    etcd = Etcd(config.etcd, auth=etcd_auth(config))
+    if metrics is not None:
+        etcd.observe = metrics.etcd_request
+    await etcd.connect()
+    members = EtcdMembers(etcd, allowed)
+    try:
+        await members.require()
+    except BaseException:
+        await etcd.close()
+        raise
+    version = await etcd.status()
+    core = Core(etcd, Keys(config.prefix), config.staging)
+    core.stuck_written_after = config.stuck_written_after
+    if config.archive_dir:
+        core.archive = Archiver(core, DirectoryStore(config.archive_dir), config.archive_after,
+                                config.archive_retention)
+    await core.start()
+    server = grpc.aio.server(
+        options=[
+            # A manifest travels in one CreateTask call; anything larger than the
+            # largest valid one is refused by gRPC before it is read into memory.
+            ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
+            ("grpc.max_send_message_length", MAX_REPLY_BYTES),
+            # Clients ping quiet connections to notice a silent replica (contract.py).
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
+            ("grpc.http2.max_ping_strikes", 0),
+        ]
+    )
+    shards = Shards(core, config.shards, config.shard_move_deadline)
+    service = RegistryService(core, shards)
+    add_to_server(service, server, secure=certificates is not None, metrics=metrics)
+    health_servicer = _Health(members)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (REGISTRY_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME),
+        server,
+    )
+    if certificates is None:
+        port = server.add_insecure_port(config.listen)
+    else:
+        port = server.add_secure_port(config.listen, certificates.credentials())
+    if port == 0:
+        raise BatonError(f"cannot listen on {config.listen}")
+    await server.start()
+    for name in ("", REGISTRY_SERVICE):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    stop = asyncio.Event()
+    reaper = Reaper(core, config.reap_interval)
+    scheduler = Scheduler(core, config.reap_interval)
+    assigner = Assigner(shards, config.reap_interval)
+    service.leases.interval = config.reap_interval
+    background = [asyncio.create_task(reaper.run(stop)), asyncio.create_task(scheduler.run(stop)),
+                  asyncio.create_task(assigner.run(stop)),
+                  asyncio.create_task(service.leases.run(stop))]
+    background.append(asyncio.create_task(
+        every(config.etcd_check_interval, stop, health_servicer.check_etcd, "etcd versions")))
+    core.deadlines = Deadlines(core)
+    background.append(asyncio.create_task(
+        every(config.reap_interval, stop, core.deadlines.sweep, "deadlines")))
+    if core.archive is not None:
+        background.append(asyncio.create_task(
+            every(config.archive_interval, stop, core.archive.sweep, "archiver")))
+    log.info("registry on port %d (%s), etcd %s (v%s), prefix %s, staging %s", port,
+             "mutual TLS" if certificates else "plaintext, --insecure", config.etcd,
+             version, config.prefix, config.staging)
+    if metrics is not None:
+        metrics.bind(core, reaper, service.sessions, shards, service.leases, members)
+    return Running(port, server, etcd, core, reaper, scheduler, health_servicer, stop, background,
+                   assigner, members, metrics, metrics_port)
+
+
+async def serve(config: RegistryConfig, notifier: Notifier | None = None) -> None:
+    notifier = notifier or Notifier()
+    running = await start(config)
+    # Before saying it serves: a SIGTERM sent as soon as the line is read drains too.
+    done = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, done.set)
+    host = config.listen.rpartition(":")[0] or "0.0.0.0"
+    # `baton up` and operators read this line to learn the bound address.
+    print(f"baton-registry listening on {host}:{running.port}", flush=True)
+    notifier.ready(f"serving on {host}:{running.port}, etcd {config.etcd}")
+    pings = asyncio.create_task(notifier.watchdog_pings())
+    await done.wait()
+    notifier.stopping(f"draining calls (grace {config.grace:g}s)")
+    log.info("shutting down (grace %.1fs)", config.grace)
+    await running.stop(config.grace)
+    pings.cancel()
+    log.info("stopped")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = load_config(sys.argv[1:] if argv is None else argv, os.environ)
+    setup_logging(config.log_level, config.log_format)
+    try:
+        asyncio.run(serve(config, Notifier.from_environ(os.environ)))
+    except BatonError as e:
+        print(f"baton-registry: {e}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,261 @@
+"""Agent sessions (one etcd lease each) and the reaper that recovers lost claims."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from ..kernel import logs
+from ..kernel.errors import BatonError, InvalidArgument, SessionExpired
+from ..kernel.v1 import baton_pb2 as pb
+from ._etcd import KV
+from .claims import SessionRecord, check_owner, claim_holder, claim_session, voided
+from .core import Core, Gate, every
+from .identity import Caller
+from .keys import ClaimRef
+from .manifest import ID_RE, check_id
+from .model import VERIFIED, WRITING, EntryRecord, now
+from .scheduler import Complaints
+from .txn import Txn, write
+
+log = logging.getLogger("baton.registry")
+
+MIN_TTL, MAX_TTL = 2, 3600
+#: keys read per request when the reaper lists claims and their twins
+REAP_PAGE = 1000
+#: lost claims moved on at once (each its own guarded transaction)
+REAP_PARALLEL = 32
+
+
+class Sessions:
+    def __init__(self, core: Core,
+                 renew: Callable[[int], Awaitable[int]] | None = None) -> None:
+        self.core = core
+        self.keys = core.keys
+        #: moves a session whose agent has just refreshed a rotation's lease (granted
+        #: what the old one had left) onto a lease of its full TTL; its TTL then
+        self.renew = renew
+        #: sessions whose lease this replica revoked (for metrics: the others expired)
+        self.closed = 0
+
+    async def open(self, req: pb.OpenSessionRequest, caller: Caller) -> pb.Session:
+        check_id("agent", req.agent)
+        ttl = req.ttl or 10
+        if not MIN_TTL <= ttl <= MAX_TTL:
+            raise InvalidArgument(f"ttl {ttl} not within {MIN_TTL}..{MAX_TTL} seconds")
+        if not 0 <= req.slots <= 10_000:
+            raise InvalidArgument(f"slots {req.slots} not within 0..10000 (0 = no limit)")
+        lease, granted = await self.core.etcd.grant(ttl)
+        info: dict[str, object] = {
+            "agent": req.agent, "host": req.host, "pid": req.pid, "version": req.version,
+            "ttl": granted, "slots": req.slots, "opened_at": now()}
+        if caller.name:
+            info["identity"] = caller.name
+        key = self.keys.agent(lease)  # the first lease's id is the session's for good
+
+        async def plan(txn: Txn) -> None:
+            # A session opened on a drained host opens draining; the drain key is
+            # pinned, so a drain committed meanwhile makes this plan again.
+            drained = bool(ID_RE.match(req.host)) and (
+                await txn.get(self.keys.drain(req.host)) is not None)
+            value = {**info, "draining": True} if drained else info
+            txn.create(key, json.dumps(value).encode(), lease=lease)  # a fresh lease
+
+        try:
+            await write(self.core.txns, plan)
+        except Exception:
+            # Not opened after all: leave no lease behind (it would expire anyway).
+            with contextlib.suppress(BatonError):
+                await self.core.etcd.revoke(lease)
+            raise
+        log.info("session %x opened for %s (ttl %ds)", lease, req.agent, granted)
+        return pb.Session(session_id=lease, agent=req.agent, ttl=granted, slots=req.slots)
+
+    async def _record(self, session_id: int) -> KV:
+        """The session's record (the view's mirror, else etcd); ``SessionExpired``."""
+        key = self.keys.agent(session_id)
+        kv = (await self.core.view.get_many([key]))[0] if self.core.view else None
+        if kv is None:  # the view may not have seen a session another replica opened
+            kv = await self.core.etcd.get(key)
+        if kv is None:
+            raise SessionExpired(f"session {session_id:x} has expired or never existed",
+                                 session_id=session_id)
+        return kv
+
+    async def keepalive(self, req: pb.KeepAliveRequest, caller: Caller) -> pb.KeepAliveResponse:
+        """Refresh the session's lease, the one its record is on now (and, while a
+        rotation moves its keys, the old one too), so an agent follows a rotation
+        without knowing. A session being revoked is refused: it is lost."""
+        if req.session_id <= 0:
+            raise InvalidArgument("keepalive needs a session_id")
+        kv = await self._record(req.session_id)
+        check_owner(caller, kv, f"session {req.session_id:x}")
+        ttl = await self._refresh(SessionRecord.of(kv, req.session_id))
+        if ttl <= 0:
+            # The view may still show a lease a rotation (on another replica) has
+            # just left: ask etcd which lease the session is on now.
+            fresh = await self.core.etcd.get(self.keys.agent(req.session_id))
+            if fresh is not None and fresh.lease != kv.lease:
+                kv = fresh
+                ttl = await self._refresh(SessionRecord.of(kv, req.session_id))
+        if ttl <= 0:
+            raise SessionExpired(f"session {req.session_id:x} has expired",
+                                 session_id=req.session_id)
+        record = SessionRecord.of(kv, req.session_id)
+        if ttl < record.ttl and not record.rotating_from and self.renew is not None:
+            # A rotation gave the lease only what the old one had left; the refresh
+            # just made proves the agent lives, so it is owed its whole TTL again.
+            try:
+                ttl = await self.renew(req.session_id) or ttl
+            except BatonError as e:
+                # The refresh itself holds: the next keepalive tries the move again
+                # (or, if it began, finds ``rotating_from`` and refreshes both leases).
+                log.warning("session %x: its full TTL back after a rotation: %s",
+                            req.session_id, e)
+        return pb.KeepAliveResponse(ttl=ttl, draining=record.draining)
+
+    async def _refresh(self, record: SessionRecord) -> int:
+        """Refresh every lease of the session; the TTL of the one it is on (0: gone)."""
+        if record.revoked:
+            raise SessionExpired(f"session {record.session_id:x} is being revoked by an "
+                                 "operator", session_id=record.session_id)
+        if record.rotating_from:
+            await self.core.etcd.keepalive(record.rotating_from)
+        return await self.core.etcd.keepalive(record.lease)
+
+    async def close(self, req: pb.CloseSessionRequest,
+                    caller: Caller) -> pb.CloseSessionResponse:
+        """Revoke a session's lease: its own identity may, and any operator."""
+        if req.session_id <= 0:
+            raise InvalidArgument("close needs a session_id")
+        try:
+            kv = await self._record(req.session_id)
+        except SessionExpired:
+            return pb.CloseSessionResponse()  # closing a closed session changes nothing
+        if not caller.operator:
+            check_owner(caller, kv, f"session {req.session_id:x}")
+        else:
+            log.info("session %x closed by operator %s", req.session_id, caller.name)
+        for lease in SessionRecord.of(kv, req.session_id).leases:
+            await self.core.etcd.revoke(lease)
+        self.closed += 1
+        return pb.CloseSessionResponse()
+
+
+class Reaper:
+    """Moves entries on when the lease behind their claim is gone.
+
+    etcd deletes a claim key when its lease expires; its durable twin under
+    ``inflight/`` stays. Every ``interval`` seconds the reaper walks the two
+    listings side by side, ``REAP_PAGE`` keys per request and both at one
+    revision: a claim key and its twin name the same claim after their
+    prefixes, so both listings come in the same order and a merge pairs them
+    with only a page of each in memory, however many claims are in flight.
+    For each twin left alone it runs one guarded transaction: the producer's
+    entry takes the retry path, a consumer's entry goes back to its group.
+    Replicas race safely: the compares let exactly one of them apply each move.
+    """
+
+    def __init__(self, core: Core, interval: float = 0.5) -> None:
+        self.core = core
+        self.keys = core.keys
+        self.interval = interval
+        self.reaped = 0
+        self._complain = Complaints("reaper")
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await every(self.interval, stop, self.sweep, "reaper")
+
+    async def orphans(self) -> AsyncIterator[tuple[KV, ClaimRef | None]]:
+        """Every twin whose claim is gone (or is another claim), with what it names
+        (None: a key that names no claim)."""
+        twins_base, claims_base = self.keys.inflight_all(), self.keys.claims_all()
+        # One revision for both listings (a claim and its twin are written together).
+        _, rev, _ = await self.core.etcd.range(twins_base, limit=1, keys_only=True)
+        twins = self.core.etcd.scan(twins_base, page=REAP_PAGE, revision=rev)
+        claims = self.core.etcd.scan(claims_base, page=REAP_PAGE, keys_only=True, revision=rev)
+        async with contextlib.aclosing(twins), contextlib.aclosing(claims):
+            claim: KV | None = None
+            claims_done = False
+            async for twin in twins:
+                tail = twin.key[len(twins_base):]
+                # The claims listing is read only as far as the twins reach.
+                while not claims_done and (claim is None
+                                           or claim.key[len(claims_base):] < tail):
+                    claim = await anext(claims, None)
+                    claims_done = claim is None
+                if (claim is not None and claim.key[len(claims_base):] == tail
+                        and claim.create_revision == twin.create_revision):
+                    continue  # the claim lives
+                try:
+                    ref: ClaimRef | None = self.keys.parse_inflight(twin.key)
+                except ValueError:
+                    ref = None
+                yield twin, ref
+
+    async def sweep(self) -> int:
+        """Move on every entry whose claim's lease is gone, ``REAP_PARALLEL`` at a time
+        (their transactions share requests through group commit)."""
+        moved = 0
+        gate = Gate(REAP_PARALLEL)
+
+        async def one(twin: KV, ref: ClaimRef, item: str) -> None:
+            nonlocal moved
+            try:  # one bad entry never stops the reaper for the others
+                if await self._reap(ref, twin.create_revision):
+                    moved += 1
+                    self.reaped += 1
+            except Exception as e:
+                self._complain(item, e)
+
+        async for twin, ref in self.orphans():
+            item = f"twin {twin.key.decode(errors='replace')} (token {twin.create_revision})"
+            if ref is None:
+                self._complain(item, ValueError("names no claim; left alone"))
+                continue
+            await gate.submit(one(twin, ref, item))
+        await gate.drain()
+        return moved
+
+    async def _reap(self, ref: ClaimRef, token: int) -> bool:
+        """Move one entry on for a claim whose lease is gone; False if already done."""
+        claim_key, twin_key = self.keys.claim(ref), self.keys.inflight(ref)
+        entry_key = self.keys.entry(ref.task_id, ref.file_id)
+
+        task_key = self.keys.task(ref.task_id)
+
+        async def plan(txn: Txn) -> str:
+            twin, claim, kv, task = await txn.get_many([twin_key, claim_key, entry_key,
+                                                        task_key])
+            if twin is None or twin.create_revision != token:
+                return ""  # another replica got there first
+            if claim is not None:
+                return ""  # the claim lives (the listing was behind)
+            txn.delete(twin_key)
+            if voided(task):
+                # A cancelled task's entries stay as they were: its cancel deletes the
+                # claims a chunk at a time, and a lease may end meanwhile: the twin goes.
+                return ""
+            holder = claim_holder(twin) or "?"
+            if kv is not None:
+                rec = EntryRecord.load(kv.value)
+                if ref.kind == "p" and rec.state == WRITING:
+                    self.core.retry_or_dead(
+                        rec, f"lease of agent {holder} (session {claim_session(twin):x}) "
+                        f"lost (token {token})", token=token)
+                    self.core.put_entry(rec, txn)
+                elif (ref.kind == "c" and rec.state == VERIFIED
+                      and ref.group not in rec.consumed_by):
+                    rec.remember("consumer lost", group=ref.group, who=holder, token=token)
+                    self.core.put_entry(rec, txn)
+                    txn.put(self.keys.cready(ref.task_id, ref.group, ref.file_id), b"")
+            txn.after(lambda: logs.log(
+                log, logging.INFO, "reaped a lost claim", task=ref.task_id,
+                file_id=ref.file_id, revision=txn.revision, kind=ref.kind,
+                group=ref.group or None, token=token, agent=holder))
+            return holder
+
+        return bool(await write(self.core.txns, plan))

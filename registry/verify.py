@@ -1,0 +1,186 @@
+"""What watchers report: a file's digest (written → verified, or the retry path),
+a verified file that changed or vanished (out of verified), a file that cannot be hashed."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..kernel.errors import InvalidArgument
+from ..kernel.v1 import baton_pb2 as pb
+from ._etcd import created_at
+from .claims import entry_replay, need_entry, need_task, release_slot
+from .core import Core
+from .keys import ClaimRef
+from .manifest import DIGEST_RE, check_id
+from .model import PENDING, VERIFIED, WRITING, WRITTEN, EntryRecord, now
+from .routing import Rule, route
+from .shards import check_reporter
+from .txn import Txn
+
+
+class Verifier:
+    def __init__(self, core: Core) -> None:
+        self.core = core
+        self.keys = core.keys
+
+    def notify(self, rec: EntryRecord) -> Callable[[], None]:
+        """A hook telling the scheduler ``rec`` became verified, if anything waits for it
+        (dependents, an assembly); its periodic sweep catches the rest."""
+        key = (rec.task_id, rec.file_id)
+        if not (rec.dependents or rec.assembly):
+            return lambda: None
+        return lambda: self.core.verified.put_nowait(key)
+
+    async def settle(self, txn: Txn, rec: EntryRecord, size: int, digest: str,
+                     who: str = "") -> bool:
+        """A written entry meets what is on disk: verified (True), or the retry path."""
+        expected = rec.committed_digest or rec.expected_digest
+        if size == rec.size and (not expected or expected == digest):
+            rec.state, rec.digest, rec.error = VERIFIED, digest, ""
+            routed = await self.route(txn, rec)
+            rec.remember("verified", who=who or str((rec.observed or {}).get("reporter", "")),
+                         digest=digest, **routed)
+            self.open_to_consumers(rec, txn)
+            return True
+        self.core.retry_or_dead(
+            rec,
+            f"checksum mismatch: producer declared size {rec.size} digest "
+            f"{expected or '-'}, file has size {size} digest {digest}",
+        )
+        return False
+
+    async def route(self, txn: Txn, rec: EntryRecord) -> dict[str, object]:
+        """Decide which consumer groups receive ``rec``, now verified: the first of the
+        task's routing rules that holds over its attributes, or every group. What was
+        decided, for the journal record of the verification ({} for an entry the
+        rules do not route).
+
+        The rules are on the task header, which the view mirrors: peeked at, not
+        pinned (a manifest never changes), so routing costs no etcd request and no
+        compare. Entries of tasks without rules never look.
+        """
+        rec.unroute()
+        if not rec.routing:
+            return {}
+        (task_kv,) = await txn.peek_many([self.keys.task(rec.task_id)])
+        task = need_task(task_kv, rec.task_id)
+        rules = [Rule(r["condition"], list(r["groups"])) for r in task.routing_rules]
+        decided = route(rules, rec.attributes)
+        if decided is None:
+            return {"rule": None, "groups": list(rec.consumers)}
+        rec.rule, rec.routed_to = decided
+        return {"rule": rec.rule, "groups": list(rec.routed_to)}
+
+    def open_to_consumers(self, rec: EntryRecord, txn: Txn) -> None:
+        """Make a verified entry claimable for the groups that receive it (and have not
+        acked it yet); the others never see it."""
+        for group in rec.receivers:
+            if group not in rec.consumed_by:
+                txn.put(self.keys.cready(rec.task_id, group, rec.file_id), b"")
+
+    async def unverify(self, txn: Txn, rec: EntryRecord, reason: str) -> None:
+        """The verified bytes are gone: nobody may be handed them any more, and
+        consumers holding them lose their tokens (and slots); the entry takes the
+        retry path."""
+        await self._revoke_consumers(txn, rec)
+        self.core.retry_or_dead(rec, reason)
+        if rec.assembly:
+            await self._unverify_assembly(txn, rec)
+
+    async def _revoke_consumers(self, txn: Txn, rec: EntryRecord) -> None:
+        """Nobody may be handed ``rec``'s bytes any more: its consume-claims die (their
+        slots freed) and its groups' claimable keys go, guarded on the claims read."""
+        refs = [ClaimRef("c", rec.task_id, rec.file_id, g) for g in rec.consumers]
+        held = await txn.get_many([self.keys.claim(r) for r in refs])
+        for ref, claim in zip(refs, held, strict=True):
+            txn.delete(self.keys.cready(rec.task_id, ref.group, rec.file_id))
+            txn.delete(self.keys.inflight(ref))
+            if claim is not None:
+                txn.require(created_at(claim.key, claim.create_revision))
+                txn.delete(claim.key)
+                release_slot(self.keys, claim, txn)
+
+    async def _unverify_assembly(self, txn: Txn, part: EntryRecord) -> None:
+        """A part left verified: its assembly learns of it in the same transaction.
+
+        A verified assembly leaves verified too and waits for its parts again (the
+        scheduler re-verifies it). An assembly still waiting is written anyway, so
+        its mod revision moves: a release planned on the parts as they were (the
+        scheduler pins only the assembly, not its hundreds of parts) then fails its
+        compare and is planned again.
+        """
+        kv = await txn.get(self.keys.entry(part.task_id, part.assembly))
+        if kv is None:
+            return
+        asm = EntryRecord.load(kv.value)
+        if asm.state == VERIFIED:
+            await self._revoke_consumers(txn, asm)
+            asm.state, asm.deps_ok, asm.size, asm.digest = PENDING, False, 0, ""
+            asm.unroute()
+            asm.error = f"part {part.file_id} left verified: {part.error}"
+            asm.remember("unverified", reason=asm.error)
+            self.core.put_entry(asm, txn)
+        elif asm.state == PENDING:
+            txn.put(kv.key, asm.dump())
+
+    async def problem(self, req: pb.ProblemReport) -> pb.Entry:
+        """A watcher cannot vouch for a file: corrupted, or missing after the commit."""
+        check_id("task_id", req.task_id)
+        check_id("file_id", req.file_id)
+        kinds = {pb.ProblemReport.CORRUPTED: "corrupted", pb.ProblemReport.MISSING: "missing"}
+        if req.kind not in kinds:
+            raise InvalidArgument("a problem report needs kind CORRUPTED or MISSING")
+        reason = f"{kinds[req.kind]}: {req.reason or 'no reason given'}"
+        staging = self.core.staging_dir(req.task_id)
+
+        async def planner(txn: Txn) -> Callable[[int], pb.Entry]:
+            await check_reporter(txn, self.keys, req.task_id, req.watcher_id,
+                                 req.shard_epoch)
+            rec = need_entry(await txn.get(self.keys.entry(req.task_id, req.file_id)),
+                             req.task_id, req.file_id)
+            if rec.state == WRITTEN and not rec.parts:
+                self.core.retry_or_dead(rec, reason)
+            elif rec.state == VERIFIED and not rec.parts:
+                await self.unverify(txn, rec, reason)
+            elif rec.state == WRITING and rec.observed is not None:
+                rec.observed = None  # what was seen before the commit no longer holds
+                rec.remember(kinds[req.kind], who=req.reporter, reason=req.reason)
+            else:  # nothing on disk was vouched for: nothing to undo
+                return lambda rev: rec.to_pb(staging, revision=rev)
+            self.core.put_entry(rec, txn)
+            return lambda rev: rec.to_pb(staging, revision=rev)
+
+        return await self.core.txns.run(planner, req.request_id, entry_replay)
+
+    async def report(self, req: pb.VerificationReport) -> pb.Entry:
+        check_id("task_id", req.task_id)
+        check_id("file_id", req.file_id)
+        if req.size < 0 or not DIGEST_RE.match(req.digest):
+            raise InvalidArgument("a report needs size ≥ 0 and a 64-hex-digit BLAKE3 digest")
+        staging = self.core.staging_dir(req.task_id)
+
+        async def planner(txn: Txn) -> Callable[[int], pb.Entry]:
+            await check_reporter(txn, self.keys, req.task_id, req.watcher_id,
+                                 req.shard_epoch)
+            rec = need_entry(await txn.get(self.keys.entry(req.task_id, req.file_id)),
+                             req.task_id, req.file_id)
+            if rec.parts:  # an assembly has no file of its own
+                return lambda rev: rec.to_pb(staging, revision=rev)
+            if rec.state in (PENDING, WRITING):
+                rec.observed = {
+                    "size": req.size, "digest": req.digest, "inode": req.identity.inode,
+                    "device": req.identity.device, "mtime_ns": req.identity.mtime_ns,
+                    "reporter": req.reporter, "at": now(),
+                }
+            elif rec.state == WRITTEN:
+                if await self.settle(txn, rec, req.size, req.digest, who=req.reporter):
+                    txn.after(self.notify(rec))
+            elif rec.state == VERIFIED and req.digest != rec.digest:
+                await self.unverify(txn, rec, f"verified file changed on disk (now size "
+                                    f"{req.size} digest {req.digest})")
+            else:  # consumed, dead, or a repeat of what is known: nothing to do
+                return lambda rev: rec.to_pb(staging, revision=rev)
+            self.core.put_entry(rec, txn)
+            return lambda rev: rec.to_pb(staging, revision=rev)
+
+        return await self.core.txns.run(planner, req.request_id, entry_replay)

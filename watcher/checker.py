@@ -1,0 +1,292 @@
+"""One check of one entry: look at its file, hash it if needed, tell the registry.
+
+What to do depends on the entry's state when a worker picks it up:
+
+- pending: remember the file on disk, if any — a leftover of a failed attempt,
+  which must not be reported for the next attempt before its commit;
+- writing: hash a file that is new since then and report it (the registry keeps
+  it and settles it at the commit);
+- written: report (from the cache if the file is the one already hashed);
+- verified: stat; if the identity changed, hash; report a different digest (the
+  registry takes the entry out of verified) or MISSING if the file is gone.
+
+A verified file with more than one name (hard links) is kept in ``links`` and
+polled by the daemon, since a write through a name outside the staging tree
+raises no inotify event here (``links.py``).
+
+Hash failures count per entry; after ``max_failures`` in a row the file is
+reported CORRUPTED. A registry that cannot be reached is not the file's fault:
+the check is retried later and a reconciliation is asked for.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..client import Client
+from ..kernel.errors import BatonError, NotFound, NotShardOwner, Unavailable
+from ..kernel.logs import log
+from ..kernel.v1 import baton_pb2 as pb
+from .cache import IdentityCache, Known
+from .errors import FileChanged, FileMissing, HashFailed
+from .hashing import Hashed, Hasher, Identity
+from .jobs import JobQueue, Key
+from .links import LinkedFiles
+from .metrics import Metrics
+from .shards import Membership
+from .state import STATE_NAMES, EntryView, Table
+
+logger = logging.getLogger("baton.watcher")
+
+CORRUPTED = pb.ProblemReport.CORRUPTED
+MISSING = pb.ProblemReport.MISSING
+#: seconds before a check that could not reach the registry is tried again
+REGISTRY_BACKOFF = 1.0
+
+
+@dataclass
+class Checker:
+    table: Table
+    cache: IdentityCache
+    hasher: Hasher
+    client: Client
+    jobs: JobQueue
+    metrics: Metrics
+    reporter: str
+    max_failures: int = 3
+    retry_delay: float = 0.2
+    #: called when the registry could not be reached (the daemon reconciles later)
+    registry_lost: Callable[[], None] = lambda: None
+    #: verified files with several names, which the daemon polls
+    links: LinkedFiles = field(default_factory=LinkedFiles)
+    #: the shards this watcher owns (None: it reports as an unregistered watcher)
+    membership: Membership | None = None
+
+    def check(self, key: Key) -> None:
+        entry = self.table.entry(*key)
+        if entry is None:
+            return
+        try:
+            if entry.state == pb.PENDING:
+                self._pending(key, entry)
+            elif entry.state == pb.WRITING:
+                self._writing(key, entry)
+            elif entry.state == pb.WRITTEN:
+                self._written(key, entry)
+            elif entry.state == pb.VERIFIED:
+                self._verified(key, entry)
+        except Unavailable as e:
+            log(logger, logging.WARNING, "registry unavailable; will check again",
+                task=key[0], file_id=key[1], error=str(e))
+            self.jobs.submit(key, REGISTRY_BACKOFF)
+            self.registry_lost()
+        except NotFound as e:
+            log(logger, logging.INFO, "entry no longer in the registry",
+                task=key[0], file_id=key[1], error=str(e))
+        except NotShardOwner as e:
+            log(logger, logging.INFO, "not this watcher's to report: its shard moved",
+                task=key[0], file_id=key[1], error=str(e))
+        except BatonError as e:
+            log(logger, logging.WARNING, "registry refused", task=key[0], file_id=key[1],
+                error=f"{type(e).__name__}: {e}")
+
+    # by state ------------------------------------------------------------------------
+
+    def _stat(self, key: Key, entry: EntryView) -> Identity | None:
+        """The file's identity, None if absent; a refused path is reported at once."""
+        try:
+            return self.hasher.stat(key[0], entry.path)
+        except HashFailed as e:
+            if e.permanent:
+                self._refused(key, entry, e)
+            else:
+                self._failed(key, entry, e)
+            raise _Handled() from e
+
+    def _pending(self, key: Key, entry: EntryView) -> None:
+        try:
+            stale = self.hasher.stat(key[0], entry.path)
+        except HashFailed:
+            stale = None
+        if stale is not None and stale.mtime_ns >= entry.updated_ns:
+            # Written after the entry became pending: most likely by a claim whose
+            # news has not reached us yet, not a leftover of a failed attempt.
+            stale = None
+        self.table.update(*key, stale=stale)
+
+    def _writing(self, key: Key, entry: EntryView) -> None:
+        try:
+            identity = self.hasher.stat(key[0], entry.path)
+        except HashFailed:
+            return  # nothing is vouched for before the commit; written will tell
+        if identity is None or identity == entry.stale:
+            return
+        known = self.cache.get(*key)
+        if known is not None and known.identity == identity:
+            return  # this very file was reported already
+        hashed = self._hash(key, entry)
+        if hashed is not None:
+            self._report(key, entry, hashed)
+
+    def _written(self, key: Key, entry: EntryView) -> None:
+        try:
+            identity = self._stat(key, entry)
+        except _Handled:
+            return
+        if identity is None:  # committed, but not (yet, on a network mount) visible here
+            self._failed(key, entry, FileMissing(entry.path, "no such file after the commit"))
+            return
+        known = self.cache.get(*key)
+        if known is not None and known.identity == identity:
+            self._report(key, entry, Hashed(identity, known.digest))
+            return
+        hashed = self._hash(key, entry)
+        if hashed is not None:
+            self._report(key, entry, hashed)
+
+    def _verified(self, key: Key, entry: EntryView) -> None:
+        try:
+            identity = self._stat(key, entry)
+        except _Handled:
+            return
+        if identity is None:
+            self._problem(key, MISSING, "the verified file is gone")
+            return
+        known = self.cache.get(*key)
+        if known is not None and known.identity == identity and known.digest == entry.digest:
+            self._mind_links(key, identity)
+            return
+        hashed = self._hash(key, entry)
+        if hashed is None:
+            return
+        if hashed.digest == entry.digest:
+            self.cache.put(*key, Known(hashed.identity, hashed.digest))
+            self.table.update(*key, failures=0)
+            self._mind_links(key, hashed.identity)
+            return
+        log(logger, logging.WARNING, "verified file changed on disk", task=key[0],
+            file_id=key[1], revision=entry.revision, digest=hashed.digest,
+            verified_digest=entry.digest)
+        self._report(key, entry, hashed)
+
+    # hashing and its failures ------------------------------------------------------------
+
+    def _hash(self, key: Key, entry: EntryView) -> Hashed | None:
+        start = self.metrics.clock()
+        try:
+            hashed = self.hasher.hash(key[0], entry.path)
+        except FileChanged as e:
+            if entry.state == pb.VERIFIED and e.digest and e.digest != entry.digest:
+                # Whatever it settles to, these are not the verified bytes any more.
+                self._problem(key, CORRUPTED, f"verified file changed on disk: {e.reason}")
+                return None
+            self._failed(key, entry, e)
+            return None
+        except FileMissing as e:
+            if entry.state == pb.VERIFIED:
+                self._problem(key, MISSING, "the verified file is gone")
+            elif entry.state == pb.WRITTEN:
+                self._failed(key, entry, e)
+            return None
+        except HashFailed as e:
+            if e.permanent:
+                self._refused(key, entry, e)
+            else:
+                self._failed(key, entry, e)
+            return None
+        self.metrics.hashed(hashed.identity.size, self.metrics.clock() - start)
+        return hashed
+
+    def _failed(self, key: Key, entry: EntryView, e: HashFailed) -> None:
+        failures = entry.failures + 1
+        self.metrics.add("hash_failures")
+        if failures < self.max_failures:
+            log(logger, logging.INFO, "hash failed; trying again", task=key[0],
+                file_id=key[1], revision=entry.revision, attempt=failures, reason=e.reason)
+            self.table.update(*key, failures=failures)
+            self.jobs.submit(key, self.retry_delay * failures)
+            return
+        self.table.update(*key, failures=0)
+        kind = MISSING if isinstance(e, FileMissing) else CORRUPTED
+        self._problem(key, kind, f"{failures} failed attempts; last: {e.reason}")
+
+    def _refused(self, key: Key, entry: EntryView, e: HashFailed) -> None:
+        if entry.state in (pb.WRITTEN, pb.VERIFIED):
+            self._problem(key, CORRUPTED, e.reason)
+        else:
+            log(logger, logging.INFO, "refused", task=key[0], file_id=key[1],
+                revision=entry.revision, reason=e.reason)
+
+    # talking to the registry ------------------------------------------------------------
+
+    def _owner(self, task_id: str) -> tuple[str, int] | None:
+        """(watcher id, epoch) to report on ``task_id`` under; None when its shard is not
+        this watcher's (it moved while the check ran): the new owner reports."""
+        if self.membership is None:
+            return "", 0
+        epoch = self.membership.epoch_of(task_id)
+        if epoch is None:
+            log(logger, logging.INFO, "not reporting: the task's shard is no longer ours",
+                task=task_id)
+            return None
+        return self.membership.watcher_id, epoch
+
+    def _report(self, key: Key, entry: EntryView, hashed: Hashed) -> None:
+        i = hashed.identity
+        identity = pb.FileIdentity(inode=i.inode, device=i.device, mtime_ns=i.mtime_ns)
+        if (owner := self._owner(key[0])) is None:
+            return
+        try:
+            reply = self.client.report(key[0], key[1], i.size, hashed.digest, identity,
+                                       self.reporter, watcher_id=owner[0],
+                                       shard_epoch=owner[1])
+        except BatonError as e:
+            self.metrics.refused("digest", e)
+            raise
+        self.metrics.reported(*key, "digest", STATE_NAMES.get(reply.state, ""))
+        self.cache.put(*key, Known(i, hashed.digest))
+        self.table.apply(key[0], reply)
+        self.table.update(*key, failures=0)
+        if reply.state == pb.VERIFIED:
+            self._mind_links(key, i)
+        else:
+            self.links.drop(key)
+        log(logger, logging.INFO, "reported", task=key[0], file_id=key[1],
+            revision=reply.revision, size=i.size, digest=hashed.digest, was=entry.state_name,
+            now=pb.EntryState.Name(reply.state).lower())
+
+    def _problem(self, key: Key, kind: int, reason: str) -> None:
+        name = pb.ProblemReport.Kind.Name(kind).lower()  # type: ignore[arg-type]
+        if (owner := self._owner(key[0])) is None:
+            return
+        try:
+            reply = self.client.report_problem(key[0], key[1], kind, reason, self.reporter,
+                                               watcher_id=owner[0], shard_epoch=owner[1])
+        except BatonError as e:
+            self.metrics.refused(name, e)
+            raise
+        self.metrics.add("problems")
+        self.metrics.reported(*key, name, STATE_NAMES.get(reply.state, ""))
+        self.cache.drop(*key)
+        self.links.drop(key)
+        self.table.apply(key[0], reply)
+        log(logger, logging.WARNING, "reported a problem", task=key[0], file_id=key[1],
+            revision=reply.revision, kind=name, reason=reason,
+            now=pb.EntryState.Name(reply.state).lower())
+
+
+    def _mind_links(self, key: Key, identity: Identity) -> None:
+        """Poll a verified file with several names; stop once it has one again."""
+        if identity.links <= 1:
+            self.links.drop(key)
+        elif self.links.keep(key, identity):
+            self.metrics.add("linked")
+            log(logger, logging.WARNING, "verified file has other names (hard links); "
+                "polling it, as writes through a name outside the staging tree raise no "
+                "event", task=key[0], file_id=key[1], links=identity.links)
+
+
+class _Handled(Exception):
+    """The check already reported what it found; stop here."""

@@ -1,0 +1,480 @@
+"""The watcher daemon: wires emitters, the dispatcher, hash workers and the registry.
+
+Threads, and what flows between them::
+
+    emitters (inotify / polling) ──FsEvent──▶ Intake ──▶ dispatcher ──key──▶ JobQueue
+    registry Watch streams (one per task) ──entry changes──────────────────────▶ │
+    reconciler (start, overflow, lost registry, every N s) ──every entry─────────▶ │
+                                                                hash workers ◀──┘
+                                                       (hash, then Client.report)
+
+Nothing but the workers reads file contents or reports, so intake never waits
+for a hash, and the number of files hashed at once is bounded.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+import threading
+import time
+from typing import Any
+
+from ..client import Client, RetryPolicy
+from ..kernel.contract import shard_of
+from ..kernel.errors import BatonError, NotFound
+from ..kernel.logs import log
+from ..kernel.v1 import baton_pb2 as pb
+from .cache import IdentityCache, open_cache
+from .checker import Checker
+from .config import WatcherConfig
+from .errors import HashFailed, WatchFailed
+from .events import FsEvent, Intake, Kind
+from .hashing import Hasher
+from .jobs import JobQueue
+from .metrics import Levels, Metrics
+from .observe import Watches
+from .shards import Membership
+from .state import LIVE, Change, Table, TaskView
+from .sync import TaskStreams
+from .taskdirs import TaskDirs
+
+logger = logging.getLogger("baton.watcher")
+
+_TASK_ID = re.compile(r"^[A-Za-z0-9._-]+$")
+#: task statuses a watcher does not serve: finished, or on the way out of etcd
+FINISHED = (pb.TASK_CANCELLED, pb.TASK_COMPLETED, pb.TASK_ARCHIVING, pb.TASK_ARCHIVED,
+            pb.TASK_DELETING)
+#: seconds between attempts of a reconciliation that could not reach the registry
+RECONCILE_RETRY = 1.0
+#: seconds a shard's handover waits for the checks in hand before releasing anyway
+HANDOVER_WAIT = 20.0
+#: share of the inotify watch limit above which cold tasks are shed, and down to which
+WATCHES_HIGH, WATCHES_LOW = 0.9, 0.8
+MAX_USER_WATCHES = "/proc/sys/fs/inotify/max_user_watches"
+
+
+class Watcher:
+    """One watcher over one staging root. :meth:`start`, then :meth:`stop`."""
+
+    def __init__(self, config: WatcherConfig, *, hasher: Hasher | None = None,
+                 cache: IdentityCache | None = None, retry: RetryPolicy | None = None) -> None:
+        self.config = config
+        os.makedirs(config.staging, exist_ok=True)
+        self.root = os.path.realpath(config.staging)
+        self.reporter = config.reporter or f"watcher@{socket.gethostname()}"
+        self.metrics = Metrics()
+        self.metrics.levels(self._levels)
+        #: where ``/metrics`` is served once started (0: ``--metrics`` is off)
+        self.metrics_port = 0
+        self.intake = Intake(config.event_queue)
+        self.jobs = JobQueue()
+        self.table = Table(self.root)
+        self.taskdirs = TaskDirs(self.root)
+        # Explicit even when empty: the configuration has read BATON_CA/CERT/KEY
+        # already, and "" for all three is plaintext, not "look in os.environ".
+        self.client = Client(config.registry, retry=retry, ca=config.ca, cert=config.cert,
+                             key=config.key)
+        self.cache = cache if cache is not None else open_cache(config.state_file)
+        self.hasher = hasher or Hasher(self.root, config.large_file)
+        self.watches = Watches(self.root, config.observer, self.intake.put,
+                               config.poll_interval)
+        self._stop = threading.Event()
+        self._reconcile_now = threading.Event()
+        self.membership = Membership(
+            self.client, self.root, self.reporter, config.shard_ttl, capacity=self.capacity,
+            gained=self._shards_gained, lost=self._shards_lost, handover=self._handover)
+        self.checker = Checker(
+            self.table, self.cache, self.hasher, self.client, self.jobs, self.metrics,
+            self.reporter, config.max_failures, config.retry_delay, self._registry_lost,
+            membership=self.membership,
+        )
+        self._shedding = False
+        self.streams = TaskStreams(
+            self.client, self.table, on_changes=self._on_changes,
+            on_lost=self._registry_lost, on_gone=self._gone, stop=self._stop,
+            timeout=config.stream_timeout,
+        )
+        self._threads = [
+            threading.Thread(target=self._dispatch, name="watcher-dispatch", daemon=True),
+            threading.Thread(target=self._reconcile_loop, name="watcher-reconcile",
+                             daemon=True),
+            threading.Thread(target=self._poll_links, name="watcher-links", daemon=True),
+            *(threading.Thread(target=self._work, name=f"watcher-hash-{i}", daemon=True)
+              for i in range(config.hash_workers)),
+        ]
+        # Ends when the client closes (after the others), like the Watch streams.
+        self._task_follower = threading.Thread(target=self._follow_tasks,
+                                               name="watcher-tasks", daemon=True)
+        self._stopped = False
+
+    # lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> Watcher:
+        """Watch the root, start the threads, reconcile once; returns self. A
+        ``--metrics`` address that cannot be served raises ``InvalidArgument`` before
+        anything else starts."""
+        if self.config.metrics:
+            self.metrics_port = self.metrics.serve(self.config.metrics, logger)
+        self.watches.start()
+        for t in self._threads:
+            t.start()
+        self.membership.start()
+        if not self.reconcile("start"):
+            self._reconcile_now.set()
+        self._task_follower.start()
+        log(logger, logging.INFO, "watching", root=self.root, registry=self.config.registry,
+            observer=self.watches.root_backend, workers=self.config.hash_workers,
+            reporter=self.reporter)
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop taking events; let each worker finish (and report) the file in hand."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._stop.set()
+        self.membership.stop()
+        self.watches.stop()
+        self.intake.close()
+        self.jobs.close()
+        self._reconcile_now.set()
+        # Threads not started: the start failed (a bad --metrics), nothing ran to stop.
+        started = [t for t in self._threads if t.ident is not None]
+        for t in started:
+            t.join(timeout)
+        self.client.close()  # ends the Watch streams
+        self.streams.join(timeout)
+        if self._task_follower.is_alive():
+            self._task_follower.join(timeout)
+        self.hasher.close()
+        self.cache.close()
+        self.metrics.close()
+        if started:
+            log(logger, logging.INFO, "stopped", **self.metrics.snapshot())
+
+    def __enter__(self) -> Watcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _levels(self) -> Levels:
+        """What the metrics ask for when scraped."""
+        entries, written_ns = self.table.census()
+        oldest = max(0.0, (time.time_ns() - written_ns) / 1e9) if written_ns else 0.0
+        return Levels(queued_checks=len(self.jobs), queued_events=len(self.intake),
+                      inotify_watches=self.watches.watch_count(),
+                      tasks=len(self.table.task_ids()), entries=entries,
+                      oldest_written=oldest)
+
+    def capacity(self) -> pb.WatcherCapacity:
+        """What this watcher tells the registry at each heartbeat."""
+        backlog: dict[int, int] = {}
+        count = self.membership.count
+        pending = self.jobs.pending()
+        if count:
+            for task_id, _ in pending:
+                n = shard_of(task_id, count)
+                backlog[n] = backlog.get(n, 0) + 1
+        return pb.WatcherCapacity(
+            watches_used=self.watches.watch_count(), watches_max=_max_user_watches(),
+            hash_mbps=self.metrics.hash_rate(), backlog=len(pending),
+            tasks=len(self.table.task_ids()), cold_tasks=self.table.cold_count(),
+            shard_backlog=backlog)
+
+    # shards ---------------------------------------------------------------------------
+
+    def _shards_gained(self, shards: set[int]) -> None:
+        # The reconciliation serves the shards' tasks, from what the registry says now.
+        self._reconcile_now.set()
+
+    def _shards_lost(self, shards: set[int]) -> None:
+        for task_id in self.table.task_ids():
+            if self.membership.shard(task_id) in shards:
+                self._forget(task_id)
+
+    def _handover(self, shard: int) -> None:
+        """Returns once no check of the shard's tasks is in hand (or after a while)."""
+        if not self.jobs.settle(lambda key: self.membership.shard(key[0]) == shard,
+                                HANDOVER_WAIT):
+            log(logger, logging.WARNING, "handing a shard over with a check still running",
+                shard=shard)
+
+    def _serves(self, task_id: str) -> bool:
+        return self.membership.serves(task_id)
+
+    def _registry_lost(self) -> None:
+        self._reconcile_now.set()  # it retries until the registry answers again
+
+    # the registry's side -----------------------------------------------------------------
+
+    def _on_changes(self, task_id: str, changes: list[Change], synced: bool) -> None:
+        if not self._serves(task_id):
+            return  # its shard left while the stream was open; the stream ends with it
+        warmed = bool(changes) and self.table.touch(task_id)
+        for c in changes:
+            if c.entry.state in LIVE:
+                self.jobs.submit((task_id, c.entry.file_id))
+        self._sync_watch(task_id, rescan=synced or warmed)
+
+    def _sync_watch(self, task_id: str, *, rescan: bool = False, rewalk: bool = False) -> None:
+        """Watch a task's tree while it has live entries, and not after.
+
+        Whenever a tree becomes watched (or ``rescan``), every live entry is
+        checked: the watch is in place first, so nothing lands unseen in between.
+        """
+        view = self.table.task(task_id)
+        if view is None:
+            return
+        need, watched = self.table.needs_watch(task_id)
+        if need and (not watched or rewalk):
+            try:
+                backend = self.watches.watch_tree(view.directory)
+            except WatchFailed as e:
+                log(logger, logging.DEBUG, "task directory not watchable yet", task=task_id,
+                    reason=str(e))
+                self.table.set_watched(task_id, False)
+                return
+            if not watched:
+                log(logger, logging.INFO, "watching task", task=task_id, backend=backend)
+                self.table.set_watched(task_id, True)
+                rescan = True
+        elif not need and watched:
+            self.watches.unwatch_tree(view.directory)
+            self.table.set_watched(task_id, False)
+            log(logger, logging.INFO, "task has no live entries; watches removed",
+                task=task_id)
+        if rescan:
+            self._check_all(task_id)
+
+    def _check_all(self, task_id: str, rel_dir: str = "") -> None:
+        wanted = set(self.table.files_under(task_id, rel_dir))
+        for e in self.table.entries(task_id):
+            if e.file_id in wanted and e.state in LIVE:
+                self.jobs.submit((task_id, e.file_id))
+
+    def _forget(self, task_id: str, view: TaskView | None = None) -> None:
+        """Stop serving ``task_id``; with ``view``, only if that is still how it is
+        served (news about a task that was deleted and created again under the same id
+        must not stop the new one being served)."""
+        removed = self.table.remove_task(task_id, view)
+        if view is not None and removed is None:
+            return
+        self.taskdirs.forget(task_id)
+        if removed is not None:
+            self.watches.unwatch_tree(removed.directory)
+            self.cache.drop_task(task_id)
+            log(logger, logging.INFO, "no longer serving task", task=task_id)
+
+    def _gone(self, view: TaskView) -> None:
+        """The registry says ``view``'s task is not there: stop serving that view, then
+        ask once more. A task created again under the id in the meantime is served: its
+        header, if it came while the old view was still served, started nothing."""
+        self._forget(view.task_id, view)
+        try:
+            task = self.client.get_task(view.task_id)
+        except NotFound:
+            return
+        except BatonError as e:
+            log(logger, logging.WARNING, "task gone; cannot tell whether it is back",
+                task=view.task_id, error=str(e))
+            self._reconcile_now.set()
+            return
+        self._serve(task)
+
+    def _serve(self, task: pb.Task) -> None:
+        """Follow ``task`` from its header: serve it if it is this watcher's to serve
+        (its files are checked by its stream's snapshot), forget it once finished."""
+        task_id = task.spec.task_id
+        if task.status in FINISHED:
+            self._forget(task_id)
+        elif task.status != pb.TASK_CREATING and self._serves(task_id):
+            self.taskdirs.prepare(task)
+            self.streams.follow(task_id)
+
+    def reconcile(self, reason: str) -> bool:
+        """Compare the registry with the disk for every served task; False if unreachable."""
+        # What was served before the listing was asked for: only those views may be
+        # dropped on its word. A task created (or created again) meanwhile is newer
+        # than the listing, which may still show it finished, or not at all.
+        before = self.table.views()
+        try:
+            tasks = self.client.list_tasks()
+        except BatonError as e:
+            log(logger, logging.WARNING, "reconciliation: registry unreachable",
+                reason=reason, error=str(e))
+            return False
+        served = set()
+        for t in tasks:
+            task_id = t.spec.task_id
+            if t.status in FINISHED or not self._serves(task_id):
+                if task_id in before:
+                    self._forget(task_id, before[task_id])
+            else:
+                served.add(task_id)
+                self.taskdirs.prepare(t, again=True)
+                self.streams.follow(task_id)
+        for task_id in before.keys() - served:
+            self._forget(task_id, before[task_id])
+        checked = 0
+        for task_id in served:
+            try:
+                entries = self.client.list_entries(task_id)
+            except BatonError as e:
+                log(logger, logging.WARNING, "reconciliation: cannot list entries",
+                    task=task_id, error=str(e))
+                return False
+            for entry in entries:
+                self.table.apply(task_id, entry)
+                if entry.state in (pb.WRITING, pb.WRITTEN, pb.VERIFIED) and not entry.parts:
+                    self.jobs.submit((task_id, entry.file_id))
+                    checked += 1
+            self._sync_watch(task_id, rewalk=True)
+        self.metrics.add("reconciliations")
+        log(logger, logging.INFO, "reconciled", reason=reason, tasks=len(served),
+            entries_checked=checked)
+        return True
+
+    def _follow_tasks(self) -> None:
+        """Serve new tasks the moment they are created, and drop finished ones,
+        from the registry's stream of task headers (no waiting for a reconciliation)."""
+        while not self._stop.is_set():
+            try:
+                for task in self.client.watch_tasks(timeout=self.config.stream_timeout):
+                    if self._stop.is_set():
+                        return
+                    self._serve(task)
+            except BatonError as e:
+                if self._stop.is_set():
+                    return
+                log(logger, logging.WARNING, "task stream lost; retrying", error=str(e))
+                self._stop.wait(RECONCILE_RETRY)
+            except ValueError:  # the client was closed under us: stopping
+                return
+
+    def _reconcile_loop(self) -> None:
+        interval = self.config.reconcile_interval
+        while not self._stop.is_set():
+            requested = self._reconcile_now.wait(interval)
+            if self._stop.is_set():
+                return
+            self._reconcile_now.clear()
+            if not self.reconcile("requested" if requested else "interval"):
+                self._stop.wait(RECONCILE_RETRY)
+                self._reconcile_now.set()
+
+    def _poll_links(self) -> None:
+        """Every ``poll_interval``, check the verified files with several names whose
+        identity changed: inotify does not see writes through their other names."""
+        links = self.checker.links
+        while not self._stop.wait(self.config.poll_interval):
+            self._cool()
+            for key, seen in links.items():
+                entry = self.table.entry(*key)
+                if entry is None or entry.state != pb.VERIFIED:
+                    links.drop(key)
+                    continue
+                try:
+                    now = self.hasher.stat(key[0], entry.path)
+                except HashFailed:
+                    now = None
+                if now != seen:
+                    self.jobs.submit(key)
+
+    def _cool(self) -> None:
+        """Unwatch task directories with no change for ``cold_after`` (the periodic
+        reconciliation checks their files); near the inotify watch limit, say so and
+        shed the tasks idle longest until well below it."""
+        cooled = self.table.cool(self.config.cold_after)
+        most, used = _max_user_watches(), self.watches.watch_count()
+        if most and used >= most * WATCHES_HIGH:
+            if not self._shedding:
+                log(logger, logging.WARNING, "near the inotify watch limit; shedding cold "
+                    "tasks", used=used, max=most)
+            self._shedding = True
+            shed = 0
+            while self.watches.watch_count() > most * WATCHES_LOW and (
+                    more := self.table.cool(0.0, most=1)):
+                self._sync_watch(more[0])
+                shed += 1
+            if shed:
+                log(logger, logging.WARNING, "shed tasks to stay below the inotify watch "
+                    "limit", tasks=shed, used=self.watches.watch_count(), max=most)
+        else:
+            self._shedding = False
+        for task_id in cooled:
+            self._sync_watch(task_id)
+            log(logger, logging.INFO, "task directory cold; unwatched until it changes",
+                task=task_id, idle_s=self.config.cold_after)
+
+    # the filesystem's side -----------------------------------------------------------------
+
+    def _dispatch(self) -> None:
+        while not self._stop.is_set():
+            event = self.intake.get()
+            if event is None:
+                continue
+            try:
+                self._handle(event)
+            except Exception:
+                logger.exception("handling %s failed", event)
+
+    def _handle(self, event: FsEvent) -> None:
+        self.metrics.add("events")
+        if event.kind is Kind.OVERFLOW:
+            self.metrics.add("overflows")
+            log(logger, logging.WARNING, "events were lost; reconciling everything")
+            self._reconcile_now.set()
+            return
+        where = self.table.locate(event.path)
+        if where is None:
+            return
+        task_id, rel = where
+        self.table.touch(task_id)
+        if event.kind is Kind.WATCH_LIMIT:
+            self.watches.fall_back(event.path)
+            self._check_all(task_id)
+        elif event.kind is Kind.DIR_CREATED:
+            if rel:
+                self._check_all(task_id, rel)  # the emitter watches it already
+            elif self.table.task(task_id) is not None:
+                self._sync_watch(task_id, rescan=True)
+            elif _TASK_ID.match(task_id) and self._serves(task_id):
+                self.streams.follow(task_id)  # a new task: its snapshot checks its files
+        elif event.kind is Kind.DIR_GONE:
+            if not rel and (view := self.table.task(task_id)) is not None:
+                self.watches.unwatch_tree(view.directory)
+                self.table.set_watched(task_id, False)
+            self._check_all(task_id, rel)
+        elif (key := self.table.file_at(event.path)) is not None:
+            if event.kind is Kind.TOUCHED:
+                entry = self.table.entry(*key)
+                if entry is None or entry.state != pb.VERIFIED:
+                    return  # only a verified file's changes matter before its close
+            self.jobs.submit(key)
+
+    def _work(self) -> None:
+        while (key := self.jobs.get()) is not None:
+            try:
+                self.checker.check(key)
+            except Exception:
+                logger.exception("checking %s/%s failed", *key)
+            finally:
+                self.jobs.done(key)
+
+
+def _max_user_watches() -> int:
+    """The host's inotify watch limit per user (0: unknown, e.g. not Linux)."""
+    try:
+        with open(MAX_USER_WATCHES) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return 0
+
+
+def start_watcher(config: WatcherConfig, **kw: Any) -> Watcher:
+    """A started :class:`Watcher` (keyword arguments as for its constructor)."""
+    return Watcher(config, **kw).start()

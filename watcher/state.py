@@ -1,0 +1,260 @@
+"""What the watcher knows of the registry: its tasks and their entries, by path too.
+
+Updated from the registry's Watch streams, the reconciliation listings and the
+replies to reports; an update older than what is known (by etcd revision) is
+ignored, so the three sources can race freely.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from ..kernel.v1 import baton_pb2 as pb
+from .hashing import Identity
+
+#: states whose files the watcher keeps an eye on
+LIVE = frozenset({pb.PENDING, pb.WRITING, pb.WRITTEN, pb.VERIFIED})
+STATE_NAMES: dict[int, str] = {int(v): k.lower() for k, v in pb.EntryState.items()}
+
+
+@dataclass
+class EntryView:
+    file_id: str
+    path: str  # relative to the task's directory
+    state: int
+    size: int = 0
+    digest: str = ""
+    revision: int = 0
+    #: the file that was on disk when the entry was last seen pending: a leftover
+    #: of a failed attempt, not to be reported for the next one before its commit
+    stale: Identity | None = None
+    #: failed hashes in a row
+    failures: int = 0
+    #: when the registry last changed the entry (UTC epoch nanoseconds)
+    updated_ns: int = 0
+
+    @property
+    def state_name(self) -> str:
+        return STATE_NAMES.get(self.state, str(self.state))
+
+
+@dataclass
+class TaskView:
+    task_id: str
+    directory: str
+    entries: dict[str, EntryView] = field(default_factory=dict)
+    by_path: dict[str, str] = field(default_factory=dict)
+    #: its directory tree is being watched
+    watched: bool = False
+    #: set when the task is dropped; its stream ends
+    forgotten: threading.Event = field(default_factory=threading.Event)
+    #: when its files or its entries last changed (monotonic seconds)
+    active_at: float = field(default_factory=time.monotonic)
+    #: unwatched for having had no change for a while: reconciliation checks it
+    cold: bool = False
+
+    def needs_watch(self) -> bool:
+        return not self.cold and any(e.state in LIVE for e in self.entries.values())
+
+
+@dataclass(frozen=True)
+class Change:
+    """An entry whose state (or revision) moved forward."""
+
+    task_id: str
+    entry: EntryView
+    old_state: int | None
+
+
+class Table:
+    """Thread-safe; views handed out are copies."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self._lock = threading.Lock()
+        self._tasks: dict[str, TaskView] = {}
+
+    def task_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._tasks)
+
+    def views(self) -> dict[str, TaskView]:
+        """Every served task's view, as of now."""
+        with self._lock:
+            return dict(self._tasks)
+
+    def task(self, task_id: str) -> TaskView | None:
+        with self._lock:
+            return self._tasks.get(task_id)
+
+    def add_task(self, task_id: str) -> tuple[TaskView, bool]:
+        with self._lock:
+            if task_id in self._tasks:
+                return self._tasks[task_id], False
+            view = TaskView(task_id, os.path.join(self.root, task_id))
+            self._tasks[task_id] = view
+            return view, True
+
+    def remove_task(self, task_id: str, view: TaskView | None = None) -> TaskView | None:
+        """Stop serving ``task_id``; its view, or None if it was not served. With
+        ``view``, only that one: a task deleted and created again under the same id has
+        a new view, which news about the old one must not remove."""
+        with self._lock:
+            if view is not None and self._tasks.get(task_id) is not view:
+                return None
+            view = self._tasks.pop(task_id, None)
+        if view is not None:
+            view.forgotten.set()
+        return view
+
+    def set_watched(self, task_id: str, watched: bool) -> None:
+        with self._lock:
+            if (view := self._tasks.get(task_id)) is not None:
+                view.watched = watched
+
+    def needs_watch(self, task_id: str) -> tuple[bool, bool]:
+        """(should its tree be watched, is it watched)."""
+        with self._lock:
+            view = self._tasks.get(task_id)
+            return (view.needs_watch(), view.watched) if view else (False, False)
+
+    def touch(self, task_id: str) -> bool:
+        """The task changed now; True if that warms it up (it was cold)."""
+        with self._lock:
+            view = self._tasks.get(task_id)
+            if view is None:
+                return False
+            view.active_at = time.monotonic()
+            was, view.cold = view.cold, False
+            return was
+
+    def cool(self, idle: float, most: int | None = None) -> list[str]:
+        """Mark cold the watched tasks with no change for ``idle`` seconds, or (with
+        ``most``) the ``most`` watched tasks idle longest; their ids."""
+        now = time.monotonic()
+        with self._lock:
+            warm = sorted((v for v in self._tasks.values() if v.watched and not v.cold),
+                          key=lambda v: v.active_at)
+            chosen = warm[:most] if most is not None else [
+                v for v in warm if now - v.active_at >= idle]
+            for view in chosen:
+                view.cold = True
+            return [v.task_id for v in chosen]
+
+    def cold_count(self) -> int:
+        with self._lock:
+            return sum(1 for v in self._tasks.values() if v.cold)
+
+    def apply(self, task_id: str, entry: pb.Entry) -> Change | None:
+        """Record ``entry`` unless something newer is known; the change, if any."""
+        with self._lock:
+            view = self._tasks.get(task_id)
+            if view is None:
+                return None
+            return self._apply(view, entry)
+
+    def _apply(self, view: TaskView, entry: pb.Entry) -> Change | None:
+        if entry.parts:
+            return None  # an assembly has no file of its own; its parts do
+        known = view.entries.get(entry.file_id)
+        if known is not None and entry.revision <= known.revision:
+            return None
+        old = known.state if known else None
+        if known is None:
+            known = EntryView(entry.file_id, entry.path, entry.state)
+            view.entries[entry.file_id] = known
+            view.by_path[entry.path] = entry.file_id
+        if entry.state != known.state:
+            known.failures = 0
+        known.state, known.size, known.digest = entry.state, entry.size, entry.digest
+        known.revision = entry.revision
+        known.updated_ns = _epoch_ns(entry.updated_at)
+        return Change(view.task_id, dataclasses.replace(known), old)
+
+    def replace(self, task_id: str, entries: list[pb.Entry]) -> list[Change]:
+        """A full snapshot of the task: apply each entry, drop the ones not in it."""
+        with self._lock:
+            view = self._tasks.get(task_id)
+            if view is None:
+                return []
+            keep = {e.file_id for e in entries}
+            for gone in set(view.entries) - keep:
+                view.by_path.pop(view.entries.pop(gone).path, None)
+            return [c for e in entries if (c := self._apply(view, e)) is not None]
+
+    def entry(self, task_id: str, file_id: str) -> EntryView | None:
+        with self._lock:
+            view = self._tasks.get(task_id)
+            known = view.entries.get(file_id) if view else None
+            return dataclasses.replace(known) if known else None
+
+    def entries(self, task_id: str) -> list[EntryView]:
+        with self._lock:
+            view = self._tasks.get(task_id)
+            return [dataclasses.replace(e) for e in view.entries.values()] if view else []
+
+    def update(self, task_id: str, file_id: str, **changes: object) -> None:
+        """Set local notes (``stale``, ``failures``) on an entry."""
+        with self._lock:
+            view = self._tasks.get(task_id)
+            known = view.entries.get(file_id) if view else None
+            if known is not None:
+                for name, value in changes.items():
+                    setattr(known, name, value)
+
+    def census(self) -> tuple[dict[str, int], int]:
+        """Entries of the served tasks by state name, and when the entry longest in
+        ``written`` was committed (epoch ns; 0: none is written). One pass under the lock,
+        for metrics."""
+        counts = {name: 0 for state, name in STATE_NAMES.items() if state}
+        oldest = 0
+        with self._lock:
+            for view in self._tasks.values():
+                for e in view.entries.values():
+                    counts[e.state_name] = counts.get(e.state_name, 0) + 1
+                    if e.state == pb.WRITTEN and e.updated_ns and (
+                            not oldest or e.updated_ns < oldest):
+                        oldest = e.updated_ns
+        return counts, oldest
+
+    def locate(self, path: str) -> tuple[str, str] | None:
+        """(task_id, relative path) of an absolute path below the root, if it is one."""
+        if not path.startswith(self.root + os.sep):
+            return None
+        task_id, _, rel = path[len(self.root) + 1 :].partition(os.sep)
+        return task_id, rel
+
+    def file_at(self, path: str) -> tuple[str, str] | None:
+        """(task_id, file_id) of the entry whose file is at ``path``, if any."""
+        where = self.locate(path)
+        if where is None:
+            return None
+        with self._lock:
+            view = self._tasks.get(where[0])
+            file_id = view.by_path.get(where[1]) if view else None
+        return (where[0], file_id) if file_id else None
+
+    def files_under(self, task_id: str, rel_dir: str) -> list[str]:
+        """File ids of the task's entries inside ``rel_dir`` ("" = all of them)."""
+        with self._lock:
+            view = self._tasks.get(task_id)
+            if view is None:
+                return []
+            if not rel_dir:
+                return list(view.entries)
+            prefix = rel_dir.rstrip("/") + "/"
+            return [fid for path, fid in view.by_path.items() if path.startswith(prefix)]
+
+
+def _epoch_ns(stamp: str) -> int:
+    """An RFC 3339 UTC timestamp as epoch nanoseconds (0 if absent or malformed)."""
+    try:
+        moment = datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+    except ValueError:
+        return 0
+    return int(moment.timestamp() * 1_000_000_000)
