@@ -52,13 +52,12 @@ import json
 import logging
 import queue
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from ..kernel.errors import BatonError, IllegalTransition, NotFound, StorageFull
 from ..kernel.v1 import baton_pb2 as pb
 from ._etcd import KV, Compare, Get, empty
-from .archive_store import ArchiveCorrupt, ArchiveInfo, ArchiveStore, DirectoryStore
+from .archive_store import ArchiveCorrupt, Archived, ArchiveInfo, ArchiveStore, DirectoryStore
 from .core import Core
 from .keys import prefix_end
 from .manifest import check_id
@@ -126,16 +125,6 @@ class _Handoff:
 
     def abort(self, reason: str) -> None:
         self._pages.put(ArchiveAborted(reason))
-
-
-@dataclass(frozen=True)
-class Archived:
-    """An archived task as read back: its header, entries (with their revisions) and
-    journal records (file id, revision, record)."""
-
-    header: TaskRecord
-    entries: list[tuple[int, EntryRecord]]
-    journal: list[tuple[str, int, dict[str, Any]]]
 
 
 def _mark(task: TaskRecord, reason: str) -> None:

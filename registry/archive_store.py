@@ -21,8 +21,9 @@ from typing import Any, Protocol
 import blake3
 
 from ..kernel.errors import BatonError, NotFound
+from ..kernel.v1 import baton_pb2 as pb
 from .manifest import check_id
-from .model import now
+from .model import EntryRecord, TaskRecord, now
 
 _SUFFIX = ".jsonl.gz"
 _META = ".meta.json"
@@ -74,6 +75,40 @@ class ArchiveStore(Protocol):
         ...
 
     def delete(self, task_id: str) -> None:
+        ...
+
+
+@dataclass(frozen=True)
+class Archived:
+    """An archived task as read back: its header, entries (with their revisions) and
+    journal records (file id, revision, record)."""
+
+    header: TaskRecord
+    entries: list[tuple[int, EntryRecord]]
+    journal: list[tuple[str, int, dict[str, Any]]]
+
+
+class Archives(Protocol):
+    """The archiver as the rest of the registry uses it (``archive.Archiver`` is the one):
+    declared here, beside the store, so that ``core.Core`` can hold it while the archiver
+    itself is built on ``Core``."""
+
+    store: ArchiveStore
+
+    async def archive(self, task_id: str, reason: str = "", who: str = "") -> pb.Task:
+        """Archive a finished task now (idempotent)."""
+        ...
+
+    async def headerless(self, task_id: str) -> TaskRecord | None:
+        """The archived header of a task etcd has no header of (None: no archive)."""
+        ...
+
+    async def headerless_all(self, present: set[str]) -> list[TaskRecord]:
+        """The archived tasks whose headers are not in etcd (``present``)."""
+        ...
+
+    async def load(self, task_id: str) -> Archived:
+        """An archived task, read back from the store."""
         ...
 
 

@@ -17,20 +17,17 @@ import random
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..kernel import logs
 from ..kernel.backoff import Backoff
 from ..kernel.errors import BatonError, NotFound
 from ._etcd import KV, Etcd
+from .archive_store import Archived, Archives
 from .keys import ClaimRef, Keys
 from .model import CONSUMED, DEAD, PENDING, VERIFIED, EntryRecord, TaskRecord, now
 from .txn import Transactions, Txn
 from .view import View
-
-if TYPE_CHECKING:
-    from .archive import Archived, Archiver
-    from .deadlines import Deadlines
 
 log = logging.getLogger("baton.registry")
 
@@ -108,9 +105,7 @@ class Core:
         #: ones that may have just completed (it checks every task now and then anyway)
         self.finishing: set[str] = set()
         #: where finished tasks go, and archived ones are read from (None: nowhere)
-        self.archive: Archiver | None = None
-        #: claims taken away at their processing deadline (None: not swept here)
-        self.deadlines: Deadlines | None = None
+        self.archive: Archives | None = None
         #: seconds after which a written entry no watcher verified counts as stuck
         self.stuck_written_after = 600.0
 

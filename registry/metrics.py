@@ -50,7 +50,9 @@ from ..kernel.v1 import baton_pb2 as pb
 from .model import TaskRecord
 
 if TYPE_CHECKING:
+    from .archive import Archiver
     from .core import Core
+    from .deadlines import Deadlines
     from .etcd_members import EtcdMembers
     from .leases import Leases
     from .sessions import Reaper, Sessions
@@ -133,6 +135,8 @@ class _Sources:
     shards: Shards | None = None
     leases: Leases | None = None
     etcd_members: EtcdMembers | None = None
+    deadlines: Deadlines | None = None
+    archiver: Archiver | None = None
 
 
 class RegistryMetrics:
@@ -253,11 +257,14 @@ class RegistryMetrics:
 
     def bind(self, core: Core, reaper: Reaper | None = None,
              sessions: Sessions | None = None, shards: Shards | None = None,
-             leases: Leases | None = None, etcd_members: EtcdMembers | None = None) -> None:
+             leases: Leases | None = None, etcd_members: EtcdMembers | None = None,
+             deadlines: Deadlines | None = None, archiver: Archiver | None = None) -> None:
         """Read what ``core`` (its transactions, its view), ``reaper``, ``sessions``,
-        ``shards`` and ``leases`` count, and compute the levels from them, when scraped;
-        and the etcd members' releases as ``etcd_members`` last read them."""
-        self._sources = _Sources(core, reaper, sessions, shards, leases, etcd_members)
+        ``shards``, ``leases``, ``deadlines`` and ``archiver`` count, and compute the levels
+        from them, when scraped; and the etcd members' releases as ``etcd_members`` last
+        read them."""
+        self._sources = _Sources(core, reaper, sessions, shards, leases, etcd_members,
+                                 deadlines, archiver)
 
     async def refresh(self) -> None:
         """Compute the levels: tasks by status (the view, else etcd) at every scrape,
@@ -356,12 +363,12 @@ class RegistryMetrics:
                                     value=1 if view.ready else 0)
             yield GaugeMetricFamily("baton_sessions", "Agent sessions open (the view's "
                                     "mirror)", value=view.session_count())
-        deadlines = sources.core.deadlines
+        deadlines = sources.deadlines
         if deadlines is not None:
             yield CounterMetricFamily(
                 "baton_claims_expired", "Claims this replica took away at their processing "
                 "deadline (claim_deadline, consume_deadline)", value=deadlines.expired)
-        archive = sources.core.archive
+        archive = sources.archiver
         if archive is not None:
             yield CounterMetricFamily(
                 "baton_tasks_archived", "Finished tasks this replica archived out of etcd",

@@ -169,9 +169,11 @@ async def _start(config: RegistryConfig, certificates: ServerCertificates | None
     version = await etcd.status()
     core = Core(etcd, Keys(config.prefix), config.staging)
     core.stuck_written_after = config.stuck_written_after
+    archiver = None
     if config.archive_dir:
-        core.archive = Archiver(core, DirectoryStore(config.archive_dir), config.archive_after,
-                                config.archive_retention)
+        archiver = Archiver(core, DirectoryStore(config.archive_dir), config.archive_after,
+                            config.archive_retention)
+        core.archive = archiver
     await core.start()
     server = grpc.aio.server(
         options=[
@@ -214,17 +216,18 @@ async def _start(config: RegistryConfig, certificates: ServerCertificates | None
                   asyncio.create_task(service.leases.run(stop))]
     background.append(asyncio.create_task(
         every(config.etcd_check_interval, stop, health_servicer.check_etcd, "etcd versions")))
-    core.deadlines = Deadlines(core)
+    deadlines = Deadlines(core)
     background.append(asyncio.create_task(
-        every(config.reap_interval, stop, core.deadlines.sweep, "deadlines")))
-    if core.archive is not None:
+        every(config.reap_interval, stop, deadlines.sweep, "deadlines")))
+    if archiver is not None:
         background.append(asyncio.create_task(
-            every(config.archive_interval, stop, core.archive.sweep, "archiver")))
+            every(config.archive_interval, stop, archiver.sweep, "archiver")))
     log.info("registry on port %d (%s), etcd %s (v%s), prefix %s, staging %s", port,
              "mutual TLS" if certificates else "plaintext, --insecure", config.etcd,
              version, config.prefix, config.staging)
     if metrics is not None:
-        metrics.bind(core, reaper, service.sessions, shards, service.leases, members)
+        metrics.bind(core, reaper, service.sessions, shards, service.leases, members,
+                     deadlines, archiver)
     return Running(port, server, etcd, core, reaper, scheduler, health_servicer, stop, background,
                    assigner, members, metrics, metrics_port)
 

@@ -26,18 +26,29 @@ import json
 import logging
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from sortedcontainers import SortedDict
 
 from ..kernel.errors import BatonError
-from ._etcd import KV, Delete, Etcd, Put
+from ._etcd import KV, Delete, Etcd, Put, TxnOp
 from .keys import Keys
 
-if TYPE_CHECKING:
-    from .txn import Txn
-
 log = logging.getLogger("baton.registry")
+
+
+class Txn(Protocol):
+    """What the view reads of a transaction of this replica (``txn.Txn`` is one; declared
+    here so that the transaction module may use the view and not the other way round)."""
+
+    #: keys this transaction holds in the view's reservations
+    reserved: list[bytes]
+    #: whether its writes of cached (not watched) keys go into the view's cache
+    cache_writes: bool
+
+    def ops(self) -> list[TxnOp]: ...
+
+    def read_state(self, key: bytes) -> tuple[bool, KV | None]: ...
 
 #: cached entries and claims kept (least recently used go first)
 CACHE_MAX = 50_000

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -46,3 +47,48 @@ def test_the_layer_contracts_are_kept() -> None:
                           text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert "0 broken" in done.stdout
+
+
+def _circles(graph: Any, package: str) -> list[list[str]]:
+    """The import circles among ``package``'s modules (Tarjan's strongly connected
+    components of more than one module, or of one that imports itself)."""
+    modules = sorted(graph.find_descendants(package))
+    edges = {m: sorted(set(graph.find_modules_directly_imported_by(m)) & set(modules))
+             for m in modules}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(m: str) -> None:
+        index[m] = low[m] = len(index)
+        stack.append(m)
+        for n in edges[m]:
+            if n not in index:
+                visit(n)
+                low[m] = min(low[m], low[n])
+            elif n in stack:
+                low[m] = min(low[m], index[n])
+        if low[m] == index[m]:
+            component = []
+            while True:
+                n = stack.pop()
+                component.append(n)
+                if n == m:
+                    break
+            if len(component) > 1 or m in edges[m]:
+                found.append(sorted(component))
+
+    for m in modules:
+        if m not in index:
+            visit(m)
+    return found
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_package_has_an_import_circle(package: str) -> None:
+    """No module of a package reaches itself through imports, those made for type
+    checking included (a tool drawing the imports sees them too)."""
+    import grimp  # import-linter's import graph (the dev extra)
+    graph = grimp.build_graph("baton_relay", cache_dir=None)
+    assert _circles(graph, f"baton_relay.{package}") == []
