@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ..kernel import errors
     from ..kernel.contract import DEFAULT_REGISTRY
-    from ._client import Claim, Client, Lease, Session, parse_manifest
+    from ._client import Client, Session, parse_manifest
+    from ._wire import Claim, Lease
     from .consumer import (
         Delivery,
         consume,
@@ -41,9 +42,9 @@ if TYPE_CHECKING:
 #: each public name and the module that defines it
 _HOME = {
     "DEFAULT_REGISTRY": "baton_relay.kernel.contract",
-    "Claim": "._client",
+    "Claim": "._wire",
     "Client": "._client",
-    "Lease": "._client",
+    "Lease": "._wire",
     "RetryPolicy": ".retry",
     "Session": "._client",
     "parse_manifest": "._client",

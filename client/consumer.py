@@ -33,7 +33,8 @@ from ..kernel.errors import (
     Unavailable,
 )
 from ..kernel.v1 import baton_pb2 as pb
-from ._client import Client, Lease, Session
+from ._client import Client, Session
+from ._wire import Lease
 from .producer import Refusal, open_entry_dir
 
 # O_NONBLOCK: opening a FIFO for reading must not wait for a writer (it is refused

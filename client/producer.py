@@ -27,7 +27,8 @@ import blake3
 from ..kernel.contract import TEMP_MARKER
 from ..kernel.errors import BatonError, Draining, InvalidArgument, NothingToClaim
 from ..kernel.v1 import baton_pb2 as pb
-from ._client import Attributes, Claim, Client, Session
+from ._client import Client, Session
+from ._wire import Attributes, Claim
 
 #: random bytes in a temp file's name (hex-encoded): 64 bits nobody can guess
 NONCE_BYTES = 8

@@ -62,6 +62,7 @@ POLICY: Mapping[str, frozenset[str]] = {
     # sessions and claims; an operator may close any session (``baton release``)
     "OpenSession": frozenset({AGENT}),
     "KeepAlive": frozenset({AGENT}),
+    "Session": frozenset({AGENT}),
     "CloseSession": frozenset({AGENT, OPERATOR}),
     "Claim": frozenset({AGENT}),
     "ClaimBatch": frozenset({AGENT}),

@@ -246,6 +246,26 @@ class RegistryMetrics:
 
         return unary
 
+    def stream_call(self, method: str, error: BaseException | None, seconds: float,
+                    reply: Any) -> None:
+        """A call made on a session stream, counted as the unary ``method`` would be
+        (so a dashboard sees an agent's steps whichever way they came)."""
+        self.call_seconds.labels(method).observe(seconds)
+        if error is None:
+            code = "OK"
+        elif isinstance(error, errors.BatonError):
+            code = error.code.name
+        else:
+            code = "INTERNAL"
+        self.calls.labels(method, code).inc()
+        if method in STEPS:
+            step = self.steps[STEPS[method]]
+            if error is None:
+                step.labels("ok").inc(_entries_in(reply))
+            else:
+                step.labels(outcome_of(type(error).__name__)
+                            if isinstance(error, errors.BatonError) else code).inc()
+
     def etcd_request(self, op: str, seconds: float, ok: bool) -> None:
         """One etcd request of kind ``op`` took ``seconds`` (``Etcd.observe``)."""
         histogram, failures = self._etcd[op]

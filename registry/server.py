@@ -189,6 +189,8 @@ async def _start(config: RegistryConfig, certificates: ServerCertificates | None
     )
     shards = Shards(core, config.shards, config.shard_move_deadline)
     service = RegistryService(core, shards)
+    if metrics is not None:
+        service.streams.record = metrics.stream_call
     add_to_server(service, server, secure=certificates is not None, metrics=metrics)
     health_servicer = _Health(members)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

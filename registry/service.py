@@ -27,6 +27,7 @@ from ..kernel.errors import (
 )
 from ..kernel.v1 import baton_pb2 as pb
 from ..kernel.v1 import baton_pb2_grpc as pb_grpc
+from .agent_stream import AgentStreams
 from .consumers import Consumers
 from .core import Core
 from .identity import Caller, authorize, caller_of, current, redact, scoped_request_id
@@ -118,7 +119,8 @@ def add_to_server(servicer: pb_grpc.RegistryServicer, server: grpc.aio.Server,
     for method in service.methods:
         request = GetMessageClass(method.input_type)
         reply = GetMessageClass(method.output_type)
-        make = (grpc.unary_stream_rpc_method_handler if method.server_streaming
+        make = (grpc.stream_stream_rpc_method_handler if method.client_streaming
+                else grpc.unary_stream_rpc_method_handler if method.server_streaming
                 else grpc.unary_unary_rpc_method_handler)
         behaviour = _guard(method.name, getattr(servicer, method.name),
                            method.server_streaming, secure)
@@ -174,6 +176,7 @@ class RegistryService(pb_grpc.RegistryServicer):
         self.sessions = Sessions(core, renew=self.leases.renew)
         self.operators = Operators(core)
         self.removal = Removal(core)
+        self.streams = AgentStreams(self.sessions, self.producers, self.consumers)
 
     @unary
     async def CreateTask(self, request: pb.CreateTaskRequest) -> pb.CreateTaskResponse:
@@ -364,6 +367,15 @@ class RegistryService(pb_grpc.RegistryServicer):
             async for event in self.tasks.watch(request):
                 redact(event.entry, caller)
                 yield event
+        except Exception as e:
+            await _abort(context, e)
+
+    async def Session(
+        self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[pb.SessionResponse]:
+        try:
+            async for reply in self.streams.serve(requests, current()):
+                yield reply
         except Exception as e:
             await _abort(context, e)
 

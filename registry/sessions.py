@@ -126,6 +126,14 @@ class Sessions:
             await self.core.etcd.keepalive(record.rotating_from)
         return await self.core.etcd.keepalive(record.lease)
 
+    async def resume(self, session_id: int, caller: Caller) -> pb.Session:
+        """A session taken up again on a new stream after its last one broke: it must
+        still live and be the caller's, and is refreshed as a keepalive would."""
+        kept = await self.keepalive(pb.KeepAliveRequest(session_id=session_id), caller)
+        record = SessionRecord.of(await self._record(session_id), session_id)
+        return pb.Session(session_id=session_id, agent=record.agent, ttl=kept.ttl,
+                          slots=int(record.info.get("slots", 0) or 0))
+
     async def close(self, req: pb.CloseSessionRequest,
                     caller: Caller) -> pb.CloseSessionResponse:
         """Revoke a session's lease: its own identity may, and any operator."""

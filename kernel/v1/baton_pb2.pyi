@@ -3125,3 +3125,413 @@ class WatchTasksRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WatchTasksRequest: _TypeAlias = WatchTasksRequest  # noqa: Y015
+
+@_typing.final
+class SessionRequest(_message.Message):
+    """------------------------------------------------------- the session stream
+
+    What an agent sends on its session stream. The first message opens a session
+    (`open`) or resumes one a broken stream left (`resume`); every later one is a call
+    or a keepalive. Calls are answered in any order, each by its `call_id`.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OPEN_FIELD_NUMBER: _builtins.int
+    RESUME_FIELD_NUMBER: _builtins.int
+    CALL_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def open(self) -> Global___OpenSessionRequest: ...
+    @_builtins.property
+    def resume(self) -> Global___ResumeSessionRequest: ...
+    @_builtins.property
+    def call(self) -> Global___AgentCall: ...
+    def __init__(
+        self,
+        *,
+        open: Global___OpenSessionRequest | None = ...,
+        resume: Global___ResumeSessionRequest | None = ...,
+        call: Global___AgentCall | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["call", b"call", "kind", b"kind", "open", b"open", "resume", b"resume"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["call", b"call", "kind", b"kind", "open", b"open", "resume", b"resume"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["open", "resume", "call"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+
+Global___SessionRequest: _TypeAlias = SessionRequest  # noqa: Y015
+
+@_typing.final
+class ResumeSessionRequest(_message.Message):
+    """Take up a session again on a new stream (after a broken one), until its TTL."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.int
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResumeSessionRequest: _TypeAlias = ResumeSessionRequest  # noqa: Y015
+
+@_typing.final
+class AgentCall(_message.Message):
+    """One call on the stream. Its request's `request_id` makes a call sent again on a
+    new stream (its reply lost with the old one) apply once.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALL_ID_FIELD_NUMBER: _builtins.int
+    CLAIM_FIELD_NUMBER: _builtins.int
+    COMMIT_FIELD_NUMBER: _builtins.int
+    FAIL_FIELD_NUMBER: _builtins.int
+    CONSUME_FIELD_NUMBER: _builtins.int
+    ACK_FIELD_NUMBER: _builtins.int
+    NACK_FIELD_NUMBER: _builtins.int
+    CLAIM_BATCH_FIELD_NUMBER: _builtins.int
+    COMMIT_BATCH_FIELD_NUMBER: _builtins.int
+    CONSUME_BATCH_FIELD_NUMBER: _builtins.int
+    ACK_BATCH_FIELD_NUMBER: _builtins.int
+    KEEPALIVE_FIELD_NUMBER: _builtins.int
+    COMMIT_AND_CLAIM_FIELD_NUMBER: _builtins.int
+    ACK_AND_CONSUME_FIELD_NUMBER: _builtins.int
+    call_id: _builtins.int
+    """chosen by the agent, unique on its stream"""
+    @_builtins.property
+    def claim(self) -> Global___ClaimRequest: ...
+    @_builtins.property
+    def commit(self) -> Global___CommitRequest: ...
+    @_builtins.property
+    def fail(self) -> Global___FailRequest: ...
+    @_builtins.property
+    def consume(self) -> Global___ConsumeRequest: ...
+    @_builtins.property
+    def ack(self) -> Global___AckRequest: ...
+    @_builtins.property
+    def nack(self) -> Global___NackRequest: ...
+    @_builtins.property
+    def claim_batch(self) -> Global___ClaimBatchRequest: ...
+    @_builtins.property
+    def commit_batch(self) -> Global___CommitBatchRequest: ...
+    @_builtins.property
+    def consume_batch(self) -> Global___ConsumeBatchRequest: ...
+    @_builtins.property
+    def ack_batch(self) -> Global___AckBatchRequest: ...
+    @_builtins.property
+    def keepalive(self) -> Global___KeepAliveRequest:
+        """session_id may be 0: the stream's session"""
+
+    @_builtins.property
+    def commit_and_claim(self) -> Global___CommitAndClaimRequest: ...
+    @_builtins.property
+    def ack_and_consume(self) -> Global___AckAndConsumeRequest: ...
+    def __init__(
+        self,
+        *,
+        call_id: _builtins.int = ...,
+        claim: Global___ClaimRequest | None = ...,
+        commit: Global___CommitRequest | None = ...,
+        fail: Global___FailRequest | None = ...,
+        consume: Global___ConsumeRequest | None = ...,
+        ack: Global___AckRequest | None = ...,
+        nack: Global___NackRequest | None = ...,
+        claim_batch: Global___ClaimBatchRequest | None = ...,
+        commit_batch: Global___CommitBatchRequest | None = ...,
+        consume_batch: Global___ConsumeBatchRequest | None = ...,
+        ack_batch: Global___AckBatchRequest | None = ...,
+        keepalive: Global___KeepAliveRequest | None = ...,
+        commit_and_claim: Global___CommitAndClaimRequest | None = ...,
+        ack_and_consume: Global___AckAndConsumeRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "ack_and_consume", b"ack_and_consume", "ack_batch", b"ack_batch", "claim", b"claim", "claim_batch", b"claim_batch", "commit", b"commit", "commit_and_claim", b"commit_and_claim", "commit_batch", b"commit_batch", "consume", b"consume", "consume_batch", b"consume_batch", "fail", b"fail", "keepalive", b"keepalive", "nack", b"nack", "request", b"request"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "ack_and_consume", b"ack_and_consume", "ack_batch", b"ack_batch", "call_id", b"call_id", "claim", b"claim", "claim_batch", b"claim_batch", "commit", b"commit", "commit_and_claim", b"commit_and_claim", "commit_batch", b"commit_batch", "consume", b"consume", "consume_batch", b"consume_batch", "fail", b"fail", "keepalive", b"keepalive", "nack", b"nack", "request", b"request"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_request: _TypeAlias = _typing.Literal["claim", "commit", "fail", "consume", "ack", "nack", "claim_batch", "commit_batch", "consume_batch", "ack_batch", "keepalive", "commit_and_claim", "ack_and_consume"]  # noqa: Y015
+    _WhichOneofArgType_request: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_request) -> _WhichOneofReturnType_request | None: ...
+
+Global___AgentCall: _TypeAlias = AgentCall  # noqa: Y015
+
+@_typing.final
+class CommitAndClaimRequest(_message.Message):
+    """Commit a claim and claim the next entry of the task, in one etcd transaction."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COMMIT_FIELD_NUMBER: _builtins.int
+    CLAIM_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def commit(self) -> Global___CommitRequest: ...
+    @_builtins.property
+    def claim(self) -> Global___ClaimRequest:
+        """its task_id is the commit's when empty"""
+
+    def __init__(
+        self,
+        *,
+        commit: Global___CommitRequest | None = ...,
+        claim: Global___ClaimRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["claim", b"claim", "commit", b"commit"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["claim", b"claim", "commit", b"commit"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CommitAndClaimRequest: _TypeAlias = CommitAndClaimRequest  # noqa: Y015
+
+@_typing.final
+class CommitAndClaimResponse(_message.Message):
+    """The commit, and the next claim (unset with `next_error` when there is none)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENTRY_FIELD_NUMBER: _builtins.int
+    NEXT_FIELD_NUMBER: _builtins.int
+    NEXT_ERROR_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def entry(self) -> Global___Entry: ...
+    @_builtins.property
+    def next(self) -> Global___ClaimResponse: ...
+    @_builtins.property
+    def next_error(self) -> Global___CallError: ...
+    def __init__(
+        self,
+        *,
+        entry: Global___Entry | None = ...,
+        next: Global___ClaimResponse | None = ...,
+        next_error: Global___CallError | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["entry", b"entry", "next", b"next", "next_error", b"next_error"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entry", b"entry", "next", b"next", "next_error", b"next_error"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CommitAndClaimResponse: _TypeAlias = CommitAndClaimResponse  # noqa: Y015
+
+@_typing.final
+class AckAndConsumeRequest(_message.Message):
+    """Ack a lease and consume the next entry for the group, in one etcd transaction."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACK_FIELD_NUMBER: _builtins.int
+    CONSUME_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def ack(self) -> Global___AckRequest: ...
+    @_builtins.property
+    def consume(self) -> Global___ConsumeRequest:
+        """its task_id and group are the ack's when empty"""
+
+    def __init__(
+        self,
+        *,
+        ack: Global___AckRequest | None = ...,
+        consume: Global___ConsumeRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "consume", b"consume"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "consume", b"consume"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AckAndConsumeRequest: _TypeAlias = AckAndConsumeRequest  # noqa: Y015
+
+@_typing.final
+class AckAndConsumeResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENTRY_FIELD_NUMBER: _builtins.int
+    NEXT_FIELD_NUMBER: _builtins.int
+    NEXT_ERROR_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def entry(self) -> Global___Entry: ...
+    @_builtins.property
+    def next(self) -> Global___ConsumeResponse: ...
+    @_builtins.property
+    def next_error(self) -> Global___CallError: ...
+    def __init__(
+        self,
+        *,
+        entry: Global___Entry | None = ...,
+        next: Global___ConsumeResponse | None = ...,
+        next_error: Global___CallError | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["entry", b"entry", "next", b"next", "next_error", b"next_error"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entry", b"entry", "next", b"next", "next_error", b"next_error"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AckAndConsumeResponse: _TypeAlias = AckAndConsumeResponse  # noqa: Y015
+
+@_typing.final
+class CallError(_message.Message):
+    """A call's error: what a unary call would end with (code, details and the
+    `baton-error`/`baton-fields` trailing metadata).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class MetadataEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    CODE_FIELD_NUMBER: _builtins.int
+    DETAILS_FIELD_NUMBER: _builtins.int
+    METADATA_FIELD_NUMBER: _builtins.int
+    code: _builtins.str
+    """a gRPC status code's name, e.g. "NOT_FOUND" """
+    details: _builtins.str
+    @_builtins.property
+    def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        code: _builtins.str = ...,
+        details: _builtins.str = ...,
+        metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "details", b"details", "metadata", b"metadata"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CallError: _TypeAlias = CallError  # noqa: Y015
+
+@_typing.final
+class AgentReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALL_ID_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    CLAIM_FIELD_NUMBER: _builtins.int
+    COMMIT_FIELD_NUMBER: _builtins.int
+    FAIL_FIELD_NUMBER: _builtins.int
+    CONSUME_FIELD_NUMBER: _builtins.int
+    ACK_FIELD_NUMBER: _builtins.int
+    NACK_FIELD_NUMBER: _builtins.int
+    CLAIM_BATCH_FIELD_NUMBER: _builtins.int
+    COMMIT_BATCH_FIELD_NUMBER: _builtins.int
+    CONSUME_BATCH_FIELD_NUMBER: _builtins.int
+    ACK_BATCH_FIELD_NUMBER: _builtins.int
+    KEEPALIVE_FIELD_NUMBER: _builtins.int
+    COMMIT_AND_CLAIM_FIELD_NUMBER: _builtins.int
+    ACK_AND_CONSUME_FIELD_NUMBER: _builtins.int
+    call_id: _builtins.int
+    @_builtins.property
+    def error(self) -> Global___CallError: ...
+    @_builtins.property
+    def claim(self) -> Global___ClaimResponse: ...
+    @_builtins.property
+    def commit(self) -> Global___CommitResponse: ...
+    @_builtins.property
+    def fail(self) -> Global___FailResponse: ...
+    @_builtins.property
+    def consume(self) -> Global___ConsumeResponse: ...
+    @_builtins.property
+    def ack(self) -> Global___AckResponse: ...
+    @_builtins.property
+    def nack(self) -> Global___NackResponse: ...
+    @_builtins.property
+    def claim_batch(self) -> Global___ClaimBatchResponse: ...
+    @_builtins.property
+    def commit_batch(self) -> Global___CommitBatchResponse: ...
+    @_builtins.property
+    def consume_batch(self) -> Global___ConsumeBatchResponse: ...
+    @_builtins.property
+    def ack_batch(self) -> Global___AckBatchResponse: ...
+    @_builtins.property
+    def keepalive(self) -> Global___KeepAliveResponse: ...
+    @_builtins.property
+    def commit_and_claim(self) -> Global___CommitAndClaimResponse: ...
+    @_builtins.property
+    def ack_and_consume(self) -> Global___AckAndConsumeResponse: ...
+    def __init__(
+        self,
+        *,
+        call_id: _builtins.int = ...,
+        error: Global___CallError | None = ...,
+        claim: Global___ClaimResponse | None = ...,
+        commit: Global___CommitResponse | None = ...,
+        fail: Global___FailResponse | None = ...,
+        consume: Global___ConsumeResponse | None = ...,
+        ack: Global___AckResponse | None = ...,
+        nack: Global___NackResponse | None = ...,
+        claim_batch: Global___ClaimBatchResponse | None = ...,
+        commit_batch: Global___CommitBatchResponse | None = ...,
+        consume_batch: Global___ConsumeBatchResponse | None = ...,
+        ack_batch: Global___AckBatchResponse | None = ...,
+        keepalive: Global___KeepAliveResponse | None = ...,
+        commit_and_claim: Global___CommitAndClaimResponse | None = ...,
+        ack_and_consume: Global___AckAndConsumeResponse | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "ack_and_consume", b"ack_and_consume", "ack_batch", b"ack_batch", "claim", b"claim", "claim_batch", b"claim_batch", "commit", b"commit", "commit_and_claim", b"commit_and_claim", "commit_batch", b"commit_batch", "consume", b"consume", "consume_batch", b"consume_batch", "error", b"error", "fail", b"fail", "keepalive", b"keepalive", "nack", b"nack", "reply", b"reply"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "ack_and_consume", b"ack_and_consume", "ack_batch", b"ack_batch", "call_id", b"call_id", "claim", b"claim", "claim_batch", b"claim_batch", "commit", b"commit", "commit_and_claim", b"commit_and_claim", "commit_batch", b"commit_batch", "consume", b"consume", "consume_batch", b"consume_batch", "error", b"error", "fail", b"fail", "keepalive", b"keepalive", "nack", b"nack", "reply", b"reply"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_reply: _TypeAlias = _typing.Literal["error", "claim", "commit", "fail", "consume", "ack", "nack", "claim_batch", "commit_batch", "consume_batch", "ack_batch", "keepalive", "commit_and_claim", "ack_and_consume"]  # noqa: Y015
+    _WhichOneofArgType_reply: _TypeAlias = _typing.Literal["reply", b"reply"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_reply) -> _WhichOneofReturnType_reply | None: ...
+
+Global___AgentReply: _TypeAlias = AgentReply  # noqa: Y015
+
+@_typing.final
+class SessionResponse(_message.Message):
+    """What the registry sends on a session stream: the session (the reply to `open` or
+    `resume`), then replies.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_FIELD_NUMBER: _builtins.int
+    REPLY_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def session(self) -> Global___Session: ...
+    @_builtins.property
+    def reply(self) -> Global___AgentReply: ...
+    def __init__(
+        self,
+        *,
+        session: Global___Session | None = ...,
+        reply: Global___AgentReply | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "reply", b"reply", "session", b"session"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "reply", b"reply", "session", b"session"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["session", "reply"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+
+Global___SessionResponse: _TypeAlias = SessionResponse  # noqa: Y015

@@ -139,6 +139,11 @@ class RegistryStub:
                 request_serializer=baton_dot_v1_dot_baton__pb2.CloseSessionRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_baton__pb2.CloseSessionResponse.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/baton.v1.Registry/Session',
+                request_serializer=baton_dot_v1_dot_baton__pb2.SessionRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_baton__pb2.SessionResponse.FromString,
+                _registered_method=True)
         self.Claim = channel.unary_unary(
                 '/baton.v1.Registry/Claim',
                 request_serializer=baton_dot_v1_dot_baton__pb2.ClaimRequest.SerializeToString,
@@ -376,6 +381,13 @@ class RegistryServicer:
 
     def CloseSession(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Session(self, request_iterator, context):
+        """An agent's session and its calls on one stream (see SessionRequest).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -619,6 +631,11 @@ def add_RegistryServicer_to_server(servicer, server):
                     servicer.CloseSession,
                     request_deserializer=baton_dot_v1_dot_baton__pb2.CloseSessionRequest.FromString,
                     response_serializer=baton_dot_v1_dot_baton__pb2.CloseSessionResponse.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=baton_dot_v1_dot_baton__pb2.SessionRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_baton__pb2.SessionResponse.SerializeToString,
             ),
             'Claim': grpc.unary_unary_rpc_method_handler(
                     servicer.Claim,
@@ -1298,6 +1315,33 @@ class Registry:
             '/baton.v1.Registry/CloseSession',
             baton_dot_v1_dot_baton__pb2.CloseSessionRequest.SerializeToString,
             baton_dot_v1_dot_baton__pb2.CloseSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/baton.v1.Registry/Session',
+            baton_dot_v1_dot_baton__pb2.SessionRequest.SerializeToString,
+            baton_dot_v1_dot_baton__pb2.SessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

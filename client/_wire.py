@@ -1,0 +1,148 @@
+"""What the blocking and the asyncio clients share: the records they hand out (a
+claim, a lease), the identity files, the channel's options, how a commit's attributes
+travel."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from ..kernel import errors
+from ..kernel.contract import (
+    KEEPALIVE_MS,
+    KEEPALIVE_TIMEOUT_MS,
+    MAX_REPLY_BYTES,
+    MAX_REQUEST_BYTES,
+)
+from ..kernel.v1 import baton_pb2 as pb
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A producer's claim: write ``path``, then commit or fail with ``token``."""
+
+    task_id: str
+    file_id: str
+    token: int
+    path: str
+    entry: pb.Entry
+    session_id: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"task": self.task_id, "file_id": self.file_id, "token": self.token,
+                "path": self.path, "session": self.session_id}
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A consumer's hold on a verified entry: read ``path``, then ack or nack."""
+
+    task_id: str
+    file_id: str
+    group: str
+    token: int
+    path: str
+    size: int
+    digest: str
+    entry: pb.Entry
+    session_id: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"task": self.task_id, "file_id": self.file_id, "group": self.group,
+                "token": self.token, "path": self.path, "size": self.size,
+                "digest": self.digest, "session": self.session_id}
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """The files of a client identity: the CA that signed the registry's certificate,
+    and this client's certificate and key (see docs/security.md)."""
+
+    ca: str = ""
+    cert: str = ""
+    key: str = ""
+
+    @classmethod
+    def resolve(cls, ca: str | None, cert: str | None, key: str | None) -> Credentials:
+        """The three given; when none is, ``BATON_CA``, ``BATON_CERT``, ``BATON_KEY``."""
+        if ca is None and cert is None and key is None:
+            env = os.environ
+            return cls(env.get("BATON_CA", ""), env.get("BATON_CERT", ""),
+                       env.get("BATON_KEY", ""))
+        return cls(ca or "", cert or "", key or "")
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.ca or self.cert or self.key)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        if not self.ca:
+            raise errors.InvalidArgument(
+                "TLS needs the CA that signed the registry's certificate "
+                "(--ca or BATON_CA) along with the client certificate")
+        if bool(self.cert) != bool(self.key):
+            raise errors.InvalidArgument(
+                "a client certificate needs its key and the reverse "
+                "(--cert/BATON_CERT with --key/BATON_KEY)")
+
+        def read(what: str, path: str) -> bytes | None:
+            if not path:
+                return None
+            try:
+                with open(path, "rb") as f:
+                    return f.read()
+            except OSError as e:
+                raise errors.InvalidArgument(f"cannot read the {what} {path}: {e.strerror}",
+                                             path=path) from None
+
+        return grpc.ssl_channel_credentials(
+            root_certificates=read("CA (BATON_CA)", self.ca),
+            private_key=read("key (BATON_KEY)", self.key),
+            certificate_chain=read("certificate (BATON_CERT)", self.cert))
+
+
+#: a commit's attributes: a JSON object as a mapping, or as its text
+Attributes = Mapping[str, Any] | str | None
+
+
+def encode_attributes(attributes: Attributes) -> str:
+    """The JSON text a commit carries: a mapping encoded, text sent as it is (so a
+    number keeps every digit it was written with), nothing for None or ``{}``. The
+    registry checks it is an object of at most ``MAX_ATTRIBUTES_BYTES``."""
+    if attributes is None or isinstance(attributes, str):
+        return attributes or ""
+    return json.dumps(dict(attributes), separators=(",", ":")) if attributes else ""
+
+
+def channel_options(target: str, credentials: Credentials) -> list[tuple[str, Any]]:
+    """The options of a channel to ``target``: message bounds, the keepalive pings that
+    notice a silent replica, and the name TLS checks."""
+    options: list[tuple[str, Any]] = [
+        ("grpc.max_receive_message_length", MAX_REPLY_BYTES),
+        ("grpc.max_send_message_length", MAX_REQUEST_BYTES),
+        ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0)]
+    name = _tls_name(target) if credentials.tls else ""
+    if name:
+        # A list of replicas is one gRPC target: the certificate is checked
+        # against its first host, which every replica's certificate must name.
+        options.append(("grpc.ssl_target_name_override", name))
+    return options
+
+
+def _tls_name(target: str) -> str:
+    """The host a list target (``ipv4:A:P,B:P``, ``ipv6:[A]:P,...``) names first, whose
+    name the replicas' certificates carry; "" for a plain ``host:port``."""
+    scheme, sep, rest = target.partition(":")
+    if not sep or scheme not in ("ipv4", "ipv6", "dns"):
+        return ""
+    first = rest.lstrip("/").split(",")[0]
+    host = first.rpartition(":")[0] if not first.startswith("[") else first[1:].split("]")[0]
+    return host.strip("[]")
