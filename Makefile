@@ -25,7 +25,7 @@ test: install
 
 lint: install
 	$(BIN)/ruff check .
-	$(BIN)/mypy
+	$(BIN)/python scripts/typecheck.py
 	$(BIN)/lint-imports
 	$(BIN)/mypy --strict scripts/install_deps.py
 
