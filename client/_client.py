@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
@@ -10,7 +11,7 @@ import time
 from collections.abc import Generator, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
@@ -31,8 +32,16 @@ from ._wire import (
     Lease,
     channel_options,
     encode_attributes,
+    raise_from_rpc,
 )
 from .retry import RetryPolicy
+
+if TYPE_CHECKING:
+    from collections.abc import Coroutine
+
+    from .aio import AsyncClient, AsyncSession
+
+T = TypeVar("T")
 
 __all__ = ["DEFAULT_REGISTRY", "Claim", "Client", "Lease", "RetryPolicy", "Session",
            "parse_manifest"]
@@ -40,20 +49,6 @@ __all__ = ["DEFAULT_REGISTRY", "Claim", "Client", "Lease", "RetryPolicy", "Sessi
 log = logging.getLogger("baton.client")
 
 
-
-
-def _raise_from_rpc(e: grpc.RpcError, method: str = "", timeout: float = 0.0
-                    ) -> errors.BatonError:
-    code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
-    details = e.details() if hasattr(e, "details") else str(e)
-    trailing = e.trailing_metadata() if hasattr(e, "trailing_metadata") else ()
-    error = errors.from_status(code, details, trailing)
-    if type(error) is errors.DeadlineExceeded and method:
-        # The transport only says "Deadline Exceeded"; say which call and how long.
-        return errors.DeadlineExceeded(
-            f"{method}: no reply from the registry within {timeout:g} s (deadline exceeded)",
-            method=method, timeout=timeout)
-    return error
 
 
 @dataclass
@@ -81,15 +76,23 @@ class Session:
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
     _last_ok: float = field(default_factory=time.monotonic)
+    #: the session on its stream (keepalive sessions): calls naming this session go
+    #: there, and it keeps itself alive; None for a session kept by unary calls
+    stream: AsyncSession | None = None
 
     @property
     def draining(self) -> bool:
         """Whether the session's host is drained: no new claims or consumes."""
+        if self.stream is not None:
+            return self.stream.draining
         return self._draining.is_set()
 
     def refresh(self) -> int:
         """Refresh the session's lease once and take what the registry says of it
         (its TTL, whether it is draining); the TTL."""
+        if self.stream is not None:
+            self.ttl = self.client._run(self.stream.refresh()) or self.ttl
+            return self.ttl
         reply = self.client.refresh_session(self.session_id)
         if reply.ttl > 0:
             self.ttl = int(reply.ttl)
@@ -102,9 +105,11 @@ class Session:
     def drained(self) -> None:
         """The registry refused new work: the session's host is drained."""
         self._draining.set()
+        if self.stream is not None:
+            self.stream.draining = True
 
     def start(self) -> None:
-        if self.keepalive:
+        if self.keepalive and self.stream is None:
             self._thread = threading.Thread(
                 target=self._run, name=f"baton-keepalive-{self.session_id:x}", daemon=True
             )
@@ -112,6 +117,13 @@ class Session:
 
     def check(self) -> None:
         """Raise ``SessionExpired`` if this session can no longer be trusted."""
+        if self.stream is not None:
+            try:
+                self.stream.check()
+            except SessionExpired:
+                self.lost.set()
+                raise
+            return
         if self.lost.is_set() or (
             self.keepalive and time.monotonic() - self._last_ok > self.ttl
         ):
@@ -146,6 +158,11 @@ class Session:
 
     def close(self, revoke: bool = True) -> None:
         """Stop the keepalive; with ``revoke`` end the lease (claims go back now)."""
+        if self.stream is not None:
+            if not self.client.closed:
+                self.client._run(self.stream.close(revoke))
+            self.lost.set()
+            return
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
@@ -187,6 +204,26 @@ class _Stub:
         return call
 
 
+class _Loop:
+    """An event loop in a daemon thread, where a blocking client's stream sessions run:
+    the asyncio client is the one implementation of a session, the blocking one hands
+    it each call."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="baton-sessions",
+                                       daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        result: T = asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        return result
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=5)
+
+
 class Client:
     """A connection to a registry. Thread-safe; one per process is enough.
 
@@ -220,12 +257,44 @@ class Client:
         #: guards the channel against use once closed (see :meth:`_method`)
         self._lock = threading.Lock()
         self.closed = False
+        #: the asyncio client the stream sessions use, on its loop; made when first needed
+        self._aio: AsyncClient | None = None
+        self._loop: _Loop | None = None
 
     def close(self) -> None:
         """Close the channel; calls made afterwards raise ``ClientClosed``."""
         with self._lock:
             self.closed = True
             self._channel.close()
+            loop, aio, self._loop, self._aio = self._loop, self._aio, None, None
+        if loop is not None and aio is not None:
+            loop.run(aio.close())
+            loop.stop()
+
+    def _streams(self) -> AsyncClient:
+        """The asyncio client that carries this client's stream sessions."""
+        with self._lock:
+            if self.closed:
+                raise errors.ClientClosed(f"this client of {self.target} is closed")
+            if self._aio is None:
+                from .aio import AsyncClient  # only agents that keep a session need it
+
+                async def make() -> AsyncClient:
+                    c = self.credentials
+                    return AsyncClient(self.target, timeout=self.timeout, ca=c.ca,
+                                       cert=c.cert, key=c.key)
+
+                self._loop = _Loop()
+                self._aio = self._loop.run(make())
+            return self._aio
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run a stream session's call on the loop that carries it; its result."""
+        loop = self._loop
+        if loop is None:
+            coro.close()
+            raise errors.ClientClosed(f"this client of {self.target} is closed")
+        return loop.run(coro)
 
     def _method(self, name: str) -> Any:
         """The callable of a registry method. Making one on a closed channel crashes the
@@ -256,7 +325,7 @@ class Client:
             try:
                 return rpc(request, timeout=self.timeout)
             except grpc.RpcError as e:
-                raise self._explain(_raise_from_rpc(e, method, self.timeout)) from None
+                raise self._explain(raise_from_rpc(e, method, self.timeout)) from None
 
         return self.retry.call(attempt)
 
@@ -353,13 +422,19 @@ class Client:
 
     def open_session(self, agent: str, ttl: int = 10, *, keepalive: bool = True,
                      slots: int = 0, host: str = "") -> Session:
-        """Open an agent session; with ``keepalive`` a thread refreshes it every TTL/3.
+        """Open an agent session; with ``keepalive`` it lives on a stream (its calls
+        and its keepalive, every TTL/3, travel there; a broken stream is resumed), else
+        it is kept by the caller's own ``keepalive`` calls.
 
         ``slots`` caps the claims (producer and consumer) it may hold at once;
         one more is refused with ``SlotsExhausted`` (0 = no limit). ``host`` is the
         host the session says it runs on, which ``baton lease drain --host`` names
         (default: this machine's host name; a container may give its node's).
         """
+        if keepalive:
+            aio = self._streams()
+            stream = self._run(aio.open_session(agent, ttl, slots=slots, host=host))
+            return Session(self, stream.session_id, stream.agent, stream.ttl, stream=stream)
         req = pb.OpenSessionRequest(agent=agent, ttl=ttl, host=host or socket.gethostname(),
                                     pid=os.getpid(), version=version(), slots=slots)
         resp = self._call("OpenSession", req)
@@ -410,6 +485,8 @@ class Client:
 
     def claim(self, task_id: str, file_id: str = "", *, session: Session | int) -> Claim:
         """Claim an entry (or the next claimable one) for writing."""
+        if (stream := _stream_of(session)) is not None:
+            return self._run(stream.claim(task_id, file_id))
         sid = _session_id(session)
         with _draining(session):
             resp = self._call("Claim", pb.ClaimRequest(task_id=task_id, file_id=file_id,
@@ -418,6 +495,8 @@ class Client:
 
     def claim_batch(self, task_id: str, max_count: int, *, session: Session | int) -> list[Claim]:
         """Claim up to ``max_count`` entries in one transaction (all or nothing)."""
+        if (stream := _stream_of(session)) is not None:
+            return self._run(stream.claim_batch(task_id, max_count))
         sid = _session_id(session)
         with _draining(session):
             resp = self._call("ClaimBatch", pb.ClaimBatchRequest(
@@ -443,6 +522,9 @@ class Client:
         task sets ``digest_optional``). ``session``: the one holding the claim (the
         registry then checks it holds it). ``attributes``: what the task's routing
         rules look at (see ``encode_attributes``)."""
+        if (stream := _stream_of(session)) is not None:
+            return self._run(stream.commit(task_id, file_id, token, size, digest,
+                                           attributes=attributes))
         req = pb.CommitRequest(task_id=task_id, file_id=file_id, token=token, size=size,
                                digest=digest, session_id=_named_session(session),
                                attributes=encode_attributes(attributes))
@@ -450,6 +532,8 @@ class Client:
 
     def fail(self, task_id: str, file_id: str, token: int, reason: str = "", *,
              session: Session | int = 0) -> pb.Entry:
+        if (stream := _stream_of(session)) is not None:
+            return self._run(stream.fail(task_id, file_id, token, reason))
         req = pb.FailRequest(task_id=task_id, file_id=file_id, token=token, reason=reason,
                              session_id=_named_session(session))
         return self._call("Fail", req).entry  # type: ignore[no-any-return]
@@ -518,6 +602,8 @@ class Client:
     def consume(self, task_id: str, group: str = "default", file_id: str = "", *,
                 session: Session | int) -> Lease:
         """Take a verified entry (or the next one) for ``group``."""
+        if (stream := _stream_of(session)) is not None:
+            return self._run(stream.consume(task_id, group, file_id))
         sid = _session_id(session)
         req = pb.ConsumeRequest(task_id=task_id, group=group, file_id=file_id, session_id=sid)
         with _draining(session):
@@ -529,6 +615,8 @@ class Client:
                       session: Session | int) -> list[Lease]:
         """Take up to ``max_count`` verified entries for ``group`` in one transaction
         (all or nothing, at most 21); ack them together with :meth:`ack_batch`."""
+        if (stream := _stream_of(session)) is not None:
+            return self._run(stream.consume_batch(task_id, group, max_count))
         sid = _session_id(session)
         req = pb.ConsumeBatchRequest(task_id=task_id, group=group, session_id=sid,
                                      max=max_count)
@@ -539,6 +627,8 @@ class Client:
 
     def ack(self, task_id: str, file_id: str, group: str, token: int, *,
             session: Session | int = 0) -> pb.Entry:
+        if (stream := _stream_of(session)) is not None:
+            return self._run(stream.ack(task_id, file_id, group, token))
         req = pb.AckRequest(task_id=task_id, file_id=file_id, group=group, token=token,
                             session_id=_named_session(session))
         return self._call("Ack", req).entry  # type: ignore[no-any-return]
@@ -552,6 +642,8 @@ class Client:
 
     def nack(self, task_id: str, file_id: str, group: str, token: int,
              reason: str = "", *, session: Session | int = 0) -> pb.Entry:
+        if (stream := _stream_of(session)) is not None:
+            return self._run(stream.nack(task_id, file_id, group, token, reason))
         req = pb.NackRequest(task_id=task_id, file_id=file_id, group=group, token=token,
                              reason=reason, session_id=_named_session(session))
         return self._call("Nack", req).entry  # type: ignore[no-any-return]
@@ -566,7 +658,7 @@ class Client:
         except grpc.RpcError as e:
             if e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
                 return
-            raise _raise_from_rpc(e) from None
+            raise raise_from_rpc(e) from None
         finally:
             call.cancel()
 
@@ -582,7 +674,7 @@ class Client:
                 return
             if e.code() == grpc.StatusCode.CANCELLED:
                 return
-            raise _raise_from_rpc(e) from None
+            raise raise_from_rpc(e) from None
         finally:
             call.cancel()
 
@@ -596,6 +688,11 @@ def _draining(session: Session | int) -> Iterator[None]:
         if isinstance(session, Session):
             session.drained()
         raise
+
+
+def _stream_of(session: Session | int) -> AsyncSession | None:
+    """The stream a session's calls travel on (None: unary calls)."""
+    return session.stream if isinstance(session, Session) else None
 
 
 def _named_session(session: Session | int) -> int:

@@ -146,3 +146,19 @@ def _tls_name(target: str) -> str:
     first = rest.lstrip("/").split(",")[0]
     host = first.rpartition(":")[0] if not first.startswith("[") else first[1:].split("]")[0]
     return host.strip("[]")
+
+
+def raise_from_rpc(e: grpc.RpcError, method: str = "", timeout: float = 0.0
+                    ) -> errors.BatonError:
+    """The domain error a failed call carries (the inverse of the registry's
+    ``to_status``); a bare deadline says which call and how long it waited."""
+    code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
+    details = e.details() if hasattr(e, "details") else str(e)
+    trailing = e.trailing_metadata() if hasattr(e, "trailing_metadata") else ()
+    error = errors.from_status(code, details, trailing)
+    if type(error) is errors.DeadlineExceeded and method:
+        # The transport only says "Deadline Exceeded"; say which call and how long.
+        return errors.DeadlineExceeded(
+            f"{method}: no reply from the registry within {timeout:g} s (deadline exceeded)",
+            method=method, timeout=timeout)
+    return error

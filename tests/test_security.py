@@ -193,7 +193,7 @@ def _call(client: Client, method: str, request: Any) -> None:
         try:
             next(iter(call))
         except grpc.RpcError as e:
-            from baton_relay.client._client import _raise_from_rpc
+            from baton_relay.client._wire import raise_from_rpc as _raise_from_rpc
 
             raise _raise_from_rpc(e) from None
         finally:

@@ -1,0 +1,436 @@
+"""The agent's client for asyncio: a session and its calls on one stream.
+
+    async with AsyncClient("127.0.0.1:7390") as c:
+        async with await c.open_session("ocr-1", ttl=10) as s:
+            claim = await s.claim("scan-42")
+            ...
+            await s.commit(claim, size, digest)
+
+An :class:`AsyncSession` opens its session on the registry's ``Session`` stream and
+sends every call on it as a message (a message on an open stream costs both sides
+about half of a unary call); replies come back in any order, each to its call. The
+session is kept alive by keepalive messages on the stream, every TTL/3. When the
+stream breaks (a replica restarts, the network blinks), the session does not end: it
+is resumed on a new stream, to whichever replica answers, until its TTL runs out, and
+the calls not yet answered are sent again; their request ids make a call that did
+apply answer from its record, so nothing applies twice.
+
+This is the one implementation of an agent's session: the blocking :class:`Client`
+runs it on an event loop of its own (``Client.open_session``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import socket
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from ..kernel import errors
+from ..kernel.backoff import Backoff
+from ..kernel.contract import DEFAULT_REGISTRY, version
+from ..kernel.v1 import baton_pb2 as pb
+from ._wire import (
+    Attributes,
+    Claim,
+    Credentials,
+    Lease,
+    channel_options,
+    encode_attributes,
+    raise_from_rpc,
+)
+
+__all__ = ["AsyncClient", "AsyncSession"]
+
+log = logging.getLogger("baton.client")
+
+_SERVICE = pb.DESCRIPTOR.services_by_name["Registry"].full_name
+#: what ``read`` returns once the registry ended a stream
+_EOF: object = grpc.aio.EOF  # type: ignore[attr-defined]  # not in grpc-stubs
+#: what a broken stream is given between attempts to resume it
+RESUME_BACKOFF = Backoff(0.05, 1.0)
+
+
+class AsyncClient:
+    """A channel to a registry for asyncio agents. With ``ca``, ``cert`` and ``key``
+    (or ``BATON_CA``, ``BATON_CERT``, ``BATON_KEY``) it speaks mutual TLS, as
+    :class:`~baton_relay.client.Client` does."""
+
+    def __init__(self, target: str = DEFAULT_REGISTRY, *, timeout: float = 10.0,
+                 ca: str | None = None, cert: str | None = None,
+                 key: str | None = None) -> None:
+        self.target = target
+        self.timeout = timeout
+        self.credentials = Credentials.resolve(ca, cert, key)
+        options = channel_options(target, self.credentials)
+        if self.credentials.tls:
+            self._channel = grpc.aio.secure_channel(
+                target, self.credentials.channel_credentials(), options=options)
+        else:
+            self._channel = grpc.aio.insecure_channel(target, options=options)
+        self._stream = self._channel.stream_stream(
+            f"/{_SERVICE}/Session", request_serializer=pb.SessionRequest.SerializeToString,
+            response_deserializer=pb.SessionResponse.FromString)
+        self._close_session = self._channel.unary_unary(
+            f"/{_SERVICE}/CloseSession",
+            request_serializer=pb.CloseSessionRequest.SerializeToString,
+            response_deserializer=pb.CloseSessionResponse.FromString)
+
+    async def open_session(self, agent: str, ttl: int = 10, *, slots: int = 0,
+                           host: str = "") -> AsyncSession:
+        """Open an agent session on a stream (see the module's docstring). ``slots``
+        and ``host`` as for ``Client.open_session``."""
+        session = AsyncSession(self, pb.OpenSessionRequest(
+            agent=agent, ttl=ttl, host=host or socket.gethostname(), pid=os.getpid(),
+            version=version(), slots=slots))
+        await session.open()
+        return session
+
+    async def close(self) -> None:
+        await self._channel.close(None)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class _Pending:
+    """A call sent and not yet answered: sent again on a new stream if its stream broke."""
+
+    __slots__ = ("call", "reply", "sent_on")
+
+    def __init__(self, call: pb.AgentCall, reply: asyncio.Future[pb.AgentReply]) -> None:
+        self.call = call
+        self.reply = reply
+        self.sent_on: object = None
+
+
+class AsyncSession:
+    """An agent session on a stream: its calls, its keepalive, its resumption.
+
+    ``lost`` turns True once the registry says the session is gone or no keepalive
+    succeeded for a whole TTL; calls are then refused with ``SessionExpired`` (its
+    claims' tokens may be dead). ``draining`` turns True when its host is drained.
+    """
+
+    def __init__(self, client: AsyncClient, opening: pb.OpenSessionRequest) -> None:
+        self.client = client
+        self._opening = opening
+        self.session_id = 0
+        self.agent = opening.agent
+        self.ttl = int(opening.ttl or 10)
+        self.slots = int(opening.slots)
+        self.lost = False
+        self.draining = False
+        #: when the last keepalive that succeeded was sent: the lease lives a TTL from it
+        self.last_ok = time.monotonic()
+        #: streams this session was resumed on after one broke
+        self.resumed = 0
+        self._ids = itertools.count(1)
+        self._pending: dict[int, _Pending] = {}
+        self._call: Any = None
+        self._connected = asyncio.Event()
+        self._write_lock = asyncio.Lock()
+        self._closing = False
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # the stream ---------------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Open the session (the first message of its first stream)."""
+        sent = time.monotonic()
+        session = await self._connect(pb.SessionRequest(open=self._opening))
+        self.session_id = session.session_id
+        self.agent = session.agent
+        self.ttl = int(session.ttl) or self.ttl
+        self.slots = int(session.slots)
+        self.last_ok = sent
+        self._spawn(self._keep())
+
+    async def _connect(self, first: pb.SessionRequest) -> pb.Session:
+        """A new stream, its first message sent and the session it answers read; the
+        stream then serves the calls."""
+        call = self.client._stream(None, timeout=None)
+        try:
+            await call.write(first)
+            reply: Any = await asyncio.wait_for(call.read(), self.client.timeout)
+        except grpc.RpcError as e:
+            call.cancel()
+            raise raise_from_rpc(e, "Session", self.client.timeout) from None
+        except TimeoutError:
+            call.cancel()
+            raise errors.Unavailable(f"Session: no reply from the registry within "
+                                     f"{self.client.timeout:g} s") from None
+        if reply is _EOF or reply.WhichOneof("kind") != "session":
+            call.cancel()
+            raise errors.Unavailable("Session: the stream ended before the session was open")
+        self._call = call
+        self._connected.set()
+        self._spawn(self._read(call))
+        return reply.session  # type: ignore[no-any-return]
+
+    async def _read(self, call: Any) -> None:
+        """Hand each reply to its call until the stream ends; then resume the session
+        on a new one (unless it is being closed)."""
+        cause = "the registry ended the stream"
+        try:
+            while True:
+                message = await call.read()
+                if message is _EOF:
+                    break
+                pending = self._pending.get(message.reply.call_id)
+                if pending is not None and not pending.reply.done():
+                    pending.reply.set_result(message.reply)
+        except grpc.RpcError as e:
+            cause = str(raise_from_rpc(e, "Session"))
+        except asyncio.CancelledError:
+            return
+        if self._closing or call is not self._call:
+            return
+        self._connected.clear()
+        log.info("session %x: stream broke (%s); resuming it", self.session_id, cause)
+        await self._resume()
+
+    async def _resume(self) -> None:
+        """Take the session up on a new stream and send again what was not answered;
+        lose it when the registry says it is gone or its TTL passed without a stream."""
+        for attempt in itertools.count(1):
+            if self._closing:
+                return
+            if time.monotonic() - self.last_ok > self.ttl:
+                self._lose(errors.SessionExpired(
+                    f"session {self.session_id:x} of {self.agent} was lost: no stream to "
+                    f"the registry for its whole TTL ({self.ttl} s)",
+                    session_id=self.session_id))
+                return
+            sent = time.monotonic()
+            try:
+                await self._connect(pb.SessionRequest(
+                    resume=pb.ResumeSessionRequest(session_id=self.session_id)))
+            except (errors.SessionExpired, errors.NotFound, errors.PermissionDenied) as e:
+                self._lose(e)
+                return
+            except errors.BatonError as e:
+                log.info("session %x: resume attempt %d: %s", self.session_id, attempt, e)
+                await asyncio.sleep(RESUME_BACKOFF.delay(attempt))
+                continue
+            self.last_ok = sent  # resuming refreshed the lease
+            self.resumed += 1
+            for pending in list(self._pending.values()):
+                await self._send(pending)
+            return
+
+    async def _send(self, pending: _Pending) -> None:
+        """Write a call on the current stream, unless it went there already; a write
+        that fails leaves it to the resumption to send again."""
+        async with self._write_lock:
+            call = self._call
+            if not self._connected.is_set() or pending.sent_on is call:
+                return
+            pending.sent_on = call
+            try:
+                await call.write(pb.SessionRequest(call=pending.call))
+            except (grpc.RpcError, asyncio.InvalidStateError) as e:
+                log.debug("session %x: write failed (%s); sent again once resumed",
+                          self.session_id, e)
+
+    async def _ask(self, kind: str, request: Any, wait: float | None = None) -> Any:
+        """Send one call and wait for its reply; its error raised as the domain error
+        a unary call would raise."""
+        self.check()
+        if hasattr(request, "request_id") and not request.request_id:
+            request.request_id = os.urandom(16).hex()  # the same when sent again
+        call = pb.AgentCall(call_id=next(self._ids))
+        getattr(call, kind).CopyFrom(request)
+        pending = _Pending(call, asyncio.get_running_loop().create_future())
+        self._pending[call.call_id] = pending
+        try:
+            await self._send(pending)
+            limit = self.client.timeout if wait is None else wait
+            try:
+                reply = await asyncio.wait_for(asyncio.shield(pending.reply), limit)
+            except TimeoutError:
+                raise errors.DeadlineExceeded(
+                    f"{kind}: no reply from the registry within {limit:g} s "
+                    f"(deadline exceeded)", method=kind, timeout=limit) from None
+        finally:
+            del self._pending[call.call_id]
+        if reply.WhichOneof("reply") == "error":
+            error = reply.error
+            raise errors.from_status(grpc.StatusCode[error.code], error.details,
+                                     tuple(error.metadata.items()))
+        return getattr(reply, kind)
+
+    def _lose(self, error: errors.BatonError) -> None:
+        log.warning("session %x lost: %s", self.session_id, error)
+        self.lost = True
+        self._closing = True
+        for pending in self._pending.values():
+            if not pending.reply.done():
+                pending.reply.set_exception(error)
+        if self._call is not None:
+            self._call.cancel()
+
+    def _spawn(self, coro: Any) -> None:
+        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _keep(self) -> None:
+        """Keepalive messages on the stream, every TTL/3 (TTL/10 after a failure)."""
+        interval = max(self.ttl / 3, 0.2)
+        while not self._closing:
+            await asyncio.sleep(interval)
+            if self._closing:
+                return
+            try:
+                await self.refresh()
+            except errors.SessionExpired as e:
+                self._lose(e)
+                return
+            except errors.BatonError as e:
+                if time.monotonic() - self.last_ok > self.ttl:
+                    self._lose(errors.SessionExpired(
+                        f"session {self.session_id:x} lost: no keepalive for {self.ttl} s "
+                        f"({e})", session_id=self.session_id))
+                    return
+                interval = max(self.ttl / 10, 0.1)
+                continue
+            interval = max(self.ttl / 3, 0.2)
+
+    def check(self) -> None:
+        """Raise ``SessionExpired`` if this session can no longer be trusted."""
+        if self.lost or time.monotonic() - self.last_ok > self.ttl:
+            self.lost = True
+            raise errors.SessionExpired(f"session {self.session_id:x} of {self.agent} "
+                                        f"was lost", session_id=self.session_id)
+
+    async def refresh(self) -> int:
+        """Refresh the session's lease once (a keepalive message); the TTL it has now."""
+        sent = time.monotonic()
+        reply = await self._ask("keepalive", pb.KeepAliveRequest(session_id=self.session_id),
+                                wait=max(self.ttl / 3, 1.0))
+        self.last_ok = sent
+        if reply.ttl > 0:
+            self.ttl = int(reply.ttl)
+        self.draining = bool(reply.draining)
+        return int(reply.ttl)
+
+    async def close(self, revoke: bool = True) -> None:
+        """End the stream; with ``revoke`` end the session too (its claims go back now)."""
+        if self._closing and self.lost:
+            return
+        self._closing = True
+        if self._call is not None:
+            self._call.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        if revoke and not self.lost:
+            try:
+                await self.client._close_session(
+                    pb.CloseSessionRequest(session_id=self.session_id),
+                    timeout=self.client.timeout)
+            except grpc.RpcError as e:
+                log.warning("closing session %x: %s", self.session_id,
+                            raise_from_rpc(e, "CloseSession"))
+        self.lost = True
+
+    async def __aenter__(self) -> AsyncSession:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # what an agent calls -------------------------------------------------------------
+
+    async def _work(self, kind: str, request: Any) -> Any:
+        """A call that takes new work: a ``Draining`` refusal marks the session."""
+        try:
+            return await self._ask(kind, request)
+        except errors.Draining:
+            self.draining = True
+            raise
+
+    async def claim(self, task_id: str, file_id: str = "") -> Claim:
+        """Claim an entry (or the next claimable one) for writing."""
+        r = await self._work("claim", pb.ClaimRequest(
+            task_id=task_id, file_id=file_id, session_id=self.session_id))
+        return Claim(task_id, r.entry.file_id, r.token, r.path, r.entry, self.session_id)
+
+    async def claim_batch(self, task_id: str, max_count: int) -> list[Claim]:
+        """Claim up to ``max_count`` entries in one transaction (all or nothing)."""
+        r = await self._work("claim_batch", pb.ClaimBatchRequest(
+            task_id=task_id, session_id=self.session_id, max=max_count))
+        return [Claim(task_id, c.entry.file_id, c.token, c.path, c.entry, self.session_id)
+                for c in r.claims]
+
+    async def commit(self, task_id: str, file_id: str, token: int, size: int,
+                     digest: str = "", *, attributes: Attributes = None) -> pb.Entry:
+        """Publish a claim's file: its size and BLAKE3 ``digest``."""
+        r = await self._ask("commit", pb.CommitRequest(
+            task_id=task_id, file_id=file_id, token=token, size=size, digest=digest,
+            session_id=self.session_id, attributes=encode_attributes(attributes)))
+        return r.entry  # type: ignore[no-any-return]
+
+    async def commit_batch(self, commits: Sequence[tuple[str, str, int, int, str]
+                                                   | tuple[str, str, int, int, str,
+                                                           Attributes]]) -> list[pb.Entry]:
+        """Commit (task, file_id, token, size, digest[, attributes]) tuples in one
+        transaction."""
+        r = await self._ask("commit_batch", pb.CommitBatchRequest(commits=[
+            pb.CommitRequest(task_id=c[0], file_id=c[1], token=c[2], size=c[3], digest=c[4],
+                             attributes=encode_attributes(c[5] if len(c) > 5 else None))
+            for c in commits]))
+        return list(r.entries)
+
+    async def fail(self, task_id: str, file_id: str, token: int, reason: str = "") -> pb.Entry:
+        r = await self._ask("fail", pb.FailRequest(
+            task_id=task_id, file_id=file_id, token=token, reason=reason,
+            session_id=self.session_id))
+        return r.entry  # type: ignore[no-any-return]
+
+    async def consume(self, task_id: str, group: str = "default", file_id: str = "") -> Lease:
+        """Take a verified entry (or the next one) for ``group``."""
+        r = await self._work("consume", pb.ConsumeRequest(
+            task_id=task_id, group=group, file_id=file_id, session_id=self.session_id))
+        return _lease(task_id, r, self.session_id)
+
+    async def consume_batch(self, task_id: str, group: str = "default",
+                            max_count: int = 21) -> list[Lease]:
+        """Take up to ``max_count`` verified entries for ``group`` in one transaction."""
+        r = await self._work("consume_batch", pb.ConsumeBatchRequest(
+            task_id=task_id, group=group, session_id=self.session_id, max=max_count))
+        return [_lease(task_id, lease, self.session_id) for lease in r.leases]
+
+    async def ack(self, task_id: str, file_id: str, group: str, token: int) -> pb.Entry:
+        r = await self._ask("ack", pb.AckRequest(
+            task_id=task_id, file_id=file_id, group=group, token=token,
+            session_id=self.session_id))
+        return r.entry  # type: ignore[no-any-return]
+
+    async def ack_batch(self, acks: list[tuple[str, str, str, int]]) -> list[pb.Entry]:
+        """Ack (task, file_id, group, token) tuples in one transaction, all or nothing."""
+        r = await self._ask("ack_batch", pb.AckBatchRequest(acks=[
+            pb.AckRequest(task_id=t, file_id=f, group=g, token=tok) for t, f, g, tok in acks]))
+        return list(r.entries)
+
+    async def nack(self, task_id: str, file_id: str, group: str, token: int,
+                   reason: str = "") -> pb.Entry:
+        r = await self._ask("nack", pb.NackRequest(
+            task_id=task_id, file_id=file_id, group=group, token=token, reason=reason,
+            session_id=self.session_id))
+        return r.entry  # type: ignore[no-any-return]
+
+
+def _lease(task_id: str, r: pb.ConsumeResponse, session_id: int) -> Lease:
+    return Lease(task_id, r.entry.file_id, r.group, r.token, r.path, r.size, r.digest,
+                 r.entry, session_id)
