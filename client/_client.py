@@ -7,7 +7,6 @@ import logging
 import os
 import socket
 import threading
-import time
 from collections.abc import Generator, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -53,7 +52,12 @@ log = logging.getLogger("baton.client")
 
 @dataclass
 class Session:
-    """An agent session: an etcd lease the client keeps alive in the background.
+    """An agent session: an etcd lease that lives while it is kept alive.
+
+    A session opened with ``keepalive`` (the default) lives on a stream (``stream``):
+    its calls travel there as messages, a keepalive message every TTL/3 refreshes it,
+    and a broken stream is resumed (see :mod:`baton_relay.client.aio`). Without, the
+    caller keeps it alive (``Client.keepalive``), as a one-shot command does.
 
     Once the lease is lost (the registry says so, or no refresh succeeded for
     a whole TTL), ``lost`` is set and the client refuses to use the session's
@@ -69,16 +73,26 @@ class Session:
     client: Client
     session_id: int
     agent: str
-    ttl: int
-    keepalive: bool = True
+    _ttl: int
     lost: threading.Event = field(default_factory=threading.Event)
     _draining: threading.Event = field(default_factory=threading.Event)
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _thread: threading.Thread | None = None
-    _last_ok: float = field(default_factory=time.monotonic)
-    #: the session on its stream (keepalive sessions): calls naming this session go
-    #: there, and it keeps itself alive; None for a session kept by unary calls
+    #: the session on its stream, where calls naming this session go; None for a
+    #: session the caller keeps alive with unary calls
     stream: AsyncSession | None = None
+
+    @property
+    def ttl(self) -> int:
+        """The session's TTL as its last refresh said (a rotation may change it)."""
+        return self.stream.ttl if self.stream is not None else self._ttl
+
+    @ttl.setter
+    def ttl(self, value: int) -> None:
+        self._ttl = value
+
+    @property
+    def keepalive(self) -> bool:
+        """Whether the session keeps itself alive (on its stream)."""
+        return self.stream is not None
 
     @property
     def draining(self) -> bool:
@@ -91,8 +105,7 @@ class Session:
         """Refresh the session's lease once and take what the registry says of it
         (its TTL, whether it is draining); the TTL."""
         if self.stream is not None:
-            self.ttl = self.client._run(self.stream.refresh()) or self.ttl
-            return self.ttl
+            return self.client._run(self.stream.refresh())
         reply = self.client.refresh_session(self.session_id)
         if reply.ttl > 0:
             self.ttl = int(reply.ttl)
@@ -108,13 +121,6 @@ class Session:
         if self.stream is not None:
             self.stream.draining = True
 
-    def start(self) -> None:
-        if self.keepalive and self.stream is None:
-            self._thread = threading.Thread(
-                target=self._run, name=f"baton-keepalive-{self.session_id:x}", daemon=True
-            )
-            self._thread.start()
-
     def check(self) -> None:
         """Raise ``SessionExpired`` if this session can no longer be trusted."""
         if self.stream is not None:
@@ -123,50 +129,16 @@ class Session:
             except SessionExpired:
                 self.lost.set()
                 raise
-            return
-        if self.lost.is_set() or (
-            self.keepalive and time.monotonic() - self._last_ok > self.ttl
-        ):
-            self.lost.set()
+        elif self.lost.is_set():
             raise SessionExpired(f"session {self.session_id:x} of {self.agent} was lost",
                                  session_id=self.session_id)
 
-    def _run(self) -> None:
-        interval = max(self.ttl / 3, 0.2)
-        while not self._stop.wait(interval):
-            try:
-                # The lease is only known to live for a TTL from when the call was
-                # sent: a reply handled late (the process was paused) proves no more.
-                sent = time.monotonic()
-                self.refresh()
-                self._last_ok = sent
-            except SessionExpired:
-                log.warning("session %x lost: lease expired", self.session_id)
-                self.lost.set()
-                return
-            except errors.ClientClosed:
-                return  # closed under the session: nobody is left to keep it alive for
-            except errors.BatonError as e:
-                if time.monotonic() - self._last_ok > self.ttl:
-                    log.warning("session %x lost: no keepalive for %ds (%s)", self.session_id,
-                                self.ttl, e)
-                    self.lost.set()
-                    return
-                interval = max(self.ttl / 10, 0.1)
-                continue
-            interval = max(self.ttl / 3, 0.2)
-
     def close(self, revoke: bool = True) -> None:
-        """Stop the keepalive; with ``revoke`` end the lease (claims go back now)."""
+        """End the stream; with ``revoke`` end the lease too (claims go back now)."""
         if self.stream is not None:
             if not self.client.closed:
                 self.client._run(self.stream.close(revoke))
-            self.lost.set()
-            return
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        if revoke and not self.lost.is_set():
+        elif revoke and not self.lost.is_set():
             try:
                 self.client.close_session(self.session_id)
             except errors.BatonError as e:
@@ -434,13 +406,13 @@ class Client:
         if keepalive:
             aio = self._streams()
             stream = self._run(aio.open_session(agent, ttl, slots=slots, host=host))
-            return Session(self, stream.session_id, stream.agent, stream.ttl, stream=stream)
+            session = Session(self, stream.session_id, stream.agent, stream.ttl, stream=stream)
+            stream.on_lost.append(session.lost.set)
+            return session
         req = pb.OpenSessionRequest(agent=agent, ttl=ttl, host=host or socket.gethostname(),
                                     pid=os.getpid(), version=version(), slots=slots)
         resp = self._call("OpenSession", req)
-        session = Session(self, resp.session_id, resp.agent, resp.ttl, keepalive=keepalive)
-        session.start()
-        return session
+        return Session(self, resp.session_id, resp.agent, resp.ttl)
 
     def keepalive(self, session_id: int) -> int:
         """Refresh a session's lease once; the TTL it now has."""

@@ -27,7 +27,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -135,6 +135,8 @@ class AsyncSession:
         self.last_ok = time.monotonic()
         #: streams this session was resumed on after one broke
         self.resumed = 0
+        #: called once the session is lost (the blocking client sets its event so)
+        self.on_lost: list[Callable[[], None]] = []
         self._ids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
         self._call: Any = None
@@ -273,6 +275,8 @@ class AsyncSession:
     def _lose(self, error: errors.BatonError) -> None:
         log.warning("session %x lost: %s", self.session_id, error)
         self.lost = True
+        for hook in self.on_lost:
+            hook()
         self._closing = True
         for pending in self._pending.values():
             if not pending.reply.done():

@@ -25,6 +25,7 @@ from ..kernel.errors import BatonError, InvalidArgument
 from ..kernel.logs import setup_logging
 from ..kernel.sdnotify import Notifier
 from ._etcd import Etcd, EtcdAuth
+from .agent_stream import AgentStreams
 from .archive import Archiver, DirectoryStore
 from .config import RegistryConfig, load_config
 from .core import Core, every
@@ -61,6 +62,8 @@ class Running:
     #: the replica's metrics, and the port ``/metrics`` is served on (None, 0: off)
     metrics: RegistryMetrics | None = None
     metrics_port: int = 0
+    #: the agents' session streams this replica serves
+    streams: AgentStreams | None = None
 
     async def stop(self, grace: float | None = 5.0) -> None:
         """Stop taking calls, let in-flight ones finish within ``grace``, then close."""
@@ -231,7 +234,7 @@ async def _start(config: RegistryConfig, certificates: ServerCertificates | None
         metrics.bind(core, reaper, service.sessions, shards, service.leases, members,
                      deadlines, archiver)
     return Running(port, server, etcd, core, reaper, scheduler, health_servicer, stop, background,
-                   assigner, members, metrics, metrics_port)
+                   assigner, members, metrics, metrics_port, service.streams)
 
 
 async def serve(config: RegistryConfig, notifier: Notifier | None = None) -> None:

@@ -167,8 +167,8 @@ def test_a_closed_client_refuses_calls_and_its_sessions_stop(
     registry: Any, wait_for: Any
 ) -> None:
     """Calls on a closed client raise ClientClosed (nothing is sent; gRPC would crash the
-    process making a call on a closed channel), and a session's keepalive thread that
-    outlives its client stops instead of calling it."""
+    process making a call on a closed channel), the calls of a session that outlives
+    its client too, and its stream is gone from the registry."""
     c = Client(registry.address, retry=RetryPolicy(attempts=1))
     session = c.open_session("left-open", ttl=2)
     c.close()
@@ -176,6 +176,9 @@ def test_a_closed_client_refuses_calls_and_its_sessions_stop(
                  lambda: next(c.watch_tasks(timeout=1))):
         with pytest.raises(errors.ClientClosed):
             call()
-    thread = session._thread
-    assert thread is not None
-    wait_for(lambda: not thread.is_alive(), timeout=10, what="the keepalive thread ended")
+    with pytest.raises(errors.ClientClosed):
+        c.claim("t1", session=session)
+    with pytest.raises(errors.ClientClosed):
+        session.refresh()
+    streams = registry._running.streams
+    wait_for(lambda: streams.open == 0, timeout=10, what="the session's stream ended")
