@@ -19,11 +19,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..kernel.errors import BatonError, Internal, InvalidArgument, to_status
+from ..kernel.errors import BatonError, Internal, InvalidArgument, Unavailable, to_status
 from ..kernel.v1 import baton_pb2 as pb
 from .consumers import Consumers
 from .identity import Caller, scoped_request_id
@@ -58,6 +59,10 @@ def call_error(error: BaseException) -> pb.CallError:
     return pb.CallError(code=code.name, details=details, metadata=dict(metadata))
 
 
+#: put among the replies to break the stream there (see ``AgentStreams.cut``)
+_CUT = pb.SessionResponse()
+
+
 @dataclass
 class _Stream:
     """One open stream: its caller, its session, the calls still running."""
@@ -74,8 +79,12 @@ class AgentStreams:
                  record: Recorder | None = None) -> None:
         self.sessions = sessions
         self.record = record
-        #: streams open on this replica (for metrics and tests)
+        #: streams open on this replica, and the calls served on them by kind
         self.open = 0
+        self.served: Counter[str] = Counter()
+        #: a fault to inject (the fault suite's nemesis, tests): called with each call's
+        #: kind once it has applied; True breaks the stream before the reply is sent
+        self.cut: Callable[[str], bool] | None = None
         self.handlers: dict[str, Handler] = {
             "claim": producers.claim,
             "commit": _entry(pb.CommitResponse, producers.commit),
@@ -105,6 +114,8 @@ class AgentStreams:
         self.open += 1
         try:
             while (reply := await replies.get()) is not None:
+                if reply is _CUT:
+                    raise Unavailable("the session stream was cut (an injected fault)")
                 yield reply
             await reader  # its error (an undecodable message) ends the stream
         finally:
@@ -178,6 +189,10 @@ class AgentStreams:
             self._fill(stream, request)
             result = await self.handlers[kind](request, stream.caller)
             getattr(reply, kind).CopyFrom(result)
+            self.served[kind] += 1
+            if self.cut is not None and self.cut(kind):
+                replies.put_nowait(_CUT)
+                return
         except asyncio.CancelledError:
             raise
         except Exception as e:  # every error is this call's reply, not the stream's end

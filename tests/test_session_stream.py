@@ -1,0 +1,186 @@
+"""An agent's session on one stream: its calls, its keepalive, its resumption."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from registry_fixtures import TEST_RETRY, RegistryHandle
+
+from baton_relay.client import Client
+from baton_relay.client.aio import AsyncClient
+from baton_relay.kernel import errors
+from baton_relay.kernel.v1 import baton_pb2 as pb
+
+DIGEST = "0" * 64
+
+
+def manifest(task: str, n: int, **extra: Any) -> dict[str, Any]:
+    return {"task_id": task, "entries": [{"file_id": f"f{i:03d}", "path": f"f{i:03d}"}
+                                         for i in range(n)], **extra}
+
+
+def streams_of(registry: RegistryHandle) -> Any:
+    return registry._running.streams
+
+
+def test_a_keepalive_session_sends_its_calls_on_its_stream(
+        registry: RegistryHandle, client: Client) -> None:
+    """Claim, commit, consume and ack of a kept-alive session travel as stream messages."""
+    client.create_task(manifest("t", 1))
+    streams = streams_of(registry)
+    with client.open_session("p", ttl=10) as s:
+        assert s.stream is not None and streams.open == 1
+        claim = client.claim("t", session=s)
+        client.commit("t", claim.file_id, claim.token, 1, DIGEST, session=s)
+        client.report("t", claim.file_id, 1, DIGEST)
+        lease = client.consume("t", "default", session=s)
+        entry = client.ack("t", lease.file_id, "default", lease.token, session=s)
+    assert entry.state == pb.CONSUMED
+    assert {k: streams.served[k] for k in ("claim", "commit", "consume", "ack")} == {
+        "claim": 1, "commit": 1, "consume": 1, "ack": 1}
+
+
+def test_concurrent_calls_on_one_stream_each_get_their_own_reply_or_error(
+        registry: RegistryHandle) -> None:
+    """Thirty calls in flight at once on one stream: each reply is its own call's, and a
+    call's error is that call's alone."""
+    with Client(registry.address, retry=TEST_RETRY) as c:
+        c.create_task(manifest("t", 20))
+
+    async def run() -> list[Any]:
+        async with AsyncClient(registry.address) as ac:
+            async with await ac.open_session("many", ttl=10) as s:
+                good = [s.claim("t", f"f{i:03d}") for i in range(20)]
+                bad = [s.claim("t", f"nope{i}") for i in range(5)]
+                other = [s.claim("missing-task") for _ in range(5)]
+                return await asyncio.gather(*good, *bad, *other, return_exceptions=True)
+
+    results = asyncio.run(run())
+    assert [r.file_id for r in results[:20]] == [f"f{i:03d}" for i in range(20)]
+    assert all(r.token > 0 for r in results[:20])
+    assert all(isinstance(r, errors.NotFound) for r in results[20:])
+    assert all("nope" in str(r) for r in results[20:25])
+    assert all("missing-task" in str(r) for r in results[25:])
+
+
+def test_keepalive_rides_on_the_stream_and_holds_a_claim_past_its_ttl(
+        registry: RegistryHandle, client: Client) -> None:
+    """A 2 s session keeps its claim for 5 s on keepalive messages alone."""
+    client.create_task(manifest("t", 1))
+    streams = streams_of(registry)
+    with client.open_session("p", ttl=2) as s:
+        claim = client.claim("t", session=s)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            assert client.get_entry("t", claim.file_id).token == claim.token
+            time.sleep(0.25)
+        assert streams.served["keepalive"] >= 4
+        assert client.commit("t", claim.file_id, claim.token, 1, DIGEST,
+                             session=s).state == pb.WRITTEN
+
+
+def test_a_reply_lost_with_its_stream_is_answered_from_the_request_record(
+        registry: RegistryHandle, client: Client) -> None:
+    """The stream breaks after a commit applied and before its reply: the session is
+    resumed on a new stream, the commit sent again answers as the first did, and the
+    entry was committed once."""
+    client.create_task(manifest("t", 1))
+    streams = streams_of(registry)
+    cuts: list[str] = []
+
+    def cut_first_commit(kind: str) -> bool:
+        if kind == "commit" and not cuts:
+            cuts.append(kind)
+            return True
+        return False
+
+    with client.open_session("p", ttl=10) as s:
+        claim = client.claim("t", session=s)
+        streams.cut = cut_first_commit
+        entry = client.commit("t", claim.file_id, claim.token, 1, DIGEST, session=s)
+        assert cuts == ["commit"] and s.stream is not None and s.stream.resumed == 1
+        assert entry.state == pb.WRITTEN and entry.file_id == claim.file_id
+        assert streams.served["commit"] == 2  # handled twice: sent again on the new stream
+    commits = [r for r in client.journal("t", claim.file_id) if r.to_state == pb.WRITTEN]
+    assert len(commits) == 1
+
+
+def test_a_session_outlives_its_registry_restarting(
+        registry_factory: Callable[..., RegistryHandle], staging: Path) -> None:
+    """The replica stops and another starts on its port: the session is resumed there,
+    its claim still commits."""
+    first = registry_factory()
+    with Client(first.address, retry=TEST_RETRY) as c:
+        c.create_task(manifest("t", 1))
+        s = c.open_session("p", ttl=10)
+        claim = c.claim("t", session=s)
+        first.stop()
+        second = registry_factory(listen=first.address)
+        entry = c.commit("t", claim.file_id, claim.token, 1, DIGEST, session=s)
+        assert entry.state == pb.WRITTEN
+        assert s.stream is not None and s.stream.resumed >= 1
+        assert streams_of(second).served["commit"] == 1
+        s.close()
+
+
+def test_a_session_without_a_stream_for_its_whole_ttl_is_lost(
+        registry_factory: Callable[..., RegistryHandle], wait_for: Any) -> None:
+    """No registry for longer than the TTL: the session is lost and its calls refused."""
+    first = registry_factory()
+    with Client(first.address, retry=TEST_RETRY) as c:
+        c.create_task(manifest("t", 1))
+        s = c.open_session("p", ttl=2)
+        first.stop()
+        wait_for(s.lost.is_set, timeout=10, what="the session to be lost")
+        with pytest.raises(errors.SessionExpired):
+            c.claim("t", session=s)
+        registry_factory(listen=first.address)
+        with pytest.raises(errors.SessionExpired):
+            c.claim("t", session=s)
+
+
+def test_a_stream_must_open_before_it_calls(registry: RegistryHandle) -> None:
+    """A stream whose first message is a call ends with INVALID_ARGUMENT and opens nothing."""
+    import grpc
+
+    with grpc.insecure_channel(registry.address) as channel:
+        session = channel.stream_stream(
+            "/baton.v1.Registry/Session",
+            request_serializer=pb.SessionRequest.SerializeToString,
+            response_deserializer=pb.SessionResponse.FromString)
+        call = pb.SessionRequest(call=pb.AgentCall(call_id=1, claim=pb.ClaimRequest(
+            task_id="t")))
+        with pytest.raises(grpc.RpcError) as e:
+            list(session(iter([call]), timeout=5))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "starts with open or resume" in (e.value.details() or "")
+    assert streams_of(registry).served == {}
+
+
+def test_the_asyncio_client_runs_a_whole_cycle(registry: RegistryHandle) -> None:
+    """An asyncio agent claims, commits, consumes and acks through AsyncClient."""
+    with Client(registry.address, retry=TEST_RETRY) as c:
+        c.create_task(manifest("t", 3))
+
+    async def run() -> list[int]:
+        states = []
+        async with AsyncClient(registry.address) as ac:
+            async with await ac.open_session("aio", ttl=10) as s:
+                claims = await s.claim_batch("t", 3)
+                for claim in claims:
+                    await s.commit("t", claim.file_id, claim.token, 1, DIGEST)
+                with Client(registry.address, retry=TEST_RETRY) as c:
+                    for claim in claims:
+                        c.report("t", claim.file_id, 1, DIGEST)
+                for _ in claims:
+                    lease = await s.consume("t")
+                    states.append((await s.ack("t", lease.file_id, lease.group,
+                                               lease.token)).state)
+        return states
+
+    assert asyncio.run(run()) == [pb.CONSUMED] * 3
