@@ -106,7 +106,7 @@ def test_a_reply_lost_with_its_stream_is_answered_from_the_request_record(
         assert cuts == ["commit"] and s.stream is not None and s.stream.resumed == 1
         assert entry.state == pb.WRITTEN and entry.file_id == claim.file_id
         assert streams.served["commit"] == 2  # handled twice: sent again on the new stream
-    commits = [r for r in client.journal("t", claim.file_id) if r.to_state == pb.WRITTEN]
+    commits = [r for r in client.journal("t", claim.file_id) if r.event == "committed"]
     assert len(commits) == 1
 
 
