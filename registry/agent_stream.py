@@ -82,6 +82,8 @@ class AgentStreams:
         #: streams open on this replica, and the calls served on them by kind
         self.open = 0
         self.served: Counter[str] = Counter()
+        #: every call still running, held here so that one whose stream ended finishes
+        self.inflight: set[asyncio.Task[None]] = set()
         #: a fault to inject (the fault suite's nemesis, tests): called with each call's
         #: kind once it has applied; True breaks the stream before the reply is sent
         self.cut: Callable[[str], bool] | None = None
@@ -109,10 +111,11 @@ class AgentStreams:
         first = await anext(aiter(requests), None)
         if first is None:
             return
-        yield pb.SessionResponse(session=await self._begin(stream, _decoded(first)))
-        reader = asyncio.create_task(self._read(stream, requests, replies))
+        reader: asyncio.Task[None] | None = None
         self.open += 1
         try:
+            yield pb.SessionResponse(session=await self._begin(stream, _decoded(first)))
+            reader = asyncio.create_task(self._read(stream, requests, replies))
             while (reply := await replies.get()) is not None:
                 if reply is _CUT:
                     raise Unavailable("the session stream was cut (an injected fault)")
@@ -120,7 +123,7 @@ class AgentStreams:
             await reader  # its error (an undecodable message) ends the stream
         finally:
             self.open -= 1
-            if not reader.done():
+            if reader is not None and not reader.done():
                 # The agent went away; the calls already running finish on their own
                 # (each is one etcd transaction): their replies wait in the request
                 # records for the same calls sent again on the next stream.
@@ -147,6 +150,7 @@ class AgentStreams:
 
         def finished(task: asyncio.Task[None]) -> None:
             tasks.discard(task)
+            self.inflight.discard(task)
             stream.running -= 1
             if not tasks and reading_over:
                 done.set()
@@ -162,6 +166,7 @@ class AgentStreams:
                 task = asyncio.create_task(self._call(stream, request.call, replies))
                 stream.running += 1
                 tasks.add(task)
+                self.inflight.add(task)
                 task.add_done_callback(finished)
         except BaseException:
             replies.put_nowait(None)  # the stream ends with this error
