@@ -1,7 +1,7 @@
 """The agent's client for asyncio: a session and its calls on one stream.
 
     async with AsyncClient("127.0.0.1:7390") as c:
-        async with await c.open_session("ocr-1", ttl=10) as s:
+        async with c.session("ocr-1", ttl=10) as s:
             claim = await s.claim("scan-42")
             ...
             await s.commit(claim, size, digest)
@@ -22,12 +22,13 @@ runs it on an event loop of its own (``Client.open_session``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -92,6 +93,16 @@ class AsyncClient:
             version=version(), slots=slots))
         await session.open()
         return session
+
+    @contextlib.asynccontextmanager
+    async def session(self, agent: str, ttl: int = 10, *, slots: int = 0,
+                      host: str = "") -> AsyncIterator[AsyncSession]:
+        """``open_session`` as a context: the session is closed (revoked) on leaving."""
+        session = await self.open_session(agent, ttl, slots=slots, host=host)
+        try:
+            yield session
+        finally:
+            await session.close()
 
     async def close(self) -> None:
         await self._channel.close(None)

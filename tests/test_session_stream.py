@@ -53,12 +53,11 @@ def test_concurrent_calls_on_one_stream_each_get_their_own_reply_or_error(
         c.create_task(manifest("t", 20))
 
     async def run() -> list[Any]:
-        async with AsyncClient(registry.address) as ac:
-            async with await ac.open_session("many", ttl=10) as s:
-                good = [s.claim("t", f"f{i:03d}") for i in range(20)]
-                bad = [s.claim("t", f"nope{i}") for i in range(5)]
-                other = [s.claim("missing-task") for _ in range(5)]
-                return await asyncio.gather(*good, *bad, *other, return_exceptions=True)
+        async with AsyncClient(registry.address) as ac, ac.session("many", ttl=10) as s:
+            good = [s.claim("t", f"f{i:03d}") for i in range(20)]
+            bad = [s.claim("t", f"nope{i}") for i in range(5)]
+            other = [s.claim("missing-task") for _ in range(5)]
+            return await asyncio.gather(*good, *bad, *other, return_exceptions=True)
 
     results = asyncio.run(run())
     assert [r.file_id for r in results[:20]] == [f"f{i:03d}" for i in range(20)]
@@ -169,18 +168,17 @@ def test_the_asyncio_client_runs_a_whole_cycle(registry: RegistryHandle) -> None
 
     async def run() -> list[int]:
         states = []
-        async with AsyncClient(registry.address) as ac:
-            async with await ac.open_session("aio", ttl=10) as s:
-                claims = await s.claim_batch("t", 3)
+        async with AsyncClient(registry.address) as ac, ac.session("aio", ttl=10) as s:
+            claims = await s.claim_batch("t", 3)
+            for claim in claims:
+                await s.commit("t", claim.file_id, claim.token, 1, DIGEST)
+            with Client(registry.address, retry=TEST_RETRY) as c:
                 for claim in claims:
-                    await s.commit("t", claim.file_id, claim.token, 1, DIGEST)
-                with Client(registry.address, retry=TEST_RETRY) as c:
-                    for claim in claims:
-                        c.report("t", claim.file_id, 1, DIGEST)
-                for _ in claims:
-                    lease = await s.consume("t")
-                    states.append((await s.ack("t", lease.file_id, lease.group,
-                                               lease.token)).state)
+                    c.report("t", claim.file_id, 1, DIGEST)
+            for _ in claims:
+                lease = await s.consume("t")
+                states.append((await s.ack("t", lease.file_id, lease.group,
+                                           lease.token)).state)
         return states
 
     assert asyncio.run(run()) == [pb.CONSUMED] * 3
