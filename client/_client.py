@@ -502,6 +502,15 @@ class Client:
                                attributes=encode_attributes(attributes))
         return self._call("Commit", req).entry  # type: ignore[no-any-return]
 
+    def commit_and_claim(self, task_id: str, file_id: str, token: int, size: int,
+                         digest: str = "", *, session: Session,
+                         attributes: Attributes = None) -> tuple[pb.Entry, Claim | None]:
+        """Commit a claim and claim the task's next entry in one step (one message on
+        the session's stream, one etcd transaction): the committed entry and the next
+        claim, None when none can be taken now. Needs a session kept on its stream."""
+        return self._run(_needs_stream(session, "commit_and_claim").commit_and_claim(
+            task_id, file_id, token, size, digest, attributes=attributes))
+
     def fail(self, task_id: str, file_id: str, token: int, reason: str = "", *,
              session: Session | int = 0) -> pb.Entry:
         if (stream := _stream_of(session)) is not None:
@@ -605,6 +614,14 @@ class Client:
                             session_id=_named_session(session))
         return self._call("Ack", req).entry  # type: ignore[no-any-return]
 
+    def ack_and_consume(self, task_id: str, file_id: str, group: str, token: int, *,
+                        session: Session) -> tuple[pb.Entry, Lease | None]:
+        """Ack a lease and take the group's next entry in one step: the acked entry
+        and the next lease, None when none can be taken now. Needs a session kept on
+        its stream."""
+        return self._run(_needs_stream(session, "ack_and_consume").ack_and_consume(
+            task_id, file_id, group, token))
+
     def ack_batch(self, acks: list[tuple[str, str, str, int]]) -> list[pb.Entry]:
         """Ack (task, file_id, group, token) tuples in one transaction, all or nothing
         (at most 21); the entries as acked, in the same order."""
@@ -665,6 +682,13 @@ def _draining(session: Session | int) -> Iterator[None]:
 def _stream_of(session: Session | int) -> AsyncSession | None:
     """The stream a session's calls travel on (None: unary calls)."""
     return session.stream if isinstance(session, Session) else None
+
+
+def _needs_stream(session: Session, what: str) -> AsyncSession:
+    if session.stream is None:
+        raise errors.InvalidArgument(f"{what} needs a session kept on its stream "
+                                     "(open_session with keepalive)")
+    return session.stream
 
 
 def _named_session(session: Session | int) -> int:

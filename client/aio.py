@@ -261,7 +261,7 @@ class AsyncSession:
         a unary call would raise."""
         self.check()
         if hasattr(request, "request_id") and not request.request_id:
-            request.request_id = os.urandom(16).hex()  # the same when sent again
+            request.request_id = _request_id()  # the same when sent again
         call = pb.AgentCall(call_id=next(self._ids))
         getattr(call, kind).CopyFrom(request)
         pending = _Pending(call, asyncio.get_running_loop().create_future())
@@ -407,6 +407,52 @@ class AsyncSession:
             for c in commits]))
         return list(r.entries)
 
+    async def commit_and_claim(self, task_id: str, file_id: str, token: int, size: int,
+                               digest: str = "", *, attributes: Attributes = None
+                               ) -> tuple[pb.Entry, Claim | None]:
+        """Commit a claim and claim the task's next entry, in one message and one etcd
+        transaction: the committed entry, and the next claim (None when there is
+        none to take now: nothing claimable, the host drained, no free slot; a plain
+        ``claim`` then says which, or waits)."""
+        r = await self._ask("commit_and_claim", pb.CommitAndClaimRequest(
+            commit=pb.CommitRequest(task_id=task_id, file_id=file_id, token=token, size=size,
+                                    digest=digest, session_id=self.session_id,
+                                    attributes=encode_attributes(attributes),
+                                    request_id=_request_id()),
+            claim=pb.ClaimRequest(task_id=task_id, session_id=self.session_id)))
+        if r.HasField("next"):
+            n = r.next
+            return r.entry, Claim(task_id, n.entry.file_id, n.token, n.path, n.entry,
+                                  self.session_id)
+        self._noted(r.next_error)
+        return r.entry, None
+
+    async def ack_and_consume(self, task_id: str, file_id: str, group: str, token: int
+                              ) -> tuple[pb.Entry, Lease | None]:
+        """Ack a lease and take the group's next entry, in one message and one etcd
+        transaction: the acked entry, and the next lease (None when there is none
+        to take now)."""
+        r = await self._ask("ack_and_consume", pb.AckAndConsumeRequest(
+            ack=pb.AckRequest(task_id=task_id, file_id=file_id, group=group, token=token,
+                              session_id=self.session_id, request_id=_request_id()),
+            consume=pb.ConsumeRequest(task_id=task_id, group=group,
+                                      session_id=self.session_id)))
+        if r.HasField("next"):
+            return r.entry, _lease(task_id, r.next, self.session_id)
+        self._noted(r.next_error)
+        return r.entry, None
+
+    def _noted(self, why: pb.CallError) -> None:
+        """What a fused step's missing next says of the session (drained, lost)."""
+        if not why.code:
+            return
+        error = errors.from_status(grpc.StatusCode[why.code], why.details,
+                                   tuple(why.metadata.items()))
+        if isinstance(error, errors.Draining):
+            self.draining = True
+        elif isinstance(error, errors.SessionExpired):
+            self._lose(error)
+
     async def fail(self, task_id: str, file_id: str, token: int, reason: str = "") -> pb.Entry:
         r = await self._ask("fail", pb.FailRequest(
             task_id=task_id, file_id=file_id, token=token, reason=reason,
@@ -444,6 +490,12 @@ class AsyncSession:
             task_id=task_id, file_id=file_id, group=group, token=token, reason=reason,
             session_id=self.session_id))
         return r.entry  # type: ignore[no-any-return]
+
+
+def _request_id() -> str:
+    """A new request id: a call sent again with it applies once (a fused step's is its
+    finishing part's)."""
+    return os.urandom(16).hex()
 
 
 def _lease(task_id: str, r: pb.ConsumeResponse, session_id: int) -> Lease:

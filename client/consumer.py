@@ -236,18 +236,24 @@ def consume(
     nacked (handed back to the group) and the error propagates.
     """
     lease = next_lease(client, session, task_id, group, timeout)
+    with _delivered(client, session, lease) as delivery:
+        yield delivery
+    client.ack(task_id, lease.file_id, group, lease.token, session=session)
+
+
+@contextmanager
+def _delivered(client: Client, session: Session | int, lease: Lease) -> Iterator[Delivery]:
+    """Yield the lease's checked bytes; a block that raises nacks the entry."""
     try:
         data = (b"".join(iter_parts(client, lease)) if lease.entry.parts
                 else read_verified(lease))
-        delivery = Delivery(lease, data)
-        yield delivery
+        yield Delivery(lease, data)
     except BaseException as e:
         # The lease may be gone already; the reaper hands the entry back then.
         with suppress(BatonError):
-            client.nack(task_id, lease.file_id, group, lease.token,
-                        reason=f"{type(e).__name__}: {e}")
+            client.nack(lease.task_id, lease.file_id, lease.group, lease.token,
+                        reason=f"{type(e).__name__}: {e}", session=session)
         raise
-    client.ack(task_id, lease.file_id, group, lease.token)
 
 
 def consume_each(client: Client, session: Session, task_id: str, group: str = "default",
@@ -255,14 +261,28 @@ def consume_each(client: Client, session: Session, task_id: str, group: str = "d
     """Consume the group's verified entries one after another: each delivery is
     yielded, and acked when the loop asks for the next.
 
-    The loop ends, without an error, when none is verified within ``timeout``
-    or once the session's host is drained (``Session.draining``): the entry in
-    hand is acked first, and no new one is taken. Leaving the loop early (``break``,
-    an exception) nacks the entry in hand, as ``consume`` does.
+    On a session kept on its stream, each ack takes the next entry in the same step
+    (one message, one etcd transaction); when none is there, the loop waits for
+    one as ``next_lease`` does. The loop ends, without an error, when none is
+    verified within ``timeout`` or once the session's host is drained
+    (``Session.draining``): the entry in hand is acked first, and no new one is
+    taken. Leaving the loop early (``break``, an exception) nacks the entry in hand,
+    as ``consume`` does.
     """
-    while not session.draining:
-        try:
-            with consume(client, session, task_id, group, timeout) as delivery:
-                yield delivery
-        except (NothingToClaim, Draining):
-            return
+    lease: Lease | None = None
+    while True:
+        if lease is None:
+            if session.draining:
+                return
+            try:
+                lease = next_lease(client, session, task_id, group, timeout)
+            except (NothingToClaim, Draining):
+                return
+        with _delivered(client, session, lease) as delivery:
+            yield delivery
+        if session.stream is not None and not session.draining:
+            _, lease = client.ack_and_consume(task_id, lease.file_id, group, lease.token,
+                                              session=session)
+        else:
+            client.ack(task_id, lease.file_id, group, lease.token, session=session)
+            lease = None

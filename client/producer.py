@@ -189,6 +189,17 @@ def produce(
     ``attributes`` (or ``Output.attributes``, set in the block) go with the commit.
     """
     claim = client.claim(task_id, file_id, session=session)
+    with _written(client, session, claim, nonce, attributes) as out:
+        yield out
+    out.entry = client.commit(task_id, claim.file_id, claim.token, out.size, out.digest,
+                              attributes=out.attributes, session=session)
+
+
+@contextmanager
+def _written(client: Client, session: Session | int, claim: Claim,
+             nonce: Callable[[], str], attributes: Attributes) -> Iterator[Output]:
+    """Yield the claim's output; once the block ends, the file is under its final name
+    and on disk, ready to commit. A block that raises fails the entry."""
     refused = _unusable(claim)
     parent: int | None = None
     tmp = ""  # set once the temp file is ours to remove
@@ -218,30 +229,45 @@ def produce(
         if tmp and parent is not None:
             with suppress(FileNotFoundError):
                 os.unlink(tmp, dir_fd=parent)
-        client.fail(task_id, claim.file_id, claim.token, reason=f"{type(e).__name__}: {e}")
+        client.fail(claim.task_id, claim.file_id, claim.token,
+                    reason=f"{type(e).__name__}: {e}", session=session)
         raise
     finally:
         if parent is not None:
             os.close(parent)
-    out.entry = client.commit(task_id, claim.file_id, claim.token, out.size, out.digest,
-                              attributes=out.attributes)
 
 
-def produce_each(client: Client, session: Session, task_id: str) -> Iterator[Output]:
+def produce_each(client: Client, session: Session, task_id: str, *,
+                 nonce: Callable[[], str] = new_nonce) -> Iterator[Output]:
     """Claim the task's entries one after another: each output is yielded to be
     written, and published and committed when the loop asks for the next.
 
-    The loop ends, without an error, when nothing is left to claim or once the
-    session's host is drained (``Session.draining``): the entry in hand is
-    committed first, and no new one is claimed. Leaving the loop early (``break``,
-    an exception) fails the entry in hand, as ``produce`` does.
+    On a session kept on its stream, each commit claims the next entry in the same
+    step (one message, one etcd transaction). The loop ends, without an error,
+    when nothing is left to claim or once the session's host is drained
+    (``Session.draining``): the entry in hand is committed first, and no new one is
+    claimed. Leaving the loop early (``break``, an exception) fails the entry in
+    hand, as ``produce`` does.
     """
-    while not session.draining:
-        try:
-            with produce(client, session, task_id) as out:
-                yield out
-        except (NothingToClaim, Draining):
-            return
+    claim: Claim | None = None
+    while True:
+        if claim is None:
+            if session.draining:
+                return
+            try:
+                claim = client.claim(task_id, session=session)
+            except (NothingToClaim, Draining):
+                return
+        with _written(client, session, claim, nonce, None) as out:
+            yield out
+        if session.stream is not None and not session.draining:
+            out.entry, claim = client.commit_and_claim(
+                task_id, claim.file_id, claim.token, out.size, out.digest,
+                attributes=out.attributes, session=session)
+        else:
+            out.entry = client.commit(task_id, claim.file_id, claim.token, out.size,
+                                      out.digest, attributes=out.attributes, session=session)
+            claim = None
 
 
 def put(client: Client, session: Session | int, task_id: str, file_id: str,

@@ -27,6 +27,7 @@ from typing import Any
 from ..kernel.errors import BatonError, Internal, InvalidArgument, Unavailable, to_status
 from ..kernel.v1 import baton_pb2 as pb
 from .consumers import Consumers
+from .fused import Fused
 from .identity import Caller, scoped_request_id
 from .producers import Producers
 from .sessions import Sessions
@@ -77,6 +78,7 @@ class AgentStreams:
 
     def __init__(self, sessions: Sessions, producers: Producers, consumers: Consumers,
                  record: Recorder | None = None) -> None:
+        fused = Fused(producers, consumers)
         self.sessions = sessions
         self.record = record
         #: streams open on this replica, and the calls served on them by kind
@@ -99,6 +101,8 @@ class AgentStreams:
             "consume_batch": consumers.consume_batch,
             "ack_batch": consumers.ack_batch,
             "keepalive": sessions.keepalive,
+            "commit_and_claim": fused.commit_and_claim,
+            "ack_and_consume": fused.ack_and_consume,
         }
 
     async def serve(self, requests: AsyncIterator[Any], caller: Caller
@@ -189,8 +193,6 @@ class AgentStreams:
             if kind is None:
                 raise InvalidArgument("a call names no request", call_id=call.call_id)
             request = getattr(call, kind)
-            if kind in ("commit_and_claim", "ack_and_consume"):
-                raise InvalidArgument(f"{kind} is not served by this registry yet")
             self._fill(stream, request)
             result = await self.handlers[kind](request, stream.caller)
             getattr(reply, kind).CopyFrom(result)
@@ -211,11 +213,12 @@ class AgentStreams:
     @staticmethod
     def _fill(stream: _Stream, request: Any) -> None:
         """The stream's session where a call leaves it out, and its request id scoped
-        to the caller as a unary call's is."""
-        if hasattr(request, "session_id") and not request.session_id:
-            request.session_id = stream.session_id
-        if getattr(request, "request_id", ""):
-            request.request_id = scoped_request_id(stream.caller, request.request_id)
+        to the caller as a unary call's is (each part's, for a fused step)."""
+        for part in (request, *_parts(request)):
+            if hasattr(part, "session_id") and not part.session_id:
+                part.session_id = stream.session_id
+            if getattr(part, "request_id", ""):
+                part.request_id = scoped_request_id(stream.caller, part.request_id)
 
 
 def _entry(response: Any, handler: Callable[[Any, Caller], Awaitable[pb.Entry]]) -> Handler:
@@ -225,6 +228,15 @@ def _entry(response: Any, handler: Callable[[Any, Caller], Awaitable[pb.Entry]])
         return response(entry=await handler(request, caller))
 
     return wrapped
+
+
+def _parts(request: Any) -> tuple[Any, ...]:
+    """The two requests a fused step is made of (none for other calls)."""
+    if isinstance(request, pb.CommitAndClaimRequest):
+        return request.commit, request.claim
+    if isinstance(request, pb.AckAndConsumeRequest):
+        return request.ack, request.consume
+    return ()
 
 
 def _decoded(message: Any) -> pb.SessionRequest:

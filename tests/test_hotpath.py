@@ -11,7 +11,9 @@ import blake3
 
 from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.registry._etcd import KV, Compare, Etcd, Guarded, TxnOp, TxnResult
+from baton_relay.registry.consumers import Consumers
 from baton_relay.registry.core import Core
+from baton_relay.registry.fused import Fused
 from baton_relay.registry.identity import ANONYMOUS
 from baton_relay.registry.keys import Keys
 from baton_relay.registry.producers import Producers
@@ -87,6 +89,46 @@ def test_a_claim_and_a_commit_are_one_request_each(etcd: Any, prefix: str) -> No
     per_cycle = asyncio.run(body())
     # Two transactions per cycle, plus one window refill per page of the index.
     assert per_cycle <= 2.1, f"{per_cycle:.2f} etcd requests per claim → commit cycle"
+
+
+def test_a_fused_commit_and_claim_is_one_request(etcd: Any, prefix: str) -> None:
+    """Commit-and-claim-the-next at one agent costs at most 1.1 etcd requests per cycle,
+    and the claims it hands out are the live ones."""
+    async def body() -> tuple[float, int]:
+        client = CountingEtcd(etcd.endpoint, timeout=60)
+        await client.connect()
+        core = Core(client, Keys(prefix), "/staging")
+        await core.start()
+        try:
+            spec = pb.TaskSpec(task_id="t", entries=[
+                pb.EntrySpec(file_id=f"e{i:06d}", path=f"e{i:06d}") for i in range(300)])
+            await Tasks(core).create(pb.CreateTaskRequest(spec=spec))
+            session = await Sessions(core).open(pb.OpenSessionRequest(agent="a", ttl=30),
+                                                ANONYMOUS)
+            sid = session.session_id
+            producers = Producers(core)
+            fused = Fused(producers, Consumers(core))
+            claim = await producers.claim(pb.ClaimRequest(task_id="t", session_id=sid),
+                                          ANONYMOUS)
+            client.requests = 0
+            committed = 0
+            for i in range(100):
+                step = await fused.commit_and_claim(pb.CommitAndClaimRequest(
+                    commit=pb.CommitRequest(task_id="t", file_id=claim.entry.file_id,
+                                            token=claim.token, digest=EMPTY, session_id=sid,
+                                            request_id=f"m{i}"),
+                    claim=pb.ClaimRequest(session_id=sid)), ANONYMOUS)
+                assert step.entry.state == pb.WRITTEN and step.HasField("next")
+                committed += 1
+                claim = step.next
+            return client.requests / 100, committed
+        finally:
+            await core.stop()
+            await client.close()
+
+    per_cycle, committed = asyncio.run(body())
+    assert committed == 100
+    assert per_cycle <= 1.1, f"{per_cycle:.2f} etcd requests per fused cycle"
 
 
 def test_claims_do_not_range_over_the_task(etcd: Any, prefix: str) -> None:

@@ -8,10 +8,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import blake3
 import pytest
 from registry_fixtures import TEST_RETRY, RegistryHandle
 
-from baton_relay.client import Client
+from baton_relay.client import Client, consume_each, produce_each
 from baton_relay.client.aio import AsyncClient
 from baton_relay.kernel import errors
 from baton_relay.kernel.v1 import baton_pb2 as pb
@@ -182,3 +183,76 @@ def test_the_asyncio_client_runs_a_whole_cycle(registry: RegistryHandle) -> None
         return states
 
     assert asyncio.run(run()) == [pb.CONSUMED] * 3
+
+
+def test_produce_each_commits_and_claims_the_next_in_one_step(
+        registry: RegistryHandle, client: Client) -> None:
+    """produce_each on a stream session: one plain claim, then each commit claims the
+    next; every entry is committed once with its bytes."""
+    client.create_task(manifest("t", 5))
+    streams = streams_of(registry)
+    with client.open_session("p", ttl=10) as s:
+        for out in produce_each(client, s, "t"):
+            out.write(out.claim.file_id.encode())
+    assert streams.served["claim"] == 1
+    assert streams.served["commit_and_claim"] == 5 and streams.served["commit"] == 0
+    for e in client.list_entries("t"):
+        assert e.state == pb.WRITTEN and Path(e.abs_path).read_bytes() == e.file_id.encode()
+        assert [r.event for r in client.journal("t", e.file_id)].count("committed") == 1
+
+
+def test_consume_each_acks_and_takes_the_next_in_one_step(
+        registry: RegistryHandle, client: Client) -> None:
+    """consume_each on a stream session: each ack takes the next lease in the same step;
+    every entry is consumed once."""
+    client.create_task(manifest("t", 4))
+    with client.open_session("p", ttl=10) as s:
+        for out in produce_each(client, s, "t"):
+            out.write(b"x")
+    for e in client.list_entries("t"):
+        client.report("t", e.file_id, 1, blake3.blake3(b"x").hexdigest())
+    streams = streams_of(registry)
+    with client.open_session("c", ttl=10) as s:
+        seen = [d.lease.file_id for d in consume_each(client, s, "t", timeout=1)]
+    assert sorted(seen) == [f"f{i:03d}" for i in range(4)]
+    assert streams.served["ack_and_consume"] == 4 and streams.served["ack"] == 0
+    assert {e.state for e in client.list_entries("t")} == {pb.CONSUMED}
+
+
+def test_a_fused_step_with_nothing_next_still_commits(
+        registry: RegistryHandle, client: Client) -> None:
+    """The last entry's commit-and-claim commits it and says there is no next."""
+    client.create_task(manifest("t", 1))
+    with client.open_session("p", ttl=10) as s:
+        claim = client.claim("t", session=s)
+        entry, nxt = client.commit_and_claim("t", claim.file_id, claim.token, 1, DIGEST,
+                                             session=s)
+    assert entry.state == pb.WRITTEN and nxt is None
+
+
+def test_a_fused_step_whose_reply_was_lost_hands_out_the_same_next_claim(
+        registry: RegistryHandle, client: Client) -> None:
+    """The stream breaks after a commit-and-claim applied: sent again, it answers with
+    the same next claim, whose token then commits; nothing applied twice."""
+    client.create_task(manifest("t", 2))
+    streams = streams_of(registry)
+    cut = [False]
+
+    def once(kind: str) -> bool:
+        if kind == "commit_and_claim" and not cut[0]:
+            cut[0] = True
+            return True
+        return False
+
+    with client.open_session("p", ttl=10) as s:
+        first = client.claim("t", session=s)
+        streams.cut = once
+        entry, nxt = client.commit_and_claim("t", first.file_id, first.token, 1, DIGEST,
+                                             session=s)
+        assert cut[0] and s.stream is not None and s.stream.resumed == 1
+        assert entry.state == pb.WRITTEN and nxt is not None
+        assert client.commit("t", nxt.file_id, nxt.token, 1, DIGEST,
+                             session=s).state == pb.WRITTEN
+    for e in client.list_entries("t"):
+        events = [r.event for r in client.journal("t", e.file_id)]
+        assert events.count("claimed") == 1 and events.count("committed") == 1

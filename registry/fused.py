@@ -1,0 +1,145 @@
+"""The fused steps of an agent's loop: finish one entry and take the next, in one
+etcd transaction.
+
+A producer's loop is claim → write → commit → claim → ...; a consumer's is consume →
+read → ack → consume → .... Each finish is followed at once by a take, so the two are
+planned together and committed as one guarded transaction: one etcd request and one
+message per step instead of two. The finish is what the call is for: when there is
+nothing to take next (or the session may take no more), the finish still applies
+and the reply says why there is no next (``next_error``), as the take alone would
+have failed.
+
+A take refused on the replica's view is decided again on etcd, as every call's is
+(``txn``): the whole step is planned again on fresh reads, so a "nothing next" is
+never the product of a view that is behind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..kernel.errors import BatonError, InvalidArgument, to_status
+from ..kernel.v1 import baton_pb2 as pb
+from .consumers import Consumers, _consumable, _leased
+from .identity import Caller
+from .manifest import check_id
+from .producers import Producers
+from .txn import Txn
+
+
+def next_error(error: BatonError) -> pb.CallError:
+    """Why there is no next entry, as the take alone would have failed."""
+    code, details, metadata = to_status(error)
+    return pb.CallError(code=code.name, details=details, metadata=dict(metadata))
+
+
+class Fused:
+    def __init__(self, producers: Producers, consumers: Consumers) -> None:
+        self.producers = producers
+        self.consumers = consumers
+        self.core = producers.core
+
+    async def commit_and_claim(self, req: pb.CommitAndClaimRequest,
+                               caller: Caller) -> pb.CommitAndClaimResponse:
+        """Commit ``req.commit`` and claim the next entry of the task (``req.claim``:
+        its task and session default to the commit's)."""
+        commit = req.commit
+        task_id = req.claim.task_id or commit.task_id
+        session_id = req.claim.session_id or commit.session_id
+        check_id("task_id", task_id)
+        if req.claim.file_id:
+            raise InvalidArgument("the next claim of a fused step is the next claimable "
+                                     "entry: it names no file_id")
+        producers = self.producers
+        staging = self.core.staging_dir(commit.task_id)
+        next_staging = self.core.staging_dir(task_id)
+
+        async def planner(txn: Txn) -> Callable[[int], pb.CommitAndClaimResponse]:
+            ((rec, claim),) = await producers._live_claims(
+                txn, [(commit.task_id, commit.file_id, commit.token, commit.session_id)],
+                caller)
+            await producers._commit(txn, rec, claim, commit)
+            taken = None
+            refused: BatonError | None = None
+            try:
+                slots = await producers._session(txn, task_id, session_id, caller)
+                (taken,) = await producers._pick(txn, task_id, 1, caller)
+                producers._claim(txn, taken, slots, session_id, caller)
+            except BatonError as e:
+                if not txn.fresh:
+                    raise  # decided on the view: plan the whole step again on etcd
+                refused, taken = e, None
+
+            def reply(rev: int) -> pb.CommitAndClaimResponse:
+                out = pb.CommitAndClaimResponse(entry=rec.to_pb(staging, revision=rev))
+                if taken is not None:
+                    entry = taken.to_pb(next_staging, revision=rev, token=rev)
+                    out.next.CopyFrom(pb.ClaimResponse(entry=entry, token=rev,
+                                                       path=entry.abs_path))
+                elif refused is not None:
+                    out.next_error.CopyFrom(next_error(refused))
+                return out
+
+            return reply
+
+        def replay(raw: bytes, rev: int) -> pb.CommitAndClaimResponse:
+            out = pb.CommitAndClaimResponse.FromString(raw)
+            out.entry.revision = rev
+            if out.HasField("next"):
+                out.next.token = out.next.entry.token = out.next.entry.revision = rev
+            return out
+
+        return await self.core.txns.run(planner, commit.request_id, replay)
+
+    async def ack_and_consume(self, req: pb.AckAndConsumeRequest,
+                              caller: Caller) -> pb.AckAndConsumeResponse:
+        """Ack ``req.ack`` and take the next entry for the group (``req.consume``: its
+        task, group and session default to the ack's)."""
+        ack = req.ack
+        task_id = req.consume.task_id or ack.task_id
+        group = req.consume.group or ack.group
+        session_id = req.consume.session_id or ack.session_id
+        check_id("task_id", task_id)
+        check_id("group", group)
+        if req.consume.file_id:
+            raise InvalidArgument("the next consume of a fused step is the next "
+                                     "available entry: it names no file_id")
+        consumers = self.consumers
+        staging = self.core.staging_dir(ack.task_id)
+        next_staging = self.core.staging_dir(task_id)
+        consumable = _consumable(group)
+
+        async def planner(txn: Txn) -> Callable[[int], pb.AckAndConsumeResponse]:
+            ((claim, rec),) = await consumers._live(txn, [ack], caller)
+            consumers._ack(rec, claim, ack)
+            self.core.put_entry(rec, txn)
+            taken = None
+            refused: BatonError | None = None
+            try:
+                slots = await consumers._session(txn, task_id, group, session_id, caller)
+                ((entry_kv, taken),) = await consumers._pick(txn, task_id, group, consumable)
+                consumers._lease(txn, taken, group, slots, caller)
+                read_at = entry_kv.mod_revision
+            except BatonError as e:
+                if not txn.fresh:
+                    raise  # decided on the view: plan the whole step again on etcd
+                refused, taken, read_at = e, None, 0
+
+            def reply(rev: int) -> pb.AckAndConsumeResponse:
+                out = pb.AckAndConsumeResponse(entry=rec.to_pb(staging, revision=rev))
+                if taken is not None:
+                    out.next.CopyFrom(_leased(taken, next_staging, read_at, rev, group))
+                elif refused is not None:
+                    out.next_error.CopyFrom(next_error(refused))
+                return out
+
+            return reply
+
+        def replay(raw: bytes, rev: int) -> pb.AckAndConsumeResponse:
+            out = pb.AckAndConsumeResponse.FromString(raw)
+            out.entry.revision = rev
+            if out.HasField("next"):
+                out.next.token = rev
+            return out
+
+        return await self.core.txns.run(planner, ack.request_id, replay)
