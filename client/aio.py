@@ -155,6 +155,8 @@ class AsyncSession:
         self._write_lock = asyncio.Lock()
         self._closing = False
         self._tasks: set[asyncio.Task[None]] = set()
+        #: the task reading the current stream's replies
+        self._reader: asyncio.Task[None] | None = None
 
     # the stream ---------------------------------------------------------------------
 
@@ -188,7 +190,7 @@ class AsyncSession:
             raise errors.Unavailable("Session: the stream ended before the session was open")
         self._call = call
         self._connected.set()
-        self._spawn(self._read(call))
+        self._reader = self._spawn(self._read(call))
         return reply.session  # type: ignore[no-any-return]
 
     async def _read(self, call: Any) -> None:
@@ -295,10 +297,11 @@ class AsyncSession:
         if self._call is not None:
             self._call.cancel()
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Any) -> asyncio.Task[None]:
         task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def _keep(self) -> None:
         """Keepalive messages on the stream, every TTL/3 (TTL/10 after a failure)."""
@@ -345,6 +348,14 @@ class AsyncSession:
         if self._closing and self.lost:
             return
         self._closing = True
+        if self._call is not None and self._connected.is_set():
+            # Said done: the registry answers what is in flight and ends the stream.
+            with contextlib.suppress(grpc.RpcError, asyncio.InvalidStateError, TimeoutError):
+                async with asyncio.timeout(1.0):
+                    async with self._write_lock:
+                        await self._call.done_writing()
+                    if self._reader is not None:
+                        await asyncio.shield(self._reader)  # until the stream's end
         if self._call is not None:
             self._call.cancel()
         for task in list(self._tasks):
