@@ -149,6 +149,7 @@ def _request(method: str, world: dict[str, Any]) -> Any:
         "UndrainHost": pb.UndrainHostRequest(host="no-such-host"),
         "OpenSession": pb.OpenSessionRequest(agent="x", ttl=30),
         "KeepAlive": pb.KeepAliveRequest(session_id=sid),
+        "Session": pb.SessionRequest(open=pb.OpenSessionRequest(agent="x", ttl=30)),
         "CloseSession": pb.CloseSessionRequest(session_id=sid),
         "Claim": pb.ClaimRequest(task_id=t, session_id=sid),
         "ClaimBatch": pb.ClaimBatchRequest(task_id=t, session_id=sid, max=2),
@@ -188,6 +189,21 @@ def _spec(data: dict[str, Any]) -> pb.TaskSpec:
 
 def _call(client: Client, method: str, request: Any) -> None:
     """One call of ``method``; a stream is read until its first message."""
+    if SERVICE.methods_by_name[method].client_streaming:
+        stream = client._channel.stream_stream(
+            f"/{SERVICE.full_name}/{method}",
+            request_serializer=pb.SessionRequest.SerializeToString,
+            response_deserializer=pb.SessionResponse.FromString)
+        replies = stream(iter([request]), timeout=5)
+        try:
+            next(iter(replies))
+        except grpc.RpcError as e:
+            from baton_relay.client._wire import raise_from_rpc
+
+            raise raise_from_rpc(e) from None
+        finally:
+            replies.cancel()
+        return
     if SERVICE.methods_by_name[method].server_streaming:
         call = getattr(client._stub, method)(request, timeout=5)
         try:
