@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -79,6 +80,9 @@ class Session:
     #: the session on its stream, where calls naming this session go; None for a
     #: session the caller keeps alive with unary calls
     stream: AsyncSession | None = None
+    #: the client whose event loop carries the stream (``client`` may be changed to
+    #: another replica's, which then makes the unary calls, as ``close``'s revoke)
+    carrier: Client | None = None
 
     @property
     def ttl(self) -> int:
@@ -105,7 +109,7 @@ class Session:
         """Refresh the session's lease once and take what the registry says of it
         (its TTL, whether it is draining); the TTL."""
         if self.stream is not None:
-            return self.client._run(self.stream.refresh())
+            return (self.carrier or self.client)._run(self.stream.refresh())
         reply = self.client.refresh_session(self.session_id)
         if reply.ttl > 0:
             self.ttl = int(reply.ttl)
@@ -136,8 +140,16 @@ class Session:
     def close(self, revoke: bool = True) -> None:
         """End the stream; with ``revoke`` end the lease too (claims go back now)."""
         if self.stream is not None:
-            if not self.client.closed:
-                self.client._run(self.stream.close(revoke))
+            lost = self.lost.is_set() or self.stream.lost
+            carrier = self.carrier or self.client
+            if not carrier.closed:
+                with contextlib.suppress(errors.ClientClosed):
+                    carrier._run(self.stream.close(revoke=False))
+            if revoke and not lost:
+                try:
+                    self.client.close_session(self.session_id)
+                except errors.BatonError as e:
+                    log.warning("closing session %x: %s", self.session_id, e)
         elif revoke and not self.lost.is_set():
             try:
                 self.client.close_session(self.session_id)
@@ -177,9 +189,14 @@ class _Stub:
 
 
 class _Loop:
-    """An event loop in a daemon thread, where a blocking client's stream sessions run:
-    the asyncio client is the one implementation of a session, the blocking one hands
-    it each call."""
+    """The event loop, in a daemon thread, where every blocking client of the process
+    runs its stream sessions: the asyncio client is the one implementation of a
+    session, the blocking one hands it each call. One per process, because gRPC's
+    asyncio layer serves one running event loop at a time (a second one, running in
+    another thread, gets its futures refused)."""
+
+    _shared: _Loop | None = None
+    _lock = threading.Lock()
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
@@ -187,13 +204,16 @@ class _Loop:
                                        daemon=True)
         self.thread.start()
 
+    @classmethod
+    def shared(cls) -> _Loop:
+        with cls._lock:
+            if cls._shared is None:
+                cls._shared = cls()
+            return cls._shared
+
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         result: T = asyncio.run_coroutine_threadsafe(coro, self.loop).result()
         return result
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=5)
 
 
 class Client:
@@ -241,7 +261,6 @@ class Client:
             loop, aio, self._loop, self._aio = self._loop, self._aio, None, None
         if loop is not None and aio is not None:
             loop.run(aio.close())
-            loop.stop()
 
     def _streams(self) -> AsyncClient:
         """The asyncio client that carries this client's stream sessions."""
@@ -256,7 +275,7 @@ class Client:
                     return AsyncClient(self.target, timeout=self.timeout, ca=c.ca,
                                        cert=c.cert, key=c.key)
 
-                self._loop = _Loop()
+                self._loop = _Loop.shared()
                 self._aio = self._loop.run(make())
             return self._aio
 
@@ -406,7 +425,8 @@ class Client:
         if keepalive:
             aio = self._streams()
             stream = self._run(aio.open_session(agent, ttl, slots=slots, host=host))
-            session = Session(self, stream.session_id, stream.agent, stream.ttl, stream=stream)
+            session = Session(self, stream.session_id, stream.agent, stream.ttl, stream=stream,
+                              carrier=self)
             stream.on_lost.append(session.lost.set)
             return session
         req = pb.OpenSessionRequest(agent=agent, ttl=ttl, host=host or socket.gethostname(),

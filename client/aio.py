@@ -16,7 +16,9 @@ the calls not yet answered are sent again; their request ids make a call that di
 apply answer from its record, so nothing applies twice.
 
 This is the one implementation of an agent's session: the blocking :class:`Client`
-runs it on an event loop of its own (``Client.open_session``).
+runs it on an event loop of its own thread, one per process (``Client.open_session``).
+gRPC's asyncio layer serves one running event loop per process: a program that runs
+its own loop uses this client there, and not blocking stream sessions beside it.
 """
 
 from __future__ import annotations

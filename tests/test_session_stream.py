@@ -256,3 +256,39 @@ def test_a_fused_step_whose_reply_was_lost_hands_out_the_same_next_claim(
     for e in client.list_entries("t"):
         events = [r.event for r in client.journal("t", e.file_id)]
         assert events.count("claimed") == 1 and events.count("committed") == 1
+
+
+def test_two_clients_of_one_process_share_the_loop_their_streams_run_on(
+        registry_factory: Callable[..., RegistryHandle]) -> None:
+    """Two blocking clients (two replicas) in one process, their stream sessions used
+    at once from two threads: every call is answered (gRPC's asyncio layer serves one
+    running loop per process, so the clients share one)."""
+    import threading
+
+    first, second = registry_factory(), registry_factory()
+    with Client(first.address, retry=TEST_RETRY) as c:
+        c.create_task(manifest("t", 40))
+    done: list[int] = []
+
+    def loop(address: str, name: str) -> None:
+        with Client(address, retry=TEST_RETRY) as c, c.open_session(name, ttl=10) as s:
+            n = 0
+            while (claim := _claim_or_none(c, s)) is not None:
+                c.commit("t", claim.file_id, claim.token, 1, DIGEST, session=s)
+                n += 1
+            done.append(n)
+
+    threads = [threading.Thread(target=loop, args=(r.address, f"a{i}"))
+               for i, r in enumerate((first, second))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sum(done) == 40 and len(done) == 2
+
+
+def _claim_or_none(c: Client, s: Any) -> Any:
+    try:
+        return c.claim("t", session=s)
+    except errors.NothingToClaim:
+        return None
