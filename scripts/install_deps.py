@@ -119,6 +119,8 @@ TOOLS = (
          extract="usr/bin/promtool"),
     Tool("ip", "the fault-injection tests (tests/faults) put each process in a network "
          "namespace", on_path("ip"), "iproute2", "your system's iproute2 package"),
+    Tool("ss", "the fault-injection tests (tests/faults) abort an agent's connections to the "
+         "registries with `ss -K`", on_path("ss"), "iproute2", "your system's iproute2 package"),
     Tool("nft", "the fault-injection tests (tests/faults) cut links between namespaces "
          "with nftables", on_path("nft"), "nftables", "your system's nftables package"),
     Tool("systemd-analyze", "tests/test_deploy.py verifies and scores the systemd units of "

@@ -303,7 +303,8 @@ def _run(cfg: RunConfig, out: Path, staging: Path, driver: hist.History,
                for i, g in enumerate(g for g in cfg.groups for _ in range(cfg.consumers))]
     replicas = Replicas(addresses, tls)
     world = World(cluster, registries, watchers, agents, staging, cfg.ttl, rng, driver,
-                  operator=replicas.call, network=network, etcd_quota=cluster.quota)
+                  operator=replicas.call, network=network, etcd_quota=cluster.quota,
+                  registry_ports=tuple(int(a.rsplit(":", 1)[1]) for a in addresses))
     feeder = Feeder(cfg, replicas, driver, staging)
     started = time.monotonic()
     released = ""

@@ -22,6 +22,7 @@ from typing import Any
 from baton_relay.client import Client
 from baton_relay.kernel import errors
 
+from . import sockets
 from .cluster import (
     EtcdCluster,
     Proc,
@@ -102,6 +103,9 @@ class World:
     staging_tmpfs: bool = False
     #: etcd's ``--quota-backend-bytes`` (0: etcd's default, etcd-quota does nothing)
     etcd_quota: int = 0
+    #: the ports the registry replicas serve agents on (cut-streams aborts agents'
+    #: connections to them)
+    registry_ports: tuple[int, ...] = ()
     #: what a nemesis left to clean up if it stopped half-way ("fill-staging",
     #: "etcd-quota"); :meth:`heal` cleans it
     mess: set[str] = field(default_factory=set)
@@ -479,6 +483,24 @@ def partition_client(w: World) -> dict[str, Any]:
             "seconds": round(seconds, 2)}
 
 
+def cut_streams(w: World) -> dict[str, Any]:
+    """Abort an agent's TCP connections to the registries (most often while it holds a
+    token), one to three times 0.05-1 s apart: its session stream breaks in the middle of
+    a call. The session must live on (the client resumes it on a new stream, to either
+    replica) and a call whose reply was lost must be answered from its request record:
+    nothing applied twice, nothing lost, no token refused that was still good."""
+    slot = w.rng.choice(w.agents)
+    held = _while_holding(w, slot) if w.rng.random() < 0.75 else slot.holding()
+    namespace = w.network.nodes[agent_node(slot.index)].namespace if w.network else ""
+    cuts = []
+    for _ in range(w.rng.randint(1, 3)):
+        if slot.proc is None or slot.proc.pid is None or not slot.proc.alive:
+            break
+        cuts.append(sockets.destroy(slot.proc.pid, w.registry_ports, namespace))
+        w.sleep(w.rng.uniform(0.05, 1.0))
+    return {"agent": slot.name, "holding": held or None, "connections": cuts}
+
+
 def packet_loss(w: World) -> dict[str, Any]:
     """Drop 5-30 % of the packets, at random, of one to three processes (etcd members,
     replicas, watchers, agents) for 4-10 s: calls slow down, time out and are retried."""
@@ -692,6 +714,7 @@ NEMESES: dict[str, Nemesis] = {
     "partition-registry": partition_registry,
     "partition-client": partition_client,
     "packet-loss": packet_loss,
+    "cut-streams": cut_streams,
     "fill-staging": fill_staging,
     "etcd-quota": etcd_quota,
 }
