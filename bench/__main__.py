@@ -1,6 +1,6 @@
 """``python -m bench``: run the scenarios and write the report with its plots.
 
-    python -m bench [--quick] [--only claims,batches,scale,watcher,cli,etcd-tls,lifetime]
+    python -m bench [--quick] [--only claims,loops,batches,scale,watcher,cli,etcd-tls,lifetime]
                     [--out docs/benchmarks.md] [--set FIELD=VALUE ...]
 
 Without ``--only``, every scenario but the lifetime, which runs for hours at full size
@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
-from . import batches, claims, cli_startup, etcd_tls, lifetime, scale, watching
+from . import batches, claims, cli_startup, etcd_tls, lifetime, loops, scale, watching
 from .harness import INTERRUPTED, Machine, cpu_busy, ensure_b3sum, load_average
 from .profiles import FULL, QUICK, Profile
 from .report import Section, render
@@ -33,6 +33,7 @@ from .report import Section, render
 Scenario = Callable[[Profile, Path, Path], Section]
 SCENARIOS: dict[str, tuple[str, Scenario]] = {
     "claims": ("Claims", claims.run),
+    "loops": ("Producer loops", loops.run),
     "batches": ("Batches", batches.run),
     "scale": ("Scale", scale.run),
     "watcher": ("Watcher", watching.run),

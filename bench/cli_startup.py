@@ -21,14 +21,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from baton_relay.client import Client
 
-from .harness import BenchError, Stack, load_average, ms
+from .harness import BenchError, Stack, load_average, ms, worktree
 from .profiles import Profile
 from .report import Section, Table
 
@@ -71,20 +69,6 @@ def timed(argv: list[str], env: dict[str, str]) -> float:
         raise BenchError(f"{' '.join(argv)} exited {done.returncode}: "
                          f"{done.stderr.decode(errors='replace').strip()}")
     return seconds
-
-
-@contextmanager
-def worktree(rev: str) -> Iterator[Path]:
-    """The repository at ``rev``, checked out in a temporary directory."""
-    with tempfile.TemporaryDirectory(prefix="baton-bench-before-") as tmp:
-        path = Path(tmp) / "tree"
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), rev],
-                       check=True, capture_output=True)
-        try:
-            yield path
-        finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(path)],
-                           check=False, capture_output=True)
 
 
 def commands(i: int, tokens: dict[str, int]) -> list[Command]:

@@ -18,9 +18,11 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -46,6 +48,8 @@ REGISTRY_READY = "baton-registry listening on "
 #: the line ``python -m baton_relay.watcher`` prints once it watches
 WATCHER_READY = "baton-watcher watching"
 START_TIMEOUT = 60.0
+#: the checkout the bench runs from (earlier revisions are checked out beside it)
+REPO = Path(__file__).resolve().parents[1]
 
 class BenchError(RuntimeError):
     """A scenario could not be measured (a daemon or an agent failed)."""
@@ -153,11 +157,12 @@ class Stack:
         self.daemons.clear()
         self.etcd.stop()
 
-    def _spawn(self, name: str, argv: list[str], ready: str) -> Daemon:
+    def _spawn(self, name: str, argv: list[str], ready: str,
+               env: dict[str, str] | None = None) -> Daemon:
         log_path = self.root / f"{name}-{len(self.daemons)}.log"
         with log_path.open("wb") as log:
             process = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
                 # Its own session: Ctrl-C reaches only us, and we stop it in order.
                 start_new_session=True, preexec_fn=die_with_parent,
             )
@@ -168,17 +173,21 @@ class Stack:
         return daemon
 
     def registry(self, staging: Path, prefix: str = "/baton/v1/",
-                 extra: tuple[str, ...] = ()) -> Daemon:
+                 extra: tuple[str, ...] = (), tree: Path | None = None) -> Daemon:
         """Start a registry on a free port (``extra``: more of its flags); its address
-        is ``.address``."""
+        is ``.address``. ``tree``: run the registry of that checkout (an earlier
+        revision, see :func:`worktree`) instead of this one."""
         staging.mkdir(parents=True, exist_ok=True)
+        # a benchmark measures whichever etcd it is given, known bugs or not (a tree from
+        # before the flag existed checked no versions)
+        allow = ["--allow-etcd-version", etcd_version(self.etcd.binary)]
+        if tree is not None and not knows_flag(tree, allow[0]):
+            allow = []
         daemon = self._spawn("registry", [
             sys.executable, "-u", "-m", "baton_relay.registry", *self.serve_flags, "--etcd",
             self.etcd.endpoint, *self.etcd_flags, "--listen", "127.0.0.1:0", "--staging",
-            str(staging), "--prefix", prefix, "--log-level", "WARNING",
-            # a benchmark measures whichever etcd it is given, known bugs or not
-            "--allow-etcd-version", etcd_version(self.etcd.binary), *extra],
-            REGISTRY_READY)
+            str(staging), "--prefix", prefix, "--log-level", "WARNING", *allow, *extra],
+            REGISTRY_READY, env=None if tree is None else tree_env(tree))
         line = _line_in(daemon.log_path, REGISTRY_READY) or ""
         daemon.address = line[len(REGISTRY_READY):].strip()
         daemon.credentials = self.credentials
@@ -193,6 +202,42 @@ class Stack:
     def stop(self, daemon: Daemon) -> None:
         terminate(daemon.process, timeout=10)
         self.daemons.remove(daemon)
+
+
+@contextmanager
+def worktree(rev: str) -> Iterator[Path]:
+    """The repository at ``rev``, checked out in a temporary directory."""
+    with tempfile.TemporaryDirectory(prefix="baton-bench-before-") as tmp:
+        path = Path(tmp) / "tree"
+        done = subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach",
+                               str(path), rev], check=False, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise BenchError(f"cannot check out {rev}: {done.stderr.strip()}")
+        try:
+            yield path
+        finally:
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(path)],
+                           check=False, capture_output=True)
+
+
+def tree_env(tree: Path) -> dict[str, str]:
+    """The environment under which ``import baton_relay`` loads ``tree``'s package (a
+    tree of the linked layout keeps it under ``src/``; later ones are the package)."""
+    src = tree / "src"
+    if (src / "baton_relay").exists():
+        path = src
+    else:
+        path = tree.parent / "path"
+        path.mkdir(exist_ok=True)
+        if not (path / "baton_relay").exists():
+            (path / "baton_relay").symlink_to(tree, target_is_directory=True)
+    return {**os.environ, "PYTHONPATH": str(path)}
+
+
+def knows_flag(tree: Path, flag: str) -> bool:
+    """Whether ``tree``'s registry has command-line flag ``flag``."""
+    return any(flag in f.read_text(errors="replace")
+               for f in (tree / "registry").glob("*.py"))
 
 
 def first_line(e: BaseException) -> str:

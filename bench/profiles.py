@@ -58,6 +58,15 @@ class Profile:
     life_agents: int = 4
     #: seconds between samples of etcd's size and key count
     life_every: float = 10.0
+    # producer loops
+    loop_agents: tuple[int, ...] = (1, 16, 64)
+    #: entries in each point's task
+    loop_entries: int = 6_000
+    loop_seconds: float = 5.0
+    loop_rounds: int = 3
+    #: the revision the loops are compared with ("" = none): the main branch before the
+    #: session stream and the registry's reshaping
+    loop_before: str = "f734371"
 
 
 FULL = Profile(
@@ -124,4 +133,9 @@ QUICK = Profile(
     life_size=500,
     life_agents=2,
     life_every=1.0,
+    loop_agents=(2,),
+    loop_entries=300,
+    loop_seconds=1.0,
+    loop_rounds=1,
+    loop_before="",
 )

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from tools import require
 
-SCENARIOS = ("Claims", "Batches", "Scale", "Watcher", "CLI startup", "Lifetime")
+SCENARIOS = ("Claims", "Producer loops", "Batches", "Scale", "Watcher", "CLI startup", "Lifetime")
 
 
 @pytest.mark.slow

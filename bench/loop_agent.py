@@ -1,0 +1,151 @@
+"""One producer agent of the producer-loops scenario (``bench/loops.py``), a process of its
+own that runs one job after another.
+
+It is run as a file (``python bench/loop_agent.py``), not as a module of the bench, so
+that the same file drives the current tree and an earlier one: which ``baton_relay`` it
+imports is the one ``PYTHONPATH`` names. It uses only what every tree's client offers
+(``Client``, ``open_session``, ``produce``, ``produce_each``) and the standard library.
+
+The parent speaks to it in lines: a job (JSON) on stdin; ``ready`` on stdout once the
+job is prepared (connected, session open); a start instant (the machine-wide monotonic
+clock) on stdin; the job's result (JSON) on stdout. ``null`` ends the process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+Job = dict[str, Any]
+Gate = Callable[[], float]
+
+
+def _gate() -> float:
+    """Say ready, wait for the common start and sleep until it; the start instant."""
+    print("ready", flush=True)
+    start = float(sys.stdin.readline())
+    time.sleep(max(0.0, start - time.monotonic()))
+    return start
+
+
+class Tally:
+    def __init__(self) -> None:
+        self.latencies: list[float] = []
+        self.claimed: list[str] = []
+        self.cpu0 = 0.0
+
+    def begin(self, gate: Gate) -> float:
+        start = gate()
+        self.cpu0 = time.process_time()
+        return start
+
+    def result(self) -> Job:
+        return {"latencies": self.latencies, "claimed": self.claimed, "end": time.monotonic(),
+                "cpu": time.process_time() - self.cpu0}
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def baton(job: Job, gate: Gate) -> Job:
+    """Producer steps through the client's helpers on a kept-alive session: ``each`` is
+    ``produce_each`` (what a producer loop calls), ``plain`` a ``produce`` block per entry
+    (a claim, then a commit)."""
+    from baton_relay.client import Client, produce, produce_each
+
+    payload = b"x" * job["size"]
+    tally = Tally()
+    with Client(job["address"], timeout=30) as c, c.open_session(job["agent"], ttl=30) as s:
+        deadline = tally.begin(gate) + job["seconds"]
+        t0 = time.perf_counter()
+        if job["loop"] == "each":
+            steps: Iterator[Any] = produce_each(c, s, job["task"])
+            for out in steps:
+                if time.monotonic() >= deadline:
+                    # Each output before this one was committed when the loop asked for
+                    # the next; this one is in hand, unwritten: leaving gives it back.
+                    break
+                out.write(payload)
+                tally.claimed.append(out.claim.file_id)
+                now = time.perf_counter()
+                if len(tally.claimed) > 1:
+                    tally.latencies.append(now - t0)
+                t0 = now
+        else:
+            while time.monotonic() < deadline:
+                t0 = time.perf_counter()
+                try:
+                    with produce(c, s, job["task"]) as out:
+                        out.write(payload)
+                except Exception as e:
+                    if type(e).__name__ == "NothingToClaim":
+                        break
+                    raise
+                tally.latencies.append(time.perf_counter() - t0)
+                tally.claimed.append(out.claim.file_id)
+    return tally.result()
+
+
+def postgres(job: Job, gate: Gate) -> Job:
+    """The same producer on PostgreSQL: claim a row (``FOR UPDATE SKIP LOCKED``), write
+    its file as ``produce`` does (temp file, fsync, rename, fsync of the directory), then
+    mark the row written."""
+    import psycopg
+    from psycopg import sql
+
+    t = sql.Identifier(job["table"])
+    claim_q = sql.SQL(job["claim_sql"]).format(t=t)
+    commit_q = sql.SQL(job["commit_sql"]).format(t=t)
+    payload = b"x" * job["size"]
+    where = job["staging"]
+    os.makedirs(where, exist_ok=True)
+    tally = Tally()
+    with psycopg.connect(job["conninfo"], autocommit=True) as conn:
+        conn.execute("SELECT 1")  # connected before the clock starts
+        deadline = tally.begin(gate) + job["seconds"]
+        while time.monotonic() < deadline:
+            t0 = time.perf_counter()
+            row = conn.execute(claim_q, (job["agent"],), prepare=True).fetchone()
+            if row is None:
+                break
+            name = f"e{row[0]:06d}"
+            tmp = os.path.join(where, f".{name}.{job['agent']}.tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                os.write(fd, payload)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, os.path.join(where, name))
+            _fsync_dir(where)
+            done = conn.execute(commit_q, (row[0], job["agent"]), prepare=True)
+            if done.rowcount != 1:
+                raise RuntimeError(f"row {row[0]} was not this agent's to commit")
+            tally.latencies.append(time.perf_counter() - t0)
+            tally.claimed.append(name)
+    return tally.result()
+
+
+RUNNERS = {"baton": baton, "postgres": postgres}
+
+
+def main() -> int:
+    for line in sys.stdin:
+        job = json.loads(line)
+        if job is None:
+            return 0
+        print(json.dumps(RUNNERS[job["runner"]](job, _gate)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
