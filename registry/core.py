@@ -24,6 +24,7 @@ from ..kernel.backoff import Backoff
 from ..kernel.errors import BatonError, NotFound
 from ._etcd import KV, Etcd
 from .archive_store import Archived, Archives
+from .fanout import Fanout
 from .keys import ClaimRef, Keys
 from .model import CONSUMED, DEAD, PENDING, VERIFIED, EntryRecord, TaskRecord, now
 from .txn import Transactions, Txn
@@ -97,6 +98,8 @@ class Core:
         self.clock = clock
         #: what the hot path reads, fed by a watch (None: every read goes to etcd)
         self.view = View(etcd, keys) if view else None
+        #: clients' watch streams share one etcd watch per prefix (registry.fanout)
+        self.fanout = Fanout(etcd)
         #: the one way to write: guarded transactions, group-committed
         self.txns = Transactions(etcd, keys.request, self.view, sleep=sleep, rng=self.rng)
         #: entries that just became verified, for the scheduler (dependents, assemblies)

@@ -69,6 +69,7 @@ class Tasks:
         self.core = core
         self.keys = core.keys
         self.removal = Removal(core)
+        self.fanout = core.fanout
 
     async def create(self, req: pb.CreateTaskRequest) -> pb.CreateTaskResponse:
         """Create a task, or finish creating it, or confirm it exists unchanged.
@@ -411,7 +412,7 @@ class Tasks:
                 )
             yield pb.TaskEvent(kind=pb.TaskEvent.SYNCED, revision=at)
             start = at + 1
-        async for batch in self.core.etcd.watch(self.keys.entries(req.task_id), start):
+        async for batch in self.fanout.follow(self.keys.entries(req.task_id), start):
             for ev in batch:
                 if ev.kind == "put":
                     rec = EntryRecord.load(ev.kv.value)
@@ -426,7 +427,7 @@ class Tasks:
         _, at, _ = await self.core.etcd.range(self.keys.tasks(), limit=1, keys_only=True)
         async for kv in self.core.etcd.scan(self.keys.tasks(), page=LIST_PAGE, revision=at):
             yield TaskRecord.load(kv.value).to_pb()
-        async for batch in self.core.etcd.watch(self.keys.tasks(), at + 1):
+        async for batch in self.fanout.follow(self.keys.tasks(), at + 1):
             for ev in batch:
                 if ev.kind == "put":
                     yield TaskRecord.load(ev.kv.value).to_pb()

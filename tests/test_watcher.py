@@ -94,6 +94,9 @@ def test_report_after_the_commit_verifies(
     assert state_of(client, "t1", "a") == pb.WRITTEN
     w = watcher_factory()
     wait_for(is_state(client, "t1", "a", pb.VERIFIED), what="a verified")
+    # The watcher counts a report once its call returns, which may be after the entry
+    # shows verified to others.
+    wait_for(lambda: w.metrics.reports_of("t1", "a") >= 1, what="the report counted")
     assert w.metrics.reports_of("t1", "a") == 1
 
 
