@@ -56,15 +56,16 @@ def test_streams_on_one_prefix_share_one_watch_and_each_sees_every_event(
         fanout = Fanout(client)
         _, now, _ = await client.range(prefix.encode(), limit=1)
         streams = [fanout.follow(prefix.encode(), now + 1) for _ in range(3)]
-        readers = [asyncio.ensure_future(take(s, 5)) for s in streams]
-        await asyncio.sleep(0)  # each reader is waiting on the feed
-        deadline = time.monotonic() + 10
-        while fanout.streams(prefix.encode()) < 3 and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        firsts = [asyncio.ensure_future(s.__anext__()) for s in streams]
+        await asyncio.sleep(0)  # each stream takes its first step: it joins the feed
         assert fanout.feeds == 1 and fanout.streams(prefix.encode()) == 3
         revisions = [await put(client, f"{prefix}k{i}") for i in range(5)]
         want = [(f"{prefix}k{i}", r) for i, r in enumerate(revisions)]
-        assert [await r for r in readers] == [want] * 3
+        for stream, first in zip(streams, firsts, strict=True):
+            got = [(ev.kv.key.decode(), ev.kv.mod_revision) for ev in await first]
+            if len(got) < len(want):
+                got += await take(stream, len(want) - len(got))
+            assert got == want
         for s in streams:
             await s.aclose()  # type: ignore[attr-defined]
         assert fanout.feeds == 0 and fanout.private == 0
@@ -81,7 +82,6 @@ def test_a_stream_from_before_the_feed_is_served_by_a_watch_of_its_own(
         _, now, _ = await client.range(prefix.encode(), limit=1)
         live = fanout.follow(prefix.encode(), now + 1)
         first = asyncio.ensure_future(take(live, 2))
-        await asyncio.sleep(0.05)
         old = [await put(client, f"{prefix}a"), await put(client, f"{prefix}b")]
         assert [r for _, r in await first] == old
         late = fanout.follow(prefix.encode(), old[0])
@@ -104,15 +104,17 @@ def test_a_slow_stream_leaves_the_feed_and_misses_nothing(
         _, now, _ = await client.range(prefix.encode(), limit=1)
         prompt = fanout.follow(prefix.encode(), now + 1)
         slow = fanout.follow(prefix.encode(), now + 1)
-        # Both join now (an async generator starts at its first step).
-        prompt_reader = asyncio.ensure_future(take(prompt, 8))
+        prompt_next = asyncio.ensure_future(prompt.__anext__())
         slow_first = asyncio.ensure_future(slow.__anext__())
-        revisions = []
+        await asyncio.sleep(0)  # both take their first step: they join the feed
+        assert fanout.streams(prefix.encode()) == 2
+        want, got_prompt = [], []
         for i in range(8):
-            revisions.append(await put(client, f"{prefix}k{i}"))
-            await asyncio.sleep(0.02)  # one batch per write
-        want = [(f"{prefix}k{i}", r) for i, r in enumerate(revisions)]
-        assert await prompt_reader == want
+            # One batch per write: the next write waits until the prompt stream has it.
+            want.append((f"{prefix}k{i}", await put(client, f"{prefix}k{i}")))
+            batch = await (prompt_next if i == 0 else prompt.__anext__())
+            got_prompt += [(ev.kv.key.decode(), ev.kv.mod_revision) for ev in batch]
+        assert got_prompt == want
         got = [(ev.kv.key.decode(), ev.kv.mod_revision) for ev in await slow_first]
         got += await take(slow, 8 - len(got))
         assert got == want
