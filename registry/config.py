@@ -33,6 +33,7 @@ class RegistryConfig:
     tls_cert: str = ""
     tls_key: str = ""
     insecure: bool = False
+    insecure_beyond_loopback: bool = False
     # etcd over TLS, with the registry's own credentials
     etcd_ca: str = ""
     etcd_cert: str = ""
@@ -69,7 +70,10 @@ _HELP = {
     "tls_ca": "CA bundle client certificates must chain to (re-read when it changes)",
     "tls_cert": "the registry's server certificate, PEM (re-read when it changes)",
     "tls_key": "the server certificate's private key, PEM",
-    "insecure": "serve plaintext with no client identities (loopback, or when you mean it)",
+    "insecure": "serve plaintext with no client identities (on a loopback address only, "
+    "unless --insecure-beyond-loopback)",
+    "insecure_beyond_loopback": "with --insecure, serve plaintext on an address beyond "
+    "loopback too: anyone who reaches it may do anything",
     "etcd_ca": "CA bundle etcd's server certificate must chain to (turns on TLS to etcd)",
     "etcd_cert": "client certificate the registry presents to etcd",
     "etcd_key": "private key of --etcd-cert",

@@ -129,9 +129,19 @@ def server_certificates(config: RegistryConfig) -> ServerCertificates | None:
             raise InvalidArgument("--insecure and --tls-* settings contradict each other: "
                                   "choose one")
         if not is_loopback(config.listen):
-            log.warning("serving PLAINTEXT on %s, beyond loopback (--insecure): anyone who "
-                        "reaches it may do anything", config.listen)
+            if not config.insecure_beyond_loopback:
+                raise InvalidArgument(
+                    f"--insecure on {config.listen}, beyond loopback: anyone who reaches it "
+                    "could do anything as anyone. Serve mutual TLS (--tls-ca, --tls-cert, "
+                    "--tls-key), listen on a loopback address, or add "
+                    "--insecure-beyond-loopback if that is what you mean")
+            log.warning("serving PLAINTEXT on %s, beyond loopback (--insecure "
+                        "--insecure-beyond-loopback): anyone who reaches it may do anything",
+                        config.listen)
         return None
+    if config.insecure_beyond_loopback:
+        raise InvalidArgument("--insecure-beyond-loopback goes with --insecure (it allows "
+                              "plaintext beyond loopback); without --insecure it means nothing")
     if not tls:
         raise InvalidArgument(
             "no TLS configured: give --tls-ca, --tls-cert and --tls-key (clients must then "

@@ -540,6 +540,19 @@ def test_plaintext_needs_insecure(registry_factory: Callable[..., RegistryHandle
         registry_factory(insecure=False)
 
 
+def test_plaintext_beyond_loopback_needs_a_second_flag(
+        registry_factory: Callable[..., RegistryHandle]) -> None:
+    """--insecure on a non-loopback address refuses to start, naming the way out; with
+    --insecure-beyond-loopback it serves; the second flag alone is refused."""
+    with pytest.raises(errors.InvalidArgument, match="--insecure-beyond-loopback"):
+        registry_factory(listen="0.0.0.0:0")
+    handle = registry_factory(listen="0.0.0.0:0", insecure_beyond_loopback=True)
+    with Client(f"127.0.0.1:{handle.port}", timeout=10, retry=TEST_RETRY) as c:
+        assert c.list_tasks() == []
+    with pytest.raises(errors.InvalidArgument, match="goes with --insecure"):
+        registry_factory(insecure=False, insecure_beyond_loopback=True)
+
+
 def test_plaintext_client_of_a_tls_registry_is_told(secure: RegistryHandle) -> None:
     """A client without TLS settings gets an error that names them."""
     with Client(secure.address, ca="", cert="", key="", timeout=3, retry=TEST_RETRY) as c, \

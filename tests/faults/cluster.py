@@ -455,7 +455,9 @@ def registry_proc(name: str, etcd_endpoint: str, address: str, staging: Path, pr
                   log_path: Path, tls: LocalPKI | None, etcd_version: str) -> Proc:
     """A registry process on ``etcd_endpoint``, whose members run ``etcd_version``
     (``EtcdCluster.version``: served even if it has known bugs)."""
-    security = list(tls.client_flags(REGISTRY, "tls")) if tls else ["--insecure"]
+    # --insecure runs only on the run's private network (or loopback)
+    security = (list(tls.client_flags(REGISTRY, "tls")) if tls
+                else ["--insecure", "--insecure-beyond-loopback"])
     argv = [sys.executable, "-u", "-m", "baton_relay.registry", *security, "--etcd", etcd_endpoint,
             "--listen", address, "--staging", str(staging), "--prefix", prefix,
             "--reap-interval", "0.5", "--grace", "1", "--allow-etcd-version", etcd_version]
