@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: install deps test lint up faults-long bench
+.PHONY: install deps test lint up faults-long bench fuzz
 
 # The programs the tests run beside the virtualenv (b3sum, jq, promtool, nftables,
 # iproute2, systemd-analyze, PostgreSQL's server, Debian's etcd 3.4): installed on
@@ -42,3 +42,12 @@ SEED ?= $(shell date +%s)
 DURATION ?= 1800
 faults-long: install
 	$(BIN)/python -m tests.faults --seed $(SEED) --duration $(DURATION) $(FAULTS_ARGS)
+
+# The long fuzzing run (docs/faults.md, "Fuzzing"): FUZZ_EXAMPLES fresh inputs for each
+# target (manifest validation, every RPC against a real registry, the watcher's reading
+# of hostile staging trees); the test suite runs a few hundred fixed ones. For example
+#   make fuzz FUZZ_EXAMPLES=100000
+FUZZ_EXAMPLES ?= 100000
+fuzz: install
+	BATON_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/python -m pytest -q \
+		--hypothesis-show-statistics tests/fuzz

@@ -193,7 +193,7 @@ class AgentStreams:
             if kind is None:
                 raise InvalidArgument("a call names no request", call_id=call.call_id)
             request = getattr(call, kind)
-            self._fill(stream, request)
+            self._fill(stream, kind, request)
             result = await self.handlers[kind](request, stream.caller)
             getattr(reply, kind).CopyFrom(result)
             self.served[kind] += 1
@@ -211,14 +211,15 @@ class AgentStreams:
         replies.put_nowait(pb.SessionResponse(reply=reply))
 
     @staticmethod
-    def _fill(stream: _Stream, request: Any) -> None:
+    def _fill(stream: _Stream, kind: str, request: Any) -> None:
         """The stream's session where a call leaves it out, and its request id scoped
         to the caller as a unary call's is (each part's, for a fused step)."""
         for part in (request, *_parts(request)):
             if hasattr(part, "session_id") and not part.session_id:
                 part.session_id = stream.session_id
             if getattr(part, "request_id", ""):
-                part.request_id = scoped_request_id(stream.caller, part.request_id)
+                part.request_id = scoped_request_id(
+                    stream.caller, f"Session.{kind}", part)
 
 
 def _entry(response: Any, handler: Callable[[Any, Caller], Awaitable[pb.Entry]]) -> Handler:

@@ -18,7 +18,7 @@ import functools
 import hashlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from ..kernel.errors import PermissionDenied
 from ..kernel.pki import ROLES
@@ -147,13 +147,25 @@ def authorize(method: str, caller: Caller) -> contextvars.Token[Caller]:
     return _current.set(caller)
 
 
-def scoped_request_id(caller: Caller, request_id: str) -> str:
-    """A request id as recorded: scoped to its caller, so a replay can only ever
-    return the caller's own reply (another identity's same id is another request)."""
-    if not request_id or not caller.name:
+def scoped_request_id(caller: Caller, call: str, request: Any) -> str:
+    """``request``'s request id as recorded: scoped to its caller, to the call (method)
+    and to the request's other fields. A replay then only ever returns the reply of
+    the very same call: another identity's same id, or the same id sent again with
+    another call or other arguments (a client's mistake), is another request, applied
+    on its own — never answered with a reply recorded for something else."""
+    request_id: str = request.request_id
+    if not request_id:
         return request_id
-    scope = hashlib.blake2b(caller.name.encode(), digest_size=8).hexdigest()
-    return f"{scope}.{request_id}"
+    h = hashlib.blake2b(digest_size=8)
+    for part in (caller.name, call):
+        h.update(part.encode())
+        h.update(b"\0")
+    request.request_id = ""
+    try:
+        h.update(request.SerializeToString(deterministic=True))
+    finally:
+        request.request_id = request_id
+    return f"{h.hexdigest()}.{request_id}"
 
 
 def matches(name: str, patterns: Iterable[str]) -> bool:

@@ -154,9 +154,10 @@ def unary(
             if isinstance(request, Undecodable):
                 raise request.error()
             if getattr(request, "request_id", ""):
-                # Scoped to the caller: a replay only ever returns the caller's reply.
+                # Scoped to the caller and the call: a replay only ever returns the
+                # reply of this very call.
                 request.request_id = scoped_request_id(  # type: ignore[attr-defined]
-                    current(), request.request_id)  # type: ignore[attr-defined]
+                    current(), fn.__name__, request)
             return await fn(self, request)
         except Exception as e:
             await _abort(context, e)
