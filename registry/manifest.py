@@ -12,7 +12,8 @@ Limits (documented in docs/cli.md, "The manifest"):
   cycles; or ``TASK:FILE_ID``, an entry of another task that exists already (so no
   cycle can cross tasks); it may be long (a dependent with hundreds of dependencies
   is released like one with a few)
-- ``priority`` 0..9; ``aging_seconds`` 0..86400; backoff values ≥ 0, cap ≤ 86400
+- ``priority`` 0..9; ``aging_seconds`` 0..86400; backoff values finite, ≥ 0, cap ≤ 86400;
+  ``archive_after_seconds`` finite
 - ``claim_deadline_seconds``, ``consume_deadline_seconds`` (task and entries) 0..a week
 - ``parts`` name other entries of the task, each once; a part belongs to one
   assembly only; an assembly has no ``depends_on`` and is not itself a part; an
@@ -269,8 +270,15 @@ def validate(spec: pb.TaskSpec) -> ValidTask:
                 problems.append(f"{where}: {name} {value} not within 0..{MAX_DEADLINE:.0f} "
                                 "(0: none)")
     b = spec.backoff
-    if min(b.base_seconds, b.factor, b.cap_seconds) < 0 or b.cap_seconds > 86400:
-        problems.append("backoff values must be ≥ 0 and cap_seconds ≤ 86400")
+    values = (b.base_seconds, b.factor, b.cap_seconds)
+    if not all(math.isfinite(v) and v >= 0 for v in values) or b.cap_seconds > 86400:
+        # NaN passes every comparison, infinity makes delays of NaN (0 times infinity): both refused
+        problems.append(f"backoff values must be finite numbers ≥ 0 and cap_seconds ≤ 86400 "
+                        f"(given base_seconds {b.base_seconds}, factor {b.factor}, "
+                        f"cap_seconds {b.cap_seconds})")
+    if not math.isfinite(spec.archive_after_seconds):
+        problems.append(f"archive_after_seconds {spec.archive_after_seconds} is not a finite "
+                        "number (0: the registry's --archive-after; negative: never)")
     owner: dict[str, str] = {}
     for e in spec.entries:
         if e.HasField("priority") and not 0 <= e.priority <= 9:

@@ -76,6 +76,31 @@ def test_invalid_manifests(entries: list[dict[str, Any]], fields: dict[str, Any]
         validate(spec(entries, **fields))
 
 
+@pytest.mark.parametrize("backoff", [{"factor": float("inf")}, {"factor": float("nan")},
+                                     {"base_seconds": float("inf")},
+                                     {"base_seconds": float("nan")}])
+def test_a_backoff_that_is_not_a_finite_number_is_refused(backoff: dict[str, float]) -> None:
+    """Infinite or NaN backoff values are refused (fuzzing found factor ∞ accepted: NaN
+    passes every comparison, and 0 times infinity makes a delay of NaN)."""
+    from baton_relay.kernel.v1 import baton_pb2 as pb
+
+    bad = pb.TaskSpec(task_id="t1", entries=[pb.EntrySpec(file_id="a", path="a")],
+                      backoff=pb.RetryBackoff(**backoff))
+    with pytest.raises(errors.InvalidManifest, match="finite"):
+        validate(bad)
+
+
+@pytest.mark.parametrize("after", [float("inf"), float("-inf"), float("nan")])
+def test_an_archive_delay_that_is_not_a_finite_number_is_refused(after: float) -> None:
+    """archive_after_seconds must be a finite number (negative says never)."""
+    from baton_relay.kernel.v1 import baton_pb2 as pb
+
+    bad = pb.TaskSpec(task_id="t1", entries=[pb.EntrySpec(file_id="a", path="a")],
+                      archive_after_seconds=after)
+    with pytest.raises(errors.InvalidManifest, match="archive_after_seconds"):
+        validate(bad)
+
+
 def test_every_problem_is_reported() -> None:
     """A manifest with several problems lists all of them at once."""
     with pytest.raises(errors.InvalidManifest) as info:
