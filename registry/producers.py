@@ -311,11 +311,16 @@ class Producers:
         # Kept as sent (numbers keep every digit), and only when there is something.
         rec.attributes = req.attributes if attributes else ""
         rec.remember("committed", who=rec.owner, token=req.token, size=req.size)
-        obs = rec.observation()
-        if obs is not None and obs.size == req.size and await self.verifier.settle(
-                txn, rec, obs.size, obs.digest):
-            # The watcher's report came first; settled now.
+        obs, rec.observed = rec.observation(), None
+        expected = req.digest or rec.expected_digest
+        if (obs is not None and expected and (obs.size, obs.digest) == (req.size, expected)
+                and await self.verifier.settle(txn, rec, obs.size, obs.digest,
+                                               who=obs.reporter)):
+            # The watcher's report came first and vouches for exactly these bytes.
             txn.after(self.verifier.notify(rec))
+        # Anything else seen before the commit may be a file since replaced (another
+        # attempt's, renamed over by this one a moment ago): the watcher's report after
+        # the commit decides, never a stale one.
         self.core.put_entry(rec, txn)
 
     async def commit(self, req: pb.CommitRequest, caller: Caller) -> pb.Entry:

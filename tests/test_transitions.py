@@ -90,6 +90,32 @@ def test_report_before_commit_verifies_at_commit(client: Client) -> None:
         assert entry.state == pb.VERIFIED and entry.digest == digest(data)
 
 
+def test_a_report_of_other_bytes_before_the_commit_does_not_fail_it(client: Client) -> None:
+    """Seen before the commit, bytes other than the committed ones (an earlier attempt's
+    file, renamed over a moment later) neither verify nor fail the commit: the report
+    after it decides. (A long fault run found such commits sent back as mismatches.)"""
+    client.create_task(manifest(n=1))
+    old, new = b"old attempt", b"new attempt"  # the same size
+    with client.open_session("agent", ttl=10) as s:
+        c = client.claim("t1", session=s)
+        assert client.report("t1", "f0", len(old), digest(old)).state == pb.WRITING
+        entry = client.commit("t1", "f0", c.token, len(new), digest(new))
+        assert (entry.state, entry.retry_count) == (pb.WRITTEN, 0)
+        assert client.report("t1", "f0", len(new), digest(new)).state == pb.VERIFIED
+
+
+def test_a_report_before_a_commit_without_digest_waits_for_the_next(client: Client) -> None:
+    """A commit without a digest (digest_optional) cannot tell whose bytes an earlier
+    report saw: it stays written until the watcher reports again."""
+    client.create_task(manifest(n=1, digest_optional=True))
+    with client.open_session("agent", ttl=10) as s:
+        c = client.claim("t1", session=s)
+        client.report("t1", "f0", 3, digest(b"old"))
+        assert client.commit("t1", "f0", c.token, 3).state == pb.WRITTEN
+        entry = client.report("t1", "f0", 3, digest(b"new"))
+        assert (entry.state, entry.digest) == (pb.VERIFIED, digest(b"new"))
+
+
 def test_digest_optional_commit_without_digest_takes_the_watchers(client: Client) -> None:
     """On a digest_optional task a producer may commit only the size; the watcher's digest
     becomes the entry's."""
