@@ -29,8 +29,9 @@ from .profiles import Profile
 from .report import Section, Table, line_plot
 
 METHOD = """
-One registry on a fresh etcd that compacts its history every minute
-(`--auto-compaction-mode=periodic --auto-compaction-retention=1m`), archiving finished
+One registry on a fresh etcd that compacts its history periodically, keeping
+{compaction} of it (`--auto-compaction-mode=periodic
+--auto-compaction-retention={compaction}`), archiving finished
 tasks as soon as its archiver next looks (`--archive-dir`, `--archive-after 0`,
 `--archive-interval 5`). {agents} agents (threads, each its own client and session) take
 tasks of {size:,} entries in turn until {total:,} entries have been handed over: each
@@ -55,7 +56,11 @@ EMPTY = blake3.blake3(b"").hexdigest()
 METRICS = {"db": "etcd_mvcc_db_total_size_in_bytes",
            "in_use": "etcd_mvcc_db_total_size_in_use_in_bytes",
            "keys": "etcd_debugging_mvcc_keys_total"}
-UPKEEP = ("--auto-compaction-mode=periodic", "--auto-compaction-retention=1m")
+
+
+def upkeep(retention: str) -> tuple[str, ...]:
+    """etcd's flags for periodic compaction keeping ``retention`` of history."""
+    return ("--auto-compaction-mode=periodic", f"--auto-compaction-retention={retention}")
 #: the registry's key prefix (``Stack.registry``'s default)
 PREFIX = "/baton/v1/"
 
@@ -164,12 +169,13 @@ def run(p: Profile, root: Path, plot_dir: Path) -> Section:
     window = max(p.life_size, p.life_total // 10)
     section = Section("lifetime", "Lifetime",
                       METHOD.format(agents=p.life_agents, size=p.life_size,
+                                    compaction=p.life_compaction,
                                     total=p.life_total, batch=BATCH, every=p.life_every,
                                     window=window))
     samples: list[Sample] = []
     shared = Shared(p.life_total)
     archive = root / "archive"
-    with Stack(root, etcd_args=UPKEEP) as stack:
+    with Stack(root, etcd_args=upkeep(p.life_compaction)) as stack:
         registry = stack.registry(root / "staging", extra=(
             "--archive-dir", str(archive), "--archive-after", "0", "--archive-interval", "5"))
         threads = [threading.Thread(target=_guarded, args=(registry.address, f"agent-{i}",

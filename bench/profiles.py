@@ -58,6 +58,8 @@ class Profile:
     life_agents: int = 4
     #: seconds between samples of etcd's size and key count
     life_every: float = 10.0
+    #: the history etcd keeps (periodic compaction), as baton up runs it
+    life_compaction: str = "1m"
     # producer loops
     loop_agents: tuple[int, ...] = (1, 16, 64)
     #: entries in each point's task

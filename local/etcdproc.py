@@ -487,7 +487,7 @@ class EtcdProcess:
             else self.data_dir.parent / f"{self.data_dir.name}.log"
         )
         self._binary = binary
-        #: further etcd flags, e.g. ``("--auto-compaction-retention=1h",)``
+        #: further etcd flags, e.g. ``("--auto-compaction-retention=1m",)``
         self.extra_args = extra_args
         self.tls = tls
         self._process: subprocess.Popen[bytes] | None = None

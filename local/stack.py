@@ -81,9 +81,10 @@ class ExtraNotInstalled(BatonError):
     extra: str
 
 
-#: the private etcd compacts its history every hour (keeping an hour of revisions),
-#: so deleted and rewritten keys free their space; docs/operations.md, "etcd upkeep"
-ETCD_UPKEEP = ("--auto-compaction-mode=periodic", "--auto-compaction-retention=1h")
+#: the private etcd keeps a minute of history (periodic compaction), so deleted and
+#: rewritten keys free their space; docs/operations.md, "Compaction: what the
+#: retention costs" (an hour of history at a busy pace nears etcd's quota)
+ETCD_UPKEEP = ("--auto-compaction-mode=periodic", "--auto-compaction-retention=1m")
 
 
 class StackAlreadyRunning(BatonError):
