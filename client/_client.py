@@ -562,12 +562,14 @@ class Client:
     # watcher membership and shards --------------------------------------------
 
     def register_watcher(self, root: str, reporter: str = "", ttl: int = 10,
-                         capacity: pb.WatcherCapacity | None = None
-                         ) -> pb.RegisterWatcherResponse:
-        """Register a watcher on its own lease; keep it with :meth:`watcher_heartbeat`."""
+                         capacity: pb.WatcherCapacity | None = None, *,
+                         previous: str = "") -> pb.RegisterWatcherResponse:
+        """Register a watcher on its own lease; keep it with :meth:`watcher_heartbeat`.
+        ``previous``: the registration this watcher had before it restarted, which ends
+        now (its shards are the new one's at once)."""
         req = pb.RegisterWatcherRequest(host=socket.gethostname(), pid=os.getpid(), root=root,
                                         reporter=reporter, ttl=ttl, version=version(),
-                                        capacity=capacity)
+                                        capacity=capacity, previous_watcher_id=previous)
         return self._call("RegisterWatcher", req)  # type: ignore[no-any-return]
 
     def watcher_heartbeat(self, watcher_id: str, capacity: pb.WatcherCapacity | None = None

@@ -135,6 +135,12 @@ def check_claim_session(claim: KV, session_id: int, what: str) -> None:
                                session_id=session_id)
 
 
+def actor_of(kv: KV | None) -> dict[str, str]:
+    """Who holds a claim or a session, for the journal: ``who`` the authenticated
+    identity behind it, ``label`` the name its client gave (free text, shown as such)."""
+    return {"who": identity_of(kv), "label": claim_holder(kv)}
+
+
 def claim_holder(kv: KV | None) -> str:
     if kv is None:
         return ""

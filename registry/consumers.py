@@ -10,12 +10,12 @@ from ._etcd import KV, created_at, present
 from .access import check_consumer, consumers_of
 from .claims import (
     Slots,
+    actor_of,
     batch_replay,
     check_claim_session,
     check_owner,
     check_session_id,
     check_tokens_live,
-    claim_holder,
     claim_value,
     entry_replay,
     need_entry,
@@ -140,7 +140,8 @@ class Consumers:
         txn.create(self.keys.claim(ref), value, lease=slots.lease)
         txn.put(self.keys.inflight(ref), value)
         self.core.arm_deadline(txn, ref, rec.consume_deadline)
-        self.core.journal_only(rec, "consuming", txn, who=slots.agent, group=group)
+        self.core.journal_only(rec, "consuming", txn, who=caller.name, label=slots.agent,
+                               group=group)
 
     async def consume_batch(self, req: pb.ConsumeBatchRequest,
                             caller: Caller) -> pb.ConsumeBatchResponse:
@@ -266,7 +267,7 @@ class Consumers:
             )
         if req.group not in rec.consumed_by:
             rec.consumed_by.append(req.group)
-        rec.remember("acked", who=claim_holder(claim), group=req.group, token=req.token)
+        rec.remember("acked", **actor_of(claim), group=req.group, token=req.token)
         if all(g in rec.consumed_by for g in rec.receivers):
             rec.state = CONSUMED
 

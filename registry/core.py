@@ -198,13 +198,15 @@ class Core:
     # the retry path --------------------------------------------------------
 
     def retry_or_dead(self, rec: EntryRecord, reason: str, token: int = 0,
-                      event: str = "failed") -> None:
+                      event: str = "failed", who: str = "") -> None:
         """Send an entry back to ``pending`` (retry_count + 1, after a backoff) or ``dead``.
 
         The caller's ``put_entry`` writes it, with its index and journal (one record of
         ``event``: ``failed``, or ``deadline`` when a claim ran out of time).
         """
-        rec.remember(event, reason=reason, who=rec.owner, token=token,
+        # ``who``: the identity that failed it, if one did (else the registry itself, at
+        # a deadline, a lost lease, a mismatch); ``label``: the agent that held it
+        rec.remember(event, reason=reason, who=who, label=rec.owner, token=token,
                      attempt=rec.retry_count)
         rec.error = reason
         rec.owner, rec.session = "", 0

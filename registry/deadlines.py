@@ -25,7 +25,7 @@ import logging
 
 from ..kernel import logs
 from ._etcd import KV, created_at
-from .claims import claim_holder, release_slot, voided
+from .claims import actor_of, claim_holder, release_slot, voided
 from .core import Core, Gate
 from .model import VERIFIED, WRITING, EntryRecord
 from .scheduler import Complaints
@@ -106,7 +106,7 @@ class Deadlines:
                     self.core.put_entry(rec, txn)
                 elif ref.kind == "c" and rec.state == VERIFIED and (
                         ref.group not in rec.consumed_by):
-                    rec.remember("deadline", group=ref.group, who=holder, token=token,
+                    rec.remember("deadline", group=ref.group, **actor_of(claim), token=token,
                                  reason=f"consume deadline: no ack within "
                                  f"{rec.consume_deadline:g} s")
                     self.core.put_entry(rec, txn)

@@ -80,6 +80,8 @@ class Observation:
     device: int = 0
     mtime_ns: int = 0
     reporter: str = ""
+    #: the authenticated identity of the watcher that saw it
+    identity: str = ""
     at: str = ""
 
 

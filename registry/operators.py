@@ -272,7 +272,11 @@ class Operators:
         return pb.JournalRecord(
             task_id=task_id, file_id=file_id, revision=revision,
             at=str(data.get("at", "")), event=str(data.get("event", "")),
-            who=str(data.get("who") or data.get("owner") or data.get("reporter") or ""),
+            # A record with a label names the identity in "who"; an older one the name
+            # its client gave, which is all it has.
+            who=str(data.get("who") or "") if "label" in data else str(
+                data.get("who") or data.get("owner") or data.get("reporter") or ""),
+            label=str(data.get("label") or ""),
             token=_int(data.get("token")), from_state=str(data.get("from", "")),
             to_state=str(data.get("to", "")), reason=_reason(data),
             group=str(data.get("group") or ""),

@@ -16,6 +16,7 @@ from ._etcd import KV, created_at, present
 from .access import check_producer
 from .claims import (
     Slots,
+    actor_of,
     batch_replay,
     check_claim_session,
     check_owner,
@@ -68,7 +69,7 @@ class Producers:
         txn.require(present(rec.index.encode()))
         rec.state, rec.owner, rec.session = WRITING, slots.agent, session_id
         rec.observed, rec.error, rec.not_before = None, "", 0.0
-        rec.remember("claimed", who=slots.agent, attempt=rec.retry_count)
+        rec.remember("claimed", who=caller.name, label=slots.agent, attempt=rec.retry_count)
         value = claim_value(slots.agent, session_id, slot, caller.name)
         txn.create(self.keys.claim(ref), value, lease=slots.lease)
         txn.create(self.keys.inflight(ref), value)
@@ -310,12 +311,12 @@ class Producers:
         rec.state, rec.size, rec.committed_digest = WRITTEN, req.size, req.digest
         # Kept as sent (numbers keep every digit), and only when there is something.
         rec.attributes = req.attributes if attributes else ""
-        rec.remember("committed", who=rec.owner, token=req.token, size=req.size)
+        rec.remember("committed", **actor_of(claim), token=req.token, size=req.size)
         obs, rec.observed = rec.observation(), None
         expected = req.digest or rec.expected_digest
         if (obs is not None and expected and (obs.size, obs.digest) == (req.size, expected)
                 and await self.verifier.settle(txn, rec, obs.size, obs.digest,
-                                               who=obs.reporter)):
+                                               who=obs.identity, label=obs.reporter)):
             # The watcher's report came first and vouches for exactly these bytes.
             txn.after(self.verifier.notify(rec))
         # Anything else seen before the commit may be a file since replaced (another
@@ -369,7 +370,7 @@ class Producers:
                 txn, [(req.task_id, req.file_id, req.token, req.session_id)], caller)
             self._finish_claim(txn, rec, claim, req.token)
             self.core.retry_or_dead(rec, f"producer failed: {req.reason or 'no reason given'}",
-                                    token=req.token)
+                                    token=req.token, who=caller.name)
             self.core.put_entry(rec, txn)
             return lambda rev: rec.to_pb(staging, revision=rev)
 

@@ -298,11 +298,13 @@ class RegistryService(pb_grpc.RegistryServicer):
 
     @unary
     async def ReportVerification(self, request: pb.VerificationReport) -> pb.ReportResponse:
-        return pb.ReportResponse(entry=await self.producers.verifier.report(request))
+        return pb.ReportResponse(entry=await self.producers.verifier.report(request,
+                                                                             current()))
 
     @unary
     async def ReportProblem(self, request: pb.ProblemReport) -> pb.ReportResponse:
-        return pb.ReportResponse(entry=await self.producers.verifier.problem(request))
+        return pb.ReportResponse(entry=await self.producers.verifier.problem(request,
+                                                                              current()))
 
     @unary
     async def Consume(self, request: pb.ConsumeRequest) -> pb.ConsumeResponse:

@@ -12,7 +12,14 @@ from ..kernel import logs
 from ..kernel.errors import BatonError, InvalidArgument, SessionExpired
 from ..kernel.v1 import baton_pb2 as pb
 from ._etcd import KV
-from .claims import SessionRecord, check_owner, claim_holder, claim_session, voided
+from .claims import (
+    SessionRecord,
+    actor_of,
+    check_owner,
+    claim_holder,
+    claim_session,
+    voided,
+)
 from .core import Core, Gate, every
 from .identity import Caller
 from .keys import ClaimRef
@@ -257,7 +264,7 @@ class Reaper:
                     self.core.put_entry(rec, txn)
                 elif (ref.kind == "c" and rec.state == VERIFIED
                       and ref.group not in rec.consumed_by):
-                    rec.remember("consumer lost", group=ref.group, who=holder, token=token)
+                    rec.remember("consumer lost", group=ref.group, **actor_of(twin), token=token)
                     self.core.put_entry(rec, txn)
                     txn.put(self.keys.cready(ref.task_id, ref.group, ref.file_id), b"")
             txn.after(lambda: logs.log(

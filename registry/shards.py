@@ -158,18 +158,24 @@ def _count_of(kv: KV | None) -> int:
 
 
 async def check_reporter(txn: Txn, keys: Any, task_id: str, watcher_id: str,
-                         epoch: int) -> None:
+                         epoch: int, caller: Caller) -> None:
     """Refuse a report unless it comes from the owner of the task's shard at the
-    current epoch: both keys are pinned, so a move racing the report makes the
-    report's transaction plan again (and be refused). Before any watcher has
-    registered there are no shards, and a lone watcher reports as it always did."""
+    current epoch, called by the identity that registered that watcher: the shard,
+    and the watcher's registration are pinned, so a move racing the report makes the
+    report's transaction plan again (and be refused). A watcher id and an epoch are
+    not capabilities on their own: another certificate naming them is refused with
+    ``PermissionDenied``. Before any watcher has registered there are no shards, and a
+    lone watcher reports as it always did."""
     count = _count_of(await txn.get(keys.shardmap()))
     if not count:
         return
     n = shard_of(task_id, count)
     shard = ShardRecord.load(await txn.get(keys.shard(n)))
-    if watcher_id and shard.owner == watcher_id and shard.epoch == epoch:
-        return
+    if watcher_id and shard.owner == watcher_id:
+        # The owner's registration: its identity must be the caller's.
+        check_owner(caller, await txn.get(keys.watcher(watcher_id)), f"watcher {watcher_id}")
+        if shard.epoch == epoch:
+            return
     who = f"watcher {watcher_id} at epoch {epoch}" if watcher_id else "an unregistered watcher"
     owner = f"watcher {shard.owner} at epoch {shard.epoch}" if shard.owner else "nobody yet"
     raise NotShardOwner(f"task {task_id!r} is in shard {n}, owned by {owner}; the report "
@@ -239,6 +245,7 @@ class Shards:
         ttl = req.ttl or 10
         if not MIN_TTL <= ttl <= MAX_TTL:
             raise InvalidArgument(f"ttl {ttl} not within {MIN_TTL}..{MAX_TTL} seconds")
+        await self._replace(req, caller)
         lease, granted = await self.core.etcd.grant(ttl)
         watcher_id = f"{lease:016x}"
         info = {"host": req.host, "pid": req.pid, "root": req.root, "reporter": req.reporter,
@@ -271,6 +278,25 @@ class Shards:
         return pb.RegisterWatcherResponse(watcher_id=watcher_id, ttl=granted,
                                           shard_count=count,
                                           shards=await self._grants(watcher_id, fresh=True))
+
+    async def _replace(self, req: pb.RegisterWatcherRequest, caller: Caller) -> None:
+        """A restarted watcher names the registration it had (``previous_watcher_id``):
+        that one ends now, so the shards it owned are the new registration's at once
+        instead of after the old lease's TTL (the assignment that follows registering
+        gives shards without a live owner to it). Only the identity that made it may
+        end it; one already gone is nothing to end."""
+        previous = req.previous_watcher_id
+        if not previous:
+            return
+        if len(previous) > 64 or "/" in previous:
+            raise InvalidArgument(f"not a watcher id: {previous!r}")
+        kv = await self.core.etcd.get(self.keys.watcher(previous))
+        if kv is None:
+            return
+        check_owner(caller, kv, f"watcher {previous}")
+        await self.core.etcd.revoke(kv.lease)
+        logs.log(log, logging.INFO, "watcher replaced by its restart", watcher=previous,
+                 host=req.host, root=req.root, identity=caller.name or None)
 
     async def heartbeat(self, req: pb.WatcherHeartbeatRequest,
                         caller: Caller) -> pb.WatcherHeartbeatResponse:

@@ -10,6 +10,7 @@ from ..kernel.v1 import baton_pb2 as pb
 from ._etcd import created_at
 from .claims import entry_replay, need_entry, need_task, release_slot
 from .core import Core
+from .identity import ANONYMOUS, Caller
 from .keys import ClaimRef
 from .manifest import DIGEST_RE, check_id
 from .model import PENDING, VERIFIED, WRITING, WRITTEN, EntryRecord, now
@@ -32,20 +33,21 @@ class Verifier:
         return lambda: self.core.verified.put_nowait(key)
 
     async def settle(self, txn: Txn, rec: EntryRecord, size: int, digest: str,
-                     who: str = "") -> bool:
+                     who: str = "", label: str = "") -> bool:
+        """``who``: the identity of the watcher that reported it, ``label`` the name it
+        gave itself."""
         """A written entry meets what is on disk: verified (True), or the retry path."""
         expected = rec.committed_digest or rec.expected_digest
         if size == rec.size and (not expected or expected == digest):
             rec.state, rec.digest, rec.error = VERIFIED, digest, ""
             routed = await self.route(txn, rec)
-            rec.remember("verified", who=who or str((rec.observed or {}).get("reporter", "")),
-                         digest=digest, **routed)
+            rec.remember("verified", who=who, label=label, digest=digest, **routed)
             self.open_to_consumers(rec, txn)
             return True
         self.core.retry_or_dead(
             rec,
             f"checksum mismatch: producer declared size {rec.size} digest "
-            f"{expected or '-'}, file has size {size} digest {digest}",
+            f"{expected or '-'}, file has size {size} digest {digest}", who=who,
         )
         return False
 
@@ -123,7 +125,7 @@ class Verifier:
         elif asm.state == PENDING:
             txn.put(kv.key, asm.dump())
 
-    async def problem(self, req: pb.ProblemReport) -> pb.Entry:
+    async def problem(self, req: pb.ProblemReport, caller: Caller = ANONYMOUS) -> pb.Entry:
         """A watcher cannot vouch for a file: corrupted, or missing after the commit."""
         check_id("task_id", req.task_id)
         check_id("file_id", req.file_id)
@@ -135,16 +137,17 @@ class Verifier:
 
         async def planner(txn: Txn) -> Callable[[int], pb.Entry]:
             await check_reporter(txn, self.keys, req.task_id, req.watcher_id,
-                                 req.shard_epoch)
+                                 req.shard_epoch, caller)
             rec = need_entry(await txn.get(self.keys.entry(req.task_id, req.file_id)),
                              req.task_id, req.file_id)
             if rec.state == WRITTEN and not rec.parts:
-                self.core.retry_or_dead(rec, reason)
+                self.core.retry_or_dead(rec, reason, who=caller.name)
             elif rec.state == VERIFIED and not rec.parts:
                 await self.unverify(txn, rec, reason)
             elif rec.state == WRITING and rec.observed is not None:
                 rec.observed = None  # what was seen before the commit no longer holds
-                rec.remember(kinds[req.kind], who=req.reporter, reason=req.reason)
+                rec.remember(kinds[req.kind], who=caller.name, label=req.reporter,
+                             reason=req.reason)
             else:  # nothing on disk was vouched for: nothing to undo
                 return lambda rev: rec.to_pb(staging, revision=rev)
             self.core.put_entry(rec, txn)
@@ -152,7 +155,8 @@ class Verifier:
 
         return await self.core.txns.run(planner, req.request_id, entry_replay)
 
-    async def report(self, req: pb.VerificationReport) -> pb.Entry:
+    async def report(self, req: pb.VerificationReport,
+                     caller: Caller = ANONYMOUS) -> pb.Entry:
         check_id("task_id", req.task_id)
         check_id("file_id", req.file_id)
         if req.size < 0 or not DIGEST_RE.match(req.digest):
@@ -161,7 +165,7 @@ class Verifier:
 
         async def planner(txn: Txn) -> Callable[[int], pb.Entry]:
             await check_reporter(txn, self.keys, req.task_id, req.watcher_id,
-                                 req.shard_epoch)
+                                 req.shard_epoch, caller)
             rec = need_entry(await txn.get(self.keys.entry(req.task_id, req.file_id)),
                              req.task_id, req.file_id)
             if rec.parts:  # an assembly has no file of its own
@@ -170,10 +174,11 @@ class Verifier:
                 rec.observed = {
                     "size": req.size, "digest": req.digest, "inode": req.identity.inode,
                     "device": req.identity.device, "mtime_ns": req.identity.mtime_ns,
-                    "reporter": req.reporter, "at": now(),
+                    "reporter": req.reporter, "identity": caller.name, "at": now(),
                 }
             elif rec.state == WRITTEN:
-                if await self.settle(txn, rec, req.size, req.digest, who=req.reporter):
+                if await self.settle(txn, rec, req.size, req.digest, who=caller.name,
+                                     label=req.reporter):
                     txn.after(self.notify(rec))
             elif rec.state == VERIFIED and req.digest != rec.digest:
                 await self.unverify(txn, rec, f"verified file changed on disk (now size "

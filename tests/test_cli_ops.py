@@ -139,7 +139,7 @@ def test_log_shows_transitions_in_order(registry: Any, tmp_path: Path) -> None:
     records = [json.loads(line) for line in lines.stdout.splitlines()]
     assert [(r["event"], r["from_state"], r["to_state"]) for r in records] == [
         ("claimed", "pending", "writing"), ("committed", "writing", "written")]
-    assert records[0]["who"] == "writer-1" and records[1]["token"] == claimed["token"]
+    assert records[0]["label"] == "writer-1" and records[1]["token"] == claimed["token"]
     assert records[0]["revision"] < records[1]["revision"]
     whole = [json.loads(line) for line in invoke(registry, "log", "t1", "-o", "json")
              .stdout.splitlines()]
@@ -149,8 +149,9 @@ def test_log_shows_transitions_in_order(registry: Any, tmp_path: Path) -> None:
     assert [r["event"] for r in last] == ["committed"]
     table = invoke(registry, "log", "t1", "a")
     rows = table_rows(table.stdout)
+    # no identities here (plaintext): who is the name the agent gave, in quotes
     assert rows[str(records[0]["revision"])][3:6] == ["claimed", "pending → writing",
-                                                      "writer-1"]
+                                                      '"writer-1"']
     assert rows[str(records[1]["revision"])][6] == str(claimed["token"])
 
 

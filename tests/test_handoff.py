@@ -327,7 +327,7 @@ def test_journal_records_every_transition(client: Client) -> None:
         ("claimed", "pending", "writing"), ("committed", "writing", "written"),
         ("verified", "written", "verified"), ("consuming", "verified", "verified"),
         ("acked", "verified", "consumed")]
-    assert records[0].who == "prod" and records[1].token == c.token
+    assert records[0].label == "prod" and records[1].token == c.token
     assert records[0].revision == c.token  # written by the claim's own transaction
     revisions = [r.revision for r in records]
     assert revisions == sorted(revisions)
@@ -469,7 +469,7 @@ def test_entry_shows_blocked_and_journal_names_the_consumer(client: Client) -> N
         produce_verified(client, s, "t", "c")
         lease = client.consume("t", "default", session=s)
         client.ack("t", "c", "default", lease.token)
-    events = [(r.event, r.who) for r in client.journal("t", "c")]
+    events = [(r.event, r.label) for r in client.journal("t", "c")]
     assert ("consuming", "p") in events and ("acked", "p") in events
     failed = [r for r in client.journal("t", "a") if r.event == "failed"]
     assert failed[0].token == c.token

@@ -23,6 +23,7 @@ from registry_fixtures import TEST_RETRY, RegistryHandle, on_etcd
 
 from baton_relay.client import Client
 from baton_relay.kernel import errors, pki
+from baton_relay.kernel.contract import shard_of
 from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.registry._etcd import Etcd
 from baton_relay.registry.identity import POLICY
@@ -47,6 +48,8 @@ class PKI:
             "agent": pki.issue(root, "ag", root, roles=["agent"]),
             "agent2": pki.issue(root, "ag2", root, roles=["agent"]),
             "watcher": pki.issue(root, "wa", root, roles=["watcher"]),
+            # another watcher's certificate: a watcher, but not the one that registered
+            "watcher2": pki.issue(root, "wa2", root, roles=["watcher"]),
             "norole": pki.issue(root, "nobody", root),
             # an operator as a person holds one: named after her, not after the role
             "ops-carol": pki.issue(root, "ops-carol", root, roles=["operator"]),
@@ -334,6 +337,42 @@ def test_only_watchers_verify(clients: dict[str, Client], secure: RegistryHandle
             clients[who].report_problem("t", "f0", pb.ProblemReport.CORRUPTED, "forged")
     assert snapshot(secure) == before
     assert clients["watcher"].report("t", "f0", 1, DIGEST).state == pb.VERIFIED
+
+
+def test_a_watcher_is_its_certificate(clients: dict[str, Client],
+                                      secure: RegistryHandle) -> None:
+    """Another watcher certificate naming a registered watcher's id and its current
+    epoch is refused — a verification, a report of another digest, a problem report, a
+    heartbeat, a release, a registration ending it as its "previous" — and changes
+    nothing; the registered watcher goes on, and the
+    journal names its certificate, with the name it gave itself as a label."""
+    agent = clients["agent"]
+    agent.create_task(manifest())
+    s = agent.open_session("p", ttl=30)
+    c = agent.claim("t", "f0", session=s)
+    agent.commit("t", "f0", c.token, 1, DIGEST, session=s)
+    reg = clients["watcher"].register_watcher(str(secure.staging), reporter="wa@host", ttl=30)
+    n = shard_of("t", reg.shard_count)
+    (epoch,) = [g.epoch for g in reg.shards if g.shard == n]
+    me = {"watcher_id": reg.watcher_id, "shard_epoch": epoch}
+    before = snapshot(secure)
+    rogue = clients["watcher2"]
+    for forged in (lambda: rogue.report("t", "f0", 1, DIGEST, reporter="wa@host", **me),
+                   lambda: rogue.report("t", "f0", 1, "1" * 64, **me),
+                   lambda: rogue.report_problem("t", "f0", pb.ProblemReport.MISSING,
+                                                "forged", **me),
+                   lambda: rogue.watcher_heartbeat(reg.watcher_id),
+                   lambda: rogue.release_shard(reg.watcher_id, n, epoch),
+                   lambda: rogue.register_watcher(str(secure.staging), ttl=30,
+                                                  previous=reg.watcher_id)):
+        with pytest.raises(errors.PermissionDenied, match="another identity"):
+            forged()
+    assert snapshot(secure) == before
+    watcher = clients["watcher"]
+    watcher.watcher_heartbeat(reg.watcher_id)
+    assert watcher.report("t", "f0", 1, DIGEST, reporter="wa@host", **me).state == pb.VERIFIED
+    (verified,) = [r for r in clients["operator"].journal("t", "f0") if r.event == "verified"]
+    assert (verified.who, verified.label) == ("wa", "wa@host")
 
 
 def test_only_operators_list_sessions_and_see_tokens(clients: dict[str, Client]) -> None:

@@ -379,3 +379,42 @@ def test_near_the_watch_limit_the_watcher_says_so_and_sheds_the_idlest_tasks(
     wait_for(lambda: w.watches.watch_count() <= used * daemon.WATCHES_LOW, what="shed")
     assert any("near the inotify watch limit" in r.getMessage() for r in caplog.records)
     assert w.table.cold_count() >= 1 and w.capacity().cold_tasks == w.table.cold_count()
+
+
+def test_a_restart_naming_its_previous_registration_takes_its_shards_back_at_once(
+    client: Client,
+) -> None:
+    """Registering again with ``previous`` ends the old registration at once (not after
+    its TTL) and the new one owns every shard the old one did; a previous id that is
+    gone already is nothing to end."""
+    old = client.register_watcher("/roots/r", "w", ttl=600)
+    assert {s.owner for s in owners(client).values()} == {old.watcher_id}
+    new = client.register_watcher("/roots/r", "w", ttl=600, previous=old.watcher_id)
+    with pytest.raises(NotFound):
+        client.watcher_heartbeat(old.watcher_id)
+    assert {s.owner for s in owners(client).values()} == {new.watcher_id}
+    assert {g.shard for g in new.shards} == set(range(SHARDS))
+    again = client.register_watcher("/roots/r", "w", ttl=600, previous=old.watcher_id)
+    assert client.watcher_heartbeat(new.watcher_id).ttl > 0  # not touched
+    client.watcher_heartbeat(again.watcher_id)
+
+
+def test_a_killed_watcher_restarted_on_its_state_file_is_back_at_once(
+    registry: RegistryHandle, client: Client, processes: Callable[..., WatcherProcess],
+    tmp_path: Path, wait_for: Wait,
+) -> None:
+    """SIGKILL a watcher with a 600 s registration and start it again on the same state
+    file: the new registration ends the dead one and owns every shard within seconds."""
+    state = str(tmp_path / "state.sqlite")
+    first = processes("--state-file", state, "--shard-ttl", "600")
+    wait_for(lambda: len(client.list_watchers()) == 1, what="registered")
+    (dead,) = [w.watcher_id for w in client.list_watchers()]
+    first.proc.kill()
+    first.proc.wait()
+    processes("--state-file", state, "--shard-ttl", "600", log_name="again")
+    wait_for(lambda: [w.watcher_id for w in client.list_watchers()] not in ([], [dead]),
+             timeout=20, what="the restart registered")
+    (alive,) = [w.watcher_id for w in client.list_watchers()]
+    assert alive != dead
+    wait_for(lambda: {s.owner for s in owners(client).values()} == {alive}, timeout=10,
+             what="every shard the restart's")

@@ -4,7 +4,9 @@ It lets the watcher skip a file it already vouched for (same inode, size,
 mtime and ctime means the same bytes) and re-send an earlier result without
 reading the file again. The SQLite form survives restarts, so a restarted
 watcher does not rehash every verified file; without it, a restart rehashes
-verified files once and reports only those whose bytes changed.
+verified files once and reports only those whose bytes changed. It also keeps the
+watcher id the watcher last registered as, so that a restart ends that registration
+and takes its shards back at once.
 """
 
 from __future__ import annotations
@@ -32,6 +34,12 @@ class IdentityCache(Protocol):
 
     def drop_task(self, task_id: str) -> None: ...
 
+    def registration(self) -> str:
+        """The watcher id this watcher last registered as ("" if none is known)."""
+        ...
+
+    def set_registration(self, watcher_id: str) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -39,6 +47,13 @@ class MemoryCache:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._data: dict[tuple[str, str], Known] = {}
+        self._registration = ""
+
+    def registration(self) -> str:
+        return self._registration
+
+    def set_registration(self, watcher_id: str) -> None:
+        self._registration = watcher_id
 
     def get(self, task_id: str, file_id: str) -> Known | None:
         with self._lock:
@@ -67,7 +82,10 @@ CREATE TABLE IF NOT EXISTS known (
     device INTEGER, inode INTEGER, size INTEGER, mtime_ns INTEGER, ctime_ns INTEGER,
     digest TEXT NOT NULL,
     PRIMARY KEY (task_id, file_id)
-)
+);
+CREATE TABLE IF NOT EXISTS registration (
+    one INTEGER PRIMARY KEY CHECK (one = 1), watcher_id TEXT NOT NULL
+);
 """
 
 
@@ -79,7 +97,17 @@ class SqliteCache:
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute(_SCHEMA)
+        self._db.executescript(_SCHEMA)
+
+    def registration(self) -> str:
+        with self._lock:
+            row = self._db.execute("SELECT watcher_id FROM registration").fetchone()
+        return str(row[0]) if row else ""
+
+    def set_registration(self, watcher_id: str) -> None:
+        with self._lock:
+            self._db.execute("INSERT OR REPLACE INTO registration VALUES (1, ?)",
+                             (watcher_id,))
 
     def get(self, task_id: str, file_id: str) -> Known | None:
         with self._lock:

@@ -85,7 +85,8 @@ class Watcher:
         self._reconcile_now = threading.Event()
         self.membership = Membership(
             self.client, self.root, self.reporter, config.shard_ttl, capacity=self.capacity,
-            gained=self._shards_gained, lost=self._shards_lost, handover=self._handover)
+            gained=self._shards_gained, lost=self._shards_lost, handover=self._handover,
+            remember=self.cache.set_registration, previous=self.cache.registration())
         self.checker = Checker(
             self.table, self.cache, self.hasher, self.client, self.jobs, self.metrics,
             self.reporter, config.max_failures, config.retry_delay, self._registry_lost,

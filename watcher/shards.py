@@ -44,8 +44,14 @@ class Membership:
                  capacity: Callable[[], pb.WatcherCapacity],
                  gained: Callable[[set[int]], None],
                  lost: Callable[[set[int]], None],
-                 handover: Callable[[int], None]) -> None:
+                 handover: Callable[[int], None],
+                 remember: Callable[[str], None] = lambda watcher_id: None,
+                 previous: str = "") -> None:
         self.client = client
+        #: the registration before a restart (ended when this one registers), and where
+        #: each new registration is written down for the next restart
+        self._previous = previous
+        self._remember = remember
         self.root = root
         self.reporter = reporter
         self.ttl = ttl
@@ -106,13 +112,15 @@ class Membership:
     def _register(self) -> bool:
         try:
             reply = self.client.register_watcher(self.root, self.reporter, self.ttl,
-                                                 self._capacity())
+                                                 self._capacity(), previous=self._previous)
         except BatonError as e:
             log(logger, logging.WARNING, "cannot register with the registry; retrying",
                 error=f"{type(e).__name__}: {e}")
             return False
         with self._lock:
             self.watcher_id, self.count, self.ttl = reply.watcher_id, reply.shard_count, reply.ttl
+        self._previous = reply.watcher_id
+        self._remember(reply.watcher_id)
         self._last_ok = time.monotonic()
         log(logger, logging.INFO, "registered", watcher=reply.watcher_id, ttl=reply.ttl,
             shards=reply.shard_count, owned=len(reply.shards))

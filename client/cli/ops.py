@@ -48,7 +48,8 @@ def journal(settings: Settings, task_id: str, file_id: str, limit: int, output: 
     """Show the journal of a task, or of one of its entries.
 
     One record per transition, oldest first: revision, time, file, event,
-    from → to state, who, consumer group (when any record has one), token,
+    from → to state, who (the caller's identity, then in quotes the name its client
+    gave itself), consumer group (when any record has one), token,
     reason (-o json: one JSON object per line).
     """
     reply = settings.client().journal_reply(task_id, file_id, limit)
@@ -68,9 +69,16 @@ def journal(settings: Settings, task_id: str, file_id: str, limit: int, output: 
     for r in records:
         # A space instead of the T lets a narrow terminal wrap date and time apart.
         table.add_row(str(r.revision), r.at.replace("T", " ", 1), r.file_id, r.event,
-                      transition(r), r.who or "-", *([r.group or "-"] if groups else []),
+                      transition(r), actor(r), *([r.group or "-"] if groups else []),
                       str(r.token) if r.token else "-", r.reason)
     emit_table(table)
+
+
+def actor(r: pb.JournalRecord) -> str:
+    """Who: the authenticated identity, and in quotes the name the client gave itself
+    (free text it sent, shown as such)."""
+    label = f'"{r.label}"' if r.label else ""
+    return " ".join(p for p in (r.who, label) if p) or "-"
 
 
 def transition(r: pb.JournalRecord) -> str:

@@ -1040,6 +1040,7 @@ class JournalRecord(_message.Message):
     GROUP_FIELD_NUMBER: _builtins.int
     ROUTING_RULE_FIELD_NUMBER: _builtins.int
     ROUTED_TO_FIELD_NUMBER: _builtins.int
+    LABEL_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     file_id: _builtins.str
     revision: _builtins.int
@@ -1048,6 +1049,9 @@ class JournalRecord(_message.Message):
     event: _builtins.str
     """claimed, committed, verified, failed, ..."""
     who: _builtins.str
+    """The authenticated identity that made it happen (its certificate's name; empty on a
+    registry serving without identities, or for the registry's own moves).
+    """
     token: _builtins.int
     from_state: _builtins.str
     to_state: _builtins.str
@@ -1057,6 +1061,10 @@ class JournalRecord(_message.Message):
     routing_rule: _builtins.int
     """verified, on a task with routing rules: the rule that held (unset: none did)
     and the consumer groups that receive the entry
+    """
+    label: _builtins.str
+    """What the client calls itself (an agent's session name, a watcher's reporter name):
+    free text the request carried, never an identity.
     """
     @_builtins.property
     def routed_to(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
@@ -1076,10 +1084,11 @@ class JournalRecord(_message.Message):
         group: _builtins.str = ...,
         routing_rule: _builtins.int | None = ...,
         routed_to: _abc.Iterable[_builtins.str] | None = ...,
+        label: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_routing_rule", b"_routing_rule", "routing_rule", b"routing_rule"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_routing_rule", b"_routing_rule", "at", b"at", "event", b"event", "file_id", b"file_id", "from_state", b"from_state", "group", b"group", "reason", b"reason", "revision", b"revision", "routed_to", b"routed_to", "routing_rule", b"routing_rule", "task_id", b"task_id", "to_state", b"to_state", "token", b"token", "who", b"who"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_routing_rule", b"_routing_rule", "at", b"at", "event", b"event", "file_id", b"file_id", "from_state", b"from_state", "group", b"group", "label", b"label", "reason", b"reason", "revision", b"revision", "routed_to", b"routed_to", "routing_rule", b"routing_rule", "task_id", b"task_id", "to_state", b"to_state", "token", b"token", "who", b"who"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__routing_rule: _TypeAlias = _typing.Literal["routing_rule"]  # noqa: Y015
     _WhichOneofArgType__routing_rule: _TypeAlias = _typing.Literal["_routing_rule", b"_routing_rule"]  # noqa: Y015
@@ -2256,6 +2265,7 @@ class RegisterWatcherRequest(_message.Message):
     TTL_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
     CAPACITY_FIELD_NUMBER: _builtins.int
+    PREVIOUS_WATCHER_ID_FIELD_NUMBER: _builtins.int
     host: _builtins.str
     pid: _builtins.int
     root: _builtins.str
@@ -2264,6 +2274,11 @@ class RegisterWatcherRequest(_message.Message):
     ttl: _builtins.int
     """seconds, measured by etcd (0: 10)"""
     version: _builtins.str
+    previous_watcher_id: _builtins.str
+    """The registration this watcher had before it restarted (kept in its state file):
+    it ends now and its shards are this one's at once. Only the identity that made it
+    may name it.
+    """
     @_builtins.property
     def capacity(self) -> Global___WatcherCapacity: ...
     def __init__(
@@ -2276,10 +2291,11 @@ class RegisterWatcherRequest(_message.Message):
         ttl: _builtins.int = ...,
         version: _builtins.str = ...,
         capacity: Global___WatcherCapacity | None = ...,
+        previous_watcher_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "host", b"host", "pid", b"pid", "reporter", b"reporter", "root", b"root", "ttl", b"ttl", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "host", b"host", "pid", b"pid", "previous_watcher_id", b"previous_watcher_id", "reporter", b"reporter", "root", b"root", "ttl", b"ttl", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
