@@ -16,7 +16,7 @@ from typing import Any
 
 from ..kernel.errors import PermissionDenied, shown
 from ..kernel.v1 import baton_pb2 as pb
-from .identity import Caller, may
+from .identity import WATCHER, Caller, may
 
 MAX_PATTERNS = 64
 MAX_PATTERN = 128
@@ -138,6 +138,36 @@ def check_consumer(caller: Caller, task_id: str, group: str,
             f"{caller.describe()} may not consume for group {group!r} of task {task_id!r}: "
             f"the task's access rules allow {', '.join(patterns)}", task_id=task_id,
             group=group, identity=caller.name)
+
+
+def readers_of(access: dict[str, Any], entries: Sequence[Any],
+               groups: Sequence[str]) -> list[str] | None:
+    """Who may read a task's contents: whoever its rules let produce an entry or consume
+    for a group — the patterns of all those rules. None when some entry or group has no
+    rule (anyone may produce or consume there, so anyone may read)."""
+    patterns: set[str] = set()
+    for e in entries:
+        if not e.producers:
+            return None
+        patterns.update(e.producers)
+    for g in {*groups, *(g for e in entries for g in e.consumers)}:
+        consumers = consumers_of(access, g)
+        if not consumers:
+            return None
+        patterns.update(consumers)
+    return sorted(patterns)
+
+
+def check_reader(caller: Caller, task_id: str, readers: Sequence[str] | None) -> None:
+    """Refuse to show a task's contents (its header, entries, journal, explanations,
+    watch events) to an identity its rules let neither produce nor consume there.
+    Operators read everything, and so do watchers (they verify every task's files)."""
+    if readers is None or caller.operator or WATCHER in caller.roles or may(caller, readers):
+        return
+    raise PermissionDenied(
+        f"{caller.describe()} may not read task {task_id!r}: its access rules let only "
+        f"{', '.join(readers)} produce or consume there", task_id=task_id,
+        identity=caller.name)
 
 
 def explain(caller: Caller, producers: Sequence[str], groups: dict[str, list[str]]) -> str:

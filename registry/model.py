@@ -280,6 +280,10 @@ class TaskRecord:
     archived_states: dict[str, int] = field(default_factory=dict)
     #: the manifest's routing rules: [{"condition": ..., "groups": [...]}, ...]
     routing_rules: list[dict[str, Any]] = field(default_factory=list)
+    #: who may read its contents (registry.access.readers_of): the patterns of every
+    #: producer and consumer rule; None: every identity may produce or consume
+    #: something, so every identity reads it
+    readers: list[str] | None = None
 
     @classmethod
     def load(cls, raw: bytes) -> TaskRecord:

@@ -298,7 +298,7 @@ class Operators:
             return await self._explain_archived(task, req.file_id)
         rec = need_entry(kv, req.task_id, req.file_id)
         assert kv is not None
-        text = await self._explain(task, kv, rec)
+        text = await self._explain(task, kv, rec, tokens=caller.operator)
         rules = access.explain(caller, rec.producers, {
             g: access.consumers_of(task.access, g) for g in rec.consumers})
         if rules:
@@ -323,7 +323,10 @@ class Operators:
         entry = rec.to_pb(self.core.staging_dir(rec.task_id), revision=rev)
         return pb.Explanation(entry=entry, text=text)
 
-    async def _explain(self, task: TaskRecord, kv: KV, rec: EntryRecord) -> str:
+    async def _explain(self, task: TaskRecord, kv: KV, rec: EntryRecord,
+                       tokens: bool = True) -> str:
+        """The paragraph; ``tokens``: name live claims' fencing tokens (operators only:
+        a token names a live claim, and only its holder learns it from its reply)."""
         s = [f"Entry {rec.file_id} of task {rec.task_id} is {rec.state}"
              f" (revision {kv.mod_revision}, attempt {rec.retry_count + 1} of "
              f"{rec.max_retries + 1})."]
@@ -354,9 +357,9 @@ class Operators:
                          "back for a retry within a moment.")
             else:
                 ttl = await self.core.etcd.time_to_live(claim.lease)
+                under = f" under token {claim.create_revision}" if tokens else ""
                 s.append(f"Agent {claim_holder(claim)} (session {claim_session(claim)}) is "
-                         f"producing it under token {claim.create_revision}; its lease has "
-                         f"{ttl}s left.")
+                         f"producing it{under}; its lease has {ttl}s left.")
                 if rec.claim_deadline:
                     s.append(f"Its claim is taken away if not committed within "
                              f"{rec.claim_deadline:g} s of the claim (claim_deadline).")
@@ -376,7 +379,8 @@ class Operators:
                 c = await self.core.etcd.get(
                     self.keys.claim(ClaimRef("c", rec.task_id, rec.file_id, g)))
                 if c is not None:
-                    held.append(f"{g} (agent {claim_holder(c)}, token {c.create_revision})")
+                    held.append(f"{g} (agent {claim_holder(c)}"
+                                f"{f', token {c.create_revision}' if tokens else ''})")
             s.append(f"Its bytes are verified (digest {rec.digest[:16]}…)." + (
                 f" Consumer groups still to ack: {', '.join(waiting)}." if waiting else
                 " It has no consumer groups, so it is done."))

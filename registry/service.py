@@ -27,10 +27,19 @@ from ..kernel.errors import (
 )
 from ..kernel.v1 import baton_pb2 as pb
 from ..kernel.v1 import baton_pb2_grpc as pb_grpc
+from .access import check_reader
 from .agent_stream import AgentStreams
 from .consumers import Consumers
 from .core import Core
-from .identity import Caller, authorize, caller_of, current, redact, scoped_request_id
+from .identity import (
+    WATCHER,
+    Caller,
+    authorize,
+    caller_of,
+    current,
+    redact,
+    scoped_request_id,
+)
 from .leases import Leases
 from .manifest import check_id
 from .operators import Operators
@@ -183,20 +192,33 @@ class RegistryService(pb_grpc.RegistryServicer):
     async def CreateTask(self, request: pb.CreateTaskRequest) -> pb.CreateTaskResponse:
         return await self.tasks.create(request)
 
+    async def _readable(self, task_id: str) -> None:
+        """Refuse a read of ``task_id``'s contents its access rules do not allow the
+        caller (access.check_reader); operators and watchers read every task."""
+        caller = current()
+        if caller.operator or WATCHER in caller.roles:
+            return
+        check_id("task_id", task_id)
+        _, task = await self.core.task(task_id)
+        check_reader(caller, task_id, task.readers)
+
     @unary
     async def GetTask(self, request: pb.GetTaskRequest) -> pb.Task:
+        await self._readable(request.task_id)
         return await self.tasks.get(request.task_id)
 
     @unary
     async def ListTasks(self, request: pb.ListTasksRequest) -> pb.ListTasksResponse:
-        return await self.tasks.list(request)
+        return await self.tasks.list(request, current())
 
     @unary
     async def GetEntry(self, request: pb.GetEntryRequest) -> pb.Entry:
+        await self._readable(request.task_id)
         return redact(await self.tasks.get_entry(request), current())
 
     @unary
     async def ListEntries(self, request: pb.ListEntriesRequest) -> pb.ListEntriesResponse:
+        await self._readable(request.task_id)
         resp = await self.tasks.list_entries(request)
         for entry in resp.entries:
             redact(entry, current())
@@ -232,6 +254,7 @@ class RegistryService(pb_grpc.RegistryServicer):
 
     @unary
     async def Journal(self, request: pb.JournalRequest) -> pb.JournalResponse:
+        await self._readable(request.task_id)
         resp = await self.operators.journal(request)
         for record in resp.records:
             redact(record, current())
@@ -239,6 +262,7 @@ class RegistryService(pb_grpc.RegistryServicer):
 
     @unary
     async def Explain(self, request: pb.GetEntryRequest) -> pb.Explanation:
+        await self._readable(request.task_id)
         resp = await self.operators.explain(request, current())
         redact(resp.entry, current())
         return resp
@@ -367,6 +391,7 @@ class RegistryService(pb_grpc.RegistryServicer):
             if isinstance(request, Undecodable):
                 raise request.error()
             caller = current()
+            await self._readable(request.task_id)
             async for event in self.tasks.watch(request):
                 redact(event.entry, caller)
                 yield event
@@ -388,7 +413,7 @@ class RegistryService(pb_grpc.RegistryServicer):
         try:
             if isinstance(request, Undecodable):
                 raise request.error()
-            async for task in self.tasks.watch_tasks():
+            async for task in self.tasks.watch_tasks(current()):
                 yield task
         except Exception as e:
             await _abort(context, e)

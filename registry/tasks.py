@@ -13,13 +13,16 @@ from ..kernel.errors import (
     InvalidArgument,
     InvalidManifest,
     NotFound,
+    PermissionDenied,
     TaskExists,
     shown,
 )
 from ..kernel.v1 import baton_pb2 as pb
+from . import access
 from ._etcd import KV, empty
 from .claims import claim_holder, need_task
 from .core import Core
+from .identity import ANONYMOUS, Caller
 from .keys import ClaimRef
 from .manifest import ValidTask, check_id, summary, validate
 from .model import (
@@ -62,6 +65,15 @@ def _stored_size(e: EntryRecord) -> int:
 
 class _HeaderNotBack(Exception):
     """CreateTask of a task archived while etcd refused writes, its header not back."""
+
+
+def readable(caller: Caller, task: TaskRecord) -> bool:
+    """Whether ``caller`` may see ``task`` in a listing (access.check_reader)."""
+    try:
+        access.check_reader(caller, task.task_id, task.readers)
+    except PermissionDenied:
+        return False
+    return True
 
 
 class Tasks:
@@ -107,6 +119,8 @@ class Tasks:
             archive_after=archive_after,
             routing_rules=[{"condition": r.condition, "groups": r.groups}
                            for r in valid.routing_rules],
+            readers=access.readers_of(dict(valid.access or {}), valid.entries,
+                                      valid.consumers),
         )
 
         async def header(txn: Txn) -> TaskRecord | None:
@@ -292,8 +306,10 @@ class Tasks:
         return (await self.core.etcd.count(self.keys.open_all(task_id)),
                 await self.core.etcd.count(self.keys.dead_all(task_id)))
 
-    async def list(self, req: pb.ListTasksRequest) -> pb.ListTasksResponse:
-        """The tasks in etcd; with ``archived``, the archived ones instead."""
+    async def list(self, req: pb.ListTasksRequest,
+                   caller: Caller = ANONYMOUS) -> pb.ListTasksResponse:
+        """The tasks in etcd; with ``archived``, the archived ones instead; only those
+        ``caller`` may read (access.check_reader)."""
         records = [TaskRecord.load(kv.value) async for kv in self.core.etcd.scan(
             self.keys.tasks(), page=LIST_PAGE)]
         if req.archived and self.core.archive is not None:
@@ -302,7 +318,7 @@ class Tasks:
             records.sort(key=lambda r: r.task_id)
         tasks = []
         for record in records:
-            if (record.status == "archived") != req.archived:
+            if (record.status == "archived") != req.archived or not readable(caller, record):
                 continue
             task = record.to_pb()
             if req.archived:
@@ -422,12 +438,15 @@ class Tasks:
                         revision=ev.kv.mod_revision,
                     )
 
-    async def watch_tasks(self) -> AsyncIterator[pb.Task]:
-        """Every task header now, then each one again whenever it changes."""
+    async def watch_tasks(self, caller: Caller = ANONYMOUS) -> AsyncIterator[pb.Task]:
+        """Every task header now, then each one again whenever it changes (those
+        ``caller`` may read)."""
         _, at, _ = await self.core.etcd.range(self.keys.tasks(), limit=1, keys_only=True)
         async for kv in self.core.etcd.scan(self.keys.tasks(), page=LIST_PAGE, revision=at):
-            yield TaskRecord.load(kv.value).to_pb()
+            if readable(caller, record := TaskRecord.load(kv.value)):
+                yield record.to_pb()
         async for batch in self.fanout.follow(self.keys.tasks(), at + 1):
             for ev in batch:
-                if ev.kind == "put":
-                    yield TaskRecord.load(ev.kv.value).to_pb()
+                if ev.kind == "put" and readable(caller,
+                                                 record := TaskRecord.load(ev.kv.value)):
+                    yield record.to_pb()

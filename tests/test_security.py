@@ -7,6 +7,7 @@ a CA made for the test session (``kernel.pki``), on a real etcd.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import shutil
 import socket
@@ -504,6 +505,47 @@ def test_task_access_rules(clients: dict[str, Client], certs: PKI,
     with pytest.raises(errors.PermissionDenied):
         a.consume("acl", "readers", session=sa)
     assert b.consume("acl", "readers", session=sb).group == "readers"
+
+
+def test_reads_follow_the_tasks_access_rules(clients: dict[str, Client]) -> None:
+    """A task whose rules name only ag: ag2's every read of its contents is refused,
+    naming the rule, and its listings leave it out; ag, the operator and the watcher
+    read it; a task without rules stays open to all. No read shows ag's token to
+    anyone but an operator, explain included."""
+    ag, ag2 = clients["agent"], clients["agent2"]
+    ag.create_task({"task_id": "private", "consumers": ["g"], "digest_optional": True,
+                    "entries": [{"file_id": "f0", "path": "f0"}],
+                    "access": {"producers": ["ag"],
+                               "groups": [{"group": "g", "consumers": ["ag"]}]}})
+    ag.create_task({"task_id": "open", "digest_optional": True,
+                    "entries": [{"file_id": "f0", "path": "f0"}]})
+    s = ag.open_session("a", ttl=30)
+    claim = ag.claim("private", "f0", session=s)
+    reads = {
+        "GetTask": lambda c: c.get_task("private"),
+        "ListEntries": lambda c: c.list_entries("private"),
+        "GetEntry": lambda c: c.get_entry("private", "f0"),
+        "Journal": lambda c: c.journal("private"),
+        "Journal of an entry": lambda c: c.journal("private", "f0"),
+        "Explain": lambda c: c.explain("private", "f0"),
+        "Watch": lambda c: next(iter(c.watch("private", timeout=5))),
+    }
+    for name, read in reads.items():
+        with pytest.raises(errors.PermissionDenied, match=r"may not read task 'private'.*ag"):
+            read(ag2)
+        for who in ("agent", "operator", "watcher"):
+            assert read(clients[who]) is not None, (name, who)
+    assert [t.spec.task_id for t in ag2.list_tasks()] == ["open"]
+    assert {t.spec.task_id for t in ag.list_tasks()} == {"open", "private"}
+    seen = [t.spec.task_id for t in itertools.islice(ag2.watch_tasks(timeout=3), 2)]
+    assert seen == ["open"]
+    assert ag2.get_task("open").spec.task_id == "open"
+    # tokens: an operator's explanation names it; nobody else's reply carries it
+    assert f"token {claim.token}" in clients["operator"].explain("private", "f0").text
+    mine = ag.explain("private", "f0")
+    assert "token" not in mine.text and mine.entry.token == 0
+    assert ag.get_entry("private", "f0").token == 0
+    assert all(r.token == 0 for r in ag.journal("private", "f0"))
 
 
 # --- TLS itself ----------------------------------------------------------------------
