@@ -130,14 +130,6 @@ class StaleToken(BatonError):
     exit_code = 4
 
 
-class NotShardOwner(BatonError):
-    """A watcher reported on a task whose shard it does not own at the epoch it
-    names: the shard moved (``shard``, ``owner``, ``epoch``). Nothing changed; the
-    current owner reports instead."""
-
-    code = _Code("FAILED_PRECONDITION")
-    exit_code = 4
-
 
 class SessionExpired(BatonError):
     """The agent session's lease is gone; claims made under it are dead."""
@@ -222,6 +214,13 @@ class PermissionDenied(BatonError):
 
     code = _Code("PERMISSION_DENIED")
     exit_code = 7
+
+
+class NotShardOwner(PermissionDenied):
+    """A watcher reported on a task whose shard it does not own at the epoch it
+    names: the shard moved (``shard``, ``owner``, ``epoch``), or the report is not the
+    owner's at all. It is not believed, so nothing changed; the current owner reports
+    instead."""
 
 
 class Internal(BatonError):

@@ -323,8 +323,9 @@ class Consumers:
         staging = self.core.staging_dir(req.task_id)
 
         async def planner(txn: Txn) -> Callable[[int], pb.Entry]:
-            ((_claim, rec),) = await self._live(txn, [req], caller)
-            rec.remember("nacked", group=req.group, token=req.token, reason=req.reason)
+            ((claim, rec),) = await self._live(txn, [req], caller)
+            rec.remember("nacked", **actor_of(claim), group=req.group, token=req.token,
+                         reason=req.reason)
             self.core.put_entry(rec, txn)
             if rec.state == VERIFIED:
                 txn.put(self.keys.cready(rec.task_id, req.group, rec.file_id), b"")

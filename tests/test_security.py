@@ -247,6 +247,8 @@ def test_role_matrix(secure: RegistryHandle, clients: dict[str, Client], who: st
         before = snapshot(secure)
         try:
             _call(caller, method, _request(method, world))
+        except errors.NotShardOwner:
+            pass  # let in by the table; a report from no shard's owner is not believed
         except errors.PermissionDenied:
             assert not POLICY[method] & roles, f"{who} refused {method}, which it may call"
             assert snapshot(secure) == before, f"refused {method} by {who} changed state"
