@@ -169,7 +169,7 @@ def _routing_problems(spec: pb.TaskSpec, rules: tuple[routing.Rule, ...], groups
     """The rules' own problems, and a group a rule names that some entry it routes
     (every entry but the parts, which are consumed as their assembly) does not have."""
     out = routing.problems(rules, groups)
-    for i, rule in enumerate(rules):
+    for i, rule in enumerate(rules[:routing.MAX_RULES]):
         lacking = [e.file_id for e in spec.entries if e.consumers and e.file_id not in parts
                    and not set(rule.groups) <= set(e.consumers)]
         if lacking and set(rule.groups) <= set(groups):

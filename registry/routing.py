@@ -257,7 +257,9 @@ def problems(rules: Sequence[Rule], groups: Sequence[str], where: str = "") -> l
     out = []
     if len(rules) > MAX_RULES:
         out.append(f"{where}routing_rules: {len(rules)} rules, at most {MAX_RULES}")
-    for i, rule in enumerate(rules):
+    # Only the rules a task may have are looked into: parsing thousands would make a
+    # hostile manifest's refusal slow (fuzzing found 2,000 empty rules taking 12 s).
+    for i, rule in enumerate(rules[:MAX_RULES]):
         at = f"{where}routing_rules[{i}]"
         try:
             condition(rule.condition)
