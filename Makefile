@@ -49,5 +49,5 @@ faults-long: install
 #   make fuzz FUZZ_EXAMPLES=100000
 FUZZ_EXAMPLES ?= 100000
 fuzz: install
-	BATON_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/python -m pytest -q \
+	BATON_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/python -m pytest -q --timeout 0 \
 		--hypothesis-show-statistics tests/fuzz
