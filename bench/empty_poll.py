@@ -86,11 +86,16 @@ async def run(endpoint: str, polls: int) -> tuple[float, float]:
         await etcd.close()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line (exits on an unknown option)."""
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("endpoint")
     parser.add_argument("--polls", type=int, default=200)
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse()
     requests, ms = asyncio.run(run(args.endpoint, args.polls))
     print(f"etcd requests per empty claim: {requests:.2f}; {ms:.3f} ms each")
 

@@ -183,3 +183,12 @@ def test_a_retry_that_comes_due_is_claimable(etcd: Any, prefix: str) -> None:
     requests, file_id = asyncio.run(body())
     assert requests == 0
     assert file_id == "e0"
+
+
+def test_the_empty_poll_benchmark_measures_no_request(etcd: Any) -> None:
+    """`python -m bench.empty_poll` (docs/performance.md) counts 0 etcd requests per
+    empty claim."""
+    from bench.empty_poll import run
+
+    requests, _ = asyncio.run(run(etcd.endpoint, 20))
+    assert requests == 0
