@@ -529,6 +529,14 @@ class Etcd:
         self.full_at = -math.inf
         #: told the kind, duration and success of every request (the registry's metrics)
         self.observe: Callable[[Kind, float, bool], None] = _ignore
+        #: the highest revision a write of this client produced that changed a key
+        #: ``tracks`` accepts (0: none yet): a watch that has reached it has seen every
+        #: such write of this replica (``View.current``)
+        self.wrote = 0
+        #: which written keys count for ``wrote`` (None: none). Only keys a watch
+        #: follows may count: a revision no watched key changed at would never be
+        #: reached by that watch's events.
+        self.tracks: Callable[[bytes], bool] | None = None
 
     async def _resolve(self) -> str:
         """A gRPC target listing every address of every member (``ipv4:`` or ``ipv6:``)."""
@@ -778,6 +786,7 @@ class Etcd:
             failure=[_op_pb(op) for op in failure],
         )
         resp = await self._unary(self._pick().kv.Txn, req)
+        self._note(success if resp.succeeded else failure, int(resp.header.revision))
         return TxnResult(bool(resp.succeeded), int(resp.header.revision), _gets(resp))
 
     @_request("txn")
@@ -790,8 +799,17 @@ class Etcd:
         req = rpc.TxnRequest(success=[rpc.RequestOp(request_txn=g._pb()) for g in group])
         resp = await self._unary(self._pick().kv.Txn, req)
         rev = int(resp.header.revision)
+        for g, r in zip(group, resp.responses, strict=False):
+            self._note(g.success if r.response_txn.succeeded else g.failure, rev)
         return rev, [TxnResult(bool(r.response_txn.succeeded), rev, _gets(r.response_txn))
                      for r in resp.responses]
+
+    def _note(self, ops: Sequence[TxnOp], revision: int) -> None:
+        """Record ``revision`` in ``wrote`` if the branch that ran changed a tracked key."""
+        tracks = self.tracks
+        if tracks is not None and revision > self.wrote and any(
+                not isinstance(op, Get) and tracks(op.key) for op in ops):
+            self.wrote = revision
 
     async def scan(
         self,
@@ -896,6 +914,7 @@ class Etcd:
         prefix: bytes | Sequence[bytes],
         start_revision: int,
         keep: Callable[[bytes], bool] | None = None,
+        progress: Callable[[int], None] | None = None,
     ) -> AsyncIterator[list[WatchEvent]]:
         """Batches of events under ``prefix`` (or under each of several prefixes, on
         one stream) from ``start_revision`` (inclusive); with ``keep``, only events
@@ -904,7 +923,9 @@ class Etcd:
         Events of one prefix come in revision order; events of different prefixes
         are not ordered with each other. Raises ``Compacted`` if that revision is
         gone, ``Unavailable`` if the stream breaks; the caller re-lists and watches
-        again.
+        again. ``progress`` is told the revision of every response carrying events,
+        after its kept events are yielded (those ``keep`` drops included: the watch
+        has still come that far).
         """
         prefixes = [prefix] if isinstance(prefix, bytes) else list(prefix)
 
@@ -947,6 +968,8 @@ class Etcd:
                         if batch:
                             delivered = True
                             yield batch
+                        if progress is not None:
+                            progress(int(resp.header.revision))
                 else:
                     return
             except grpc.aio.AioRpcError as e:

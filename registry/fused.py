@@ -11,20 +11,27 @@ have failed.
 
 A take refused on the replica's view is decided again on etcd, as every call's is
 (``txn``): the whole step is planned again on fresh reads, so a "nothing next" is
-never the product of a view that is behind.
+never the product of a view that is behind this replica's own writes. A "nothing
+next" decided on a view that was current stands, as a lone claim's would.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..kernel.errors import BatonError, InvalidArgument, to_status
+from ..kernel.errors import BatonError, InvalidArgument, NothingToClaim, to_status
 from ..kernel.v1 import baton_pb2 as pb
 from .consumers import Consumers, _consumable, _leased
 from .identity import Caller
 from .manifest import check_id
 from .producers import Producers
 from .txn import Txn
+
+
+def final(txn: Txn, error: BatonError) -> bool:
+    """Whether a take refused with ``error`` stands: decided on etcd, or "nothing to
+    take" decided on a view that was current (``txn.Transactions.run``)."""
+    return txn.fresh or (txn.settled and isinstance(error, NothingToClaim))
 
 
 def next_error(error: BatonError) -> pb.CallError:
@@ -66,8 +73,8 @@ class Fused:
                 (taken,) = await producers._pick(txn, task_id, 1, caller)
                 producers._claim(txn, taken, slots, session_id, caller)
             except BatonError as e:
-                if not txn.fresh:
-                    raise  # decided on the view: plan the whole step again on etcd
+                if not final(txn, e):
+                    raise  # decided on a view that may be behind: plan again on etcd
                 refused, taken = e, None
 
             def reply(rev: int) -> pb.CommitAndClaimResponse:
@@ -121,8 +128,8 @@ class Fused:
                 consumers._lease(txn, taken, group, slots, caller)
                 read_at = entry_kv.mod_revision
             except BatonError as e:
-                if not txn.fresh:
-                    raise  # decided on the view: plan the whole step again on etcd
+                if not final(txn, e):
+                    raise  # decided on a view that may be behind: plan again on etcd
                 refused, taken, read_at = e, None, 0
 
             def reply(rev: int) -> pb.AckAndConsumeResponse:

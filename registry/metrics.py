@@ -347,6 +347,9 @@ class RegistryMetrics:
             replans.add_metric([reason], n)
         yield replans
         yield CounterMetricFamily(
+            "baton_txn_settled", "Nothing to claim or consume answered from a current "
+            "view, with no etcd request", value=txns.settled)
+        yield CounterMetricFamily(
             "baton_txn_gave_up", "Calls that gave up after repeated compare failures "
             "(Conflict, ABORTED)", value=txns.gave_up)
         yield CounterMetricFamily(

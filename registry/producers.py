@@ -144,12 +144,11 @@ class Producers:
                 file_id=rec.file_id)
 
     async def _candidates(self, txn: Txn, task_id: str) -> list[KV]:
-        """Index keys at the head of the task's ready index (from the view's window),
-        and, read straight from etcd, retries whose backoff is over and which the
-        scheduler has not moved to the ready index yet."""
+        """Index keys at the head of the task's ready index, and retries whose backoff
+        is over and which the scheduler has not moved to the ready index yet (from the
+        view's windows of both indexes, or straight from etcd). The view follows the
+        delayed index too, so that "nothing to claim" on it is nothing as of now."""
         head = await txn.scan(self.keys.ready_all(task_id), PAGE, keys_only=True)
-        if not txn.fresh:
-            return head
         now_ms = int(self.core.clock() * 1000)
         base = self.keys.delayed_of_task(task_id)
         delayed = await txn.scan(base, PAGE, keys_only=True)

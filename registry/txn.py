@@ -12,7 +12,13 @@ Reads come from the replica's watch-fed ``View`` when it has the key, so the
 happy path makes no read request at all; a stale view only costs a retry,
 because the compares pin what was read. A planner that raises a domain
 error after reading from the view is run once more on reads straight from
-etcd, so the error it finally raises is never the product of a stale view.
+etcd, so the error it finally raises is never the product of a stale view —
+with one exception, the commonest answer of an idle poller: "nothing to claim
+(or consume)" decided on a view that was *current* when the plan began (its
+watch had seen every write of this replica) is final. Another replica's write
+the watch has not brought yet may then be missed, exactly as by a poll made a
+moment earlier; a view that may be behind this replica's own writes still
+decides again on etcd.
 
 Commits go through the ``Committer``, which writes the transactions of
 concurrent callers together as nested transactions of one etcd request
@@ -33,7 +39,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 from google.protobuf.message import Message
 
 from ..kernel.backoff import Backoff
-from ..kernel.errors import BatonError, Conflict, Internal
+from ..kernel.errors import BatonError, Conflict, Internal, NothingToClaim
 from ._etcd import (
     KV,
     READ_CHUNK,
@@ -145,6 +151,8 @@ class Txn:
         self.reserved: list[bytes] = []
         #: whether the view should hold what this writes (False for bulk writes)
         self.cache_writes = True
+        #: planned on a current view: a "nothing to claim" from it needs no re-check
+        self.settled = False
 
     # reading ---------------------------------------------------------------
 
@@ -415,6 +423,8 @@ class Transactions:
         self.replans = {"compare": 0, "moved": 0, "confirm": 0}
         #: calls that gave up with ``Conflict`` (for metrics)
         self.gave_up = 0
+        #: "nothing to claim" answered from a current view, with no read of etcd
+        self.settled = 0
 
     async def _lease_for_requests(self) -> int:
         """A lease for request-outcome keys, replaced every ``REQUEST_LEASE_SPAN``."""
@@ -447,6 +457,9 @@ class Transactions:
         fresh = fresh or self.view is None or not self.view.ready
         for attempt in range(attempts):
             txn = self._txn(fresh, req_key)
+            # Taken before planning: what the plan reads then includes every write of
+            # this replica made before the call (those made during it are concurrent).
+            txn.settled = not fresh and self.view is not None and self.view.current()
             try:
                 reply = await planner(txn)
             except Replayed as done:
@@ -457,9 +470,12 @@ class Transactions:
                 self.replans["moved"] += 1
                 await self._backoff(attempt)
                 continue
-            except BatonError:
+            except BatonError as e:
                 self._release(txn)
                 if fresh:
+                    raise
+                if txn.settled and isinstance(e, NothingToClaim):
+                    self.settled += 1
                     raise
                 self.replans["confirm"] += 1
                 fresh = True  # the view may be behind: decide again on etcd's own state

@@ -8,14 +8,21 @@ Three kinds of keys are held:
   not watched: this replica makes most of their changes and takes its own
   writes at once; one another replica changed fails its compare, and the
   failure branch brings it back fresh; a miss reads etcd;
-* **windows** — the head of each task's ready index and of each consumer
-  group's claimable index: the first keys in order, refilled a page at a time
-  when drained, so a claim never reads (or makes etcd count) the whole index.
+* **windows** — the head of each task's ready index, of its retry-backoff
+  (delayed) index and of each consumer group's claimable index: the first keys
+  in order, refilled a page at a time when drained, so a claim never reads (or
+  makes etcd count) the whole index.
 
 The view may be behind etcd; it is never trusted blindly. A ``Txn`` that
 read from it commits with compares pinning every value it used, so a stale
 read costs a retry, not a wrong write, and the failure branch of that retry
 brings the fresh values back (``refreshed``).
+
+The view is **current** (``current``) when its watch has come as far as the
+last revision at which a write of this replica changed a watched key
+(``Etcd.wrote``): every such write is then in it. A "nothing to claim" decided
+on a current view is final (``txn.Transactions.run``); writes of other replicas
+not yet seen are the bound, as with a poll made a moment earlier.
 """
 
 from __future__ import annotations
@@ -93,7 +100,10 @@ class View:
         self._cache_bases = (keys.entries_all(), keys.claims_all())
         self._tasks_base = keys.tasks()
         self._ready_base = keys.ready_root()
+        self._delayed_base = keys.delayed_all()
         self._cready_base = keys.cready_root()
+        #: the indexes held as windows (the first two keyed by task, as ``ready/{task}/``)
+        self._index_bases = (self._ready_base, self._delayed_base, self._cready_base)
         self._mirror: dict[bytes, KV] = {}
         #: the mirrored keys again, by the prefix a planner scans (a session's slots)
         self._groups: dict[bytes, dict[bytes, KV]] = {}
@@ -105,6 +115,9 @@ class View:
         self._synced = asyncio.Event()
         #: session records seen deleted on the watch: closed or expired (for metrics)
         self.sessions_ended = 0
+        # This replica's writes of watched keys set the revision ``current`` waits for.
+        watched = tuple(self._watched)
+        etcd.tracks = lambda key: key.startswith(watched)
 
     # lifecycle -------------------------------------------------------------
 
@@ -143,7 +156,8 @@ class View:
                 # Only the prefixes the view holds, on one stream; of the indexes,
                 # only keys of windows it holds are decoded (task creation writes
                 # hundreds of thousands of ready keys nobody claims from yet).
-                async for batch in self.etcd.watch(self._watched, at + 1, keep=self._wanted):
+                async for batch in self.etcd.watch(self._watched, at + 1, keep=self._wanted,
+                                                   progress=self._progress):
                     for ev in batch:
                         self._apply(ev.kv.key, ev.kv if ev.kind == "put" else None,
                                     ev.kv.mod_revision, watched=True)
@@ -161,6 +175,15 @@ class View:
             self.ready = False
             await asyncio.sleep(REWATCH_DELAY)
 
+    def _progress(self, revision: int) -> None:
+        """The watch has delivered (and the view applied) everything up to ``revision``."""
+        self.revision = max(self.revision, revision)
+
+    def current(self) -> bool:
+        """Whether every write of this replica to a watched key is in the view: its
+        watch is live and has come as far as the last one (``Etcd.wrote``)."""
+        return self.ready and self.revision >= self.etcd.wrote
+
     # classification --------------------------------------------------------
 
     @property
@@ -169,10 +192,10 @@ class View:
         # replica (which takes its own writes at once), and a cached value another
         # replica changed fails its compare and comes back fresh from the failure
         # branch. Watching them would cost a watch response per transaction.
-        return [*self._mirror_bases, self._ready_base, self._cready_base]
+        return [*self._mirror_bases, *self._index_bases]
 
     def _wanted(self, key: bytes) -> bool:
-        if key.startswith((self._ready_base, self._cready_base)):
+        if key.startswith(self._index_bases):
             return self._window_base(key) in self._windows
         return True
 
@@ -181,14 +204,17 @@ class View:
             return _CACHE
         if key.startswith(self._mirror_bases):
             return _MIRROR
-        if key.startswith((self._ready_base, self._cready_base)):
+        if key.startswith(self._index_bases):
             return _WINDOW
         return _OTHER
 
     def _window_base(self, key: bytes) -> bytes:
-        """The index (window) a ready or cready key belongs to: all but its last part."""
-        return key[: key.rindex(b"/", 0, len(key) - 1) + 1] if key.startswith(
-            self._cready_base) else key[: key.index(b"/", len(self._ready_base)) + 1]
+        """The index (window) a ready, delayed or cready key belongs to: for the first
+        two the task's part (``ready/{task}/``), for cready all but its last part."""
+        if key.startswith(self._cready_base):
+            return key[: key.rindex(b"/", 0, len(key) - 1) + 1]
+        root = self._ready_base if key.startswith(self._ready_base) else self._delayed_base
+        return key[: key.index(b"/", len(root)) + 1]
 
     def _last(self, key: bytes, kind: int) -> int:
         """The revision the view last knew ``key`` at (0: never)."""
@@ -300,7 +326,8 @@ class View:
     def _drop_windows(self, task_id: str) -> None:
         """Forget the index windows of a task nothing is claimed in any more: else they
         stay (about 2 KB each, emptied) until ``WINDOWS_MAX`` windows push them out."""
-        mine = (self.keys.ready_all(task_id), self.keys.cready_of_task(task_id))
+        mine = (self.keys.ready_all(task_id), self.keys.delayed_of_task(task_id),
+                self.keys.cready_of_task(task_id))
         for base in [b for b in self._windows if b.startswith(mine)]:
             del self._windows[base]
 
@@ -355,7 +382,7 @@ class View:
                 group = {k: kv for k, kv in self._mirror.items() if k.startswith(prefix)}
             kvs = sorted(group.values(), key=lambda kv: kv.key)
             return kvs[:limit] if limit else kvs
-        if prefix.startswith((self._ready_base, self._cready_base)) and keys_only:
+        if prefix.startswith(self._index_bases) and keys_only:
             return await self._head(prefix, limit or WINDOW_PAGE)
         kvs, _, _ = await self.etcd.range(prefix, limit=limit, keys_only=keys_only)
         return kvs
@@ -393,7 +420,7 @@ class View:
             if self._gone.get(kv.key, 0) < kv.mod_revision:
                 window.keys.setdefault(kv.key, kv.mod_revision)
         window.end = kvs[-1].key + b"\0" if more and kvs else None
-        root = self._ready_base if base.startswith(self._ready_base) else self._cready_base
+        root = next(b for b in self._index_bases if base.startswith(b))
         task_id = base[len(root):].split(b"/", 1)[0].decode()
         wanted = [self.keys.entry(task_id, self.keys.last_segment(kv.key)) for kv in kvs]
         if wanted:

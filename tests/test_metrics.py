@@ -181,6 +181,7 @@ def test_registry_counts_the_steps_of_a_handoff(
     assert s.value("baton_txn_committed_total") >= s.value("baton_txn_etcd_requests_total") > 0
     assert s.value("baton_txn_replans_total", reason="compare") >= 0
     assert s.value("baton_txn_gave_up_total") == 0
+    assert s.value("baton_txn_settled_total") >= 0
     assert s.value("baton_sessions_closed_total") == 2
     assert s.value("baton_tasks", status="active") + s.value("baton_tasks",
                                                               status="completed") == 1
