@@ -27,7 +27,9 @@ from ..kernel.sdnotify import Notifier
 from ._etcd import Etcd, EtcdAuth
 from .agent_stream import AgentStreams
 from .archive import Archiver, DirectoryStore
-from .config import RegistryConfig, load_config
+from .archive_s3 import S3Store
+from .archive_store import ArchiveStore
+from .config import RegistryConfig, check_archive, load_config
 from .core import Core, every
 from .deadlines import Deadlines
 from .etcd_members import MEMBERS_KEY, REASON_KEY, EtcdMembers, allowed_versions
@@ -143,6 +145,7 @@ def server_certificates(config: RegistryConfig) -> ServerCertificates | None:
 async def start(config: RegistryConfig) -> Running:
     """Connect to etcd and serve on ``config.listen`` (port 0 picks a free port)."""
     certificates = server_certificates(config)
+    check_archive(config)  # before etcd is asked: a contradiction ends the start
     allowed = allowed_versions(config.allow_etcd_version)
     if not config.metrics:
         return await _start(config, certificates, allowed, None, 0)
@@ -173,9 +176,9 @@ async def _start(config: RegistryConfig, certificates: ServerCertificates | None
     core = Core(etcd, Keys(config.prefix), config.staging)
     core.stuck_written_after = config.stuck_written_after
     archiver = None
-    if config.archive_dir:
-        archiver = Archiver(core, DirectoryStore(config.archive_dir), config.archive_after,
-                            config.archive_retention)
+    store = archive_store(config)
+    if store is not None:
+        archiver = Archiver(core, store, config.archive_after, config.archive_retention)
         core.archive = archiver
     await core.start()
     server = grpc.aio.server(
@@ -237,6 +240,17 @@ async def _start(config: RegistryConfig, certificates: ServerCertificates | None
                    assigner, members, metrics, metrics_port, service.streams)
 
 
+def archive_store(config: RegistryConfig) -> ArchiveStore | None:
+    """The store finished tasks are archived to (None: they stay in etcd)."""
+    check_archive(config)
+    if config.archive_s3_bucket:
+        return S3Store(config.archive_s3_bucket, config.archive_s3_prefix,
+                       config.archive_s3_endpoint)
+    if config.archive_dir:
+        return DirectoryStore(config.archive_dir)
+    return None
+
+
 async def serve(config: RegistryConfig, notifier: Notifier | None = None) -> None:
     notifier = notifier or Notifier()
     running = await start(config)
@@ -259,7 +273,11 @@ async def serve(config: RegistryConfig, notifier: Notifier | None = None) -> Non
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    config = load_config(sys.argv[1:] if argv is None else argv, os.environ)
+    try:
+        config = load_config(sys.argv[1:] if argv is None else argv, os.environ)
+    except BatonError as e:
+        print(f"baton-registry: {e}", file=sys.stderr)
+        return 2
     setup_logging(config.log_level, config.log_format)
     try:
         asyncio.run(serve(config, Notifier.from_environ(os.environ)))
