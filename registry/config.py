@@ -54,6 +54,7 @@ class RegistryConfig:
     archive_after: float = 86400.0
     archive_retention: float = 90 * 86400.0
     archive_interval: float = 30.0
+    archive_lease_ttl: int = 10
     # an entry written for longer is counted (status) and named (explain) as stuck
     stuck_written_after: float = 600.0
     # watcher shards
@@ -95,6 +96,8 @@ _HELP = {
     "manifest says (archive_after_seconds); negative = never",
     "archive_retention": "seconds an archive is kept; then it and the task's header go",
     "archive_interval": "seconds between looks for finished tasks due for the archive",
+    "archive_lease_ttl": "seconds of the lease behind the archiver election: one replica "
+    "archives at a time, and a dead one is replaced within this",
     "stuck_written_after": "seconds after which an entry committed and not yet verified "
     "is counted by status and named by explain as stuck (no watcher settled it)",
     "shards": "shards tasks map to, fixed when the first watcher registers (1..4096)",

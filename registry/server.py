@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from .archive_store import ArchiveStore
 from .config import RegistryConfig, check_archive, load_config
 from .core import Core, every
 from .deadlines import Deadlines
+from .election import Election, while_leading
 from .etcd_members import MEMBERS_KEY, REASON_KEY, EtcdMembers, allowed_versions
 from .keys import Keys
 from .metrics import RegistryMetrics
@@ -228,8 +230,13 @@ async def _start(config: RegistryConfig, certificates: ServerCertificates | None
     background.append(asyncio.create_task(
         every(config.reap_interval, stop, deadlines.sweep, "deadlines")))
     if archiver is not None:
+        # One replica archives (and expires) at a time; every one reads the store.
+        election = Election(etcd, config.prefix, "archiver", config.archive_lease_ttl,
+                            who=f"{socket.gethostname()}:{os.getpid()}")
+        archiver.election = election
+        background.append(asyncio.create_task(election.run(stop)))
         background.append(asyncio.create_task(
-            every(config.archive_interval, stop, archiver.sweep, "archiver")))
+            while_leading(election, config.archive_interval, stop, archiver.sweep, "archiver")))
     log.info("registry on port %d (%s), etcd %s (v%s), prefix %s, staging %s", port,
              "mutual TLS" if certificates else "plaintext, --insecure", config.etcd,
              version, config.prefix, config.staging)
