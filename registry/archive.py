@@ -59,6 +59,7 @@ from ..kernel.v1 import baton_pb2 as pb
 from ._etcd import KV, Compare, Get, empty
 from .archive_store import ArchiveCorrupt, Archived, ArchiveInfo, ArchiveStore, DirectoryStore
 from .core import Core
+from .election import Election
 from .keys import prefix_end
 from .manifest import check_id
 from .model import FINISHED, STATES, EntryRecord, TaskRecord, epoch_of, now
@@ -166,6 +167,8 @@ class Archiver:
         self.removal = Removal(core)
         #: tasks this replica archived, and archives it expired (for metrics)
         self.archived = 0
+        #: the election this replica archives under (None: it always archives)
+        self.election: Election | None = None
         self.expired = 0
         #: per task this replica is archiving or expiring: its lock, and how many use it
         self._busy: dict[str, tuple[asyncio.Lock, int]] = {}

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from ..kernel import settings
 from ..kernel.contract import DEFAULT_SHARDS
+from ..kernel.errors import BatonError
 from ..kernel.logs import FORMATS
 
 MOVE_DEADLINE = 30.0
@@ -48,9 +49,13 @@ class RegistryConfig:
     metrics: str = ""
     # finished tasks out of etcd
     archive_dir: str = ""
+    archive_s3_bucket: str = ""
+    archive_s3_prefix: str = ""
+    archive_s3_endpoint: str = ""
     archive_after: float = 86400.0
     archive_retention: float = 90 * 86400.0
     archive_interval: float = 30.0
+    archive_lease_ttl: int = 10
     # an entry written for longer is counted (status) and named (explain) as stuck
     stuck_written_after: float = 600.0
     # watcher shards
@@ -86,10 +91,17 @@ _HELP = {
     "member added or upgraded is seen within this)",
     "archive_dir": "directory finished tasks are archived to, out of etcd; every replica "
     "must see the same one (empty = finished tasks stay in etcd)",
+    "archive_s3_bucket": "S3 bucket finished tasks are archived to (instead of "
+    "--archive-dir); credentials from boto3's chain (AWS_ACCESS_KEY_ID/"
+    "AWS_SECRET_ACCESS_KEY, ~/.aws, a role)",
+    "archive_s3_prefix": "key prefix of the archives in --archive-s3-bucket",
+    "archive_s3_endpoint": "URL of an S3-compatible server (empty = AWS S3)",
     "archive_after": "seconds after a task finished that it is archived, unless its "
     "manifest says (archive_after_seconds); negative = never",
     "archive_retention": "seconds an archive is kept; then it and the task's header go",
     "archive_interval": "seconds between looks for finished tasks due for the archive",
+    "archive_lease_ttl": "seconds of the lease behind the archiver election: one replica "
+    "archives at a time, and a dead one is replaced within this",
     "stuck_written_after": "seconds after which an entry committed and not yet verified "
     "is counted by status and named by explain as stuck (no watcher settled it)",
     "shards": "shards tasks map to, fixed when the first watcher registers (1..4096)",
@@ -100,7 +112,18 @@ _HELP = {
 
 def load_config(argv: Sequence[str], environ: Mapping[str, str]) -> RegistryConfig:
     """Build the configuration from the command line and environment (pure)."""
-    return settings.load(
+    config = settings.load(
         RegistryConfig, argv, environ, prog="baton-registry",
         description="Baton registry: the gRPC server that owns the entry state machine.",
         help=_HELP, choices={"log_format": FORMATS})
+    check_archive(config)
+    return config
+
+
+def check_archive(config: RegistryConfig) -> None:
+    """One archive store, not two: replicas that disagree on it would each see half."""
+    if config.archive_dir and config.archive_s3_bucket:
+        raise BatonError("--archive-dir and --archive-s3-bucket both set: archive to a "
+                         "directory or to S3, not both")
+    if (config.archive_s3_prefix or config.archive_s3_endpoint) and not config.archive_s3_bucket:
+        raise BatonError("--archive-s3-prefix/--archive-s3-endpoint need --archive-s3-bucket")

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,9 +28,12 @@ from ..kernel.sdnotify import Notifier
 from ._etcd import Etcd, EtcdAuth
 from .agent_stream import AgentStreams
 from .archive import Archiver, DirectoryStore
-from .config import RegistryConfig, load_config
+from .archive_s3 import S3Store
+from .archive_store import ArchiveStore
+from .config import RegistryConfig, check_archive, load_config
 from .core import Core, every
 from .deadlines import Deadlines
+from .election import Election, while_leading
 from .etcd_members import MEMBERS_KEY, REASON_KEY, EtcdMembers, allowed_versions
 from .keys import Keys
 from .metrics import RegistryMetrics
@@ -153,6 +157,7 @@ def server_certificates(config: RegistryConfig) -> ServerCertificates | None:
 async def start(config: RegistryConfig) -> Running:
     """Connect to etcd and serve on ``config.listen`` (port 0 picks a free port)."""
     certificates = server_certificates(config)
+    check_archive(config)  # before etcd is asked: a contradiction ends the start
     allowed = allowed_versions(config.allow_etcd_version)
     if not config.metrics:
         return await _start(config, certificates, allowed, None, 0)
@@ -183,9 +188,9 @@ async def _start(config: RegistryConfig, certificates: ServerCertificates | None
     core = Core(etcd, Keys(config.prefix), config.staging)
     core.stuck_written_after = config.stuck_written_after
     archiver = None
-    if config.archive_dir:
-        archiver = Archiver(core, DirectoryStore(config.archive_dir), config.archive_after,
-                            config.archive_retention)
+    store = archive_store(config)
+    if store is not None:
+        archiver = Archiver(core, store, config.archive_after, config.archive_retention)
         core.archive = archiver
     await core.start()
     server = grpc.aio.server(
@@ -235,8 +240,13 @@ async def _start(config: RegistryConfig, certificates: ServerCertificates | None
     background.append(asyncio.create_task(
         every(config.reap_interval, stop, deadlines.sweep, "deadlines")))
     if archiver is not None:
+        # One replica archives (and expires) at a time; every one reads the store.
+        election = Election(etcd, config.prefix, "archiver", config.archive_lease_ttl,
+                            who=f"{socket.gethostname()}:{os.getpid()}")
+        archiver.election = election
+        background.append(asyncio.create_task(election.run(stop)))
         background.append(asyncio.create_task(
-            every(config.archive_interval, stop, archiver.sweep, "archiver")))
+            while_leading(election, config.archive_interval, stop, archiver.sweep, "archiver")))
     log.info("registry on port %d (%s), etcd %s (v%s), prefix %s, staging %s", port,
              "mutual TLS" if certificates else "plaintext, --insecure", config.etcd,
              version, config.prefix, config.staging)
@@ -245,6 +255,17 @@ async def _start(config: RegistryConfig, certificates: ServerCertificates | None
                      deadlines, archiver)
     return Running(port, server, etcd, core, reaper, scheduler, health_servicer, stop, background,
                    assigner, members, metrics, metrics_port, service.streams)
+
+
+def archive_store(config: RegistryConfig) -> ArchiveStore | None:
+    """The store finished tasks are archived to (None: they stay in etcd)."""
+    check_archive(config)
+    if config.archive_s3_bucket:
+        return S3Store(config.archive_s3_bucket, config.archive_s3_prefix,
+                       config.archive_s3_endpoint)
+    if config.archive_dir:
+        return DirectoryStore(config.archive_dir)
+    return None
 
 
 async def serve(config: RegistryConfig, notifier: Notifier | None = None) -> None:
@@ -269,7 +290,11 @@ async def serve(config: RegistryConfig, notifier: Notifier | None = None) -> Non
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    config = load_config(sys.argv[1:] if argv is None else argv, os.environ)
+    try:
+        config = load_config(sys.argv[1:] if argv is None else argv, os.environ)
+    except BatonError as e:
+        print(f"baton-registry: {e}", file=sys.stderr)
+        return 2
     setup_logging(config.log_level, config.log_format)
     try:
         asyncio.run(serve(config, Notifier.from_environ(os.environ)))

@@ -20,7 +20,7 @@ import pytest
 from baton_relay.local.etcdproc import EtcdProcess
 
 # Real registry replicas (tests/registry_fixtures.py), built on the fixtures below.
-pytest_plugins = ["registry_fixtures", "watcher_fixtures"]
+pytest_plugins = ["registry_fixtures", "watcher_fixtures", "s3_fixtures"]
 
 #: where pytest_runtest_makereport files each phase's report ("setup", "call", "teardown")
 phase_report_key = pytest.StashKey[dict[str, pytest.TestReport]]()

@@ -724,3 +724,62 @@ def test_health_probe_dials_loopback_for_a_wildcard_listen() -> None:
     assert health.local_address("10.1.2.3:7390") == "10.1.2.3:7390"
     assert RegistryConfig().listen.endswith(":7390")
     assert WatcherConfig().registry.endswith(":7390")
+
+
+# --- every deployment archives -----------------------------------------------------------
+
+def archives(config: dict[str, Any]) -> str:
+    """Where a registry TOML archives to ("dir" or "s3"), refused if to neither or both."""
+    kinds = [k for k, key in (("dir", "archive_dir"), ("s3", "archive_s3_bucket"))
+             if config.get(key)]
+    assert len(kinds) == 1, f"a registry must archive to one store, not {kinds or 'none'}"
+    return kinds[0]
+
+
+def test_every_rendered_kubernetes_registry_archives(kubectl: str) -> None:
+    """Each kustomization's registry archives: to S3 with the Secret's credentials in
+    its environment, or to a directory on a ReadWriteMany volume every replica mounts."""
+    stores = {}
+    for root in KUSTOMIZATIONS:
+        objs = rendered(kubectl, root)
+        config = config_map_toml(objs, "baton-registry")
+        stores[root.name] = kind = archives(config)
+        registry = container(find(objs, "Deployment", "baton-registry"))
+        if kind == "s3":
+            env = {e["name"]: e["valueFrom"]["secretKeyRef"]["name"]
+                   for e in registry.get("env", ()) if "valueFrom" in e}
+            assert env == {"AWS_ACCESS_KEY_ID": "baton-archive-s3",
+                           "AWS_SECRET_ACCESS_KEY": "baton-archive-s3"}
+            continue
+        mount = next(m for m in registry["volumeMounts"]
+                     if m["mountPath"] == config["archive_dir"])
+        volume = next(v for v in find(objs, "Deployment", "baton-registry")["spec"]["template"]
+                      ["spec"]["volumes"] if v["name"] == mount["name"])
+        claim = find(objs, "PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])
+        assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert stores["base"] == "s3" and "dir" in stores.values()
+
+
+def test_compose_registries_archive_to_one_shared_volume() -> None:
+    """Both compose replicas archive to the directory of one named volume they mount."""
+    compose = yaml.safe_load(COMPOSE.read_text())
+    config = tomllib.loads((DEPLOY / "compose/registry.toml").read_text())
+    assert archives(config) == "dir"
+    registries = [s for name, s in compose["services"].items() if name.startswith("registry")]
+    assert len(registries) == 2
+    for service in registries:
+        assert f"archive:{config['archive_dir']}" in service["volumes"]
+    assert "archive" in compose["volumes"]
+
+
+def test_systemd_registry_may_write_the_archive_it_is_given() -> None:
+    """The example settings archive to a directory the unit's sandbox lets it write."""
+    config = tomllib.loads((DEPLOY / "registry.example.toml").read_text())
+    assert archives(config) == "dir"
+    unit = (DEPLOY / "systemd/baton-registry.service").read_text()
+    state = re.search(r"^StateDirectory=(\S+)", unit, re.M)
+    writable = re.search(r"^ReadWritePaths=(\S+)", unit, re.M)
+    assert state and writable
+    assert config["archive_dir"] == f"/var/lib/{state.group(1)}" == writable.group(1)
+    dropin = (DEPLOY / "systemd/baton-registry-s3.conf").read_text()
+    assert "EnvironmentFile=" in dropin and "archive_s3_bucket" in dropin
