@@ -2,8 +2,9 @@
 
 A caller is the identity in its client certificate (docs/security.md): the CN is
 its name, each OU that names a role is a role it holds. :data:`POLICY` maps every
-method of the Registry service to the roles that may call it; a method missing
-from it is refused to everyone (deny by default). ``service.add_to_server``
+method of the Registry service to the roles that may call it: its audience's role
+(:data:`AUDIENCE`) plus the few per-method :data:`EXCEPTIONS`. A method missing from
+it is refused to everyone (deny by default). ``service.add_to_server``
 enforces it for every call before a handler runs, the only place it is checked.
 
 A registry serving plaintext (``--insecure``) has no identities: every caller is
@@ -34,58 +35,54 @@ class _HasToken(Protocol):
 T = TypeVar("T", bound=_HasToken)
 _ANY = frozenset(ROLES)
 
-#: every method of the Registry service and the roles that may call it
+#: every method of the Registry service by the audience it serves: the three
+#: services the API is to be split into (agents, watchers, operators). Each
+#: audience's methods are open to its role; what else a method allows is an
+#: exception, listed once in :data:`EXCEPTIONS`, so the table never restates
+#: per method what the audience already implies.
+AUDIENCE: Mapping[str, str] = {
+    **dict.fromkeys((
+        "OpenSession", "KeepAlive", "CloseSession", "Session",
+        "Claim", "ClaimBatch", "Commit", "CommitBatch", "Fail",
+        "Consume", "ConsumeBatch", "Ack", "Nack", "AckBatch", "Watch"), AGENT),
+    **dict.fromkeys((
+        "RegisterWatcher", "WatcherHeartbeat", "ReportVerification", "ReportProblem",
+        "ReleaseShard"), WATCHER),
+    **dict.fromkeys((
+        "CreateTask", "GetTask", "ListTasks", "WatchTasks", "PauseTask", "ResumeTask",
+        "CancelTask", "DeleteTask", "ArchiveTask", "GetEntry", "ListEntries",
+        "Requeue", "Journal", "Explain", "ListAgents", "RevokeSession",
+        "RotateLease", "DrainHost", "UndrainHost", "ListWatchers", "ListShards",
+        "MoveShard", "Rebalance", "DrainWatcher"), OPERATOR),
+}
+
+#: the roles each audience's methods are open to
+AUDIENCE_ROLES: Mapping[str, frozenset[str]] = {
+    AGENT: frozenset({AGENT}),
+    WATCHER: frozenset({WATCHER}),
+    OPERATOR: frozenset({OPERATOR}),
+}
+
+#: the per-method exceptions: roles a method allows beyond its audience's, and why
+EXCEPTIONS: Mapping[str, frozenset[str]] = {
+    # reads: everyone with an identity (tokens are redacted for non-operators)
+    **dict.fromkeys(("GetTask", "ListTasks", "GetEntry", "ListEntries", "Journal",
+                     "Explain", "WatchTasks"), frozenset({AGENT, WATCHER})),
+    "Watch": frozenset({OPERATOR, WATCHER}),
+    # tasks are made by pipelines (agents) as well as people
+    "CreateTask": frozenset({AGENT}),
+    # an operator may close any session (``baton release``)
+    "CloseSession": frozenset({OPERATOR}),
+    # watchers read the membership and shard map they hold shards by
+    "ListWatchers": frozenset({WATCHER}),
+    "ListShards": frozenset({WATCHER}),
+}
+
+#: every method of the Registry service and the roles that may call it: its
+#: audience's roles plus its exceptions
 POLICY: Mapping[str, frozenset[str]] = {
-    # reads: everyone with an identity
-    "GetTask": _ANY,
-    "ListTasks": _ANY,
-    "GetEntry": _ANY,
-    "ListEntries": _ANY,
-    "Journal": _ANY,
-    "Explain": _ANY,
-    "Watch": _ANY,
-    "WatchTasks": _ANY,
-    # tasks are made by pipelines (agents) and people (operators)
-    "CreateTask": frozenset({OPERATOR, AGENT}),
-    # operating tasks, entries and leases
-    "PauseTask": frozenset({OPERATOR}),
-    "ResumeTask": frozenset({OPERATOR}),
-    "CancelTask": frozenset({OPERATOR}),
-    "DeleteTask": frozenset({OPERATOR}),
-    "ArchiveTask": frozenset({OPERATOR}),
-    "Requeue": frozenset({OPERATOR}),
-    "ListAgents": frozenset({OPERATOR}),
-    "RevokeSession": frozenset({OPERATOR}),
-    "RotateLease": frozenset({OPERATOR}),
-    "DrainHost": frozenset({OPERATOR}),
-    "UndrainHost": frozenset({OPERATOR}),
-    # sessions and claims; an operator may close any session (``baton release``)
-    "OpenSession": frozenset({AGENT}),
-    "KeepAlive": frozenset({AGENT}),
-    "Session": frozenset({AGENT}),
-    "CloseSession": frozenset({AGENT, OPERATOR}),
-    "Claim": frozenset({AGENT}),
-    "ClaimBatch": frozenset({AGENT}),
-    "Commit": frozenset({AGENT}),
-    "CommitBatch": frozenset({AGENT}),
-    "Fail": frozenset({AGENT}),
-    "Consume": frozenset({AGENT}),
-    "ConsumeBatch": frozenset({AGENT}),
-    "Ack": frozenset({AGENT}),
-    "Nack": frozenset({AGENT}),
-    "AckBatch": frozenset({AGENT}),
-    # only watchers vouch for a file's bytes
-    "ReportVerification": frozenset({WATCHER}),
-    "ReportProblem": frozenset({WATCHER}),
-    # watcher membership: watchers register and hold shards; operators move them
-    "RegisterWatcher": frozenset({WATCHER}),
-    "WatcherHeartbeat": frozenset({WATCHER}),
-    "ReleaseShard": frozenset({WATCHER}),
-    "ListWatchers": frozenset({OPERATOR, WATCHER}),
-    "ListShards": frozenset({OPERATOR, WATCHER}),
-    "MoveShard": frozenset({OPERATOR}),
-    "Rebalance": frozenset({OPERATOR}),
-    "DrainWatcher": frozenset({OPERATOR}),
+    method: AUDIENCE_ROLES[audience] | EXCEPTIONS.get(method, frozenset())
+    for method, audience in AUDIENCE.items()
 }
 
 

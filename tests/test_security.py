@@ -27,7 +27,7 @@ from baton_relay.kernel import errors, pki
 from baton_relay.kernel.contract import shard_of
 from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.registry._etcd import Etcd
-from baton_relay.registry.identity import POLICY
+from baton_relay.registry.identity import AUDIENCE, AUDIENCE_ROLES, EXCEPTIONS, POLICY
 from baton_relay.registry.keys import Keys
 
 DIGEST = "ab" * 32
@@ -127,6 +127,18 @@ def manifest(task: str = "t", n: int = 3, **extra: Any) -> dict[str, Any]:
 def test_every_method_is_in_the_table() -> None:
     """The access table names every method of the service, and nothing else."""
     assert set(POLICY) == {m.name for m in SERVICE.methods}
+
+
+def test_access_follows_the_audience_with_listed_exceptions() -> None:
+    """Each method serves one audience, whose role it allows; any other role it
+    allows is in the exceptions table, which never restates the audience's role."""
+    assert set(AUDIENCE) == {m.name for m in SERVICE.methods}
+    assert set(EXCEPTIONS) <= set(AUDIENCE)
+    for method, audience in AUDIENCE.items():
+        own = AUDIENCE_ROLES[audience]
+        extra = EXCEPTIONS.get(method, frozenset())
+        assert not own & extra, f"{method}: the exception restates its audience"
+        assert POLICY[method] == own | extra, method
 
 
 def _request(method: str, world: dict[str, Any]) -> Any:
