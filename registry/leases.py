@@ -49,8 +49,9 @@ from ..kernel.v1 import baton_pb2 as pb
 from .claims import SessionRecord, claim_holder, claim_session, release_slot
 from .core import Core, every
 from .identity import Caller
+from .machine import Event, apply
 from .manifest import check_id
-from .model import PENDING, VERIFIED, WRITING, EntryRecord
+from .model import VERIFIED, WRITING, EntryRecord
 from .scheduler import Complaints
 from .sessions import MAX_TTL, MIN_TTL
 from .txn import MAX_TXN_OPS, Txn, write
@@ -186,8 +187,7 @@ class Leases:
                 details = {"who": who, "reason": reason, "token": token,
                            "agent": claim_holder(claim)}
                 if ref.kind == "p" and rec.state == WRITING:
-                    rec.state, rec.owner, rec.session, rec.not_before = PENDING, "", 0, 0.0
-                    rec.size, rec.digest, rec.committed_digest, rec.observed = 0, "", "", None
+                    apply(rec, Event.REVOKE)  # no retry spent: the agent did not fail
                     rec.error = f"claim revoked by {who}: {reason}"
                     rec.remember("revoked", **details)
                     self.core.put_entry(rec, txn)
