@@ -47,16 +47,19 @@ class Move:
     sets: tuple[tuple[str, Any], ...] = ()
 
 
-_RETRY_FROM = (WRITING, WRITTEN, VERIFIED)
-
 TABLE: dict[tuple[State, Event], Move] = {
     (PENDING, Event.CLAIM): Move(WRITING, ("observed", "error", "not_before")),
     (WRITING, Event.COMMIT): Move(WRITTEN),
     (WRITTEN, Event.VERIFY): Move(VERIFIED, ("error",)),
     (PENDING, Event.ASSEMBLE): Move(VERIFIED),
     (VERIFIED, Event.CONSUME): Move(CONSUMED),
-    **{(s, Event.RETRY): Move(PENDING, ATTEMPT) for s in _RETRY_FROM},
-    **{(s, Event.DIE): Move(DEAD, ATTEMPT) for s in _RETRY_FROM},
+    # a failed attempt: back to pending while retries are left, dead after
+    (WRITING, Event.RETRY): Move(PENDING, ATTEMPT),
+    (WRITTEN, Event.RETRY): Move(PENDING, ATTEMPT),
+    (VERIFIED, Event.RETRY): Move(PENDING, ATTEMPT),
+    (WRITING, Event.DIE): Move(DEAD, ATTEMPT),
+    (WRITTEN, Event.DIE): Move(DEAD, ATTEMPT),
+    (VERIFIED, Event.DIE): Move(DEAD, ATTEMPT),
     (WRITING, Event.REVOKE): Move(PENDING, (*ATTEMPT, "not_before")),
     (VERIFIED, Event.UNVERIFY): Move(PENDING, ("size", "digest", "rule", "routed_to"),
                                      (("deps_ok", False),)),
