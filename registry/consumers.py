@@ -26,8 +26,9 @@ from .claims import (
 from .core import Core
 from .identity import Caller
 from .keys import ClaimRef
+from .machine import Event, apply
 from .manifest import check_id
-from .model import CONSUMED, VERIFIED, EntryRecord
+from .model import VERIFIED, EntryRecord
 from .txn import MAX_TXN_OPS, Retry, Txn
 
 #: claimable keys looked at per consume
@@ -269,7 +270,7 @@ class Consumers:
             rec.consumed_by.append(req.group)
         rec.remember("acked", **actor_of(claim), group=req.group, token=req.token)
         if all(g in rec.consumed_by for g in rec.receivers):
-            rec.state = CONSUMED
+            apply(rec, Event.CONSUME)
 
     async def ack(self, req: pb.AckRequest, caller: Caller) -> pb.Entry:
         staging = self.core.staging_dir(req.task_id)

@@ -26,6 +26,7 @@ from ._etcd import KV, Etcd
 from .archive_store import Archived, Archives
 from .fanout import Fanout
 from .keys import ClaimRef, Keys
+from .machine import Event, apply
 from .model import CONSUMED, DEAD, PENDING, VERIFIED, EntryRecord, TaskRecord, now
 from .txn import Transactions, Txn
 from .view import View
@@ -209,20 +210,16 @@ class Core:
         rec.remember(event, reason=reason, who=who, label=rec.owner, token=token,
                      attempt=rec.retry_count)
         rec.error = reason
-        rec.owner, rec.session = "", 0
-        rec.size, rec.digest, rec.committed_digest, rec.observed = 0, "", "", None
-        rec.attributes = ""
-        rec.unroute()
         if rec.retry_count < rec.max_retries:
+            apply(rec, Event.RETRY)  # resets the attempt's fields (machine.ATTEMPT)
             rec.retry_count += 1
-            rec.state = PENDING
             base, factor, cap = rec.backoff
             # Jitter spreads retries of entries that failed together; at least half the
             # task's backoff is kept.
             backoff = Backoff(base, cap, factor, floor=0.5, jitter=self.rng.uniform)
             rec.not_before = self.clock() + backoff.delay(rec.retry_count)
         else:
-            rec.state = DEAD
+            apply(rec, Event.DIE)
 
     def _index_for(self, rec: EntryRecord, t: float) -> str:
         """The index key a pending entry belongs under ("" when not pending)."""

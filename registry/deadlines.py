@@ -25,9 +25,10 @@ import logging
 
 from ..kernel import logs
 from ._etcd import KV, created_at
-from .claims import actor_of, claim_holder, release_slot, voided
+from .claim import end, give_back
+from .claims import actor_of, claim_holder, voided
 from .core import Core, Gate
-from .model import VERIFIED, WRITING, EntryRecord
+from .model import EntryRecord
 from .scheduler import Complaints
 from .txn import Txn, write
 
@@ -83,7 +84,7 @@ class Deadlines:
         entry_key = self.keys.entry(ref.task_id, ref.file_id)
 
         async def plan(txn: Txn) -> bool:
-            kv, claim, twin = await txn.get_many([deadline.key, claim_key, twin_key])
+            kv, claim, _twin = await txn.get_many([deadline.key, claim_key, twin_key])
             if kv is None:
                 return False  # another replica got there first
             txn.delete(deadline.key)
@@ -91,26 +92,17 @@ class Deadlines:
                 return False  # that claim ended (committed, acked, reaped): just forget it
             token = claim.create_revision
             txn.require(created_at(claim_key, token))
-            txn.delete(claim_key)
-            if twin is not None:
-                txn.delete(twin_key)
-            release_slot(self.keys, claim, txn)
+            end(self.core, txn, ref, claim)
             holder = claim_holder(claim) or "?"
             entry, task = await txn.get_many([entry_key, self.keys.task(ref.task_id)])
             if entry is not None and not voided(task):  # a cancelled task's stay as they are
                 rec = EntryRecord.load(entry.value)
-                if ref.kind == "p" and rec.state == WRITING:
-                    self.core.retry_or_dead(
-                        rec, f"claim deadline: no commit within {rec.claim_deadline:g} s of "
-                        f"the claim by {holder} (token {token})", token=token, event="deadline")
-                    self.core.put_entry(rec, txn)
-                elif ref.kind == "c" and rec.state == VERIFIED and (
-                        ref.group not in rec.consumed_by):
-                    rec.remember("deadline", group=ref.group, **actor_of(claim), token=token,
-                                 reason=f"consume deadline: no ack within "
-                                 f"{rec.consume_deadline:g} s")
-                    self.core.put_entry(rec, txn)
-                    txn.put(self.keys.cready(ref.task_id, ref.group, ref.file_id), b"")
+                reason = (f"claim deadline: no commit within {rec.claim_deadline:g} s of "
+                          f"the claim by {holder} (token {token})" if ref.kind == "p" else
+                          f"consume deadline: no ack within {rec.consume_deadline:g} s")
+                give_back(self.core, txn, rec, ref, token, actor=actor_of(claim), reason=reason,
+                          spend=True, event="deadline",
+                          details={"reason": reason} if ref.kind == "c" else None)
             txn.after(lambda: logs.log(
                 log, logging.WARNING, "claim taken away at its deadline", task=ref.task_id,
                 file_id=ref.file_id, revision=txn.revision, kind=ref.kind,

@@ -46,11 +46,12 @@ from datetime import UTC, datetime
 
 from ..kernel.errors import BatonError, InvalidArgument, NotFound
 from ..kernel.v1 import baton_pb2 as pb
-from .claims import SessionRecord, claim_holder, claim_session, release_slot
+from .claim import end, give_back
+from .claims import SessionRecord, claim_holder, claim_session
 from .core import Core, every
 from .identity import Caller
 from .manifest import check_id
-from .model import PENDING, VERIFIED, WRITING, EntryRecord
+from .model import EntryRecord
 from .scheduler import Complaints
 from .sessions import MAX_TTL, MIN_TTL
 from .txn import MAX_TXN_OPS, Txn, write
@@ -175,27 +176,17 @@ class Leases:
                     if c is not None and claim_session(c) == session_id]
             refs = [self.keys.parse_claim(k) for k, _ in held]
             entries = await txn.get_many([self.keys.entry(r.task_id, r.file_id) for r in refs])
-            for (key, claim), ref, kv in zip(held, refs, entries, strict=True):
+            for (_key, claim), ref, kv in zip(held, refs, entries, strict=True):
                 token = claim.create_revision
-                txn.delete(key)
-                txn.delete(self.keys.inflight(ref))
-                release_slot(self.keys, claim, txn)
+                end(self.core, txn, ref, claim)
                 if kv is None:
                     continue
-                rec = EntryRecord.load(kv.value)
-                details = {"who": who, "reason": reason, "token": token,
-                           "agent": claim_holder(claim)}
-                if ref.kind == "p" and rec.state == WRITING:
-                    rec.state, rec.owner, rec.session, rec.not_before = PENDING, "", 0, 0.0
-                    rec.size, rec.digest, rec.committed_digest, rec.observed = 0, "", "", None
-                    rec.error = f"claim revoked by {who}: {reason}"
-                    rec.remember("revoked", **details)
-                    self.core.put_entry(rec, txn)
-                elif (ref.kind == "c" and rec.state == VERIFIED
-                      and ref.group not in rec.consumed_by):
-                    rec.remember("revoked", group=ref.group, **details)
-                    self.core.put_entry(rec, txn)
-                    txn.put(self.keys.cready(ref.task_id, ref.group, ref.file_id), b"")
+                give_back(self.core, txn, EntryRecord.load(kv.value), ref, token,
+                          actor={"who": who, "label": claim_holder(claim)},
+                          spend=False, event="revoked",
+                          reason=f"claim revoked by {who}: {reason}"
+                          if ref.kind == "p" else reason,
+                          details={"reason": reason, "agent": claim_holder(claim)})
             return len(held)
 
         return await write(self.core.txns, plan, fresh=True)

@@ -7,6 +7,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from datetime import UTC, datetime
+from enum import StrEnum
 from typing import Any
 
 from ..kernel.v1 import baton_pb2 as pb
@@ -14,15 +15,31 @@ from .access import from_dict as access_from_dict
 
 SCHEMA_VERSION = 1
 
-PENDING = "pending"
-WRITING = "writing"
-WRITTEN = "written"
-VERIFIED = "verified"
-CONSUMED = "consumed"
-DEAD = "dead"
-STATES = (PENDING, WRITING, WRITTEN, VERIFIED, CONSUMED, DEAD)
 
-_STATE_PB = {
+
+class State(StrEnum):
+    """An entry's state. A ``StrEnum`` so that stored records keep their strings: a
+    record written before the enum existed loads unchanged. Moves between states are
+    declared in ``machine.py`` and made only by its ``apply``."""
+
+    PENDING = "pending"
+    WRITING = "writing"
+    WRITTEN = "written"
+    VERIFIED = "verified"
+    CONSUMED = "consumed"
+    DEAD = "dead"
+
+
+PENDING = State.PENDING
+WRITING = State.WRITING
+WRITTEN = State.WRITTEN
+VERIFIED = State.VERIFIED
+CONSUMED = State.CONSUMED
+DEAD = State.DEAD
+#: typed as strings: counts keyed by them are indexed with a loaded record's state
+STATES: tuple[str, ...] = tuple(State)
+
+_STATE_PB: dict[str, pb.EntryState.ValueType] = {
     PENDING: pb.PENDING,
     WRITING: pb.WRITING,
     WRITTEN: pb.WRITTEN,

@@ -28,6 +28,7 @@ from .claims import (
 from .core import Core
 from .identity import Caller
 from .keys import ClaimRef
+from .machine import Event, apply
 from .manifest import check_id
 from .model import (
     CONSUMED,
@@ -195,7 +196,7 @@ class Operators:
             if rec.state != DEAD:
                 raise IllegalTransition(f"entry {req.file_id!r} is {rec.state}; only dead "
                                         "entries can be requeued", state=rec.state)
-            rec.state, rec.retry_count, rec.not_before = PENDING, 0, 0.0
+            apply(rec, Event.REQUEUE)
             rec.remember("requeued", who=who, reason=f"after: {rec.error}")
             if task.status == "completed":  # it has work again
                 task.status, task.status_reason = "active", "entry requeued"

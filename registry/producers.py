@@ -32,8 +32,9 @@ from .claims import (
 from .core import Core
 from .identity import Caller, may
 from .keys import ClaimRef
+from .machine import Event, apply
 from .manifest import DIGEST_RE, check_id
-from .model import PENDING, WRITING, WRITTEN, EntryRecord
+from .model import PENDING, WRITING, EntryRecord
 from .routing import parse_attributes
 from .txn import MAX_TXN_OPS, Retry, Txn
 from .verify import Verifier
@@ -67,8 +68,8 @@ class Producers:
         slot = slots.take(txn, self.core.rng)
         ref = ClaimRef("p", rec.task_id, rec.file_id)
         txn.require(present(rec.index.encode()))
-        rec.state, rec.owner, rec.session = WRITING, slots.agent, session_id
-        rec.observed, rec.error, rec.not_before = None, "", 0.0
+        apply(rec, Event.CLAIM)
+        rec.owner, rec.session = slots.agent, session_id
         rec.remember("claimed", who=caller.name, label=slots.agent, attempt=rec.retry_count)
         value = claim_value(slots.agent, session_id, slot, caller.name)
         txn.create(self.keys.claim(ref), value, lease=slots.lease)
@@ -307,7 +308,8 @@ class Producers:
             raise InvalidArgument(f"commit of {rec.task_id}/{rec.file_id}: {e.message}",
                                   task_id=rec.task_id, file_id=rec.file_id) from None
         self._finish_claim(txn, rec, claim, req.token)
-        rec.state, rec.size, rec.committed_digest = WRITTEN, req.size, req.digest
+        apply(rec, Event.COMMIT)
+        rec.size, rec.committed_digest = req.size, req.digest
         # Kept as sent (numbers keep every digit), and only when there is something.
         rec.attributes = req.attributes if attributes else ""
         rec.remember("committed", **actor_of(claim), token=req.token, size=req.size)

@@ -23,6 +23,7 @@ from ._etcd import KV, empty, present
 from .claims import need_task
 from .core import Core, Gate
 from .keys import prefix_end
+from .machine import Event, apply
 from .model import CONSUMED, PENDING, VERIFIED, EntryRecord, TaskRecord, now
 from .operators import Operators
 from .txn import Retry, Txn, write
@@ -232,7 +233,8 @@ class Scheduler:
             txn.pin(key, kv)
             rec.deps_ok = True
             if rec.parts:
-                rec.state, rec.size = VERIFIED, sum(o.size for o in others)
+                apply(rec, Event.ASSEMBLE)
+                rec.size = sum(o.size for o in others)
                 rec.digest = assembly_digest([o.digest for o in others])
                 routed = await self.verifier.route(txn, rec)
                 rec.remember("verified", digest=rec.digest, reason="every part verified",

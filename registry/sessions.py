@@ -12,6 +12,7 @@ from ..kernel import logs
 from ..kernel.errors import BatonError, InvalidArgument, SessionExpired
 from ..kernel.v1 import baton_pb2 as pb
 from ._etcd import KV
+from .claim import give_back
 from .claims import (
     SessionRecord,
     actor_of,
@@ -24,7 +25,7 @@ from .core import Core, Gate, every
 from .identity import Caller
 from .keys import ClaimRef
 from .manifest import ID_RE, check_id
-from .model import VERIFIED, WRITING, EntryRecord, now
+from .model import EntryRecord, now
 from .scheduler import Complaints
 from .txn import Txn, write
 
@@ -256,17 +257,11 @@ class Reaper:
                 return ""
             holder = claim_holder(twin) or "?"
             if kv is not None:
-                rec = EntryRecord.load(kv.value)
-                if ref.kind == "p" and rec.state == WRITING:
-                    self.core.retry_or_dead(
-                        rec, f"lease of agent {holder} (session {claim_session(twin):x}) "
-                        f"lost (token {token})", token=token)
-                    self.core.put_entry(rec, txn)
-                elif (ref.kind == "c" and rec.state == VERIFIED
-                      and ref.group not in rec.consumed_by):
-                    rec.remember("consumer lost", group=ref.group, **actor_of(twin), token=token)
-                    self.core.put_entry(rec, txn)
-                    txn.put(self.keys.cready(ref.task_id, ref.group, ref.file_id), b"")
+                give_back(self.core, txn, EntryRecord.load(kv.value), ref, token,
+                          actor=actor_of(twin), spend=True, event="failed",
+                          consumer_event="consumer lost",
+                          reason=f"lease of agent {holder} (session "
+                          f"{claim_session(twin):x}) lost (token {token})")
             txn.after(lambda: logs.log(
                 log, logging.INFO, "reaped a lost claim", task=ref.task_id,
                 file_id=ref.file_id, revision=txn.revision, kind=ref.kind,

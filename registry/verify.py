@@ -12,6 +12,7 @@ from .claims import entry_replay, need_entry, need_task, release_slot
 from .core import Core
 from .identity import ANONYMOUS, Caller
 from .keys import ClaimRef
+from .machine import Event, apply
 from .manifest import DIGEST_RE, check_id
 from .model import PENDING, VERIFIED, WRITING, WRITTEN, EntryRecord, now
 from .routing import Rule, route
@@ -39,7 +40,8 @@ class Verifier:
         """A written entry meets what is on disk: verified (True), or the retry path."""
         expected = rec.committed_digest or rec.expected_digest
         if size == rec.size and (not expected or expected == digest):
-            rec.state, rec.digest, rec.error = VERIFIED, digest, ""
+            apply(rec, Event.VERIFY)
+            rec.digest = digest
             routed = await self.route(txn, rec)
             rec.remember("verified", who=who, label=label, digest=digest, **routed)
             self.open_to_consumers(rec, txn)
@@ -117,8 +119,7 @@ class Verifier:
         asm = EntryRecord.load(kv.value)
         if asm.state == VERIFIED:
             await self._revoke_consumers(txn, asm)
-            asm.state, asm.deps_ok, asm.size, asm.digest = PENDING, False, 0, ""
-            asm.unroute()
+            apply(asm, Event.UNVERIFY)
             asm.error = f"part {part.file_id} left verified: {part.error}"
             asm.remember("unverified", reason=asm.error)
             self.core.put_entry(asm, txn)

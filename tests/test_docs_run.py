@@ -1375,7 +1375,8 @@ FAULT_RUN = "test_the_fault_run_commands_run_as_written"
 MEASUREMENTS = "test_the_watcher_measurements_run_as_written"
 #: each fenced block of the docs (by how it starts): the test that runs or checks it
 EXAMPLES = {
-    "architecture.md": {" agents (client library": "a diagram", "            ┌": "a diagram"},
+    "architecture.md": {" agents (client library": "a diagram", "            ┌": "a diagram",
+                        "stateDiagram-v2": "test_machine.py: generated from the table"},
     "faults.md": {
         "python -m pytest -m faults": FAULT_RUN,
         "faults: ops=": f"{FAULT_RUN}: its keys",
