@@ -67,14 +67,19 @@ async def every(interval: float, stop: asyncio.Event, sweep: Callable[[], Awaita
     """Run ``sweep`` every ``interval`` seconds until ``stop``: a sweep that fails is
     logged (with its traceback if unexpected) and the next one runs as planned."""
     while not stop.is_set():
-        try:
-            await sweep()
-        except BatonError as e:
-            log.warning("%s sweep failed: %s", what, e)
-        except Exception:
-            log.exception("%s sweep crashed", what)
+        await sweep_once(sweep, what)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), interval)
+
+
+async def sweep_once(sweep: Callable[[], Awaitable[object]], what: str) -> None:
+    """Run one sweep of a background loop; a failure is logged, never raised."""
+    try:
+        await sweep()
+    except BatonError as e:
+        log.warning("%s sweep failed: %s", what, e)
+    except Exception:
+        log.exception("%s sweep crashed", what)
 
 
 class Core:

@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable
 
 from ..kernel.errors import BatonError
 from ._etcd import KV, Delete, Etcd, Get, Put, absent, created_at
+from .core import sweep_once
 
 log = logging.getLogger(__name__)
 
@@ -175,11 +176,6 @@ async def while_leading(election: Election, interval: float, stop: asyncio.Event
         await _first(stop.wait(), election.leading.wait())
         if stop.is_set():
             return
-        try:
-            await sweep()
-        except BatonError as e:
-            log.warning("%s sweep failed: %s", what, e)
-        except Exception:
-            log.exception("%s sweep crashed", what)
+        await sweep_once(sweep, what)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), interval)
