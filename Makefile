@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: install deps test lint up faults-long bench fuzz
+.PHONY: install deps test lint up faults-long bench fuzz proto-landed
 
 # The programs the tests run beside the virtualenv (b3sum, jq, promtool, nftables,
 # iproute2, systemd-analyze, PostgreSQL's server, Debian's etcd 3.4): installed on
@@ -23,10 +23,25 @@ $(VENV)/.installed: pyproject.toml
 test: install
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-lint: install
+lint: install $(BUF)
 	$(BIN)/ruff check .
 	$(BIN)/python scripts/typecheck.py
 	$(BIN)/lint-imports
+	$(BUF) lint
+	$(BUF) breaking --against $(LANDED)
+
+# The wire contract's checks: buf's CLI, from its npm package, pinned, in .tools/.
+# `buf breaking` compares the contract with the last landed one (a buf image kept in
+# the repository); after a deliberate, released change, `make proto-landed` renews it.
+BUF_VERSION := 1.75.0
+BUF := .tools/node_modules/.bin/buf
+LANDED := kernel/proto/landed.binpb
+$(BUF):
+	npm install --prefix .tools --no-save --no-audit --no-fund --loglevel=error \
+		@bufbuild/buf@$(BUF_VERSION)
+
+proto-landed: $(BUF)
+	$(BUF) build -o $(LANDED)
 
 up: install
 	$(BIN)/baton up --demo

@@ -111,7 +111,8 @@ def run(address: str, args: argparse.Namespace) -> None:
 
         def follow() -> None:
             for ev in c.watch("lat", start_revision=-1, timeout=n / args.rate + 120):
-                if ev.kind == pb.TaskEvent.CHANGED and ev.entry.state == pb.VERIFIED:
+                if (ev.kind == pb.TaskEvent.KIND_CHANGED and ev.entry.state
+                    == pb.ENTRY_STATE_VERIFIED):
                     verified.setdefault(ev.entry.file_id, time.monotonic())
                     if len(verified) == n:
                         all_seen.set()

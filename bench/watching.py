@@ -171,7 +171,7 @@ def wake_up(root: Path, samples: int) -> list[float]:
                 claim = c.claim(task, f, session=s)
                 c.commit(task, f, claim.token, len(data), digest)
                 deadline = time.monotonic() + 30
-                while previous and c.get_entry(task, previous).state != pb.CONSUMED:
+                while previous and c.get_entry(task, previous).state != pb.ENTRY_STATE_CONSUMED:
                     if time.monotonic() > deadline:
                         raise BenchError(f"the consumer did not take {previous}")
                     time.sleep(0.005)

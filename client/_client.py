@@ -164,23 +164,27 @@ class Session:
         self.close()
 
 
+#: every method of the registry's three services, by name (names are unique across them)
+_METHODS = {method.name: method for service in pb.DESCRIPTOR.services_by_name.values()
+            for method in service.methods}
+
+
 class _Stub:
     """The registry's methods on a channel, each made when first called, from the
-    service descriptor. The generated ``RegistryStub`` makes all thirty at once, a
-    cost every short-lived ``baton`` process would pay for its one or two calls."""
+    services' descriptors. The generated stubs make every method at once, a cost
+    every short-lived ``baton`` process would pay for its one or two calls."""
 
     def __init__(self, channel: grpc.Channel) -> None:
         self._channel = channel
-        self._service = pb.DESCRIPTOR.services_by_name["Registry"]
 
     def __getattr__(self, name: str) -> Any:
-        method = self._service.methods_by_name.get(name)
+        method = _METHODS.get(name)
         if method is None:
             raise AttributeError(name)
         request = getattr(pb, method.input_type.name)
         reply = getattr(pb, method.output_type.name)
         make = self._channel.unary_stream if method.server_streaming else self._channel.unary_unary
-        call = make(f"/{self._service.full_name}/{name}",
+        call = make(f"/{method.containing_service.full_name}/{name}",
                     request_serializer=request.SerializeToString,
                     response_deserializer=reply.FromString,
                     _registered_method=True)  # type: ignore[call-arg]  # as generated stubs do
@@ -347,7 +351,7 @@ class Client:
         return resp.task, resp.created
 
     def get_task(self, task_id: str) -> pb.Task:
-        return self._call("GetTask", pb.GetTaskRequest(task_id=task_id))  # type: ignore[no-any-return]
+        return self._call("GetTask", pb.GetTaskRequest(task_id=task_id)).task  # type: ignore[no-any-return]
 
     def list_tasks(self, archived: bool = False) -> list[pb.Task]:
         """The tasks in etcd; with ``archived``, the tasks archived out of it."""
@@ -355,7 +359,7 @@ class Client:
 
     def get_entry(self, task_id: str, file_id: str) -> pb.Entry:
         req = pb.GetEntryRequest(task_id=task_id, file_id=file_id)
-        return self._call("GetEntry", req)  # type: ignore[no-any-return]
+        return self._call("GetEntry", req).entry  # type: ignore[no-any-return]
 
     def list_entries(self, task_id: str, state: int = 0, limit: int = 0) -> list[pb.Entry]:
         req = pb.ListEntriesRequest(task_id=task_id, state=state, limit=limit)  # type: ignore[arg-type]
@@ -364,19 +368,22 @@ class Client:
     def pause_task(self, task_id: str, reason: str = "") -> pb.Task:
         """No new work: claims and consumes are refused (``TaskNotActive``) until
         ``resume_task``; claims and consumes in hand may still be finished."""
-        return self._call("PauseTask", pb.TaskControlRequest(task_id=task_id, reason=reason))  # type: ignore[no-any-return]
+        req = pb.PauseTaskRequest(task_id=task_id, reason=reason)
+        return self._call("PauseTask", req).task  # type: ignore[no-any-return]
 
     def resume_task(self, task_id: str, reason: str = "") -> pb.Task:
-        return self._call("ResumeTask", pb.TaskControlRequest(task_id=task_id, reason=reason))  # type: ignore[no-any-return]
+        req = pb.ResumeTaskRequest(task_id=task_id, reason=reason)
+        return self._call("ResumeTask", req).task  # type: ignore[no-any-return]
 
     def cancel_task(self, task_id: str, reason: str = "") -> pb.Task:
         """Stop the task for good: its claims are revoked (their tokens die)."""
-        return self._call("CancelTask", pb.TaskControlRequest(task_id=task_id, reason=reason))  # type: ignore[no-any-return]
+        req = pb.CancelTaskRequest(task_id=task_id, reason=reason)
+        return self._call("CancelTask", req).task  # type: ignore[no-any-return]
 
     def archive_task(self, task_id: str, reason: str = "") -> pb.Task:
         """Archive a completed or cancelled task now: out of etcd, into the archive."""
-        req = pb.TaskControlRequest(task_id=task_id, reason=reason)
-        return self._call("ArchiveTask", req)  # type: ignore[no-any-return]
+        req = pb.ArchiveTaskRequest(task_id=task_id, reason=reason)
+        return self._call("ArchiveTask", req).task  # type: ignore[no-any-return]
 
     def delete_task(self, task_id: str, reason: str = "", *,
                     discard_history: bool = False) -> pb.DeleteTaskResponse:
@@ -390,7 +397,8 @@ class Client:
 
     def requeue(self, task_id: str, file_id: str) -> pb.Entry:
         """Bring a dead entry back to pending with a fresh retry budget."""
-        return self._call("Requeue", pb.RequeueRequest(task_id=task_id, file_id=file_id))  # type: ignore[no-any-return]
+        req = pb.RequeueRequest(task_id=task_id, file_id=file_id)
+        return self._call("Requeue", req).entry  # type: ignore[no-any-return]
 
     def journal(self, task_id: str, file_id: str = "", limit: int = 0) -> list[pb.JournalRecord]:
         """The journal's records, oldest first: the newest ``limit`` (0: all, up to the
@@ -403,8 +411,9 @@ class Client:
         req = pb.JournalRequest(task_id=task_id, file_id=file_id, limit=limit)
         return self._call("Journal", req)  # type: ignore[no-any-return]
 
-    def explain(self, task_id: str, file_id: str) -> pb.Explanation:
-        return self._call("Explain", pb.GetEntryRequest(task_id=task_id, file_id=file_id))  # type: ignore[no-any-return]
+    def explain(self, task_id: str, file_id: str) -> pb.ExplainResponse:
+        req = pb.ExplainRequest(task_id=task_id, file_id=file_id)
+        return self._call("Explain", req)  # type: ignore[no-any-return]
 
     def list_agents(self) -> list[pb.AgentInfo]:
         return list(self._call("ListAgents", pb.ListAgentsRequest()).agents)
@@ -431,7 +440,7 @@ class Client:
             return session
         req = pb.OpenSessionRequest(agent=agent, ttl=ttl, host=host or socket.gethostname(),
                                     pid=os.getpid(), version=version(), slots=slots)
-        resp = self._call("OpenSession", req)
+        resp = self._call("OpenSession", req).session
         return Session(self, resp.session_id, resp.agent, resp.ttl)
 
     def keepalive(self, session_id: int) -> int:
@@ -545,7 +554,8 @@ class Client:
         """Report what a watcher hashed on disk (the registry verifies against it).
         ``watcher_id``, ``shard_epoch``: the reporting watcher and the epoch at which
         it owns the task's shard (once watchers hold shards, only the owner counts)."""
-        req = pb.VerificationReport(task_id=task_id, file_id=file_id, size=size, digest=digest,
+        req = pb.ReportVerificationRequest(task_id=task_id, file_id=file_id, size=size,
+                                           digest=digest,
                                     identity=identity, reporter=reporter,
                                     watcher_id=watcher_id, shard_epoch=shard_epoch)
         return self._call("ReportVerification", req).entry  # type: ignore[no-any-return]
@@ -553,8 +563,9 @@ class Client:
     def report_problem(self, task_id: str, file_id: str, kind: int, reason: str,
                        reporter: str = "", *, watcher_id: str = "",
                        shard_epoch: int = 0) -> pb.Entry:
-        """Report that a file cannot be vouched for (``pb.ProblemReport.CORRUPTED``/``MISSING``)."""
-        req = pb.ProblemReport(task_id=task_id, file_id=file_id, kind=kind,  # type: ignore[arg-type]
+        """Report that a file cannot be vouched for
+        (``pb.ReportProblemRequest.KIND_CORRUPTED``/``KIND_MISSING``)."""
+        req = pb.ReportProblemRequest(task_id=task_id, file_id=file_id, kind=kind,  # type: ignore[arg-type]
                                reason=reason, reporter=reporter, watcher_id=watcher_id,
                                shard_epoch=shard_epoch)
         return self._call("ReportProblem", req).entry  # type: ignore[no-any-return]
@@ -591,7 +602,7 @@ class Client:
     def move_shard(self, shard: int, to_watcher: str, deadline: int = 0) -> pb.ShardInfo:
         """Start moving a shard (its owner hands it over within ``deadline`` seconds)."""
         req = pb.MoveShardRequest(shard=shard, to_watcher=to_watcher, deadline=deadline)
-        return self._call("MoveShard", req)  # type: ignore[no-any-return]
+        return self._call("MoveShard", req).shard  # type: ignore[no-any-return]
 
     def rebalance(self, dry_run: bool = False) -> list[pb.ShardMove]:
         return list(self._call("Rebalance", pb.RebalanceRequest(dry_run=dry_run)).moves)
@@ -665,7 +676,8 @@ class Client:
         """Every task header, then each again as it changes (created, paused, completed)."""
         call = self._method("WatchTasks")(pb.WatchTasksRequest(), timeout=timeout)
         try:
-            yield from call
+            for reply in call:
+                yield reply.task
         except grpc.RpcError as e:
             if e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
                 return
@@ -679,7 +691,8 @@ class Client:
         request = pb.WatchRequest(task_id=task_id, start_revision=start_revision)
         call = self._method("Watch")(request, timeout=timeout)
         try:
-            yield from call
+            for reply in call:
+                yield reply.event
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 return

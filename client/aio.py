@@ -54,7 +54,7 @@ __all__ = ["AsyncClient", "AsyncSession"]
 
 log = logging.getLogger("baton.client")
 
-_SERVICE = pb.DESCRIPTOR.services_by_name["Registry"].full_name
+_SERVICE = pb.DESCRIPTOR.services_by_name["AgentService"].full_name
 #: what ``read`` returns once the registry ended a stream
 _EOF: object = grpc.aio.EOF  # type: ignore[attr-defined]  # not in grpc-stubs
 #: what a broken stream is given between attempts to resume it

@@ -32,6 +32,7 @@ from ..kernel.errors import (
     NothingToClaim,
     Unavailable,
 )
+from ..kernel.names import state_name
 from ..kernel.v1 import baton_pb2 as pb
 from ._client import Client, Session
 from ._wire import Lease
@@ -91,7 +92,8 @@ def next_lease(
                 pass
             try:
                 for event in events:
-                    if event.entry.state == pb.VERIFIED and group in event.entry.consumers:
+                    if (event.entry.state == pb.ENTRY_STATE_VERIFIED
+                        and group in event.entry.consumers):
                         break
             except Unavailable as e:
                 _pause_or_raise(deadline, e)
@@ -191,9 +193,9 @@ def parts_of(client: Client, lease: Lease) -> list[Lease]:
     parts = [client.get_entry(lease.task_id, name) for name in lease.entry.parts]
     what = f"assembly {lease.task_id}/{lease.file_id}"
     for part in parts:
-        if part.state != pb.VERIFIED:
+        if part.state != pb.ENTRY_STATE_VERIFIED:
             raise ChecksumMismatch(
-                f"{what}: part {part.file_id} is {pb.EntryState.Name(part.state).lower()}, "
+                f"{what}: part {part.file_id} is {state_name(part.state)}, "
                 "no longer verified", task_id=lease.task_id, file_id=lease.file_id)
     size = sum(p.size for p in parts)
     digest = assembly_digest([p.digest for p in parts])

@@ -58,7 +58,14 @@ def shard_of(task_id: str, count: int) -> int:
 #: where `baton up` serves the registry, and where clients look by default
 DEFAULT_REGISTRY = "127.0.0.1:7390"
 REGISTRY_PORT = int(DEFAULT_REGISTRY.rpartition(":")[2])
-#: the gRPC service a registry serves (and reports healthy in its health service)
+#: the gRPC services a registry serves, one per audience (kernel/proto/baton/v1/baton.proto)
+AGENT_SERVICE = "baton.v1.AgentService"
+WATCHER_SERVICE = "baton.v1.WatcherService"
+OPERATOR_SERVICE = "baton.v1.OperatorService"
+SERVICES = (AGENT_SERVICE, WATCHER_SERVICE, OPERATOR_SERVICE)
+#: the name the health service answers for the registry as a whole (readiness: serving,
+#: or not while it shuts down or an etcd member runs a refused release); each of
+#: :data:`SERVICES` answers the same
 REGISTRY_SERVICE = "baton.v1.Registry"
 #: the client port of `baton up`'s private etcd
 LOCAL_ETCD_PORT = 2479

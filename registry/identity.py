@@ -1,11 +1,12 @@
 """Who is calling, and what each role may call: the registry's one access table.
 
 A caller is the identity in its client certificate (docs/security.md): the CN is
-its name, each OU that names a role is a role it holds. :data:`POLICY` maps every
-method of the Registry service to the roles that may call it: its audience's role
-(:data:`AUDIENCE`) plus the few per-method :data:`EXCEPTIONS`. A method missing from
-it is refused to everyone (deny by default). ``service.add_to_server``
-enforces it for every call before a handler runs, the only place it is checked.
+its name, each OU that names a role is a role it holds. The API is three services,
+one per audience (agents, watchers, operators); :data:`POLICY` maps every method to
+the roles that may call it: its service's role (:data:`AUDIENCE`) plus the few
+per-method :data:`EXCEPTIONS`. A method missing from it is refused to everyone (deny
+by default). The access interceptor (``interceptors.Access``) enforces it for every
+call before a handler runs, the only place it is checked.
 
 A registry serving plaintext (``--insecure``) has no identities: every caller is
 :data:`ANONYMOUS`, which holds every role.
@@ -24,6 +25,7 @@ from typing import Any, Protocol, TypeVar
 from ..kernel.errors import PermissionDenied
 from ..kernel.pki import ROLES
 from ..kernel.pki import identity as cert_identity
+from ..kernel.v1 import baton_pb2 as pb
 
 OPERATOR, AGENT, WATCHER = ROLES
 
@@ -35,25 +37,19 @@ class _HasToken(Protocol):
 T = TypeVar("T", bound=_HasToken)
 _ANY = frozenset(ROLES)
 
-#: every method of the Registry service by the audience it serves: the three
-#: services the API is to be split into (agents, watchers, operators). Each
-#: audience's methods are open to its role; what else a method allows is an
-#: exception, listed once in :data:`EXCEPTIONS`, so the table never restates
-#: per method what the audience already implies.
+#: the services of the contract and the audience each serves (its role)
+SERVICE_AUDIENCE: Mapping[str, str] = {
+    "AgentService": AGENT, "WatcherService": WATCHER, "OperatorService": OPERATOR,
+}
+
+#: every method of the registry by the audience it serves: the service it is in.
+#: Each audience's methods are open to its role; what else a method allows is an
+#: exception, listed once in :data:`EXCEPTIONS`, so the table never restates per
+#: method what the service already implies.
 AUDIENCE: Mapping[str, str] = {
-    **dict.fromkeys((
-        "OpenSession", "KeepAlive", "CloseSession", "Session",
-        "Claim", "ClaimBatch", "Commit", "CommitBatch", "Fail",
-        "Consume", "ConsumeBatch", "Ack", "Nack", "AckBatch", "Watch"), AGENT),
-    **dict.fromkeys((
-        "RegisterWatcher", "WatcherHeartbeat", "ReportVerification", "ReportProblem",
-        "ReleaseShard"), WATCHER),
-    **dict.fromkeys((
-        "CreateTask", "GetTask", "ListTasks", "WatchTasks", "PauseTask", "ResumeTask",
-        "CancelTask", "DeleteTask", "ArchiveTask", "GetEntry", "ListEntries",
-        "Requeue", "Journal", "Explain", "ListAgents", "RevokeSession",
-        "RotateLease", "DrainHost", "UndrainHost", "ListWatchers", "ListShards",
-        "MoveShard", "Rebalance", "DrainWatcher"), OPERATOR),
+    method.name: SERVICE_AUDIENCE[service.name]
+    for service in pb.DESCRIPTOR.services_by_name.values()
+    for method in service.methods
 }
 
 #: the roles each audience's methods are open to
@@ -78,7 +74,7 @@ EXCEPTIONS: Mapping[str, frozenset[str]] = {
     "ListShards": frozenset({WATCHER}),
 }
 
-#: every method of the Registry service and the roles that may call it: its
+#: every method of the registry and the roles that may call it: its
 #: audience's roles plus its exceptions
 POLICY: Mapping[str, frozenset[str]] = {
     method: AUDIENCE_ROLES[audience] | EXCEPTIONS.get(method, frozenset())
@@ -132,16 +128,20 @@ def caller_of(auth_context: Mapping[str, Iterable[bytes]], secure: bool) -> Call
     return _from_pem(pems[0])
 
 
-def authorize(method: str, caller: Caller) -> contextvars.Token[Caller]:
-    """Let ``caller`` into ``method`` or raise ``PermissionDenied``; on success the
-    caller is what :func:`current` returns for the rest of the call."""
+def enter(caller: Caller) -> None:
+    """Make ``caller`` what :func:`current` returns for the rest of the call (the
+    authentication interceptor's one step)."""
+    _current.set(caller)
+
+
+def authorize(method: str, caller: Caller) -> None:
+    """Let ``caller`` into ``method`` or raise ``PermissionDenied``."""
     allowed = POLICY.get(method, frozenset())
     if not allowed & caller.roles:
         need = " or ".join(sorted(allowed)) or "no role (not in the access table)"
         raise PermissionDenied(
             f"{method} is not allowed to {caller.describe()}: it needs the role {need}",
             method=method, identity=caller.name, roles=sorted(caller.roles))
-    return _current.set(caller)
 
 
 def scoped_request_id(caller: Caller, call: str, request: Any) -> str:

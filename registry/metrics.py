@@ -46,6 +46,7 @@ from prometheus_client.registry import Collector
 from ..kernel import errors
 from ..kernel.errors import ERROR_NAMES, BatonError
 from ..kernel.metrics_endpoint import MetricsEndpoint, serve_metrics
+from ..kernel.names import state_name, status_name
 from ..kernel.v1 import baton_pb2 as pb
 from .model import TaskRecord
 
@@ -96,8 +97,7 @@ ETCD_OPS = ("range", "txn", "lease", "watch", "status")
 INDEXES = ("ready", "delayed", "waiting", "open", "dead", "cready", "inflight_p",
            "inflight_c")
 #: the values of the ``status`` label of ``baton_tasks`` (and "unknown")
-TASK_STATUSES = tuple(name.removeprefix("TASK_").lower() for name, n in pb.TaskStatus.items()
-                      if n)
+TASK_STATUSES = tuple(status_name(n) for n in pb.TaskStatus.values() if n)
 
 
 def outcome_of(name: str) -> str:
@@ -542,4 +542,4 @@ def _entries_in(reply: Any) -> int:
 def _state_name(state: int) -> str:
     if state not in pb.EntryState.values():
         return "other"
-    return pb.EntryState.Name(pb.EntryState.ValueType(state)).lower()
+    return state_name(state)

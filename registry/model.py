@@ -40,24 +40,24 @@ DEAD = State.DEAD
 STATES: tuple[str, ...] = tuple(State)
 
 _STATE_PB: dict[str, pb.EntryState.ValueType] = {
-    PENDING: pb.PENDING,
-    WRITING: pb.WRITING,
-    WRITTEN: pb.WRITTEN,
-    VERIFIED: pb.VERIFIED,
-    CONSUMED: pb.CONSUMED,
-    DEAD: pb.DEAD,
+    PENDING: pb.ENTRY_STATE_PENDING,
+    WRITING: pb.ENTRY_STATE_WRITING,
+    WRITTEN: pb.ENTRY_STATE_WRITTEN,
+    VERIFIED: pb.ENTRY_STATE_VERIFIED,
+    CONSUMED: pb.ENTRY_STATE_CONSUMED,
+    DEAD: pb.ENTRY_STATE_DEAD,
 }
 STATE_FROM_PB = {v: k for k, v in _STATE_PB.items()}
 
 _TASK_STATUS_PB = {
-    "creating": pb.TASK_CREATING,
-    "active": pb.TASK_ACTIVE,
-    "paused": pb.TASK_PAUSED,
-    "cancelled": pb.TASK_CANCELLED,
-    "completed": pb.TASK_COMPLETED,
-    "deleting": pb.TASK_DELETING,
-    "archiving": pb.TASK_ARCHIVING,
-    "archived": pb.TASK_ARCHIVED,
+    "creating": pb.TASK_STATUS_CREATING,
+    "active": pb.TASK_STATUS_ACTIVE,
+    "paused": pb.TASK_STATUS_PAUSED,
+    "cancelled": pb.TASK_STATUS_CANCELLED,
+    "completed": pb.TASK_STATUS_COMPLETED,
+    "deleting": pb.TASK_STATUS_DELETING,
+    "archiving": pb.TASK_STATUS_ARCHIVING,
+    "archived": pb.TASK_STATUS_ARCHIVED,
 }
 #: statuses of a task that is done with: nothing more happens to its entries
 FINISHED = ("completed", "cancelled")

@@ -47,6 +47,9 @@ from .txn import Txn, write
 
 log = logging.getLogger("baton.registry")
 
+#: the requests of pause, resume and cancel: each names a task and says why
+TaskControl = pb.PauseTaskRequest | pb.ResumeTaskRequest | pb.CancelTaskRequest
+
 #: a cancelled task's keys are deleted in chunks of this many per transaction
 DELETE_CHUNK = 100
 #: claims revoked per transaction: each read (pinned), deleted with its twin and slot
@@ -74,7 +77,7 @@ class Operators:
         self.core = core
         self.keys = core.keys
 
-    async def control(self, action: str, req: pb.TaskControlRequest,
+    async def control(self, action: str, req: TaskControl,
                       caller: Caller) -> pb.Task:
         """Pause (no new claims, running ones finish), resume, or cancel a task.
 
@@ -285,7 +288,7 @@ class Operators:
             routed_to=[str(g) for g in data.get("groups") or []],
         )
 
-    async def explain(self, req: pb.GetEntryRequest, caller: Caller) -> pb.Explanation:
+    async def explain(self, req: pb.ExplainRequest, caller: Caller) -> pb.ExplainResponse:
         """One paragraph on where an entry is and what it waits for, and what the
         task's access rules say about the caller."""
         check_id("task_id", req.task_id)
@@ -305,9 +308,9 @@ class Operators:
         if rules:
             text = f"{text} {rules}"
         entry = rec.to_pb(self.core.staging_dir(rec.task_id), revision=kv.mod_revision)
-        return pb.Explanation(entry=entry, text=text)
+        return pb.ExplainResponse(entry=entry, text=text)
 
-    async def _explain_archived(self, task: TaskRecord, file_id: str) -> pb.Explanation:
+    async def _explain_archived(self, task: TaskRecord, file_id: str) -> pb.ExplainResponse:
         archived = await self.core.archived(task.task_id)
         found = [(rev, r) for rev, r in archived.entries if r.file_id == file_id]
         if not found:
@@ -322,7 +325,7 @@ class Operators:
                 f"was archived at {task.archived_at}, to {task.archive}. Nothing more will "
                 "happen to it; `baton log` shows its history from the archive.")
         entry = rec.to_pb(self.core.staging_dir(rec.task_id), revision=rev)
-        return pb.Explanation(entry=entry, text=text)
+        return pb.ExplainResponse(entry=entry, text=text)
 
     async def _explain(self, task: TaskRecord, kv: KV, rec: EntryRecord,
                        tokens: bool = True) -> str:

@@ -21,10 +21,12 @@ from ..kernel.contract import (
     MAX_REQUEST_BYTES,
     MIN_PING_INTERVAL_MS,
     REGISTRY_SERVICE,
+    SERVICES,
 )
 from ..kernel.errors import BatonError, InvalidArgument
 from ..kernel.logs import setup_logging
 from ..kernel.sdnotify import Notifier
+from . import interceptors
 from ._etcd import Etcd, EtcdAuth
 from .agent_stream import AgentStreams
 from .archive import Archiver, DirectoryStore
@@ -38,7 +40,7 @@ from .etcd_members import MEMBERS_KEY, REASON_KEY, EtcdMembers, allowed_versions
 from .keys import Keys
 from .metrics import RegistryMetrics
 from .scheduler import Scheduler
-from .service import RegistryService, add_to_server
+from .service import Parts, serve_all
 from .sessions import Reaper
 from .shards import Assigner, Shards
 from .tls import ServerCertificates, is_loopback
@@ -81,6 +83,11 @@ class Running:
         await self.etcd.close()
 
 
+#: the names the health service answers: the server, the registry as a whole and each
+#: of its services
+HEALTH_NAMES = ("", REGISTRY_SERVICE, *SERVICES)
+
+
 class _Health(health.HealthServicer):
     """gRPC health checking, with every etcd member's release in each reply's trailing
     metadata (and, while one is refused, why: ``etcd_members``), and the registry's
@@ -105,8 +112,9 @@ class _Health(health.HealthServicer):
         refused = bool(await self.members.check())
         if refused != self._refused:
             self._refused = refused
-            self.set(REGISTRY_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING if refused
-                     else health_pb2.HealthCheckResponse.SERVING)
+            for name in HEALTH_NAMES[1:]:
+                self.set(name, health_pb2.HealthCheckResponse.NOT_SERVING if refused
+                         else health_pb2.HealthCheckResponse.SERVING)
 
 
 def etcd_auth(config: RegistryConfig) -> EtcdAuth:
@@ -203,17 +211,18 @@ async def _start(config: RegistryConfig, certificates: ServerCertificates | None
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_recv_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
             ("grpc.http2.max_ping_strikes", 0),
-        ]
+        ],
+        interceptors=interceptors.chain(secure=certificates is not None, metrics=metrics),
     )
     shards = Shards(core, config.shards, config.shard_move_deadline)
-    service = RegistryService(core, shards)
+    service = Parts(core, shards)
     if metrics is not None:
         service.streams.record = metrics.stream_call
-    add_to_server(service, server, secure=certificates is not None, metrics=metrics)
+    serve_all(service, server)
     health_servicer = _Health(members)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (REGISTRY_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        (*SERVICES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME),
         server,
     )
@@ -224,7 +233,7 @@ async def _start(config: RegistryConfig, certificates: ServerCertificates | None
     if port == 0:
         raise BatonError(f"cannot listen on {config.listen}")
     await server.start()
-    for name in ("", REGISTRY_SERVICE):
+    for name in HEALTH_NAMES:
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     stop = asyncio.Event()
     reaper = Reaper(core, config.reap_interval)

@@ -415,25 +415,25 @@ class Tasks:
         start = req.start_revision
         if start < 0:
             _, at, _ = await self.core.etcd.range(self.keys.task(req.task_id), limit=1)
-            yield pb.TaskEvent(kind=pb.TaskEvent.SYNCED, revision=at)
+            yield pb.TaskEvent(kind=pb.TaskEvent.KIND_SYNCED, revision=at)
             start = at + 1
         elif start == 0:
             # One consistent snapshot at revision ``at``, then changes after it.
             _, at, _ = await self.core.etcd.range(self.keys.task(req.task_id), limit=1)
             async for kv in self._entries(req.task_id, revision=at):
                 yield pb.TaskEvent(
-                    kind=pb.TaskEvent.SNAPSHOT,
+                    kind=pb.TaskEvent.KIND_SNAPSHOT,
                     entry=EntryRecord.load(kv.value).to_pb(staging, revision=kv.mod_revision),
                     revision=kv.mod_revision,
                 )
-            yield pb.TaskEvent(kind=pb.TaskEvent.SYNCED, revision=at)
+            yield pb.TaskEvent(kind=pb.TaskEvent.KIND_SYNCED, revision=at)
             start = at + 1
         async for batch in self.fanout.follow(self.keys.entries(req.task_id), start):
             for ev in batch:
                 if ev.kind == "put":
                     rec = EntryRecord.load(ev.kv.value)
                     yield pb.TaskEvent(
-                        kind=pb.TaskEvent.CHANGED,
+                        kind=pb.TaskEvent.KIND_CHANGED,
                         entry=rec.to_pb(staging, revision=ev.kv.mod_revision),
                         revision=ev.kv.mod_revision,
                     )

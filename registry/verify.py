@@ -126,11 +126,12 @@ class Verifier:
         elif asm.state == PENDING:
             txn.put(kv.key, asm.dump())
 
-    async def problem(self, req: pb.ProblemReport, caller: Caller = ANONYMOUS) -> pb.Entry:
+    async def problem(self, req: pb.ReportProblemRequest, caller: Caller = ANONYMOUS) -> pb.Entry:
         """A watcher cannot vouch for a file: corrupted, or missing after the commit."""
         check_id("task_id", req.task_id)
         check_id("file_id", req.file_id)
-        kinds = {pb.ProblemReport.CORRUPTED: "corrupted", pb.ProblemReport.MISSING: "missing"}
+        kinds = {pb.ReportProblemRequest.KIND_CORRUPTED: "corrupted",
+                 pb.ReportProblemRequest.KIND_MISSING: "missing"}
         if req.kind not in kinds:
             raise InvalidArgument("a problem report needs kind CORRUPTED or MISSING")
         reason = f"{kinds[req.kind]}: {req.reason or 'no reason given'}"
@@ -156,7 +157,7 @@ class Verifier:
 
         return await self.core.txns.run(planner, req.request_id, entry_replay)
 
-    async def report(self, req: pb.VerificationReport,
+    async def report(self, req: pb.ReportVerificationRequest,
                      caller: Caller = ANONYMOUS) -> pb.Entry:
         check_id("task_id", req.task_id)
         check_id("file_id", req.file_id)

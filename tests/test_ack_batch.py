@@ -52,9 +52,9 @@ def test_a_batch_of_acks_applies_together(client: Client) -> None:
         held = leases(client, s, "g", 5)
         acked = client.ack_batch([("t", x.file_id, "g", x.token) for x in held])
         assert [e.file_id for e in acked] == [x.file_id for x in held]
-        assert {e.state for e in acked} == {pb.CONSUMED}
+        assert {e.state for e in acked} == {pb.ENTRY_STATE_CONSUMED}
         assert len({e.revision for e in acked}) == 1
-        assert {e.state for e in client.list_entries("t")} == {pb.CONSUMED}
+        assert {e.state for e in client.list_entries("t")} == {pb.ENTRY_STATE_CONSUMED}
         # Every slot is free again: five more claims of the session's would fit.
         assert len(client.list_agents()[0].claims) == 0
 
@@ -66,8 +66,8 @@ def test_two_groups_acking_one_entry_in_one_batch_both_count(client: Client) -> 
         g, h = client.consume("t", "g", session=s), client.consume("t", "h", session=s)
         acked = client.ack_batch([("t", "e00", "g", g.token), ("t", "e00", "h", h.token)])
         entry = client.get_entry("t", "e00")
-        assert entry.state == pb.CONSUMED and sorted(entry.consumed_by) == ["g", "h"]
-        assert [e.state for e in acked] == [pb.CONSUMED, pb.CONSUMED]
+        assert entry.state == pb.ENTRY_STATE_CONSUMED and sorted(entry.consumed_by) == ["g", "h"]
+        assert [e.state for e in acked] == [pb.ENTRY_STATE_CONSUMED, pb.ENTRY_STATE_CONSUMED]
         acks = [r for r in client.journal("t", "e00") if r.event == "acked"]
         assert sorted(r.group for r in acks) == ["g", "h"]
 
@@ -86,7 +86,7 @@ def test_one_stale_token_refuses_the_whole_batch(client: Client, registry: Any) 
         assert f"t/{held[1].file_id}" in str(refused.value)
         assert keys_under(registry) == before
         # The batch as it should have been still applies.
-        assert {e.state for e in client.ack_batch(batch)} == {pb.CONSUMED}
+        assert {e.state for e in client.ack_batch(batch)} == {pb.ENTRY_STATE_CONSUMED}
 
 
 def test_too_many_acks_are_invalid_and_change_nothing(client: Client, registry: Any) -> None:
@@ -137,7 +137,7 @@ def test_acks_of_a_cancelled_task_are_refused(client: Client) -> None:
         client.cancel_task("t")
         with pytest.raises(errors.StaleToken):
             client.ack_batch([("t", x.file_id, "g", x.token) for x in held])
-        assert {e.state for e in client.list_entries("t")} == {pb.VERIFIED}
+        assert {e.state for e in client.list_entries("t")} == {pb.ENTRY_STATE_VERIFIED}
 
 
 # --- the command line -----------------------------------------------------------------

@@ -66,7 +66,7 @@ def finish(client: Client, session: Session, task_id: str, wait_for: Wait) -> No
         produce_verified(client, session, task_id, f)
         lease = client.consume(task_id, "default", f, session=session)
         client.ack(task_id, f, "default", lease.token, session=session)
-    wait_for(lambda: client.get_task(task_id).status == pb.TASK_COMPLETED,
+    wait_for(lambda: client.get_task(task_id).status == pb.TASK_STATUS_COMPLETED,
              what="task completed")
 
 
@@ -94,16 +94,16 @@ def test_a_finished_task_is_archived_and_read_back_from_the_archive(
     entries, journal = before_archive(client, "t1")
     explained = client.explain("t1", "b").entry
     task = client.archive_task("t1", reason="test")
-    assert task.status == pb.TASK_ARCHIVED and task.archive and task.archived_at
+    assert task.status == pb.TASK_STATUS_ARCHIVED and task.archive and task.archived_at
     # etcd keeps the header only
     assert task_keys(registry, "t1") == [Keys(registry.prefix).task("t1").decode()]
     assert sorted(p.name for p in archive_dir.iterdir()) == ["t1.jsonl.gz", "t1.meta.json"]
     # every read answers from the archive, as before
     got = client.get_task("t1")
-    assert got.status == pb.TASK_ARCHIVED and got.states["consumed"] == 3
+    assert got.status == pb.TASK_STATUS_ARCHIVED and got.states["consumed"] == 3
     assert [(e.file_id, e.state, e.digest, e.revision) for e in client.list_entries("t1")] \
         == [(e.file_id, e.state, e.digest, e.revision) for e in entries]
-    assert [e.file_id for e in client.list_entries("t1", pb.CONSUMED)] == FILES
+    assert [e.file_id for e in client.list_entries("t1", pb.ENTRY_STATE_CONSUMED)] == FILES
     assert [(r.file_id, r.event, r.revision) for r in client.journal("t1")] == \
         [(r.file_id, r.event, r.revision) for r in journal]
     assert [r.event for r in client.journal("t1", "a")] == \
@@ -121,7 +121,7 @@ def test_a_finished_task_is_archived_and_read_back_from_the_archive(
         client.get_entry("t1", "zz")
     assert [t.spec.task_id for t in client.list_tasks()] == []
     assert [t.spec.task_id for t in client.list_tasks(archived=True)] == ["t1"]
-    assert client.archive_task("t1").status == pb.TASK_ARCHIVED  # again: nothing to do
+    assert client.archive_task("t1").status == pb.TASK_STATUS_ARCHIVED  # again: nothing to do
     with pytest.raises(IllegalTransition, match="its archive is kept"):
         client.delete_task("t1", discard_history=True)
     scraped = scrape(registry._running.metrics_port)
@@ -139,8 +139,8 @@ def test_only_a_finished_task_is_archived(
     assert task_keys(registry, "t1") == keys and not archive_dir.exists()
     client.claim("t1", "a", session=session)
     client.cancel_task("t1")
-    assert client.archive_task("t1").status == pb.TASK_ARCHIVED
-    assert client.get_entry("t1", "a").state == pb.WRITING  # as it was left
+    assert client.archive_task("t1").status == pb.TASK_STATUS_ARCHIVED
+    assert client.get_entry("t1", "a").state == pb.ENTRY_STATE_WRITING  # as it was left
     with pytest.raises(IllegalTransition):
         client.resume_task("t1")
 
@@ -190,7 +190,7 @@ def test_an_archive_interrupted_anywhere_finishes_when_run_again_with_one_copy(
     monkeypatch.setattr(DirectoryStore, "write", dies_writing)
     with pytest.raises(Exception, match="killed while writing"):
         on_loop(registry, archiver(registry).archive("t1"))
-    assert client.get_task("t1").status == pb.TASK_ARCHIVING
+    assert client.get_task("t1").status == pb.TASK_STATUS_ARCHIVING
     assert len(task_keys(registry, "t1")) > 1 and store.info("t1") is None
     monkeypatch.setattr(DirectoryStore, "write", real_write)
     keys_before = task_keys(registry, "t1")
@@ -203,7 +203,7 @@ def test_an_archive_interrupted_anywhere_finishes_when_run_again_with_one_copy(
     assert written is not None
     assert 1 < len(task_keys(registry, "t1")) < len(keys_before)
     # 3. run again: finishes, does not write the archive again, one copy
-    assert client.archive_task("t1").status == pb.TASK_ARCHIVED
+    assert client.archive_task("t1").status == pb.TASK_STATUS_ARCHIVED
     assert store.info("t1") == written
     assert sorted(p.name for p in archive_dir.iterdir()) == ["t1.jsonl.gz", "t1.meta.json"]
     assert task_keys(registry, "t1") == [Keys(registry.prefix).task("t1").decode()]
@@ -232,7 +232,7 @@ def test_a_key_written_after_the_archive_stops_the_deletes(
     monkeypatch.setattr(removal.Removal, "sweep", late_write_then_sweep)
     with pytest.raises(IllegalTransition, match="after the archive"):
         on_loop(registry, archiver(registry).archive("t1"))
-    assert client.get_task("t1").status == pb.TASK_ARCHIVING
+    assert client.get_task("t1").status == pb.TASK_STATUS_ARCHIVING
     assert keys.entry("t1", "c").decode() in task_keys(registry, "t1")
 
 
@@ -249,8 +249,8 @@ def test_finished_tasks_are_archived_after_their_time_and_archives_expire(
     assert on_loop(registry, arch.sweep()) == 0  # finished a moment ago: not yet
     arch.after = 0.001
     assert on_loop(registry, arch.sweep()) == 1  # t1; "keep" says never
-    assert client.get_task("t1").status == pb.TASK_ARCHIVED
-    assert client.get_task("keep").status == pb.TASK_CANCELLED
+    assert client.get_task("t1").status == pb.TASK_STATUS_ARCHIVED
+    assert client.get_task("keep").status == pb.TASK_STATUS_CANCELLED
     arch.retention = 0.0
     on_loop(registry, arch.sweep())
     with pytest.raises(NotFound):
@@ -286,7 +286,7 @@ def test_cli_archives_and_lists_archived_tasks(
     listed = runner.invoke(cli, ["task", "ls", "--archived", "-o", "json"], env=env)
     assert listed.exit_code == 0, listed.output
     (only,) = json.loads(listed.output)
-    assert only["spec"]["task_id"] == "t1" and only["status"] == "TASK_ARCHIVED"
+    assert only["spec"]["task_id"] == "t1" and only["status"] == "TASK_STATUS_ARCHIVED"
     active = runner.invoke(cli, ["task", "create", "-"], env=env,
                            input=json.dumps({"task_id": "t2", "entries": [
                                {"file_id": "a", "path": "a"}]}))
@@ -335,7 +335,7 @@ def test_an_archive_holds_a_few_pages_of_the_task_not_all_of_it(
 
     monkeypatch.setattr(Archiver, "_records", counted)
     monkeypatch.setattr(DirectoryStore, "write", watched)
-    assert client.archive_task("t1").status == pb.TASK_ARCHIVED
+    assert client.archive_task("t1").status == pb.TASK_STATUS_ARCHIVED
     assert len(behind) == 1 + len(entries) + len(journal) == 1 + read
     assert max(behind) <= (archive_mod.PAGES_AHEAD + 2) * page
     assert [e.file_id for e in client.list_entries("t1")] == [e.file_id for e in entries]
@@ -365,7 +365,7 @@ def test_an_archive_whose_reading_fails_half_way_keeps_nothing_and_runs_again(
     assert list(archive_dir.iterdir()) == []  # no half archive, no temporary file
     assert task_keys(registry, "t1") == keys_before
     monkeypatch.setattr(Archiver, "_records", real_records)
-    assert client.archive_task("t1").status == pb.TASK_ARCHIVED
+    assert client.archive_task("t1").status == pb.TASK_STATUS_ARCHIVED
     assert len(client.list_entries("t1")) == 100
 
 
@@ -396,7 +396,7 @@ def test_a_store_failing_half_way_stops_the_archive_and_keeps_nothing(
     assert list(archive_dir.iterdir()) == []
     assert task_keys(registry, "t1") == keys_before
     monkeypatch.setattr(DirectoryStore, "write", real_write)
-    assert client.archive_task("t1").status == pb.TASK_ARCHIVED
+    assert client.archive_task("t1").status == pb.TASK_STATUS_ARCHIVED
 
 
 def test_the_sweep_leaves_a_task_this_replica_is_archiving_to_it(
@@ -422,13 +422,13 @@ def test_the_sweep_leaves_a_task_this_replica_is_archiving_to_it(
     explicit.start()
     try:
         wait_for(lambda: len(writes) == 1, what="the archive being written")
-        assert client.get_task("t1").status == pb.TASK_ARCHIVING
+        assert client.get_task("t1").status == pb.TASK_STATUS_ARCHIVING
         assert on_loop(registry, archiver(registry).sweep()) == 0
         assert len(writes) == 1
     finally:
         release.set()
         explicit.join(60)
-    assert [t.status for t in done] == [pb.TASK_ARCHIVED]
+    assert [t.status for t in done] == [pb.TASK_STATUS_ARCHIVED]
     assert len(writes) == 1
     assert sorted(p.name for p in archive_dir.iterdir()) == ["t1.jsonl.gz", "t1.meta.json"]
 
@@ -475,11 +475,11 @@ def test_one_task_whose_store_fails_does_not_stop_the_sweep_archiving_others(
     arch = archiver(registry)
     monkeypatch.setattr(arch, "after", 0.001)
     assert on_loop(registry, arch.sweep()) == 1
-    assert client.get_task("t2").status == pb.TASK_ARCHIVED
-    assert client.get_task("t1").status == pb.TASK_ARCHIVING  # the next sweep goes on
+    assert client.get_task("t2").status == pb.TASK_STATUS_ARCHIVED
+    assert client.get_task("t1").status == pb.TASK_STATUS_ARCHIVING  # the next sweep goes on
     monkeypatch.setattr(DirectoryStore, "write", real_write)
     assert on_loop(registry, arch.sweep()) == 1
-    assert client.get_task("t1").status == pb.TASK_ARCHIVED
+    assert client.get_task("t1").status == pb.TASK_STATUS_ARCHIVED
 
 
 def test_the_index_windows_of_a_finished_task_are_let_go(

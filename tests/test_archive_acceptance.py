@@ -113,7 +113,7 @@ def test_two_replicas_archive_200_tasks_once_through_a_leader_kill(
                 killed = True
         assert killed
         wait_for(other.leads, timeout=5, what="the other replica takes over within the TTL")
-        wait_for(lambda: all(t.status == pb.TASK_ARCHIVED
+        wait_for(lambda: all(t.status == pb.TASK_STATUS_ARCHIVED
                              for t in client.list_tasks(archived=True)) and
                  len(client.list_tasks(archived=True)) == TASKS,
                  timeout=120, what="every task archived")
@@ -121,9 +121,9 @@ def test_two_replicas_archive_200_tasks_once_through_a_leader_kill(
     for address in (other.address, restarted.address):
         with Client(address, timeout=10) as reader:
             for task_id in ids:
-                assert reader.get_task(task_id).status == pb.TASK_ARCHIVED
+                assert reader.get_task(task_id).status == pb.TASK_STATUS_ARCHIVED
                 (entry,) = reader.list_entries(task_id)
-                assert entry.state == pb.CONSUMED
+                assert entry.state == pb.ENTRY_STATE_CONSUMED
     versions: dict[str, int] = {}
     for page in s3.get_paginator("list_object_versions").paginate(Bucket=bucket):
         for v in page.get("Versions", ()):

@@ -43,7 +43,7 @@ def test_an_assembly_is_delivered_as_its_parts_in_order_and_acked_once(
             assert got.lease.file_id == "whole"
             assert got.data == b"".join(PARTS.values())
         whole = client.get_entry("t", "whole")
-        assert whole.state == pb.CONSUMED
+        assert whole.state == pb.ENTRY_STATE_CONSUMED
         assert events(client, "whole").count("acked") == 1
         assert "nacked" not in events(client, "whole")
 
@@ -70,7 +70,7 @@ def test_a_corrupted_part_is_a_checksum_mismatch_and_is_nacked(
                 consume(client, s, "t", timeout=20):
             pytest.fail("a corrupted assembly was delivered")
         whole = client.get_entry("t", "whole")
-        assert whole.state == pb.VERIFIED and not whole.consumed_by
+        assert whole.state == pb.ENTRY_STATE_VERIFIED and not whole.consumed_by
         assert events(client, "whole").count("nacked") == 1
         assert "acked" not in events(client, "whole")
         # Handed back to its group: the next consumer gets it again.

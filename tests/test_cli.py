@@ -222,8 +222,8 @@ def test_status_table_counts_states_and_lists_entries(registry: Any) -> None:
     assert "pending" in rows["b"]
     data = ok_json(invoke(registry, "status", "t1", "--entries", "-o", "json"))
     assert data["states"]["writing"] == 1 and data["states"]["pending"] == 1
-    assert {e["file_id"]: e["state"] for e in data["entries"]} == {"a": "WRITING",
-                                                                   "b": "PENDING"}
+    assert {e["file_id"]: e["state"] for e in data["entries"]} == {"a": "ENTRY_STATE_WRITING",
+                                                                   "b": "ENTRY_STATE_PENDING"}
 
 
 # --- producers --------------------------------------------------------------------
@@ -244,15 +244,15 @@ def test_claim_outlives_its_process_and_commit_from_another_succeeds(
     """A claim made by one CLI process is committed by another with its token."""
     create(registry, MANIFEST)
     claimed = ok_json(run(registry, "claim", "t1", "a", "-o", "json"))
-    assert lib.get_entry("t1", "a").state == pb.WRITING  # the claiming process is gone
+    assert lib.get_entry("t1", "a").state == pb.ENTRY_STATE_WRITING  # the claiming process is gone
     data = b'{"hello": "world"}\n'
     write(claimed["path"], data)
     done = run(registry, "commit", "t1", "a", "--token", str(claimed["token"]),
                "--file", claimed["path"], "-o", "json")
     entry = ok_json(done)
-    assert entry["state"] == "WRITTEN" and entry["size"] == len(data)
+    assert entry["state"] == "ENTRY_STATE_WRITTEN" and entry["size"] == len(data)
     committed = lib.get_entry("t1", "a")
-    assert committed.state == pb.WRITTEN and committed.size == len(data)
+    assert committed.state == pb.ENTRY_STATE_WRITTEN and committed.size == len(data)
 
 
 def test_commit_with_wrong_token_exits_4_with_one_line(registry: Any) -> None:
@@ -327,7 +327,7 @@ def test_fail_returns_entry_for_retry(registry: Any) -> None:
     claimed = ok_json(invoke(registry, "claim", "t1", "-o", "json"))
     entry = ok_json(invoke(registry, "fail", "t1", "a", "--token", str(claimed["token"]),
                            "--reason", "disk full", "-o", "json"))
-    assert entry["state"] == "PENDING" and entry["retry_count"] == 1
+    assert entry["state"] == "ENTRY_STATE_PENDING" and entry["retry_count"] == 1
     assert "disk full" in entry["error"]
 
 
@@ -338,7 +338,7 @@ def produce_verified(registry: Any, lib: Client, data: bytes = b"payload\n") -> 
     """Put entry a of t1 and report it as the watcher would, so it is verified."""
     ok_json(invoke(registry, "put", "t1", "a", "-", "-o", "json", stdin=data.decode()))
     entry = lib.report("t1", "a", len(data), blake3.blake3(data).hexdigest())
-    assert entry.state == pb.VERIFIED
+    assert entry.state == pb.ENTRY_STATE_VERIFIED
 
 
 def test_consume_json_then_ack_consumes(registry: Any, lib: Client) -> None:
@@ -352,7 +352,7 @@ def test_consume_json_then_ack_consumes(registry: Any, lib: Client) -> None:
     assert wrong.returncode == 4 and one_error_line(wrong.stderr)
     done = run(registry, "ack", "t1", "a", "--group", "default", "--token", str(lease["token"]))
     assert done.returncode == 0, done.stderr
-    assert lib.get_entry("t1", "a").state == pb.CONSUMED
+    assert lib.get_entry("t1", "a").state == pb.ENTRY_STATE_CONSUMED
     again = run(registry, "consume", "t1")
     assert again.returncode == 3
 
@@ -432,7 +432,7 @@ def test_keepalive_extends_a_claim_and_an_unrefreshed_one_dies(
     def reaped() -> bool:
         entries = ok_json(invoke(registry, "status", "t1", "--entries", "-o", "json"))["entries"]
         b = next(e for e in entries if e["file_id"] == "b")
-        return bool(b["state"] == "PENDING" and b["retry_count"] == 1)
+        return bool(b["state"] == "ENTRY_STATE_PENDING" and b["retry_count"] == 1)
 
     wait_until(reaped, 15, "the registry to reap the expired claim")
     late = run(registry, "commit", "t1", "b", "--token", str(lost["token"]), "--size", "0")
@@ -471,9 +471,9 @@ def test_watch_prints_events_and_ctrl_c_exits_0(registry: Any, lib: Client) -> N
     )
     try:
         lines = Lines(proc)
-        lines.until(lambda line: json.loads(line)["kind"] == "SYNCED")
+        lines.until(lambda line: json.loads(line)["kind"] == "KIND_SYNCED")
         claimed = ok_json(invoke(registry, "claim", "t1", "-o", "json"))
-        event = json.loads(lines.until(lambda line: "WRITING" in line))
+        event = json.loads(lines.until(lambda line: "ENTRY_STATE_WRITING" in line))
         assert event["entry"]["file_id"] == "a" and event["revision"] == claimed["token"]
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=SUBPROCESS_TIMEOUT) == 0
@@ -572,7 +572,7 @@ def test_up_restarted_on_the_same_data_dir_keeps_every_task_and_entry(tmp_path: 
         # The stack's watcher verifies `a`; let it finish so nothing moves meanwhile.
         with up.client() as c:
             deadline = time.monotonic() + 30
-            while c.get_entry("t1", "a").state != pb.VERIFIED:
+            while c.get_entry("t1", "a").state != pb.ENTRY_STATE_VERIFIED:
                 assert time.monotonic() < deadline, "the watcher did not verify a"
                 time.sleep(0.05)
         before = ok_json(run(up, "status", "t1", "-o", "json"))

@@ -52,7 +52,7 @@ def produce_verified(client: Client, task_id: str, file_id: str, data: bytes = b
     with client.open_session("maker", 30) as session:
         c = client.claim(task_id, file_id, session=session)
         client.commit(task_id, file_id, c.token, len(data), digest)
-    assert client.report(task_id, file_id, len(data), digest).state == pb.VERIFIED
+    assert client.report(task_id, file_id, len(data), digest).state == pb.ENTRY_STATE_VERIFIED
 
 
 def kill(registry: Any, task_id: str, file_id: str, reason: str = "broken") -> None:
@@ -60,7 +60,7 @@ def kill(registry: Any, task_id: str, file_id: str, reason: str = "broken") -> N
     c = ok_json(invoke(registry, "claim", task_id, file_id, "-o", "json"))
     dead = ok_json(invoke(registry, "fail", task_id, file_id, "--token", str(c["token"]),
                           "--reason", reason, "-o", "json"))
-    assert dead["state"] == "DEAD"
+    assert dead["state"] == "ENTRY_STATE_DEAD"
 
 
 def table_rows(stdout: str) -> dict[str, list[str]]:
@@ -90,9 +90,9 @@ def test_pause_refuses_claims_and_consumes_and_resume_allows_them(registry: Any)
     helped = invoke(registry, "task", "pause", "--help").stdout
     assert "claims and consumes" in helped and "may still take" not in helped
     shown = ok_json(invoke(registry, "task", "get", "t1", "-o", "json"))
-    assert shown["status"] == "TASK_PAUSED" and shown["status_reason"] == "pause: disk swap"
+    assert shown["status"] == "TASK_STATUS_PAUSED" and shown["status_reason"] == "pause: disk swap"
     resumed = ok_json(invoke(registry, "task", "resume", "t1", "-o", "json"))
-    assert resumed["status"] == "TASK_ACTIVE"
+    assert resumed["status"] == "TASK_STATUS_ACTIVE"
     assert ok_json(invoke(registry, "claim", "t1", "-o", "json"))["file_id"] == "a"
 
 
@@ -120,7 +120,7 @@ def test_requeue_brings_a_dead_entry_back_to_pending(registry: Any, client: Clie
     assert back.exit_code == 0, back.output
     assert back.stdout.startswith("t1/a: pending")
     entry = client.get_entry("t1", "a")
-    assert entry.state == pb.PENDING and entry.retry_count == 0
+    assert entry.state == pb.ENTRY_STATE_PENDING and entry.retry_count == 0
     again = invoke(registry, "requeue", "t1", "a")
     assert again.exit_code == 4 and "only dead entries" in one_error_line(again.stderr)
     assert ok_json(invoke(registry, "claim", "t1", "-o", "json"))["file_id"] == "a"
@@ -195,7 +195,7 @@ def test_explain_pending_writing_and_dead(registry: Any) -> None:
     assert "claimable" in pending.stdout
     claimed = ok_json(invoke(registry, "claim", "t1", "a", "--agent", "writer-7", "-o", "json"))
     writing = ok_json(invoke(registry, "explain", "t1", "a", "-o", "json"))
-    assert writing["entry"]["state"] == "WRITING"
+    assert writing["entry"]["state"] == "ENTRY_STATE_WRITING"
     assert "writer-7" in writing["text"] and str(claimed["token"]) in writing["text"]
     ok_json(invoke(registry, "fail", "t1", "a", "--token", str(claimed["token"]),
                    "--reason", "toner out", "-o", "json"))
@@ -325,7 +325,7 @@ def test_claim_batch_then_commit_batch(registry: Any, client: Client, tmp_path: 
     batch.write_text(json.dumps(commits))
     entries = ok_json(invoke(registry, "commit-batch", str(batch), "-o", "json"))
     assert sorted(e["file_id"] for e in entries) == sorted(c["file_id"] for c in claims)
-    assert {e["state"] for e in entries} == {"WRITTEN"}
+    assert {e["state"] for e in entries} == {"ENTRY_STATE_WRITTEN"}
     for c in commits:
         assert client.get_entry("t1", c["file_id"]).size == c["size"]
     # The sixth, as a table: one row per claim, then the session line.
@@ -345,7 +345,7 @@ def test_commit_batch_is_all_or_nothing(registry: Any, client: Client) -> None:
     result = run(registry, "commit-batch", "-", stdin=json.dumps(commits))
     assert result.returncode == 4 and "not the live claim" in one_error_line(result.stderr)
     assert result.stdout == ""
-    assert {client.get_entry("t1", c["file_id"]).state for c in claims} == {pb.WRITING}
+    assert {client.get_entry("t1", c["file_id"]).state for c in claims} == {pb.ENTRY_STATE_WRITING}
     done = invoke(registry, "commit-batch", "-", stdin=json.dumps(
         [{**c, "size": 0, "digest": EMPTY} for c in claims]))
     assert done.exit_code == 0, done.output

@@ -147,7 +147,8 @@ def test_consume_refuses_bytes_that_differ_from_the_verified_digest(client: Clie
         with pytest.raises(errors.ChecksumMismatch), consume(client, s, "t1", timeout=5):
             pytest.fail("the body must not run with unverified bytes")
         entry = client.get_entry("t1", "a")
-        assert entry.state == pb.VERIFIED and not entry.consumed_by  # handed back, not acked
+        assert (entry.state == pb.ENTRY_STATE_VERIFIED
+                and not entry.consumed_by)  # handed back, not acked
 
 
 def test_consume_acks_on_success(client: Client) -> None:
@@ -159,7 +160,7 @@ def test_consume_acks_on_success(client: Client) -> None:
         client.report("t1", "a", 7, blake3.blake3(b"payload").hexdigest())
         with consume(client, s, "t1", timeout=5) as delivery:
             assert delivery.data == b"payload"
-        assert client.get_entry("t1", "a").state == pb.CONSUMED
+        assert client.get_entry("t1", "a").state == pb.ENTRY_STATE_CONSUMED
 
 
 

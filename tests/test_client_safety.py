@@ -64,7 +64,7 @@ def verified(client: Client, session: Session, data: bytes) -> pb.Entry:
 def handed_back(client: Client) -> bool:
     """The entry was nacked: verified again, consumed by no group, held by no consumer."""
     entry = client.get_entry("t1", "a")
-    return entry.state == pb.VERIFIED and not entry.consumed_by and not entry.consuming
+    return entry.state == pb.ENTRY_STATE_VERIFIED and not entry.consumed_by and not entry.consuming
 
 
 def consume_elsewhere(registry: RegistryHandle, headroom: int = 256 << 20) -> str:
@@ -95,7 +95,7 @@ def test_produce_refuses_a_symlink_at_the_final_name(
     assert (staging / "t1" / "a.bin").is_symlink()
     assert sorted(p.name for p in (staging / "t1").iterdir()) == ["a.bin"]  # no temp file
     entry = client.get_entry("t1", "a")
-    assert entry.state == pb.PENDING and "symlink" in entry.error
+    assert entry.state == pb.ENTRY_STATE_PENDING and "symlink" in entry.error
 
 
 @pytest.mark.parametrize("link", ["t1", "t1/sub"])
@@ -113,7 +113,7 @@ def test_produce_refuses_a_symlinked_directory_on_the_path(
         put(client, s, "t1", "a", io.BytesIO(b"payload"))
     assert not any(elsewhere.iterdir())
     entry = client.get_entry("t1", "a")
-    assert entry.state == pb.PENDING and "symlink" in entry.error
+    assert entry.state == pb.ENTRY_STATE_PENDING and "symlink" in entry.error
 
 
 def _temp_file(directory: Path) -> re.Match[str]:
@@ -165,7 +165,7 @@ def test_a_file_at_the_old_predictable_name_is_not_written_through(
         staging / "t1" / f".a.bin{TEMP_MARKER}{token}").symlink_to(target))
     with client.open_session("p", ttl=10) as s:
         entry = put(client, s, "t1", "a", io.BytesIO(b"payload"))
-    assert entry.state == pb.WRITTEN
+    assert entry.state == pb.ENTRY_STATE_WRITTEN
     assert (staging / "t1" / "a.bin").read_bytes() == b"payload"
     assert target.read_bytes() == b"precious"
 
@@ -197,7 +197,7 @@ def test_a_temp_name_taken_already_is_never_reused(
     assert target.read_bytes() == b"precious"
     [left] = list((staging / "t1").iterdir())
     assert left.is_symlink() if planted == "symlink" else left.read_bytes() == b"crashed attempt"
-    assert client.get_entry("t1", "a").state == pb.PENDING
+    assert client.get_entry("t1", "a").state == pb.ENTRY_STATE_PENDING
 
 
 def test_a_long_name_keeps_the_marker_and_the_nonce() -> None:
@@ -214,7 +214,7 @@ def test_produce_makes_missing_directories_and_publishes(client: Client, staging
     with client.open_session("p", ttl=10) as s:
         with produce(client, s, "t1") as out:
             out.write(b"hello")
-        assert out.entry is not None and out.entry.state == pb.WRITTEN
+        assert out.entry is not None and out.entry.state == pb.ENTRY_STATE_WRITTEN
     assert [p.name for p in (staging / "t1" / "x" / "y").iterdir()] == ["a.bin"]
     assert (staging / "t1" / "x" / "y" / "a.bin").read_bytes() == b"hello"
 
@@ -229,7 +229,7 @@ def test_consume_still_reads_and_acks_a_regular_file(client: Client) -> None:
         verified(client, s, b"payload")
         with consume(client, s, "t1", timeout=5) as got:
             assert got.data == b"payload"
-    assert client.get_entry("t1", "a").state == pb.CONSUMED
+    assert client.get_entry("t1", "a").state == pb.ENTRY_STATE_CONSUMED
 
 
 def test_consume_refuses_a_symlink_to_dev_zero(

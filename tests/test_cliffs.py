@@ -67,14 +67,15 @@ def produce_all(client: Client, s: Session, task: str, data: dict[str, bytes]) -
         client.commit_batch([(task, c.file_id, c.token, len(data[c.file_id]),
                               digest(data[c.file_id])) for c in claims])
         for f in chunk:
-            assert client.report(task, f, len(data[f]), digest(data[f])).state == pb.VERIFIED
+            assert client.report(task, f, len(data[f]),
+                                 digest(data[f])).state == pb.ENTRY_STATE_VERIFIED
 
 
 def verified(client: Client, task: str, file_id: str) -> pb.Entry | None:
     """The entry once verified (read through Explain: GetEntry cannot yet answer for an
     entry waiting on more than 128 others, see the xfail below)."""
     entry = client.explain(task, file_id).entry
-    return entry if entry.state == pb.VERIFIED else None
+    return entry if entry.state == pb.ENTRY_STATE_VERIFIED else None
 
 
 def raw_keys(etcd: EtcdProcess, prefix: bytes) -> list[bytes]:
@@ -129,7 +130,7 @@ def test_assembly_of_300_parts_is_verified_when_every_part_is(client: Client) ->
     with client.open_session("ocr", ttl=30) as s:
         produce_all(client, s, "ocr", {p: data[p] for p in parts[:-1]})
         waiting = client.explain("ocr", "doc")
-        assert waiting.entry.state == pb.PENDING
+        assert waiting.entry.state == pb.ENTRY_STATE_PENDING
         assert waiting.text.endswith("It waits for parts: p299 (pending).")
         produce_all(client, s, "ocr", {parts[-1]: data[parts[-1]]})
         doc = wait_for(lambda: verified(client, "ocr", "doc"), what="the assembly verified")
@@ -139,7 +140,7 @@ def test_assembly_of_300_parts_is_verified_when_every_part_is(client: Client) ->
         # A part's file changes: the assembly leaves verified, and comes back once
         # the part is produced again (a check of all 300 parts, unpinned, again).
         client.report("ocr", "p150", 3, digest(b"new"))
-        assert client.explain("ocr", "doc").entry.state == pb.PENDING
+        assert client.explain("ocr", "doc").entry.state == pb.ENTRY_STATE_PENDING
         data["p150"] = b"page 150, again"
         produce_all(client, s, "ocr", {"p150": data["p150"]})
         doc = wait_for(lambda: verified(client, "ocr", "doc"), what="the assembly verified again")
@@ -169,7 +170,7 @@ def test_entry_with_300_dependencies_is_released(client: Client) -> None:
                 return None
 
         claim = wait_for(claim_final, what="the dependent released")
-        assert client.get_entry("t", "final").state == pb.WRITING and claim.token > 0
+        assert client.get_entry("t", "final").state == pb.ENTRY_STATE_WRITING and claim.token > 0
     released = [r for r in client.journal("t", "final") if r.event == "released"]
     assert len(released) == 1
 
@@ -180,7 +181,7 @@ def test_get_entry_of_an_entry_waiting_for_300_dependencies(client: Client) -> N
     client.create_task({"task_id": "t", "entries": [
         *entries(*deps), {"file_id": "final", "path": "final", "depends_on": deps}]})
     entry = client.get_entry("t", "final")
-    assert entry.state == pb.PENDING and not entry.blocked
+    assert entry.state == pb.ENTRY_STATE_PENDING and not entry.blocked
 
 
 def test_dependencies_read_in_chunks_must_hold_together(
@@ -275,7 +276,7 @@ def test_poisoned_records_do_not_stop_the_sweeps_or_the_reaper(
     on_etcd(etcd, verify_behind)
     with client.open_session("p", ttl=30) as s:
         c = client.claim("t-retry", "r", session=s)
-        assert client.fail("t-retry", "r", c.token, "try again").state == pb.PENDING
+        assert client.fail("t-retry", "r", c.token, "try again").state == pb.ENTRY_STATE_PENDING
         produce_all(client, s, "t-done", {"e": b"e"})
         lease = client.consume("t-done", "default", session=s)
         client.ack("t-done", "e", "default", lease.token)
@@ -287,11 +288,12 @@ def test_poisoned_records_do_not_stop_the_sweeps_or_the_reaper(
     assert raw_keys(etcd, keys.delayed_of_task("t-retry")) == []
     wait_for(lambda: any(k.endswith(b"/z") for k in raw_keys(etcd, keys.ready_all("t-dep"))),
              what="z released")
-    assert client.get_entry("t-dep", "z").state == pb.PENDING
+    assert client.get_entry("t-dep", "z").state == pb.ENTRY_STATE_PENDING
     assert [r.event for r in client.journal("t-dep", "z")][-1] == "released"
-    wait_for(lambda: client.get_task("t-done").status == pb.TASK_COMPLETED,
+    wait_for(lambda: client.get_task("t-done").status == pb.TASK_STATUS_COMPLETED,
              what="t-done completed")
-    wait_for(lambda: client.get_entry("t-lost", "l").state == pb.PENDING, what="l reaped")
+    wait_for(lambda: client.get_entry("t-lost", "l").state == pb.ENTRY_STATE_PENDING,
+             what="l reaped")
     # Each poisoned record is reported, once: not again at every sweep.
     for item in ("waiting entry a-poison/x", "waiting entry a-poison/z",
                  "delayed entry a-poison/y", f"task header {prefix}tasks/a-poison",
@@ -317,7 +319,7 @@ def test_reaper_pages_through_more_claims_than_a_page(
 
         def settled() -> bool:
             got = {e.file_id: e for e in client.list_entries("t")}
-            return all(got[f].state == (pb.WRITING if i % 2 else pb.PENDING)
+            return all(got[f].state == (pb.ENTRY_STATE_WRITING if i % 2 else pb.ENTRY_STATE_PENDING)
                        for i, f in enumerate(ids))
 
         wait_for(settled, what="the lost claims reaped")
@@ -325,7 +327,8 @@ def test_reaper_pages_through_more_claims_than_a_page(
             entry = client.get_entry("t", f)
             assert entry.retry_count == (0 if i % 2 else 1), f
             if i % 2:  # a live claim's token is untouched
-                assert client.commit("t", f, held[f].token, 1, digest(b"x")).state == pb.WRITTEN
+                assert client.commit("t", f, held[f].token, 1,
+                                     digest(b"x")).state == pb.ENTRY_STATE_WRITTEN
     assert paged(ranges, f"{prefix}inflight/", REAP_PAGE) >= 4
     assert paged(ranges, f"{prefix}claims/", REAP_PAGE) >= 4
 

@@ -32,7 +32,7 @@ def test_a_batch_of_leases_applies_together(client: Client) -> None:
             events = [r.event for r in client.journal("t", x.file_id)]
             assert events.count("consuming") == 1
         acked = client.ack_batch([("t", x.file_id, "g", x.token) for x in held])
-        assert {e.state for e in acked} == {pb.CONSUMED}
+        assert {e.state for e in acked} == {pb.ENTRY_STATE_CONSUMED}
         with pytest.raises(errors.NothingToClaim):
             client.consume_batch("t", "g", 10, session=s)
 
@@ -75,7 +75,7 @@ def test_each_group_leases_its_own_copy(client: Client) -> None:
         assert sorted(x.file_id for x in g) == sorted(x.file_id for x in h) == [
             "e00", "e01", "e02"]
         client.ack_batch([("t", x.file_id, x.group, x.token) for x in g + h])
-        assert {e.state for e in client.list_entries("t")} == {pb.CONSUMED}
+        assert {e.state for e in client.list_entries("t")} == {pb.ENTRY_STATE_CONSUMED}
         with pytest.raises(errors.NothingToClaim):
             client.consume_batch("t", "g", 10, session=s)
 
@@ -144,7 +144,7 @@ def test_cli_consume_batch_feeds_ack_batch(registry: Any, client: Client, tmp_pa
     path.write_text(json.dumps(held))
     done = invoke(registry, "ack-batch", str(path))
     assert done.exit_code == 0, done.output
-    assert {e.state for e in client.list_entries("t")} == {pb.CONSUMED}
+    assert {e.state for e in client.list_entries("t")} == {pb.ENTRY_STATE_CONSUMED}
 
 
 def test_cli_consume_batch_prints_a_table(registry: Any, client: Client) -> None:

@@ -81,7 +81,7 @@ def test_a_dependency_in_an_archived_task_is_read_from_its_archive(
     produce_verified(client, session, "ocr", "p1")
     lease = client.consume("ocr", "default", "p1", session=session)
     client.ack("ocr", "p1", "default", lease.token, session=session)
-    wait_for(lambda: client.get_task("ocr").status == pb.TASK_COMPLETED, what="completed")
+    wait_for(lambda: client.get_task("ocr").status == pb.TASK_STATUS_COMPLETED, what="completed")
     client.archive_task("ocr")
     # Created after its dependency left etcd: found in the archive, released at once.
     client.create_task({"task_id": "report", "entries": [
@@ -127,7 +127,7 @@ def test_a_dead_dependency_in_another_task_is_counted_as_blocked(
     produce_verified(client, session, "xa", "a1")
     lease = client.consume("xa", "default", "a1", session=session)
     client.ack("xa", "a1", "default", lease.token, session=session)
-    wait_for(lambda: client.get_task("xa").status == pb.TASK_COMPLETED, what="completed")
+    wait_for(lambda: client.get_task("xa").status == pb.TASK_STATUS_COMPLETED, what="completed")
     client.archive_task("xa")
     wait_for(released(client, "xb", "b4"), what="b4 released by xa:a1")
     assert counted() == (2, 2, 2, ["b1", "b3"])

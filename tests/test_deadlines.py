@@ -40,7 +40,7 @@ def test_a_hung_producer_loses_its_claim_at_the_deadline(
                         "entries": [{"file_id": "a", "path": "a"}]})
     with client.open_session("hung", ttl=30, slots=1) as session:  # keepalive runs
         claim = client.claim("t1", "a", session=session)
-        wait_for(lambda: client.get_entry("t1", "a").state == pb.PENDING, timeout=10,
+        wait_for(lambda: client.get_entry("t1", "a").state == pb.ENTRY_STATE_PENDING, timeout=10,
                  what="the claim taken away")
         entry = client.get_entry("t1", "a")
         assert entry.retry_count == 1 and "claim deadline" in entry.error
@@ -53,7 +53,7 @@ def test_a_hung_producer_loses_its_claim_at_the_deadline(
         wait_for(lambda: "claimable" in client.explain("t1", "a").text, what="backoff over")
         again = client.claim("t1", "a", session=session)
         client.commit("t1", "a", again.token, 0, session=session)
-    assert client.get_entry("t1", "a").state == pb.WRITTEN
+    assert client.get_entry("t1", "a").state == pb.ENTRY_STATE_WRITTEN
 
 
 def test_a_hung_consumer_gives_the_entry_back_to_its_group(
@@ -76,7 +76,7 @@ def test_a_hung_consumer_gives_the_entry_back_to_its_group(
         taken = client.consume("t1", "g", session=other)
         assert taken.file_id == "a"
         client.ack("t1", "a", "g", taken.token, session=other)
-    assert client.get_entry("t1", "a").state == pb.CONSUMED
+    assert client.get_entry("t1", "a").state == pb.ENTRY_STATE_CONSUMED
 
 
 def test_a_claim_that_ends_in_time_leaves_nothing_and_keeps_its_entry(
@@ -92,8 +92,8 @@ def test_a_claim_that_ends_in_time_leaves_nothing_and_keeps_its_entry(
         client.commit("t1", "a", a.token, 0, session=session)
         # a's key falls due and is dropped without touching a; b's own deadline is later
         wait_for(lambda: deadline_keys(registry) == 1, timeout=10, what="a's key dropped")
-        assert client.get_entry("t1", "a").state == pb.WRITTEN
-        assert client.get_entry("t1", "b").state == pb.WRITING
+        assert client.get_entry("t1", "a").state == pb.ENTRY_STATE_WRITTEN
+        assert client.get_entry("t1", "b").state == pb.ENTRY_STATE_WRITING
         assert client.get_entry("t1", "b").claim_deadline_seconds == 60
         client.commit("t1", "b", b.token, 0, session=session)
 

@@ -149,8 +149,8 @@ def test_the_readme_runs_as_written(up_stack: UpStack, tmp_path: Path) -> None:
 
     with up_stack.client() as c:
         states = {e.file_id: e.state for e in c.list_entries("hello")}
-    assert states["b"] == pb.WRITING  # the shell agent's claim, alive for its TTL
-    assert pb.CONSUMED in (states["a"], states["c"])
+    assert states["b"] == pb.ENTRY_STATE_WRITING  # the shell agent's claim, alive for its TTL
+    assert pb.ENTRY_STATE_CONSUMED in (states["a"], states["c"])
 
 
 # --- docs/cli.md ----------------------------------------------------------------------
@@ -215,7 +215,8 @@ def test_the_cli_tour_runs_as_written(up_stack: UpStack, tmp_path: Path) -> None
                                   f"--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}")
     assert "index" in done.stdout and "p1" in done.stdout  # status --entries, explain
     with up_stack.client() as c:
-        assert c.get_entry("scan-42", "p1").state in (pb.WRITTEN, pb.VERIFIED)
+        assert c.get_entry("scan-42", "p1").state in (pb.ENTRY_STATE_WRITTEN,
+                                                      pb.ENTRY_STATE_VERIFIED)
 
 
 def baton_lines(path: Path) -> list[str]:

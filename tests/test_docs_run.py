@@ -48,6 +48,7 @@ from test_quota import archive_dir, archiving, small_etcd  # noqa: F401  (fixtur
 from tools import require
 
 from baton_relay.client import Client, Session
+from baton_relay.kernel.contract import SERVICES
 from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.local.etcdproc import free_port
 from baton_relay.local.stack import LocalPKI
@@ -410,7 +411,7 @@ class Transcripts:
         """scan-42 just created from manifest.json; no other task, no session."""
         with self.client() as c:
             for task in c.list_tasks():
-                if task.status not in (pb.TASK_CANCELLED, pb.TASK_DELETING):
+                if task.status not in (pb.TASK_STATUS_CANCELLED, pb.TASK_STATUS_DELETING):
                     c.cancel_task(task.spec.task_id)
                 c.delete_task(task.spec.task_id, discard_history=True)
             for agent in c.list_agents():
@@ -445,7 +446,7 @@ class Transcripts:
                 with self.session(c, "render-1") as s:
                     claim = c.claim("scan-42", "p2", session=s)
                     c.fail("scan-42", "p2", claim.token, "scanner jammed", session=s)
-            assert c.get_entry("scan-42", "p2").state == pb.DEAD
+            assert c.get_entry("scan-42", "p2").state == pb.ENTRY_STATE_DEAD
 
     def state_a(self) -> None:
         """The task the operator transcripts show: p1 held by ocr-1, p3 and p4 by another
@@ -480,7 +481,8 @@ class Transcripts:
                 c.commit("scan-42", file_id, claim.token, len(data), blake3_hex(data),
                          session=s)
             deadline = time.monotonic() + 30
-            while {c.get_entry("scan-42", f).state for f in ("p3", "p4")} != {pb.VERIFIED}:
+            while {c.get_entry("scan-42", f).state for f in ("p3",
+                                                             "p4")} != {pb.ENTRY_STATE_VERIFIED}:
                 assert time.monotonic() < deadline, "p3 and p4 never verified"
                 time.sleep(0.05)
 
@@ -564,7 +566,7 @@ class Transcripts:
                 Path(claim.path).write_bytes(b"page 9")
                 c.commit("scan-41", "p9", claim.token, 6, session=s)
             deadline = time.monotonic() + 30
-            while c.get_entry("scan-41", "p9").state != pb.VERIFIED:
+            while c.get_entry("scan-41", "p9").state != pb.ENTRY_STATE_VERIFIED:
                 assert time.monotonic() < deadline, "p9 never verified"
                 time.sleep(0.05)
             c.consume("scan-41", "archive", session=self.session(c, "archiver", 30, slots=4))
@@ -597,7 +599,7 @@ class Transcripts:
         """r1, put above, verified by the watcher."""
         with self.client() as c:
             deadline = time.monotonic() + 30
-            while c.get_entry("compliance-3", "r1").state != pb.VERIFIED:
+            while c.get_entry("compliance-3", "r1").state != pb.ENTRY_STATE_VERIFIED:
                 assert time.monotonic() < deadline, "r1 never verified"
                 time.sleep(0.05)
 
@@ -1000,7 +1002,7 @@ def test_the_quota_runbook_runs_as_written(
         client.create_task({"task_id": "after", "entries": [{"file_id": "a", "path": "a"}]})
         on_loop(archiving, archiver(archiving).sweep())
         task = client.get_task("scan-40")
-        assert task.status == pb.TASK_ARCHIVED and task.states["pending"] == 400
+        assert task.status == pb.TASK_STATUS_ARCHIVED and task.states["pending"] == 400
 
 
 def grpcurl() -> str | None:
@@ -1041,9 +1043,9 @@ def test_the_grpcurl_lines_run_as_written(etcd: Any, prefix: str, tmp_path: Path
     finally:
         handle.stop()
     services, health, task = shown
-    assert {"baton.v1.Registry", "grpc.health.v1.Health"} <= set(services.split())
+    assert {*SERVICES, "grpc.health.v1.Health"} <= set(services.split())
     assert json.loads(health) == {"status": "SERVING"}
-    assert json.loads(task)["spec"]["task_id"] == "t1", task
+    assert json.loads(task)["task"]["spec"]["task_id"] == "t1", task
 
 
 @pytest.mark.slow

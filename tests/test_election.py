@@ -115,7 +115,7 @@ def test_every_finished_task_is_archived_once(
             produce_verified(client, session, task_id, "a")
             lease = client.consume(task_id, "default", "a", session=session)
             client.ack(task_id, "a", "default", lease.token, session=session)
-        wait_for(lambda: all(client.get_task(t).status == pb.TASK_ARCHIVED for t in ids),
+        wait_for(lambda: all(client.get_task(t).status == pb.TASK_STATUS_ARCHIVED for t in ids),
                  timeout=30, what="every task archived")
     assert sorted(writes) == sorted(ids)
     archived = [r._running.core.archive.archived for r in replicas]  # type: ignore[union-attr]

@@ -246,7 +246,7 @@ def test_up_verifies_a_put_file(
     with operator(opts) as c, c.open_session("p", ttl=10) as s:
         c.create_task({"task_id": "demo", "entries": [{"file_id": "a", "path": "in/a.txt"}]})
         put(c, s, "demo", "a", io.BytesIO(b"hello from baton up"))
-        wait_for(lambda: c.get_entry("demo", "a").state == pb.VERIFIED, timeout=20,
+        wait_for(lambda: c.get_entry("demo", "a").state == pb.ENTRY_STATE_VERIFIED, timeout=20,
                  what="a verified by the stack's watcher")
     # Both daemons serve the metrics of what just happened where the stack said.
     metrics = metrics_lines(lines)

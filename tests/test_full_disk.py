@@ -54,7 +54,7 @@ def test_a_full_staging_root_fails_the_producer_and_commits_nothing(
             put(client, session, "t1", "big", io.BytesIO(os.urandom(3 << 20)))
         assert full.value.errno == errno.ENOSPC
         entry = client.get_entry("t1", "big")
-        assert entry.state == pb.PENDING and entry.size == 0
+        assert entry.state == pb.ENTRY_STATE_PENDING and entry.size == 0
         assert "No space left on device" in entry.error
         assert [r.event for r in client.journal("t1", "big")][-1] == "failed"
         assert temp_files(staging) == [] and not (staging / "t1" / "big.bin").exists()
@@ -65,8 +65,8 @@ def test_a_full_staging_root_fails_the_producer_and_commits_nothing(
         result = CliRunner().invoke(cli, ["put", "t1", "big", str(src)],
                                     env={"BATON_REGISTRY": registry.address})
         assert result.exit_code == 1 and "No space left on device" in result.output
-        assert client.get_entry("t1", "big").state == pb.PENDING
+        assert client.get_entry("t1", "big").state == pb.ENTRY_STATE_PENDING
         # what fits still goes through, and the staging root is usable again
         done = put(client, session, "t1", "small", io.BytesIO(b"fits"))
-        assert done.state == pb.WRITTEN and done.size == 4
+        assert done.state == pb.ENTRY_STATE_WRITTEN and done.size == 4
     assert temp_files(staging) == []

@@ -122,7 +122,7 @@ def test_retry_waits_for_exponential_backoff(client: Client) -> None:
             c = claim_soon(client, s, "t", timeout=10)
             failed_at = time.time()
             entry = client.fail("t", "a", c.token, "flaky")
-            assert entry.state == pb.PENDING and entry.not_before
+            assert entry.state == pb.ENTRY_STATE_PENDING and entry.not_before
             with pytest.raises(errors.IllegalTransition, match="backoff"):
                 client.claim("t", "a", session=s)
             due = datetime.fromisoformat(entry.not_before.replace("Z", "+00:00")).timestamp()
@@ -139,11 +139,11 @@ def test_dead_keeps_history_and_requeue_restores_budget(client: Client) -> None:
         for reason in ("first", "second"):
             c = claim_soon(client, s, "t")
             client.fail("t", "a", c.token, reason)
-        assert client.get_entry("t", "a").state == pb.DEAD
+        assert client.get_entry("t", "a").state == pb.ENTRY_STATE_DEAD
         failures = [r.reason for r in client.journal("t", "a") if r.event == "failed"]
         assert len(failures) == 2 and "second" in failures[-1]
         entry = client.requeue("t", "a")
-        assert (entry.state, entry.retry_count) == (pb.PENDING, 0)
+        assert (entry.state, entry.retry_count) == (pb.ENTRY_STATE_PENDING, 0)
         assert claim_soon(client, s, "t").file_id == "a"
         with pytest.raises(errors.IllegalTransition):
             client.requeue("t", "a")  # only dead entries
@@ -185,7 +185,7 @@ def test_batch_claim_and_commit(client: Client) -> None:
         assert len(claims) == 21 and len({c.file_id for c in claims}) == 21
         assert len({c.token for c in claims}) == 1  # one transaction
         done = client.commit_batch([("t", c.file_id, c.token, 1, X) for c in claims])
-        assert {e.state for e in done} == {pb.WRITTEN}
+        assert {e.state for e in done} == {pb.ENTRY_STATE_WRITTEN}
         rest = client.claim_batch("t", 25, session=s)
         assert len(rest) == 9
 
@@ -199,7 +199,7 @@ def test_commit_batch_is_all_or_nothing(client: Client) -> None:
         batch[1] = (batch[1][0], batch[1][1], batch[1][2] - 1, 1, X)
         with pytest.raises(errors.StaleToken):
             client.commit_batch(batch)
-        assert {e.state for e in client.list_entries("t")} == {pb.WRITING}
+        assert {e.state for e in client.list_entries("t")} == {pb.ENTRY_STATE_WRITING}
 
 
 def test_lease_lost_in_the_middle_of_batches(client: Client) -> None:
@@ -213,10 +213,10 @@ def test_lease_lost_in_the_middle_of_batches(client: Client) -> None:
     client.close_session(s.session_id)
     def settled() -> Counter[int] | None:
         states = Counter(e.state for e in client.list_entries("t"))
-        return states if states[pb.WRITING] == 0 else None
+        return states if states[pb.ENTRY_STATE_WRITING] == 0 else None
 
     states = wait_for(settled)
-    assert states == {pb.WRITTEN: 2, pb.PENDING: 8}
+    assert states == {pb.ENTRY_STATE_WRITTEN: 2, pb.ENTRY_STATE_PENDING: 8}
 
 
 # 6. pause, resume, cancel ------------------------------------------------------------
@@ -227,11 +227,12 @@ def test_pause_stops_new_claims_but_lets_running_ones_finish(client: Client) -> 
     with client.open_session("p", ttl=10) as s:
         running = client.claim("t", session=s)
         paused = client.pause_task("t", "maintenance")
-        assert paused.status == pb.TASK_PAUSED and "maintenance" in paused.status_reason
+        assert paused.status == pb.TASK_STATUS_PAUSED and "maintenance" in paused.status_reason
         with pytest.raises(errors.TaskNotActive):
             client.claim("t", session=s)
-        assert client.commit("t", running.file_id, running.token, 1, X).state == pb.WRITTEN
-        assert client.resume_task("t").status == pb.TASK_ACTIVE
+        assert client.commit("t", running.file_id, running.token, 1,
+                             X).state == pb.ENTRY_STATE_WRITTEN
+        assert client.resume_task("t").status == pb.TASK_STATUS_ACTIVE
         assert client.claim("t", session=s).file_id != running.file_id
 
 
@@ -241,7 +242,7 @@ def test_cancel_revokes_claims(client: Client) -> None:
     with client.open_session("p", ttl=10) as s:
         c = client.claim("t", session=s)
         task = client.cancel_task("t", "wrong input")
-        assert task.status == pb.TASK_CANCELLED and "wrong input" in task.status_reason
+        assert task.status == pb.TASK_STATUS_CANCELLED and "wrong input" in task.status_reason
         with pytest.raises(errors.StaleToken):
             client.commit("t", c.file_id, c.token, 1, X)
         with pytest.raises(errors.TaskNotActive):
@@ -307,8 +308,9 @@ def test_retry_through_another_replica_returns_the_original_outcome(
         commit = pb.CommitRequest(task_id="t", file_id=first.entry.file_id, token=first.token,
                                   size=1, digest=X, request_id="req-2")
         done = ca._call("Commit", commit).entry
-        assert cb._call("Commit", commit).entry.state == done.state == pb.WRITTEN
-        assert Counter(e.state for e in ca.list_entries("t")) == {pb.WRITTEN: 1, pb.PENDING: 1}
+        assert cb._call("Commit", commit).entry.state == done.state == pb.ENTRY_STATE_WRITTEN
+        assert Counter(e.state for e in ca.list_entries("t")) == {pb.ENTRY_STATE_WRITTEN: 1,
+                                                                  pb.ENTRY_STATE_PENDING: 1}
 
 
 # 9. journal and explain -----------------------------------------------------------
@@ -363,9 +365,11 @@ def test_assembly_is_verified_when_all_parts_are(client: Client) -> None:
         with pytest.raises(errors.IllegalTransition, match="parts"):
             client.claim("t", "big", session=s)
         produce_verified(client, s, "t", "p1", b"one")
-        assert client.get_entry("t", "big").state == pb.PENDING
+        assert client.get_entry("t", "big").state == pb.ENTRY_STATE_PENDING
         produce_verified(client, s, "t", "p2", b"two!")
-        big = wait_for(lambda: (e := client.get_entry("t", "big")).state == pb.VERIFIED and e)
+        big = wait_for(lambda: (e := client.get_entry("t",
+                                                      "big")).state == pb.ENTRY_STATE_VERIFIED
+                                                      and e)
         assert big.size == 7 and big.digest == assembly_digest([digest(b"one"), digest(b"two!")])
         lease = client.consume("t", "default", session=s)
         assert lease.file_id == "big"  # parts have no consumers of their own
@@ -384,7 +388,7 @@ def test_task_completes_when_every_entry_is_consumed_or_dead(client: Client) -> 
         lease = client.consume("t", "default", session=s)
         assert [(t.open, t.dead) for t in client.list_tasks()] == [(1, 1)]
         client.ack("t", "a", "default", lease.token)
-    task = wait_for(lambda: (t := client.get_task("t")).status == pb.TASK_COMPLETED and t)
+    task = wait_for(lambda: (t := client.get_task("t")).status == pb.TASK_STATUS_COMPLETED and t)
     assert "1 dead" in task.status_reason and (task.open, task.dead) == (0, 1)
 
 
@@ -405,7 +409,7 @@ def test_unverified_entry_frees_its_consumers_slots(client: Client) -> None:
         produce_verified(client, s, "t", "b")
     with client.open_session("c", ttl=10, slots=1) as s:
         lease = client.consume("t", "default", session=s)
-        client.report_problem("t", lease.file_id, pb.ProblemReport.MISSING, "deleted")
+        client.report_problem("t", lease.file_id, pb.ReportProblemRequest.KIND_MISSING, "deleted")
         assert client.consume("t", "default", session=s).file_id != lease.file_id
 
 
@@ -432,14 +436,15 @@ def test_a_paused_task_takes_no_new_work_and_lets_work_in_hand_finish(
                                match=r"paused \(pause: disk swap\): it hands out no new "
                                      r"claims or consumes until `baton task resume`"):
                 take()
-        assert client.commit("t", "d", writing.token, 1, X, session=s).state == pb.WRITTEN
-        assert client.ack("t", "a", "g", acked.token, session=s).state == pb.CONSUMED
+        assert client.commit("t", "d", writing.token, 1, X,
+                             session=s).state == pb.ENTRY_STATE_WRITTEN
+        assert client.ack("t", "a", "g", acked.token, session=s).state == pb.ENTRY_STATE_CONSUMED
         client.nack("t", "b", "g", nacked.token, session=s)
         task = client.get_task("t")
-        assert task.status == pb.TASK_PAUSED and task.status_reason == "pause: disk swap"
+        assert task.status == pb.TASK_STATUS_PAUSED and task.status_reason == "pause: disk swap"
         assert dict(task.states) == {**dict.fromkeys(task.states, 0), "consumed": 1,
                                      "verified": 2, "written": 1, "pending": 1}
-        assert client.resume_task("t").status == pb.TASK_ACTIVE
+        assert client.resume_task("t").status == pb.TASK_STATUS_ACTIVE
         assert client.claim("t", session=s).file_id == "e"
         assert sorted(lease.file_id for lease in client.consume_batch("t", "g", 5, session=s)
                       ) == ["b", "c"]
@@ -485,12 +490,12 @@ def test_assembly_leaves_verified_when_a_part_changes(client: Client) -> None:
     with client.open_session("p", ttl=10) as s:
         produce_verified(client, s, "t", "p1", b"one")
         produce_verified(client, s, "t", "p2", b"two")
-        wait_for(lambda: client.get_entry("t", "big").state == pb.VERIFIED)
+        wait_for(lambda: client.get_entry("t", "big").state == pb.ENTRY_STATE_VERIFIED)
         lease = client.consume("t", "default", session=s)
         client.report("t", "p1", 3, digest(b"ONE"))  # the part's file changed
         big = client.get_entry("t", "big")
-        assert big.state == pb.PENDING and "p1" in big.error
+        assert big.state == pb.ENTRY_STATE_PENDING and "p1" in big.error
         with pytest.raises(errors.StaleToken):
             client.ack("t", "big", "default", lease.token)
         produce_verified(client, s, "t", "p1", b"one")  # produced again
-        wait_for(lambda: client.get_entry("t", "big").state == pb.VERIFIED)
+        wait_for(lambda: client.get_entry("t", "big").state == pb.ENTRY_STATE_VERIFIED)

@@ -118,7 +118,7 @@ def test_a_fused_commit_and_claim_is_one_request(etcd: Any, prefix: str) -> None
                                             token=claim.token, digest=EMPTY, session_id=sid,
                                             request_id=f"m{i}"),
                     claim=pb.ClaimRequest(session_id=sid)), ANONYMOUS)
-                assert step.entry.state == pb.WRITTEN and step.HasField("next")
+                assert step.entry.state == pb.ENTRY_STATE_WRITTEN and step.HasField("next")
                 committed += 1
                 claim = step.next
             return client.requests / 100, committed
@@ -202,7 +202,7 @@ def test_completion_looks_at_tasks_finished_here_and_sweeps_all_now_and_then(
             await producers.commit(pb.CommitRequest(task_id="t", file_id="a",
                                                     token=claim.token, size=0, digest=digest),
                                    ANONYMOUS)
-            await Verifier(core).report(pb.VerificationReport(task_id="t", file_id="a",
+            await Verifier(core).report(pb.ReportVerificationRequest(task_id="t", file_id="a",
                                                               size=0, digest=digest))
             # Consumed by its one group: the entry is done, on this replica.
             consumers = Consumers(core)
@@ -224,7 +224,7 @@ def test_completion_looks_at_tasks_finished_here_and_sweeps_all_now_and_then(
 
     hinted, before, after = asyncio.run(body())
     assert hinted == ["t"]  # finishing the entry here hinted its task
-    assert (before, after) == ("TASK_ACTIVE", "TASK_COMPLETED")
+    assert (before, after) == ("TASK_STATUS_ACTIVE", "TASK_STATUS_COMPLETED")
 
 
 def test_a_replica_whose_view_is_behind_still_releases_a_dependent(
@@ -253,7 +253,7 @@ def test_a_replica_whose_view_is_behind_still_releases_a_dependent(
             await Producers(a).commit(pb.CommitRequest(task_id="t", file_id="d",
                                                        token=claim.token, digest=digest),
                                       ANONYMOUS)
-            await Verifier(b).report(pb.VerificationReport(task_id="t", file_id="d",
+            await Verifier(b).report(pb.ReportVerificationRequest(task_id="t", file_id="d",
                                                            digest=digest))
             released = await Scheduler(a).check_waiting("t", "x")
             kv = await client.get(Keys(prefix).entry("t", "x"))
@@ -294,9 +294,9 @@ def test_routing_reads_nothing_from_etcd(etcd: Any, prefix: str) -> None:
                         {"score": 90 + int(claim.entry.file_id[1:])})), ANONYMOUS)
             client.requests = 0
             for i in range(20):
-                entry = await verifier.report(pb.VerificationReport(
+                entry = await verifier.report(pb.ReportVerificationRequest(
                     task_id=task, file_id=f"e{i}", digest=EMPTY))
-                assert entry.state == pb.VERIFIED
+                assert entry.state == pb.ENTRY_STATE_VERIFIED
                 assert list(entry.routed_to) == (["review"] if rules and i > 5 else [])
             return client.requests / 20
         finally:

@@ -152,11 +152,12 @@ def test_rotation_under_load_frees_no_claim(registry: RegistryHandle, client: Cl
     # The paused agent's token outlived every rotation it slept through.
     paused.stdin.write("commit\n")
     paused.stdin.flush()
-    assert json.loads(paused.stdout.readline()) == {"ok": True, "state": pb.WRITTEN}
+    assert json.loads(paused.stdout.readline()) == {"ok": True, "state": pb.ENTRY_STATE_WRITTEN}
     (commit,) = journal_events(client, "p")["committed"]
     assert commit.token == paused_claim["token"]
     entries = client.list_entries("t")
-    assert sorted(e.file_id for e in entries if e.state == pb.CONSUMED) == sorted(claimed)
+    assert sorted(e.file_id for e in entries if e.state
+                  == pb.ENTRY_STATE_CONSUMED) == sorted(claimed)
     assert len(claimed) == n and sorted(acked) == sorted(claimed)
     assert all(tokens == [claimed[f]] for f, tokens in committed.items())
     commits = journal_events(client, "t")["committed"]
@@ -206,11 +207,12 @@ def test_rotations_never_keep_a_killed_agent_alive(registry: RegistryHandle, cli
                            "session gone within its TTL")
     assert rotated >= 1  # a rotation did happen while it was dying
     assert client.get_entry("t", "a").token == 0  # the claim went with the lease
-    wait_for(lambda: client.get_entry("t", "a").state == pb.PENDING, 5, "the reaper")
+    wait_for(lambda: client.get_entry("t", "a").state == pb.ENTRY_STATE_PENDING, 5, "the reaper")
     with client.open_session("other", ttl=10) as s:
         fresh = client.claim("t", "a", session=s)
         assert fresh.token > claim["token"]
-        assert client.commit("t", "a", fresh.token, 1, DIGEST, session=s).state == pb.WRITTEN
+        assert client.commit("t", "a", fresh.token, 1, DIGEST,
+                             session=s).state == pb.ENTRY_STATE_WRITTEN
     with pytest.raises(errors.StaleToken):
         client.commit("t", "a", claim["token"], 1, DIGEST)
 
@@ -238,7 +240,7 @@ def test_a_live_agent_keeps_its_claim_and_ttl_through_rotations(registry: Regist
         wait_for(full, 2 * ttl, "a keepalive to renew the session onto its full TTL")
         assert s.ttl == ttl and not s.lost.is_set()
         assert client.commit("t", "e0000", claim.token, 1, DIGEST, session=s).state == \
-            pb.WRITTEN
+            pb.ENTRY_STATE_WRITTEN
     assert_nothing_reaped(registry, client, "t")
 
 
@@ -260,7 +262,7 @@ def test_rotation_of_more_keys_than_one_transaction_moves_them_in_chunks(
         wait_for(lambda: s.ttl == 15, 10, "the keepalive to adopt the new TTL")
         for c in claims:
             client.commit("t", c.file_id, c.token, 1, DIGEST, session=s)
-    assert {e.state for e in client.list_entries("t")} == {pb.WRITTEN}
+    assert {e.state for e in client.list_entries("t")} == {pb.ENTRY_STATE_WRITTEN}
     assert_nothing_reaped(registry, client, "t")
 
 
@@ -308,7 +310,7 @@ def test_revoke_returns_claims_at_once_without_spending_a_retry(
     assert (r.session_id, r.agent, r.claims_returned) == (holder.session_id, "rev-a", 3)
     for c in claims:
         entry = client.get_entry("t", c.file_id)
-        assert (entry.state, entry.retry_count, entry.not_before) == (pb.PENDING, 0, "")
+        assert (entry.state, entry.retry_count, entry.not_before) == (pb.ENTRY_STATE_PENDING, 0, "")
         with pytest.raises(errors.StaleToken):
             client.commit("t", c.file_id, c.token, 1, DIGEST)
     revoked = journal_events(client, "t")["revoked"]
@@ -354,7 +356,8 @@ def test_revoke_by_agent_and_by_host(registry: RegistryHandle, client: Client) -
     by_host = ok_json(invoke(registry, "lease", "revoke", "--host", "rack-7", "-o", "json"))
     assert sorted((x["session"], x["claims_returned"]) for x in by_host) == sorted(
         (str(s.session_id), 1) for s in on_host)
-    assert {e.state for e in client.list_entries("t") if e.file_id != "e0000"} == {pb.PENDING}
+    assert {e.state for e in client.list_entries("t") if e.file_id
+            != "e0000"} == {pb.ENTRY_STATE_PENDING}
     assert_nothing_reaped(registry, client, "t")
 
 
@@ -380,7 +383,7 @@ def test_a_revoke_interrupted_after_marking_is_finished_by_a_rerun(
         client.keepalive(s.session_id)
     (r,) = client.revoke_sessions(s.session_id, reason="again")
     assert r.claims_returned == 2
-    assert {client.get_entry("t", c.file_id).state for c in claims} == {pb.PENDING}
+    assert {client.get_entry("t", c.file_id).state for c in claims} == {pb.ENTRY_STATE_PENDING}
 
 
 # --- drain ------------------------------------------------------------------------------
@@ -412,7 +415,7 @@ def test_drain_refuses_new_work_then_revokes_what_is_left_at_the_deadline(
     wait_for(lambda: not [a for a in client.list_agents() if a.host == "drain-x"], 15,
              "the registry's sweep to revoke the drained host's sessions")
     states = [e.state for e in client.list_entries("t")]
-    assert (states.count(pb.WRITTEN), states.count(pb.PENDING)) == (50, 170)
+    assert (states.count(pb.ENTRY_STATE_WRITTEN), states.count(pb.ENTRY_STATE_PENDING)) == (50, 170)
     assert {e.retry_count for e in client.list_entries("t")} == {0}
     revoked = journal_events(client, "t")["revoked"]
     assert len(revoked) == 150 and {r.reason for r in revoked} == {"drain deadline"}
@@ -420,7 +423,7 @@ def test_drain_refuses_new_work_then_revokes_what_is_left_at_the_deadline(
         client.commit("t", claims[60].file_id, claims[60].token, 1, DIGEST)
     assert invoke(registry, "lease", "undrain", "--host", "drain-x").exit_code == 0
     with client.open_session("dx-4", ttl=10, host="drain-x") as s:
-        assert client.claim("t", session=s).entry.state == pb.WRITING
+        assert client.claim("t", session=s).entry.state == pb.ENTRY_STATE_WRITING
         assert not s.draining
     assert_nothing_reaped(registry, client, "t")
 
@@ -438,8 +441,8 @@ def test_the_producer_helper_stops_cleanly_when_its_host_drains(
                 client.drain_host("drain-y", deadline=60)
         assert s.draining
     states = {e.file_id: e.state for e in client.list_entries("t")}
-    assert sorted(f for f, st in states.items() if st == pb.WRITTEN) == sorted(done)
-    assert len(done) == 3 and list(states.values()).count(pb.PENDING) == 7
+    assert sorted(f for f, st in states.items() if st == pb.ENTRY_STATE_WRITTEN) == sorted(done)
+    assert len(done) == 3 and list(states.values()).count(pb.ENTRY_STATE_PENDING) == 7
 
 
 def test_the_consumer_helper_stops_cleanly_when_its_host_drains(
@@ -459,7 +462,7 @@ def test_the_consumer_helper_stops_cleanly_when_its_host_drains(
             if len(done) == 2:
                 client.drain_host("drain-z", deadline=60)
         assert s.draining
-    consumed = [e.file_id for e in client.list_entries("t") if e.state == pb.CONSUMED]
+    consumed = [e.file_id for e in client.list_entries("t") if e.state == pb.ENTRY_STATE_CONSUMED]
     assert len(done) == 2 and sorted(consumed) == sorted(done)
 
 

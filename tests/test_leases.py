@@ -37,10 +37,11 @@ def test_sigkilled_agent_entry_returns_to_pending(client: Client, agent: Callabl
     client.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "a"}], **FAST})
     proc = agent("t1", ttl)
     claim = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
-    assert client.get_entry("t1", "a").state == pb.WRITING
+    assert client.get_entry("t1", "a").state == pb.ENTRY_STATE_WRITING
     killed = time.monotonic()
     proc.kill()
-    wait_for(lambda: client.get_entry("t1", "a").state == pb.PENDING, ttl + 3, "pending")
+    wait_for(lambda: client.get_entry("t1", "a").state == pb.ENTRY_STATE_PENDING, ttl + 3,
+             "pending")
     # A lease is kept for its TTL after the last keepalive, at most ttl + margin after the kill.
     assert time.monotonic() - killed <= ttl + 3
     entry = client.get_entry("t1", "a")
@@ -55,7 +56,7 @@ def test_paused_agent_cannot_commit_with_stale_token(client: Client, agent: Call
     proc = agent("t1", 2)
     claim = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
     os.kill(proc.pid, signal.SIGSTOP)
-    wait_for(lambda: client.get_entry("t1", "a").state == pb.PENDING, 6, "reap")
+    wait_for(lambda: client.get_entry("t1", "a").state == pb.ENTRY_STATE_PENDING, 6, "reap")
     # Someone else claims the entry meanwhile.
     with client.open_session("other", ttl=10) as s:
         fresh = client.claim("t1", "a", session=s)
@@ -67,8 +68,9 @@ def test_paused_agent_cannot_commit_with_stale_token(client: Client, agent: Call
         assert outcome == {"ok": False, "error": outcome["error"]}
         assert outcome["error"] in ("StaleToken", "SessionExpired")
         entry = client.get_entry("t1", "a")
-        assert entry.state == pb.WRITING and entry.owner == "other" and entry.token == fresh.token
-        assert client.commit("t1", "a", fresh.token, 1, DIGEST).state == pb.WRITTEN
+        assert (entry.state == pb.ENTRY_STATE_WRITING and entry.owner == "other" and entry.token
+                == fresh.token)
+        assert client.commit("t1", "a", fresh.token, 1, DIGEST).state == pb.ENTRY_STATE_WRITTEN
 
 
 def test_registry_refuses_token_of_expired_session_before_reap(
@@ -83,7 +85,7 @@ def test_registry_refuses_token_of_expired_session_before_reap(
         wait_for(lambda: c.get_entry("t1", "a").token == 0, 6, "claim key to expire")
         with pytest.raises(errors.StaleToken):
             c.commit("t1", "a", claim.token, 1, DIGEST)
-        assert c.get_entry("t1", "a").state == pb.WRITING  # nobody reaped yet
+        assert c.get_entry("t1", "a").state == pb.ENTRY_STATE_WRITING  # nobody reaped yet
 
 
 def test_client_stops_trusting_lost_session(client: Client) -> None:
@@ -105,7 +107,7 @@ def test_keepalive_holds_claim_beyond_ttl(client: Client) -> None:
         while time.monotonic() < deadline:  # 2.5 TTLs, checking all along
             assert client.get_entry("t1", "a").token == claim.token
             time.sleep(0.25)
-        assert client.commit("t1", "a", claim.token, 1, DIGEST).state == pb.WRITTEN
+        assert client.commit("t1", "a", claim.token, 1, DIGEST).state == pb.ENTRY_STATE_WRITTEN
 
 
 def test_dead_consumer_returns_entry_to_group(client: Client) -> None:
@@ -132,14 +134,14 @@ def test_dead_consumer_returns_entry_to_group(client: Client) -> None:
         assert again.file_id == "a" and again.token > lease.token
         with pytest.raises(errors.StaleToken):
             client.ack("t1", "a", "default", lease.token)
-        assert client.ack("t1", "a", "default", again.token).state == pb.CONSUMED
+        assert client.ack("t1", "a", "default", again.token).state == pb.ENTRY_STATE_CONSUMED
 
 
 def test_lease_losses_exhaust_retries_to_dead(client: Client) -> None:
     """Each lost lease costs a retry; after max_retries the entry is dead, with history."""
     client.create_task({"task_id": "t1", "max_retries": 1,
                         "entries": [{"file_id": "a", "path": "a"}], **FAST})
-    for expected in (pb.PENDING, pb.DEAD):
+    for expected in (pb.ENTRY_STATE_PENDING, pb.ENTRY_STATE_DEAD):
         s = client.open_session("p", ttl=10, keepalive=False)
         client.claim("t1", session=s)
         client.close_session(s.session_id)

@@ -51,7 +51,7 @@ async def _finished_task(core: Core) -> None:
                                                   session_id=session), ANONYMOUS)
     await producers.commit(pb.CommitRequest(task_id="t", file_id="p", token=claim.token,
                                             size=1, digest=digest(b"x")), ANONYMOUS)
-    await Verifier(core).report(pb.VerificationReport(task_id="t", file_id="p", size=1,
+    await Verifier(core).report(pb.ReportVerificationRequest(task_id="t", file_id="p", size=1,
                                                       digest=digest(b"x")))
     assert await Scheduler(core).check_waiting("t", "a")  # the assembly is verified
     consumers = Consumers(core)
@@ -72,7 +72,7 @@ async def _requeue_dead(core: Core) -> None:
 async def _part_changed_on_disk(core: Core) -> None:
     """The watcher finds the verified part changed: it takes the retry path (open again);
     nothing writes the task header."""
-    await Verifier(core).report(pb.VerificationReport(task_id="t", file_id="p", size=1,
+    await Verifier(core).report(pb.ReportVerificationRequest(task_id="t", file_id="p", size=1,
                                                       digest=digest(b"y")))
 
 
@@ -120,7 +120,7 @@ def test_an_entry_opened_between_the_count_and_the_completion_keeps_the_task_act
 
     first, again, status, states = asyncio.run(body())
     assert fired == ["t"]
-    assert (first, again, status) == (0, 0, "TASK_ACTIVE")
+    assert (first, again, status) == (0, 0, "TASK_STATUS_ACTIVE")
     assert "PENDING" in states, states
 
 
@@ -139,7 +139,7 @@ def test_a_finished_task_still_completes(etcd: Any, prefix: str) -> None:
             await core.stop()
             await conn.close()
 
-    assert asyncio.run(body()) == "TASK_COMPLETED"
+    assert asyncio.run(body()) == "TASK_STATUS_COMPLETED"
 
 
 # --- cancel -----------------------------------------------------------------------------
@@ -223,12 +223,12 @@ def test_commits_racing_a_cancel_are_refused_once_the_status_changed(
                 client.commit("t", last.file_id, last.token, 1, digest(b"x"))
             with pytest.raises(errors.StaleToken, match="is void"):
                 client.fail("t", last.file_id, last.token, "racing the cancel")
-            assert client.get_entry("t", last.file_id).state == pb.WRITING
+            assert client.get_entry("t", last.file_id).state == pb.ENTRY_STATE_WRITING
             assert _sweep(registry) == 0
         finally:
             go.set()
             cancel.join(30)
-        assert done and done[0].status == pb.TASK_CANCELLED
+        assert done and done[0].status == pb.TASK_STATUS_CANCELLED
         for base in (keys.claims_of_task("p", "t"), keys.inflight_of_task("p", "t"),
                      keys.ready_all("t"), keys.slots(s.session_id)):
             assert _count(registry, base) == 0, base
@@ -236,7 +236,7 @@ def test_commits_racing_a_cancel_are_refused_once_the_status_changed(
         assert registry.reaper.reaped == 0
         events = _journal_events(registry, "t")
         assert events.count("claimed") == CLAIMS and set(events) == {"claimed"}
-        assert {e.state for e in client.list_entries("t")} == {pb.WRITING}
+        assert {e.state for e in client.list_entries("t")} == {pb.ENTRY_STATE_WRITING}
 
 
 @pytest.mark.parametrize("finish", ["cancel again", "scheduler"])
@@ -265,7 +265,7 @@ def test_a_cancel_interrupted_half_way_is_finished(
             client.commit("t", claims[-1].file_id, claims[-1].token, 1, digest(b"x"))
 
         if finish == "cancel again":
-            assert client.cancel_task("t", "wrong input").status == pb.TASK_CANCELLED
+            assert client.cancel_task("t", "wrong input").status == pb.TASK_STATUS_CANCELLED
         else:
             # (Its own 30 s sweep may come first: the same code; then this finds none.)
             scheduler = registry._running.scheduler
@@ -306,7 +306,7 @@ def test_a_lease_lost_during_a_cancel_leaves_the_entry_as_it_was(
             assert _count(registry, twin) == 1  # the claim went with its lease
             assert _sweep(registry) == 0  # nothing moved (twin deleted)
             assert _count(registry, twin) == 0
-            assert client.get_entry("t", last.file_id).state == pb.WRITING
+            assert client.get_entry("t", last.file_id).state == pb.ENTRY_STATE_WRITING
         finally:
             go.set()
             if cancel.is_alive():

@@ -27,6 +27,9 @@ from baton_relay.kernel.contract import MAX_MANIFEST_BYTES, MAX_REQUEST_BYTES
 from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.registry import server as registry_server
 
+#: every method of the three services, by name
+METHODS = {m.name: m for s in pb.DESCRIPTOR.services_by_name.values() for m in s.methods}
+
 SUBPROCESS_TIMEOUT = 60
 #: gRPC's soft limit on metadata; what an error carries stays well under it
 METADATA_SOFT_LIMIT = 8 * 1024
@@ -200,7 +203,7 @@ def test_raw_bytes_are_invalid_argument(
     """Bytes that are not the method's protobuf come back INVALID_ARGUMENT, logged as nothing."""
     caplog.set_level(logging.INFO, logger="baton")
     with grpc.insecure_channel(registry.address) as channel:
-        path = f"/baton.v1.Registry/{method}"
+        path = f"/{METHODS[method].containing_service.full_name}/{method}"
         with pytest.raises(grpc.RpcError) as info:
             if streaming:
                 list(channel.unary_stream(path)(b"\xff\xfenot protobuf", timeout=10))

@@ -23,8 +23,9 @@ from baton_relay.registry.model import (
 )
 
 Wait = Callable[..., None]
-PB = {PENDING: pb.PENDING, WRITING: pb.WRITING, WRITTEN: pb.WRITTEN,
-      VERIFIED: pb.VERIFIED, CONSUMED: pb.CONSUMED, DEAD: pb.DEAD}
+PB = {PENDING: pb.ENTRY_STATE_PENDING, WRITING: pb.ENTRY_STATE_WRITING,
+      WRITTEN: pb.ENTRY_STATE_WRITTEN, VERIFIED: pb.ENTRY_STATE_VERIFIED,
+      CONSUMED: pb.ENTRY_STATE_CONSUMED, DEAD: pb.ENTRY_STATE_DEAD}
 
 
 def _d(data: bytes) -> str:
@@ -88,7 +89,7 @@ def mismatch_written(retries: int) -> Callable[[Client, Session, Wait], None]:
 def missing_verified(retries: int) -> Callable[[Client, Session, Wait], None]:
     def run(client: Client, s: Session, wait: Wait) -> None:
         _to(client, s, VERIFIED, retries)
-        client.report_problem("t", "f", pb.ProblemReport.MISSING, "gone")
+        client.report_problem("t", "f", pb.ReportProblemRequest.KIND_MISSING, "gone")
     return run
 
 
@@ -114,7 +115,7 @@ def _assembly(client: Client, s: Session, wait: Wait) -> None:
     for name, data in PARTS.items():
         entry = put(client, s, "t", name, BytesIO(data))
         client.report("t", name, entry.size, _d(data))
-    wait(lambda: _state(client) == pb.VERIFIED, what="the assembly verified")
+    wait(lambda: _state(client) == pb.ENTRY_STATE_VERIFIED, what="the assembly verified")
 
 
 def unverify(client: Client, s: Session, wait: Wait) -> None:

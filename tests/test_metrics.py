@@ -143,7 +143,7 @@ def test_registry_counts_the_steps_of_a_handoff(
         with pytest.raises(StaleToken):
             client.commit(TASK, "file-alpha-q7z", 12345, 1, digest(b"x"), session=producer)
     for file_id in FILES:
-        wait_for(lambda f=file_id: client.get_entry(TASK, f).state == pb.VERIFIED,  # type: ignore[misc]
+        wait_for(lambda f=file_id: client.get_entry(TASK, f).state == pb.ENTRY_STATE_VERIFIED,  # type: ignore[misc]
                  what=f"{file_id} verified")
     with client.open_session(CONSUMER, ttl=10) as consumer:
         first = client.consume(TASK, GROUP, session=consumer)

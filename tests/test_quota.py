@@ -214,7 +214,7 @@ def test_writes_are_refused_with_a_clear_error_and_reads_go_on(
         # The operator frees space and disarms the alarm: the same registry goes on.
         on_etcd(small_etcd.endpoint, _free_and_disarm)
         with Client(registry.address, timeout=10, retry=TEST_RETRY) as client:
-            assert client.pause_task("fill-0").status == pb.TASK_PAUSED
+            assert client.pause_task("fill-0").status == pb.TASK_STATUS_PAUSED
             client.create_task({"task_id": "after", "entries": [{"file_id": "a",
                                                                   "path": "a"}]})
             with client.open_session("p", ttl=10) as s:
@@ -267,7 +267,7 @@ def big_task(client: Client, task_id: str) -> None:
 
 
 def finished_then_full(client: Client, endpoint: str, wait_for: Any
-                       ) -> tuple[list[pb.Entry], list[pb.JournalRecord], pb.Explanation]:
+                       ) -> tuple[list[pb.Entry], list[pb.JournalRecord], pb.ExplainResponse]:
     """t1 completed (three entries produced and consumed: a journal), big-0 and big-1
     cancelled, then etcd filled to its quota; t1's entries, journal and an explanation,
     as read before."""
@@ -297,14 +297,14 @@ def test_a_finished_task_is_archived_at_the_quota_with_deletes_only(
         entries, journal, explained = finished_then_full(client, small_etcd.endpoint,
                                                          wait_for)
         task = client.archive_task("t1", reason="etcd full")
-        assert task.status == pb.TASK_ARCHIVED and task.archive and task.archived_at
+        assert task.status == pb.TASK_STATUS_ARCHIVED and task.archive and task.archived_at
         assert task.status_reason == "archive (every entry consumed): etcd full"
         # nothing of it left in etcd, not even its header: the archive is the record
         assert task_keys(archiving, "t1") == []
         assert sorted(p.name for p in archive_dir.iterdir()) == ["t1.jsonl.gz",
                                                                  "t1.meta.json"]
         got = client.get_task("t1")
-        assert got.status == pb.TASK_ARCHIVED and got.states["consumed"] == 3
+        assert got.status == pb.TASK_STATUS_ARCHIVED and got.states["consumed"] == 3
         assert [(e.file_id, e.state, e.digest, e.revision)
                 for e in client.list_entries("t1")] == [
             (e.file_id, e.state, e.digest, e.revision) for e in entries]
@@ -319,11 +319,11 @@ def test_a_finished_task_is_archived_at_the_quota_with_deletes_only(
                                   env=env)
         assert done.exit_code == 0, done.output
         assert done.output.strip() == "task big-0: archived (archive (cancel): etcd full)"
-        assert client.archive_task("big-1").status == pb.TASK_ARCHIVED
+        assert client.archive_task("big-1").status == pb.TASK_STATUS_ARCHIVED
         assert task_keys(archiving, "big-0") == task_keys(archiving, "big-1") == []
         assert [t.spec.task_id for t in client.list_tasks(archived=True)] == [
             "big-0", "big-1", "t1"]
-        assert client.archive_task("t1").status == pb.TASK_ARCHIVED  # again: the same
+        assert client.archive_task("t1").status == pb.TASK_STATUS_ARCHIVED  # again: the same
         with pytest.raises(IllegalTransition, match="its header is not back in etcd yet"):
             client.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "a"}]})
         with pytest.raises(IllegalTransition, match="it is archived; its archive is kept"):
@@ -349,7 +349,7 @@ def test_a_finished_task_is_archived_at_the_quota_with_deletes_only(
         for task_id in ("big-0", "big-1"):
             assert task_keys(archiving, task_id) == [header_key(task_id)]
         back = client.get_task("t1")
-        assert back.status == pb.TASK_ARCHIVED and back.states["consumed"] == 3
+        assert back.status == pb.TASK_STATUS_ARCHIVED and back.states["consumed"] == 3
         assert back.archive == task.archive and back.archived_at == task.archived_at
         assert len(client.list_entries("t1")) == 3
         # and the registry carries on
@@ -374,7 +374,7 @@ def test_an_archive_interrupted_at_the_quota_finishes_when_run_again_with_one_co
         with crashing(monkeypatch, DirectoryStore, "write"), pytest.raises(Crash):
             on_loop(archiving, arch.archive("big-0"))
         assert task_keys(archiving, "big-0") == keys_before and store.info("big-0") is None
-        assert client.get_task("big-0").status == pb.TASK_CANCELLED
+        assert client.get_task("big-0").status == pb.TASK_STATUS_CANCELLED
         # 2. killed once the archive is written, before the header goes: kept
         with crashing(monkeypatch, Archiver, "_drop_plan"), pytest.raises(Crash):
             on_loop(archiving, arch.archive("big-0"))
@@ -388,7 +388,7 @@ def test_an_archive_interrupted_at_the_quota_finishes_when_run_again_with_one_co
         assert header_key("big-0") not in left and 0 < len(left) < len(keys_before)
         assert store.info("big-0") == written  # the same archive, not read again
         # reads answer from the archive meanwhile
-        assert client.get_task("big-0").status == pb.TASK_ARCHIVED
+        assert client.get_task("big-0").status == pb.TASK_STATUS_ARCHIVED
         assert len(client.list_entries("big-0")) == BIG
         assert "big-0" in [t.spec.task_id for t in client.list_tasks(archived=True)]
         # 4. run again (the CLI): finishes, one copy, nothing left in etcd
@@ -437,9 +437,9 @@ def test_a_key_written_after_the_archive_is_read_at_the_quota_is_not_deleted(
             on_loop(archiving, archiver(archiving).archive("t1"))
         monkeypatch.setattr(DirectoryStore, "write", real_write)
         assert task_keys(archiving, "t1") == keys_before
-        assert client.get_task("t1").status == pb.TASK_COMPLETED
+        assert client.get_task("t1").status == pb.TASK_STATUS_COMPLETED
         # etcd takes puts again: archived as usual, the late write with it
-        assert client.archive_task("t1").status == pb.TASK_ARCHIVED
+        assert client.archive_task("t1").status == pb.TASK_STATUS_ARCHIVED
         assert task_keys(archiving, "t1") == [header_key("t1")]
         assert client.get_entry("t1", "c").error == "written after the archive"
 
@@ -462,11 +462,11 @@ def test_an_etcd_refusing_every_transaction_at_its_quota_is_compacted_first(
         with pytest.raises(StorageFull, match="compact and defragment etcd"):
             client.archive_task("big-0")
         assert task_keys(archiving, "big-0") == keys_before
-        assert client.get_task("big-0").status == pb.TASK_CANCELLED
+        assert client.get_task("big-0").status == pb.TASK_STATUS_CANCELLED
         written = archiver(archiving).store.info("big-0")
         on_etcd(small_etcd.endpoint, _compact_defrag)
         with pytest.raises(StorageFull):
             client.pause_task("fill-0")  # puts: still refused
-        assert client.archive_task("big-0").status == pb.TASK_ARCHIVED
+        assert client.archive_task("big-0").status == pb.TASK_STATUS_ARCHIVED
         assert task_keys(archiving, "big-0") == []
         assert archiver(archiving).store.info("big-0") == written

@@ -65,7 +65,7 @@ def test_concurrent_claims_through_two_replicas_are_exclusive(
         by_token.setdefault(token, []).append(file_id)
     assert all(len(set(files)) == len(files) for files in by_token.values())
     states = Counter(e.state for e in setup.list_entries("race"))
-    assert states == {pb.WRITTEN: ENTRIES}
+    assert states == {pb.ENTRY_STATE_WRITTEN: ENTRIES}
     assert len({agent for _, _, agent in claims}) > 1  # the work really was shared
 
 
@@ -84,7 +84,7 @@ def test_replicas_reap_a_lost_claim_exactly_once(
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         entries = c.list_entries("t")
-        if all(e.state == pb.PENDING for e in entries):
+        if all(e.state == pb.ENTRY_STATE_PENDING for e in entries):
             break
         time.sleep(0.05)
     entries = c.list_entries("t")

@@ -113,7 +113,7 @@ def test_a_task_stuck_creating_is_removed_with_every_key(
 
     assert resp.keys_removed == len(before)
     assert dict(resp.removed) == {"header": 1, "entries": 40, "ready": 40, "open": 40}
-    assert resp.task.status == pb.TASK_DELETING
+    assert resp.task.status == pb.TASK_STATUS_DELETING
     assert "stuck after an etcd outage" in resp.task.status_reason
     assert store.naming("t1") == {}
     assert store.naming("t10") == other
@@ -144,7 +144,7 @@ def test_a_stuck_task_can_be_created_again_after_removal(client: Client, store: 
     store.set_status("t1", "creating")
     client.delete_task("t1")
     task, created = client.create_task(manifest)
-    assert created and task.status == pb.TASK_ACTIVE
+    assert created and task.status == pb.TASK_STATUS_ACTIVE
     with client.open_session("p", ttl=10) as s:
         assert client.claim("t1", session=s).file_id == "a"
 
@@ -213,7 +213,8 @@ def test_claims_left_by_an_interrupted_cancel_are_revoked_with_their_slots(
         # p's three freed slots take three more claims.
         assert client.claim("t10", "y", session=p).file_id == "y"
         assert client.claim("t10", "z", session=p).file_id == "z"
-        assert client.commit("t10", "x", kept.token, 1, digest(b"x")).state == pb.WRITTEN
+        assert client.commit("t10", "x", kept.token, 1,
+                             digest(b"x")).state == pb.ENTRY_STATE_WRITTEN
 
 
 # --- refusals ---------------------------------------------------------------------------
@@ -313,7 +314,7 @@ def test_a_claim_that_commits_first_makes_the_delete_refused(
         with pytest.raises(errors.IllegalTransition, match="has history"):
             client.delete_task("t1")
         assert claims and store.status("t1") == "active"
-        assert client.get_entry("t1", "a").state == pb.WRITING
+        assert client.get_entry("t1", "a").state == pb.ENTRY_STATE_WRITING
 
 
 def test_a_claim_racing_the_delete_loses_once_the_task_is_marked(
@@ -386,7 +387,7 @@ def test_an_interrupted_delete_is_finished_by_the_next(
 
     assert store.status("t1") == "deleting"
     assert store.under(store.keys.entries("t1")) == [] and store.under(journal)
-    assert [t.status for t in client.list_tasks()] == [pb.TASK_DELETING]
+    assert [t.status for t in client.list_tasks()] == [pb.TASK_STATUS_DELETING]
     with pytest.raises(errors.IllegalTransition, match="being deleted"):
         client.create_task(manifest)
     assert store.status("t1") == "deleting" and store.under(store.keys.entries("t1")) == []
@@ -444,7 +445,7 @@ def test_cli_task_delete_json_output(registry: Any, client: Client) -> None:
     data = ok_json(invoke(registry, "task", "delete", "t1", "-y", "-o", "json"))
     assert data["keys_removed"] == 3 and data["removed"] == {"header": 1, "entries": 1,
                                                               "open": 1}
-    assert data["task"]["status"] == "TASK_DELETING"
+    assert data["task"]["status"] == "TASK_STATUS_DELETING"
 
 
 def test_cli_task_delete_asks_on_a_terminal(

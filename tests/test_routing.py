@@ -168,10 +168,12 @@ def test_reports_go_where_their_compliance_sends_them(client: Client) -> None:
         assert pdf.file_id == "r1"
         with pytest.raises(errors.NothingToClaim):
             client.consume("reports", "pdf-composer", session=s)
-        assert client.ack("reports", "r0", "human-review", review.token).state == pb.CONSUMED
-        assert client.ack("reports", "r1", "pdf-composer", pdf.token).state == pb.CONSUMED
+        assert client.ack("reports", "r0", "human-review",
+                          review.token).state == pb.ENTRY_STATE_CONSUMED
+        assert client.ack("reports", "r1", "pdf-composer",
+                          pdf.token).state == pb.ENTRY_STATE_CONSUMED
         # r2 is the last open entry: the task is not done before it is
-        assert client.get_task("reports").status == pb.TASK_ACTIVE
+        assert client.get_task("reports").status == pb.TASK_STATUS_ACTIVE
         verify(client, "reports", "r2", b"?", {"compliance": "fail"})
         last = client.consume("reports", "human-review", session=s)
         client.ack("reports", "r2", "human-review", last.token)
@@ -195,7 +197,7 @@ def test_task_completes_when_routed_groups_acked(client: Client,
     with client.open_session("consumer", ttl=10) as s:
         lease = client.consume("reports", "human-review", session=s)
         client.ack("reports", "r0", "human-review", lease.token)
-    wait_for(lambda: client.get_task("reports").status == pb.TASK_COMPLETED,
+    wait_for(lambda: client.get_task("reports").status == pb.TASK_STATUS_COMPLETED,
              what="the task to complete")
 
 
@@ -207,8 +209,8 @@ def test_no_rule_holds_every_group_receives_it(client: Client) -> None:
     with client.open_session("consumer", ttl=10) as s:
         a = client.consume("reports", "pdf-composer", session=s)
         b = client.consume("reports", "human-review", session=s)
-        assert client.ack("reports", "r0", "pdf-composer", a.token).state == pb.VERIFIED
-        assert client.ack("reports", "r0", "human-review", b.token).state == pb.CONSUMED
+        assert client.ack("reports", "r0", "pdf-composer", a.token).state == pb.ENTRY_STATE_VERIFIED
+        assert client.ack("reports", "r0", "human-review", b.token).state == pb.ENTRY_STATE_CONSUMED
     (verified,) = [r for r in client.journal("reports", "r0") if r.event == "verified"]
     assert not verified.HasField("routing_rule")
     assert sorted(verified.routed_to) == ["human-review", "pdf-composer"]
@@ -222,7 +224,7 @@ def test_routing_is_decided_again_after_the_bytes_change(client: Client) -> None
     first = verify(client, "reports", "r0", b"one", {"compliance": "pass"})
     assert list(first.routed_to) == ["pdf-composer"]
     changed = client.report("reports", "r0", 5, digest(b"other"))
-    assert changed.state == pb.PENDING and not changed.HasField("routing_rule")
+    assert changed.state == pb.ENTRY_STATE_PENDING and not changed.HasField("routing_rule")
     assert not changed.attributes
     again = verify(client, "reports", "r0", b"two", {"compliance": "fail"})
     assert (again.routing_rule, list(again.routed_to)) == (0, ["human-review"])
@@ -240,7 +242,7 @@ def test_assembly_is_routed_when_its_parts_are_verified(client: Client,
         {"file_id": "p1", "path": "p1"}, {"file_id": "whole", "path": "whole",
                                           "parts": ["p1"]}]})
     verify(client, "reports", "p1", b"part", {"compliance": "pass"})
-    wait_for(lambda: client.get_entry("reports", "whole").state == pb.VERIFIED,
+    wait_for(lambda: client.get_entry("reports", "whole").state == pb.ENTRY_STATE_VERIFIED,
              what="the assembly to be verified")
     whole = client.get_entry("reports", "whole")
     assert (whole.routing_rule, list(whole.routed_to)) == (0, ["human-review"])
@@ -271,10 +273,10 @@ def test_bad_attributes_are_refused_and_change_nothing(client: Client, attribute
         with pytest.raises(errors.InvalidArgument, match="reports/r0") as info:
             client.commit("reports", "r0", claim.token, 1, digest(b"x"), attributes=attributes)
         assert why in str(info.value)
-        assert client.get_entry("reports", "r0").state == pb.WRITING
+        assert client.get_entry("reports", "r0").state == pb.ENTRY_STATE_WRITING
         entry = client.commit("reports", "r0", claim.token, 1, digest(b"x"),
                               attributes={"compliance": "fail"})
-        assert entry.state == pb.WRITTEN and json.loads(entry.attributes) == {
+        assert entry.state == pb.ENTRY_STATE_WRITTEN and json.loads(entry.attributes) == {
             "compliance": "fail"}
 
 
@@ -326,7 +328,7 @@ def test_cli_commits_attributes_as_written(registry: Any, client: Client,
         common = ["commit", "reports", "r0", "--token", str(claim.token), "--file", str(src)]
         bad = invoke(registry, *common, "--attributes", "[95]")
         assert bad.exit_code == 2 and "must be a JSON object" in bad.stderr
-        assert client.get_entry("reports", "r0").state == pb.WRITING
+        assert client.get_entry("reports", "r0").state == pb.ENTRY_STATE_WRITING
         entry = ok_json(invoke(registry, *common, "--attributes",
                                '{"score": 95.0000000000000000001}', "-o", "json"))
         assert entry["attributes"] == '{"score": 95.0000000000000000001}'

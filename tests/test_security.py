@@ -27,11 +27,19 @@ from baton_relay.kernel import errors, pki
 from baton_relay.kernel.contract import shard_of
 from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.registry._etcd import Etcd
-from baton_relay.registry.identity import AUDIENCE, AUDIENCE_ROLES, EXCEPTIONS, POLICY
+from baton_relay.registry.identity import (
+    AUDIENCE,
+    AUDIENCE_ROLES,
+    EXCEPTIONS,
+    POLICY,
+    SERVICE_AUDIENCE,
+)
 from baton_relay.registry.keys import Keys
 
 DIGEST = "ab" * 32
-SERVICE = pb.DESCRIPTOR.services_by_name["Registry"]
+#: every method of the three services, by name
+METHODS = {m.name: m for service in pb.DESCRIPTOR.services_by_name.values()
+           for m in service.methods}
 
 
 # --- certificates -----------------------------------------------------------------
@@ -125,14 +133,17 @@ def manifest(task: str = "t", n: int = 3, **extra: Any) -> dict[str, Any]:
 
 
 def test_every_method_is_in_the_table() -> None:
-    """The access table names every method of the service, and nothing else."""
-    assert set(POLICY) == {m.name for m in SERVICE.methods}
+    """The access table names every method of the three services, and nothing else."""
+    assert set(POLICY) == set(METHODS)
+    assert {s.name for s in pb.DESCRIPTOR.services_by_name.values()} == set(SERVICE_AUDIENCE)
 
 
 def test_access_follows_the_audience_with_listed_exceptions() -> None:
-    """Each method serves one audience, whose role it allows; any other role it
-    allows is in the exceptions table, which never restates the audience's role."""
-    assert set(AUDIENCE) == {m.name for m in SERVICE.methods}
+    """Each method serves the audience of its service, whose role it allows; any other
+    role it allows is in the exceptions table, which never restates the audience's role."""
+    assert set(AUDIENCE) == set(METHODS)
+    for name, method in METHODS.items():
+        assert AUDIENCE[name] == SERVICE_AUDIENCE[method.containing_service.name], name
     assert set(EXCEPTIONS) <= set(AUDIENCE)
     for method, audience in AUDIENCE.items():
         own = AUDIENCE_ROLES[audience]
@@ -150,14 +161,14 @@ def _request(method: str, world: dict[str, Any]) -> Any:
         "ListTasks": pb.ListTasksRequest(),
         "GetEntry": pb.GetEntryRequest(task_id=t, file_id=f),
         "ListEntries": pb.ListEntriesRequest(task_id=t),
-        "PauseTask": pb.TaskControlRequest(task_id=t),
-        "ResumeTask": pb.TaskControlRequest(task_id=t),
-        "CancelTask": pb.TaskControlRequest(task_id=t),
+        "PauseTask": pb.PauseTaskRequest(task_id=t),
+        "ResumeTask": pb.ResumeTaskRequest(task_id=t),
+        "CancelTask": pb.CancelTaskRequest(task_id=t),
         "DeleteTask": pb.DeleteTaskRequest(task_id=t),
-        "ArchiveTask": pb.TaskControlRequest(task_id=t),
+        "ArchiveTask": pb.ArchiveTaskRequest(task_id=t),
         "Requeue": pb.RequeueRequest(task_id=t, file_id="f2"),
         "Journal": pb.JournalRequest(task_id=t),
-        "Explain": pb.GetEntryRequest(task_id=t, file_id=f),
+        "Explain": pb.ExplainRequest(task_id=t, file_id=f),
         "ListAgents": pb.ListAgentsRequest(),
         "RevokeSession": pb.RevokeSessionRequest(session_id=sid, reason="matrix"),
         "RotateLease": pb.RotateLeaseRequest(session_id=sid),
@@ -173,9 +184,10 @@ def _request(method: str, world: dict[str, Any]) -> Any:
         "CommitBatch": pb.CommitBatchRequest(commits=[pb.CommitRequest(
             task_id=t, file_id=f, token=tok, size=1, digest=DIGEST)]),
         "Fail": pb.FailRequest(task_id=t, file_id=f, token=tok),
-        "ReportVerification": pb.VerificationReport(task_id=t, file_id=f, size=1,
+        "ReportVerification": pb.ReportVerificationRequest(task_id=t, file_id=f, size=1,
                                                     digest=DIGEST),
-        "ReportProblem": pb.ProblemReport(task_id=t, file_id=f, kind=pb.ProblemReport.MISSING,
+        "ReportProblem": pb.ReportProblemRequest(task_id=t, file_id=f,
+                                                 kind=pb.ReportProblemRequest.KIND_MISSING,
                                           reason="forged"),
         "Consume": pb.ConsumeRequest(task_id=t, group="default", session_id=sid),
         "ConsumeBatch": pb.ConsumeBatchRequest(task_id=t, group="default", session_id=sid,
@@ -205,9 +217,9 @@ def _spec(data: dict[str, Any]) -> pb.TaskSpec:
 
 def _call(client: Client, method: str, request: Any) -> None:
     """One call of ``method``; a stream is read until its first message."""
-    if SERVICE.methods_by_name[method].client_streaming:
+    if METHODS[method].client_streaming:
         stream = client._channel.stream_stream(
-            f"/{SERVICE.full_name}/{method}",
+            f"/{METHODS[method].containing_service.full_name}/{method}",
             request_serializer=pb.SessionRequest.SerializeToString,
             response_deserializer=pb.SessionResponse.FromString)
         replies = stream(iter([request]), timeout=5)
@@ -220,7 +232,7 @@ def _call(client: Client, method: str, request: Any) -> None:
         finally:
             replies.cancel()
         return
-    if SERVICE.methods_by_name[method].server_streaming:
+    if METHODS[method].server_streaming:
         call = getattr(client._stub, method)(request, timeout=5)
         try:
             next(iter(call))
@@ -329,12 +341,13 @@ def test_a_stranger_cannot_use_another_agents_token(clients: dict[str, Client],
         with pytest.raises(errors.PermissionDenied):
             attempt()
     assert snapshot(secure) == before
-    assert owner.get_entry("t", "f0").state == pb.WRITING
+    assert owner.get_entry("t", "f0").state == pb.ENTRY_STATE_WRITING
     # the owner still can, and naming the wrong session is refused even for it
     s2 = owner.open_session("owner-2", ttl=30)
     with pytest.raises(errors.PermissionDenied):
         owner.commit("t", "f0", claim.token, 1, DIGEST, session=s2)
-    assert owner.commit("t", "f0", claim.token, 1, DIGEST, session=s).state == pb.WRITTEN
+    assert owner.commit("t", "f0", claim.token, 1, DIGEST,
+                        session=s).state == pb.ENTRY_STATE_WRITTEN
 
 
 def test_only_watchers_verify(clients: dict[str, Client], secure: RegistryHandle) -> None:
@@ -349,9 +362,9 @@ def test_only_watchers_verify(clients: dict[str, Client], secure: RegistryHandle
         with pytest.raises(errors.PermissionDenied):
             clients[who].report("t", "f0", 1, DIGEST)
         with pytest.raises(errors.PermissionDenied):
-            clients[who].report_problem("t", "f0", pb.ProblemReport.CORRUPTED, "forged")
+            clients[who].report_problem("t", "f0", pb.ReportProblemRequest.KIND_CORRUPTED, "forged")
     assert snapshot(secure) == before
-    assert clients["watcher"].report("t", "f0", 1, DIGEST).state == pb.VERIFIED
+    assert clients["watcher"].report("t", "f0", 1, DIGEST).state == pb.ENTRY_STATE_VERIFIED
 
 
 def test_a_watcher_is_its_certificate(clients: dict[str, Client],
@@ -374,7 +387,7 @@ def test_a_watcher_is_its_certificate(clients: dict[str, Client],
     rogue = clients["watcher2"]
     for forged in (lambda: rogue.report("t", "f0", 1, DIGEST, reporter="wa@host", **me),
                    lambda: rogue.report("t", "f0", 1, "1" * 64, **me),
-                   lambda: rogue.report_problem("t", "f0", pb.ProblemReport.MISSING,
+                   lambda: rogue.report_problem("t", "f0", pb.ReportProblemRequest.KIND_MISSING,
                                                 "forged", **me),
                    lambda: rogue.watcher_heartbeat(reg.watcher_id),
                    lambda: rogue.release_shard(reg.watcher_id, n, epoch),
@@ -385,7 +398,8 @@ def test_a_watcher_is_its_certificate(clients: dict[str, Client],
     assert snapshot(secure) == before
     watcher = clients["watcher"]
     watcher.watcher_heartbeat(reg.watcher_id)
-    assert watcher.report("t", "f0", 1, DIGEST, reporter="wa@host", **me).state == pb.VERIFIED
+    assert watcher.report("t", "f0", 1, DIGEST, reporter="wa@host",
+                          **me).state == pb.ENTRY_STATE_VERIFIED
     (verified,) = [r for r in clients["operator"].journal("t", "f0") if r.event == "verified"]
     assert (verified.who, verified.label) == ("wa", "wa@host")
 
@@ -420,7 +434,7 @@ def test_operator_actions_record_the_operators_identity(
     with agent.open_session("p", ttl=30) as s:
         c = agent.claim("t", "f0", session=s)
         agent.fail("t", "f0", c.token, "scanner jammed", session=s)
-    assert agent.get_entry("t", "f0").state == pb.DEAD
+    assert agent.get_entry("t", "f0").state == pb.ENTRY_STATE_DEAD
     carol.requeue("t", "f0")
     (requeued,) = [r for r in carol.journal("t", "f0") if r.event == "requeued"]
     assert requeued.who == "ops-carol"
@@ -435,7 +449,8 @@ def test_operator_actions_record_the_operators_identity(
     s = agent.open_session("p", ttl=30, keepalive=False, host="h-9")
     agent.claim("t", "f2", session=s)
     carol.drain_host("h-9", deadline=1, reason="reboot")
-    wait_for(lambda: agent.get_entry("t", "f2").state == pb.PENDING, what="the deadline")
+    wait_for(lambda: agent.get_entry("t", "f2").state == pb.ENTRY_STATE_PENDING,
+             what="the deadline")
     (revoked,) = [r for r in carol.journal("t", "f2") if r.event == "revoked"]
     assert (revoked.who, revoked.reason) == ("ops-carol", "drain deadline")
     carol.undrain_host("h-9")
@@ -476,9 +491,9 @@ def test_commit_needs_a_digest_unless_the_task_opts_out(clients: dict[str, Clien
     c = agent.claim("t", "f0", session=s)
     with pytest.raises(errors.InvalidArgument, match="digest"):
         agent.commit("t", "f0", c.token, 1, session=s)
-    assert agent.get_entry("t", "f0").state == pb.WRITING
+    assert agent.get_entry("t", "f0").state == pb.ENTRY_STATE_WRITING
     c2 = agent.claim("loose", "f0", session=s)
-    assert agent.commit("loose", "f0", c2.token, 1, session=s).state == pb.WRITTEN
+    assert agent.commit("loose", "f0", c2.token, 1, session=s).state == pb.ENTRY_STATE_WRITTEN
 
 
 # --- roles per task ---------------------------------------------------------------
@@ -607,7 +622,7 @@ def test_certificate_rotation_without_restart(
 
     thread = threading.Thread(target=follow, daemon=True)
     thread.start()
-    wait_for(lambda: any(e.kind == pb.TaskEvent.SYNCED for e in seen), what="watch synced")
+    wait_for(lambda: any(e.kind == pb.TaskEvent.KIND_SYNCED for e in seen), what="watch synced")
     # rotate: a new certificate for the same names, written in place atomically
     fresh = pki.issue(certs.root, "registry-next", tmp_path / "next",
                       server_names=["localhost", "127.0.0.1"])

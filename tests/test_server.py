@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from registry_fixtures import allow_suite_etcd
 
+from baton_relay.kernel.contract import SERVICES
 from baton_relay.registry.config import RegistryConfig, load_config
 
 
@@ -52,14 +53,14 @@ def test_registry_process_serves_health_and_stops_on_sigterm(etcd: Any, prefix: 
         address = line.split()[-1]
         with grpc.insecure_channel(address) as channel:
             health = health_pb2_grpc.HealthStub(channel)
-            for service in ("", "baton.v1.Registry"):
+            for service in ("", "baton.v1.Registry", *SERVICES):
                 reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
                 assert reply.status == health_pb2.HealthCheckResponse.SERVING
             refl = reflection_pb2_grpc.ServerReflectionStub(channel)
             answers = refl.ServerReflectionInfo(
                 iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
             names = {s.name for a in answers for s in a.list_services_response.service}
-            assert "baton.v1.Registry" in names
+            assert set(SERVICES) <= names
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
     finally:

@@ -41,7 +41,7 @@ def test_a_keepalive_session_sends_its_calls_on_its_stream(
         client.report("t", claim.file_id, 1, DIGEST)
         lease = client.consume("t", "default", session=s)
         entry = client.ack("t", lease.file_id, "default", lease.token, session=s)
-    assert entry.state == pb.CONSUMED
+    assert entry.state == pb.ENTRY_STATE_CONSUMED
     assert {k: streams.served[k] for k in ("claim", "commit", "consume", "ack")} == {
         "claim": 1, "commit": 1, "consume": 1, "ack": 1}
 
@@ -81,7 +81,7 @@ def test_keepalive_rides_on_the_stream_and_holds_a_claim_past_its_ttl(
             time.sleep(0.25)
         assert streams.served["keepalive"] >= 4
         assert client.commit("t", claim.file_id, claim.token, 1, DIGEST,
-                             session=s).state == pb.WRITTEN
+                             session=s).state == pb.ENTRY_STATE_WRITTEN
 
 
 def test_a_reply_lost_with_its_stream_is_answered_from_the_request_record(
@@ -104,7 +104,7 @@ def test_a_reply_lost_with_its_stream_is_answered_from_the_request_record(
         streams.cut = cut_first_commit
         entry = client.commit("t", claim.file_id, claim.token, 1, DIGEST, session=s)
         assert cuts == ["commit"] and s.stream is not None and s.stream.resumed == 1
-        assert entry.state == pb.WRITTEN and entry.file_id == claim.file_id
+        assert entry.state == pb.ENTRY_STATE_WRITTEN and entry.file_id == claim.file_id
         assert streams.served["commit"] == 2  # handled twice: sent again on the new stream
     commits = [r for r in client.journal("t", claim.file_id) if r.event == "committed"]
     assert len(commits) == 1
@@ -122,7 +122,7 @@ def test_a_session_outlives_its_registry_restarting(
         first.stop()
         second = registry_factory(listen=first.address)
         entry = c.commit("t", claim.file_id, claim.token, 1, DIGEST, session=s)
-        assert entry.state == pb.WRITTEN
+        assert entry.state == pb.ENTRY_STATE_WRITTEN
         assert s.stream is not None and s.stream.resumed >= 1
         assert streams_of(second).served["commit"] == 1
         s.close()
@@ -150,7 +150,7 @@ def test_a_stream_must_open_before_it_calls(registry: RegistryHandle) -> None:
 
     with grpc.insecure_channel(registry.address) as channel:
         session = channel.stream_stream(
-            "/baton.v1.Registry/Session",
+            "/baton.v1.AgentService/Session",
             request_serializer=pb.SessionRequest.SerializeToString,
             response_deserializer=pb.SessionResponse.FromString)
         call = pb.SessionRequest(call=pb.AgentCall(call_id=1, claim=pb.ClaimRequest(
@@ -182,7 +182,7 @@ def test_the_asyncio_client_runs_a_whole_cycle(registry: RegistryHandle) -> None
                                            lease.token)).state)
         return states
 
-    assert asyncio.run(run()) == [pb.CONSUMED] * 3
+    assert asyncio.run(run()) == [pb.ENTRY_STATE_CONSUMED] * 3
 
 
 def test_produce_each_commits_and_claims_the_next_in_one_step(
@@ -197,7 +197,8 @@ def test_produce_each_commits_and_claims_the_next_in_one_step(
     assert streams.served["claim"] == 1
     assert streams.served["commit_and_claim"] == 5 and streams.served["commit"] == 0
     for e in client.list_entries("t"):
-        assert e.state == pb.WRITTEN and Path(e.abs_path).read_bytes() == e.file_id.encode()
+        assert (e.state == pb.ENTRY_STATE_WRITTEN and Path(e.abs_path).read_bytes()
+                == e.file_id.encode())
         assert [r.event for r in client.journal("t", e.file_id)].count("committed") == 1
 
 
@@ -216,7 +217,7 @@ def test_consume_each_acks_and_takes_the_next_in_one_step(
         seen = [d.lease.file_id for d in consume_each(client, s, "t", timeout=1)]
     assert sorted(seen) == [f"f{i:03d}" for i in range(4)]
     assert streams.served["ack_and_consume"] == 4 and streams.served["ack"] == 0
-    assert {e.state for e in client.list_entries("t")} == {pb.CONSUMED}
+    assert {e.state for e in client.list_entries("t")} == {pb.ENTRY_STATE_CONSUMED}
 
 
 def test_a_fused_step_with_nothing_next_still_commits(
@@ -227,7 +228,7 @@ def test_a_fused_step_with_nothing_next_still_commits(
         claim = client.claim("t", session=s)
         entry, nxt = client.commit_and_claim("t", claim.file_id, claim.token, 1, DIGEST,
                                              session=s)
-    assert entry.state == pb.WRITTEN and nxt is None
+    assert entry.state == pb.ENTRY_STATE_WRITTEN and nxt is None
 
 
 def test_a_fused_step_whose_reply_was_lost_hands_out_the_same_next_claim(
@@ -250,9 +251,9 @@ def test_a_fused_step_whose_reply_was_lost_hands_out_the_same_next_claim(
         entry, nxt = client.commit_and_claim("t", first.file_id, first.token, 1, DIGEST,
                                              session=s)
         assert cut[0] and s.stream is not None and s.stream.resumed == 1
-        assert entry.state == pb.WRITTEN and nxt is not None
+        assert entry.state == pb.ENTRY_STATE_WRITTEN and nxt is not None
         assert client.commit("t", nxt.file_id, nxt.token, 1, DIGEST,
-                             session=s).state == pb.WRITTEN
+                             session=s).state == pb.ENTRY_STATE_WRITTEN
     for e in client.list_entries("t"):
         events = [r.event for r in client.journal("t", e.file_id)]
         assert events.count("claimed") == 1 and events.count("committed") == 1

@@ -217,10 +217,10 @@ def test_a_report_from_anyone_but_the_owner_at_its_epoch_is_refused(
                           watcher_id=watcher_id, shard_epoch=epoch)
         assert refused.value.shard == shard.shard and refused.value.owner == owner.id
     after = client.get_entry("t1", "f")
-    assert (after.state, after.revision) == (pb.WRITTEN, before.revision)
+    assert (after.state, after.revision) == (pb.ENTRY_STATE_WRITTEN, before.revision)
     reply = client.report("t1", "f", len(data), digest(data), reporter="owner",
                           watcher_id=owner.id, shard_epoch=shard.epoch)
-    assert reply.state == pb.VERIFIED
+    assert reply.state == pb.ENTRY_STATE_VERIFIED
 
 
 def test_a_move_is_two_phase_and_the_old_epoch_dies_with_it(
@@ -306,7 +306,7 @@ def test_three_watchers_over_one_root_survive_a_kill_and_a_fourth_joins(
     wait_for(balanced(client, ids), timeout=20, what="balanced over 3")
     producer = Producing(client, session, [(t, f) for f in files for t in tasks])
     total = len(tasks) * len(files)
-    verified = lambda: sum(len(client.list_entries(t, pb.VERIFIED)) for t in tasks)  # noqa: E731
+    verified = lambda: sum(len(client.list_entries(t, pb.ENTRY_STATE_VERIFIED)) for t in tasks)  # noqa: E731
     wait_for(lambda: verified() >= total // 4, timeout=60, what="a quarter verified")
     victim = w[0]
     victim.proc.send_signal(signal.SIGKILL)
@@ -344,12 +344,13 @@ def test_a_cold_task_is_unwatched_left_to_reconciliation_and_warms_up_on_a_chang
     make_task(client, "t1", {"a": "a.bin", "b": "b.bin"})
     w = watcher_factory(cold_after=0.5, reconcile_interval=1.0)
     put_bytes(client, session, "t1", "a", b"verified while warm")
-    wait_for(lambda: client.get_entry("t1", "a").state == pb.VERIFIED, what="a verified")
+    wait_for(lambda: client.get_entry("t1", "a").state == pb.ENTRY_STATE_VERIFIED,
+             what="a verified")
     wait_for(lambda: w.table.task("t1").cold and not w.table.task("t1").watched,  # type: ignore[union-attr]
              what="t1 cold and unwatched")
     assert w.capacity().cold_tasks == 1
     (staging / "t1" / "a.bin").write_bytes(b"changed behind the watcher's back")
-    wait_for(lambda: client.get_entry("t1", "a").state != pb.VERIFIED, timeout=15,
+    wait_for(lambda: client.get_entry("t1", "a").state != pb.ENTRY_STATE_VERIFIED, timeout=15,
              what="the reconciliation saw the change")
     # That change, and the claim, reach the watcher from the registry: it warms up.
     claim = client.claim("t1", "b", session=session)
@@ -357,7 +358,8 @@ def test_a_cold_task_is_unwatched_left_to_reconciliation_and_warms_up_on_a_chang
     data = b"landed while warm"
     Path(claim.path).write_bytes(data)
     client.commit("t1", "b", claim.token, len(data), digest(data), session=session)
-    wait_for(lambda: client.get_entry("t1", "b").state == pb.VERIFIED, what="b verified")
+    wait_for(lambda: client.get_entry("t1", "b").state == pb.ENTRY_STATE_VERIFIED,
+             what="b verified")
 
 
 def test_near_the_watch_limit_the_watcher_says_so_and_sheds_the_idlest_tasks(

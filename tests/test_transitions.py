@@ -45,7 +45,7 @@ def write(path: str, data: bytes) -> None:
 def test_create_is_create_only(client: Client) -> None:
     """The same manifest twice is a no-op; a different one under the id is ALREADY_EXISTS."""
     task, created = client.create_task(manifest())
-    assert created and task.status == pb.TASK_ACTIVE and task.entry_count == 2
+    assert created and task.status == pb.TASK_STATUS_ACTIVE and task.entry_count == 2
     again, created_again = client.create_task(manifest())
     assert not created_again and again.manifest_digest == task.manifest_digest
     with pytest.raises(errors.TaskExists):
@@ -61,7 +61,8 @@ def test_claim_returns_token_and_absolute_path(client: Client, registry: object)
         assert claim.token > 0
         assert claim.path == f"{registry.staging}/t1/out/f0.bin"  # type: ignore[attr-defined]
         entry = client.get_entry("t1", "f0")
-        assert entry.state == pb.WRITING and entry.owner == "p1" and entry.token == claim.token
+        assert (entry.state == pb.ENTRY_STATE_WRITING and entry.owner == "p1" and entry.token
+                == claim.token)
 
 
 def test_full_lifecycle_commit_then_report(client: Client) -> None:
@@ -71,12 +72,14 @@ def test_full_lifecycle_commit_then_report(client: Client) -> None:
     with client.open_session("agent", ttl=10) as s:
         c = client.claim("t1", session=s)
         write(c.path, data)
-        assert client.commit("t1", c.file_id, c.token, len(data), digest(data)).state == pb.WRITTEN
-        assert client.report("t1", c.file_id, len(data), digest(data)).state == pb.VERIFIED
+        assert client.commit("t1", c.file_id, c.token, len(data),
+                             digest(data)).state == pb.ENTRY_STATE_WRITTEN
+        assert client.report("t1", c.file_id, len(data),
+                             digest(data)).state == pb.ENTRY_STATE_VERIFIED
         lease = client.consume("t1", "default", session=s)
         assert (lease.file_id, lease.size, lease.digest) == ("f0", len(data), digest(data))
         assert client.get_entry("t1", "f0").consuming == {"default": "agent"}
-        assert client.ack("t1", "f0", "default", lease.token).state == pb.CONSUMED
+        assert client.ack("t1", "f0", "default", lease.token).state == pb.ENTRY_STATE_CONSUMED
 
 
 def test_report_before_commit_verifies_at_commit(client: Client) -> None:
@@ -85,9 +88,9 @@ def test_report_before_commit_verifies_at_commit(client: Client) -> None:
     data = b"early"
     with client.open_session("agent", ttl=10) as s:
         c = client.claim("t1", session=s)
-        assert client.report("t1", "f0", len(data), digest(data)).state == pb.WRITING
+        assert client.report("t1", "f0", len(data), digest(data)).state == pb.ENTRY_STATE_WRITING
         entry = client.commit("t1", "f0", c.token, len(data), digest(data))
-        assert entry.state == pb.VERIFIED and entry.digest == digest(data)
+        assert entry.state == pb.ENTRY_STATE_VERIFIED and entry.digest == digest(data)
 
 
 def test_a_report_of_other_bytes_before_the_commit_does_not_fail_it(client: Client) -> None:
@@ -98,10 +101,10 @@ def test_a_report_of_other_bytes_before_the_commit_does_not_fail_it(client: Clie
     old, new = b"old attempt", b"new attempt"  # the same size
     with client.open_session("agent", ttl=10) as s:
         c = client.claim("t1", session=s)
-        assert client.report("t1", "f0", len(old), digest(old)).state == pb.WRITING
+        assert client.report("t1", "f0", len(old), digest(old)).state == pb.ENTRY_STATE_WRITING
         entry = client.commit("t1", "f0", c.token, len(new), digest(new))
-        assert (entry.state, entry.retry_count) == (pb.WRITTEN, 0)
-        assert client.report("t1", "f0", len(new), digest(new)).state == pb.VERIFIED
+        assert (entry.state, entry.retry_count) == (pb.ENTRY_STATE_WRITTEN, 0)
+        assert client.report("t1", "f0", len(new), digest(new)).state == pb.ENTRY_STATE_VERIFIED
 
 
 def test_a_report_before_a_commit_without_digest_waits_for_the_next(client: Client) -> None:
@@ -111,9 +114,9 @@ def test_a_report_before_a_commit_without_digest_waits_for_the_next(client: Clie
     with client.open_session("agent", ttl=10) as s:
         c = client.claim("t1", session=s)
         client.report("t1", "f0", 3, digest(b"old"))
-        assert client.commit("t1", "f0", c.token, 3).state == pb.WRITTEN
+        assert client.commit("t1", "f0", c.token, 3).state == pb.ENTRY_STATE_WRITTEN
         entry = client.report("t1", "f0", 3, digest(b"new"))
-        assert (entry.state, entry.digest) == (pb.VERIFIED, digest(b"new"))
+        assert (entry.state, entry.digest) == (pb.ENTRY_STATE_VERIFIED, digest(b"new"))
 
 
 def test_digest_optional_commit_without_digest_takes_the_watchers(client: Client) -> None:
@@ -124,7 +127,7 @@ def test_digest_optional_commit_without_digest_takes_the_watchers(client: Client
         c = client.claim("t1", session=s)
         client.commit("t1", "f0", c.token, 3)
         entry = client.report("t1", "f0", 3, digest(b"abc"))
-        assert entry.state == pb.VERIFIED and entry.digest == digest(b"abc")
+        assert entry.state == pb.ENTRY_STATE_VERIFIED and entry.digest == digest(b"abc")
 
 
 def test_mismatched_report_takes_the_retry_path(client: Client) -> None:
@@ -134,7 +137,7 @@ def test_mismatched_report_takes_the_retry_path(client: Client) -> None:
         c = client.claim("t1", session=s)
         client.commit("t1", "f0", c.token, 3, digest(b"abc"))
         entry = client.report("t1", "f0", 3, digest(b"xyz"))
-        assert entry.state == pb.PENDING and entry.retry_count == 1
+        assert entry.state == pb.ENTRY_STATE_PENDING and entry.retry_count == 1
         assert "mismatch" in entry.error
 
 
@@ -144,9 +147,10 @@ def test_fail_retries_then_dead(client: Client) -> None:
     with client.open_session("agent", ttl=10) as s:
         c = client.claim("t1", session=s)
         entry = client.fail("t1", "f0", c.token, "disk full")
-        assert entry.state == pb.PENDING and entry.retry_count == 1 and "disk full" in entry.error
+        assert (entry.state == pb.ENTRY_STATE_PENDING and entry.retry_count == 1
+                and "disk full" in entry.error)
         c = client.claim("t1", session=s)
-        assert client.fail("t1", "f0", c.token, "again").state == pb.DEAD
+        assert client.fail("t1", "f0", c.token, "again").state == pb.ENTRY_STATE_DEAD
         with pytest.raises(errors.NothingToClaim):
             client.claim("t1", session=s)
 
@@ -166,7 +170,7 @@ def test_nack_returns_entry_to_group(client: Client) -> None:
         assert second.file_id == "f0" and second.token > first.token
         with pytest.raises(errors.StaleToken):
             client.ack("t1", "f0", "default", first.token)
-        assert client.ack("t1", "f0", "default", second.token).state == pb.CONSUMED
+        assert client.ack("t1", "f0", "default", second.token).state == pb.ENTRY_STATE_CONSUMED
 
 
 def test_every_group_must_ack(client: Client) -> None:
@@ -178,9 +182,10 @@ def test_every_group_must_ack(client: Client) -> None:
         client.report("t1", "f0", 1, digest(b"x"))
         a = client.consume("t1", "index", session=s)
         b = client.consume("t1", "archive", session=s)
-        assert client.ack("t1", "f0", "index", a.token).state == pb.VERIFIED
+        assert client.ack("t1", "f0", "index", a.token).state == pb.ENTRY_STATE_VERIFIED
         entry = client.ack("t1", "f0", "archive", b.token)
-        assert entry.state == pb.CONSUMED and sorted(entry.consumed_by) == ["archive", "index"]
+        assert entry.state == pb.ENTRY_STATE_CONSUMED and sorted(entry.consumed_by) == ["archive",
+                                                                                        "index"]
 
 
 @pytest.mark.parametrize("state", ["writing", "verified"])
@@ -208,7 +213,7 @@ def test_commit_twice_and_commit_after_fail_are_refused(client: Client) -> None:
             client.commit("t1", "f0", c.token, 1, digest(b"x"))
         with pytest.raises(errors.StaleToken):
             client.fail("t1", "f0", c.token, "late")
-        assert client.get_entry("t1", "f0").state == pb.WRITTEN
+        assert client.get_entry("t1", "f0").state == pb.ENTRY_STATE_WRITTEN
 
 
 def test_wrong_token_changes_nothing(client: Client) -> None:
@@ -239,8 +244,9 @@ def test_commit_checks_input(client: Client) -> None:
             client.commit("t1", "f0", c.token, 5)
         with pytest.raises(errors.InvalidArgument, match="expected_size"):
             client.commit("t1", "f0", c.token, 4, digest(b"1234"))
-        assert client.get_entry("t1", "f0").state == pb.WRITING
-        assert client.commit("t1", "f0", c.token, 5, digest(b"12345")).state == pb.WRITTEN
+        assert client.get_entry("t1", "f0").state == pb.ENTRY_STATE_WRITING
+        assert client.commit("t1", "f0", c.token, 5,
+                             digest(b"12345")).state == pb.ENTRY_STATE_WRITTEN
 
 
 def test_unknown_task_entry_and_session(client: Client) -> None:
@@ -264,7 +270,7 @@ def test_producer_helper_publishes_atomically(client: Client) -> None:
             assert not Path(out.claim.path).exists()  # not visible before the rename
         assert Path(out.claim.path).read_bytes() == b"hello world"
         assert list(Path(out.claim.path).parent.iterdir()) == [Path(out.claim.path)]
-        assert out.entry is not None and out.entry.state == pb.WRITTEN
+        assert out.entry is not None and out.entry.state == pb.ENTRY_STATE_WRITTEN
         assert out.entry.size == 11
 
 
@@ -276,7 +282,7 @@ def test_producer_helper_fails_entry_when_body_raises(client: Client) -> None:
             out.write(b"half")
             raise RuntimeError("model crashed")
         entry = client.get_entry("t1", "f0")
-        assert entry.state == pb.PENDING and "model crashed" in entry.error
+        assert entry.state == pb.ENTRY_STATE_PENDING and "model crashed" in entry.error
         assert not any(Path(out.claim.path).parent.iterdir())
 
 
@@ -290,7 +296,7 @@ def test_retried_claim_applies_once(client: Client) -> None:
                                                        request_id="r-123"))
         assert (first.entry.file_id, first.token) == (second.entry.file_id, second.token)
         states = [e.state for e in client.list_entries("t1")]
-        assert states.count(pb.WRITING) == 1
+        assert states.count(pb.ENTRY_STATE_WRITING) == 1
 
 
 def test_watch_streams_snapshot_then_changes(client: Client) -> None:
@@ -298,12 +304,14 @@ def test_watch_streams_snapshot_then_changes(client: Client) -> None:
     client.create_task(manifest(n=2))
     events = client.watch("t1", timeout=10)
     kinds = [next(events).kind for _ in range(3)]
-    assert kinds == [pb.TaskEvent.SNAPSHOT, pb.TaskEvent.SNAPSHOT, pb.TaskEvent.SYNCED]
+    assert kinds == [pb.TaskEvent.KIND_SNAPSHOT, pb.TaskEvent.KIND_SNAPSHOT,
+                     pb.TaskEvent.KIND_SYNCED]
     with client.open_session("a", ttl=10) as s:
         c = client.claim("t1", "f1", session=s)
         ev = next(events)
-        assert ev.kind == pb.TaskEvent.CHANGED
-        assert (ev.entry.file_id, ev.entry.state, ev.revision) == ("f1", pb.WRITING, c.token)
+        assert ev.kind == pb.TaskEvent.KIND_CHANGED
+        assert (ev.entry.file_id, ev.entry.state, ev.revision) == ("f1", pb.ENTRY_STATE_WRITING,
+                                                                   c.token)
     events.close()
 
 
@@ -316,14 +324,15 @@ def test_changed_verified_file_revokes_consumers(client: Client) -> None:
         client.report("t1", "f0", 1, digest(b"x"))
         lease = client.consume("t1", "default", session=s)
         entry = client.report("t1", "f0", 1, digest(b"y"))
-        assert entry.state == pb.PENDING and "changed on disk" in entry.error
+        assert entry.state == pb.ENTRY_STATE_PENDING and "changed on disk" in entry.error
         with pytest.raises(errors.StaleToken):
             client.ack("t1", "f0", "default", lease.token)
         with pytest.raises(errors.NothingToClaim):
             client.consume("t1", "default", session=s)
 
 
-@pytest.mark.parametrize("kind", [pb.ProblemReport.CORRUPTED, pb.ProblemReport.MISSING])
+@pytest.mark.parametrize("kind", [pb.ReportProblemRequest.KIND_CORRUPTED,
+                                  pb.ReportProblemRequest.KIND_MISSING])
 def test_problem_reports_take_the_retry_path(client: Client, kind: int) -> None:
     """A corrupted or missing file sends a written or verified entry down the retry path."""
     client.create_task(manifest(n=2))
@@ -334,7 +343,7 @@ def test_problem_reports_take_the_retry_path(client: Client, kind: int) -> None:
             if verify:
                 client.report("t1", file_id, 1, digest(b"x"))
             entry = client.report_problem("t1", file_id, kind, "unreadable three times")
-            assert entry.state == pb.PENDING and entry.retry_count == 1
+            assert entry.state == pb.ENTRY_STATE_PENDING and entry.retry_count == 1
             assert "unreadable three times" in entry.error
         with pytest.raises(errors.InvalidArgument):
             client.report_problem("t1", "f0", 0, "no kind")

@@ -138,11 +138,11 @@ def test_client_watch_streams_on_a_task_share_the_replicas_one_watch(
     def follow(i: int) -> None:
         with Client(registry.address) as c:
             for ev in c.watch("t", timeout=15):
-                if ev.kind == pb.TaskEvent.SYNCED:
+                if ev.kind == pb.TaskEvent.KIND_SYNCED:
                     synced[i].set()
-                elif ev.kind == pb.TaskEvent.CHANGED:
+                elif ev.kind == pb.TaskEvent.KIND_CHANGED:
                     seen[i].append(ev)
-                    if sum(e.entry.state == pb.WRITTEN for e in seen[i]) == 3:
+                    if sum(e.entry.state == pb.ENTRY_STATE_WRITTEN for e in seen[i]) == 3:
                         return
 
     threads = [threading.Thread(target=follow, args=(i,)) for i in range(4)]
@@ -162,7 +162,7 @@ def test_client_watch_streams_on_a_task_share_the_replicas_one_watch(
         t.join(20)
     for events in seen:
         states = [(e.entry.file_id, e.entry.state) for e in events]
-        assert sorted(f for f, st in states if st == pb.WRITTEN) == ["f0", "f1", "f2"]
+        assert sorted(f for f, st in states if st == pb.ENTRY_STATE_WRITTEN) == ["f0", "f1", "f2"]
         assert [e.revision for e in events] == sorted(e.revision for e in events)
     deadline = time.monotonic() + 10
     while fanout.streams(entries) and time.monotonic() < deadline:

@@ -34,7 +34,7 @@ def test_published_by_rename_becomes_verified(
     make_task(client, "t1", {"a": "a.bin"})
     data = os.urandom(64 << 10)
     put_bytes(client, session, "t1", "a", data)
-    wait_for(is_state(client, "t1", "a", pb.VERIFIED), what="a verified")
+    wait_for(is_state(client, "t1", "a", pb.ENTRY_STATE_VERIFIED), what="a verified")
     assert client.get_entry("t1", "a").digest == digest(data)
 
 
@@ -50,7 +50,7 @@ def test_written_in_place_and_closed_becomes_verified(
     with open(claim.path, "wb") as f:
         f.write(data)
     client.commit("t1", "a", claim.token, len(data), digest(data))
-    wait_for(is_state(client, "t1", "a", pb.VERIFIED), what="a verified")
+    wait_for(is_state(client, "t1", "a", pb.ENTRY_STATE_VERIFIED), what="a verified")
 
 
 def test_mismatching_digest_takes_the_retry_path(
@@ -65,7 +65,7 @@ def test_mismatching_digest_takes_the_retry_path(
     client.commit("t1", "a", claim.token, 12, digest(b"other bytes!"))
     wait_for(lambda: client.get_entry("t1", "a").retry_count == 1, what="a retried")
     entry = client.get_entry("t1", "a")
-    assert entry.state == pb.PENDING
+    assert entry.state == pb.ENTRY_STATE_PENDING
     assert "checksum mismatch" in entry.error
 
 
@@ -80,9 +80,9 @@ def test_report_before_the_commit_settles_at_the_commit(
     Path(claim.path).parent.mkdir(parents=True, exist_ok=True)
     Path(claim.path).write_bytes(data)
     wait_for(lambda: w.metrics.reports_of("t1", "a") == 1, what="the report before the commit")
-    assert state_of(client, "t1", "a") == pb.WRITING
+    assert state_of(client, "t1", "a") == pb.ENTRY_STATE_WRITING
     committed = client.commit("t1", "a", claim.token, len(data), digest(data))
-    assert committed.state == pb.VERIFIED
+    assert committed.state == pb.ENTRY_STATE_VERIFIED
 
 
 def test_report_after_the_commit_verifies(
@@ -91,9 +91,9 @@ def test_report_after_the_commit_verifies(
     """A file committed while no watcher ran is verified by the watcher that starts later."""
     make_task(client, "t1", {"a": "a.bin"})
     put_bytes(client, session, "t1", "a", b"committed first")
-    assert state_of(client, "t1", "a") == pb.WRITTEN
+    assert state_of(client, "t1", "a") == pb.ENTRY_STATE_WRITTEN
     w = watcher_factory()
-    wait_for(is_state(client, "t1", "a", pb.VERIFIED), what="a verified")
+    wait_for(is_state(client, "t1", "a", pb.ENTRY_STATE_VERIFIED), what="a verified")
     # The watcher counts a report once its call returns, which may be after the entry
     # shows verified to others.
     wait_for(lambda: w.metrics.reports_of("t1", "a") >= 1, what="the report counted")
@@ -108,8 +108,8 @@ def test_new_task_and_directory_created_a_moment_earlier(
     make_task(client, "late", {"a": "x/y/z/a.bin", "b": "x/b.bin"})
     put_bytes(client, session, "late", "a", b"deep")  # creates x/y/z and the file at once
     put_bytes(client, session, "late", "b", b"shallow")
-    wait_for(is_state(client, "late", "a", pb.VERIFIED), what="a verified")
-    wait_for(is_state(client, "late", "b", pb.VERIFIED), what="b verified")
+    wait_for(is_state(client, "late", "a", pb.ENTRY_STATE_VERIFIED), what="a verified")
+    wait_for(is_state(client, "late", "b", pb.ENTRY_STATE_VERIFIED), what="b verified")
 
 
 def test_symlink_pointing_outside_the_root_is_refused(
@@ -134,7 +134,7 @@ def test_symlink_pointing_outside_the_root_is_refused(
         wait_for(lambda f=file_id: client.get_entry("t1", f).retry_count == 1,
                  what=f"{file_id} refused")
         entry = client.get_entry("t1", file_id)
-        assert entry.state == pb.PENDING
+        assert entry.state == pb.ENTRY_STATE_PENDING
         assert "symlink" in entry.error
 
 
@@ -148,7 +148,7 @@ def test_verified_file_modified_replaced_or_deleted_leaves_verified(
     for f in ("m", "r", "d"):
         put_bytes(client, session, "t1", f, f"original {f}".encode() * 100)
     for f in ("m", "r", "d"):
-        wait_for(is_state(client, "t1", f, pb.VERIFIED), what=f"{f} verified")
+        wait_for(is_state(client, "t1", f, pb.ENTRY_STATE_VERIFIED), what=f"{f} verified")
     task_dir = staging / "t1"
     with open(task_dir / "m.bin", "r+b") as fh:
         fh.write(b"X")
@@ -156,7 +156,8 @@ def test_verified_file_modified_replaced_or_deleted_leaves_verified(
     os.rename(task_dir / "new", task_dir / "r.bin")
     (task_dir / "d.bin").unlink()
     for f, why in (("m", "changed"), ("r", "changed"), ("d", "missing")):
-        wait_for(lambda f=f: state_of(client, "t1", f) == pb.PENDING, what=f"{f} unverified")
+        wait_for(lambda f=f: state_of(client, "t1", f) == pb.ENTRY_STATE_PENDING,
+                 what=f"{f} unverified")
         assert why in client.get_entry("t1", f).error
 
 
@@ -169,10 +170,10 @@ def test_polling_fallback_verifies(
     assert w.watches.root_backend == "poll"
     make_task(client, "t1", {"a": "sub/a.bin"})
     put_bytes(client, session, "t1", "a", b"polled")
-    wait_for(is_state(client, "t1", "a", pb.VERIFIED), what="a verified")
+    wait_for(is_state(client, "t1", "a", pb.ENTRY_STATE_VERIFIED), what="a verified")
     assert w.watches.backend_of(str(staging / "t1")) == "poll"
     (staging / "t1" / "sub" / "a.bin").write_bytes(b"tampered")
-    wait_for(is_state(client, "t1", "a", pb.PENDING), what="a unverified")
+    wait_for(is_state(client, "t1", "a", pb.ENTRY_STATE_PENDING), what="a unverified")
 
 
 def test_each_entry_verified_exactly_once(
@@ -185,7 +186,7 @@ def test_each_entry_verified_exactly_once(
     make_task(client, "t1", {f: f"d{int(f[1:]) % 4}/{f}.bin" for f in ids})
     for f in ids:
         put_bytes(client, session, "t1", f, os.urandom(4096))
-    wait_for(lambda: all(e.state == pb.VERIFIED for e in client.list_entries("t1")),
+    wait_for(lambda: all(e.state == pb.ENTRY_STATE_VERIFIED for e in client.list_entries("t1")),
              what="all verified")
     wait_for(lambda: w.metrics.get("reconciliations") >= 3, what="reconciliations")
     hist = histories(registry.etcd, registry.prefix, "t1", ids)
@@ -203,10 +204,10 @@ def test_assembly_is_left_to_the_registry(
         {"file_id": "big", "path": "big", "parts": ["p1", "p2"]}]})
     put_bytes(client, session, "asm", "p1", b"part one")
     put_bytes(client, session, "asm", "p2", b"part two")
-    wait_for(is_state(client, "asm", "big", pb.VERIFIED), what="the assembly verified")
+    wait_for(is_state(client, "asm", "big", pb.ENTRY_STATE_VERIFIED), what="the assembly verified")
     wait_for(lambda: w.metrics.get("reconciliations") >= 3, what="reconciliations")
     assert w.metrics.get("problems") == 0
-    assert state_of(client, "asm", "big") == pb.VERIFIED
+    assert state_of(client, "asm", "big") == pb.ENTRY_STATE_VERIFIED
 
 
 def test_task_whose_directory_existed_is_served_at_once(
@@ -218,7 +219,7 @@ def test_task_whose_directory_existed_is_served_at_once(
     watcher_factory(reconcile_interval=3600.0)  # only the task stream can find it
     make_task(client, "pre", {"a": "a.bin"})
     put_bytes(client, session, "pre", "a", b"was already there")
-    wait_for(is_state(client, "pre", "a", pb.VERIFIED), what="a verified")
+    wait_for(is_state(client, "pre", "a", pb.ENTRY_STATE_VERIFIED), what="a verified")
 
 
 def test_hard_linked_file_changed_from_outside_the_tree_leaves_verified(
@@ -236,13 +237,13 @@ def test_hard_linked_file_changed_from_outside_the_tree_leaves_verified(
     Path(claim.path).parent.mkdir(parents=True, exist_ok=True)
     os.link(outside / "a.bin", claim.path)
     client.commit("t1", "a", claim.token, len(data), digest(data))
-    wait_for(is_state(client, "t1", "a", pb.VERIFIED), what="a verified")
+    wait_for(is_state(client, "t1", "a", pb.ENTRY_STATE_VERIFIED), what="a verified")
     wait_for(lambda: ("t1", "a") in w.checker.links, what="a polled for its other name")
     assert w.metrics.get("linked") == 1
 
     with open(outside / "a.bin", "r+b") as fh:  # no inotify event reaches the staging tree
         fh.write(b"X")
-    wait_for(lambda: state_of(client, "t1", "a") == pb.PENDING, what="a unverified")
+    wait_for(lambda: state_of(client, "t1", "a") == pb.ENTRY_STATE_PENDING, what="a unverified")
     assert "changed" in client.get_entry("t1", "a").error
     assert ("t1", "a") not in w.checker.links
 
@@ -254,7 +255,7 @@ def test_a_file_with_one_name_is_not_polled(
     w = watcher_factory()
     make_task(client, "t1", {"a": "a.bin"})
     put_bytes(client, session, "t1", "a", b"one name")
-    wait_for(is_state(client, "t1", "a", pb.VERIFIED), what="a verified")
+    wait_for(is_state(client, "t1", "a", pb.ENTRY_STATE_VERIFIED), what="a verified")
     wait_for(w.jobs.idle, what="the watcher idle")
     assert len(w.checker.links) == 0 and w.metrics.get("linked") == 0
 
@@ -281,7 +282,7 @@ def test_late_news_of_a_deleted_task_leaves_its_successor_served(
     assert w.table.task("t1") is not None
     put_bytes(client, session, "t1", "a", b"the new incarnation's")
     # No reconciliation comes to the rescue: FAST's is minutes away.
-    wait_for(is_state(client, "t1", "a", pb.VERIFIED), what="a of the new t1 verified")
+    wait_for(is_state(client, "t1", "a", pb.ENTRY_STATE_VERIFIED), what="a of the new t1 verified")
 
 
 def test_a_task_back_before_its_old_stream_said_gone_is_served_again(
@@ -298,7 +299,7 @@ def test_a_task_back_before_its_old_stream_said_gone_is_served_again(
     w.streams.on_gone(view)  # the registry has a t1: it is this view that is stale
     wait_for(lambda: w.table.task("t1") not in (None, view), what="t1 served again")
     put_bytes(client, session, "t1", "a", b"served again")
-    wait_for(is_state(client, "t1", "a", pb.VERIFIED), what="a verified")
+    wait_for(is_state(client, "t1", "a", pb.ENTRY_STATE_VERIFIED), what="a verified")
 
 
 @pytest.mark.parametrize("listed", ["cancelled", "deleted"])
@@ -331,4 +332,4 @@ def test_a_reconciliation_listed_before_a_task_came_back_leaves_it_served(
     monkeypatch.undo()
     assert w.table.task("t1") is not None
     put_bytes(client, session, "t1", "a", b"the new incarnation's")
-    wait_for(is_state(client, "t1", "a", pb.VERIFIED), what="a of the new t1 verified")
+    wait_for(is_state(client, "t1", "a", pb.ENTRY_STATE_VERIFIED), what="a of the new t1 verified")

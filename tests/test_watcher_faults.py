@@ -52,7 +52,7 @@ def test_overflow_of_a_shrunk_queue_still_verifies_everything_once(
     gate.set()
     for c in claims:
         client.commit("t1", c.file_id, c.token, 2000, digest(c.file_id.encode() * 500))
-    wait_for(lambda: all(e.state == pb.VERIFIED for e in client.list_entries("t1")),
+    wait_for(lambda: all(e.state == pb.ENTRY_STATE_VERIFIED for e in client.list_entries("t1")),
              timeout=30, what="all verified")
     assert w.metrics.get("overflows") >= 1
     assert w.metrics.get("reconciliations") >= 2  # the one at start, one after the overflow
@@ -68,7 +68,7 @@ def test_kernel_overflow_event_forces_a_reconciliation(
     w = watcher_factory()
     make_task(client, "t1", {"a": "a.bin"})
     put_bytes(client, session, "t1", "a", b"first")
-    wait_for(is_state(client, "t1", "a", pb.VERIFIED), what="a verified")
+    wait_for(is_state(client, "t1", "a", pb.ENTRY_STATE_VERIFIED), what="a verified")
     emitter = w.watches._inotify
     assert isinstance(emitter, InotifyEmitter)
     # A change whose event is "lost": tamper while the tree is not watched...
@@ -79,7 +79,7 @@ def test_kernel_overflow_event_forces_a_reconciliation(
 
     emitter.handle([RawEvent(-1, IN_Q_OVERFLOW, 0, "")])
     wait_for(lambda: w.metrics.get("reconciliations") > before, what="a reconciliation")
-    wait_for(is_state(client, "t1", "a", pb.PENDING), what="a unverified")
+    wait_for(is_state(client, "t1", "a", pb.ENTRY_STATE_PENDING), what="a unverified")
 
 
 class FlakyHasher(Hasher):
@@ -100,7 +100,7 @@ def test_three_failed_hashes_report_the_file_corrupted(
     put_bytes(client, session, "t1", "a", b"never settles")
     wait_for(lambda: client.get_entry("t1", "a").retry_count == 1, what="a retried")
     entry = client.get_entry("t1", "a")
-    assert entry.state == pb.PENDING
+    assert entry.state == pb.ENTRY_STATE_PENDING
     assert entry.error.startswith("corrupted: 3 failed attempts")
     assert w.metrics.get("problems") == 1
 
@@ -121,7 +121,7 @@ def test_watch_limit_falls_back_to_polling(
     w = watcher_factory()
     make_task(client, "t1", {"a": "a.bin"})
     put_bytes(client, session, "t1", "a", b"polled after ENOSPC")
-    wait_for(is_state(client, "t1", "a", pb.VERIFIED), what="a verified")
+    wait_for(is_state(client, "t1", "a", pb.ENTRY_STATE_VERIFIED), what="a verified")
     assert w.watches.backend_of(str(staging / "t1")) == "poll"
     assert any("ENOSPC" in str(getattr(r, "baton_fields", {}).get("reason", ""))
                for r in caplog.records)
@@ -140,7 +140,7 @@ def test_network_mount_is_polled(
     assert w.watches.root_backend == "poll"
     make_task(client, "t1", {"a": "a.bin"})
     put_bytes(client, session, "t1", "a", b"over nfs")
-    wait_for(is_state(client, "t1", "a", pb.VERIFIED), what="a verified")
+    wait_for(is_state(client, "t1", "a", pb.ENTRY_STATE_VERIFIED), what="a verified")
     reasons = [str(getattr(r, "baton_fields", {}).get("reason", "")) for r in caplog.records]
     assert any("NFS" in r for r in reasons)
 
@@ -154,7 +154,7 @@ def test_watches_of_a_finished_task_are_removed(
     make_task(client, "t1", {"a": "sub/a.bin"})
     baseline = w.watches.watch_count()
     put_bytes(client, session, "t1", "a", b"to be consumed")
-    wait_for(is_state(client, "t1", "a", pb.VERIFIED), what="a verified")
+    wait_for(is_state(client, "t1", "a", pb.ENTRY_STATE_VERIFIED), what="a verified")
     assert w.watches.watch_count() == baseline + 2  # t1 and t1/sub
     lease = client.consume("t1", "default", "a", session=session)
     client.ack("t1", "a", "default", lease.token)
@@ -194,7 +194,7 @@ def test_stop_finishes_and_reports_the_hash_in_hand(
     GatedHasher.gate.set()
     stopper.join(30)
     assert "stopped" in result
-    assert client.get_entry("t1", "a").state == pb.VERIFIED
+    assert client.get_entry("t1", "a").state == pb.ENTRY_STATE_VERIFIED
 
 
 def test_committed_file_that_never_appears_is_reported_missing(

@@ -197,7 +197,7 @@ def test_new_task_gets_its_directories(
              what="raw/pages made with its group and mode")
     assert gid_mode(staging / "t1" / "raw") == (USERS, 0o2770)
     put_bytes(client, session, "t1", "a", b"a page")
-    wait_for(is_state(client, "t1", "a", pb.VERIFIED), what="a verified")
+    wait_for(is_state(client, "t1", "a", pb.ENTRY_STATE_VERIFIED), what="a verified")
 
 
 def test_task_found_at_start_gets_its_directories(
@@ -252,7 +252,7 @@ def test_symlink_at_a_task_directory_is_refused(
     assert gid_mode(outside) == (os.getgid(), 0o755)
     assert (staging / "t1" / "raw").is_symlink()
     put_bytes(client, session, "t1", "a", b"served all the same")
-    wait_for(is_state(client, "t1", "a", pb.VERIFIED), what="t1's a verified")
+    wait_for(is_state(client, "t1", "a", pb.ENTRY_STATE_VERIFIED), what="t1's a verified")
 
 
 def test_unknown_group_is_logged_and_the_rest_served(
@@ -277,4 +277,4 @@ def test_unknown_group_is_logged_and_the_rest_served(
         "error": f"unknown group {UNKNOWN_GROUP!r}"}]
     assert not (staging / "t1" / "raw").exists()
     put_bytes(client, session, "t1", "a", b"served all the same")
-    wait_for(is_state(client, "t1", "a", pb.VERIFIED), what="a verified")
+    wait_for(is_state(client, "t1", "a", pb.ENTRY_STATE_VERIFIED), what="a verified")

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from ..client import Client
 from ..kernel.errors import BatonError, NotFound, NotShardOwner, Unavailable
 from ..kernel.logs import log
+from ..kernel.names import kind_name, state_name
 from ..kernel.v1 import baton_pb2 as pb
 from .cache import IdentityCache, Known
 from .errors import FileChanged, FileMissing, HashFailed
@@ -40,8 +41,8 @@ from .state import STATE_NAMES, EntryView, Table
 
 logger = logging.getLogger("baton.watcher")
 
-CORRUPTED = pb.ProblemReport.CORRUPTED
-MISSING = pb.ProblemReport.MISSING
+CORRUPTED = pb.ReportProblemRequest.KIND_CORRUPTED
+MISSING = pb.ReportProblemRequest.KIND_MISSING
 #: seconds before a check that could not reach the registry is tried again
 REGISTRY_BACKOFF = 1.0
 
@@ -69,13 +70,13 @@ class Checker:
         if entry is None:
             return
         try:
-            if entry.state == pb.PENDING:
+            if entry.state == pb.ENTRY_STATE_PENDING:
                 self._pending(key, entry)
-            elif entry.state == pb.WRITING:
+            elif entry.state == pb.ENTRY_STATE_WRITING:
                 self._writing(key, entry)
-            elif entry.state == pb.WRITTEN:
+            elif entry.state == pb.ENTRY_STATE_WRITTEN:
                 self._written(key, entry)
-            elif entry.state == pb.VERIFIED:
+            elif entry.state == pb.ENTRY_STATE_VERIFIED:
                 self._verified(key, entry)
         except Unavailable as e:
             log(logger, logging.WARNING, "registry unavailable; will check again",
@@ -178,16 +179,16 @@ class Checker:
         try:
             hashed = self.hasher.hash(key[0], entry.path)
         except FileChanged as e:
-            if entry.state == pb.VERIFIED and e.digest and e.digest != entry.digest:
+            if entry.state == pb.ENTRY_STATE_VERIFIED and e.digest and e.digest != entry.digest:
                 # Whatever it settles to, these are not the verified bytes any more.
                 self._problem(key, CORRUPTED, f"verified file changed on disk: {e.reason}")
                 return None
             self._failed(key, entry, e)
             return None
         except FileMissing as e:
-            if entry.state == pb.VERIFIED:
+            if entry.state == pb.ENTRY_STATE_VERIFIED:
                 self._problem(key, MISSING, "the verified file is gone")
-            elif entry.state == pb.WRITTEN:
+            elif entry.state == pb.ENTRY_STATE_WRITTEN:
                 self._failed(key, entry, e)
             return None
         except HashFailed as e:
@@ -213,7 +214,7 @@ class Checker:
         self._problem(key, kind, f"{failures} failed attempts; last: {e.reason}")
 
     def _refused(self, key: Key, entry: EntryView, e: HashFailed) -> None:
-        if entry.state in (pb.WRITTEN, pb.VERIFIED):
+        if entry.state in (pb.ENTRY_STATE_WRITTEN, pb.ENTRY_STATE_VERIFIED):
             self._problem(key, CORRUPTED, e.reason)
         else:
             log(logger, logging.INFO, "refused", task=key[0], file_id=key[1],
@@ -249,16 +250,16 @@ class Checker:
         self.cache.put(*key, Known(i, hashed.digest))
         self.table.apply(key[0], reply)
         self.table.update(*key, failures=0)
-        if reply.state == pb.VERIFIED:
+        if reply.state == pb.ENTRY_STATE_VERIFIED:
             self._mind_links(key, i)
         else:
             self.links.drop(key)
         log(logger, logging.INFO, "reported", task=key[0], file_id=key[1],
             revision=reply.revision, size=i.size, digest=hashed.digest, was=entry.state_name,
-            now=pb.EntryState.Name(reply.state).lower())
+            now=state_name(reply.state))
 
     def _problem(self, key: Key, kind: int, reason: str) -> None:
-        name = pb.ProblemReport.Kind.Name(kind).lower()  # type: ignore[arg-type]
+        name = kind_name(kind)
         if (owner := self._owner(key[0])) is None:
             return
         try:
@@ -274,7 +275,7 @@ class Checker:
         self.table.apply(key[0], reply)
         log(logger, logging.WARNING, "reported a problem", task=key[0], file_id=key[1],
             revision=reply.revision, kind=name, reason=reason,
-            now=pb.EntryState.Name(reply.state).lower())
+            now=state_name(reply.state))
 
 
     def _mind_links(self, key: Key, identity: Identity) -> None:

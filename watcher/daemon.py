@@ -45,8 +45,9 @@ logger = logging.getLogger("baton.watcher")
 
 _TASK_ID = re.compile(r"^[A-Za-z0-9._-]+$")
 #: task statuses a watcher does not serve: finished, or on the way out of etcd
-FINISHED = (pb.TASK_CANCELLED, pb.TASK_COMPLETED, pb.TASK_ARCHIVING, pb.TASK_ARCHIVED,
-            pb.TASK_DELETING)
+FINISHED = (pb.TASK_STATUS_CANCELLED, pb.TASK_STATUS_COMPLETED, pb.TASK_STATUS_ARCHIVING,
+            pb.TASK_STATUS_ARCHIVED,
+            pb.TASK_STATUS_DELETING)
 #: seconds between attempts of a reconciliation that could not reach the registry
 RECONCILE_RETRY = 1.0
 #: seconds a shard's handover waits for the checks in hand before releasing anyway
@@ -292,7 +293,7 @@ class Watcher:
         task_id = task.spec.task_id
         if task.status in FINISHED:
             self._forget(task_id)
-        elif task.status != pb.TASK_CREATING and self._serves(task_id):
+        elif task.status != pb.TASK_STATUS_CREATING and self._serves(task_id):
             self.taskdirs.prepare(task)
             self.streams.follow(task_id)
 
@@ -330,7 +331,8 @@ class Watcher:
                 return False
             for entry in entries:
                 self.table.apply(task_id, entry)
-                if entry.state in (pb.WRITING, pb.WRITTEN, pb.VERIFIED) and not entry.parts:
+                if entry.state in (pb.ENTRY_STATE_WRITING, pb.ENTRY_STATE_WRITTEN,
+                                   pb.ENTRY_STATE_VERIFIED) and not entry.parts:
                     self.jobs.submit((task_id, entry.file_id))
                     checked += 1
             self._sync_watch(task_id, rewalk=True)
@@ -375,7 +377,7 @@ class Watcher:
             self._cool()
             for key, seen in links.items():
                 entry = self.table.entry(*key)
-                if entry is None or entry.state != pb.VERIFIED:
+                if entry is None or entry.state != pb.ENTRY_STATE_VERIFIED:
                     links.drop(key)
                     continue
                 try:
@@ -453,7 +455,7 @@ class Watcher:
         elif (key := self.table.file_at(event.path)) is not None:
             if event.kind is Kind.TOUCHED:
                 entry = self.table.entry(*key)
-                if entry is None or entry.state != pb.VERIFIED:
+                if entry is None or entry.state != pb.ENTRY_STATE_VERIFIED:
                     return  # only a verified file's changes matter before its close
             self.jobs.submit(key)
 

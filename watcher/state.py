@@ -14,12 +14,14 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime
 
+from ..kernel.names import state_name
 from ..kernel.v1 import baton_pb2 as pb
 from .hashing import Identity
 
 #: states whose files the watcher keeps an eye on
-LIVE = frozenset({pb.PENDING, pb.WRITING, pb.WRITTEN, pb.VERIFIED})
-STATE_NAMES: dict[int, str] = {int(v): k.lower() for k, v in pb.EntryState.items()}
+LIVE = frozenset({pb.ENTRY_STATE_PENDING, pb.ENTRY_STATE_WRITING, pb.ENTRY_STATE_WRITTEN,
+                  pb.ENTRY_STATE_VERIFIED})
+STATE_NAMES: dict[int, str] = {int(v): state_name(v) for v in pb.EntryState.values()}
 
 
 @dataclass
@@ -217,7 +219,7 @@ class Table:
             for view in self._tasks.values():
                 for e in view.entries.values():
                     counts[e.state_name] = counts.get(e.state_name, 0) + 1
-                    if e.state == pb.WRITTEN and e.updated_ns and (
+                    if e.state == pb.ENTRY_STATE_WRITTEN and e.updated_ns and (
                             not oldest or e.updated_ns < oldest):
                         oldest = e.updated_ns
         return counts, oldest

@@ -79,13 +79,13 @@ class TaskStreams:
                                             timeout=self.timeout):
                     if not self._current(view):
                         return
-                    if ev.kind == pb.TaskEvent.SNAPSHOT:
+                    if ev.kind == pb.TaskEvent.KIND_SNAPSHOT:
                         snapshot.append(ev.entry)
-                    elif ev.kind == pb.TaskEvent.SYNCED:
+                    elif ev.kind == pb.TaskEvent.KIND_SYNCED:
                         changes = self.table.replace(task_id, snapshot)
                         revision = ev.revision + 1
                         self.on_changes(task_id, changes, True)
-                    elif ev.kind == pb.TaskEvent.CHANGED:
+                    elif ev.kind == pb.TaskEvent.KIND_CHANGED:
                         revision = max(revision, ev.revision + 1)
                         change = self.table.apply(task_id, ev.entry)
                         if change is not None:

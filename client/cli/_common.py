@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar, cast
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
 import click
 
@@ -215,15 +215,15 @@ def err_console() -> Console:
 
 
 def state_name(state: int) -> str:
-    from ...kernel.v1 import baton_pb2 as pb
+    from ...kernel import names  # loads the stubs: only commands that show entries
 
-    return pb.EntryState.Name(cast(Any, state)).lower()
+    return names.state_name(state)
 
 
 def status_name(status: int) -> str:
-    from ...kernel.v1 import baton_pb2 as pb
+    from ...kernel import names
 
-    return pb.TaskStatus.Name(cast(Any, status)).removeprefix("TASK_").lower()
+    return names.status_name(status)
 
 
 def session_json(session_id: int) -> str:
@@ -236,13 +236,13 @@ def entry_summary(entry: pb.Entry) -> str:
     from ...kernel.v1 import baton_pb2 as pb
 
     text = f"{entry.task_id}/{entry.file_id}: {state_name(entry.state)}"
-    if entry.state in (pb.PENDING, pb.DEAD) and entry.retry_count:
+    if entry.state in (pb.ENTRY_STATE_PENDING, pb.ENTRY_STATE_DEAD) and entry.retry_count:
         text += f" (retry {entry.retry_count}/{entry.max_retries})"
-    if entry.state in (pb.WRITTEN, pb.VERIFIED, pb.CONSUMED):
+    if entry.state in (pb.ENTRY_STATE_WRITTEN, pb.ENTRY_STATE_VERIFIED, pb.ENTRY_STATE_CONSUMED):
         text += f", {entry.size} bytes"
     if entry.consumed_by:
         text += f", acked by {', '.join(entry.consumed_by)}"
-    if entry.error and entry.state in (pb.PENDING, pb.DEAD):
+    if entry.error and entry.state in (pb.ENTRY_STATE_PENDING, pb.ENTRY_STATE_DEAD):
         text += f"; last error: {entry.error}"
     return text
 

@@ -429,7 +429,7 @@ def watch(settings: Settings, task_id: str, from_revision: int, output: str) -> 
         for ev in events:
             if output == "json":
                 emit_json(as_dict(ev))
-            elif ev.kind == pb.TaskEvent.SYNCED:
+            elif ev.kind == pb.TaskEvent.KIND_SYNCED:
                 click.echo(f"watching {task_id} after revision {ev.revision}; Ctrl-C stops",
                            err=True)
             else:

@@ -153,9 +153,9 @@ def progress(t: pb.Task) -> str:
     incomplete)."""
     from ...kernel.v1 import baton_pb2 as pb
 
-    if t.status in (pb.TASK_CREATING, pb.TASK_DELETING, pb.TASK_ARCHIVING):
+    if t.status in (pb.TASK_STATUS_CREATING, pb.TASK_STATUS_DELETING, pb.TASK_STATUS_ARCHIVING):
         return f"-/{t.entry_count}"
-    if t.status == pb.TASK_ARCHIVED:
+    if t.status == pb.TASK_STATUS_ARCHIVED:
         return f"{t.entry_count}/{t.entry_count}"
     return f"{t.entry_count - t.open}/{t.entry_count}"
 

@@ -196,12 +196,12 @@ class Sampler:
         try:
             task = self._client.get_task(task_id)
             entries: list[pb.Entry] = []
-            for state, name in ((pb.WRITTEN, "written"), (pb.DEAD, "dead")):
+            for state, name in ((pb.ENTRY_STATE_WRITTEN, "written"), (pb.ENTRY_STATE_DEAD, "dead")):
                 if task.states.get(name, 0):
                     entries += self._client.list_entries(task_id, state=state)
         except errors.NotFound:
             return None
-        if task.status in (pb.TASK_COMPLETED, pb.TASK_CANCELLED):
+        if task.status in (pb.TASK_STATUS_COMPLETED, pb.TASK_STATUS_CANCELLED):
             self._settled[task_id] = (key, task, entries)
         else:
             self._settled.pop(task_id, None)

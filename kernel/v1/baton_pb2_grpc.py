@@ -25,8 +25,938 @@ if _version_not_supported:
     )
 
 
-class RegistryStub:
-    """Missing associated documentation comment in .proto file."""
+class AgentServiceStub:
+    """What agents call: their sessions (one stream carrying every step, or unary calls),
+    claims and commits of producers, consumes and acks of consumers, and a task's events.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.OpenSession = channel.unary_unary(
+                '/baton.v1.AgentService/OpenSession',
+                request_serializer=baton_dot_v1_dot_baton__pb2.OpenSessionRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_baton__pb2.OpenSessionResponse.FromString,
+                _registered_method=True)
+        self.KeepAlive = channel.unary_unary(
+                '/baton.v1.AgentService/KeepAlive',
+                request_serializer=baton_dot_v1_dot_baton__pb2.KeepAliveRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_baton__pb2.KeepAliveResponse.FromString,
+                _registered_method=True)
+        self.CloseSession = channel.unary_unary(
+                '/baton.v1.AgentService/CloseSession',
+                request_serializer=baton_dot_v1_dot_baton__pb2.CloseSessionRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_baton__pb2.CloseSessionResponse.FromString,
+                _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/baton.v1.AgentService/Session',
+                request_serializer=baton_dot_v1_dot_baton__pb2.SessionRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_baton__pb2.SessionResponse.FromString,
+                _registered_method=True)
+        self.Claim = channel.unary_unary(
+                '/baton.v1.AgentService/Claim',
+                request_serializer=baton_dot_v1_dot_baton__pb2.ClaimRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_baton__pb2.ClaimResponse.FromString,
+                _registered_method=True)
+        self.ClaimBatch = channel.unary_unary(
+                '/baton.v1.AgentService/ClaimBatch',
+                request_serializer=baton_dot_v1_dot_baton__pb2.ClaimBatchRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_baton__pb2.ClaimBatchResponse.FromString,
+                _registered_method=True)
+        self.Commit = channel.unary_unary(
+                '/baton.v1.AgentService/Commit',
+                request_serializer=baton_dot_v1_dot_baton__pb2.CommitRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_baton__pb2.CommitResponse.FromString,
+                _registered_method=True)
+        self.CommitBatch = channel.unary_unary(
+                '/baton.v1.AgentService/CommitBatch',
+                request_serializer=baton_dot_v1_dot_baton__pb2.CommitBatchRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_baton__pb2.CommitBatchResponse.FromString,
+                _registered_method=True)
+        self.Fail = channel.unary_unary(
+                '/baton.v1.AgentService/Fail',
+                request_serializer=baton_dot_v1_dot_baton__pb2.FailRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_baton__pb2.FailResponse.FromString,
+                _registered_method=True)
+        self.Consume = channel.unary_unary(
+                '/baton.v1.AgentService/Consume',
+                request_serializer=baton_dot_v1_dot_baton__pb2.ConsumeRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_baton__pb2.ConsumeResponse.FromString,
+                _registered_method=True)
+        self.ConsumeBatch = channel.unary_unary(
+                '/baton.v1.AgentService/ConsumeBatch',
+                request_serializer=baton_dot_v1_dot_baton__pb2.ConsumeBatchRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_baton__pb2.ConsumeBatchResponse.FromString,
+                _registered_method=True)
+        self.Ack = channel.unary_unary(
+                '/baton.v1.AgentService/Ack',
+                request_serializer=baton_dot_v1_dot_baton__pb2.AckRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_baton__pb2.AckResponse.FromString,
+                _registered_method=True)
+        self.Nack = channel.unary_unary(
+                '/baton.v1.AgentService/Nack',
+                request_serializer=baton_dot_v1_dot_baton__pb2.NackRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_baton__pb2.NackResponse.FromString,
+                _registered_method=True)
+        self.AckBatch = channel.unary_unary(
+                '/baton.v1.AgentService/AckBatch',
+                request_serializer=baton_dot_v1_dot_baton__pb2.AckBatchRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_baton__pb2.AckBatchResponse.FromString,
+                _registered_method=True)
+        self.Watch = channel.unary_stream(
+                '/baton.v1.AgentService/Watch',
+                request_serializer=baton_dot_v1_dot_baton__pb2.WatchRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_baton__pb2.WatchResponse.FromString,
+                _registered_method=True)
+
+
+class AgentServiceServicer:
+    """What agents call: their sessions (one stream carrying every step, or unary calls),
+    claims and commits of producers, consumes and acks of consumers, and a task's events.
+    """
+
+    def OpenSession(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def KeepAlive(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CloseSession(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Session(self, request_iterator, context):
+        """An agent's session and its calls on one stream (see SessionRequest).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Claim(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ClaimBatch(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Commit(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitBatch(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Fail(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Consume(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ConsumeBatch(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Ack(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Nack(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AckBatch(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Watch(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_AgentServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'OpenSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenSession,
+                    request_deserializer=baton_dot_v1_dot_baton__pb2.OpenSessionRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_baton__pb2.OpenSessionResponse.SerializeToString,
+            ),
+            'KeepAlive': grpc.unary_unary_rpc_method_handler(
+                    servicer.KeepAlive,
+                    request_deserializer=baton_dot_v1_dot_baton__pb2.KeepAliveRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_baton__pb2.KeepAliveResponse.SerializeToString,
+            ),
+            'CloseSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseSession,
+                    request_deserializer=baton_dot_v1_dot_baton__pb2.CloseSessionRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_baton__pb2.CloseSessionResponse.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=baton_dot_v1_dot_baton__pb2.SessionRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_baton__pb2.SessionResponse.SerializeToString,
+            ),
+            'Claim': grpc.unary_unary_rpc_method_handler(
+                    servicer.Claim,
+                    request_deserializer=baton_dot_v1_dot_baton__pb2.ClaimRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_baton__pb2.ClaimResponse.SerializeToString,
+            ),
+            'ClaimBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClaimBatch,
+                    request_deserializer=baton_dot_v1_dot_baton__pb2.ClaimBatchRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_baton__pb2.ClaimBatchResponse.SerializeToString,
+            ),
+            'Commit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Commit,
+                    request_deserializer=baton_dot_v1_dot_baton__pb2.CommitRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_baton__pb2.CommitResponse.SerializeToString,
+            ),
+            'CommitBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitBatch,
+                    request_deserializer=baton_dot_v1_dot_baton__pb2.CommitBatchRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_baton__pb2.CommitBatchResponse.SerializeToString,
+            ),
+            'Fail': grpc.unary_unary_rpc_method_handler(
+                    servicer.Fail,
+                    request_deserializer=baton_dot_v1_dot_baton__pb2.FailRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_baton__pb2.FailResponse.SerializeToString,
+            ),
+            'Consume': grpc.unary_unary_rpc_method_handler(
+                    servicer.Consume,
+                    request_deserializer=baton_dot_v1_dot_baton__pb2.ConsumeRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_baton__pb2.ConsumeResponse.SerializeToString,
+            ),
+            'ConsumeBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.ConsumeBatch,
+                    request_deserializer=baton_dot_v1_dot_baton__pb2.ConsumeBatchRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_baton__pb2.ConsumeBatchResponse.SerializeToString,
+            ),
+            'Ack': grpc.unary_unary_rpc_method_handler(
+                    servicer.Ack,
+                    request_deserializer=baton_dot_v1_dot_baton__pb2.AckRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_baton__pb2.AckResponse.SerializeToString,
+            ),
+            'Nack': grpc.unary_unary_rpc_method_handler(
+                    servicer.Nack,
+                    request_deserializer=baton_dot_v1_dot_baton__pb2.NackRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_baton__pb2.NackResponse.SerializeToString,
+            ),
+            'AckBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.AckBatch,
+                    request_deserializer=baton_dot_v1_dot_baton__pb2.AckBatchRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_baton__pb2.AckBatchResponse.SerializeToString,
+            ),
+            'Watch': grpc.unary_stream_rpc_method_handler(
+                    servicer.Watch,
+                    request_deserializer=baton_dot_v1_dot_baton__pb2.WatchRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_baton__pb2.WatchResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'baton.v1.AgentService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('baton.v1.AgentService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class AgentService:
+    """What agents call: their sessions (one stream carrying every step, or unary calls),
+    claims and commits of producers, consumes and acks of consumers, and a task's events.
+    """
+
+    @staticmethod
+    def OpenSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.AgentService/OpenSession',
+            baton_dot_v1_dot_baton__pb2.OpenSessionRequest.SerializeToString,
+            baton_dot_v1_dot_baton__pb2.OpenSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeepAlive(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.AgentService/KeepAlive',
+            baton_dot_v1_dot_baton__pb2.KeepAliveRequest.SerializeToString,
+            baton_dot_v1_dot_baton__pb2.KeepAliveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.AgentService/CloseSession',
+            baton_dot_v1_dot_baton__pb2.CloseSessionRequest.SerializeToString,
+            baton_dot_v1_dot_baton__pb2.CloseSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/baton.v1.AgentService/Session',
+            baton_dot_v1_dot_baton__pb2.SessionRequest.SerializeToString,
+            baton_dot_v1_dot_baton__pb2.SessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Claim(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.AgentService/Claim',
+            baton_dot_v1_dot_baton__pb2.ClaimRequest.SerializeToString,
+            baton_dot_v1_dot_baton__pb2.ClaimResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClaimBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.AgentService/ClaimBatch',
+            baton_dot_v1_dot_baton__pb2.ClaimBatchRequest.SerializeToString,
+            baton_dot_v1_dot_baton__pb2.ClaimBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Commit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.AgentService/Commit',
+            baton_dot_v1_dot_baton__pb2.CommitRequest.SerializeToString,
+            baton_dot_v1_dot_baton__pb2.CommitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.AgentService/CommitBatch',
+            baton_dot_v1_dot_baton__pb2.CommitBatchRequest.SerializeToString,
+            baton_dot_v1_dot_baton__pb2.CommitBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Fail(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.AgentService/Fail',
+            baton_dot_v1_dot_baton__pb2.FailRequest.SerializeToString,
+            baton_dot_v1_dot_baton__pb2.FailResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Consume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.AgentService/Consume',
+            baton_dot_v1_dot_baton__pb2.ConsumeRequest.SerializeToString,
+            baton_dot_v1_dot_baton__pb2.ConsumeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ConsumeBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.AgentService/ConsumeBatch',
+            baton_dot_v1_dot_baton__pb2.ConsumeBatchRequest.SerializeToString,
+            baton_dot_v1_dot_baton__pb2.ConsumeBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Ack(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.AgentService/Ack',
+            baton_dot_v1_dot_baton__pb2.AckRequest.SerializeToString,
+            baton_dot_v1_dot_baton__pb2.AckResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Nack(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.AgentService/Nack',
+            baton_dot_v1_dot_baton__pb2.NackRequest.SerializeToString,
+            baton_dot_v1_dot_baton__pb2.NackResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AckBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.AgentService/AckBatch',
+            baton_dot_v1_dot_baton__pb2.AckBatchRequest.SerializeToString,
+            baton_dot_v1_dot_baton__pb2.AckBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Watch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/baton.v1.AgentService/Watch',
+            baton_dot_v1_dot_baton__pb2.WatchRequest.SerializeToString,
+            baton_dot_v1_dot_baton__pb2.WatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class WatcherServiceStub:
+    """What watchers call: their membership and shards, and what they found on disk.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.RegisterWatcher = channel.unary_unary(
+                '/baton.v1.WatcherService/RegisterWatcher',
+                request_serializer=baton_dot_v1_dot_baton__pb2.RegisterWatcherRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_baton__pb2.RegisterWatcherResponse.FromString,
+                _registered_method=True)
+        self.WatcherHeartbeat = channel.unary_unary(
+                '/baton.v1.WatcherService/WatcherHeartbeat',
+                request_serializer=baton_dot_v1_dot_baton__pb2.WatcherHeartbeatRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_baton__pb2.WatcherHeartbeatResponse.FromString,
+                _registered_method=True)
+        self.ReleaseShard = channel.unary_unary(
+                '/baton.v1.WatcherService/ReleaseShard',
+                request_serializer=baton_dot_v1_dot_baton__pb2.ReleaseShardRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_baton__pb2.ReleaseShardResponse.FromString,
+                _registered_method=True)
+        self.ReportVerification = channel.unary_unary(
+                '/baton.v1.WatcherService/ReportVerification',
+                request_serializer=baton_dot_v1_dot_baton__pb2.ReportVerificationRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_baton__pb2.ReportVerificationResponse.FromString,
+                _registered_method=True)
+        self.ReportProblem = channel.unary_unary(
+                '/baton.v1.WatcherService/ReportProblem',
+                request_serializer=baton_dot_v1_dot_baton__pb2.ReportProblemRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_baton__pb2.ReportProblemResponse.FromString,
+                _registered_method=True)
+
+
+class WatcherServiceServicer:
+    """What watchers call: their membership and shards, and what they found on disk.
+    """
+
+    def RegisterWatcher(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatcherHeartbeat(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseShard(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportVerification(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportProblem(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_WatcherServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'RegisterWatcher': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterWatcher,
+                    request_deserializer=baton_dot_v1_dot_baton__pb2.RegisterWatcherRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_baton__pb2.RegisterWatcherResponse.SerializeToString,
+            ),
+            'WatcherHeartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.WatcherHeartbeat,
+                    request_deserializer=baton_dot_v1_dot_baton__pb2.WatcherHeartbeatRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_baton__pb2.WatcherHeartbeatResponse.SerializeToString,
+            ),
+            'ReleaseShard': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseShard,
+                    request_deserializer=baton_dot_v1_dot_baton__pb2.ReleaseShardRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_baton__pb2.ReleaseShardResponse.SerializeToString,
+            ),
+            'ReportVerification': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportVerification,
+                    request_deserializer=baton_dot_v1_dot_baton__pb2.ReportVerificationRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_baton__pb2.ReportVerificationResponse.SerializeToString,
+            ),
+            'ReportProblem': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportProblem,
+                    request_deserializer=baton_dot_v1_dot_baton__pb2.ReportProblemRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_baton__pb2.ReportProblemResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'baton.v1.WatcherService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('baton.v1.WatcherService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class WatcherService:
+    """What watchers call: their membership and shards, and what they found on disk.
+    """
+
+    @staticmethod
+    def RegisterWatcher(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.WatcherService/RegisterWatcher',
+            baton_dot_v1_dot_baton__pb2.RegisterWatcherRequest.SerializeToString,
+            baton_dot_v1_dot_baton__pb2.RegisterWatcherResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatcherHeartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.WatcherService/WatcherHeartbeat',
+            baton_dot_v1_dot_baton__pb2.WatcherHeartbeatRequest.SerializeToString,
+            baton_dot_v1_dot_baton__pb2.WatcherHeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseShard(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.WatcherService/ReleaseShard',
+            baton_dot_v1_dot_baton__pb2.ReleaseShardRequest.SerializeToString,
+            baton_dot_v1_dot_baton__pb2.ReleaseShardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportVerification(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.WatcherService/ReportVerification',
+            baton_dot_v1_dot_baton__pb2.ReportVerificationRequest.SerializeToString,
+            baton_dot_v1_dot_baton__pb2.ReportVerificationResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportProblem(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.WatcherService/ReportProblem',
+            baton_dot_v1_dot_baton__pb2.ReportProblemRequest.SerializeToString,
+            baton_dot_v1_dot_baton__pb2.ReportProblemResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class OperatorServiceStub:
+    """What operators call: tasks and their entries, the journal, sessions and leases,
+    watchers and shards.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -35,229 +965,131 @@ class RegistryStub:
             channel: A grpc.Channel.
         """
         self.CreateTask = channel.unary_unary(
-                '/baton.v1.Registry/CreateTask',
+                '/baton.v1.OperatorService/CreateTask',
                 request_serializer=baton_dot_v1_dot_baton__pb2.CreateTaskRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_baton__pb2.CreateTaskResponse.FromString,
                 _registered_method=True)
         self.GetTask = channel.unary_unary(
-                '/baton.v1.Registry/GetTask',
+                '/baton.v1.OperatorService/GetTask',
                 request_serializer=baton_dot_v1_dot_baton__pb2.GetTaskRequest.SerializeToString,
-                response_deserializer=baton_dot_v1_dot_baton__pb2.Task.FromString,
+                response_deserializer=baton_dot_v1_dot_baton__pb2.GetTaskResponse.FromString,
                 _registered_method=True)
         self.ListTasks = channel.unary_unary(
-                '/baton.v1.Registry/ListTasks',
+                '/baton.v1.OperatorService/ListTasks',
                 request_serializer=baton_dot_v1_dot_baton__pb2.ListTasksRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_baton__pb2.ListTasksResponse.FromString,
                 _registered_method=True)
+        self.WatchTasks = channel.unary_stream(
+                '/baton.v1.OperatorService/WatchTasks',
+                request_serializer=baton_dot_v1_dot_baton__pb2.WatchTasksRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_baton__pb2.WatchTasksResponse.FromString,
+                _registered_method=True)
         self.GetEntry = channel.unary_unary(
-                '/baton.v1.Registry/GetEntry',
+                '/baton.v1.OperatorService/GetEntry',
                 request_serializer=baton_dot_v1_dot_baton__pb2.GetEntryRequest.SerializeToString,
-                response_deserializer=baton_dot_v1_dot_baton__pb2.Entry.FromString,
+                response_deserializer=baton_dot_v1_dot_baton__pb2.GetEntryResponse.FromString,
                 _registered_method=True)
         self.ListEntries = channel.unary_unary(
-                '/baton.v1.Registry/ListEntries',
+                '/baton.v1.OperatorService/ListEntries',
                 request_serializer=baton_dot_v1_dot_baton__pb2.ListEntriesRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_baton__pb2.ListEntriesResponse.FromString,
                 _registered_method=True)
         self.PauseTask = channel.unary_unary(
-                '/baton.v1.Registry/PauseTask',
-                request_serializer=baton_dot_v1_dot_baton__pb2.TaskControlRequest.SerializeToString,
-                response_deserializer=baton_dot_v1_dot_baton__pb2.Task.FromString,
+                '/baton.v1.OperatorService/PauseTask',
+                request_serializer=baton_dot_v1_dot_baton__pb2.PauseTaskRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_baton__pb2.PauseTaskResponse.FromString,
                 _registered_method=True)
         self.ResumeTask = channel.unary_unary(
-                '/baton.v1.Registry/ResumeTask',
-                request_serializer=baton_dot_v1_dot_baton__pb2.TaskControlRequest.SerializeToString,
-                response_deserializer=baton_dot_v1_dot_baton__pb2.Task.FromString,
+                '/baton.v1.OperatorService/ResumeTask',
+                request_serializer=baton_dot_v1_dot_baton__pb2.ResumeTaskRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_baton__pb2.ResumeTaskResponse.FromString,
                 _registered_method=True)
         self.CancelTask = channel.unary_unary(
-                '/baton.v1.Registry/CancelTask',
-                request_serializer=baton_dot_v1_dot_baton__pb2.TaskControlRequest.SerializeToString,
-                response_deserializer=baton_dot_v1_dot_baton__pb2.Task.FromString,
+                '/baton.v1.OperatorService/CancelTask',
+                request_serializer=baton_dot_v1_dot_baton__pb2.CancelTaskRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_baton__pb2.CancelTaskResponse.FromString,
                 _registered_method=True)
         self.DeleteTask = channel.unary_unary(
-                '/baton.v1.Registry/DeleteTask',
+                '/baton.v1.OperatorService/DeleteTask',
                 request_serializer=baton_dot_v1_dot_baton__pb2.DeleteTaskRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_baton__pb2.DeleteTaskResponse.FromString,
                 _registered_method=True)
         self.ArchiveTask = channel.unary_unary(
-                '/baton.v1.Registry/ArchiveTask',
-                request_serializer=baton_dot_v1_dot_baton__pb2.TaskControlRequest.SerializeToString,
-                response_deserializer=baton_dot_v1_dot_baton__pb2.Task.FromString,
+                '/baton.v1.OperatorService/ArchiveTask',
+                request_serializer=baton_dot_v1_dot_baton__pb2.ArchiveTaskRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_baton__pb2.ArchiveTaskResponse.FromString,
                 _registered_method=True)
         self.Requeue = channel.unary_unary(
-                '/baton.v1.Registry/Requeue',
+                '/baton.v1.OperatorService/Requeue',
                 request_serializer=baton_dot_v1_dot_baton__pb2.RequeueRequest.SerializeToString,
-                response_deserializer=baton_dot_v1_dot_baton__pb2.Entry.FromString,
+                response_deserializer=baton_dot_v1_dot_baton__pb2.RequeueResponse.FromString,
                 _registered_method=True)
         self.Journal = channel.unary_unary(
-                '/baton.v1.Registry/Journal',
+                '/baton.v1.OperatorService/Journal',
                 request_serializer=baton_dot_v1_dot_baton__pb2.JournalRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_baton__pb2.JournalResponse.FromString,
                 _registered_method=True)
         self.Explain = channel.unary_unary(
-                '/baton.v1.Registry/Explain',
-                request_serializer=baton_dot_v1_dot_baton__pb2.GetEntryRequest.SerializeToString,
-                response_deserializer=baton_dot_v1_dot_baton__pb2.Explanation.FromString,
+                '/baton.v1.OperatorService/Explain',
+                request_serializer=baton_dot_v1_dot_baton__pb2.ExplainRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_baton__pb2.ExplainResponse.FromString,
                 _registered_method=True)
         self.ListAgents = channel.unary_unary(
-                '/baton.v1.Registry/ListAgents',
+                '/baton.v1.OperatorService/ListAgents',
                 request_serializer=baton_dot_v1_dot_baton__pb2.ListAgentsRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_baton__pb2.ListAgentsResponse.FromString,
                 _registered_method=True)
         self.RevokeSession = channel.unary_unary(
-                '/baton.v1.Registry/RevokeSession',
+                '/baton.v1.OperatorService/RevokeSession',
                 request_serializer=baton_dot_v1_dot_baton__pb2.RevokeSessionRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_baton__pb2.RevokeSessionResponse.FromString,
                 _registered_method=True)
         self.RotateLease = channel.unary_unary(
-                '/baton.v1.Registry/RotateLease',
+                '/baton.v1.OperatorService/RotateLease',
                 request_serializer=baton_dot_v1_dot_baton__pb2.RotateLeaseRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_baton__pb2.RotateLeaseResponse.FromString,
                 _registered_method=True)
         self.DrainHost = channel.unary_unary(
-                '/baton.v1.Registry/DrainHost',
+                '/baton.v1.OperatorService/DrainHost',
                 request_serializer=baton_dot_v1_dot_baton__pb2.DrainHostRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_baton__pb2.DrainHostResponse.FromString,
                 _registered_method=True)
         self.UndrainHost = channel.unary_unary(
-                '/baton.v1.Registry/UndrainHost',
+                '/baton.v1.OperatorService/UndrainHost',
                 request_serializer=baton_dot_v1_dot_baton__pb2.UndrainHostRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_baton__pb2.UndrainHostResponse.FromString,
                 _registered_method=True)
-        self.OpenSession = channel.unary_unary(
-                '/baton.v1.Registry/OpenSession',
-                request_serializer=baton_dot_v1_dot_baton__pb2.OpenSessionRequest.SerializeToString,
-                response_deserializer=baton_dot_v1_dot_baton__pb2.Session.FromString,
-                _registered_method=True)
-        self.KeepAlive = channel.unary_unary(
-                '/baton.v1.Registry/KeepAlive',
-                request_serializer=baton_dot_v1_dot_baton__pb2.KeepAliveRequest.SerializeToString,
-                response_deserializer=baton_dot_v1_dot_baton__pb2.KeepAliveResponse.FromString,
-                _registered_method=True)
-        self.CloseSession = channel.unary_unary(
-                '/baton.v1.Registry/CloseSession',
-                request_serializer=baton_dot_v1_dot_baton__pb2.CloseSessionRequest.SerializeToString,
-                response_deserializer=baton_dot_v1_dot_baton__pb2.CloseSessionResponse.FromString,
-                _registered_method=True)
-        self.Session = channel.stream_stream(
-                '/baton.v1.Registry/Session',
-                request_serializer=baton_dot_v1_dot_baton__pb2.SessionRequest.SerializeToString,
-                response_deserializer=baton_dot_v1_dot_baton__pb2.SessionResponse.FromString,
-                _registered_method=True)
-        self.Claim = channel.unary_unary(
-                '/baton.v1.Registry/Claim',
-                request_serializer=baton_dot_v1_dot_baton__pb2.ClaimRequest.SerializeToString,
-                response_deserializer=baton_dot_v1_dot_baton__pb2.ClaimResponse.FromString,
-                _registered_method=True)
-        self.ClaimBatch = channel.unary_unary(
-                '/baton.v1.Registry/ClaimBatch',
-                request_serializer=baton_dot_v1_dot_baton__pb2.ClaimBatchRequest.SerializeToString,
-                response_deserializer=baton_dot_v1_dot_baton__pb2.ClaimBatchResponse.FromString,
-                _registered_method=True)
-        self.Commit = channel.unary_unary(
-                '/baton.v1.Registry/Commit',
-                request_serializer=baton_dot_v1_dot_baton__pb2.CommitRequest.SerializeToString,
-                response_deserializer=baton_dot_v1_dot_baton__pb2.CommitResponse.FromString,
-                _registered_method=True)
-        self.CommitBatch = channel.unary_unary(
-                '/baton.v1.Registry/CommitBatch',
-                request_serializer=baton_dot_v1_dot_baton__pb2.CommitBatchRequest.SerializeToString,
-                response_deserializer=baton_dot_v1_dot_baton__pb2.CommitBatchResponse.FromString,
-                _registered_method=True)
-        self.Fail = channel.unary_unary(
-                '/baton.v1.Registry/Fail',
-                request_serializer=baton_dot_v1_dot_baton__pb2.FailRequest.SerializeToString,
-                response_deserializer=baton_dot_v1_dot_baton__pb2.FailResponse.FromString,
-                _registered_method=True)
-        self.ReportVerification = channel.unary_unary(
-                '/baton.v1.Registry/ReportVerification',
-                request_serializer=baton_dot_v1_dot_baton__pb2.VerificationReport.SerializeToString,
-                response_deserializer=baton_dot_v1_dot_baton__pb2.ReportResponse.FromString,
-                _registered_method=True)
-        self.ReportProblem = channel.unary_unary(
-                '/baton.v1.Registry/ReportProblem',
-                request_serializer=baton_dot_v1_dot_baton__pb2.ProblemReport.SerializeToString,
-                response_deserializer=baton_dot_v1_dot_baton__pb2.ReportResponse.FromString,
-                _registered_method=True)
-        self.Consume = channel.unary_unary(
-                '/baton.v1.Registry/Consume',
-                request_serializer=baton_dot_v1_dot_baton__pb2.ConsumeRequest.SerializeToString,
-                response_deserializer=baton_dot_v1_dot_baton__pb2.ConsumeResponse.FromString,
-                _registered_method=True)
-        self.ConsumeBatch = channel.unary_unary(
-                '/baton.v1.Registry/ConsumeBatch',
-                request_serializer=baton_dot_v1_dot_baton__pb2.ConsumeBatchRequest.SerializeToString,
-                response_deserializer=baton_dot_v1_dot_baton__pb2.ConsumeBatchResponse.FromString,
-                _registered_method=True)
-        self.Ack = channel.unary_unary(
-                '/baton.v1.Registry/Ack',
-                request_serializer=baton_dot_v1_dot_baton__pb2.AckRequest.SerializeToString,
-                response_deserializer=baton_dot_v1_dot_baton__pb2.AckResponse.FromString,
-                _registered_method=True)
-        self.Nack = channel.unary_unary(
-                '/baton.v1.Registry/Nack',
-                request_serializer=baton_dot_v1_dot_baton__pb2.NackRequest.SerializeToString,
-                response_deserializer=baton_dot_v1_dot_baton__pb2.NackResponse.FromString,
-                _registered_method=True)
-        self.AckBatch = channel.unary_unary(
-                '/baton.v1.Registry/AckBatch',
-                request_serializer=baton_dot_v1_dot_baton__pb2.AckBatchRequest.SerializeToString,
-                response_deserializer=baton_dot_v1_dot_baton__pb2.AckBatchResponse.FromString,
-                _registered_method=True)
-        self.Watch = channel.unary_stream(
-                '/baton.v1.Registry/Watch',
-                request_serializer=baton_dot_v1_dot_baton__pb2.WatchRequest.SerializeToString,
-                response_deserializer=baton_dot_v1_dot_baton__pb2.TaskEvent.FromString,
-                _registered_method=True)
-        self.WatchTasks = channel.unary_stream(
-                '/baton.v1.Registry/WatchTasks',
-                request_serializer=baton_dot_v1_dot_baton__pb2.WatchTasksRequest.SerializeToString,
-                response_deserializer=baton_dot_v1_dot_baton__pb2.Task.FromString,
-                _registered_method=True)
-        self.RegisterWatcher = channel.unary_unary(
-                '/baton.v1.Registry/RegisterWatcher',
-                request_serializer=baton_dot_v1_dot_baton__pb2.RegisterWatcherRequest.SerializeToString,
-                response_deserializer=baton_dot_v1_dot_baton__pb2.RegisterWatcherResponse.FromString,
-                _registered_method=True)
-        self.WatcherHeartbeat = channel.unary_unary(
-                '/baton.v1.Registry/WatcherHeartbeat',
-                request_serializer=baton_dot_v1_dot_baton__pb2.WatcherHeartbeatRequest.SerializeToString,
-                response_deserializer=baton_dot_v1_dot_baton__pb2.WatcherHeartbeatResponse.FromString,
-                _registered_method=True)
-        self.ReleaseShard = channel.unary_unary(
-                '/baton.v1.Registry/ReleaseShard',
-                request_serializer=baton_dot_v1_dot_baton__pb2.ReleaseShardRequest.SerializeToString,
-                response_deserializer=baton_dot_v1_dot_baton__pb2.ReleaseShardResponse.FromString,
-                _registered_method=True)
         self.ListWatchers = channel.unary_unary(
-                '/baton.v1.Registry/ListWatchers',
+                '/baton.v1.OperatorService/ListWatchers',
                 request_serializer=baton_dot_v1_dot_baton__pb2.ListWatchersRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_baton__pb2.ListWatchersResponse.FromString,
                 _registered_method=True)
         self.ListShards = channel.unary_unary(
-                '/baton.v1.Registry/ListShards',
+                '/baton.v1.OperatorService/ListShards',
                 request_serializer=baton_dot_v1_dot_baton__pb2.ListShardsRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_baton__pb2.ListShardsResponse.FromString,
                 _registered_method=True)
         self.MoveShard = channel.unary_unary(
-                '/baton.v1.Registry/MoveShard',
+                '/baton.v1.OperatorService/MoveShard',
                 request_serializer=baton_dot_v1_dot_baton__pb2.MoveShardRequest.SerializeToString,
-                response_deserializer=baton_dot_v1_dot_baton__pb2.ShardInfo.FromString,
+                response_deserializer=baton_dot_v1_dot_baton__pb2.MoveShardResponse.FromString,
                 _registered_method=True)
         self.Rebalance = channel.unary_unary(
-                '/baton.v1.Registry/Rebalance',
+                '/baton.v1.OperatorService/Rebalance',
                 request_serializer=baton_dot_v1_dot_baton__pb2.RebalanceRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_baton__pb2.RebalanceResponse.FromString,
                 _registered_method=True)
         self.DrainWatcher = channel.unary_unary(
-                '/baton.v1.Registry/DrainWatcher',
+                '/baton.v1.OperatorService/DrainWatcher',
                 request_serializer=baton_dot_v1_dot_baton__pb2.DrainWatcherRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_baton__pb2.DrainWatcherResponse.FromString,
                 _registered_method=True)
 
 
-class RegistryServicer:
-    """Missing associated documentation comment in .proto file."""
+class OperatorServiceServicer:
+    """What operators call: tasks and their entries, the journal, sessions and leases,
+    watchers and shards.
+    """
 
     def CreateTask(self, request, context):
         """Missing associated documentation comment in .proto file."""
@@ -272,6 +1104,12 @@ class RegistryServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListTasks(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchTasks(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -367,133 +1205,6 @@ class RegistryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def OpenSession(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def KeepAlive(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def CloseSession(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Session(self, request_iterator, context):
-        """An agent's session and its calls on one stream (see SessionRequest).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Claim(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def ClaimBatch(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Commit(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def CommitBatch(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Fail(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def ReportVerification(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def ReportProblem(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Consume(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def ConsumeBatch(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Ack(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Nack(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def AckBatch(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Watch(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def WatchTasks(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def RegisterWatcher(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def WatcherHeartbeat(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def ReleaseShard(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def ListWatchers(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -525,7 +1236,7 @@ class RegistryServicer:
         raise NotImplementedError('Method not implemented!')
 
 
-def add_RegistryServicer_to_server(servicer, server):
+def add_OperatorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'CreateTask': grpc.unary_unary_rpc_method_handler(
                     servicer.CreateTask,
@@ -535,17 +1246,22 @@ def add_RegistryServicer_to_server(servicer, server):
             'GetTask': grpc.unary_unary_rpc_method_handler(
                     servicer.GetTask,
                     request_deserializer=baton_dot_v1_dot_baton__pb2.GetTaskRequest.FromString,
-                    response_serializer=baton_dot_v1_dot_baton__pb2.Task.SerializeToString,
+                    response_serializer=baton_dot_v1_dot_baton__pb2.GetTaskResponse.SerializeToString,
             ),
             'ListTasks': grpc.unary_unary_rpc_method_handler(
                     servicer.ListTasks,
                     request_deserializer=baton_dot_v1_dot_baton__pb2.ListTasksRequest.FromString,
                     response_serializer=baton_dot_v1_dot_baton__pb2.ListTasksResponse.SerializeToString,
             ),
+            'WatchTasks': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchTasks,
+                    request_deserializer=baton_dot_v1_dot_baton__pb2.WatchTasksRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_baton__pb2.WatchTasksResponse.SerializeToString,
+            ),
             'GetEntry': grpc.unary_unary_rpc_method_handler(
                     servicer.GetEntry,
                     request_deserializer=baton_dot_v1_dot_baton__pb2.GetEntryRequest.FromString,
-                    response_serializer=baton_dot_v1_dot_baton__pb2.Entry.SerializeToString,
+                    response_serializer=baton_dot_v1_dot_baton__pb2.GetEntryResponse.SerializeToString,
             ),
             'ListEntries': grpc.unary_unary_rpc_method_handler(
                     servicer.ListEntries,
@@ -554,18 +1270,18 @@ def add_RegistryServicer_to_server(servicer, server):
             ),
             'PauseTask': grpc.unary_unary_rpc_method_handler(
                     servicer.PauseTask,
-                    request_deserializer=baton_dot_v1_dot_baton__pb2.TaskControlRequest.FromString,
-                    response_serializer=baton_dot_v1_dot_baton__pb2.Task.SerializeToString,
+                    request_deserializer=baton_dot_v1_dot_baton__pb2.PauseTaskRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_baton__pb2.PauseTaskResponse.SerializeToString,
             ),
             'ResumeTask': grpc.unary_unary_rpc_method_handler(
                     servicer.ResumeTask,
-                    request_deserializer=baton_dot_v1_dot_baton__pb2.TaskControlRequest.FromString,
-                    response_serializer=baton_dot_v1_dot_baton__pb2.Task.SerializeToString,
+                    request_deserializer=baton_dot_v1_dot_baton__pb2.ResumeTaskRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_baton__pb2.ResumeTaskResponse.SerializeToString,
             ),
             'CancelTask': grpc.unary_unary_rpc_method_handler(
                     servicer.CancelTask,
-                    request_deserializer=baton_dot_v1_dot_baton__pb2.TaskControlRequest.FromString,
-                    response_serializer=baton_dot_v1_dot_baton__pb2.Task.SerializeToString,
+                    request_deserializer=baton_dot_v1_dot_baton__pb2.CancelTaskRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_baton__pb2.CancelTaskResponse.SerializeToString,
             ),
             'DeleteTask': grpc.unary_unary_rpc_method_handler(
                     servicer.DeleteTask,
@@ -574,13 +1290,13 @@ def add_RegistryServicer_to_server(servicer, server):
             ),
             'ArchiveTask': grpc.unary_unary_rpc_method_handler(
                     servicer.ArchiveTask,
-                    request_deserializer=baton_dot_v1_dot_baton__pb2.TaskControlRequest.FromString,
-                    response_serializer=baton_dot_v1_dot_baton__pb2.Task.SerializeToString,
+                    request_deserializer=baton_dot_v1_dot_baton__pb2.ArchiveTaskRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_baton__pb2.ArchiveTaskResponse.SerializeToString,
             ),
             'Requeue': grpc.unary_unary_rpc_method_handler(
                     servicer.Requeue,
                     request_deserializer=baton_dot_v1_dot_baton__pb2.RequeueRequest.FromString,
-                    response_serializer=baton_dot_v1_dot_baton__pb2.Entry.SerializeToString,
+                    response_serializer=baton_dot_v1_dot_baton__pb2.RequeueResponse.SerializeToString,
             ),
             'Journal': grpc.unary_unary_rpc_method_handler(
                     servicer.Journal,
@@ -589,8 +1305,8 @@ def add_RegistryServicer_to_server(servicer, server):
             ),
             'Explain': grpc.unary_unary_rpc_method_handler(
                     servicer.Explain,
-                    request_deserializer=baton_dot_v1_dot_baton__pb2.GetEntryRequest.FromString,
-                    response_serializer=baton_dot_v1_dot_baton__pb2.Explanation.SerializeToString,
+                    request_deserializer=baton_dot_v1_dot_baton__pb2.ExplainRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_baton__pb2.ExplainResponse.SerializeToString,
             ),
             'ListAgents': grpc.unary_unary_rpc_method_handler(
                     servicer.ListAgents,
@@ -617,111 +1333,6 @@ def add_RegistryServicer_to_server(servicer, server):
                     request_deserializer=baton_dot_v1_dot_baton__pb2.UndrainHostRequest.FromString,
                     response_serializer=baton_dot_v1_dot_baton__pb2.UndrainHostResponse.SerializeToString,
             ),
-            'OpenSession': grpc.unary_unary_rpc_method_handler(
-                    servicer.OpenSession,
-                    request_deserializer=baton_dot_v1_dot_baton__pb2.OpenSessionRequest.FromString,
-                    response_serializer=baton_dot_v1_dot_baton__pb2.Session.SerializeToString,
-            ),
-            'KeepAlive': grpc.unary_unary_rpc_method_handler(
-                    servicer.KeepAlive,
-                    request_deserializer=baton_dot_v1_dot_baton__pb2.KeepAliveRequest.FromString,
-                    response_serializer=baton_dot_v1_dot_baton__pb2.KeepAliveResponse.SerializeToString,
-            ),
-            'CloseSession': grpc.unary_unary_rpc_method_handler(
-                    servicer.CloseSession,
-                    request_deserializer=baton_dot_v1_dot_baton__pb2.CloseSessionRequest.FromString,
-                    response_serializer=baton_dot_v1_dot_baton__pb2.CloseSessionResponse.SerializeToString,
-            ),
-            'Session': grpc.stream_stream_rpc_method_handler(
-                    servicer.Session,
-                    request_deserializer=baton_dot_v1_dot_baton__pb2.SessionRequest.FromString,
-                    response_serializer=baton_dot_v1_dot_baton__pb2.SessionResponse.SerializeToString,
-            ),
-            'Claim': grpc.unary_unary_rpc_method_handler(
-                    servicer.Claim,
-                    request_deserializer=baton_dot_v1_dot_baton__pb2.ClaimRequest.FromString,
-                    response_serializer=baton_dot_v1_dot_baton__pb2.ClaimResponse.SerializeToString,
-            ),
-            'ClaimBatch': grpc.unary_unary_rpc_method_handler(
-                    servicer.ClaimBatch,
-                    request_deserializer=baton_dot_v1_dot_baton__pb2.ClaimBatchRequest.FromString,
-                    response_serializer=baton_dot_v1_dot_baton__pb2.ClaimBatchResponse.SerializeToString,
-            ),
-            'Commit': grpc.unary_unary_rpc_method_handler(
-                    servicer.Commit,
-                    request_deserializer=baton_dot_v1_dot_baton__pb2.CommitRequest.FromString,
-                    response_serializer=baton_dot_v1_dot_baton__pb2.CommitResponse.SerializeToString,
-            ),
-            'CommitBatch': grpc.unary_unary_rpc_method_handler(
-                    servicer.CommitBatch,
-                    request_deserializer=baton_dot_v1_dot_baton__pb2.CommitBatchRequest.FromString,
-                    response_serializer=baton_dot_v1_dot_baton__pb2.CommitBatchResponse.SerializeToString,
-            ),
-            'Fail': grpc.unary_unary_rpc_method_handler(
-                    servicer.Fail,
-                    request_deserializer=baton_dot_v1_dot_baton__pb2.FailRequest.FromString,
-                    response_serializer=baton_dot_v1_dot_baton__pb2.FailResponse.SerializeToString,
-            ),
-            'ReportVerification': grpc.unary_unary_rpc_method_handler(
-                    servicer.ReportVerification,
-                    request_deserializer=baton_dot_v1_dot_baton__pb2.VerificationReport.FromString,
-                    response_serializer=baton_dot_v1_dot_baton__pb2.ReportResponse.SerializeToString,
-            ),
-            'ReportProblem': grpc.unary_unary_rpc_method_handler(
-                    servicer.ReportProblem,
-                    request_deserializer=baton_dot_v1_dot_baton__pb2.ProblemReport.FromString,
-                    response_serializer=baton_dot_v1_dot_baton__pb2.ReportResponse.SerializeToString,
-            ),
-            'Consume': grpc.unary_unary_rpc_method_handler(
-                    servicer.Consume,
-                    request_deserializer=baton_dot_v1_dot_baton__pb2.ConsumeRequest.FromString,
-                    response_serializer=baton_dot_v1_dot_baton__pb2.ConsumeResponse.SerializeToString,
-            ),
-            'ConsumeBatch': grpc.unary_unary_rpc_method_handler(
-                    servicer.ConsumeBatch,
-                    request_deserializer=baton_dot_v1_dot_baton__pb2.ConsumeBatchRequest.FromString,
-                    response_serializer=baton_dot_v1_dot_baton__pb2.ConsumeBatchResponse.SerializeToString,
-            ),
-            'Ack': grpc.unary_unary_rpc_method_handler(
-                    servicer.Ack,
-                    request_deserializer=baton_dot_v1_dot_baton__pb2.AckRequest.FromString,
-                    response_serializer=baton_dot_v1_dot_baton__pb2.AckResponse.SerializeToString,
-            ),
-            'Nack': grpc.unary_unary_rpc_method_handler(
-                    servicer.Nack,
-                    request_deserializer=baton_dot_v1_dot_baton__pb2.NackRequest.FromString,
-                    response_serializer=baton_dot_v1_dot_baton__pb2.NackResponse.SerializeToString,
-            ),
-            'AckBatch': grpc.unary_unary_rpc_method_handler(
-                    servicer.AckBatch,
-                    request_deserializer=baton_dot_v1_dot_baton__pb2.AckBatchRequest.FromString,
-                    response_serializer=baton_dot_v1_dot_baton__pb2.AckBatchResponse.SerializeToString,
-            ),
-            'Watch': grpc.unary_stream_rpc_method_handler(
-                    servicer.Watch,
-                    request_deserializer=baton_dot_v1_dot_baton__pb2.WatchRequest.FromString,
-                    response_serializer=baton_dot_v1_dot_baton__pb2.TaskEvent.SerializeToString,
-            ),
-            'WatchTasks': grpc.unary_stream_rpc_method_handler(
-                    servicer.WatchTasks,
-                    request_deserializer=baton_dot_v1_dot_baton__pb2.WatchTasksRequest.FromString,
-                    response_serializer=baton_dot_v1_dot_baton__pb2.Task.SerializeToString,
-            ),
-            'RegisterWatcher': grpc.unary_unary_rpc_method_handler(
-                    servicer.RegisterWatcher,
-                    request_deserializer=baton_dot_v1_dot_baton__pb2.RegisterWatcherRequest.FromString,
-                    response_serializer=baton_dot_v1_dot_baton__pb2.RegisterWatcherResponse.SerializeToString,
-            ),
-            'WatcherHeartbeat': grpc.unary_unary_rpc_method_handler(
-                    servicer.WatcherHeartbeat,
-                    request_deserializer=baton_dot_v1_dot_baton__pb2.WatcherHeartbeatRequest.FromString,
-                    response_serializer=baton_dot_v1_dot_baton__pb2.WatcherHeartbeatResponse.SerializeToString,
-            ),
-            'ReleaseShard': grpc.unary_unary_rpc_method_handler(
-                    servicer.ReleaseShard,
-                    request_deserializer=baton_dot_v1_dot_baton__pb2.ReleaseShardRequest.FromString,
-                    response_serializer=baton_dot_v1_dot_baton__pb2.ReleaseShardResponse.SerializeToString,
-            ),
             'ListWatchers': grpc.unary_unary_rpc_method_handler(
                     servicer.ListWatchers,
                     request_deserializer=baton_dot_v1_dot_baton__pb2.ListWatchersRequest.FromString,
@@ -735,7 +1346,7 @@ def add_RegistryServicer_to_server(servicer, server):
             'MoveShard': grpc.unary_unary_rpc_method_handler(
                     servicer.MoveShard,
                     request_deserializer=baton_dot_v1_dot_baton__pb2.MoveShardRequest.FromString,
-                    response_serializer=baton_dot_v1_dot_baton__pb2.ShardInfo.SerializeToString,
+                    response_serializer=baton_dot_v1_dot_baton__pb2.MoveShardResponse.SerializeToString,
             ),
             'Rebalance': grpc.unary_unary_rpc_method_handler(
                     servicer.Rebalance,
@@ -749,14 +1360,16 @@ def add_RegistryServicer_to_server(servicer, server):
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'baton.v1.Registry', rpc_method_handlers)
+            'baton.v1.OperatorService', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('baton.v1.Registry', rpc_method_handlers)
+    server.add_registered_method_handlers('baton.v1.OperatorService', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
-class Registry:
-    """Missing associated documentation comment in .proto file."""
+class OperatorService:
+    """What operators call: tasks and their entries, the journal, sessions and leases,
+    watchers and shards.
+    """
 
     @staticmethod
     def CreateTask(request,
@@ -772,7 +1385,7 @@ class Registry:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/baton.v1.Registry/CreateTask',
+            '/baton.v1.OperatorService/CreateTask',
             baton_dot_v1_dot_baton__pb2.CreateTaskRequest.SerializeToString,
             baton_dot_v1_dot_baton__pb2.CreateTaskResponse.FromString,
             options,
@@ -799,9 +1412,9 @@ class Registry:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/baton.v1.Registry/GetTask',
+            '/baton.v1.OperatorService/GetTask',
             baton_dot_v1_dot_baton__pb2.GetTaskRequest.SerializeToString,
-            baton_dot_v1_dot_baton__pb2.Task.FromString,
+            baton_dot_v1_dot_baton__pb2.GetTaskResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -826,9 +1439,36 @@ class Registry:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/baton.v1.Registry/ListTasks',
+            '/baton.v1.OperatorService/ListTasks',
             baton_dot_v1_dot_baton__pb2.ListTasksRequest.SerializeToString,
             baton_dot_v1_dot_baton__pb2.ListTasksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchTasks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/baton.v1.OperatorService/WatchTasks',
+            baton_dot_v1_dot_baton__pb2.WatchTasksRequest.SerializeToString,
+            baton_dot_v1_dot_baton__pb2.WatchTasksResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -853,9 +1493,9 @@ class Registry:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/baton.v1.Registry/GetEntry',
+            '/baton.v1.OperatorService/GetEntry',
             baton_dot_v1_dot_baton__pb2.GetEntryRequest.SerializeToString,
-            baton_dot_v1_dot_baton__pb2.Entry.FromString,
+            baton_dot_v1_dot_baton__pb2.GetEntryResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -880,7 +1520,7 @@ class Registry:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/baton.v1.Registry/ListEntries',
+            '/baton.v1.OperatorService/ListEntries',
             baton_dot_v1_dot_baton__pb2.ListEntriesRequest.SerializeToString,
             baton_dot_v1_dot_baton__pb2.ListEntriesResponse.FromString,
             options,
@@ -907,9 +1547,9 @@ class Registry:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/baton.v1.Registry/PauseTask',
-            baton_dot_v1_dot_baton__pb2.TaskControlRequest.SerializeToString,
-            baton_dot_v1_dot_baton__pb2.Task.FromString,
+            '/baton.v1.OperatorService/PauseTask',
+            baton_dot_v1_dot_baton__pb2.PauseTaskRequest.SerializeToString,
+            baton_dot_v1_dot_baton__pb2.PauseTaskResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -934,9 +1574,9 @@ class Registry:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/baton.v1.Registry/ResumeTask',
-            baton_dot_v1_dot_baton__pb2.TaskControlRequest.SerializeToString,
-            baton_dot_v1_dot_baton__pb2.Task.FromString,
+            '/baton.v1.OperatorService/ResumeTask',
+            baton_dot_v1_dot_baton__pb2.ResumeTaskRequest.SerializeToString,
+            baton_dot_v1_dot_baton__pb2.ResumeTaskResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -961,9 +1601,9 @@ class Registry:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/baton.v1.Registry/CancelTask',
-            baton_dot_v1_dot_baton__pb2.TaskControlRequest.SerializeToString,
-            baton_dot_v1_dot_baton__pb2.Task.FromString,
+            '/baton.v1.OperatorService/CancelTask',
+            baton_dot_v1_dot_baton__pb2.CancelTaskRequest.SerializeToString,
+            baton_dot_v1_dot_baton__pb2.CancelTaskResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -988,7 +1628,7 @@ class Registry:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/baton.v1.Registry/DeleteTask',
+            '/baton.v1.OperatorService/DeleteTask',
             baton_dot_v1_dot_baton__pb2.DeleteTaskRequest.SerializeToString,
             baton_dot_v1_dot_baton__pb2.DeleteTaskResponse.FromString,
             options,
@@ -1015,9 +1655,9 @@ class Registry:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/baton.v1.Registry/ArchiveTask',
-            baton_dot_v1_dot_baton__pb2.TaskControlRequest.SerializeToString,
-            baton_dot_v1_dot_baton__pb2.Task.FromString,
+            '/baton.v1.OperatorService/ArchiveTask',
+            baton_dot_v1_dot_baton__pb2.ArchiveTaskRequest.SerializeToString,
+            baton_dot_v1_dot_baton__pb2.ArchiveTaskResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1042,9 +1682,9 @@ class Registry:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/baton.v1.Registry/Requeue',
+            '/baton.v1.OperatorService/Requeue',
             baton_dot_v1_dot_baton__pb2.RequeueRequest.SerializeToString,
-            baton_dot_v1_dot_baton__pb2.Entry.FromString,
+            baton_dot_v1_dot_baton__pb2.RequeueResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1069,7 +1709,7 @@ class Registry:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/baton.v1.Registry/Journal',
+            '/baton.v1.OperatorService/Journal',
             baton_dot_v1_dot_baton__pb2.JournalRequest.SerializeToString,
             baton_dot_v1_dot_baton__pb2.JournalResponse.FromString,
             options,
@@ -1096,9 +1736,9 @@ class Registry:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/baton.v1.Registry/Explain',
-            baton_dot_v1_dot_baton__pb2.GetEntryRequest.SerializeToString,
-            baton_dot_v1_dot_baton__pb2.Explanation.FromString,
+            '/baton.v1.OperatorService/Explain',
+            baton_dot_v1_dot_baton__pb2.ExplainRequest.SerializeToString,
+            baton_dot_v1_dot_baton__pb2.ExplainResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1123,7 +1763,7 @@ class Registry:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/baton.v1.Registry/ListAgents',
+            '/baton.v1.OperatorService/ListAgents',
             baton_dot_v1_dot_baton__pb2.ListAgentsRequest.SerializeToString,
             baton_dot_v1_dot_baton__pb2.ListAgentsResponse.FromString,
             options,
@@ -1150,7 +1790,7 @@ class Registry:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/baton.v1.Registry/RevokeSession',
+            '/baton.v1.OperatorService/RevokeSession',
             baton_dot_v1_dot_baton__pb2.RevokeSessionRequest.SerializeToString,
             baton_dot_v1_dot_baton__pb2.RevokeSessionResponse.FromString,
             options,
@@ -1177,7 +1817,7 @@ class Registry:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/baton.v1.Registry/RotateLease',
+            '/baton.v1.OperatorService/RotateLease',
             baton_dot_v1_dot_baton__pb2.RotateLeaseRequest.SerializeToString,
             baton_dot_v1_dot_baton__pb2.RotateLeaseResponse.FromString,
             options,
@@ -1204,7 +1844,7 @@ class Registry:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/baton.v1.Registry/DrainHost',
+            '/baton.v1.OperatorService/DrainHost',
             baton_dot_v1_dot_baton__pb2.DrainHostRequest.SerializeToString,
             baton_dot_v1_dot_baton__pb2.DrainHostResponse.FromString,
             options,
@@ -1231,576 +1871,9 @@ class Registry:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/baton.v1.Registry/UndrainHost',
+            '/baton.v1.OperatorService/UndrainHost',
             baton_dot_v1_dot_baton__pb2.UndrainHostRequest.SerializeToString,
             baton_dot_v1_dot_baton__pb2.UndrainHostResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def OpenSession(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/baton.v1.Registry/OpenSession',
-            baton_dot_v1_dot_baton__pb2.OpenSessionRequest.SerializeToString,
-            baton_dot_v1_dot_baton__pb2.Session.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def KeepAlive(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/baton.v1.Registry/KeepAlive',
-            baton_dot_v1_dot_baton__pb2.KeepAliveRequest.SerializeToString,
-            baton_dot_v1_dot_baton__pb2.KeepAliveResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def CloseSession(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/baton.v1.Registry/CloseSession',
-            baton_dot_v1_dot_baton__pb2.CloseSessionRequest.SerializeToString,
-            baton_dot_v1_dot_baton__pb2.CloseSessionResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Session(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
-            target,
-            '/baton.v1.Registry/Session',
-            baton_dot_v1_dot_baton__pb2.SessionRequest.SerializeToString,
-            baton_dot_v1_dot_baton__pb2.SessionResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Claim(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/baton.v1.Registry/Claim',
-            baton_dot_v1_dot_baton__pb2.ClaimRequest.SerializeToString,
-            baton_dot_v1_dot_baton__pb2.ClaimResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def ClaimBatch(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/baton.v1.Registry/ClaimBatch',
-            baton_dot_v1_dot_baton__pb2.ClaimBatchRequest.SerializeToString,
-            baton_dot_v1_dot_baton__pb2.ClaimBatchResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Commit(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/baton.v1.Registry/Commit',
-            baton_dot_v1_dot_baton__pb2.CommitRequest.SerializeToString,
-            baton_dot_v1_dot_baton__pb2.CommitResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def CommitBatch(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/baton.v1.Registry/CommitBatch',
-            baton_dot_v1_dot_baton__pb2.CommitBatchRequest.SerializeToString,
-            baton_dot_v1_dot_baton__pb2.CommitBatchResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Fail(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/baton.v1.Registry/Fail',
-            baton_dot_v1_dot_baton__pb2.FailRequest.SerializeToString,
-            baton_dot_v1_dot_baton__pb2.FailResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def ReportVerification(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/baton.v1.Registry/ReportVerification',
-            baton_dot_v1_dot_baton__pb2.VerificationReport.SerializeToString,
-            baton_dot_v1_dot_baton__pb2.ReportResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def ReportProblem(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/baton.v1.Registry/ReportProblem',
-            baton_dot_v1_dot_baton__pb2.ProblemReport.SerializeToString,
-            baton_dot_v1_dot_baton__pb2.ReportResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Consume(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/baton.v1.Registry/Consume',
-            baton_dot_v1_dot_baton__pb2.ConsumeRequest.SerializeToString,
-            baton_dot_v1_dot_baton__pb2.ConsumeResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def ConsumeBatch(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/baton.v1.Registry/ConsumeBatch',
-            baton_dot_v1_dot_baton__pb2.ConsumeBatchRequest.SerializeToString,
-            baton_dot_v1_dot_baton__pb2.ConsumeBatchResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Ack(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/baton.v1.Registry/Ack',
-            baton_dot_v1_dot_baton__pb2.AckRequest.SerializeToString,
-            baton_dot_v1_dot_baton__pb2.AckResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Nack(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/baton.v1.Registry/Nack',
-            baton_dot_v1_dot_baton__pb2.NackRequest.SerializeToString,
-            baton_dot_v1_dot_baton__pb2.NackResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def AckBatch(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/baton.v1.Registry/AckBatch',
-            baton_dot_v1_dot_baton__pb2.AckBatchRequest.SerializeToString,
-            baton_dot_v1_dot_baton__pb2.AckBatchResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Watch(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/baton.v1.Registry/Watch',
-            baton_dot_v1_dot_baton__pb2.WatchRequest.SerializeToString,
-            baton_dot_v1_dot_baton__pb2.TaskEvent.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def WatchTasks(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/baton.v1.Registry/WatchTasks',
-            baton_dot_v1_dot_baton__pb2.WatchTasksRequest.SerializeToString,
-            baton_dot_v1_dot_baton__pb2.Task.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def RegisterWatcher(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/baton.v1.Registry/RegisterWatcher',
-            baton_dot_v1_dot_baton__pb2.RegisterWatcherRequest.SerializeToString,
-            baton_dot_v1_dot_baton__pb2.RegisterWatcherResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def WatcherHeartbeat(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/baton.v1.Registry/WatcherHeartbeat',
-            baton_dot_v1_dot_baton__pb2.WatcherHeartbeatRequest.SerializeToString,
-            baton_dot_v1_dot_baton__pb2.WatcherHeartbeatResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def ReleaseShard(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/baton.v1.Registry/ReleaseShard',
-            baton_dot_v1_dot_baton__pb2.ReleaseShardRequest.SerializeToString,
-            baton_dot_v1_dot_baton__pb2.ReleaseShardResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1825,7 +1898,7 @@ class Registry:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/baton.v1.Registry/ListWatchers',
+            '/baton.v1.OperatorService/ListWatchers',
             baton_dot_v1_dot_baton__pb2.ListWatchersRequest.SerializeToString,
             baton_dot_v1_dot_baton__pb2.ListWatchersResponse.FromString,
             options,
@@ -1852,7 +1925,7 @@ class Registry:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/baton.v1.Registry/ListShards',
+            '/baton.v1.OperatorService/ListShards',
             baton_dot_v1_dot_baton__pb2.ListShardsRequest.SerializeToString,
             baton_dot_v1_dot_baton__pb2.ListShardsResponse.FromString,
             options,
@@ -1879,9 +1952,9 @@ class Registry:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/baton.v1.Registry/MoveShard',
+            '/baton.v1.OperatorService/MoveShard',
             baton_dot_v1_dot_baton__pb2.MoveShardRequest.SerializeToString,
-            baton_dot_v1_dot_baton__pb2.ShardInfo.FromString,
+            baton_dot_v1_dot_baton__pb2.MoveShardResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1906,7 +1979,7 @@ class Registry:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/baton.v1.Registry/Rebalance',
+            '/baton.v1.OperatorService/Rebalance',
             baton_dot_v1_dot_baton__pb2.RebalanceRequest.SerializeToString,
             baton_dot_v1_dot_baton__pb2.RebalanceResponse.FromString,
             options,
@@ -1933,7 +2006,7 @@ class Registry:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/baton.v1.Registry/DrainWatcher',
+            '/baton.v1.OperatorService/DrainWatcher',
             baton_dot_v1_dot_baton__pb2.DrainWatcherRequest.SerializeToString,
             baton_dot_v1_dot_baton__pb2.DrainWatcherResponse.FromString,
             options,

@@ -1,4 +1,4 @@
-"""Regenerate the committed stubs from ``baton.proto``.
+"""Regenerate the committed stubs from the contract, ``kernel/proto/baton/v1/baton.proto``.
 
 Run ``python -m baton_relay.kernel.v1.regen`` from the repository root after editing the
 contract; ``tests/test_contract.py`` fails while the committed stubs are stale.
@@ -12,10 +12,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-#: this folder, where the contract and its stubs live
+#: this folder, where the stubs live
 HERE = Path(__file__).resolve().parent
-#: the name protoc gives the contract (the descriptor's file name, in every process's
-#: protobuf pool): the package's path, as the ecosystem lays a .proto out
+#: the contract's root, laid out by its package's path as the ecosystem does (buf
+#: checks it there): the descriptor's file name is baton/v1/baton.proto in every
+#: process's protobuf pool
+PROTO_ROOT = HERE.parent / "proto"
 VIRTUAL = "baton/v1"
 
 
@@ -31,7 +33,7 @@ def generate(out_dir: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         args = [
             "protoc",
-            f"-I{VIRTUAL}={HERE}",
+            f"-I{PROTO_ROOT}",
             f"--python_out={tmp}",
             f"--grpc_python_out={tmp}",
             f"--mypy_out={tmp}",

@@ -130,7 +130,7 @@ class Agent:
         if age > (TASKS_IDLE if idle else TASKS_REFRESH):
             try:
                 self._tasks = [t.spec.task_id for t in self.client.list_tasks()
-                               if t.status == pb.TASK_ACTIVE]
+                               if t.status == pb.TASK_STATUS_ACTIVE]
                 self._tasks_at = time.monotonic()
             except errors.Unavailable:
                 self.switch()

@@ -174,7 +174,7 @@ class Feeder(threading.Thread):
             except errors.BatonError:
                 continue
             self.remove_completed(tasks)
-            active = {t.spec.task_id: t for t in tasks if t.status == pb.TASK_ACTIVE}
+            active = {t.spec.task_id: t for t in tasks if t.status == pb.TASK_STATUS_ACTIVE}
             if sum(t.open for t in active.values()) >= self.cfg.backlog:
                 continue  # the consumers are behind: let them catch up
             if self.newest in active:
@@ -193,7 +193,7 @@ class Feeder(threading.Thread):
             return
         for t in tasks:
             task_id = t.spec.task_id
-            if t.status == pb.TASK_COMPLETED and task_id not in self.removed:
+            if t.status == pb.TASK_STATUS_COMPLETED and task_id not in self.removed:
                 shutil.rmtree(self.staging / task_id, ignore_errors=True)
                 self.removed.add(task_id)
 
@@ -222,7 +222,7 @@ class Feeder(threading.Thread):
         except errors.BatonError:
             return False
         status = {t.spec.task_id: t.status for t in tasks}
-        return all(status.get(t) == pb.TASK_COMPLETED for t in self.created)
+        return all(status.get(t) == pb.TASK_STATUS_COMPLETED for t in self.created)
 
 
 def run(cfg: RunConfig, say: Callable[[str], None] = print) -> Result:

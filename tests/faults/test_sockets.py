@@ -33,5 +33,5 @@ def test_an_aborted_connection_breaks_the_stream_and_the_session_resumes(
             assert s.stream.resumed >= 1
             for claim in (first, second):
                 entry = c.commit("t", claim.file_id, claim.token, 1, DIGEST, session=s)
-                assert entry.state == pb.WRITTEN
+                assert entry.state == pb.ENTRY_STATE_WRITTEN
         assert not sockets.connections(os.getpid(), [1])  # another port: nothing of ours

@@ -68,10 +68,10 @@ def test_a_stale_producer_does_not_overwrite_the_live_attempt(
                         "backoff": {"base_seconds": 0.001}})
     stale = request.getfixturevalue("paused_producer")
     # Its lease expires while it is stopped; the reaper sends the entry back.
-    until(lambda: client.get_entry("t1", "a").state == pb.PENDING, 10)
+    until(lambda: client.get_entry("t1", "a").state == pb.ENTRY_STATE_PENDING, 10)
     with client.open_session("live", ttl=10) as session:
         entry = put(client, session, "t1", "a", io.BytesIO(OTHER))
-    assert entry.state == pb.WRITTEN
+    assert entry.state == pb.ENTRY_STATE_WRITTEN
     os.kill(stale.pid, signal.SIGCONT)
     stale.stdin.write("publish\n")
     stale.stdin.flush()
