@@ -32,6 +32,7 @@ from ._wire import (
     Lease,
     channel_options,
     encode_attributes,
+    error_of,
     raise_from_rpc,
 )
 from .retry import RetryPolicy
@@ -555,10 +556,23 @@ class Client:
         ``watcher_id``, ``shard_epoch``: the reporting watcher and the epoch at which
         it owns the task's shard (once watchers hold shards, only the owner counts)."""
         req = pb.ReportVerificationRequest(task_id=task_id, file_id=file_id, size=size,
-                                           digest=digest,
-                                    identity=identity, reporter=reporter,
-                                    watcher_id=watcher_id, shard_epoch=shard_epoch)
+                                           digest=digest, identity=identity,
+                                           reporter=reporter, watcher_id=watcher_id,
+                                           shard_epoch=shard_epoch)
         return self._call("ReportVerification", req).entry  # type: ignore[no-any-return]
+
+    def report_batch(self, reports: Sequence[pb.ReportVerificationRequest]
+                     ) -> list[pb.Entry | errors.BatonError]:
+        """Many ``report``s in one call (at most ``MAX_REPORT_BATCH``): each applied on
+        its own; for each, in order, the entry after it or the error it alone ended
+        with. Each report gets a request id, so a batch sent again after a lost reply
+        applies none twice."""
+        for report in reports:
+            if not report.request_id:
+                report.request_id = os.urandom(16).hex()
+        req = pb.ReportVerificationBatchRequest(reports=reports)
+        return [r.entry if r.HasField("entry") else error_of(r.error)
+                for r in self._call("ReportVerificationBatch", req).results]
 
     def report_problem(self, task_id: str, file_id: str, kind: int, reason: str,
                        reporter: str = "", *, watcher_id: str = "",

@@ -148,6 +148,12 @@ def _tls_name(target: str) -> str:
     return host.strip("[]")
 
 
+def error_of(error: pb.CallError) -> errors.BatonError:
+    """The domain error one call of a stream or a batch ended with."""
+    return errors.from_status(grpc.StatusCode[error.code], error.details,
+                              tuple(error.metadata.items()))
+
+
 def raise_from_rpc(e: grpc.RpcError, method: str = "", timeout: float = 0.0
                     ) -> errors.BatonError:
     """The domain error a failed call carries (the inverse of the registry's

@@ -47,6 +47,7 @@ from ._wire import (
     Lease,
     channel_options,
     encode_attributes,
+    error_of,
     raise_from_rpc,
 )
 
@@ -282,9 +283,7 @@ class AsyncSession:
         finally:
             del self._pending[call.call_id]
         if reply.WhichOneof("reply") == "error":
-            error = reply.error
-            raise errors.from_status(grpc.StatusCode[error.code], error.details,
-                                     tuple(error.metadata.items()))
+            raise error_of(reply.error)
         return getattr(reply, kind)
 
     def _lose(self, error: errors.BatonError) -> None:
@@ -459,8 +458,7 @@ class AsyncSession:
         """What a fused step's missing next says of the session (drained, lost)."""
         if not why.code:
             return
-        error = errors.from_status(grpc.StatusCode[why.code], why.details,
-                                   tuple(why.metadata.items()))
+        error = error_of(why)
         if isinstance(error, errors.Draining):
             self.draining = True
         elif isinstance(error, errors.SessionExpired):

@@ -88,6 +88,9 @@ MAX_ATTRIBUTES_BYTES = 4096
 
 #: the largest reply: every entry of a task at its limits, with room to spare
 MAX_REPLY_BYTES = 256 * MiB
+#: the most digest reports one ReportVerificationBatch carries (a watcher sends what
+#: queued while the batch before it was on its way, up to this many)
+MAX_REPORT_BATCH = 512
 
 #: a client pings its registry this often (ms) when the connection is quiet, and
 #: drops the connection when a ping gets no answer within ``KEEPALIVE_TIMEOUT_MS``: a

@@ -54,7 +54,7 @@ def call_error(error: BaseException) -> pb.CallError:
     """``error`` as a unary call would have ended with it (an unexpected one logged and
     sent as ``INTERNAL``)."""
     if not isinstance(error, BatonError):
-        log.error("unexpected error in a session stream call", exc_info=error)
+        log.error("unexpected error in a call of a stream or a batch", exc_info=error)
         error = Internal(f"internal error: {type(error).__name__}: {error}")
     code, details, metadata = to_status(error)
     return pb.CallError(code=code.name, details=details, metadata=dict(metadata))

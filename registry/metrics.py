@@ -125,6 +125,15 @@ def _error_of(context: Any, code: str) -> str:
     return code
 
 
+def _result_of(result: Any) -> str:
+    """A batched report's outcome as a label value: the entry's state after it, or the
+    name of the error it alone ended with."""
+    if result.HasField("error"):
+        return outcome_of(result.error.metadata.get(errors.ERROR_KEY, "")
+                          ) if errors.ERROR_KEY in result.error.metadata else result.error.code
+    return _state_name(result.entry.state)
+
+
 @dataclass
 class _Sources:
     """What the registry counts itself, read when scraped."""
@@ -159,7 +168,8 @@ class RegistryMetrics:
         self.steps = {name: Counter(f"baton_{name}", text, ["outcome"], registry=r)
                       for name, text in _STEP_HELP.items()}
         self.reports = Counter(
-            "baton_reports", "Watcher reports received: kind digest (ReportVerification) or "
+            "baton_reports", "Watcher reports received: kind digest (ReportVerification, each of a "
+            "ReportVerificationBatch) or "
             "problem (ReportProblem), by the entry's state after it, or the error",
             ["kind", "result"], registry=r)
         self.etcd_seconds = Histogram(
@@ -242,6 +252,9 @@ class RegistryMetrics:
                 ok_steps.inc(_entries_in(reply))
             elif report is not None:
                 self.reports.labels(report, _state_name(reply.entry.state)).inc()
+            elif method == "ReportVerificationBatch":
+                for result in reply.results:
+                    self.reports.labels("digest", _result_of(result)).inc()
             return reply
 
         return unary

@@ -11,21 +11,22 @@ translation, metrics and request-id scoping are the server's interceptors
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 from google.protobuf.message_factory import GetMessageClass
 
-from ..kernel.contract import DEFAULT_SHARDS
+from ..kernel.contract import DEFAULT_SHARDS, MAX_REPORT_BATCH
 from ..kernel.errors import InvalidArgument
 from ..kernel.v1 import baton_pb2 as pb
 from ..kernel.v1 import baton_pb2_grpc as pb_grpc
 from .access import check_reader
-from .agent_stream import AgentStreams
+from .agent_stream import AgentStreams, call_error
 from .consumers import Consumers
 from .core import Core
-from .identity import WATCHER, current, redact
+from .identity import WATCHER, current, redact, scoped_request_id
 from .interceptors import Context, decoder
 from .leases import Leases
 from .manifest import check_id
@@ -183,6 +184,28 @@ class WatcherService(pb_grpc.WatcherServiceServicer):
                                  ) -> pb.ReportVerificationResponse:
         return pb.ReportVerificationResponse(entry=await self.verifier.report(request,
                                                                               current()))
+
+    async def ReportVerificationBatch(self, request: pb.ReportVerificationBatchRequest,
+                                      context: Context) -> pb.ReportVerificationBatchResponse:
+        """Each report applied on its own, at once (their transactions share etcd
+        round trips through the group commit), each answered with its entry or error."""
+        if len(request.reports) > MAX_REPORT_BATCH:
+            raise InvalidArgument(
+                f"a batch carries at most {MAX_REPORT_BATCH} reports, not "
+                f"{len(request.reports)}", limit=MAX_REPORT_BATCH)
+        caller = current()
+        Result = pb.ReportVerificationBatchResponse.Result
+
+        async def one(report: pb.ReportVerificationRequest) -> Any:
+            if report.request_id:  # scoped as a unary report's is
+                report.request_id = scoped_request_id(caller, "ReportVerification", report)
+            try:
+                return Result(entry=await self.verifier.report(report, caller))
+            except Exception as e:  # the report's own answer, not the batch's end
+                return Result(error=call_error(e))
+
+        results = await asyncio.gather(*(one(r) for r in request.reports))
+        return pb.ReportVerificationBatchResponse(results=results)
 
     async def ReportProblem(self, request: pb.ReportProblemRequest, context: Context
                             ) -> pb.ReportProblemResponse:

@@ -186,6 +186,8 @@ def _request(method: str, world: dict[str, Any]) -> Any:
         "Fail": pb.FailRequest(task_id=t, file_id=f, token=tok),
         "ReportVerification": pb.ReportVerificationRequest(task_id=t, file_id=f, size=1,
                                                     digest=DIGEST),
+        "ReportVerificationBatch": pb.ReportVerificationBatchRequest(reports=[
+            pb.ReportVerificationRequest(task_id=t, file_id=f, size=1, digest=DIGEST)]),
         "ReportProblem": pb.ReportProblemRequest(task_id=t, file_id=f,
                                                  kind=pb.ReportProblemRequest.KIND_MISSING,
                                           reason="forged"),

@@ -22,6 +22,9 @@ the check is retried later and a reconciliation is asked for.
 from __future__ import annotations
 
 import logging
+import sys
+import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -36,6 +39,7 @@ from .hashing import Hashed, Hasher, Identity
 from .jobs import JobQueue, Key
 from .links import LinkedFiles
 from .metrics import Metrics
+from .reporter import Reporter
 from .shards import Membership
 from .state import STATE_NAMES, EntryView, Table
 
@@ -43,6 +47,10 @@ logger = logging.getLogger("baton.watcher")
 
 CORRUPTED = pb.ReportProblemRequest.KIND_CORRUPTED
 MISSING = pb.ReportProblemRequest.KIND_MISSING
+#: the revision of a batched report still on its way (see ``Checker._sent``)
+IN_FLIGHT = sys.maxsize
+#: batched reports remembered (the newest): one forgotten costs at most a report again
+SENT_KEPT = 65536
 #: seconds before a check that could not reach the registry is tried again
 REGISTRY_BACKOFF = 1.0
 
@@ -64,6 +72,14 @@ class Checker:
     links: LinkedFiles = field(default_factory=LinkedFiles)
     #: the shards this watcher owns (None: it reports as an unregistered watcher)
     membership: Membership | None = None
+    #: sends digest reports in batches (None: each report is its own call, answered
+    #: before the check returns)
+    batches: Reporter | None = None
+    #: the last batched report of each entry: its bytes and the revision its answer
+    #: brought (``IN_FLIGHT`` until answered), so a check that began before that
+    #: answer does not send the same bytes again (the newest ``SENT_KEPT`` entries)
+    _sent: OrderedDict[Key, tuple[Identity, str, int]] = field(default_factory=OrderedDict)
+    _sent_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def check(self, key: Key) -> None:
         entry = self.table.entry(*key)
@@ -78,6 +94,13 @@ class Checker:
                 self._written(key, entry)
             elif entry.state == pb.ENTRY_STATE_VERIFIED:
                 self._verified(key, entry)
+        except BatonError as e:
+            self._refused_by_registry(key, e)
+
+    def _refused_by_registry(self, key: Key, error: BatonError) -> None:
+        """What a call to the registry for ``key`` ended with, said and acted on."""
+        try:
+            raise error
         except Unavailable as e:
             log(logger, logging.WARNING, "registry unavailable; will check again",
                 task=key[0], file_id=key[1], error=str(e))
@@ -239,6 +262,25 @@ class Checker:
         identity = pb.FileIdentity(inode=i.inode, device=i.device, mtime_ns=i.mtime_ns)
         if (owner := self._owner(key[0])) is None:
             return
+        request = pb.ReportVerificationRequest(
+            task_id=key[0], file_id=key[1], size=i.size, digest=hashed.digest,
+            identity=identity, reporter=self.reporter, watcher_id=owner[0],
+            shard_epoch=owner[1])
+        if self.batches is not None:
+            with self._sent_lock:  # answers are handled under it too (``_answered``)
+                sent = self._sent.get(key)
+                if sent is not None and sent[:2] == (i, hashed.digest) and (
+                        sent[2] >= entry.revision):
+                    # These very bytes are on their way, or their answer is what this
+                    # check saw: several events of one file, one report.
+                    return
+                self._sent[key] = (i, hashed.digest, IN_FLIGHT)
+                self._sent.move_to_end(key)
+                if len(self._sent) > SENT_KEPT:
+                    self._sent.popitem(last=False)
+                self.batches.submit(request, lambda outcome: self._answered(
+                    key, entry, hashed, outcome))
+            return
         try:
             reply = self.client.report(key[0], key[1], i.size, hashed.digest, identity,
                                        self.reporter, watcher_id=owner[0],
@@ -246,6 +288,28 @@ class Checker:
         except BatonError as e:
             self.metrics.refused("digest", e)
             raise
+        self._reported(key, entry, hashed, reply)
+
+    def _answered(self, key: Key, entry: EntryView, hashed: Hashed,
+                  outcome: pb.Entry | BatonError) -> None:
+        """A batched report's answer, on the reporter's thread."""
+        with self._sent_lock:
+            try:
+                if isinstance(outcome, BatonError):
+                    self.metrics.refused("digest", outcome)
+                    self._refused_by_registry(key, outcome)
+                else:
+                    self._reported(key, entry, hashed, outcome)
+            finally:  # the cache and the table know the answer: a check sees it now
+                if self._sent.get(key) == (hashed.identity, hashed.digest, IN_FLIGHT):
+                    if isinstance(outcome, BatonError):
+                        del self._sent[key]  # not taken: the next check sends it again
+                    else:
+                        self._sent[key] = (hashed.identity, hashed.digest, outcome.revision)
+
+    def _reported(self, key: Key, entry: EntryView, hashed: Hashed, reply: pb.Entry) -> None:
+        """The registry took a digest report: the entry is now ``reply``."""
+        i = hashed.identity
         self.metrics.reported(*key, "digest", STATE_NAMES.get(reply.state, ""))
         self.cache.put(*key, Known(i, hashed.digest))
         self.table.apply(key[0], reply)

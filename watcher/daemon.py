@@ -36,6 +36,7 @@ from .hashing import Hasher
 from .jobs import JobQueue
 from .metrics import Levels, Metrics
 from .observe import Watches
+from .reporter import Reporter
 from .shards import Membership
 from .state import LIVE, Change, Table, TaskView
 from .sync import TaskStreams
@@ -88,10 +89,11 @@ class Watcher:
             self.client, self.root, self.reporter, config.shard_ttl, capacity=self.capacity,
             gained=self._shards_gained, lost=self._shards_lost, handover=self._handover,
             remember=self.cache.set_registration, previous=self.cache.registration())
+        self.reports = Reporter(self.client)
         self.checker = Checker(
             self.table, self.cache, self.hasher, self.client, self.jobs, self.metrics,
             self.reporter, config.max_failures, config.retry_delay, self._registry_lost,
-            membership=self.membership,
+            membership=self.membership, batches=self.reports,
         )
         self._shedding = False
         self.streams = TaskStreams(
@@ -123,6 +125,7 @@ class Watcher:
         self.watches.start()
         for t in self._threads:
             t.start()
+        self.reports.start()
         self.membership.start()
         if not self.reconcile("start"):
             self._reconcile_now.set()
@@ -147,6 +150,7 @@ class Watcher:
         started = [t for t in self._threads if t.ident is not None]
         for t in started:
             t.join(timeout)
+        self.reports.close(timeout)  # what the workers reported, sent
         self.client.close()  # ends the Watch streams
         self.streams.join(timeout)
         if self._task_follower.is_alive():
@@ -200,9 +204,14 @@ class Watcher:
 
     def _handover(self, shard: int) -> None:
         """Returns once no check of the shard's tasks is in hand (or after a while)."""
+        start = time.monotonic()
         if not self.jobs.settle(lambda key: self.membership.shard(key[0]) == shard,
                                 HANDOVER_WAIT):
             log(logger, logging.WARNING, "handing a shard over with a check still running",
+                shard=shard)
+        # and the reports those checks handed over, answered
+        if not self.reports.settle(max(0.0, HANDOVER_WAIT - (time.monotonic() - start))):
+            log(logger, logging.WARNING, "handing a shard over with reports unanswered",
                 shard=shard)
 
     def _serves(self, task_id: str) -> bool:

@@ -2382,6 +2382,79 @@ class ReportVerificationResponse(_message.Message):
 Global___ReportVerificationResponse: _TypeAlias = ReportVerificationResponse  # noqa: Y015
 
 @_typing.final
+class ReportVerificationBatchRequest(_message.Message):
+    """Many digests in one message: a watcher sends what its hash workers found while the
+    batch before was on its way. Each report is applied on its own (its own guarded
+    transaction, its own request id), and answered in the order sent.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPORTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def reports(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReportVerificationRequest]: ...
+    def __init__(
+        self,
+        *,
+        reports: _abc.Iterable[Global___ReportVerificationRequest] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reports", b"reports"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportVerificationBatchRequest: _TypeAlias = ReportVerificationBatchRequest  # noqa: Y015
+
+@_typing.final
+class ReportVerificationBatchResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class Result(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        ENTRY_FIELD_NUMBER: _builtins.int
+        ERROR_FIELD_NUMBER: _builtins.int
+        @_builtins.property
+        def entry(self) -> Global___Entry:
+            """the entry after the report"""
+
+        @_builtins.property
+        def error(self) -> Global___CallError:
+            """what the report alone would have ended with"""
+
+        def __init__(
+            self,
+            *,
+            entry: Global___Entry | None = ...,
+            error: Global___CallError | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["entry", b"entry", "error", b"error", "result", b"result"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["entry", b"entry", "error", b"error", "result", b"result"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["entry", "error"]  # noqa: Y015
+        _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
+        def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReportVerificationBatchResponse.Result]: ...
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___ReportVerificationBatchResponse.Result] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportVerificationBatchResponse: _TypeAlias = ReportVerificationBatchResponse  # noqa: Y015
+
+@_typing.final
 class ReportProblemRequest(_message.Message):
     """What a watcher reports when it cannot vouch for a file's bytes."""
 

@@ -736,6 +736,11 @@ class WatcherServiceStub:
                 request_serializer=baton_dot_v1_dot_baton__pb2.ReportVerificationRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_baton__pb2.ReportVerificationResponse.FromString,
                 _registered_method=True)
+        self.ReportVerificationBatch = channel.unary_unary(
+                '/baton.v1.WatcherService/ReportVerificationBatch',
+                request_serializer=baton_dot_v1_dot_baton__pb2.ReportVerificationBatchRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_baton__pb2.ReportVerificationBatchResponse.FromString,
+                _registered_method=True)
         self.ReportProblem = channel.unary_unary(
                 '/baton.v1.WatcherService/ReportProblem',
                 request_serializer=baton_dot_v1_dot_baton__pb2.ReportProblemRequest.SerializeToString,
@@ -771,6 +776,12 @@ class WatcherServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportVerificationBatch(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReportProblem(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -799,6 +810,11 @@ def add_WatcherServiceServicer_to_server(servicer, server):
                     servicer.ReportVerification,
                     request_deserializer=baton_dot_v1_dot_baton__pb2.ReportVerificationRequest.FromString,
                     response_serializer=baton_dot_v1_dot_baton__pb2.ReportVerificationResponse.SerializeToString,
+            ),
+            'ReportVerificationBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportVerificationBatch,
+                    request_deserializer=baton_dot_v1_dot_baton__pb2.ReportVerificationBatchRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_baton__pb2.ReportVerificationBatchResponse.SerializeToString,
             ),
             'ReportProblem': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportProblem,
@@ -915,6 +931,33 @@ class WatcherService:
             '/baton.v1.WatcherService/ReportVerification',
             baton_dot_v1_dot_baton__pb2.ReportVerificationRequest.SerializeToString,
             baton_dot_v1_dot_baton__pb2.ReportVerificationResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportVerificationBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.WatcherService/ReportVerificationBatch',
+            baton_dot_v1_dot_baton__pb2.ReportVerificationBatchRequest.SerializeToString,
+            baton_dot_v1_dot_baton__pb2.ReportVerificationBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,
