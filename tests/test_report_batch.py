@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from test_transitions import digest, write
 from watcher_fixtures import make_task, put_bytes
 
 from baton_relay.client import Client, Session
@@ -14,8 +15,6 @@ from baton_relay.kernel import errors
 from baton_relay.kernel.contract import MAX_REPORT_BATCH
 from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.watcher import Watcher
-
-from test_transitions import digest, write
 
 Wait = Callable[..., None]
 

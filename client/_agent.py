@@ -1,0 +1,359 @@
+"""What agents call (the registry's AgentService): sessions, producers' claims and
+commits, consumers' consumes and acks, a task's events."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+from collections.abc import Generator, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import grpc
+
+from ..kernel import errors
+from ..kernel.contract import version
+from ..kernel.errors import SessionExpired
+from ..kernel.v1 import baton_pb2 as pb
+from ._connection import Connection
+from ._wire import (
+    Attributes,
+    Claim,
+    Lease,
+    encode_attributes,
+    raise_from_rpc,
+)
+
+if TYPE_CHECKING:
+    from .aio import AsyncSession
+
+log = logging.getLogger("baton.client")
+
+
+@dataclass
+class Session:
+    """An agent session: an etcd lease that lives while it is kept alive.
+
+    A session opened with ``keepalive`` (the default) lives on a stream (``stream``):
+    its calls travel there as messages, a keepalive message every TTL/3 refreshes it,
+    and a broken stream is resumed (see :mod:`baton_relay.client.aio`). Without, the
+    caller keeps it alive (``Client.keepalive``), as a one-shot command does.
+
+    Once the lease is lost (the registry says so, or no refresh succeeded for
+    a whole TTL), ``lost`` is set and the client refuses to use the session's
+    claims: their fencing tokens may already be dead.
+
+    The registry keeps the session on whichever etcd lease an operator rotated it
+    to; each refresh brings back the TTL the session has now (a rotation may
+    change it), which paces the next ones. ``draining`` turns True when the
+    session's host is drained (a refresh says so, or a claim is refused with
+    ``Draining``): take no new work, finish what is held.
+    """
+
+    client: AgentCalls
+    session_id: int
+    agent: str
+    _ttl: int
+    lost: threading.Event = field(default_factory=threading.Event)
+    _draining: threading.Event = field(default_factory=threading.Event)
+    #: the session on its stream, where calls naming this session go; None for a
+    #: session the caller keeps alive with unary calls
+    stream: AsyncSession | None = None
+    #: the client whose event loop carries the stream (``client`` may be changed to
+    #: another replica's, which then makes the unary calls, as ``close``'s revoke)
+    carrier: Connection | None = None
+
+    @property
+    def ttl(self) -> int:
+        """The session's TTL as its last refresh said (a rotation may change it)."""
+        return self.stream.ttl if self.stream is not None else self._ttl
+
+    @ttl.setter
+    def ttl(self, value: int) -> None:
+        self._ttl = value
+
+    @property
+    def keepalive(self) -> bool:
+        """Whether the session keeps itself alive (on its stream)."""
+        return self.stream is not None
+
+    @property
+    def draining(self) -> bool:
+        """Whether the session's host is drained: no new claims or consumes."""
+        if self.stream is not None:
+            return self.stream.draining
+        return self._draining.is_set()
+
+    def refresh(self) -> int:
+        """Refresh the session's lease once and take what the registry says of it
+        (its TTL, whether it is draining); the TTL."""
+        if self.stream is not None:
+            return (self.carrier or self.client)._run(self.stream.refresh())
+        reply = self.client.refresh_session(self.session_id)
+        if reply.ttl > 0:
+            self.ttl = int(reply.ttl)
+        if reply.draining:
+            self._draining.set()
+        else:
+            self._draining.clear()
+        return int(reply.ttl)
+
+    def drained(self) -> None:
+        """The registry refused new work: the session's host is drained."""
+        self._draining.set()
+        if self.stream is not None:
+            self.stream.draining = True
+
+    def check(self) -> None:
+        """Raise ``SessionExpired`` if this session can no longer be trusted."""
+        if self.stream is not None:
+            try:
+                self.stream.check()
+            except SessionExpired:
+                self.lost.set()
+                raise
+        elif self.lost.is_set():
+            raise SessionExpired(f"session {self.session_id:x} of {self.agent} was lost",
+                                 session_id=self.session_id)
+
+    def close(self, revoke: bool = True) -> None:
+        """End the stream; with ``revoke`` end the lease too (claims go back now)."""
+        if self.stream is not None:
+            lost = self.lost.is_set() or self.stream.lost
+            carrier = self.carrier or self.client
+            if not carrier.closed:
+                with contextlib.suppress(errors.ClientClosed):
+                    carrier._run(self.stream.close(revoke=False))
+            if revoke and not lost:
+                try:
+                    self.client.close_session(self.session_id)
+                except errors.BatonError as e:
+                    log.warning("closing session %x: %s", self.session_id, e)
+        elif revoke and not self.lost.is_set():
+            try:
+                self.client.close_session(self.session_id)
+            except errors.BatonError as e:
+                log.warning("closing session %x: %s", self.session_id, e)
+        self.lost.set()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AgentCalls(Connection):
+    """The AgentService's calls."""
+
+    def open_session(self, agent: str, ttl: int = 10, *, keepalive: bool = True,
+                     slots: int = 0, host: str = "") -> Session:
+        """Open an agent session; with ``keepalive`` it lives on a stream (its calls
+        and its keepalive, every TTL/3, travel there; a broken stream is resumed), else
+        it is kept by the caller's own ``keepalive`` calls.
+
+        ``slots`` caps the claims (producer and consumer) it may hold at once;
+        one more is refused with ``SlotsExhausted`` (0 = no limit). ``host`` is the
+        host the session says it runs on, which ``baton lease drain --host`` names
+        (default: this machine's host name; a container may give its node's).
+        """
+        if keepalive:
+            aio = self._streams()
+            stream = self._run(aio.open_session(agent, ttl, slots=slots, host=host))
+            session = Session(self, stream.session_id, stream.agent, stream.ttl, stream=stream,
+                              carrier=self)
+            stream.on_lost.append(session.lost.set)
+            return session
+        req = pb.OpenSessionRequest(agent=agent, ttl=ttl, host=host or socket.gethostname(),
+                                    pid=os.getpid(), version=version(), slots=slots)
+        resp = self._call("OpenSession", req).session
+        return Session(self, resp.session_id, resp.agent, resp.ttl)
+
+    def keepalive(self, session_id: int) -> int:
+        """Refresh a session's lease once; the TTL it now has."""
+        return int(self.refresh_session(session_id).ttl)
+
+    def refresh_session(self, session_id: int) -> pb.KeepAliveResponse:
+        """Refresh a session's lease once; the registry's whole reply: the TTL, and
+        whether the session's host is drained."""
+        return self._call("KeepAlive", pb.KeepAliveRequest(session_id=session_id))  # type: ignore[no-any-return]
+
+    def close_session(self, session_id: int) -> None:
+        self._call("CloseSession", pb.CloseSessionRequest(session_id=session_id))
+
+    def claim(self, task_id: str, file_id: str = "", *, session: Session | int) -> Claim:
+        """Claim an entry (or the next claimable one) for writing."""
+        if (stream := _stream_of(session)) is not None:
+            return self._run(stream.claim(task_id, file_id))
+        sid = _session_id(session)
+        with _draining(session):
+            resp = self._call("Claim", pb.ClaimRequest(task_id=task_id, file_id=file_id,
+                                                       session_id=sid))
+        return Claim(task_id, resp.entry.file_id, resp.token, resp.path, resp.entry, sid)
+
+    def claim_batch(self, task_id: str, max_count: int, *, session: Session | int) -> list[Claim]:
+        """Claim up to ``max_count`` entries in one transaction (all or nothing)."""
+        if (stream := _stream_of(session)) is not None:
+            return self._run(stream.claim_batch(task_id, max_count))
+        sid = _session_id(session)
+        with _draining(session):
+            resp = self._call("ClaimBatch", pb.ClaimBatchRequest(
+                task_id=task_id, session_id=sid, max=max_count))
+        return [Claim(task_id, c.entry.file_id, c.token, c.path, c.entry, sid)
+                for c in resp.claims]
+
+    def commit_batch(self, commits: Sequence[tuple[str, str, int, int, str]
+                                             | tuple[str, str, int, int, str, Attributes]]
+                     ) -> list[pb.Entry]:
+        """Commit (task, file_id, token, size, digest[, attributes]) tuples in one
+        transaction."""
+        req = pb.CommitBatchRequest(commits=[
+            pb.CommitRequest(task_id=c[0], file_id=c[1], token=c[2], size=c[3], digest=c[4],
+                             attributes=encode_attributes(c[5] if len(c) > 5 else None))
+            for c in commits])
+        return list(self._call("CommitBatch", req).entries)
+
+    def commit(self, task_id: str, file_id: str, token: int, size: int,
+               digest: str = "", *, session: Session | int = 0,
+               attributes: Attributes = None) -> pb.Entry:
+        """Publish a claim's file: its size and BLAKE3 ``digest`` (required unless the
+        task sets ``digest_optional``). ``session``: the one holding the claim (the
+        registry then checks it holds it). ``attributes``: what the task's routing
+        rules look at (see ``encode_attributes``)."""
+        if (stream := _stream_of(session)) is not None:
+            return self._run(stream.commit(task_id, file_id, token, size, digest,
+                                           attributes=attributes))
+        req = pb.CommitRequest(task_id=task_id, file_id=file_id, token=token, size=size,
+                               digest=digest, session_id=_named_session(session),
+                               attributes=encode_attributes(attributes))
+        return self._call("Commit", req).entry  # type: ignore[no-any-return]
+
+    def commit_and_claim(self, task_id: str, file_id: str, token: int, size: int,
+                         digest: str = "", *, session: Session,
+                         attributes: Attributes = None) -> tuple[pb.Entry, Claim | None]:
+        """Commit a claim and claim the task's next entry in one step (one message on
+        the session's stream, one etcd transaction): the committed entry and the next
+        claim, None when none can be taken now. Needs a session kept on its stream."""
+        return self._run(_needs_stream(session, "commit_and_claim").commit_and_claim(
+            task_id, file_id, token, size, digest, attributes=attributes))
+
+    def fail(self, task_id: str, file_id: str, token: int, reason: str = "", *,
+             session: Session | int = 0) -> pb.Entry:
+        if (stream := _stream_of(session)) is not None:
+            return self._run(stream.fail(task_id, file_id, token, reason))
+        req = pb.FailRequest(task_id=task_id, file_id=file_id, token=token, reason=reason,
+                             session_id=_named_session(session))
+        return self._call("Fail", req).entry  # type: ignore[no-any-return]
+
+    def consume(self, task_id: str, group: str = "default", file_id: str = "", *,
+                session: Session | int) -> Lease:
+        """Take a verified entry (or the next one) for ``group``."""
+        if (stream := _stream_of(session)) is not None:
+            return self._run(stream.consume(task_id, group, file_id))
+        sid = _session_id(session)
+        req = pb.ConsumeRequest(task_id=task_id, group=group, file_id=file_id, session_id=sid)
+        with _draining(session):
+            r = self._call("Consume", req)
+        return Lease(task_id, r.entry.file_id, r.group, r.token, r.path, r.size, r.digest,
+                     r.entry, sid)
+
+    def consume_batch(self, task_id: str, group: str = "default", max_count: int = 21, *,
+                      session: Session | int) -> list[Lease]:
+        """Take up to ``max_count`` verified entries for ``group`` in one transaction
+        (all or nothing, at most 21); ack them together with :meth:`ack_batch`."""
+        if (stream := _stream_of(session)) is not None:
+            return self._run(stream.consume_batch(task_id, group, max_count))
+        sid = _session_id(session)
+        req = pb.ConsumeBatchRequest(task_id=task_id, group=group, session_id=sid,
+                                     max=max_count)
+        with _draining(session):
+            resp = self._call("ConsumeBatch", req)
+        return [Lease(task_id, r.entry.file_id, r.group, r.token, r.path, r.size, r.digest,
+                      r.entry, sid) for r in resp.leases]
+
+    def ack(self, task_id: str, file_id: str, group: str, token: int, *,
+            session: Session | int = 0) -> pb.Entry:
+        if (stream := _stream_of(session)) is not None:
+            return self._run(stream.ack(task_id, file_id, group, token))
+        req = pb.AckRequest(task_id=task_id, file_id=file_id, group=group, token=token,
+                            session_id=_named_session(session))
+        return self._call("Ack", req).entry  # type: ignore[no-any-return]
+
+    def ack_and_consume(self, task_id: str, file_id: str, group: str, token: int, *,
+                        session: Session) -> tuple[pb.Entry, Lease | None]:
+        """Ack a lease and take the group's next entry in one step: the acked entry
+        and the next lease, None when none can be taken now. Needs a session kept on
+        its stream."""
+        return self._run(_needs_stream(session, "ack_and_consume").ack_and_consume(
+            task_id, file_id, group, token))
+
+    def ack_batch(self, acks: list[tuple[str, str, str, int]]) -> list[pb.Entry]:
+        """Ack (task, file_id, group, token) tuples in one transaction, all or nothing
+        (at most 21); the entries as acked, in the same order."""
+        req = pb.AckBatchRequest(acks=[
+            pb.AckRequest(task_id=t, file_id=f, group=g, token=tok) for t, f, g, tok in acks])
+        return list(self._call("AckBatch", req).entries)
+
+    def nack(self, task_id: str, file_id: str, group: str, token: int,
+             reason: str = "", *, session: Session | int = 0) -> pb.Entry:
+        if (stream := _stream_of(session)) is not None:
+            return self._run(stream.nack(task_id, file_id, group, token, reason))
+        req = pb.NackRequest(task_id=task_id, file_id=file_id, group=group, token=token,
+                             reason=reason, session_id=_named_session(session))
+        return self._call("Nack", req).entry  # type: ignore[no-any-return]
+
+    def watch(self, task_id: str, start_revision: int = 0,
+              timeout: float | None = None) -> Generator[pb.TaskEvent, None, None]:
+        """The task's events (see ``WatchRequest``); ends quietly when ``timeout`` passes."""
+        request = pb.WatchRequest(task_id=task_id, start_revision=start_revision)
+        call = self._method("Watch")(request, timeout=timeout)
+        try:
+            for reply in call:
+                yield reply.event
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return
+            if e.code() == grpc.StatusCode.CANCELLED:
+                return
+            raise raise_from_rpc(e) from None
+        finally:
+            call.cancel()
+
+
+@contextmanager
+def _draining(session: Session | int) -> Iterator[None]:
+    """A ``Draining`` refusal marks the session draining."""
+    try:
+        yield
+    except errors.Draining:
+        if isinstance(session, Session):
+            session.drained()
+        raise
+
+
+def _stream_of(session: Session | int) -> AsyncSession | None:
+    """The stream a session's calls travel on (None: unary calls)."""
+    return session.stream if isinstance(session, Session) else None
+
+
+def _needs_stream(session: Session, what: str) -> AsyncSession:
+    if session.stream is None:
+        raise errors.InvalidArgument(f"{what} needs a session kept on its stream "
+                                     "(open_session with keepalive)")
+    return session.stream
+
+
+def _named_session(session: Session | int) -> int:
+    """The id of the session a token call names (no check: the registry decides)."""
+    return session.session_id if isinstance(session, Session) else int(session)
+
+
+def _session_id(session: Session | int) -> int:
+    if isinstance(session, Session):
+        session.check()
+        return session.session_id
+    return int(session)

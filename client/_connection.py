@@ -1,0 +1,207 @@
+"""A connection to a registry: one gRPC channel, typed errors, safe retries, and the
+event loop that carries stream sessions. The calls themselves are grouped as the
+registry's services are (``_agent``, ``_watcher_calls``, ``_operator``)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import grpc
+
+from ..kernel import errors
+from ..kernel.contract import (
+    DEFAULT_REGISTRY,
+    MAX_REQUEST_BYTES,
+    mib,
+)
+from ..kernel.v1 import baton_pb2 as pb
+from ._wire import (
+    Credentials,
+    channel_options,
+    raise_from_rpc,
+)
+from .retry import RetryPolicy
+
+if TYPE_CHECKING:
+    from collections.abc import Coroutine
+
+    from .aio import AsyncClient
+
+T = TypeVar("T")
+C = TypeVar("C", bound="Connection")
+
+log = logging.getLogger("baton.client")
+
+
+_METHODS = {method.name: method for service in pb.DESCRIPTOR.services_by_name.values()
+            for method in service.methods}
+
+
+class _Stub:
+    """The registry's methods on a channel, each made when first called, from the
+    services' descriptors. The generated stubs make every method at once, a cost
+    every short-lived ``baton`` process would pay for its one or two calls."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        self._channel = channel
+
+    def __getattr__(self, name: str) -> Any:
+        method = _METHODS.get(name)
+        if method is None:
+            raise AttributeError(name)
+        request = getattr(pb, method.input_type.name)
+        reply = getattr(pb, method.output_type.name)
+        make = self._channel.unary_stream if method.server_streaming else self._channel.unary_unary
+        call = make(f"/{method.containing_service.full_name}/{name}",
+                    request_serializer=request.SerializeToString,
+                    response_deserializer=reply.FromString,
+                    _registered_method=True)  # type: ignore[call-arg]  # as generated stubs do
+        setattr(self, name, call)
+        return call
+
+
+class _Loop:
+    """The event loop, in a daemon thread, where every blocking client of the process
+    runs its stream sessions: the asyncio client is the one implementation of a
+    session, the blocking one hands it each call. One per process, because gRPC's
+    asyncio layer serves one running event loop at a time (a second one, running in
+    another thread, gets its futures refused)."""
+
+    _shared: _Loop | None = None
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="baton-sessions",
+                                       daemon=True)
+        self.thread.start()
+
+    @classmethod
+    def shared(cls) -> _Loop:
+        with cls._lock:
+            if cls._shared is None:
+                cls._shared = cls()
+            return cls._shared
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        result: T = asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        return result
+
+
+class Connection:
+    """One registry connection (see ``Client``, which adds the calls)."""
+
+    def __init__(
+        self,
+        target: str = DEFAULT_REGISTRY,
+        *,
+        timeout: float = 10.0,
+        retry: RetryPolicy | None = None,
+        ca: str | None = None,
+        cert: str | None = None,
+        key: str | None = None,
+    ) -> None:
+        self.target = target
+        self.timeout = timeout
+        self.retry = retry or RetryPolicy()
+        self.credentials = Credentials.resolve(ca, cert, key)
+        options = channel_options(target, self.credentials)
+        if self.credentials.tls:
+            self._channel = grpc.secure_channel(
+                target, self.credentials.channel_credentials(), options=options)
+        else:
+            self._channel = grpc.insecure_channel(target, options=options)
+        self._stub = _Stub(self._channel)
+        #: guards the channel against use once closed (see :meth:`_method`)
+        self._lock = threading.Lock()
+        self.closed = False
+        #: the asyncio client the stream sessions use, on its loop; made when first needed
+        self._aio: AsyncClient | None = None
+        self._loop: _Loop | None = None
+
+    def close(self) -> None:
+        """Close the channel; calls made afterwards raise ``ClientClosed``."""
+        with self._lock:
+            self.closed = True
+            self._channel.close()
+            loop, aio, self._loop, self._aio = self._loop, self._aio, None, None
+        if loop is not None and aio is not None:
+            loop.run(aio.close())
+
+    def _streams(self) -> AsyncClient:
+        """The asyncio client that carries this client's stream sessions."""
+        with self._lock:
+            if self.closed:
+                raise errors.ClientClosed(f"this client of {self.target} is closed")
+            if self._aio is None:
+                from .aio import AsyncClient  # only agents that keep a session need it
+
+                async def make() -> AsyncClient:
+                    c = self.credentials
+                    return AsyncClient(self.target, timeout=self.timeout, ca=c.ca,
+                                       cert=c.cert, key=c.key)
+
+                self._loop = _Loop.shared()
+                self._aio = self._loop.run(make())
+            return self._aio
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run a stream session's call on the loop that carries it; its result."""
+        loop = self._loop
+        if loop is None:
+            coro.close()
+            raise errors.ClientClosed(f"this client of {self.target} is closed")
+        return loop.run(coro)
+
+    def _method(self, name: str) -> Any:
+        """The callable of a registry method. Making one on a closed channel crashes the
+        process inside gRPC, so it is made under the lock ``close`` takes, and refused
+        once closed (a session's keepalive thread may outlive its client)."""
+        with self._lock:
+            if self.closed:
+                raise errors.ClientClosed(f"{name}: this client of {self.target} is closed")
+            return getattr(self._stub, name)
+
+    def __enter__(self: C) -> C:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, method: str, request: Any) -> Any:
+        if hasattr(request, "request_id") and not request.request_id:
+            request.request_id = os.urandom(16).hex()  # the same across retries
+        size = request.ByteSize()
+        if size > MAX_REQUEST_BYTES:
+            raise errors.MessageTooLarge(
+                f"{method}: the request is {mib(size)}; a registry accepts at most "
+                f"{mib(MAX_REQUEST_BYTES)}", size=size, limit=MAX_REQUEST_BYTES)
+        rpc = self._method(method)
+
+        def attempt() -> Any:
+            try:
+                return rpc(request, timeout=self.timeout)
+            except grpc.RpcError as e:
+                raise self._explain(raise_from_rpc(e, method, self.timeout)) from None
+
+        return self.retry.call(attempt)
+
+    def _explain(self, error: errors.BatonError) -> errors.BatonError:
+        """A connection refused by the transport, with what usually causes it."""
+        if type(error) is not errors.Unavailable:
+            return error
+        text = error.message.lower()
+        if self.credentials.tls and ("ssl" in text or "handshake" in text or "tls" in text):
+            return errors.Unavailable(
+                f"{error.message} (the TLS handshake with {self.target} failed: is "
+                "BATON_CA the CA of the registry's certificate, and BATON_CERT/BATON_KEY "
+                "an identity that CA signed?)")
+        if not self.credentials.tls and "refused" not in text:
+            return errors.Unavailable(
+                f"{error.message} (this client speaks plaintext: a registry serving TLS "
+                "needs BATON_CA, BATON_CERT and BATON_KEY)")
+        return error
