@@ -113,6 +113,8 @@ class Agents:
     def __init__(self, size: int, env: dict[str, str] | None, logs: Path) -> None:
         logs.mkdir(parents=True, exist_ok=True)
         self.workers = [Worker(env, logs / f"agent-{i}.log") for i in range(size)]
+        #: the environment naming the tree the agents import (None: this one)
+        self.env = env
 
     def __enter__(self) -> Agents:
         return self
@@ -169,11 +171,29 @@ def sample(start: float, results: list[dict[str, Any]]) -> Sample:
                   agents_cpu=sum(r["cpu"] for r in results))
 
 
+def create_task(address: str, spec: dict[str, Any], env: dict[str, str] | None) -> None:
+    """Create the task with the client of the tree the agents import (an earlier tree's
+    registry speaks only its own contract)."""
+    if env is None:
+        with Client(address, timeout=120) as c:
+            c.create_task(spec)
+        return
+    code = ("import json, sys\n"
+            "from baton_relay.client import Client\n"
+            "with Client(sys.argv[1], timeout=120) as c:\n"
+            "    c.create_task(json.loads(sys.stdin.read()))\n")
+    done = subprocess.run([sys.executable, "-c", code, address], input=json.dumps(spec),
+                          env=env, capture_output=True, text=True, timeout=SLACK, check=False)
+    if done.returncode != 0:
+        raise BenchError(f"creating {spec['task_id']} with the earlier tree failed: "
+                         f"{done.stderr[-2000:]}")
+
+
 def baton_run(stack: Stack, agents: Agents, registry: Daemon, loop: str, n: int,
               p: Profile, name: str) -> Sample:
-    with Client(registry.address, timeout=120) as c:
-        c.create_task({"task_id": name, "entries": [
-            {"file_id": f"e{i:06d}", "path": f"e{i:06d}"} for i in range(p.loop_entries)]})
+    spec = {"task_id": name, "entries": [
+        {"file_id": f"e{i:06d}", "path": f"e{i:06d}"} for i in range(p.loop_entries)]}
+    create_task(registry.address, spec, agents.env)
     jobs = [{"runner": "baton", "loop": loop, "address": registry.address, "task": name,
              "agent": f"{name}-{i}", "seconds": p.loop_seconds, "size": PAYLOAD}
             for i in range(n)]
