@@ -164,19 +164,46 @@ def need_task(kv: KV | None, task_id: str, active: bool = False) -> TaskRecord:
     if kv is None:
         raise NotFound(f"no task {task_id!r}", task_id=task_id)
     task = TaskRecord.load(kv.value)
+    if active:
+        _hands_out_work(task_id, task.status, task.status_reason)
+    return task
+
+
+#: task headers' (status, reason) by (key, revision), as :func:`need_active` read them
+_STATUS: dict[tuple[bytes, int], tuple[str, str]] = {}
+#: headers remembered at most (the whole memory goes when full: it refills at once)
+_STATUS_KEPT = 4096
+
+
+def need_active(kv: KV | None, task_id: str) -> None:
+    """``need_task(..., active=True)`` for a caller that wants only the verdict (a
+    claim's): the header is parsed once per revision, not once per claim."""
+    if kv is None:
+        raise NotFound(f"no task {task_id!r}", task_id=task_id)
+    at = (kv.key, kv.mod_revision)
+    known = _STATUS.get(at) if kv.mod_revision else None
+    if known is None:
+        task = TaskRecord.load(kv.value)
+        known = (task.status, task.status_reason)
+        if kv.mod_revision:
+            if len(_STATUS) >= _STATUS_KEPT:
+                _STATUS.clear()
+            _STATUS[at] = known
+    _hands_out_work(task_id, *known)
+
+
+def _hands_out_work(task_id: str, status: str, reason: str) -> None:
+    """``TaskNotActive`` unless a task in ``status`` hands out new work."""
     # A completed task has nothing left to hand out: callers then find nothing.
-    if active and task.status == "paused":
+    if status == "paused":
         # Paused keeps everything as it is and hands out no new work, to producers
         # and consumers alike; what is in hand may still be finished.
-        why = f" ({task.status_reason})" if task.status_reason else ""
+        why = f" ({reason})" if reason else ""
         raise TaskNotActive(f"task {task_id!r} is paused{why}: it hands out no new claims "
                             "or consumes until `baton task resume`; claims and consumes "
-                            "in hand may still be finished", task_id=task_id,
-                            status=task.status)
-    if active and task.status not in ("active", "completed"):
-        raise TaskNotActive(f"task {task_id!r} is {task.status}", task_id=task_id,
-                            status=task.status)
-    return task
+                            "in hand may still be finished", task_id=task_id, status=status)
+    if status not in ("active", "completed"):
+        raise TaskNotActive(f"task {task_id!r} is {status}", task_id=task_id, status=status)
 
 
 #: statuses in which every token of a task is void (its claims are being revoked, or gone)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Mapping
@@ -70,7 +71,15 @@ def _iso(epoch: float) -> str:
 
 def now() -> str:
     """UTC timestamp, RFC 3339 with milliseconds: every record uses this form."""
-    return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    t = time.time()
+    second = int(t)
+    return f"{_second(second)}.{int((t - second) * 1000):03d}Z"
+
+
+@functools.lru_cache(maxsize=4)
+def _second(second: int) -> str:
+    """The date and time of an epoch second (records are written many to a second)."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
 
 
 def epoch_of(stamp: str) -> float:
@@ -83,8 +92,14 @@ def epoch_of(stamp: str) -> float:
 
 def _load(cls: type[Any], raw: bytes) -> Any:
     data = json.loads(raw)
-    known = {f.name for f in fields(cls)}
+    known = _FIELDS.get(cls)
+    if known is None:
+        known = _FIELDS[cls] = frozenset(f.name for f in fields(cls))
     return cls(**{k: v for k, v in data.items() if k in known})
+
+
+#: the names of each record class's fields (what a stored record may set)
+_FIELDS: dict[type[Any], frozenset[str]] = {}
 
 
 @dataclass

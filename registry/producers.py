@@ -24,9 +24,9 @@ from .claims import (
     check_tokens_live,
     claim_value,
     entry_replay,
+    need_active,
     need_entry,
     need_session,
-    need_task,
     release_slot,
 )
 from .core import Core
@@ -84,7 +84,7 @@ class Producers:
         again on the new lease."""
         task_kv, agent_kv = await txn.get_many([self.keys.task(task_id),
                                                 self.keys.agent(session_id)])
-        need_task(task_kv, task_id, active=True)
+        need_active(task_kv, task_id)
         record = need_session(agent_kv, session_id)
         check_owner(caller, agent_kv, f"session {session_id:x}")
         return await Slots.read(txn, self.keys, record)
