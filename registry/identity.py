@@ -47,7 +47,7 @@ AUDIENCE: Mapping[str, str] = {
         "Consume", "ConsumeBatch", "Ack", "Nack", "AckBatch", "Watch"), AGENT),
     **dict.fromkeys((
         "RegisterWatcher", "WatcherHeartbeat", "ReportVerification", "ReportProblem",
-        "ReleaseShard"), WATCHER),
+        "RemoveStaged", "ReleaseShard"), WATCHER),
     **dict.fromkeys((
         "CreateTask", "GetTask", "ListTasks", "WatchTasks", "PauseTask", "ResumeTask",
         "CancelTask", "DeleteTask", "ArchiveTask", "GetEntry", "ListEntries",

@@ -45,6 +45,7 @@ from .manifest import check_id
 from .operators import Operators
 from .producers import Producers
 from .removal import Removal
+from .retention import StagingRetention
 from .sessions import Sessions
 from .shards import Shards
 from .tasks import Tasks
@@ -186,6 +187,7 @@ class RegistryService(pb_grpc.RegistryServicer):
         self.sessions = Sessions(core, renew=self.leases.renew)
         self.operators = Operators(core)
         self.removal = Removal(core)
+        self.retention = StagingRetention(core)
         self.streams = AgentStreams(self.sessions, self.producers, self.consumers)
 
     @unary
@@ -329,6 +331,10 @@ class RegistryService(pb_grpc.RegistryServicer):
     async def ReportProblem(self, request: pb.ProblemReport) -> pb.ReportResponse:
         return pb.ReportResponse(entry=await self.producers.verifier.problem(request,
                                                                               current()))
+
+    @unary
+    async def RemoveStaged(self, request: pb.StagingRemoval) -> pb.StagingRemovalResponse:
+        return await self.retention.mark(request, current())
 
     @unary
     async def Consume(self, request: pb.ConsumeRequest) -> pb.ConsumeResponse:

@@ -179,6 +179,11 @@ class RegistryStub:
                 request_serializer=baton_dot_v1_dot_baton__pb2.ProblemReport.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_baton__pb2.ReportResponse.FromString,
                 _registered_method=True)
+        self.RemoveStaged = channel.unary_unary(
+                '/baton.v1.Registry/RemoveStaged',
+                request_serializer=baton_dot_v1_dot_baton__pb2.StagingRemoval.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_baton__pb2.StagingRemovalResponse.FromString,
+                _registered_method=True)
         self.Consume = channel.unary_unary(
                 '/baton.v1.Registry/Consume',
                 request_serializer=baton_dot_v1_dot_baton__pb2.ConsumeRequest.SerializeToString,
@@ -434,6 +439,12 @@ class RegistryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RemoveStaged(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Consume(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -671,6 +682,11 @@ def add_RegistryServicer_to_server(servicer, server):
                     servicer.ReportProblem,
                     request_deserializer=baton_dot_v1_dot_baton__pb2.ProblemReport.FromString,
                     response_serializer=baton_dot_v1_dot_baton__pb2.ReportResponse.SerializeToString,
+            ),
+            'RemoveStaged': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveStaged,
+                    request_deserializer=baton_dot_v1_dot_baton__pb2.StagingRemoval.FromString,
+                    response_serializer=baton_dot_v1_dot_baton__pb2.StagingRemovalResponse.SerializeToString,
             ),
             'Consume': grpc.unary_unary_rpc_method_handler(
                     servicer.Consume,
@@ -1531,6 +1547,33 @@ class Registry:
             '/baton.v1.Registry/ReportProblem',
             baton_dot_v1_dot_baton__pb2.ProblemReport.SerializeToString,
             baton_dot_v1_dot_baton__pb2.ReportResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveStaged(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Registry/RemoveStaged',
+            baton_dot_v1_dot_baton__pb2.StagingRemoval.SerializeToString,
+            baton_dot_v1_dot_baton__pb2.StagingRemovalResponse.FromString,
             options,
             channel_credentials,
             insecure,
