@@ -1,0 +1,432 @@
+"""The staging retention, the watcher's side: consumed entries' files of its shards
+leave staging once their retention has passed.
+
+Candidates come from the task views (an entry seen consumed on a task's Watch stream
+or in a reconciliation) and from one listing of each finished task of its shards (a
+completed task is no longer followed, yet its files are the ones due). They wait in a
+heap by due time; one thread takes them in turn, at most ``rate`` a second:
+
+1. hash the file through the safe path (``Hasher``: dir descriptors, ``O_NOFOLLOW``);
+   a symlink or a non-regular file is left alone and counted;
+2. ask the registry to record the removal (``RemoveStaged``), with the digest just
+   read and the shard's epoch: it believes only the shard's owner, only past the
+   retention, only for the verified bytes (a changed file is journalled and kept);
+3. unlink the file, hashing it once more and checking that the name still names the
+   inode hashed (``Hasher.remove``).
+
+A crash between 2 and 3 leaves a marked entry whose file is still there: the next
+time the entry is offered (a reconciliation, the listing after a restart or a shard
+move) it is unlinked without asking again, its digest checked as before.
+
+Directories: a task archived or deleted has its directory removed once nothing but
+empty directories is left in it (a planted symlink, or a kept file, keeps it).
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import os
+import stat
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Protocol
+
+from ..client import Client
+from ..kernel.errors import BatonError, NotFound, NotShardOwner, Unavailable
+from ..kernel.logs import log
+from ..kernel.v1 import baton_pb2 as pb
+from .errors import FileChanged, FileMissing, HashFailed, Refused
+from .hashing import Hasher
+from .metrics import Metrics
+from .shards import Membership
+
+logger = logging.getLogger("baton.watcher")
+
+Outcome = pb.StagingRemovalResponse.Outcome
+Key = tuple[str, str]
+#: seconds before a removal that failed for a passing reason is tried again
+RETRY_AFTER = 5.0
+#: seconds before one the registry refused for another reason is tried again
+REFUSED_AFTER = 60.0
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+@dataclass
+class Candidate:
+    """A consumed entry's file the watcher will remove (or finish removing)."""
+
+    path: str
+    size: int
+    digest: str
+    #: when it is due (UTC epoch seconds)
+    due: float
+    #: the registry recorded its removal already: only the unlink is left
+    removed: bool = False
+
+
+class Staged(Protocol):
+    """An entry as the registry sent it (``pb.Entry``) or as a task view keeps it."""
+
+    @property
+    def file_id(self) -> str: ...
+    @property
+    def path(self) -> str: ...
+    @property
+    def state(self) -> int: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def digest(self) -> str: ...
+    @property
+    def staging_retention_seconds(self) -> float: ...
+    @property
+    def consumed_at(self) -> str: ...
+    @property
+    def staging_removed_at(self) -> str: ...
+
+
+def candidate(entry: Staged) -> Candidate | None:
+    """What ``entry`` leaves to remove: None unless consumed, with a file of its own
+    (an assembly's ``pb.Entry`` has parts and no digest of a file) and a retention
+    that is not negative."""
+    if entry.state != pb.CONSUMED or getattr(entry, "parts", None) or not entry.digest:
+        return None
+    if entry.staging_removed_at:
+        return Candidate(entry.path, entry.size, entry.digest, 0.0, removed=True)
+    if entry.staging_retention_seconds < 0 or not entry.consumed_at:
+        return None
+    due = _epoch(entry.consumed_at) + entry.staging_retention_seconds
+    return Candidate(entry.path, entry.size, entry.digest, due)
+
+
+class Retention:
+    """The removal loop: :meth:`start`, feed it (:meth:`offer`, :meth:`finished`,
+    :meth:`task_gone`), :meth:`stop`."""
+
+    def __init__(self, client: Client, hasher: Hasher, membership: Membership,
+                 metrics: Metrics, reporter: str, root: str, rate: float, *,
+                 on_reply: Callable[[str, pb.Entry], None] = lambda t, e: None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.client = client
+        self.hasher = hasher
+        self.membership = membership
+        self.metrics = metrics
+        self.reporter = reporter
+        self.root = root
+        self.gap = 1.0 / rate
+        self.on_reply = on_reply
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._known: dict[Key, Candidate] = {}
+        self._heap: list[tuple[float, str, str]] = []
+        #: finished tasks to list, tasks listed since their shard became ours, and
+        #: directories of tasks gone to remove once empty
+        self._to_list: list[str] = []
+        self._listed: set[str] = set()
+        self._dirs: list[str] = []
+        #: entries whose file is gone (removed, or missing when its turn came): a
+        #: marked entry offered again is not looked at again
+        self._gone: set[Key] = set()
+        self._held = 0
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="watcher-retention",
+                                        daemon=True)
+
+    # feeding ---------------------------------------------------------------------------
+
+    def offer(self, task_id: str, entries: Iterable[Staged]) -> None:
+        """Entries of a task of this watcher's shards."""
+        with self._lock:
+            for entry in entries:
+                key = (task_id, entry.file_id)
+                if (c := candidate(entry)) is not None and key not in self._gone:
+                    self._put(key, c)
+
+    def finished(self, task_id: str) -> None:
+        """A finished task of its shards: list its consumed entries once."""
+        with self._lock:
+            if task_id not in self._listed:
+                self._listed.add(task_id)
+                self._to_list.append(task_id)
+                self._wake.notify()
+
+    def task_gone(self, task_id: str) -> None:
+        """A task archived or deleted: its directory goes once it is empty."""
+        with self._lock:
+            self._dirs.append(task_id)
+            self._listed.discard(task_id)
+            self._gone = {k for k in self._gone if k[0] != task_id}
+            self._wake.notify()
+
+    def shards_lost(self) -> None:
+        """Forget what is no longer this watcher's: the new owner lists it again."""
+        with self._lock:
+            for key in [k for k in self._known if not self.membership.serves(k[0])]:
+                self._drop(key)
+            self._listed = {t for t in self._listed if self.membership.serves(t)}
+            self._gone = {k for k in self._gone if self.membership.serves(k[0])}
+
+    def held(self) -> int:
+        """Bytes of the known candidates not removed yet (a metrics level)."""
+        with self._lock:
+            return self._held
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._known)
+
+    def _put(self, key: Key, c: Candidate) -> None:
+        old = self._known.get(key)
+        if old is not None and old.due == c.due and old.removed == c.removed:
+            return
+        if old is not None:
+            self._drop(key)
+        self._known[key] = c
+        if not c.removed:
+            self._held += c.size
+        heapq.heappush(self._heap, (c.due, *key))
+        self._wake.notify()
+
+    def _drop(self, key: Key) -> None:
+        c = self._known.pop(key, None)
+        if c is not None and not c.removed:
+            self._held -= c.size
+
+    # the loop ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        with self._lock:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread.ident is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                work = self._next()
+                if work is None:
+                    return
+            try:
+                work()
+            except Exception:
+                logger.exception("staging retention: a step failed")
+
+    def _next(self) -> Callable[[], None] | None:
+        """The next thing to do (waiting until there is one); None when stopping."""
+        while not self._stopping:
+            if self._to_list:
+                task_id = self._to_list.pop(0)
+                return lambda: self._list(task_id)
+            if self._dirs:
+                task_id = self._dirs.pop(0)
+                return lambda: self._remove_dir(task_id)
+            now = self.clock()
+            while self._heap:
+                due, task_id, file_id = self._heap[0]
+                c = self._known.get((task_id, file_id))
+                if c is None or c.due != due:
+                    heapq.heappop(self._heap)  # superseded or dropped
+                    continue
+                if due > now:
+                    break
+                heapq.heappop(self._heap)
+                key = (task_id, file_id)
+                return lambda: self._paced(key, c)
+            self._wake.wait(min(self._heap[0][0] - now, 60.0) if self._heap else 60.0)
+        return None
+
+    def _paced(self, key: Key, c: Candidate) -> None:
+        start = time.monotonic()
+        again, acted = self._remove(key, c)
+        with self._lock:
+            if self._known.get(key) is c:
+                if again is None:
+                    self._drop(key)
+                    self._gone.add(key)
+                else:
+                    c.due = again
+                    heapq.heappush(self._heap, (again, *key))
+            # at most ``rate`` removals a second, however quickly each goes (a file
+            # found gone already costs no turn)
+            rest = self.gap - (time.monotonic() - start)
+            if acted and rest > 0 and not self._stopping:
+                self._wake.wait(rest)
+
+    def _list(self, task_id: str) -> None:
+        if not self.membership.serves(task_id):
+            return
+        try:
+            entries = self.client.list_entries(task_id, state=pb.CONSUMED)
+        except NotFound:
+            return
+        except BatonError as e:
+            log(logger, logging.WARNING, "staging retention: cannot list a finished task; "
+                "trying again later", task=task_id, error=str(e))
+            with self._lock:
+                self._listed.discard(task_id)
+            return
+        self.offer(task_id, entries)
+
+    # one file ------------------------------------------------------------------------------
+
+    def _remove(self, key: Key, c: Candidate) -> tuple[float | None, bool]:
+        """Remove one file if it may go: when to try again (None: done with it), and
+        whether there was a file to act on."""
+        task_id, file_id = key
+        epoch = self.membership.epoch_of(task_id)
+        if epoch is None:
+            return None, False  # its shard left: the new owner removes it
+        if c.removed:
+            return None, self._unlink(key, c)
+        try:
+            hashed = self.hasher.hash(task_id, c.path)
+        except FileMissing:
+            return None, False  # nothing left to remove
+        except Refused as e:
+            self._refused(key, e)
+            return None, True
+        except HashFailed as e:  # changed while read, unreadable: look again later
+            log(logger, logging.INFO, "staging retention: cannot hash yet", task=task_id,
+                file_id=file_id, reason=e.reason)
+            return self.clock() + RETRY_AFTER, True
+        try:
+            reply = self.client.remove_staged(
+                task_id, file_id, hashed.identity.size, hashed.digest, self.reporter,
+                watcher_id=self.membership.watcher_id, shard_epoch=epoch)
+        except (NotFound, NotShardOwner) as e:
+            log(logger, logging.INFO, "staging retention: not this watcher's to remove",
+                task=task_id, file_id=file_id, error=str(e))
+            return None, True
+        except Unavailable:
+            return self.clock() + RETRY_AFTER, True
+        except BatonError as e:
+            log(logger, logging.WARNING, "staging retention: registry refused",
+                task=task_id, file_id=file_id, error=f"{type(e).__name__}: {e}")
+            return self.clock() + REFUSED_AFTER, True
+        self.on_reply(task_id, reply.entry)
+        if reply.outcome == Outcome.MARKED:
+            self._unlink(key, c)
+        elif reply.outcome == Outcome.CHANGED:
+            self._changed(key, hashed.digest)
+        elif reply.outcome == Outcome.NOT_DUE:
+            return self.clock() + reply.due_in_seconds, True
+        return None, True
+
+    def _unlink(self, key: Key, c: Candidate) -> bool:
+        """Unlink a marked entry's file; whether there was one."""
+        try:
+            size = self.hasher.remove(key[0], c.path, c.digest)
+        except FileMissing:
+            return False
+        except FileChanged as e:
+            self._changed(key, e.digest)
+            return True
+        except Refused as e:
+            self._refused(key, e)
+            return True
+        except HashFailed as e:
+            log(logger, logging.WARNING, "staging retention: cannot remove", task=key[0],
+                file_id=key[1], reason=e.reason)
+            return True
+        self.metrics.add("staging_files_removed")
+        self.metrics.add("staging_bytes_removed", size)
+        log(logger, logging.INFO, "removed from staging", task=key[0], file_id=key[1],
+            size=size)
+        return True
+
+    def _changed(self, key: Key, digest: str) -> None:
+        self.metrics.add("staging_files_changed")
+        log(logger, logging.WARNING, "staging retention: file changed after verification; "
+            "kept", task=key[0], file_id=key[1], digest=digest or "-")
+
+    def _refused(self, key: Key, e: HashFailed) -> None:
+        self.metrics.add("staging_files_refused")
+        log(logger, logging.WARNING, "staging retention: left alone", task=key[0],
+            file_id=key[1], reason=e.reason)
+
+    # directories ---------------------------------------------------------------------------
+
+    def _task_gone(self, task_id: str) -> bool:
+        """The registry's word that the task is archived or deleted (or deleting)."""
+        try:
+            task = self.client.get_task(task_id)
+        except NotFound:
+            return True
+        except BatonError:
+            return False
+        return task.status in (pb.TASK_ARCHIVED, pb.TASK_DELETING)
+
+    def _remove_dir(self, task_id: str) -> None:
+        """Remove the task's directory if nothing but empty directories is in it and
+        the registry says the task is archived or gone; reached through descriptors,
+        never through a symlink."""
+        if not self.membership.serves(task_id):
+            return
+        try:
+            root = os.open(self.root, _DIR_FLAGS)
+        except OSError:
+            return
+        try:
+            if not _only_dirs(task_id, root) or not self._task_gone(task_id):
+                return
+            try:
+                for _, dirs, _, fd in os.fwalk(task_id, topdown=False, dir_fd=root,
+                                               follow_symlinks=False):
+                    for name in dirs:
+                        _rmdir(name, fd)
+            except OSError:
+                return
+            if _rmdir(task_id, root):
+                self.metrics.add("staging_dirs_removed")
+                log(logger, logging.INFO, "task directory removed (empty; the task is "
+                    "archived or deleted)", task=task_id)
+        finally:
+            os.close(root)
+
+
+def _only_dirs(task_id: str, root: int) -> bool:
+    """Whether the task's directory holds nothing but directories (no file, no link)."""
+    try:
+        st = os.stat(task_id, dir_fd=root, follow_symlinks=False)
+    except OSError:
+        return False
+    if not stat.S_ISDIR(st.st_mode):
+        return False
+    for _, dirs, files, fd in os.fwalk(task_id, dir_fd=root, follow_symlinks=False):
+        # a symlink to a directory is listed with the directories (not walked into)
+        if files or any(_is_link(d, fd) for d in dirs):
+            return False
+    return True
+
+
+def _is_link(name: str, dir_fd: int) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return True  # cannot tell: keep the directory
+
+
+def _rmdir(name: str, dir_fd: int) -> bool:
+    """Remove an empty directory (False if not empty, gone, a symlink or not removable:
+    it stays, and so does every directory above it)."""
+    try:
+        os.rmdir(name, dir_fd=dir_fd)
+        return True
+    except OSError:
+        return False
+
+
+def _epoch(stamp: str) -> float:
+    try:
+        return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return 0.0
