@@ -46,9 +46,6 @@ class StagingRetention:
     def __init__(self, core: Core) -> None:
         self.core = core
         self.keys = core.keys
-        #: removals recorded, and refusals of a file changed since verification
-        self.marked = 0
-        self.changed = 0
 
     async def mark(self, req: pb.StagingRemoval,
                    caller: Caller = ANONYMOUS) -> pb.StagingRemovalResponse:
@@ -73,14 +70,12 @@ class StagingRetention:
                 rec.remember("staging_removed", who=caller.name, label=req.reporter,
                              watcher=req.watcher_id, size=rec.size, digest=req.digest)
                 self.core.put_entry(rec, txn)
-                txn.after(self._count("marked"))
             elif outcome == Outcome.CHANGED and rec.staging_refused != req.digest:
                 rec.staging_refused = req.digest
                 rec.remember("staging_changed", who=caller.name, label=req.reporter,
                              reason="changed after verification: kept in staging",
                              verified=rec.digest, digest=req.digest, size=req.size)
                 self.core.put_entry(rec, txn)
-                txn.after(self._count("changed"))
 
             def reply(rev: int) -> pb.StagingRemovalResponse:
                 return pb.StagingRemovalResponse(entry=rec.to_pb(staging, revision=rev),
@@ -106,8 +101,3 @@ class StagingRetention:
         if req.digest != rec.digest or req.size != rec.size:
             return Outcome.CHANGED, 0.0
         return Outcome.MARKED, 0.0
-
-    def _count(self, what: str) -> Callable[[], None]:
-        def bump() -> None:
-            setattr(self, what, getattr(self, what) + 1)
-        return bump
