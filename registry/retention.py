@@ -30,6 +30,14 @@ from .txn import Txn
 
 log = logging.getLogger("baton.registry")
 
+#: seconds around an entry's staging removal coming due during which the archiver
+#: waits for the watcher to make it (a task archived takes its entries out of etcd,
+#: and with them the proof a watcher needs); a removal due later than this after the
+#: task is due for the archive, or due longer ago, does not hold the archive back
+ARCHIVE_GRACE = 300.0
+#: entries read per page when looking for files still held
+PAGE = 1000
+
 Outcome = pb.StagingRemovalResponse.Outcome
 
 
@@ -38,6 +46,18 @@ def _replay(raw: bytes, revision: int) -> pb.StagingRemovalResponse:
     reply = pb.StagingRemovalResponse.FromString(raw)
     reply.entry.revision = revision
     return reply
+
+
+async def holds_staging(core: Core, task_id: str, clock: float) -> bool:
+    """Whether a task due for the archive should wait for the staging retention: some
+    consumed entry's file, not yet removed, falls due within ``ARCHIVE_GRACE`` of
+    ``clock`` (before or after). Its defaults (24 h both) put the last entries' removal
+    right at the archive time; waiting for them spares their files being left behind."""
+    async for kv in core.etcd.scan(core.keys.entries(task_id), page=PAGE):
+        due = EntryRecord.load(kv.value).staging_due
+        if due is not None and abs(due - clock) < ARCHIVE_GRACE:
+            return True
+    return False
 
 
 class StagingRetention:

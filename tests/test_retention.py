@@ -171,3 +171,28 @@ def test_only_the_shard_owner_at_its_epoch_may_mark(
     reply = client.remove_staged("t", "f0", entry.size, digest, watcher_id=reg.watcher_id,
                                  shard_epoch=grant.epoch)
     assert reply.outcome == Outcome.MARKED
+
+
+def test_the_archive_waits_for_files_about_to_leave_staging(
+    registry_factory: Callable[..., RegistryHandle], tmp_path: Path, wait_for: Any,
+) -> None:
+    """A finished task whose consumed files are due for removal is archived only once
+    they are removed; one whose removal is a day away is archived at once."""
+    registry = registry_factory(archive_dir=str(tmp_path / "archive"), archive_after=0.0,
+                                archive_interval=0.2)
+    with Client(registry.address, timeout=10) as client, \
+            client.open_session("agent", ttl=10) as session:
+        _task(client, "soon", staging_retention_seconds=0)
+        _task(client, "later", staging_retention_seconds=86400)
+        entry = _consumed(client, session, "soon", "f0")
+        wait_for(lambda: client.get_task("soon").status == pb.TASK_COMPLETED,
+                 what="soon completed")
+        _consumed(client, session, "later", "f0")
+        wait_for(lambda: client.get_task("later").status == pb.TASK_ARCHIVED,
+                 what="the task whose files stay a day archived")
+        # Swept since it completed (later finished after it): still waiting.
+        assert client.get_task("soon").status == pb.TASK_COMPLETED
+        reply = client.remove_staged("soon", "f0", entry.size, _digest_of(entry.abs_path))
+        assert reply.outcome == Outcome.MARKED
+        wait_for(lambda: client.get_task("soon").status == pb.TASK_ARCHIVED,
+                 what="archived once its file is removed")
