@@ -46,7 +46,7 @@ class WatcherConfig:
     metrics: str = ""
     shard_ttl: int = 10
     cold_after: float = 24 * 3600.0
-    removal_rate: float = 50.0
+    removal_rate: float = 200.0
 
 
 _HELP = {

@@ -4,7 +4,8 @@ leave staging once their retention has passed.
 Candidates come from the task views (an entry seen consumed on a task's Watch stream
 or in a reconciliation) and from one listing of each finished task of its shards (a
 completed task is no longer followed, yet its files are the ones due). They wait in a
-heap by due time; one thread takes them in turn, at most ``rate`` a second:
+heap by due time; one thread hands them out in turn to a few workers (each removal is
+a round trip to the registry), starting at most ``rate`` a second:
 
 1. hash the file through the safe path (``Hasher``: dir descriptors, ``O_NOFOLLOW``);
    a symlink or a non-regular file is left alone and counted;
@@ -31,6 +32,7 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol
@@ -108,7 +110,8 @@ class Retention:
     :meth:`task_gone`), :meth:`stop`."""
 
     def __init__(self, client: Client, hasher: Hasher, membership: Membership,
-                 metrics: Metrics, reporter: str, root: str, rate: float, *,
+                 metrics: Metrics, reporter: str, root: str, rate: float,
+                 workers: int = 4, *,
                  on_reply: Callable[[str, pb.Entry], None] = lambda t, e: None,
                  clock: Callable[[], float] = time.time) -> None:
         self.client = client
@@ -134,6 +137,12 @@ class Retention:
         self._gone: set[Key] = set()
         self._held = 0
         self._stopping = False
+        #: files in hand at once (each one RPC and a hash: a round trip apiece)
+        self.workers = workers
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="watcher-removal")
+        self._busy: set[Key] = set()
+        #: when the next removal may start (monotonic seconds)
+        self._slot = 0.0
         self._thread = threading.Thread(target=self._run, name="watcher-retention",
                                         daemon=True)
 
@@ -205,11 +214,14 @@ class Retention:
     def stop(self, timeout: float = 30.0) -> None:
         with self._lock:
             self._stopping = True
-            self._wake.notify()
+            self._wake.notify_all()
         if self._thread.ident is not None:
             self._thread.join(timeout)
+        self._pool.shutdown(wait=True)
 
     def _run(self) -> None:
+        """Hand out the work in order: listings and directories on this thread, each
+        file to the pool, starts paced to ``rate`` a second."""
         while True:
             with self._lock:
                 work = self._next()
@@ -229,37 +241,58 @@ class Retention:
             if self._dirs:
                 task_id = self._dirs.pop(0)
                 return lambda: self._remove_dir(task_id)
-            now = self.clock()
-            while self._heap:
+            now, wait = self.clock(), 60.0
+            while self._heap and len(self._busy) < self.workers:
                 due, task_id, file_id = self._heap[0]
-                c = self._known.get((task_id, file_id))
-                if c is None or c.due != due:
-                    heapq.heappop(self._heap)  # superseded or dropped
+                key = (task_id, file_id)
+                c = self._known.get(key)
+                if c is None or c.due != due or key in self._busy:
+                    # superseded or dropped; one in hand is looked at again when done
+                    heapq.heappop(self._heap)
                     continue
                 if due > now:
+                    wait = min(due - now, wait)
+                    break
+                start = max(self._slot, time.monotonic())
+                if start > time.monotonic():
+                    wait = start - time.monotonic()
                     break
                 heapq.heappop(self._heap)
-                key = (task_id, file_id)
-                return lambda: self._paced(key, c)
-            self._wake.wait(min(self._heap[0][0] - now, 60.0) if self._heap else 60.0)
+                self._slot = start + self.gap
+                self._busy.add(key)
+                return lambda: self._submit(key, c)
+            self._wake.wait(wait)
         return None
 
-    def _paced(self, key: Key, c: Candidate) -> None:
-        start = time.monotonic()
-        again, acted = self._remove(key, c)
-        with self._lock:
-            if self._known.get(key) is c:
-                if again is None:
-                    self._drop(key)
-                    self._gone.add(key)
-                else:
-                    c.due = again
-                    heapq.heappush(self._heap, (again, *key))
-            # at most ``rate`` removals a second, however quickly each goes (a file
-            # found gone already costs no turn)
-            rest = self.gap - (time.monotonic() - start)
-            if acted and rest > 0 and not self._stopping:
-                self._wake.wait(rest)
+    def _submit(self, key: Key, c: Candidate) -> None:
+        try:
+            self._pool.submit(self._one, key, c)
+        except RuntimeError:  # the pool is shut down: stopping
+            with self._lock:
+                self._busy.discard(key)
+
+    def _one(self, key: Key, c: Candidate) -> None:
+        """Remove one file (on a pool thread), then decide what becomes of it."""
+        again: float | None = None
+        try:
+            again = self._remove(key, c)
+        except Exception:
+            logger.exception("staging retention: a removal failed")
+            again = self.clock() + REFUSED_AFTER
+        finally:
+            with self._lock:
+                self._busy.discard(key)
+                now = self._known.get(key)
+                if now is c:
+                    if again is None:
+                        self._drop(key)
+                        self._gone.add(key)
+                    else:
+                        c.due = again
+                        heapq.heappush(self._heap, (again, *key))
+                elif now is not None:  # offered anew while in hand: its turn again
+                    heapq.heappush(self._heap, (now.due, *key))
+                self._wake.notify()
 
     def _list(self, task_id: str) -> None:
         if not self.membership.serves(task_id):
@@ -278,26 +311,26 @@ class Retention:
 
     # one file ------------------------------------------------------------------------------
 
-    def _remove(self, key: Key, c: Candidate) -> tuple[float | None, bool]:
-        """Remove one file if it may go: when to try again (None: done with it), and
-        whether there was a file to act on."""
+    def _remove(self, key: Key, c: Candidate) -> float | None:
+        """Remove one file if it may go: when to try again (None: done with it)."""
         task_id, file_id = key
         epoch = self.membership.epoch_of(task_id)
         if epoch is None:
-            return None, False  # its shard left: the new owner removes it
+            return None  # its shard left: the new owner removes it
         if c.removed:
-            return None, self._unlink(key, c)
+            self._unlink(key, c)
+            return None
         try:
             hashed = self.hasher.hash(task_id, c.path)
         except FileMissing:
-            return None, False  # nothing left to remove
+            return None  # nothing left to remove
         except Refused as e:
             self._refused(key, e)
-            return None, True
+            return None
         except HashFailed as e:  # changed while read, unreadable: look again later
             log(logger, logging.INFO, "staging retention: cannot hash yet", task=task_id,
                 file_id=file_id, reason=e.reason)
-            return self.clock() + RETRY_AFTER, True
+            return self.clock() + RETRY_AFTER
         try:
             reply = self.client.remove_staged(
                 task_id, file_id, hashed.identity.size, hashed.digest, self.reporter,
@@ -305,43 +338,42 @@ class Retention:
         except (NotFound, NotShardOwner) as e:
             log(logger, logging.INFO, "staging retention: not this watcher's to remove",
                 task=task_id, file_id=file_id, error=str(e))
-            return None, True
+            return None
         except Unavailable:
-            return self.clock() + RETRY_AFTER, True
+            return self.clock() + RETRY_AFTER
         except BatonError as e:
             log(logger, logging.WARNING, "staging retention: registry refused",
                 task=task_id, file_id=file_id, error=f"{type(e).__name__}: {e}")
-            return self.clock() + REFUSED_AFTER, True
+            return self.clock() + REFUSED_AFTER
         self.on_reply(task_id, reply.entry)
         if reply.outcome == Outcome.MARKED:
             self._unlink(key, c)
         elif reply.outcome == Outcome.CHANGED:
             self._changed(key, hashed.digest)
         elif reply.outcome == Outcome.NOT_DUE:
-            return self.clock() + reply.due_in_seconds, True
-        return None, True
+            return self.clock() + reply.due_in_seconds
+        return None
 
-    def _unlink(self, key: Key, c: Candidate) -> bool:
-        """Unlink a marked entry's file; whether there was one."""
+    def _unlink(self, key: Key, c: Candidate) -> None:
+        """Unlink a marked entry's file (unless it is gone, or changed)."""
         try:
             size = self.hasher.remove(key[0], c.path, c.digest)
         except FileMissing:
-            return False
+            return
         except FileChanged as e:
             self._changed(key, e.digest)
-            return True
+            return
         except Refused as e:
             self._refused(key, e)
-            return True
+            return
         except HashFailed as e:
             log(logger, logging.WARNING, "staging retention: cannot remove", task=key[0],
                 file_id=key[1], reason=e.reason)
-            return True
+            return
         self.metrics.add("staging_files_removed")
         self.metrics.add("staging_bytes_removed", size)
         log(logger, logging.INFO, "removed from staging", task=key[0], file_id=key[1],
             size=size)
-        return True
 
     def _changed(self, key: Key, digest: str) -> None:
         self.metrics.add("staging_files_changed")
