@@ -230,6 +230,18 @@ class Hasher:
         finally:
             os.close(parent)
 
+    def removable(self, task_id: str, rel: str) -> bool:
+        """Whether this process may unlink the entry's file: write and search on the
+        directory holding it, as the kernel decides for its effective identity and
+        capabilities (asked before a removal is recorded, so that none is recorded
+        that cannot be made)."""
+        parts = split_path(task_id, rel)
+        parent = self._parent(parts, "/".join(parts))
+        try:
+            return os.access(".", os.W_OK | os.X_OK, dir_fd=parent, effective_ids=True)
+        finally:
+            os.close(parent)
+
     def remove(self, task_id: str, rel: str, digest: str) -> int:
         """Unlink the entry's file if it is a regular file, reached without a symlink,
         whose bytes hash to ``digest``; the bytes removed. Raises :class:`FileMissing`,

@@ -332,6 +332,15 @@ class Retention:
                 file_id=file_id, reason=e.reason)
             return self.clock() + RETRY_AFTER
         try:
+            allowed = self.hasher.removable(task_id, c.path)
+        except HashFailed as e:
+            allowed, why = False, e.reason
+        else:
+            why = "its directory is not writable by the watcher"
+        if not allowed:
+            self._refused(key, Refused(f"{task_id}/{c.path}", why))
+            return None
+        try:
             reply = self.client.remove_staged(
                 task_id, file_id, hashed.identity.size, hashed.digest, self.reporter,
                 watcher_id=self.membership.watcher_id, shard_epoch=epoch)
