@@ -38,12 +38,12 @@ ARCHIVE_GRACE = 300.0
 #: entries read per page when looking for files still held
 PAGE = 1000
 
-Outcome = pb.StagingRemovalResponse.Outcome
+Outcome = pb.RemoveStagedResponse.Outcome
 
 
-def _replay(raw: bytes, revision: int) -> pb.StagingRemovalResponse:
+def _replay(raw: bytes, revision: int) -> pb.RemoveStagedResponse:
     """The recorded reply of a removal, as first sent."""
-    reply = pb.StagingRemovalResponse.FromString(raw)
+    reply = pb.RemoveStagedResponse.FromString(raw)
     reply.entry.revision = revision
     return reply
 
@@ -67,8 +67,8 @@ class StagingRetention:
         self.core = core
         self.keys = core.keys
 
-    async def mark(self, req: pb.StagingRemoval,
-                   caller: Caller = ANONYMOUS) -> pb.StagingRemovalResponse:
+    async def mark(self, req: pb.RemoveStagedRequest,
+                   caller: Caller = ANONYMOUS) -> pb.RemoveStagedResponse:
         """Record that the entry's file leaves staging, if the caller may remove it
         now; the outcome says what the watcher is to do with the file."""
         check_id("task_id", req.task_id)
@@ -78,46 +78,47 @@ class StagingRetention:
                                   "BLAKE3 digest of the file as it is now")
         staging = self.core.staging_dir(req.task_id)
 
-        async def planner(txn: Txn) -> Callable[[int], pb.StagingRemovalResponse]:
+        async def planner(txn: Txn) -> Callable[[int], pb.RemoveStagedResponse]:
             await check_reporter(txn, self.keys, req.task_id, req.watcher_id,
                                  req.shard_epoch, caller)
             rec = need_entry(await txn.get(self.keys.entry(req.task_id, req.file_id)),
                              req.task_id, req.file_id)
             outcome, due_in = self._decide(rec, req)
-            if outcome == Outcome.MARKED and not rec.staging_removed:
+            if outcome == Outcome.OUTCOME_MARKED and not rec.staging_removed:
                 rec.staging_removed = {"at": now(), "watcher": req.watcher_id,
                                        "identity": caller.name, "label": req.reporter}
                 rec.remember("staging_removed", who=caller.name, label=req.reporter,
                              watcher=req.watcher_id, size=rec.size, digest=req.digest)
                 self.core.put_entry(rec, txn)
-            elif outcome == Outcome.CHANGED and rec.staging_refused != req.digest:
+            elif outcome == Outcome.OUTCOME_CHANGED and rec.staging_refused != req.digest:
                 rec.staging_refused = req.digest
                 rec.remember("staging_changed", who=caller.name, label=req.reporter,
                              reason="changed after verification: kept in staging",
                              verified=rec.digest, digest=req.digest, size=req.size)
                 self.core.put_entry(rec, txn)
 
-            def reply(rev: int) -> pb.StagingRemovalResponse:
-                return pb.StagingRemovalResponse(entry=rec.to_pb(staging, revision=rev),
+            def reply(rev: int) -> pb.RemoveStagedResponse:
+                return pb.RemoveStagedResponse(entry=rec.to_pb(staging, revision=rev),
                                                  outcome=outcome, due_in_seconds=due_in)
             return reply
 
         return await self.core.txns.run(planner, req.request_id, _replay)
 
     def _decide(self, rec: EntryRecord,
-                req: pb.StagingRemoval) -> tuple[Outcome.ValueType, float]:
+                req: pb.RemoveStagedRequest) -> tuple[Outcome.ValueType, float]:
         """What may happen to the entry's file (and, not due yet, in how long)."""
         if rec.staging_removed:
             # Marked before (a retry, or a crash before the unlink): the unlink is
             # still the watcher's to do, for the verified bytes only.
-            return (Outcome.MARKED if req.digest == rec.digest else Outcome.CHANGED), 0.0
+            same = req.digest == rec.digest
+            return (Outcome.OUTCOME_MARKED if same else Outcome.OUTCOME_CHANGED), 0.0
         if rec.state != CONSUMED or rec.parts:
-            return Outcome.NOT_CONSUMED, 0.0
+            return Outcome.OUTCOME_NOT_CONSUMED, 0.0
         if rec.retention < 0:
-            return Outcome.KEPT, 0.0
+            return Outcome.OUTCOME_KEPT, 0.0
         due_in = rec.consumed_at + rec.retention - self.core.clock()
         if due_in > 0:
-            return Outcome.NOT_DUE, due_in
+            return Outcome.OUTCOME_NOT_DUE, due_in
         if req.digest != rec.digest or req.size != rec.size:
-            return Outcome.CHANGED, 0.0
-        return Outcome.MARKED, 0.0
+            return Outcome.OUTCOME_CHANGED, 0.0
+        return Outcome.OUTCOME_MARKED, 0.0

@@ -333,7 +333,7 @@ class RegistryService(pb_grpc.RegistryServicer):
                                                                               current()))
 
     @unary
-    async def RemoveStaged(self, request: pb.StagingRemoval) -> pb.StagingRemovalResponse:
+    async def RemoveStaged(self, request: pb.RemoveStagedRequest) -> pb.RemoveStagedResponse:
         return await self.retention.mark(request, current())
 
     @unary

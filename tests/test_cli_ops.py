@@ -310,7 +310,7 @@ def test_status_shows_the_bytes_held_in_staging(registry: Any, client: Client) -
         client.ack("t1", "a", "default", lease.token, session=session)
     digest = blake3.blake3(data).hexdigest()
     assert client.remove_staged("t1", "a", len(data), digest).outcome == (
-        pb.StagingRemovalResponse.MARKED)
+        pb.RemoveStagedResponse.OUTCOME_MARKED)
     assert ok_json(invoke(registry, "status", "t1", "-o", "json"))["staging_bytes"] == 3000
     assert table_rows(invoke(registry, "status", "t1").stdout)["in staging"][1] == "2.9 KiB"
 

@@ -17,7 +17,7 @@ from baton_relay.client import Client, Session
 from baton_relay.kernel.errors import InvalidArgument, InvalidManifest, NotShardOwner
 from baton_relay.kernel.v1 import baton_pb2 as pb
 
-Outcome = pb.StagingRemovalResponse.Outcome
+Outcome = pb.RemoveStagedResponse.Outcome
 
 
 def _task(client: Client, task_id: str, n: int = 1, **spec: Any) -> None:
@@ -82,10 +82,10 @@ def test_a_consumed_entry_past_its_retention_is_marked_once_and_journalled(
     assert held == entry.size + client.get_entry("t", "f1").size
     digest = _digest_of(entry.abs_path)
     reply = client.remove_staged("t", "f0", entry.size, digest, reporter="w")
-    assert reply.outcome == Outcome.MARKED and reply.entry.staging_removed_at
+    assert reply.outcome == Outcome.OUTCOME_MARKED and reply.entry.staging_removed_at
     marked = client.get_entry("t", "f0").revision
     again = client.remove_staged("t", "f0", entry.size, digest, reporter="w")
-    assert again.outcome == Outcome.MARKED
+    assert again.outcome == Outcome.OUTCOME_MARKED
     assert client.get_entry("t", "f0").revision == marked  # nothing written twice
     events = [r.event for r in client.journal("t", "f0")]
     assert events.count("staging_removed") == 1
@@ -100,7 +100,7 @@ def test_an_entry_one_group_has_not_acked_is_not_marked(
     entry = _consumed(client, session, "t", "f0", groups=("g1",))
     assert entry.state == pb.VERIFIED
     reply = client.remove_staged("t", "f0", entry.size, _digest_of(entry.abs_path))
-    assert reply.outcome == Outcome.NOT_CONSUMED
+    assert reply.outcome == Outcome.OUTCOME_NOT_CONSUMED
     after = client.get_entry("t", "f0")
     assert after.revision == entry.revision and not after.staging_removed_at
 
@@ -112,7 +112,7 @@ def test_before_its_retention_has_passed_an_entry_is_not_due(
     _task(client, "t", staging_retention_seconds=3600)
     entry = _consumed(client, session, "t", "f0")
     reply = client.remove_staged("t", "f0", entry.size, _digest_of(entry.abs_path))
-    assert reply.outcome == Outcome.NOT_DUE
+    assert reply.outcome == Outcome.OUTCOME_NOT_DUE
     assert 3500 < reply.due_in_seconds <= 3600
     assert client.get_entry("t", "f0").revision == entry.revision
 
@@ -122,7 +122,7 @@ def test_a_negative_retention_keeps_the_file(client: Client, session: Session) -
     _task(client, "t", staging_retention_seconds=-1)
     entry = _consumed(client, session, "t", "f0")
     reply = client.remove_staged("t", "f0", entry.size, _digest_of(entry.abs_path))
-    assert reply.outcome == Outcome.KEPT and not reply.entry.staging_removed_at
+    assert reply.outcome == Outcome.OUTCOME_KEPT and not reply.entry.staging_removed_at
 
 
 def test_a_file_changed_after_verification_is_journalled_and_not_marked(
@@ -134,7 +134,7 @@ def test_a_file_changed_after_verification_is_journalled_and_not_marked(
     other = blake3.blake3(b"other bytes").hexdigest()
     for _ in range(2):
         reply = client.remove_staged("t", "f0", entry.size, other, reporter="w")
-        assert reply.outcome == Outcome.CHANGED and not reply.entry.staging_removed_at
+        assert reply.outcome == Outcome.OUTCOME_CHANGED and not reply.entry.staging_removed_at
     records = [r for r in client.journal("t", "f0") if r.event == "staging_changed"]
     assert len(records) == 1
     assert client.get_task("t").staging_bytes == entry.size
@@ -170,7 +170,7 @@ def test_only_the_shard_owner_at_its_epoch_may_mark(
     assert len(epochs) == 1  # all granted together, at one epoch
     reply = client.remove_staged("t", "f0", entry.size, digest, watcher_id=reg.watcher_id,
                                  shard_epoch=grant.epoch)
-    assert reply.outcome == Outcome.MARKED
+    assert reply.outcome == Outcome.OUTCOME_MARKED
 
 
 def test_the_archive_waits_for_files_about_to_leave_staging(
@@ -193,6 +193,6 @@ def test_the_archive_waits_for_files_about_to_leave_staging(
         # Swept since it completed (later finished after it): still waiting.
         assert client.get_task("soon").status == pb.TASK_COMPLETED
         reply = client.remove_staged("soon", "f0", entry.size, _digest_of(entry.abs_path))
-        assert reply.outcome == Outcome.MARKED
+        assert reply.outcome == Outcome.OUTCOME_MARKED
         wait_for(lambda: client.get_task("soon").status == pb.TASK_ARCHIVED,
                  what="archived once its file is removed")

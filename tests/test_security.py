@@ -177,7 +177,7 @@ def _request(method: str, world: dict[str, Any]) -> Any:
                                                     digest=DIGEST),
         "ReportProblem": pb.ProblemReport(task_id=t, file_id=f, kind=pb.ProblemReport.MISSING,
                                           reason="forged"),
-        "RemoveStaged": pb.StagingRemoval(task_id=t, file_id=f, size=1, digest=DIGEST),
+        "RemoveStaged": pb.RemoveStagedRequest(task_id=t, file_id=f, size=1, digest=DIGEST),
         "Consume": pb.ConsumeRequest(task_id=t, group="default", session_id=sid),
         "ConsumeBatch": pb.ConsumeBatchRequest(task_id=t, group="default", session_id=sid,
                                                max=2),

@@ -48,7 +48,7 @@ from .shards import Membership
 
 logger = logging.getLogger("baton.watcher")
 
-Outcome = pb.StagingRemovalResponse.Outcome
+Outcome = pb.RemoveStagedResponse.Outcome
 Key = tuple[str, str]
 #: seconds before a removal that failed for a passing reason is tried again
 RETRY_AFTER = 5.0
@@ -355,11 +355,11 @@ class Retention:
                 task=task_id, file_id=file_id, error=f"{type(e).__name__}: {e}")
             return self.clock() + REFUSED_AFTER
         self.on_reply(task_id, reply.entry)
-        if reply.outcome == Outcome.MARKED:
+        if reply.outcome == Outcome.OUTCOME_MARKED:
             self._unlink(key, c)
-        elif reply.outcome == Outcome.CHANGED:
+        elif reply.outcome == Outcome.OUTCOME_CHANGED:
             self._changed(key, hashed.digest)
-        elif reply.outcome == Outcome.NOT_DUE:
+        elif reply.outcome == Outcome.OUTCOME_NOT_DUE:
             return self.clock() + reply.due_in_seconds
         return None
 

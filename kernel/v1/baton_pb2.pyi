@@ -2221,11 +2221,11 @@ class ProblemReport(_message.Message):
 Global___ProblemReport: _TypeAlias = ProblemReport  # noqa: Y015
 
 @_typing.final
-class StagingRemoval(_message.Message):
+class RemoveStagedRequest(_message.Message):
     """A watcher asks to remove a consumed entry's file from staging, past its retention.
     Only the owner of the task's shard at the current epoch is believed, and only for
     the digest the entry was verified with: a file that changed since is recorded in
-    the journal and kept (CHANGED).
+    the journal and kept (OUTCOME_CHANGED).
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -2266,47 +2266,47 @@ class StagingRemoval(_message.Message):
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___StagingRemoval: _TypeAlias = StagingRemoval  # noqa: Y015
+Global___RemoveStagedRequest: _TypeAlias = RemoveStagedRequest  # noqa: Y015
 
 @_typing.final
-class StagingRemovalResponse(_message.Message):
+class RemoveStagedResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     class _Outcome:
         ValueType = _typing.NewType("ValueType", _builtins.int)
         V: _TypeAlias = ValueType  # noqa: Y015
 
-    class _OutcomeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[StagingRemovalResponse._Outcome.ValueType], _builtins.type):
+    class _OutcomeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[RemoveStagedResponse._Outcome.ValueType], _builtins.type):
         DESCRIPTOR: _descriptor.EnumDescriptor
-        OUTCOME_UNSPECIFIED: StagingRemovalResponse._Outcome.ValueType  # 0
-        MARKED: StagingRemovalResponse._Outcome.ValueType  # 1
+        OUTCOME_UNSPECIFIED: RemoveStagedResponse._Outcome.ValueType  # 0
+        OUTCOME_MARKED: RemoveStagedResponse._Outcome.ValueType  # 1
         """recorded as removed: unlink the file (again: already marked)"""
-        CHANGED: StagingRemovalResponse._Outcome.ValueType  # 2
+        OUTCOME_CHANGED: RemoveStagedResponse._Outcome.ValueType  # 2
         """the bytes differ from the verified digest: keep the file"""
-        NOT_DUE: StagingRemovalResponse._Outcome.ValueType  # 3
+        OUTCOME_NOT_DUE: RemoveStagedResponse._Outcome.ValueType  # 3
         """consumed, but its retention has not passed (due_in_seconds)"""
-        NOT_CONSUMED: StagingRemovalResponse._Outcome.ValueType  # 4
+        OUTCOME_NOT_CONSUMED: RemoveStagedResponse._Outcome.ValueType  # 4
         """a receiving group has not acked it"""
-        KEPT: StagingRemovalResponse._Outcome.ValueType  # 5
+        OUTCOME_KEPT: RemoveStagedResponse._Outcome.ValueType  # 5
         """its retention is negative: never removed"""
 
     class Outcome(_Outcome, metaclass=_OutcomeEnumTypeWrapper): ...
-    OUTCOME_UNSPECIFIED: StagingRemovalResponse.Outcome.ValueType  # 0
-    MARKED: StagingRemovalResponse.Outcome.ValueType  # 1
+    OUTCOME_UNSPECIFIED: RemoveStagedResponse.Outcome.ValueType  # 0
+    OUTCOME_MARKED: RemoveStagedResponse.Outcome.ValueType  # 1
     """recorded as removed: unlink the file (again: already marked)"""
-    CHANGED: StagingRemovalResponse.Outcome.ValueType  # 2
+    OUTCOME_CHANGED: RemoveStagedResponse.Outcome.ValueType  # 2
     """the bytes differ from the verified digest: keep the file"""
-    NOT_DUE: StagingRemovalResponse.Outcome.ValueType  # 3
+    OUTCOME_NOT_DUE: RemoveStagedResponse.Outcome.ValueType  # 3
     """consumed, but its retention has not passed (due_in_seconds)"""
-    NOT_CONSUMED: StagingRemovalResponse.Outcome.ValueType  # 4
+    OUTCOME_NOT_CONSUMED: RemoveStagedResponse.Outcome.ValueType  # 4
     """a receiving group has not acked it"""
-    KEPT: StagingRemovalResponse.Outcome.ValueType  # 5
+    OUTCOME_KEPT: RemoveStagedResponse.Outcome.ValueType  # 5
     """its retention is negative: never removed"""
 
     ENTRY_FIELD_NUMBER: _builtins.int
     OUTCOME_FIELD_NUMBER: _builtins.int
     DUE_IN_SECONDS_FIELD_NUMBER: _builtins.int
-    outcome: Global___StagingRemovalResponse.Outcome.ValueType
+    outcome: Global___RemoveStagedResponse.Outcome.ValueType
     due_in_seconds: _builtins.float
     @_builtins.property
     def entry(self) -> Global___Entry: ...
@@ -2314,7 +2314,7 @@ class StagingRemovalResponse(_message.Message):
         self,
         *,
         entry: Global___Entry | None = ...,
-        outcome: Global___StagingRemovalResponse.Outcome.ValueType = ...,
+        outcome: Global___RemoveStagedResponse.Outcome.ValueType = ...,
         due_in_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["entry", b"entry"]  # noqa: Y015
@@ -2323,7 +2323,7 @@ class StagingRemovalResponse(_message.Message):
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___StagingRemovalResponse: _TypeAlias = StagingRemovalResponse  # noqa: Y015
+Global___RemoveStagedResponse: _TypeAlias = RemoveStagedResponse  # noqa: Y015
 
 @_typing.final
 class WatcherCapacity(_message.Message):

@@ -181,8 +181,8 @@ class RegistryStub:
                 _registered_method=True)
         self.RemoveStaged = channel.unary_unary(
                 '/baton.v1.Registry/RemoveStaged',
-                request_serializer=baton_dot_v1_dot_baton__pb2.StagingRemoval.SerializeToString,
-                response_deserializer=baton_dot_v1_dot_baton__pb2.StagingRemovalResponse.FromString,
+                request_serializer=baton_dot_v1_dot_baton__pb2.RemoveStagedRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_baton__pb2.RemoveStagedResponse.FromString,
                 _registered_method=True)
         self.Consume = channel.unary_unary(
                 '/baton.v1.Registry/Consume',
@@ -685,8 +685,8 @@ def add_RegistryServicer_to_server(servicer, server):
             ),
             'RemoveStaged': grpc.unary_unary_rpc_method_handler(
                     servicer.RemoveStaged,
-                    request_deserializer=baton_dot_v1_dot_baton__pb2.StagingRemoval.FromString,
-                    response_serializer=baton_dot_v1_dot_baton__pb2.StagingRemovalResponse.SerializeToString,
+                    request_deserializer=baton_dot_v1_dot_baton__pb2.RemoveStagedRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_baton__pb2.RemoveStagedResponse.SerializeToString,
             ),
             'Consume': grpc.unary_unary_rpc_method_handler(
                     servicer.Consume,
@@ -1572,8 +1572,8 @@ class Registry:
             request,
             target,
             '/baton.v1.Registry/RemoveStaged',
-            baton_dot_v1_dot_baton__pb2.StagingRemoval.SerializeToString,
-            baton_dot_v1_dot_baton__pb2.StagingRemovalResponse.FromString,
+            baton_dot_v1_dot_baton__pb2.RemoveStagedRequest.SerializeToString,
+            baton_dot_v1_dot_baton__pb2.RemoveStagedResponse.FromString,
             options,
             channel_credentials,
             insecure,
