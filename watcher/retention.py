@@ -185,10 +185,6 @@ class Retention:
         with self._lock:
             return self._held
 
-    def pending(self) -> int:
-        with self._lock:
-            return len(self._known)
-
     def _put(self, key: Key, c: Candidate) -> None:
         old = self._known.get(key)
         if old is not None and old.due == c.due and old.removed == c.removed:

@@ -35,7 +35,11 @@ from baton_relay.registry.keys import ClaimRef
 
 from .state import EntryKey, JournalRecord, Snapshot
 
-KINDS = ("lost", "double", "stale", "badverify", "badread", "badremove")
+KINDS = ("lost", "double", "stale", "badverify", "badread")
+#: a violation of the staging retention: it fails the run like the others, and is
+#: counted among the figures after ``|`` (the verdict keeps the five kinds every
+#: recorded run printed)
+BADREMOVE = "badremove"
 TERMINAL = ("consumed", "dead")
 #: history operations that are calls to the registry (their completions count as ops)
 CALLS = ("open-session", "claim", "commit", "fail", "consume", "ack", "nack", "create-task")
@@ -146,6 +150,7 @@ def check(records: list[dict[str, Any]], snap: Snapshot,
     _check_reads(hist, seen, report)
     _explain_retries(snap, hist, report)
     _check_removals(snap, staged, report)
+    report.stats[BADREMOVE] = report.count(BADREMOVE)
     report.stats["unknown"] = hist.unknown
     report.stats["mismatched_reads"] = hist.read_failures
     report.stats["write_failed"] = len(hist.write_failures)
@@ -300,10 +305,10 @@ def _check_removals(snap: Snapshot, staged: set[str] | None, report: Report) -> 
         report.stats["staging_removed"] += len(marks)
         for r in marks:
             if r.from_state != "consumed":
-                report.add("badremove", key, f"removal recorded at revision {r.rev} while "
+                report.add(BADREMOVE, key, f"removal recorded at revision {r.rev} while "
                            f"the entry was {r.from_state}")
         if len(marks) > 1:
-            report.add("badremove", key, f"removal recorded {len(marks)} times")
+            report.add(BADREMOVE, key, f"removal recorded {len(marks)} times")
         report.stats["staging_changed"] += sum(1 for r in journal
                                                if r.event == "staging_changed")
     if staged is None:
@@ -312,7 +317,7 @@ def _check_removals(snap: Snapshot, staged: set[str] | None, report: Report) -> 
     for (task, file), rec in snap.entries.items():
         where = f"{task}/{rec.get('path', '')}"
         if rec.get("state") == "verified" and where not in staged:
-            report.add("badremove", (task, file), f"verified, but {where} is gone")
+            report.add(BADREMOVE, (task, file), f"verified, but {where} is gone")
         elif rec.get("staging_removed") and where in staged:
             report.stats["staging_left"] += 1
             report.notes.append(f"{where}: its removal was recorded, the file is still "
