@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from registry_fixtures import TEST_RETRY, RegistryHandle
+from registry_fixtures import TEST_RETRY, RegistryHandle, produce_verified
 from watcher_fixtures import (
     FAST,
     Producing,
@@ -130,6 +130,39 @@ def test_a_finished_tasks_files_go_and_its_directory_once_archived(
             wait_for(lambda: not (staging / "t").exists(), timeout=20,
                      what="the task's directory removed")
             assert w.metrics.get("staging_dirs_removed") == 1
+    finally:
+        w.stop()
+
+
+def test_a_removal_recorded_but_not_made_is_finished_by_the_next_owner(
+    client: Client, session: Session, registry: RegistryHandle, staging: Path,
+    wait_for: Wait,
+) -> None:
+    """A watcher that died between the mark and the unlink: the next owner of the
+    shard unlinks the file, unless its bytes changed since (kept, counted)."""
+    client.create_task({"task_id": "t", "staging_retention_seconds": 0, "entries": [
+        {"file_id": f, "path": f"{f}.bin"} for f in ("a", "b")]})
+    for f in ("a", "b"):
+        produce_verified(client, session, "t", f)  # reported as a lone watcher would
+        _consume(client, session, "t", f, ("default",))
+    crashed = client.register_watcher(str(staging), reporter="crashed", ttl=2)
+    epoch = crashed.shards[0].epoch
+    for f in ("a", "b"):
+        entry = client.get_entry("t", f)
+        reply = client.remove_staged("t", f, entry.size, entry.digest,
+                                     watcher_id=crashed.watcher_id, shard_epoch=epoch)
+        assert reply.outcome == pb.RemoveStagedResponse.OUTCOME_MARKED
+    (staging / "t" / "b.bin").write_bytes(b"changed after the removal was recorded")
+    # It never beats again: its registration ends, and the next watcher owns its shards.
+    w = start_watcher(WatcherConfig(registry=registry.address, staging=str(staging),
+                                    **FAST), retry=TEST_RETRY)
+    try:
+        wait_for(lambda: not (staging / "t" / "a.bin").exists(), timeout=20,
+                 what="the marked file unlinked by the next owner")
+        wait_for(lambda: w.metrics.get("staging_files_changed") == 1, timeout=10,
+                 what="the changed one kept")
+        assert (staging / "t" / "b.bin").read_bytes().startswith(b"changed")
+        assert _journalled(client, "t", "a", "staging_removed") == 1
     finally:
         w.stop()
 
