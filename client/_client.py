@@ -565,9 +565,9 @@ class Client:
         """Ask to remove a consumed entry's file from staging, giving the size and
         digest read from it just now; the outcome says whether to unlink it (only the
         owner of the task's shard at ``shard_epoch`` is believed)."""
-        req = pb.RemoveStagedRequest(task_id=task_id, file_id=file_id, size=size, digest=digest,
-                                reporter=reporter, watcher_id=watcher_id,
-                                shard_epoch=shard_epoch)
+        req = pb.RemoveStagedRequest(task_id=task_id, file_id=file_id, size=size,
+                                     digest=digest, reporter=reporter,
+                                     watcher_id=watcher_id, shard_epoch=shard_epoch)
         return self._call("RemoveStaged", req)  # type: ignore[no-any-return]
 
     # watcher membership and shards --------------------------------------------

@@ -99,7 +99,7 @@ class StagingRetention:
 
             def reply(rev: int) -> pb.RemoveStagedResponse:
                 return pb.RemoveStagedResponse(entry=rec.to_pb(staging, revision=rev),
-                                                 outcome=outcome, due_in_seconds=due_in)
+                                               outcome=outcome, due_in_seconds=due_in)
             return reply
 
         return await self.core.txns.run(planner, req.request_id, _replay)

@@ -282,7 +282,8 @@ class Retention:
                 if now is c:
                     if again is None:
                         self._drop(key)
-                        self._gone.add(key)
+                        if self.membership.serves(key[0]):  # else the next owner's
+                            self._gone.add(key)
                     else:
                         c.due = again
                         heapq.heappush(self._heap, (again, *key))
