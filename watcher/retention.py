@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import heapq
 import logging
-import os
-import stat
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -45,6 +43,7 @@ from .errors import FileChanged, FileMissing, HashFailed, Refused
 from .hashing import Hasher
 from .metrics import Metrics
 from .shards import Membership
+from .taskdirs import only_dirs, remove_empty
 
 logger = logging.getLogger("baton.watcher")
 
@@ -54,7 +53,6 @@ Key = tuple[str, str]
 RETRY_AFTER = 5.0
 #: seconds before one the registry refused for another reason is tried again
 REFUSED_AFTER = 60.0
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 @dataclass
@@ -405,63 +403,13 @@ class Retention:
 
     def _remove_dir(self, task_id: str) -> None:
         """Remove the task's directory if nothing but empty directories is in it and
-        the registry says the task is archived or gone; reached through descriptors,
-        never through a symlink."""
-        if not self.membership.serves(task_id):
+        the registry says the task is archived or gone."""
+        if not self.membership.serves(task_id) or not only_dirs(self.root, task_id):
             return
-        try:
-            root = os.open(self.root, _DIR_FLAGS)
-        except OSError:
-            return
-        try:
-            if not _only_dirs(task_id, root) or not self._task_gone(task_id):
-                return
-            try:
-                for _, dirs, _, fd in os.fwalk(task_id, topdown=False, dir_fd=root,
-                                               follow_symlinks=False):
-                    for name in dirs:
-                        _rmdir(name, fd)
-            except OSError:
-                return
-            if _rmdir(task_id, root):
-                self.metrics.add("staging_dirs_removed")
-                log(logger, logging.INFO, "task directory removed (empty; the task is "
-                    "archived or deleted)", task=task_id)
-        finally:
-            os.close(root)
-
-
-def _only_dirs(task_id: str, root: int) -> bool:
-    """Whether the task's directory holds nothing but directories (no file, no link)."""
-    try:
-        st = os.stat(task_id, dir_fd=root, follow_symlinks=False)
-    except OSError:
-        return False
-    if not stat.S_ISDIR(st.st_mode):
-        return False
-    for _, dirs, files, fd in os.fwalk(task_id, dir_fd=root, follow_symlinks=False):
-        # a symlink to a directory is listed with the directories (not walked into)
-        if files or any(_is_link(d, fd) for d in dirs):
-            return False
-    return True
-
-
-def _is_link(name: str, dir_fd: int) -> bool:
-    try:
-        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
-    except OSError:
-        return True  # cannot tell: keep the directory
-
-
-def _rmdir(name: str, dir_fd: int) -> bool:
-    """Remove an empty directory (False if not empty, gone, a symlink or not removable:
-    it stays, and so does every directory above it)."""
-    try:
-        os.rmdir(name, dir_fd=dir_fd)
-        return True
-    except OSError:
-        return False
-
+        if self._task_gone(task_id) and remove_empty(self.root, task_id):
+            self.metrics.add("staging_dirs_removed")
+            log(logger, logging.INFO, "task directory removed (empty; the task is "
+                "archived or deleted)", task=task_id)
 
 def _epoch(stamp: str) -> float:
     try:
