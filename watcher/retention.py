@@ -132,7 +132,7 @@ class Retention:
         self._dirs: list[str] = []
         #: entries whose file is gone (removed, or missing when its turn came): a
         #: marked entry offered again is not looked at again
-        self._gone: set[Key] = set()
+        self._gone: dict[str, set[str]] = {}
         self._held = 0
         self._stopping = False
         #: files in hand at once (each one RPC and a hash: a round trip apiece)
@@ -151,7 +151,8 @@ class Retention:
         with self._lock:
             for entry in entries:
                 key = (task_id, entry.file_id)
-                if (c := candidate(entry)) is not None and key not in self._gone:
+                if (c := candidate(entry)) is not None and (
+                        entry.file_id not in self._gone.get(task_id, ())):
                     self._put(key, c)
 
     def finished(self, task_id: str) -> None:
@@ -167,7 +168,7 @@ class Retention:
         with self._lock:
             self._dirs.append(task_id)
             self._listed.discard(task_id)
-            self._gone = {k for k in self._gone if k[0] != task_id}
+            self._gone.pop(task_id, None)
             self._wake.notify()
 
     def shards_lost(self) -> None:
@@ -176,7 +177,7 @@ class Retention:
             for key in [k for k in self._known if not self.membership.serves(k[0])]:
                 self._drop(key)
             self._listed = {t for t in self._listed if self.membership.serves(t)}
-            self._gone = {k for k in self._gone if self.membership.serves(k[0])}
+            self._gone = {t: f for t, f in self._gone.items() if self.membership.serves(t)}
 
     def held(self) -> int:
         """Bytes of the known candidates not removed yet (a metrics level)."""
@@ -281,7 +282,7 @@ class Retention:
                     if again is None:
                         self._drop(key)
                         if self.membership.serves(key[0]):  # else the next owner's
-                            self._gone.add(key)
+                            self._gone.setdefault(key[0], set()).add(key[1])
                     else:
                         c.due = again
                         heapq.heappush(self._heap, (again, *key))
