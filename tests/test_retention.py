@@ -196,3 +196,15 @@ def test_the_archive_waits_for_files_about_to_leave_staging(
         assert reply.outcome == Outcome.OUTCOME_MARKED
         wait_for(lambda: client.get_task("soon").status == pb.TASK_ARCHIVED,
                  what="archived once its file is removed")
+
+
+def test_the_registry_default_comes_from_its_configuration() -> None:
+    """--staging-retention sets the default (86400 unless given); a non-number is refused."""
+    from baton_relay.kernel.errors import BatonError
+    from baton_relay.registry.config import load_config
+
+    assert load_config([], {}).staging_retention == 86400
+    assert load_config(["--staging-retention", "0"], {}).staging_retention == 0
+    assert load_config([], {"BATON_STAGING_RETENTION": "-1"}).staging_retention == -1
+    with pytest.raises(BatonError, match="staging-retention"):
+        load_config(["--staging-retention", "inf"], {})
