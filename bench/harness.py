@@ -193,11 +193,12 @@ class Stack:
         daemon.credentials = self.credentials
         return daemon
 
-    def watcher(self, registry: str, staging: Path) -> Daemon:
-        """Start a watcher on ``staging`` reporting to ``registry``, as ``baton up`` does."""
+    def watcher(self, registry: str, staging: Path, extra: tuple[str, ...] = ()) -> Daemon:
+        """Start a watcher on ``staging`` reporting to ``registry``, as ``baton up`` does
+        (``extra``: more of its flags)."""
         return self._spawn("watcher", [
             sys.executable, "-u", "-m", "baton_relay.watcher", "--registry", registry,
-            "--staging", str(staging), "--log-level", "WARNING"], WATCHER_READY)
+            "--staging", str(staging), "--log-level", "WARNING", *extra], WATCHER_READY)
 
     def stop(self, daemon: Daemon) -> None:
         terminate(daemon.process, timeout=10)

@@ -1,8 +1,11 @@
 """Lifetime: tasks created, run and finished one after the other, totalling many
-entries, while etcd's database and key count are sampled and claim latency is timed."""
+entries, while etcd's database and key count and the bytes held in staging are
+sampled and claim latency is timed."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import threading
 import time
@@ -33,25 +36,26 @@ One registry on a fresh etcd that compacts its history periodically, keeping
 {compaction} of it (`--auto-compaction-mode=periodic
 --auto-compaction-retention={compaction}`), archiving finished
 tasks as soon as its archiver next looks (`--archive-dir`, `--archive-after 0`,
-`--archive-interval 5`). {agents} agents (threads, each its own client and session) take
-tasks of {size:,} entries in turn until {total:,} entries have been handed over: each
-claims {batch} entries (`ClaimBatch`), commits them (`CommitBatch`, size 0), reports
-each as a watcher would (`ReportVerification`), takes {batch} verified entries for the
-task's one consumer group (`ConsumeBatch`) and acks them in one call (`AckBatch`); the
-first agent to find a task drained moves all of them to the next, which the first of
-them to get there creates. So every entry takes the whole path, and every task
-completes and is archived. Every {every:g} s the
-run samples etcd's own metrics (`etcd_mvcc_db_total_size_in_bytes`,
-`..._in_use_in_bytes`, `etcd_debugging_mvcc_keys_total`), counts the keys under the
-registry's prefix (request outcomes apart), and reads the registry's memory; claim
-latency is the time of each `ClaimBatch` call, by window of {window:,} entries handed
-over.
+`--archive-interval 5`), and removing consumed entries' files from staging
+{retention:g} s after their last ack (`--staging-retention {retention:g}`), which one
+watcher does (`baton-watcher --removal-rate 1000`). {agents} agents (threads, each its
+own client and session) take tasks of {size:,} entries in turn until {total:,} entries
+have been handed over: each claims {batch} entries (`ClaimBatch`), writes each
+entry's file ({file_bytes:,} bytes) into staging, commits them (`CommitBatch`), waits
+for the watcher to verify them, takes {batch} verified entries for the task's one
+consumer group (`ConsumeBatch`) and acks them in one call (`AckBatch`); the first
+agent to find a task drained moves all of them to the next, which the first of them
+to get there creates. So every entry takes the whole path, every task completes and
+is archived, and every file leaves staging. Every {every:g} s the run samples etcd's
+own metrics (`etcd_mvcc_db_total_size_in_bytes`, `..._in_use_in_bytes`,
+`etcd_debugging_mvcc_keys_total`), counts the keys under the registry's prefix
+(request outcomes apart), sums the bytes of the files under the staging root, and
+reads the registry's memory; claim latency is the time of each `ClaimBatch` call, by
+window of {window:,} entries handed over.
 """
 
 #: entries claimed (and committed) per call
 BATCH = 20
-#: the empty file's BLAKE3 (every benchmark entry has size 0)
-EMPTY = blake3.blake3(b"").hexdigest()
 #: etcd's metrics sampled
 METRICS = {"db": "etcd_mvcc_db_total_size_in_bytes",
            "in_use": "etcd_mvcc_db_total_size_in_use_in_bytes",
@@ -77,6 +81,8 @@ class Sample:
     #: keys under the registry's prefix: request outcomes, and everything else
     requests: int = 0
     task_keys: int = 0
+    #: bytes of the files under the staging root
+    staging: int = 0
 
 
 @dataclass
@@ -100,7 +106,8 @@ def spec(n: int, size: int) -> dict[str, object]:
             "entries": [{"file_id": f"e{i:05d}", "path": f"e{i:05d}"} for i in range(size)]}
 
 
-def agent(address: str, name: str, size: int, shared: Shared) -> None:
+def agent(address: str, name: str, size: int, shared: Shared, data: bytes) -> None:
+    digest = blake3.blake3(data).hexdigest()
     with Client(address, timeout=60) as c, c.open_session(name, ttl=30) as s:
         task = -1
         while not shared.stop.is_set():
@@ -123,9 +130,12 @@ def agent(address: str, name: str, size: int, shared: Shared) -> None:
                         shared.task += 1  # drained: the next task
                 continue
             took = time.perf_counter() - t0
-            c.commit_batch([(task_id, cl.file_id, cl.token, 0, "") for cl in claims])
             for cl in claims:
-                c.report(task_id, cl.file_id, 0, EMPTY, reporter="bench")
+                os.makedirs(os.path.dirname(cl.path), exist_ok=True)
+                with open(cl.path, "wb") as f:
+                    f.write(data)
+            c.commit_batch([(task_id, cl.file_id, cl.token, len(data), digest)
+                            for cl in claims])
             c.ack_batch(take(c, s, task_id, len(claims)))
             with shared.lock:
                 shared.claims.append((done_before, took))
@@ -134,8 +144,8 @@ def agent(address: str, name: str, size: int, shared: Shared) -> None:
 
 def take(c: Client, s: Session, task_id: str, n: int) -> list[tuple[str, str, str, int]]:
     """Leases of ``n`` verified entries for the sink, as acks. The agent has just
-    verified ``n`` and every agent consumes as many as it verified, so there are at
-    least ``n`` to take; the registry's view may show them a moment later."""
+    committed ``n`` and every agent consumes as many as it committed, so there are at
+    least ``n`` to take once the watcher has verified them."""
     acks: list[tuple[str, str, str, int]] = []
     deadline = time.monotonic() + 30
     while len(acks) < n:
@@ -158,6 +168,16 @@ def etcd_metrics(stack: Stack) -> dict[str, float]:
     return out
 
 
+def staged_bytes(root: Path) -> int:
+    """Bytes of the files under ``root`` (what staging holds)."""
+    total = 0
+    for folder, _, files in os.walk(root):
+        for name in files:
+            with contextlib.suppress(OSError):  # removed meanwhile
+                total += os.stat(os.path.join(folder, name), follow_symlinks=False).st_size
+    return total
+
+
 async def counts(etcd: Etcd) -> tuple[int, int]:
     """(request outcomes, every key) under the registry's prefix."""
     keys = Keys(PREFIX)
@@ -171,15 +191,20 @@ def run(p: Profile, root: Path, plot_dir: Path) -> Section:
                       METHOD.format(agents=p.life_agents, size=p.life_size,
                                     compaction=p.life_compaction,
                                     total=p.life_total, batch=BATCH, every=p.life_every,
-                                    window=window))
+                                    window=window, retention=p.life_retention,
+                                    file_bytes=p.life_file_bytes))
     samples: list[Sample] = []
     shared = Shared(p.life_total)
     archive = root / "archive"
+    staging = root / "staging"
+    data = os.urandom(p.life_file_bytes)
     with Stack(root, etcd_args=upkeep(p.life_compaction)) as stack:
-        registry = stack.registry(root / "staging", extra=(
-            "--archive-dir", str(archive), "--archive-after", "0", "--archive-interval", "5"))
+        registry = stack.registry(staging, extra=(
+            "--archive-dir", str(archive), "--archive-after", "0", "--archive-interval", "5",
+            "--staging-retention", f"{p.life_retention:g}"))
+        stack.watcher(registry.address, staging, extra=("--removal-rate", "1000"))
         threads = [threading.Thread(target=_guarded, args=(registry.address, f"agent-{i}",
-                                                            p.life_size, shared))
+                                                            p.life_size, shared, data))
                    for i in range(p.life_agents)]
         started = time.monotonic()
         for t in threads:
@@ -191,7 +216,7 @@ def run(p: Profile, root: Path, plot_dir: Path) -> Section:
             samples.append(Sample(time.monotonic() - started, shared.done, m["db"],
                                   m["in_use"], m["keys"], rss_kib(registry.pid),
                                   len(list(archive.glob("*.meta.json"))), requests,
-                                  everything - requests))
+                                  everything - requests, staged_bytes(staging)))
 
         try:
             while any(t.is_alive() for t in threads):
@@ -214,18 +239,25 @@ def run(p: Profile, root: Path, plot_dir: Path) -> Section:
             check_interrupted()
             time.sleep(1.0)
         sample()
+        # The last files leave staging once their retention has passed.
+        settle = time.monotonic() + p.life_retention + 30
+        while staged_bytes(staging) > p.life_size * p.life_file_bytes and (
+                time.monotonic() < settle):
+            check_interrupted()
+            time.sleep(1.0)
+        sample()
     if shared.errors:
         raise BenchError(f"an agent failed: {shared.errors[0]}")
     table = Table("Samples (etcd's metrics, keys under the registry's prefix by kind, the "
-                  "registry's memory)",
+                  "bytes held in staging, the registry's memory)",
                   ["seconds", "entries handed over", "tasks archived", "etcd db MiB",
                    "in use MiB", "keys (etcd)", "request outcomes", "other keys",
-                   "registry RSS MiB"])
+                   "staging MiB", "registry RSS MiB"])
     step = max(1, len(samples) // 12)
     for s in samples[::step] + ([samples[-1]] if (len(samples) - 1) % step else []):
         table.rows.append([round(s.at), s.done, s.archived, round(s.db / 2**20, 1),
                            round(s.in_use / 2**20, 1), int(s.keys), s.requests, s.task_keys,
-                           round(s.registry_kib / 1024)])
+                           round(s.staging / 2**20, 1), round(s.registry_kib / 1024)])
     lat = Table(f"ClaimBatch latency by window of {window:,} entries handed over",
                 ["entries", "calls", "p50 ms", "p99 ms"])
     windows: dict[int, list[float]] = {}
@@ -246,6 +278,7 @@ def run(p: Profile, root: Path, plot_dir: Path) -> Section:
                                            xs, [s.requests / 1000 for s in samples]),
                                        "other keys (thousands)": (
                                            xs, [s.task_keys / 1000 for s in samples]),
+                                       "staging MiB": (xs, [s.staging / 2**20 for s in samples]),
                                    }))
     centres = [(w + 0.5) * window for w in sorted(windows)]
     section.plots.append(line_plot(plot_dir / "lifetime-claims.png",
@@ -263,7 +296,9 @@ def run(p: Profile, root: Path, plot_dir: Path) -> Section:
         f"{samples[-1].at / 60:.0f} min; keys of tasks at most "
         f"{max(s.task_keys for s in samples):,} (last {samples[-1].task_keys:,}), request "
         f"outcomes at most {max(s.requests for s in samples):,} (kept 10 min); etcd's "
-        f"database in use at most {max(s.in_use for s in samples) / 2**20:.0f} MiB; claim "
+        f"database in use at most {max(s.in_use for s in samples) / 2**20:.0f} MiB; staging "
+        f"held at most {max(s.staging for s in samples) / 2**20:.1f} MiB (last "
+        f"{samples[-1].staging / 2**20:.1f} MiB, {p.life_retention:g} s retention); claim "
         f"p50 in the last window ÷ the first: {drift:.2f}")
     section.notes.append("Request outcomes (`requests/`) are kept 10 minutes, on a lease "
                          "renewed every 15 s: they level off once the run is longer than "
@@ -274,9 +309,9 @@ def run(p: Profile, root: Path, plot_dir: Path) -> Section:
     return section
 
 
-def _guarded(address: str, name: str, size: int, shared: Shared) -> None:
+def _guarded(address: str, name: str, size: int, shared: Shared, data: bytes) -> None:
     try:
-        agent(address, name, size, shared)
+        agent(address, name, size, shared, data)
     except Exception as e:  # surfaced by run()
         shared.errors.append(f"{name}: {type(e).__name__}: {e}")
         shared.stop.set()

@@ -60,6 +60,10 @@ class Profile:
     life_every: float = 10.0
     #: the history etcd keeps (periodic compaction), as baton up runs it
     life_compaction: str = "1m"
+    #: seconds a consumed entry's file stays in staging (the registry's
+    #: --staging-retention), and the bytes of each entry's file
+    life_retention: float = 60.0
+    life_file_bytes: int = 4096
     # producer loops
     loop_agents: tuple[int, ...] = (1, 16, 64)
     #: entries in each point's task
@@ -135,6 +139,7 @@ QUICK = Profile(
     life_size=500,
     life_agents=2,
     life_every=1.0,
+    life_retention=2.0,
     loop_agents=(2,),
     loop_entries=300,
     loop_seconds=1.0,

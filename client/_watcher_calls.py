@@ -52,6 +52,17 @@ class WatcherCalls(Connection):
                                shard_epoch=shard_epoch)
         return self._call("ReportProblem", req).entry  # type: ignore[no-any-return]
 
+    def remove_staged(self, task_id: str, file_id: str, size: int, digest: str,
+                      reporter: str = "", *, watcher_id: str = "",
+                      shard_epoch: int = 0) -> pb.RemoveStagedResponse:
+        """Ask to remove a consumed entry's file from staging, giving the size and
+        digest read from it just now; the outcome says whether to unlink it (only the
+        owner of the task's shard at ``shard_epoch`` is believed)."""
+        req = pb.RemoveStagedRequest(task_id=task_id, file_id=file_id, size=size,
+                                     digest=digest, reporter=reporter,
+                                     watcher_id=watcher_id, shard_epoch=shard_epoch)
+        return self._call("RemoveStaged", req)  # type: ignore[no-any-return]
+
     def register_watcher(self, root: str, reporter: str = "", ttl: int = 10,
                          capacity: pb.WatcherCapacity | None = None, *,
                          previous: str = "") -> pb.RegisterWatcherResponse:

@@ -64,6 +64,7 @@ from .keys import prefix_end
 from .manifest import check_id
 from .model import FINISHED, STATES, EntryRecord, TaskRecord, epoch_of, now
 from .removal import Removal
+from .retention import holds_staging
 from .txn import Txn, write
 
 __all__ = ["ArchiveCorrupt", "ArchiveInfo", "ArchiveStore", "Archived", "Archiver",
@@ -496,7 +497,9 @@ class Archiver:
             if self.busy(task.task_id):
                 continue  # being archived here right now (`baton task archive`)
             try:
-                if self._due(task, clock):
+                if self._due(task, clock) and not (
+                        task.status != "archiving"
+                        and await holds_staging(self.core, task.task_id, clock)):
                     await self.archive(task.task_id)
                     moved += 1
                 elif task.status == "archived" and clock - epoch_of(task.archived_at) > (

@@ -8,6 +8,7 @@ environment.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -58,6 +59,8 @@ class RegistryConfig:
     archive_lease_ttl: int = 10
     # an entry written for longer is counted (status) and named (explain) as stuck
     stuck_written_after: float = 600.0
+    # consumed entries' files out of staging (the watcher owning the shard removes them)
+    staging_retention: float = 86400.0
     # watcher shards
     shards: int = DEFAULT_SHARDS
     shard_move_deadline: float = MOVE_DEADLINE
@@ -104,6 +107,9 @@ _HELP = {
     "archives at a time, and a dead one is replaced within this",
     "stuck_written_after": "seconds after which an entry committed and not yet verified "
     "is counted by status and named by explain as stuck (no watcher settled it)",
+    "staging_retention": "seconds a consumed entry's file stays in staging after its last "
+    "ack, unless its manifest says (staging_retention_seconds); then the watcher owning "
+    "its task's shard removes it; 0 = once consumed, negative = never",
     "shards": "shards tasks map to, fixed when the first watcher registers (1..4096)",
     "shard_move_deadline": "seconds a watcher has to hand over a shard before it is taken",
     "metrics": "HOST:PORT to serve Prometheus metrics on, at /metrics (empty = off; "
@@ -117,6 +123,9 @@ def load_config(argv: Sequence[str], environ: Mapping[str, str]) -> RegistryConf
         description="Baton registry: the gRPC server that owns the entry state machine.",
         help=_HELP, choices={"log_format": FORMATS})
     check_archive(config)
+    if not math.isfinite(config.staging_retention):
+        raise BatonError(f"--staging-retention {config.staging_retention} is not a number "
+                         "of seconds (0 = once consumed, negative = never)")
     return config
 
 

@@ -117,6 +117,8 @@ class Core:
         self.archive: Archives | None = None
         #: seconds after which a written entry no watcher verified counts as stuck
         self.stuck_written_after = 600.0
+        #: seconds a consumed entry's file stays in staging unless its manifest says
+        self.staging_retention = 86400.0
 
     async def start(self) -> None:
         if self.view is not None:

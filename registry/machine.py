@@ -8,6 +8,7 @@ and the diagram in docs/architecture.md is generated from the table
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import MISSING, dataclass, fields
 from enum import StrEnum
 from typing import Any
@@ -97,6 +98,8 @@ def apply(rec: EntryRecord, event: Event) -> State:
         setattr(rec, name, _default(name))
     for name, value in move.sets:
         setattr(rec, name, value)
+    if move.to == CONSUMED:  # the staging retention counts from the last ack
+        rec.consumed_at = time.time()
     rec.state = move.to
     return move.to
 

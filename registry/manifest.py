@@ -15,6 +15,7 @@ Limits (documented in docs/cli.md, "The manifest"):
 - ``priority`` 0..9; ``aging_seconds`` 0..86400; backoff values finite, ≥ 0, cap ≤ 86400;
   ``archive_after_seconds`` finite
 - ``claim_deadline_seconds``, ``consume_deadline_seconds`` (task and entries) 0..a week
+- ``staging_retention_seconds`` (task and entries) finite, at most ``MAX_RETENTION``
 - ``parts`` name other entries of the task, each once; a part belongs to one
   assembly only; an assembly has no ``depends_on`` and is not itself a part; an
   assembly may have hundreds of parts
@@ -57,6 +58,8 @@ ID_RE = re.compile(ID_PATTERN)
 #: the longest processing deadline a manifest may set: a week
 MAX_DEADLINE = 7 * 86400.0
 DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
+#: the longest staging retention a manifest may set: a year
+MAX_RETENTION = 366 * 86400.0
 
 
 def check_id(kind: str, value: str) -> None:
@@ -276,6 +279,15 @@ def validate(spec: pb.TaskSpec) -> ValidTask:
         problems.append(f"backoff values must be finite numbers ≥ 0 and cap_seconds ≤ 86400 "
                         f"(given base_seconds {b.base_seconds}, factor {b.factor}, "
                         f"cap_seconds {b.cap_seconds})")
+    retentions: list[tuple[str, pb.TaskSpec | pb.EntrySpec]] = [
+        ("the task", spec), *((f"entry {shown(e.file_id)}", e) for e in spec.entries)]
+    for where, obj in retentions:
+        if obj.HasField("staging_retention_seconds"):
+            value = obj.staging_retention_seconds
+            if not (math.isfinite(value) and value <= MAX_RETENTION):
+                problems.append(f"{where}: staging_retention_seconds {value} not a number "
+                                f"of seconds up to {MAX_RETENTION:.0f} (0: removed once "
+                                "consumed; negative: never)")
     if not math.isfinite(spec.archive_after_seconds):
         problems.append(f"archive_after_seconds {spec.archive_after_seconds} is not a finite "
                         "number (0: the registry's --archive-after; negative: never)")
@@ -324,6 +336,8 @@ def validate(spec: pb.TaskSpec) -> ValidTask:
         for dep in e.depends_on:
             if ":" not in dep:  # another task's entries learn nothing of this task
                 dependents.setdefault(dep, []).append(e.file_id)
+    task_retention = (spec.staging_retention_seconds
+                      if spec.HasField("staging_retention_seconds") else None)
     entries = [
         EntryRecord(
             task_id=spec.task_id,
@@ -349,6 +363,9 @@ def validate(spec: pb.TaskSpec) -> ValidTask:
             routing=bool(rules) and e.file_id not in owner,
             claim_deadline=e.claim_deadline_seconds or spec.claim_deadline_seconds,
             consume_deadline=e.consume_deadline_seconds or spec.consume_deadline_seconds,
+            # None: the registry's --staging-retention, filled in at creation
+            staging_retention=(e.staging_retention_seconds
+                               if e.HasField("staging_retention_seconds") else task_retention),
         )
         for e in spec.entries
     ]

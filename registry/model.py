@@ -175,6 +175,16 @@ class EntryRecord:
     #: processing deadlines (seconds; 0: none): claim to commit, consume to ack
     claim_deadline: float = 0.0
     consume_deadline: float = 0.0
+    #: seconds its file stays in staging once consumed (< 0: never), fixed at its
+    #: creation; None: a record older than the staging retention, never removed
+    staging_retention: float | None = None
+    #: when it became consumed (UTC epoch seconds; 0: not consumed)
+    consumed_at: float = 0.0
+    #: its file was removed from staging: when, by which watcher (id, identity)
+    staging_removed: dict[str, Any] | None = None
+    #: the digest last refused for a removal as changed since verification: a
+    #: watcher asking again for the same bytes is not journalled twice
+    staging_refused: str = ""
 
     @classmethod
     def load(cls, raw: bytes) -> EntryRecord:
@@ -232,6 +242,26 @@ class EntryRecord:
         """Nothing more will happen to it: consumed, dead, or verified with no consumers."""
         return self.state in (CONSUMED, DEAD) or (self.state == VERIFIED and not self.receivers)
 
+    @property
+    def retention(self) -> float:
+        """Seconds its file stays in staging once consumed; negative: never removed."""
+        return -1.0 if self.staging_retention is None else self.staging_retention
+
+    @property
+    def staging_due(self) -> float | None:
+        """When its file may be removed from staging (UTC epoch seconds), or None: not
+        consumed, its retention negative, or removed already."""
+        if (self.state != CONSUMED or self.retention < 0 or self.staging_removed
+                or self.parts):
+            return None
+        return self.consumed_at + self.retention
+
+    @property
+    def staged_bytes(self) -> int:
+        """Bytes its file holds in staging, as far as the registry knows: its size
+        until the retention removed it (an assembly has no file of its own)."""
+        return 0 if self.parts or self.staging_removed else self.size
+
     def observation(self) -> Observation | None:
         return Observation(**self.observed) if self.observed else None
 
@@ -271,6 +301,9 @@ class EntryRecord:
             routed_to=self.routed_to,
             claim_deadline_seconds=self.claim_deadline,
             consume_deadline_seconds=self.consume_deadline,
+            staging_retention_seconds=self.retention,
+            consumed_at=_iso(self.consumed_at) if self.consumed_at else "",
+            staging_removed_at=(self.staging_removed or {}).get("at", ""),
         )
 
 
@@ -316,6 +349,8 @@ class TaskRecord:
     #: producer and consumer rule; None: every identity may produce or consume
     #: something, so every identity reads it
     readers: list[str] | None = None
+    #: its manifest's staging retention (None: the registry's default when created)
+    staging_retention: float | None = None
 
     @classmethod
     def load(cls, raw: bytes) -> TaskRecord:
@@ -342,6 +377,7 @@ class TaskRecord:
             archive_after_seconds=self.archive_after,
             routing_rules=[pb.RoutingRule(condition=r["condition"], groups=r["groups"])
                            for r in self.routing_rules],
+            staging_retention_seconds=self.staging_retention,
         )
         return pb.Task(
             spec=spec,

@@ -195,6 +195,7 @@ async def _start(config: RegistryConfig, certificates: ServerCertificates | None
     version = await etcd.status()
     core = Core(etcd, Keys(config.prefix), config.staging)
     core.stuck_written_after = config.stuck_written_after
+    core.staging_retention = config.staging_retention
     archiver = None
     store = archive_store(config)
     if store is not None:

@@ -33,6 +33,7 @@ from .manifest import check_id
 from .operators import Operators
 from .producers import Producers
 from .removal import Removal
+from .retention import StagingRetention
 from .sessions import Sessions
 from .shards import Shards
 from .tasks import Tasks
@@ -51,6 +52,7 @@ class Parts:
         self.sessions = Sessions(core, renew=self.leases.renew)
         self.operators = Operators(core)
         self.removal = Removal(core)
+        self.retention = StagingRetention(core)
         self.streams = AgentStreams(self.sessions, self.producers, self.consumers)
 
     async def readable(self, task_id: str) -> None:
@@ -167,6 +169,7 @@ class WatcherService(pb_grpc.WatcherServiceServicer):
     def __init__(self, parts: Parts) -> None:
         self.shards = parts.shards
         self.verifier = parts.producers.verifier
+        self.retention = parts.retention
 
     async def RegisterWatcher(self, request: pb.RegisterWatcherRequest, context: Context
                               ) -> pb.RegisterWatcherResponse:
@@ -210,6 +213,10 @@ class WatcherService(pb_grpc.WatcherServiceServicer):
     async def ReportProblem(self, request: pb.ReportProblemRequest, context: Context
                             ) -> pb.ReportProblemResponse:
         return pb.ReportProblemResponse(entry=await self.verifier.problem(request, current()))
+
+    async def RemoveStaged(self, request: pb.RemoveStagedRequest, context: Context
+                           ) -> pb.RemoveStagedResponse:
+        return await self.retention.mark(request, current())
 
 
 class OperatorService(pb_grpc.OperatorServiceServicer):

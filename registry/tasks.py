@@ -93,7 +93,8 @@ class Tasks:
         """
         # Validating 100,000 entries takes seconds of CPU: not on the event loop,
         # where it would stall every other call (and agents' keepalives).
-        valid, chunks = await asyncio.to_thread(self._prepare, req.spec)
+        valid, chunks = await asyncio.to_thread(self._prepare, req.spec,
+                                                self.core.staging_retention)
         await self._check_external(valid)
         archive_after = req.spec.archive_after_seconds
         if not math.isfinite(archive_after) or archive_after > MAX_ARCHIVE_AFTER:
@@ -117,6 +118,8 @@ class Tasks:
             access=dict(valid.access or {}),
             digest_optional=valid.digest_optional,
             archive_after=archive_after,
+            staging_retention=(req.spec.staging_retention_seconds
+                               if req.spec.HasField("staging_retention_seconds") else None),
             routing_rules=[{"condition": r.condition, "groups": r.groups}
                            for r in valid.routing_rules],
             readers=access.readers_of(dict(valid.access or {}), valid.entries,
@@ -205,11 +208,16 @@ class Tasks:
             raise InvalidManifest(summary(problems), problems=problems)
 
     @staticmethod
-    def _prepare(spec: pb.TaskSpec) -> tuple[ValidTask, list[list[EntryRecord]]]:
+    def _prepare(spec: pb.TaskSpec, retention: float = 86400.0,
+                 ) -> tuple[ValidTask, list[list[EntryRecord]]]:
         """Validate a manifest and cut its entries into transactions etcd accepts, by
         count and by bytes; an entry too large to store at all is refused here, before
-        anything is written (it would leave the task ``creating`` half-way)."""
+        anything is written (it would leave the task ``creating`` half-way). Entries
+        whose manifest names no staging retention get ``retention`` (the registry's)."""
         valid = validate(spec)
+        for e in valid.entries:
+            if e.staging_retention is None:
+                e.staging_retention = retention
         chunks: list[list[EntryRecord]] = []
         size = 0
         too_large = []
@@ -279,10 +287,11 @@ class Tasks:
         states: dict[str, str] = {}
         pending_deps: list[EntryRecord] = []
         stuck_before = self.core.clock() - self.core.stuck_written_after
-        stuck = 0
+        stuck = staged = 0
         async for kv in self._entries(task_id):
             rec = EntryRecord.load(kv.value)
             counts[rec.state] += 1
+            staged += rec.staged_bytes
             stuck += rec.state == WRITTEN and 0 < epoch_of(rec.updated_at) < stuck_before
             states[rec.file_id] = rec.state
             for group in rec.consumed_by:
@@ -298,6 +307,7 @@ class Tasks:
         task.consumed_by_group.update(by_group)
         task.blocked = blocked
         task.stuck_written = stuck
+        task.staging_bytes = staged
         task.open, task.dead = await self._progress(task_id)
         return task
 

@@ -296,6 +296,25 @@ def test_status_without_blocked_entries_keeps_its_rows(registry: Any) -> None:
     assert rows["default"][1] == "0/2"
 
 
+def test_status_shows_the_bytes_held_in_staging(registry: Any, client: Client) -> None:
+    """`status` shows the bytes of files still in staging; a removal takes its off."""
+    client.create_task({"task_id": "t1", "staging_retention_seconds": 0,
+                        "entries": [{"file_id": f, "path": f} for f in ("a", "b")]})
+    data = b"y" * 3000
+    for f in ("a", "b"):
+        produce_verified(client, "t1", f, data)
+    assert ok_json(invoke(registry, "status", "t1", "-o", "json"))["staging_bytes"] == 6000
+    assert table_rows(invoke(registry, "status", "t1").stdout)["in staging"][1] == "5.9 KiB"
+    with client.open_session("reader", 30) as session:
+        lease = client.consume("t1", "default", "a", session=session)
+        client.ack("t1", "a", "default", lease.token, session=session)
+    digest = blake3.blake3(data).hexdigest()
+    assert client.remove_staged("t1", "a", len(data), digest).outcome == (
+        pb.RemoveStagedResponse.OUTCOME_MARKED)
+    assert ok_json(invoke(registry, "status", "t1", "-o", "json"))["staging_bytes"] == 3000
+    assert table_rows(invoke(registry, "status", "t1").stdout)["in staging"][1] == "2.9 KiB"
+
+
 def test_task_ls_shows_done_over_total_and_dead(registry: Any) -> None:
     """`task ls` shows done/total (dead entries are done) and the dead count."""
     create(registry, {**TWO, "max_retries": 0})

@@ -191,6 +191,7 @@ def _request(method: str, world: dict[str, Any]) -> Any:
         "ReportProblem": pb.ReportProblemRequest(task_id=t, file_id=f,
                                                  kind=pb.ReportProblemRequest.KIND_MISSING,
                                           reason="forged"),
+        "RemoveStaged": pb.RemoveStagedRequest(task_id=t, file_id=f, size=1, digest=DIGEST),
         "Consume": pb.ConsumeRequest(task_id=t, group="default", session_id=sid),
         "ConsumeBatch": pb.ConsumeBatchRequest(task_id=t, group="default", session_id=sid,
                                                max=2),

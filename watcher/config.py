@@ -46,6 +46,7 @@ class WatcherConfig:
     metrics: str = ""
     shard_ttl: int = 10
     cold_after: float = 24 * 3600.0
+    removal_rate: float = 200.0
 
 
 _HELP = {
@@ -75,11 +76,14 @@ _HELP = {
     "heartbeat",
     "cold_after": "seconds without a change after which a task directory is unwatched and "
     "left to the periodic reconciliation",
+    "removal_rate": "most consumed entries' files removed from staging per second, once "
+    "their retention has passed",
 }
 
 _CHOICES: dict[str, tuple[str, ...]] = {"observer": OBSERVERS, "log_format": LOG_FORMATS}
 _POSITIVE = ("reconcile_interval", "poll_interval", "hash_workers", "large_file",
-             "max_failures", "event_queue", "stream_timeout", "shard_ttl", "cold_after")
+             "max_failures", "event_queue", "stream_timeout", "shard_ttl", "cold_after",
+             "removal_rate")
 
 
 def load_config(argv: Sequence[str], environ: Mapping[str, str]) -> WatcherConfig:

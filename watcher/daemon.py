@@ -37,6 +37,7 @@ from .jobs import JobQueue
 from .metrics import Levels, Metrics
 from .observe import Watches
 from .reporter import Reporter
+from .retention import Retention
 from .shards import Membership
 from .state import LIVE, Change, Table, TaskView
 from .sync import TaskStreams
@@ -47,8 +48,11 @@ logger = logging.getLogger("baton.watcher")
 _TASK_ID = re.compile(r"^[A-Za-z0-9._-]+$")
 #: task statuses a watcher does not serve: finished, or on the way out of etcd
 FINISHED = (pb.TASK_STATUS_CANCELLED, pb.TASK_STATUS_COMPLETED, pb.TASK_STATUS_ARCHIVING,
-            pb.TASK_STATUS_ARCHIVED,
-            pb.TASK_STATUS_DELETING)
+            pb.TASK_STATUS_ARCHIVED, pb.TASK_STATUS_DELETING)
+#: finished tasks whose consumed files the staging retention still removes, and tasks
+#: gone whose directory goes once empty
+DONE = (pb.TASK_STATUS_CANCELLED, pb.TASK_STATUS_COMPLETED)
+GONE = (pb.TASK_STATUS_ARCHIVED, pb.TASK_STATUS_DELETING)
 #: seconds between attempts of a reconciliation that could not reach the registry
 RECONCILE_RETRY = 1.0
 #: seconds a shard's handover waits for the checks in hand before releasing anyway
@@ -95,6 +99,9 @@ class Watcher:
             self.reporter, config.max_failures, config.retry_delay, self._registry_lost,
             membership=self.membership, batches=self.reports,
         )
+        self.retention = Retention(
+            self.client, self.hasher, self.membership, self.metrics, self.reporter,
+            self.root, config.removal_rate, on_reply=self._removal_reply)
         self._shedding = False
         self.streams = TaskStreams(
             self.client, self.table, on_changes=self._on_changes,
@@ -127,6 +134,7 @@ class Watcher:
             t.start()
         self.reports.start()
         self.membership.start()
+        self.retention.start()
         if not self.reconcile("start"):
             self._reconcile_now.set()
         self._task_follower.start()
@@ -151,6 +159,7 @@ class Watcher:
         for t in started:
             t.join(timeout)
         self.reports.close(timeout)  # what the workers reported, sent
+        self.retention.stop(timeout)
         self.client.close()  # ends the Watch streams
         self.streams.join(timeout)
         if self._task_follower.is_alive():
@@ -174,7 +183,7 @@ class Watcher:
         return Levels(queued_checks=len(self.jobs), queued_events=len(self.intake),
                       inotify_watches=self.watches.watch_count(),
                       tasks=len(self.table.task_ids()), entries=entries,
-                      oldest_written=oldest)
+                      oldest_written=oldest, staging_held=self.retention.held())
 
     def capacity(self) -> pb.WatcherCapacity:
         """What this watcher tells the registry at each heartbeat."""
@@ -201,6 +210,7 @@ class Watcher:
         for task_id in self.table.task_ids():
             if self.membership.shard(task_id) in shards:
                 self._forget(task_id)
+        self.retention.shards_lost()
 
     def _handover(self, shard: int) -> None:
         """Returns once no check of the shard's tasks is in hand (or after a while)."""
@@ -229,6 +239,8 @@ class Watcher:
         for c in changes:
             if c.entry.state in LIVE:
                 self.jobs.submit((task_id, c.entry.file_id))
+        self.retention.offer(task_id, (c.entry for c in changes
+                                       if c.entry.state == pb.ENTRY_STATE_CONSUMED))
         self._sync_watch(task_id, rescan=synced or warmed)
 
     def _sync_watch(self, task_id: str, *, rescan: bool = False, rewalk: bool = False) -> None:
@@ -288,6 +300,8 @@ class Watcher:
         try:
             task = self.client.get_task(view.task_id)
         except NotFound:
+            if self._serves(view.task_id):
+                self.retention.task_gone(view.task_id)
             return
         except BatonError as e:
             log(logger, logging.WARNING, "task gone; cannot tell whether it is back",
@@ -302,6 +316,7 @@ class Watcher:
         task_id = task.spec.task_id
         if task.status in FINISHED:
             self._forget(task_id)
+            self._retain(task)
         elif task.status != pb.TASK_STATUS_CREATING and self._serves(task_id):
             self.taskdirs.prepare(task)
             self.streams.follow(task_id)
@@ -324,12 +339,14 @@ class Watcher:
             if t.status in FINISHED or not self._serves(task_id):
                 if task_id in before:
                     self._forget(task_id, before[task_id])
+                self._retain(t)
             else:
                 served.add(task_id)
                 self.taskdirs.prepare(t, again=True)
                 self.streams.follow(task_id)
         for task_id in before.keys() - served:
             self._forget(task_id, before[task_id])
+        self._sweep_dirs({t.spec.task_id for t in tasks})
         checked = 0
         for task_id in served:
             try:
@@ -344,11 +361,37 @@ class Watcher:
                                    pb.ENTRY_STATE_VERIFIED) and not entry.parts:
                     self.jobs.submit((task_id, entry.file_id))
                     checked += 1
+            self.retention.offer(task_id, entries)
             self._sync_watch(task_id, rewalk=True)
         self.metrics.add("reconciliations")
         log(logger, logging.INFO, "reconciled", reason=reason, tasks=len(served),
             entries_checked=checked)
         return True
+
+    def _retain(self, task: pb.Task) -> None:
+        """A task no longer served: the staging retention still removes the files of a
+        finished one of its shards, and the directory of one archived or deleted."""
+        task_id = task.spec.task_id
+        if not self._serves(task_id):
+            return
+        if task.status in DONE:
+            self.retention.finished(task_id)
+        elif task.status in GONE:
+            self.retention.task_gone(task_id)
+
+    def _sweep_dirs(self, listed: set[str]) -> None:
+        """Directories of tasks of this watcher's shards that the registry no longer
+        lists (archived or deleted while nobody looked) go once empty."""
+        try:
+            names = os.listdir(self.root)
+        except OSError:
+            return
+        for name in names:
+            if name not in listed and _TASK_ID.match(name) and self._serves(name):
+                self.retention.task_gone(name)
+
+    def _removal_reply(self, task_id: str, entry: pb.Entry) -> None:
+        self.table.apply(task_id, entry)
 
     def _follow_tasks(self) -> None:
         """Serve new tasks the moment they are created, and drop finished ones,

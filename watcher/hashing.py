@@ -230,6 +230,53 @@ class Hasher:
         finally:
             os.close(parent)
 
+    def removable(self, task_id: str, rel: str) -> bool:
+        """Whether this process may unlink the entry's file: write and search on the
+        directory holding it, as the kernel decides for its effective identity and
+        capabilities (asked before a removal is recorded, so that none is recorded
+        that cannot be made)."""
+        parts = split_path(task_id, rel)
+        parent = self._parent(parts, "/".join(parts))
+        try:
+            return os.access(".", os.W_OK | os.X_OK, dir_fd=parent, effective_ids=True)
+        finally:
+            os.close(parent)
+
+    def remove(self, task_id: str, rel: str, digest: str) -> int:
+        """Unlink the entry's file if it is a regular file, reached without a symlink,
+        whose bytes hash to ``digest``; the bytes removed. Raises :class:`FileMissing`,
+        :class:`Refused` (a link, not a regular file: left alone) or
+        :class:`FileChanged` (other bytes: kept, ``digest`` says which).
+
+        The file is hashed through a descriptor opened from its parent's, and unlinked
+        from that same parent only if the name still names the inode hashed: a rename
+        over it in between is seen, and the new file is kept.
+        """
+        parts = split_path(task_id, rel)
+        shown = "/".join(parts)
+        parent = self._parent(parts, shown)
+        try:
+            try:
+                fd = os.open(parts[-1], _FILE_FLAGS, dir_fd=parent)
+            except OSError as e:
+                raise _translate(shown, e) from e
+            try:
+                hashed = self._hash_fd(fd, parent, parts[-1], shown)
+            finally:
+                os.close(fd)
+            if hashed.digest != digest:
+                raise FileChanged(shown, "differs from the verified digest", hashed.digest)
+            try:
+                now = os.stat(parts[-1], dir_fd=parent, follow_symlinks=False)
+                if not stat.S_ISREG(now.st_mode) or Identity.of(now) != hashed.identity:
+                    raise FileChanged(shown, "replaced before its removal", "")
+                os.unlink(parts[-1], dir_fd=parent)
+            except OSError as e:
+                raise _translate(shown, e) from e
+            return hashed.identity.size
+        finally:
+            os.close(parent)
+
     def _hash_fd(self, fd: int, parent: int, name: str, shown: str) -> Hashed:
         before = os.fstat(fd)
         if not stat.S_ISREG(before.st_mode):

@@ -47,6 +47,18 @@ COUNTERS = {
                       "vanished or unreadable); retried, then reported"),
     "linked": ("baton_watcher_linked_files", "Verified files found with several names "
                "(hard links), polled from then on"),
+    "staging_files_removed": ("baton_watcher_staging_files_removed", "Consumed entries' "
+                              "files removed from staging past their retention"),
+    "staging_bytes_removed": ("baton_watcher_staging_removed_bytes", "Bytes of the files "
+                              "removed from staging past their retention"),
+    "staging_files_changed": ("baton_watcher_staging_files_changed", "Files due for "
+                              "removal kept: their bytes changed after verification "
+                              "(journalled by the registry)"),
+    "staging_files_refused": ("baton_watcher_staging_files_refused", "Files due for "
+                              "removal left alone: a symlink, not a regular file, or a "
+                              "symlink on the way"),
+    "staging_dirs_removed": ("baton_watcher_staging_dirs_removed", "Directories of "
+                             "archived or deleted tasks removed once empty"),
 }
 #: how long hashing one file takes, from a small file to gigabytes
 HASH_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0)
@@ -73,6 +85,8 @@ class Levels:
     entries: dict[str, int] = field(default_factory=dict)
     #: seconds since the longest-written entry was committed (0: none written)
     oldest_written: float = 0.0
+    #: bytes of consumed entries' files in staging that the watcher will remove
+    staging_held: int = 0
 
 
 class Metrics:
@@ -181,6 +195,10 @@ class Metrics:
             "baton_watcher_oldest_written_seconds", "Seconds since the entry longest in "
             "state written was committed (0: none is written): a written entry waits for "
             "this watcher's digest", value=levels.oldest_written)
+        yield GaugeMetricFamily(
+            "baton_watcher_staging_held_bytes", "Bytes of consumed entries' files of its "
+            "shards still in staging, waiting for their retention to pass (negative "
+            "retentions not counted)", value=levels.staging_held)
 
     def serve(self, address: str, logger: logging.Logger) -> int:
         """Serve ``/metrics`` on ``address`` (``HOST:PORT``) from a thread; the bound port.

@@ -39,6 +39,10 @@ class EntryView:
     failures: int = 0
     #: when the registry last changed the entry (UTC epoch nanoseconds)
     updated_ns: int = 0
+    #: the staging retention, as the registry says (``retention.candidate``)
+    staging_retention_seconds: float = -1.0
+    consumed_at: str = ""
+    staging_removed_at: str = ""
 
     @property
     def state_name(self) -> str:
@@ -176,6 +180,9 @@ class Table:
         known.state, known.size, known.digest = entry.state, entry.size, entry.digest
         known.revision = entry.revision
         known.updated_ns = _epoch_ns(entry.updated_at)
+        known.staging_retention_seconds = entry.staging_retention_seconds
+        known.consumed_at = entry.consumed_at
+        known.staging_removed_at = entry.staging_removed_at
         return Change(view.task_id, dataclasses.replace(known), old)
 
     def replace(self, task_id: str, entries: list[pb.Entry]) -> list[Change]:

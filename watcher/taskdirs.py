@@ -14,6 +14,10 @@ Paths are opened one component at a time from the staging root with
 ``fchmod``): a symlink planted at or along the path (a producer can write in the
 task's tree) is refused instead of followed, so no chown or chmod ever lands
 outside the task directory.
+
+Once a task is archived or deleted its directory goes when nothing but empty
+directories is left in it (:func:`only_dirs`, :func:`remove_empty`), walked the same
+way: through descriptors, never following a symlink, which keeps the directory.
 """
 
 from __future__ import annotations
@@ -207,3 +211,59 @@ class TaskDirs:
         with self._lock:
             self._prepared.pop(task_id, None)
             self._failing.pop(task_id, None)
+
+
+def _at_root(root: str) -> int | None:
+    try:
+        return os.open(root, _DIR_FLAGS)
+    except OSError:
+        return None
+
+
+def only_dirs(root: str, task_id: str) -> bool:
+    """Whether ``root/task_id`` is a directory holding nothing but directories (no
+    file, no symlink), walked without following symlinks."""
+    fd = _at_root(root)
+    if fd is None:
+        return False
+    try:
+        st = os.stat(task_id, dir_fd=fd, follow_symlinks=False)
+        if not stat.S_ISDIR(st.st_mode):
+            return False
+        for _, dirs, files, at in os.fwalk(task_id, dir_fd=fd, follow_symlinks=False):
+            # a symlink to a directory is listed with the directories (not walked into)
+            if files or any(_is_link(at, d) for d in dirs):
+                return False
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def remove_empty(root: str, task_id: str) -> bool:
+    """Remove ``root/task_id`` and the empty directories in it, deepest first; False
+    if anything stayed (something landed meanwhile, or a directory cannot go)."""
+    fd = _at_root(root)
+    if fd is None:
+        return False
+    try:
+        for _, dirs, _, at in os.fwalk(task_id, topdown=False, dir_fd=fd,
+                                       follow_symlinks=False):
+            for name in dirs:
+                _rmdir(name, at)
+        return _rmdir(task_id, fd)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _rmdir(name: str, dir_fd: int) -> bool:
+    """Remove an empty directory (False if not empty, gone, a symlink or not removable:
+    it stays, and so does every directory above it)."""
+    try:
+        os.rmdir(name, dir_fd=dir_fd)
+        return True
+    except OSError:
+        return False

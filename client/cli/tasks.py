@@ -297,7 +297,9 @@ def status(settings: Settings, task_id: str, entries: bool, output: str) -> None
     Per group: entries it acked out of those it has to ack. Blocked entries
     are pending ones with a dead dependency (or part); stuck ones were committed
     longer ago than the registry's --stuck-written-after and no watcher verified
-    them. With --entries, also one row per entry: owner, retries, size, digest, error.
+    them. "in staging": the bytes its entries' files still hold in staging (consumed
+    ones leave after their staging retention). With --entries, also one row per entry:
+    owner, retries, size, digest, error.
     """
     client = settings.client()
     t = client.get_task(task_id)
@@ -309,6 +311,7 @@ def status(settings: Settings, task_id: str, entries: bool, output: str) -> None
             "task": task_id, "status": status_name(t.status), "status_reason": t.status_reason,
             "entries_total": t.entry_count, "states": counts, "blocked": t.blocked,
             "stuck_written": t.stuck_written,
+            "staging_bytes": t.staging_bytes,
             "done": t.entry_count - t.open,
             "groups": {g: {"consumed": n, "total": total} for g, (n, total) in groups.items()},
         }
@@ -327,6 +330,8 @@ def status(settings: Settings, task_id: str, entries: bool, output: str) -> None
         if s == "written" and t.stuck_written:
             summary.add_row("  stuck", str(t.stuck_written))
     summary.add_row("total", str(t.entry_count), style="bold")
+    if t.staging_bytes:
+        summary.add_row("in staging", _bytes(t.staging_bytes))
     emit_table(summary)
     by_group = Table("consumer group", "consumed")
     for g, (n, total) in groups.items():
@@ -360,3 +365,13 @@ def group_progress(t: pb.Task, rows: list[pb.Entry]) -> dict[str, tuple[int, int
         totals.setdefault(g, 0)
     order = [*t.spec.consumers, *sorted(set(totals) - set(t.spec.consumers))]
     return {g: (int(t.consumed_by_group.get(g, 0)), totals[g]) for g in order}
+
+
+def _bytes(n: int) -> str:
+    """A size as people read it: bytes below a KiB, else in the largest binary unit."""
+    size, unit = float(n), "B"
+    for bigger in ("KiB", "MiB", "GiB", "TiB"):
+        if size < 1024:
+            break
+        size, unit = size / 1024, bigger
+    return f"{n} B" if unit == "B" else f"{size:,.1f} {unit}"

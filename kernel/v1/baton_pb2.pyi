@@ -134,6 +134,7 @@ class EntrySpec(_message.Message):
     PRODUCERS_FIELD_NUMBER: _builtins.int
     CLAIM_DEADLINE_SECONDS_FIELD_NUMBER: _builtins.int
     CONSUME_DEADLINE_SECONDS_FIELD_NUMBER: _builtins.int
+    STAGING_RETENTION_SECONDS_FIELD_NUMBER: _builtins.int
     file_id: _builtins.str
     """[A-Za-z0-9._-], unique within the task"""
     path: _builtins.str
@@ -152,6 +153,10 @@ class EntrySpec(_message.Message):
     claim is taken away (retry path) or the entry goes back to its group.
     """
     consume_deadline_seconds: _builtins.float
+    staging_retention_seconds: _builtins.float
+    """Seconds its file stays in staging after every receiving group acked it (unset:
+    the task's; 0: removed once consumed; negative: never removed).
+    """
     @_builtins.property
     def depends_on(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """file ids of the same task"""
@@ -190,19 +195,24 @@ class EntrySpec(_message.Message):
         producers: _abc.Iterable[_builtins.str] | None = ...,
         claim_deadline_seconds: _builtins.float = ...,
         consume_deadline_seconds: _builtins.float = ...,
+        staging_retention_seconds: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "max_retries", b"max_retries", "priority", b"priority"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "_staging_retention_seconds", b"_staging_retention_seconds", "max_retries", b"max_retries", "priority", b"priority", "staging_retention_seconds", b"staging_retention_seconds"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "claim_deadline_seconds", b"claim_deadline_seconds", "consume_deadline_seconds", b"consume_deadline_seconds", "consumers", b"consumers", "depends_on", b"depends_on", "expected_digest", b"expected_digest", "expected_size", b"expected_size", "file_id", b"file_id", "labels", b"labels", "max_retries", b"max_retries", "parts", b"parts", "path", b"path", "priority", b"priority", "producers", b"producers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "_staging_retention_seconds", b"_staging_retention_seconds", "claim_deadline_seconds", b"claim_deadline_seconds", "consume_deadline_seconds", b"consume_deadline_seconds", "consumers", b"consumers", "depends_on", b"depends_on", "expected_digest", b"expected_digest", "expected_size", b"expected_size", "file_id", b"file_id", "labels", b"labels", "max_retries", b"max_retries", "parts", b"parts", "path", b"path", "priority", b"priority", "producers", b"producers", "staging_retention_seconds", b"staging_retention_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_retries: _TypeAlias = _typing.Literal["max_retries"]  # noqa: Y015
     _WhichOneofArgType__max_retries: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries"]  # noqa: Y015
     _WhichOneofReturnType__priority: _TypeAlias = _typing.Literal["priority"]  # noqa: Y015
     _WhichOneofArgType__priority: _TypeAlias = _typing.Literal["_priority", b"_priority"]  # noqa: Y015
+    _WhichOneofReturnType__staging_retention_seconds: _TypeAlias = _typing.Literal["staging_retention_seconds"]  # noqa: Y015
+    _WhichOneofArgType__staging_retention_seconds: _TypeAlias = _typing.Literal["_staging_retention_seconds", b"_staging_retention_seconds"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_retries) -> _WhichOneofReturnType__max_retries | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__priority) -> _WhichOneofReturnType__priority | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__staging_retention_seconds) -> _WhichOneofReturnType__staging_retention_seconds | None: ...
 
 Global___EntrySpec: _TypeAlias = EntrySpec  # noqa: Y015
 
@@ -375,6 +385,7 @@ class TaskSpec(_message.Message):
     ROUTING_RULES_FIELD_NUMBER: _builtins.int
     CLAIM_DEADLINE_SECONDS_FIELD_NUMBER: _builtins.int
     CONSUME_DEADLINE_SECONDS_FIELD_NUMBER: _builtins.int
+    STAGING_RETENTION_SECONDS_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     schema_version: _builtins.int
     """0 means the current version (1)"""
@@ -397,6 +408,11 @@ class TaskSpec(_message.Message):
     claim_deadline_seconds: _builtins.float
     """Processing deadlines of its entries (seconds; 0: none), as in EntrySpec."""
     consume_deadline_seconds: _builtins.float
+    staging_retention_seconds: _builtins.float
+    """Seconds an entry's file stays in staging after every receiving group acked it,
+    then the watcher owning the task's shard removes it (unset: the registry's
+    --staging-retention; 0: as soon as consumed; negative: never).
+    """
     @_builtins.property
     def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___EntrySpec]: ...
     @_builtins.property
@@ -434,19 +450,24 @@ class TaskSpec(_message.Message):
         routing_rules: _abc.Iterable[Global___RoutingRule] | None = ...,
         claim_deadline_seconds: _builtins.float = ...,
         consume_deadline_seconds: _builtins.float = ...,
+        staging_retention_seconds: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "access", b"access", "backoff", b"backoff", "max_retries", b"max_retries", "priority", b"priority"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "_staging_retention_seconds", b"_staging_retention_seconds", "access", b"access", "backoff", b"backoff", "max_retries", b"max_retries", "priority", b"priority", "staging_retention_seconds", b"staging_retention_seconds"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "access", b"access", "aging_seconds", b"aging_seconds", "archive_after_seconds", b"archive_after_seconds", "backoff", b"backoff", "claim_deadline_seconds", b"claim_deadline_seconds", "consume_deadline_seconds", b"consume_deadline_seconds", "consumers", b"consumers", "digest_optional", b"digest_optional", "entries", b"entries", "labels", b"labels", "max_retries", b"max_retries", "priority", b"priority", "routing_rules", b"routing_rules", "schema_version", b"schema_version", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "_staging_retention_seconds", b"_staging_retention_seconds", "access", b"access", "aging_seconds", b"aging_seconds", "archive_after_seconds", b"archive_after_seconds", "backoff", b"backoff", "claim_deadline_seconds", b"claim_deadline_seconds", "consume_deadline_seconds", b"consume_deadline_seconds", "consumers", b"consumers", "digest_optional", b"digest_optional", "entries", b"entries", "labels", b"labels", "max_retries", b"max_retries", "priority", b"priority", "routing_rules", b"routing_rules", "schema_version", b"schema_version", "staging_retention_seconds", b"staging_retention_seconds", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_retries: _TypeAlias = _typing.Literal["max_retries"]  # noqa: Y015
     _WhichOneofArgType__max_retries: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries"]  # noqa: Y015
     _WhichOneofReturnType__priority: _TypeAlias = _typing.Literal["priority"]  # noqa: Y015
     _WhichOneofArgType__priority: _TypeAlias = _typing.Literal["_priority", b"_priority"]  # noqa: Y015
+    _WhichOneofReturnType__staging_retention_seconds: _TypeAlias = _typing.Literal["staging_retention_seconds"]  # noqa: Y015
+    _WhichOneofArgType__staging_retention_seconds: _TypeAlias = _typing.Literal["_staging_retention_seconds", b"_staging_retention_seconds"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_retries) -> _WhichOneofReturnType__max_retries | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__priority) -> _WhichOneofReturnType__priority | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__staging_retention_seconds) -> _WhichOneofReturnType__staging_retention_seconds | None: ...
 
 Global___TaskSpec: _TypeAlias = TaskSpec  # noqa: Y015
 
@@ -537,6 +558,7 @@ class Task(_message.Message):
     ARCHIVE_FIELD_NUMBER: _builtins.int
     FINISHED_AT_FIELD_NUMBER: _builtins.int
     STUCK_WRITTEN_FIELD_NUMBER: _builtins.int
+    STAGING_BYTES_FIELD_NUMBER: _builtins.int
     status: Global___TaskStatus.ValueType
     staging_dir: _builtins.str
     """absolute, on the registry's staging root"""
@@ -560,6 +582,10 @@ class Task(_message.Message):
     stuck_written: _builtins.int
     """Entries written (committed) longer ago than the registry's --stuck-written-after
     and not verified: no watcher has settled them (GetTask only).
+    """
+    staging_bytes: _builtins.int
+    """Bytes its entries' files hold in staging: the sizes of its entries not yet
+    removed by the staging retention (GetTask only).
     """
     @_builtins.property
     def spec(self) -> Global___TaskSpec:
@@ -592,10 +618,11 @@ class Task(_message.Message):
         archive: _builtins.str = ...,
         finished_at: _builtins.str = ...,
         stuck_written: _builtins.int = ...,
+        staging_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["archive", b"archive", "archived_at", b"archived_at", "blocked", b"blocked", "consumed_by_group", b"consumed_by_group", "created_at", b"created_at", "dead", b"dead", "entry_count", b"entry_count", "finished_at", b"finished_at", "manifest_digest", b"manifest_digest", "open", b"open", "spec", b"spec", "staging_dir", b"staging_dir", "states", b"states", "status", b"status", "status_reason", b"status_reason", "stuck_written", b"stuck_written"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["archive", b"archive", "archived_at", b"archived_at", "blocked", b"blocked", "consumed_by_group", b"consumed_by_group", "created_at", b"created_at", "dead", b"dead", "entry_count", b"entry_count", "finished_at", b"finished_at", "manifest_digest", b"manifest_digest", "open", b"open", "spec", b"spec", "staging_bytes", b"staging_bytes", "staging_dir", b"staging_dir", "states", b"states", "status", b"status", "status_reason", b"status_reason", "stuck_written", b"stuck_written"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -653,6 +680,9 @@ class Entry(_message.Message):
     ROUTED_TO_FIELD_NUMBER: _builtins.int
     CLAIM_DEADLINE_SECONDS_FIELD_NUMBER: _builtins.int
     CONSUME_DEADLINE_SECONDS_FIELD_NUMBER: _builtins.int
+    STAGING_RETENTION_SECONDS_FIELD_NUMBER: _builtins.int
+    CONSUMED_AT_FIELD_NUMBER: _builtins.int
+    STAGING_REMOVED_AT_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     file_id: _builtins.str
     path: _builtins.str
@@ -691,6 +721,13 @@ class Entry(_message.Message):
     claim_deadline_seconds: _builtins.float
     """0: none"""
     consume_deadline_seconds: _builtins.float
+    staging_retention_seconds: _builtins.float
+    """Staging retention: seconds after consumed_at its file is removed (negative:
+    never), and when the removal was recorded ("" = its file is still held).
+    """
+    consumed_at: _builtins.str
+    """when the last receiving group acked it"""
+    staging_removed_at: _builtins.str
     @_builtins.property
     def consumers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -740,10 +777,13 @@ class Entry(_message.Message):
         routed_to: _abc.Iterable[_builtins.str] | None = ...,
         claim_deadline_seconds: _builtins.float = ...,
         consume_deadline_seconds: _builtins.float = ...,
+        staging_retention_seconds: _builtins.float = ...,
+        consumed_at: _builtins.str = ...,
+        staging_removed_at: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_routing_rule", b"_routing_rule", "routing_rule", b"routing_rule"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_routing_rule", b"_routing_rule", "abs_path", b"abs_path", "assembly", b"assembly", "attributes", b"attributes", "blocked", b"blocked", "claim_deadline_seconds", b"claim_deadline_seconds", "consume_deadline_seconds", b"consume_deadline_seconds", "consumed_by", b"consumed_by", "consumers", b"consumers", "consuming", b"consuming", "depends_on", b"depends_on", "digest", b"digest", "error", b"error", "file_id", b"file_id", "max_retries", b"max_retries", "not_before", b"not_before", "owner", b"owner", "parts", b"parts", "path", b"path", "priority", b"priority", "retry_count", b"retry_count", "revision", b"revision", "routed_to", b"routed_to", "routing_rule", b"routing_rule", "size", b"size", "state", b"state", "task_id", b"task_id", "token", b"token", "updated_at", b"updated_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_routing_rule", b"_routing_rule", "abs_path", b"abs_path", "assembly", b"assembly", "attributes", b"attributes", "blocked", b"blocked", "claim_deadline_seconds", b"claim_deadline_seconds", "consume_deadline_seconds", b"consume_deadline_seconds", "consumed_at", b"consumed_at", "consumed_by", b"consumed_by", "consumers", b"consumers", "consuming", b"consuming", "depends_on", b"depends_on", "digest", b"digest", "error", b"error", "file_id", b"file_id", "max_retries", b"max_retries", "not_before", b"not_before", "owner", b"owner", "parts", b"parts", "path", b"path", "priority", b"priority", "retry_count", b"retry_count", "revision", b"revision", "routed_to", b"routed_to", "routing_rule", b"routing_rule", "size", b"size", "staging_removed_at", b"staging_removed_at", "staging_retention_seconds", b"staging_retention_seconds", "state", b"state", "task_id", b"task_id", "token", b"token", "updated_at", b"updated_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__routing_rule: _TypeAlias = _typing.Literal["routing_rule"]  # noqa: Y015
     _WhichOneofArgType__routing_rule: _TypeAlias = _typing.Literal["_routing_rule", b"_routing_rule"]  # noqa: Y015
@@ -2535,6 +2575,111 @@ class ReportProblemResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReportProblemResponse: _TypeAlias = ReportProblemResponse  # noqa: Y015
+
+@_typing.final
+class RemoveStagedRequest(_message.Message):
+    """A watcher asks to remove a consumed entry's file from staging, past its retention.
+    Only the owner of the task's shard at the current epoch is believed, and only for
+    the digest the entry was verified with: a file that changed since is recorded in
+    the journal and kept (OUTCOME_CHANGED).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    FILE_ID_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
+    DIGEST_FIELD_NUMBER: _builtins.int
+    REPORTER_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    WATCHER_ID_FIELD_NUMBER: _builtins.int
+    SHARD_EPOCH_FIELD_NUMBER: _builtins.int
+    task_id: _builtins.str
+    file_id: _builtins.str
+    size: _builtins.int
+    digest: _builtins.str
+    """what the watcher read from the file just now"""
+    reporter: _builtins.str
+    request_id: _builtins.str
+    watcher_id: _builtins.str
+    """as in ReportVerificationRequest"""
+    shard_epoch: _builtins.int
+    def __init__(
+        self,
+        *,
+        task_id: _builtins.str = ...,
+        file_id: _builtins.str = ...,
+        size: _builtins.int = ...,
+        digest: _builtins.str = ...,
+        reporter: _builtins.str = ...,
+        request_id: _builtins.str = ...,
+        watcher_id: _builtins.str = ...,
+        shard_epoch: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "file_id", b"file_id", "reporter", b"reporter", "request_id", b"request_id", "shard_epoch", b"shard_epoch", "size", b"size", "task_id", b"task_id", "watcher_id", b"watcher_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RemoveStagedRequest: _TypeAlias = RemoveStagedRequest  # noqa: Y015
+
+@_typing.final
+class RemoveStagedResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    class _Outcome:
+        ValueType = _typing.NewType("ValueType", _builtins.int)
+        V: _TypeAlias = ValueType  # noqa: Y015
+
+    class _OutcomeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[RemoveStagedResponse._Outcome.ValueType], _builtins.type):
+        DESCRIPTOR: _descriptor.EnumDescriptor
+        OUTCOME_UNSPECIFIED: RemoveStagedResponse._Outcome.ValueType  # 0
+        OUTCOME_MARKED: RemoveStagedResponse._Outcome.ValueType  # 1
+        """recorded as removed: unlink the file (again: already marked)"""
+        OUTCOME_CHANGED: RemoveStagedResponse._Outcome.ValueType  # 2
+        """the bytes differ from the verified digest: keep the file"""
+        OUTCOME_NOT_DUE: RemoveStagedResponse._Outcome.ValueType  # 3
+        """consumed, but its retention has not passed (due_in_seconds)"""
+        OUTCOME_NOT_CONSUMED: RemoveStagedResponse._Outcome.ValueType  # 4
+        """a receiving group has not acked it"""
+        OUTCOME_KEPT: RemoveStagedResponse._Outcome.ValueType  # 5
+        """its retention is negative: never removed"""
+
+    class Outcome(_Outcome, metaclass=_OutcomeEnumTypeWrapper): ...
+    OUTCOME_UNSPECIFIED: RemoveStagedResponse.Outcome.ValueType  # 0
+    OUTCOME_MARKED: RemoveStagedResponse.Outcome.ValueType  # 1
+    """recorded as removed: unlink the file (again: already marked)"""
+    OUTCOME_CHANGED: RemoveStagedResponse.Outcome.ValueType  # 2
+    """the bytes differ from the verified digest: keep the file"""
+    OUTCOME_NOT_DUE: RemoveStagedResponse.Outcome.ValueType  # 3
+    """consumed, but its retention has not passed (due_in_seconds)"""
+    OUTCOME_NOT_CONSUMED: RemoveStagedResponse.Outcome.ValueType  # 4
+    """a receiving group has not acked it"""
+    OUTCOME_KEPT: RemoveStagedResponse.Outcome.ValueType  # 5
+    """its retention is negative: never removed"""
+
+    ENTRY_FIELD_NUMBER: _builtins.int
+    OUTCOME_FIELD_NUMBER: _builtins.int
+    DUE_IN_SECONDS_FIELD_NUMBER: _builtins.int
+    outcome: Global___RemoveStagedResponse.Outcome.ValueType
+    due_in_seconds: _builtins.float
+    @_builtins.property
+    def entry(self) -> Global___Entry: ...
+    def __init__(
+        self,
+        *,
+        entry: Global___Entry | None = ...,
+        outcome: Global___RemoveStagedResponse.Outcome.ValueType = ...,
+        due_in_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["entry", b"entry"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["due_in_seconds", b"due_in_seconds", "entry", b"entry", "outcome", b"outcome"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RemoveStagedResponse: _TypeAlias = RemoveStagedResponse  # noqa: Y015
 
 @_typing.final
 class WatcherCapacity(_message.Message):

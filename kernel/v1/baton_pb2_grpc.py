@@ -746,6 +746,11 @@ class WatcherServiceStub:
                 request_serializer=baton_dot_v1_dot_baton__pb2.ReportProblemRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_baton__pb2.ReportProblemResponse.FromString,
                 _registered_method=True)
+        self.RemoveStaged = channel.unary_unary(
+                '/baton.v1.WatcherService/RemoveStaged',
+                request_serializer=baton_dot_v1_dot_baton__pb2.RemoveStagedRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_baton__pb2.RemoveStagedResponse.FromString,
+                _registered_method=True)
 
 
 class WatcherServiceServicer:
@@ -788,6 +793,12 @@ class WatcherServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RemoveStaged(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WatcherServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -820,6 +831,11 @@ def add_WatcherServiceServicer_to_server(servicer, server):
                     servicer.ReportProblem,
                     request_deserializer=baton_dot_v1_dot_baton__pb2.ReportProblemRequest.FromString,
                     response_serializer=baton_dot_v1_dot_baton__pb2.ReportProblemResponse.SerializeToString,
+            ),
+            'RemoveStaged': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveStaged,
+                    request_deserializer=baton_dot_v1_dot_baton__pb2.RemoveStagedRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_baton__pb2.RemoveStagedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -985,6 +1001,33 @@ class WatcherService:
             '/baton.v1.WatcherService/ReportProblem',
             baton_dot_v1_dot_baton__pb2.ReportProblemRequest.SerializeToString,
             baton_dot_v1_dot_baton__pb2.ReportProblemResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveStaged(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.WatcherService/RemoveStaged',
+            baton_dot_v1_dot_baton__pb2.RemoveStagedRequest.SerializeToString,
+            baton_dot_v1_dot_baton__pb2.RemoveStagedResponse.FromString,
             options,
             channel_credentials,
             insecure,

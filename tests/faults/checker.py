@@ -13,7 +13,12 @@ Five kinds of violation fail a run:
   did not write (no successful write of that size recorded, or a failed one);
 - ``badread``: a consumer given a lease on an entry that was not verified, or whose
   digest is not the verified one, or that read bytes other than the verified ones
-  (every payload names its producer attempt, see ``payload.py``).
+  (every payload names its producer attempt, see ``payload.py``);
+- ``badremove``: the staging retention recorded the removal of a file whose entry was
+  not consumed, or (when the run's files are known: tasks with a short retention) a
+  verified entry's file is gone from staging. A consumed entry's file is expected to
+  be gone; one marked removed and still there at the end (a watcher killed between
+  the mark and the unlink, not yet healed) is counted (``staging_left``).
 
 The journal is the ground truth of what applied (calls whose outcome the agents never
 learnt included); the histories say what each agent was told and what it wrote and read.
@@ -31,6 +36,10 @@ from baton_relay.registry.keys import ClaimRef
 from .state import EntryKey, JournalRecord, Snapshot
 
 KINDS = ("lost", "double", "stale", "badverify", "badread")
+#: a violation of the staging retention: it fails the run like the others, and is
+#: counted among the figures after ``|`` (the verdict keeps the five kinds every
+#: recorded run printed)
+BADREMOVE = "badremove"
 TERMINAL = ("consumed", "dead")
 #: history operations that are calls to the registry (their completions count as ops)
 CALLS = ("open-session", "claim", "commit", "fail", "consume", "ack", "nack", "create-task")
@@ -121,8 +130,11 @@ class _Seen:
 
 
 def check(records: list[dict[str, Any]], snap: Snapshot,
-          created: dict[str, list[str]], nemeses: int = 0) -> Report:
-    """Check a run: agents' ``records``, the final ``snap``, the entries ``created`` per task."""
+          created: dict[str, list[str]], nemeses: int = 0,
+          staged: set[str] | None = None) -> Report:
+    """Check a run: agents' ``records``, the final ``snap``, the entries ``created`` per
+    task; ``staged``: the files under the staging root at the end (``TASK/PATH``), when
+    the staging retention removed files during the run."""
     hist = _Histories(records)
     report = Report(ops=hist.ops, nemeses=nemeses)
     # Counted below only when they happen; the summary line shows them at 0 too, so
@@ -137,6 +149,8 @@ def check(records: list[dict[str, Any]], snap: Snapshot,
     _check_leases(hist, seen, report)
     _check_reads(hist, seen, report)
     _explain_retries(snap, hist, report)
+    _check_removals(snap, staged, report)
+    report.stats[BADREMOVE] = report.count(BADREMOVE)
     report.stats["unknown"] = hist.unknown
     report.stats["mismatched_reads"] = hist.read_failures
     report.stats["write_failed"] = len(hist.write_failures)
@@ -282,6 +296,32 @@ def _stuck(snap: Snapshot, key: EntryKey, rec: dict[str, Any]) -> str:
                     or snap.has_claim(ClaimRef("c", task, file, group))):
                 return f"verified, but group {group} can neither take it nor holds it"
     return ""
+
+
+def _check_removals(snap: Snapshot, staged: set[str] | None, report: Report) -> None:
+    """Only consumed entries' files leave staging, and each removal is recorded once."""
+    for key, journal in snap.journal.items():
+        marks = [r for r in journal if r.event == "staging_removed"]
+        report.stats["staging_removed"] += len(marks)
+        for r in marks:
+            if r.from_state != "consumed":
+                report.add(BADREMOVE, key, f"removal recorded at revision {r.rev} while "
+                           f"the entry was {r.from_state}")
+        if len(marks) > 1:
+            report.add(BADREMOVE, key, f"removal recorded {len(marks)} times")
+        report.stats["staging_changed"] += sum(1 for r in journal
+                                               if r.event == "staging_changed")
+    if staged is None:
+        return
+    report.stats["staging_left"] += 0
+    for (task, file), rec in snap.entries.items():
+        where = f"{task}/{rec.get('path', '')}"
+        if rec.get("state") == "verified" and where not in staged:
+            report.add(BADREMOVE, (task, file), f"verified, but {where} is gone")
+        elif rec.get("staging_removed") and where in staged:
+            report.stats["staging_left"] += 1
+            report.notes.append(f"{where}: its removal was recorded, the file is still "
+                                "there (a watcher stopped between the two)")
 
 
 def _check_acknowledged(snap: Snapshot, hist: _Histories, report: Report) -> None:

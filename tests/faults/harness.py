@@ -52,7 +52,7 @@ from .cluster import (
     watcher_proc,
 )
 from .nemesis import NEMESES, AgentSlot, World, run_nemeses
-from .staging import StagingFs, temp_files
+from .staging import StagingFs, staged_files, temp_files
 from .state import read_snapshot
 
 T = TypeVar("T")
@@ -141,10 +141,18 @@ class Replicas:
             c.close()
 
 
-def task_spec(task_id: str, size: int, groups: tuple[str, ...]) -> dict[str, Any]:
+#: seconds a consumed entry's file stays in staging in a run with the
+#: ``staging-retention`` nemesis (else the registry's default, a day: nothing goes)
+SHORT_RETENTION = 1.0
+
+
+def task_spec(task_id: str, size: int, groups: tuple[str, ...],
+              retention: float | None = None) -> dict[str, Any]:
     files = [f"f{i:04d}" for i in range(size)]
+    more = {} if retention is None else {"staging_retention_seconds": retention}
     return {
         "task_id": task_id,
+        **more,
         # A few subdirectories: the watcher must follow new directories too.
         "entries": [{"file_id": f, "path": f"d{i % 3}/{f}.bin"} for i, f in enumerate(files)],
         "consumers": list(groups),
@@ -186,10 +194,16 @@ class Feeder(threading.Thread):
                     continue  # the producers still have work
             self.create(f"t{self._next:04d}")
 
+    @property
+    def retention(self) -> float | None:
+        """The tasks' staging retention: short when the watchers remove the files."""
+        return SHORT_RETENTION if "staging-retention" in self.cfg.nemeses else None
+
     def remove_completed(self, tasks: list[pb.Task]) -> None:
         """Delete the files of completed tasks (consumers recorded what they read), so
-        that a long run does not fill the disk."""
-        if self.cfg.keep_staging:
+        that a long run does not fill the disk; the watchers do it when the tasks have
+        a short staging retention."""
+        if self.cfg.keep_staging or self.retention is not None:
             return
         for t in tasks:
             task_id = t.spec.task_id
@@ -198,7 +212,7 @@ class Feeder(threading.Thread):
                 self.removed.add(task_id)
 
     def create(self, task_id: str) -> None:
-        spec = task_spec(task_id, self.cfg.task_size, self.cfg.groups)
+        spec = task_spec(task_id, self.cfg.task_size, self.cfg.groups, self.retention)
         files = [e["file_id"] for e in spec["entries"]]
         while True:
             self.history.invoke("create-task", task=task_id, files=len(files))
@@ -338,6 +352,7 @@ def _run(cfg: RunConfig, out: Path, staging: Path, driver: hist.History,
         for proc in registries:
             proc.stop(10.0)
         temps = temp_files(staging)
+        staged = staged_files(staging)
         db_size = cluster.db_size(cluster.answering() or 0)
         diverged = cluster.divergence()
         member = cluster.leader()
@@ -357,7 +372,8 @@ def _run(cfg: RunConfig, out: Path, staging: Path, driver: hist.History,
         released = staging_fs.release(keep=cfg.keep_staging)
     snap.dump(out / "journal.jsonl")
     records = hist.read_all(out / "history")
-    report = check(records, snap, feeder.created, count)
+    report = check(records, snap, feeder.created, count,
+                   staged=None if feeder.retention is None else staged)
     _count_temp_files(report, temps, records)
     report.stats["seed"] = cfg.seed
     report.stats["tls"] = int(tls is not None)

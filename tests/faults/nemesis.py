@@ -333,6 +333,34 @@ def kill_watcher(w: World) -> dict[str, Any]:
     return {"watcher": victim.name, "down_s": round(down, 2)}
 
 
+def _removed(proc: Proc) -> int:
+    """Files the watcher ``proc`` has removed from staging, from its log."""
+    return proc.log_tail(1_000_000).count("removed from staging")
+
+
+def staging_retention(w: World) -> dict[str, Any]:
+    """SIGKILL a watcher while it removes consumed files from staging (the run's tasks
+    keep their files 1 s once consumed), so that a removal recorded may not have been
+    unlinked; keep it down a while, then start it again. Its shards move meanwhile, and
+    whoever owns them next finishes what it left."""
+    deadline = time.monotonic() + 15.0
+    before = {p.name: _removed(p) for p in w.watchers}
+    victim = None
+    while victim is None and time.monotonic() < deadline and not w.stop.is_set():
+        busy = [p for p in w.watchers if p.alive and _removed(p) > before[p.name]]
+        victim = w.rng.choice(busy) if busy else None
+        if victim is None:
+            time.sleep(0.05)
+    if victim is None:
+        victim = w.rng.choice(w.watchers)
+    removed = _removed(victim)
+    victim.kill()
+    down = w.rng.uniform(1.0, w.ttl + 3.0)
+    w.sleep(down)
+    victim.start()
+    return {"watcher": victim.name, "removed_before": removed, "down_s": round(down, 2)}
+
+
 def move_shard(w: World) -> dict[str, Any]:
     """Move a shard holding work to another watcher, as an operator would (two-phase:
     the owner hands it over with checks in hand), and wait for the move to finish."""
@@ -708,6 +736,7 @@ NEMESES: dict[str, Nemesis] = {
     "kill-watcher-hashing": kill_watcher_hashing,
     "kill-watcher": kill_watcher,
     "move-shard": move_shard,
+    "staging-retention": staging_retention,
     "inotify-overflow": inotify_overflow,
     "compact-etcd": compact_etcd,
     "partition-etcd": partition_etcd,

@@ -24,6 +24,12 @@ def temp_files(root: Path) -> list[str]:
                   if p.is_file())
 
 
+def staged_files(root: Path) -> set[str]:
+    """Every regular file under ``root`` (no temp file), relative to it."""
+    return {str(p.relative_to(root)) for p in root.rglob("*")
+            if p.is_file() and not p.is_symlink() and TEMP_MARKER not in p.name}
+
+
 class StagingFs:
     """A tmpfs of ``size_mib`` MiB mounted on ``root`` (an empty directory)."""
 

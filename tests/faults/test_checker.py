@@ -230,3 +230,51 @@ def test_temp_files_left_by_ended_attempts_are_told_apart() -> None:
     left, killed = leftover_temp_files(paths, history)
     assert killed == [paths[1]]
     assert left == [paths[0], paths[2], paths[3]]
+
+
+# --- the staging retention ------------------------------------------------------------
+
+REMOVED = rec(16, 6, "staging_removed", "consumed", "consumed")
+
+
+def test_a_consumed_entrys_file_gone_after_its_recorded_removal_passes() -> None:
+    """Removal recorded once on a consumed entry, its file gone: a clean run."""
+    report = check(clean_history(), snapshot([*clean_journal(), REMOVED], path="a.bin",
+                                             staging_removed={"at": "now"}),
+                   {TASK: [FILE]}, staged=set())
+    assert report.ok, report.violations
+    assert report.stats["staging_removed"] == 1 and report.stats["staging_left"] == 0
+
+
+def test_a_removal_recorded_before_every_group_acked_is_badremove() -> None:
+    """A removal recorded while the entry was still verified is a violation."""
+    journal = [*clean_journal()[:5], rec(14, 5, "staging_removed", "verified", "verified"),
+               rec(15, 6, "acked", "verified", "consumed", group="g2", token=14)]
+    journal.insert(5, rec(14, 4, "consuming", "verified", "verified", group="g2",
+                          aside=True))
+    report = run(journal=journal)
+    assert kinds(report) == {"badremove"}
+
+
+def test_a_verified_entrys_file_missing_from_staging_is_badremove() -> None:
+    """A verified entry whose file is gone from staging at the end is a violation."""
+    journal = clean_journal()[:3]
+    report = check(clean_history()[:3], snapshot(journal, state="verified", path="a.bin",
+                                                 consumed_by=[], keys=(
+                                                     b"/p/cready/t0/g1/f0",
+                                                     b"/p/cready/t0/g2/f0")),
+                   {TASK: [FILE]}, staged=set())
+    assert "badremove" in kinds(report)
+    ok = check(clean_history()[:3], snapshot(journal, state="verified", path="a.bin",
+                                             consumed_by=[]), {TASK: [FILE]},
+               staged={"t0/a.bin"})
+    assert "badremove" not in kinds(ok)
+
+
+def test_a_marked_file_still_there_at_the_end_is_counted_not_failed() -> None:
+    """A removal recorded whose unlink never happened is counted (staging_left)."""
+    report = check(clean_history(), snapshot([*clean_journal(), REMOVED], path="a.bin",
+                                             staging_removed={"at": "now"}),
+                   {TASK: [FILE]}, staged={"t0/a.bin"})
+    assert report.ok, report.violations
+    assert report.stats["staging_left"] == 1
