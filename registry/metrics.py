@@ -412,11 +412,14 @@ class RegistryMetrics:
             yield CounterMetricFamily(
                 "baton_archives_expired", "Archives this replica deleted (older than "
                 "--archive-retention), with their tasks' headers", value=archive.expired)
-            election = archive.election
-            yield GaugeMetricFamily(
-                "baton_archiver_leader", "1 while this replica is the one that archives "
-                "(it won the archiver election), else 0",
-                value=1 if election is None or election.is_leader else 0)
+        # 0 too on a replica with no archive store: finished tasks then stay in etcd,
+        # which the alert on it (BatonNoArchiver) is about
+        election = archive.election if archive is not None else None
+        yield GaugeMetricFamily(
+            "baton_archiver_leader", "1 while this replica is the one that archives "
+            "(it won the archiver election), else 0 (also when it has no archive store)",
+            value=1 if archive is not None and (election is None or election.is_leader)
+            else 0)
         if sources.shards is not None:
             yield CounterMetricFamily(
                 "baton_shards_reassigned", "Shards this replica gave to a live watcher "
