@@ -562,6 +562,11 @@ def test_reads_follow_the_tasks_access_rules(clients: dict[str, Client]) -> None
         "Explain": lambda c: c.explain("private", "f0"),
         "Watch": lambda c: next(iter(c.watch("private", timeout=5))),
     }
+    # the task-rules dimension covers every read the access table opens beyond
+    # operators: these reads, and the two listings below
+    opened = {m for m, extra in EXCEPTIONS.items() if extra == {"agent", "watcher"}}
+    assert {name.split()[0] for name in reads} | {"ListTasks", "WatchTasks"} == opened | {
+        "Watch"}
     for name, read in reads.items():
         with pytest.raises(errors.PermissionDenied, match=r"may not read task 'private'.*ag"):
             read(ag2)
