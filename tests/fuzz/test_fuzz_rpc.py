@@ -46,6 +46,9 @@ REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
             grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.OUT_OF_RANGE,
             grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED,
             grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNAVAILABLE}
+#: calls made again, each once etcd is still, before a refused call that changed etcd
+#: counts as a finding (the registry's background work may move a key meanwhile)
+QUIET_ATTEMPTS = 3
 #: the largest request the registry takes (gRPC's default); a larger one never leaves
 #: the client
 MAX_MESSAGE = 4 * 1024 * 1024
@@ -194,10 +197,18 @@ def test_every_rpc_refuses_hostile_requests_clearly_and_changes_nothing(
     assert details.strip(), f"{method.name}: {code.name} without a message"
     assert "Traceback" not in details, f"{method.name}: a traceback in the error"
     if keys_digest(world) != before:
-        # Something moved meanwhile: try again once etcd is still.
-        quiet = still(world)
-        again = call(world, method, request)
-        assert again is not None and again.code() == code, (
-            f"{method.name}: refused with {code.name}, then answered otherwise")
-        assert keys_digest(world) == quiet, (
-            f"{method.name}: refused ({code.name}: {details[:200]}) but changed etcd")
+        # Something moved meanwhile (the registry's own background work: a shard move
+        # coming due, a lease): try again once etcd is still. A refused call that
+        # writes writes every time; the background only now and then — so the call is
+        # cleared by any one attempt that left etcd as it found it.
+        for _ in range(QUIET_ATTEMPTS):
+            quiet = still(world)
+            again = call(world, method, request)
+            assert again is not None and again.code() == code, (
+                f"{method.name}: refused with {code.name}, then answered otherwise")
+            if keys_digest(world) == quiet:
+                break
+        else:
+            raise AssertionError(f"{method.name}: refused ({code.name}: {details[:200]}) "
+                                 f"but changed etcd, {QUIET_ATTEMPTS} times out of "
+                                 f"{QUIET_ATTEMPTS}")
