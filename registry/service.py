@@ -190,8 +190,9 @@ class WatcherService(pb_grpc.WatcherServiceServicer):
 
     async def ReportVerificationBatch(self, request: pb.ReportVerificationBatchRequest,
                                       context: Context) -> pb.ReportVerificationBatchResponse:
-        """Each report applied on its own, at once (their transactions share etcd
-        round trips through the group commit), each answered with its entry or error."""
+        """Each report applied on its own (their transactions share etcd round trips
+        through the group commit; one entry's in the order sent), each answered with
+        its entry or its error."""
         if len(request.reports) > MAX_REPORT_BATCH:
             raise InvalidArgument(
                 f"a batch carries at most {MAX_REPORT_BATCH} reports, not "
@@ -207,7 +208,19 @@ class WatcherService(pb_grpc.WatcherServiceServicer):
             except Exception as e:  # the report's own answer, not the batch's end
                 return Result(error=call_error(e))
 
-        results = await asyncio.gather(*(one(r) for r in request.reports))
+        # Reports of one entry apply in the order sent, as calls one after the other
+        # would (a watcher may report a file twice while it is being written: the
+        # later bytes must not be overtaken by the earlier); other entries' at once.
+        results: list[Any] = [None] * len(request.reports)
+        by_entry: dict[tuple[str, str], list[int]] = {}
+        for i, report in enumerate(request.reports):
+            by_entry.setdefault((report.task_id, report.file_id), []).append(i)
+
+        async def in_order(positions: list[int]) -> None:
+            for i in positions:
+                results[i] = await one(request.reports[i])
+
+        await asyncio.gather(*(in_order(positions) for positions in by_entry.values()))
         return pb.ReportVerificationBatchResponse(results=results)
 
     async def ReportProblem(self, request: pb.ReportProblemRequest, context: Context
