@@ -131,6 +131,14 @@ class StaleToken(BatonError):
 
 
 
+class StaleReport(BatonError):
+    """A watcher's report that would fail an entry which moved since the watcher read
+    the file (a commit came meanwhile): not judged; the watcher looks again."""
+
+    code = _Code("FAILED_PRECONDITION")
+    exit_code = 4
+
+
 class SessionExpired(BatonError):
     """The agent session's lease is gone; claims made under it are dead."""
 
@@ -240,6 +248,7 @@ _BY_NAME: dict[str, type[BatonError]] = {
         IllegalTransition,
         AlreadyClaimed,
         StaleToken,
+        StaleReport,
         NotShardOwner,
         SessionExpired,
         Draining,

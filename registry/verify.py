@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..kernel.errors import InvalidArgument
+from ..kernel.errors import InvalidArgument, StaleReport
 from ..kernel.v1 import baton_pb2 as pb
 from ._etcd import created_at
 from .claims import entry_replay, need_entry, need_task, release_slot
@@ -35,11 +35,11 @@ class Verifier:
 
     async def settle(self, txn: Txn, rec: EntryRecord, size: int, digest: str,
                      who: str = "", label: str = "") -> bool:
-        """``who``: the identity of the watcher that reported it, ``label`` the name it
+        """A written entry meets what is on disk: verified (True), or the retry path.
+        ``who``: the identity of the watcher that reported it, ``label`` the name it
         gave itself."""
-        """A written entry meets what is on disk: verified (True), or the retry path."""
         expected = rec.committed_digest or rec.expected_digest
-        if size == rec.size and (not expected or expected == digest):
+        if self.matches(rec, size, digest):
             apply(rec, Event.VERIFY)
             rec.digest = digest
             routed = await self.route(txn, rec)
@@ -52,6 +52,13 @@ class Verifier:
             f"{expected or '-'}, file has size {size} digest {digest}", who=who,
         )
         return False
+
+    @staticmethod
+    def matches(rec: EntryRecord, size: int, digest: str) -> bool:
+        """Whether a written entry's file, of ``size`` and ``digest``, is what its
+        producer committed."""
+        expected = rec.committed_digest or rec.expected_digest
+        return size == rec.size and (not expected or expected == digest)
 
     async def route(self, txn: Txn, rec: EntryRecord) -> dict[str, object]:
         """Decide which consumer groups receive ``rec``, now verified: the first of the
@@ -168,10 +175,21 @@ class Verifier:
         async def planner(txn: Txn) -> Callable[[int], pb.Entry]:
             await check_reporter(txn, self.keys, req.task_id, req.watcher_id,
                                  req.shard_epoch, caller)
-            rec = need_entry(await txn.get(self.keys.entry(req.task_id, req.file_id)),
-                             req.task_id, req.file_id)
+            kv = await txn.get(self.keys.entry(req.task_id, req.file_id))
+            rec = need_entry(kv, req.task_id, req.file_id)
             if rec.parts:  # an assembly has no file of its own
                 return lambda rev: rec.to_pb(staging, revision=rev)
+            moved = bool(req.seen_revision) and kv is not None and (
+                kv.mod_revision != req.seen_revision)
+            if moved and (
+                    (rec.state == WRITTEN and not self.matches(rec, req.size, req.digest))
+                    or (rec.state == VERIFIED and req.digest != rec.digest)):
+                raise StaleReport(
+                    f"{req.task_id}/{req.file_id} moved since the watcher read its file "
+                    f"(revision {req.seen_revision}, now {kv.mod_revision if kv else 0}, "
+                    f"{rec.state}): the report is not judged; look again",
+                    task_id=req.task_id, file_id=req.file_id,
+                    seen_revision=req.seen_revision)
             if rec.state in (PENDING, WRITING):
                 rec.observed = {
                     "size": req.size, "digest": req.digest, "inode": req.identity.inode,

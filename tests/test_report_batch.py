@@ -94,6 +94,35 @@ def test_one_entrys_reports_apply_in_the_order_sent(client: Client, session: Ses
     assert entry.state == pb.ENTRY_STATE_VERIFIED  # the last report, kept, settled it
 
 
+def test_a_report_read_before_the_commit_is_not_judged_after_it(
+        client: Client, session: Session) -> None:
+    """A report that says which revision the watcher looked at: bytes read while the
+    entry was being written, arriving after the commit, that would fail it, are
+    refused (StaleReport) and change nothing; the same bytes seen at the current
+    revision are judged (the retry path); bytes that match verify whatever was seen."""
+    make_task(client, "t1", {"a": "out/a.bin", "b": "out/b.bin"})
+    data = {"a": b"alpha, whole", "b": b"bravo, whole"}
+    seen = {}
+    for f in data:
+        claim = client.claim("t1", f, session=session)
+        seen[f] = client.get_entry("t1", f).revision  # the watcher looks: writing
+        write(claim.path, data[f])
+        client.commit("t1", f, claim.token, len(data[f]), digest(data[f]), session=session)
+    written = client.get_entry("t1", "a")
+    partial = b"alpha, wh"
+    (stale,) = client.report_batch([_report("t1", "a", partial, seen_revision=seen["a"])])
+    assert isinstance(stale, errors.StaleReport)
+    after = client.get_entry("t1", "a")
+    assert (after.state, after.revision, after.retry_count) == (
+        pb.ENTRY_STATE_WRITTEN, written.revision, 0)
+    (judged,) = client.report_batch([_report("t1", "a", partial,
+                                             seen_revision=after.revision)])
+    assert isinstance(judged, pb.Entry) and judged.state == pb.ENTRY_STATE_PENDING
+    assert judged.retry_count == 1
+    (good,) = client.report_batch([_report("t1", "b", data["b"], seen_revision=seen["b"])])
+    assert isinstance(good, pb.Entry) and good.state == pb.ENTRY_STATE_VERIFIED
+
+
 def test_a_batch_over_the_limit_is_refused_whole(client: Client, session: Session) -> None:
     """More reports than a batch may carry: INVALID_ARGUMENT naming the limit, and no
     report of it applied."""

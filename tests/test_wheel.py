@@ -53,7 +53,7 @@ def test_the_wheel_and_sdist_carry_every_package_and_data_file(dist: Path) -> No
     (wheel,) = dist.glob("*.whl")
     (sdist,) = dist.glob("*.tar.gz")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for needed in ("kernel/v1/baton.proto", "kernel/v1/baton_pb2.py", "kernel/py.typed",
+    for needed in ("kernel/proto/baton/v1/baton.proto", "kernel/v1/baton_pb2.py", "kernel/py.typed",
                    "kernel/pki.py", "client/py.typed", "local/stack.py", "local/etcdproc.py",
                    "local/cli.py", "registry/identity.py", "watcher/taskdirs.py",
                    "watcher/py.typed"):
@@ -64,7 +64,7 @@ def test_the_wheel_and_sdist_carry_every_package_and_data_file(dist: Path) -> No
     with tarfile.open(sdist) as tar:
         members = {m.name.split("/", 1)[1] for m in tar.getmembers() if "/" in m.name}
     assert {"pyproject.toml", "README.md",
-            "kernel/v1/baton.proto", "__init__.py"} <= members
+            "kernel/proto/baton/v1/baton.proto", "__init__.py"} <= members
     # the packages pyproject.toml lists are every package folder of the repository
     packages = {n.rsplit("/", 1)[0].replace("/", ".") for n in names
                 if n.endswith("/__init__.py")}

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..client import Client
-from ..kernel.errors import BatonError, NotFound, NotShardOwner, Unavailable
+from ..kernel.errors import BatonError, NotFound, NotShardOwner, StaleReport, Unavailable
 from ..kernel.logs import log
 from ..kernel.names import kind_name, state_name
 from ..kernel.v1 import baton_pb2 as pb
@@ -106,6 +106,10 @@ class Checker:
                 task=key[0], file_id=key[1], error=str(e))
             self.jobs.submit(key, REGISTRY_BACKOFF)
             self.registry_lost()
+        except StaleReport as e:
+            log(logger, logging.INFO, "the entry moved since the file was read; looking "
+                "again", task=key[0], file_id=key[1], error=str(e))
+            self.jobs.submit(key)
         except NotFound as e:
             log(logger, logging.INFO, "entry no longer in the registry",
                 task=key[0], file_id=key[1], error=str(e))
@@ -265,7 +269,7 @@ class Checker:
         request = pb.ReportVerificationRequest(
             task_id=key[0], file_id=key[1], size=i.size, digest=hashed.digest,
             identity=identity, reporter=self.reporter, watcher_id=owner[0],
-            shard_epoch=owner[1])
+            shard_epoch=owner[1], seen_revision=entry.revision)
         if self.batches is not None:
             with self._sent_lock:  # answers are handled under it too (``_answered``)
                 sent = self._sent.get(key)
@@ -306,6 +310,13 @@ class Checker:
                         del self._sent[key]  # not taken: the next check sends it again
                     else:
                         self._sent[key] = (hashed.identity, hashed.digest, outcome.revision)
+        if isinstance(outcome, pb.Entry):
+            now = self.table.entry(*key)
+            if now is not None and now.revision > outcome.revision:
+                # The entry moved on while the report was on its way (a commit): a
+                # check in between sent nothing, these bytes being on their way; look
+                # again, against what it is now.
+                self.jobs.submit(key)
 
     def _reported(self, key: Key, entry: EntryView, hashed: Hashed, reply: pb.Entry) -> None:
         """The registry took a digest report: the entry is now ``reply``."""

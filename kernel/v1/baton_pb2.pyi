@@ -2366,6 +2366,7 @@ class ReportVerificationRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     WATCHER_ID_FIELD_NUMBER: _builtins.int
     SHARD_EPOCH_FIELD_NUMBER: _builtins.int
+    SEEN_REVISION_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     file_id: _builtins.str
     size: _builtins.int
@@ -2378,6 +2379,12 @@ class ReportVerificationRequest(_message.Message):
     once watchers hold shards, only the owner at the current epoch is believed.
     """
     shard_epoch: _builtins.int
+    seen_revision: _builtins.int
+    """The entry's revision when the watcher looked (0: not said). A report that would
+    fail the entry (a digest that is not the committed one, or not the verified one)
+    is refused with StaleReport, and changes nothing, when the entry has moved since:
+    the bytes were read before a commit or another step, and the watcher looks again.
+    """
     @_builtins.property
     def identity(self) -> Global___FileIdentity: ...
     def __init__(
@@ -2392,10 +2399,11 @@ class ReportVerificationRequest(_message.Message):
         request_id: _builtins.str = ...,
         watcher_id: _builtins.str = ...,
         shard_epoch: _builtins.int = ...,
+        seen_revision: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["identity", b"identity"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "file_id", b"file_id", "identity", b"identity", "reporter", b"reporter", "request_id", b"request_id", "shard_epoch", b"shard_epoch", "size", b"size", "task_id", b"task_id", "watcher_id", b"watcher_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "file_id", b"file_id", "identity", b"identity", "reporter", b"reporter", "request_id", b"request_id", "seen_revision", b"seen_revision", "shard_epoch", b"shard_epoch", "size", b"size", "task_id", b"task_id", "watcher_id", b"watcher_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
