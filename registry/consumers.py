@@ -8,6 +8,7 @@ from ..kernel.errors import IllegalTransition, InvalidArgument, NothingToClaim, 
 from ..kernel.v1 import baton_pb2 as pb
 from ._etcd import KV, created_at, present
 from .access import check_consumer, consumers_of
+from .claim import take
 from .claims import (
     Slots,
     actor_of,
@@ -16,7 +17,6 @@ from .claims import (
     check_owner,
     check_session_id,
     check_tokens_live,
-    claim_value,
     entry_replay,
     need_entry,
     need_session,
@@ -132,15 +132,12 @@ class Consumers:
                caller: Caller) -> None:
         """Add one consume-claim (a lease of a verified entry to the session) to a
         transaction being planned: guarded on the entry's claimable key for ``group``."""
-        ref = ClaimRef("c", rec.task_id, rec.file_id, group)
+        # first: a session without a free slot is refused before anything is written
+        take(self.core, txn, ClaimRef("c", rec.task_id, rec.file_id, group), slots,
+             caller.name, rec.consume_deadline)
         cready_key = self.keys.cready(rec.task_id, group, rec.file_id)
         txn.require(present(cready_key))
-        slot = slots.take(txn, self.core.rng)
-        value = claim_value(slots.agent, slots.session_id, slot, caller.name)
         txn.delete(cready_key)
-        txn.create(self.keys.claim(ref), value, lease=slots.lease)
-        txn.put(self.keys.inflight(ref), value)
-        self.core.arm_deadline(txn, ref, rec.consume_deadline)
         self.core.journal_only(rec, "consuming", txn, who=caller.name, label=slots.agent,
                                group=group)
 

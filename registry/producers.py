@@ -14,6 +14,7 @@ from ..kernel.errors import (
 from ..kernel.v1 import baton_pb2 as pb
 from ._etcd import KV, created_at, present
 from .access import check_producer
+from .claim import take
 from .claims import (
     Slots,
     actor_of,
@@ -22,7 +23,6 @@ from .claims import (
     check_owner,
     check_session_id,
     check_tokens_live,
-    claim_value,
     entry_replay,
     need_active,
     need_entry,
@@ -65,16 +65,13 @@ class Producers:
             and rec.not_before <= self.core.clock())
         if not claimable:
             raise IllegalTransition(f"entry {rec.file_id!r} is not claimable yet")
-        slot = slots.take(txn, self.core.rng)
-        ref = ClaimRef("p", rec.task_id, rec.file_id)
+        # first: a session without a free slot is refused before anything is written
+        take(self.core, txn, ClaimRef("p", rec.task_id, rec.file_id), slots, caller.name,
+             rec.claim_deadline)
         txn.require(present(rec.index.encode()))
         apply(rec, Event.CLAIM)
         rec.owner, rec.session = slots.agent, session_id
         rec.remember("claimed", who=caller.name, label=slots.agent, attempt=rec.retry_count)
-        value = claim_value(slots.agent, session_id, slot, caller.name)
-        txn.create(self.keys.claim(ref), value, lease=slots.lease)
-        txn.create(self.keys.inflight(ref), value)
-        self.core.arm_deadline(txn, ref, rec.claim_deadline)
         self.core.put_entry(rec, txn)
 
     async def _session(self, txn: Txn, task_id: str, session_id: int, caller: Caller) -> Slots:
