@@ -4,19 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from ..kernel.errors import IllegalTransition, InvalidArgument, NothingToClaim, StaleToken
+from ..kernel.errors import IllegalTransition, InvalidArgument, NothingToClaim
 from ..kernel.v1 import baton_pb2 as pb
 from ._etcd import KV, created_at, present
 from .access import check_consumer, consumers_of
-from .claim import take
+from .claim import Ask, check_live, take
 from .claims import (
     Slots,
     actor_of,
     batch_replay,
-    check_claim_session,
     check_owner,
     check_session_id,
-    check_tokens_live,
     entry_replay,
     need_entry,
     need_session,
@@ -221,38 +219,19 @@ class Consumers:
         in one round trip. Deletes the claims (with their twins, freeing their slots)
         in ``txn``, guarded on the tokens. Acks of one entry share its record, so that
         each sees the groups the others acked."""
-        keys: list[bytes] = []
         for a in acks:
             check_id("task_id", a.task_id)
             check_id("file_id", a.file_id)
             check_id("group", a.group)
-            keys += [self.keys.task(a.task_id), self.keys.entry(a.task_id, a.file_id),
-                     self.keys.claim(ClaimRef("c", a.task_id, a.file_id, a.group))]
-        found = dict(zip(keys, await txn.get_many(keys), strict=True))
-        records: dict[bytes, EntryRecord] = {}
-        out = []
-        for a in acks:
-            ref = ClaimRef("c", a.task_id, a.file_id, a.group)
-            claim_key, entry_key = self.keys.claim(ref), self.keys.entry(a.task_id, a.file_id)
-            claim = found[claim_key]
-            if entry_key not in records:
-                records[entry_key] = need_entry(found[entry_key], a.task_id, a.file_id)
-            if a.token <= 0 or claim is None or claim.create_revision != a.token:
-                raise StaleToken(
-                    f"token {a.token} is not the live consume-claim of group {a.group!r} on "
-                    f"{a.task_id}/{a.file_id} (lost, superseded or already acked)",
-                    task_id=a.task_id, file_id=a.file_id, group=a.group, token=a.token,
-                )
-            what = (f"the consume-claim of group {a.group!r} on {a.task_id}/{a.file_id} "
-                    f"(token {a.token})")
-            check_tokens_live(found[self.keys.task(a.task_id)], a.task_id, what, a.token)
-            check_owner(caller, claim, what)
-            check_claim_session(claim, a.session_id, what)
-            txn.require(created_at(claim_key, a.token))
+        asks = [Ask(ClaimRef("c", a.task_id, a.file_id, a.group), a.token, a.session_id)
+                for a in acks]
+        out = await check_live(self.core, txn, asks, caller)
+        for ask, (claim, _) in zip(asks, out, strict=True):
+            ref, claim_key = ask.ref, self.keys.claim(ask.ref)
+            txn.require(created_at(claim_key, ask.token))
             txn.delete(claim_key)
             txn.delete(self.keys.inflight(ref))
             release_slot(self.keys, claim, txn)
-            out.append((claim, records[entry_key]))
         return out
 
     def _ack(self, rec: EntryRecord, claim: KV, req: pb.AckRequest) -> None:

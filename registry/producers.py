@@ -9,20 +9,17 @@ from ..kernel.errors import (
     IllegalTransition,
     InvalidArgument,
     NothingToClaim,
-    StaleToken,
 )
 from ..kernel.v1 import baton_pb2 as pb
 from ._etcd import KV, created_at, present
 from .access import check_producer
-from .claim import take
+from .claim import Ask, check_live, take
 from .claims import (
     Slots,
     actor_of,
     batch_replay,
-    check_claim_session,
     check_owner,
     check_session_id,
-    check_tokens_live,
     entry_replay,
     need_active,
     need_entry,
@@ -246,31 +243,12 @@ class Producers:
         """Entry and claim of each (task, file, token, session) whose token is the live
         claim, held by the caller (and by that session, when one is named), in a task
         not cancelled (its header is pinned too)."""
-        keys = []
-        for task_id, file_id, _, _ in items:
+        asks = []
+        for task_id, file_id, token, session_id in items:
             check_id("task_id", task_id)
             check_id("file_id", file_id)
-            keys += [self.keys.task(task_id), self.keys.entry(task_id, file_id),
-                     self.keys.claim(ClaimRef("p", task_id, file_id))]
-        found = await txn.get_many(keys)
-        out = []
-        for i, (task_id, file_id, token, session_id) in enumerate(items):
-            rec = need_entry(found[3 * i + 1], task_id, file_id)
-            claim = found[3 * i + 2]
-            if token <= 0 or claim is None or claim.create_revision != token:
-                raise StaleToken(
-                    f"token {token} is not the live claim on {task_id}/{file_id} "
-                    "(the claim was lost, superseded or already finished)",
-                    task_id=task_id, file_id=file_id, token=token,
-                )
-            what = f"the claim on {task_id}/{file_id} (token {token})"
-            check_tokens_live(found[3 * i], task_id, what, token)
-            check_owner(caller, claim, what)
-            check_claim_session(claim, session_id, what)
-            if rec.state != WRITING:  # cannot happen while the claim lives; refuse anyway
-                raise IllegalTransition(f"entry {file_id!r} is {rec.state}, not writing")
-            out.append((rec, claim))
-        return out
+            asks.append(Ask(ClaimRef("p", task_id, file_id), token, session_id))
+        return [(rec, claim) for claim, rec in await check_live(self.core, txn, asks, caller)]
 
     def _finish_claim(self, txn: Txn, rec: EntryRecord, claim: KV, token: int) -> None:
         ref = ClaimRef("p", rec.task_id, rec.file_id)
