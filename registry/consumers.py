@@ -8,7 +8,7 @@ from ..kernel.errors import IllegalTransition, InvalidArgument, NothingToClaim
 from ..kernel.v1 import baton_pb2 as pb
 from ._etcd import KV, created_at, present
 from .access import check_consumer, consumers_of
-from .claim import Ask, check_live, take
+from .claim import PAGE, Ask, Head, check_live, pick, take
 from .claims import (
     Slots,
     actor_of,
@@ -27,10 +27,8 @@ from .keys import ClaimRef
 from .machine import Event, apply
 from .manifest import check_id
 from .model import VERIFIED, EntryRecord
-from .txn import MAX_TXN_OPS, Retry, Txn
+from .txn import MAX_TXN_OPS, Txn
 
-#: claimable keys looked at per consume
-PAGE = 64
 #: operations one ack adds to a transaction: the claim, its twin and its slot deleted,
 #: the entry and its journal record written, its open key deleted once consumed
 OPS_PER_ACK = 6
@@ -182,34 +180,12 @@ class Consumers:
         index, in a random order (concurrent consumers read the same head)."""
         base = self.keys.cready_all(task_id, group)
         page = await txn.scan(base, PAGE, keys_only=True)
-        order = list(page)
-        self.core.rng.shuffle(order)
-        order = order[:max(want * 2, 8)]
-        keys = [self.keys.entry(task_id, self.keys.last_segment(k.key)) for k in order]
-        view = self.core.view if not txn.fresh else None
-        moved = False
-        picked: list[tuple[KV, EntryRecord]] = []
-        for key, ready, kv in zip(keys, order, await txn.peek_many(keys), strict=True):
-            rec = EntryRecord.load(kv.value) if kv is not None else None
-            if kv is None or rec is None or not consumable(rec):
-                moved = True
-                continue
-            if view is not None and not view.reserve(txn, ready.key):
-                continue
-            txn.pin(key, kv)
-            picked.append((kv, rec))
-            if len(picked) == want:
-                break
-        if picked:
-            return picked
-        if moved or len(page) >= PAGE:
-            if view is not None and moved:
-                view.invalidate(base)
-            raise Retry()
-        raise NothingToClaim(
-            f"nothing to consume for group {group!r} in task {task_id!r}",
-            task_id=task_id, group=group,
-        )
+        head = Head(task_id, page, len(page), base,
+                    current=lambda rec, _key: consumable(rec),
+                    nothing=lambda _denied: NothingToClaim(
+                        f"nothing to consume for group {group!r} in task {task_id!r}",
+                        task_id=task_id, group=group))
+        return await pick(self.core, txn, head, want)
 
     async def _live(
         self, txn: Txn, acks: Sequence[pb.AckRequest | pb.NackRequest], caller: Caller,

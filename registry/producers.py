@@ -13,7 +13,7 @@ from ..kernel.errors import (
 from ..kernel.v1 import baton_pb2 as pb
 from ._etcd import KV, created_at, present
 from .access import check_producer
-from .claim import Ask, check_live, take
+from .claim import PAGE, Ask, Head, check_live, pick, take
 from .claims import (
     Slots,
     actor_of,
@@ -33,11 +33,9 @@ from .machine import Event, apply
 from .manifest import DIGEST_RE, check_id
 from .model import PENDING, WRITING, EntryRecord
 from .routing import parse_attributes
-from .txn import MAX_TXN_OPS, Retry, Txn
+from .txn import MAX_TXN_OPS, Txn
 from .verify import Verifier
 
-#: ready keys looked at per claim when picking the next claimable entry
-PAGE = 64
 #: compares and operations one claim (one commit) adds to a transaction
 OPS_PER_CLAIM = 6
 OPS_PER_COMMIT = 6
@@ -162,42 +160,20 @@ class Producers:
         task's access rules) are passed over.
         """
         page = await self._candidates(txn, task_id)
-        window = min(len(page), want + self._busy.get(task_id, 1) - 1)
-        head = list(page[:window])
-        self.core.rng.shuffle(head)
-        order = (head + list(page[window:]))[: max(want * 2, 8)]
-        keys = [self.keys.entry(task_id, self.keys.last_segment(k.key)) for k in order]
-        picked: list[EntryRecord] = []
-        moved = False
-        denied = 0
-        view = self.core.view if not txn.fresh else None
-        for key, ready, kv in zip(keys, order, await txn.peek_many(keys), strict=True):
-            rec = EntryRecord.load(kv.value) if kv else None
-            if kv is None or rec is None or rec.state != PENDING or (
-                    rec.index != ready.key.decode()):
-                moved = True  # taken while we looked
-                continue
-            if not may(caller, rec.producers):
-                denied += 1
-                continue
-            if view is not None and not view.reserve(txn, ready.key):
-                continue
-            txn.pin(key, kv)
-            picked.append(rec)
-            if len(picked) == want:
-                break
-        if picked:
-            return picked
-        if denied and not moved:
-            raise NothingToClaim(
-                f"nothing to claim in task {task_id!r} that {caller.name} may produce (the "
-                f"next {denied} are for other producers, by the task's access rules)",
-                task_id=task_id)
-        if moved or len(page) >= PAGE:
-            if view is not None and moved:
-                view.invalidate(self.keys.ready_all(task_id))  # the window was behind
-            raise Retry()  # every candidate moved while we looked; look again
-        raise NothingToClaim(f"nothing to claim in task {task_id!r}", task_id=task_id)
+
+        def nothing(denied: int) -> NothingToClaim:
+            if denied:
+                return NothingToClaim(
+                    f"nothing to claim in task {task_id!r} that {caller.name} may produce "
+                    f"(the next {denied} are for other producers, by the task's access "
+                    "rules)", task_id=task_id)
+            return NothingToClaim(f"nothing to claim in task {task_id!r}", task_id=task_id)
+
+        head = Head(task_id, page, min(len(page), want + self._busy.get(task_id, 1) - 1),
+                    self.keys.ready_all(task_id),
+                    current=lambda rec, key: rec.state == PENDING and rec.index == key.decode(),
+                    nothing=nothing, allowed=lambda rec: may(caller, rec.producers))
+        return [rec for _, rec in await pick(self.core, txn, head, want)]
 
     async def claim_batch(self, req: pb.ClaimBatchRequest,
                           caller: Caller) -> pb.ClaimBatchResponse:
