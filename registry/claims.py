@@ -294,14 +294,6 @@ class Slots:
         return n
 
 
-def release_slot(keys: Keys, claim: KV, txn: Txn) -> None:
-    """Free the slot a claim holds (its value names session and slot), in the caller's
-    transaction."""
-    slot, session = claim_slot(claim), claim_session(claim)
-    if slot >= 0 and session:
-        txn.delete(keys.slot(session, slot))
-
-
 def check_session_id(session_id: int) -> None:
     if session_id <= 0:
         raise InvalidArgument("this call needs a session_id (open a session first)")

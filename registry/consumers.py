@@ -6,9 +6,9 @@ from collections.abc import Callable, Sequence
 
 from ..kernel.errors import IllegalTransition, InvalidArgument, NothingToClaim
 from ..kernel.v1 import baton_pb2 as pb
-from ._etcd import KV, created_at, present
+from ._etcd import KV, present
 from .access import check_consumer, consumers_of
-from .claim import PAGE, Ask, Head, check_live, pick, take
+from .claim import PAGE, Ask, Head, check_live, end, pick, take
 from .claims import (
     Slots,
     actor_of,
@@ -19,7 +19,6 @@ from .claims import (
     need_entry,
     need_session,
     need_task,
-    release_slot,
 )
 from .core import Core
 from .identity import Caller
@@ -203,11 +202,7 @@ class Consumers:
                 for a in acks]
         out = await check_live(self.core, txn, asks, caller)
         for ask, (claim, _) in zip(asks, out, strict=True):
-            ref, claim_key = ask.ref, self.keys.claim(ask.ref)
-            txn.require(created_at(claim_key, ask.token))
-            txn.delete(claim_key)
-            txn.delete(self.keys.inflight(ref))
-            release_slot(self.keys, claim, txn)
+            end(self.core, txn, ask.ref, claim, guard=True)  # guarded on the token
         return out
 
     def _ack(self, rec: EntryRecord, claim: KV, req: pb.AckRequest) -> None:

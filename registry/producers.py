@@ -11,9 +11,9 @@ from ..kernel.errors import (
     NothingToClaim,
 )
 from ..kernel.v1 import baton_pb2 as pb
-from ._etcd import KV, created_at, present
+from ._etcd import KV, present
 from .access import check_producer
-from .claim import PAGE, Ask, Head, check_live, pick, take
+from .claim import PAGE, Ask, Head, check_live, end, pick, take
 from .claims import (
     Slots,
     actor_of,
@@ -24,7 +24,6 @@ from .claims import (
     need_active,
     need_entry,
     need_session,
-    release_slot,
 )
 from .core import Core
 from .identity import Caller, may
@@ -227,11 +226,8 @@ class Producers:
         return [(rec, claim) for claim, rec in await check_live(self.core, txn, asks, caller)]
 
     def _finish_claim(self, txn: Txn, rec: EntryRecord, claim: KV, token: int) -> None:
-        ref = ClaimRef("p", rec.task_id, rec.file_id)
-        txn.require(created_at(self.keys.claim(ref), token))
-        txn.delete(self.keys.claim(ref))
-        txn.delete(self.keys.inflight(ref))
-        release_slot(self.keys, claim, txn)
+        # guarded on the token (the claim read): a claim lost meanwhile fails the commit
+        end(self.core, txn, ClaimRef("p", rec.task_id, rec.file_id), claim, guard=True)
 
     async def _commit(self, txn: Txn, rec: EntryRecord, claim: KV,
                       req: pb.CommitRequest) -> None:
