@@ -292,6 +292,15 @@ class Producers:
             raise InvalidArgument(
                 f"at most {MAX_TXN_OPS // OPS_PER_COMMIT} commits per batch (etcd's "
                 "operation limit per transaction)")
+        # Commits of one entry would share its record (claim.check_live): the second
+        # would find it written. Refused before anything is read, as AckBatch does.
+        seen: dict[tuple[str, str], int] = {}
+        for i, c in enumerate(req.commits):
+            if (c.task_id, c.file_id) in seen:
+                raise InvalidArgument(
+                    f"commits [{seen[c.task_id, c.file_id]}] and [{i}] both commit "
+                    f"{c.task_id}/{c.file_id}")
+            seen[c.task_id, c.file_id] = i
 
         async def planner(txn: Txn) -> Callable[[int], pb.CommitBatchResponse]:
             live = await self._live_claims(
