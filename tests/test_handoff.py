@@ -210,7 +210,7 @@ def test_a_commit_twice_in_one_batch_is_invalid(client: Client) -> None:
         with pytest.raises(errors.InvalidArgument,
                            match=rf"commits \[0\] and \[1\] both commit t/{c.file_id}"):
             client.commit_batch([("t", c.file_id, c.token, 1, X)] * 2)
-        assert client.get_entry("t", c.file_id).state == pb.WRITING
+        assert client.get_entry("t", c.file_id).state == pb.ENTRY_STATE_WRITING
 
 
 def test_lease_lost_in_the_middle_of_batches(client: Client) -> None:

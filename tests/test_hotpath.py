@@ -356,8 +356,8 @@ def test_each_step_is_one_transaction_of_a_fixed_size(etcd: Any, prefix: str) ->
                 return pb.CommitRequest(task_id="t", file_id=c.entry.file_id,
                                         token=c.token, size=0, digest=EMPTY, session_id=sid)
 
-            def report(file_id: str) -> pb.VerificationReport:
-                return pb.VerificationReport(task_id="t", file_id=file_id, size=0,
+            def report(file_id: str) -> pb.ReportVerificationRequest:
+                return pb.ReportVerificationRequest(task_id="t", file_id=file_id, size=0,
                                              digest=EMPTY)
 
             c = await step("claim", producers.claim(
