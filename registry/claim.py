@@ -1,32 +1,256 @@
-"""Ending a claim and giving its entry back, written once.
+"""The claim object: every write of a claim's keys, and the checks on them, written once.
 
-A claim ends by deleting its key, its durable twin and the slot it holds; the entry it
-was on then goes back: a producer's (``writing``) down the retry path when the attempt
-counts as failed (deadline, lease lost) or back to ``pending`` untouched when it does
-not (revoked by an operator or a lease rotation), a consumer's back to its group. The
-deadline expiry, the reaper and lease revocation all call these, in their own guarded
-transaction, so the three can no longer drift apart.
+A claim is four keys written together: the claim key (leased to the holder's session:
+its create revision is the fencing token), its durable twin ``inflight/…`` (not
+leased: the reaper finds it when the lease is gone), the session's slot it holds
+(leased) and, when the entry has one, its deadline key. This module is the only one
+that puts or deletes the first three (tests/test_claim_owner.py holds it to that):
+
+- :func:`take` writes them in the caller's transaction (a claim, a consume);
+- :func:`check_live` refuses a token call (commit, fail, ack, nack) whose token is not
+  the live claim, held by the caller, in a task not cancelled;
+- :func:`pick` chooses entries from the head of an index (producers' ready index,
+  consumers' claimable index);
+- :func:`end` deletes a claim with its twin and slot (:func:`end_read` for claims a
+  bulk path read pinned);
+- :func:`give_back` returns the entry of an ended claim: a producer's down the retry
+  path when the attempt counts as failed (deadline, lease lost) or back to
+  ``pending`` untouched when it does not (revoked by an operator or a lease
+  rotation), a consumer's back to its group;
+- :func:`reattach` puts a session's claim and slot keys again on its new lease.
+
+Commit, fail, ack, nack, the fused steps, the deadline expiry, the reaper, lease
+revoke and rotate, cancel, task removal and verification all call these, so the
+paths can no longer drift apart.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from ._etcd import KV
-from .claims import release_slot
+from ..kernel.errors import BatonError, IllegalTransition, StaleToken
+from ._etcd import KV, created_at
+from .claims import (
+    Slots,
+    check_claim_session,
+    check_owner,
+    check_tokens_live,
+    claim_session,
+    claim_slot,
+    claim_value,
+    need_entry,
+)
 from .core import Core
+from .identity import Caller
 from .keys import ClaimRef
 from .machine import Event, apply
 from .model import VERIFIED, WRITING, EntryRecord
-from .txn import Txn
+from .txn import Retry, Txn
+
+#: index keys looked at per pick (the head of a ready or claimable index)
+PAGE = 64
 
 
-def end(core: Core, txn: Txn, ref: ClaimRef, claim: KV) -> None:
-    """Delete the claim key, its twin and its slot, in the caller's transaction."""
-    txn.delete(core.keys.claim(ref))
+# take ---------------------------------------------------------------------------
+
+def take(core: Core, txn: Txn, ref: ClaimRef, slots: Slots, identity: str,
+         deadline: float) -> None:
+    """Add a claim to the caller's transaction: a slot of the session (refused with
+    ``SlotsExhausted`` before anything is written when none is free), the claim key on
+    the session's lease, its twin and its deadline key (``deadline`` seconds; none for
+    0). The claim key is created: its create revision, the transaction's, is the
+    token."""
+    slot = slots.reserve(core.rng)
+    if slot >= 0:
+        # create-only: two concurrent claims can never both take the last slot
+        txn.create(core.keys.slot(slots.session_id, slot), b"", lease=slots.lease)
+    value = claim_value(slots.agent, slots.session_id, slot, identity)
+    txn.create(core.keys.claim(ref), value, lease=slots.lease)
+    if ref.kind == "p":
+        txn.create(core.keys.inflight(ref), value)
+    else:
+        # A consume is guarded on its claimable key instead, which every path that
+        # ends a consume-claim puts back in the transaction that deletes the twin:
+        # no twin can be left over, and the put spares the consume a compare.
+        txn.put(core.keys.inflight(ref), value)
+    core.arm_deadline(txn, ref, deadline)
+
+
+# check --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Ask:
+    """A token call on a claim: the claim it names, its token, the session it names
+    (0: none named)."""
+
+    ref: ClaimRef
+    token: int
+    session_id: int = 0
+
+
+def _stale(ask: Ask) -> StaleToken:
+    ref = ask.ref
+    if ref.kind == "p":
+        return StaleToken(
+            f"token {ask.token} is not the live claim on {ref.task_id}/{ref.file_id} "
+            "(the claim was lost, superseded or already finished)",
+            task_id=ref.task_id, file_id=ref.file_id, token=ask.token)
+    return StaleToken(
+        f"token {ask.token} is not the live consume-claim of group {ref.group!r} on "
+        f"{ref.task_id}/{ref.file_id} (lost, superseded or already acked)",
+        task_id=ref.task_id, file_id=ref.file_id, group=ref.group, token=ask.token)
+
+
+def _what(ask: Ask) -> str:
+    ref = ask.ref
+    if ref.kind == "p":
+        return f"the claim on {ref.task_id}/{ref.file_id} (token {ask.token})"
+    return (f"the consume-claim of group {ref.group!r} on {ref.task_id}/{ref.file_id} "
+            f"(token {ask.token})")
+
+
+async def check_live(core: Core, txn: Txn, asks: Sequence[Ask],
+                     caller: Caller) -> list[tuple[KV, EntryRecord]]:
+    """The claim and entry of each ask, once its token is the live claim
+    (``StaleToken``), its task not cancelled (the header is pinned: its status change
+    alone voids every token), the claim the caller's (``PermissionDenied``) and the
+    named session's; a producer's entry must be writing. Task, entry and claim of
+    every ask are read in one round trip, pinned. Asks on one entry share its record,
+    so that each sees what the others changed."""
+    keys: list[bytes] = []
+    for ask in asks:
+        ref = ask.ref
+        keys += [core.keys.task(ref.task_id), core.keys.entry(ref.task_id, ref.file_id),
+                 core.keys.claim(ref)]
+    found = dict(zip(keys, await txn.get_many(keys), strict=True))
+    records: dict[bytes, EntryRecord] = {}
+    out = []
+    for ask in asks:
+        ref = ask.ref
+        entry_key = core.keys.entry(ref.task_id, ref.file_id)
+        if entry_key not in records:
+            records[entry_key] = need_entry(found[entry_key], ref.task_id, ref.file_id)
+        rec = records[entry_key]
+        claim = found[core.keys.claim(ref)]
+        if ask.token <= 0 or claim is None or claim.create_revision != ask.token:
+            raise _stale(ask)
+        what = _what(ask)
+        check_tokens_live(found[core.keys.task(ref.task_id)], ref.task_id, what, ask.token)
+        check_owner(caller, claim, what)
+        check_claim_session(claim, ask.session_id, what)
+        if ref.kind == "p" and rec.state != WRITING:
+            # cannot happen while the claim lives; refuse anyway
+            raise IllegalTransition(f"entry {ref.file_id!r} is {rec.state}, not writing")
+        out.append((claim, rec))
+    return out
+
+
+# pick ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Head:
+    """The head of an index to pick from: ``page`` its first keys as read (keys only,
+    ``PAGE`` of each index listed), of which the first ``window`` are tried in a random
+    order and the rest in order; ``index`` the prefix the view drops when the head it
+    held proved behind."""
+
+    task_id: str
+    page: list[KV]
+    window: int
+    index: bytes
+    #: whether an entry read is still the one its index key names (not taken meanwhile)
+    current: Callable[[EntryRecord, bytes], bool]
+    #: why nothing is picked: given how many entries the caller may not have
+    nothing: Callable[[int], BatonError]
+    #: whether the caller may have an entry (the task's access rules)
+    allowed: Callable[[EntryRecord], bool] = lambda rec: True
+
+
+async def pick(core: Core, txn: Txn, head: Head, want: int) -> list[tuple[KV, EntryRecord]]:
+    """Up to ``want`` entries from ``head``, each pinned (entry as read).
+
+    Claimers on other replicas read the same head, so each tries the window in a
+    random order; concurrent planners on this replica pass over the keys another
+    holds (the view's reservations). ``Retry`` when every candidate moved while we
+    looked (or the page was full of entries passed over): the plan is made again,
+    on etcd; ``head.nothing`` otherwise.
+    """
+    tried = list(head.page[:head.window])
+    core.rng.shuffle(tried)
+    order = (tried + list(head.page[head.window:]))[: max(want * 2, 8)]
+    keys = [core.keys.entry(head.task_id, core.keys.last_segment(k.key)) for k in order]
+    view = core.view if not txn.fresh else None
+    picked: list[tuple[KV, EntryRecord]] = []
+    moved = False
+    denied = 0
+    for key, listed, kv in zip(keys, order, await txn.peek_many(keys), strict=True):
+        rec = EntryRecord.load(kv.value) if kv is not None else None
+        if kv is None or rec is None or not head.current(rec, listed.key):
+            moved = True  # taken while we looked
+            continue
+        if not head.allowed(rec):
+            denied += 1
+            continue
+        if view is not None and not view.reserve(txn, listed.key):
+            continue
+        txn.pin(key, kv)
+        picked.append((kv, rec))
+        if len(picked) == want:
+            break
+    if picked:
+        return picked
+    if denied and not moved:
+        raise head.nothing(denied)
+    if moved or len(head.page) >= PAGE:
+        if view is not None and moved:
+            view.invalidate(head.index)  # the window was behind
+        raise Retry()
+    raise head.nothing(0)
+
+
+# end ----------------------------------------------------------------------------
+
+def _free_slot(core: Core, txn: Txn, claim: KV) -> None:
+    """Free the slot a claim holds (its value names session and slot)."""
+    slot, session = claim_slot(claim), claim_session(claim)
+    if slot >= 0 and session:
+        txn.delete(core.keys.slot(session, slot))
+
+
+def end(core: Core, txn: Txn, ref: ClaimRef, claim: KV | None, *,
+        guard: bool = False) -> None:
+    """End a claim in the caller's transaction: delete its key, its twin and its
+    slot. ``claim`` as read; None when the claim key is gone already (its lease
+    ended, and its slot with it): only the twin is left to delete. ``guard``
+    requires the claim key still to be the one read (its create revision, the
+    token), for a caller that read it unpinned or wants the token compared."""
+    if claim is not None:
+        if guard:
+            txn.require(created_at(core.keys.claim(ref), claim.create_revision))
+        txn.delete(core.keys.claim(ref))
+        _free_slot(core, txn, claim)
     txn.delete(core.keys.inflight(ref))
-    release_slot(core.keys, claim, txn)
+
+
+def end_read(core: Core, txn: Txn, read: Iterable[tuple[bytes, KV | None]]) -> int:
+    """End each claim of ``read`` (claim key, claim as read pinned) still held, with
+    its twin and slot: a claim finished meanwhile may have freed its slot for another
+    claim of its session, which keeps it. A key under the claims prefix that names
+    no claim is deleted alone. Returns how many claims ended."""
+    ended = 0
+    for key, claim in read:
+        if claim is None:
+            continue  # finished (or revoked) meanwhile: its slot is not ours
+        try:
+            ref = core.keys.parse_claim(key)
+        except ValueError:
+            txn.delete(key)
+            continue
+        end(core, txn, ref, claim)
+        ended += 1
+    return ended
 
 
 def give_back(core: Core, txn: Txn, rec: EntryRecord, ref: ClaimRef, token: int, *,
@@ -56,3 +280,11 @@ def give_back(core: Core, txn: Txn, rec: EntryRecord, ref: ClaimRef, token: int,
         return False
     core.put_entry(rec, txn)
     return True
+
+
+# rotate -------------------------------------------------------------------------
+
+def reattach(txn: Txn, kv: KV, lease: int) -> None:
+    """Put a key of a session (a claim, a slot) again as read, on the session's new
+    lease: a put keeps the key's create revision, so a claim's token stays valid."""
+    txn.put(kv.key, kv.value, lease=lease)

@@ -55,6 +55,14 @@ def claim_session(claim: KV) -> int:
         return 0
 
 
+def claim_slot(claim: KV) -> int:
+    """The slot a claim holds, as its value names it (-1: none)."""
+    try:
+        return int(_json(claim).get("slot", -1))
+    except (TypeError, ValueError):
+        return -1
+
+
 def claimed_at(claim: KV) -> str:
     """When a claim was made (its value says; "" for a claim from before it did)."""
     return str(_json(claim).get("at", ""))
@@ -247,8 +255,8 @@ class Slots:
     """A session's claim slots as one planner sees them.
 
     Slots are leased keys ``slots/{session}/{n}``, ``n < slots``: taking one is a
-    create-only put in the claim's own transaction, so two concurrent claims
-    can never both take the last slot.
+    create-only put in the claim's own transaction (``claim.take``), so two
+    concurrent claims can never both take the last slot.
     """
 
     def __init__(self, keys: Keys, session: SessionRecord, used: list[KV]) -> None:
@@ -271,8 +279,9 @@ class Slots:
         """How many more claims the session may hold (None: no limit)."""
         return None if self.limit <= 0 else max(0, self.limit - len(self.taken))
 
-    def take(self, txn: Txn, rng: random.Random) -> int:
-        """Reserve a free slot in ``txn`` (-1 when the session has no limit)."""
+    def reserve(self, rng: random.Random) -> int:
+        """A free slot for a claim being planned (-1 when the session has no limit);
+        ``claim.take`` writes its key. ``SlotsExhausted`` when none is free."""
         if self.limit <= 0:
             return -1
         free = [n for n in range(self.limit) if n not in self.taken]
@@ -281,18 +290,8 @@ class Slots:
                 f"agent {self.agent} holds {self.limit} claims already (its slot limit); "
                 "finish one first", session_id=self.session_id, slots=self.limit)
         n = rng.choice(free)
-        txn.create(self.keys.slot(self.session_id, n), b"", lease=self.lease)
         self.taken.add(n)  # later claims of the same transaction (a batch) take others
         return n
-
-
-def release_slot(keys: Keys, claim: KV, txn: Txn) -> None:
-    """Free the slot a claim holds (its value names session and slot), in the caller's
-    transaction."""
-    info = _json(claim)
-    session = claim_session(claim)
-    if int(info.get("slot", -1)) >= 0 and session:
-        txn.delete(keys.slot(session, int(info["slot"])))
 
 
 def check_session_id(session_id: int) -> None:

@@ -4,24 +4,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from ..kernel.errors import IllegalTransition, InvalidArgument, NothingToClaim, StaleToken
+from ..kernel.errors import IllegalTransition, InvalidArgument, NothingToClaim
 from ..kernel.v1 import baton_pb2 as pb
-from ._etcd import KV, created_at, present
+from ._etcd import KV, present
 from .access import check_consumer, consumers_of
+from .claim import PAGE, Ask, Head, check_live, end, pick, take
 from .claims import (
     Slots,
     actor_of,
     batch_replay,
-    check_claim_session,
     check_owner,
     check_session_id,
-    check_tokens_live,
-    claim_value,
     entry_replay,
     need_entry,
     need_session,
     need_task,
-    release_slot,
 )
 from .core import Core
 from .identity import Caller
@@ -29,10 +26,8 @@ from .keys import ClaimRef
 from .machine import Event, apply
 from .manifest import check_id
 from .model import VERIFIED, EntryRecord
-from .txn import MAX_TXN_OPS, Retry, Txn
+from .txn import MAX_TXN_OPS, Txn
 
-#: claimable keys looked at per consume
-PAGE = 64
 #: operations one ack adds to a transaction: the claim, its twin and its slot deleted,
 #: the entry and its journal record written, its open key deleted once consumed
 OPS_PER_ACK = 6
@@ -132,15 +127,12 @@ class Consumers:
                caller: Caller) -> None:
         """Add one consume-claim (a lease of a verified entry to the session) to a
         transaction being planned: guarded on the entry's claimable key for ``group``."""
-        ref = ClaimRef("c", rec.task_id, rec.file_id, group)
+        # first: a session without a free slot is refused before anything is written
+        take(self.core, txn, ClaimRef("c", rec.task_id, rec.file_id, group), slots,
+             caller.name, rec.consume_deadline)
         cready_key = self.keys.cready(rec.task_id, group, rec.file_id)
         txn.require(present(cready_key))
-        slot = slots.take(txn, self.core.rng)
-        value = claim_value(slots.agent, slots.session_id, slot, caller.name)
         txn.delete(cready_key)
-        txn.create(self.keys.claim(ref), value, lease=slots.lease)
-        txn.put(self.keys.inflight(ref), value)
-        self.core.arm_deadline(txn, ref, rec.consume_deadline)
         self.core.journal_only(rec, "consuming", txn, who=caller.name, label=slots.agent,
                                group=group)
 
@@ -187,34 +179,12 @@ class Consumers:
         index, in a random order (concurrent consumers read the same head)."""
         base = self.keys.cready_all(task_id, group)
         page = await txn.scan(base, PAGE, keys_only=True)
-        order = list(page)
-        self.core.rng.shuffle(order)
-        order = order[:max(want * 2, 8)]
-        keys = [self.keys.entry(task_id, self.keys.last_segment(k.key)) for k in order]
-        view = self.core.view if not txn.fresh else None
-        moved = False
-        picked: list[tuple[KV, EntryRecord]] = []
-        for key, ready, kv in zip(keys, order, await txn.peek_many(keys), strict=True):
-            rec = EntryRecord.load(kv.value) if kv is not None else None
-            if kv is None or rec is None or not consumable(rec):
-                moved = True
-                continue
-            if view is not None and not view.reserve(txn, ready.key):
-                continue
-            txn.pin(key, kv)
-            picked.append((kv, rec))
-            if len(picked) == want:
-                break
-        if picked:
-            return picked
-        if moved or len(page) >= PAGE:
-            if view is not None and moved:
-                view.invalidate(base)
-            raise Retry()
-        raise NothingToClaim(
-            f"nothing to consume for group {group!r} in task {task_id!r}",
-            task_id=task_id, group=group,
-        )
+        head = Head(task_id, page, len(page), base,
+                    current=lambda rec, _key: consumable(rec),
+                    nothing=lambda _denied: NothingToClaim(
+                        f"nothing to consume for group {group!r} in task {task_id!r}",
+                        task_id=task_id, group=group))
+        return await pick(self.core, txn, head, want)
 
     async def _live(
         self, txn: Txn, acks: Sequence[pb.AckRequest | pb.NackRequest], caller: Caller,
@@ -224,38 +194,15 @@ class Consumers:
         in one round trip. Deletes the claims (with their twins, freeing their slots)
         in ``txn``, guarded on the tokens. Acks of one entry share its record, so that
         each sees the groups the others acked."""
-        keys: list[bytes] = []
         for a in acks:
             check_id("task_id", a.task_id)
             check_id("file_id", a.file_id)
             check_id("group", a.group)
-            keys += [self.keys.task(a.task_id), self.keys.entry(a.task_id, a.file_id),
-                     self.keys.claim(ClaimRef("c", a.task_id, a.file_id, a.group))]
-        found = dict(zip(keys, await txn.get_many(keys), strict=True))
-        records: dict[bytes, EntryRecord] = {}
-        out = []
-        for a in acks:
-            ref = ClaimRef("c", a.task_id, a.file_id, a.group)
-            claim_key, entry_key = self.keys.claim(ref), self.keys.entry(a.task_id, a.file_id)
-            claim = found[claim_key]
-            if entry_key not in records:
-                records[entry_key] = need_entry(found[entry_key], a.task_id, a.file_id)
-            if a.token <= 0 or claim is None or claim.create_revision != a.token:
-                raise StaleToken(
-                    f"token {a.token} is not the live consume-claim of group {a.group!r} on "
-                    f"{a.task_id}/{a.file_id} (lost, superseded or already acked)",
-                    task_id=a.task_id, file_id=a.file_id, group=a.group, token=a.token,
-                )
-            what = (f"the consume-claim of group {a.group!r} on {a.task_id}/{a.file_id} "
-                    f"(token {a.token})")
-            check_tokens_live(found[self.keys.task(a.task_id)], a.task_id, what, a.token)
-            check_owner(caller, claim, what)
-            check_claim_session(claim, a.session_id, what)
-            txn.require(created_at(claim_key, a.token))
-            txn.delete(claim_key)
-            txn.delete(self.keys.inflight(ref))
-            release_slot(self.keys, claim, txn)
-            out.append((claim, records[entry_key]))
+        asks = [Ask(ClaimRef("c", a.task_id, a.file_id, a.group), a.token, a.session_id)
+                for a in acks]
+        out = await check_live(self.core, txn, asks, caller)
+        for ask, (claim, _) in zip(asks, out, strict=True):
+            end(self.core, txn, ask.ref, claim, guard=True)  # guarded on the token
         return out
 
     def _ack(self, rec: EntryRecord, claim: KV, req: pb.AckRequest) -> None:

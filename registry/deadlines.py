@@ -24,7 +24,7 @@ import contextlib
 import logging
 
 from ..kernel import logs
-from ._etcd import KV, created_at
+from ._etcd import KV
 from .claim import end, give_back
 from .claims import actor_of, claim_holder, voided
 from .core import Core, Gate
@@ -91,8 +91,7 @@ class Deadlines:
             if claim is None or claim.create_revision != kv.create_revision:
                 return False  # that claim ended (committed, acked, reaped): just forget it
             token = claim.create_revision
-            txn.require(created_at(claim_key, token))
-            end(self.core, txn, ref, claim)
+            end(self.core, txn, ref, claim, guard=True)
             holder = claim_holder(claim) or "?"
             entry, task = await txn.get_many([entry_key, self.keys.task(ref.task_id)])
             if entry is not None and not voided(task):  # a cancelled task's stay as they are

@@ -46,7 +46,7 @@ from datetime import UTC, datetime
 
 from ..kernel.errors import BatonError, InvalidArgument, NotFound
 from ..kernel.v1 import baton_pb2 as pb
-from .claim import end, give_back
+from .claim import end, give_back, reattach
 from .claims import SessionRecord, claim_holder, claim_session
 from .core import Core, every
 from .identity import Caller
@@ -333,9 +333,9 @@ class Leases:
 
         async def plan(txn: Txn) -> int:
             moved = 0
-            for key, kv in zip(keys, await txn.get_many(keys), strict=True):
+            for kv in await txn.get_many(keys):
                 if kv is not None and kv.lease == old:
-                    txn.put(key, kv.value, lease=new)
+                    reattach(txn, kv, new)
                     moved += 1
             if last:
                 kv = await txn.get(record_key)

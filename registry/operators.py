@@ -15,6 +15,7 @@ from ..kernel.errors import IllegalTransition, InvalidArgument, NotFound
 from ..kernel.v1 import baton_pb2 as pb
 from . import access
 from ._etcd import KV, Get
+from .claim import end_read
 from .claims import (
     SessionRecord,
     claim_holder,
@@ -23,7 +24,6 @@ from .claims import (
     entry_replay,
     need_entry,
     need_task,
-    release_slot,
 )
 from .core import Core
 from .identity import Caller
@@ -165,11 +165,7 @@ class Operators:
         alone (it would send the entry of a cancelled task back to its index)."""
 
         async def plan(txn: Txn) -> None:
-            for key, claim in zip(keys, await txn.get_many(keys), strict=True):
-                if claim is not None:
-                    txn.delete(key)
-                    txn.delete(self.keys.inflight(self.keys.parse_claim(key)))
-                    release_slot(self.keys, claim, txn)
+            end_read(self.core, txn, zip(keys, await txn.get_many(keys), strict=True))
 
         await write(self.core.txns, plan)
 

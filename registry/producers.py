@@ -9,25 +9,21 @@ from ..kernel.errors import (
     IllegalTransition,
     InvalidArgument,
     NothingToClaim,
-    StaleToken,
 )
 from ..kernel.v1 import baton_pb2 as pb
-from ._etcd import KV, created_at, present
+from ._etcd import KV, present
 from .access import check_producer
+from .claim import PAGE, Ask, Head, check_live, end, pick, take
 from .claims import (
     Slots,
     actor_of,
     batch_replay,
-    check_claim_session,
     check_owner,
     check_session_id,
-    check_tokens_live,
-    claim_value,
     entry_replay,
     need_active,
     need_entry,
     need_session,
-    release_slot,
 )
 from .core import Core
 from .identity import Caller, may
@@ -36,11 +32,9 @@ from .machine import Event, apply
 from .manifest import DIGEST_RE, check_id
 from .model import PENDING, WRITING, EntryRecord
 from .routing import parse_attributes
-from .txn import MAX_TXN_OPS, Retry, Txn
+from .txn import MAX_TXN_OPS, Txn
 from .verify import Verifier
 
-#: ready keys looked at per claim when picking the next claimable entry
-PAGE = 64
 #: compares and operations one claim (one commit) adds to a transaction
 OPS_PER_CLAIM = 6
 OPS_PER_COMMIT = 6
@@ -65,16 +59,13 @@ class Producers:
             and rec.not_before <= self.core.clock())
         if not claimable:
             raise IllegalTransition(f"entry {rec.file_id!r} is not claimable yet")
-        slot = slots.take(txn, self.core.rng)
-        ref = ClaimRef("p", rec.task_id, rec.file_id)
+        # first: a session without a free slot is refused before anything is written
+        take(self.core, txn, ClaimRef("p", rec.task_id, rec.file_id), slots, caller.name,
+             rec.claim_deadline)
         txn.require(present(rec.index.encode()))
         apply(rec, Event.CLAIM)
         rec.owner, rec.session = slots.agent, session_id
         rec.remember("claimed", who=caller.name, label=slots.agent, attempt=rec.retry_count)
-        value = claim_value(slots.agent, session_id, slot, caller.name)
-        txn.create(self.keys.claim(ref), value, lease=slots.lease)
-        txn.create(self.keys.inflight(ref), value)
-        self.core.arm_deadline(txn, ref, rec.claim_deadline)
         self.core.put_entry(rec, txn)
 
     async def _session(self, txn: Txn, task_id: str, session_id: int, caller: Caller) -> Slots:
@@ -168,42 +159,20 @@ class Producers:
         task's access rules) are passed over.
         """
         page = await self._candidates(txn, task_id)
-        window = min(len(page), want + self._busy.get(task_id, 1) - 1)
-        head = list(page[:window])
-        self.core.rng.shuffle(head)
-        order = (head + list(page[window:]))[: max(want * 2, 8)]
-        keys = [self.keys.entry(task_id, self.keys.last_segment(k.key)) for k in order]
-        picked: list[EntryRecord] = []
-        moved = False
-        denied = 0
-        view = self.core.view if not txn.fresh else None
-        for key, ready, kv in zip(keys, order, await txn.peek_many(keys), strict=True):
-            rec = EntryRecord.load(kv.value) if kv else None
-            if kv is None or rec is None or rec.state != PENDING or (
-                    rec.index != ready.key.decode()):
-                moved = True  # taken while we looked
-                continue
-            if not may(caller, rec.producers):
-                denied += 1
-                continue
-            if view is not None and not view.reserve(txn, ready.key):
-                continue
-            txn.pin(key, kv)
-            picked.append(rec)
-            if len(picked) == want:
-                break
-        if picked:
-            return picked
-        if denied and not moved:
-            raise NothingToClaim(
-                f"nothing to claim in task {task_id!r} that {caller.name} may produce (the "
-                f"next {denied} are for other producers, by the task's access rules)",
-                task_id=task_id)
-        if moved or len(page) >= PAGE:
-            if view is not None and moved:
-                view.invalidate(self.keys.ready_all(task_id))  # the window was behind
-            raise Retry()  # every candidate moved while we looked; look again
-        raise NothingToClaim(f"nothing to claim in task {task_id!r}", task_id=task_id)
+
+        def nothing(denied: int) -> NothingToClaim:
+            if denied:
+                return NothingToClaim(
+                    f"nothing to claim in task {task_id!r} that {caller.name} may produce "
+                    f"(the next {denied} are for other producers, by the task's access "
+                    "rules)", task_id=task_id)
+            return NothingToClaim(f"nothing to claim in task {task_id!r}", task_id=task_id)
+
+        head = Head(task_id, page, min(len(page), want + self._busy.get(task_id, 1) - 1),
+                    self.keys.ready_all(task_id),
+                    current=lambda rec, key: rec.state == PENDING and rec.index == key.decode(),
+                    nothing=nothing, allowed=lambda rec: may(caller, rec.producers))
+        return [rec for _, rec in await pick(self.core, txn, head, want)]
 
     async def claim_batch(self, req: pb.ClaimBatchRequest,
                           caller: Caller) -> pb.ClaimBatchResponse:
@@ -249,38 +218,16 @@ class Producers:
         """Entry and claim of each (task, file, token, session) whose token is the live
         claim, held by the caller (and by that session, when one is named), in a task
         not cancelled (its header is pinned too)."""
-        keys = []
-        for task_id, file_id, _, _ in items:
+        asks = []
+        for task_id, file_id, token, session_id in items:
             check_id("task_id", task_id)
             check_id("file_id", file_id)
-            keys += [self.keys.task(task_id), self.keys.entry(task_id, file_id),
-                     self.keys.claim(ClaimRef("p", task_id, file_id))]
-        found = await txn.get_many(keys)
-        out = []
-        for i, (task_id, file_id, token, session_id) in enumerate(items):
-            rec = need_entry(found[3 * i + 1], task_id, file_id)
-            claim = found[3 * i + 2]
-            if token <= 0 or claim is None or claim.create_revision != token:
-                raise StaleToken(
-                    f"token {token} is not the live claim on {task_id}/{file_id} "
-                    "(the claim was lost, superseded or already finished)",
-                    task_id=task_id, file_id=file_id, token=token,
-                )
-            what = f"the claim on {task_id}/{file_id} (token {token})"
-            check_tokens_live(found[3 * i], task_id, what, token)
-            check_owner(caller, claim, what)
-            check_claim_session(claim, session_id, what)
-            if rec.state != WRITING:  # cannot happen while the claim lives; refuse anyway
-                raise IllegalTransition(f"entry {file_id!r} is {rec.state}, not writing")
-            out.append((rec, claim))
-        return out
+            asks.append(Ask(ClaimRef("p", task_id, file_id), token, session_id))
+        return [(rec, claim) for claim, rec in await check_live(self.core, txn, asks, caller)]
 
     def _finish_claim(self, txn: Txn, rec: EntryRecord, claim: KV, token: int) -> None:
-        ref = ClaimRef("p", rec.task_id, rec.file_id)
-        txn.require(created_at(self.keys.claim(ref), token))
-        txn.delete(self.keys.claim(ref))
-        txn.delete(self.keys.inflight(ref))
-        release_slot(self.keys, claim, txn)
+        # guarded on the token (the claim read): a claim lost meanwhile fails the commit
+        end(self.core, txn, ClaimRef("p", rec.task_id, rec.file_id), claim, guard=True)
 
     async def _commit(self, txn: Txn, rec: EntryRecord, claim: KV,
                       req: pb.CommitRequest) -> None:
@@ -345,6 +292,15 @@ class Producers:
             raise InvalidArgument(
                 f"at most {MAX_TXN_OPS // OPS_PER_COMMIT} commits per batch (etcd's "
                 "operation limit per transaction)")
+        # Commits of one entry would share its record (claim.check_live): the second
+        # would find it written. Refused before anything is read, as AckBatch does.
+        seen: dict[tuple[str, str], int] = {}
+        for i, c in enumerate(req.commits):
+            if (c.task_id, c.file_id) in seen:
+                raise InvalidArgument(
+                    f"commits [{seen[c.task_id, c.file_id]}] and [{i}] both commit "
+                    f"{c.task_id}/{c.file_id}")
+            seen[c.task_id, c.file_id] = i
 
         async def planner(txn: Txn) -> Callable[[int], pb.CommitBatchResponse]:
             live = await self._live_claims(

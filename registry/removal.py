@@ -39,7 +39,8 @@ from collections.abc import Awaitable, Callable
 from ..kernel.errors import Conflict, IllegalTransition, NotFound
 from ..kernel.v1 import baton_pb2 as pb
 from ._etcd import KV, Get, empty
-from .claims import need_task, release_slot
+from .claim import end_read
+from .claims import need_task
 from .core import Core
 from .identity import Caller
 from .manifest import check_id
@@ -267,13 +268,10 @@ class Removal:
             found = dict(zip(twins.values(), await txn.peek_many(list(twins.values())),
                              strict=True))
             for key, claim in zip(keys, claims, strict=True):
-                if claim is None:
-                    continue  # finished (or revoked) meanwhile: its slot is not ours
-                txn.delete(key)
-                txn.delete(twins[key])
-                release_slot(self.keys, claim, txn)
-                counts["claims"] += 1
-                counts["inflight"] += twins[key] != key and found[twins[key]] is not None
+                if claim is not None:  # else finished (or revoked) meanwhile
+                    counts["claims"] += 1
+                    counts["inflight"] += twins[key] != key and found[twins[key]] is not None
+            end_read(self.core, txn, zip(keys, claims, strict=True))
             counts["slots"] = sum(1 for k in txn.write_keys() if k.startswith(slots))
             return counts
 

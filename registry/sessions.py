@@ -12,7 +12,7 @@ from ..kernel import logs
 from ..kernel.errors import BatonError, InvalidArgument, SessionExpired
 from ..kernel.v1 import baton_pb2 as pb
 from ._etcd import KV
-from .claim import give_back
+from .claim import end, give_back
 from .claims import (
     SessionRecord,
     actor_of,
@@ -250,7 +250,7 @@ class Reaper:
                 return ""  # another replica got there first
             if claim is not None:
                 return ""  # the claim lives (the listing was behind)
-            txn.delete(twin_key)
+            end(self.core, txn, ref, None)  # the claim key went with its lease: the twin
             if voided(task):
                 # A cancelled task's entries stay as they were: its cancel deletes the
                 # claims a chunk at a time, and a lease may end meanwhile: the twin goes.

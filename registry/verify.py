@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 from ..kernel.errors import InvalidArgument, StaleReport
 from ..kernel.v1 import baton_pb2 as pb
-from ._etcd import created_at
-from .claims import entry_replay, need_entry, need_task, release_slot
+from .claim import end
+from .claims import entry_replay, need_entry, need_task
 from .core import Core
 from .identity import ANONYMOUS, Caller
 from .keys import ClaimRef
@@ -105,11 +105,7 @@ class Verifier:
         held = await txn.get_many([self.keys.claim(r) for r in refs])
         for ref, claim in zip(refs, held, strict=True):
             txn.delete(self.keys.cready(rec.task_id, ref.group, rec.file_id))
-            txn.delete(self.keys.inflight(ref))
-            if claim is not None:
-                txn.require(created_at(claim.key, claim.create_revision))
-                txn.delete(claim.key)
-                release_slot(self.keys, claim, txn)
+            end(self.core, txn, ref, claim, guard=True)  # a twin left alone goes too
 
     async def _unverify_assembly(self, txn: Txn, part: EntryRecord) -> None:
         """A part left verified: its assembly learns of it in the same transaction.

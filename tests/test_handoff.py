@@ -202,6 +202,17 @@ def test_commit_batch_is_all_or_nothing(client: Client) -> None:
         assert {e.state for e in client.list_entries("t")} == {pb.ENTRY_STATE_WRITING}
 
 
+def test_a_commit_twice_in_one_batch_is_invalid(client: Client) -> None:
+    """The same entry twice in one batch is refused before anything is read."""
+    client.create_task({"task_id": "t", "entries": entries("a", "b")})
+    with client.open_session("p", ttl=10) as s:
+        (c,) = client.claim_batch("t", 1, session=s)
+        with pytest.raises(errors.InvalidArgument,
+                           match=rf"commits \[0\] and \[1\] both commit t/{c.file_id}"):
+            client.commit_batch([("t", c.file_id, c.token, 1, X)] * 2)
+        assert client.get_entry("t", c.file_id).state == pb.ENTRY_STATE_WRITING
+
+
 def test_lease_lost_in_the_middle_of_batches(client: Client) -> None:
     """When an agent holding batch claims loses its lease, every entry goes back."""
     client.create_task({"task_id": "t", "backoff": FAST,

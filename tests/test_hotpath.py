@@ -29,6 +29,12 @@ class CountingEtcd(Etcd):
 
     requests = 0
     ranges = 0
+    #: (compares, operations) of each transaction sent, in order
+    shapes: list[tuple[int, int]]
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.shapes = []
 
     async def get(self, key: bytes) -> KV | None:
         self.requests += 1
@@ -42,10 +48,12 @@ class CountingEtcd(Etcd):
     async def txn(self, compares: Sequence[Compare], success: Sequence[TxnOp],
                   failure: Sequence[TxnOp] = ()) -> TxnResult:
         self.requests += 1
+        self.shapes.append((len(compares), len(success)))
         return await super().txn(compares, success, failure)
 
     async def txn_group(self, group: Sequence[Guarded]) -> tuple[int, list[TxnResult]]:
         self.requests += 1
+        self.shapes += [(len(g.compares), len(g.success)) for g in group]
         return await super().txn_group(group)
 
 
@@ -307,3 +315,82 @@ def test_routing_reads_nothing_from_etcd(etcd: Any, prefix: str) -> None:
     routed = asyncio.run(requests_per_verification("routed", [pb.RoutingRule(
         condition="$[?(@.score > 95)]", groups=["review"])]))
     assert routed <= plain, f"{routed:.2f} requests per routed verification, {plain:.2f} without"
+
+
+#: compares and operations of each step's one transaction, with a slot and a deadline
+#: (as on the revision before the claim object: writing a claim in one place costs none)
+SHAPES = {
+    "claim": (7, 7), "commit": (4, 5), "verify": (2, 3), "commit and claim": (10, 12),
+    "fail": (4, 6), "consume": (6, 6), "nack": (4, 6), "ack and consume": (9, 12),
+    "ack": (4, 6),
+}
+
+
+def test_each_step_is_one_transaction_of_a_fixed_size(etcd: Any, prefix: str) -> None:
+    """Each step of the agents' loops (claim, commit, consume, ack, fail, nack, the
+    fused steps) is one transaction whose compares and operations stay as listed."""
+    async def body() -> dict[str, list[tuple[int, int]]]:
+        client = CountingEtcd(etcd.endpoint, timeout=60)
+        await client.connect()
+        core = Core(client, Keys(prefix), "/staging")
+        await core.start()
+        shapes: dict[str, list[tuple[int, int]]] = {}
+        try:
+            spec = pb.TaskSpec(task_id="t", consumers=["g"], claim_deadline_seconds=60,
+                               consume_deadline_seconds=60, entries=[
+                                   pb.EntrySpec(file_id=f"e{i}", path=f"e{i}")
+                                   for i in range(4)])
+            await Tasks(core).create(pb.CreateTaskRequest(spec=spec))
+            sid = (await Sessions(core).open(pb.OpenSessionRequest(
+                agent="a", ttl=30, slots=4), ANONYMOUS)).session_id
+            producers, consumers = Producers(core), Consumers(core)
+            fused = Fused(producers, consumers)
+
+            async def step(name: str, call: Any) -> Any:
+                client.shapes.clear()
+                out = await call
+                shapes[name] = client.shapes[-1:]  # the step's own: the last
+                return out
+
+            def commit(c: pb.ClaimResponse) -> pb.CommitRequest:
+                return pb.CommitRequest(task_id="t", file_id=c.entry.file_id,
+                                        token=c.token, size=0, digest=EMPTY, session_id=sid)
+
+            def report(file_id: str) -> pb.ReportVerificationRequest:
+                return pb.ReportVerificationRequest(task_id="t", file_id=file_id, size=0,
+                                             digest=EMPTY)
+
+            c = await step("claim", producers.claim(
+                pb.ClaimRequest(task_id="t", session_id=sid), ANONYMOUS))
+            await step("commit", producers.commit(commit(c), ANONYMOUS))
+            await step("verify", producers.verifier.report(report(c.entry.file_id)))
+            c2 = await producers.claim(pb.ClaimRequest(task_id="t", session_id=sid), ANONYMOUS)
+            both = await step("commit and claim", fused.commit_and_claim(
+                pb.CommitAndClaimRequest(commit=commit(c2), claim=pb.ClaimRequest()),
+                ANONYMOUS))
+            await producers.verifier.report(report(c2.entry.file_id))
+            await step("fail", producers.fail(pb.FailRequest(
+                task_id="t", file_id=both.next.entry.file_id, token=both.next.token,
+                reason="test"), ANONYMOUS))
+            lease = await step("consume", consumers.consume(
+                pb.ConsumeRequest(task_id="t", group="g", session_id=sid), ANONYMOUS))
+            await step("nack", consumers.nack(pb.NackRequest(
+                task_id="t", file_id=lease.entry.file_id, group="g", token=lease.token),
+                ANONYMOUS))
+            lease = await consumers.consume(
+                pb.ConsumeRequest(task_id="t", group="g", session_id=sid), ANONYMOUS)
+            nxt = await step("ack and consume", fused.ack_and_consume(
+                pb.AckAndConsumeRequest(ack=pb.AckRequest(
+                    task_id="t", file_id=lease.entry.file_id, group="g", token=lease.token,
+                    session_id=sid), consume=pb.ConsumeRequest()), ANONYMOUS))
+            assert nxt.HasField("next"), nxt.next_error
+            await step("ack", consumers.ack(pb.AckRequest(
+                task_id="t", file_id=nxt.next.entry.file_id, group="g",
+                token=nxt.next.token), ANONYMOUS))
+            return shapes
+        finally:
+            await core.stop()
+            await client.close()
+
+    shapes = asyncio.run(body())
+    assert shapes == {name: [shape] for name, shape in SHAPES.items()}

@@ -1,0 +1,110 @@
+"""The claim object owns a claim's keys: no registry module but claim.py writes them.
+
+A claim key, its durable twin (``inflight/…``) and the slot it holds are put and
+deleted together; a module that writes one of them on its own is how the paths that
+end a claim drifted apart before. The check reads each module's syntax tree: a
+``txn.put``/``txn.create``/``txn.delete`` whose key is built by ``keys.claim``,
+``keys.inflight`` or ``keys.slot`` (directly, through a local name assigned from one,
+or as the ``.key`` of a claim or twin read) is an offence outside claim.py.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OWNER = "claim.py"
+#: the key builders of a claim's three keys (registry/keys.py)
+BUILDERS = {"claim", "inflight", "slot"}
+#: what a transaction writes with
+WRITES = {"put", "create", "delete"}
+#: names a claim or its twin is read into, whose ``.key`` is then the claim's key
+HELD = {"claim", "twin"}
+
+
+def _builds_claim_key(node: ast.AST, tainted: set[str]) -> bool:
+    """Whether ``node`` builds a claim, twin or slot key (or names one built so)."""
+    for sub in ast.walk(node):
+        if (isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute)
+                and sub.func.attr in BUILDERS and _is_keys(sub.func.value)):
+            return True
+        if isinstance(sub, ast.Name) and sub.id in tainted:
+            return True
+        if (isinstance(sub, ast.Attribute) and sub.attr == "key"
+                and isinstance(sub.value, ast.Name) and sub.value.id in HELD):
+            return True
+    return False
+
+
+def _is_keys(node: ast.AST) -> bool:
+    """``keys``, ``self.keys``, ``core.keys``, ``self.core.keys``: the key builder."""
+    return (isinstance(node, ast.Name) and node.id == "keys") or (
+        isinstance(node, ast.Attribute) and node.attr == "keys")
+
+
+def _names(target: ast.AST) -> list[str]:
+    return [n.id for n in ast.walk(target) if isinstance(n, ast.Name)]
+
+
+def offences(source: str, filename: str) -> list[str]:
+    """Each write of a claim, twin or slot key in ``source``, as ``file:line``."""
+    tree = ast.parse(source, filename)
+    found = []
+    for func in ast.walk(tree):
+        if not isinstance(func, ast.FunctionDef | ast.AsyncFunctionDef | ast.Module):
+            continue
+        tainted: set[str] = set()
+        for node in ast.walk(func):
+            if isinstance(node, ast.Assign):
+                targets, value = node.targets, node.value
+                if isinstance(value, ast.Tuple) and len(targets) == 1 and isinstance(
+                        targets[0], ast.Tuple):
+                    pairs = list(zip(targets[0].elts, value.elts, strict=False))
+                else:
+                    pairs = [(t, value) for t in targets]
+                for target, val in pairs:
+                    if _builds_claim_key(val, tainted):
+                        tainted.update(_names(target))
+        for node in ast.walk(func):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in WRITES and node.args
+                    and _builds_claim_key(node.args[0], tainted)):
+                found.append(f"{filename}:{node.lineno}")
+    return sorted(set(found))
+
+
+def test_only_claim_py_writes_claim_twin_and_slot_keys() -> None:
+    """No registry module but claim.py puts, creates or deletes a claim, twin or slot key."""
+    found: list[str] = []
+    for path in sorted((ROOT / "registry").glob("*.py")):
+        if path.name != OWNER:
+            found += offences(path.read_text(), path.name)
+    assert found == []
+
+
+def test_claim_py_writes_all_three() -> None:
+    """The check sees claim.py's own writes: the claim key, the twin and the slot."""
+    source = (ROOT / "registry" / OWNER).read_text()
+    assert len(offences(source, OWNER)) >= 5  # take: 3 puts (4 lines); end: 3 deletes
+
+
+def test_the_check_finds_each_way_a_module_wrote_them() -> None:
+    """The forms the registry wrote claim keys in, outside the claim object, are found."""
+    cases = {
+        "direct": "def f(txn, self):\n    txn.delete(self.keys.claim(ref))\n",
+        "twin put": "def f(txn, self):\n    txn.put(self.keys.inflight(ref), value)\n",
+        "slot create": ("def f(txn, self):\n"
+                        "    txn.create(self.keys.slot(s, n), b'', lease=1)\n"),
+        "slot helper": "def f(txn, keys):\n    txn.delete(keys.slot(session, 3))\n",
+        "local name": ("def f(txn, self):\n    claim_key = self.keys.claim(ref)\n"
+                       "    txn.delete(claim_key)\n"),
+        "tuple": ("def f(txn, self):\n"
+                  "    a, twin_key = self.keys.claim(r), self.keys.inflight(r)\n"
+                  "    txn.delete(twin_key)\n"),
+        "read claim": "def f(txn, claim):\n    txn.delete(claim.key)\n",
+    }
+    for what, source in cases.items():
+        assert offences(source, what) != [], what
+    assert offences("def f(txn, self):\n    txn.delete(self.keys.entry(t, f))\n",
+                    "entry") == []
