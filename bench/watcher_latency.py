@@ -87,7 +87,7 @@ def stack(root: Path, etcd: EtcdProcess, args: argparse.Namespace) -> None:
             procs.append(reg)
             wait_ready(grpc_health_probe(address), reg, daemon="registry",
                        log_path=root / "registry.log", timeout=30)
-            pids = {"registry": reg.pid, "etcd": etcd.pid or 0}
+            pids = {"watcher": 0, "registry": reg.pid, "etcd": etcd.pid or 0}
 
             def start_watcher() -> None:
                 watcher = subprocess.Popen([sys.executable, "-u", "-m", "baton_relay.watcher",

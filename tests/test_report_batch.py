@@ -178,6 +178,8 @@ def test_a_busy_watcher_verifies_each_file_once(
     w = watcher_factory()
     wait_for(lambda: all(e.state == pb.ENTRY_STATE_VERIFIED for e in client.list_entries("t1")),
              timeout=60, what="all verified")
+    # the last batch's answer reaches the watcher after the registry applied it
+    wait_for(lambda: w.reports.reports >= len(ids), what="every report answered")
     assert w.reports.reports == len(ids)
     for f in ids:
         assert [r.event for r in client.journal("t1", f)].count("verified") == 1
