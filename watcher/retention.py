@@ -36,7 +36,14 @@ from datetime import datetime
 from typing import Protocol
 
 from ..client import Client
-from ..kernel.errors import BatonError, NotFound, NotShardOwner, Unavailable
+from ..kernel.errors import (
+    BatonError,
+    DeadlineExceeded,
+    NotFound,
+    NotShardOwner,
+    StorageFull,
+    Unavailable,
+)
 from ..kernel.logs import log
 from ..kernel.v1 import baton_pb2 as pb
 from .errors import FileChanged, FileMissing, HashFailed, Refused
@@ -344,7 +351,10 @@ class Retention:
             log(logger, logging.INFO, "staging retention: not this watcher's to remove",
                 task=task_id, file_id=file_id, error=str(e))
             return None
-        except Unavailable:
+        except (Unavailable, StorageFull, DeadlineExceeded):
+            # Passing: etcd at its quota (its alarm is disarmed once space is made) or a
+            # registry away. Waiting as long as for a refusal let a long fault run's
+            # staging fill up behind an etcd quota incident: removals resume soon.
             return self.clock() + RETRY_AFTER
         except BatonError as e:
             log(logger, logging.WARNING, "staging retention: registry refused",
