@@ -51,7 +51,8 @@ def wait_line(proc: subprocess.Popen[bytes], prefix: str) -> None:
         raise SystemExit(f"watcher did not start: {line!r}")
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (exits on an unknown option)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--files", type=int, default=1000)
     p.add_argument("--rate", type=float, default=100.0)
@@ -60,7 +61,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--drain", action="store_true",
                    help="publish every file first, then start the watcher: how fast it "
                    "verifies the backlog")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         staging = root / "staging"

@@ -1364,6 +1364,9 @@ def test_the_benchmark_commands_parse() -> None:
         elif line.startswith("python -m bench "):
             args = parse(shlex.split(line)[3:])  # exits on an unknown option or scenario
             override(FULL, args.set)  # raises on an unknown field or a bad value
+        elif line.startswith("python -m bench.watcher_latency "):
+            from bench.watcher_latency import parse as parse_latency
+            parse_latency(shlex.split(line)[3:])  # one of them runs in the test below
         elif line.startswith("python -m bench.empty_poll "):
             from bench.empty_poll import parse as parse_empty_poll
             parse_empty_poll(shlex.split(line)[3:])  # run in tests/test_empty_poll.py

@@ -149,7 +149,7 @@ class Checker:
             identity = self.hasher.stat(key[0], entry.path)
         except HashFailed:
             return  # nothing is vouched for before the commit; written will tell
-        if identity is None or identity == entry.stale:
+        if identity is None or identity == entry.stale or self._on_its_way(key, identity):
             return
         known = self.cache.get(*key)
         if known is not None and known.identity == identity:
@@ -166,6 +166,8 @@ class Checker:
         if identity is None:  # committed, but not (yet, on a network mount) visible here
             self._failed(key, entry, FileMissing(entry.path, "no such file after the commit"))
             return
+        if self._on_its_way(key, identity):
+            return  # its answer (or a StaleReport) brings this entry back if need be
         known = self.cache.get(*key)
         if known is not None and known.identity == identity:
             self._report(key, entry, Hashed(identity, known.digest))
@@ -182,6 +184,8 @@ class Checker:
         if identity is None:
             self._problem(key, MISSING, "the verified file is gone")
             return
+        if self._on_its_way(key, identity):
+            return  # the report that verified it is answered in a moment
         known = self.cache.get(*key)
         if known is not None and known.identity == identity and known.digest == entry.digest:
             self._mind_links(key, identity)
@@ -293,6 +297,13 @@ class Checker:
             self.metrics.refused("digest", e)
             raise
         self._reported(key, entry, hashed, reply)
+
+    def _on_its_way(self, key: Key, identity: Identity) -> bool:
+        """Whether a report of this very file (same identity) is still unanswered: a
+        second check meanwhile (several events of one file) need not hash it again."""
+        with self._sent_lock:
+            sent = self._sent.get(key)
+        return sent is not None and sent[0] == identity and sent[2] == IN_FLIGHT
 
     def _answered(self, key: Key, entry: EntryView, hashed: Hashed,
                   outcome: pb.Entry | BatonError) -> None:

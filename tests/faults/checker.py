@@ -255,6 +255,7 @@ def _check_final(snap: Snapshot, created: dict[str, list[str]], report: Report) 
         for file in files:
             if (task, file) not in snap.entries:
                 report.add("lost", (task, file), "created, but the entry is gone")
+    report.stats["dead"] += 0  # always shown: entries that used up their retries
     for key, rec in snap.entries.items():
         state = str(rec["state"])
         report.stats[state] += 1
