@@ -78,7 +78,9 @@ def test_report_before_the_commit_settles_at_the_commit(
     claim = client.claim("t1", "a", session=session)
     data = os.urandom(1000)
     Path(claim.path).parent.mkdir(parents=True, exist_ok=True)
-    Path(claim.path).write_bytes(data)
+    # landed whole (renamed into place, as producers do): one report, of these bytes
+    Path(claim.path + ".tmp").write_bytes(data)
+    os.rename(claim.path + ".tmp", claim.path)
     wait_for(lambda: w.metrics.reports_of("t1", "a") == 1, what="the report before the commit")
     assert state_of(client, "t1", "a") == pb.ENTRY_STATE_WRITING
     committed = client.commit("t1", "a", claim.token, len(data), digest(data))
