@@ -219,16 +219,20 @@ class Hasher:
         shown = "/".join(parts)
         parent = self._parent(parts, shown)
         try:
-            try:
-                fd = os.open(parts[-1], _FILE_FLAGS, dir_fd=parent)
-            except OSError as e:
-                raise _translate(shown, e) from e
-            try:
-                return self._hash_fd(fd, parent, parts[-1], shown)
-            finally:
-                os.close(fd)
+            return self._hash_in(parent, parts[-1], shown)
         finally:
             os.close(parent)
+
+    def _hash_in(self, parent: int, name: str, shown: str) -> Hashed:
+        """Hash ``name``, opened from the directory descriptor ``parent``."""
+        try:
+            fd = os.open(name, _FILE_FLAGS, dir_fd=parent)
+        except OSError as e:
+            raise _translate(shown, e) from e
+        try:
+            return self._hash_fd(fd, parent, name, shown)
+        finally:
+            os.close(fd)
 
     def removable(self, task_id: str, rel: str) -> bool:
         """Whether this process may unlink the entry's file: write and search on the
@@ -256,14 +260,7 @@ class Hasher:
         shown = "/".join(parts)
         parent = self._parent(parts, shown)
         try:
-            try:
-                fd = os.open(parts[-1], _FILE_FLAGS, dir_fd=parent)
-            except OSError as e:
-                raise _translate(shown, e) from e
-            try:
-                hashed = self._hash_fd(fd, parent, parts[-1], shown)
-            finally:
-                os.close(fd)
+            hashed = self._hash_in(parent, parts[-1], shown)
             if hashed.digest != digest:
                 raise FileChanged(shown, "differs from the verified digest", hashed.digest)
             try:
