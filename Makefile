@@ -23,6 +23,14 @@ $(VENV)/.installed: pyproject.toml
 test: install
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
+# (Defined before the rules that name them: make expands prerequisites as it reads.)
+# The wire contract's checks: buf's CLI, from its npm package, pinned, in .tools/.
+# `buf breaking` compares the contract with the last landed one (a buf image kept in
+# the repository); after a deliberate, released change, `make proto-landed` renews it.
+BUF_VERSION := 1.75.0
+BUF := .tools/node_modules/.bin/buf
+LANDED := kernel/proto/landed.binpb
+
 lint: install $(BUF)
 	$(BIN)/ruff check .
 	$(BIN)/python scripts/typecheck.py
@@ -30,12 +38,6 @@ lint: install $(BUF)
 	$(BUF) lint
 	$(BUF) breaking --against $(LANDED)
 
-# The wire contract's checks: buf's CLI, from its npm package, pinned, in .tools/.
-# `buf breaking` compares the contract with the last landed one (a buf image kept in
-# the repository); after a deliberate, released change, `make proto-landed` renews it.
-BUF_VERSION := 1.75.0
-BUF := .tools/node_modules/.bin/buf
-LANDED := kernel/proto/landed.binpb
 $(BUF):
 	npm install --prefix .tools --no-save --no-audit --no-fund --loglevel=error \
 		@bufbuild/buf@$(BUF_VERSION)
