@@ -269,18 +269,18 @@ class AsyncSession:
             request.request_id = _request_id()  # the same when sent again
         call = pb.AgentCall(call_id=next(self._ids))
         getattr(call, kind).CopyFrom(request)
-        pending = _Pending(call, asyncio.get_running_loop().create_future())
+        loop = asyncio.get_running_loop()
+        pending = _Pending(call, loop.create_future())
         self._pending[call.call_id] = pending
+        limit = self.client.timeout if wait is None else wait
+        # The deadline is a timer on the reply itself, not a wait_for: one callback
+        # instead of a task and a shield per call, on the path every step takes.
+        timer = loop.call_later(limit, _expire, pending.reply, kind, limit)
         try:
             await self._send(pending)
-            limit = self.client.timeout if wait is None else wait
-            try:
-                reply = await asyncio.wait_for(asyncio.shield(pending.reply), limit)
-            except TimeoutError:
-                raise errors.DeadlineExceeded(
-                    f"{kind}: no reply from the registry within {limit:g} s "
-                    f"(deadline exceeded)", method=kind, timeout=limit) from None
+            reply = await pending.reply
         finally:
+            timer.cancel()
             del self._pending[call.call_id]
         if reply.WhichOneof("reply") == "error":
             raise error_of(reply.error)
@@ -501,6 +501,14 @@ class AsyncSession:
             task_id=task_id, file_id=file_id, group=group, token=token, reason=reason,
             session_id=self.session_id))
         return r.entry  # type: ignore[no-any-return]
+
+
+def _expire(reply: asyncio.Future[pb.AgentReply], kind: str, limit: float) -> None:
+    """End a call's wait for its reply: its deadline passed."""
+    if not reply.done():
+        reply.set_exception(errors.DeadlineExceeded(
+            f"{kind}: no reply from the registry within {limit:g} s (deadline exceeded)",
+            method=kind, timeout=limit))
 
 
 def _request_id() -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -293,3 +294,30 @@ def _claim_or_none(c: Client, s: Any) -> Any:
         return c.claim("t", session=s)
     except errors.NothingToClaim:
         return None
+
+
+def test_a_call_unanswered_within_the_timeout_raises_deadline_exceeded_and_the_session_goes_on(
+        registry: RegistryHandle, client: Client) -> None:
+    """A registry that stops answering (its event loop held up) ends a stream call with
+    DeadlineExceeded after the client's timeout, naming the call; the session still
+    serves the next call once the registry answers again."""
+    client.create_task(manifest("t", 2))
+
+    async def run() -> tuple[float, str, Any]:
+        async with AsyncClient(registry.address, timeout=0.5) as ac, \
+                ac.session("slow", ttl=30) as s:
+            over = threading.Event()
+            registry._loop.call_soon_threadsafe(time.sleep, 2.0)  # the replica stalls
+            registry._loop.call_soon_threadsafe(over.set)  # ... and then runs again
+            start = time.monotonic()
+            with pytest.raises(errors.DeadlineExceeded) as info:
+                await s.claim("t")
+            took = time.monotonic() - start
+            assert not s._pending  # the call is forgotten, not left waiting
+            assert await asyncio.to_thread(over.wait, 30)  # the late reply finds no caller
+            return took, str(info.value), await s.claim("t")
+
+    took, message, claim = asyncio.run(run())
+    assert 0.45 <= took < 1.9
+    assert "claim: no reply from the registry within 0.5 s (deadline exceeded)" in message
+    assert claim.file_id in {"f000", "f001"}
