@@ -20,12 +20,11 @@ from collections.abc import Callable
 
 from ..kernel.errors import InvalidArgument
 from ..kernel.v1 import baton_pb2 as pb
-from .claims import need_entry
 from .core import Core
 from .identity import ANONYMOUS, Caller
 from .manifest import DIGEST_RE, check_id
 from .model import CONSUMED, EntryRecord, now
-from .shards import check_reporter
+from .shards import reported_entry
 from .txn import Txn
 
 log = logging.getLogger("baton.registry")
@@ -79,10 +78,7 @@ class StagingRetention:
         staging = self.core.staging_dir(req.task_id)
 
         async def planner(txn: Txn) -> Callable[[int], pb.RemoveStagedResponse]:
-            await check_reporter(txn, self.keys, req.task_id, req.watcher_id,
-                                 req.shard_epoch, caller)
-            rec = need_entry(await txn.get(self.keys.entry(req.task_id, req.file_id)),
-                             req.task_id, req.file_id)
+            _, rec = await reported_entry(txn, self.keys, req, caller)
             outcome, due_in = self._decide(rec, req)
             if outcome == Outcome.OUTCOME_MARKED and not rec.staging_removed:
                 rec.staging_removed = {"at": now(), "watcher": req.watcher_id,

@@ -30,7 +30,7 @@ import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from ..kernel import logs
 from ..kernel.contract import shard_of
@@ -42,11 +42,11 @@ from ..kernel.errors import (
 )
 from ..kernel.v1 import baton_pb2 as pb
 from ._etcd import KV
-from .claims import check_owner
+from .claims import check_owner, need_entry
 from .config import MOVE_DEADLINE
 from .core import Core, every
 from .identity import Caller
-from .model import TaskRecord, now
+from .model import EntryRecord, TaskRecord, now
 from .txn import Txn, write
 
 log = logging.getLogger("baton.registry")
@@ -182,6 +182,25 @@ async def check_reporter(txn: Txn, keys: Any, task_id: str, watcher_id: str,
                         f"came from {who} and was not believed", shard=n,
                         owner=shard.owner, epoch=shard.epoch)
 
+
+
+class WatcherRequest(Protocol):
+    """What every watcher's request about one entry names: the entry, and the watcher
+    and shard epoch it speaks as."""
+
+    task_id: str
+    file_id: str
+    watcher_id: str
+    shard_epoch: int
+
+
+async def reported_entry(txn: Txn, keys: Any, req: WatcherRequest, caller: Caller
+                         ) -> tuple[KV | None, EntryRecord]:
+    """The entry a watcher's request is about (its key-value and record), once
+    ``check_reporter`` believed the watcher; ``NotFound`` if there is none."""
+    await check_reporter(txn, keys, req.task_id, req.watcher_id, req.shard_epoch, caller)
+    kv = await txn.get(keys.entry(req.task_id, req.file_id))
+    return kv, need_entry(kv, req.task_id, req.file_id)
 
 class Shards:
     """The calls of watchers (register, heartbeat, release) and of operators."""

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from ..kernel.errors import InvalidArgument, StaleReport
 from ..kernel.v1 import baton_pb2 as pb
 from .claim import end
-from .claims import entry_replay, need_entry, need_task
+from .claims import entry_replay, need_task
 from .core import Core
 from .identity import ANONYMOUS, Caller
 from .keys import ClaimRef
@@ -16,7 +16,7 @@ from .machine import Event, apply
 from .manifest import DIGEST_RE, check_id
 from .model import PENDING, VERIFIED, WRITING, WRITTEN, EntryRecord, now
 from .routing import Rule, route
-from .shards import check_reporter
+from .shards import reported_entry
 from .txn import Txn
 
 
@@ -141,10 +141,7 @@ class Verifier:
         staging = self.core.staging_dir(req.task_id)
 
         async def planner(txn: Txn) -> Callable[[int], pb.Entry]:
-            await check_reporter(txn, self.keys, req.task_id, req.watcher_id,
-                                 req.shard_epoch, caller)
-            rec = need_entry(await txn.get(self.keys.entry(req.task_id, req.file_id)),
-                             req.task_id, req.file_id)
+            _, rec = await reported_entry(txn, self.keys, req, caller)
             if rec.state == WRITTEN and not rec.parts:
                 self.core.retry_or_dead(rec, reason, who=caller.name)
             elif rec.state == VERIFIED and not rec.parts:
@@ -169,10 +166,7 @@ class Verifier:
         staging = self.core.staging_dir(req.task_id)
 
         async def planner(txn: Txn) -> Callable[[int], pb.Entry]:
-            await check_reporter(txn, self.keys, req.task_id, req.watcher_id,
-                                 req.shard_epoch, caller)
-            kv = await txn.get(self.keys.entry(req.task_id, req.file_id))
-            rec = need_entry(kv, req.task_id, req.file_id)
+            kv, rec = await reported_entry(txn, self.keys, req, caller)
             if rec.parts:  # an assembly has no file of its own
                 return lambda rev: rec.to_pb(staging, revision=rev)
             moved = bool(req.seen_revision) and kv is not None and (
