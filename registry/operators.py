@@ -59,6 +59,12 @@ LIST_PAGE = 1000
 #: the most journal records one reply carries (the newest of them): a task's whole
 #: journal grows with its entries and their retries, a reply must not
 MAX_JOURNAL_RECORDS = 100_000
+#: the most attempts an explanation carries (the newest): each claim of an entry is
+#: one, and requeues give a dead entry fresh ones without end
+MAX_ATTEMPTS = 1000
+#: the states a producer attempt ends from (to pending or dead: the retry path's
+#: records, a revoke, a permanent failure)
+ATTEMPT_STATES = frozenset({WRITING, WRITTEN, VERIFIED})
 #: lease lookups in flight while listing agents
 TTL_PARALLEL = 32
 #: journal events written by the transaction that made a claim (producer or consumer),
@@ -131,7 +137,8 @@ class Operators:
         k = self.keys
         return [k.claims_of_task("p", task_id), k.claims_of_task("c", task_id),
                 k.inflight_of_task("p", task_id), k.inflight_of_task("c", task_id),
-                k.ready_all(task_id), k.delayed_of_task(task_id), k.cready_of_task(task_id)]
+                k.ready_all(task_id), k.delayed_of_task(task_id), k.cready_of_task(task_id),
+                k.cdelayed_of_task(task_id)]
 
     async def finish_cancel(self, task_id: str) -> bool:
         """Revoke what a cancel stopped part-way left of a cancelled task (its holders
@@ -177,11 +184,15 @@ class Operators:
         await write(self.core.txns, plan)
 
     async def requeue(self, req: pb.RequeueRequest, caller: Caller) -> pb.Entry:
-        """Bring a dead entry back to pending with a fresh retry budget; the journal
-        names the operator's identity."""
-        who = caller.name or "operator"
+        """Bring a dead entry back to pending with a fresh retry budget, or, for one
+        consumer group, hand an entry it acked to it again; the journal names the
+        operator's identity."""
         check_id("task_id", req.task_id)
         check_id("file_id", req.file_id)
+        if req.group:
+            check_id("group", req.group)
+            return await self._replay(req, caller.name or "operator")
+        who = caller.name or "operator"
         staging = self.core.staging_dir(req.task_id)
         task_key = self.keys.task(req.task_id)
 
@@ -204,6 +215,55 @@ class Operators:
             # open again, and the scheduler's completion of the task (planned on
             # the header, then on an open index it saw empty) must fail its compare.
             txn.put(task_key, task.dump())
+            self.core.put_entry(rec, txn)
+            return lambda rev: rec.to_pb(staging, revision=rev)
+
+        return await self.core.txns.run(planner, req.request_id, entry_replay)
+
+    async def _replay(self, req: pb.RequeueRequest, who: str) -> pb.Entry:
+        """Hand a verified or consumed entry that ``req.group`` acked to that group
+        again: its ack is forgotten and its claimable key put back; the other groups'
+        acks stay, so none of them is handed it again. A consumed entry becomes
+        verified again (and its task, if completed, active): its file must still be in
+        staging."""
+        staging = self.core.staging_dir(req.task_id)
+        task_key = self.keys.task(req.task_id)
+        group = req.group
+
+        async def planner(txn: Txn) -> Callable[[int], pb.Entry]:
+            task_kv, kv = await txn.get_many([task_key,
+                                              self.keys.entry(req.task_id, req.file_id)])
+            task = need_task(task_kv, req.task_id)
+            if task.status in ("cancelled", "deleting", "archiving", "archived"):
+                raise IllegalTransition(f"task {req.task_id!r} is {task.status}",
+                                        task_id=req.task_id)
+            rec = need_entry(kv, req.task_id, req.file_id)
+            if group not in rec.consumers:
+                raise InvalidArgument(
+                    f"group {group!r} is not a consumer group of {rec.file_id!r} "
+                    f"(consumer groups: {', '.join(rec.consumers) or 'none'})",
+                    field="group", task_id=rec.task_id, file_id=rec.file_id)
+            if rec.state not in (VERIFIED, CONSUMED) or group not in rec.consumed_by:
+                raise IllegalTransition(
+                    f"entry {rec.file_id!r} is {rec.state} and group {group!r} has not "
+                    "acked it: there is nothing to hand it again (a dead entry is "
+                    "requeued without --group)", task_id=rec.task_id,
+                    file_id=rec.file_id, state=rec.state, group=group)
+            if rec.staging_removed:
+                raise IllegalTransition(
+                    f"entry {rec.file_id!r}'s file was removed from staging at "
+                    f"{rec.staging_removed.get('at', '?')} (its retention): there are no "
+                    "bytes to hand again", task_id=rec.task_id, file_id=rec.file_id)
+            if rec.state == CONSUMED:
+                apply(rec, Event.REPLAY)
+            rec.consumed_by.remove(group)
+            rec.remember("requeued", who=who, group=group,
+                         reason=f"handed to group {group} again")
+            txn.put(self.keys.cready(rec.task_id, group, rec.file_id), b"")
+            if task.status == "completed":  # it has work again
+                task.status, task.status_reason = "active", "entry requeued"
+                task.finished_at = ""
+            txn.put(task_key, task.dump())  # see requeue: a completion racing it fails
             self.core.put_entry(rec, txn)
             return lambda rev: rec.to_pb(staging, revision=rev)
 
@@ -304,7 +364,18 @@ class Operators:
         if rules:
             text = f"{text} {rules}"
         entry = rec.to_pb(self.core.staging_dir(rec.task_id), revision=kv.mod_revision)
-        return pb.ExplainResponse(entry=entry, text=text)
+        attempts = await self._attempts(rec)
+        return _explained(entry, text, attempts, rec.state == DEAD)
+
+    async def _attempts(self, rec: EntryRecord) -> list[pb.Attempt]:
+        """Every attempt of the entry, from its journal (read a page at a time)."""
+        records: list[tuple[int, dict[str, Any]]] = []
+        pages = self.core.etcd.scan(self.keys.journal_all(rec.task_id, rec.file_id),
+                                    page=LIST_PAGE)
+        async with contextlib.aclosing(pages):
+            async for kv in pages:
+                records.append((kv.create_revision, _raw(kv.value)))
+        return attempts_of(records)
 
     async def _explain_archived(self, task: TaskRecord, file_id: str) -> pb.ExplainResponse:
         archived = await self.core.archived(task.task_id)
@@ -321,7 +392,8 @@ class Operators:
                 f"was archived at {task.archived_at}, to {task.archive}. Nothing more will "
                 "happen to it; `baton log` shows its history from the archive.")
         entry = rec.to_pb(self.core.staging_dir(rec.task_id), revision=rev)
-        return pb.ExplainResponse(entry=entry, text=text)
+        attempts = attempts_of([(r, data) for f, r, data in archived.journal if f == file_id])
+        return _explained(entry, text, attempts, rec.state == DEAD)
 
     async def _explain(self, task: TaskRecord, kv: KV, rec: EntryRecord,
                        tokens: bool = True) -> str:
@@ -386,11 +458,20 @@ class Operators:
                 " It has no consumer groups, so it is done."))
             if held:
                 s.append(f"Being consumed by: {'; '.join(held)}.")
+            for g, until in sorted(rec.nacked_until.items()):
+                at = datetime.fromtimestamp(until, UTC).isoformat(timespec="seconds")
+                s.append(f"Group {g} nacked it with a delay: it is handed back to {g} at "
+                         f"{at}.")
         elif rec.state == CONSUMED:
             s.append(f"Every consumer group acked it ({', '.join(rec.consumed_by)}).")
         elif rec.state == DEAD:
-            s.append(f"It used all {rec.max_retries} retries; last error: {rec.error}. "
-                     "`baton requeue` brings it back.")
+            if rec.retry_count < rec.max_retries:
+                s.append(f"It was given up as permanent with "
+                         f"{rec.max_retries - rec.retry_count} retries unspent: {rec.error}. "
+                         "`baton requeue` brings it back.")
+            else:
+                s.append(f"It used all {rec.max_retries} retries; last error: {rec.error}. "
+                         "`baton requeue` brings it back.")
             if rec.dependents:
                 s.append(f"Dependents blocked by it: {_names(rec.dependents)}.")
         s += _routing(task, rec)
@@ -443,6 +524,69 @@ class Operators:
             )
 
         return pb.ListAgentsResponse(agents=await asyncio.gather(*map(agent, sessions)))
+
+
+def _raw(value: bytes) -> dict[str, Any]:
+    """A journal record's fields ({} when it is not a JSON object)."""
+    try:
+        data = json.loads(value)
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def attempts_of(records: Sequence[tuple[int, dict[str, Any]]]) -> list[pb.Attempt]:
+    """The producer attempts an entry's journal records (revision, fields) tell of,
+    oldest first: each ``claimed`` record opens one (its revision is the token), its
+    ``committed`` record gives the size and digest, and the first record after it that
+    takes the entry from writing, written or verified back to pending, or to dead
+    (failed, deadline, lost, mismatch, revoked…) closes it with its reason."""
+    out: list[pb.Attempt] = []
+    current: pb.Attempt | None = None
+    for revision, data in sorted(records, key=lambda r: r[0]):
+        event = str(data.get("event", ""))
+        if event == "claimed":
+            current = pb.Attempt(
+                number=len(out) + 1, who=str(data.get("who") or ""),
+                label=str(data.get("label") or ""), host=str(data.get("host") or ""),
+                token=_int(data.get("token")) or revision, claimed_at=str(data.get("at", "")))
+            out.append(current)
+            continue
+        if current is None:
+            continue
+        if event == "committed":
+            current.size = _int(data.get("size"))
+            current.digest = str(data.get("digest") or current.digest)
+        elif (data.get("from") in ATTEMPT_STATES and data.get("to") in (PENDING, DEAD)
+              and not current.ended_at):
+            current.ended_at = str(data.get("at", ""))
+            current.outcome = event
+            current.error = str(data.get("reason") or "")
+            current.digest = str(data.get("digest") or current.digest)
+            current.size = _int(data.get("size")) or current.size
+            current.permanent = bool(data.get("permanent"))
+            current = None
+    return out
+
+
+def _explained(entry: pb.Entry, text: str, attempts: list[pb.Attempt],
+               dead: bool) -> pb.ExplainResponse:
+    """The reply: a dead entry's text lists its attempts (the newest MAX_ATTEMPTS)."""
+    total = len(attempts)
+    attempts = attempts[-MAX_ATTEMPTS:]
+    if dead and attempts:
+        more = f" (the last {len(attempts)} of {total})" if total > len(attempts) else ""
+        lines = [f"Attempts{more}:"]
+        for a in attempts:
+            where = f" on {a.host}" if a.host else ""
+            label = f' "{a.label}"' if a.label else ""
+            what = f"{a.outcome}: {a.error}" if a.ended_at else "in progress"
+            digest = f", digest {a.digest}" if a.digest else ""
+            lines.append(f"#{a.number} {a.claimed_at} by {a.who or '-'}{label}{where}, "
+                         f"token {a.token}{digest}, ended {a.ended_at or '-'}, {what}.")
+        text = f"{text}\n" + "\n".join(lines)
+    return pb.ExplainResponse(entry=entry, text=text, attempts=attempts,
+                              attempts_total=total)
 
 
 def _task_replay(raw: bytes, rev: int) -> pb.Task:
