@@ -458,8 +458,8 @@ class Operators:
                 " It has no consumer groups, so it is done."))
             if held:
                 s.append(f"Being consumed by: {'; '.join(held)}.")
-            for g, until in sorted(rec.nacked_until.items()):
-                at = datetime.fromtimestamp(until, UTC).isoformat(timespec="seconds")
+            for g, back in sorted(rec.nacked_until.items()):
+                at = datetime.fromtimestamp(back, UTC).isoformat(timespec="seconds")
                 s.append(f"Group {g} nacked it with a delay: it is handed back to {g} at "
                          f"{at}.")
         elif rec.state == CONSUMED:
