@@ -25,7 +25,7 @@ from .claims import (
     need_entry,
     need_task,
 )
-from .core import Core
+from .core import Core, Gate
 from .identity import Caller
 from .keys import ClaimRef
 from .machine import Event, apply
@@ -65,6 +65,8 @@ MAX_ATTEMPTS = 1000
 #: the states a producer attempt ends from (to pending or dead: the retry path's
 #: records, a revoke, a permanent failure)
 ATTEMPT_STATES = frozenset({WRITING, WRITTEN, VERIFIED})
+#: entries replayed at once by a requeue of a whole task for one group
+REPLAY_PARALLEL = 16
 #: lease lookups in flight while listing agents
 TTL_PARALLEL = 32
 #: journal events written by the transaction that made a claim (producer or consumer),
@@ -191,7 +193,9 @@ class Operators:
         check_id("file_id", req.file_id)
         if req.group:
             check_id("group", req.group)
-            return await self._replay(req, caller.name or "operator")
+            plan = self._replay_plan(req.task_id, req.file_id, req.group,
+                                     caller.name or "operator")
+            return await self.core.txns.run(plan, req.request_id, entry_replay)
         who = caller.name or "operator"
         staging = self.core.staging_dir(req.task_id)
         task_key = self.keys.task(req.task_id)
@@ -220,24 +224,58 @@ class Operators:
 
         return await self.core.txns.run(planner, req.request_id, entry_replay)
 
-    async def _replay(self, req: pb.RequeueRequest, who: str) -> pb.Entry:
-        """Hand a verified or consumed entry that ``req.group`` acked to that group
-        again: its ack is forgotten and its claimable key put back; the other groups'
-        acks stay, so none of them is handed it again. A consumed entry becomes
-        verified again (and its task, if completed, active): its file must still be in
+    async def replay_task(self, req: pb.RequeueRequest, caller: Caller) -> int:
+        """Replay to ``req.group`` every entry of the task it acked whose file is still in
+        staging, each in its own guarded transaction (the entries read a page at a
+        time); how many were replayed. Sent again, it replays none twice: an entry
+        replayed is no longer acked by the group."""
+        check_id("task_id", req.task_id)
+        check_id("group", req.group)
+        _, task = await self.core.task(req.task_id)
+        if req.group not in task.consumers:
+            raise InvalidArgument(
+                f"group {req.group!r} is not a consumer group of task {req.task_id!r} "
+                f"(consumer groups: {', '.join(task.consumers) or 'none'})",
+                field="group", task_id=req.task_id)
+        who = caller.name or "operator"
+        replayed = 0
+        gate = Gate(REPLAY_PARALLEL)
+
+        async def replay(file_id: str) -> None:
+            nonlocal replayed
+            try:
+                await self.core.txns.run(self._replay_plan(req.task_id, file_id, req.group,
+                                                           who))
+            except IllegalTransition:
+                return  # moved on since it was listed (acked again, its file removed)
+            replayed += 1
+
+        pages = self.core.etcd.scan(self.keys.entries(req.task_id), page=LIST_PAGE)
+        async with contextlib.aclosing(pages):
+            async for kv in pages:
+                rec = EntryRecord.load(kv.value)
+                if _replayable(rec, req.group):
+                    await gate.submit(replay(rec.file_id))
+        await gate.drain()
+        return replayed
+
+    def _replay_plan(self, task_id: str, file_id: str, group: str,
+                     who: str) -> Callable[[Txn], Awaitable[Callable[[int], pb.Entry]]]:
+        """Hand a verified or consumed entry that ``group`` acked to that group again:
+        its ack is forgotten and its claimable key put back; the other groups' acks
+        stay, so none of them is handed it again. A consumed entry becomes verified
+        again (and its task, if completed, active): its file must still be in
         staging."""
-        staging = self.core.staging_dir(req.task_id)
-        task_key = self.keys.task(req.task_id)
-        group = req.group
+        staging = self.core.staging_dir(task_id)
+        task_key = self.keys.task(task_id)
 
         async def planner(txn: Txn) -> Callable[[int], pb.Entry]:
-            task_kv, kv = await txn.get_many([task_key,
-                                              self.keys.entry(req.task_id, req.file_id)])
-            task = need_task(task_kv, req.task_id)
+            task_kv, kv = await txn.get_many([task_key, self.keys.entry(task_id, file_id)])
+            task = need_task(task_kv, task_id)
             if task.status in ("cancelled", "deleting", "archiving", "archived"):
-                raise IllegalTransition(f"task {req.task_id!r} is {task.status}",
-                                        task_id=req.task_id)
-            rec = need_entry(kv, req.task_id, req.file_id)
+                raise IllegalTransition(f"task {task_id!r} is {task.status}",
+                                        task_id=task_id)
+            rec = need_entry(kv, task_id, file_id)
             if group not in rec.consumers:
                 raise InvalidArgument(
                     f"group {group!r} is not a consumer group of {rec.file_id!r} "
@@ -267,7 +305,7 @@ class Operators:
             self.core.put_entry(rec, txn)
             return lambda rev: rec.to_pb(staging, revision=rev)
 
-        return await self.core.txns.run(planner, req.request_id, entry_replay)
+        return planner
 
     async def journal(self, req: pb.JournalRequest) -> pb.JournalResponse:
         check_id("task_id", req.task_id)
@@ -524,6 +562,12 @@ class Operators:
             )
 
         return pb.ListAgentsResponse(agents=await asyncio.gather(*map(agent, sessions)))
+
+
+def _replayable(rec: EntryRecord, group: str) -> bool:
+    """Whether ``requeue --group`` may hand ``rec`` to ``group`` again."""
+    return (rec.state in (VERIFIED, CONSUMED) and group in rec.consumed_by
+            and not rec.staging_removed)
 
 
 def _raw(value: bytes) -> dict[str, Any]:

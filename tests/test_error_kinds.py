@@ -299,6 +299,33 @@ def test_requeue_of_a_group_that_did_not_ack_is_refused(
         assert snapshot(registry) == before
 
 
+def test_requeue_of_a_whole_task_for_one_group(client: Client, registry: RegistryHandle,
+                                               wait_for: Callable[..., None]) -> None:
+    """requeue TASK --group a (no file): every entry a acked is handed to a again, none
+    to b; sent again before a acks, it replays nothing twice; CLI and library agree."""
+    client.create_task(manifest(n=3, consumers=["a", "b"]))
+    with client.open_session("c", ttl=10) as s:
+        for f in ("f0", "f1", "f2"):
+            produce_verified(client, s, "t", f)
+            groups = ("a", "b") if f != "f2" else ("b",)
+            for group in groups:
+                lease = client.consume("t", group, f, session=s)
+                client.ack("t", f, group, lease.token, session=s)
+        assert client.replay_task("t", "a") == 2
+        assert client.replay_task("t", "a") == 0
+        with pytest.raises(errors.NothingToClaim):
+            client.consume("t", "b", session=s)
+        taken = sorted(client.consume("t", "a", session=s).file_id for _ in range(3))
+        assert taken == ["f0", "f1", "f2"]
+        with pytest.raises(errors.InvalidArgument) as bad:
+            client.replay_task("t", "nobody")
+        assert bad.value.fields.get("field") == "group"
+    out = invoke(registry, "requeue", "t", "--group", "b", "-o", "json")
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.stdout) == {"task_id": "t", "group": "b", "replayed": 3}
+    assert invoke(registry, "requeue", "t").exit_code == 2
+
+
 # --- attempts -----------------------------------------------------------------------
 
 

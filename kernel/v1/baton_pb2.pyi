@@ -1253,7 +1253,9 @@ class RequeueRequest(_message.Message):
     group: _builtins.str
     """Replay the entry to this consumer group only: it is handed to the group again,
     and the groups that acked it keep their acks. The entry must be verified or
-    consumed and acked by the group. Empty: a dead entry back to pending.
+    consumed and acked by the group. Empty: a dead entry back to pending. With a
+    group and no file_id: every entry of the task the group acked (whose file is
+    still in staging) is replayed to it.
     """
     def __init__(
         self,
@@ -1276,16 +1278,22 @@ class RequeueResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     ENTRY_FIELD_NUMBER: _builtins.int
+    REPLAYED_FIELD_NUMBER: _builtins.int
+    replayed: _builtins.int
+    """a whole task replayed to a group: how many entries"""
     @_builtins.property
-    def entry(self) -> Global___Entry: ...
+    def entry(self) -> Global___Entry:
+        """unset when a whole task was replayed to a group"""
+
     def __init__(
         self,
         *,
         entry: Global___Entry | None = ...,
+        replayed: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["entry", b"entry"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["entry", b"entry"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entry", b"entry", "replayed", b"replayed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
