@@ -416,6 +416,29 @@ def test_an_attempt_given_up_is_marked_permanent(client: Client) -> None:
     assert (live.token, live.ended_at, live.outcome) == (held.token, "", "")
 
 
+def test_an_archived_dead_entry_explains_its_attempts_from_the_archive(
+        registry_factory: Callable[..., RegistryHandle], tmp_path: Path,
+        wait_for: Callable[..., None]) -> None:
+    """Once its task is archived, a dead entry's attempts are read from the archived
+    journal: the same attempts as before."""
+    registry = registry_factory(archive_dir=str(tmp_path / "archive"))
+    with Client(registry.address, timeout=10, retry=TEST_RETRY) as client:
+        client.create_task(manifest(max_retries=1))
+        with client.open_session("p", ttl=10, host="node-d") as s:
+            for reason in ("first", "second"):
+                c = until_claimed(client, s, "t")
+                client.fail("t", "f0", c.token, reason, session=s)
+        wait_for(lambda: client.get_task("t").status == pb.TASK_STATUS_COMPLETED,
+                 what="the task completes with its entry dead")
+        live = client.explain("t", "f0")
+        assert client.archive_task("t").status == pb.TASK_STATUS_ARCHIVED
+        archived = client.explain("t", "f0")
+    assert [a.error for a in live.attempts] == ["producer failed: first",
+                                                 "producer failed: second"]
+    assert list(archived.attempts) == list(live.attempts)
+    assert "#2 " in archived.text and "node-d" in archived.text
+
+
 # --- the CLI ------------------------------------------------------------------------
 
 
