@@ -13,7 +13,7 @@ from typing import Any
 
 from ..kernel.errors import IllegalTransition, InvalidArgument, NotFound
 from ..kernel.v1 import baton_pb2 as pb
-from . import access
+from . import access, attempts
 from ._etcd import KV, Get
 from .claim import end_read
 from .claims import (
@@ -59,12 +59,6 @@ LIST_PAGE = 1000
 #: the most journal records one reply carries (the newest of them): a task's whole
 #: journal grows with its entries and their retries, a reply must not
 MAX_JOURNAL_RECORDS = 100_000
-#: the most attempts an explanation carries (the newest): each claim of an entry is
-#: one, and requeues give a dead entry fresh ones without end
-MAX_ATTEMPTS = 1000
-#: the states a producer attempt ends from (to pending or dead: the retry path's
-#: records, a revoke, a permanent failure)
-ATTEMPT_STATES = frozenset({WRITING, WRITTEN, VERIFIED})
 #: entries replayed at once by a requeue of a whole task for one group
 REPLAY_PARALLEL = 16
 #: lease lookups in flight while listing agents
@@ -402,18 +396,8 @@ class Operators:
         if rules:
             text = f"{text} {rules}"
         entry = rec.to_pb(self.core.staging_dir(rec.task_id), revision=kv.mod_revision)
-        attempts = await self._attempts(rec)
-        return _explained(entry, text, attempts, rec.state == DEAD)
-
-    async def _attempts(self, rec: EntryRecord) -> list[pb.Attempt]:
-        """Every attempt of the entry, from its journal (read a page at a time)."""
-        records: list[tuple[int, dict[str, Any]]] = []
-        pages = self.core.etcd.scan(self.keys.journal_all(rec.task_id, rec.file_id),
-                                    page=LIST_PAGE)
-        async with contextlib.aclosing(pages):
-            async for kv in pages:
-                records.append((kv.create_revision, _raw(kv.value)))
-        return attempts_of(records)
+        tried = await attempts.read(self.core, rec.task_id, rec.file_id, page=LIST_PAGE)
+        return attempts.explained(entry, text, tried, rec.state == DEAD)
 
     async def _explain_archived(self, task: TaskRecord, file_id: str) -> pb.ExplainResponse:
         archived = await self.core.archived(task.task_id)
@@ -430,8 +414,8 @@ class Operators:
                 f"was archived at {task.archived_at}, to {task.archive}. Nothing more will "
                 "happen to it; `baton log` shows its history from the archive.")
         entry = rec.to_pb(self.core.staging_dir(rec.task_id), revision=rev)
-        attempts = attempts_of([(r, data) for f, r, data in archived.journal if f == file_id])
-        return _explained(entry, text, attempts, rec.state == DEAD)
+        tried = attempts.of([(r, data) for f, r, data in archived.journal if f == file_id])
+        return attempts.explained(entry, text, tried, rec.state == DEAD)
 
     async def _explain(self, task: TaskRecord, kv: KV, rec: EntryRecord,
                        tokens: bool = True) -> str:
@@ -568,69 +552,6 @@ def _replayable(rec: EntryRecord, group: str) -> bool:
     """Whether ``requeue --group`` may hand ``rec`` to ``group`` again."""
     return (rec.state in (VERIFIED, CONSUMED) and group in rec.consumed_by
             and not rec.staging_removed)
-
-
-def _raw(value: bytes) -> dict[str, Any]:
-    """A journal record's fields ({} when it is not a JSON object)."""
-    try:
-        data = json.loads(value)
-    except ValueError:
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def attempts_of(records: Sequence[tuple[int, dict[str, Any]]]) -> list[pb.Attempt]:
-    """The producer attempts an entry's journal records (revision, fields) tell of,
-    oldest first: each ``claimed`` record opens one (its revision is the token), its
-    ``committed`` record gives the size and digest, and the first record after it that
-    takes the entry from writing, written or verified back to pending, or to dead
-    (failed, deadline, lost, mismatch, revoked…) closes it with its reason."""
-    out: list[pb.Attempt] = []
-    current: pb.Attempt | None = None
-    for revision, data in sorted(records, key=lambda r: r[0]):
-        event = str(data.get("event", ""))
-        if event == "claimed":
-            current = pb.Attempt(
-                number=len(out) + 1, who=str(data.get("who") or ""),
-                label=str(data.get("label") or ""), host=str(data.get("host") or ""),
-                token=_int(data.get("token")) or revision, claimed_at=str(data.get("at", "")))
-            out.append(current)
-            continue
-        if current is None:
-            continue
-        if event == "committed":
-            current.size = _int(data.get("size"))
-            current.digest = str(data.get("digest") or current.digest)
-        elif (data.get("from") in ATTEMPT_STATES and data.get("to") in (PENDING, DEAD)
-              and not current.ended_at):
-            current.ended_at = str(data.get("at", ""))
-            current.outcome = event
-            current.error = str(data.get("reason") or "")
-            current.digest = str(data.get("digest") or current.digest)
-            current.size = _int(data.get("size")) or current.size
-            current.permanent = bool(data.get("permanent"))
-            current = None
-    return out
-
-
-def _explained(entry: pb.Entry, text: str, attempts: list[pb.Attempt],
-               dead: bool) -> pb.ExplainResponse:
-    """The reply: a dead entry's text lists its attempts (the newest MAX_ATTEMPTS)."""
-    total = len(attempts)
-    attempts = attempts[-MAX_ATTEMPTS:]
-    if dead and attempts:
-        more = f" (the last {len(attempts)} of {total})" if total > len(attempts) else ""
-        lines = [f"Attempts{more}:"]
-        for a in attempts:
-            where = f" on {a.host}" if a.host else ""
-            label = f' "{a.label}"' if a.label else ""
-            what = f"{a.outcome}: {a.error}" if a.ended_at else "in progress"
-            digest = f", digest {a.digest}" if a.digest else ""
-            lines.append(f"#{a.number} {a.claimed_at} by {a.who or '-'}{label}{where}, "
-                         f"token {a.token}{digest}, ended {a.ended_at or '-'}, {what}.")
-        text = f"{text}\n" + "\n".join(lines)
-    return pb.ExplainResponse(entry=entry, text=text, attempts=attempts,
-                              attempts_total=total)
 
 
 def _task_replay(raw: bytes, rev: int) -> pb.Task:
