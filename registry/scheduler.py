@@ -199,7 +199,9 @@ class Scheduler:
         waiting on the task's watch wake). A key whose entry moved on is deleted alone."""
         async def plan(txn: Txn) -> bool:
             key = self.keys.entry(task_id, file_id)
-            (kv,) = await txn.peek_many([key])
+            kv, listed = await txn.peek_many([key, index])
+            if listed is None:
+                return False  # gone meanwhile (handed back, or its task cancelled)
             txn.require(present(index))  # a cancel deletes it: nothing comes back then
             txn.delete(index)
             if kv is None:

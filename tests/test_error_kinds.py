@@ -237,6 +237,20 @@ def test_a_delayed_nack_of_an_entry_whose_bytes_go_drops_its_key(
     assert not [k for k in snapshot(registry) if b"/cdelayed/" in k]
 
 
+def test_a_cancel_takes_the_delayed_nacks_with_it(
+        client: Client, registry: RegistryHandle) -> None:
+    """Cancelling a task deletes its delayed nacks' keys with its claimable ones, so the
+    scheduler has nothing to hand back to a group of a cancelled task."""
+    client.create_task(manifest(consumers=["g"]))
+    with client.open_session("c", ttl=10) as s:
+        produce_verified(client, s, "t", "f0")
+        lease = client.consume("t", "g", session=s)
+        client.nack("t", "f0", "g", lease.token, delay=60, session=s)
+    assert [k for k in snapshot(registry) if b"/cdelayed/" in k]
+    client.cancel_task("t", reason="stop")
+    assert not [k for k in snapshot(registry) if b"/cdelayed/" in k or b"/cready/" in k]
+
+
 # --- requeue of one group -----------------------------------------------------------
 
 
