@@ -36,6 +36,7 @@ if TYPE_CHECKING:
         next_lease,
         read_verified,
     )
+    from .failures import PermanentError, RetryAfter
     from .producer import Output, produce, produce_each, put
     from .retry import RetryPolicy
 
@@ -54,6 +55,8 @@ _HOME = {
     "consume_each": ".consumer",
     "next_lease": ".consumer",
     "read_verified": ".consumer",
+    "PermanentError": ".failures",
+    "RetryAfter": ".failures",
     "Output": ".producer",
     "produce": ".producer",
     "produce_each": ".producer",
@@ -67,6 +70,8 @@ __all__ = [
     "Delivery",
     "Lease",
     "Output",
+    "PermanentError",
+    "RetryAfter",
     "RetryPolicy",
     "Session",
     "consume",

@@ -242,11 +242,17 @@ class AgentCalls(Connection):
             task_id, file_id, token, size, digest, attributes=attributes))
 
     def fail(self, task_id: str, file_id: str, token: int, reason: str = "", *,
-             session: Session | int = 0) -> pb.Entry:
+             session: Session | int = 0, permanent: bool = False,
+             delay: float = 0.0) -> pb.Entry:
+        """Give a claim up: the entry is retried after its backoff (after ``delay``
+        seconds instead, when given), or goes dead at once, no retry spent, when
+        ``permanent``."""
         if (stream := _stream_of(session)) is not None:
-            return self._run(stream.fail(task_id, file_id, token, reason))
+            return self._run(stream.fail(task_id, file_id, token, reason,
+                                         permanent=permanent, delay=delay))
         req = pb.FailRequest(task_id=task_id, file_id=file_id, token=token, reason=reason,
-                             session_id=_named_session(session))
+                             session_id=_named_session(session), permanent=permanent,
+                             delay_seconds=delay)
         return self._call("Fail", req).entry  # type: ignore[no-any-return]
 
     def consume(self, task_id: str, group: str = "default", file_id: str = "", *,
@@ -299,11 +305,16 @@ class AgentCalls(Connection):
         return list(self._call("AckBatch", req).entries)
 
     def nack(self, task_id: str, file_id: str, group: str, token: int,
-             reason: str = "", *, session: Session | int = 0) -> pb.Entry:
+             reason: str = "", *, session: Session | int = 0, delay: float = 0.0,
+             permanent: bool = False) -> pb.Entry:
+        """Hand a lease back to the group (after ``delay`` seconds, when given), or,
+        ``permanent``, give the entry up: it goes dead for every group."""
         if (stream := _stream_of(session)) is not None:
-            return self._run(stream.nack(task_id, file_id, group, token, reason))
+            return self._run(stream.nack(task_id, file_id, group, token, reason,
+                                         delay=delay, permanent=permanent))
         req = pb.NackRequest(task_id=task_id, file_id=file_id, group=group, token=token,
-                             reason=reason, session_id=_named_session(session))
+                             reason=reason, session_id=_named_session(session),
+                             delay_seconds=delay, permanent=permanent)
         return self._call("Nack", req).entry  # type: ignore[no-any-return]
 
     def watch(self, task_id: str, start_revision: int = 0,

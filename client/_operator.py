@@ -87,10 +87,17 @@ class OperatorCalls(Connection):
                                    discard_history=discard_history)
         return self._call("DeleteTask", req)  # type: ignore[no-any-return]
 
-    def requeue(self, task_id: str, file_id: str) -> pb.Entry:
-        """Bring a dead entry back to pending with a fresh retry budget."""
-        req = pb.RequeueRequest(task_id=task_id, file_id=file_id)
+    def requeue(self, task_id: str, file_id: str, group: str = "") -> pb.Entry:
+        """Bring a dead entry back to pending with a fresh retry budget; with ``group``,
+        hand an entry that group acked to it again (the other groups' acks stay)."""
+        req = pb.RequeueRequest(task_id=task_id, file_id=file_id, group=group)
         return self._call("Requeue", req).entry  # type: ignore[no-any-return]
+
+    def replay_task(self, task_id: str, group: str) -> int:
+        """Hand ``group`` every entry of the task it acked (whose file is still in
+        staging) again, the other groups' acks untouched; how many entries."""
+        req = pb.RequeueRequest(task_id=task_id, group=group)
+        return int(self._call("Requeue", req).replayed)
 
     def journal(self, task_id: str, file_id: str = "", limit: int = 0) -> list[pb.JournalRecord]:
         """The journal's records, oldest first: the newest ``limit`` (0: all, up to the

@@ -464,10 +464,13 @@ class AsyncSession:
         elif isinstance(error, errors.SessionExpired):
             self._lose(error)
 
-    async def fail(self, task_id: str, file_id: str, token: int, reason: str = "") -> pb.Entry:
+    async def fail(self, task_id: str, file_id: str, token: int, reason: str = "", *,
+                   permanent: bool = False, delay: float = 0.0) -> pb.Entry:
+        """Give a claim up: the entry is retried after its backoff (after ``delay``
+        seconds instead, when given), or goes dead at once when ``permanent``."""
         r = await self._ask("fail", pb.FailRequest(
             task_id=task_id, file_id=file_id, token=token, reason=reason,
-            session_id=self.session_id))
+            session_id=self.session_id, permanent=permanent, delay_seconds=delay))
         return r.entry  # type: ignore[no-any-return]
 
     async def consume(self, task_id: str, group: str = "default", file_id: str = "") -> Lease:
@@ -496,10 +499,13 @@ class AsyncSession:
         return list(r.entries)
 
     async def nack(self, task_id: str, file_id: str, group: str, token: int,
-                   reason: str = "") -> pb.Entry:
+                   reason: str = "", *, delay: float = 0.0,
+                   permanent: bool = False) -> pb.Entry:
+        """Hand a lease back to the group (after ``delay`` seconds, when given), or,
+        ``permanent``, give the entry up: it goes dead for every group."""
         r = await self._ask("nack", pb.NackRequest(
             task_id=task_id, file_id=file_id, group=group, token=token, reason=reason,
-            session_id=self.session_id))
+            session_id=self.session_id, delay_seconds=delay, permanent=permanent))
         return r.entry  # type: ignore[no-any-return]
 
 

@@ -36,6 +36,7 @@ from ..kernel.names import state_name
 from ..kernel.v1 import baton_pb2 as pb
 from ._client import Client, Session
 from ._wire import Lease
+from .failures import handing_back
 from .producer import Refusal, open_entry_dir
 
 # O_NONBLOCK: opening a FIFO for reading must not wait for a writer (it is refused
@@ -235,7 +236,9 @@ def consume(
     An assembly's bytes are its parts', in order, each checked (``iter_parts``; use
     it with ``next_lease`` to hold one part at a time instead of all of them). If
     the bytes do not match the verified digest, or the block raises, the entry is
-    nacked (handed back to the group) and the error propagates.
+    nacked (handed back to the group) and the error propagates: a ``PermanentError``
+    gives it up (dead for every group), a ``RetryAfter`` hands it back after its
+    delay (``baton_relay.client.failures``).
     """
     lease = next_lease(client, session, task_id, group, timeout)
     with _delivered(client, session, lease) as delivery:
@@ -252,9 +255,11 @@ def _delivered(client: Client, session: Session | int, lease: Lease) -> Iterator
         yield Delivery(lease, data)
     except BaseException as e:
         # The lease may be gone already; the reaper hands the entry back then.
+        permanent, delay = handing_back(e)
         with suppress(BatonError):
             client.nack(lease.task_id, lease.file_id, lease.group, lease.token,
-                        reason=f"{type(e).__name__}: {e}", session=session)
+                        reason=f"{type(e).__name__}: {e}", session=session,
+                        permanent=permanent, delay=delay)
         raise
 
 

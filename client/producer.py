@@ -29,6 +29,7 @@ from ..kernel.errors import BatonError, Draining, InvalidArgument, NothingToClai
 from ..kernel.v1 import baton_pb2 as pb
 from ._client import Client, Session
 from ._wire import Attributes, Claim
+from .failures import handing_back
 
 #: random bytes in a temp file's name (hex-encoded): 64 bits nobody can guess
 NONCE_BYTES = 8
@@ -180,7 +181,9 @@ def produce(
     """Claim an entry and yield its output; publish and commit when the block ends.
 
     If the block raises, the temp file is removed and the entry failed (it goes
-    back to ``pending`` or to ``dead``), and the exception propagates. The file
+    back to ``pending`` or to ``dead``), and the exception propagates: a
+    ``PermanentError`` sends it to ``dead`` at once, a ``RetryAfter`` makes it
+    claimable again after its delay (``baton_relay.client.failures``). The file
     becomes visible under its final name only complete and on disk.
 
     A symlink in the entry's path below the staging root, or at its final name,
@@ -229,8 +232,10 @@ def _written(client: Client, session: Session | int, claim: Claim,
         if tmp and parent is not None:
             with suppress(FileNotFoundError):
                 os.unlink(tmp, dir_fd=parent)
+        permanent, delay = handing_back(e)
         client.fail(claim.task_id, claim.file_id, claim.token,
-                    reason=f"{type(e).__name__}: {e}", session=session)
+                    reason=f"{type(e).__name__}: {e}", session=session,
+                    permanent=permanent, delay=delay)
         raise
     finally:
         if parent is not None:

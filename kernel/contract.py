@@ -86,6 +86,10 @@ MAX_REQUEST_BYTES = MAX_MANIFEST_BYTES + MiB
 #: they ride on the entry's record, which every transition of it rewrites
 MAX_ATTRIBUTES_BYTES = 4096
 
+#: the longest delay a failed or nacked entry may ask for before it is handed out
+#: again (``fail --delay``, ``nack --delay``): a week; longer is a mistake, not a plan
+MAX_DELAY_SECONDS = 7 * 86400
+
 #: the largest reply: every entry of a task at its limits, with room to spare
 MAX_REPLY_BYTES = 256 * MiB
 #: the most digest reports one ReportVerificationBatch carries (a watcher sends what

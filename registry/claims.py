@@ -265,6 +265,7 @@ class Slots:
         #: the session's lease now, which its new keys are attached to
         self.lease = session.lease
         self.agent = session.agent
+        self.host = session.host
         self.limit = int(session.info.get("slots", 0) or 0)
         self.taken = {int(kv.key.rsplit(b"/", 1)[-1]) for kv in used}
 

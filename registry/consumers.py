@@ -24,9 +24,10 @@ from .core import Core
 from .identity import Caller
 from .keys import ClaimRef
 from .machine import Event, apply
-from .manifest import check_id
+from .manifest import check_delay, check_id
 from .model import VERIFIED, EntryRecord
 from .txn import MAX_TXN_OPS, Txn
+from .verify import Verifier
 
 #: operations one ack adds to a transaction: the claim, its twin and its slot deleted,
 #: the entry and its journal record written, its open key deleted once consumed
@@ -61,6 +62,7 @@ class Consumers:
     def __init__(self, core: Core) -> None:
         self.core = core
         self.keys = core.keys
+        self.verifier = Verifier(core)
 
     async def consume(self, req: pb.ConsumeRequest, caller: Caller) -> pb.ConsumeResponse:
         check_id("task_id", req.task_id)
@@ -268,15 +270,31 @@ class Consumers:
                                         batch_replay(pb.AckBatchResponse))
 
     async def nack(self, req: pb.NackRequest, caller: Caller) -> pb.Entry:
+        """Hand a consume-claim back: the entry is the group's to take again, at once or
+        after ``delay_seconds``; ``permanent``: it can never be consumed, and goes dead
+        for every group. Bad delays are refused before anything is read."""
+        check_delay("delay_seconds", req.delay_seconds, permanent=req.permanent)
         staging = self.core.staging_dir(req.task_id)
 
         async def planner(txn: Txn) -> Callable[[int], pb.Entry]:
             ((claim, rec),) = await self._live(txn, [req], caller)
+            details = {"permanent": True} if req.permanent else (
+                {"delay": req.delay_seconds} if req.delay_seconds else {})
             rec.remember("nacked", **actor_of(claim), group=req.group, token=req.token,
-                         reason=req.reason)
-            self.core.put_entry(rec, txn)
-            if rec.state == VERIFIED:
+                         reason=req.reason, **details)
+            if rec.state == VERIFIED and req.permanent:
+                await self.verifier.revoke_consumers(txn, rec, ended=req.group)
+                rec.error = (f"consumer group {req.group} gave it up: "
+                             f"{req.reason or 'no reason given'}")
+                apply(rec, Event.GIVE_UP)
+            elif rec.state == VERIFIED and req.delay_seconds:
+                until = self.core.clock() + req.delay_seconds
+                rec.nacked_until[req.group] = until
+                txn.put(self.keys.cdelayed(rec.task_id, int(until * 1000), req.group,
+                                           rec.file_id), b"")
+            elif rec.state == VERIFIED:
                 txn.put(self.keys.cready(rec.task_id, req.group, rec.file_id), b"")
+            self.core.put_entry(rec, txn)
             return lambda rev: rec.to_pb(staging, revision=rev)
 
         return await self.core.txns.run(planner, req.request_id, entry_replay)

@@ -206,25 +206,40 @@ class Core:
     # the retry path --------------------------------------------------------
 
     def retry_or_dead(self, rec: EntryRecord, reason: str, token: int = 0,
-                      event: str = "failed", who: str = "") -> None:
+                      event: str = "failed", who: str = "", *, delay: float = 0.0,
+                      permanent: bool = False) -> None:
         """Send an entry back to ``pending`` (retry_count + 1, after a backoff) or ``dead``.
 
-        The caller's ``put_entry`` writes it, with its index and journal (one record of
-        ``event``: ``failed``, or ``deadline`` when a claim ran out of time).
+        ``delay``: the backoff is that many seconds instead (the producer knows when a
+        retry may succeed); ``permanent``: dead at once, no retry spent (it knows none
+        can). The caller's ``put_entry`` writes it, with its index and journal (one
+        record of ``event``: ``failed``, or ``deadline`` when a claim ran out of time),
+        which keeps what the attempt's explanation shows: its digest and size.
         """
         # ``who``: the identity that failed it, if one did (else the registry itself, at
         # a deadline, a lost lease, a mismatch); ``label``: the agent that held it
+        digest = rec.committed_digest or rec.digest or (rec.observed or {}).get("digest", "")
+        extra: dict[str, Any] = {"digest": digest} if digest else {}
+        if rec.size:
+            extra["size"] = rec.size
+        if permanent:
+            extra["permanent"] = True
+        if delay:
+            extra["delay"] = delay
         rec.remember(event, reason=reason, who=who, label=rec.owner, token=token,
-                     attempt=rec.retry_count)
+                     attempt=rec.retry_count, **extra)
         rec.error = reason
-        if rec.retry_count < rec.max_retries:
+        if permanent:
+            apply(rec, Event.GIVE_UP)  # resets the attempt's fields; no retry spent
+        elif rec.retry_count < rec.max_retries:
             apply(rec, Event.RETRY)  # resets the attempt's fields (machine.ATTEMPT)
             rec.retry_count += 1
             base, factor, cap = rec.backoff
             # Jitter spreads retries of entries that failed together; at least half the
             # task's backoff is kept.
             backoff = Backoff(base, cap, factor, floor=0.5, jitter=self.rng.uniform)
-            rec.not_before = self.clock() + backoff.delay(rec.retry_count)
+            wait = delay if delay else backoff.delay(rec.retry_count)
+            rec.not_before = self.clock() + wait
         else:
             apply(rec, Event.DIE)
 

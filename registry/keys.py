@@ -10,6 +10,8 @@ Layout under the prefix (default ``/baton/v1/``)::
     waiting/{task}/{file}              index: pending, waits for dependencies (or an
                                        assembly for its parts)
     cready/{task}/{group}/{file}       index: entry is verified, group has not consumed it
+    cdelayed/{task}/{due}/{group}/{file}  index: verified, nacked by group with a delay;
+                                       handed back to the group at ``due`` (epoch ms)
     open/{task}/{file}                 index: entry not done yet (task completion)
     dead/{task}/{file}                 index: entry is dead
     journal/{task}/{file}/{seq}        one record per transition, same transaction
@@ -176,6 +178,15 @@ class Keys:
 
     def cready_root(self) -> bytes:
         return self._k("cready", "")
+
+    def cdelayed(self, task_id: str, due_ms: int, group: str, file_id: str) -> bytes:
+        return self._k("cdelayed", task_id, f"{due_ms:015d}", group, file_id)
+
+    def cdelayed_of_task(self, task_id: str) -> bytes:
+        return self._k("cdelayed", task_id, "")
+
+    def cdelayed_all(self) -> bytes:
+        return self._k("cdelayed", "")
 
     # claims and their durable twins
     def claim(self, ref: ClaimRef) -> bytes:

@@ -30,6 +30,8 @@ class Event(StrEnum):
     REVOKE = "revoke"        # an operator or lease end took the claim back: no retry spent
     UNVERIFY = "unverify"    # an assembly's part left verified: the assembly waits again
     REQUEUE = "requeue"      # an operator gives a dead entry a fresh set of retries
+    GIVE_UP = "give_up"      # its producer (or a consumer) says no retry can succeed
+    REPLAY = "replay"        # an operator hands a consumed entry to one group again
 
 
 #: what a failed attempt leaves behind and the next attempt must not see: reset
@@ -57,14 +59,20 @@ TABLE: dict[tuple[State, Event], Move] = {
     # a failed attempt: back to pending while retries are left, dead after
     (WRITING, Event.RETRY): Move(PENDING, ATTEMPT),
     (WRITTEN, Event.RETRY): Move(PENDING, ATTEMPT),
-    (VERIFIED, Event.RETRY): Move(PENDING, ATTEMPT),
+    (VERIFIED, Event.RETRY): Move(PENDING, (*ATTEMPT, "nacked_until")),
     (WRITING, Event.DIE): Move(DEAD, ATTEMPT),
     (WRITTEN, Event.DIE): Move(DEAD, ATTEMPT),
-    (VERIFIED, Event.DIE): Move(DEAD, ATTEMPT),
+    (VERIFIED, Event.DIE): Move(DEAD, (*ATTEMPT, "nacked_until")),
     (WRITING, Event.REVOKE): Move(PENDING, (*ATTEMPT, "not_before")),
-    (VERIFIED, Event.UNVERIFY): Move(PENDING, ("size", "digest", "rule", "routed_to"),
+    (VERIFIED, Event.UNVERIFY): Move(PENDING, ("size", "digest", "rule", "routed_to",
+                                               "nacked_until"),
                                      (("deps_ok", False),)),
     (DEAD, Event.REQUEUE): Move(PENDING, ("retry_count", "not_before")),
+    # a permanent failure: dead at once, no retry spent (fail/nack --permanent)
+    (WRITING, Event.GIVE_UP): Move(DEAD, ATTEMPT),
+    (VERIFIED, Event.GIVE_UP): Move(DEAD, (*ATTEMPT, "nacked_until")),
+    # requeue --group: the group that acked it is handed it again
+    (CONSUMED, Event.REPLAY): Move(VERIFIED, ("consumed_at",)),
 }
 
 

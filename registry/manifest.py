@@ -39,7 +39,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
-from ..kernel.contract import ID_PATTERN, MAX_MANIFEST_BYTES, mib
+from ..kernel.contract import ID_PATTERN, MAX_DELAY_SECONDS, MAX_MANIFEST_BYTES, mib
 from ..kernel.errors import InvalidArgument, InvalidManifest, shown
 from ..kernel.v1 import baton_pb2 as pb
 from . import access, routing
@@ -67,6 +67,20 @@ def check_id(kind: str, value: str) -> None:
     if not ID_RE.match(value):
         raise InvalidArgument(f"invalid {kind} {shown(value)}: expected {ID_RE.pattern}",
                               kind=kind)
+
+
+def check_delay(name: str, seconds: float, *, permanent: bool = False) -> None:
+    """Raise ``InvalidArgument`` (naming ``name``) unless ``seconds`` is a delay a fail or
+    nack may ask for: finite, 0 to ``MAX_DELAY_SECONDS``, and not with ``permanent``
+    (an entry that goes dead is never handed out again)."""
+    if not math.isfinite(seconds) or seconds < 0 or seconds > MAX_DELAY_SECONDS:
+        raise InvalidArgument(
+            f"{name} must be between 0 and {MAX_DELAY_SECONDS} seconds (7 days), "
+            f"not {seconds}", field=name)
+    if permanent and seconds:
+        raise InvalidArgument(
+            f"{name} with permanent: a permanent failure is never retried, so there is "
+            "nothing to delay", field=name)
 
 
 #: characters of the problems that an InvalidManifest's message lists

@@ -94,7 +94,7 @@ _STEP_HELP = {
 ETCD_OPS = ("range", "txn", "lease", "watch", "status")
 #: where each entry state is counted from: index prefixes (all tasks) whose keys are
 #: the entries in that state (see docs/architecture.md, The keyspace)
-INDEXES = ("ready", "delayed", "waiting", "open", "dead", "cready", "inflight_p",
+INDEXES = ("ready", "delayed", "waiting", "open", "dead", "cready", "cdelayed", "inflight_p",
            "inflight_c")
 #: the values of the ``status`` label of ``baton_tasks`` (and "unknown")
 TASK_STATUSES = tuple(status_name(n) for n in pb.TaskStatus.values() if n)
@@ -328,7 +328,8 @@ class RegistryMetrics:
         # Every task's part of an index: its prefix for one task, with no task named.
         prefixes = (keys.ready_root(), keys.delayed_all(), keys.waiting_all(),
                     keys.open_all("").removesuffix(b"/"), keys.dead_all("").removesuffix(b"/"),
-                    keys.cready_root(), keys.inflight_of_task("p", "").removesuffix(b"/"),
+                    keys.cready_root(), keys.cdelayed_all(),
+                    keys.inflight_of_task("p", "").removesuffix(b"/"),
                     keys.inflight_of_task("c", "").removesuffix(b"/"))
         counts = await asyncio.gather(*(core.etcd.count(p) for p in prefixes))
         self._indexes = dict(zip(INDEXES, counts, strict=True))

@@ -182,6 +182,9 @@ class EntryRecord:
     consumed_at: float = 0.0
     #: its file was removed from staging: when, by which watcher (id, identity)
     staging_removed: dict[str, Any] | None = None
+    #: consumer groups a nack handed it back to later (nack --delay): the epoch
+    #: seconds each may take it again; its ``cdelayed`` key names that time
+    nacked_until: dict[str, float] = field(default_factory=dict)
     #: the digest last refused for a removal as changed since verification: a
     #: watcher asking again for the same bytes is not journalled twice
     staging_refused: str = ""

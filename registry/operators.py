@@ -13,7 +13,7 @@ from typing import Any
 
 from ..kernel.errors import IllegalTransition, InvalidArgument, NotFound
 from ..kernel.v1 import baton_pb2 as pb
-from . import access
+from . import access, attempts
 from ._etcd import KV, Get
 from .claim import end_read
 from .claims import (
@@ -25,7 +25,7 @@ from .claims import (
     need_entry,
     need_task,
 )
-from .core import Core
+from .core import Core, Gate
 from .identity import Caller
 from .keys import ClaimRef
 from .machine import Event, apply
@@ -59,6 +59,8 @@ LIST_PAGE = 1000
 #: the most journal records one reply carries (the newest of them): a task's whole
 #: journal grows with its entries and their retries, a reply must not
 MAX_JOURNAL_RECORDS = 100_000
+#: entries replayed at once by a requeue of a whole task for one group
+REPLAY_PARALLEL = 16
 #: lease lookups in flight while listing agents
 TTL_PARALLEL = 32
 #: journal events written by the transaction that made a claim (producer or consumer),
@@ -131,7 +133,8 @@ class Operators:
         k = self.keys
         return [k.claims_of_task("p", task_id), k.claims_of_task("c", task_id),
                 k.inflight_of_task("p", task_id), k.inflight_of_task("c", task_id),
-                k.ready_all(task_id), k.delayed_of_task(task_id), k.cready_of_task(task_id)]
+                k.ready_all(task_id), k.delayed_of_task(task_id), k.cready_of_task(task_id),
+                k.cdelayed_of_task(task_id)]
 
     async def finish_cancel(self, task_id: str) -> bool:
         """Revoke what a cancel stopped part-way left of a cancelled task (its holders
@@ -177,11 +180,17 @@ class Operators:
         await write(self.core.txns, plan)
 
     async def requeue(self, req: pb.RequeueRequest, caller: Caller) -> pb.Entry:
-        """Bring a dead entry back to pending with a fresh retry budget; the journal
-        names the operator's identity."""
-        who = caller.name or "operator"
+        """Bring a dead entry back to pending with a fresh retry budget, or, for one
+        consumer group, hand an entry it acked to it again; the journal names the
+        operator's identity."""
         check_id("task_id", req.task_id)
         check_id("file_id", req.file_id)
+        if req.group:
+            check_id("group", req.group)
+            plan = self._replay_plan(req.task_id, req.file_id, req.group,
+                                     caller.name or "operator")
+            return await self.core.txns.run(plan, req.request_id, entry_replay)
+        who = caller.name or "operator"
         staging = self.core.staging_dir(req.task_id)
         task_key = self.keys.task(req.task_id)
 
@@ -208,6 +217,89 @@ class Operators:
             return lambda rev: rec.to_pb(staging, revision=rev)
 
         return await self.core.txns.run(planner, req.request_id, entry_replay)
+
+    async def replay_task(self, req: pb.RequeueRequest, caller: Caller) -> int:
+        """Replay to ``req.group`` every entry of the task it acked whose file is still in
+        staging, each in its own guarded transaction (the entries read a page at a
+        time); how many were replayed. Sent again, it replays none twice: an entry
+        replayed is no longer acked by the group."""
+        check_id("task_id", req.task_id)
+        check_id("group", req.group)
+        _, task = await self.core.task(req.task_id)
+        if req.group not in task.consumers:
+            raise InvalidArgument(
+                f"group {req.group!r} is not a consumer group of task {req.task_id!r} "
+                f"(consumer groups: {', '.join(task.consumers) or 'none'})",
+                field="group", task_id=req.task_id)
+        who = caller.name or "operator"
+        replayed = 0
+        gate = Gate(REPLAY_PARALLEL)
+
+        async def replay(file_id: str) -> None:
+            nonlocal replayed
+            try:
+                await self.core.txns.run(self._replay_plan(req.task_id, file_id, req.group,
+                                                           who))
+            except IllegalTransition:
+                return  # moved on since it was listed (acked again, its file removed)
+            replayed += 1
+
+        pages = self.core.etcd.scan(self.keys.entries(req.task_id), page=LIST_PAGE)
+        async with contextlib.aclosing(pages):
+            async for kv in pages:
+                rec = EntryRecord.load(kv.value)
+                if _replayable(rec, req.group):
+                    await gate.submit(replay(rec.file_id))
+        await gate.drain()
+        return replayed
+
+    def _replay_plan(self, task_id: str, file_id: str, group: str,
+                     who: str) -> Callable[[Txn], Awaitable[Callable[[int], pb.Entry]]]:
+        """Hand a verified or consumed entry that ``group`` acked to that group again:
+        its ack is forgotten and its claimable key put back; the other groups' acks
+        stay, so none of them is handed it again. A consumed entry becomes verified
+        again (and its task, if completed, active): its file must still be in
+        staging."""
+        staging = self.core.staging_dir(task_id)
+        task_key = self.keys.task(task_id)
+
+        async def planner(txn: Txn) -> Callable[[int], pb.Entry]:
+            task_kv, kv = await txn.get_many([task_key, self.keys.entry(task_id, file_id)])
+            task = need_task(task_kv, task_id)
+            if task.status in ("cancelled", "deleting", "archiving", "archived"):
+                raise IllegalTransition(f"task {task_id!r} is {task.status}",
+                                        task_id=task_id)
+            rec = need_entry(kv, task_id, file_id)
+            if group not in rec.consumers:
+                raise InvalidArgument(
+                    f"group {group!r} is not a consumer group of {rec.file_id!r} "
+                    f"(consumer groups: {', '.join(rec.consumers) or 'none'})",
+                    field="group", task_id=rec.task_id, file_id=rec.file_id)
+            if rec.state not in (VERIFIED, CONSUMED) or group not in rec.consumed_by:
+                raise IllegalTransition(
+                    f"entry {rec.file_id!r} is {rec.state} and group {group!r} has not "
+                    "acked it: there is nothing to hand it again (a dead entry is "
+                    "requeued without --group)", task_id=rec.task_id,
+                    file_id=rec.file_id, state=rec.state, group=group)
+            if rec.staging_removed:
+                raise IllegalTransition(
+                    f"entry {rec.file_id!r}'s file was removed from staging at "
+                    f"{rec.staging_removed.get('at', '?')} (its retention): there are no "
+                    "bytes to hand again", task_id=rec.task_id, file_id=rec.file_id)
+            if rec.state == CONSUMED:
+                apply(rec, Event.REPLAY)
+            rec.consumed_by.remove(group)
+            rec.remember("requeued", who=who, group=group,
+                         reason=f"handed to group {group} again")
+            txn.put(self.keys.cready(rec.task_id, group, rec.file_id), b"")
+            if task.status == "completed":  # it has work again
+                task.status, task.status_reason = "active", "entry requeued"
+                task.finished_at = ""
+            txn.put(task_key, task.dump())  # see requeue: a completion racing it fails
+            self.core.put_entry(rec, txn)
+            return lambda rev: rec.to_pb(staging, revision=rev)
+
+        return planner
 
     async def journal(self, req: pb.JournalRequest) -> pb.JournalResponse:
         check_id("task_id", req.task_id)
@@ -304,7 +396,8 @@ class Operators:
         if rules:
             text = f"{text} {rules}"
         entry = rec.to_pb(self.core.staging_dir(rec.task_id), revision=kv.mod_revision)
-        return pb.ExplainResponse(entry=entry, text=text)
+        tried = await attempts.read(self.core, rec.task_id, rec.file_id, page=LIST_PAGE)
+        return attempts.explained(entry, text, tried, rec.state == DEAD)
 
     async def _explain_archived(self, task: TaskRecord, file_id: str) -> pb.ExplainResponse:
         archived = await self.core.archived(task.task_id)
@@ -321,7 +414,8 @@ class Operators:
                 f"was archived at {task.archived_at}, to {task.archive}. Nothing more will "
                 "happen to it; `baton log` shows its history from the archive.")
         entry = rec.to_pb(self.core.staging_dir(rec.task_id), revision=rev)
-        return pb.ExplainResponse(entry=entry, text=text)
+        tried = attempts.of([(r, data) for f, r, data in archived.journal if f == file_id])
+        return attempts.explained(entry, text, tried, rec.state == DEAD)
 
     async def _explain(self, task: TaskRecord, kv: KV, rec: EntryRecord,
                        tokens: bool = True) -> str:
@@ -386,11 +480,20 @@ class Operators:
                 " It has no consumer groups, so it is done."))
             if held:
                 s.append(f"Being consumed by: {'; '.join(held)}.")
+            for g, back in sorted(rec.nacked_until.items()):
+                at = datetime.fromtimestamp(back, UTC).isoformat(timespec="seconds")
+                s.append(f"Group {g} nacked it with a delay: it is handed back to {g} at "
+                         f"{at}.")
         elif rec.state == CONSUMED:
             s.append(f"Every consumer group acked it ({', '.join(rec.consumed_by)}).")
         elif rec.state == DEAD:
-            s.append(f"It used all {rec.max_retries} retries; last error: {rec.error}. "
-                     "`baton requeue` brings it back.")
+            if rec.retry_count < rec.max_retries:
+                s.append(f"It was given up as permanent with "
+                         f"{rec.max_retries - rec.retry_count} retries unspent: {rec.error}. "
+                         "`baton requeue` brings it back.")
+            else:
+                s.append(f"It used all {rec.max_retries} retries; last error: {rec.error}. "
+                         "`baton requeue` brings it back.")
             if rec.dependents:
                 s.append(f"Dependents blocked by it: {_names(rec.dependents)}.")
         s += _routing(task, rec)
@@ -443,6 +546,12 @@ class Operators:
             )
 
         return pb.ListAgentsResponse(agents=await asyncio.gather(*map(agent, sessions)))
+
+
+def _replayable(rec: EntryRecord, group: str) -> bool:
+    """Whether ``requeue --group`` may hand ``rec`` to ``group`` again."""
+    return (rec.state in (VERIFIED, CONSUMED) and group in rec.consumed_by
+            and not rec.staging_removed)
 
 
 def _task_replay(raw: bytes, rev: int) -> pb.Task:

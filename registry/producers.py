@@ -29,7 +29,7 @@ from .core import Core
 from .identity import Caller, may
 from .keys import ClaimRef
 from .machine import Event, apply
-from .manifest import DIGEST_RE, check_id
+from .manifest import DIGEST_RE, check_delay, check_id
 from .model import PENDING, WRITING, EntryRecord
 from .routing import parse_attributes
 from .txn import MAX_TXN_OPS, Txn
@@ -65,7 +65,8 @@ class Producers:
         txn.require(present(rec.index.encode()))
         apply(rec, Event.CLAIM)
         rec.owner, rec.session = slots.agent, session_id
-        rec.remember("claimed", who=caller.name, label=slots.agent, attempt=rec.retry_count)
+        rec.remember("claimed", who=caller.name, label=slots.agent, attempt=rec.retry_count,
+                     **({"host": slots.host} if slots.host else {}))
         self.core.put_entry(rec, txn)
 
     async def _session(self, txn: Txn, task_id: str, session_id: int, caller: Caller) -> Slots:
@@ -259,7 +260,8 @@ class Producers:
         rec.size, rec.committed_digest = req.size, req.digest
         # Kept as sent (numbers keep every digit), and only when there is something.
         rec.attributes = req.attributes if attributes else ""
-        rec.remember("committed", **actor_of(claim), token=req.token, size=req.size)
+        rec.remember("committed", **actor_of(claim), token=req.token, size=req.size,
+                     **({"digest": req.digest} if req.digest else {}))
         obs, rec.observed = rec.observation(), None
         expected = req.digest or rec.expected_digest
         if (obs is not None and expected and (obs.size, obs.digest) == (req.size, expected)
@@ -320,14 +322,20 @@ class Producers:
                                         batch_replay(pb.CommitBatchResponse))
 
     async def fail(self, req: pb.FailRequest, caller: Caller) -> pb.Entry:
+        """Give a claim up: the entry takes the retry path (after ``delay_seconds``
+        instead of the backoff, when given), or goes dead at once when ``permanent``.
+        Bad delays are refused before anything is read."""
+        check_delay("delay_seconds", req.delay_seconds, permanent=req.permanent)
         staging = self.core.staging_dir(req.task_id)
+        how = " permanently" if req.permanent else ""
+        reason = f"producer failed{how}: {req.reason or 'no reason given'}"
 
         async def planner(txn: Txn) -> Callable[[int], pb.Entry]:
             ((rec, claim),) = await self._live_claims(
                 txn, [(req.task_id, req.file_id, req.token, req.session_id)], caller)
             self._finish_claim(txn, rec, claim, req.token)
-            self.core.retry_or_dead(rec, f"producer failed: {req.reason or 'no reason given'}",
-                                    token=req.token, who=caller.name)
+            self.core.retry_or_dead(rec, reason, token=req.token, who=caller.name,
+                                    delay=req.delay_seconds, permanent=req.permanent)
             self.core.put_entry(rec, txn)
             return lambda rev: rec.to_pb(staging, revision=rev)
 

@@ -179,6 +179,7 @@ class Removal:
             ("delayed", k.delayed_of_task(task_id)),
             ("waiting", k.waiting(task_id, "")),  # waiting/{task}/: every file id
             ("cready", k.cready_of_task(task_id)),
+            ("cdelayed", k.cdelayed_of_task(task_id)),
             ("open", k.open_all(task_id)),
             ("dead", k.dead_all(task_id)),
             ("journal", k.journal_all(task_id)),

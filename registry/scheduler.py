@@ -85,7 +85,8 @@ class Scheduler:
             while not stop.is_set():
                 slow = loops % max(1, int(SLOW_SWEEP / self.interval)) == 0
                 every = loops % max(1, int(FULL_COMPLETION_SWEEP / self.interval)) == 0
-                sweeps: list[Callable[[], Awaitable[object]]] = [self.promote_due]
+                sweeps: list[Callable[[], Awaitable[object]]] = [self.promote_due,
+                                                                 self.promote_nacked]
                 if slow:
                     sweeps.append(self.sweep_waiting)
                     if every:
@@ -136,18 +137,33 @@ class Scheduler:
 
     async def promote_due(self) -> int:
         """Entries whose retry backoff is over become claimable."""
-        base = self.keys.delayed_all()
+        return await self._promote_index(
+            self.keys.delayed_all(), "delayed entry",
+            lambda task_id, rest, key: self._promote_plan(task_id, rest[0], key))
+
+    async def promote_nacked(self) -> int:
+        """Entries a consumer group nacked with a delay that is over go back to that
+        group's claimable index."""
+        return await self._promote_index(
+            self.keys.cdelayed_all(), "nacked entry",
+            lambda task_id, rest, key: self._return_plan(task_id, rest[0], rest[1], key))
+
+    async def _promote_index(
+        self, base: bytes, what: str,
+        plan_of: Callable[[str, list[str], bytes], Callable[[Txn], Awaitable[bool]]],
+    ) -> int:
+        """Run ``plan_of``'s plan for each key of an index ``{task}/{due}/…`` under
+        ``base`` whose due time (epoch ms) has come, each its own transaction, many at
+        once; a task's keys past now are skipped whole (they sort by due time)."""
         now_ms = int(self.core.clock() * 1000)
         moved = 0
         gate = Gate(PROMOTE_PARALLEL)
 
-        async def promote(task_id: str, file_id: str, index: bytes) -> None:
+        async def promote(item: str, plan: Callable[[Txn], Awaitable[bool]]) -> None:
             nonlocal moved
-            item = f"delayed entry {task_id}/{file_id}"
             try:
                 # Fresh: the plan peeks at the entry and may do nothing (see run()).
-                moved += await write(self.core.txns, self._promote_plan(task_id, file_id,
-                                                                         index), fresh=True)
+                moved += await write(self.core.txns, plan, fresh=True)
             except Exception as e:
                 self._complain(item, e)
             else:
@@ -160,20 +176,49 @@ class Scheduler:
             async with contextlib.aclosing(pages):
                 async for key in pages:
                     try:
-                        task_id, due, file_id = self.keys.parse_tail(key.key, base)
+                        task_id, due, *rest = self.keys.parse_tail(key.key, base)
                         if int(due) > now_ms:
-                            # A task's delayed keys sort by due time: the rest of
-                            # this task's are not due either; go on with the next task.
-                            skip_to = prefix_end(self.keys.delayed_of_task(task_id))
+                            # A task's keys sort by due time: the rest of this
+                            # task's are not due either; go on with the next task.
+                            skip_to = prefix_end(base + task_id.encode() + b"/")
                             break
-                    except ValueError as e:
-                        self._complain(f"delayed key {key.key!r}", e)
+                        plan = plan_of(task_id, rest, key.key)
+                    except (ValueError, IndexError) as e:
+                        self._complain(f"{what} key {key.key!r}", e)
                         continue
-                    await gate.submit(promote(task_id, file_id, key.key))
+                    await gate.submit(promote(f"{what} {task_id}/{rest[-1]}", plan))
             if skip_to is None:
                 await gate.drain()
                 return moved
             start = skip_to
+
+    def _return_plan(self, task_id: str, group: str, file_id: str,
+                     index: bytes) -> Callable[[Txn], Awaitable[bool]]:
+        """Hand a nacked entry back to ``group`` once its delay is over: its delayed key
+        goes, its claimable key comes, and the entry is written (so that consumers
+        waiting on the task's watch wake). A key whose entry moved on is deleted alone."""
+        async def plan(txn: Txn) -> bool:
+            key = self.keys.entry(task_id, file_id)
+            kv, listed = await txn.peek_many([key, index])
+            if listed is None:
+                return False  # gone meanwhile (handed back, or its task cancelled)
+            txn.require(present(index))  # a cancel deletes it: nothing comes back then
+            txn.delete(index)
+            if kv is None:
+                return True
+            rec = EntryRecord.load(kv.value)
+            until = rec.nacked_until.get(group)
+            if (rec.state != VERIFIED or until is None
+                    or self.keys.cdelayed(task_id, int(until * 1000), group, file_id) != index):
+                return True  # left over: the entry moved on (its keys went with it)
+            txn.pin(key, kv)
+            del rec.nacked_until[group]
+            txn.put(self.keys.cready(task_id, group, file_id), b"")
+            rec.remember("returned", group=group, reason="the nack's delay is over")
+            self.core.put_entry(rec, txn)
+            return True
+
+        return plan
 
     def _promote_plan(self, task_id: str, file_id: str,
                       index: bytes) -> Callable[[Txn], Awaitable[bool]]:

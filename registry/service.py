@@ -299,6 +299,9 @@ class OperatorService(pb_grpc.OperatorServiceServicer):
         return pb.ArchiveTaskResponse(task=task)
 
     async def Requeue(self, request: pb.RequeueRequest, context: Context) -> pb.RequeueResponse:
+        if request.group and not request.file_id:
+            replayed = await self.operators.replay_task(request, current())
+            return pb.RequeueResponse(replayed=replayed)
         return pb.RequeueResponse(entry=await self.operators.requeue(request, current()))
 
     async def Journal(self, request: pb.JournalRequest, context: Context) -> pb.JournalResponse:

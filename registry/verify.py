@@ -93,19 +93,26 @@ class Verifier:
         """The verified bytes are gone: nobody may be handed them any more, and
         consumers holding them lose their tokens (and slots); the entry takes the
         retry path."""
-        await self._revoke_consumers(txn, rec)
+        await self.revoke_consumers(txn, rec)
         self.core.retry_or_dead(rec, reason)
         if rec.assembly:
             await self._unverify_assembly(txn, rec)
 
-    async def _revoke_consumers(self, txn: Txn, rec: EntryRecord) -> None:
+    async def revoke_consumers(self, txn: Txn, rec: EntryRecord, ended: str = "") -> None:
         """Nobody may be handed ``rec``'s bytes any more: its consume-claims die (their
-        slots freed) and its groups' claimable keys go, guarded on the claims read."""
+        slots freed) and its groups' claimable keys go, the delayed ones of its nacks
+        too, guarded on the claims read. ``ended``: a group whose claim the caller
+        ended already (a nack that gives the entry up)."""
         refs = [ClaimRef("c", rec.task_id, rec.file_id, g) for g in rec.consumers]
-        held = await txn.get_many([self.keys.claim(r) for r in refs])
-        for ref, claim in zip(refs, held, strict=True):
+        held = await txn.get_many([self.keys.claim(r) for r in refs if r.group != ended])
+        claims = iter(held)
+        for ref in refs:
             txn.delete(self.keys.cready(rec.task_id, ref.group, rec.file_id))
-            end(self.core, txn, ref, claim, guard=True)  # a twin left alone goes too
+            if ref.group != ended:
+                end(self.core, txn, ref, next(claims), guard=True)  # a lone twin goes too
+        for group, until in rec.nacked_until.items():
+            txn.delete(self.keys.cdelayed(rec.task_id, int(until * 1000), group,
+                                          rec.file_id))
 
     async def _unverify_assembly(self, txn: Txn, part: EntryRecord) -> None:
         """A part left verified: its assembly learns of it in the same transaction.
@@ -121,7 +128,7 @@ class Verifier:
             return
         asm = EntryRecord.load(kv.value)
         if asm.state == VERIFIED:
-            await self._revoke_consumers(txn, asm)
+            await self.revoke_consumers(txn, asm)
             apply(asm, Event.UNVERIFY)
             asm.error = f"part {part.file_id} left verified: {part.error}"
             asm.remember("unverified", reason=asm.error)

@@ -205,15 +205,23 @@ def load_acks(source: IO[bytes]) -> list[tuple[str, str, str, int]]:
 @click.argument("file_id")
 @click.option("--token", type=int, required=True, help="the claim's fencing token")
 @click.option("--reason", default="", help="why, kept as the entry's error")
+@click.option("--permanent", is_flag=True,
+              help="no retry can succeed: dead at once, no retry spent")
+@click.option("--delay", type=float, default=0.0, metavar="S",
+              help="claimable again no sooner than S seconds from now, instead of after "
+                   "the task's backoff (at most 7 days)")
 @output_option
 @pass_settings
 def fail(settings: Settings, task_id: str, file_id: str, token: int, reason: str,
-         output: str) -> None:
+         permanent: bool, delay: float, output: str) -> None:
     """Give up a claim; the entry is retried.
 
     The entry goes back to pending, or to dead once its retries are used up.
+    --permanent sends it to dead at once, keeping its retries; --delay S keeps it
+    from being claimed again for S seconds (a retry is spent as usual).
     """
-    emit_entry(settings.client().fail(task_id, file_id, token, reason), output)
+    emit_entry(settings.client().fail(task_id, file_id, token, reason, permanent=permanent,
+                                      delay=delay), output)
 
 
 @cli.command()
@@ -373,12 +381,22 @@ def ack_batch(settings: Settings, acks: IO[bytes], output: str) -> None:
 @click.option("-g", "--group", default="default", show_default=True, help="consumer group")
 @click.option("--token", type=int, required=True, help="the consume token")
 @click.option("--reason", default="", help="why")
+@click.option("--delay", type=float, default=0.0, metavar="S",
+              help="hand it back to the group no sooner than S seconds from now "
+                   "(at most 7 days)")
+@click.option("--permanent", is_flag=True,
+              help="it can never be consumed: dead at once, for every group")
 @output_option
 @pass_settings
 def nack(settings: Settings, task_id: str, file_id: str, group: str, token: int, reason: str,
-         output: str) -> None:
-    """Hand an entry back to its group."""
-    emit_entry(settings.client().nack(task_id, file_id, group, token, reason), output)
+         delay: float, permanent: bool, output: str) -> None:
+    """Hand an entry back to its group.
+
+    At once, or after --delay S seconds; --permanent gives it up instead: it goes
+    dead, and no group is handed it again until `baton requeue`.
+    """
+    emit_entry(settings.client().nack(task_id, file_id, group, token, reason, delay=delay,
+                                      permanent=permanent), output)
 
 
 # --- sessions and events ----------------------------------------------------------

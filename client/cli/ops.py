@@ -24,17 +24,32 @@ if TYPE_CHECKING:
 
 @cli.command()
 @click.argument("task_id", metavar="TASK")
-@click.argument("file_id")
+@click.argument("file_id", required=False, default="")
+@click.option("-g", "--group", default="",
+              help="hand the entry (without FILE_ID: every entry of the task) to this "
+                   "consumer group again; the other groups are not handed it again")
 @output_option
 @pass_settings
-def requeue(settings: Settings, task_id: str, file_id: str, output: str) -> None:
-    """Bring a dead entry back to pending.
+def requeue(settings: Settings, task_id: str, file_id: str, group: str, output: str) -> None:
+    """Bring a dead entry back to pending, or replay entries to one group.
 
-    It gets a fresh retry budget; entries blocked by it (through depends_on)
-    go ahead once it is verified. Only dead entries can be requeued (exit 4
-    otherwise).
+    A dead entry gets a fresh retry budget; entries blocked by it (through
+    depends_on) go ahead once it is verified. Only dead entries can be requeued
+    (exit 4 otherwise). With --group G, a verified or consumed entry that G acked
+    is handed to G again: G's ack is forgotten, the other groups' acks stay (exit
+    4 if G has not acked it, or its file has left staging); without FILE_ID, every
+    such entry of the task is.
     """
-    emit_entry(settings.client().requeue(task_id, file_id), output)
+    if not file_id:
+        if not group:
+            raise click.UsageError("FILE_ID is needed, unless --group replays a whole task")
+        replayed = settings.client().replay_task(task_id, group)
+        if output == "json":
+            emit_json({"task_id": task_id, "group": group, "replayed": replayed})
+        else:
+            click.echo(f"{task_id}: {replayed} entries handed to group {group} again")
+        return
+    emit_entry(settings.client().requeue(task_id, file_id, group), output)
 
 
 @cli.command("log")
@@ -93,7 +108,10 @@ def transition(r: pb.JournalRecord) -> str:
 def explain(settings: Settings, task_id: str, file_id: str, output: str) -> None:
     """Say where an entry is and what it waits for.
 
-    One paragraph from the registry; -o json: {"entry": {...}, "text": "..."}.
+    One paragraph from the registry; a dead entry's ends with every attempt at it:
+    when it was claimed, by whom (identity, "agent name", host), under which token,
+    the digest it committed, when and how it ended. -o json: {"entry": {...},
+    "text": "...", "attempts": [...], "attempts_total": N}.
     """
     explanation = settings.client().explain(task_id, file_id)
     if output == "json":

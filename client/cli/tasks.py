@@ -237,7 +237,7 @@ def task_archive(settings: Settings, task_id: str, reason: str, output: str) -> 
 
 #: the order `task delete` reports what it removed in
 REMOVED_KINDS = ("header", "entries", "journal", "ready", "delayed", "waiting", "cready",
-                 "open", "dead", "claims", "inflight", "slots")
+                 "cdelayed", "open", "dead", "claims", "inflight", "slots")
 
 
 def interactive() -> bool:

@@ -1246,19 +1246,28 @@ class RequeueRequest(_message.Message):
     TASK_ID_FIELD_NUMBER: _builtins.int
     FILE_ID_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    GROUP_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     file_id: _builtins.str
     request_id: _builtins.str
+    group: _builtins.str
+    """Replay the entry to this consumer group only: it is handed to the group again,
+    and the groups that acked it keep their acks. The entry must be verified or
+    consumed and acked by the group. Empty: a dead entry back to pending. With a
+    group and no file_id: every entry of the task the group acked (whose file is
+    still in staging) is replayed to it.
+    """
     def __init__(
         self,
         *,
         task_id: _builtins.str = ...,
         file_id: _builtins.str = ...,
         request_id: _builtins.str = ...,
+        group: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["file_id", b"file_id", "request_id", b"request_id", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["file_id", b"file_id", "group", b"group", "request_id", b"request_id", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1269,16 +1278,22 @@ class RequeueResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     ENTRY_FIELD_NUMBER: _builtins.int
+    REPLAYED_FIELD_NUMBER: _builtins.int
+    replayed: _builtins.int
+    """a whole task replayed to a group: how many entries"""
     @_builtins.property
-    def entry(self) -> Global___Entry: ...
+    def entry(self) -> Global___Entry:
+        """unset when a whole task was replayed to a group"""
+
     def __init__(
         self,
         *,
         entry: Global___Entry | None = ...,
+        replayed: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["entry", b"entry"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["entry", b"entry"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entry", b"entry", "replayed", b"replayed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1438,23 +1453,99 @@ class ExplainResponse(_message.Message):
 
     ENTRY_FIELD_NUMBER: _builtins.int
     TEXT_FIELD_NUMBER: _builtins.int
+    ATTEMPTS_FIELD_NUMBER: _builtins.int
+    ATTEMPTS_TOTAL_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """one paragraph: where the entry is and what it waits for"""
+    attempts_total: _builtins.int
     @_builtins.property
     def entry(self) -> Global___Entry: ...
+    @_builtins.property
+    def attempts(self) -> _containers.RepeatedCompositeFieldContainer[Global___Attempt]:
+        """Every producer attempt, oldest first, as the entry's journal records them (the
+        newest MAX_ATTEMPTS when there were more; attempts_total says how many).
+        """
+
     def __init__(
         self,
         *,
         entry: Global___Entry | None = ...,
         text: _builtins.str = ...,
+        attempts: _abc.Iterable[Global___Attempt] | None = ...,
+        attempts_total: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["entry", b"entry"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["entry", b"entry", "text", b"text"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "attempts_total", b"attempts_total", "entry", b"entry", "text", b"text"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ExplainResponse: _TypeAlias = ExplainResponse  # noqa: Y015
+
+@_typing.final
+class Attempt(_message.Message):
+    """One producer attempt at an entry: from its claim to how it ended."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NUMBER_FIELD_NUMBER: _builtins.int
+    WHO_FIELD_NUMBER: _builtins.int
+    LABEL_FIELD_NUMBER: _builtins.int
+    HOST_FIELD_NUMBER: _builtins.int
+    TOKEN_FIELD_NUMBER: _builtins.int
+    CLAIMED_AT_FIELD_NUMBER: _builtins.int
+    ENDED_AT_FIELD_NUMBER: _builtins.int
+    OUTCOME_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    DIGEST_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
+    PERMANENT_FIELD_NUMBER: _builtins.int
+    number: _builtins.int
+    """1 for the first claim, counting every claim since creation"""
+    who: _builtins.str
+    """the identity that claimed it"""
+    label: _builtins.str
+    """the name its agent's session gave"""
+    host: _builtins.str
+    """the host of that session"""
+    token: _builtins.int
+    """the claim's fencing token"""
+    claimed_at: _builtins.str
+    ended_at: _builtins.str
+    """empty: still in progress"""
+    outcome: _builtins.str
+    """the journal event that ended it: failed, deadline, lost, ..."""
+    error: _builtins.str
+    """the reason it ended with"""
+    digest: _builtins.str
+    """the digest its commit declared (or the watcher saw), if any"""
+    size: _builtins.int
+    """the size its commit declared"""
+    permanent: _builtins.bool
+    """the producer said no retry could succeed"""
+    def __init__(
+        self,
+        *,
+        number: _builtins.int = ...,
+        who: _builtins.str = ...,
+        label: _builtins.str = ...,
+        host: _builtins.str = ...,
+        token: _builtins.int = ...,
+        claimed_at: _builtins.str = ...,
+        ended_at: _builtins.str = ...,
+        outcome: _builtins.str = ...,
+        error: _builtins.str = ...,
+        digest: _builtins.str = ...,
+        size: _builtins.int = ...,
+        permanent: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["claimed_at", b"claimed_at", "digest", b"digest", "ended_at", b"ended_at", "error", b"error", "host", b"host", "label", b"label", "number", b"number", "outcome", b"outcome", "permanent", b"permanent", "size", b"size", "token", b"token", "who", b"who"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Attempt: _TypeAlias = Attempt  # noqa: Y015
 
 @_typing.final
 class ListTasksRequest(_message.Message):
@@ -2281,6 +2372,8 @@ class FailRequest(_message.Message):
     REASON_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     SESSION_ID_FIELD_NUMBER: _builtins.int
+    PERMANENT_FIELD_NUMBER: _builtins.int
+    DELAY_SECONDS_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     file_id: _builtins.str
     token: _builtins.int
@@ -2288,6 +2381,12 @@ class FailRequest(_message.Message):
     request_id: _builtins.str
     session_id: _builtins.int
     """as in CommitRequest"""
+    permanent: _builtins.bool
+    """No retry can succeed: the entry goes dead at once, its retries not spent."""
+    delay_seconds: _builtins.float
+    """Claimable again no sooner than this many seconds from now (instead of the task's
+    retry backoff; 0: the backoff). At most 7 days; not with permanent.
+    """
     def __init__(
         self,
         *,
@@ -2297,10 +2396,12 @@ class FailRequest(_message.Message):
         reason: _builtins.str = ...,
         request_id: _builtins.str = ...,
         session_id: _builtins.int = ...,
+        permanent: _builtins.bool = ...,
+        delay_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["file_id", b"file_id", "reason", b"reason", "request_id", b"request_id", "session_id", b"session_id", "task_id", b"task_id", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["delay_seconds", b"delay_seconds", "file_id", b"file_id", "permanent", b"permanent", "reason", b"reason", "request_id", b"request_id", "session_id", b"session_id", "task_id", b"task_id", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -3488,6 +3589,8 @@ class NackRequest(_message.Message):
     REASON_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     SESSION_ID_FIELD_NUMBER: _builtins.int
+    DELAY_SECONDS_FIELD_NUMBER: _builtins.int
+    PERMANENT_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     file_id: _builtins.str
     group: _builtins.str
@@ -3496,6 +3599,12 @@ class NackRequest(_message.Message):
     request_id: _builtins.str
     session_id: _builtins.int
     """as in AckRequest"""
+    delay_seconds: _builtins.float
+    """Handed back to the group no sooner than this many seconds from now (0: at once).
+    At most 7 days; not with permanent.
+    """
+    permanent: _builtins.bool
+    """The entry can never be consumed: it goes dead at once, for every group."""
     def __init__(
         self,
         *,
@@ -3506,10 +3615,12 @@ class NackRequest(_message.Message):
         reason: _builtins.str = ...,
         request_id: _builtins.str = ...,
         session_id: _builtins.int = ...,
+        delay_seconds: _builtins.float = ...,
+        permanent: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["file_id", b"file_id", "group", b"group", "reason", b"reason", "request_id", b"request_id", "session_id", b"session_id", "task_id", b"task_id", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["delay_seconds", b"delay_seconds", "file_id", b"file_id", "group", b"group", "permanent", b"permanent", "reason", b"reason", "request_id", b"request_id", "session_id", b"session_id", "task_id", b"task_id", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
