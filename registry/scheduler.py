@@ -224,9 +224,9 @@ class Scheduler:
                       index: bytes) -> Callable[[Txn], Awaitable[bool]]:
         async def plan(txn: Txn) -> bool:
             key = self.keys.entry(task_id, file_id)
-            (kv,) = await txn.peek_many([key])
-            if kv is None:
-                return False
+            kv, listed = await txn.peek_many([key, index])
+            if kv is None or listed is None:
+                return False  # gone (a cancel deletes the index key alone): nothing to do
             rec = EntryRecord.load(kv.value)
             if rec.index != index.decode() or rec.not_before > self.core.clock():
                 return False  # moved on already (nothing pinned: no commit at all)

@@ -498,3 +498,30 @@ def test_cli_fail_nack_requeue_and_explain_flags(
     assert data["attempts_total"] == 1
     assert data["attempts"][0]["token"] in (c0.token, str(c0.token))
     assert data["attempts"][0]["permanent"] is True
+
+
+def test_a_retry_backoff_key_cancelled_meanwhile_is_passed_over_not_planned_against(
+        client: Client, registry: RegistryHandle, wait_for: Callable[..., None]) -> None:
+    """The scheduler lists a delayed (retry backoff) key, then a cancel deletes it before
+    the promotion's transaction: the promotion does nothing, at once, instead of planning
+    again and again against a key that will not come back."""
+    import asyncio
+
+    from baton_relay.registry.txn import write
+
+    client.create_task(manifest(max_retries=3))
+    with client.open_session("p", ttl=10) as s:
+        c = client.claim("t", session=s)
+        failed = client.fail("t", "f0", c.token, "later", delay=0.5, session=s)
+    (index,) = [k for k in snapshot(registry) if b"/delayed/" in k]
+    client.cancel_task("t", reason="stop")
+    assert index not in snapshot(registry)
+    due = _epoch(failed.not_before)
+    wait_for(lambda: time.time() > due + 0.05, 10, "the backoff to be over")
+    running = registry._running
+    before = dict(running.core.txns.replans)
+    plan = running.scheduler._promote_plan("t", "f0", index)
+    done = asyncio.run_coroutine_threadsafe(
+        write(running.core.txns, plan, fresh=True), registry._loop).result(timeout=30)
+    assert done is False
+    assert running.core.txns.replans == before
