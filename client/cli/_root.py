@@ -36,6 +36,7 @@ COMMANDS = {
     "commit-batch": "agents",
     "consume": "agents",
     "fail": "agents",
+    "checkpoint": "agents",
     "keepalive": "agents",
     "nack": "agents",
     "put": "agents",
