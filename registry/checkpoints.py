@@ -81,7 +81,8 @@ def check_request(req: pb.CheckpointRequest) -> None:
     check_id("file_id", req.file_id)
     if req.group:
         check_id("group", req.group)
-    check_session_id(req.session_id)
+    if req.session_id:  # 0: not said (the identity still is checked)
+        check_session_id(req.session_id)
     if len(req.data) > MAX_CHECKPOINT_BYTES:
         raise InvalidArgument(f"data is {len(req.data)} bytes; a checkpoint holds at most "
                               f"{MAX_CHECKPOINT_BYTES}", field="data")

@@ -31,12 +31,12 @@ from ._common import (
 COMMANDS = {
     "ack": "agents",
     "ack-batch": "agents",
+    "checkpoint": "agents",
     "claim": "agents",
     "commit": "agents",
     "commit-batch": "agents",
     "consume": "agents",
     "fail": "agents",
-    "checkpoint": "agents",
     "keepalive": "agents",
     "nack": "agents",
     "put": "agents",
