@@ -71,6 +71,8 @@ class Running:
     metrics_port: int = 0
     #: the agents' session streams this replica serves
     streams: AgentStreams | None = None
+    #: takes back attempts that stopped checkpointing
+    stalls: Stalls | None = None
 
     async def stop(self, grace: float | None = 5.0) -> None:
         """Stop taking calls, let in-flight ones finish within ``grace``, then close."""
@@ -268,7 +270,7 @@ async def _start(config: RegistryConfig, certificates: ServerCertificates | None
         metrics.bind(core, reaper, service.sessions, shards, service.leases, members,
                      deadlines, archiver, stalls)
     return Running(port, server, etcd, core, reaper, scheduler, health_servicer, stop, background,
-                   assigner, members, metrics, metrics_port, service.streams)
+                   assigner, members, metrics, metrics_port, service.streams, stalls)
 
 
 def archive_store(config: RegistryConfig) -> ArchiveStore | None:
