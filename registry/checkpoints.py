@@ -68,10 +68,15 @@ class CheckpointRecord:
     def dump(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
 
+    @property
+    def stamp(self) -> str:
+        """When it was recorded, RFC 3339 (UTC)."""
+        return _iso(self.at)
+
     def to_pb(self, with_data: bool = True) -> pb.Checkpoint:
         return pb.Checkpoint(data=base64.b64decode(self.data) if with_data else b"",
                              progress=self.progress, message=self.message,
-                             token=self.token, attempt=self.attempt, at=_iso(self.at),
+                             token=self.token, attempt=self.attempt, at=self.stamp,
                              digest=self.digest)
 
 
@@ -109,6 +114,14 @@ async def last(core: Core, txn: Txn, rec: EntryRecord, ref: ClaimRef
     if not has_checkpoint(rec, ref):
         return None
     return CheckpointRecord.load(await txn.get(core.keys.checkpoint(ref)))
+
+
+async def peek(core: Core, rec: EntryRecord, ref: ClaimRef) -> CheckpointRecord | None:
+    """The checkpoint kept on ``rec`` for ``ref``'s kind and group, read straight
+    from etcd outside any transaction (explain)."""
+    if not has_checkpoint(rec, ref):
+        return None
+    return CheckpointRecord.load(await core.etcd.get(core.keys.checkpoint(ref)))
 
 
 async def resume(core: Core, txn: Txn, rec: EntryRecord, ref: ClaimRef
