@@ -230,3 +230,24 @@ def test_baton_checkpoint_command(client: Client, registry: RegistryHandle,
         assert bad.exit_code == InvalidArgument.exit_code and "progress" in bad.output
     stored = kept(registry, ClaimRef("p", "t1", "a"))
     assert stored is not None and stored["message"] == "cli" and stored["progress"] == 0.6
+
+
+def test_explain_and_the_agents_list_show_progress(client: Client, registry: RegistryHandle
+                                                   ) -> None:
+    """Explain says what the last checkpoint of the claim in hand says; the agents
+    list (`lease show`, `top`) carries each claim's progress and checkpoint time."""
+    one_entry(client, stall_after_seconds=600)
+    with client.open_session("p", ttl=30) as session:
+        claim = client.claim("t1", "a", session=session)
+        assert "has not checkpointed yet" in client.explain("t1", "a").text
+        session.checkpoint("t1", "a", claim.token, progress=0.42, message="page 42")
+        text = client.explain("t1", "a").text
+        assert "says 42% (page 42)" in text and "stalled after 600 s" in text
+        (info,) = [c for a in client.list_agents() if a.session_id == session.session_id
+                   for c in a.claims]
+        assert info.progress == pytest.approx(0.42) and info.checkpoint_at
+        run = CliRunner().invoke(cli, ["lease", "show", str(session.session_id), "-o", "json"],
+                                 env={"BATON_REGISTRY": registry.address})
+        assert run.exit_code == 0, run.output
+        (shown,) = json.loads(run.stdout)["claims"]
+        assert shown["progress"] == pytest.approx(0.42) and shown["checkpoint_age"] >= 0
