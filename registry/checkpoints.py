@@ -14,7 +14,9 @@ to ``pending`` (a fail, a deadline, a lost session): the next attempt's claim (o
 consume) reply carries it. A commit drops the producer's, an ack its group's.
 
 The journal keeps at most one ``checkpoint`` record per entry per
-:data:`JOURNAL_EVERY` seconds; the key always holds the latest.
+:data:`JOURNAL_EVERY` seconds (the entry remembers when it last did, so a
+checkpoint in between writes only its key: one etcd request, the read of the
+entry and claim coming from the view); the key always holds the latest.
 """
 
 from __future__ import annotations
@@ -53,8 +55,6 @@ class CheckpointRecord:
     attempt: int
     at: float
     digest: str
-    #: when the journal last recorded a checkpoint of this entry (and group)
-    journalled: float = 0.0
 
     @classmethod
     def load(cls, kv: KV | None) -> CheckpointRecord | None:
@@ -162,21 +162,21 @@ class Checkpoints:
         async def planner(txn: Txn) -> Callable[[int], pb.CheckpointResponse]:
             ((claim, rec),) = await check_live(
                 self.core, txn, [Ask(ref, req.token, req.session_id)], caller)
-            old = CheckpointRecord.load(await txn.get(key))
             if ref.kind == "p":
+                # counted on the entry: the key is written blind, one request in all
                 attempt = rec.attempts
-            elif old is None:
-                attempt = 1
             else:
-                attempt = old.attempt if old.token == req.token else old.attempt + 1
+                old = CheckpointRecord.load(await txn.get(key))
+                attempt = (1 if old is None else
+                           old.attempt if old.token == req.token else old.attempt + 1)
             now = self.core.clock()
             kept = CheckpointRecord(
                 data=base64.b64encode(req.data).decode(), progress=req.progress,
                 message=req.message, token=req.token, attempt=attempt, at=now,
-                digest=data_digest(req.data),
-                journalled=old.journalled if old is not None else 0.0)
-            if now - kept.journalled >= JOURNAL_EVERY:
-                kept.journalled = now
+                digest=data_digest(req.data))
+            write_entry = False
+            if now - rec.checkpoint_journalled >= JOURNAL_EVERY:
+                rec.checkpoint_journalled, write_entry = now, True
                 self.core.journal_only(
                     rec, "checkpoint", txn, **actor_of(claim), token=req.token,
                     **({"group": req.group} if req.group else {}), attempt=attempt,
@@ -188,6 +188,8 @@ class Checkpoints:
                     rec.checkpointed = True
                 else:
                     rec.group_checkpoints.append(ref.group)
+                write_entry = True
+            if write_entry:
                 self.core.put_entry(rec, txn)
             return lambda rev: pb.CheckpointResponse(checkpoint=kept.to_pb(with_data=False))
 

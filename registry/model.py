@@ -183,6 +183,8 @@ class EntryRecord:
     #: groups whose leases did: read only then, so entries without any cost nothing
     checkpointed: bool = False
     group_checkpoints: list[str] = field(default_factory=list)
+    #: when the journal last recorded a checkpoint of it (at most one per 30 s)
+    checkpoint_journalled: float = 0.0
     #: seconds its file stays in staging once consumed (< 0: never), fixed at its
     #: creation; None: a record older than the staging retention, never removed
     staging_retention: float | None = None
