@@ -387,9 +387,10 @@ class Operators:
                     self.keys.claim(ClaimRef("c", rec.task_id, rec.file_id, g)))
                 if c is not None:
                     ref = ClaimRef("c", rec.task_id, rec.file_id, g)
+                    progress = (await self._progress(rec, ref, c)).rstrip(".")
                     held.append(f"{g} (agent {claim_holder(c)}"
-                                f"{f', token {c.create_revision}' if tokens else ''}; "
-                                f"{(await self._progress(rec, ref, c)).rstrip('.')})")
+                                f"{f', token {c.create_revision}' if tokens else ''}"
+                                f"{f'; {progress}' if progress else ''})")
             s.append(f"Its bytes are verified (digest {rec.digest[:16]}…)." + (
                 f" Consumer groups still to ack: {', '.join(waiting)}." if waiting else
                 " It has no consumer groups, so it is done."))
@@ -403,7 +404,7 @@ class Operators:
             if rec.dependents:
                 s.append(f"Dependents blocked by it: {_names(rec.dependents)}.")
         s += _routing(task, rec)
-        return " ".join(s)
+        return " ".join(part for part in s if part)
 
     async def _progress(self, rec: EntryRecord, ref: ClaimRef, claim: KV | None) -> str:
         """What the checkpoints say of the attempt holding ``claim`` (None: of the
@@ -415,15 +416,14 @@ class Operators:
                     f"The next attempt resumes from the checkpoint of attempt "
                     f"{kept.attempt} ({kept.progress:.0%}, {now - kept.at:.0f} s ago"
                     f"{f': {kept.message}' if kept.message else ''}).")
+        stall = (f"It is taken back as stalled after {rec.stall_after:g} s without a "
+                 "checkpoint (stall_after)." if rec.stall_after else "")
         if kept is not None and kept.token == claim.create_revision:
             text = (f"Its last checkpoint, {now - kept.at:.0f} s ago, says {kept.progress:.0%}"
                     f"{f' ({kept.message})' if kept.message else ''}.")
-        else:
-            text = "It has not checkpointed yet."
-        if rec.stall_after:
-            text += (f" It is taken back as stalled after {rec.stall_after:g} s without a "
-                     "checkpoint (stall_after).")
-        return text
+            return f"{text} {stall}".rstrip()
+        # nothing to say of an attempt that may checkpoint and has not
+        return f"It has not checkpointed yet. {stall}" if stall else ""
 
     async def _waiting_for(self, rec: EntryRecord, names: list[str],
                            good: tuple[str, ...], what: str) -> str:
