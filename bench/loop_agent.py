@@ -58,8 +58,10 @@ def _fsync_dir(path: str) -> None:
 
 def baton(job: Job, gate: Gate) -> Job:
     """Producer steps through the client's helpers on a kept-alive session: ``each`` is
-    ``produce_each`` (what a producer loop calls), ``plain`` a ``produce`` block per entry
-    (a claim, then a commit)."""
+    ``produce_each`` (what a producer loop calls), ``checkpoint`` the same with one
+    checkpoint per step (after the write, before the commit; trees that have
+    ``Output.checkpoint``), ``plain`` a ``produce`` block per entry (a claim, then a
+    commit)."""
     from baton_relay.client import Client, produce, produce_each
 
     payload = b"x" * job["size"]
@@ -67,7 +69,8 @@ def baton(job: Job, gate: Gate) -> Job:
     with Client(job["address"], timeout=30) as c, c.open_session(job["agent"], ttl=30) as s:
         deadline = tally.begin(gate) + job["seconds"]
         t0 = time.perf_counter()
-        if job["loop"] == "each":
+        if job["loop"] in ("each", "checkpoint"):
+            checkpoint = job["loop"] == "checkpoint"
             steps: Iterator[Any] = produce_each(c, s, job["task"])
             for out in steps:
                 if time.monotonic() >= deadline:
@@ -75,6 +78,8 @@ def baton(job: Job, gate: Gate) -> Job:
                     # the next; this one is in hand, unwritten: leaving gives it back.
                     break
                 out.write(payload)
+                if checkpoint:
+                    out.checkpoint(data=b"offset 512", progress=1.0)
                 tally.claimed.append(out.claim.file_id)
                 now = time.perf_counter()
                 if len(tally.claimed) > 1:

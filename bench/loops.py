@@ -43,6 +43,11 @@ scenario and run one job per point), rounds back to back, one etcd, one PostgreS
 
 * **Baton, helper loop** — `produce_each` on a kept-alive session: on the session's
   stream, each commit claims the next entry in the same message and transaction.
+* **Baton, checkpoint each step** — the helper loop with one checkpoint per step (a few
+  bytes of data, after the write, before the commit): a third message on the stream,
+  and one more etcd transaction per step, grouped with the others by group commit.
+  Its extra etcd requests per step are the cost of a checkpoint (one, or fewer when
+  grouped).
 * **Baton, claim then commit** — a `produce` block per entry on the same kind of session:
   a claim, then a commit, two messages on the stream.
 * **Baton before** — `produce_each` of the revision named below, its own registry on the
@@ -56,8 +61,9 @@ both trees. Registry CPU and etcd requests are counted over each run (both regis
 run throughout; the idle one's background requests are counted too).
 """
 
-SYSTEMS = ("helper loop", "claim then commit", "before", "PostgreSQL")
-COLOURS = dict(zip(SYSTEMS, ("C0", "C2", "C7", "C4"), strict=True))
+SYSTEMS = ("helper loop", "checkpoint each step", "claim then commit", "before",
+           "PostgreSQL")
+COLOURS = dict(zip(SYSTEMS, ("C0", "C1", "C2", "C7", "C4"), strict=True))
 #: bytes each step writes
 PAYLOAD = 512
 #: seconds a round may take beyond its own length
@@ -229,6 +235,8 @@ def run(p: Profile, root: Path, plot_dir: Path) -> Section:
         registry = stack.registry(root / "staging-now", prefix="/baton/now/")
         runs: dict[str, Any] = {
             "helper loop": lambda n, name: baton_run(stack, now, registry, "each", n, p, name),
+            "checkpoint each step": lambda n, name: baton_run(stack, now, registry,
+                                                               "checkpoint", n, p, name),
             "claim then commit": lambda n, name: baton_run(stack, now, registry, "plain", n,
                                                             p, name),
         }
@@ -274,12 +282,22 @@ def section(p: Profile, points: dict[tuple[str, int], Point], plot_dir: Path,
                   "registry ms: before", "etcd req.: helper", "etcd req.: claim+commit",
                   "etcd req.: before", "agent CPU ms: helper", "agent CPU ms: before",
                   "agent CPU ms: PostgreSQL"])
+    checkpoints = Table("One checkpoint per step: its cost beside the plain helper loop",
+                        ["agents", "helper steps/s", "with checkpoint steps/s",
+                         "checkpoint ÷ helper", "etcd req./step: helper",
+                         "etcd req./step: with checkpoint", "etcd req. per checkpoint",
+                         "registry ms per checkpoint"])
     latency = Table("Step latency, ms (p50 / p99)",
                     ["agents", *(f"{s} {q}" for s in SYSTEMS for q in ("p50", "p99"))])
     safety = Table("Entries handed out twice, all rounds",
                    ["agents", *(f"{s}: steps" for s in SYSTEMS), "double claims"])
     for n in agents:
-        h, c, b, g = (points[s, n] for s in SYSTEMS)
+        h, k, c, b, g = (points[s, n] for s in SYSTEMS)
+        checkpoints.rows.append([
+            n, h.per_s, k.per_s, median_ratio(points, "checkpoint each step", "helper loop", n),
+            h.per_cycle("etcd_requests"), k.per_cycle("etcd_requests"),
+            k.per_cycle("etcd_requests") - h.per_cycle("etcd_requests"),
+            1000 * (k.per_cycle("registry_cpu") - h.per_cycle("registry_cpu"))])
         rate.rows.append([n, h.per_s, c.per_s, b.per_s, g.per_s,
                           median_ratio(points, "helper loop", "before", n),
                           median_ratio(points, "claim then commit", "before", n),
@@ -319,4 +337,5 @@ def section(p: Profile, points: dict[tuple[str, int], Point], plot_dir: Path,
     if not p.loop_before:
         notes.append("The earlier revision was not run (this profile names none).")
     return Section("loops", "Producer loops", METHOD.strip(),
-                   [rate, cost, latency, safety], [plot], notes, headlines, seconds)
+                   [rate, cost, checkpoints, latency, safety], [plot], notes, headlines,
+                   seconds)

@@ -140,6 +140,14 @@ class Session:
                 log.warning("closing session %x: %s", self.session_id, e)
         self.lost.set()
 
+    def checkpoint(self, task_id: str, file_id: str, token: int, *, data: bytes = b"",
+                   progress: float = 0.0, message: str = "", group: str = ""
+                   ) -> pb.Checkpoint:
+        """Record how far this session's claim (with ``group``, its consume lease)
+        holding ``token`` got; see ``AgentCalls.checkpoint``."""
+        return self.client.checkpoint(task_id, file_id, token, data=data, progress=progress,
+                                      message=message, group=group, session=self)
+
     def __enter__(self) -> Session:
         return self
 
@@ -193,7 +201,7 @@ class AgentCalls(Connection):
         with _draining(session):
             resp = self._call("Claim", pb.ClaimRequest(task_id=task_id, file_id=file_id,
                                                        session_id=sid))
-        return Claim(task_id, resp.entry.file_id, resp.token, resp.path, resp.entry, sid)
+        return Claim.of(task_id, resp, sid)
 
     def claim_batch(self, task_id: str, max_count: int, *, session: Session | int) -> list[Claim]:
         """Claim up to ``max_count`` entries in one transaction (all or nothing)."""
@@ -203,8 +211,7 @@ class AgentCalls(Connection):
         with _draining(session):
             resp = self._call("ClaimBatch", pb.ClaimBatchRequest(
                 task_id=task_id, session_id=sid, max=max_count))
-        return [Claim(task_id, c.entry.file_id, c.token, c.path, c.entry, sid)
-                for c in resp.claims]
+        return [Claim.of(task_id, c, sid) for c in resp.claims]
 
     def commit_batch(self, commits: Sequence[tuple[str, str, int, int, str]
                                              | tuple[str, str, int, int, str, Attributes]]
@@ -255,6 +262,22 @@ class AgentCalls(Connection):
                              delay_seconds=delay)
         return self._call("Fail", req).entry  # type: ignore[no-any-return]
 
+    def checkpoint(self, task_id: str, file_id: str, token: int, *, data: bytes = b"",
+                   progress: float = 0.0, message: str = "", group: str = "",
+                   session: Session | int = 0) -> pb.Checkpoint:
+        """Record how far the attempt holding ``token`` got (a producer's claim; with
+        ``group``, a consume lease): the next attempt's claim (consume) carries it if
+        this one does not finish. ``data``: at most 64 KiB; ``progress``: 0..1;
+        ``message``: at most 200 characters. The checkpoint as kept, without its data."""
+        if (stream := _stream_of(session)) is not None:
+            return self._run(stream.checkpoint(task_id, file_id, token, data=data,
+                                               progress=progress, message=message,
+                                               group=group))
+        req = pb.CheckpointRequest(task_id=task_id, file_id=file_id, token=token, group=group,
+                                   data=data, progress=progress, message=message,
+                                   session_id=_named_session(session))
+        return self._call("Checkpoint", req).checkpoint  # type: ignore[no-any-return]
+
     def consume(self, task_id: str, group: str = "default", file_id: str = "", *,
                 session: Session | int) -> Lease:
         """Take a verified entry (or the next one) for ``group``."""
@@ -264,8 +287,7 @@ class AgentCalls(Connection):
         req = pb.ConsumeRequest(task_id=task_id, group=group, file_id=file_id, session_id=sid)
         with _draining(session):
             r = self._call("Consume", req)
-        return Lease(task_id, r.entry.file_id, r.group, r.token, r.path, r.size, r.digest,
-                     r.entry, sid)
+        return Lease.of(task_id, r, sid)
 
     def consume_batch(self, task_id: str, group: str = "default", max_count: int = 21, *,
                       session: Session | int) -> list[Lease]:
@@ -278,8 +300,7 @@ class AgentCalls(Connection):
                                      max=max_count)
         with _draining(session):
             resp = self._call("ConsumeBatch", req)
-        return [Lease(task_id, r.entry.file_id, r.group, r.token, r.path, r.size, r.digest,
-                      r.entry, sid) for r in resp.leases]
+        return [Lease.of(task_id, r, sid) for r in resp.leases]
 
     def ack(self, task_id: str, file_id: str, group: str, token: int, *,
             session: Session | int = 0) -> pb.Entry:

@@ -32,10 +32,20 @@ class Claim:
     path: str
     entry: pb.Entry
     session_id: int = 0
+    #: the checkpoint an earlier attempt left (None: start from the beginning), and
+    #: this attempt's number (0: the registry did not say)
+    checkpoint: pb.Checkpoint | None = None
+    attempt: int = 0
+
+    @classmethod
+    def of(cls, task_id: str, r: pb.ClaimResponse, session_id: int) -> Claim:
+        return cls(task_id, r.entry.file_id, r.token, r.path, r.entry, session_id,
+                   r.checkpoint if r.HasField("checkpoint") else None, r.attempt)
 
     def as_dict(self) -> dict[str, Any]:
         return {"task": self.task_id, "file_id": self.file_id, "token": self.token,
-                "path": self.path, "session": self.session_id}
+                "path": self.path, "session": self.session_id, "attempt": self.attempt,
+                **_checkpoint_dict(self.checkpoint)}
 
 
 @dataclass(frozen=True)
@@ -51,11 +61,33 @@ class Lease:
     digest: str
     entry: pb.Entry
     session_id: int = 0
+    #: the checkpoint an earlier lease of the group left, and this lease's number
+    checkpoint: pb.Checkpoint | None = None
+    attempt: int = 0
+
+    @classmethod
+    def of(cls, task_id: str, r: pb.ConsumeResponse, session_id: int) -> Lease:
+        return cls(task_id, r.entry.file_id, r.group, r.token, r.path, r.size, r.digest,
+                   r.entry, session_id, r.checkpoint if r.HasField("checkpoint") else None,
+                   r.attempt)
 
     def as_dict(self) -> dict[str, Any]:
         return {"task": self.task_id, "file_id": self.file_id, "group": self.group,
                 "token": self.token, "path": self.path, "size": self.size,
-                "digest": self.digest, "session": self.session_id}
+                "digest": self.digest, "session": self.session_id, "attempt": self.attempt,
+                **_checkpoint_dict(self.checkpoint)}
+
+
+def _checkpoint_dict(checkpoint: pb.Checkpoint | None) -> dict[str, Any]:
+    """A checkpoint as a claim's or lease's JSON shows it (its data as base64)."""
+    if checkpoint is None:
+        return {}
+    import base64
+
+    return {"checkpoint": {
+        "data": base64.b64encode(checkpoint.data).decode(), "progress": checkpoint.progress,
+        "message": checkpoint.message, "attempt": checkpoint.attempt, "at": checkpoint.at,
+        "digest": checkpoint.digest}}
 
 
 @dataclass(frozen=True)

@@ -391,14 +391,13 @@ class AsyncSession:
         """Claim an entry (or the next claimable one) for writing."""
         r = await self._work("claim", pb.ClaimRequest(
             task_id=task_id, file_id=file_id, session_id=self.session_id))
-        return Claim(task_id, r.entry.file_id, r.token, r.path, r.entry, self.session_id)
+        return Claim.of(task_id, r, self.session_id)
 
     async def claim_batch(self, task_id: str, max_count: int) -> list[Claim]:
         """Claim up to ``max_count`` entries in one transaction (all or nothing)."""
         r = await self._work("claim_batch", pb.ClaimBatchRequest(
             task_id=task_id, session_id=self.session_id, max=max_count))
-        return [Claim(task_id, c.entry.file_id, c.token, c.path, c.entry, self.session_id)
-                for c in r.claims]
+        return [Claim.of(task_id, c, self.session_id) for c in r.claims]
 
     async def commit(self, task_id: str, file_id: str, token: int, size: int,
                      digest: str = "", *, attributes: Attributes = None) -> pb.Entry:
@@ -433,9 +432,7 @@ class AsyncSession:
                                     request_id=_request_id()),
             claim=pb.ClaimRequest(task_id=task_id, session_id=self.session_id)))
         if r.HasField("next"):
-            n = r.next
-            return r.entry, Claim(task_id, n.entry.file_id, n.token, n.path, n.entry,
-                                  self.session_id)
+            return r.entry, Claim.of(task_id, r.next, self.session_id)
         self._noted(r.next_error)
         return r.entry, None
 
@@ -472,6 +469,17 @@ class AsyncSession:
             task_id=task_id, file_id=file_id, token=token, reason=reason,
             session_id=self.session_id, permanent=permanent, delay_seconds=delay))
         return r.entry  # type: ignore[no-any-return]
+
+    async def checkpoint(self, task_id: str, file_id: str, token: int, *, data: bytes = b"",
+                         progress: float = 0.0, message: str = "", group: str = ""
+                         ) -> pb.Checkpoint:
+        """Record how far the attempt holding ``token`` got (a producer's claim, or with
+        ``group`` a consume lease): ``data`` (at most 64 KiB) is handed to the next
+        attempt if this one does not finish. The checkpoint as kept, without its data."""
+        r = await self._ask("checkpoint", pb.CheckpointRequest(
+            task_id=task_id, file_id=file_id, token=token, group=group, data=data,
+            progress=progress, message=message, session_id=self.session_id))
+        return r.checkpoint  # type: ignore[no-any-return]
 
     async def consume(self, task_id: str, group: str = "default", file_id: str = "") -> Lease:
         """Take a verified entry (or the next one) for ``group``."""
@@ -524,5 +532,4 @@ def _request_id() -> str:
 
 
 def _lease(task_id: str, r: pb.ConsumeResponse, session_id: int) -> Lease:
-    return Lease(task_id, r.entry.file_id, r.group, r.token, r.path, r.size, r.digest,
-                 r.entry, session_id)
+    return Lease.of(task_id, r, session_id)

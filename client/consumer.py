@@ -221,6 +221,19 @@ class Delivery:
     lease: Lease
     #: the entry's checked bytes (an assembly's: its parts', in order)
     data: bytes
+    #: where ``checkpoint`` is recorded: the client and the session holding the lease
+    _client: Client | None = None
+    _session: Session | int = 0
+
+    def checkpoint(self, *, data: bytes = b"", progress: float = 0.0,
+                   message: str = "") -> pb.Checkpoint:
+        """Record how far the work on this entry got: if it is not acked, the group's
+        next lease of it carries ``data`` (``lease.checkpoint``) to resume from."""
+        assert self._client is not None, "a Delivery made by consume() records checkpoints"
+        lease = self.lease
+        return self._client.checkpoint(lease.task_id, lease.file_id, lease.token, data=data,
+                                       progress=progress, message=message, group=lease.group,
+                                       session=self._session)
 
 
 @contextmanager
@@ -252,7 +265,7 @@ def _delivered(client: Client, session: Session | int, lease: Lease) -> Iterator
     try:
         data = (b"".join(iter_parts(client, lease)) if lease.entry.parts
                 else read_verified(lease))
-        yield Delivery(lease, data)
+        yield Delivery(lease, data, client, session)
     except BaseException as e:
         # The lease may be gone already; the reaper hands the entry back then.
         permanent, delay = handing_back(e)

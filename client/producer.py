@@ -155,11 +155,24 @@ class Output:
     #: once it knows (a report's verdict, say)
     attributes: Attributes = None
     _hash: blake3.blake3 = field(default_factory=blake3.blake3)
+    #: where ``checkpoint`` is recorded: the client and the session holding the claim
+    _client: Client | None = None
+    _session: Session | int = 0
 
     def write(self, data: bytes) -> int:
         self._hash.update(data)
         self.size += len(data)
         return self.file.write(data)
+
+    def checkpoint(self, *, data: bytes = b"", progress: float = 0.0,
+                   message: str = "") -> pb.Checkpoint:
+        """Record how far this attempt got: if it does not finish, the next attempt's
+        claim carries ``data`` (``claim.checkpoint``) to resume from."""
+        assert self._client is not None, "an Output made by produce() records checkpoints"
+        c = self.claim
+        return self._client.checkpoint(c.task_id, c.file_id, c.token, data=data,
+                                       progress=progress, message=message,
+                                       session=self._session)
 
     @property
     def digest(self) -> str:
@@ -214,7 +227,7 @@ def _written(client: Client, session: Session | int, claim: Claim,
         fd = os.open(attempt, _TEMP_FLAGS, _FILE_MODE, dir_fd=parent)
         tmp = attempt
         with os.fdopen(fd, "wb") as f:
-            out = Output(claim, f, attributes=attributes)
+            out = Output(claim, f, attributes=attributes, _client=client, _session=session)
             yield out
             f.flush()
             os.fsync(f.fileno())

@@ -90,6 +90,20 @@ MAX_ATTRIBUTES_BYTES = 4096
 #: again (``fail --delay``, ``nack --delay``): a week; longer is a mistake, not a plan
 MAX_DELAY_SECONDS = 7 * 86400
 
+#: a checkpoint's limits: its opaque ``data`` and its ``message``. The latest of each
+#: attempt is kept on a key of its own beside the entry, so its size never rides on
+#: the entry's transitions
+MAX_CHECKPOINT_BYTES = 64 * 1024
+MAX_CHECKPOINT_MESSAGE = 200
+
+
+def data_digest(data: bytes) -> str:
+    """BLAKE3 hex of ``data`` (a checkpoint's, so a resuming agent can check it)."""
+    import blake3
+
+    return str(blake3.blake3(data).hexdigest())
+
+
 #: the largest reply: every entry of a task at its limits, with room to spare
 MAX_REPLY_BYTES = 256 * MiB
 #: the most digest reports one ReportVerificationBatch carries (a watcher sends what

@@ -26,6 +26,7 @@ from typing import Any
 
 from ..kernel.errors import BatonError, Internal, InvalidArgument, Unavailable, to_status
 from ..kernel.v1 import baton_pb2 as pb
+from .checkpoints import Checkpoints
 from .consumers import Consumers
 from .fused import Fused
 from .identity import Caller, scoped_request_id
@@ -46,7 +47,7 @@ METHODS = {
     "ack": "Ack", "nack": "Nack", "claim_batch": "ClaimBatch",
     "commit_batch": "CommitBatch", "consume_batch": "ConsumeBatch", "ack_batch": "AckBatch",
     "keepalive": "KeepAlive", "commit_and_claim": "CommitAndClaim",
-    "ack_and_consume": "AckAndConsume",
+    "ack_and_consume": "AckAndConsume", "checkpoint": "Checkpoint",
 }
 
 
@@ -77,7 +78,7 @@ class AgentStreams:
     """Serves ``Session`` streams over the handlers the unary methods use."""
 
     def __init__(self, sessions: Sessions, producers: Producers, consumers: Consumers,
-                 record: Recorder | None = None) -> None:
+                 checkpoints: Checkpoints, record: Recorder | None = None) -> None:
         fused = Fused(producers, consumers)
         self.sessions = sessions
         self.record = record
@@ -103,6 +104,7 @@ class AgentStreams:
             "keepalive": sessions.keepalive,
             "commit_and_claim": fused.commit_and_claim,
             "ack_and_consume": fused.ack_and_consume,
+            "checkpoint": checkpoints.checkpoint,
         }
 
     async def serve(self, requests: AsyncIterator[Any], caller: Caller

@@ -56,12 +56,12 @@ PAGE = 64
 # take ---------------------------------------------------------------------------
 
 def take(core: Core, txn: Txn, ref: ClaimRef, slots: Slots, identity: str,
-         deadline: float) -> None:
+         deadline: float, stall_after: float = 0.0) -> None:
     """Add a claim to the caller's transaction: a slot of the session (refused with
     ``SlotsExhausted`` before anything is written when none is free), the claim key on
     the session's lease, its twin and its deadline key (``deadline`` seconds; none for
-    0). The claim key is created: its create revision, the transaction's, is the
-    token."""
+    0) and, with ``stall_after``, when it counts as stalled without a checkpoint. The
+    claim key is created: its create revision, the transaction's, is the token."""
     slot = slots.reserve(core.rng)
     if slot >= 0:
         # create-only: two concurrent claims can never both take the last slot
@@ -76,6 +76,7 @@ def take(core: Core, txn: Txn, ref: ClaimRef, slots: Slots, identity: str,
         # no twin can be left over, and the put spares the consume a compare.
         txn.put(core.keys.inflight(ref), value)
     core.arm_deadline(txn, ref, deadline)
+    core.arm_stall(txn, ref, stall_after)
 
 
 # check --------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from ..kernel.errors import IllegalTransition, InvalidArgument, NothingToClaim
 from ..kernel.v1 import baton_pb2 as pb
 from ._etcd import KV, present
 from .access import check_consumer, consumers_of
+from .checkpoints import drop, resume
 from .claim import PAGE, Ask, Head, check_live, end, pick, take
 from .claims import (
     Slots,
@@ -50,12 +51,14 @@ def _consumable(group: str) -> Callable[[EntryRecord], bool]:
     return consumable
 
 
-def _leased(rec: EntryRecord, staging: str, revision: int, token: int,
-            group: str) -> pb.ConsumeResponse:
-    """The reply for one lease: the entry as read (at ``revision``) and its token."""
+def _leased(rec: EntryRecord, staging: str, revision: int, token: int, group: str,
+            checkpoint: pb.Checkpoint | None = None, attempt: int = 1) -> pb.ConsumeResponse:
+    """The reply for one lease: the entry as read (at ``revision``), its token, and
+    the checkpoint an earlier lease of the group left with this lease's number."""
     entry = rec.to_pb(staging, revision=revision)
     return pb.ConsumeResponse(entry=entry, token=token, path=entry.abs_path, size=rec.size,
-                              digest=rec.digest, group=group)
+                              digest=rec.digest, group=group, checkpoint=checkpoint,
+                              attempt=attempt)
 
 
 class Consumers:
@@ -101,10 +104,10 @@ class Consumers:
             else:
                 ((entry_kv, rec),) = await self._pick(txn, req.task_id, req.group,
                                                       consumable)
-            self._lease(txn, rec, req.group, slots, caller)
+            resumed = await self._lease(txn, rec, req.group, slots, caller)
             revision = entry_kv.mod_revision
 
-            return lambda rev: _leased(rec, staging, revision, rev, req.group)
+            return lambda rev: _leased(rec, staging, revision, rev, req.group, *resumed)
 
         def replay(raw: bytes, rev: int) -> pb.ConsumeResponse:
             resp = pb.ConsumeResponse.FromString(raw)
@@ -125,18 +128,21 @@ class Consumers:
         check_consumer(caller, task_id, group, consumers_of(task.access, group))
         return await Slots.read(txn, self.keys, record)
 
-    def _lease(self, txn: Txn, rec: EntryRecord, group: str, slots: Slots,
-               caller: Caller) -> None:
+    async def _lease(self, txn: Txn, rec: EntryRecord, group: str, slots: Slots,
+                     caller: Caller) -> tuple[pb.Checkpoint | None, int]:
         """Add one consume-claim (a lease of a verified entry to the session) to a
-        transaction being planned: guarded on the entry's claimable key for ``group``."""
+        transaction being planned: guarded on the entry's claimable key for ``group``.
+        Returns the checkpoint an earlier lease of the group left, and this lease's
+        number."""
+        ref = ClaimRef("c", rec.task_id, rec.file_id, group)
         # first: a session without a free slot is refused before anything is written
-        take(self.core, txn, ClaimRef("c", rec.task_id, rec.file_id, group), slots,
-             caller.name, rec.consume_deadline)
+        take(self.core, txn, ref, slots, caller.name, rec.consume_deadline, rec.stall_after)
         cready_key = self.keys.cready(rec.task_id, group, rec.file_id)
         txn.require(present(cready_key))
         txn.delete(cready_key)
         self.core.journal_only(rec, "consuming", txn, who=caller.name, label=slots.agent,
                                group=group)
+        return await resume(self.core, txn, rec, ref)
 
     async def consume_batch(self, req: pb.ConsumeBatchRequest,
                             caller: Caller) -> pb.ConsumeBatchResponse:
@@ -156,13 +162,13 @@ class Consumers:
             free = slots.free
             picked = await self._pick(txn, req.task_id, req.group, _consumable(req.group),
                                       want if free is None else max(1, min(want, free)))
-            for _, rec in picked:
-                self._lease(txn, rec, req.group, slots, caller)
+            resumed = [await self._lease(txn, rec, req.group, slots, caller)
+                       for _, rec in picked]
 
             def reply(rev: int) -> pb.ConsumeBatchResponse:
                 return pb.ConsumeBatchResponse(leases=[
-                    _leased(rec, staging, kv.mod_revision, rev, req.group)
-                    for kv, rec in picked])
+                    _leased(rec, staging, kv.mod_revision, rev, req.group, *r)
+                    for (kv, rec), r in zip(picked, resumed, strict=True)])
 
             return reply
 
@@ -207,8 +213,9 @@ class Consumers:
             end(self.core, txn, ask.ref, claim, guard=True)  # guarded on the token
         return out
 
-    def _ack(self, rec: EntryRecord, claim: KV, req: pb.AckRequest) -> None:
-        """One group's ack of a verified entry (the caller writes the entry)."""
+    def _ack(self, txn: Txn, rec: EntryRecord, claim: KV, req: pb.AckRequest) -> None:
+        """One group's ack of a verified entry (the caller writes the entry); the
+        group's checkpoint is moot from then on."""
         if rec.state != VERIFIED:
             raise IllegalTransition(
                 f"entry {rec.file_id!r} is {rec.state}: its verified bytes are gone "
@@ -217,6 +224,7 @@ class Consumers:
             )
         if req.group not in rec.consumed_by:
             rec.consumed_by.append(req.group)
+        drop(self.core, txn, rec, ClaimRef("c", rec.task_id, rec.file_id, req.group))
         rec.remember("acked", **actor_of(claim), group=req.group, token=req.token)
         if all(g in rec.consumed_by for g in rec.receivers):
             apply(rec, Event.CONSUME)
@@ -226,7 +234,7 @@ class Consumers:
 
         async def planner(txn: Txn) -> Callable[[int], pb.Entry]:
             ((claim, rec),) = await self._live(txn, [req], caller)
-            self._ack(rec, claim, req)
+            self._ack(txn, rec, claim, req)
             self.core.put_entry(rec, txn)
             return lambda rev: rec.to_pb(staging, revision=rev)
 
@@ -254,7 +262,7 @@ class Consumers:
         async def planner(txn: Txn) -> Callable[[int], pb.AckBatchResponse]:
             live = await self._live(txn, req.acks, caller)
             for (claim, rec), a in zip(live, req.acks, strict=True):
-                self._ack(rec, claim, a)
+                self._ack(txn, rec, claim, a)
             written = list({id(rec): rec for _, rec in live}.values())
             for rec in written:
                 self.core.put_entry(rec, txn)

@@ -324,6 +324,17 @@ class Core:
             due = int((self.clock() + seconds) * 1000)
             txn.put(self.keys.deadline(due, ref), b"")
 
+    def arm_stall(self, txn: Txn, ref: ClaimRef, seconds: float, token: int = 0,
+                  since: float = 0.0) -> None:
+        """When a claim counts as stalled: ``seconds`` after ``since`` (now) unless it
+        checkpoints, which ``stalls.Stalls`` enforces (none for 0). Written by the
+        claim's transaction, the key's create revision is the token; a key put again
+        later names it (``token``)."""
+        if seconds > 0:
+            due = int(((since or self.clock()) + seconds) * 1000)
+            value = {"after": seconds, **({"token": token} if token else {})}
+            txn.put(self.keys.stall(due, ref), json.dumps(value).encode())
+
     def journal_only(self, rec: EntryRecord, event: str, txn: Txn, **details: Any) -> None:
         """A journal record for an event that leaves the entry itself untouched
         (taking a consume lease): keyed after the entry's last record, made unique."""

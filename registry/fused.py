@@ -59,7 +59,6 @@ class Fused:
                                      "entry: it names no file_id")
         producers = self.producers
         staging = self.core.staging_dir(commit.task_id)
-        next_staging = self.core.staging_dir(task_id)
 
         async def planner(txn: Txn) -> Callable[[int], pb.CommitAndClaimResponse]:
             ((rec, claim),) = await producers._live_claims(
@@ -70,8 +69,8 @@ class Fused:
             refused: BatonError | None = None
             try:
                 slots = await producers._session(txn, task_id, session_id, caller)
-                (taken,) = await producers._pick(txn, task_id, 1, caller)
-                producers._claim(txn, taken, slots, session_id, caller)
+                (picked,) = await producers._pick(txn, task_id, 1, caller)
+                taken = await producers._claim(txn, picked, slots, session_id, caller)
             except BatonError as e:
                 if not final(txn, e):
                     raise  # decided on a view that may be behind: plan again on etcd
@@ -80,9 +79,7 @@ class Fused:
             def reply(rev: int) -> pb.CommitAndClaimResponse:
                 out = pb.CommitAndClaimResponse(entry=rec.to_pb(staging, revision=rev))
                 if taken is not None:
-                    entry = taken.to_pb(next_staging, revision=rev, token=rev)
-                    out.next.CopyFrom(pb.ClaimResponse(entry=entry, token=rev,
-                                                       path=entry.abs_path))
+                    out.next.CopyFrom(taken(rev))
                 elif refused is not None:
                     out.next_error.CopyFrom(next_error(refused))
                 return out
@@ -118,14 +115,15 @@ class Fused:
 
         async def planner(txn: Txn) -> Callable[[int], pb.AckAndConsumeResponse]:
             ((claim, rec),) = await consumers._live(txn, [ack], caller)
-            consumers._ack(rec, claim, ack)
+            consumers._ack(txn, rec, claim, ack)
             self.core.put_entry(rec, txn)
             taken = None
+            resumed: tuple[pb.Checkpoint | None, int] = (None, 1)
             refused: BatonError | None = None
             try:
                 slots = await consumers._session(txn, task_id, group, session_id, caller)
                 ((entry_kv, taken),) = await consumers._pick(txn, task_id, group, consumable)
-                consumers._lease(txn, taken, group, slots, caller)
+                resumed = await consumers._lease(txn, taken, group, slots, caller)
                 read_at = entry_kv.mod_revision
             except BatonError as e:
                 if not final(txn, e):
@@ -135,7 +133,8 @@ class Fused:
             def reply(rev: int) -> pb.AckAndConsumeResponse:
                 out = pb.AckAndConsumeResponse(entry=rec.to_pb(staging, revision=rev))
                 if taken is not None:
-                    out.next.CopyFrom(_leased(taken, next_staging, read_at, rev, group))
+                    out.next.CopyFrom(_leased(taken, next_staging, read_at, rev, group,
+                                              *resumed))
                 elif refused is not None:
                     out.next_error.CopyFrom(next_error(refused))
                 return out

@@ -15,6 +15,10 @@ Layout under the prefix (default ``/baton/v1/``)::
     open/{task}/{file}                 index: entry not done yet (task completion)
     dead/{task}/{file}                 index: entry is dead
     journal/{task}/{file}/{seq}        one record per transition, same transaction
+    checkpoints/{task}/p/{file}        the latest checkpoint of a producer's attempt
+    checkpoints/{task}/c/{group}/{file}  and of a consumer group's lease (durable)
+    stalls/{due}/p/{task}/{file}       when an attempt counts as stalled (epoch ms) unless
+    stalls/{due}/c/{task}/{group}/{file}  it checkpoints: {token, after}
     slots/{session}/{n}                leased: one of the session's claim slots
     claims/p/{task}/{file}             leased producer claim   (lease = the session's)
     claims/c/{task}/{group}/{file}     leased consume-claim    (lease = the session's)
@@ -221,6 +225,27 @@ class Keys:
         if parts[0] == "c" and len(parts) == 4:
             return ClaimRef("c", parts[1], parts[3], group=parts[2])
         raise ValueError(f"not a claim key: {key!r}")
+
+    # checkpoints and stalls
+    def checkpoint(self, ref: ClaimRef) -> bytes:
+        """The latest checkpoint of the attempts on a claim's entry (and group)."""
+        if ref.kind == "p":
+            return self._k("checkpoints", ref.task_id, "p", ref.file_id)
+        return self._k("checkpoints", ref.task_id, "c", ref.group, ref.file_id)
+
+    def checkpoints_of_task(self, task_id: str) -> bytes:
+        return self._k("checkpoints", task_id, "")
+
+    def stall(self, due_ms: int, ref: ClaimRef) -> bytes:
+        return self._k("stalls", f"{due_ms:015d}", *self._ref_parts(ref))
+
+    def stalls(self) -> bytes:
+        return self._k("stalls", "")
+
+    def parse_stall(self, key: bytes) -> tuple[int, ClaimRef]:
+        """(due, in epoch ms; the claim) of a stall key."""
+        due, _, rest = key[len(self.stalls()):].partition(b"/")
+        return int(due), self._parse_ref(rest, b"")
 
     # processing deadlines
     def deadline(self, due_ms: int, ref: ClaimRef) -> bytes:

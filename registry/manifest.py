@@ -14,7 +14,8 @@ Limits (documented in docs/cli.md, "The manifest"):
   is released like one with a few)
 - ``priority`` 0..9; ``aging_seconds`` 0..86400; backoff values finite, ≥ 0, cap ≤ 86400;
   ``archive_after_seconds`` finite
-- ``claim_deadline_seconds``, ``consume_deadline_seconds`` (task and entries) 0..a week
+- ``claim_deadline_seconds``, ``consume_deadline_seconds``, ``stall_after_seconds``
+  (task and entries) 0..a week
 - ``staging_retention_seconds`` (task and entries) finite, at most ``MAX_RETENTION``
 - ``parts`` name other entries of the task, each once; a part belongs to one
   assembly only; an assembly has no ``depends_on`` and is not itself a part; an
@@ -281,7 +282,8 @@ def validate(spec: pb.TaskSpec) -> ValidTask:
         problems.append(f"aging_seconds {spec.aging_seconds} not within 0..86400")
     for where, obj in [("the task", spec), *((f"entry {shown(e.file_id)}", e)
                                             for e in spec.entries)]:
-        for name in ("claim_deadline_seconds", "consume_deadline_seconds"):
+        for name in ("claim_deadline_seconds", "consume_deadline_seconds",
+                     "stall_after_seconds"):
             value = getattr(obj, name)
             if not (math.isfinite(value) and 0 <= value <= MAX_DEADLINE):
                 problems.append(f"{where}: {name} {value} not within 0..{MAX_DEADLINE:.0f} "
@@ -377,6 +379,7 @@ def validate(spec: pb.TaskSpec) -> ValidTask:
             routing=bool(rules) and e.file_id not in owner,
             claim_deadline=e.claim_deadline_seconds or spec.claim_deadline_seconds,
             consume_deadline=e.consume_deadline_seconds or spec.consume_deadline_seconds,
+            stall_after=e.stall_after_seconds or spec.stall_after_seconds,
             # None: the registry's --staging-retention, filled in at creation
             staging_retention=(e.staging_retention_seconds
                                if e.HasField("staging_retention_seconds") else task_retention),

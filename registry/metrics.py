@@ -58,6 +58,7 @@ if TYPE_CHECKING:
     from .leases import Leases
     from .sessions import Reaper, Sessions
     from .shards import Shards
+    from .stalls import Stalls
 
 log = logging.getLogger("baton.registry")
 
@@ -146,6 +147,7 @@ class _Sources:
     etcd_members: EtcdMembers | None = None
     deadlines: Deadlines | None = None
     archiver: Archiver | None = None
+    stalls: Stalls | None = None
 
 
 class RegistryMetrics:
@@ -291,13 +293,14 @@ class RegistryMetrics:
     def bind(self, core: Core, reaper: Reaper | None = None,
              sessions: Sessions | None = None, shards: Shards | None = None,
              leases: Leases | None = None, etcd_members: EtcdMembers | None = None,
-             deadlines: Deadlines | None = None, archiver: Archiver | None = None) -> None:
+             deadlines: Deadlines | None = None, archiver: Archiver | None = None,
+             stalls: Stalls | None = None) -> None:
         """Read what ``core`` (its transactions, its view), ``reaper``, ``sessions``,
-        ``shards``, ``leases``, ``deadlines`` and ``archiver`` count, and compute the levels
-        from them, when scraped; and the etcd members' releases as ``etcd_members`` last
-        read them."""
+        ``shards``, ``leases``, ``deadlines``, ``archiver`` and ``stalls`` count, and
+        compute the levels from them, when scraped; and the etcd members' releases as
+        ``etcd_members`` last read them."""
         self._sources = _Sources(core, reaper, sessions, shards, leases, etcd_members,
-                                 deadlines, archiver)
+                                 deadlines, archiver, stalls)
 
     async def refresh(self) -> None:
         """Compute the levels: tasks by status (the view, else etcd) at every scrape,
@@ -405,6 +408,11 @@ class RegistryMetrics:
             yield CounterMetricFamily(
                 "baton_claims_expired", "Claims this replica took away at their processing "
                 "deadline (claim_deadline, consume_deadline)", value=deadlines.expired)
+        stalls = sources.stalls
+        if stalls is not None:
+            yield CounterMetricFamily(
+                "baton_claims_stalled", "Claims this replica took back as stalled: no "
+                "checkpoint within the entry's stall_after_seconds", value=stalls.stalled)
         archive = sources.archiver
         if archive is not None:
             yield CounterMetricFamily(

@@ -175,6 +175,16 @@ class EntryRecord:
     #: processing deadlines (seconds; 0: none): claim to commit, consume to ack
     claim_deadline: float = 0.0
     consume_deadline: float = 0.0
+    #: seconds an attempt may go without a checkpoint before it is taken back (0: never)
+    stall_after: float = 0.0
+    #: producer claims made of it so far: the number of the attempt in hand
+    attempts: int = 0
+    #: a producer's attempt left a checkpoint (``checkpoints/…/p/…``), and the consumer
+    #: groups whose leases did: read only then, so entries without any cost nothing
+    checkpointed: bool = False
+    group_checkpoints: list[str] = field(default_factory=list)
+    #: when the journal last recorded a checkpoint of it (at most one per 30 s)
+    checkpoint_journalled: float = 0.0
     #: seconds its file stays in staging once consumed (< 0: never), fixed at its
     #: creation; None: a record older than the staging retention, never removed
     staging_retention: float | None = None

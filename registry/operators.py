@@ -15,6 +15,8 @@ from ..kernel.errors import IllegalTransition, InvalidArgument, NotFound
 from ..kernel.v1 import baton_pb2 as pb
 from . import access, attempts
 from ._etcd import KV, Get
+from .checkpoints import CheckpointRecord
+from .checkpoints import peek as last_checkpoint
 from .claim import end_read
 from .claims import (
     SessionRecord,
@@ -440,6 +442,9 @@ class Operators:
             else:
                 s.append(f"It is claimable (priority {rec.priority}) and waits for a "
                          "producer to claim it.")
+            if rec.checkpointed:
+                s.append(await self._progress(rec, ClaimRef("p", rec.task_id, rec.file_id),
+                                              None))
         elif rec.state == WRITING:
             claim = await self.core.etcd.get(
                 self.keys.claim(ClaimRef("p", rec.task_id, rec.file_id)))
@@ -454,6 +459,8 @@ class Operators:
                 under = f" under token {claim.create_revision}" if tokens else ""
                 s.append(f"Agent {claim_holder(claim)} (session {claim_session(claim)}) is "
                          f"producing it{under}; its lease has {ttl}s left.")
+                s.append(await self._progress(rec, ClaimRef("p", rec.task_id, rec.file_id),
+                                              claim))
                 if rec.claim_deadline:
                     s.append(f"Its claim is taken away if not committed within "
                              f"{rec.claim_deadline:g} s of the claim (claim_deadline).")
@@ -473,8 +480,11 @@ class Operators:
                 c = await self.core.etcd.get(
                     self.keys.claim(ClaimRef("c", rec.task_id, rec.file_id, g)))
                 if c is not None:
+                    ref = ClaimRef("c", rec.task_id, rec.file_id, g)
+                    progress = (await self._progress(rec, ref, c)).rstrip(".")
                     held.append(f"{g} (agent {claim_holder(c)}"
-                                f"{f', token {c.create_revision}' if tokens else ''})")
+                                f"{f', token {c.create_revision}' if tokens else ''}"
+                                f"{f'; {progress}' if progress else ''})")
             s.append(f"Its bytes are verified (digest {rec.digest[:16]}…)." + (
                 f" Consumer groups still to ack: {', '.join(waiting)}." if waiting else
                 " It has no consumer groups, so it is done."))
@@ -497,7 +507,26 @@ class Operators:
             if rec.dependents:
                 s.append(f"Dependents blocked by it: {_names(rec.dependents)}.")
         s += _routing(task, rec)
-        return " ".join(s)
+        return " ".join(part for part in s if part)
+
+    async def _progress(self, rec: EntryRecord, ref: ClaimRef, claim: KV | None) -> str:
+        """What the checkpoints say of the attempt holding ``claim`` (None: of the
+        last attempt, for the next to resume from), and when it would stall."""
+        kept = await last_checkpoint(self.core, rec, ref)
+        now = self.core.clock()
+        if claim is None:
+            return ("" if kept is None else
+                    f"The next attempt resumes from the checkpoint of attempt "
+                    f"{kept.attempt} ({kept.progress:.0%}, {now - kept.at:.0f} s ago"
+                    f"{f': {kept.message}' if kept.message else ''}).")
+        stall = (f"It is taken back as stalled after {rec.stall_after:g} s without a "
+                 "checkpoint (stall_after)." if rec.stall_after else "")
+        if kept is not None and kept.token == claim.create_revision:
+            text = (f"Its last checkpoint, {now - kept.at:.0f} s ago, says {kept.progress:.0%}"
+                    f"{f' ({kept.message})' if kept.message else ''}.")
+            return f"{text} {stall}".rstrip()
+        # nothing to say of an attempt that may checkpoint and has not
+        return f"It has not checkpointed yet. {stall}" if stall else ""
 
     async def _waiting_for(self, rec: EntryRecord, names: list[str],
                            good: tuple[str, ...], what: str) -> str:
@@ -513,6 +542,7 @@ class Operators:
         """Every live session with the claims it holds (both listings read a page at a
         time; every claim is in the answer, so the claims are held by session)."""
         by_session: dict[int, list[pb.ClaimInfo]] = {}
+        refs: list[tuple[ClaimRef, pb.ClaimInfo]] = []
         claims = self.core.etcd.scan(self.keys.claims_all(), page=LIST_PAGE)
         async with contextlib.aclosing(claims):
             async for kv in claims:
@@ -524,6 +554,19 @@ class Operators:
                 by_session.setdefault(claim_session(kv), []).append(pb.ClaimInfo(
                     task_id=ref.task_id, file_id=ref.file_id, group=ref.group,
                     token=kv.create_revision, claimed_at=claimed_at(kv)))
+                refs.append((ref, by_session[claim_session(kv)][-1]))
+        # Each claim's progress: its checkpoint key, read a chunk per request.
+        chunks = self.core.etcd.get_chunks([self.keys.checkpoint(ref) for ref, _ in refs])
+        done = 0
+        async with contextlib.aclosing(chunks):
+            async for _, found in chunks:
+                for _, value in found:
+                    info = refs[done][1]
+                    done += 1
+                    kept = CheckpointRecord.load(value)
+                    if kept is not None and kept.token == info.token:
+                        info.progress = kept.progress
+                        info.checkpoint_at = kept.stamp
         sessions: list[KV] = []
         pages = self.core.etcd.scan(self.keys.agents(), page=LIST_PAGE)
         async with contextlib.aclosing(pages):

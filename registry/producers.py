@@ -13,6 +13,7 @@ from ..kernel.errors import (
 from ..kernel.v1 import baton_pb2 as pb
 from ._etcd import KV, present
 from .access import check_producer
+from .checkpoints import drop, resume
 from .claim import PAGE, Ask, Head, check_live, end, pick, take
 from .claims import (
     Slots,
@@ -50,9 +51,11 @@ class Producers:
 
     # claim -----------------------------------------------------------------
 
-    def _claim(self, txn: Txn, rec: EntryRecord, slots: Slots, session_id: int,
-               caller: Caller) -> None:
-        """Add one claim (pending → writing) to a transaction being planned."""
+    async def _claim(self, txn: Txn, rec: EntryRecord, slots: Slots, session_id: int,
+                     caller: Caller) -> Callable[[int], pb.ClaimResponse]:
+        """Add one claim (pending → writing) to a transaction being planned; returns
+        its reply, given the transaction's revision (the token): with the checkpoint an
+        earlier attempt left, and this attempt's number."""
         check_producer(caller, rec.task_id, rec.file_id, rec.producers)
         claimable = rec.index.startswith(self.keys.ready_all(rec.task_id).decode()) or (
             rec.index.startswith(self.keys.delayed_of_task(rec.task_id).decode())
@@ -60,14 +63,24 @@ class Producers:
         if not claimable:
             raise IllegalTransition(f"entry {rec.file_id!r} is not claimable yet")
         # first: a session without a free slot is refused before anything is written
-        take(self.core, txn, ClaimRef("p", rec.task_id, rec.file_id), slots, caller.name,
-             rec.claim_deadline)
+        ref = ClaimRef("p", rec.task_id, rec.file_id)
+        take(self.core, txn, ref, slots, caller.name, rec.claim_deadline, rec.stall_after)
         txn.require(present(rec.index.encode()))
         apply(rec, Event.CLAIM)
         rec.owner, rec.session = slots.agent, session_id
+        rec.attempts += 1
         rec.remember("claimed", who=caller.name, label=slots.agent, attempt=rec.retry_count,
                      **({"host": slots.host} if slots.host else {}))
         self.core.put_entry(rec, txn)
+        checkpoint, attempt = await resume(self.core, txn, rec, ref)
+        staging = self.core.staging_dir(rec.task_id)
+
+        def reply(rev: int) -> pb.ClaimResponse:
+            entry = rec.to_pb(staging, revision=rev, token=rev)
+            return pb.ClaimResponse(entry=entry, token=rev, path=entry.abs_path,
+                                    checkpoint=checkpoint, attempt=attempt)
+
+        return reply
 
     async def _session(self, txn: Txn, task_id: str, session_id: int, caller: Caller) -> Slots:
         """The task must hand out work and the session must live, take work (not
@@ -106,13 +119,7 @@ class Producers:
                 self._check_claimable(rec, staging)
             else:
                 (rec,) = await self._pick(txn, req.task_id, 1, caller)
-            self._claim(txn, rec, slots, req.session_id, caller)
-
-            def reply(rev: int) -> pb.ClaimResponse:
-                entry = rec.to_pb(staging, revision=rev, token=rev)
-                return pb.ClaimResponse(entry=entry, token=rev, path=entry.abs_path)
-
-            return reply
+            return await self._claim(txn, rec, slots, req.session_id, caller)
 
         def replay(raw: bytes, rev: int) -> pb.ClaimResponse:
             resp = pb.ClaimResponse.FromString(raw)
@@ -184,22 +191,17 @@ class Producers:
         if req.max < 1:
             raise InvalidArgument("max must be at least 1")
         want = min(req.max, MAX_TXN_OPS // OPS_PER_CLAIM)
-        staging = self.core.staging_dir(req.task_id)
 
         async def planner(txn: Txn) -> Callable[[int], pb.ClaimBatchResponse]:
             slots = await self._session(txn, req.task_id, req.session_id, caller)
             free = slots.free
             picked = await self._pick(txn, req.task_id, want if free is None else
                                       max(1, min(want, free)), caller)
-            for rec in picked:
-                self._claim(txn, rec, slots, req.session_id, caller)
+            replies = [await self._claim(txn, rec, slots, req.session_id, caller)
+                       for rec in picked]
 
             def reply(rev: int) -> pb.ClaimBatchResponse:
-                out = []
-                for rec in picked:
-                    entry = rec.to_pb(staging, revision=rev, token=rev)
-                    out.append(pb.ClaimResponse(entry=entry, token=rev, path=entry.abs_path))
-                return pb.ClaimBatchResponse(claims=out)
+                return pb.ClaimBatchResponse(claims=[r(rev) for r in replies])
 
             return reply
 
@@ -256,6 +258,9 @@ class Producers:
             raise InvalidArgument(f"commit of {rec.task_id}/{rec.file_id}: {e.message}",
                                   task_id=rec.task_id, file_id=rec.file_id) from None
         self._finish_claim(txn, rec, claim, req.token)
+        # a commit makes the attempt's checkpoint moot: the next attempt, if a report
+        # sends the entry back, starts afresh on what is on disk
+        drop(self.core, txn, rec, ClaimRef("p", rec.task_id, rec.file_id))
         apply(rec, Event.COMMIT)
         rec.size, rec.committed_digest = req.size, req.digest
         # Kept as sent (numbers keep every digit), and only when there is something.

@@ -43,6 +43,7 @@ from .scheduler import Scheduler
 from .service import Parts, serve_all
 from .sessions import Reaper
 from .shards import Assigner, Shards
+from .stalls import Stalls
 from .tls import ServerCertificates, is_loopback
 
 log = logging.getLogger("baton.registry")
@@ -70,6 +71,8 @@ class Running:
     metrics_port: int = 0
     #: the agents' session streams this replica serves
     streams: AgentStreams | None = None
+    #: takes back attempts that stopped checkpointing
+    stalls: Stalls | None = None
 
     async def stop(self, grace: float | None = 5.0) -> None:
         """Stop taking calls, let in-flight ones finish within ``grace``, then close."""
@@ -249,6 +252,9 @@ async def _start(config: RegistryConfig, certificates: ServerCertificates | None
     deadlines = Deadlines(core)
     background.append(asyncio.create_task(
         every(config.reap_interval, stop, deadlines.sweep, "deadlines")))
+    stalls = Stalls(core)
+    background.append(asyncio.create_task(
+        every(config.reap_interval, stop, stalls.sweep, "stalls")))
     if archiver is not None:
         # One replica archives (and expires) at a time; every one reads the store.
         election = Election(etcd, config.prefix, "archiver", config.archive_lease_ttl,
@@ -262,9 +268,9 @@ async def _start(config: RegistryConfig, certificates: ServerCertificates | None
              version, config.prefix, config.staging)
     if metrics is not None:
         metrics.bind(core, reaper, service.sessions, shards, service.leases, members,
-                     deadlines, archiver)
+                     deadlines, archiver, stalls)
     return Running(port, server, etcd, core, reaper, scheduler, health_servicer, stop, background,
-                   assigner, members, metrics, metrics_port, service.streams)
+                   assigner, members, metrics, metrics_port, service.streams, stalls)
 
 
 def archive_store(config: RegistryConfig) -> ArchiveStore | None:

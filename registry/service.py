@@ -24,6 +24,7 @@ from ..kernel.v1 import baton_pb2 as pb
 from ..kernel.v1 import baton_pb2_grpc as pb_grpc
 from .access import check_reader
 from .agent_stream import AgentStreams, call_error
+from .checkpoints import Checkpoints
 from .consumers import Consumers
 from .core import Core
 from .identity import WATCHER, current, redact, scoped_request_id
@@ -48,12 +49,14 @@ class Parts:
         self.tasks = Tasks(core)
         self.producers = Producers(core)
         self.consumers = Consumers(core)
+        self.checkpoints = Checkpoints(core)
         self.leases = Leases(core)
         self.sessions = Sessions(core, renew=self.leases.renew)
         self.operators = Operators(core)
         self.removal = Removal(core)
         self.retention = StagingRetention(core)
-        self.streams = AgentStreams(self.sessions, self.producers, self.consumers)
+        self.streams = AgentStreams(self.sessions, self.producers, self.consumers,
+                                    self.checkpoints)
 
     async def readable(self, task_id: str) -> None:
         """Refuse a read of ``task_id``'s contents its access rules do not allow the
@@ -136,6 +139,10 @@ class AgentService(pb_grpc.AgentServiceServicer):
 
     async def Fail(self, request: pb.FailRequest, context: Context) -> pb.FailResponse:
         return pb.FailResponse(entry=await self.producers.fail(request, current()))
+
+    async def Checkpoint(self, request: pb.CheckpointRequest, context: Context
+                         ) -> pb.CheckpointResponse:
+        return await self.parts.checkpoints.checkpoint(request, current())
 
     async def Consume(self, request: pb.ConsumeRequest, context: Context) -> pb.ConsumeResponse:
         return await self.consumers.consume(request, current())

@@ -86,6 +86,10 @@ class RegistryHandle:
     def reaper(self) -> Any:
         return self._running.reaper
 
+    @property
+    def stalls(self) -> Any:
+        return self._running.stalls
+
     def stop(self, grace: float = 0.5) -> None:
         if self.stopped:
             return

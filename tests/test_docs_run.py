@@ -512,6 +512,12 @@ class Transcripts:
         with self.client() as c:
             self.learn(27, c.claim("scan-42", "p2", session=self.session(c, "render-1")).token)
 
+    def p2_claimed_with_state(self) -> None:
+        """p2 claimed (token 27), and the 312 bytes of ./state.bin its agent would resume
+        from."""
+        self.p2_claimed()
+        (self.work / "state.bin").write_bytes(os.urandom(312))
+
     def a_session(self) -> None:
         """A session of 60 s (the transcript's 1219809381871707840)."""
         with self.client() as c:
@@ -623,6 +629,8 @@ PREPARE: dict[str, Callable[[Transcripts], None] | None] = {
         Transcripts.p1_file,  # p1 claimed above
     "baton claim scan-42 --batch 2 -o json > claims.json": Transcripts.p1_p2_claimed,
     'baton fail scan-42 p2 --token 27 --reason "scanner jammed"': Transcripts.p2_claimed,
+    "baton checkpoint scan-42 p2 --token 27 --progress 0.4 --message "
+    '"page 40 of 100" --data-file ./state.bin': Transcripts.p2_claimed_with_state,
     "baton put scan-42 p1 ./p1.png": Transcripts.fresh,
     "baton consume scan-42 --group ocr --wait 300 -o json": None,  # p1, put above
     "baton ack scan-42 p1 --group ocr --token 41": None,  # consumed above

@@ -184,6 +184,7 @@ def _request(method: str, world: dict[str, Any]) -> Any:
         "CommitBatch": pb.CommitBatchRequest(commits=[pb.CommitRequest(
             task_id=t, file_id=f, token=tok, size=1, digest=DIGEST)]),
         "Fail": pb.FailRequest(task_id=t, file_id=f, token=tok),
+        "Checkpoint": pb.CheckpointRequest(task_id=t, file_id=f, token=tok, progress=0.5),
         "ReportVerification": pb.ReportVerificationRequest(task_id=t, file_id=f, size=1,
                                                     digest=DIGEST),
         "ReportVerificationBatch": pb.ReportVerificationBatchRequest(reports=[

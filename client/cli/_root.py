@@ -31,6 +31,7 @@ from ._common import (
 COMMANDS = {
     "ack": "agents",
     "ack-batch": "agents",
+    "checkpoint": "agents",
     "claim": "agents",
     "commit": "agents",
     "commit-batch": "agents",

@@ -1,5 +1,5 @@
-"""Agent commands: claim, commit, commit-batch, fail, put, consume, ack, ack-batch, nack,
-sessions, watch."""
+"""Agent commands: claim, commit, commit-batch, fail, checkpoint, put, consume, ack,
+ack-batch, nack, sessions, watch."""
 
 from __future__ import annotations
 
@@ -149,10 +149,10 @@ def commit_batch(settings: Settings, commits: IO[bytes], output: str) -> None:
 
 #: keys of a commit-batch item; ``path`` and ``session`` come along from `claim -o json`
 COMMIT_KEYS = {"task": str, "file_id": str, "token": int, "size": int, "digest": str}
-IGNORED_KEYS = {"path", "session"}
+IGNORED_KEYS = {"path", "session", "attempt", "checkpoint"}
 #: keys of an ack-batch item; the rest of `consume -o json` comes along, ignored
 ACK_KEYS = {"task": str, "file_id": str, "group": str, "token": int}
-ACK_IGNORED_KEYS = {"path", "size", "digest", "session"}
+ACK_IGNORED_KEYS = {"path", "size", "digest", "session", "attempt", "checkpoint"}
 
 
 def load_batch(source: IO[bytes], what: str, keys: dict[str, type], defaults: dict[str, Any],
@@ -222,6 +222,43 @@ def fail(settings: Settings, task_id: str, file_id: str, token: int, reason: str
     """
     emit_entry(settings.client().fail(task_id, file_id, token, reason, permanent=permanent,
                                       delay=delay), output)
+
+
+@cli.command()
+@click.argument("task_id", metavar="TASK")
+@click.argument("file_id")
+@click.option("--token", type=int, required=True,
+              help="the fencing token of the claim (or, with --group, of the consume lease)")
+@click.option("--group", default="", help="the consumer group of a consume lease; "
+              "none: a producer's claim")
+@click.option("--progress", type=float, default=0.0, show_default=True,
+              help="how far the attempt got, a fraction within 0..1")
+@click.option("--message", default="", help="a short note (at most 200 characters)")
+@click.option("--data-file", type=click.Path(exists=True, dir_okay=False, allow_dash=True,
+                                             path_type=Path),
+              help="opaque bytes for the next attempt to resume from, at most 64 KiB "
+                   "(- reads stdin)")
+@output_option
+@pass_settings
+def checkpoint(settings: Settings, task_id: str, file_id: str, token: int, group: str,
+               progress: float, message: str, data_file: Path | None, output: str) -> None:
+    """Record how far a claim (or a consume lease) got.
+
+    The registry keeps the latest checkpoint of the entry (per consumer group for a
+    lease); if this attempt does not finish, the next attempt's claim (consume)
+    carries it, with the data of --data-file, so that it resumes there.
+    """
+    data = b""
+    if data_file is not None:
+        data = sys.stdin.buffer.read() if str(data_file) == "-" else data_file.read_bytes()
+    kept = settings.client().checkpoint(task_id, file_id, token, data=data,
+                                        progress=progress, message=message, group=group)
+    if output == "json":
+        emit_json(as_dict(kept))
+    else:
+        click.echo(f"{task_id}/{file_id}: checkpoint of attempt {kept.attempt} at "
+                   f"{kept.progress:.0%}, {len(data)} bytes (blake3 {kept.digest[:16]}), "
+                   f"{kept.at}")
 
 
 @cli.command()

@@ -96,8 +96,9 @@ def held_for(claimed_at: str, now: float) -> float | None:
 def lease_show(settings: Settings, session_id: int, output: str) -> None:
     """One session and each claim it holds.
 
-    Per claim: task, file, kind (produce, or consume for a group), token, and
-    how long it has been held (from the claim's time, on this machine's clock).
+    Per claim: task, file, kind (produce, or consume for a group), token, how
+    long it has been held (from the claim's time, on this machine's clock), and
+    the progress its last checkpoint gave with that checkpoint's age ("-": none yet).
     Exit 5 if there is no such live session.
     """
     found = [a for a in settings.client().list_agents() if a.session_id == session_id]
@@ -108,7 +109,10 @@ def lease_show(settings: Settings, session_id: int, output: str) -> None:
     claims = [{"task": c.task_id, "file_id": c.file_id,
                "kind": f"consume {c.group}" if c.group else "produce", "group": c.group,
                "token": c.token, "claimed_at": c.claimed_at,
-               "held": held_for(c.claimed_at, now)}
+               "held": held_for(c.claimed_at, now),
+               "progress": c.progress if c.checkpoint_at else None,
+               "checkpoint_at": c.checkpoint_at,
+               "checkpoint_age": held_for(c.checkpoint_at, now)}
               for c in sorted(a.claims, key=lambda c: (c.task_id, c.file_id, c.group))]
     if output == "json":
         emit_json({**session_row(a), "lease": str(a.lease_id), "slots": a.slots,
@@ -121,11 +125,14 @@ def lease_show(settings: Settings, session_id: int, output: str) -> None:
     if not claims:
         click.echo("no claims")
         return
-    table = folding_table("task", "file", "kind", "token", "held", whole=("token",))
+    table = folding_table("task", "file", "kind", "token", "held", "progress", "checkpoint",
+                          whole=("token",))
     for c in claims:
-        held = c["held"]
+        held, progress, age = c["held"], c["progress"], c["checkpoint_age"]
         table.add_row(str(c["task"]), str(c["file_id"]), str(c["kind"]), str(c["token"]),
-                      "-" if held is None else f"{held:.0f} s")
+                      "-" if held is None else f"{held:.0f} s",
+                      "-" if progress is None else f"{progress:.0%}",
+                      "-" if age is None else f"{age:.0f} s ago")
     emit_table(table)
 
 

@@ -484,9 +484,21 @@ def _claims_text(agent: pb.AgentInfo) -> str:
     if not agent.claims:
         return "-"
     names = [f"{c.task_id}/{c.file_id}" + (f"/{c.group}" if c.group else "")
-             for c in agent.claims[:CLAIMS_SHOWN]]
+             + _progress_text(c) for c in agent.claims[:CLAIMS_SHOWN]]
     more = len(agent.claims) - len(names)
     return f"{len(agent.claims)}: {', '.join(names)}" + (f", +{more}" if more > 0 else "")
+
+
+def _progress_text(claim: pb.ClaimInfo) -> str:
+    """A claim's progress by its last checkpoint and that checkpoint's age."""
+    if not claim.checkpoint_at:
+        return ""
+    try:
+        at = datetime.fromisoformat(claim.checkpoint_at.replace("Z", "+00:00"))
+    except ValueError:
+        return f" {claim.progress:.0%}"
+    age = max((utc_now() - at).total_seconds(), 0.0)
+    return f" {claim.progress:.0%} ({age:.0f} s ago)"
 
 
 def _more(table: Any, total: int, rows: int) -> None:

@@ -135,6 +135,7 @@ class EntrySpec(_message.Message):
     CLAIM_DEADLINE_SECONDS_FIELD_NUMBER: _builtins.int
     CONSUME_DEADLINE_SECONDS_FIELD_NUMBER: _builtins.int
     STAGING_RETENTION_SECONDS_FIELD_NUMBER: _builtins.int
+    STALL_AFTER_SECONDS_FIELD_NUMBER: _builtins.int
     file_id: _builtins.str
     """[A-Za-z0-9._-], unique within the task"""
     path: _builtins.str
@@ -156,6 +157,11 @@ class EntrySpec(_message.Message):
     staging_retention_seconds: _builtins.float
     """Seconds its file stays in staging after every receiving group acked it (unset:
     the task's; 0: removed once consumed; negative: never removed).
+    """
+    stall_after_seconds: _builtins.float
+    """Seconds an attempt may go without a checkpoint (counted from its claim or
+    consume until the first) before it is taken back as stalled (0: the task's;
+    unset there: never).
     """
     @_builtins.property
     def depends_on(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -196,10 +202,11 @@ class EntrySpec(_message.Message):
         claim_deadline_seconds: _builtins.float = ...,
         consume_deadline_seconds: _builtins.float = ...,
         staging_retention_seconds: _builtins.float | None = ...,
+        stall_after_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "_staging_retention_seconds", b"_staging_retention_seconds", "max_retries", b"max_retries", "priority", b"priority", "staging_retention_seconds", b"staging_retention_seconds"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "_staging_retention_seconds", b"_staging_retention_seconds", "claim_deadline_seconds", b"claim_deadline_seconds", "consume_deadline_seconds", b"consume_deadline_seconds", "consumers", b"consumers", "depends_on", b"depends_on", "expected_digest", b"expected_digest", "expected_size", b"expected_size", "file_id", b"file_id", "labels", b"labels", "max_retries", b"max_retries", "parts", b"parts", "path", b"path", "priority", b"priority", "producers", b"producers", "staging_retention_seconds", b"staging_retention_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "_staging_retention_seconds", b"_staging_retention_seconds", "claim_deadline_seconds", b"claim_deadline_seconds", "consume_deadline_seconds", b"consume_deadline_seconds", "consumers", b"consumers", "depends_on", b"depends_on", "expected_digest", b"expected_digest", "expected_size", b"expected_size", "file_id", b"file_id", "labels", b"labels", "max_retries", b"max_retries", "parts", b"parts", "path", b"path", "priority", b"priority", "producers", b"producers", "staging_retention_seconds", b"staging_retention_seconds", "stall_after_seconds", b"stall_after_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_retries: _TypeAlias = _typing.Literal["max_retries"]  # noqa: Y015
     _WhichOneofArgType__max_retries: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries"]  # noqa: Y015
@@ -386,6 +393,7 @@ class TaskSpec(_message.Message):
     CLAIM_DEADLINE_SECONDS_FIELD_NUMBER: _builtins.int
     CONSUME_DEADLINE_SECONDS_FIELD_NUMBER: _builtins.int
     STAGING_RETENTION_SECONDS_FIELD_NUMBER: _builtins.int
+    STALL_AFTER_SECONDS_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     schema_version: _builtins.int
     """0 means the current version (1)"""
@@ -412,6 +420,10 @@ class TaskSpec(_message.Message):
     """Seconds an entry's file stays in staging after every receiving group acked it,
     then the watcher owning the task's shard removes it (unset: the registry's
     --staging-retention; 0: as soon as consumed; negative: never).
+    """
+    stall_after_seconds: _builtins.float
+    """Seconds an attempt may go without a checkpoint before it is taken back as
+    stalled (0: never), as in EntrySpec.
     """
     @_builtins.property
     def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___EntrySpec]: ...
@@ -451,10 +463,11 @@ class TaskSpec(_message.Message):
         claim_deadline_seconds: _builtins.float = ...,
         consume_deadline_seconds: _builtins.float = ...,
         staging_retention_seconds: _builtins.float | None = ...,
+        stall_after_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "_staging_retention_seconds", b"_staging_retention_seconds", "access", b"access", "backoff", b"backoff", "max_retries", b"max_retries", "priority", b"priority", "staging_retention_seconds", b"staging_retention_seconds"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "_staging_retention_seconds", b"_staging_retention_seconds", "access", b"access", "aging_seconds", b"aging_seconds", "archive_after_seconds", b"archive_after_seconds", "backoff", b"backoff", "claim_deadline_seconds", b"claim_deadline_seconds", "consume_deadline_seconds", b"consume_deadline_seconds", "consumers", b"consumers", "digest_optional", b"digest_optional", "entries", b"entries", "labels", b"labels", "max_retries", b"max_retries", "priority", b"priority", "routing_rules", b"routing_rules", "schema_version", b"schema_version", "staging_retention_seconds", b"staging_retention_seconds", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "_staging_retention_seconds", b"_staging_retention_seconds", "access", b"access", "aging_seconds", b"aging_seconds", "archive_after_seconds", b"archive_after_seconds", "backoff", b"backoff", "claim_deadline_seconds", b"claim_deadline_seconds", "consume_deadline_seconds", b"consume_deadline_seconds", "consumers", b"consumers", "digest_optional", b"digest_optional", "entries", b"entries", "labels", b"labels", "max_retries", b"max_retries", "priority", b"priority", "routing_rules", b"routing_rules", "schema_version", b"schema_version", "staging_retention_seconds", b"staging_retention_seconds", "stall_after_seconds", b"stall_after_seconds", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_retries: _TypeAlias = _typing.Literal["max_retries"]  # noqa: Y015
     _WhichOneofArgType__max_retries: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries"]  # noqa: Y015
@@ -1685,6 +1698,8 @@ class ClaimInfo(_message.Message):
     GROUP_FIELD_NUMBER: _builtins.int
     TOKEN_FIELD_NUMBER: _builtins.int
     CLAIMED_AT_FIELD_NUMBER: _builtins.int
+    PROGRESS_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_AT_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     file_id: _builtins.str
     group: _builtins.str
@@ -1692,6 +1707,10 @@ class ClaimInfo(_message.Message):
     token: _builtins.int
     claimed_at: _builtins.str
     """RFC 3339, UTC ("" for a claim made before it was recorded)"""
+    progress: _builtins.float
+    """of its last checkpoint (0: none)"""
+    checkpoint_at: _builtins.str
+    """when it last checkpointed ("" = never)"""
     def __init__(
         self,
         *,
@@ -1700,10 +1719,12 @@ class ClaimInfo(_message.Message):
         group: _builtins.str = ...,
         token: _builtins.int = ...,
         claimed_at: _builtins.str = ...,
+        progress: _builtins.float = ...,
+        checkpoint_at: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["claimed_at", b"claimed_at", "file_id", b"file_id", "group", b"group", "task_id", b"task_id", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_at", b"checkpoint_at", "claimed_at", b"claimed_at", "file_id", b"file_id", "group", b"group", "progress", b"progress", "task_id", b"task_id", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2184,26 +2205,151 @@ class ClaimResponse(_message.Message):
     ENTRY_FIELD_NUMBER: _builtins.int
     TOKEN_FIELD_NUMBER: _builtins.int
     PATH_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_FIELD_NUMBER: _builtins.int
+    ATTEMPT_FIELD_NUMBER: _builtins.int
     token: _builtins.int
     """fencing token: the claim's etcd revision"""
     path: _builtins.str
     """absolute staging path to write"""
+    attempt: _builtins.int
+    """this attempt's number (1 = the first claim of the entry)"""
     @_builtins.property
     def entry(self) -> Global___Entry: ...
+    @_builtins.property
+    def checkpoint(self) -> Global___Checkpoint:
+        """the last checkpoint of an earlier attempt; unset: none"""
+
     def __init__(
         self,
         *,
         entry: Global___Entry | None = ...,
         token: _builtins.int = ...,
         path: _builtins.str = ...,
+        checkpoint: Global___Checkpoint | None = ...,
+        attempt: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["entry", b"entry"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "entry", b"entry"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["entry", b"entry", "path", b"path", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "checkpoint", b"checkpoint", "entry", b"entry", "path", b"path", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ClaimResponse: _TypeAlias = ClaimResponse  # noqa: Y015
+
+@_typing.final
+class Checkpoint(_message.Message):
+    """What an attempt recorded of its progress (the latest one is kept), so that the
+    next attempt resumes where it stopped.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DATA_FIELD_NUMBER: _builtins.int
+    PROGRESS_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    TOKEN_FIELD_NUMBER: _builtins.int
+    ATTEMPT_FIELD_NUMBER: _builtins.int
+    AT_FIELD_NUMBER: _builtins.int
+    DIGEST_FIELD_NUMBER: _builtins.int
+    data: _builtins.bytes
+    """opaque to the registry, at most 64 KiB"""
+    progress: _builtins.float
+    """0..1"""
+    message: _builtins.str
+    token: _builtins.int
+    """the claim (or consume lease) that recorded it"""
+    attempt: _builtins.int
+    """the attempt that recorded it"""
+    at: _builtins.str
+    """RFC 3339, UTC"""
+    digest: _builtins.str
+    """BLAKE3 hex of data"""
+    def __init__(
+        self,
+        *,
+        data: _builtins.bytes = ...,
+        progress: _builtins.float = ...,
+        message: _builtins.str = ...,
+        token: _builtins.int = ...,
+        attempt: _builtins.int = ...,
+        at: _builtins.str = ...,
+        digest: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at", b"at", "attempt", b"attempt", "data", b"data", "digest", b"digest", "message", b"message", "progress", b"progress", "token", b"token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Checkpoint: _TypeAlias = Checkpoint  # noqa: Y015
+
+@_typing.final
+class CheckpointRequest(_message.Message):
+    """Record a checkpoint of a producer claim (group "") or of a consume lease."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    FILE_ID_FIELD_NUMBER: _builtins.int
+    TOKEN_FIELD_NUMBER: _builtins.int
+    GROUP_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    PROGRESS_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    task_id: _builtins.str
+    file_id: _builtins.str
+    token: _builtins.int
+    group: _builtins.str
+    """the consumer group of a consume lease; "" = a producer claim"""
+    data: _builtins.bytes
+    progress: _builtins.float
+    message: _builtins.str
+    """at most 200 characters"""
+    request_id: _builtins.str
+    session_id: _builtins.int
+    """the session holding the claim; 0 = not said"""
+    def __init__(
+        self,
+        *,
+        task_id: _builtins.str = ...,
+        file_id: _builtins.str = ...,
+        token: _builtins.int = ...,
+        group: _builtins.str = ...,
+        data: _builtins.bytes = ...,
+        progress: _builtins.float = ...,
+        message: _builtins.str = ...,
+        request_id: _builtins.str = ...,
+        session_id: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "file_id", b"file_id", "group", b"group", "message", b"message", "progress", b"progress", "request_id", b"request_id", "session_id", b"session_id", "task_id", b"task_id", "token", b"token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CheckpointRequest: _TypeAlias = CheckpointRequest  # noqa: Y015
+
+@_typing.final
+class CheckpointResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHECKPOINT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def checkpoint(self) -> Global___Checkpoint: ...
+    def __init__(
+        self,
+        *,
+        checkpoint: Global___Checkpoint | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CheckpointResponse: _TypeAlias = CheckpointResponse  # noqa: Y015
 
 @_typing.final
 class CommitRequest(_message.Message):
@@ -3446,13 +3592,21 @@ class ConsumeResponse(_message.Message):
     SIZE_FIELD_NUMBER: _builtins.int
     DIGEST_FIELD_NUMBER: _builtins.int
     GROUP_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_FIELD_NUMBER: _builtins.int
+    ATTEMPT_FIELD_NUMBER: _builtins.int
     token: _builtins.int
     path: _builtins.str
     size: _builtins.int
     digest: _builtins.str
     group: _builtins.str
+    attempt: _builtins.int
+    """this lease's number for the group, as checkpoints count them"""
     @_builtins.property
     def entry(self) -> Global___Entry: ...
+    @_builtins.property
+    def checkpoint(self) -> Global___Checkpoint:
+        """the group's last checkpoint of an earlier lease; unset: none"""
+
     def __init__(
         self,
         *,
@@ -3462,10 +3616,12 @@ class ConsumeResponse(_message.Message):
         size: _builtins.int = ...,
         digest: _builtins.str = ...,
         group: _builtins.str = ...,
+        checkpoint: Global___Checkpoint | None = ...,
+        attempt: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["entry", b"entry"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "entry", b"entry"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "entry", b"entry", "group", b"group", "path", b"path", "size", b"size", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "checkpoint", b"checkpoint", "digest", b"digest", "entry", b"entry", "group", b"group", "path", b"path", "size", b"size", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -3902,6 +4058,7 @@ class AgentCall(_message.Message):
     KEEPALIVE_FIELD_NUMBER: _builtins.int
     COMMIT_AND_CLAIM_FIELD_NUMBER: _builtins.int
     ACK_AND_CONSUME_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_FIELD_NUMBER: _builtins.int
     call_id: _builtins.int
     """chosen by the agent, unique on its stream"""
     @_builtins.property
@@ -3932,6 +4089,8 @@ class AgentCall(_message.Message):
     def commit_and_claim(self) -> Global___CommitAndClaimRequest: ...
     @_builtins.property
     def ack_and_consume(self) -> Global___AckAndConsumeRequest: ...
+    @_builtins.property
+    def checkpoint(self) -> Global___CheckpointRequest: ...
     def __init__(
         self,
         *,
@@ -3949,12 +4108,13 @@ class AgentCall(_message.Message):
         keepalive: Global___KeepAliveRequest | None = ...,
         commit_and_claim: Global___CommitAndClaimRequest | None = ...,
         ack_and_consume: Global___AckAndConsumeRequest | None = ...,
+        checkpoint: Global___CheckpointRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "ack_and_consume", b"ack_and_consume", "ack_batch", b"ack_batch", "claim", b"claim", "claim_batch", b"claim_batch", "commit", b"commit", "commit_and_claim", b"commit_and_claim", "commit_batch", b"commit_batch", "consume", b"consume", "consume_batch", b"consume_batch", "fail", b"fail", "keepalive", b"keepalive", "nack", b"nack", "request", b"request"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "ack_and_consume", b"ack_and_consume", "ack_batch", b"ack_batch", "checkpoint", b"checkpoint", "claim", b"claim", "claim_batch", b"claim_batch", "commit", b"commit", "commit_and_claim", b"commit_and_claim", "commit_batch", b"commit_batch", "consume", b"consume", "consume_batch", b"consume_batch", "fail", b"fail", "keepalive", b"keepalive", "nack", b"nack", "request", b"request"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "ack_and_consume", b"ack_and_consume", "ack_batch", b"ack_batch", "call_id", b"call_id", "claim", b"claim", "claim_batch", b"claim_batch", "commit", b"commit", "commit_and_claim", b"commit_and_claim", "commit_batch", b"commit_batch", "consume", b"consume", "consume_batch", b"consume_batch", "fail", b"fail", "keepalive", b"keepalive", "nack", b"nack", "request", b"request"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "ack_and_consume", b"ack_and_consume", "ack_batch", b"ack_batch", "call_id", b"call_id", "checkpoint", b"checkpoint", "claim", b"claim", "claim_batch", b"claim_batch", "commit", b"commit", "commit_and_claim", b"commit_and_claim", "commit_batch", b"commit_batch", "consume", b"consume", "consume_batch", b"consume_batch", "fail", b"fail", "keepalive", b"keepalive", "nack", b"nack", "request", b"request"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_request: _TypeAlias = _typing.Literal["claim", "commit", "fail", "consume", "ack", "nack", "claim_batch", "commit_batch", "consume_batch", "ack_batch", "keepalive", "commit_and_claim", "ack_and_consume"]  # noqa: Y015
+    _WhichOneofReturnType_request: _TypeAlias = _typing.Literal["claim", "commit", "fail", "consume", "ack", "nack", "claim_batch", "commit_batch", "consume_batch", "ack_batch", "keepalive", "commit_and_claim", "ack_and_consume", "checkpoint"]  # noqa: Y015
     _WhichOneofArgType_request: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_request) -> _WhichOneofReturnType_request | None: ...
 
@@ -4144,6 +4304,7 @@ class AgentReply(_message.Message):
     KEEPALIVE_FIELD_NUMBER: _builtins.int
     COMMIT_AND_CLAIM_FIELD_NUMBER: _builtins.int
     ACK_AND_CONSUME_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_FIELD_NUMBER: _builtins.int
     call_id: _builtins.int
     @_builtins.property
     def error(self) -> Global___CallError: ...
@@ -4173,6 +4334,8 @@ class AgentReply(_message.Message):
     def commit_and_claim(self) -> Global___CommitAndClaimResponse: ...
     @_builtins.property
     def ack_and_consume(self) -> Global___AckAndConsumeResponse: ...
+    @_builtins.property
+    def checkpoint(self) -> Global___CheckpointResponse: ...
     def __init__(
         self,
         *,
@@ -4191,12 +4354,13 @@ class AgentReply(_message.Message):
         keepalive: Global___KeepAliveResponse | None = ...,
         commit_and_claim: Global___CommitAndClaimResponse | None = ...,
         ack_and_consume: Global___AckAndConsumeResponse | None = ...,
+        checkpoint: Global___CheckpointResponse | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "ack_and_consume", b"ack_and_consume", "ack_batch", b"ack_batch", "claim", b"claim", "claim_batch", b"claim_batch", "commit", b"commit", "commit_and_claim", b"commit_and_claim", "commit_batch", b"commit_batch", "consume", b"consume", "consume_batch", b"consume_batch", "error", b"error", "fail", b"fail", "keepalive", b"keepalive", "nack", b"nack", "reply", b"reply"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "ack_and_consume", b"ack_and_consume", "ack_batch", b"ack_batch", "checkpoint", b"checkpoint", "claim", b"claim", "claim_batch", b"claim_batch", "commit", b"commit", "commit_and_claim", b"commit_and_claim", "commit_batch", b"commit_batch", "consume", b"consume", "consume_batch", b"consume_batch", "error", b"error", "fail", b"fail", "keepalive", b"keepalive", "nack", b"nack", "reply", b"reply"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "ack_and_consume", b"ack_and_consume", "ack_batch", b"ack_batch", "call_id", b"call_id", "claim", b"claim", "claim_batch", b"claim_batch", "commit", b"commit", "commit_and_claim", b"commit_and_claim", "commit_batch", b"commit_batch", "consume", b"consume", "consume_batch", b"consume_batch", "error", b"error", "fail", b"fail", "keepalive", b"keepalive", "nack", b"nack", "reply", b"reply"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "ack_and_consume", b"ack_and_consume", "ack_batch", b"ack_batch", "call_id", b"call_id", "checkpoint", b"checkpoint", "claim", b"claim", "claim_batch", b"claim_batch", "commit", b"commit", "commit_and_claim", b"commit_and_claim", "commit_batch", b"commit_batch", "consume", b"consume", "consume_batch", b"consume_batch", "error", b"error", "fail", b"fail", "keepalive", b"keepalive", "nack", b"nack", "reply", b"reply"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_reply: _TypeAlias = _typing.Literal["error", "claim", "commit", "fail", "consume", "ack", "nack", "claim_batch", "commit_batch", "consume_batch", "ack_batch", "keepalive", "commit_and_claim", "ack_and_consume"]  # noqa: Y015
+    _WhichOneofReturnType_reply: _TypeAlias = _typing.Literal["error", "claim", "commit", "fail", "consume", "ack", "nack", "claim_batch", "commit_batch", "consume_batch", "ack_batch", "keepalive", "commit_and_claim", "ack_and_consume", "checkpoint"]  # noqa: Y015
     _WhichOneofArgType_reply: _TypeAlias = _typing.Literal["reply", b"reply"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_reply) -> _WhichOneofReturnType_reply | None: ...
 

@@ -81,6 +81,11 @@ class AgentServiceStub:
                 request_serializer=baton_dot_v1_dot_baton__pb2.FailRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_baton__pb2.FailResponse.FromString,
                 _registered_method=True)
+        self.Checkpoint = channel.unary_unary(
+                '/baton.v1.AgentService/Checkpoint',
+                request_serializer=baton_dot_v1_dot_baton__pb2.CheckpointRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_baton__pb2.CheckpointResponse.FromString,
+                _registered_method=True)
         self.Consume = channel.unary_unary(
                 '/baton.v1.AgentService/Consume',
                 request_serializer=baton_dot_v1_dot_baton__pb2.ConsumeRequest.SerializeToString,
@@ -173,6 +178,12 @@ class AgentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Checkpoint(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Consume(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -256,6 +267,11 @@ def add_AgentServiceServicer_to_server(servicer, server):
                     servicer.Fail,
                     request_deserializer=baton_dot_v1_dot_baton__pb2.FailRequest.FromString,
                     response_serializer=baton_dot_v1_dot_baton__pb2.FailResponse.SerializeToString,
+            ),
+            'Checkpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.Checkpoint,
+                    request_deserializer=baton_dot_v1_dot_baton__pb2.CheckpointRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_baton__pb2.CheckpointResponse.SerializeToString,
             ),
             'Consume': grpc.unary_unary_rpc_method_handler(
                     servicer.Consume,
@@ -533,6 +549,33 @@ class AgentService:
             '/baton.v1.AgentService/Fail',
             baton_dot_v1_dot_baton__pb2.FailRequest.SerializeToString,
             baton_dot_v1_dot_baton__pb2.FailResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Checkpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.AgentService/Checkpoint',
+            baton_dot_v1_dot_baton__pb2.CheckpointRequest.SerializeToString,
+            baton_dot_v1_dot_baton__pb2.CheckpointResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,120 @@
+"""Stalls: an attempt that stopped checkpointing is taken back, as at a deadline.
+
+An entry may carry ``stall_after`` (the manifest's ``stall_after_seconds``, the
+entry's or its task's): an attempt, its session alive, that goes that long without a
+checkpoint (counting from its claim or consume until the first) is stalled. The
+transaction making such a claim writes ``stalls/{due}/{claim}`` (``Core.arm_stall``;
+``due`` in epoch milliseconds, so the keys sort by it); a checkpoint does not touch
+it, so checkpoints stay one small transaction each. When the key falls due, the sweep
+reads it with the claim and the claim's checkpoint in one guarded transaction:
+
+- the claim ended (or another claim took its place): the key is deleted alone;
+- the claim checkpointed less than ``after`` seconds ago: the key is put again at
+  that checkpoint's time plus ``after``, naming the token;
+- otherwise the claim is revoked as ``deadlines.Deadlines`` revokes one: claim, twin,
+  slot and key go together (the token dies), a producer's entry takes the retry path
+  (journal ``stalled``), a consumer's goes back to its group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+
+from ..kernel import logs
+from ._etcd import KV
+from .checkpoints import CheckpointRecord
+from .claim import end, give_back
+from .claims import actor_of, claim_holder, voided
+from .core import Core, Gate
+from .model import EntryRecord
+from .scheduler import Complaints
+from .txn import Txn, write
+
+log = logging.getLogger("baton.registry")
+
+#: keys read per request while looking for stalls due
+PAGE = 1000
+#: stall keys handled at once (each its own guarded transaction)
+PARALLEL = 32
+
+
+class Stalls:
+    def __init__(self, core: Core) -> None:
+        self.core = core
+        self.keys = core.keys
+        #: claims this replica took back as stalled (for metrics)
+        self.stalled = 0
+        self._complain = Complaints("stalls")
+
+    async def sweep(self) -> int:
+        """Take back every claim stalled by now; move on the keys of claims that
+        checkpointed or ended. Keys sort by due time: the listing stops at the first
+        not due."""
+        now_ms = int(self.core.clock() * 1000)
+        gate = Gate(PARALLEL)
+        taken = 0
+
+        async def one(kv: KV) -> None:
+            nonlocal taken
+            try:
+                if await self._check(kv):
+                    taken += 1
+            except Exception as e:  # one bad key never stops the others
+                self._complain(kv.key.decode(errors="replace"), e)
+
+        pages = self.core.etcd.scan(self.keys.stalls(), page=PAGE, keys_only=True)
+        async with contextlib.aclosing(pages):
+            async for kv in pages:
+                try:
+                    due, _ = self.keys.parse_stall(kv.key)
+                except ValueError as e:
+                    self._complain(kv.key.decode(errors="replace"), e)
+                    continue
+                if due > now_ms:
+                    break
+                await gate.submit(one(kv))
+        await gate.drain()
+        self.stalled += taken
+        return taken
+
+    async def _check(self, listed: KV) -> bool:
+        _, ref = self.keys.parse_stall(listed.key)
+        claim_key = self.keys.claim(ref)
+        entry_key = self.keys.entry(ref.task_id, ref.file_id)
+
+        async def plan(txn: Txn) -> bool:
+            kv, claim, kept_kv = await txn.get_many(
+                [listed.key, claim_key, self.keys.checkpoint(ref)])
+            if kv is None:
+                return False  # another replica got there first
+            txn.delete(listed.key)
+            value = json.loads(kv.value)
+            token, after = int(value.get("token") or kv.create_revision), float(value["after"])
+            if claim is None or claim.create_revision != token:
+                return False  # that claim ended (committed, acked, reaped): forget it
+            kept = CheckpointRecord.load(kept_kv)
+            now = self.core.clock()
+            if kept is not None and kept.token == token and kept.at + after > now:
+                # it checkpointed since: stalled only if it stops from there
+                self.core.arm_stall(txn, ref, after, token=token, since=kept.at)
+                return False
+            end(self.core, txn, ref, claim, guard=True)
+            holder = claim_holder(claim) or "?"
+            since = "its last checkpoint" if kept is not None and kept.token == token else (
+                "the claim" if ref.kind == "p" else "the consume")
+            reason = f"stalled: no checkpoint within {after:g} s of {since} by {holder}"
+            entry, task = await txn.get_many([entry_key, self.keys.task(ref.task_id)])
+            if entry is not None and not voided(task):  # a cancelled task's stay as they are
+                rec = EntryRecord.load(entry.value)
+                give_back(self.core, txn, rec, ref, token, actor=actor_of(claim),
+                          reason=reason, spend=True, event="stalled",
+                          details={"reason": reason} if ref.kind == "c" else None)
+            txn.after(lambda: logs.log(
+                log, logging.WARNING, "stalled claim taken back", task=ref.task_id,
+                file_id=ref.file_id, revision=txn.revision, kind=ref.kind,
+                group=ref.group or None, token=token, agent=holder))
+            return True
+
+        return await write(self.core.txns, plan)
