@@ -12,6 +12,7 @@ or one left by a crashed attempt, is never written through or reused.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import secrets
 import shutil
@@ -158,11 +159,33 @@ class Output:
     #: where ``checkpoint`` is recorded: the client and the session holding the claim
     _client: Client | None = None
     _session: Session | int = 0
+    #: a resumable write (``produce(..., resumable=True)``): the temp file's name, the
+    #: bytes between two resume points (0: not resumable), the size expected (for the
+    #: progress shown), and how far the last resume point got
+    _temp: str = ""
+    _resume_every: int = 0
+    _expected: int = 0
+    _saved: int = -1
 
     def write(self, data: bytes) -> int:
         self._hash.update(data)
         self.size += len(data)
-        return self.file.write(data)
+        written = self.file.write(data)
+        if self._resume_every and self.size - max(self._saved, 0) >= self._resume_every:
+            self.save_point()
+        return written
+
+    def save_point(self) -> None:
+        """Make what was written so far durable and record it as the point a later
+        attempt resumes from (a resumable write does this every ``resume_every``
+        bytes on its own)."""
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        point = ResumePoint(self._temp, self.size, self._hash.hexdigest())
+        progress = min(self.size / self._expected, 1.0) if self._expected else 0.0
+        self.checkpoint(data=point.dump(), progress=progress,
+                        message=f"{self.size} bytes written and on disk")
+        self._saved = self.size
 
     def checkpoint(self, *, data: bytes = b"", progress: float = 0.0,
                    message: str = "") -> pb.Checkpoint:
@@ -186,12 +209,100 @@ def _unusable(claim: Claim) -> Refusal:
     return refused
 
 
+#: bytes a resumable write puts on disk between two resume points
+RESUME_EVERY = 100 << 20
+#: what a resume point's checkpoint data says it is
+_RESUME_FORMAT = "baton-resume/1"
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a resumable write got: its temp file (a name in the entry's directory),
+    the length on disk, and the BLAKE3 of those bytes. Kept as a checkpoint's data."""
+
+    temp: str
+    length: int
+    digest: str
+
+    def dump(self) -> bytes:
+        return json.dumps({"format": _RESUME_FORMAT, "temp": self.temp,
+                           "length": self.length, "blake3": self.digest}).encode()
+
+    @classmethod
+    def of(cls, checkpoint: pb.Checkpoint | None) -> ResumePoint | None:
+        """The resume point an earlier attempt's checkpoint holds, if it holds one that
+        names a temp file of Baton's in the entry's own directory."""
+        if checkpoint is None or not checkpoint.data:
+            return None
+        try:
+            d = json.loads(checkpoint.data)
+            point = cls(str(d["temp"]), int(d["length"]), str(d["blake3"]))
+        except (ValueError, KeyError, TypeError):
+            return None
+        if (d.get("format") != _RESUME_FORMAT or point.length < 0
+                or "/" in point.temp or not point.temp.startswith(".")
+                or TEMP_MARKER not in point.temp):
+            return None
+        return point
+
+
+def _adopt(parent: int, point: ResumePoint | None, attempt: str
+           ) -> tuple[int, blake3.blake3, int] | None:
+    """Take over an earlier attempt's partial file, if its first ``point.length`` bytes
+    are still those the point recorded: renamed to this attempt's temp name, cut to
+    that length, and open for writing after it (the descriptor, the hash of what is
+    there, its length). None to start over; a partial that no longer matches is
+    removed (nobody can resume from it).
+
+    The earlier attempt's claim is over (this one holds the entry), so its token is
+    dead: whatever that process still writes into the file changes the bytes this
+    attempt commits, and the watcher's digest then refuses them."""
+    if point is None or point.temp == attempt:
+        return None
+    try:
+        fd = os.open(point.temp, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+    except OSError:
+        return None  # gone, or not a regular file we may open
+    try:
+        st = os.fstat(fd)
+        hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+        if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_size >= point.length:
+            done = 0
+            while done < point.length:
+                chunk = os.pread(fd, min(8 << 20, point.length - done), done)
+                if not chunk:
+                    break
+                hasher.update(chunk)
+                done += len(chunk)
+            if done == point.length and hasher.hexdigest() == point.digest:
+                os.ftruncate(fd, point.length)
+                os.lseek(fd, point.length, os.SEEK_SET)
+                os.rename(point.temp, attempt, src_dir_fd=parent, dst_dir_fd=parent)
+                return fd, hasher, point.length
+        if stat.S_ISREG(st.st_mode):
+            with suppress(FileNotFoundError):
+                os.unlink(point.temp, dir_fd=parent)
+    except BaseException:
+        os.close(fd)
+        raise
+    os.close(fd)
+    return None
+
+
 @contextmanager
 def produce(
     client: Client, session: Session | int, task_id: str, file_id: str = "", *,
     nonce: Callable[[], str] = new_nonce, attributes: Attributes = None,
+    resumable: bool = False, resume_every: int = RESUME_EVERY, expected_size: int = 0,
 ) -> Iterator[Output]:
     """Claim an entry and yield its output; publish and commit when the block ends.
+
+    ``resumable``: every ``resume_every`` bytes the output is fsynced and a checkpoint
+    records the temp file, its length and their BLAKE3 (a ``ResumePoint``); a block
+    that fails keeps the temp file. The next attempt at the entry (another process,
+    after the registry took this claim back) adopts that file if its recorded prefix
+    is intact, and its ``Output.size`` says where to go on writing from; otherwise it
+    starts from nothing. ``expected_size`` (or the entry's) makes the progress shown.
 
     If the block raises, the temp file is removed and the entry failed (it goes
     back to ``pending`` or to ``dead``), and the exception propagates: a
@@ -205,7 +316,8 @@ def produce(
     ``attributes`` (or ``Output.attributes``, set in the block) go with the commit.
     """
     claim = client.claim(task_id, file_id, session=session)
-    with _written(client, session, claim, nonce, attributes) as out:
+    resume = (resume_every if resumable else 0, expected_size)
+    with _written(client, session, claim, nonce, attributes, resume) as out:
         yield out
     out.entry = client.commit(task_id, claim.file_id, claim.token, out.size, out.digest,
                               attributes=out.attributes, session=session)
@@ -213,21 +325,35 @@ def produce(
 
 @contextmanager
 def _written(client: Client, session: Session | int, claim: Claim,
-             nonce: Callable[[], str], attributes: Attributes) -> Iterator[Output]:
+             nonce: Callable[[], str], attributes: Attributes,
+             resume: tuple[int, int] = (0, 0)) -> Iterator[Output]:
     """Yield the claim's output; once the block ends, the file is under its final name
-    and on disk, ready to commit. A block that raises fails the entry."""
+    and on disk, ready to commit. A block that raises fails the entry. ``resume``: the
+    bytes between resume points (0: not resumable) and the size expected."""
     refused = _unusable(claim)
     parent: int | None = None
     tmp = ""  # set once the temp file is ours to remove
+    out: Output | None = None
+    every, expected = resume
     try:
         parent, name = open_entry_dir(claim.task_id, claim.path, claim.entry.path, refused,
                                       create=True)
         refuse_link(name, parent, "the final name", refused)
         attempt = temp_name(name, claim.token, nonce())
-        fd = os.open(attempt, _TEMP_FLAGS, _FILE_MODE, dir_fd=parent)
+        adopted = _adopt(parent, ResumePoint.of(claim.checkpoint), attempt) if every else None
+        if adopted is None:
+            fd, hasher, length = os.open(attempt, _TEMP_FLAGS, _FILE_MODE, dir_fd=parent), \
+                blake3.blake3(), 0
+        else:
+            fd, hasher, length = adopted
         tmp = attempt
         with os.fdopen(fd, "wb") as f:
-            out = Output(claim, f, attributes=attributes, _client=client, _session=session)
+            out = Output(claim, f, size=length, attributes=attributes, _hash=hasher,
+                         _client=client, _session=session, _temp=attempt,
+                         _resume_every=every, _expected=expected,
+                         _saved=length if adopted else -1)
+            if adopted is not None:
+                out.save_point()  # the file's new name, for an attempt after this one
             yield out
             f.flush()
             os.fsync(f.fileno())
@@ -242,7 +368,9 @@ def _written(client: Client, session: Session | int, claim: Claim,
         tmp = ""
         os.fsync(parent)
     except BaseException as e:
-        if tmp and parent is not None:
+        # A resumable write keeps what a resume point recorded, for the next attempt.
+        kept = out is not None and out._resume_every and out._saved >= 0
+        if tmp and parent is not None and not kept:
             with suppress(FileNotFoundError):
                 os.unlink(tmp, dir_fd=parent)
         permanent, delay = handing_back(e)
@@ -290,14 +418,36 @@ def produce_each(client: Client, session: Session, task_id: str, *,
 
 def put(client: Client, session: Session | int, task_id: str, file_id: str,
         src: Path | BinaryIO, chunk: int = 1 << 20, *,
-        attributes: Attributes = None) -> pb.Entry:
+        attributes: Attributes = None, resumable: bool = False,
+        resume_every: int = RESUME_EVERY, size: int = 0) -> pb.Entry:
     """Claim ``file_id``, copy ``src`` into it durably, and commit (with
-    ``attributes``, for the task's routing rules)."""
-    with produce(client, session, task_id, file_id, attributes=attributes) as out:
-        if isinstance(src, Path):
-            with open(src, "rb") as f:
-                shutil.copyfileobj(f, out, chunk)
-        else:
-            shutil.copyfileobj(src, out, chunk)
+    ``attributes``, for the task's routing rules). ``resumable``: as ``produce``'s; an
+    attempt that adopts an earlier one's partial file copies only the rest of ``src``
+    (skipped by seeking, or by reading it when it cannot seek). ``size``: of ``src``,
+    for the progress shown (a path's is looked up)."""
+    if isinstance(src, Path):
+        with open(src, "rb") as f:
+            return put(client, session, task_id, file_id, f, chunk, attributes=attributes,
+                       resumable=resumable, resume_every=resume_every,
+                       size=size or os.fstat(f.fileno()).st_size)
+    with produce(client, session, task_id, file_id, attributes=attributes,
+                 resumable=resumable, resume_every=resume_every, expected_size=size) as out:
+        if out.size:
+            _skip(src, out.size, chunk)
+        shutil.copyfileobj(src, out, chunk)
     assert out.entry is not None
     return out.entry
+
+
+def _skip(src: BinaryIO, n: int, chunk: int) -> None:
+    """Move ``src`` ``n`` bytes on: what an adopted partial file already holds."""
+    try:
+        src.seek(n, os.SEEK_CUR)
+        return
+    except (OSError, ValueError, AttributeError):
+        pass
+    while n > 0:
+        data = src.read(min(chunk, n))
+        if not data:
+            raise InvalidArgument("the source is shorter than the partial file resumed")
+        n -= len(data)

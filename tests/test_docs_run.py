@@ -486,6 +486,21 @@ class Transcripts:
                 assert time.monotonic() < deadline, "p3 and p4 never verified"
                 time.sleep(0.05)
 
+    def p2_requeued(self) -> None:
+        """p2 dead, then requeued by the operator (as the transcript before last did)."""
+        self.fresh()
+        self.dead_p2()
+        with self.client() as c:
+            c.requeue("scan-42", "p2")
+
+    def p3_p4_acked_by_ocr(self) -> None:
+        """p3 and p4 verified, then consumed and acked by group ocr."""
+        self.p3_p4_verified()
+        with self.client() as c, self.session(c, "ocr-1") as s:
+            for file_id in ("p3", "p4"):
+                lease = c.consume("scan-42", "ocr", file_id, session=s)
+                c.ack("scan-42", file_id, "ocr", lease.token, session=s)
+
     def scan_40(self) -> None:
         """scan-40, a task cancelled as a duplicate."""
         spec = {"task_id": "scan-40", "entries": [{"file_id": "p1", "path": "p1.png"}]}
@@ -638,7 +653,8 @@ PREPARE: dict[str, Callable[[Transcripts], None] | None] = {
     "baton keepalive 1219809381871707840": Transcripts.a_session,
     "baton watch scan-42": None,  # Transcripts.watch
     "baton requeue scan-42 p2": lambda t: (t.fresh(), t.dead_p2()),
-    "baton log scan-42 p2 --limit 3": None,  # requeued above
+    "baton requeue scan-42 --group ocr": Transcripts.p3_p4_acked_by_ocr,
+    "baton log scan-42 p2 --limit 3": Transcripts.p2_requeued,
     "baton explain scan-42 index": Transcripts.state_a,
     "baton lease ls": Transcripts.archiver,  # and state A, from above
     "baton lease rotate 1219809381871707871 --ttl 120": None,  # listed above

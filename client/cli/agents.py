@@ -269,15 +269,22 @@ def checkpoint(settings: Settings, task_id: str, file_id: str, token: int, group
 @agent_option
 @ttl_option
 @attributes_option
+@click.option("--resume", is_flag=True,
+              help="resumable: record a resume point every --resume-every MiB, and go on "
+                   "from the partial file of an earlier attempt that recorded one")
+@click.option("--resume-every", type=click.IntRange(min=1), default=100, show_default=True,
+              metavar="MIB", help="MiB written between two resume points (with --resume)")
 @output_option
 @pass_settings
 def put(settings: Settings, task_id: str, file_id: str, src: Path, agent: str, ttl: int,
-        attributes: str, output: str) -> None:
+        attributes: str, resume: bool, resume_every: int, output: str) -> None:
     """Claim, copy SRC in durably, and commit.
 
     SRC (- reads stdin) is written to a temporary file beside the entry's path,
     fsynced, renamed into place, and committed with its size and BLAKE3 digest
-    (and --attributes, a JSON object the task's routing rules look at).
+    (and --attributes, a JSON object the task's routing rules look at). With
+    --resume, an attempt that dies part-way leaves its partial file and a checkpoint;
+    the next `put --resume` of the entry copies only the rest.
     """
     from ..producer import put as put_file
 
@@ -287,12 +294,15 @@ def put(settings: Settings, task_id: str, file_id: str, src: Path, agent: str, t
     with client.open_session(agent, ttl) as session:
         if str(src) == "-":
             entry = put_file(client, session, task_id, file_id, sys.stdin.buffer,
-                             attributes=attributes)
+                             attributes=attributes, resumable=resume,
+                             resume_every=resume_every << 20)
         else:
-            with src.open("rb") as f, progress_reader(f, src.stat().st_size,
+            size = src.stat().st_size
+            with src.open("rb") as f, progress_reader(f, size,
                                                       f"copying {src.name}") as reader:
                 entry = put_file(client, session, task_id, file_id, reader,
-                                 attributes=attributes)
+                                 attributes=attributes, size=size, resumable=resume,
+                                 resume_every=resume_every << 20)
     emit_entry(entry, output)
 
 
