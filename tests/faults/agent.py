@@ -18,6 +18,7 @@ reaper returns what it held) and a new one opened.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import signal
 import sys
@@ -26,6 +27,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from baton_relay.client import (
     Client,
@@ -51,6 +53,9 @@ TASKS_IDLE = 1.0
 #: or consume is followed by the first pause
 FULL_PAUSE = (0.25, 2.0)
 FULL_PATIENCE = 60.0
+#: the odds that a producer checkpoints after a chunk it wrote (the first excepted):
+#: payloads of several chunks leave checkpoints that the next attempt is handed
+CHECKPOINT_ODDS = 0.3
 
 
 class Agent:
@@ -181,14 +186,18 @@ class Agent:
         try:
             with produce(client, session, task) as out:
                 claim = out.claim
+                handed = handed_checkpoint(claim.checkpoint)
                 h.ok("claim", task=task, file=claim.file_id, token=claim.token,
-                     attempt=claim.entry.retry_count, session=session.session_id)
+                     attempt=claim.entry.retry_count, session=session.session_id,
+                     **({"resumed_from": handed} if handed is not None else {}))
                 stage = "write"
                 origin = payload.Origin(task, claim.file_id, claim.token, self.name,
                                         self.size())
                 data = payload.make(origin)
                 for i in range(0, len(data), CHUNK):
                     out.write(data[i:i + CHUNK])
+                    if i and self.rng.random() < CHECKPOINT_ODDS:
+                        self.checkpoint(out, task, i + CHUNK, len(data))
                 size, digest = out.size, out.digest
                 h.ok("write", task=task, file=claim.file_id, token=claim.token, size=size,
                      digest=digest)
@@ -233,6 +242,22 @@ class Agent:
         h.ok("commit", task=task, file=claim.file_id, token=claim.token,
              state=pb.EntryState.Name(out.entry.state))
         return True
+
+    def checkpoint(self, out: Any, task: str, done: int, total: int) -> None:
+        """Record how far the write got; the data names this attempt's token and the
+        bytes written, so the checker can tell which checkpoint a later claim is
+        handed. A refused one is recorded and the write goes on (its commit will be
+        refused in turn if the token died)."""
+        h, claim = self.history, out.claim
+        fields = {"task": task, "file": claim.file_id, "token": claim.token, "n": done}
+        h.invoke("checkpoint", **fields, registry=self.current)
+        try:
+            out.checkpoint(data=json.dumps({"token": claim.token, "n": done}).encode(),
+                           progress=min(done / total, 1.0), message=f"{done} bytes")
+        except errors.BatonError as e:
+            h.error("checkpoint", e, **fields)
+        else:
+            h.ok("checkpoint", **fields)
 
     def commit_again(self, task: str, file: str, token: int, size: int, digest: str,
                      full: bool = False) -> None:
@@ -326,6 +351,18 @@ class Agent:
         h.ok("nack", **ident)
 
 
+def handed_checkpoint(checkpoint: Any) -> dict[str, int] | None:
+    """What a claim was handed of an earlier attempt's checkpoint: the token and the
+    bytes its data names (``{"token": -1}`` for data no producer of this run wrote)."""
+    if checkpoint is None:
+        return None
+    try:
+        d = json.loads(checkpoint.data)
+        return {"token": int(d["token"]), "n": int(d["n"])}
+    except (ValueError, KeyError, TypeError):
+        return {"token": -1, "n": -1}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.faults.agent")
     parser.add_argument("--role", choices=("producer", "consumer"), required=True)
@@ -353,3 +390,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+

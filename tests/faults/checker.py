@@ -14,6 +14,10 @@ Five kinds of violation fail a run:
 - ``badread``: a consumer given a lease on an entry that was not verified, or whose
   digest is not the verified one, or that read bytes other than the verified ones
   (every payload names its producer attempt, see ``payload.py``);
+- ``badcheckpoint``: a claim handed a checkpoint that no earlier, unfinished attempt
+  of its entry sent, or an older one than an earlier attempt's that the registry
+  accepted, or none when one was accepted (since the last accepted commit: a commit
+  drops the checkpoint). Counted, like ``badremove``, among the figures after ``|``;
 - ``badremove``: the staging retention recorded the removal of a file whose entry was
   not consumed, or (when the run's files are known: tasks with a short retention) a
   verified entry's file is gone from staging. A consumed entry's file is expected to
@@ -40,9 +44,12 @@ KINDS = ("lost", "double", "stale", "badverify", "badread")
 #: counted among the figures after ``|`` (the verdict keeps the five kinds every
 #: recorded run printed)
 BADREMOVE = "badremove"
+#: a claim handed the wrong checkpoint (see above); counted after ``|`` as well
+BADCHECKPOINT = "badcheckpoint"
 TERMINAL = ("consumed", "dead")
 #: history operations that are calls to the registry (their completions count as ops)
-CALLS = ("open-session", "claim", "commit", "fail", "consume", "ack", "nack", "create-task")
+CALLS = ("open-session", "claim", "commit", "fail", "consume", "ack", "nack", "create-task",
+         "checkpoint")
 
 
 @dataclass(frozen=True)
@@ -94,6 +101,8 @@ class _Histories:
         self.write_failures: dict[tuple[str, str, int], dict[str, Any]] = {}
         self.reads: list[dict[str, Any]] = []
         self.read_failures = 0
+        #: checkpoints sent, by entry: (token, bytes) -> "ok" or "info" (may have applied)
+        self.checkpoints: dict[EntryKey, dict[tuple[int, int], str]] = defaultdict(dict)
         self.unknown = 0
         #: calls refused because etcd was at its quota
         self.storage_full = 0
@@ -117,6 +126,10 @@ class _Histories:
                     self.read_failures += 1
             if phase == "ok" and op in ("claim", "commit", "ack"):
                 self.ok[op].append(r)
+            if op == "checkpoint" and phase in ("ok", "info"):
+                sent = self.checkpoints[(r["task"], r["file"])]
+                at = (int(r["token"]), int(r["n"]))
+                sent[at] = "ok" if phase == "ok" else sent.get(at, "info")
 
 
 @dataclass
@@ -150,7 +163,9 @@ def check(records: list[dict[str, Any]], snap: Snapshot,
     _check_reads(hist, seen, report)
     _explain_retries(snap, hist, report)
     _check_removals(snap, staged, report)
+    _check_checkpoints(snap, hist, report)
     report.stats[BADREMOVE] = report.count(BADREMOVE)
+    report.stats[BADCHECKPOINT] = report.count(BADCHECKPOINT)
     report.stats["unknown"] = hist.unknown
     report.stats["mismatched_reads"] = hist.read_failures
     report.stats["write_failed"] = len(hist.write_failures)
@@ -257,7 +272,7 @@ def _check_final(snap: Snapshot, created: dict[str, list[str]], report: Report) 
                 report.add("lost", (task, file), "created, but the entry is gone")
     report.stats["dead"] += 0  # always shown: entries that used up their retries
     for key, rec in snap.entries.items():
-        state = str(rec["state"])
+        state = str(rec.get("state", "pending"))  # left out at its default
         report.stats[state] += 1
         report.stats["retries"] += int(rec.get("retry_count", 0))
         journal = [r for r in snap.journal.get(key, []) if r.transition]
@@ -279,7 +294,7 @@ def _check_final(snap: Snapshot, created: dict[str, list[str]], report: Report) 
 def _stuck(snap: Snapshot, key: EntryKey, rec: dict[str, Any]) -> str:
     """Why a non-terminal entry can never move on by itself ("" if it can)."""
     task, file = key
-    state = str(rec["state"])
+    state = str(rec.get("state", "pending"))  # left out at its default
     if state == "pending":
         index = str(rec.get("index", ""))
         if not index or not snap.has(index.encode()):
@@ -297,6 +312,38 @@ def _stuck(snap: Snapshot, key: EntryKey, rec: dict[str, Any]) -> str:
                     or snap.has_claim(ClaimRef("c", task, file, group))):
                 return f"verified, but group {group} can neither take it nor holds it"
     return ""
+
+
+def _check_checkpoints(snap: Snapshot, hist: _Histories, report: Report) -> None:
+    """Each claim is handed the latest checkpoint an earlier attempt of its entry left
+    since the last accepted commit (which drops it), and only one that was sent."""
+    handed_any = 0
+    for claim in hist.ok["claim"]:
+        key: EntryKey = (claim["task"], claim["file"])
+        token = int(claim["token"])
+        commits = [r.token for r in snap.journal.get(key, [])
+                   if r.event == "committed" and r.token < token]
+        since = max(commits, default=0)
+        sent = {at: phase for at, phase in hist.checkpoints.get(key, {}).items()
+                if since < at[0] < token}
+        accepted = [at for at, phase in sent.items() if phase == "ok"]
+        handed = claim.get("resumed_from")
+        if handed is None:
+            if accepted:
+                report.add(BADCHECKPOINT, key, f"claim {token} was handed no checkpoint; "
+                           f"the registry accepted {max(accepted)} (token, bytes) before it")
+            continue
+        handed_any += 1
+        at = (int(handed["token"]), int(handed["n"]))
+        if at not in sent:
+            report.add(BADCHECKPOINT, key, f"claim {token} was handed checkpoint {at} "
+                       "(token, bytes), which no earlier unfinished attempt sent")
+        elif accepted and at < max(accepted):
+            report.add(BADCHECKPOINT, key, f"claim {token} was handed checkpoint {at}; "
+                       f"a later one, {max(accepted)}, had been accepted")
+    report.stats["checkpoints"] += sum(
+        1 for sent in hist.checkpoints.values() for phase in sent.values() if phase == "ok")
+    report.stats["resumed"] += handed_any
 
 
 def _check_removals(snap: Snapshot, staged: set[str] | None, report: Report) -> None:

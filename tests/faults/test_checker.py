@@ -278,3 +278,36 @@ def test_a_marked_file_still_there_at_the_end_is_counted_not_failed() -> None:
                    {TASK: [FILE]}, staged={"t0/a.bin"})
     assert report.ok, report.violations
     assert report.stats["staging_left"] == 1
+
+
+def checkpointed(handed: dict[str, int] | None,
+                 sent: tuple[tuple[int, int, str], ...] = ((8, 65536, "ok"),)
+                 ) -> list[dict[str, Any]]:
+    """The clean history, after an earlier attempt (token 8) sent ``sent`` checkpoints
+    (token, bytes, phase), its claim of token 10 handed ``handed``."""
+    h = clean_history()
+    if handed is not None:
+        h[0] = {**h[0], "resumed_from": handed}
+    earlier = [{"op": "checkpoint", "phase": phase, "task": TASK, "file": FILE, "token": t,
+                "n": n, "process": "p0.1"} for t, n, phase in sent]
+    return [*earlier, *h]
+
+
+def test_a_claim_handed_the_last_checkpoint_an_earlier_attempt_sent_passes() -> None:
+    report = run(history=checkpointed({"token": 8, "n": 65536}))
+    assert report.ok, report.violations
+    assert (report.stats["checkpoints"], report.stats["resumed"]) == (1, 1)
+
+
+def test_a_claim_handed_a_wrong_or_no_checkpoint_is_badcheckpoint() -> None:
+    """None when one was accepted; one nobody sent; an older one than one accepted.
+    A checkpoint whose outcome is unknown may or may not have been kept."""
+    assert kinds(run(history=checkpointed(None))) == {"badcheckpoint"}
+    assert kinds(run(history=checkpointed({"token": 9, "n": 1}))) == {"badcheckpoint"}
+    later = ((8, 65536, "ok"), (8, 131072, "ok"))
+    assert kinds(run(history=checkpointed({"token": 8, "n": 65536}, later))) == {
+        "badcheckpoint"}
+    unknown = ((8, 65536, "ok"), (8, 131072, "info"))
+    assert run(history=checkpointed({"token": 8, "n": 65536}, unknown)).ok
+    assert run(history=checkpointed({"token": 8, "n": 131072}, unknown)).ok
+    assert run(history=checkpointed(None, ((8, 65536, "fail"),))).ok
