@@ -99,6 +99,8 @@ class Operators:
                                         f"{task.status}", task_id=req.task_id)
             task.status = target
             task.status_reason = f"{action}: {req.reason}" if req.reason else action
+            if req.evidence:
+                task.status_reason += f" (evidence: {req.evidence})"
             if target in FINISHED:
                 task.finished_at = now()
             elif target == "active":
@@ -196,7 +198,9 @@ class Operators:
                 raise IllegalTransition(f"entry {req.file_id!r} is {rec.state}; only dead "
                                         "entries can be requeued", state=rec.state)
             apply(rec, Event.REQUEUE)
-            rec.remember("requeued", who=who, reason=f"after: {rec.error}")
+            why = f"{req.reason} (after: {rec.error})" if req.reason else f"after: {rec.error}"
+            rec.remember("requeued", who=who, reason=why,
+                         **({"evidence": req.evidence} if req.evidence else {}))
             if task.status == "completed":  # it has work again
                 task.status, task.status_reason = "active", "entry requeued"
                 task.finished_at = ""
@@ -279,7 +283,7 @@ class Operators:
             label=str(data.get("label") or ""),
             token=_int(data.get("token")), from_state=str(data.get("from", "")),
             to_state=str(data.get("to", "")), reason=_reason(data),
-            group=str(data.get("group") or ""),
+            group=str(data.get("group") or ""), evidence=str(data.get("evidence") or ""),
             routing_rule=_int(data["rule"]) if data.get("rule") is not None else None,
             routed_to=[str(g) for g in data.get("groups") or []],
         )
