@@ -25,16 +25,19 @@ if TYPE_CHECKING:
 @cli.command()
 @click.argument("task_id", metavar="TASK")
 @click.argument("file_id")
+@click.option("--reason", default="", help="why; kept in the entry's journal")
+@click.option("--evidence", default="", help="a link or text backing --reason (kept with it)")
 @output_option
 @pass_settings
-def requeue(settings: Settings, task_id: str, file_id: str, output: str) -> None:
+def requeue(settings: Settings, task_id: str, file_id: str, reason: str, evidence: str,
+            output: str) -> None:
     """Bring a dead entry back to pending.
 
     It gets a fresh retry budget; entries blocked by it (through depends_on)
     go ahead once it is verified. Only dead entries can be requeued (exit 4
     otherwise).
     """
-    emit_entry(settings.client().requeue(task_id, file_id), output)
+    emit_entry(settings.client().requeue(task_id, file_id, reason, evidence), output)
 
 
 @cli.command("log")
@@ -50,7 +53,7 @@ def journal(settings: Settings, task_id: str, file_id: str, limit: int, output: 
     One record per transition, oldest first: revision, time, file, event,
     from → to state, who (the caller's identity, then in quotes the name its client
     gave itself), consumer group (when any record has one), token,
-    reason (-o json: one JSON object per line).
+    reason and the evidence backing it (-o json: one JSON object per line).
     """
     reply = settings.client().journal_reply(task_id, file_id, limit)
     records = reply.records
@@ -70,7 +73,8 @@ def journal(settings: Settings, task_id: str, file_id: str, limit: int, output: 
         # A space instead of the T lets a narrow terminal wrap date and time apart.
         table.add_row(str(r.revision), r.at.replace("T", " ", 1), r.file_id, r.event,
                       transition(r), actor(r), *([r.group or "-"] if groups else []),
-                      str(r.token) if r.token else "-", r.reason)
+                      str(r.token) if r.token else "-",
+                      r.reason + (f" (evidence: {r.evidence})" if r.evidence else ""))
     emit_table(table)
 
 

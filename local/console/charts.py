@@ -32,8 +32,13 @@ def throughput_svg(moves: Iterable[tuple[str, str]]) -> str:
     step = span / BUCKETS
     counts = Counter((state, min(int((t - start) / step), BUCKETS - 1)) for t, state in points)
     top = max(counts.values())
-    x = lambda i: PAD + (WIDTH - 2 * PAD) * i / (BUCKETS - 1)  # noqa: E731
-    y = lambda n: HEIGHT - PAD - (HEIGHT - 2 * PAD) * n / top  # noqa: E731
+
+    def x(i: int) -> float:
+        return PAD + (WIDTH - 2 * PAD) * i / (BUCKETS - 1)
+
+    def y(n: int) -> float:
+        return HEIGHT - PAD - (HEIGHT - 2 * PAD) * n / top
+
     lines = []
     for state, colour in SERIES.items():
         path = " ".join(f"{x(i):.1f},{y(counts[(state, i)]):.1f}" for i in range(BUCKETS))

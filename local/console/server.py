@@ -26,6 +26,7 @@ from starlette.staticfiles import StaticFiles
 from ...client._client import Client
 from ...client.cli._common import Settings
 from ...kernel import errors
+from ...kernel.names import state_name, status_name
 from ...kernel.v1 import baton_pb2 as pb
 from .charts import throughput_svg
 
@@ -60,12 +61,6 @@ def identity_of(settings: Settings) -> Identity:
     return Identity(name, "operator" in roles)
 
 
-def state_name(value: int) -> str:
-    return pb.EntryState.Name(value).removeprefix("ENTRY_STATE_").lower()
-
-
-def status_name(value: int) -> str:
-    return pb.TaskStatus.Name(value).removeprefix("TASK_STATUS_").lower()
 
 
 class Hub:
@@ -173,8 +168,9 @@ class Hub:
         return {
             "task_id": task.spec.task_id, "status": status_name(task.status),
             "status_reason": task.status_reason, "entries": total, "consumed": consumed,
-            "progress": f"{consumed}/{total}" + (f" ({100 * consumed // total}%)" if total else ""),
-            "rate": "–" if rate is None else f"{rate:.2f}/s",
+            "progress": f"{consumed}/{total}" + (f" ({100 * consumed // total}%)"
+                                                  if total else ""),
+            "rate": "-" if rate is None else f"{rate:.2f}/s",
             "dead": task.dead, "stuck": task.stuck_written + task.blocked,
             "states": {state_name(s): int(states.get(state_name(s), 0))
                        for s in pb.EntryState.values() if s},
@@ -227,7 +223,7 @@ class Console:
         pending = await self.call(self.client.list_entries, task_id,
                                   pb.ENTRY_STATE_PENDING, PAGE_ENTRIES)
         oldest = min(pending, key=lambda e: e.updated_at, default=None)
-        return f"{oldest.file_id} since {oldest.updated_at}" if oldest else "–"
+        return f"{oldest.file_id} since {oldest.updated_at}" if oldest else "-"
 
     async def task(self, request: Request) -> Response:
         task_id = request.path_params["task_id"]
