@@ -28,10 +28,10 @@ from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.local.etcdproc import free_port
 from baton_relay.local.stack import LocalPKI
 from test_cli import SUBPROCESS_TIMEOUT, Lines, cli_env
+from tools import require
 
 pytestmark = pytest.mark.slow
 
-CHROMIUM = "/usr/bin/chromium"
 DOCS_SHOTS = Path(__file__).resolve().parent.parent / "docs" / "console"
 
 
@@ -103,7 +103,7 @@ def browser(stack: Stack) -> Iterator[Any]:
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        chromium = p.chromium.launch(executable_path=CHROMIUM,
+        chromium = p.chromium.launch(executable_path=require("chromium"),
                                      args=["--no-sandbox", "--headless"])
         try:
             yield chromium
