@@ -416,7 +416,7 @@ class Leases:
 
     async def sweep(self) -> int:
         """Revoke every session of each drained host past its deadline; how many."""
-        due: dict[str, tuple[str, str, str]] = {}
+        due: dict[str, tuple[str, str]] = {}
         base = self.keys.drains()
         pages = self.core.etcd.scan(base, page=LIST_PAGE)
         async with contextlib.aclosing(pages):
@@ -429,12 +429,11 @@ class Leases:
                     continue
                 if deadline <= self.core.clock():
                     due[self.keys.last_segment(kv.key)] = (
-                        by or "operator", str(drain.get("reason") or ""),
-                        str(drain.get("evidence") or ""))
+                        by or "operator", str(drain.get("evidence") or ""))
         revoked = 0
-        for host, (by, why, evidence) in due.items():
-            reason = f"drain deadline: {why}" if why else "drain deadline"
+        for host, (by, evidence) in due.items():
             async for record in self._records(host=host):
-                if await self.revoke_session(record.session_id, by, reason, evidence):
+                if await self.revoke_session(record.session_id, by, "drain deadline",
+                                             evidence):
                     revoked += 1
         return revoked

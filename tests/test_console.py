@@ -22,13 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_cli import SUBPROCESS_TIMEOUT, Lines, cli_env
+from tools import require
 
 from baton_relay.client import Client
 from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.local.etcdproc import free_port
 from baton_relay.local.stack import LocalPKI
-from test_cli import SUBPROCESS_TIMEOUT, Lines, cli_env
-from tools import require
 
 pytestmark = pytest.mark.slow
 
