@@ -250,28 +250,34 @@ def test_a_session_is_revoked_from_the_page(stack: Stack, page: Any, tmp_path: P
     shot(page, tmp_path, "watchers")
 
 
-def _post(url: str, form: dict[str, str]) -> tuple[int, str]:
+def _post(url: str, form: dict[str, str],
+          headers: dict[str, str] | None = None) -> tuple[int, str]:
     data = urllib.parse.urlencode(form).encode()
+    request = urllib.request.Request(url, data=data, headers=headers or {})
     try:
-        with urllib.request.urlopen(url, data=data, timeout=30) as reply:
+        with urllib.request.urlopen(request, timeout=30) as reply:
             return reply.status, reply.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()
 
 
 def test_an_action_without_a_reason_is_refused_by_the_server(stack: Stack) -> None:
-    """A POST without a reason (or without evidence) changes nothing: the browser's
-    `required` is not what refuses it."""
+    """A POST without a reason (or without evidence), or from another site, changes
+    nothing: the browser's `required` is not what refuses it."""
     create(stack, {"task_id": "noreason", "entries": entries("a")})
     url = f"{stack.operator_url}/act/pause"
     for form in ({"task_id": "noreason"}, {"task_id": "noreason", "reason": "  "},
                  {"task_id": "noreason", "reason": "why", "evidence": ""}):
         status, body = _post(url, form)
         assert status == 400 and "Refused" in body, (form, status)
+    # another site's page posting through the operator's browser is refused too
+    full = {"task_id": "noreason", "reason": "maintenance", "evidence": "change CH-1"}
+    for headers in ({"Origin": "http://evil.example"}, {"Sec-Fetch-Site": "cross-site"}):
+        status, body = _post(url, full, headers)
+        assert status == 403 and "only from the console" in body, headers
     with stack.client() as c:
         assert c.get_task("noreason").status == pb.TASK_STATUS_ACTIVE
-    status, body = _post(url, {"task_id": "noreason", "reason": "maintenance",
-                               "evidence": "change CH-1"})
+    status, body = _post(url, full, {"Origin": stack.operator_url})
     assert status == 200 and "is paused" in body
     with stack.client() as c:
         task = c.get_task("noreason")

@@ -177,6 +177,15 @@ class Hub:
         }
 
 
+def same_origin(request: Request) -> bool:
+    """Whether a request came from the console's own pages: no cross-site fetch, and an
+    Origin (when the browser sends one) that is the console itself."""
+    if request.headers.get("sec-fetch-site", "same-origin") not in ("same-origin", "none"):
+        return False
+    origin = request.headers.get("origin")
+    return origin is None or origin == f"{request.url.scheme}://{request.headers.get('host')}"
+
+
 def _offer(q: asyncio.Queue[str], data: str) -> None:
     if not q.full():
         q.put_nowait(data)
@@ -303,6 +312,9 @@ class Console:
                              text=f"unknown action {name!r}")
         if not self.me.operator:
             return self.refuse(403, f"{self.me.name or 'this identity'} is not an operator")
+        if request.method == "POST" and not same_origin(request):
+            # Another site's page must not act as the operator through their browser.
+            return self.refuse(403, "an action is accepted only from the console's own pages")
         params = dict(request.query_params) if request.method == "GET" else dict(
             await request.form())
         args = {k: str(params.get(k, "")).strip() for k in action.fields}
