@@ -85,10 +85,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         urls = []
         for who in ("operator", "agent"):
             listen = f"127.0.0.1:{free_port()}"
-            console = subprocess.Popen([*base, "console", "--listen", listen],
+            # The agent's console names its registry with --registry, over a
+            # BATON_REGISTRY where nothing listens.
+            named = ["--registry", address] if who == "agent" else []
+            env = cli_env(address if not named else f"127.0.0.1:{free_port()}",
+                          tuple(pki.environ(who).items()))
+            console = subprocess.Popen([*base, "console", "--listen", listen, *named],
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                       text=True,
-                                       env=cli_env(address, tuple(pki.environ(who).items())))
+                                       text=True, env=env)
             procs.append(console)
             Lines(console).until(lambda line: line.startswith("console: http"), timeout=30)
             urls.append(f"http://{listen}")

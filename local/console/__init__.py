@@ -44,8 +44,10 @@ def parse_listen(value: str) -> tuple[str, int]:
 @click.command()
 @click.option("--listen", default=DEFAULT_LISTEN, show_default=True, metavar="HOST:PORT",
               help="where the console serves; keep it on loopback (it acts as you)")
+@click.option("--registry", default=None, metavar="HOST:PORT",
+              help="the registry to talk to  [default: baton's --registry, BATON_REGISTRY]")
 @pass_settings
-def console(settings: Settings, listen: str) -> None:
+def console(settings: Settings, listen: str, registry: str | None) -> None:
     """Serve the web console: tasks, entries, sessions, watchers, and actions.
 
     It talks to --registry as the identity of BATON_CA, BATON_CERT and BATON_KEY
@@ -54,4 +56,6 @@ def console(settings: Settings, listen: str) -> None:
     registry keeps in the journal.
     """
     host, port = parse_listen(listen)
+    if registry:
+        settings.registry = registry
     _server().serve(settings, host, port, out=click.echo)
