@@ -46,11 +46,13 @@ class Hub:
 
     def subscribe(self) -> asyncio.Queue[str]:
         q: asyncio.Queue[str] = asyncio.Queue(maxsize=1000)
-        self.queues.add(q)
+        with self.lock:
+            self.queues.add(q)
         return q
 
     def unsubscribe(self, q: asyncio.Queue[str]) -> None:
-        self.queues.discard(q)
+        with self.lock:
+            self.queues.discard(q)
 
     def _mark(self, task_id: str) -> None:
         with self.lock:
@@ -102,7 +104,9 @@ class Hub:
         loop = self.loop
         if loop is None:
             return
-        for q in list(self.queues):
+        with self.lock:  # browsers come and go on the event loop's thread
+            queues = list(self.queues)
+        for q in queues:
             loop.call_soon_threadsafe(_offer, q, data)
 
     def rate(self, task_id: str, consumed: int) -> float | None:
