@@ -170,6 +170,9 @@ def test_the_tasks_page_shows_a_task_advancing_live(stack: Stack, page: Any,
         for n in names[:2]:
             done = stack.baton("put", "live", n, "-", "--agent", "pipe", stdin=f"{n}\n")
             assert done.returncode == 0, done.stderr
+        # the stack's watcher verifies what was put before a consumer gets it
+        wait_for(lambda: c.get_task("live").states["verified"] == 2, timeout=30,
+                 what="the watcher to verify f0 and f1")
         for _ in range(2):
             lease = c.consume("live", "g", session=session)
             c.ack("live", lease.file_id, "g", lease.token, session=session)
