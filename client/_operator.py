@@ -57,19 +57,19 @@ class OperatorCalls(Connection):
         req = pb.ListEntriesRequest(task_id=task_id, state=state, limit=limit)  # type: ignore[arg-type]
         return list(self._call("ListEntries", req).entries)
 
-    def pause_task(self, task_id: str, reason: str = "") -> pb.Task:
+    def pause_task(self, task_id: str, reason: str = "", evidence: str = "") -> pb.Task:
         """No new work: claims and consumes are refused (``TaskNotActive``) until
         ``resume_task``; claims and consumes in hand may still be finished."""
-        req = pb.PauseTaskRequest(task_id=task_id, reason=reason)
+        req = pb.PauseTaskRequest(task_id=task_id, reason=reason, evidence=evidence)
         return self._call("PauseTask", req).task  # type: ignore[no-any-return]
 
-    def resume_task(self, task_id: str, reason: str = "") -> pb.Task:
-        req = pb.ResumeTaskRequest(task_id=task_id, reason=reason)
+    def resume_task(self, task_id: str, reason: str = "", evidence: str = "") -> pb.Task:
+        req = pb.ResumeTaskRequest(task_id=task_id, reason=reason, evidence=evidence)
         return self._call("ResumeTask", req).task  # type: ignore[no-any-return]
 
-    def cancel_task(self, task_id: str, reason: str = "") -> pb.Task:
+    def cancel_task(self, task_id: str, reason: str = "", evidence: str = "") -> pb.Task:
         """Stop the task for good: its claims are revoked (their tokens die)."""
-        req = pb.CancelTaskRequest(task_id=task_id, reason=reason)
+        req = pb.CancelTaskRequest(task_id=task_id, reason=reason, evidence=evidence)
         return self._call("CancelTask", req).task  # type: ignore[no-any-return]
 
     def archive_task(self, task_id: str, reason: str = "") -> pb.Task:
@@ -87,10 +87,13 @@ class OperatorCalls(Connection):
                                    discard_history=discard_history)
         return self._call("DeleteTask", req)  # type: ignore[no-any-return]
 
-    def requeue(self, task_id: str, file_id: str, group: str = "") -> pb.Entry:
+    def requeue(self, task_id: str, file_id: str, group: str = "", *, reason: str = "",
+                evidence: str = "") -> pb.Entry:
         """Bring a dead entry back to pending with a fresh retry budget; with ``group``,
-        hand an entry that group acked to it again (the other groups' acks stay)."""
-        req = pb.RequeueRequest(task_id=task_id, file_id=file_id, group=group)
+        hand an entry that group acked to it again (the other groups' acks stay).
+        ``reason`` and ``evidence`` go into the entry's journal."""
+        req = pb.RequeueRequest(task_id=task_id, file_id=file_id, group=group, reason=reason,
+                                evidence=evidence)
         return self._call("Requeue", req).entry  # type: ignore[no-any-return]
 
     def replay_task(self, task_id: str, group: str) -> int:
@@ -118,11 +121,11 @@ class OperatorCalls(Connection):
         return list(self._call("ListAgents", pb.ListAgentsRequest()).agents)
 
     def revoke_sessions(self, session_id: int = 0, *, agent: str = "", host: str = "",
-                        reason: str = "") -> list[pb.RevokedSession]:
+                        reason: str = "", evidence: str = "") -> list[pb.RevokedSession]:
         """Revoke the session named, or every session of ``agent`` or of ``host``: their
         claims go back at once without spending a retry, their tokens die."""
         req = pb.RevokeSessionRequest(session_id=session_id, agent=agent, host=host,
-                                      reason=reason)
+                                      reason=reason, evidence=evidence)
         return list(self._call("RevokeSession", req).sessions)
 
     def rotate_leases(self, session_id: int = 0, *, every: bool = False, host: str = "",
@@ -133,10 +136,12 @@ class OperatorCalls(Connection):
         req = pb.RotateLeaseRequest(session_id=session_id, all=every, host=host, ttl=ttl)
         return list(self._call("RotateLease", req).sessions)
 
-    def drain_host(self, host: str, deadline: int = 0, reason: str = "") -> pb.DrainHostResponse:
+    def drain_host(self, host: str, deadline: int = 0, reason: str = "",
+                   evidence: str = "") -> pb.DrainHostResponse:
         """Drain ``host``: its sessions take no new work; what they still hold after
         ``deadline`` seconds (0: the registry's default) is revoked."""
-        req = pb.DrainHostRequest(host=host, deadline_seconds=deadline, reason=reason)
+        req = pb.DrainHostRequest(host=host, deadline_seconds=deadline, reason=reason,
+                                  evidence=evidence)
         return self._call("DrainHost", req)  # type: ignore[no-any-return]
 
     def undrain_host(self, host: str) -> pb.UndrainHostResponse:
@@ -148,9 +153,11 @@ class OperatorCalls(Connection):
     def list_shards(self) -> pb.ListShardsResponse:
         return self._call("ListShards", pb.ListShardsRequest())  # type: ignore[no-any-return]
 
-    def move_shard(self, shard: int, to_watcher: str, deadline: int = 0) -> pb.ShardInfo:
+    def move_shard(self, shard: int, to_watcher: str, deadline: int = 0, reason: str = "",
+                   evidence: str = "") -> pb.ShardInfo:
         """Start moving a shard (its owner hands it over within ``deadline`` seconds)."""
-        req = pb.MoveShardRequest(shard=shard, to_watcher=to_watcher, deadline=deadline)
+        req = pb.MoveShardRequest(shard=shard, to_watcher=to_watcher, deadline=deadline,
+                                  reason=reason, evidence=evidence)
         return self._call("MoveShard", req).shard  # type: ignore[no-any-return]
 
     def rebalance(self, dry_run: bool = False) -> list[pb.ShardMove]:

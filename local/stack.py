@@ -673,6 +673,8 @@ def _print_summary(out: Callable[[str], None], version: str, etcd: EtcdProcess,
     if pki is not None:
         out(f"(the operator identity; the same lines are in {env_file}; "
             f"more identities: baton cert issue --pki {pki.root})")
+    out("web console, with those variables set: baton console  (http://127.0.0.1:8470/; "
+        "pip install 'baton-relay[console]')")
     out("ready; press Ctrl-C to stop")
 
 

@@ -125,14 +125,16 @@ class Leases:
         who = caller.name or "operator"
         out = []
         for session_id in await self._select(req.session_id, req.agent, req.host):
-            done = await self.revoke_session(session_id, who, req.reason or "no reason given")
+            done = await self.revoke_session(session_id, who, req.reason or "no reason given",
+                                             evidence=req.evidence)
             if done is not None:
                 out.append(done)
         return pb.RevokeSessionResponse(sessions=out)
 
-    async def revoke_session(self, session_id: int, who: str,
-                             reason: str) -> pb.RevokedSession | None:
-        """Revoke one session (see the module's docstring); None if it is gone."""
+    async def revoke_session(self, session_id: int, who: str, reason: str,
+                             evidence: str = "") -> pb.RevokedSession | None:
+        """Revoke one session (see the module's docstring); None if it is gone.
+        ``evidence`` backs the reason in the journal records of the claims given back."""
         key = self.keys.agent(session_id)
 
         async def mark(txn: Txn) -> SessionRecord | None:
@@ -154,7 +156,7 @@ class Leases:
             claims = [k for k in keys if k.startswith(self.keys.claims_all())]
             for i in range(0, len(claims), RETURN_CHUNK):
                 returned += await self._return(claims[i:i + RETURN_CHUNK], session_id, who,
-                                               reason)
+                                               reason, evidence)
         for lease in record.leases:
             await self.core.etcd.revoke(lease)
         self.returned += returned
@@ -164,7 +166,7 @@ class Leases:
                                  claims_returned=returned)
 
     async def _return(self, keys: list[bytes], session_id: int, who: str,
-                      reason: str) -> int:
+                      reason: str, evidence: str) -> int:
         """Give back the claims of ``keys`` still held by the session, in one guarded
         transaction: a producer's entry goes back to pending as it was (no retry
         spent, no backoff), a consumer's back to its group; each claim dies with its
@@ -186,7 +188,8 @@ class Leases:
                           spend=False, event="revoked",
                           reason=f"claim revoked by {who}: {reason}"
                           if ref.kind == "p" else reason,
-                          details={"reason": reason, "agent": claim_holder(claim)})
+                          details={"reason": reason, "agent": claim_holder(claim),
+                                   **({"evidence": evidence} if evidence else {})})
             return len(held)
 
         return await write(self.core.txns, plan, fresh=True)
@@ -357,7 +360,7 @@ class Leases:
                                   f"1..{MAX_DRAIN} seconds (0: {DEFAULT_DRAIN})")
         deadline = self.core.clock() + seconds
         value = json.dumps({"deadline": deadline, "by": caller.name or "operator",
-                            "reason": req.reason}).encode()
+                            "reason": req.reason, "evidence": req.evidence}).encode()
 
         async def plan(txn: Txn) -> None:
             txn.put(self.keys.drain(req.host), value)
@@ -413,7 +416,7 @@ class Leases:
 
     async def sweep(self) -> int:
         """Revoke every session of each drained host past its deadline; how many."""
-        due: dict[str, str] = {}
+        due: dict[str, tuple[str, str]] = {}
         base = self.keys.drains()
         pages = self.core.etcd.scan(base, page=LIST_PAGE)
         async with contextlib.aclosing(pages):
@@ -425,10 +428,12 @@ class Leases:
                     self._complain(kv.key.decode(errors="replace"), e)
                     continue
                 if deadline <= self.core.clock():
-                    due[self.keys.last_segment(kv.key)] = by or "operator"
+                    due[self.keys.last_segment(kv.key)] = (
+                        by or "operator", str(drain.get("evidence") or ""))
         revoked = 0
-        for host, by in due.items():
+        for host, (by, evidence) in due.items():
             async for record in self._records(host=host):
-                if await self.revoke_session(record.session_id, by, "drain deadline"):
+                if await self.revoke_session(record.session_id, by, "drain deadline",
+                                             evidence):
                     revoked += 1
         return revoked

@@ -103,6 +103,8 @@ class Operators:
                                         f"{task.status}", task_id=req.task_id)
             task.status = target
             task.status_reason = f"{action}: {req.reason}" if req.reason else action
+            if req.evidence:
+                task.status_reason += f" (evidence: {req.evidence})"
             if target in FINISHED:
                 task.finished_at = now()
             elif target == "active":
@@ -190,7 +192,7 @@ class Operators:
         if req.group:
             check_id("group", req.group)
             plan = self._replay_plan(req.task_id, req.file_id, req.group,
-                                     caller.name or "operator")
+                                     caller.name or "operator", req.reason, req.evidence)
             return await self.core.txns.run(plan, req.request_id, entry_replay)
         who = caller.name or "operator"
         staging = self.core.staging_dir(req.task_id)
@@ -207,7 +209,9 @@ class Operators:
                 raise IllegalTransition(f"entry {req.file_id!r} is {rec.state}; only dead "
                                         "entries can be requeued", state=rec.state)
             apply(rec, Event.REQUEUE)
-            rec.remember("requeued", who=who, reason=f"after: {rec.error}")
+            why = f"{req.reason} (after: {rec.error})" if req.reason else f"after: {rec.error}"
+            rec.remember("requeued", who=who, reason=why,
+                         **({"evidence": req.evidence} if req.evidence else {}))
             if task.status == "completed":  # it has work again
                 task.status, task.status_reason = "active", "entry requeued"
                 task.finished_at = ""
@@ -241,7 +245,7 @@ class Operators:
             nonlocal replayed
             try:
                 await self.core.txns.run(self._replay_plan(req.task_id, file_id, req.group,
-                                                           who))
+                                                           who, req.reason, req.evidence))
             except IllegalTransition:
                 return  # moved on since it was listed (acked again, its file removed)
             replayed += 1
@@ -255,8 +259,9 @@ class Operators:
         await gate.drain()
         return replayed
 
-    def _replay_plan(self, task_id: str, file_id: str, group: str,
-                     who: str) -> Callable[[Txn], Awaitable[Callable[[int], pb.Entry]]]:
+    def _replay_plan(self, task_id: str, file_id: str, group: str, who: str,
+                     reason: str = "", evidence: str = ""
+                     ) -> Callable[[Txn], Awaitable[Callable[[int], pb.Entry]]]:
         """Hand a verified or consumed entry that ``group`` acked to that group again:
         its ack is forgotten and its claimable key put back; the other groups' acks
         stay, so none of them is handed it again. A consumed entry becomes verified
@@ -291,8 +296,10 @@ class Operators:
             if rec.state == CONSUMED:
                 apply(rec, Event.REPLAY)
             rec.consumed_by.remove(group)
+            why = f"handed to group {group} again"
             rec.remember("requeued", who=who, group=group,
-                         reason=f"handed to group {group} again")
+                         reason=f"{reason} ({why})" if reason else why,
+                         **({"evidence": evidence} if evidence else {}))
             txn.put(self.keys.cready(rec.task_id, group, rec.file_id), b"")
             if task.status == "completed":  # it has work again
                 task.status, task.status_reason = "active", "entry requeued"
@@ -373,7 +380,7 @@ class Operators:
             label=str(data.get("label") or ""),
             token=_int(data.get("token")), from_state=str(data.get("from", "")),
             to_state=str(data.get("to", "")), reason=_reason(data),
-            group=str(data.get("group") or ""),
+            group=str(data.get("group") or ""), evidence=str(data.get("evidence") or ""),
             routing_rule=_int(data["rule"]) if data.get("rule") is not None else None,
             routed_to=[str(g) for g in data.get("groups") or []],
         )

@@ -430,7 +430,8 @@ class Shards:
             raise InvalidArgument(f"deadline {req.deadline} must be ≥ 0 seconds")
         deadline = req.deadline or self.move_deadline
         to = await self._target(req.to_watcher)
-        rec = await self._start_move(req.shard, to, deadline, by=caller.name or "operator")
+        rec = await self._start_move(req.shard, to, deadline, by=caller.name or "operator",
+                                     why={"reason": req.reason, "evidence": req.evidence})
         hosts = {w.watcher_id: str(w.info.get("host", "")) for w in
                  (await self.watchers()).values()}
         return self._info(req.shard, rec, hosts, {}, {})
@@ -445,9 +446,10 @@ class Shards:
         return watcher_id
 
     async def _start_move(self, n: int, to: str, deadline: float,
-                          by: str = "assigner") -> ShardRecord:
+                          by: str = "assigner",
+                          why: dict[str, str] | None = None) -> ShardRecord:
         """Start moving shard ``n`` to watcher ``to``; ``by``: the operator who asked, or
-        the assigner."""
+        the assigner; ``why``: the operator's reason and evidence, logged with the move."""
         key = self.keys.shard(n)
 
         async def plan(txn: Txn) -> ShardRecord:
@@ -469,7 +471,7 @@ class Shards:
             txn.after(lambda: logs.log(
                 log, logging.INFO, "shard move started" if new.moving_to else "shard owned",
                 shard=n, owner=new.owner, to=to, epoch=new.epoch,
-                by=by))
+                by=by, **{k: v for k, v in (why or {}).items() if v}))
             return new
 
         return await write(self.core.txns, plan)

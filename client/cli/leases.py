@@ -155,10 +155,11 @@ def optional_session(ctx: click.Context, param: click.Parameter,
               help="every session of this agent name")
 @click.option("--host", default="", metavar="HOST", help="every session of this host")
 @click.option("--reason", default="", help="why, kept in the journal of each claim")
+@click.option("--evidence", default="", help="a link or text backing --reason (kept with it)")
 @output_option
 @pass_settings
 def lease_revoke(settings: Settings, session_id: int | None, agent: str, host: str,
-                 reason: str, output: str) -> None:
+                 reason: str, evidence: str, output: str) -> None:
     """Revoke sessions now: their claims go back at once.
 
     Producer claims go back to pending without spending a retry, consume-claims
@@ -169,7 +170,7 @@ def lease_revoke(settings: Settings, session_id: int | None, agent: str, host: s
     """
     one_way(session_id, agent=agent, host=host)
     done = settings.client().revoke_sessions(session_id or 0, agent=agent, host=host,
-                                             reason=reason)
+                                             reason=reason, evidence=evidence)
     if output == "json":
         emit_json([{"session": session_json(s.session_id), "agent": s.agent, "host": s.host,
                     "claims_returned": s.claims_returned} for s in done])
@@ -229,9 +230,10 @@ def host_claims(client: Client, host: str) -> tuple[int, int]:
               show_default=True, metavar="SECONDS",
               help="after this, the registry revokes what the host still holds")
 @click.option("--reason", default="", help="why (kept with the drain)")
+@click.option("--evidence", default="", help="a link or text backing --reason (kept with it)")
 @click.option("--no-wait", is_flag=True, help="return at once instead of waiting")
 @pass_settings
-def lease_drain(settings: Settings, host: str, deadline: int, reason: str,
+def lease_drain(settings: Settings, host: str, deadline: int, reason: str, evidence: str,
                 no_wait: bool) -> None:
     """Drain a host: its sessions take no new work.
 
@@ -242,7 +244,7 @@ def lease_drain(settings: Settings, host: str, deadline: int, reason: str,
     none is left; `--no-wait` returns at once. `lease undrain` ends it.
     """
     client = settings.client()
-    reply = client.drain_host(host, deadline, reason)
+    reply = client.drain_host(host, deadline, reason, evidence)
     click.echo(f"host {host} draining until {reply.deadline} (sessions {reply.sessions}, "
                f"claims {reply.claims})")
     if no_wait:

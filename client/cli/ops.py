@@ -28,9 +28,12 @@ if TYPE_CHECKING:
 @click.option("-g", "--group", default="",
               help="hand the entry (without FILE_ID: every entry of the task) to this "
                    "consumer group again; the other groups are not handed it again")
+@click.option("--reason", default="", help="why; kept in the entry's journal")
+@click.option("--evidence", default="", help="a link or text backing --reason (kept with it)")
 @output_option
 @pass_settings
-def requeue(settings: Settings, task_id: str, file_id: str, group: str, output: str) -> None:
+def requeue(settings: Settings, task_id: str, file_id: str, group: str, reason: str,
+            evidence: str, output: str) -> None:
     """Bring a dead entry back to pending, or replay entries to one group.
 
     A dead entry gets a fresh retry budget; entries blocked by it (through
@@ -49,7 +52,8 @@ def requeue(settings: Settings, task_id: str, file_id: str, group: str, output: 
         else:
             click.echo(f"{task_id}: {replayed} entries handed to group {group} again")
         return
-    emit_entry(settings.client().requeue(task_id, file_id, group), output)
+    emit_entry(settings.client().requeue(task_id, file_id, group, reason=reason,
+                                         evidence=evidence), output)
 
 
 @cli.command("log")
@@ -65,7 +69,7 @@ def journal(settings: Settings, task_id: str, file_id: str, limit: int, output: 
     One record per transition, oldest first: revision, time, file, event,
     from → to state, who (the caller's identity, then in quotes the name its client
     gave itself), consumer group (when any record has one), token,
-    reason (-o json: one JSON object per line).
+    reason and the evidence backing it (-o json: one JSON object per line).
     """
     reply = settings.client().journal_reply(task_id, file_id, limit)
     records = reply.records
@@ -85,7 +89,8 @@ def journal(settings: Settings, task_id: str, file_id: str, limit: int, output: 
         # A space instead of the T lets a narrow terminal wrap date and time apart.
         table.add_row(str(r.revision), r.at.replace("T", " ", 1), r.file_id, r.event,
                       transition(r), actor(r), *([r.group or "-"] if groups else []),
-                      str(r.token) if r.token else "-", r.reason)
+                      str(r.token) if r.token else "-",
+                      r.reason + (f" (evidence: {r.evidence})" if r.evidence else ""))
     emit_table(table)
 
 

@@ -160,11 +160,15 @@ def progress(t: pb.Task) -> str:
     return f"{t.entry_count - t.open}/{t.entry_count}"
 
 
-def _control(settings: Settings, action: str, task_id: str, reason: str, output: str) -> None:
+def _control(settings: Settings, action: str, task_id: str, reason: str, output: str,
+             evidence: str = "") -> None:
     client = settings.client()
-    call = {"pause": client.pause_task, "resume": client.resume_task,
-            "cancel": client.cancel_task, "archive": client.archive_task}[action]
-    t = call(task_id, reason)
+    if action == "archive":
+        t = client.archive_task(task_id, reason)
+    else:
+        call = {"pause": client.pause_task, "resume": client.resume_task,
+                "cancel": client.cancel_task}[action]
+        t = call(task_id, reason, evidence)
     if output == "json":
         emit_json(as_dict(t))
         return
@@ -177,12 +181,19 @@ def reason_option(f: F) -> F:
                                                      "status reason")(f)
 
 
+def evidence_option(f: F) -> F:
+    return click.option("--evidence", default="", help="a link or text backing --reason, "
+                                                       "kept with it")(f)
+
+
 @task.command("pause")
 @click.argument("task_id", metavar="TASK")
 @reason_option
+@evidence_option
 @output_option
 @pass_settings
-def task_pause(settings: Settings, task_id: str, reason: str, output: str) -> None:
+def task_pause(settings: Settings, task_id: str, reason: str, evidence: str,
+             output: str) -> None:
     """Stop handing out new work of a task: claims and consumes.
 
     Both are refused (exit 4, TaskNotActive) while it is paused. What is in
@@ -190,31 +201,35 @@ def task_pause(settings: Settings, task_id: str, reason: str, output: str) -> No
     nacked; the watcher still verifies. Nothing is lost: `baton task resume`
     hands out work again from where it was.
     """
-    _control(settings, "pause", task_id, reason, output)
+    _control(settings, "pause", task_id, reason, output, evidence)
 
 
 @task.command("resume")
 @click.argument("task_id", metavar="TASK")
 @reason_option
+@evidence_option
 @output_option
 @pass_settings
-def task_resume(settings: Settings, task_id: str, reason: str, output: str) -> None:
+def task_resume(settings: Settings, task_id: str, reason: str, evidence: str,
+             output: str) -> None:
     """Make a paused task active again."""
-    _control(settings, "resume", task_id, reason, output)
+    _control(settings, "resume", task_id, reason, output, evidence)
 
 
 @task.command("cancel")
 @click.argument("task_id", metavar="TASK")
 @reason_option
+@evidence_option
 @output_option
 @pass_settings
-def task_cancel(settings: Settings, task_id: str, reason: str, output: str) -> None:
+def task_cancel(settings: Settings, task_id: str, reason: str, evidence: str,
+             output: str) -> None:
     """Stop a task for good.
 
     Every claim on it is revoked at once (its token is refused from then on)
     and nothing more is handed out. A cancelled task cannot be resumed.
     """
-    _control(settings, "cancel", task_id, reason, output)
+    _control(settings, "cancel", task_id, reason, output, evidence)
 
 
 @task.command("archive")

@@ -264,11 +264,13 @@ def shard_ls(settings: Settings, output: str) -> None:
               metavar="SECONDS",
               help="time the owner has to hand it over before it is taken (0: the "
                    "registry's --shard-move-deadline)")
+@click.option("--reason", default="", help="why (logged by the registry with the move)")
+@click.option("--evidence", default="", help="a link or text backing --reason (kept with it)")
 @wait_option
 @timeout_option(120)
 @pass_settings
-def shard_move(settings: Settings, number: int, to: str, deadline: int, wait: bool,
-               limit: float) -> None:
+def shard_move(settings: Settings, number: int, to: str, deadline: int, reason: str,
+               evidence: str, wait: bool, limit: float) -> None:
     """Move one shard to another watcher.
 
     Its owner hands it over at its next heartbeat, after the checks in hand;
@@ -278,7 +280,7 @@ def shard_move(settings: Settings, number: int, to: str, deadline: int, wait: bo
     not last.
     """
     client = settings.client()
-    started = client.move_shard(number, to, deadline)
+    started = client.move_shard(number, to, deadline, reason, evidence)
     if started.owner == to and not started.moving_to:
         click.echo(f"shard {number} owned by {to} at epoch {started.epoch}")
         return

@@ -992,19 +992,23 @@ class PauseTaskRequest(_message.Message):
     TASK_ID_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    EVIDENCE_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     reason: _builtins.str
     request_id: _builtins.str
+    evidence: _builtins.str
+    """a link or text backing the reason (the journal keeps it)"""
     def __init__(
         self,
         *,
         task_id: _builtins.str = ...,
         reason: _builtins.str = ...,
         request_id: _builtins.str = ...,
+        evidence: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "request_id", b"request_id", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["evidence", b"evidence", "reason", b"reason", "request_id", b"request_id", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1037,19 +1041,23 @@ class ResumeTaskRequest(_message.Message):
     TASK_ID_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    EVIDENCE_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     reason: _builtins.str
     request_id: _builtins.str
+    evidence: _builtins.str
+    """a link or text backing the reason (the journal keeps it)"""
     def __init__(
         self,
         *,
         task_id: _builtins.str = ...,
         reason: _builtins.str = ...,
         request_id: _builtins.str = ...,
+        evidence: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "request_id", b"request_id", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["evidence", b"evidence", "reason", b"reason", "request_id", b"request_id", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1082,19 +1090,23 @@ class CancelTaskRequest(_message.Message):
     TASK_ID_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    EVIDENCE_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     reason: _builtins.str
     request_id: _builtins.str
+    evidence: _builtins.str
+    """a link or text backing the reason (the journal keeps it)"""
     def __init__(
         self,
         *,
         task_id: _builtins.str = ...,
         reason: _builtins.str = ...,
         request_id: _builtins.str = ...,
+        evidence: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "request_id", b"request_id", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["evidence", b"evidence", "reason", b"reason", "request_id", b"request_id", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1260,6 +1272,8 @@ class RequeueRequest(_message.Message):
     FILE_ID_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     GROUP_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    EVIDENCE_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     file_id: _builtins.str
     request_id: _builtins.str
@@ -1270,6 +1284,9 @@ class RequeueRequest(_message.Message):
     group and no file_id: every entry of the task the group acked (whose file is
     still in staging) is replayed to it.
     """
+    reason: _builtins.str
+    """why, and a link or text backing it: the journal keeps both"""
+    evidence: _builtins.str
     def __init__(
         self,
         *,
@@ -1277,10 +1294,12 @@ class RequeueRequest(_message.Message):
         file_id: _builtins.str = ...,
         request_id: _builtins.str = ...,
         group: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        evidence: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["file_id", b"file_id", "group", b"group", "request_id", b"request_id", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["evidence", b"evidence", "file_id", b"file_id", "group", b"group", "reason", b"reason", "request_id", b"request_id", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1330,6 +1349,7 @@ class JournalRecord(_message.Message):
     ROUTING_RULE_FIELD_NUMBER: _builtins.int
     ROUTED_TO_FIELD_NUMBER: _builtins.int
     LABEL_FIELD_NUMBER: _builtins.int
+    EVIDENCE_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     file_id: _builtins.str
     revision: _builtins.int
@@ -1355,6 +1375,8 @@ class JournalRecord(_message.Message):
     """What the client calls itself (an agent's session name, a watcher's reporter name):
     free text the request carried, never an identity.
     """
+    evidence: _builtins.str
+    """An operator action's evidence: a link or text backing its reason."""
     @_builtins.property
     def routed_to(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -1374,10 +1396,11 @@ class JournalRecord(_message.Message):
         routing_rule: _builtins.int | None = ...,
         routed_to: _abc.Iterable[_builtins.str] | None = ...,
         label: _builtins.str = ...,
+        evidence: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_routing_rule", b"_routing_rule", "routing_rule", b"routing_rule"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_routing_rule", b"_routing_rule", "at", b"at", "event", b"event", "file_id", b"file_id", "from_state", b"from_state", "group", b"group", "label", b"label", "reason", b"reason", "revision", b"revision", "routed_to", b"routed_to", "routing_rule", b"routing_rule", "task_id", b"task_id", "to_state", b"to_state", "token", b"token", "who", b"who"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_routing_rule", b"_routing_rule", "at", b"at", "event", b"event", "evidence", b"evidence", "file_id", b"file_id", "from_state", b"from_state", "group", b"group", "label", b"label", "reason", b"reason", "revision", b"revision", "routed_to", b"routed_to", "routing_rule", b"routing_rule", "task_id", b"task_id", "to_state", b"to_state", "token", b"token", "who", b"who"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__routing_rule: _TypeAlias = _typing.Literal["routing_rule"]  # noqa: Y015
     _WhichOneofArgType__routing_rule: _TypeAlias = _typing.Literal["_routing_rule", b"_routing_rule"]  # noqa: Y015
@@ -1830,10 +1853,13 @@ class RevokeSessionRequest(_message.Message):
     AGENT_FIELD_NUMBER: _builtins.int
     HOST_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    EVIDENCE_FIELD_NUMBER: _builtins.int
     session_id: _builtins.int
     agent: _builtins.str
     host: _builtins.str
     reason: _builtins.str
+    evidence: _builtins.str
+    """a link or text backing the reason"""
     def __init__(
         self,
         *,
@@ -1841,10 +1867,11 @@ class RevokeSessionRequest(_message.Message):
         agent: _builtins.str = ...,
         host: _builtins.str = ...,
         reason: _builtins.str = ...,
+        evidence: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "host", b"host", "reason", b"reason", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "evidence", b"evidence", "host", b"host", "reason", b"reason", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1997,20 +2024,24 @@ class DrainHostRequest(_message.Message):
     HOST_FIELD_NUMBER: _builtins.int
     DEADLINE_SECONDS_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    EVIDENCE_FIELD_NUMBER: _builtins.int
     host: _builtins.str
     deadline_seconds: _builtins.int
     """from now; 0 = the default (300)"""
     reason: _builtins.str
+    evidence: _builtins.str
+    """a link or text backing the reason"""
     def __init__(
         self,
         *,
         host: _builtins.str = ...,
         deadline_seconds: _builtins.int = ...,
         reason: _builtins.str = ...,
+        evidence: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline_seconds", b"deadline_seconds", "host", b"host", "reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline_seconds", b"deadline_seconds", "evidence", b"evidence", "host", b"host", "reason", b"reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -3440,20 +3471,27 @@ class MoveShardRequest(_message.Message):
     SHARD_FIELD_NUMBER: _builtins.int
     TO_WATCHER_FIELD_NUMBER: _builtins.int
     DEADLINE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    EVIDENCE_FIELD_NUMBER: _builtins.int
     shard: _builtins.int
     to_watcher: _builtins.str
     deadline: _builtins.int
     """seconds the owner has to release (0: the default)"""
+    reason: _builtins.str
+    """why, and a link or text backing it"""
+    evidence: _builtins.str
     def __init__(
         self,
         *,
         shard: _builtins.int = ...,
         to_watcher: _builtins.str = ...,
         deadline: _builtins.int = ...,
+        reason: _builtins.str = ...,
+        evidence: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline", "shard", b"shard", "to_watcher", b"to_watcher"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline", "evidence", b"evidence", "reason", b"reason", "shard", b"shard", "to_watcher", b"to_watcher"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
