@@ -207,8 +207,8 @@ def _written(client: Client, session: Session | int, claim: Claim,
     parent: int | None = None
     tmp = ""  # set once the temp file is ours to remove
     try:
-        parent, name = open_entry_dir(claim.task_id, claim.path, claim.entry.path, refused,
-                                      create=True)
+        parent, name = open_entry_dir(claim.task_id, claim.path, claim.entry.attempt_path,
+                                      refused, create=True)
         refuse_link(name, parent, "the final name", refused)
         attempt = temp_name(name, claim.token, nonce())
         fd = os.open(attempt, _TEMP_FLAGS, _FILE_MODE, dir_fd=parent)

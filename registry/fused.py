@@ -82,7 +82,7 @@ class Fused:
                 if taken is not None:
                     entry = taken.to_pb(next_staging, revision=rev, token=rev)
                     out.next.CopyFrom(pb.ClaimResponse(entry=entry, token=rev,
-                                                       path=entry.abs_path))
+                                                       path=entry.abs_attempt_path))
                 elif refused is not None:
                     out.next_error.CopyFrom(next_error(refused))
                 return out
