@@ -198,7 +198,8 @@ class Producers:
                 out = []
                 for rec in picked:
                     entry = rec.to_pb(staging, revision=rev, token=rev)
-                    out.append(pb.ClaimResponse(entry=entry, token=rev, path=entry.abs_attempt_path))
+                    out.append(pb.ClaimResponse(entry=entry, token=rev,
+                                                path=entry.abs_attempt_path))
                 return pb.ClaimBatchResponse(claims=out)
 
             return reply
