@@ -46,7 +46,7 @@ from .links import LinkedFiles
 from .metrics import Metrics
 from .reporter import Reporter
 from .shards import Membership
-from .state import STATE_NAMES, EntryView, Table
+from .state import STATE_NAMES, UNCOMMITTED, EntryView, Table
 
 logger = logging.getLogger("baton.watcher")
 
@@ -88,7 +88,7 @@ class Checker:
 
     def check(self, key: Key) -> None:
         entry = self.table.entry(*key)
-        if entry is None or not (entry.attempt_path or entry.state == pb.ENTRY_STATE_PENDING):
+        if entry is None or not (entry.attempt_path or entry.state in UNCOMMITTED):
             return  # no attempt's file known yet (the news of its commit brings it)
         try:
             if entry.state == pb.ENTRY_STATE_PENDING:
@@ -143,7 +143,16 @@ class Checker:
 
     def _writing(self, key: Key, entry: EntryView) -> None:
         if not entry.attempt_path:
-            return  # no attempt's file seen yet
+            # No event named one (the directory may have been made just before it):
+            # look for the newest attempt's file.
+            try:
+                newest = self.hasher.newest_attempt(key[0], entry.path)
+            except HashFailed:
+                newest = None
+            if newest is None:
+                return
+            entry.attempt_path, entry.token = newest
+            self.table.saw_attempt(*key, *newest)
         try:
             identity = self.hasher.stat(key[0], entry.attempt_path)
         except HashFailed:

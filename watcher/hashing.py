@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import blake3
 
-from ..kernel.contract import parse_attempt
+from ..kernel.contract import attempt_path, parse_attempt
 from .config import LARGE_FILE
 from .errors import FileChanged, FileMissing, HashFailed, Refused
 
@@ -235,6 +235,27 @@ class Hasher:
             return self._hash_fd(fd, parent, name, shown)
         finally:
             os.close(fd)
+
+    def newest_attempt(self, task_id: str, rel: str) -> tuple[str, int] | None:
+        """The file of the newest attempt of the entry at ``rel`` (the entry's path)
+        that is on disk, relative to the task's directory, and its token; None if
+        none is (a listing of its directory: for when its events were missed)."""
+        parts = split_path(task_id, rel)
+        try:
+            parent = self._parent(parts, "/".join(parts))
+        except HashFailed:
+            return None
+        try:
+            names = os.listdir(parent)
+        except OSError:
+            return None
+        finally:
+            os.close(parent)
+        tokens = [a[1] for n in names
+                  if (a := parse_attempt(n)) is not None and a[0] == parts[-1]]
+        if not tokens:
+            return None
+        return attempt_path(rel, max(tokens)), max(tokens)
 
     def remove_dead_attempts(self, task_id: str, rel: str, token: int) -> int:
         """Unlink the files of the attempts before ``token`` of the entry at ``rel``

@@ -259,10 +259,24 @@ class Table:
         with self._lock:
             view = self._tasks.get(where[0])
             file_id = view.by_path.get(logical) if view else None
-            known = view.entries.get(file_id) if view and file_id else None
-            if known is not None and token > known.token and known.state in UNCOMMITTED:
-                known.attempt_path, known.token = where[1], token
+            if view is not None and file_id:
+                self._saw(view, file_id, where[1], token)
         return (where[0], file_id) if file_id else None
+
+    def saw_attempt(self, task_id: str, file_id: str, rel: str, token: int) -> None:
+        """The file ``rel`` of the attempt with ``token`` is on disk."""
+        with self._lock:
+            view = self._tasks.get(task_id)
+            if view is not None:
+                self._saw(view, file_id, rel, token)
+
+    @staticmethod
+    def _saw(view: TaskView, file_id: str, rel: str, token: int) -> None:
+        # Only an uncommitted entry follows the newest attempt; a committed one's is
+        # decided, and any other attempt's file beside it is not its bytes.
+        known = view.entries.get(file_id)
+        if known is not None and token > known.token and known.state in UNCOMMITTED:
+            known.attempt_path, known.token = rel, token
 
     def files_under(self, task_id: str, rel_dir: str) -> list[str]:
         """File ids of the task's entries inside ``rel_dir`` ("" = all of them)."""
