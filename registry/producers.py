@@ -20,6 +20,7 @@ from .claims import (
     batch_replay,
     check_owner,
     check_session_id,
+    claim_replayed,
     entry_replay,
     need_active,
     need_entry,
@@ -116,7 +117,7 @@ class Producers:
 
         def replay(raw: bytes, rev: int) -> pb.ClaimResponse:
             resp = pb.ClaimResponse.FromString(raw)
-            resp.token = resp.entry.token = resp.entry.revision = rev
+            claim_replayed(resp, rev)
             return resp
 
         return await self.core.txns.run(planner, req.request_id, replay)
@@ -207,7 +208,7 @@ class Producers:
         def replay(raw: bytes, rev: int) -> pb.ClaimBatchResponse:
             resp = pb.ClaimBatchResponse.FromString(raw)
             for c in resp.claims:
-                c.token = c.entry.token = c.entry.revision = rev
+                claim_replayed(c, rev)
             return resp
 
         return await self.core.txns.run(planner, req.request_id, replay)
