@@ -19,14 +19,15 @@ class WatcherCalls(Connection):
 
     def report(self, task_id: str, file_id: str, size: int, digest: str,
                identity: pb.FileIdentity | None = None, reporter: str = "", *,
-               watcher_id: str = "", shard_epoch: int = 0) -> pb.Entry:
+               watcher_id: str = "", shard_epoch: int = 0, token: int = 0) -> pb.Entry:
         """Report what a watcher hashed on disk (the registry verifies against it).
         ``watcher_id``, ``shard_epoch``: the reporting watcher and the epoch at which
-        it owns the task's shard (once watchers hold shards, only the owner counts)."""
+        it owns the task's shard (once watchers hold shards, only the owner counts).
+        ``token``: the attempt whose file was read (only the current one's counts)."""
         req = pb.ReportVerificationRequest(task_id=task_id, file_id=file_id, size=size,
                                            digest=digest, identity=identity,
                                            reporter=reporter, watcher_id=watcher_id,
-                                           shard_epoch=shard_epoch)
+                                           shard_epoch=shard_epoch, token=token)
         return self._call("ReportVerification", req).entry  # type: ignore[no-any-return]
 
     def report_batch(self, reports: Sequence[pb.ReportVerificationRequest]
@@ -44,12 +45,13 @@ class WatcherCalls(Connection):
 
     def report_problem(self, task_id: str, file_id: str, kind: int, reason: str,
                        reporter: str = "", *, watcher_id: str = "",
-                       shard_epoch: int = 0) -> pb.Entry:
+                       shard_epoch: int = 0, token: int = 0) -> pb.Entry:
         """Report that a file cannot be vouched for
-        (``pb.ReportProblemRequest.KIND_CORRUPTED``/``KIND_MISSING``)."""
+        (``pb.ReportProblemRequest.KIND_CORRUPTED``/``KIND_MISSING``); ``token``: the
+        attempt whose file it is, as for ``report``."""
         req = pb.ReportProblemRequest(task_id=task_id, file_id=file_id, kind=kind,  # type: ignore[arg-type]
                                reason=reason, reporter=reporter, watcher_id=watcher_id,
-                               shard_epoch=shard_epoch)
+                               shard_epoch=shard_epoch, token=token)
         return self._call("ReportProblem", req).entry  # type: ignore[no-any-return]
 
     def remove_staged(self, task_id: str, file_id: str, size: int, digest: str,

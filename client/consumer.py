@@ -121,7 +121,8 @@ def _open_leased(lease: Lease) -> tuple[int, int]:
     """A descriptor of the leased file, reached without symlinks, and its size now:
     a regular file no longer than the verified size."""
     refused = _refusal(lease)
-    parent, name = open_entry_dir(lease.task_id, lease.path, lease.entry.path, refused)
+    parent, name = open_entry_dir(lease.task_id, lease.path, lease.entry.attempt_path,
+                                  refused)
     try:
         fd = os.open(name, _FILE_FLAGS, dir_fd=parent)
     except OSError as e:
@@ -205,7 +206,7 @@ def parts_of(client: Client, lease: Lease) -> list[Lease]:
             f"{what}: its parts now have {size} bytes and assembly digest {digest}, "
             f"expected {lease.size} bytes with digest {lease.digest}",
             task_id=lease.task_id, file_id=lease.file_id)
-    return [Lease(lease.task_id, p.file_id, lease.group, lease.token, p.abs_path, p.size,
+    return [Lease(lease.task_id, p.file_id, lease.group, lease.token, p.abs_attempt_path, p.size,
                   p.digest, p, lease.session_id) for p in parts]
 
 

@@ -336,8 +336,8 @@ def _written(client: Client, session: Session | int, claim: Claim,
     out: Output | None = None
     every, expected = resume
     try:
-        parent, name = open_entry_dir(claim.task_id, claim.path, claim.entry.path, refused,
-                                      create=True)
+        parent, name = open_entry_dir(claim.task_id, claim.path, claim.entry.attempt_path,
+                                      refused, create=True)
         refuse_link(name, parent, "the final name", refused)
         attempt = temp_name(name, claim.token, nonce())
         adopted = _adopt(parent, ResumePoint.of(claim.checkpoint), attempt) if every else None

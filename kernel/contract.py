@@ -32,6 +32,41 @@ ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 #: the mark in the name of a file being written; watchers never hash such a file
 TEMP_MARKER = ".baton-tmp-"
 
+#: the mark between an entry's file name and the fencing token of the attempt that
+#: wrote it: each attempt has a file of its own, ``out/frame-0001~t42.png`` for the
+#: claim with token 42 of ``out/frame-0001.png`` (the extension is kept)
+ATTEMPT_MARKER = "~t"
+#: the longest file name (bytes) an entry's path may end with: room is left for the
+#: marker and a token of 19 digits within the file system's NAME_MAX of 255
+MAX_FILE_NAME = 255 - len(ATTEMPT_MARKER) - 19
+
+
+def _split_ext(name: str) -> tuple[str, str]:
+    """(stem, extension) of a file name: the extension from its last dot, if that
+    is not its first character (``.hidden`` has none)."""
+    dot = name.rfind(".")
+    return (name[:dot], name[dot:]) if dot > 0 else (name, "")
+
+
+def attempt_path(path: str, token: int) -> str:
+    """The file of the attempt with fencing ``token`` at the entry's ``path`` (relative
+    or absolute): in the same directory, the token before the extension."""
+    head, slash, name = path.rpartition("/")
+    stem, ext = _split_ext(name)
+    return f"{head}{slash}{stem}{ATTEMPT_MARKER}{token}{ext}"
+
+
+def parse_attempt(path: str) -> tuple[str, int] | None:
+    """(the entry's path, the token) of an attempt's file, or None if ``path`` does
+    not name one (the inverse of :func:`attempt_path`)."""
+    head, slash, name = path.rpartition("/")
+    stem, ext = _split_ext(name)
+    base, marker, digits = stem.rpartition(ATTEMPT_MARKER)
+    if not (marker and base and digits.isdigit() and digits.isascii()
+            and digits[0] != "0" and len(digits) <= 19):
+        return None
+    return f"{head}{slash}{base}{ext}", int(digits)
+
 
 def assembly_digest(part_digests: list[str]) -> str:
     """An assembly's digest: BLAKE3 of its parts' hex digests, in order, joined by

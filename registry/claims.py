@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from ..kernel.contract import attempt_path
 from ..kernel.errors import (
     Draining,
     InvalidArgument,
@@ -298,6 +299,17 @@ class Slots:
 def check_session_id(session_id: int) -> None:
     if session_id <= 0:
         raise InvalidArgument("this call needs a session_id (open a session first)")
+
+
+def claim_replayed(claim: pb.ClaimResponse, revision: int) -> None:
+    """A recorded claim reply as first sent: its token is the revision of the
+    transaction that applied it, and so is the token in its attempt's file name (the
+    record was written before either was known)."""
+    claim.token = claim.entry.token = claim.entry.revision = revision
+    entry = claim.entry
+    if not entry.parts:
+        entry.attempt_path = attempt_path(entry.path, revision)
+        entry.abs_attempt_path = claim.path = attempt_path(entry.abs_path, revision)
 
 
 def entry_replay(raw: bytes, revision: int) -> pb.Entry:

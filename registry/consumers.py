@@ -56,7 +56,9 @@ def _leased(rec: EntryRecord, staging: str, revision: int, token: int, group: st
     """The reply for one lease: the entry as read (at ``revision``), its token, and
     the checkpoint an earlier lease of the group left with this lease's number."""
     entry = rec.to_pb(staging, revision=revision)
-    return pb.ConsumeResponse(entry=entry, token=token, path=entry.abs_path, size=rec.size,
+    # The verified attempt's file; an assembly has none of its own (its parts do).
+    path = entry.abs_attempt_path or entry.abs_path
+    return pb.ConsumeResponse(entry=entry, token=token, path=path, size=rec.size,
                               digest=rec.digest, group=group, checkpoint=checkpoint,
                               attempt=attempt)
 

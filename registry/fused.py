@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 from ..kernel.errors import BatonError, InvalidArgument, NothingToClaim, to_status
 from ..kernel.v1 import baton_pb2 as pb
+from .claims import claim_replayed
 from .consumers import Consumers, _consumable, _leased
 from .identity import Caller
 from .manifest import check_id
@@ -90,7 +91,7 @@ class Fused:
             out = pb.CommitAndClaimResponse.FromString(raw)
             out.entry.revision = rev
             if out.HasField("next"):
-                out.next.token = out.next.entry.token = out.next.entry.revision = rev
+                claim_replayed(out.next, rev)
             return out
 
         return await self.core.txns.run(planner, commit.request_id, replay)

@@ -40,7 +40,15 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
-from ..kernel.contract import ID_PATTERN, MAX_DELAY_SECONDS, MAX_MANIFEST_BYTES, mib
+from ..kernel.contract import (
+    ATTEMPT_MARKER,
+    ID_PATTERN,
+    MAX_DELAY_SECONDS,
+    MAX_FILE_NAME,
+    MAX_MANIFEST_BYTES,
+    mib,
+    parse_attempt,
+)
 from ..kernel.errors import InvalidArgument, InvalidManifest, shown
 from ..kernel.v1 import baton_pb2 as pb
 from . import access, routing
@@ -119,6 +127,12 @@ def path_problem(path: str) -> str | None:
         return "is not normalised (empty or '.' component)"
     if str(PurePosixPath(path)) != path:
         return "is not normalised"
+    if len(parts[-1].encode()) > MAX_FILE_NAME:
+        return (f"ends with a file name longer than {MAX_FILE_NAME} bytes (an attempt's "
+                "file adds its token to it)")
+    if parse_attempt(path) is not None:
+        return (f"ends like an attempt's file name (NAME{ATTEMPT_MARKER}TOKEN.EXT), which "
+                "the watcher would take for one")
     return None
 
 

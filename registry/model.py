@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
+from ..kernel.contract import attempt_path
 from ..kernel.v1 import baton_pb2 as pb
 from .access import from_dict as access_from_dict
 
@@ -115,6 +116,8 @@ class Observation:
     #: the authenticated identity of the watcher that saw it
     identity: str = ""
     at: str = ""
+    #: the fencing token of the attempt whose file it was
+    token: int = 0
 
 
 @dataclass
@@ -156,6 +159,8 @@ class EntryRecord:
     size: int = 0
     digest: str = ""
     committed_digest: str = ""
+    #: the fencing token of the committed attempt: its file is the entry's bytes
+    committed_token: int = 0
     observed: dict[str, Any] | None = None
     error: str = ""
     created_at: str = ""
@@ -275,6 +280,18 @@ class EntryRecord:
         until the retention removed it (an assembly has no file of its own)."""
         return 0 if self.parts or self.staging_removed else self.size
 
+    def attempt_path(self, token: int = 0) -> str:
+        """The file of the attempt with ``token`` (else of the committed attempt),
+        relative to the task's directory; "" when there is none (not committed, or
+        an assembly). An entry committed before attempts had files of their own
+        (no committed token) has its file at its path."""
+        token = token or self.committed_token
+        if self.parts:
+            return ""
+        if token:
+            return attempt_path(self.path, token)
+        return self.path if self.state in (WRITTEN, VERIFIED, CONSUMED) else ""
+
     def observation(self) -> Observation | None:
         return Observation(**self.observed) if self.observed else None
 
@@ -285,12 +302,18 @@ class EntryRecord:
         token: int = 0,
         consuming: dict[str, str] | None = None,
     ) -> pb.Entry:
+        """The entry as the wire shows it; ``token``: the live claim's, whose attempt
+        file it names (else the committed attempt's, if any)."""
+        root = staging_dir.rstrip("/")
+        attempt = self.attempt_path(token)
         return pb.Entry(
             task_id=self.task_id,
             file_id=self.file_id,
             path=self.path,
             # Paths are validated relative and normalised: joining is all it takes.
-            abs_path=f"{staging_dir.rstrip('/')}/{self.path}",
+            abs_path=f"{root}/{self.path}",
+            attempt_path=attempt,
+            abs_attempt_path=f"{root}/{attempt}" if attempt else "",
             state=_STATE_PB[self.state],
             size=self.size,
             digest=self.digest,

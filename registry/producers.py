@@ -21,6 +21,7 @@ from .claims import (
     batch_replay,
     check_owner,
     check_session_id,
+    claim_replayed,
     entry_replay,
     need_active,
     need_entry,
@@ -77,7 +78,7 @@ class Producers:
 
         def reply(rev: int) -> pb.ClaimResponse:
             entry = rec.to_pb(staging, revision=rev, token=rev)
-            return pb.ClaimResponse(entry=entry, token=rev, path=entry.abs_path,
+            return pb.ClaimResponse(entry=entry, token=rev, path=entry.abs_attempt_path,
                                     checkpoint=checkpoint, attempt=attempt)
 
         return reply
@@ -123,7 +124,7 @@ class Producers:
 
         def replay(raw: bytes, rev: int) -> pb.ClaimResponse:
             resp = pb.ClaimResponse.FromString(raw)
-            resp.token = resp.entry.token = resp.entry.revision = rev
+            claim_replayed(resp, rev)
             return resp
 
         return await self.core.txns.run(planner, req.request_id, replay)
@@ -208,7 +209,7 @@ class Producers:
         def replay(raw: bytes, rev: int) -> pb.ClaimBatchResponse:
             resp = pb.ClaimBatchResponse.FromString(raw)
             for c in resp.claims:
-                c.token = c.entry.token = c.entry.revision = rev
+                claim_replayed(c, rev)
             return resp
 
         return await self.core.txns.run(planner, req.request_id, replay)
@@ -263,20 +264,22 @@ class Producers:
         drop(self.core, txn, rec, ClaimRef("p", rec.task_id, rec.file_id))
         apply(rec, Event.COMMIT)
         rec.size, rec.committed_digest = req.size, req.digest
+        rec.committed_token = req.token  # its attempt's file is the entry's bytes now
         # Kept as sent (numbers keep every digit), and only when there is something.
         rec.attributes = req.attributes if attributes else ""
         rec.remember("committed", **actor_of(claim), token=req.token, size=req.size,
                      **({"digest": req.digest} if req.digest else {}))
         obs, rec.observed = rec.observation(), None
         expected = req.digest or rec.expected_digest
-        if (obs is not None and expected and (obs.size, obs.digest) == (req.size, expected)
+        if (obs is not None and obs.token in (0, req.token) and expected
+                and (obs.size, obs.digest) == (req.size, expected)
                 and await self.verifier.settle(txn, rec, obs.size, obs.digest,
                                                who=obs.identity, label=obs.reporter)):
             # The watcher's report came first and vouches for exactly these bytes.
             txn.after(self.verifier.notify(rec))
-        # Anything else seen before the commit may be a file since replaced (another
-        # attempt's, renamed over by this one a moment ago): the watcher's report after
-        # the commit decides, never a stale one.
+        # Anything else seen before the commit (another attempt's file, or this one's
+        # before it was complete) does not vouch for these bytes: the watcher's report
+        # after the commit decides.
         self.core.put_entry(rec, txn)
 
     async def commit(self, req: pb.CommitRequest, caller: Caller) -> pb.Entry:

@@ -136,6 +136,21 @@ class Verifier:
         elif asm.state == PENDING:
             txn.put(kv.key, asm.dump())
 
+    @staticmethod
+    def current(rec: EntryRecord, token: int) -> bool:
+        """Whether the file of the attempt with ``token`` may be ``rec``'s bytes: once
+        committed, only the committed attempt's; before, any but an attempt older than
+        one already seen (the commit takes an observation of its own token only).
+        Pending, no attempt is live: a file on disk is a dead attempt's. Token 0 (not
+        said: a watcher always says) is taken as the current attempt's."""
+        if not token:
+            return True
+        if rec.state in (WRITTEN, VERIFIED):
+            return token == rec.committed_token
+        if rec.state == WRITING:
+            return token > 0 and token >= (rec.observed or {}).get("token", 0)
+        return rec.state != PENDING
+
     async def problem(self, req: pb.ReportProblemRequest, caller: Caller = ANONYMOUS) -> pb.Entry:
         """A watcher cannot vouch for a file: corrupted, or missing after the commit."""
         check_id("task_id", req.task_id)
@@ -149,11 +164,14 @@ class Verifier:
 
         async def planner(txn: Txn) -> Callable[[int], pb.Entry]:
             _, rec = await reported_entry(txn, self.keys, req, caller)
-            if rec.state == WRITTEN and not rec.parts:
+            if not self.current(rec, req.token):
+                pass  # another attempt's file: never the entry's bytes, nothing to undo
+            elif rec.state == WRITTEN and not rec.parts:
                 self.core.retry_or_dead(rec, reason, who=caller.name)
             elif rec.state == VERIFIED and not rec.parts:
                 await self.unverify(txn, rec, reason)
-            elif rec.state == WRITING and rec.observed is not None:
+            elif rec.state == WRITING and rec.observed is not None and (
+                    req.token in (0, rec.observed.get("token", 0))):
                 rec.observed = None  # what was seen before the commit no longer holds
                 rec.remember(kinds[req.kind], who=caller.name, label=req.reporter,
                              reason=req.reason)
@@ -174,7 +192,9 @@ class Verifier:
 
         async def planner(txn: Txn) -> Callable[[int], pb.Entry]:
             kv, rec = await reported_entry(txn, self.keys, req, caller)
-            if rec.parts:  # an assembly has no file of its own
+            if rec.parts or not self.current(rec, req.token):
+                # An assembly has no file of its own; another attempt's file is never
+                # the entry's bytes, whatever it holds.
                 return lambda rev: rec.to_pb(staging, revision=rev)
             moved = bool(req.seen_revision) and kv is not None and (
                 kv.mod_revision != req.seen_revision)
@@ -192,6 +212,7 @@ class Verifier:
                     "size": req.size, "digest": req.digest, "inode": req.identity.inode,
                     "device": req.identity.device, "mtime_ns": req.identity.mtime_ns,
                     "reporter": req.reporter, "identity": caller.name, "at": now(),
+                    "token": req.token,
                 }
             elif rec.state == WRITTEN:
                 if await self.settle(txn, rec, req.size, req.digest, who=caller.name,

@@ -235,7 +235,7 @@ def test_claim_json_has_token_path_and_session(registry: Any) -> None:
     data = ok_json(invoke(registry, "claim", "t1", "-o", "json"))
     assert {"task", "file_id", "token", "path", "session"} <= data.keys()
     assert data["task"] == "t1" and data["file_id"] == "a" and data["token"] > 0
-    assert data["path"] == str(registry.staging / "t1" / "a.json")
+    assert data["path"] == str(registry.staging / "t1" / f"a~t{data['token']}.json")
     assert data["session"].isdigit()
 
 
@@ -305,7 +305,7 @@ def test_put_then_status_shows_written(registry: Any, tmp_path: Path, lib: Clien
     done = run(registry, "put", "t1", "b", str(src), "--agent", "copier")
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("t1/b: written")
-    assert (registry.staging / "t1" / "dir" / "b.json").read_bytes() == data
+    assert Path(lib.get_entry("t1", "b").abs_attempt_path).read_bytes() == data
     status = ok_json(run(registry, "status", "t1", "-o", "json"))
     assert status["states"]["written"] == 1 and status["states"]["pending"] == 1
     assert "written" in run(registry, "status", "t1").stdout
@@ -318,7 +318,7 @@ def test_put_reads_stdin(registry: Any, lib: Client) -> None:
     create(registry, MANIFEST)
     result = invoke(registry, "put", "t1", "a", "-", stdin="from stdin\n")
     assert result.exit_code == 0, result.output
-    assert (registry.staging / "t1" / "a.json").read_text() == "from stdin\n"
+    assert Path(lib.get_entry("t1", "a").abs_attempt_path).read_text() == "from stdin\n"
 
 
 def test_fail_returns_entry_for_retry(registry: Any) -> None:

@@ -20,12 +20,13 @@ from registry_fixtures import RegistryHandle
 from baton_relay.client import Client, Session, consume, produce, put, read_verified
 from baton_relay.client.producer import NAME_MAX, TEMP_MARKER, temp_name
 from baton_relay.kernel import errors
+from baton_relay.kernel.contract import attempt_path, parse_attempt
 from baton_relay.kernel.v1 import baton_pb2 as pb
 
 ROOT = Path(__file__).resolve().parents[1]
 
 #: a temp file of entry ``a.bin``: the watcher's marker, the claim's token, 64 random bits
-TEMP_NAME = re.compile(r"\.a\.bin\.baton-tmp-(\d+)-([0-9a-f]{16})")
+TEMP_NAME = re.compile(r"\.a~t\d+\.bin\.baton-tmp-(\d+)-([0-9a-f]{16})")
 
 #: how long a consumer may take to refuse a path (it must not read or wait at all)
 DEADLINE = 20.0
@@ -80,20 +81,22 @@ def consume_elsewhere(registry: RegistryHandle, headroom: int = 256 << 20) -> st
 
 
 def test_produce_refuses_a_symlink_at_the_final_name(
-        client: Client, staging: Path, tmp_path: Path) -> None:
-    """A symlink planted at the entry's name fails the entry; its target is untouched."""
+        client: Client, staging: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A symlink planted at the attempt's name fails the entry; its target is untouched."""
     task(client)
     target = tmp_path / "victim"
     target.write_bytes(b"precious")
     (staging / "t1").mkdir()
-    (staging / "t1" / "a.bin").symlink_to(target)
+    # at the attempt's name, once the token is known
+    _planting(client, monkeypatch, lambda token: (
+        staging / "t1" / attempt_path("a.bin", token)).symlink_to(target))
     with (client.open_session("p", ttl=10) as s,
           pytest.raises(errors.InvalidArgument, match="symlink"),
           produce(client, s, "t1")):
         pytest.fail("the body must not run when the path cannot be published to")
     assert target.read_bytes() == b"precious"
-    assert (staging / "t1" / "a.bin").is_symlink()
-    assert sorted(p.name for p in (staging / "t1").iterdir()) == ["a.bin"]  # no temp file
+    [final] = (staging / "t1").iterdir()  # no temp file
+    assert final.is_symlink() and parse_attempt(final.name) is not None
     entry = client.get_entry("t1", "a")
     assert entry.state == pb.ENTRY_STATE_PENDING and "symlink" in entry.error
 
@@ -117,7 +120,7 @@ def test_produce_refuses_a_symlinked_directory_on_the_path(
 
 
 def _temp_file(directory: Path) -> re.Match[str]:
-    names = [p.name for p in directory.iterdir() if p.name != "a.bin"]
+    names = [p.name for p in directory.iterdir() if parse_attempt(p.name) is None]
     assert len(names) == 1 and TEMP_MARKER in names[0], names
     match = TEMP_NAME.fullmatch(names[0])
     assert match, names[0]
@@ -136,7 +139,8 @@ def test_temp_names_carry_the_marker_and_cannot_be_guessed(client: Client, stagi
                 assert int(temp[1]) == out.claim.token
                 seen.append(temp[2])
                 out.write(b"payload")
-            assert [p.name for p in (staging / "t1" / directory).iterdir()] == ["a.bin"]
+            assert [p.name for p in (staging / "t1" / directory).iterdir()] == [
+                Path(out.claim.path).name]
     assert seen[0] != seen[1]
 
 
@@ -162,11 +166,12 @@ def test_a_file_at_the_old_predictable_name_is_not_written_through(
     target.write_bytes(b"precious")
     (staging / "t1").mkdir()
     _planting(client, monkeypatch, lambda token: (
-        staging / "t1" / f".a.bin{TEMP_MARKER}{token}").symlink_to(target))
+        staging / "t1" / f".{attempt_path('a.bin', token)}{TEMP_MARKER}{token}"
+    ).symlink_to(target))
     with client.open_session("p", ttl=10) as s:
         entry = put(client, s, "t1", "a", io.BytesIO(b"payload"))
     assert entry.state == pb.ENTRY_STATE_WRITTEN
-    assert (staging / "t1" / "a.bin").read_bytes() == b"payload"
+    assert Path(entry.abs_attempt_path).read_bytes() == b"payload"
     assert target.read_bytes() == b"precious"
 
 
@@ -183,7 +188,7 @@ def test_a_temp_name_taken_already_is_never_reused(
     nonce = "0" * 16
 
     def plant(token: int) -> None:
-        taken = staging / "t1" / temp_name("a.bin", token, nonce)
+        taken = staging / "t1" / temp_name(attempt_path("a.bin", token), token, nonce)
         if planted == "symlink":
             taken.symlink_to(target)
         else:
@@ -215,8 +220,9 @@ def test_produce_makes_missing_directories_and_publishes(client: Client, staging
         with produce(client, s, "t1") as out:
             out.write(b"hello")
         assert out.entry is not None and out.entry.state == pb.ENTRY_STATE_WRITTEN
-    assert [p.name for p in (staging / "t1" / "x" / "y").iterdir()] == ["a.bin"]
-    assert (staging / "t1" / "x" / "y" / "a.bin").read_bytes() == b"hello"
+    final = Path(out.claim.path)
+    assert [p.name for p in (staging / "t1" / "x" / "y").iterdir()] == [final.name]
+    assert final.parent == staging / "t1" / "x" / "y" and final.read_bytes() == b"hello"
 
 
 # --- consumer ----------------------------------------------------------------------
@@ -239,7 +245,7 @@ def test_consume_refuses_a_symlink_to_dev_zero(
     task(client)
     with client.open_session("p", ttl=10) as s:
         verified(client, s, b"payload")
-    final = staging / "t1" / "a.bin"
+    final = Path(client.get_entry("t1", "a").abs_attempt_path)
     final.unlink()
     final.symlink_to("/dev/zero")
     report = consume_elsewhere(registry)
@@ -254,7 +260,7 @@ def test_consume_refuses_a_fifo_without_waiting(
     task(client)
     with client.open_session("p", ttl=10) as s:
         verified(client, s, b"payload")
-    final = staging / "t1" / "a.bin"
+    final = Path(client.get_entry("t1", "a").abs_attempt_path)
     final.unlink()
     os.mkfifo(final)
     report = consume_elsewhere(registry)
@@ -269,7 +275,7 @@ def test_consume_refuses_a_file_longer_than_the_entry(
     task(client)
     with client.open_session("p", ttl=10) as s:
         verified(client, s, b"payload")
-    final = staging / "t1" / "a.bin"
+    final = Path(client.get_entry("t1", "a").abs_attempt_path)
     os.truncate(final, len(b"payload") + grow)
     report = consume_elsewhere(registry)
     assert report.startswith("ChecksumMismatch") and "longer than the verified 7" in report, report
@@ -311,6 +317,6 @@ def test_read_verified_sizes_its_reads_by_the_file_not_the_lease(
             with pytest.raises(errors.ChecksumMismatch, match="read 7 bytes"):
                 read_verified(replace(lease, size=1 << 40))
         assert asked and max(asked) == len(b"payload") + 1
-        (staging / "t1" / "a.bin").write_bytes(b"pay")
+        Path(lease.path).write_bytes(b"pay")
         with pytest.raises(errors.ChecksumMismatch, match="read 3 bytes"):
             read_verified(lease)

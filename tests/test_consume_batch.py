@@ -25,7 +25,9 @@ def test_a_batch_of_leases_applies_together(client: Client) -> None:
         assert sorted(x.file_id for x in held) == [f"e{i:02d}" for i in range(5)]
         assert len({x.token for x in held}) == 1 and held[0].token > 0
         assert {(x.group, x.size, x.session_id) for x in held} == {("g", 1, s.session_id)}
-        assert all(x.path.endswith("/" + x.file_id) for x in held)
+        # each lease names its entry's committed attempt's file
+        assert all(x.path.endswith(f"/{x.entry.attempt_path}")
+                   and x.entry.attempt_path.startswith(f"{x.file_id}~t") for x in held)
         claims = client.list_agents()[0].claims
         assert sorted(c.file_id for c in claims) == sorted(x.file_id for x in held)
         for x in held:

@@ -61,11 +61,14 @@ CLI_MD = ROOT / "docs" / "cli.md"
 
 #: (kind, pattern, only on lines matching this): the part a run cannot reproduce, the
 #: named group ``v`` if the pattern has one, else the whole match
+#: the token in an attempt's file name (``kernel.contract.attempt_path``)
+ATTEMPT_TOKEN = r"(?<=~t)\d+(?=[./\s\"]|$)"
 RULES: list[tuple[str, str, str]] = [
     ("time", r"\d{4}-\d\d-\d\d[T ]\d\d:\d\d:\d\d(?:\.\d+)?Z", ""),
     ("session", r"\b\d{15,20}\b", ""),
     ("digest", r"\b[0-9a-f]{12,64}\b", ""),
     ("token", r"(?<=token )\d+", ""),
+    ("token", ATTEMPT_TOKEN, ""),  # in an attempt's file name, `p1~t25.png`
     ("revision", r"(?<=revision )\d+", ""),
     ("revision", r"^<time>\s+\S+\s+\S+\s+(?P<v>\d+)$", ""),  # a `watch` line
     ("pid", r"(?<=pid )\d+", ""),
@@ -171,6 +174,11 @@ def json_shape(value: Any, found: list[tuple[str, str]]) -> Any:
             else:
                 shaped[key] = json_shape(v, found)
         return list(shaped.items())
+    if isinstance(value, str):  # a path: the token in an attempt's file name
+        def swap(m: re.Match[str]) -> str:
+            found.append(("token", m.group(0)))
+            return "<token>"
+        return re.sub(ATTEMPT_TOKEN, swap, value)
     return value
 
 
@@ -321,7 +329,7 @@ class Transcripts:
 
     def command(self, doc: str) -> str:
         """A transcript's command as it runs here: learnt tokens and sessions put in."""
-        return re.sub(r"(?<![\w-])\d+(?![\w-])",
+        return re.sub(rf"(?<![\w-])\d+(?![\w-])|{ATTEMPT_TOKEN}",
                       lambda m: self.subs.get(m.group(0), m.group(0)), self.text(doc))
 
     def compare(self, step: Step, shown: list[str], code: int) -> None:
@@ -510,7 +518,8 @@ class Transcripts:
 
     def p1_file(self) -> None:
         """The reader wrote p1's page where the claim said."""
-        path = self.data_dir / "staging" / "scan-42" / "pages" / "p1.png"
+        token = self.subs.get("25", "25")  # the claim's, as the transcript learnt it
+        path = self.data_dir / "staging" / "scan-42" / "pages" / f"p1~t{token}.png"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(os.urandom(PAGE))
 
@@ -640,7 +649,7 @@ PREPARE: dict[str, Callable[[Transcripts], None] | None] = {
     'baton task archive scan-40 --reason "kept for the audit"': Transcripts.scan_40,
     "baton status scan-42 --entries": Transcripts.state_a,  # not resumed
     "baton claim scan-42": Transcripts.fresh,
-    "baton commit scan-42 p1 --token 25 --file /srv/baton/staging/scan-42/pages/p1.png":
+    "baton commit scan-42 p1 --token 25 --file /srv/baton/staging/scan-42/pages/p1~t25.png":
         Transcripts.p1_file,  # p1 claimed above
     "baton claim scan-42 --batch 2 -o json > claims.json": Transcripts.p1_p2_claimed,
     'baton fail scan-42 p2 --token 27 --reason "scanner jammed"': Transcripts.p2_claimed,

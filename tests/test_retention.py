@@ -80,7 +80,7 @@ def test_a_consumed_entry_past_its_retention_is_marked_once_and_journalled(
     produce_verified(client, session, "t", "f1")
     held = client.get_task("t").staging_bytes
     assert held == entry.size + client.get_entry("t", "f1").size
-    digest = _digest_of(entry.abs_path)
+    digest = _digest_of(entry.abs_attempt_path)
     reply = client.remove_staged("t", "f0", entry.size, digest, reporter="w")
     assert reply.outcome == Outcome.OUTCOME_MARKED and reply.entry.staging_removed_at
     marked = client.get_entry("t", "f0").revision
@@ -99,7 +99,7 @@ def test_an_entry_one_group_has_not_acked_is_not_marked(
     _task(client, "t", consumers=["g1", "g2"], staging_retention_seconds=0)
     entry = _consumed(client, session, "t", "f0", groups=("g1",))
     assert entry.state == pb.ENTRY_STATE_VERIFIED
-    reply = client.remove_staged("t", "f0", entry.size, _digest_of(entry.abs_path))
+    reply = client.remove_staged("t", "f0", entry.size, _digest_of(entry.abs_attempt_path))
     assert reply.outcome == Outcome.OUTCOME_NOT_CONSUMED
     after = client.get_entry("t", "f0")
     assert after.revision == entry.revision and not after.staging_removed_at
@@ -111,7 +111,7 @@ def test_before_its_retention_has_passed_an_entry_is_not_due(
     """Consumed but inside its retention: NOT_DUE with the seconds left."""
     _task(client, "t", staging_retention_seconds=3600)
     entry = _consumed(client, session, "t", "f0")
-    reply = client.remove_staged("t", "f0", entry.size, _digest_of(entry.abs_path))
+    reply = client.remove_staged("t", "f0", entry.size, _digest_of(entry.abs_attempt_path))
     assert reply.outcome == Outcome.OUTCOME_NOT_DUE
     assert 3500 < reply.due_in_seconds <= 3600
     assert client.get_entry("t", "f0").revision == entry.revision
@@ -121,7 +121,7 @@ def test_a_negative_retention_keeps_the_file(client: Client, session: Session) -
     """Retention below zero: KEPT, never marked."""
     _task(client, "t", staging_retention_seconds=-1)
     entry = _consumed(client, session, "t", "f0")
-    reply = client.remove_staged("t", "f0", entry.size, _digest_of(entry.abs_path))
+    reply = client.remove_staged("t", "f0", entry.size, _digest_of(entry.abs_attempt_path))
     assert reply.outcome == Outcome.OUTCOME_KEPT and not reply.entry.staging_removed_at
 
 
@@ -160,7 +160,7 @@ def test_only_the_shard_owner_at_its_epoch_may_mark(
     reg = client.register_watcher(str(staging), reporter="w", ttl=30)
     grant = reg.shards[0]
     assert len(reg.shards) == reg.shard_count  # the only watcher owns every shard
-    digest = _digest_of(entry.abs_path)
+    digest = _digest_of(entry.abs_attempt_path)
     for watcher_id, epoch in [("", 0), (reg.watcher_id, grant.epoch + 1), ("nobody", 1)]:
         with pytest.raises(NotShardOwner):
             client.remove_staged("t", "f0", entry.size, digest, watcher_id=watcher_id,
@@ -192,7 +192,7 @@ def test_the_archive_waits_for_files_about_to_leave_staging(
                  what="the task whose files stay a day archived")
         # Swept since it completed (later finished after it): still waiting.
         assert client.get_task("soon").status == pb.TASK_STATUS_COMPLETED
-        reply = client.remove_staged("soon", "f0", entry.size, _digest_of(entry.abs_path))
+        reply = client.remove_staged("soon", "f0", entry.size, _digest_of(entry.abs_attempt_path))
         assert reply.outcome == Outcome.OUTCOME_MARKED
         wait_for(lambda: client.get_task("soon").status == pb.TASK_STATUS_ARCHIVED,
                  what="archived once its file is removed")

@@ -198,7 +198,7 @@ def test_produce_each_commits_and_claims_the_next_in_one_step(
     assert streams.served["claim"] == 1
     assert streams.served["commit_and_claim"] == 5 and streams.served["commit"] == 0
     for e in client.list_entries("t"):
-        assert (e.state == pb.ENTRY_STATE_WRITTEN and Path(e.abs_path).read_bytes()
+        assert (e.state == pb.ENTRY_STATE_WRITTEN and Path(e.abs_attempt_path).read_bytes()
                 == e.file_id.encode())
         assert [r.event for r in client.journal("t", e.file_id)].count("committed") == 1
 

@@ -349,7 +349,8 @@ def test_a_cold_task_is_unwatched_left_to_reconciliation_and_warms_up_on_a_chang
     wait_for(lambda: w.table.task("t1").cold and not w.table.task("t1").watched,  # type: ignore[union-attr]
              what="t1 cold and unwatched")
     assert w.capacity().cold_tasks == 1
-    (staging / "t1" / "a.bin").write_bytes(b"changed behind the watcher's back")
+    Path(client.get_entry("t1", "a").abs_attempt_path).write_bytes(
+        b"changed behind the watcher's back")
     wait_for(lambda: client.get_entry("t1", "a").state != pb.ENTRY_STATE_VERIFIED, timeout=15,
              what="the reconciliation saw the change")
     # That change, and the claim, reach the watcher from the registry: it warms up.

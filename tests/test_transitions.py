@@ -59,7 +59,9 @@ def test_claim_returns_token_and_absolute_path(client: Client, registry: object)
     with client.open_session("p1", ttl=10) as s:
         claim = client.claim("t1", "f0", session=s)
         assert claim.token > 0
-        assert claim.path == f"{registry.staging}/t1/out/f0.bin"  # type: ignore[attr-defined]
+        # the attempt's own file: the token before the extension
+        staging = registry.staging  # type: ignore[attr-defined]
+        assert claim.path == f"{staging}/t1/out/f0~t{claim.token}.bin"
         entry = client.get_entry("t1", "f0")
         assert (entry.state == pb.ENTRY_STATE_WRITING and entry.owner == "p1" and entry.token
                 == claim.token)

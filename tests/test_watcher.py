@@ -124,13 +124,14 @@ def test_symlink_pointing_outside_the_root_is_refused(
     (outside / "dir").mkdir(parents=True)
     secret = outside / "secret"
     secret.write_bytes(b"not staged")
-    (outside / "dir" / "c.bin").write_bytes(b"not staged")
     make_task(client, "t1", {"a": "a.bin", "c": "linked/c.bin"})
-    for file_id, target, link in (("a", secret, "a.bin"), ("c", outside / "dir", "linked")):
+    for file_id, target, link in (("a", secret, ""), ("c", outside / "dir", "linked")):
         claim = client.claim("t1", file_id, session=session)
         task_dir = Path(claim.path).parents[1 if file_id == "c" else 0]
         task_dir.mkdir(parents=True, exist_ok=True)
-        (task_dir / link).symlink_to(target)
+        # the attempt's file name, as a link, or in the linked directory
+        (outside / "dir" / Path(claim.path).name).write_bytes(b"not staged")
+        (task_dir / (link or Path(claim.path).name)).symlink_to(target)
         client.commit("t1", file_id, claim.token, 10, digest(b"not staged"))
     for file_id in ("a", "c"):
         wait_for(lambda f=file_id: client.get_entry("t1", f).retry_count == 1,
@@ -152,11 +153,12 @@ def test_verified_file_modified_replaced_or_deleted_leaves_verified(
     for f in ("m", "r", "d"):
         wait_for(is_state(client, "t1", f, pb.ENTRY_STATE_VERIFIED), what=f"{f} verified")
     task_dir = staging / "t1"
-    with open(task_dir / "m.bin", "r+b") as fh:
+    m, r, d = (Path(client.get_entry("t1", f).abs_attempt_path) for f in ("m", "r", "d"))
+    with open(m, "r+b") as fh:
         fh.write(b"X")
     (task_dir / "new").write_bytes(b"replacement")
-    os.rename(task_dir / "new", task_dir / "r.bin")
-    (task_dir / "d.bin").unlink()
+    os.rename(task_dir / "new", r)
+    d.unlink()
     for f, why in (("m", "changed"), ("r", "changed"), ("d", "missing")):
         wait_for(lambda f=f: state_of(client, "t1", f) == pb.ENTRY_STATE_PENDING,
                  what=f"{f} unverified")
@@ -174,7 +176,7 @@ def test_polling_fallback_verifies(
     put_bytes(client, session, "t1", "a", b"polled")
     wait_for(is_state(client, "t1", "a", pb.ENTRY_STATE_VERIFIED), what="a verified")
     assert w.watches.backend_of(str(staging / "t1")) == "poll"
-    (staging / "t1" / "sub" / "a.bin").write_bytes(b"tampered")
+    Path(client.get_entry("t1", "a").abs_attempt_path).write_bytes(b"tampered")
     wait_for(is_state(client, "t1", "a", pb.ENTRY_STATE_PENDING), what="a unverified")
 
 

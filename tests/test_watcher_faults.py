@@ -73,7 +73,7 @@ def test_kernel_overflow_event_forces_a_reconciliation(
     assert isinstance(emitter, InotifyEmitter)
     # A change whose event is "lost": tamper while the tree is not watched...
     w.watches.unwatch_tree(str(staging / "t1"))
-    (staging / "t1" / "a.bin").write_bytes(b"changed unseen")
+    Path(client.get_entry("t1", "a").abs_attempt_path).write_bytes(b"changed unseen")
     before = w.metrics.get("reconciliations")
     from baton_relay.watcher._inotify import IN_Q_OVERFLOW, RawEvent
 

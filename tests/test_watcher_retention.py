@@ -38,6 +38,11 @@ def _consume(client: Client, session: Session, task_id: str, file_id: str,
     return entry
 
 
+def _file(client: Client, task_id: str, file_id: str) -> Path:
+    """The committed attempt's file of an entry."""
+    return Path(client.get_entry(task_id, file_id).abs_attempt_path)
+
+
 def _journalled(client: Client, task_id: str, file_id: str, event: str) -> int:
     return sum(1 for r in client.journal(task_id, file_id) if r.event == event)
 
@@ -70,24 +75,24 @@ def test_only_fully_consumed_unchanged_files_leave_after_their_retention(
         put_bytes(client, session, "t", f, f"bytes of {f}".encode() * 100)
     for f in ("gone", "half", "changed", "linked"):
         wait_for(is_state(client, "t", f, pb.ENTRY_STATE_VERIFIED), what=f"{f} verified")
+    files = {f: _file(client, "t", f) for f in ("gone", "half", "changed", "linked")}
     planted = staging / "t" / "d" / "planted"
     planted.symlink_to(outside)
-    d = staging / "t" / "d"
     _consume(client, session, "t", "changed", ("g1", "g2"))
-    (d / "changed.bin").write_bytes(b"other bytes after the acks")
+    files["changed"].write_bytes(b"other bytes after the acks")
     _consume(client, session, "t", "linked", ("g1", "g2"))
-    (d / "linked.bin").unlink()
-    (d / "linked.bin").symlink_to(outside)
+    files["linked"].unlink()
+    files["linked"].symlink_to(outside)
     _consume(client, session, "t", "half", ("g1",))
     gone = _consume(client, session, "t", "gone", ("g1", "g2"))
     assert gone.state == pb.ENTRY_STATE_CONSUMED
-    wait_for(lambda: not (d / "gone.bin").exists(), timeout=15, what="gone.bin removed")
+    wait_for(lambda: not files["gone"].exists(), timeout=15, what="gone.bin removed")
     wait_for(lambda: watcher.metrics.get("staging_files_changed") == 1, timeout=15,
              what="the changed file kept")
     wait_for(lambda: watcher.metrics.get("staging_files_refused") == 1, timeout=15,
              what="the symlink left alone")
-    assert (d / "half.bin").exists() and (d / "changed.bin").exists()
-    assert (d / "linked.bin").is_symlink() and planted.is_symlink()
+    assert files["half"].exists() and files["changed"].exists()
+    assert files["linked"].is_symlink() and planted.is_symlink()
     assert outside.read_bytes() == b"not staging"
     assert _journalled(client, "t", "gone", "staging_removed") == 1
     assert _journalled(client, "t", "changed", "staging_changed") == 1
@@ -152,16 +157,16 @@ def test_a_removal_recorded_but_not_made_is_finished_by_the_next_owner(
         reply = client.remove_staged("t", f, entry.size, entry.digest,
                                      watcher_id=crashed.watcher_id, shard_epoch=epoch)
         assert reply.outcome == pb.RemoveStagedResponse.OUTCOME_MARKED
-    (staging / "t" / "b.bin").write_bytes(b"changed after the removal was recorded")
+    _file(client, "t", "b").write_bytes(b"changed after the removal was recorded")
     # It never beats again: its registration ends, and the next watcher owns its shards.
     w = start_watcher(WatcherConfig(registry=registry.address, staging=str(staging),
                                     **FAST), retry=TEST_RETRY)
     try:
-        wait_for(lambda: not (staging / "t" / "a.bin").exists(), timeout=20,
+        wait_for(lambda: not _file(client, "t", "a").exists(), timeout=20,
                  what="the marked file unlinked by the next owner")
         wait_for(lambda: w.metrics.get("staging_files_changed") == 1, timeout=10,
                  what="the changed one kept")
-        assert (staging / "t" / "b.bin").read_bytes().startswith(b"changed")
+        assert _file(client, "t", "b").read_bytes().startswith(b"changed")
         assert _journalled(client, "t", "a", "staging_removed") == 1
     finally:
         w.stop()
@@ -236,9 +241,9 @@ def test_removals_survive_a_watcher_kill_and_a_shard_move(
     shard = next(s for s in client.list_shards().shards if s.owner == ids["w1"]
                  and not s.moving_to)
     client.move_shard(shard.shard, ids["w2"])
-    wait_for(lambda: all(not (staging / t / f"{f}.bin").exists() for t, f in full),
+    wait_for(lambda: all(not _file(client, t, f).exists() for t, f in full),
              timeout=60, what="every fully consumed file removed")
-    assert all((staging / t / f"{f}.bin").exists() for t, f in half)
+    assert all(_file(client, t, f).exists() for t, f in half)
     for t in tasks:
         hist = histories(registry.etcd, registry.prefix, t, files)
         marks = {f: sum(1 for e in h if e["event"] == "staging_removed")

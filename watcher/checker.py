@@ -2,13 +2,18 @@
 
 What to do depends on the entry's state when a worker picks it up:
 
-- pending: remember the file on disk, if any — a leftover of a failed attempt,
-  which must not be reported for the next attempt before its commit;
-- writing: hash a file that is new since then and report it (the registry keeps
-  it and settles it at the commit);
-- written: report (from the cache if the file is the one already hashed);
-- verified: stat; if the identity changed, hash; report a different digest (the
-  registry takes the entry out of verified) or MISSING if the file is gone.
+- pending: nothing (no attempt is live: a file on disk is a dead attempt's);
+- writing: hash the newest attempt's file and report it, naming its token (the
+  registry keeps it and settles it at the commit of that very attempt);
+- written: report the committed attempt's file (from the cache if it is the one
+  already hashed);
+- verified: stat the committed attempt's file; if the identity changed, hash;
+  report a different digest (the registry takes the entry out of verified) or
+  MISSING if the file is gone.
+
+Each attempt writes a file of its own (``NAME~tTOKEN.EXT``), so only the committed
+attempt's file is ever looked at once committed: a dead attempt's file, written or
+renamed late, is another file, never reported for the entry.
 
 A verified file with more than one name (hard links) is kept in ``links`` and
 polled by the daemon, since a write through a name outside the staging tree
@@ -41,7 +46,7 @@ from .links import LinkedFiles
 from .metrics import Metrics
 from .reporter import Reporter
 from .shards import Membership
-from .state import STATE_NAMES, EntryView, Table
+from .state import STATE_NAMES, UNCOMMITTED, EntryView, Table
 
 logger = logging.getLogger("baton.watcher")
 
@@ -83,8 +88,8 @@ class Checker:
 
     def check(self, key: Key) -> None:
         entry = self.table.entry(*key)
-        if entry is None:
-            return
+        if entry is None or not (entry.attempt_path or entry.state in UNCOMMITTED):
+            return  # no attempt's file known yet (the news of its commit brings it)
         try:
             if entry.state == pb.ENTRY_STATE_PENDING:
                 self._pending(key, entry)
@@ -125,7 +130,7 @@ class Checker:
     def _stat(self, key: Key, entry: EntryView) -> Identity | None:
         """The file's identity, None if absent; a refused path is reported at once."""
         try:
-            return self.hasher.stat(key[0], entry.path)
+            return self.hasher.stat(key[0], entry.attempt_path)
         except HashFailed as e:
             if e.permanent:
                 self._refused(key, entry, e)
@@ -134,22 +139,25 @@ class Checker:
             raise _Handled() from e
 
     def _pending(self, key: Key, entry: EntryView) -> None:
-        try:
-            stale = self.hasher.stat(key[0], entry.path)
-        except HashFailed:
-            stale = None
-        if stale is not None and stale.mtime_ns >= entry.updated_ns:
-            # Written after the entry became pending: most likely by a claim whose
-            # news has not reached us yet, not a leftover of a failed attempt.
-            stale = None
-        self.table.update(*key, stale=stale)
+        """No attempt is live: whatever is on disk is a dead attempt's."""
 
     def _writing(self, key: Key, entry: EntryView) -> None:
+        if not entry.attempt_path:
+            # No event named one (the directory may have been made just before it):
+            # look for the newest attempt's file.
+            try:
+                newest = self.hasher.newest_attempt(key[0], entry.path)
+            except HashFailed:
+                newest = None
+            if newest is None:
+                return
+            entry.attempt_path, entry.token = newest
+            self.table.saw_attempt(*key, *newest)
         try:
-            identity = self.hasher.stat(key[0], entry.path)
+            identity = self.hasher.stat(key[0], entry.attempt_path)
         except HashFailed:
             return  # nothing is vouched for before the commit; written will tell
-        if identity is None or identity == entry.stale or self._on_its_way(key, identity):
+        if identity is None or self._on_its_way(key, identity):
             return
         known = self.cache.get(*key)
         if known is not None and known.identity == identity:
@@ -164,7 +172,8 @@ class Checker:
         except _Handled:
             return
         if identity is None:  # committed, but not (yet, on a network mount) visible here
-            self._failed(key, entry, FileMissing(entry.path, "no such file after the commit"))
+            self._failed(key, entry,
+                         FileMissing(entry.attempt_path, "no such file after the commit"))
             return
         if self._on_its_way(key, identity):
             return  # its answer (or a StaleReport) brings this entry back if need be
@@ -182,7 +191,7 @@ class Checker:
         except _Handled:
             return
         if identity is None:
-            self._problem(key, MISSING, "the verified file is gone")
+            self._problem(key, MISSING, "the verified file is gone", entry.token)
             return
         if self._on_its_way(key, identity):
             return  # the report that verified it is answered in a moment
@@ -208,17 +217,18 @@ class Checker:
     def _hash(self, key: Key, entry: EntryView) -> Hashed | None:
         start = self.metrics.clock()
         try:
-            hashed = self.hasher.hash(key[0], entry.path)
+            hashed = self.hasher.hash(key[0], entry.attempt_path)
         except FileChanged as e:
             if entry.state == pb.ENTRY_STATE_VERIFIED and e.digest and e.digest != entry.digest:
                 # Whatever it settles to, these are not the verified bytes any more.
-                self._problem(key, CORRUPTED, f"verified file changed on disk: {e.reason}")
+                self._problem(key, CORRUPTED, f"verified file changed on disk: {e.reason}",
+                              entry.token)
                 return None
             self._failed(key, entry, e)
             return None
         except FileMissing as e:
             if entry.state == pb.ENTRY_STATE_VERIFIED:
-                self._problem(key, MISSING, "the verified file is gone")
+                self._problem(key, MISSING, "the verified file is gone", entry.token)
             elif entry.state == pb.ENTRY_STATE_WRITTEN:
                 self._failed(key, entry, e)
             return None
@@ -242,11 +252,11 @@ class Checker:
             return
         self.table.update(*key, failures=0)
         kind = MISSING if isinstance(e, FileMissing) else CORRUPTED
-        self._problem(key, kind, f"{failures} failed attempts; last: {e.reason}")
+        self._problem(key, kind, f"{failures} failed attempts; last: {e.reason}", entry.token)
 
     def _refused(self, key: Key, entry: EntryView, e: HashFailed) -> None:
         if entry.state in (pb.ENTRY_STATE_WRITTEN, pb.ENTRY_STATE_VERIFIED):
-            self._problem(key, CORRUPTED, e.reason)
+            self._problem(key, CORRUPTED, e.reason, entry.token)
         else:
             log(logger, logging.INFO, "refused", task=key[0], file_id=key[1],
                 revision=entry.revision, reason=e.reason)
@@ -273,7 +283,7 @@ class Checker:
         request = pb.ReportVerificationRequest(
             task_id=key[0], file_id=key[1], size=i.size, digest=hashed.digest,
             identity=identity, reporter=self.reporter, watcher_id=owner[0],
-            shard_epoch=owner[1], seen_revision=entry.revision)
+            shard_epoch=owner[1], seen_revision=entry.revision, token=entry.token)
         if self.batches is not None:
             with self._sent_lock:  # answers are handled under it too (``_answered``)
                 sent = self._sent.get(key)
@@ -292,7 +302,7 @@ class Checker:
         try:
             reply = self.client.report(key[0], key[1], i.size, hashed.digest, identity,
                                        self.reporter, watcher_id=owner[0],
-                                       shard_epoch=owner[1])
+                                       shard_epoch=owner[1], token=entry.token)
         except BatonError as e:
             self.metrics.refused("digest", e)
             raise
@@ -344,13 +354,14 @@ class Checker:
             revision=reply.revision, size=i.size, digest=hashed.digest, was=entry.state_name,
             now=state_name(reply.state))
 
-    def _problem(self, key: Key, kind: int, reason: str) -> None:
+    def _problem(self, key: Key, kind: int, reason: str, token: int) -> None:
         name = kind_name(kind)
         if (owner := self._owner(key[0])) is None:
             return
         try:
             reply = self.client.report_problem(key[0], key[1], kind, reason, self.reporter,
-                                               watcher_id=owner[0], shard_epoch=owner[1])
+                                               watcher_id=owner[0], shard_epoch=owner[1],
+                                               token=token)
         except BatonError as e:
             self.metrics.refused(name, e)
             raise

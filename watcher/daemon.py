@@ -433,7 +433,7 @@ class Watcher:
                     links.drop(key)
                     continue
                 try:
-                    now = self.hasher.stat(key[0], entry.path)
+                    now = self.hasher.stat(key[0], entry.attempt_path)
                 except HashFailed:
                     now = None
                 if now != seen:

@@ -18,6 +18,7 @@ a helper process that is sent the descriptor opened and checked here
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import socket
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 
 import blake3
 
+from ..kernel.contract import attempt_path, parse_attempt
 from .config import LARGE_FILE
 from .errors import FileChanged, FileMissing, HashFailed, Refused
 
@@ -233,6 +235,52 @@ class Hasher:
             return self._hash_fd(fd, parent, name, shown)
         finally:
             os.close(fd)
+
+    def newest_attempt(self, task_id: str, rel: str) -> tuple[str, int] | None:
+        """The file of the newest attempt of the entry at ``rel`` (the entry's path)
+        that is on disk, relative to the task's directory, and its token; None if
+        none is (a listing of its directory: for when its events were missed)."""
+        parts = split_path(task_id, rel)
+        try:
+            parent = self._parent(parts, "/".join(parts))
+        except HashFailed:
+            return None
+        try:
+            names = os.listdir(parent)
+        except OSError:
+            return None
+        finally:
+            os.close(parent)
+        tokens = [a[1] for n in names
+                  if (a := parse_attempt(n)) is not None and a[0] == parts[-1]]
+        if not tokens:
+            return None
+        return attempt_path(rel, max(tokens)), max(tokens)
+
+    def remove_dead_attempts(self, task_id: str, rel: str, token: int) -> int:
+        """Unlink the files of the attempts before ``token`` of the entry at ``rel``
+        (the entry's path): regular files beside it, named for it with an older
+        token (``kernel.contract.attempt_path``); how many. Nothing is hashed: no
+        such file is ever an entry's bytes."""
+        parts = split_path(task_id, rel)
+        try:
+            parent = self._parent(parts, "/".join(parts))
+        except FileMissing:
+            return 0
+        removed = 0
+        try:
+            for name in os.listdir(parent):
+                attempt = parse_attempt(name)
+                if attempt is None or attempt[0] != parts[-1] or attempt[1] >= token:
+                    continue
+                with contextlib.suppress(OSError):
+                    st = os.stat(name, dir_fd=parent, follow_symlinks=False)
+                    if stat.S_ISREG(st.st_mode):
+                        os.unlink(name, dir_fd=parent)
+                        removed += 1
+        finally:
+            os.close(parent)
+        return removed
 
     def removable(self, task_id: str, rel: str) -> bool:
         """Whether this process may unlink the entry's file: write and search on the

@@ -36,6 +36,7 @@ from datetime import datetime
 from typing import Protocol
 
 from ..client import Client
+from ..kernel.contract import parse_attempt
 from ..kernel.errors import (
     BatonError,
     DeadlineExceeded,
@@ -66,6 +67,7 @@ REFUSED_AFTER = 60.0
 class Candidate:
     """A consumed entry's file the watcher will remove (or finish removing)."""
 
+    #: the committed attempt's file (relative to the task's directory)
     path: str
     size: int
     digest: str
@@ -73,6 +75,10 @@ class Candidate:
     due: float
     #: the registry recorded its removal already: only the unlink is left
     removed: bool = False
+    #: the entry's path and its committed token: the files of older attempts
+    #: beside it go with it
+    entry_path: str = ""
+    token: int = 0
 
 
 class Staged(Protocol):
@@ -82,6 +88,8 @@ class Staged(Protocol):
     def file_id(self) -> str: ...
     @property
     def path(self) -> str: ...
+    @property
+    def attempt_path(self) -> str: ...
     @property
     def state(self) -> int: ...
     @property
@@ -102,12 +110,16 @@ def candidate(entry: Staged) -> Candidate | None:
     that is not negative."""
     if entry.state != pb.ENTRY_STATE_CONSUMED or getattr(entry, "parts", None) or not entry.digest:
         return None
+    path = entry.attempt_path or entry.path
+    attempt = parse_attempt(path)
+    token = attempt[1] if attempt else 0
     if entry.staging_removed_at:
-        return Candidate(entry.path, entry.size, entry.digest, 0.0, removed=True)
+        return Candidate(path, entry.size, entry.digest, 0.0, removed=True,
+                         entry_path=entry.path, token=token)
     if entry.staging_retention_seconds < 0 or not entry.consumed_at:
         return None
     due = _epoch(entry.consumed_at) + entry.staging_retention_seconds
-    return Candidate(entry.path, entry.size, entry.digest, due)
+    return Candidate(path, entry.size, entry.digest, due, entry_path=entry.path, token=token)
 
 
 class Retention:
@@ -370,7 +382,17 @@ class Retention:
         return None
 
     def _unlink(self, key: Key, c: Candidate) -> None:
-        """Unlink a marked entry's file (unless it is gone, or changed)."""
+        """Unlink a marked entry's file (unless it is gone, or changed), and the files
+        its dead attempts left beside it."""
+        if c.token:
+            try:
+                dead = self.hasher.remove_dead_attempts(key[0], c.entry_path, c.token)
+            except HashFailed:
+                dead = 0
+            if dead:
+                self.metrics.add("staging_files_removed", dead)
+                log(logger, logging.INFO, "removed dead attempts' files from staging",
+                    task=key[0], file_id=key[1], files=dead)
         try:
             size = self.hasher.remove(key[0], c.path, c.digest)
         except FileMissing:

@@ -14,14 +14,16 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime
 
+from ..kernel.contract import parse_attempt
 from ..kernel.names import state_name
 from ..kernel.v1 import baton_pb2 as pb
-from .hashing import Identity
 
 #: states whose files the watcher keeps an eye on
 LIVE = frozenset({pb.ENTRY_STATE_PENDING, pb.ENTRY_STATE_WRITING, pb.ENTRY_STATE_WRITTEN,
                   pb.ENTRY_STATE_VERIFIED})
 STATE_NAMES: dict[int, str] = {int(v): state_name(v) for v in pb.EntryState.values()}
+#: states without a committed attempt: the newest attempt's file is the one to look at
+UNCOMMITTED = frozenset({pb.ENTRY_STATE_PENDING, pb.ENTRY_STATE_WRITING})
 
 
 @dataclass
@@ -32,9 +34,12 @@ class EntryView:
     size: int = 0
     digest: str = ""
     revision: int = 0
-    #: the file that was on disk when the entry was last seen pending: a leftover
-    #: of a failed attempt, not to be reported for the next one before its commit
-    stale: Identity | None = None
+    #: the file of the attempt looked at (relative to the task's directory; "" =
+    #: none known) and its token: once committed, the committed attempt's; before,
+    #: the newest attempt whose file appeared (a dead attempt's is older than the
+    #: live one's, and the registry believes only the live one)
+    attempt_path: str = ""
+    token: int = 0
     #: failed hashes in a row
     failures: int = 0
     #: when the registry last changed the entry (UTC epoch nanoseconds)
@@ -178,6 +183,10 @@ class Table:
         if entry.state != known.state:
             known.failures = 0
         known.state, known.size, known.digest = entry.state, entry.size, entry.digest
+        if entry.attempt_path:  # committed: its attempt is decided
+            known.attempt_path = entry.attempt_path
+            attempt = parse_attempt(entry.attempt_path)
+            known.token = attempt[1] if attempt else 0
         known.revision = entry.revision
         known.updated_ns = _epoch_ns(entry.updated_at)
         known.staging_retention_seconds = entry.staging_retention_seconds
@@ -208,7 +217,7 @@ class Table:
             return [dataclasses.replace(e) for e in view.entries.values()] if view else []
 
     def update(self, task_id: str, file_id: str, **changes: object) -> None:
-        """Set local notes (``stale``, ``failures``) on an entry."""
+        """Set local notes (``failures``) on an entry."""
         with self._lock:
             view = self._tasks.get(task_id)
             known = view.entries.get(file_id) if view else None
@@ -239,14 +248,35 @@ class Table:
         return task_id, rel
 
     def file_at(self, path: str) -> tuple[str, str] | None:
-        """(task_id, file_id) of the entry whose file is at ``path``, if any."""
+        """(task_id, file_id) of the entry an attempt's file at ``path`` belongs to,
+        if any. An attempt newer than the one known of an uncommitted entry becomes
+        the one its checks look at."""
         where = self.locate(path)
         if where is None:
             return None
+        attempt = parse_attempt(where[1])
+        logical, token = attempt if attempt else (where[1], 0)
         with self._lock:
             view = self._tasks.get(where[0])
-            file_id = view.by_path.get(where[1]) if view else None
+            file_id = view.by_path.get(logical) if view else None
+            if view is not None and file_id:
+                self._saw(view, file_id, where[1], token)
         return (where[0], file_id) if file_id else None
+
+    def saw_attempt(self, task_id: str, file_id: str, rel: str, token: int) -> None:
+        """The file ``rel`` of the attempt with ``token`` is on disk."""
+        with self._lock:
+            view = self._tasks.get(task_id)
+            if view is not None:
+                self._saw(view, file_id, rel, token)
+
+    @staticmethod
+    def _saw(view: TaskView, file_id: str, rel: str, token: int) -> None:
+        # Only an uncommitted entry follows the newest attempt; a committed one's is
+        # decided, and any other attempt's file beside it is not its bytes.
+        known = view.entries.get(file_id)
+        if known is not None and token > known.token and known.state in UNCOMMITTED:
+            known.attempt_path, known.token = rel, token
 
     def files_under(self, task_id: str, rel_dir: str) -> list[str]:
         """File ids of the task's entries inside ``rel_dir`` ("" = all of them)."""

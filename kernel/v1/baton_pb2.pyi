@@ -696,6 +696,8 @@ class Entry(_message.Message):
     STAGING_RETENTION_SECONDS_FIELD_NUMBER: _builtins.int
     CONSUMED_AT_FIELD_NUMBER: _builtins.int
     STAGING_REMOVED_AT_FIELD_NUMBER: _builtins.int
+    ATTEMPT_PATH_FIELD_NUMBER: _builtins.int
+    ABS_ATTEMPT_PATH_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     file_id: _builtins.str
     path: _builtins.str
@@ -741,6 +743,14 @@ class Entry(_message.Message):
     consumed_at: _builtins.str
     """when the last receiving group acked it"""
     staging_removed_at: _builtins.str
+    attempt_path: _builtins.str
+    """The file of its attempt, where a consumer reads it: `path` with the attempt's
+    fencing token before its extension (`out/f.png` → `out/f~t42.png`). In a claim
+    reply, the claim's; once committed, the committed attempt's; "" before a claim
+    and for an assembly (it has no file of its own).
+    """
+    abs_attempt_path: _builtins.str
+    """staging_dir/attempt_path"""
     @_builtins.property
     def consumers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -793,10 +803,12 @@ class Entry(_message.Message):
         staging_retention_seconds: _builtins.float = ...,
         consumed_at: _builtins.str = ...,
         staging_removed_at: _builtins.str = ...,
+        attempt_path: _builtins.str = ...,
+        abs_attempt_path: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_routing_rule", b"_routing_rule", "routing_rule", b"routing_rule"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_routing_rule", b"_routing_rule", "abs_path", b"abs_path", "assembly", b"assembly", "attributes", b"attributes", "blocked", b"blocked", "claim_deadline_seconds", b"claim_deadline_seconds", "consume_deadline_seconds", b"consume_deadline_seconds", "consumed_at", b"consumed_at", "consumed_by", b"consumed_by", "consumers", b"consumers", "consuming", b"consuming", "depends_on", b"depends_on", "digest", b"digest", "error", b"error", "file_id", b"file_id", "max_retries", b"max_retries", "not_before", b"not_before", "owner", b"owner", "parts", b"parts", "path", b"path", "priority", b"priority", "retry_count", b"retry_count", "revision", b"revision", "routed_to", b"routed_to", "routing_rule", b"routing_rule", "size", b"size", "staging_removed_at", b"staging_removed_at", "staging_retention_seconds", b"staging_retention_seconds", "state", b"state", "task_id", b"task_id", "token", b"token", "updated_at", b"updated_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_routing_rule", b"_routing_rule", "abs_attempt_path", b"abs_attempt_path", "abs_path", b"abs_path", "assembly", b"assembly", "attempt_path", b"attempt_path", "attributes", b"attributes", "blocked", b"blocked", "claim_deadline_seconds", b"claim_deadline_seconds", "consume_deadline_seconds", b"consume_deadline_seconds", "consumed_at", b"consumed_at", "consumed_by", b"consumed_by", "consumers", b"consumers", "consuming", b"consuming", "depends_on", b"depends_on", "digest", b"digest", "error", b"error", "file_id", b"file_id", "max_retries", b"max_retries", "not_before", b"not_before", "owner", b"owner", "parts", b"parts", "path", b"path", "priority", b"priority", "retry_count", b"retry_count", "revision", b"revision", "routed_to", b"routed_to", "routing_rule", b"routing_rule", "size", b"size", "staging_removed_at", b"staging_removed_at", "staging_retention_seconds", b"staging_retention_seconds", "state", b"state", "task_id", b"task_id", "token", b"token", "updated_at", b"updated_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__routing_rule: _TypeAlias = _typing.Literal["routing_rule"]  # noqa: Y015
     _WhichOneofArgType__routing_rule: _TypeAlias = _typing.Literal["_routing_rule", b"_routing_rule"]  # noqa: Y015
@@ -2645,6 +2657,7 @@ class ReportVerificationRequest(_message.Message):
     WATCHER_ID_FIELD_NUMBER: _builtins.int
     SHARD_EPOCH_FIELD_NUMBER: _builtins.int
     SEEN_REVISION_FIELD_NUMBER: _builtins.int
+    TOKEN_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     file_id: _builtins.str
     size: _builtins.int
@@ -2663,6 +2676,12 @@ class ReportVerificationRequest(_message.Message):
     is refused with StaleReport, and changes nothing, when the entry has moved since:
     the bytes were read before a commit or another step, and the watcher looks again.
     """
+    token: _builtins.int
+    """The fencing token in the name of the file read (its attempt). Only the current
+    attempt's file is believed: the claim's before the commit, the committed one's
+    after; a report of any other attempt's file changes nothing. 0: not said, taken
+    as the current attempt's (a watcher always says).
+    """
     @_builtins.property
     def identity(self) -> Global___FileIdentity: ...
     def __init__(
@@ -2678,10 +2697,11 @@ class ReportVerificationRequest(_message.Message):
         watcher_id: _builtins.str = ...,
         shard_epoch: _builtins.int = ...,
         seen_revision: _builtins.int = ...,
+        token: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["identity", b"identity"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "file_id", b"file_id", "identity", b"identity", "reporter", b"reporter", "request_id", b"request_id", "seen_revision", b"seen_revision", "shard_epoch", b"shard_epoch", "size", b"size", "task_id", b"task_id", "watcher_id", b"watcher_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "file_id", b"file_id", "identity", b"identity", "reporter", b"reporter", "request_id", b"request_id", "seen_revision", b"seen_revision", "shard_epoch", b"shard_epoch", "size", b"size", "task_id", b"task_id", "token", b"token", "watcher_id", b"watcher_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2813,6 +2833,7 @@ class ReportProblemRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     WATCHER_ID_FIELD_NUMBER: _builtins.int
     SHARD_EPOCH_FIELD_NUMBER: _builtins.int
+    TOKEN_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     file_id: _builtins.str
     kind: Global___ReportProblemRequest.Kind.ValueType
@@ -2822,6 +2843,8 @@ class ReportProblemRequest(_message.Message):
     watcher_id: _builtins.str
     """as in ReportVerificationRequest"""
     shard_epoch: _builtins.int
+    token: _builtins.int
+    """the attempt whose file it is, as in ReportVerificationRequest"""
     def __init__(
         self,
         *,
@@ -2833,10 +2856,11 @@ class ReportProblemRequest(_message.Message):
         request_id: _builtins.str = ...,
         watcher_id: _builtins.str = ...,
         shard_epoch: _builtins.int = ...,
+        token: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["file_id", b"file_id", "kind", b"kind", "reason", b"reason", "reporter", b"reporter", "request_id", b"request_id", "shard_epoch", b"shard_epoch", "task_id", b"task_id", "watcher_id", b"watcher_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["file_id", b"file_id", "kind", b"kind", "reason", b"reason", "reporter", b"reporter", "request_id", b"request_id", "shard_epoch", b"shard_epoch", "task_id", b"task_id", "token", b"token", "watcher_id", b"watcher_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

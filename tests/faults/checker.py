@@ -35,6 +35,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from baton_relay.kernel.contract import attempt_path
 from baton_relay.registry.keys import ClaimRef
 
 from .state import EntryKey, JournalRecord, Snapshot
@@ -363,7 +364,11 @@ def _check_removals(snap: Snapshot, staged: set[str] | None, report: Report) -> 
         return
     report.stats["staging_left"] += 0
     for (task, file), rec in snap.entries.items():
-        where = f"{task}/{rec.get('path', '')}"
+        # the committed attempt's file (an entry committed before attempts had files
+        # of their own has it at its path)
+        token = int(rec.get("committed_token", 0))
+        path = str(rec.get("path", ""))
+        where = f"{task}/{attempt_path(path, token) if token else path}"
         if rec.get("state") == "verified" and where not in staged:
             report.add(BADREMOVE, (task, file), f"verified, but {where} is gone")
         elif rec.get("staging_removed") and where in staged:

@@ -7,8 +7,9 @@ onto the final path without checking that its claim was still live. The registry
 refused the stale commit and the watcher then saw the verified file change and sent
 the entry back, so no wrong bytes were verified or consumed, but a verified entry was
 thrown away and consumers in between were handed bytes that failed their digest check.
-``produce`` now checks its session before the rename (a pause between that check and
-the rename itself can still do it; the digest checks are what make that safe).
+``produce`` now checks its session before the rename; and since each attempt writes a
+file of its own (named for its token, ``a~tN.bin``), even a rename past that check
+lands beside the live attempt's file, never over it (tests/test_fenced_writes.py).
 """
 
 from __future__ import annotations
@@ -77,6 +78,6 @@ def test_a_stale_producer_does_not_overwrite_the_live_attempt(
     stale.stdin.flush()
     # its own session check refuses first: a lost session's claims are not used
     assert json.loads(stale.stdout.readline()) == {"outcome": errors.SessionExpired.__name__}
-    data = (staging / "t1" / "a.bin").read_bytes()
+    data = Path(client.get_entry("t1", "a").abs_attempt_path).read_bytes()
     assert data != PAYLOAD, "the refused producer's bytes replaced the committed ones"
     assert data == OTHER
