@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable
 
 from ..kernel import logs
 from ._etcd import KV
@@ -34,10 +35,43 @@ from .txn import Txn, write
 
 log = logging.getLogger("baton.registry")
 
-#: keys read per request while looking for deadlines due
+#: keys read per request while looking for deadline (or stall) keys due
 PAGE = 1000
-#: claims revoked at once (each its own guarded transaction)
+#: due keys handled at once (each its own guarded transaction)
 PARALLEL = 32
+
+
+async def sweep_due(core: Core, prefix: bytes, parse: Callable[[bytes], tuple[int, object]],
+                    handle: Callable[[KV], Awaitable[bool]], complain: Complaints) -> int:
+    """Hand ``handle`` every key under ``prefix`` (``{due}/…``, due in epoch ms, as
+    ``parse`` reads it) that has fallen due, ``PARALLEL`` at a time, each on its own;
+    how many it said it acted on. Keys sort by due time: the listing stops at the first
+    not due. One bad key never stops the others: its error is complained of."""
+    now_ms = int(core.clock() * 1000)
+    gate = Gate(PARALLEL)
+    done = 0
+
+    async def one(kv: KV) -> None:
+        nonlocal done
+        try:
+            if await handle(kv):
+                done += 1
+        except Exception as e:
+            complain(kv.key.decode(errors="replace"), e)
+
+    pages = core.etcd.scan(prefix, page=PAGE, keys_only=True)
+    async with contextlib.aclosing(pages):
+        async for kv in pages:
+            try:
+                due, _ = parse(kv.key)
+            except ValueError as e:
+                complain(kv.key.decode(errors="replace"), e)
+                continue
+            if due > now_ms:
+                break
+            await gate.submit(one(kv))
+    await gate.drain()
+    return done
 
 
 class Deadlines:
@@ -50,31 +84,9 @@ class Deadlines:
 
     async def sweep(self) -> int:
         """Revoke every claim whose deadline has passed; forget deadlines of claims
-        that ended. Keys sort by due time: the listing stops at the first not due."""
-        now_ms = int(self.core.clock() * 1000)
-        gate = Gate(PARALLEL)
-        taken = 0
-
-        async def one(kv: KV) -> None:
-            nonlocal taken
-            try:
-                if await self._expire(kv):
-                    taken += 1
-            except Exception as e:  # one bad key never stops the others
-                self._complain(kv.key.decode(errors="replace"), e)
-
-        pages = self.core.etcd.scan(self.keys.deadlines(), page=PAGE, keys_only=True)
-        async with contextlib.aclosing(pages):
-            async for kv in pages:
-                try:
-                    due, _ = self.keys.parse_deadline(kv.key)
-                except ValueError as e:
-                    self._complain(kv.key.decode(errors="replace"), e)
-                    continue
-                if due > now_ms:
-                    break
-                await gate.submit(one(kv))
-        await gate.drain()
+        that ended."""
+        taken = await sweep_due(self.core, self.keys.deadlines(), self.keys.parse_deadline,
+                                self._expire, self._complain)
         self.expired += taken
         return taken
 

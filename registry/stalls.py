@@ -18,7 +18,6 @@ reads it with the claim and the claim's checkpoint in one guarded transaction:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 
@@ -27,17 +26,13 @@ from ._etcd import KV
 from .checkpoints import CheckpointRecord
 from .claim import end, give_back
 from .claims import actor_of, claim_holder, voided
-from .core import Core, Gate
+from .core import Core
+from .deadlines import sweep_due
 from .model import EntryRecord
 from .scheduler import Complaints
 from .txn import Txn, write
 
 log = logging.getLogger("baton.registry")
-
-#: keys read per request while looking for stalls due
-PAGE = 1000
-#: stall keys handled at once (each its own guarded transaction)
-PARALLEL = 32
 
 
 class Stalls:
@@ -50,32 +45,9 @@ class Stalls:
 
     async def sweep(self) -> int:
         """Take back every claim stalled by now; move on the keys of claims that
-        checkpointed or ended. Keys sort by due time: the listing stops at the first
-        not due."""
-        now_ms = int(self.core.clock() * 1000)
-        gate = Gate(PARALLEL)
-        taken = 0
-
-        async def one(kv: KV) -> None:
-            nonlocal taken
-            try:
-                if await self._check(kv):
-                    taken += 1
-            except Exception as e:  # one bad key never stops the others
-                self._complain(kv.key.decode(errors="replace"), e)
-
-        pages = self.core.etcd.scan(self.keys.stalls(), page=PAGE, keys_only=True)
-        async with contextlib.aclosing(pages):
-            async for kv in pages:
-                try:
-                    due, _ = self.keys.parse_stall(kv.key)
-                except ValueError as e:
-                    self._complain(kv.key.decode(errors="replace"), e)
-                    continue
-                if due > now_ms:
-                    break
-                await gate.submit(one(kv))
-        await gate.drain()
+        checkpointed or ended."""
+        taken = await sweep_due(self.core, self.keys.stalls(), self.keys.parse_stall,
+                                self._check, self._complain)
         self.stalled += taken
         return taken
 
