@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -194,22 +195,34 @@ def produce_verified(client: Client, session: Session, task_id: str, file_id: st
 AGENT_PROC = Path(__file__).with_name("agent_proc.py")
 
 
-@pytest.fixture
-def agent(registry: RegistryHandle) -> Iterator[Callable[[str, int], subprocess.Popen[str]]]:
-    """Start ``tests/agent_proc.py`` processes on the test's registry (task, session TTL);
-    any still running are resumed (a test may have SIGSTOPped one) and killed at the end."""
+@contextmanager
+def agent_processes(script: Path, registry: RegistryHandle
+                    ) -> Iterator[Callable[..., subprocess.Popen[str]]]:
+    """``spawn(*args)`` starts ``python SCRIPT REGISTRY ARGS...`` (stdin and stdout piped,
+    text); at the end any still running are resumed (a test may have SIGSTOPped one)
+    and killed."""
     procs: list[subprocess.Popen[str]] = []
 
-    def spawn(task: str, ttl: int) -> subprocess.Popen[str]:
-        p = subprocess.Popen([sys.executable, str(AGENT_PROC), registry.address, task,
-                              str(ttl)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    def spawn(*args: object) -> subprocess.Popen[str]:
+        p = subprocess.Popen([sys.executable, str(script), registry.address,
+                              *map(str, args)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              text=True)
         procs.append(p)
         return p
 
-    yield spawn
-    for p in procs:
-        if p.poll() is None:
-            os.kill(p.pid, signal.SIGCONT)
-            p.kill()
-        p.wait()
+    try:
+        yield spawn
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)
+                p.kill()
+            p.wait()
+
+
+@pytest.fixture
+def agent(registry: RegistryHandle) -> Iterator[Callable[[str, int], subprocess.Popen[str]]]:
+    """Start ``tests/agent_proc.py`` processes on the test's registry (task, session
+    TTL); see ``agent_processes``."""
+    with agent_processes(AGENT_PROC, registry) as spawn:
+        yield spawn

@@ -9,12 +9,11 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from registry_fixtures import RegistryHandle
+from registry_fixtures import RegistryHandle, agent_processes
 from watcher_fixtures import digest, is_state, put_bytes
 
 from baton_relay.client import Client, Session, put, read_verified
@@ -33,23 +32,10 @@ TAMPER = {"failed", "unverified", "corrupted", "missing", "changed"}
 
 @pytest.fixture
 def zombie(registry: RegistryHandle) -> Iterator[Callable[[str, str, int], subprocess.Popen[str]]]:
-    """Start ``zombie_producer.py`` processes (task, file, session TTL); any still running
-    are resumed and killed at the end."""
-    procs: list[subprocess.Popen[str]] = []
-
-    def spawn(task: str, file: str, ttl: int) -> subprocess.Popen[str]:
-        p = subprocess.Popen([sys.executable, str(ZOMBIE), registry.address, task, file,
-                              str(ttl)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             text=True)
-        procs.append(p)
-        return p
-
-    yield spawn
-    for p in procs:
-        if p.poll() is None:
-            os.kill(p.pid, signal.SIGCONT)
-            p.kill()
-        p.wait()
+    """Start ``zombie_producer.py`` processes (task, file, session TTL); see
+    ``agent_processes``."""
+    with agent_processes(ZOMBIE, registry) as spawn:
+        yield spawn
 
 
 def _line(proc: subprocess.Popen[str]) -> dict[str, object]:
