@@ -293,8 +293,15 @@ class AsyncSession:
             hook()
         self._closing = True
         for pending in self._pending.values():
-            if not pending.reply.done():
+            if pending.reply.done():
+                continue
+            if pending.sent_on is None:  # never sent: it certainly did not apply
                 pending.reply.set_exception(error)
+                continue
+            kind = pending.call.WhichOneof("request")
+            pending.reply.set_exception(errors.OutcomeUnknown(
+                f"{error}; its {kind} call was in flight and may have applied",
+                session_id=self.session_id, call=kind))
         if self._call is not None:
             self._call.cancel()
 

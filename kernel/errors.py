@@ -209,6 +209,12 @@ class DeadlineExceeded(Unavailable):
     code = _Code("DEADLINE_EXCEEDED")
 
 
+class OutcomeUnknown(Unavailable):
+    """A call went out but its reply never will: the session carrying it was lost
+    while it was in flight (``session_id``, ``call``). The registry may have applied
+    it; a retry with the same request id is safe where the call allows one."""
+
+
 class ClientClosed(BatonError):
     """A call on a ``Client`` after ``close()``; nothing was sent."""
 
@@ -258,6 +264,7 @@ _BY_NAME: dict[str, type[BatonError]] = {
         Conflict,
         Unavailable,
         DeadlineExceeded,
+        OutcomeUnknown,
         StorageFull,
         MessageTooLarge,
         PermissionDenied,

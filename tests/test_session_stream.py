@@ -145,6 +145,42 @@ def test_a_session_without_a_stream_for_its_whole_ttl_is_lost(
             c.claim("t", session=s)
 
 
+def test_a_call_in_flight_when_its_session_is_lost_is_said_unknown_not_refused(
+        registry: RegistryHandle, client: Client, wait_for: Any) -> None:
+    """A checkpoint applies, its stream breaks before the reply and the registry refuses
+    to resume the session: the call raises OutcomeUnknown (it may have applied; here it
+    did), not SessionExpired, which would say it certainly did not."""
+    client.create_task(manifest("t", 1))
+    streams = streams_of(registry)
+
+    async def gone(session_id: int, caller: Any) -> pb.Session:
+        raise errors.SessionExpired(f"session {session_id:x} expired", session_id=session_id)
+
+    def cut_checkpoint(kind: str) -> bool:
+        if kind != "checkpoint":
+            return False
+        streams.cut = None
+        streams.sessions.resume = gone  # the lease ran out while the stream was down
+        return True
+
+    s = client.open_session("p", ttl=10)
+    claim = client.claim("t", session=s)
+    streams.cut = cut_checkpoint
+    with pytest.raises(errors.OutcomeUnknown) as e:
+        client.checkpoint("t", claim.file_id, claim.token, data=b"page 9", session=s)
+    assert e.value.call == "checkpoint" and "may have applied" in str(e.value)
+    assert s.lost.is_set()
+    with pytest.raises(errors.SessionExpired):  # not sent at all: a definite refusal
+        client.checkpoint("t", claim.file_id, claim.token, data=b"page 10", session=s)
+    assert streams.served["checkpoint"] == 1
+    client.close_session(s.session_id)  # its claim goes back, with what it checkpointed
+    wait_for(lambda: "claimable" in client.explain("t", claim.file_id).text, timeout=10,
+             what="the retry backoff to end")
+    with client.open_session("q", ttl=10) as q:
+        again = client.claim("t", session=q)
+    assert again.token > claim.token and again.checkpoint.data == b"page 9"
+
+
 def test_a_stream_must_open_before_it_calls(registry: RegistryHandle) -> None:
     """A stream whose first message is a call ends with INVALID_ARGUMENT and opens nothing."""
     import grpc

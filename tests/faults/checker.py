@@ -102,7 +102,8 @@ class _Histories:
         self.write_failures: dict[tuple[str, str, int], dict[str, Any]] = {}
         self.reads: list[dict[str, Any]] = []
         self.read_failures = 0
-        #: checkpoints sent, by entry: (token, bytes) -> "ok" or "info" (may have applied)
+        #: checkpoints sent, by entry: (token, bytes) -> "ok" or "info" (may have applied:
+        #: the reply was lost, or the agent died with the call in flight)
         self.checkpoints: dict[EntryKey, dict[tuple[int, int], str]] = defaultdict(dict)
         self.unknown = 0
         #: calls refused because etcd was at its quota
@@ -127,10 +128,24 @@ class _Histories:
                     self.read_failures += 1
             if phase == "ok" and op in ("claim", "commit", "ack"):
                 self.ok[op].append(r)
-            if op == "checkpoint" and phase in ("ok", "info"):
-                sent = self.checkpoints[(r["task"], r["file"])]
-                at = (int(r["token"]), int(r["n"]))
-                sent[at] = "ok" if phase == "ok" else sent.get(at, "info")
+            if op == "checkpoint":
+                self._checkpoint(r, phase)
+        # a checkpoint invoked and never completed (its agent SIGKILLed) may have applied
+        for sent in self.checkpoints.values():
+            for at, phase in sent.items():
+                if phase == "invoke":
+                    sent[at] = "info"
+
+    def _checkpoint(self, r: dict[str, Any], phase: str) -> None:
+        sent = self.checkpoints[(r["task"], r["file"])]
+        at = (int(r["token"]), int(r["n"]))
+        if phase == "ok":
+            sent[at] = "ok"
+        elif phase == "fail":  # refused: it did not apply
+            if sent.get(at) == "invoke":
+                del sent[at]
+        elif sent.get(at) != "ok":
+            sent[at] = "info" if phase == "info" else sent.get(at, "invoke")
 
 
 @dataclass

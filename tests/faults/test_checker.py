@@ -311,3 +311,14 @@ def test_a_claim_handed_a_wrong_or_no_checkpoint_is_badcheckpoint() -> None:
     assert run(history=checkpointed({"token": 8, "n": 65536}, unknown)).ok
     assert run(history=checkpointed({"token": 8, "n": 131072}, unknown)).ok
     assert run(history=checkpointed(None, ((8, 65536, "fail"),))).ok
+
+
+def test_a_checkpoint_whose_agent_died_in_the_call_may_have_applied() -> None:
+    """Invoked and never completed (a SIGKILL): handing it over is right, and so is not;
+    invoked and refused: handing it over is a badcheckpoint."""
+    died = ((8, 65536, "ok"), (8, 131072, "invoke"))
+    assert run(history=checkpointed({"token": 8, "n": 131072}, died)).ok
+    assert run(history=checkpointed({"token": 8, "n": 65536}, died)).ok
+    refused = ((8, 65536, "ok"), (8, 131072, "invoke"), (8, 131072, "fail"))
+    assert kinds(run(history=checkpointed({"token": 8, "n": 131072}, refused))) == {
+        "badcheckpoint"}
