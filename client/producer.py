@@ -25,7 +25,7 @@ from typing import BinaryIO
 
 import blake3
 
-from ..kernel.contract import TEMP_MARKER
+from ..kernel.contract import TEMP_MARKER, parse_attempt, parse_temp
 from ..kernel.errors import BatonError, Draining, InvalidArgument, NothingToClaim
 from ..kernel.v1 import baton_pb2 as pb
 from ._client import Client, Session
@@ -228,6 +228,14 @@ class ResumePoint:
         return json.dumps({"format": _RESUME_FORMAT, "temp": self.temp,
                            "length": self.length, "blake3": self.digest}).encode()
 
+    def before(self, name: str, token: int) -> bool:
+        """Whether the temp file is an earlier attempt's at the entry whose file (this
+        attempt's, ``name``) the claim with ``token`` writes: a resume point naming a
+        file of another entry, or of this or a later attempt, is not followed."""
+        temp, mine = parse_temp(self.temp), parse_attempt(name)
+        entry = mine[0] if mine is not None else name
+        return temp is not None and temp[0] == entry and temp[1] < token
+
     @classmethod
     def of(cls, checkpoint: pb.Checkpoint | None) -> ResumePoint | None:
         """The resume point an earlier attempt's checkpoint holds, if it holds one that
@@ -244,6 +252,13 @@ class ResumePoint:
                 or TEMP_MARKER not in point.temp):
             return None
         return point
+
+
+def _remove_partial(parent: int, temp: str) -> None:
+    """Unlink an earlier attempt's partial file, if it is a regular file."""
+    with suppress(OSError):
+        if stat.S_ISREG(os.stat(temp, dir_fd=parent, follow_symlinks=False).st_mode):
+            os.unlink(temp, dir_fd=parent)
 
 
 def _adopt(parent: int, point: ResumePoint | None, attempt: str
@@ -280,8 +295,7 @@ def _adopt(parent: int, point: ResumePoint | None, attempt: str
                 os.rename(point.temp, attempt, src_dir_fd=parent, dst_dir_fd=parent)
                 return fd, hasher, point.length
         if stat.S_ISREG(st.st_mode):
-            with suppress(FileNotFoundError):
-                os.unlink(point.temp, dir_fd=parent)
+            _remove_partial(parent, point.temp)
     except BaseException:
         os.close(fd)
         raise
@@ -340,7 +354,14 @@ def _written(client: Client, session: Session | int, claim: Claim,
                                       refused, create=True)
         refuse_link(name, parent, "the final name", refused)
         attempt = temp_name(name, claim.token, nonce())
-        adopted = _adopt(parent, ResumePoint.of(claim.checkpoint), attempt) if every else None
+        point = ResumePoint.of(claim.checkpoint)
+        if point is not None and not point.before(name, claim.token):
+            point = None
+        adopted = None
+        if every:
+            adopted = _adopt(parent, point, attempt)
+        elif point is not None:  # a partial no attempt will resume from: not kept
+            _remove_partial(parent, point.temp)
         if adopted is None:
             fd, hasher, length = os.open(attempt, _TEMP_FLAGS, _FILE_MODE, dir_fd=parent), \
                 blake3.blake3(), 0

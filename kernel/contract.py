@@ -68,6 +68,24 @@ def parse_attempt(path: str) -> tuple[str, int] | None:
     return f"{head}{slash}{base}{ext}", int(digits)
 
 
+def parse_temp(name: str) -> tuple[str, int] | None:
+    """(the entry's file name, the token) of a temp file's name — ``.NAME.baton-tmp-
+    TOKEN-NONCE``, NAME the attempt's file name (or, for an entry without attempt
+    files, its own) — or None if ``name`` is not one whose NAME is whole."""
+    if not name.startswith("."):
+        return None
+    head, marker, tail = name[1:].rpartition(TEMP_MARKER)
+    digits, dash, nonce = tail.partition("-")
+    if not (marker and head and dash and nonce and digits.isdigit() and digits.isascii()
+            and digits[0] != "0" and len(digits) <= 19):
+        return None
+    token = int(digits)
+    attempt = parse_attempt(head)
+    if attempt is None:
+        return head, token
+    return (attempt[0], token) if attempt[1] == token else None
+
+
 def assembly_digest(part_digests: list[str]) -> str:
     """An assembly's digest: BLAKE3 of its parts' hex digests, in order, joined by
     newlines. The registry verifies an assembly with it; a consumer checks with it that

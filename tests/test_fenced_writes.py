@@ -134,15 +134,19 @@ def test_consume_reads_the_committed_attempt(
 
 
 def test_retention_sweeps_dead_attempts_files(tmp_path: Path) -> None:
-    """Older attempts' files beside the entry's go; newer ones and other entries' stay."""
+    """Older attempts' files beside the entry's go, and the partial (temp) files they
+    kept to be resumed; newer ones and other entries' stay."""
     d = tmp_path / "t1" / "out"
     d.mkdir(parents=True)
-    for name in ("a~t3.bin", "a~t9.bin", "a~t12.bin", "b~t3.bin", "a.bin"):
+    kept = (".a~t5.bin.baton-tmp-5-ab", ".a.bin.baton-tmp-4-cd")
+    stay = ("a.bin", "a~t12.bin", "b~t3.bin", ".b~t5.bin.baton-tmp-5-ab",
+            ".a~t13.bin.baton-tmp-13-ef", ".a~t5.bin.baton-tmp-6-ab")
+    for name in ("a~t3.bin", "a~t9.bin", *kept, *stay):
         (d / name).write_bytes(b"x")
     hasher = Hasher(str(tmp_path))
     try:
         assert hasher.newest_attempt("t1", "out/a.bin") == ("out/a~t12.bin", 12)
-        assert hasher.remove_dead_attempts("t1", "out/a.bin", 12) == 2
+        assert hasher.remove_dead_attempts("t1", "out/a.bin", 12) == 4
     finally:
         hasher.close()
-    assert sorted(p.name for p in d.iterdir()) == ["a.bin", "a~t12.bin", "b~t3.bin"]
+    assert sorted(p.name for p in d.iterdir()) == sorted(stay)

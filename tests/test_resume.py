@@ -19,7 +19,7 @@ import pytest
 from registry_fixtures import RegistryHandle, on_etcd
 from resume_writer import BLOCK, block
 
-from baton_relay.client import Client
+from baton_relay.client import Client, produce
 from baton_relay.client.producer import ResumePoint
 from baton_relay.kernel.contract import TEMP_MARKER
 from baton_relay.kernel.v1 import baton_pb2 as pb
@@ -31,12 +31,13 @@ EVERY = 100 << 20
 KILL_AT = 0.70
 
 
-def writer(registry: RegistryHandle, ttl: int) -> subprocess.Popen[str]:
+def writer(registry: RegistryHandle, ttl: int, size: int = SIZE, every: int = EVERY
+           ) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(WRITER.parent), os.environ.get("PYTHONPATH", "")])}
     return subprocess.Popen(
-        [sys.executable, "-u", str(WRITER), registry.address, "t", "big", str(SIZE),
-         str(EVERY), str(ttl)], stdout=subprocess.PIPE, text=True, env=env)
+        [sys.executable, "-u", str(WRITER), registry.address, "t", "big", str(size),
+         str(every), str(ttl)], stdout=subprocess.PIPE, text=True, env=env)
 
 
 def lines(proc: subprocess.Popen[str]) -> Any:
@@ -56,15 +57,16 @@ def partials(staging: Path) -> list[Path]:
     return [p for p in (staging / "t").iterdir() if TEMP_MARKER in p.name]
 
 
-def kill_at_seventy_percent(registry: RegistryHandle) -> int:
+def kill_at_seventy_percent(registry: RegistryHandle, size: int = SIZE,
+                            every: int = EVERY) -> int:
     """Run a first writer and SIGKILL it once a resume point past 70 % is recorded; the
     last point it recorded."""
-    first = writer(registry, ttl=2)
+    first = writer(registry, ttl=2, size=size, every=every)
     saved = -1
     for said in lines(first):
         assert "done" not in said, "the first writer finished before it was killed"
         saved = said.get("saved", saved)
-        if saved >= KILL_AT * SIZE:
+        if saved >= KILL_AT * size:
             first.send_signal(signal.SIGKILL)
             break
     first.wait(timeout=30)
@@ -128,6 +130,42 @@ def test_a_damaged_partial_file_is_not_adopted_and_the_write_starts_over(
              "the rewritten file to be verified")
     entry = big_task.get_entry("t", "big")
     assert (entry.size, entry.digest) == (SIZE, payload_digest())
+
+
+def test_an_attempt_that_does_not_resume_removes_the_partial_it_was_handed(
+        registry: RegistryHandle, staging: Path, big_task: Client,
+        wait_for: Callable[..., None]) -> None:
+    """A resumable write killed at 70 %, then an attempt that is not resumable: the
+    partial file its resume point names is removed (nobody would resume from it), and
+    the new attempt's file is the one verified."""
+    kill_at_seventy_percent(registry, size=64 << 20, every=4 << 20)
+    (partial,) = partials(staging)
+    wait_for(lambda: big_task.get_entry("t", "big").state == pb.ENTRY_STATE_PENDING, 30,
+             "the killed writer's claim to be taken back (its session's TTL)")
+    wait_for(lambda: "claimable" in big_task.explain("t", "big").text, 10, "the backoff to end")
+    with big_task.open_session("plain", ttl=10) as s, produce(big_task, s, "t", "big") as out:
+        assert out.claim.checkpoint is not None and out.size == 0
+        assert not partial.exists()
+        out.write(b"small")
+    wait_for(lambda: big_task.get_entry("t", "big").state == pb.ENTRY_STATE_VERIFIED, 30,
+             "the new file to be verified")
+    assert big_task.get_entry("t", "big").digest == blake3.blake3(b"small").hexdigest()
+    assert not partials(staging)
+
+
+def test_a_resume_point_is_followed_only_to_an_earlier_attempt_of_the_same_entry() -> None:
+    """The temp file must be one an earlier attempt (a smaller token) of this entry
+    wrote: not another entry's beside it, not this attempt's or a later one's."""
+    def before(temp: str, name: str = "big~t9.bin", token: int = 9) -> bool:
+        return ResumePoint(temp, 10, "0" * 64).before(name, token)
+
+    assert before(f".big~t7.bin{TEMP_MARKER}7-ab")
+    assert before(f".big.bin{TEMP_MARKER}7-ab")  # an entry without attempt files
+    assert before(f".big.bin{TEMP_MARKER}7-ab", name="big.bin")
+    for other in (f".other~t7.bin{TEMP_MARKER}7-ab", f".big~t9.bin{TEMP_MARKER}9-ab",
+                  f".big~t12.bin{TEMP_MARKER}12-ab", f".big~t7.bin{TEMP_MARKER}8-ab",
+                  f".big~t7.png{TEMP_MARKER}7-ab", f".big~t7.bin{TEMP_MARKER}7-"):
+        assert not before(other), other
 
 
 def test_a_resume_point_naming_anything_but_a_temp_file_beside_the_entry_is_ignored() -> None:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import blake3
 
-from ..kernel.contract import attempt_path, parse_attempt
+from ..kernel.contract import attempt_path, parse_attempt, parse_temp
 from .config import LARGE_FILE
 from .errors import FileChanged, FileMissing, HashFailed, Refused
 
@@ -260,8 +260,9 @@ class Hasher:
     def remove_dead_attempts(self, task_id: str, rel: str, token: int) -> int:
         """Unlink the files of the attempts before ``token`` of the entry at ``rel``
         (the entry's path): regular files beside it, named for it with an older
-        token (``kernel.contract.attempt_path``); how many. Nothing is hashed: no
-        such file is ever an entry's bytes."""
+        token (``kernel.contract.attempt_path``), and the partial files such attempts
+        kept to be resumed (temp files, ``kernel.contract.parse_temp``); how many.
+        Nothing is hashed: no such file is ever an entry's bytes."""
         parts = split_path(task_id, rel)
         try:
             parent = self._parent(parts, "/".join(parts))
@@ -270,7 +271,7 @@ class Hasher:
         removed = 0
         try:
             for name in os.listdir(parent):
-                attempt = parse_attempt(name)
+                attempt = parse_temp(name) or parse_attempt(name)
                 if attempt is None or attempt[0] != parts[-1] or attempt[1] >= token:
                     continue
                 with contextlib.suppress(OSError):
