@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import signal
 import sys
@@ -38,6 +39,7 @@ from baton_relay.client import (
     produce,
     read_verified,
 )
+from baton_relay.kernel.contract import parse_temp
 from baton_relay.kernel.v1 import baton_pb2 as pb
 
 from . import payload
@@ -56,6 +58,18 @@ FULL_PATIENCE = 60.0
 #: the odds that a producer checkpoints after a chunk it wrote (the first excepted):
 #: payloads of several chunks leave checkpoints that the next attempt is handed
 CHECKPOINT_ODDS = 0.3
+#: the odds that an attempt writes resumably (``produce(..., resumable=True)``): its
+#: checkpoints are then resume points (``Output.save_point``: the temp file fsynced,
+#: its name, length and digest), and it adopts the partial file of an earlier attempt
+#: whose point it is handed, going on with that attempt's payload
+RESUMABLE_ODDS = 0.5
+#: a resumable attempt's own ``resume_every``: never reached, so that its points are
+#: the ones it records (and its history shows) itself
+NO_AUTOMATIC_POINTS = 1 << 62
+
+
+#: what a resume point's data says it is (``client.producer.ResumePoint``)
+RESUME_FORMAT = "baton-resume/1"
 
 
 class Agent:
@@ -182,25 +196,38 @@ class Agent:
         """Claim the next entry of ``task``, write its payload and commit; False if idle."""
         h, client, registry = self.history, self.client, self.current
         stage, claim, size, digest = "claim", None, 0, ""
-        h.invoke("claim", task=task, registry=registry, session=session.session_id)
+        resumable = self.rng.random() < RESUMABLE_ODDS
+        h.invoke("claim", task=task, registry=registry, session=session.session_id,
+                 resumable=resumable)
         try:
-            with produce(client, session, task) as out:
+            with produce(client, session, task, resumable=resumable,
+                         resume_every=NO_AUTOMATIC_POINTS) as out:
                 claim = out.claim
                 handed = handed_checkpoint(claim.checkpoint)
                 h.ok("claim", task=task, file=claim.file_id, token=claim.token,
                      attempt=claim.entry.retry_count, session=session.session_id,
+                     resumable=resumable,
                      **({"resumed_from": handed} if handed is not None else {}))
                 stage = "write"
-                origin = payload.Origin(task, claim.file_id, claim.token, self.name,
-                                        self.size())
+                start = out.size
+                if start:
+                    # An earlier attempt's partial file, adopted: its payload goes on.
+                    # produce() recorded this attempt's first resume point already.
+                    h.ok("checkpoint", task=task, file=claim.file_id, token=claim.token,
+                         n=start, adopted=True)
+                    origin = payload.parse(os.pread(out.file.fileno(), payload.HEADER_MAX, 0))
+                    assert origin is not None, "an adopted partial file without a header"
+                else:
+                    origin = payload.Origin(task, claim.file_id, claim.token, self.name,
+                                            self.size())
                 data = payload.make(origin)
-                for i in range(0, len(data), CHUNK):
+                for i in range(start, len(data), CHUNK):
                     out.write(data[i:i + CHUNK])
-                    if i and self.rng.random() < CHECKPOINT_ODDS:
-                        self.checkpoint(out, task, i + CHUNK, len(data))
+                    if i > start and self.rng.random() < CHECKPOINT_ODDS:
+                        self.checkpoint(out, task, len(data), resumable)
                 size, digest = out.size, out.digest
                 h.ok("write", task=task, file=claim.file_id, token=claim.token, size=size,
-                     digest=digest)
+                     digest=digest, origin_token=origin.token, resumed_at=start)
                 self.pause(self.rng.random() * 0.1)  # "work" between writing and publishing
                 stage = "commit"
                 h.invoke("commit", task=task, file=claim.file_id, token=claim.token,
@@ -243,17 +270,22 @@ class Agent:
              state=pb.EntryState.Name(out.entry.state))
         return True
 
-    def checkpoint(self, out: Any, task: str, done: int, total: int) -> None:
-        """Record how far the write got; the data names this attempt's token and the
-        bytes written, so the checker can tell which checkpoint a later claim is
-        handed. A refused one is recorded and the write goes on (its commit will be
-        refused in turn if the token died)."""
-        h, claim = self.history, out.claim
+    def checkpoint(self, out: Any, task: str, total: int, resumable: bool) -> None:
+        """Record how far the write got: a resume point if the attempt is resumable
+        (its data names the temp file, whose name holds this attempt's token, and the
+        bytes on disk), else data naming this attempt's token and the bytes written;
+        either way the checker can tell which checkpoint a later claim is handed. A
+        refused one is recorded and the write goes on (its commit will be refused in
+        turn if the token died)."""
+        h, claim, done = self.history, out.claim, out.size
         fields = {"task": task, "file": claim.file_id, "token": claim.token, "n": done}
         h.invoke("checkpoint", **fields, registry=self.current)
         try:
-            out.checkpoint(data=json.dumps({"token": claim.token, "n": done}).encode(),
-                           progress=min(done / total, 1.0), message=f"{done} bytes")
+            if resumable:
+                out.save_point()
+            else:
+                out.checkpoint(data=json.dumps({"token": claim.token, "n": done}).encode(),
+                               progress=min(done / total, 1.0), message=f"{done} bytes")
         except errors.BatonError as e:
             h.error("checkpoint", e, **fields)
         else:
@@ -358,6 +390,9 @@ def handed_checkpoint(checkpoint: Any) -> dict[str, int] | None:
         return None
     try:
         d = json.loads(checkpoint.data)
+        if d.get("format") == RESUME_FORMAT:  # a resume point: its temp file names the token
+            temp = parse_temp(str(d["temp"]))
+            return {"token": temp[1] if temp else -1, "n": int(d["length"])}
         return {"token": int(d["token"]), "n": int(d["n"])}
     except (ValueError, KeyError, TypeError):
         return {"token": -1, "n": -1}

@@ -215,6 +215,10 @@ def _walk(key: EntryKey, journal: list[JournalRecord], hist: _Histories, report:
             verified = r.digest
             if committed is not None:
                 seen.verified[(key[0], key[1], committed.token)] = r.digest
+                # a resumed write's bytes are the payload of the attempt it went on from
+                write = hist.writes.get((key[0], key[1], committed.token), {})
+                origin = int(write.get("origin_token") or committed.token)
+                seen.verified[(key[0], key[1], origin)] = r.digest
         elif r.event == "consuming":  # a consume lease: its token is this revision
             seen.consumes[(key[0], key[1], rev)] = verified
             if state != "verified":
@@ -334,6 +338,11 @@ def _check_checkpoints(snap: Snapshot, hist: _Histories, report: Report) -> None
     """Each claim is handed the latest checkpoint an earlier attempt of its entry left
     since the last accepted commit (which drops it), and only one that was sent."""
     handed_any = 0
+    # claims the journal shows that no agent was told of (its process was killed, or
+    # produce() failed in taking up a partial file): what they recorded is unknown
+    told = {(r["task"], r["file"], int(r["token"])) for r in hist.ok["claim"]}
+    untold = {(k[0], k[1], r.rev) for k, rs in snap.journal.items() for r in rs
+              if r.event == "claimed"} - told
     for claim in hist.ok["claim"]:
         key: EntryKey = (claim["task"], claim["file"])
         token = int(claim["token"])
@@ -351,7 +360,9 @@ def _check_checkpoints(snap: Snapshot, hist: _Histories, report: Report) -> None
             continue
         handed_any += 1
         at = (int(handed["token"]), int(handed["n"]))
-        if at not in sent:
+        if at not in sent and (key[0], key[1], at[0]) in untold and since < at[0] < token:
+            report.stats["checkpoints_of_unknown_claims"] += 1
+        elif at not in sent:
             report.add(BADCHECKPOINT, key, f"claim {token} was handed checkpoint {at} "
                        "(token, bytes), which no earlier unfinished attempt sent")
         elif accepted and at < max(accepted):
@@ -493,19 +504,32 @@ _ENDED = {("write", "fail"), ("fail", "ok"), ("fail", "fail"), ("fail", "info"),
 
 
 def leftover_temp_files(paths: list[str], records: list[dict[str, Any]]
-                        ) -> tuple[list[str], list[str]]:
+                        ) -> tuple[list[str], list[str], list[str]]:
     """Split temp files found under the staging root (``TASK/.../.NAME.baton-tmp-TOKEN-
     NONCE``, relative) into those left by an attempt that ended (a bug: the helper
-    removes its temp file whatever happens) and those of attempts a SIGKILL cut short
-    (their producer recorded no end; nothing can remove them)."""
+    removes its temp file whatever happens, but for a resumable one's partial), those
+    of attempts a SIGKILL cut short (their producer recorded no end), and the partial
+    files resumable attempts that ended kept for the next one."""
     claimed = {(r.get("task"), int(r.get("token") or 0)) for r in records
                if (r.get("op"), r.get("phase")) == ("claim", "ok")}
     ended = {(r.get("task"), int(r.get("token") or 0)) for r in records
              if (r.get("op"), r.get("phase")) in _ENDED}
+    # a resumable attempt that recorded a resume point keeps its partial file on
+    # purpose: the next attempt takes it up, or it goes with the entry's older files
+    resumable = {(r.get("task"), int(r.get("token") or 0)) for r in records
+                 if (r.get("op"), r.get("phase")) == ("claim", "ok") and r.get("resumable")}
+    pointed = {(r.get("task"), int(r.get("token") or 0)) for r in records
+               if r.get("op") == "checkpoint"} & resumable
     left: list[str] = []
     killed: list[str] = []
+    kept: list[str] = []
     for path in paths:
         match = _TEMP_TOKEN.search(path)
         attempt = (path.split("/", 1)[0], int(match.group(1)) if match else 0)
-        (killed if attempt in claimed and attempt not in ended else left).append(path)
-    return left, killed
+        if attempt in claimed and attempt not in ended:
+            killed.append(path)
+        elif attempt in pointed:
+            kept.append(path)
+        else:
+            left.append(path)
+    return left, killed, kept

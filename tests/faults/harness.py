@@ -418,14 +418,19 @@ def _count_crashes(report: Report, crashes: list[dict[str, Any]]) -> None:
 def _count_temp_files(report: Report, temps: list[str],
                       records: list[dict[str, Any]]) -> None:
     """Temp files left under the staging root: those of attempts a SIGKILL cut short
-    are expected (noted); any other is counted (``tmp_left``) and fails the run."""
-    left, killed = leftover_temp_files(temps, records)
+    are expected (noted), and so are the partials resumable attempts kept
+    (``tmp_kept``); any other is counted (``tmp_left``) and fails the run."""
+    left, killed, kept = leftover_temp_files(temps, records)
     report.stats["tmp_left"] = len(left)
+    report.stats["tmp_kept"] = len(kept)
     for path in left:
         report.notes.append(f"temp file left behind by an attempt that ended: {path}")
     if killed:
         report.notes.append(f"{len(killed)} temp file(s) of attempts cut short by a SIGKILL "
                             f"(expected): {', '.join(killed[:5])}")
+    if kept:
+        report.notes.append(f"{len(kept)} partial file(s) kept by resumable attempts for "
+                            f"the next one (expected): {', '.join(kept[:5])}")
 
 
 def _drain(feeder: Feeder, timeout: float) -> bool:

@@ -227,9 +227,93 @@ def test_temp_files_left_by_ended_attempts_are_told_apart() -> None:
              f"{TASK}/d1/.f1.bin.baton-tmp-9-{'b' * 16}",
              f"{TASK}/d2/.f2.bin.baton-tmp-11-{'c' * 16}",
              f"{TASK}/d0/.f3.bin.baton-tmp-13-{'d' * 16}"]
-    left, killed = leftover_temp_files(paths, history)
+    left, killed, kept = leftover_temp_files(paths, history)
     assert killed == [paths[1]]
-    assert left == [paths[0], paths[2], paths[3]]
+    assert left == [paths[0], paths[2], paths[3]] and kept == []
+
+
+def test_a_resumable_attempts_partial_is_kept_only_once_it_recorded_a_point() -> None:
+    """A resumable attempt that ended after a resume point keeps its partial file on
+    purpose; one that recorded none (or was not resumable) has none to keep."""
+    history = [
+        {"op": "claim", "phase": "ok", "task": TASK, "token": 7, "resumable": True},
+        {"op": "checkpoint", "phase": "ok", "task": TASK, "token": 7, "n": 65536},
+        {"op": "fail", "phase": "ok", "task": TASK, "token": 7},
+        {"op": "claim", "phase": "ok", "task": TASK, "token": 9, "resumable": True},
+        {"op": "fail", "phase": "ok", "task": TASK, "token": 9},
+        {"op": "claim", "phase": "ok", "task": TASK, "token": 11},
+        {"op": "checkpoint", "phase": "ok", "task": TASK, "token": 11, "n": 65536},
+        {"op": "fail", "phase": "ok", "task": TASK, "token": 11},
+    ]
+    paths = [f"{TASK}/d0/.f0~t7.bin.baton-tmp-7-{'a' * 16}",
+             f"{TASK}/d1/.f1~t9.bin.baton-tmp-9-{'b' * 16}",
+             f"{TASK}/d2/.f2~t11.bin.baton-tmp-11-{'c' * 16}"]
+    left, killed, kept = leftover_temp_files(paths, history)
+    assert (left, killed, kept) == ([paths[1], paths[2]], [], [paths[0]])
+
+
+def resumed(origin_token: int | None) -> tuple[list[JournalRecord], list[dict[str, Any]]]:
+    """Token 10 writes part of ORIGIN's payload, records a resume point and fails;
+    token 16 adopts the partial file, writes the rest and commits; both groups read
+    ORIGIN's payload. ``origin_token``: what token 16's write record says it went on
+    from (None: nothing)."""
+    journal = [
+        rec(10, 1, "claimed", "pending", "writing"),
+        rec(11, 2, "failed", "writing", "pending", token=10),
+        rec(16, 3, "claimed", "pending", "writing"),
+        rec(17, 4, "committed", "writing", "verified", token=16, size=len(DATA)),
+        rec(17, 5, "verified", "writing", "verified", digest=DIGEST),
+        rec(18, 5, "consuming", "verified", "verified", group="g1", aside=True),
+        rec(19, 6, "acked", "verified", "verified", group="g1", token=18),
+        rec(20, 6, "consuming", "verified", "verified", group="g2", aside=True),
+        rec(21, 7, "acked", "verified", "consumed", group="g2", token=20),
+    ]
+    p1 = {"task": TASK, "file": FILE, "process": "p0.0"}
+    p2 = {"task": TASK, "file": FILE, "process": "p1.0"}
+    write = {"op": "write", "phase": "ok", **p2, "token": 16, "size": len(DATA),
+             "digest": DIGEST, "resumed_at": 50}
+    if origin_token is not None:
+        write["origin_token"] = origin_token
+    history: list[dict[str, Any]] = [
+        {"op": "claim", "phase": "ok", **p1, "token": 10, "resumable": True},
+        {"op": "checkpoint", "phase": "ok", **p1, "token": 10, "n": 50},
+        {"op": "fail", "phase": "ok", **p1, "token": 10},
+        {"op": "claim", "phase": "ok", **p2, "token": 16, "resumable": True,
+         "resumed_from": {"token": 10, "n": 50}},
+        {"op": "checkpoint", "phase": "ok", **p2, "token": 16, "n": 50, "adopted": True},
+        write,
+        {"op": "commit", "phase": "ok", **p2, "token": 16},
+    ]
+    for group, token in (("g1", 18), ("g2", 20)):
+        ident = {"task": TASK, "file": FILE, "group": group, "token": token}
+        history += [{"op": "consume", "phase": "ok", **ident, "digest": DIGEST,
+                     "size": len(DATA)},
+                    {"op": "read", "phase": "ok", **ident, "digest": DIGEST,
+                     "size": len(DATA), "origin": dataclasses.asdict(ORIGIN)},
+                    {"op": "ack", "phase": "ok", **ident}]
+    return journal, history
+
+
+def test_a_resumed_write_is_the_payload_of_the_attempt_it_went_on_from() -> None:
+    """Readers of a resumed write read the first attempt's payload, verified under the
+    second's commit; without the write saying so, those bytes were never verified."""
+    journal, history = resumed(10)
+    report = check(history, snapshot(journal), {TASK: [FILE]})
+    assert report.ok, report.violations
+    assert (report.stats["resumed"], report.stats["checkpoints"]) == (1, 2)
+    journal, history = resumed(None)
+    assert kinds(check(history, snapshot(journal), {TASK: [FILE]})) == {"badread"}
+
+
+def test_a_checkpoint_of_a_claim_no_agent_was_told_of_may_be_handed() -> None:
+    """Token 10's claim applied but its agent never learnt it (killed, or produce()
+    failed taking up a partial): a point of it is unknown, not wrong; a point of a
+    token no claim had is still a badcheckpoint."""
+    journal, history = resumed(10)
+    history = [r for r in history if r.get("token") != 10 or r["op"] == "read"]
+    assert check(history, snapshot(journal), {TASK: [FILE]}).ok
+    history[0] = {**history[0], "resumed_from": {"token": 12, "n": 50}}
+    assert kinds(check(history, snapshot(journal), {TASK: [FILE]})) == {"badcheckpoint"}
 
 
 # --- the staging retention ------------------------------------------------------------
