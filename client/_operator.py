@@ -96,10 +96,13 @@ class OperatorCalls(Connection):
                                 evidence=evidence)
         return self._call("Requeue", req).entry  # type: ignore[no-any-return]
 
-    def replay_task(self, task_id: str, group: str) -> int:
+    def replay_task(self, task_id: str, group: str, *, reason: str = "",
+                    evidence: str = "") -> int:
         """Hand ``group`` every entry of the task it acked (whose file is still in
-        staging) again, the other groups' acks untouched; how many entries."""
-        req = pb.RequeueRequest(task_id=task_id, group=group)
+        staging) again, the other groups' acks untouched; how many entries.
+        ``reason`` and ``evidence`` go into each entry's journal."""
+        req = pb.RequeueRequest(task_id=task_id, group=group, reason=reason,
+                                evidence=evidence)
         return int(self._call("Requeue", req).replayed)
 
     def journal(self, task_id: str, file_id: str = "", limit: int = 0) -> list[pb.JournalRecord]:

@@ -26,6 +26,7 @@ from test_cli import SUBPROCESS_TIMEOUT, Lines, cli_env
 from tools import require
 
 from baton_relay.client import Client
+from baton_relay.kernel import errors
 from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.local.etcdproc import free_port
 from baton_relay.local.stack import LocalPKI
@@ -228,6 +229,48 @@ def test_a_dead_entry_is_requeued_from_the_page_with_a_reason(stack: Stack, page
     assert "OPS-42" in page.locator("#journal").inner_text()
     assert page.locator("#explain").inner_text()
     shot(page, tmp_path, "entry")
+
+
+def test_one_consumer_group_is_handed_its_entries_again_from_the_page(
+        stack: Stack, page: Any, tmp_path: Path, wait_for: Callable[..., None]) -> None:
+    """Both groups consumed the entries; "Hand again" for g1 shows the impact, asks a
+    reason and evidence, and g1 alone gets the entries back: g2 is not handed them,
+    and the journal keeps who, why and the evidence."""
+    create(stack, {"task_id": "replay", "entries": entries("a", "b"),
+                   "consumers": ["g1", "g2"]})
+    with stack.client() as c:
+        for n in ("a", "b"):
+            done = stack.baton("put", "replay", n, "-", "--agent", "pipe", stdin=f"{n}\n")
+            assert done.returncode == 0, done.stderr
+        wait_for(lambda: c.get_task("replay").states["verified"] == 2, timeout=30,
+                 what="the watcher to verify a and b")
+        session = c.open_session("reader", ttl=30)
+        for group in ("g1", "g2"):
+            for _ in range(2):
+                lease = c.consume("replay", group, session=session)
+                c.ack("replay", lease.file_id, group, lease.token, session=session)
+        assert c.get_task("replay").states["consumed"] == 2
+        page.goto(f"{stack.operator_url}/tasks/replay")
+        page.locator('#groups tr[data-group="g1"]').get_by_role(
+            "link", name="Hand again").click()
+        impact = page.locator("#impact").inner_text()
+        assert "the 2 entries g1 acked go back to it" in impact and "(g2)" in impact
+        shot(page, tmp_path, "replay-group")
+        page.fill("#reason", "g1's index was rebuilt")
+        page.fill("#evidence", "https://tickets.example/OPS-77")
+        page.click("#confirm")
+        assert page.locator("#outcome").inner_text() == "2 entries handed to group g1 again"
+        got = sorted(c.consume("replay", "g1", session=session).file_id for _ in range(2))
+        assert got == ["a", "b"]
+        with pytest.raises(errors.NothingToClaim):
+            c.consume("replay", "g2", session=session)
+        session.close()
+    log = stack.baton("log", "replay", "a", "-o", "json")
+    assert log.returncode == 0, log.stderr
+    (requeued,) = [r for r in map(json.loads, log.stdout.splitlines())
+                   if r["event"] == "requeued"]
+    assert requeued["who"] == "operator" and requeued["reason"].startswith("g1's index")
+    assert requeued["evidence"] == "https://tickets.example/OPS-77"
 
 
 def test_a_session_is_revoked_from_the_page(stack: Stack, page: Any, tmp_path: Path) -> None:

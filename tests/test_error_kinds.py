@@ -334,9 +334,13 @@ def test_requeue_of_a_whole_task_for_one_group(client: Client, registry: Registr
         with pytest.raises(errors.InvalidArgument) as bad:
             client.replay_task("t", "nobody")
         assert bad.value.fields.get("field") == "group"
-    out = invoke(registry, "requeue", "t", "--group", "b", "-o", "json")
+    out = invoke(registry, "requeue", "t", "--group", "b", "--reason", "b's index rebuilt",
+                 "--evidence", "OPS-9", "-o", "json")
     assert out.exit_code == 0, out.output
     assert json.loads(out.stdout) == {"task_id": "t", "group": "b", "replayed": 3}
+    replays = [r for r in client.journal("t", "f2") if r.event == "requeued"]
+    assert len(replays) == 1 and replays[0].reason.startswith("b's index rebuilt")
+    assert replays[0].evidence == "OPS-9"
     assert invoke(registry, "requeue", "t").exit_code == 2
 
 

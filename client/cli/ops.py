@@ -46,7 +46,8 @@ def requeue(settings: Settings, task_id: str, file_id: str, group: str, reason: 
     if not file_id:
         if not group:
             raise click.UsageError("FILE_ID is needed, unless --group replays a whole task")
-        replayed = settings.client().replay_task(task_id, group)
+        replayed = settings.client().replay_task(task_id, group, reason=reason,
+                                                 evidence=evidence)
         if output == "json":
             emit_json({"task_id": task_id, "group": group, "replayed": replayed})
         else:

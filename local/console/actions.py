@@ -27,6 +27,8 @@ ACTIONS: dict[str, Action] = {
                       lambda a: f"/tasks/{a['task_id']}/entries/{a['file_id']}"),
     "requeue-dead": Action("Requeue every dead entry", ("task_id",),
                            lambda a: f"/tasks/{a['task_id']}"),
+    "replay-group": Action("Hand one consumer group its entries again", ("task_id", "group"),
+                           lambda a: f"/tasks/{a['task_id']}"),
     "revoke": Action("Revoke session", ("session_id",), lambda a: "/sessions"),
     "drain": Action("Drain host", ("host",), lambda a: "/sessions"),
     "move": Action("Move shard", ("shard", "to_watcher"), lambda a: "/watchers"),
@@ -54,6 +56,17 @@ def impact(c: Client, name: str, args: dict[str, str]) -> tuple[list[str], str]:
         if name == "requeue-dead":
             dead = c.list_entries(args["task_id"], pb.ENTRY_STATE_DEAD)
             return [f"{len(dead)} dead entries go back to pending"], ""
+        if name == "replay-group":
+            task = c.get_task(args["task_id"])
+            if args["group"] not in task.spec.consumers:
+                return [], (f"{args['group']!r} is not a consumer group of task "
+                            f"{args['task_id']} ({', '.join(task.spec.consumers) or 'none'})")
+            acked = task.consumed_by_group.get(args["group"], 0)
+            others = [g for g in task.spec.consumers if g != args["group"]]
+            return [f"the {acked} entries {args['group']} acked go back to it (those whose "
+                    "file is still in staging)",
+                    f"the other groups ({', '.join(others) or 'none'}) are not handed "
+                    "them again"], ""
         if name == "revoke":
             agent = _agent(c.list_agents(), int(args["session_id"]))
             return [f"1 session: {agent.agent} on {agent.host}",
@@ -97,6 +110,10 @@ def perform(c: Client, name: str, args: dict[str, str], reason: str, evidence: s
         for e in dead:
             c.requeue(args["task_id"], e.file_id, reason=reason, evidence=evidence)
         return f"{len(dead)} dead entries requeued"
+    if name == "replay-group":
+        replayed = c.replay_task(args["task_id"], args["group"], reason=reason,
+                                 evidence=evidence)
+        return f"{replayed} entries handed to group {args['group']} again"
     if name == "revoke":
         done = c.revoke_sessions(int(args["session_id"]), reason=reason, evidence=evidence)
         return "; ".join(f"session {s.session_id:x} of {s.agent} revoked, "
