@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import urllib.error
@@ -206,6 +207,11 @@ def test_a_dead_entry_is_requeued_from_the_page_with_a_reason(stack: Stack, page
     page.goto(f"{stack.operator_url}/tasks/dead")
     dead = page.locator('#dead tr[data-entry="a"]')
     assert "disk full on the producer" in dead.inner_text()
+    with stack.client() as c:
+        (attempt,) = c.explain("dead", "a").attempts
+    tried = dead.locator("ol.attempts li").inner_text()
+    assert f"operator on {socket.gethostname()}, token {attempt.token}" in tried
+    assert "disk full on the producer" in tried
     dead.get_by_role("link", name="Requeue").click()
     assert "1 entry: a is dead" in page.locator("#impact").inner_text()
     shot(page, tmp_path, "action")
@@ -227,6 +233,8 @@ def test_a_dead_entry_is_requeued_from_the_page_with_a_reason(stack: Stack, page
     assert "OPS-42" in table.stdout
     page.goto(f"{stack.operator_url}/tasks/dead/entries/a")
     assert "OPS-42" in page.locator("#journal").inner_text()
+    row = page.locator("#attempts tr").nth(1).inner_text()
+    assert "doomed" in row and str(attempt.token) in row and socket.gethostname() in row
     assert page.locator("#explain").inner_text()
     shot(page, tmp_path, "entry")
 

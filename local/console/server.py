@@ -114,10 +114,11 @@ class Console:
                                PAGE_ENTRIES)
         deaths = []
         for e in dead:
-            journal = await self.call(self.client.journal, task_id, e.file_id, 5)
-            last = next((r for r in reversed(journal) if r.to_state == "dead"), None)
-            deaths.append({"entry": e, "who": last.who if last else e.owner,
-                           "token": last.token if last else e.token})
+            # every attempt, from the journal as explain reads it: who, host, token,
+            # how it ended, the digest it declared
+            explained = await self.call(self.client.explain, task_id, e.file_id)
+            deaths.append({"entry": e, "attempts": list(explained.attempts),
+                           "more": explained.attempts_total - len(explained.attempts)})
         written = await self.call(self.client.list_entries, task_id,
                                   pb.ENTRY_STATE_WRITTEN, PAGE_ENTRIES)
         stuck = []
@@ -141,7 +142,9 @@ class Console:
         explained = await self.call(self.client.explain, task_id, file_id)
         journal = await self.call(self.client.journal, task_id, file_id)
         return self.page("entry.html", task_id=task_id, entry=explained.entry,
-                         why=explained.text, journal=journal, state_name=state_name)
+                         why=explained.text, journal=journal, state_name=state_name,
+                         attempts=list(explained.attempts),
+                         more=explained.attempts_total - len(explained.attempts))
 
     async def sessions(self, request: Request) -> Response:
         agents, refused = await self.tried(self.client.list_agents)
