@@ -9,6 +9,7 @@ into docs/console/ for docs/console.md.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import socket
@@ -284,21 +285,25 @@ def test_one_consumer_group_is_handed_its_entries_again_from_the_page(
 def test_a_session_is_revoked_from_the_page(stack: Stack, page: Any, tmp_path: Path) -> None:
     """Revoke shows the session's claims first; then its claim goes back and the
     journal says who, why and on what evidence."""
-    create(stack, {"task_id": "held", "entries": entries("a")})
+    create(stack, {"task_id": "held", "entries": entries("a", "b")})
     with stack.client() as c:
         session = c.open_session("stuck-agent", ttl=60, keepalive=False)
         c.claim("held", "a", session=session)
+        b = c.claim("held", "b", session=session)
+        c.checkpoint("held", "b", b.token, data=b"row 40", progress=0.4, session=session)
         sid = f"{session.session_id:x}"
         page.goto(f"{stack.operator_url}/sessions")
         row = page.locator(f'#sessions tr[data-session="{sid}"]')
-        assert "held/a" in row.inner_text()
+        claims = row.inner_text()
+        assert "held/a" in claims and "no checkpoint" in claims
+        assert re.search(r"held/b token \d+ 40%, checkpointed \d+ s ago", claims), claims
         shot(page, tmp_path, "sessions")
         row.get_by_role("link", name="Revoke").click()
-        assert "1 claims go back now" in page.locator("#impact").inner_text()
+        assert "2 claims go back now" in page.locator("#impact").inner_text()
         page.fill("#reason", "agent hung for an hour")
         page.fill("#evidence", "stack dump in OPS-7")
         page.click("#confirm")
-        assert "1 claims returned" in page.locator("#outcome").inner_text()
+        assert "2 claims returned" in page.locator("#outcome").inner_text()
         assert c.get_entry("held", "a").state == pb.ENTRY_STATE_PENDING
         assert all(a.session_id != session.session_id for a in c.list_agents())
         revoked = [r for r in c.journal("held", "a") if r.event == "revoked"]

@@ -20,6 +20,15 @@ def _when(at: str) -> float | None:
         return None
 
 
+def ago(at: str) -> str:
+    """How long ago the RFC 3339 time ``at`` was, rounded for a person ("" if unknown)."""
+    t = _when(at) if at else None
+    if t is None:
+        return ""
+    s = max(datetime.now().timestamp() - t, 0.0)
+    return f"{s:.0f} s" if s < 120 else f"{s / 60:.0f} min" if s < 7200 else f"{s / 3600:.0f} h"
+
+
 def throughput_svg(moves: Iterable[tuple[str, str]]) -> str:
     """Entries reaching each state of ``SERIES`` per time bucket, from the journal's
     (at, to_state) pairs; a short note when there is nothing to draw."""

@@ -24,7 +24,7 @@ from ...kernel import errors
 from ...kernel.names import state_name
 from ...kernel.v1 import baton_pb2 as pb
 from . import actions
-from .charts import throughput_svg
+from .charts import ago, throughput_svg
 from .live import Hub
 
 HERE = Path(__file__).resolve().parent
@@ -73,6 +73,7 @@ class Console:
         self.hub = Hub(self.client)
         self.env = Environment(loader=FileSystemLoader(HERE / "templates"),
                                autoescape=select_autoescape(["html"]))
+        self.env.globals["ago"] = ago
 
     def page(self, template: str, **context: Any) -> HTMLResponse:
         html = self.env.get_template(template).render(me=self.me, **context)
