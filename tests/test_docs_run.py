@@ -861,7 +861,8 @@ def test_the_recorded_fault_runs_parse() -> None:
             patch.setattr(faults_main, "run", record)
             with pytest.raises(SystemExit):
                 faults_main.main(argv)
-    assert [cfg.seed for cfg in seen] == [6, 1130, 2026, 7, 64464, 2027, 2212, 1204, 3207]
+    assert [cfg.seed for cfg in seen] == [6, 1130, 2026, 7, 64464, 2027, 2212, 1204, 3207,
+                                         4125]
 
 
 @pytest.mark.slow
