@@ -381,7 +381,9 @@ def test_an_archive_interrupted_at_the_quota_finishes_when_run_again_with_one_co
         written = store.info("big-0")
         assert written is not None and task_keys(archiving, "big-0") == keys_before
         # 3. killed half-way through the deletes (the header went first): one chunk
-        # of entries stays, and the rest
+        # of entries stays, and the rest. (etcd 3.5's file may have grown past the
+        # quota again meanwhile: as the runbook says, compact and defragment first.)
+        on_etcd(small_etcd.endpoint, _deletes_accepted)
         with killed_at_second_chunk(monkeypatch), pytest.raises(Crash):
             on_loop(archiving, arch.archive("big-0"))
         left = task_keys(archiving, "big-0")
@@ -392,6 +394,7 @@ def test_an_archive_interrupted_at_the_quota_finishes_when_run_again_with_one_co
         assert len(client.list_entries("big-0")) == BIG
         assert "big-0" in [t.spec.task_id for t in client.list_tasks(archived=True)]
         # 4. run again (the CLI): finishes, one copy, nothing left in etcd
+        on_etcd(small_etcd.endpoint, _deletes_accepted)
         done = CliRunner().invoke(cli, ["task", "archive", "big-0"],
                                   env={"BATON_REGISTRY": archiving.address})
         assert done.exit_code == 0, done.output
