@@ -297,6 +297,10 @@ def test_a_finished_task_is_archived_at_the_quota_with_deletes_only(
         entries, journal, explained = finished_then_full(client, small_etcd.endpoint,
                                                          wait_for)
         task = client.archive_task("t1", reason="etcd full")
+        # etcd 3.5's file can pass the quota again as the deletes are written, and it
+        # then refuses even read-only transactions: the runbook compacts and
+        # defragments (a no-op on 3.4, which applies them as it is)
+        on_etcd(small_etcd.endpoint, _deletes_accepted)
         assert task.status == pb.TASK_STATUS_ARCHIVED and task.archive and task.archived_at
         assert task.status_reason == "archive (every entry consumed): etcd full"
         # nothing of it left in etcd, not even its header: the archive is the record
@@ -319,7 +323,9 @@ def test_a_finished_task_is_archived_at_the_quota_with_deletes_only(
                                   env=env)
         assert done.exit_code == 0, done.output
         assert done.output.strip() == "task big-0: archived (archive (cancel): etcd full)"
+        on_etcd(small_etcd.endpoint, _deletes_accepted)
         assert client.archive_task("big-1").status == pb.TASK_STATUS_ARCHIVED
+        on_etcd(small_etcd.endpoint, _deletes_accepted)
         assert task_keys(archiving, "big-0") == task_keys(archiving, "big-1") == []
         assert [t.spec.task_id for t in client.list_tasks(archived=True)] == [
             "big-0", "big-1", "t1"]
