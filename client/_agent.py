@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from ..kernel import errors
+from ..kernel import errors, tracing
 from ..kernel.contract import version
 from ..kernel.errors import SessionExpired
 from ..kernel.v1 import baton_pb2 as pb
@@ -193,14 +193,18 @@ class AgentCalls(Connection):
     def close_session(self, session_id: int) -> None:
         self._call("CloseSession", pb.CloseSessionRequest(session_id=session_id))
 
-    def claim(self, task_id: str, file_id: str = "", *, session: Session | int) -> Claim:
-        """Claim an entry (or the next claimable one) for writing."""
+    def claim(self, task_id: str, file_id: str = "", *, session: Session | int,
+              traceparent: str | None = None) -> Claim:
+        """Claim an entry (or the next claimable one) for writing. ``traceparent``: the
+        span of the attempt, kept on the entry when traces are on (None: the current
+        span; ``produce`` opens one per attempt)."""
         if (stream := _stream_of(session)) is not None:
-            return self._run(stream.claim(task_id, file_id))
+            return self._run(stream.claim(task_id, file_id, traceparent=traceparent))
         sid = _session_id(session)
         with _draining(session):
-            resp = self._call("Claim", pb.ClaimRequest(task_id=task_id, file_id=file_id,
-                                                       session_id=sid))
+            resp = self._call("Claim", pb.ClaimRequest(
+                task_id=task_id, file_id=file_id, session_id=sid,
+                traceparent=tracing.current() if traceparent is None else traceparent))
         return Claim.of(task_id, resp, sid)
 
     def claim_batch(self, task_id: str, max_count: int, *, session: Session | int) -> list[Claim]:
@@ -241,12 +245,15 @@ class AgentCalls(Connection):
 
     def commit_and_claim(self, task_id: str, file_id: str, token: int, size: int,
                          digest: str = "", *, session: Session,
-                         attributes: Attributes = None) -> tuple[pb.Entry, Claim | None]:
+                         attributes: Attributes = None,
+                         traceparent: str = "") -> tuple[pb.Entry, Claim | None]:
         """Commit a claim and claim the task's next entry in one step (one message on
         the session's stream, one etcd transaction): the committed entry and the next
-        claim, None when none can be taken now. Needs a session kept on its stream."""
+        claim, None when none can be taken now. Needs a session kept on its stream.
+        ``traceparent``: the next attempt's span, as ``claim`` takes it."""
         return self._run(_needs_stream(session, "commit_and_claim").commit_and_claim(
-            task_id, file_id, token, size, digest, attributes=attributes))
+            task_id, file_id, token, size, digest, attributes=attributes,
+            traceparent=traceparent))
 
     def fail(self, task_id: str, file_id: str, token: int, reason: str = "", *,
              session: Session | int = 0, permanent: bool = False,

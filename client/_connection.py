@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
-from ..kernel import errors
+from ..kernel import errors, tracing
 from ..kernel.contract import (
     DEFAULT_REGISTRY,
     MAX_REQUEST_BYTES,
@@ -88,7 +88,8 @@ class _Loop:
             return cls._shared
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        result: T = asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        # the caller's span goes with the call (traces on): the registry's is its child
+        result: T = asyncio.run_coroutine_threadsafe(tracing.carried(coro), self.loop).result()
         return result
 
 
@@ -182,9 +183,13 @@ class Connection:
                 f"{mib(MAX_REQUEST_BYTES)}", size=size, limit=MAX_REQUEST_BYTES)
         rpc = self._method(method)
 
+        metadata = None
+        if tracing.ENABLED and (parent := tracing.current()):
+            metadata = (("traceparent", parent),)  # the registry's span is its child
+
         def attempt() -> Any:
             try:
-                return rpc(request, timeout=self.timeout)
+                return rpc(request, timeout=self.timeout, metadata=metadata)
             except grpc.RpcError as e:
                 raise self._explain(raise_from_rpc(e, method, self.timeout)) from None
 

@@ -19,15 +19,18 @@ class WatcherCalls(Connection):
 
     def report(self, task_id: str, file_id: str, size: int, digest: str,
                identity: pb.FileIdentity | None = None, reporter: str = "", *,
-               watcher_id: str = "", shard_epoch: int = 0, token: int = 0) -> pb.Entry:
+               watcher_id: str = "", shard_epoch: int = 0, token: int = 0,
+               traceparent: str = "") -> pb.Entry:
         """Report what a watcher hashed on disk (the registry verifies against it).
         ``watcher_id``, ``shard_epoch``: the reporting watcher and the epoch at which
         it owns the task's shard (once watchers hold shards, only the owner counts).
-        ``token``: the attempt whose file was read (only the current one's counts)."""
+        ``token``: the attempt whose file was read (only the current one's counts).
+        ``traceparent``: the verification's span, kept on the entry once verified."""
         req = pb.ReportVerificationRequest(task_id=task_id, file_id=file_id, size=size,
                                            digest=digest, identity=identity,
                                            reporter=reporter, watcher_id=watcher_id,
-                                           shard_epoch=shard_epoch, token=token)
+                                           shard_epoch=shard_epoch, token=token,
+                                           traceparent=traceparent)
         return self._call("ReportVerification", req).entry  # type: ignore[no-any-return]
 
     def report_batch(self, reports: Sequence[pb.ReportVerificationRequest]

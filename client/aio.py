@@ -36,7 +36,7 @@ from typing import Any
 import grpc
 import grpc.aio
 
-from ..kernel import errors
+from ..kernel import errors, tracing
 from ..kernel.backoff import Backoff
 from ..kernel.contract import DEFAULT_REGISTRY, version
 from ..kernel.v1 import baton_pb2 as pb
@@ -269,6 +269,8 @@ class AsyncSession:
             request.request_id = _request_id()  # the same when sent again
         call = pb.AgentCall(call_id=next(self._ids))
         getattr(call, kind).CopyFrom(request)
+        if tracing.ENABLED:
+            call.traceparent = tracing.current()  # the registry's span is its child
         loop = asyncio.get_running_loop()
         pending = _Pending(call, loop.create_future())
         self._pending[call.call_id] = pending
@@ -394,10 +396,13 @@ class AsyncSession:
             self.draining = True
             raise
 
-    async def claim(self, task_id: str, file_id: str = "") -> Claim:
-        """Claim an entry (or the next claimable one) for writing."""
+    async def claim(self, task_id: str, file_id: str = "", *,
+                    traceparent: str | None = None) -> Claim:
+        """Claim an entry (or the next claimable one) for writing. ``traceparent``: the
+        span of the attempt, kept on the entry (traces on; None: the current span)."""
         r = await self._work("claim", pb.ClaimRequest(
-            task_id=task_id, file_id=file_id, session_id=self.session_id))
+            task_id=task_id, file_id=file_id, session_id=self.session_id,
+            traceparent=tracing.current() if traceparent is None else traceparent))
         return Claim.of(task_id, r, self.session_id)
 
     async def claim_batch(self, task_id: str, max_count: int) -> list[Claim]:
@@ -426,18 +431,20 @@ class AsyncSession:
         return list(r.entries)
 
     async def commit_and_claim(self, task_id: str, file_id: str, token: int, size: int,
-                               digest: str = "", *, attributes: Attributes = None
-                               ) -> tuple[pb.Entry, Claim | None]:
+                               digest: str = "", *, attributes: Attributes = None,
+                               traceparent: str = "") -> tuple[pb.Entry, Claim | None]:
         """Commit a claim and claim the task's next entry, in one message and one etcd
         transaction: the committed entry, and the next claim (None when there is
         none to take now: nothing claimable, the host drained, no free slot; a plain
-        ``claim`` then says which, or waits)."""
+        ``claim`` then says which, or waits). ``traceparent``: the next attempt's span
+        (traces on), kept on the entry claimed."""
         r = await self._ask("commit_and_claim", pb.CommitAndClaimRequest(
             commit=pb.CommitRequest(task_id=task_id, file_id=file_id, token=token, size=size,
                                     digest=digest, session_id=self.session_id,
                                     attributes=encode_attributes(attributes),
                                     request_id=_request_id()),
-            claim=pb.ClaimRequest(task_id=task_id, session_id=self.session_id)))
+            claim=pb.ClaimRequest(task_id=task_id, session_id=self.session_id,
+                                  traceparent=traceparent)))
         if r.HasField("next"):
             return r.entry, Claim.of(task_id, r.next, self.session_id)
         self._noted(r.next_error)

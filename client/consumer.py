@@ -21,9 +21,11 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
+from typing import Any
 
 import blake3
 
+from ..kernel import tracing
 from ..kernel.contract import assembly_digest
 from ..kernel.errors import (
     BatonError,
@@ -225,6 +227,9 @@ class Delivery:
     #: where ``checkpoint`` is recorded: the client and the session holding the lease
     _client: Client | None = None
     _session: Session | int = 0
+    #: the span of this consumption (traces on; "" = untraced): a producer that makes
+    #: a file of the next stage from it may link its own to it
+    traceparent: str = ""
 
     def checkpoint(self, *, data: bytes = b"", progress: float = 0.0,
                    message: str = "") -> pb.Checkpoint:
@@ -232,9 +237,10 @@ class Delivery:
         next lease of it carries ``data`` (``lease.checkpoint``) to resume from."""
         assert self._client is not None, "a Delivery made by consume() records checkpoints"
         lease = self.lease
-        return self._client.checkpoint(lease.task_id, lease.file_id, lease.token, data=data,
-                                       progress=progress, message=message, group=lease.group,
-                                       session=self._session)
+        with tracing.child(self.traceparent, "baton.checkpoint", progress=progress):
+            return self._client.checkpoint(lease.task_id, lease.file_id, lease.token,
+                                           data=data, progress=progress, message=message,
+                                           group=lease.group, session=self._session)
 
 
 @contextmanager
@@ -255,18 +261,41 @@ def consume(
     delay (``baton_relay.client.failures``).
     """
     lease = next_lease(client, session, task_id, group, timeout)
-    with _delivered(client, session, lease) as delivery:
-        yield delivery
-    client.ack(task_id, lease.file_id, group, lease.token, session=session)
+    span = _consume_span(lease)
+    trace = tracing.traceparent(span)
+    try:
+        with _delivered(client, session, lease, trace) as delivery:
+            yield delivery
+        with tracing.child(trace, "baton.ack"):
+            client.ack(task_id, lease.file_id, group, lease.token, session=session)
+    except BaseException as e:
+        tracing.end(span, e)
+        raise
+    tracing.end(span)
+
+
+def _consume_span(lease: Lease) -> Any:
+    """The span of one group's consumption of an entry (None when traces are off): the
+    child of the span the entry carries (the watcher's verification, so the hand-off
+    reads producer → watcher → consumers in one trace)."""
+    if not tracing.ENABLED:
+        return None
+    return tracing.start("baton.consume", parent=lease.entry.traceparent, attributes={
+        "baton.task": lease.task_id, "baton.file_id": lease.file_id,
+        "baton.group": lease.group, "baton.token": lease.token,
+        "baton.attempt": lease.attempt, "baton.size": lease.size})
 
 
 @contextmanager
-def _delivered(client: Client, session: Session | int, lease: Lease) -> Iterator[Delivery]:
-    """Yield the lease's checked bytes; a block that raises nacks the entry."""
+def _delivered(client: Client, session: Session | int, lease: Lease,
+               trace: str = "") -> Iterator[Delivery]:
+    """Yield the lease's checked bytes; a block that raises nacks the entry. ``trace``:
+    the consumption's span ("" = untraced), the parent of the read's."""
     try:
-        data = (b"".join(iter_parts(client, lease)) if lease.entry.parts
-                else read_verified(lease))
-        yield Delivery(lease, data, client, session)
+        with tracing.child(trace, "baton.read", size=lease.size):
+            data = (b"".join(iter_parts(client, lease)) if lease.entry.parts
+                    else read_verified(lease))
+        yield Delivery(lease, data, client, session, trace)
     except BaseException as e:
         # The lease may be gone already; the reaper hands the entry back then.
         permanent, delay = handing_back(e)
@@ -299,11 +328,19 @@ def consume_each(client: Client, session: Session, task_id: str, group: str = "d
                 lease = next_lease(client, session, task_id, group, timeout)
             except (NothingToClaim, Draining):
                 return
-        with _delivered(client, session, lease) as delivery:
-            yield delivery
-        if session.stream is not None and not session.draining:
-            _, lease = client.ack_and_consume(task_id, lease.file_id, group, lease.token,
-                                              session=session)
-        else:
-            client.ack(task_id, lease.file_id, group, lease.token, session=session)
-            lease = None
+        span = _consume_span(lease)
+        trace = tracing.traceparent(span)
+        try:
+            with _delivered(client, session, lease, trace) as delivery:
+                yield delivery
+            with tracing.child(trace, "baton.ack"):
+                if session.stream is not None and not session.draining:
+                    _, lease = client.ack_and_consume(task_id, lease.file_id, group,
+                                                      lease.token, session=session)
+                else:
+                    client.ack(task_id, lease.file_id, group, lease.token, session=session)
+                    lease = None
+        except BaseException as e:
+            tracing.end(span, e)
+            raise
+        tracing.end(span)

@@ -17,14 +17,16 @@ import os
 import secrets
 import shutil
 import stat
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import blake3
 
+from ..kernel import tracing
 from ..kernel.contract import TEMP_MARKER, parse_attempt, parse_temp
 from ..kernel.errors import BatonError, Draining, InvalidArgument, NothingToClaim
 from ..kernel.v1 import baton_pb2 as pb
@@ -166,6 +168,8 @@ class Output:
     _resume_every: int = 0
     _expected: int = 0
     _saved: int = -1
+    #: the attempt's span (traces on; "" = untraced): checkpoints are its children
+    _trace: str = ""
 
     def write(self, data: bytes) -> int:
         self._hash.update(data)
@@ -193,9 +197,10 @@ class Output:
         claim carries ``data`` (``claim.checkpoint``) to resume from."""
         assert self._client is not None, "an Output made by produce() records checkpoints"
         c = self.claim
-        return self._client.checkpoint(c.task_id, c.file_id, c.token, data=data,
-                                       progress=progress, message=message,
-                                       session=self._session)
+        with tracing.child(self._trace, "baton.checkpoint", progress=progress):
+            return self._client.checkpoint(c.task_id, c.file_id, c.token, data=data,
+                                           progress=progress, message=message,
+                                           session=self._session)
 
     @property
     def digest(self) -> str:
@@ -303,6 +308,44 @@ def _adopt(parent: int, point: ResumePoint | None, attempt: str
     return None
 
 
+def _attempt_span(task_id: str, file_id: str) -> Any:
+    """The span of a producer's attempt (None when traces are off): the root of a trace
+    of its own, linked to the span current here (the work that makes the file, such as
+    a consumer's of the stage before)."""
+    if not tracing.ENABLED:
+        return None
+    return tracing.start("baton.produce", link=tracing.current(),
+                         attributes={"baton.task": task_id, "baton.file_id": file_id})
+
+
+def _claim(client: Client, session: Session | int, task_id: str, file_id: str,
+           root: Any) -> Claim:
+    """Claim for the attempt whose span is ``root``: the entry keeps it (the watcher's
+    and the consumers' spans follow it). A claim that takes nothing leaves no trace:
+    its spans are never ended, so never sent."""
+    if root is None:
+        return client.claim(task_id, file_id, session=session, traceparent="")
+    parent = tracing.traceparent(root)
+    span = tracing.start("baton.claim", parent=parent)
+    try:
+        with tracing.active(span):
+            claim = client.claim(task_id, file_id, session=session, traceparent=parent)
+    except (NothingToClaim, Draining):
+        raise  # nothing was taken: no trace of it
+    except BaseException as e:
+        tracing.end(span, e)
+        tracing.end(root, e)
+        raise
+    tracing.end(span)
+    _claimed(root, claim)
+    return claim
+
+
+def _claimed(root: Any, claim: Claim) -> None:
+    tracing.annotate(root, **{"baton.file_id": claim.file_id, "baton.token": claim.token,
+                              "baton.attempt": claim.attempt})
+
+
 @contextmanager
 def produce(
     client: Client, session: Session | int, task_id: str, file_id: str = "", *,
@@ -329,21 +372,41 @@ def produce(
     through it. ``nonce`` makes the random part of the temp file's name.
     ``attributes`` (or ``Output.attributes``, set in the block) go with the commit.
     """
-    claim = client.claim(task_id, file_id, session=session)
+    root = _attempt_span(task_id, file_id)
+    claim = _claim(client, session, task_id, file_id, root)
     resume = (resume_every if resumable else 0, expected_size)
-    with _written(client, session, claim, nonce, attributes, resume) as out:
-        yield out
-    out.entry = client.commit(task_id, claim.file_id, claim.token, out.size, out.digest,
-                              attributes=out.attributes, session=session)
+    trace = tracing.traceparent(root)
+    try:
+        with _written(client, session, claim, nonce, attributes, resume, trace) as out:
+            yield out
+        with tracing.child(trace, "baton.commit", size=out.size):
+            out.entry = client.commit(task_id, claim.file_id, claim.token, out.size,
+                                      out.digest, attributes=out.attributes, session=session)
+    except BaseException as e:
+        tracing.end(root, e)
+        raise
+    tracing.end(root)
 
 
 @contextmanager
 def _written(client: Client, session: Session | int, claim: Claim,
              nonce: Callable[[], str], attributes: Attributes,
-             resume: tuple[int, int] = (0, 0)) -> Iterator[Output]:
+             resume: tuple[int, int] = (0, 0), trace: str = "") -> Iterator[Output]:
     """Yield the claim's output; once the block ends, the file is under its final name
     and on disk, ready to commit. A block that raises fails the entry. ``resume``: the
-    bytes between resume points (0: not resumable) and the size expected."""
+    bytes between resume points (0: not resumable) and the size expected. ``trace``:
+    the attempt's span ("" = untraced), the parent of the write's."""
+    with tracing.child(trace, "baton.write") as span:
+        with _writing(client, session, claim, nonce, attributes, resume, trace) as out:
+            yield out
+        tracing.annotate(span, **{"baton.size": out.size, "baton.resumed_at": out._saved
+                                  if out._saved > 0 and out._resume_every else None})
+
+
+@contextmanager
+def _writing(client: Client, session: Session | int, claim: Claim,
+             nonce: Callable[[], str], attributes: Attributes,
+             resume: tuple[int, int], trace: str) -> Iterator[Output]:
     refused = _unusable(claim)
     parent: int | None = None
     tmp = ""  # set once the temp file is ours to remove
@@ -372,7 +435,7 @@ def _written(client: Client, session: Session | int, claim: Claim,
             out = Output(claim, f, size=length, attributes=attributes, _hash=hasher,
                          _client=client, _session=session, _temp=attempt,
                          _resume_every=every, _expected=expected,
-                         _saved=length if adopted else -1)
+                         _saved=length if adopted else -1, _trace=trace)
             if adopted is not None:
                 out.save_point()  # the file's new name, for an attempt after this one
             yield out
@@ -417,24 +480,44 @@ def produce_each(client: Client, session: Session, task_id: str, *,
     hand, as ``produce`` does.
     """
     claim: Claim | None = None
+    root: Any = None
     while True:
         if claim is None:
             if session.draining:
                 return
+            root = _attempt_span(task_id, "")
             try:
-                claim = client.claim(task_id, session=session)
+                claim = _claim(client, session, task_id, "", root)
             except (NothingToClaim, Draining):
                 return
-        with _written(client, session, claim, nonce, None) as out:
-            yield out
-        if session.stream is not None and not session.draining:
-            out.entry, claim = client.commit_and_claim(
-                task_id, claim.file_id, claim.token, out.size, out.digest,
-                attributes=out.attributes, session=session)
-        else:
-            out.entry = client.commit(task_id, claim.file_id, claim.token, out.size,
-                                      out.digest, attributes=out.attributes, session=session)
-            claim = None
+        trace = tracing.traceparent(root)
+        try:
+            with _written(client, session, claim, nonce, None, trace=trace) as out:
+                yield out
+            if session.stream is not None and not session.draining:
+                # the next attempt's span goes with the step that claims it
+                nxt = _attempt_span(task_id, "")
+                started = time.time_ns()
+                with tracing.child(trace, "baton.commit", size=out.size):
+                    out.entry, claim = client.commit_and_claim(
+                        task_id, claim.file_id, claim.token, out.size, out.digest,
+                        attributes=out.attributes, session=session,
+                        traceparent=tracing.traceparent(nxt))
+                if claim is not None and nxt is not None:
+                    tracing.end(tracing.start("baton.claim", parent=tracing.traceparent(nxt),
+                                              start_ns=started))
+                    _claimed(nxt, claim)
+            else:
+                with tracing.child(trace, "baton.commit", size=out.size):
+                    out.entry = client.commit(task_id, claim.file_id, claim.token, out.size,
+                                              out.digest, attributes=out.attributes,
+                                              session=session)
+                claim = nxt = None
+        except BaseException as e:
+            tracing.end(root, e)
+            raise
+        tracing.end(root)
+        root = nxt  # a next attempt's span that claimed nothing is never ended: not sent
 
 
 def put(client: Client, session: Session | int, task_id: str, file_id: str,

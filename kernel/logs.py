@@ -18,13 +18,20 @@ import sys
 from collections.abc import MutableMapping
 from typing import Any, TextIO
 
+from . import tracing
+
 FORMATS = ("kv", "json")
 _FIELDS = "baton_fields"
 
 
 def log(logger: logging.Logger, level: int, msg: str, **fields: Any) -> None:
-    """Log ``msg`` with ``fields`` attached (skipped cheaply when the level is off)."""
+    """Log ``msg`` with ``fields`` attached (skipped cheaply when the level is off).
+    With traces on, a line logged in a span names its trace (``trace_id``): a line
+    about an entry, in the span of a call about it, names the entry's trace."""
     if logger.isEnabledFor(level):
+        if (tracing.ENABLED and "trace_id" not in fields
+                and (tid := tracing.trace_id(tracing.current()))):
+            fields["trace_id"] = tid
         logger.log(level, msg, extra={_FIELDS: fields}, stacklevel=2)
 
 

@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..kernel import tracing
 from ..kernel.errors import BatonError, Internal, InvalidArgument, Unavailable, to_status
 from ..kernel.v1 import baton_pb2 as pb
 from .checkpoints import Checkpoints
@@ -196,7 +197,13 @@ class AgentStreams:
                 raise InvalidArgument("a call names no request", call_id=call.call_id)
             request = getattr(call, kind)
             self._fill(stream, kind, request)
-            result = await self.handlers[kind](request, stream.caller)
+            if tracing.ENABLED and call.traceparent:  # the caller's span is the parent
+                with tracing.using(tracing.start(
+                        f"baton.registry/{METHODS.get(kind, kind)}", parent=call.traceparent,
+                        attributes=tracing.call_attributes(request))):
+                    result = await self.handlers[kind](request, stream.caller)
+            else:
+                result = await self.handlers[kind](request, stream.caller)
             getattr(reply, kind).CopyFrom(result)
             self.served[kind] += 1
             if self.cut is not None and self.cut(kind):

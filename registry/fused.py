@@ -24,7 +24,7 @@ from ..kernel.v1 import baton_pb2 as pb
 from .claims import claim_replayed
 from .consumers import Consumers, _consumable, _leased
 from .identity import Caller
-from .manifest import check_id
+from .manifest import check_id, check_traceparent
 from .producers import Producers
 from .txn import Txn
 
@@ -55,6 +55,7 @@ class Fused:
         task_id = req.claim.task_id or commit.task_id
         session_id = req.claim.session_id or commit.session_id
         check_id("task_id", task_id)
+        check_traceparent(req.claim.traceparent)
         if req.claim.file_id:
             raise InvalidArgument("the next claim of a fused step is the next claimable "
                                      "entry: it names no file_id")
@@ -71,7 +72,8 @@ class Fused:
             try:
                 slots = await producers._session(txn, task_id, session_id, caller)
                 (picked,) = await producers._pick(txn, task_id, 1, caller)
-                taken = await producers._claim(txn, picked, slots, session_id, caller)
+                taken = await producers._claim(txn, picked, slots, session_id, caller,
+                                               req.claim.traceparent)
             except BatonError as e:
                 if not final(txn, e):
                     raise  # decided on a view that may be behind: plan again on etcd

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from google.protobuf.message import DecodeError, Message
 
+from ..kernel import tracing
 from ..kernel.contract import SERVICES
 from ..kernel.errors import BatonError, Internal, InvalidArgument, PermissionDenied, to_status
 from .identity import authorize, caller_of, current, enter, scoped_request_id
@@ -246,7 +247,31 @@ class RequestIds(_Wrapping):
         return behaviour  # streams carry no request id of their own
 
 
+class Traces(_Wrapping):
+    """A unary call that carries its caller's span (``traceparent`` metadata) gets a
+    span of its own, the child of that one (installed only when traces are on)."""
+
+    def unary(self, method: str, behaviour: Behaviour) -> Behaviour:
+        name = f"baton.registry/{method}"
+
+        @functools.wraps(behaviour)
+        async def call(request: Any, context: Context) -> Any:
+            parent = next((v for k, v in context.invocation_metadata() or ()
+                           if k == "traceparent"), "")
+            if not parent:
+                return await behaviour(request, context)
+            with tracing.using(tracing.start(name, parent=str(parent),
+                                             attributes=tracing.call_attributes(request))):
+                return await behaviour(request, context)
+
+        return call
+
+    def stream(self, method: str, behaviour: Behaviour) -> Behaviour:
+        return behaviour  # the session stream's calls carry their own (AgentCall)
+
+
 def chain(*, secure: bool, metrics: RegistryMetrics | None) -> list[_Wrapping]:
     """The registry's interceptors, outermost first."""
     outer: list[_Wrapping] = [Metrics(metrics)] if metrics is not None else []
-    return [*outer, Errors(), Authentication(secure), Access(), RequestIds()]
+    inner: list[_Wrapping] = [Traces()] if tracing.ENABLED else []
+    return [*outer, Errors(), Authentication(secure), Access(), RequestIds(), *inner]

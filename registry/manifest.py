@@ -40,6 +40,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
+from ..kernel import tracing
 from ..kernel.contract import (
     ATTEMPT_MARKER,
     ID_PATTERN,
@@ -76,6 +77,15 @@ def check_id(kind: str, value: str) -> None:
     if not ID_RE.match(value):
         raise InvalidArgument(f"invalid {kind} {shown(value)}: expected {ID_RE.pattern}",
                               kind=kind)
+
+
+def check_traceparent(value: str) -> None:
+    """Raise ``InvalidArgument`` unless ``value`` is "" (untraced) or a W3C trace
+    context of version 00 naming a trace and a span."""
+    if value and not tracing.valid(value):
+        raise InvalidArgument(f"invalid traceparent {shown(value)}: expected a W3C trace "
+                              "context, 00-<32 hex trace id>-<16 hex span id>-<2 hex "
+                              "flags>, not all zeros", field="traceparent")
 
 
 def check_delay(name: str, seconds: float, *, permanent: bool = False) -> None:

@@ -118,6 +118,8 @@ class Observation:
     at: str = ""
     #: the fencing token of the attempt whose file it was
     token: int = 0
+    #: the watcher's verification span (W3C traceparent; "" = untraced)
+    traceparent: str = ""
 
 
 @dataclass
@@ -200,6 +202,10 @@ class EntryRecord:
     #: consumer groups a nack handed it back to later (nack --delay): the epoch
     #: seconds each may take it again; its ``cdelayed`` key names that time
     nacked_until: dict[str, float] = field(default_factory=dict)
+    #: the trace context of its hand-off (W3C traceparent; "" = untraced): the
+    #: producer's attempt's span once claimed, the watcher's verification span once
+    #: verified (docs/operations.md, "Traces")
+    traceparent: str = ""
     #: the digest last refused for a removal as changed since verification: a
     #: watcher asking again for the same bytes is not journalled twice
     staging_refused: str = ""
@@ -340,6 +346,7 @@ class EntryRecord:
             staging_retention_seconds=self.retention,
             consumed_at=_iso(self.consumed_at) if self.consumed_at else "",
             staging_removed_at=(self.staging_removed or {}).get("at", ""),
+            traceparent=self.traceparent,
         )
 
 

@@ -31,7 +31,7 @@ from .core import Core
 from .identity import Caller, may
 from .keys import ClaimRef
 from .machine import Event, apply
-from .manifest import DIGEST_RE, check_delay, check_id
+from .manifest import DIGEST_RE, check_delay, check_id, check_traceparent
 from .model import PENDING, WRITING, EntryRecord
 from .routing import parse_attributes
 from .txn import MAX_TXN_OPS, Txn
@@ -53,10 +53,11 @@ class Producers:
     # claim -----------------------------------------------------------------
 
     async def _claim(self, txn: Txn, rec: EntryRecord, slots: Slots, session_id: int,
-                     caller: Caller) -> Callable[[int], pb.ClaimResponse]:
+                     caller: Caller, traceparent: str = "") -> Callable[[int], pb.ClaimResponse]:
         """Add one claim (pending → writing) to a transaction being planned; returns
         its reply, given the transaction's revision (the token): with the checkpoint an
-        earlier attempt left, and this attempt's number."""
+        earlier attempt left, and this attempt's number. ``traceparent``: the
+        producer's span of the attempt (checked by the caller), kept on the entry."""
         check_producer(caller, rec.task_id, rec.file_id, rec.producers)
         claimable = rec.index.startswith(self.keys.ready_all(rec.task_id).decode()) or (
             rec.index.startswith(self.keys.delayed_of_task(rec.task_id).decode())
@@ -70,6 +71,7 @@ class Producers:
         apply(rec, Event.CLAIM)
         rec.owner, rec.session = slots.agent, session_id
         rec.attempts += 1
+        rec.traceparent = traceparent
         rec.remember("claimed", who=caller.name, label=slots.agent, attempt=rec.retry_count,
                      **({"host": slots.host} if slots.host else {}))
         self.core.put_entry(rec, txn)
@@ -109,6 +111,7 @@ class Producers:
         if req.file_id:
             check_id("file_id", req.file_id)
         check_session_id(req.session_id)
+        check_traceparent(req.traceparent)
         staging = self.core.staging_dir(req.task_id)
 
         async def planner(txn: Txn) -> Callable[[int], pb.ClaimResponse]:
@@ -120,7 +123,8 @@ class Producers:
                 self._check_claimable(rec, staging)
             else:
                 (rec,) = await self._pick(txn, req.task_id, 1, caller)
-            return await self._claim(txn, rec, slots, req.session_id, caller)
+            return await self._claim(txn, rec, slots, req.session_id, caller,
+                                     req.traceparent)
 
         def replay(raw: bytes, rev: int) -> pb.ClaimResponse:
             resp = pb.ClaimResponse.FromString(raw)
@@ -274,7 +278,8 @@ class Producers:
         if (obs is not None and obs.token in (0, req.token) and expected
                 and (obs.size, obs.digest) == (req.size, expected)
                 and await self.verifier.settle(txn, rec, obs.size, obs.digest,
-                                               who=obs.identity, label=obs.reporter)):
+                                               who=obs.identity, label=obs.reporter,
+                                               traceparent=obs.traceparent)):
             # The watcher's report came first and vouches for exactly these bytes.
             txn.after(self.verifier.notify(rec))
         # Anything else seen before the commit (another attempt's file, or this one's

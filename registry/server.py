@@ -16,6 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from ..kernel import tracing
 from ..kernel.contract import (
     MAX_REPLY_BYTES,
     MAX_REQUEST_BYTES,
@@ -312,6 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"baton-registry: {e}", file=sys.stderr)
         return 2
     setup_logging(config.log_level, config.log_format)
+    tracing.setup("baton-registry")
     try:
         asyncio.run(serve(config, Notifier.from_environ(os.environ)))
     except BatonError as e:

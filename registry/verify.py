@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ..kernel import tracing
 from ..kernel.errors import InvalidArgument, StaleReport
 from ..kernel.v1 import baton_pb2 as pb
 from .claim import end
@@ -13,7 +14,7 @@ from .core import Core
 from .identity import ANONYMOUS, Caller
 from .keys import ClaimRef
 from .machine import Event, apply
-from .manifest import DIGEST_RE, check_id
+from .manifest import DIGEST_RE, check_id, check_traceparent
 from .model import PENDING, VERIFIED, WRITING, WRITTEN, EntryRecord, now
 from .routing import Rule, route
 from .shards import reported_entry
@@ -34,14 +35,17 @@ class Verifier:
         return lambda: self.core.verified.put_nowait(key)
 
     async def settle(self, txn: Txn, rec: EntryRecord, size: int, digest: str,
-                     who: str = "", label: str = "") -> bool:
+                     who: str = "", label: str = "", traceparent: str = "") -> bool:
         """A written entry meets what is on disk: verified (True), or the retry path.
         ``who``: the identity of the watcher that reported it, ``label`` the name it
-        gave itself."""
+        gave itself, ``traceparent`` its verification span (kept on the entry: its
+        consumers' spans follow it)."""
         expected = rec.committed_digest or rec.expected_digest
         if self.matches(rec, size, digest):
             apply(rec, Event.VERIFY)
             rec.digest = digest
+            if traceparent:
+                rec.traceparent = traceparent
             routed = await self.route(txn, rec)
             rec.remember("verified", who=who, label=label, digest=digest, **routed)
             self.open_to_consumers(rec, txn)
@@ -184,10 +188,20 @@ class Verifier:
 
     async def report(self, req: pb.ReportVerificationRequest,
                      caller: Caller = ANONYMOUS) -> pb.Entry:
+        if tracing.ENABLED and req.traceparent and tracing.valid(req.traceparent):
+            # the watcher's verification span is the parent (a batch carries many)
+            with tracing.using(tracing.start("baton.registry/ReportVerification",
+                                             parent=req.traceparent,
+                                             attributes=tracing.call_attributes(req))):
+                return await self._report(req, caller)
+        return await self._report(req, caller)
+
+    async def _report(self, req: pb.ReportVerificationRequest, caller: Caller) -> pb.Entry:
         check_id("task_id", req.task_id)
         check_id("file_id", req.file_id)
         if req.size < 0 or not DIGEST_RE.match(req.digest):
             raise InvalidArgument("a report needs size ≥ 0 and a 64-hex-digit BLAKE3 digest")
+        check_traceparent(req.traceparent)
         staging = self.core.staging_dir(req.task_id)
 
         async def planner(txn: Txn) -> Callable[[int], pb.Entry]:
@@ -213,10 +227,11 @@ class Verifier:
                     "device": req.identity.device, "mtime_ns": req.identity.mtime_ns,
                     "reporter": req.reporter, "identity": caller.name, "at": now(),
                     "token": req.token,
+                    **({"traceparent": req.traceparent} if req.traceparent else {}),
                 }
             elif rec.state == WRITTEN:
                 if await self.settle(txn, rec, req.size, req.digest, who=caller.name,
-                                     label=req.reporter):
+                                     label=req.reporter, traceparent=req.traceparent):
                     txn.after(self.notify(rec))
             elif rec.state == VERIFIED and req.digest != rec.digest:
                 await self.unverify(txn, rec, f"verified file changed on disk (now size "

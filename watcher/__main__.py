@@ -11,6 +11,7 @@ import time
 from collections.abc import Sequence
 from types import FrameType
 
+from ..kernel import tracing
 from ..kernel.errors import BatonError
 from ..kernel.logs import setup_logging
 from ..kernel.sdnotify import Notifier
@@ -26,6 +27,7 @@ TICK = 0.1
 def main(argv: Sequence[str] | None = None) -> int:
     config = load_config(sys.argv[1:] if argv is None else argv, os.environ)
     setup_logging(config.log_level, config.log_format)
+    tracing.setup("baton-watcher")
     requested: list[int] = []
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

@@ -26,14 +26,18 @@ the check is retried later and a reconciliation is asked for.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..client import Client
+from ..kernel import tracing
 from ..kernel.errors import BatonError, NotFound, NotShardOwner, StaleReport, Unavailable
 from ..kernel.logs import log
 from ..kernel.names import kind_name, state_name
@@ -90,6 +94,13 @@ class Checker:
         entry = self.table.entry(*key)
         if entry is None or not (entry.attempt_path or entry.state in UNCOMMITTED):
             return  # no attempt's file known yet (the news of its commit brings it)
+        if tracing.ENABLED and entry.traceparent:
+            with tracing.within(entry.traceparent):  # its lines name the entry's trace
+                self._check(key, entry)
+        else:
+            self._check(key, entry)
+
+    def _check(self, key: Key, entry: EntryView) -> None:
         try:
             if entry.state == pb.ENTRY_STATE_PENDING:
                 self._pending(key, entry)
@@ -216,6 +227,7 @@ class Checker:
 
     def _hash(self, key: Key, entry: EntryView) -> Hashed | None:
         start = self.metrics.clock()
+        started_ns = time.time_ns() if tracing.ENABLED else 0
         try:
             hashed = self.hasher.hash(key[0], entry.attempt_path)
         except FileChanged as e:
@@ -239,6 +251,8 @@ class Checker:
                 self._failed(key, entry, e)
             return None
         self.metrics.hashed(hashed.identity.size, self.metrics.clock() - start)
+        if started_ns:
+            hashed = dataclasses.replace(hashed, started_ns=started_ns)
         return hashed
 
     def _failed(self, key: Key, entry: EntryView, e: HashFailed) -> None:
@@ -296,17 +310,45 @@ class Checker:
                 self._sent.move_to_end(key)
                 if len(self._sent) > SENT_KEPT:
                     self._sent.popitem(last=False)
-                self.batches.submit(request, lambda outcome: self._answered(
-                    key, entry, hashed, outcome))
+                span = self._verify_span(key, entry, hashed, request)
+
+                def answered(outcome: pb.Entry | BatonError) -> None:
+                    try:
+                        self._answered(key, entry, hashed, outcome)
+                    finally:
+                        tracing.end(span, outcome if isinstance(outcome, BatonError)
+                                    else None)
+
+                self.batches.submit(request, answered)
             return
+        span = self._verify_span(key, entry, hashed, request)
         try:
             reply = self.client.report(key[0], key[1], i.size, hashed.digest, identity,
                                        self.reporter, watcher_id=owner[0],
-                                       shard_epoch=owner[1], token=entry.token)
+                                       shard_epoch=owner[1], token=entry.token,
+                                       traceparent=request.traceparent)
         except BatonError as e:
+            tracing.end(span, e)
             self.metrics.refused("digest", e)
             raise
+        tracing.end(span)
         self._reported(key, entry, hashed, reply)
+
+    @staticmethod
+    def _verify_span(key: Key, entry: EntryView, hashed: Hashed,
+                     request: pb.ReportVerificationRequest) -> Any:
+        """The span of this verification (None when traces are off): the child of the
+        entry's trace context, from the start of the read to the registry's answer. The
+        report carries it; the registry keeps it on the entry, for the consumers."""
+        if not tracing.ENABLED:
+            return None
+        span = tracing.start("baton.verify", parent=entry.traceparent,
+                             start_ns=hashed.started_ns or None, attributes={
+                                 "baton.task": key[0], "baton.file_id": key[1],
+                                 "baton.token": entry.token, "baton.size": hashed.identity.size,
+                                 "baton.digest": hashed.digest})
+        request.traceparent = tracing.traceparent(span)
+        return span
 
     def _on_its_way(self, key: Key, identity: Identity) -> bool:
         """Whether a report of this very file (same identity) is still unanswered: a
@@ -352,7 +394,8 @@ class Checker:
             self.links.drop(key)
         log(logger, logging.INFO, "reported", task=key[0], file_id=key[1],
             revision=reply.revision, size=i.size, digest=hashed.digest, was=entry.state_name,
-            now=state_name(reply.state))
+            now=state_name(reply.state),
+            **({"trace_id": tracing.trace_id(reply.traceparent)} if reply.traceparent else {}))
 
     def _problem(self, key: Key, kind: int, reason: str, token: int) -> None:
         name = kind_name(kind)

@@ -66,6 +66,8 @@ class Hashed:
 
     identity: Identity
     digest: str
+    #: when reading it began (epoch nanoseconds; 0: not kept), for its trace's span
+    started_ns: int = 0
 
 
 def split_path(task_id: str, rel: str) -> list[str]:

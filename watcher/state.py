@@ -48,6 +48,8 @@ class EntryView:
     staging_retention_seconds: float = -1.0
     consumed_at: str = ""
     staging_removed_at: str = ""
+    #: the trace context of its hand-off, as the registry keeps it ("" = untraced)
+    traceparent: str = ""
 
     @property
     def state_name(self) -> str:
@@ -192,6 +194,7 @@ class Table:
         known.staging_retention_seconds = entry.staging_retention_seconds
         known.consumed_at = entry.consumed_at
         known.staging_removed_at = entry.staging_removed_at
+        known.traceparent = entry.traceparent
         return Change(view.task_id, dataclasses.replace(known), old)
 
     def replace(self, task_id: str, entries: list[pb.Entry]) -> list[Change]:

@@ -698,6 +698,7 @@ class Entry(_message.Message):
     STAGING_REMOVED_AT_FIELD_NUMBER: _builtins.int
     ATTEMPT_PATH_FIELD_NUMBER: _builtins.int
     ABS_ATTEMPT_PATH_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     file_id: _builtins.str
     path: _builtins.str
@@ -751,6 +752,11 @@ class Entry(_message.Message):
     """
     abs_attempt_path: _builtins.str
     """staging_dir/attempt_path"""
+    traceparent: _builtins.str
+    """The trace context of its hand-off (W3C traceparent, "" = untraced): the span of
+    the producer's attempt once claimed, the watcher's verification span once verified
+    (consumers' spans are its children). Reset with the attempt.
+    """
     @_builtins.property
     def consumers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -805,10 +811,11 @@ class Entry(_message.Message):
         staging_removed_at: _builtins.str = ...,
         attempt_path: _builtins.str = ...,
         abs_attempt_path: _builtins.str = ...,
+        traceparent: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_routing_rule", b"_routing_rule", "routing_rule", b"routing_rule"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_routing_rule", b"_routing_rule", "abs_attempt_path", b"abs_attempt_path", "abs_path", b"abs_path", "assembly", b"assembly", "attempt_path", b"attempt_path", "attributes", b"attributes", "blocked", b"blocked", "claim_deadline_seconds", b"claim_deadline_seconds", "consume_deadline_seconds", b"consume_deadline_seconds", "consumed_at", b"consumed_at", "consumed_by", b"consumed_by", "consumers", b"consumers", "consuming", b"consuming", "depends_on", b"depends_on", "digest", b"digest", "error", b"error", "file_id", b"file_id", "max_retries", b"max_retries", "not_before", b"not_before", "owner", b"owner", "parts", b"parts", "path", b"path", "priority", b"priority", "retry_count", b"retry_count", "revision", b"revision", "routed_to", b"routed_to", "routing_rule", b"routing_rule", "size", b"size", "staging_removed_at", b"staging_removed_at", "staging_retention_seconds", b"staging_retention_seconds", "state", b"state", "task_id", b"task_id", "token", b"token", "updated_at", b"updated_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_routing_rule", b"_routing_rule", "abs_attempt_path", b"abs_attempt_path", "abs_path", b"abs_path", "assembly", b"assembly", "attempt_path", b"attempt_path", "attributes", b"attributes", "blocked", b"blocked", "claim_deadline_seconds", b"claim_deadline_seconds", "consume_deadline_seconds", b"consume_deadline_seconds", "consumed_at", b"consumed_at", "consumed_by", b"consumed_by", "consumers", b"consumers", "consuming", b"consuming", "depends_on", b"depends_on", "digest", b"digest", "error", b"error", "file_id", b"file_id", "max_retries", b"max_retries", "not_before", b"not_before", "owner", b"owner", "parts", b"parts", "path", b"path", "priority", b"priority", "retry_count", b"retry_count", "revision", b"revision", "routed_to", b"routed_to", "routing_rule", b"routing_rule", "size", b"size", "staging_removed_at", b"staging_removed_at", "staging_retention_seconds", b"staging_retention_seconds", "state", b"state", "task_id", b"task_id", "token", b"token", "traceparent", b"traceparent", "updated_at", b"updated_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__routing_rule: _TypeAlias = _typing.Literal["routing_rule"]  # noqa: Y015
     _WhichOneofArgType__routing_rule: _TypeAlias = _typing.Literal["_routing_rule", b"_routing_rule"]  # noqa: Y015
@@ -2219,12 +2226,17 @@ class ClaimRequest(_message.Message):
     FILE_ID_FIELD_NUMBER: _builtins.int
     SESSION_ID_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     file_id: _builtins.str
     """"" = the next claimable entry"""
     session_id: _builtins.int
     request_id: _builtins.str
     """a retried call with the same id does not apply twice"""
+    traceparent: _builtins.str
+    """The trace context of the producer's attempt (W3C traceparent; "" = untraced):
+    kept on the entry it claims, for the watcher's and consumers' spans.
+    """
     def __init__(
         self,
         *,
@@ -2232,10 +2244,11 @@ class ClaimRequest(_message.Message):
         file_id: _builtins.str = ...,
         session_id: _builtins.int = ...,
         request_id: _builtins.str = ...,
+        traceparent: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["file_id", b"file_id", "request_id", b"request_id", "session_id", b"session_id", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["file_id", b"file_id", "request_id", b"request_id", "session_id", b"session_id", "task_id", b"task_id", "traceparent", b"traceparent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2658,6 +2671,7 @@ class ReportVerificationRequest(_message.Message):
     SHARD_EPOCH_FIELD_NUMBER: _builtins.int
     SEEN_REVISION_FIELD_NUMBER: _builtins.int
     TOKEN_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     file_id: _builtins.str
     size: _builtins.int
@@ -2682,6 +2696,10 @@ class ReportVerificationRequest(_message.Message):
     after; a report of any other attempt's file changes nothing. 0: not said, taken
     as the current attempt's (a watcher always says).
     """
+    traceparent: _builtins.str
+    """The watcher's verification span (W3C traceparent; "" = untraced): kept on the
+    entry once verified, the parent of its consumers' spans.
+    """
     @_builtins.property
     def identity(self) -> Global___FileIdentity: ...
     def __init__(
@@ -2698,10 +2716,11 @@ class ReportVerificationRequest(_message.Message):
         shard_epoch: _builtins.int = ...,
         seen_revision: _builtins.int = ...,
         token: _builtins.int = ...,
+        traceparent: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["identity", b"identity"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "file_id", b"file_id", "identity", b"identity", "reporter", b"reporter", "request_id", b"request_id", "seen_revision", b"seen_revision", "shard_epoch", b"shard_epoch", "size", b"size", "task_id", b"task_id", "token", b"token", "watcher_id", b"watcher_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "file_id", b"file_id", "identity", b"identity", "reporter", b"reporter", "request_id", b"request_id", "seen_revision", b"seen_revision", "shard_epoch", b"shard_epoch", "size", b"size", "task_id", b"task_id", "token", b"token", "traceparent", b"traceparent", "watcher_id", b"watcher_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -4121,8 +4140,13 @@ class AgentCall(_message.Message):
     COMMIT_AND_CLAIM_FIELD_NUMBER: _builtins.int
     ACK_AND_CONSUME_FIELD_NUMBER: _builtins.int
     CHECKPOINT_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
     call_id: _builtins.int
     """chosen by the agent, unique on its stream"""
+    traceparent: _builtins.str
+    """The caller's span (W3C traceparent; "" = untraced): the registry's span of the
+    call is its child (a unary call carries it as `traceparent` metadata).
+    """
     @_builtins.property
     def claim(self) -> Global___ClaimRequest: ...
     @_builtins.property
@@ -4171,10 +4195,11 @@ class AgentCall(_message.Message):
         commit_and_claim: Global___CommitAndClaimRequest | None = ...,
         ack_and_consume: Global___AckAndConsumeRequest | None = ...,
         checkpoint: Global___CheckpointRequest | None = ...,
+        traceparent: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "ack_and_consume", b"ack_and_consume", "ack_batch", b"ack_batch", "checkpoint", b"checkpoint", "claim", b"claim", "claim_batch", b"claim_batch", "commit", b"commit", "commit_and_claim", b"commit_and_claim", "commit_batch", b"commit_batch", "consume", b"consume", "consume_batch", b"consume_batch", "fail", b"fail", "keepalive", b"keepalive", "nack", b"nack", "request", b"request"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "ack_and_consume", b"ack_and_consume", "ack_batch", b"ack_batch", "call_id", b"call_id", "checkpoint", b"checkpoint", "claim", b"claim", "claim_batch", b"claim_batch", "commit", b"commit", "commit_and_claim", b"commit_and_claim", "commit_batch", b"commit_batch", "consume", b"consume", "consume_batch", b"consume_batch", "fail", b"fail", "keepalive", b"keepalive", "nack", b"nack", "request", b"request"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "ack_and_consume", b"ack_and_consume", "ack_batch", b"ack_batch", "call_id", b"call_id", "checkpoint", b"checkpoint", "claim", b"claim", "claim_batch", b"claim_batch", "commit", b"commit", "commit_and_claim", b"commit_and_claim", "commit_batch", b"commit_batch", "consume", b"consume", "consume_batch", b"consume_batch", "fail", b"fail", "keepalive", b"keepalive", "nack", b"nack", "request", b"request", "traceparent", b"traceparent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_request: _TypeAlias = _typing.Literal["claim", "commit", "fail", "consume", "ack", "nack", "claim_batch", "commit_batch", "consume_batch", "ack_batch", "keepalive", "commit_and_claim", "ack_and_consume", "checkpoint"]  # noqa: Y015
     _WhichOneofArgType_request: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
