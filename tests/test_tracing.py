@@ -61,7 +61,7 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
         self.spans: list[Span] = []
         self.lock = threading.Lock()
 
-    def Export(self, request: Any, context: Any) -> Any:  # noqa: N802 (the protocol's name)
+    def Export(self, request: Any, context: Any) -> Any:
         got = []
         for rs in request.resource_spans:
             service = next((_value(a.value) for a in rs.resource.attributes
