@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
-from ..kernel import logs
+from ..kernel import logs, tracing
 from ..kernel.backoff import Backoff
 from ..kernel.errors import BatonError, NotFound
 from ._etcd import KV, Etcd
@@ -306,14 +306,16 @@ class Core:
             return
         task_id, file_id, state, error = rec.task_id, rec.file_id, rec.state, rec.error
         retries = rec.retry_count
+        # the entry's trace (traces on), which the line names
+        traced = {"trace_id": tid} if (tid := tracing.trace_id(rec.traceparent)) else {}
 
         def emit() -> None:
             if dead:
                 logs.log(log, level, "entry dead", task=task_id, file_id=file_id,
-                         revision=txn.revision, retries=retries, reason=error)
+                         revision=txn.revision, retries=retries, reason=error, **traced)
             else:
                 logs.log(log, level, "entry moved", task=task_id, file_id=file_id,
-                         revision=txn.revision, was=was or "new", now=state)
+                         revision=txn.revision, was=was or "new", now=state, **traced)
 
         txn.after(emit)
 

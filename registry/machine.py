@@ -37,7 +37,7 @@ class Event(StrEnum):
 #: what a failed attempt leaves behind and the next attempt must not see: reset
 #: together, written once (every give-back path uses it, not a copy of it)
 ATTEMPT = ("owner", "session", "size", "digest", "committed_digest", "committed_token",
-           "observed", "attributes", "rule", "routed_to", "traceparent")
+           "observed", "attributes", "rule", "routed_to")
 
 
 @dataclass(frozen=True)

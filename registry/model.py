@@ -204,7 +204,8 @@ class EntryRecord:
     nacked_until: dict[str, float] = field(default_factory=dict)
     #: the trace context of its hand-off (W3C traceparent; "" = untraced): the
     #: producer's attempt's span once claimed, the watcher's verification span once
-    #: verified (docs/operations.md, "Traces")
+    #: verified (docs/operations.md, "Traces"); kept after a failed attempt (a dead
+    #: entry names the trace of its last), replaced by the next claim
     traceparent: str = ""
     #: the digest last refused for a removal as changed since verification: a
     #: watcher asking again for the same bytes is not journalled twice

@@ -28,7 +28,7 @@ from registry_fixtures import RegistryHandle, allow_suite_etcd
 from baton_relay.client import Client, consume, produce
 from baton_relay.kernel import tracing
 from baton_relay.kernel.contract import parse_attempt
-from baton_relay.kernel.errors import InvalidArgument
+from baton_relay.kernel.errors import IllegalTransition, InvalidArgument
 from baton_relay.kernel.v1 import baton_pb2 as pb
 
 Wait = Callable[..., None]
@@ -289,18 +289,29 @@ def test_the_standard_environment_decides(env: dict[str, str], on: bool) -> None
     "00-" + "A" * 32 + "-" + "1" * 16 + "-01",    # upper case
 ])
 def test_a_claim_with_a_malformed_trace_context_is_refused_and_changes_nothing(
-        client: Client, bad: str) -> None:
-    client.create_task({"task_id": "t", "entries": [{"file_id": "a", "path": "a.txt"}]})
+        client: Client, bad: str, wait_for: Wait) -> None:
+    client.create_task({"task_id": "t", "backoff": {"base_seconds": 0.001},
+                        "entries": [{"file_id": "a", "path": "a.txt"}]})
     with client.open_session("p", ttl=10, keepalive=False) as session:
         with pytest.raises(InvalidArgument, match="traceparent"):
             client.claim("t", "a", session=session, traceparent=bad)
         entry = client.get_entry("t", "a")
         assert entry.state == pb.ENTRY_STATE_PENDING and entry.traceparent == ""
-        # a well-formed one is kept on the entry it claims, and goes with the attempt
+        # a well-formed one is kept on the entry it claims; the next claim replaces it
         good = "00-" + "1" * 32 + "-" + "2" * 16 + "-01"
         claim = client.claim("t", "a", session=session, traceparent=good)
         assert client.get_entry("t", "a").traceparent == good
         client.fail("t", "a", claim.token, "try again", session=session, delay=0.0)
+        assert client.get_entry("t", "a").traceparent == good  # the failed attempt's
+
+        def claimed_untraced() -> bool:
+            try:
+                client.claim("t", "a", session=session, traceparent="")
+            except IllegalTransition:  # its retry backoff (a millisecond) not over yet
+                return False
+            return True
+
+        wait_for(claimed_untraced, what="the entry claimable again")
         assert client.get_entry("t", "a").traceparent == ""
 
 

@@ -755,7 +755,8 @@ class Entry(_message.Message):
     traceparent: _builtins.str
     """The trace context of its hand-off (W3C traceparent, "" = untraced): the span of
     the producer's attempt once claimed, the watcher's verification span once verified
-    (consumers' spans are its children). Reset with the attempt.
+    (consumers' spans are its children). A failed attempt's stays until the next
+    claim replaces it (a dead entry names the trace of its last attempt).
     """
     @_builtins.property
     def consumers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
