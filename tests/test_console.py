@@ -146,11 +146,16 @@ def entries(*names: str) -> list[dict[str, str]]:
     return [{"file_id": n, "path": f"{n}.txt"} for n in names]
 
 
+#: the trace id of the doomed attempt (as a traced producer's claim carries it)
+DOOMED_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+
+
 def kill_entry(stack: Stack, task_id: str, file_id: str) -> None:
     """Claim the entry and fail it: with no retries left it is dead."""
     with stack.client() as c:
         session = c.open_session("doomed", ttl=30)
-        claim = c.claim(task_id, file_id, session=session)
+        claim = c.claim(task_id, file_id, session=session,
+                        traceparent=f"00-{DOOMED_TRACE}-00f067aa0ba902b7-01")
         c.fail(task_id, file_id, claim.token, "disk full on the producer", session=session)
         session.close()
         assert c.get_entry(task_id, file_id).state == pb.ENTRY_STATE_DEAD
@@ -237,6 +242,7 @@ def test_a_dead_entry_is_requeued_from_the_page_with_a_reason(stack: Stack, page
     row = page.locator("#attempts tr").nth(1).inner_text()
     assert "doomed" in row and str(attempt.token) in row and socket.gethostname() in row
     assert page.locator("#explain").inner_text()
+    assert page.locator("#trace").inner_text() == DOOMED_TRACE  # its last attempt's trace
     shot(page, tmp_path, "entry")
 
 
