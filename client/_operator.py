@@ -170,6 +170,21 @@ class OperatorCalls(Connection):
         req = pb.DrainWatcherRequest(watcher_id=watcher_id, undo=undo)
         return self._call("DrainWatcher", req)  # type: ignore[no-any-return]
 
+    def set_pool(self, name: str, limit: int, *, reason: str = "",
+                 evidence: str = "") -> pb.PoolInfo:
+        """Define a concurrency pool of ``limit`` units, or change its limit (live)."""
+        req = pb.SetPoolRequest(name=name, limit=limit, reason=reason, evidence=evidence)
+        return self._call("SetPool", req).pool  # type: ignore[no-any-return]
+
+    def list_pools(self) -> list[pb.PoolInfo]:
+        """Every pool: its limit, units in use and their holders, entries waiting."""
+        return list(self._call("ListPools", pb.ListPoolsRequest()).pools)
+
+    def delete_pool(self, name: str, *, reason: str = "", evidence: str = "") -> bool:
+        """Remove a pool's definition (its entries wait until it is defined again)."""
+        req = pb.DeletePoolRequest(name=name, reason=reason, evidence=evidence)
+        return bool(self._call("DeletePool", req).deleted)
+
 
 def check_manifest_size(spec: pb.TaskSpec) -> None:
     """Refuse a manifest larger than a registry accepts, before sending it."""

@@ -39,6 +39,7 @@ from .claims import (
     check_tokens_live,
     claim_session,
     claim_slot,
+    claim_unit,
     claim_value,
     need_entry,
 )
@@ -47,6 +48,7 @@ from .identity import Caller
 from .keys import ClaimRef
 from .machine import Event, apply
 from .model import VERIFIED, WRITING, EntryRecord
+from .pools import Pools
 from .txn import Retry, Txn
 
 #: index keys looked at per pick (the head of a ready or claimable index)
@@ -55,18 +57,26 @@ PAGE = 64
 
 # take ---------------------------------------------------------------------------
 
-def take(core: Core, txn: Txn, ref: ClaimRef, slots: Slots, identity: str,
-         deadline: float, stall_after: float = 0.0) -> None:
+async def take(core: Core, txn: Txn, ref: ClaimRef, slots: Slots, identity: str,
+               deadline: float, stall_after: float = 0.0, pool: str = "") -> None:
     """Add a claim to the caller's transaction: a slot of the session (refused with
-    ``SlotsExhausted`` before anything is written when none is free), the claim key on
-    the session's lease, its twin and its deadline key (``deadline`` seconds; none for
-    0) and, with ``stall_after``, when it counts as stalled without a checkpoint. The
-    claim key is created: its create revision, the transaction's, is the token."""
+    ``SlotsExhausted`` before anything is written when none is free), a unit of its
+    concurrency ``pool`` if it names one (``NothingToClaim`` naming the pool when none
+    is free), the claim key on the session's lease, its twin and its deadline key
+    (``deadline`` seconds; none for 0) and, with ``stall_after``, when it counts as
+    stalled without a checkpoint. The claim key is created: its create revision, the
+    transaction's, is the token (and the unit key's mod revision)."""
     slot = slots.reserve(core.rng)
     if slot >= 0:
         # create-only: two concurrent claims can never both take the last slot
         txn.create(core.keys.slot(slots.session_id, slot), b"", lease=slots.lease)
-    value = claim_value(slots.agent, slots.session_id, slot, identity)
+    unit = None
+    if pool:
+        reserve = core.view.reserve if core.view is not None and not txn.fresh else None
+        unit = (pool, await slots.pools.take(
+            txn, pool, ref, {"agent": slots.agent, "session": slots.session_id},
+            core.rng, reserve))
+    value = claim_value(slots.agent, slots.session_id, slot, identity, unit)
     txn.create(core.keys.claim(ref), value, lease=slots.lease)
     if ref.kind == "p":
         txn.create(core.keys.inflight(ref), value)
@@ -167,6 +177,10 @@ class Head:
     nothing: Callable[[int], BatonError]
     #: whether the caller may have an entry (the task's access rules)
     allowed: Callable[[EntryRecord], bool] = lambda rec: True
+    #: the concurrency pool an entry's claim takes a unit of ("" = none), and the
+    #: planner's pools (None: no entry here names one)
+    pool_of: Callable[[EntryRecord], str] = lambda rec: ""
+    pools: Pools | None = None
 
 
 async def pick(core: Core, txn: Txn, head: Head, want: int) -> list[tuple[KV, EntryRecord]]:
@@ -174,34 +188,53 @@ async def pick(core: Core, txn: Txn, head: Head, want: int) -> list[tuple[KV, En
 
     Claimers on other replicas read the same head, so each tries the window in a
     random order; concurrent planners on this replica pass over the keys another
-    holds (the view's reservations). ``Retry`` when every candidate moved while we
-    looked (or the page was full of entries passed over): the plan is made again,
-    on etcd; ``head.nothing`` otherwise.
+    holds (the view's reservations). Entries whose concurrency pool has no free unit
+    are passed over too (then the rest of the page is tried), and said when nothing
+    else is claimable. ``Retry`` when every candidate moved while we looked (or the
+    page was full of entries passed over): the plan is made again, on etcd;
+    ``head.nothing`` otherwise.
     """
     tried = list(head.page[:head.window])
     core.rng.shuffle(tried)
-    order = (tried + list(head.page[head.window:]))[: max(want * 2, 8)]
-    keys = [core.keys.entry(head.task_id, core.keys.last_segment(k.key)) for k in order]
+    ordered = tried + list(head.page[head.window:])
+    cut = max(want * 2, 8)
     view = core.view if not txn.fresh else None
     picked: list[tuple[KV, EntryRecord]] = []
     moved = False
     denied = 0
-    for key, listed, kv in zip(keys, order, await txn.peek_many(keys), strict=True):
-        rec = EntryRecord.load(kv.value) if kv is not None else None
-        if kv is None or rec is None or not head.current(rec, listed.key):
-            moved = True  # taken while we looked
-            continue
-        if not head.allowed(rec):
-            denied += 1
-            continue
-        if view is not None and not view.reserve(txn, listed.key):
-            continue
-        txn.pin(key, kv)
-        picked.append((kv, rec))
-        if len(picked) == want:
-            break
+    #: entries passed over per pool without a free unit, and units this pick needs
+    full: dict[str, int] = {}
+    needs: dict[str, int] = {}
+    for order in (ordered[:cut], ordered[cut:]):
+        keys = [core.keys.entry(head.task_id, core.keys.last_segment(k.key)) for k in order]
+        for key, listed, kv in zip(keys, order, await txn.peek_many(keys), strict=True):
+            rec = EntryRecord.load(kv.value) if kv is not None else None
+            if kv is None or rec is None or not head.current(rec, listed.key):
+                moved = True  # taken while we looked
+                continue
+            if not head.allowed(rec):
+                denied += 1
+                continue
+            pool = head.pool_of(rec) if head.pools is not None else ""
+            if pool and not await head.pools.room(txn, pool,  # type: ignore[union-attr]
+                                                  needs.get(pool, 0)):
+                full[pool] = full.get(pool, 0) + 1
+                continue
+            if view is not None and not view.reserve(txn, listed.key):
+                continue
+            txn.pin(key, kv)
+            picked.append((kv, rec))
+            if pool:
+                needs[pool] = needs.get(pool, 0) + 1
+            if len(picked) == want:
+                return picked
+        if picked or not full:
+            break  # the rest of the page only when a pool passed entries over
     if picked:
         return picked
+    if full and not moved:
+        assert head.pools is not None
+        raise await head.pools.nothing(txn, head.task_id, full)
     if denied and not moved:
         raise head.nothing(denied)
     if moved or len(head.page) >= PAGE:
@@ -220,18 +253,26 @@ def _free_slot(core: Core, txn: Txn, claim: KV) -> None:
         txn.delete(core.keys.slot(session, slot))
 
 
+def _free_unit(core: Core, txn: Txn, held: KV | None) -> None:
+    """Give back the pool unit a claim holds (its value, or its twin's, names it)."""
+    if (unit := claim_unit(held)) is not None:
+        txn.delete(core.keys.pool_unit(*unit))
+
+
 def end(core: Core, txn: Txn, ref: ClaimRef, claim: KV | None, *,
-        guard: bool = False) -> None:
-    """End a claim in the caller's transaction: delete its key, its twin and its
-    slot. ``claim`` as read; None when the claim key is gone already (its lease
-    ended, and its slot with it): only the twin is left to delete. ``guard``
-    requires the claim key still to be the one read (its create revision, the
-    token), for a caller that read it unpinned or wants the token compared."""
+        guard: bool = False, twin: KV | None = None) -> None:
+    """End a claim in the caller's transaction: delete its key, its twin, its slot and
+    its pool unit. ``claim`` as read; None when the claim key is gone already (its
+    lease ended, and its slot with it): the twin is left to delete, and the unit
+    its value (``twin``, as read) names. ``guard`` requires the claim key still to be
+    the one read (its create revision, the token), for a caller that read it
+    unpinned or wants the token compared."""
     if claim is not None:
         if guard:
             txn.require(created_at(core.keys.claim(ref), claim.create_revision))
         txn.delete(core.keys.claim(ref))
         _free_slot(core, txn, claim)
+    _free_unit(core, txn, claim if claim is not None else twin)
     txn.delete(core.keys.inflight(ref))
 
 

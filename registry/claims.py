@@ -25,16 +25,21 @@ from ._etcd import KV
 from .identity import ANONYMOUS, Caller
 from .keys import Keys
 from .model import EntryRecord, TaskRecord, now
+from .pools import Pools
 from .txn import Txn
 
 
-def claim_value(agent: str, session: int, slot: int = -1, identity: str = "") -> bytes:
+def claim_value(agent: str, session: int, slot: int = -1, identity: str = "",
+                unit: tuple[str, int] | None = None) -> bytes:
     """A claim key's value: who holds it, under which session (the claim's lease is the
-    session's lease of the moment, which a rotation changes), which slot, since when."""
+    session's lease of the moment, which a rotation changes), which slot, since when,
+    and the concurrency pool's unit it holds (``unit``: pool and number)."""
     value: dict[str, object] = {"agent": agent, "session": session, "slot": slot,
                                 "at": now()}
     if identity:
         value["identity"] = identity
+    if unit is not None:
+        value["pool"], value["unit"] = unit
     return json.dumps(value).encode()
 
 
@@ -62,6 +67,15 @@ def claim_slot(claim: KV) -> int:
         return int(_json(claim).get("slot", -1))
     except (TypeError, ValueError):
         return -1
+
+
+def claim_unit(claim: KV | None) -> tuple[str, int] | None:
+    """The concurrency pool's unit a claim (or its twin) holds: pool and number."""
+    data = _json(claim)
+    pool, unit = data.get("pool"), data.get("unit")
+    if isinstance(pool, str) and pool and isinstance(unit, int):
+        return pool, unit
+    return None
 
 
 def claimed_at(claim: KV) -> str:
@@ -269,6 +283,8 @@ class Slots:
         self.host = session.host
         self.limit = int(session.info.get("slots", 0) or 0)
         self.taken = {int(kv.key.rsplit(b"/", 1)[-1]) for kv in used}
+        #: the concurrency pools this planner's claims take units of
+        self.pools = Pools(keys)
 
     @classmethod
     async def read(cls, txn: Txn, keys: Keys, session: SessionRecord) -> Slots:

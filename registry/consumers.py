@@ -105,7 +105,7 @@ class Consumers:
                 assert entry_kv is not None
             else:
                 ((entry_kv, rec),) = await self._pick(txn, req.task_id, req.group,
-                                                      consumable)
+                                                      consumable, slots)
             resumed = await self._lease(txn, rec, req.group, slots, caller)
             revision = entry_kv.mod_revision
 
@@ -138,7 +138,8 @@ class Consumers:
         number."""
         ref = ClaimRef("c", rec.task_id, rec.file_id, group)
         # first: a session without a free slot is refused before anything is written
-        take(self.core, txn, ref, slots, caller.name, rec.consume_deadline, rec.stall_after)
+        await take(self.core, txn, ref, slots, caller.name, rec.consume_deadline,
+                   rec.stall_after, pool=rec.consume_pools.get(group, ""))
         cready_key = self.keys.cready(rec.task_id, group, rec.file_id)
         txn.require(present(cready_key))
         txn.delete(cready_key)
@@ -163,7 +164,7 @@ class Consumers:
             slots = await self._session(txn, req.task_id, req.group, req.session_id, caller)
             free = slots.free
             picked = await self._pick(txn, req.task_id, req.group, _consumable(req.group),
-                                      want if free is None else max(1, min(want, free)))
+                                      slots, want if free is None else max(1, min(want, free)))
             resumed = [await self._lease(txn, rec, req.group, slots, caller)
                        for _, rec in picked]
 
@@ -183,7 +184,7 @@ class Consumers:
         return await self.core.txns.run(planner, req.request_id, replay)
 
     async def _pick(self, txn: Txn, task_id: str, group: str,
-                    consumable: Callable[[EntryRecord], bool],
+                    consumable: Callable[[EntryRecord], bool], slots: Slots,
                     want: int = 1) -> list[tuple[KV, EntryRecord]]:
         """Up to ``want`` consumable entries from the head of the group's claimable
         index, in a random order (concurrent consumers read the same head)."""
@@ -193,7 +194,8 @@ class Consumers:
                     current=lambda rec, _key: consumable(rec),
                     nothing=lambda _denied: NothingToClaim(
                         f"nothing to consume for group {group!r} in task {task_id!r}",
-                        task_id=task_id, group=group))
+                        task_id=task_id, group=group),
+                    pool_of=lambda rec: rec.consume_pools.get(group, ""), pools=slots.pools)
         return await pick(self.core, txn, head, want)
 
     async def _live(

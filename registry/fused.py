@@ -71,7 +71,7 @@ class Fused:
             refused: BatonError | None = None
             try:
                 slots = await producers._session(txn, task_id, session_id, caller)
-                (picked,) = await producers._pick(txn, task_id, 1, caller)
+                (picked,) = await producers._pick(txn, task_id, 1, caller, slots)
                 taken = await producers._claim(txn, picked, slots, session_id, caller,
                                                req.claim.traceparent)
             except BatonError as e:
@@ -125,7 +125,8 @@ class Fused:
             refused: BatonError | None = None
             try:
                 slots = await consumers._session(txn, task_id, group, session_id, caller)
-                ((entry_kv, taken),) = await consumers._pick(txn, task_id, group, consumable)
+                ((entry_kv, taken),) = await consumers._pick(txn, task_id, group, consumable,
+                                                             slots)
                 resumed = await consumers._lease(txn, taken, group, slots, caller)
                 read_at = entry_kv.mod_revision
             except BatonError as e:

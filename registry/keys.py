@@ -157,6 +157,22 @@ class Keys:
     def slots_all(self) -> bytes:
         return self._k("slots", "")
 
+    # concurrency pools: a definition (its limit) and one key per unit held
+    def pool(self, name: str) -> bytes:
+        return self._k("pools", name)
+
+    def pools(self) -> bytes:
+        return self._k("pools", "")
+
+    def pool_unit(self, name: str, n: int) -> bytes:
+        return self._k("poolunits", name, f"{n:05d}")
+
+    def pool_units(self, name: str) -> bytes:
+        return self._k("poolunits", name, "")
+
+    def pool_units_all(self) -> bytes:
+        return self._k("poolunits", "")
+
     def claims_of_task(self, kind: str, task_id: str) -> bytes:
         return self._k("claims", kind, task_id, "")
 

@@ -160,6 +160,41 @@ class ValidTask:
     access: dict[str, object] | None = None
     digest_optional: bool = False
     routing_rules: tuple[routing.Rule, ...] = ()
+    #: the task's pools ({"produce": NAME, "consume": {GROUP: NAME}}) and every pool
+    #: its entries name
+    pools: dict[str, object] | None = None
+    pools_used: tuple[str, ...] = ()
+
+
+def check_pool_name(name: str) -> None:
+    """Raise ``InvalidArgument`` unless ``name`` can name a concurrency pool."""
+    if not ID_RE.match(name):
+        raise InvalidArgument(f"invalid pool name {shown(name)}: expected {ID_RE.pattern}",
+                              field="name")
+
+
+def _pool_problems(spec: pb.TaskSpec, groups: list[str], owner: dict[str, str]) -> list[str]:
+    """What is wrong with the pools a manifest names: a name that is not an id, or a
+    consumer group that does not consume the task (the entry)."""
+    problems = []
+    for where, pools, receivers in [
+            ("the task", spec.pools, set(groups) | {g for e in spec.entries
+                                                    for g in e.consumers}),
+            *((f"entry {shown(e.file_id)}", e.pools, set(e.consumers or groups))
+              for e in spec.entries if e.HasField("pools"))]:
+        for name in (pools.produce, *pools.consume.values()):
+            if name and not ID_RE.match(name):
+                problems.append(f"{where}: pool name {shown(name)} is not an id "
+                                f"({ID_RE.pattern})")
+        for group in pools.consume:
+            if group not in receivers:
+                problems.append(f"{where}: pools.consume names group {shown(group)}, "
+                                f"which does not consume it (groups: {sorted(receivers)})")
+    for e in spec.entries:
+        if e.file_id in owner and e.HasField("pools") and e.pools.consume:
+            problems.append(f"entry {shown(e.file_id)} is a part of {shown(owner[e.file_id])}: "
+                            "parts are consumed as their assembly and take no pool")
+    return problems
 
 
 def _labels_problems(where: str, labels: dict[str, str]) -> list[str]:
@@ -358,6 +393,7 @@ def validate(spec: pb.TaskSpec) -> ValidTask:
                             f"{shown(assembly)}")
     all_groups = set(groups) | {g for e in spec.entries for g in e.consumers}
     problems += access.problems(spec.access, all_groups)
+    problems += _pool_problems(spec, groups, owner)
     rules = tuple(routing.Rule(r.condition, list(r.groups)) for r in spec.routing_rules)
     problems += _routing_problems(spec, rules, groups, owner)
     size = spec.ByteSize()
@@ -407,10 +443,20 @@ def validate(spec: pb.TaskSpec) -> ValidTask:
             # None: the registry's --staging-retention, filled in at creation
             staging_retention=(e.staging_retention_seconds
                                if e.HasField("staging_retention_seconds") else task_retention),
+            pool="" if e.parts else (e.pools.produce or spec.pools.produce),
+            consume_pools={g: p for g, p in {**spec.pools.consume, **e.pools.consume}.items()
+                           if g in (list(e.consumers) or groups) and e.file_id not in owner},
         )
         for e in spec.entries
     ]
+    used = sorted({r.pool for r in entries if r.pool}
+                  | {p for r in entries for p in r.consume_pools.values()})
+    task_pools: dict[str, object] = {}
+    if spec.pools.produce:
+        task_pools["produce"] = spec.pools.produce
+    if spec.pools.consume:
+        task_pools["consume"] = dict(spec.pools.consume)
     digest = hashlib.sha256(spec.SerializeToString(deterministic=True)).hexdigest()
     return ValidTask(spec.task_id, groups, task_retries, dict(spec.labels), entries, digest,
                      task_priority, backoff, aging, access.to_dict(spec.access),
-                     spec.digest_optional, rules)
+                     spec.digest_optional, rules, task_pools, tuple(used))

@@ -202,6 +202,10 @@ class EntryRecord:
     #: consumer groups a nack handed it back to later (nack --delay): the epoch
     #: seconds each may take it again; its ``cdelayed`` key names that time
     nacked_until: dict[str, float] = field(default_factory=dict)
+    #: the concurrency pool a producer's claim takes a unit of ("" = none), and the
+    #: pool of each consumer group's leases (groups not named take none)
+    pool: str = ""
+    consume_pools: dict[str, str] = field(default_factory=dict)
     #: the trace context of its hand-off (W3C traceparent; "" = untraced): the
     #: producer's attempt's span once claimed, the watcher's verification span once
     #: verified (docs/operations.md, "Traces"); kept after a failed attempt (a dead
@@ -348,6 +352,8 @@ class EntryRecord:
             consumed_at=_iso(self.consumed_at) if self.consumed_at else "",
             staging_removed_at=(self.staging_removed or {}).get("at", ""),
             traceparent=self.traceparent,
+            pools=pb.Pools(produce=self.pool, consume=self.consume_pools)
+            if self.pool or self.consume_pools else None,
         )
 
 
@@ -395,6 +401,10 @@ class TaskRecord:
     readers: list[str] | None = None
     #: its manifest's staging retention (None: the registry's default when created)
     staging_retention: float | None = None
+    #: the manifest's concurrency pools ({"produce": NAME, "consume": {GROUP: NAME}}),
+    #: and every pool its entries name (what ``baton pool ls`` counts waiting entries of)
+    pools: dict[str, Any] = field(default_factory=dict)
+    pools_used: list[str] = field(default_factory=list)
 
     @classmethod
     def load(cls, raw: bytes) -> TaskRecord:
@@ -422,6 +432,8 @@ class TaskRecord:
             routing_rules=[pb.RoutingRule(condition=r["condition"], groups=r["groups"])
                            for r in self.routing_rules],
             staging_retention_seconds=self.staging_retention,
+            pools=pb.Pools(produce=self.pools.get("produce", ""),
+                           consume=self.pools.get("consume", {})),
         )
         return pb.Task(
             spec=spec,

@@ -66,7 +66,8 @@ class Producers:
             raise IllegalTransition(f"entry {rec.file_id!r} is not claimable yet")
         # first: a session without a free slot is refused before anything is written
         ref = ClaimRef("p", rec.task_id, rec.file_id)
-        take(self.core, txn, ref, slots, caller.name, rec.claim_deadline, rec.stall_after)
+        await take(self.core, txn, ref, slots, caller.name, rec.claim_deadline,
+                   rec.stall_after, pool=rec.pool)
         txn.require(present(rec.index.encode()))
         apply(rec, Event.CLAIM)
         rec.owner, rec.session = slots.agent, session_id
@@ -122,7 +123,7 @@ class Producers:
                 check_producer(caller, rec.task_id, rec.file_id, rec.producers)
                 self._check_claimable(rec, staging)
             else:
-                (rec,) = await self._pick(txn, req.task_id, 1, caller)
+                (rec,) = await self._pick(txn, req.task_id, 1, caller, slots)
             return await self._claim(txn, rec, slots, req.session_id, caller,
                                      req.traceparent)
 
@@ -161,7 +162,7 @@ class Producers:
                        if int(self.keys.parse_tail(kv.key, base)[0]) <= now_ms]
 
     async def _pick(self, txn: Txn, task_id: str, want: int,
-                    caller: Caller) -> list[EntryRecord]:
+                    caller: Caller, slots: Slots) -> list[EntryRecord]:
         """Up to ``want`` claimable entries from the head of the ready index.
 
         The index is sorted by priority (with aging) then age, so the head is
@@ -184,7 +185,8 @@ class Producers:
         head = Head(task_id, page, min(len(page), want + self._busy.get(task_id, 1) - 1),
                     self.keys.ready_all(task_id),
                     current=lambda rec, key: rec.state == PENDING and rec.index == key.decode(),
-                    nothing=nothing, allowed=lambda rec: may(caller, rec.producers))
+                    nothing=nothing, allowed=lambda rec: may(caller, rec.producers),
+                    pool_of=lambda rec: rec.pool, pools=slots.pools)
         return [rec for _, rec in await pick(self.core, txn, head, want)]
 
     async def claim_batch(self, req: pb.ClaimBatchRequest,
@@ -201,7 +203,7 @@ class Producers:
             slots = await self._session(txn, req.task_id, req.session_id, caller)
             free = slots.free
             picked = await self._pick(txn, req.task_id, want if free is None else
-                                      max(1, min(want, free)), caller)
+                                      max(1, min(want, free)), caller, slots)
             replies = [await self._claim(txn, rec, slots, req.session_id, caller)
                        for rec in picked]
 

@@ -32,6 +32,7 @@ from .interceptors import Context, decoder
 from .leases import Leases
 from .manifest import check_id
 from .operators import Operators
+from .pools import PoolAdmin
 from .producers import Producers
 from .removal import Removal
 from .retention import StagingRetention
@@ -57,6 +58,7 @@ class Parts:
         self.retention = StagingRetention(core)
         self.streams = AgentStreams(self.sessions, self.producers, self.consumers,
                                     self.checkpoints)
+        self.pools = PoolAdmin(core)
 
     async def readable(self, task_id: str) -> None:
         """Refuse a read of ``task_id``'s contents its access rules do not allow the
@@ -240,12 +242,14 @@ class WatcherService(pb_grpc.WatcherServiceServicer):
 
 
 class OperatorService(pb_grpc.OperatorServiceServicer):
-    """What operators call: tasks, the journal, sessions and leases, watchers and shards."""
+    """What operators call: tasks, the journal, sessions and leases, watchers and shards,
+    concurrency pools."""
 
     def __init__(self, parts: Parts) -> None:
         self.parts = parts
         self.core, self.tasks, self.operators = parts.core, parts.tasks, parts.operators
         self.leases, self.shards, self.removal = parts.leases, parts.shards, parts.removal
+        self.pools = parts.pools
 
     async def CreateTask(self, request: pb.CreateTaskRequest, context: Context
                          ) -> pb.CreateTaskResponse:
@@ -363,3 +367,15 @@ class OperatorService(pb_grpc.OperatorServiceServicer):
     async def DrainWatcher(self, request: pb.DrainWatcherRequest, context: Context
                            ) -> pb.DrainWatcherResponse:
         return await self.shards.drain(request, current())
+
+    async def SetPool(self, request: pb.SetPoolRequest, context: Context
+                      ) -> pb.SetPoolResponse:
+        return pb.SetPoolResponse(pool=await self.pools.define(request, current()))
+
+    async def ListPools(self, request: pb.ListPoolsRequest, context: Context
+                        ) -> pb.ListPoolsResponse:
+        return pb.ListPoolsResponse(pools=await self.pools.listed())
+
+    async def DeletePool(self, request: pb.DeletePoolRequest, context: Context
+                         ) -> pb.DeletePoolResponse:
+        return pb.DeletePoolResponse(deleted=await self.pools.delete(request, current()))

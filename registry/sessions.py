@@ -26,6 +26,7 @@ from .identity import Caller
 from .keys import ClaimRef
 from .manifest import ID_RE, check_id
 from .model import EntryRecord, now
+from .pools import PoolAdmin
 from .scheduler import Complaints
 from .txn import Txn, write
 
@@ -36,6 +37,8 @@ MIN_TTL, MAX_TTL = 2, 3600
 REAP_PAGE = 1000
 #: lost claims moved on at once (each its own guarded transaction)
 REAP_PARALLEL = 32
+#: sweeps between two repairs of pool units (a few seconds at the default interval)
+REPAIR_EVERY = 10
 
 
 class Sessions:
@@ -181,6 +184,9 @@ class Reaper:
         self.interval = interval
         self.reaped = 0
         self._complain = Complaints("reaper")
+        #: frees pool units a bulk delete of twins left held, every ``REPAIR_EVERY`` sweeps
+        self.pools = PoolAdmin(core)
+        self._sweeps = 0
 
     async def run(self, stop: asyncio.Event) -> None:
         await every(self.interval, stop, self.sweep, "reaper")
@@ -234,6 +240,12 @@ class Reaper:
                 continue
             await gate.submit(one(twin, ref, item))
         await gate.drain()
+        self._sweeps += 1
+        if self._sweeps % REPAIR_EVERY == 0:
+            try:
+                await self.pools.repair()
+            except Exception as e:  # the reaper goes on; the next repair tries again
+                self._complain("pool units", e)
         return moved
 
     async def _reap(self, ref: ClaimRef, token: int) -> bool:
@@ -250,7 +262,7 @@ class Reaper:
                 return ""  # another replica got there first
             if claim is not None:
                 return ""  # the claim lives (the listing was behind)
-            end(self.core, txn, ref, None)  # the claim key went with its lease: the twin
+            end(self.core, txn, ref, None, twin=twin)  # the claim key went with its lease
             if voided(task):
                 # A cancelled task's entries stay as they were: its cancel deletes the
                 # claims a chunk at a time, and a lease may end meanwhile: the twin goes.

@@ -124,6 +124,8 @@ class Tasks:
                            for r in valid.routing_rules],
             readers=access.readers_of(dict(valid.access or {}), valid.entries,
                                       valid.consumers),
+            pools=dict(valid.pools or {}),
+            pools_used=list(valid.pools_used),
         )
 
         async def header(txn: Txn) -> TaskRecord | None:

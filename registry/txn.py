@@ -196,6 +196,10 @@ class Txn:
     def delete(self, key: bytes) -> None:
         self._writes[key] = Delete(key)
 
+    def deletes(self, key: bytes) -> bool:
+        """Whether this transaction deletes ``key`` (as planned so far)."""
+        return isinstance(self._writes.get(key), Delete)
+
     def require(self, compare: Compare) -> None:
         """A condition beyond the reads (e.g. a claim key's create revision = the token)."""
         self._guards.append(compare)

@@ -108,12 +108,18 @@ class Verifier:
         too, guarded on the claims read. ``ended``: a group whose claim the caller
         ended already (a nack that gives the entry up)."""
         refs = [ClaimRef("c", rec.task_id, rec.file_id, g) for g in rec.consumers]
-        held = await txn.get_many([self.keys.claim(r) for r in refs if r.group != ended])
-        claims = iter(held)
+        mine = [r for r in refs if r.group != ended]
+        held = await txn.get_many([self.keys.claim(r) for r in mine])
+        # a twin whose claim's lease ended names the pool unit it still holds
+        twins = await txn.peek_many([self.keys.inflight(r) for r in mine
+                                     if rec.consume_pools.get(r.group)])
+        claims, lone = iter(held), iter(twins)
         for ref in refs:
             txn.delete(self.keys.cready(rec.task_id, ref.group, rec.file_id))
             if ref.group != ended:
-                end(self.core, txn, ref, next(claims), guard=True)  # a lone twin goes too
+                twin = next(lone) if rec.consume_pools.get(ref.group) else None
+                # a lone twin goes too (with the unit it names)
+                end(self.core, txn, ref, next(claims), guard=True, twin=twin)
         for group, until in rec.nacked_until.items():
             txn.delete(self.keys.cdelayed(rec.task_id, int(until * 1000), group,
                                           rec.file_id))

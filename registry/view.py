@@ -95,7 +95,8 @@ class View:
         self.revision = 0
         self._root = keys.prefix.encode()
         self._mirror_bases = (keys.tasks(), keys.agents(), keys.slots_all(), keys.watchers(),
-                              keys.shards(), keys.shardmap())
+                              keys.shards(), keys.shardmap(), keys.pools(),
+                              keys.pool_units_all())
         self._agents = keys.agents()
         self._cache_bases = (keys.entries_all(), keys.claims_all())
         self._tasks_base = keys.tasks()
@@ -269,11 +270,12 @@ class View:
 
     def _is_group(self, prefix: bytes) -> bool:
         """Whether ``prefix`` is the parent of mirrored keys (``slots/{session}/``,
-        ``agents/``, ``tasks/``): then the keys under it are exactly one group."""
-        slots = self.keys.slots_all()
-        if prefix.startswith(slots):
-            return prefix.endswith(b"/") and prefix.count(b"/") == slots.count(b"/") + 1
-        return prefix in (self.keys.tasks(), self.keys.agents())
+        ``poolunits/{pool}/``, ``agents/``, ``tasks/``, ``pools/``): then the keys under
+        it are exactly one group."""
+        for parent in (self.keys.slots_all(), self.keys.pool_units_all()):
+            if prefix.startswith(parent):
+                return prefix.endswith(b"/") and prefix.count(b"/") == parent.count(b"/") + 1
+        return prefix in (self.keys.tasks(), self.keys.agents(), self.keys.pools())
 
     def _mirror_put(self, kv: KV) -> None:
         self._mirror[kv.key] = kv

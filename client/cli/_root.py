@@ -47,6 +47,7 @@ COMMANDS = {
     "cert": "pkicmd",
     "explain": "ops",
     "log": "ops",
+    "pool": "pools",
     "requeue": "ops",
     "status": "tasks",
     "task": "tasks",

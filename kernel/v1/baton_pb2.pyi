@@ -136,6 +136,7 @@ class EntrySpec(_message.Message):
     CONSUME_DEADLINE_SECONDS_FIELD_NUMBER: _builtins.int
     STAGING_RETENTION_SECONDS_FIELD_NUMBER: _builtins.int
     STALL_AFTER_SECONDS_FIELD_NUMBER: _builtins.int
+    POOLS_FIELD_NUMBER: _builtins.int
     file_id: _builtins.str
     """[A-Za-z0-9._-], unique within the task"""
     path: _builtins.str
@@ -185,6 +186,10 @@ class EntrySpec(_message.Message):
         empty = as the task's access rules say.
         """
 
+    @_builtins.property
+    def pools(self) -> Global___Pools:
+        """The concurrency pools its work takes a unit of (each field unset: the task's)."""
+
     def __init__(
         self,
         *,
@@ -203,10 +208,11 @@ class EntrySpec(_message.Message):
         consume_deadline_seconds: _builtins.float = ...,
         staging_retention_seconds: _builtins.float | None = ...,
         stall_after_seconds: _builtins.float = ...,
+        pools: Global___Pools | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "_staging_retention_seconds", b"_staging_retention_seconds", "max_retries", b"max_retries", "priority", b"priority", "staging_retention_seconds", b"staging_retention_seconds"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "_staging_retention_seconds", b"_staging_retention_seconds", "max_retries", b"max_retries", "pools", b"pools", "priority", b"priority", "staging_retention_seconds", b"staging_retention_seconds"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "_staging_retention_seconds", b"_staging_retention_seconds", "claim_deadline_seconds", b"claim_deadline_seconds", "consume_deadline_seconds", b"consume_deadline_seconds", "consumers", b"consumers", "depends_on", b"depends_on", "expected_digest", b"expected_digest", "expected_size", b"expected_size", "file_id", b"file_id", "labels", b"labels", "max_retries", b"max_retries", "parts", b"parts", "path", b"path", "priority", b"priority", "producers", b"producers", "staging_retention_seconds", b"staging_retention_seconds", "stall_after_seconds", b"stall_after_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "_staging_retention_seconds", b"_staging_retention_seconds", "claim_deadline_seconds", b"claim_deadline_seconds", "consume_deadline_seconds", b"consume_deadline_seconds", "consumers", b"consumers", "depends_on", b"depends_on", "expected_digest", b"expected_digest", "expected_size", b"expected_size", "file_id", b"file_id", "labels", b"labels", "max_retries", b"max_retries", "parts", b"parts", "path", b"path", "pools", b"pools", "priority", b"priority", "producers", b"producers", "staging_retention_seconds", b"staging_retention_seconds", "stall_after_seconds", b"stall_after_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_retries: _TypeAlias = _typing.Literal["max_retries"]  # noqa: Y015
     _WhichOneofArgType__max_retries: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries"]  # noqa: Y015
@@ -222,6 +228,57 @@ class EntrySpec(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__staging_retention_seconds) -> _WhichOneofReturnType__staging_retention_seconds | None: ...
 
 Global___EntrySpec: _TypeAlias = EntrySpec  # noqa: Y015
+
+@_typing.final
+class Pools(_message.Message):
+    """Concurrency pools (docs/architecture.md, "Concurrency pools"): a claim or consume of
+    an entry that names a pool takes one of the pool's units in its own transaction,
+    and gives it back with the claim; at the pool's limit the entry is passed over.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class ConsumeEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    PRODUCE_FIELD_NUMBER: _builtins.int
+    CONSUME_FIELD_NUMBER: _builtins.int
+    produce: _builtins.str
+    """the pool a producer's claim takes a unit of"""
+    @_builtins.property
+    def consume(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """consumer group -> the pool its leases take from"""
+
+    def __init__(
+        self,
+        *,
+        produce: _builtins.str = ...,
+        consume: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["consume", b"consume", "produce", b"produce"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Pools: _TypeAlias = Pools  # noqa: Y015
 
 @_typing.final
 class PathAccess(_message.Message):
@@ -394,6 +451,7 @@ class TaskSpec(_message.Message):
     CONSUME_DEADLINE_SECONDS_FIELD_NUMBER: _builtins.int
     STAGING_RETENTION_SECONDS_FIELD_NUMBER: _builtins.int
     STALL_AFTER_SECONDS_FIELD_NUMBER: _builtins.int
+    POOLS_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     schema_version: _builtins.int
     """0 means the current version (1)"""
@@ -444,6 +502,10 @@ class TaskSpec(_message.Message):
         no rule holds (or none given): every consumer group of the entry.
         """
 
+    @_builtins.property
+    def pools(self) -> Global___Pools:
+        """The concurrency pools of its entries' work, unless an entry names its own."""
+
     def __init__(
         self,
         *,
@@ -464,10 +526,11 @@ class TaskSpec(_message.Message):
         consume_deadline_seconds: _builtins.float = ...,
         staging_retention_seconds: _builtins.float | None = ...,
         stall_after_seconds: _builtins.float = ...,
+        pools: Global___Pools | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "_staging_retention_seconds", b"_staging_retention_seconds", "access", b"access", "backoff", b"backoff", "max_retries", b"max_retries", "priority", b"priority", "staging_retention_seconds", b"staging_retention_seconds"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "_staging_retention_seconds", b"_staging_retention_seconds", "access", b"access", "backoff", b"backoff", "max_retries", b"max_retries", "pools", b"pools", "priority", b"priority", "staging_retention_seconds", b"staging_retention_seconds"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "_staging_retention_seconds", b"_staging_retention_seconds", "access", b"access", "aging_seconds", b"aging_seconds", "archive_after_seconds", b"archive_after_seconds", "backoff", b"backoff", "claim_deadline_seconds", b"claim_deadline_seconds", "consume_deadline_seconds", b"consume_deadline_seconds", "consumers", b"consumers", "digest_optional", b"digest_optional", "entries", b"entries", "labels", b"labels", "max_retries", b"max_retries", "priority", b"priority", "routing_rules", b"routing_rules", "schema_version", b"schema_version", "staging_retention_seconds", b"staging_retention_seconds", "stall_after_seconds", b"stall_after_seconds", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "_staging_retention_seconds", b"_staging_retention_seconds", "access", b"access", "aging_seconds", b"aging_seconds", "archive_after_seconds", b"archive_after_seconds", "backoff", b"backoff", "claim_deadline_seconds", b"claim_deadline_seconds", "consume_deadline_seconds", b"consume_deadline_seconds", "consumers", b"consumers", "digest_optional", b"digest_optional", "entries", b"entries", "labels", b"labels", "max_retries", b"max_retries", "pools", b"pools", "priority", b"priority", "routing_rules", b"routing_rules", "schema_version", b"schema_version", "staging_retention_seconds", b"staging_retention_seconds", "stall_after_seconds", b"stall_after_seconds", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_retries: _TypeAlias = _typing.Literal["max_retries"]  # noqa: Y015
     _WhichOneofArgType__max_retries: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries"]  # noqa: Y015
@@ -699,6 +762,7 @@ class Entry(_message.Message):
     ATTEMPT_PATH_FIELD_NUMBER: _builtins.int
     ABS_ATTEMPT_PATH_FIELD_NUMBER: _builtins.int
     TRACEPARENT_FIELD_NUMBER: _builtins.int
+    POOLS_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     file_id: _builtins.str
     path: _builtins.str
@@ -776,6 +840,10 @@ class Entry(_message.Message):
     def routed_to(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """the groups that rule sent it to"""
 
+    @_builtins.property
+    def pools(self) -> Global___Pools:
+        """the concurrency pools its work takes a unit of"""
+
     def __init__(
         self,
         *,
@@ -813,10 +881,11 @@ class Entry(_message.Message):
         attempt_path: _builtins.str = ...,
         abs_attempt_path: _builtins.str = ...,
         traceparent: _builtins.str = ...,
+        pools: Global___Pools | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_routing_rule", b"_routing_rule", "routing_rule", b"routing_rule"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_routing_rule", b"_routing_rule", "pools", b"pools", "routing_rule", b"routing_rule"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_routing_rule", b"_routing_rule", "abs_attempt_path", b"abs_attempt_path", "abs_path", b"abs_path", "assembly", b"assembly", "attempt_path", b"attempt_path", "attributes", b"attributes", "blocked", b"blocked", "claim_deadline_seconds", b"claim_deadline_seconds", "consume_deadline_seconds", b"consume_deadline_seconds", "consumed_at", b"consumed_at", "consumed_by", b"consumed_by", "consumers", b"consumers", "consuming", b"consuming", "depends_on", b"depends_on", "digest", b"digest", "error", b"error", "file_id", b"file_id", "max_retries", b"max_retries", "not_before", b"not_before", "owner", b"owner", "parts", b"parts", "path", b"path", "priority", b"priority", "retry_count", b"retry_count", "revision", b"revision", "routed_to", b"routed_to", "routing_rule", b"routing_rule", "size", b"size", "staging_removed_at", b"staging_removed_at", "staging_retention_seconds", b"staging_retention_seconds", "state", b"state", "task_id", b"task_id", "token", b"token", "traceparent", b"traceparent", "updated_at", b"updated_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_routing_rule", b"_routing_rule", "abs_attempt_path", b"abs_attempt_path", "abs_path", b"abs_path", "assembly", b"assembly", "attempt_path", b"attempt_path", "attributes", b"attributes", "blocked", b"blocked", "claim_deadline_seconds", b"claim_deadline_seconds", "consume_deadline_seconds", b"consume_deadline_seconds", "consumed_at", b"consumed_at", "consumed_by", b"consumed_by", "consumers", b"consumers", "consuming", b"consuming", "depends_on", b"depends_on", "digest", b"digest", "error", b"error", "file_id", b"file_id", "max_retries", b"max_retries", "not_before", b"not_before", "owner", b"owner", "parts", b"parts", "path", b"path", "pools", b"pools", "priority", b"priority", "retry_count", b"retry_count", "revision", b"revision", "routed_to", b"routed_to", "routing_rule", b"routing_rule", "size", b"size", "staging_removed_at", b"staging_removed_at", "staging_retention_seconds", b"staging_retention_seconds", "state", b"state", "task_id", b"task_id", "token", b"token", "traceparent", b"traceparent", "updated_at", b"updated_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__routing_rule: _TypeAlias = _typing.Literal["routing_rule"]  # noqa: Y015
     _WhichOneofArgType__routing_rule: _TypeAlias = _typing.Literal["_routing_rule", b"_routing_rule"]  # noqa: Y015
@@ -4483,3 +4552,218 @@ class SessionResponse(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
 Global___SessionResponse: _TypeAlias = SessionResponse  # noqa: Y015
+
+@_typing.final
+class SetPoolRequest(_message.Message):
+    """What agents call: their sessions (one stream carrying every step, or unary calls),
+    claims and commits of producers, consumes and acks of consumers, and a task's events.
+    ------------------------------------------------------------------ pools
+
+    Define a concurrency pool, or change its limit (live: lowering it takes no unit
+    away; new claims wait until fewer than the limit are held).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    LIMIT_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    EVIDENCE_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    limit: _builtins.int
+    """1..10000"""
+    reason: _builtins.str
+    evidence: _builtins.str
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        limit: _builtins.int = ...,
+        reason: _builtins.str = ...,
+        evidence: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["evidence", b"evidence", "limit", b"limit", "name", b"name", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetPoolRequest: _TypeAlias = SetPoolRequest  # noqa: Y015
+
+@_typing.final
+class SetPoolResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POOL_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def pool(self) -> Global___PoolInfo: ...
+    def __init__(
+        self,
+        *,
+        pool: Global___PoolInfo | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["pool", b"pool"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pool", b"pool"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetPoolResponse: _TypeAlias = SetPoolResponse  # noqa: Y015
+
+@_typing.final
+class ListPoolsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListPoolsRequest: _TypeAlias = ListPoolsRequest  # noqa: Y015
+
+@_typing.final
+class ListPoolsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POOLS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def pools(self) -> _containers.RepeatedCompositeFieldContainer[Global___PoolInfo]: ...
+    def __init__(
+        self,
+        *,
+        pools: _abc.Iterable[Global___PoolInfo] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pools", b"pools"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListPoolsResponse: _TypeAlias = ListPoolsResponse  # noqa: Y015
+
+@_typing.final
+class DeletePoolRequest(_message.Message):
+    """Remove a pool's definition: entries naming it wait until it is defined again; units
+    held are given back with their claims.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    EVIDENCE_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    reason: _builtins.str
+    evidence: _builtins.str
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        evidence: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["evidence", b"evidence", "name", b"name", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeletePoolRequest: _TypeAlias = DeletePoolRequest  # noqa: Y015
+
+@_typing.final
+class DeletePoolResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DELETED_FIELD_NUMBER: _builtins.int
+    deleted: _builtins.bool
+    def __init__(
+        self,
+        *,
+        deleted: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deleted", b"deleted"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeletePoolResponse: _TypeAlias = DeletePoolResponse  # noqa: Y015
+
+@_typing.final
+class PoolHolder(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    FILE_ID_FIELD_NUMBER: _builtins.int
+    GROUP_FIELD_NUMBER: _builtins.int
+    AGENT_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    TOKEN_FIELD_NUMBER: _builtins.int
+    UNIT_FIELD_NUMBER: _builtins.int
+    task_id: _builtins.str
+    file_id: _builtins.str
+    group: _builtins.str
+    """"" for a producer's claim"""
+    agent: _builtins.str
+    session_id: _builtins.int
+    token: _builtins.int
+    unit: _builtins.int
+    def __init__(
+        self,
+        *,
+        task_id: _builtins.str = ...,
+        file_id: _builtins.str = ...,
+        group: _builtins.str = ...,
+        agent: _builtins.str = ...,
+        session_id: _builtins.int = ...,
+        token: _builtins.int = ...,
+        unit: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "file_id", b"file_id", "group", b"group", "session_id", b"session_id", "task_id", b"task_id", "token", b"token", "unit", b"unit"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PoolHolder: _TypeAlias = PoolHolder  # noqa: Y015
+
+@_typing.final
+class PoolInfo(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    LIMIT_FIELD_NUMBER: _builtins.int
+    IN_USE_FIELD_NUMBER: _builtins.int
+    WAITING_FIELD_NUMBER: _builtins.int
+    HOLDERS_FIELD_NUMBER: _builtins.int
+    UPDATED_AT_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    limit: _builtins.int
+    """0: not defined (units still held by claims)"""
+    in_use: _builtins.int
+    waiting: _builtins.int
+    """Claimable entries that need a unit of it (of the tasks that name it), now."""
+    updated_at: _builtins.str
+    @_builtins.property
+    def holders(self) -> _containers.RepeatedCompositeFieldContainer[Global___PoolHolder]: ...
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        limit: _builtins.int = ...,
+        in_use: _builtins.int = ...,
+        waiting: _builtins.int = ...,
+        holders: _abc.Iterable[Global___PoolHolder] | None = ...,
+        updated_at: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["holders", b"holders", "in_use", b"in_use", "limit", b"limit", "name", b"name", "updated_at", b"updated_at", "waiting", b"waiting"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PoolInfo: _TypeAlias = PoolInfo  # noqa: Y015

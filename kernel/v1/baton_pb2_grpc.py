@@ -26,9 +26,7 @@ if _version_not_supported:
 
 
 class AgentServiceStub:
-    """What agents call: their sessions (one stream carrying every step, or unary calls),
-    claims and commits of producers, consumes and acks of consumers, and a task's events.
-    """
+    """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
         """Constructor.
@@ -119,9 +117,7 @@ class AgentServiceStub:
 
 
 class AgentServiceServicer:
-    """What agents call: their sessions (one stream carrying every step, or unary calls),
-    claims and commits of producers, consumes and acks of consumers, and a task's events.
-    """
+    """Missing associated documentation comment in .proto file."""
 
     def OpenSession(self, request, context):
         """Missing associated documentation comment in .proto file."""
@@ -312,9 +308,7 @@ def add_AgentServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class AgentService:
-    """What agents call: their sessions (one stream carrying every step, or unary calls),
-    claims and commits of producers, consumes and acks of consumers, and a task's events.
-    """
+    """Missing associated documentation comment in .proto file."""
 
     @staticmethod
     def OpenSession(request,
@@ -1213,6 +1207,21 @@ class OperatorServiceStub:
                 request_serializer=baton_dot_v1_dot_baton__pb2.DrainWatcherRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_baton__pb2.DrainWatcherResponse.FromString,
                 _registered_method=True)
+        self.SetPool = channel.unary_unary(
+                '/baton.v1.OperatorService/SetPool',
+                request_serializer=baton_dot_v1_dot_baton__pb2.SetPoolRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_baton__pb2.SetPoolResponse.FromString,
+                _registered_method=True)
+        self.ListPools = channel.unary_unary(
+                '/baton.v1.OperatorService/ListPools',
+                request_serializer=baton_dot_v1_dot_baton__pb2.ListPoolsRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_baton__pb2.ListPoolsResponse.FromString,
+                _registered_method=True)
+        self.DeletePool = channel.unary_unary(
+                '/baton.v1.OperatorService/DeletePool',
+                request_serializer=baton_dot_v1_dot_baton__pb2.DeletePoolRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_baton__pb2.DeletePoolResponse.FromString,
+                _registered_method=True)
 
 
 class OperatorServiceServicer:
@@ -1364,6 +1373,24 @@ class OperatorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetPool(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListPools(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeletePool(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_OperatorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -1486,6 +1513,21 @@ def add_OperatorServiceServicer_to_server(servicer, server):
                     servicer.DrainWatcher,
                     request_deserializer=baton_dot_v1_dot_baton__pb2.DrainWatcherRequest.FromString,
                     response_serializer=baton_dot_v1_dot_baton__pb2.DrainWatcherResponse.SerializeToString,
+            ),
+            'SetPool': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetPool,
+                    request_deserializer=baton_dot_v1_dot_baton__pb2.SetPoolRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_baton__pb2.SetPoolResponse.SerializeToString,
+            ),
+            'ListPools': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListPools,
+                    request_deserializer=baton_dot_v1_dot_baton__pb2.ListPoolsRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_baton__pb2.ListPoolsResponse.SerializeToString,
+            ),
+            'DeletePool': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeletePool,
+                    request_deserializer=baton_dot_v1_dot_baton__pb2.DeletePoolRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_baton__pb2.DeletePoolResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -2138,6 +2180,87 @@ class OperatorService:
             '/baton.v1.OperatorService/DrainWatcher',
             baton_dot_v1_dot_baton__pb2.DrainWatcherRequest.SerializeToString,
             baton_dot_v1_dot_baton__pb2.DrainWatcherResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetPool(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.OperatorService/SetPool',
+            baton_dot_v1_dot_baton__pb2.SetPoolRequest.SerializeToString,
+            baton_dot_v1_dot_baton__pb2.SetPoolResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListPools(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.OperatorService/ListPools',
+            baton_dot_v1_dot_baton__pb2.ListPoolsRequest.SerializeToString,
+            baton_dot_v1_dot_baton__pb2.ListPoolsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeletePool(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.OperatorService/DeletePool',
+            baton_dot_v1_dot_baton__pb2.DeletePoolRequest.SerializeToString,
+            baton_dot_v1_dot_baton__pb2.DeletePoolResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,184 @@
+"""Concurrency pools (docs/architecture.md, "Concurrency pools"): a claim of an entry
+that names a pool takes one of its units in its own transaction; at the limit its
+entries are passed over, and every way a claim ends gives its unit back."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import blake3
+import pytest
+from registry_fixtures import RegistryHandle, on_etcd
+
+from baton_relay.client import Client
+from baton_relay.kernel.errors import InvalidArgument, InvalidManifest, NotFound, NothingToClaim
+from baton_relay.kernel.v1 import baton_pb2 as pb
+from baton_relay.registry._etcd import Etcd
+from baton_relay.registry.keys import Keys
+
+Wait = Callable[..., None]
+
+
+def units(registry: RegistryHandle, pool: str) -> list[dict[str, Any]]:
+    """The unit keys of ``pool`` in etcd (what a claim holds), as their values say."""
+    base = Keys(registry.prefix).pool_units(pool)
+
+    async def read(etcd: Etcd) -> list[dict[str, Any]]:
+        return [json.loads(kv.value) async for kv in etcd.scan(base)]
+
+    return on_etcd(registry.etcd, read)
+
+
+def task(client: Client, task_id: str, n: int, **spec: Any) -> None:
+    client.create_task({"task_id": task_id, "digest_optional": True, **spec,
+                        "entries": [{"file_id": f"e{i}", "path": f"e{i}"} for i in range(n)]})
+
+
+def commit(client: Client, claim: Any, session: Any) -> pb.Entry:
+    return client.commit(claim.task_id, claim.file_id, claim.token, 1,
+                         blake3.blake3(b"x").hexdigest(), session=session)
+
+
+def test_claims_hold_at_most_the_limit_and_commits_give_units_back(
+        client: Client, registry: RegistryHandle) -> None:
+    client.set_pool("gpu", 2, reason="two cards")
+    task(client, "t", 4, pools={"produce": "gpu"})
+    with client.open_session("p", ttl=30, keepalive=False) as s:
+        first = [client.claim("t", session=s) for _ in range(2)]
+        assert len(units(registry, "gpu")) == 2
+        with pytest.raises(NothingToClaim, match="pool 'gpu' is at its limit") as refused:
+            client.claim("t", session=s)
+        assert refused.value.fields["pool"] == "gpu" and refused.value.fields["limit"] == 2
+        assert client.get_task("t").states["pending"] == 2  # nothing changed
+        commit(client, first[0], s)
+        assert len(units(registry, "gpu")) == 1
+        third = client.claim("t", session=s)
+        held = {(u["task"], u["file"]) for u in units(registry, "gpu")}
+        assert held == {("t", first[1].file_id), ("t", third.file_id)}
+        (info,) = client.list_pools()
+        assert (info.name, info.limit, info.in_use, info.waiting) == ("gpu", 2, 2, 1)
+        assert {h.file_id for h in info.holders} == {first[1].file_id, third.file_id}
+        assert all(h.agent == "p" and h.token > 0 for h in info.holders)
+
+
+def test_a_full_pool_passes_its_entries_over_and_others_are_claimed(
+        client: Client, registry: RegistryHandle) -> None:
+    client.set_pool("api", 1)
+    client.create_task({"task_id": "t", "digest_optional": True, "entries": [
+        *({"file_id": f"p{i}", "path": f"p{i}", "priority": 9, "pools": {"produce": "api"}}
+          for i in range(3)),
+        {"file_id": "free", "path": "free", "priority": 0}]})
+    with client.open_session("p", ttl=30, keepalive=False) as s:
+        taken = client.claim("t", session=s)
+        assert taken.file_id.startswith("p")  # the higher priority first
+        # the pooled ones ahead of it are passed over: the free one is claimed
+        assert client.claim("t", session=s).file_id == "free"
+        with pytest.raises(NothingToClaim, match="2 passed over: pool 'api' is at its limit"):
+            client.claim("t", session=s)
+
+
+def test_every_way_a_claim_ends_gives_its_unit_back(
+        client: Client, registry: RegistryHandle, wait_for: Wait) -> None:
+    """fail, a deadline, an operator's revoke, a lost session (the reaper), ack and
+    nack of a consumer group's pool: each leaves no unit held."""
+    client.set_pool("p", 10)
+    task(client, "t", 6, pools={"produce": "p", "consume": {"g": "p"}}, consumers=["g"],
+         backoff={"base_seconds": 0.001}, claim_deadline_seconds=0)
+    client.create_task({"task_id": "late", "digest_optional": True,
+                        "claim_deadline_seconds": 1, "pools": {"produce": "p"},
+                        "entries": [{"file_id": "d", "path": "d"}]})
+    with client.open_session("p", ttl=30, keepalive=False) as s:
+        c = client.claim("t", "e0", session=s)
+        client.fail("t", "e0", c.token, "no", session=s)
+        assert units(registry, "p") == []
+        client.claim("late", "d", session=s)
+        wait_for(lambda: units(registry, "p") == [], what="the deadline's give-back")
+        client.claim("t", "e1", session=s)
+        client.revoke_sessions(s.session_id, reason="test")
+        assert units(registry, "p") == []
+    lost = client.open_session("gone", ttl=2, keepalive=False)  # never kept alive
+    client.claim("t", "e2", session=lost)
+    assert len(units(registry, "p")) == 1
+    wait_for(lambda: units(registry, "p") == [], timeout=20, what="the reaper's give-back")
+    assert client.get_entry("t", "e2").state == pb.ENTRY_STATE_PENDING
+    with client.open_session("c", ttl=30, keepalive=False) as s:
+        for f in ("e3", "e4"):
+            claim = client.claim("t", f, session=s)
+            commit(client, claim, s)
+            client.report("t", f, 1, blake3.blake3(b"x").hexdigest(), reporter="w")
+        first = client.consume("t", "g", "e3", session=s)
+        assert [u["group"] for u in units(registry, "p")] == ["g"]
+        client.ack("t", "e3", "g", first.token, session=s)
+        assert units(registry, "p") == []
+        second = client.consume("t", "g", "e4", session=s)
+        client.nack("t", "e4", "g", second.token, "later", session=s)
+        assert units(registry, "p") == []
+
+
+def test_the_limit_changes_live_and_lowering_it_takes_nothing_away(
+        client: Client, registry: RegistryHandle) -> None:
+    client.set_pool("p", 3)
+    task(client, "t", 6, pools={"produce": "p"})
+    with client.open_session("a", ttl=30, keepalive=False) as s:
+        held = [client.claim("t", session=s) for _ in range(3)]
+        client.set_pool("p", 1, reason="supplier cut our quota")
+        assert len(units(registry, "p")) == 3  # nothing taken away
+        commit(client, held[0], s)
+        commit(client, held[1], s)
+        with pytest.raises(NothingToClaim, match="at its limit"):
+            client.claim("t", session=s)  # one held, limit one: wait
+        commit(client, held[2], s)
+        client.claim("t", session=s)
+        client.set_pool("p", 4)
+        assert len([client.claim("t", session=s) for _ in range(2)]) == 2
+
+
+def test_entries_of_an_undefined_pool_wait_and_say_why(
+        client: Client, registry: RegistryHandle) -> None:
+    task(client, "t", 1, pools={"produce": "nowhere"})
+    with client.open_session("a", ttl=30, keepalive=False) as s:
+        with pytest.raises(NothingToClaim, match="pool 'nowhere' is not defined"):
+            client.claim("t", session=s)
+        client.set_pool("nowhere", 1)
+        client.claim("t", session=s)
+        assert client.delete_pool("nowhere")
+        assert not client.delete_pool("nowhere")
+        (info,) = client.list_pools()  # a unit still held: listed, limit 0
+        assert (info.name, info.limit, info.in_use) == ("nowhere", 0, 1)
+
+
+def test_a_cancelled_tasks_units_come_back(client: Client, registry: RegistryHandle,
+                                           wait_for: Wait) -> None:
+    """A cancel deletes claims (and twins of claims whose lease ended) in bulk: every
+    unit comes back, the lost ones' through the repair."""
+    client.set_pool("p", 5)
+    task(client, "t", 3, pools={"produce": "p"})
+    with client.open_session("a", ttl=30, keepalive=False) as s:
+        client.claim("t", session=s)
+    lost = client.open_session("gone", ttl=2, keepalive=False)
+    client.claim("t", session=lost)
+    client.cancel_task("t", reason="test")
+    wait_for(lambda: units(registry, "p") == [], timeout=30, what="every unit back")
+
+
+@pytest.mark.parametrize(("manifest", "said"), [
+    ({"pools": {"produce": "no spaces"}}, "pool name 'no spaces' is not an id"),
+    ({"consumers": ["g"], "pools": {"consume": {"other": "p"}}},
+     "pools.consume names group 'other'"),
+])
+def test_a_manifest_naming_pools_wrongly_is_refused(client: Client, manifest: dict[str, Any],
+                                                   said: str) -> None:
+    with pytest.raises(InvalidManifest, match=said):
+        client.create_task({"task_id": "t", **manifest,
+                            "entries": [{"file_id": "a", "path": "a"}]})
+    with pytest.raises(NotFound):
+        client.get_task("t")
+
+
+@pytest.mark.parametrize(("name", "limit"), [("bad name", 1), ("p", 0), ("p", 10_001)])
+def test_a_bad_pool_definition_is_refused(client: Client, name: str, limit: int) -> None:
+    with pytest.raises(InvalidArgument):
+        client.set_pool(name, limit)
+    assert client.list_pools() == []
