@@ -4,8 +4,13 @@ entries are passed over, and every way a claim ends gives its unit back."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import subprocess
+import sys
+import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import blake3
@@ -182,3 +187,100 @@ def test_a_bad_pool_definition_is_refused(client: Client, name: str, limit: int)
     with pytest.raises(InvalidArgument):
         client.set_pool(name, limit)
     assert client.list_pools() == []
+
+
+POOL_AGENT = Path(__file__).with_name("pool_agent.py")
+
+
+def overlap(intervals: list[tuple[int, int]]) -> int:
+    """The most intervals (start, end revisions) open at once."""
+    events = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])
+    most = held = 0
+    for _, step in events:
+        held += step
+        most = max(most, held)
+    return most
+
+
+def claim_intervals(registry: RegistryHandle, tasks: list[str]) -> list[tuple[int, int]]:
+    """From the journal: each producer claim, from the revision of its ``claimed``
+    record to that of the record that ended it (committed, failed, revoked)."""
+    keys = Keys(registry.prefix)
+
+    async def read(etcd: Etcd) -> list[tuple[int, int]]:
+        out = []
+        for t in tasks:
+            by_entry: dict[str, list[tuple[int, str]]] = {}
+            base = keys.journal_all(t)
+            async for kv in etcd.scan(base):
+                file_id = kv.key[len(base):].split(b"/", 1)[0].decode()
+                by_entry.setdefault(file_id, []).append(
+                    (kv.create_revision, json.loads(kv.value)["event"]))
+            for records in by_entry.values():
+                records.sort()
+                for (rev, event), (end, _) in zip(records, records[1:]):
+                    if event == "claimed":
+                        out.append((rev, end))
+        return out
+
+    return on_etcd(registry.etcd, read)
+
+
+@pytest.mark.slow
+def test_thirty_two_agents_on_four_tasks_never_hold_more_than_the_pools_limit(
+        client: Client, registry_factory: Callable[..., RegistryHandle],
+        registry: RegistryHandle, wait_for: Wait) -> None:
+    """32 agent processes on 4 tasks sharing a pool of 5, through two registry
+    replicas, three agents SIGKILLed and two sessions revoked meanwhile: at no instant
+    more than 5 units held (etcd sampled throughout; the journal's claims, each from
+    its claim to its end, never overlap more than 5), the dead agents' units come
+    back with their claims, every entry is produced, and no unit is left held."""
+    other = registry_factory()
+    client.set_pool("shared", 5)
+    tasks = [f"t{i}" for i in range(4)]
+    for t in tasks:
+        task(client, t, 60, pools={"produce": "shared"})
+    keys = Keys(registry.prefix)
+    seen: list[int] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        async def loop(etcd: Etcd) -> None:
+            while not stop.is_set():
+                seen.append(await etcd.count(keys.pool_units("shared")))
+                await asyncio.sleep(0.005)
+
+        on_etcd(registry.etcd, loop, timeout=30)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        for n in range(32):
+            target = (registry, other)[n % 2]
+            procs.append(subprocess.Popen(
+                [sys.executable, str(POOL_AGENT), target.address, tasks[n % 4], f"a{n}"],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        wait_for(lambda: sum(client.get_task(t).states.get("written", 0) for t in tasks) >= 40,
+                 timeout=120, what="work under way")
+        for p in procs[:3]:
+            p.kill()
+        for name in ("a5", "a6"):
+            client.revoke_sessions(agent=name, reason="test: revoked while holding units")
+        for p in procs[3:]:
+            out, err = p.communicate(timeout=240)
+            assert p.returncode == 0, (p.args, out, err)
+    finally:
+        stop.set()
+        sampler.join(30)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    assert all(client.get_task(t).states.get("written", 0) == 60 for t in tasks)
+    assert seen and max(seen) <= 5, max(seen)
+    assert max(seen) == 5  # the pool was the bound: it was full at times
+    intervals = claim_intervals(registry, tasks)
+    assert len(intervals) >= 240
+    assert overlap(intervals) <= 5
+    wait_for(lambda: units(registry, "shared") == [], what="no unit left held")

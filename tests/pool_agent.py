@@ -1,0 +1,43 @@
+"""An agent process of the pools test: produces a task's entries until none is left.
+
+    python pool_agent.py REGISTRY TASK NAME
+
+Claims with the producer helper; when nothing can be claimed now (the pool at its
+limit, say) it waits a little and tries again; when its session is taken away (an
+operator's revoke) it opens another. It exits once the task has nothing left to
+claim or in hand, printing how many entries it committed.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+
+from baton_relay.client import Client, RetryPolicy, produce
+from baton_relay.kernel import errors
+
+
+def main() -> None:
+    address, task, name = sys.argv[1:4]
+    client = Client(address, retry=RetryPolicy(attempts=3, deadline=3.0))
+    session = client.open_session(name, ttl=3)
+    done = 0
+    while True:
+        try:
+            with produce(client, session, task) as out:
+                out.write(f"{task}/{out.claim.file_id} by {name}".encode())
+            done += 1
+        except errors.NothingToClaim:
+            states = client.get_task(task).states
+            if not states.get("pending", 0) and not states.get("writing", 0):
+                break
+            time.sleep(random.uniform(0.01, 0.05))
+        except errors.BatonError as e:  # its session revoked, its claim lost: go on
+            print(f"{name}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            session = client.open_session(name, ttl=3)
+    print(done, flush=True)
+
+
+if __name__ == "__main__":
+    main()
