@@ -234,6 +234,7 @@ async def pick(core: Core, txn: Txn, head: Head, want: int) -> list[tuple[KV, En
         return picked
     if full and not moved:
         assert head.pools is not None
+        core.pool_refusals.update(full.keys())
         raise await head.pools.nothing(txn, head.task_id, full)
     if denied and not moved:
         raise head.nothing(denied)

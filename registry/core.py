@@ -10,6 +10,7 @@ into the same transaction; ``retry_or_dead`` is the one retry path.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -119,6 +120,9 @@ class Core:
         self.stuck_written_after = 600.0
         #: seconds a consumed entry's file stays in staging unless its manifest says
         self.staging_retention = 86400.0
+        #: claims this replica refused because a concurrency pool had no free unit,
+        #: per pool (the metrics' baton_pool_refusals)
+        self.pool_refusals: collections.Counter[str] = collections.Counter()
 
     async def start(self) -> None:
         if self.view is not None:

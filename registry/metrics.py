@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
@@ -48,7 +49,9 @@ from ..kernel.errors import ERROR_NAMES, BatonError
 from ..kernel.metrics_endpoint import MetricsEndpoint, serve_metrics
 from ..kernel.names import state_name, status_name
 from ..kernel.v1 import baton_pb2 as pb
+from ._etcd import KV
 from .model import TaskRecord
+from .pools import PoolAdmin
 
 if TYPE_CHECKING:
     from .archive import Archiver
@@ -189,6 +192,10 @@ class RegistryMetrics:
         self._watchers = 0
         self._shards: dict[str, int] = {}
         self._counted_at = -1.0
+        #: concurrency pools: limit and units held (each scrape), entries waiting
+        #: (once per ``count_ttl``)
+        self._pools: dict[str, tuple[int, int]] = {}
+        self._pool_waiting: dict[str, int] = {}
         self._endpoint: MetricsEndpoint | None = None
         #: the replica's loop, where a scrape refreshes and reads the levels
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -325,9 +332,12 @@ class RegistryMetrics:
         self._tasks = tasks
         if self._sources.shards is not None:
             await self._count_shards(self._sources.shards)
+        await self._count_pools(core)
         now = time.monotonic()
         if self._counted_at >= 0 and now - self._counted_at < self.count_ttl:
             return
+        if self._pools:
+            self._pool_waiting = await PoolAdmin(core).waiting(set(self._pools))
         # Every task's part of an index: its prefix for one task, with no task named.
         prefixes = (keys.ready_root(), keys.delayed_all(), keys.waiting_all(),
                     keys.open_all("").removesuffix(b"/"), keys.dead_all("").removesuffix(b"/"),
@@ -337,6 +347,29 @@ class RegistryMetrics:
         counts = await asyncio.gather(*(core.etcd.count(p) for p in prefixes))
         self._indexes = dict(zip(INDEXES, counts, strict=True))
         self._counted_at = now
+
+    async def _count_pools(self, core: Core) -> None:
+        """Each pool's limit and units held, from the view's mirror (else etcd)."""
+        keys, view = core.keys, core.view
+
+        async def listing(prefix: bytes) -> list[KV]:
+            if view is not None and view.ready:
+                return await view.scan(prefix, 0, False)
+            return [kv async for kv in core.etcd.scan(prefix)]
+
+        pools: dict[str, tuple[int, int]] = {}
+        for kv in await listing(keys.pools()):
+            try:
+                limit = int(json.loads(kv.value).get("limit", 0))
+            except (ValueError, AttributeError):
+                limit = 0
+            pools[keys.last_segment(kv.key)] = (limit, 0)
+        base = keys.pool_units_all()
+        for kv in await listing(base):
+            name = kv.key[len(base):].split(b"/", 1)[0].decode()
+            limit, held = pools.get(name, (0, 0))
+            pools[name] = (limit, held + 1)
+        self._pools = pools
 
     async def _count_shards(self, shards: Shards) -> None:
         """Watchers registered and shards by state, from the view's mirror."""
@@ -448,6 +481,23 @@ class RegistryMetrics:
             yield states
         if sources.etcd_members is not None:
             yield from _etcd_members(sources.etcd_members)
+        limits = GaugeMetricFamily("baton_pool_limit", "A concurrency pool's limit (0: units "
+                                   "held, the pool no longer defined)", labels=["pool"])
+        held = GaugeMetricFamily("baton_pool_units_in_use", "Units of a concurrency pool "
+                                 "held by claims", labels=["pool"])
+        waiting = GaugeMetricFamily("baton_pool_waiting", "Claimable entries that need a "
+                                    "unit of the pool (counted once per count TTL)",
+                                    labels=["pool"])
+        for name, (limit, in_use) in sorted(self._pools.items()):
+            limits.add_metric([name], limit)
+            held.add_metric([name], in_use)
+            waiting.add_metric([name], self._pool_waiting.get(name, 0))
+        refused = CounterMetricFamily("baton_pool_refusals", "Claims and consumes this "
+                                      "replica answered with nothing to claim because a "
+                                      "pool had no free unit", labels=["pool"])
+        for name, n in sorted(sources.core.pool_refusals.items()):
+            refused.add_metric([name], n)
+        yield from (limits, held, waiting, refused)
         tasks = GaugeMetricFamily("baton_tasks", "Tasks by status", labels=["status"])
         for status, n in self._tasks.items():
             tasks.add_metric([status], n)

@@ -221,11 +221,11 @@ class PoolAdmin:
             name = kv.key[len(base):].split(b"/", 1)[0].decode()
             units.setdefault(name, []).append(kv)
         wanted = sorted(set(defs) | set(units)) if names is None else names
-        waiting = await self._waiting(set(wanted))
+        waiting = await self.waiting(set(wanted))
         return [pool_info(n, defs.get(n), units.get(n, []), waiting.get(n, 0))
                 for n in wanted]
 
-    async def _waiting(self, names: set[str]) -> dict[str, int]:
+    async def waiting(self, names: set[str]) -> dict[str, int]:
         """Claimable entries (ready to produce, or verified for a group) needing a unit
         of each pool of ``names``, in the tasks that name them: their index keys read
         a page at a time, their entries too."""
