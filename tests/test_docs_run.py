@@ -669,6 +669,7 @@ PREPARE: dict[str, Callable[[Transcripts], None] | None] = {
     "baton lease rotate 1219809381871707871 --ttl 120": None,  # listed above
     'baton lease revoke 1219809381871707840 --reason "ocr-1 is stuck"': None,
     "baton lease drain --host scan01 --deadline 600 --no-wait": Transcripts.one_on_scan01,
+    'baton pool set gpu --limit 4 --reason "four cards in the render node"': None,  # new
     "baton put compliance-3 r1 ./r1.json --attributes "
     """'{"compliance": "fail", "checked_by": "qa"}'""": Transcripts.compliance,
     "baton explain compliance-3 r1": Transcripts.r1_verified,
@@ -1438,6 +1439,8 @@ EXAMPLES = {
         "rev() { etcdctl ": "test_the_quota_runbook_runs_as_written",
         "baton-registry: --metrics ": "test_metrics_endpoint.py: "
         "test_the_documented_errors_are_what_the_daemons_print",
+        "pip install 'baton-relay[trace]'": "test_tracing.py: "
+        "test_the_documented_environment_turns_traces_on",
     },
     "security.md": {
         "baton cert issue ": "test_the_security_examples_run_as_written",

@@ -327,3 +327,27 @@ def test_the_helpers_work_the_same_untraced(client: Client) -> None:
         with consume(client, session, "t", timeout=10) as got:
             assert got.data == b"bytes" and got.traceparent == ""
     assert client.get_entry("t", "a").traceparent == ""
+
+
+def test_the_documented_environment_turns_traces_on() -> None:
+    """docs/operations.md's "Traces" block: the extra it installs is the package's
+    `trace` extra (OpenTelemetry's API, SDK and OTLP/gRPC exporter), and the variables
+    it exports turn traces on."""
+    import tomllib
+
+    from test_docs import fenced_blocks
+
+    root = Path(__file__).resolve().parent.parent
+    (block,) = [text for _, text in fenced_blocks(root / "docs" / "operations.md")
+                if text.startswith("pip install 'baton-relay[trace]'")]
+    env = dict(line.split()[1].split("=", 1) for line in block.splitlines()
+               if line.startswith("export "))
+    assert env and tracing.wanted(env)
+    assert not tracing.wanted({k: v for k, v in env.items()
+                               if k != "OTEL_EXPORTER_OTLP_ENDPOINT"})
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    wanted = {"opentelemetry-api", "opentelemetry-sdk",
+              "opentelemetry-exporter-otlp-proto-grpc"}
+    assert {d.split(">")[0].split("=")[0] for d in extras["trace"]} == wanted
+    assert "baton-relay[trace]" in extras["dev"]
