@@ -1,6 +1,7 @@
 """``python -m bench``: run the scenarios and write the report with its plots.
 
-    python -m bench [--quick] [--only claims,loops,batches,scale,watcher,cli,etcd-tls,lifetime]
+    python -m bench [--quick]
+                    [--only claims,loops,batches,pools,scale,watcher,cli,etcd-tls,lifetime]
                     [--out docs/benchmarks.md] [--set FIELD=VALUE ...]
 
 Without ``--only``, every scenario but the lifetime, which runs for hours at full size
@@ -25,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
-from . import batches, claims, cli_startup, etcd_tls, lifetime, loops, scale, watching
+from . import batches, claims, cli_startup, etcd_tls, lifetime, loops, pools, scale, watching
 from .harness import INTERRUPTED, Machine, cpu_busy, ensure_b3sum, load_average
 from .profiles import FULL, QUICK, Profile
 from .report import Section, render
@@ -35,6 +36,7 @@ SCENARIOS: dict[str, tuple[str, Scenario]] = {
     "claims": ("Claims", claims.run),
     "loops": ("Producer loops", loops.run),
     "batches": ("Batches", batches.run),
+    "pools": ("Pools", pools.run),
     "scale": ("Scale", scale.run),
     "watcher": ("Watcher", watching.run),
     "cli": ("CLI startup", cli_startup.run),

@@ -20,6 +20,9 @@ class Profile:
     profile_agents: int
     # batches
     batch_agents: tuple[int, ...]
+    #: agents of the pools scenario (a pool of that many units), and its rounds
+    pool_agents: tuple[int, ...]
+    pool_rounds: int
     batch_size: int
     batch_entries: int
     # scale
@@ -84,6 +87,8 @@ FULL = Profile(
     claim_rounds=3,
     profile_agents=16,
     batch_agents=(1, 4, 16),
+    pool_agents=(16,),
+    pool_rounds=4,
     batch_size=21,
     batch_entries=12_000,
     scale_small=1_000,
@@ -115,6 +120,8 @@ QUICK = Profile(
     claim_rounds=1,
     profile_agents=4,
     batch_agents=(2,),
+    pool_agents=(4,),
+    pool_rounds=2,
     batch_size=21,
     batch_entries=2_000,
     scale_small=200,
