@@ -47,6 +47,11 @@ KINDS = ("lost", "double", "stale", "badverify", "badread")
 BADREMOVE = "badremove"
 #: a claim handed the wrong checkpoint (see above); counted after ``|`` as well
 BADCHECKPOINT = "badcheckpoint"
+#: more units of a concurrency pool held than its limit (sampled during the run, or
+#: producer claims of its entries overlapping in the journal), and a unit left held
+#: without its claim; counted after ``|`` as well
+POOLOVER = "poolover"
+POOLLEAK = "poolleak"
 TERMINAL = ("consumed", "dead")
 #: history operations that are calls to the registry (their completions count as ops)
 CALLS = ("open-session", "claim", "commit", "fail", "consume", "ack", "nack", "create-task",
@@ -160,15 +165,17 @@ class _Seen:
 
 def check(records: list[dict[str, Any]], snap: Snapshot,
           created: dict[str, list[str]], nemeses: int = 0,
-          staged: set[str] | None = None) -> Report:
+          staged: set[str] | None = None,
+          pool_samples: list[tuple[str, int, int]] | None = None) -> Report:
     """Check a run: agents' ``records``, the final ``snap``, the entries ``created`` per
     task; ``staged``: the files under the staging root at the end (``TASK/PATH``), when
-    the staging retention removed files during the run."""
+    the staging retention removed files during the run; ``pool_samples``: the pools
+    as sampled during the run (pool, units in use, limit)."""
     hist = _Histories(records)
     report = Report(ops=hist.ops, nemeses=nemeses)
     # Counted below only when they happen; the summary line shows them at 0 too, so
     # every run's line carries the same keys (a reader's grep finds them).
-    for always in ("reaped", "retries", "tmp_left"):
+    for always in ("reaped", "retries", "tmp_left", "pool_claims", "pool_peak"):
         report.stats[always] += 0
     seen = _Seen()
     for key in sorted(set(snap.entries) | set(snap.journal)):
@@ -180,8 +187,11 @@ def check(records: list[dict[str, Any]], snap: Snapshot,
     _explain_retries(snap, hist, report)
     _check_removals(snap, staged, report)
     _check_checkpoints(snap, hist, report)
+    _check_pools(snap, pool_samples or [], report)
     report.stats[BADREMOVE] = report.count(BADREMOVE)
     report.stats[BADCHECKPOINT] = report.count(BADCHECKPOINT)
+    report.stats[POOLOVER] = report.count(POOLOVER)
+    report.stats[POOLLEAK] = report.count(POOLLEAK)
     report.stats["unknown"] = hist.unknown
     report.stats["mismatched_reads"] = hist.read_failures
     report.stats["write_failed"] = len(hist.write_failures)
@@ -533,3 +543,58 @@ def leftover_temp_files(paths: list[str], records: list[dict[str, Any]]
         else:
             left.append(path)
     return left, killed, kept
+
+
+def pool_claims(snap: Snapshot) -> dict[str, list[tuple[int, int]]]:
+    """Producer claims of pooled entries, per pool, from the journal: each from the
+    revision of its ``claimed`` record to that of the next transition (the commit, the
+    fail, the give-back that ended it); one still open ends at the snapshot's revision."""
+    out: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    for key, entry in snap.entries.items():
+        pool = entry.get("pool", "")
+        if not pool:
+            continue
+        moves = [r for r in snap.journal.get(key, []) if r.transition]
+        for i, r in enumerate(moves):
+            if r.event == "claimed":
+                end = moves[i + 1].rev if i + 1 < len(moves) else snap.revision
+                out[pool].append((r.rev, end))
+    return out
+
+
+def most_at_once(intervals: list[tuple[int, int]]) -> int:
+    """The most intervals open at one revision (one that ends at a revision is closed
+    before one that starts there opens: the same transaction freed and took a unit)."""
+    events = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])
+    most = held = 0
+    for _, step in events:
+        held += step
+        most = max(most, held)
+    return most
+
+
+def _check_pools(snap: Snapshot, samples: list[tuple[str, int, int]],
+                 report: Report) -> None:
+    """Never more units held than a pool's limit (sampled, and the journal's producer
+    claims of its entries), and no unit left held by a claim that is gone."""
+    for pool, in_use, limit in samples:
+        if limit and in_use > limit:
+            report.add(POOLOVER, ("-", pool), f"{in_use} units held, limit {limit}")
+    for pool, intervals in sorted(pool_claims(snap).items()):
+        limit = snap.pools.get(pool, 0)
+        most = most_at_once(intervals)
+        report.stats["pool_claims"] += len(intervals)
+        report.stats["pool_peak"] = max(report.stats["pool_peak"], most)
+        if limit and most > limit:
+            report.add(POOLOVER, ("-", pool), f"{most} producer claims of its entries "
+                       f"held at once in the journal, limit {limit}")
+    for key, unit in sorted(snap.units.items()):
+        try:
+            ref = ClaimRef(str(unit["kind"]), str(unit["task"]), str(unit["file"]),
+                           str(unit.get("group", "")))
+        except KeyError:
+            report.add(POOLLEAK, ("-", key.decode()), f"a unit naming no claim: {unit}")
+            continue
+        if not snap.has_claim(ref):
+            report.add(POOLLEAK, (ref.task_id, ref.file_id),
+                       f"unit {key.decode()} held, its claim ({ref.kind} {ref.group}) gone")

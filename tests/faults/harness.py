@@ -146,10 +146,18 @@ class Replicas:
 SHORT_RETENTION = 1.0
 
 
+#: the concurrency pools of a run, and their limits: every other task's producers
+#: take a unit of the first, its first consumer group's leases of the second (below
+#: the agents' numbers, so the pools bind)
+POOLS = {"faults-produce": 2, "faults-consume": 1}
+
+
 def task_spec(task_id: str, size: int, groups: tuple[str, ...],
-              retention: float | None = None) -> dict[str, Any]:
+              retention: float | None = None, pooled: bool = False) -> dict[str, Any]:
     files = [f"f{i:04d}" for i in range(size)]
-    more = {} if retention is None else {"staging_retention_seconds": retention}
+    more: dict[str, Any] = {} if retention is None else {"staging_retention_seconds": retention}
+    if pooled:
+        more["pools"] = {"produce": "faults-produce", "consume": {groups[0]: "faults-consume"}}
     return {
         "task_id": task_id,
         **more,
@@ -159,6 +167,26 @@ def task_spec(task_id: str, size: int, groups: tuple[str, ...],
         "max_retries": 12,
         "backoff": {"base_seconds": 0.2, "factor": 2.0, "cap_seconds": 2.0},
     }
+
+
+class PoolSampler(threading.Thread):
+    """Reads the pools a few times a second while the run goes on: the units each
+    holds against its limit (the checker fails the run on one over it)."""
+
+    def __init__(self, replicas: Replicas) -> None:
+        super().__init__(name="faults-pools", daemon=True)
+        self.replicas = replicas
+        self.stop = threading.Event()
+        #: (pool, units in use, limit) of each sample
+        self.samples: list[tuple[str, int, int]] = []
+
+    def run(self) -> None:
+        while not self.stop.wait(0.25):
+            try:
+                pools = self.replicas.call(lambda c: c.list_pools())
+            except errors.BatonError:
+                continue  # a nemesis: the next sample
+            self.samples += [(p.name, p.in_use, p.limit) for p in pools]
 
 
 class Feeder(threading.Thread):
@@ -176,6 +204,7 @@ class Feeder(threading.Thread):
         self.newest = ""
 
     def run(self) -> None:
+        self.define_pools()
         while not self.stop.wait(0.5):
             try:
                 tasks = self.replicas.call(lambda c: c.list_tasks())
@@ -211,8 +240,20 @@ class Feeder(threading.Thread):
                 shutil.rmtree(self.staging / task_id, ignore_errors=True)
                 self.removed.add(task_id)
 
+    def define_pools(self) -> None:
+        """The run's concurrency pools, before any task names them."""
+        for name, limit in POOLS.items():
+            while not self.stop.is_set():
+                try:
+                    self.replicas.call(lambda c, n=name, lim=limit: c.set_pool(
+                        n, lim, reason="the fault run's pools"))
+                    break
+                except errors.BatonError:
+                    self.stop.wait(0.5)
+
     def create(self, task_id: str) -> None:
-        spec = task_spec(task_id, self.cfg.task_size, self.cfg.groups, self.retention)
+        spec = task_spec(task_id, self.cfg.task_size, self.cfg.groups, self.retention,
+                         pooled=self._next % 2 == 1)
         files = [e["file_id"] for e in spec["entries"]]
         while True:
             self.history.invoke("create-task", task=task_id, files=len(files))
@@ -320,6 +361,7 @@ def _run(cfg: RunConfig, out: Path, staging: Path, driver: hist.History,
                   operator=replicas.call, network=network, etcd_quota=cluster.quota,
                   registry_ports=tuple(int(a.rsplit(":", 1)[1]) for a in addresses))
     feeder = Feeder(cfg, replicas, driver, staging)
+    sampler = PoolSampler(replicas)
     started = time.monotonic()
     released = ""
     try:
@@ -337,6 +379,7 @@ def _run(cfg: RunConfig, out: Path, staging: Path, driver: hist.History,
         for slot in agents:
             slot.start()
         feeder.start()
+        sampler.start()
         count = run_nemeses(world, list(cfg.nemeses), time.monotonic() + cfg.duration,
                             cfg.gap, cfg.every_kind)
         feeder.stop.set()
@@ -361,6 +404,9 @@ def _run(cfg: RunConfig, out: Path, staging: Path, driver: hist.History,
     finally:
         world.stop.set()
         feeder.stop.set()
+        sampler.stop.set()
+        if sampler.is_alive():
+            sampler.join(10)
         replicas.close()
         for slot in agents:
             if slot.proc is not None:
@@ -373,7 +419,9 @@ def _run(cfg: RunConfig, out: Path, staging: Path, driver: hist.History,
     snap.dump(out / "journal.jsonl")
     records = hist.read_all(out / "history")
     report = check(records, snap, feeder.created, count,
-                   staged=None if feeder.retention is None else staged)
+                   staged=None if feeder.retention is None else staged,
+                   pool_samples=sampler.samples)
+    report.stats["pool_samples"] = len(sampler.samples)
     _count_temp_files(report, temps, records)
     report.stats["seed"] = cfg.seed
     report.stats["tls"] = int(tls is not None)

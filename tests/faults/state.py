@@ -66,6 +66,9 @@ class Snapshot:
     entries: dict[EntryKey, dict[str, Any]] = field(default_factory=dict)
     journal: dict[EntryKey, list[JournalRecord]] = field(default_factory=dict)
     keys: set[bytes] = field(default_factory=set)
+    #: concurrency pools: each one's limit, and the units held (key → its value)
+    pools: dict[str, int] = field(default_factory=dict)
+    units: dict[bytes, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def k(self) -> Keys:
@@ -93,6 +96,10 @@ class Snapshot:
             self.journal.setdefault((parts[1], parts[2]), []).append(record)
         else:
             self.keys.add(key)
+            if kind == "pools" and len(parts) == 2:
+                self.pools[parts[1]] = int(json.loads(value).get("limit", 0))
+            elif kind == "poolunits" and len(parts) == 3:
+                self.units[key] = json.loads(value)
 
     def dump(self, path: Path) -> None:
         """Every journal record, one JSON object per line, with each entry's final state."""

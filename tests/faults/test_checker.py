@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 
+from baton_relay.registry.keys import ClaimRef
+
 from . import payload
 from .checker import Report, check, leftover_temp_files
 from .state import JournalRecord, Snapshot
@@ -406,3 +408,51 @@ def test_a_checkpoint_whose_agent_died_in_the_call_may_have_applied() -> None:
     refused = ((8, 65536, "ok"), (8, 131072, "invoke"), (8, 131072, "fail"))
     assert kinds(run(history=checkpointed({"token": 8, "n": 131072}, refused))) == {
         "badcheckpoint"}
+
+
+def pooled_snapshot(limit: int, overlapping: int, units: dict[bytes, dict[str, Any]]
+                    ) -> Snapshot:
+    """``overlapping`` pooled entries whose producer claims all overlap (claimed at
+    revisions 10.., committed at 100..), in a pool of ``limit``, with ``units`` held."""
+    snap = Snapshot(PREFIX)
+    snap.revision = 200
+    snap.pools["p"] = limit
+    for i in range(overlapping):
+        key = (TASK, f"f{i}")
+        snap.entries[key] = {"state": "written", "pool": "p"}
+        snap.journal[key] = [rec(10 + i, 1, "claimed", "pending", "writing"),
+                             rec(100 + i, 2, "committed", "writing", "written")]
+    snap.units.update(units)
+    return snap
+
+
+def test_pool_claims_over_the_limit_in_the_journal_are_found() -> None:
+    from .checker import POOLOVER, _check_pools
+
+    within, over = Report(), Report()
+    _check_pools(pooled_snapshot(3, 3, {}), [], within)
+    _check_pools(pooled_snapshot(2, 3, {}), [], over)
+    assert within.ok and within.stats["pool_peak"] == 3
+    assert kinds(over) == {POOLOVER}
+
+
+def test_a_pool_sampled_over_its_limit_fails_the_run() -> None:
+    from .checker import POOLOVER, _check_pools
+
+    report = Report()
+    _check_pools(Snapshot(PREFIX), [("p", 2, 2), ("p", 3, 2), ("q", 1, 0)], report)
+    assert [v.kind for v in report.violations] == [POOLOVER]
+
+
+def test_a_unit_left_held_without_its_claim_is_a_leak() -> None:
+    from .checker import POOLLEAK, _check_pools
+
+    unit = {"kind": "p", "task": TASK, "file": "f0", "group": ""}
+    snap = pooled_snapshot(3, 1, {b"/p/poolunits/p/00000": unit})
+    leaked = Report()
+    _check_pools(snap, [], leaked)
+    assert kinds(leaked) == {POOLLEAK}
+    snap.keys.add(snap.k.inflight(ClaimRef("p", TASK, "f0")))
+    held = Report()
+    _check_pools(snap, [], held)  # its claim's twin is there: a claim in flight
+    assert held.ok
