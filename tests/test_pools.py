@@ -5,6 +5,7 @@ entries are passed over, and every way a claim ends gives its unit back."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import subprocess
 import sys
@@ -218,7 +219,7 @@ def claim_intervals(registry: RegistryHandle, tasks: list[str]) -> list[tuple[in
                     (kv.create_revision, json.loads(kv.value)["event"]))
             for records in by_entry.values():
                 records.sort()
-                for (rev, event), (end, _) in zip(records, records[1:]):
+                for (rev, event), (end, _) in itertools.pairwise(records):
                     if event == "claimed":
                         out.append((rev, end))
         return out
