@@ -139,7 +139,7 @@ class Consumers:
         ref = ClaimRef("c", rec.task_id, rec.file_id, group)
         # first: a session without a free slot is refused before anything is written
         await take(self.core, txn, ref, slots, caller.name, rec.consume_deadline,
-                   rec.stall_after, pool=rec.consume_pools.get(group, ""))
+                   rec.stall_after, pool=rec.consume_pool(group))
         cready_key = self.keys.cready(rec.task_id, group, rec.file_id)
         txn.require(present(cready_key))
         txn.delete(cready_key)
@@ -195,7 +195,7 @@ class Consumers:
                     nothing=lambda _denied: NothingToClaim(
                         f"nothing to consume for group {group!r} in task {task_id!r}",
                         task_id=task_id, group=group),
-                    pool_of=lambda rec: rec.consume_pools.get(group, ""), pools=slots.pools)
+                    pool_of=lambda rec: rec.consume_pool(group), pools=slots.pools)
         return await pick(self.core, txn, head, want)
 
     async def _live(

@@ -37,7 +37,7 @@ class Event(StrEnum):
 #: what a failed attempt leaves behind and the next attempt must not see: reset
 #: together, written once (every give-back path uses it, not a copy of it)
 ATTEMPT = ("owner", "session", "size", "digest", "committed_digest", "committed_token",
-           "observed", "attributes", "rule", "routed_to")
+           "observed", "attributes", "rule", "routed_to", "routed_pools")
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ TABLE: dict[tuple[State, Event], Move] = {
     (VERIFIED, Event.DIE): Move(DEAD, (*ATTEMPT, "nacked_until")),
     (WRITING, Event.REVOKE): Move(PENDING, (*ATTEMPT, "not_before")),
     (VERIFIED, Event.UNVERIFY): Move(PENDING, ("size", "digest", "rule", "routed_to",
-                                               "nacked_until"),
+                                               "routed_pools", "nacked_until"),
                                      (("deps_ok", False),)),
     (DEAD, Event.REQUEUE): Move(PENDING, ("retry_count", "not_before")),
     # a permanent failure: dead at once, no retry spent (fail/nack --permanent)

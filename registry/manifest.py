@@ -190,6 +190,14 @@ def _pool_problems(spec: pb.TaskSpec, groups: list[str], owner: dict[str, str]) 
             if group not in receivers:
                 problems.append(f"{where}: pools.consume names group {shown(group)}, "
                                 f"which does not consume it (groups: {sorted(receivers)})")
+    for i, rule in enumerate(spec.routing_rules[:routing.MAX_RULES]):
+        for group, name in rule.pools.items():
+            if group not in rule.groups:
+                problems.append(f"routing_rules[{i}]: pools names group {shown(group)}, "
+                                f"which the rule does not route to ({list(rule.groups)})")
+            if not ID_RE.match(name):
+                problems.append(f"routing_rules[{i}]: pool name {shown(name)} is not an id "
+                                f"({ID_RE.pattern})")
     for e in spec.entries:
         if e.file_id in owner and e.HasField("pools") and e.pools.consume:
             problems.append(f"entry {shown(e.file_id)} is a part of {shown(owner[e.file_id])}: "
@@ -394,7 +402,8 @@ def validate(spec: pb.TaskSpec) -> ValidTask:
     all_groups = set(groups) | {g for e in spec.entries for g in e.consumers}
     problems += access.problems(spec.access, all_groups)
     problems += _pool_problems(spec, groups, owner)
-    rules = tuple(routing.Rule(r.condition, list(r.groups)) for r in spec.routing_rules)
+    rules = tuple(routing.Rule(r.condition, list(r.groups), dict(r.pools))
+                  for r in spec.routing_rules)
     problems += _routing_problems(spec, rules, groups, owner)
     size = spec.ByteSize()
     if size > MAX_MANIFEST_BYTES:
@@ -450,7 +459,8 @@ def validate(spec: pb.TaskSpec) -> ValidTask:
         for e in spec.entries
     ]
     used = sorted({r.pool for r in entries if r.pool}
-                  | {p for r in entries for p in r.consume_pools.values()})
+                  | {p for r in entries for p in r.consume_pools.values()}
+                  | {p for rule in rules for p in rule.pools.values()})
     task_pools: dict[str, object] = {}
     if spec.pools.produce:
         task_pools["produce"] = spec.pools.produce

@@ -206,6 +206,8 @@ class EntryRecord:
     #: pool of each consumer group's leases (groups not named take none)
     pool: str = ""
     consume_pools: dict[str, str] = field(default_factory=dict)
+    #: the pools its routing rule named for the groups it sent it to (reset with it)
+    routed_pools: dict[str, str] = field(default_factory=dict)
     #: the trace context of its hand-off (W3C traceparent; "" = untraced): the
     #: producer's attempt's span once claimed, the watcher's verification span once
     #: verified (docs/operations.md, "Traces"); kept after a failed attempt (a dead
@@ -264,7 +266,12 @@ class EntryRecord:
 
     def unroute(self) -> None:
         """Forget the routing decision: the next verification routes it afresh."""
-        self.rule, self.routed_to = -1, []
+        self.rule, self.routed_to, self.routed_pools = -1, [], {}
+
+    def consume_pool(self, group: str) -> str:
+        """The concurrency pool ``group``'s leases of it take a unit of ("" = none): its
+        routing rule's for the group, else its own."""
+        return self.routed_pools.get(group) or self.consume_pools.get(group, "")
 
     @property
     def done(self) -> bool:
@@ -352,8 +359,9 @@ class EntryRecord:
             consumed_at=_iso(self.consumed_at) if self.consumed_at else "",
             staging_removed_at=(self.staging_removed or {}).get("at", ""),
             traceparent=self.traceparent,
-            pools=pb.Pools(produce=self.pool, consume=self.consume_pools)
-            if self.pool or self.consume_pools else None,
+            pools=pb.Pools(produce=self.pool, consume={**self.consume_pools,
+                                                       **self.routed_pools})
+            if self.pool or self.consume_pools or self.routed_pools else None,
         )
 
 
@@ -429,7 +437,8 @@ class TaskRecord:
             access=access_from_dict(self.access),
             digest_optional=self.digest_optional,
             archive_after_seconds=self.archive_after,
-            routing_rules=[pb.RoutingRule(condition=r["condition"], groups=r["groups"])
+            routing_rules=[pb.RoutingRule(condition=r["condition"], groups=r["groups"],
+                                          pools=r.get("pools", {}))
                            for r in self.routing_rules],
             staging_retention_seconds=self.staging_retention,
             pools=pb.Pools(produce=self.pools.get("produce", ""),

@@ -258,7 +258,7 @@ class PoolAdmin:
     @staticmethod
     def _one(kv: KV, group: str, names: set[str], out: dict[str, int]) -> None:
         rec = EntryRecord.load(kv.value)
-        pool = rec.consume_pools.get(group, "") if group else rec.pool
+        pool = rec.consume_pool(group) if group else rec.pool
         if pool in names:
             out[pool] = out.get(pool, 0) + 1
 

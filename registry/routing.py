@@ -23,7 +23,7 @@ import functools
 import json
 import re
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
@@ -249,6 +249,8 @@ def _depth(value: Any) -> int:
 class Rule:
     condition: str
     groups: list[str]
+    #: group -> the concurrency pool its leases of the entries routed so take from
+    pools: dict[str, str] = field(default_factory=dict)
 
 
 def problems(rules: Sequence[Rule], groups: Sequence[str], where: str = "") -> list[str]:

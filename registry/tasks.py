@@ -120,7 +120,8 @@ class Tasks:
             archive_after=archive_after,
             staging_retention=(req.spec.staging_retention_seconds
                                if req.spec.HasField("staging_retention_seconds") else None),
-            routing_rules=[{"condition": r.condition, "groups": r.groups}
+            routing_rules=[{"condition": r.condition, "groups": r.groups,
+                            **({"pools": r.pools} if r.pools else {})}
                            for r in valid.routing_rules],
             readers=access.readers_of(dict(valid.access or {}), valid.entries,
                                       valid.consumers),

@@ -79,11 +79,13 @@ class Verifier:
             return {}
         (task_kv,) = await txn.peek_many([self.keys.task(rec.task_id)])
         task = need_task(task_kv, rec.task_id)
-        rules = [Rule(r["condition"], list(r["groups"])) for r in task.routing_rules]
+        rules = [Rule(r["condition"], list(r["groups"]), dict(r.get("pools", {})))
+                 for r in task.routing_rules]
         decided = route(rules, rec.attributes)
         if decided is None:
             return {"rule": None, "groups": list(rec.consumers)}
         rec.rule, rec.routed_to = decided
+        rec.routed_pools = dict(rules[rec.rule].pools)
         return {"rule": rec.rule, "groups": list(rec.routed_to)}
 
     def open_to_consumers(self, rec: EntryRecord, txn: Txn) -> None:
@@ -112,12 +114,12 @@ class Verifier:
         held = await txn.get_many([self.keys.claim(r) for r in mine])
         # a twin whose claim's lease ended names the pool unit it still holds
         twins = await txn.peek_many([self.keys.inflight(r) for r in mine
-                                     if rec.consume_pools.get(r.group)])
+                                     if rec.consume_pool(r.group)])
         claims, lone = iter(held), iter(twins)
         for ref in refs:
             txn.delete(self.keys.cready(rec.task_id, ref.group, rec.file_id))
             if ref.group != ended:
-                twin = next(lone) if rec.consume_pools.get(ref.group) else None
+                twin = next(lone) if rec.consume_pool(ref.group) else None
                 # a lone twin goes too (with the unit it names)
                 end(self.core, txn, ref, next(claims), guard=True, twin=twin)
         for group, until in rec.nacked_until.items():

@@ -285,3 +285,35 @@ def test_thirty_two_agents_on_four_tasks_never_hold_more_than_the_pools_limit(
     assert len(intervals) >= 240
     assert overlap(intervals) <= 5
     wait_for(lambda: units(registry, "shared") == [], what="no unit left held")
+
+
+def test_a_routing_rule_chooses_a_groups_pool_by_attributes(
+        client: Client, registry: RegistryHandle) -> None:
+    """The rule that routes an entry may name the pool of its groups' leases: a big
+    file's consume takes a unit of `heavy`, a small one's none."""
+    client.set_pool("heavy", 1)
+    client.create_task({"task_id": "t", "consumers": ["ocr"], "routing_rules": [
+        {"condition": "$[?(@.pages > 100)]", "groups": ["ocr"], "pools": {"ocr": "heavy"}},
+        {"condition": "$[?(@.pages <= 100)]", "groups": ["ocr"]}],
+        "entries": [{"file_id": f, "path": f} for f in ("big", "big2", "small")]})
+    digest = blake3.blake3(b"x").hexdigest()
+    with client.open_session("a", ttl=30, keepalive=False) as s:
+        for f, pages in (("big", 500), ("big2", 300), ("small", 3)):
+            c = client.claim("t", f, session=s)
+            client.commit("t", f, c.token, 1, digest, session=s, attributes={"pages": pages})
+            client.report("t", f, 1, digest, reporter="w")
+        assert dict(client.get_entry("t", "big").pools.consume) == {"ocr": "heavy"}
+        assert not client.get_entry("t", "small").HasField("pools")
+        client.consume("t", "ocr", "big", session=s)
+        assert [u["file"] for u in units(registry, "heavy")] == ["big"]
+        with pytest.raises(NothingToClaim, match="heavy"):
+            client.consume("t", "ocr", "big2", session=s)
+        client.consume("t", "ocr", "small", session=s)  # its rule names no pool
+        assert len(units(registry, "heavy")) == 1
+
+
+def test_a_routing_rule_naming_a_pool_for_another_group_is_refused(client: Client) -> None:
+    with pytest.raises(InvalidManifest, match=r"routing_rules\[0\]: pools names group 'x'"):
+        client.create_task({"task_id": "t", "consumers": ["ocr"], "routing_rules": [
+            {"condition": "$[?(@.a)]", "groups": ["ocr"], "pools": {"x": "p"}}],
+            "entries": [{"file_id": "a", "path": "a"}]})
