@@ -210,6 +210,9 @@ def _request(method: str, world: dict[str, Any]) -> Any:
         "MoveShard": pb.MoveShardRequest(shard=0, to_watcher="0123456789abcdef"),
         "Rebalance": pb.RebalanceRequest(),
         "DrainWatcher": pb.DrainWatcherRequest(watcher_id="0123456789abcdef"),
+        "SetPool": pb.SetPoolRequest(name="matrix", limit=1),
+        "ListPools": pb.ListPoolsRequest(),
+        "DeletePool": pb.DeletePoolRequest(name="matrix"),
     }[method]
 
 
