@@ -24,6 +24,7 @@ from ..kernel.backoff import Backoff
 from ..kernel.errors import BatonError, NotFound
 from ._etcd import KV, Etcd
 from .archive_store import Archived, Archives
+from .backlog import Backlogs
 from .fanout import Fanout
 from .keys import ClaimRef, Keys
 from .machine import Event, apply
@@ -119,6 +120,8 @@ class Core:
         self.stuck_written_after = 600.0
         #: seconds a consumed entry's file stays in staging unless its manifest says
         self.staging_retention = 86400.0
+        #: limited tasks' backlogs: counted for producers' claims (back-pressure)
+        self.backlogs = Backlogs(etcd, keys)
 
     async def start(self) -> None:
         if self.view is not None:

@@ -387,6 +387,9 @@ class TaskRecord:
     readers: list[str] | None = None
     #: its manifest's staging retention (None: the registry's default when created)
     staging_retention: float | None = None
+    #: per consumer group, the most entries its backlog may hold (producers' claims
+    #: are refused with Backpressure at it); empty: no limit, no counting
+    backlog_limits: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def load(cls, raw: bytes) -> TaskRecord:
@@ -414,6 +417,8 @@ class TaskRecord:
             routing_rules=[pb.RoutingRule(condition=r["condition"], groups=r["groups"])
                            for r in self.routing_rules],
             staging_retention_seconds=self.staging_retention,
+            backlog_limits={g: pb.BacklogLimit(entries=n)
+                            for g, n in self.backlog_limits.items()},
         )
         return pb.Task(
             spec=spec,

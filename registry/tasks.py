@@ -124,6 +124,7 @@ class Tasks:
                            for r in valid.routing_rules],
             readers=access.readers_of(dict(valid.access or {}), valid.entries,
                                       valid.consumers),
+            backlog_limits=dict(valid.backlog_limits),
         )
 
         async def header(txn: Txn) -> TaskRecord | None:
