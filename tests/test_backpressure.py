@@ -4,20 +4,27 @@ registry; the producing helpers wait it out."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import threading
+import time
+from pathlib import Path
 from typing import Any
 
 import blake3
 import pytest
-from registry_fixtures import on_etcd, produce_verified
+from registry_fixtures import agent_processes, on_etcd, produce_verified
 from test_cli import invoke, one_error_line
 
 from baton_relay.client import Client, Session, produce
 from baton_relay.kernel import errors
 from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.registry._etcd import KV, Etcd
+from baton_relay.registry.keys import Keys
+
+#: the pipeline's agents (producers and a consumer), as processes
+PIPELINE_PROC = Path(__file__).with_name("pipeline_proc.py")
 
 
 def digest(data: bytes) -> str:
@@ -224,3 +231,70 @@ def test_the_cli_exits_9_naming_the_group(client: Client, registry: Any) -> None
     shown = invoke(registry, "task", "get", "t", "-o", "json")
     assert shown.exit_code == 0, shown.output
     assert json.loads(shown.stdout)["spec"]["backlog_limits"]["g"]["entries"] == 1
+
+
+# --- acceptance: a two-stage pipeline whose consumer is 10x slower ---------------------
+
+#: the issue's figures: a limit of 50, three producers, a consumer 10x slower than each
+LIMIT, PRODUCERS, PRODUCE_SECONDS, CONSUME_SECONDS = 50, 3, 0.01, 0.1
+#: how long the backlog is sampled once it has grown to the limit
+SAMPLED_SECONDS = 6.0
+
+
+def sample_backlog(registry: Any, task_id: str, group: str, until_over: int,
+                   seconds: float) -> list[int]:
+    """The group's backlog (verified entries waiting for it plus those it holds),
+    counted from etcd every 20 ms: until it reaches ``until_over`` (20 s at most),
+    then for ``seconds`` more."""
+    keys = Keys(registry.prefix)
+    prefixes = [keys.cready_all(task_id, group), keys.inflight_of_group(task_id, group)]
+
+    async def work(etcd: Etcd) -> list[int]:
+        seen: list[int] = []
+        reached = 0.0
+        start = time.monotonic()
+        while True:
+            seen.append(sum(await etcd.counts(prefixes)))
+            now = time.monotonic()
+            if not reached and (seen[-1] >= until_over or now - start > 20):
+                reached = now
+            if reached and now - reached >= seconds:
+                return seen
+            await asyncio.sleep(0.02)  # the sampling period
+
+    return on_etcd(registry.etcd, work, timeout=10)
+
+
+def run_pipeline(client: Client, registry: Any, limit: int | None) -> list[int]:
+    """Three producer processes and one consumer process on a task of 2,000 entries
+    (more than they get through); the consumer's backlog as sampled while they run."""
+    client.create_task(manifest(2000, limit))
+    with agent_processes(PIPELINE_PROC, registry) as spawn:
+        consumer = spawn("consumer", "t", "g", CONSUME_SECONDS)
+        producers = [spawn("producer", "t", PRODUCE_SECONDS) for _ in range(PRODUCERS)]
+        seen = sample_backlog(registry, "t", "g", 2 * LIMIT if limit is None else limit,
+                              SAMPLED_SECONDS)
+        codes = [p.poll() for p in [consumer, *producers]]
+    assert codes == [None] * (1 + PRODUCERS), f"an agent process ended: {codes}"
+    return seen
+
+
+@pytest.mark.slow
+def test_a_backlog_limit_holds_a_fast_producer_back(client: Client, registry: Any) -> None:
+    """Limit 50, three producers, a consumer 10x slower: sampled throughout, the
+    group's backlog reaches the limit and never exceeds 50 + the 3 producers."""
+    seen = run_pipeline(client, registry, LIMIT)
+    assert max(seen) >= LIMIT - PRODUCERS, max(seen)  # the limit was what held them
+    assert max(seen) <= LIMIT + PRODUCERS, (max(seen), seen)
+    assert client.get_task("t").spec.backlog_limits["g"].entries == LIMIT
+
+
+@pytest.mark.slow
+def test_without_a_limit_the_backlog_grows_without_bound(
+        client: Client, registry: Any) -> None:
+    """The same pipeline without a limit: the backlog grows well past 50 + 3 and is
+    still growing at the end."""
+    seen = run_pipeline(client, registry, None)
+    assert max(seen) > 2 * LIMIT + PRODUCERS, max(seen)
+    half = len(seen) // 2
+    assert max(seen[half:]) > max(seen[:half]), "the backlog stopped growing"
