@@ -47,16 +47,14 @@ class GroupBacklog:
 
 
 class Backlogs:
-    """Counts limited tasks' backlogs for claims (and ``GetTask``), and keeps what the
-    metrics read: refusals by (task, group), and each group's last count."""
+    """Counts limited tasks' backlogs for claims (and ``GetTask``, ``explain``, the
+    metrics), and keeps the refusals by (task, group) for the metrics."""
 
     def __init__(self, etcd: Etcd, keys: Keys) -> None:
         self.etcd = etcd
         self.keys = keys
         #: producer claims refused, by (task, group)
         self.refusals: Counter[tuple[str, str]] = Counter()
-        #: the last count of each limited group, by (task, group)
-        self.last: dict[tuple[str, str], GroupBacklog] = {}
 
     async def count(self, task_id: str, limits: Mapping[str, int]) -> list[GroupBacklog]:
         """Each limited group's backlog now, in the order of its name: one etcd
@@ -68,12 +66,9 @@ class Backlogs:
                          self.keys.inflight_of_group(task_id, group)]
         counts = await self.etcd.counts(prefixes)
         producing = counts[0]
-        out = [GroupBacklog(group, counts[1 + 2 * i] + counts[2 + 2 * i] + producing,
-                            limits[group])
-               for i, group in enumerate(groups)]
-        for b in out:
-            self.last[task_id, b.group] = b
-        return out
+        return [GroupBacklog(group, counts[1 + 2 * i] + counts[2 + 2 * i] + producing,
+                             limits[group])
+                for i, group in enumerate(groups)]
 
     async def check(self, task_id: str, limits: Mapping[str, int]) -> int | None:
         """Refuse a producer's claim on ``task_id`` while a group is at its limit
@@ -93,11 +88,3 @@ class Backlogs:
             f"claims being produced), at or over its limit of {worst.limit}; claims "
             "resume once it consumes", task_id=task_id, group=worst.group,
             backlog=worst.backlog, limit=worst.limit, over=worst.backlog - worst.limit)
-
-    def forget(self, task_id: str) -> None:
-        """Drop what is kept of a task (removed or archived): its labels leave the
-        metrics."""
-        for key in [k for k in self.last if k[0] == task_id]:
-            del self.last[key]
-        for key in [k for k in self.refusals if k[0] == task_id]:
-            del self.refusals[key]

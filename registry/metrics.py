@@ -48,6 +48,7 @@ from ..kernel.errors import ERROR_NAMES, BatonError
 from ..kernel.metrics_endpoint import MetricsEndpoint, serve_metrics
 from ..kernel.names import state_name, status_name
 from ..kernel.v1 import baton_pb2 as pb
+from .backlog import GroupBacklog
 from .model import TaskRecord
 
 if TYPE_CHECKING:
@@ -188,6 +189,8 @@ class RegistryMetrics:
         #: watchers registered, and shards by state (owned, moving, unowned)
         self._watchers = 0
         self._shards: dict[str, int] = {}
+        #: limited groups' backlogs, by task, as the last refresh counted them
+        self._backlogs: list[tuple[str, GroupBacklog]] = []
         self._counted_at = -1.0
         self._endpoint: MetricsEndpoint | None = None
         #: the replica's loop, where a scrape refreshes and reads the levels
@@ -325,6 +328,7 @@ class RegistryMetrics:
         self._tasks = tasks
         if self._sources.shards is not None:
             await self._count_shards(self._sources.shards)
+        await self._count_backlogs(core, headers)
         now = time.monotonic()
         if self._counted_at >= 0 and now - self._counted_at < self.count_ttl:
             return
@@ -337,6 +341,20 @@ class RegistryMetrics:
         counts = await asyncio.gather(*(core.etcd.count(p) for p in prefixes))
         self._indexes = dict(zip(INDEXES, counts, strict=True))
         self._counted_at = now
+
+    async def _count_backlogs(self, core: Core, headers: list[Any]) -> None:
+        """Each limited group's backlog in the tasks that hand out work: one etcd
+        request per task with ``backlog_limits`` (none for a task without)."""
+        found: list[tuple[str, GroupBacklog]] = []
+        for kv in headers:
+            try:
+                task = TaskRecord.load(kv.value)
+            except Exception:  # counted as "unknown" above
+                continue
+            if task.backlog_limits and task.status in ("active", "paused"):
+                found += [(task.task_id, b) for b in
+                          await core.backlogs.count(task.task_id, task.backlog_limits)]
+        self._backlogs = found
 
     async def _count_shards(self, shards: Shards) -> None:
         """Watchers registered and shards by state, from the view's mirror."""
@@ -375,6 +393,28 @@ class RegistryMetrics:
         yield CounterMetricFamily(
             "baton_txn_committed", "Transactions sent to etcd (applied or not)",
             value=txns.committer.carried)
+        # Labelled by task and group: only tasks whose manifest sets backlog_limits,
+        # a set their operators chose to bound.
+        refusals = CounterMetricFamily(
+            "baton_backpressure_refusals", "Producers' claims this replica refused with "
+            "Backpressure, by task and by the consumer group at its backlog limit",
+            labels=["task", "group"])
+        for (task_id, group), n in sorted(sources.core.backlogs.refusals.items()):
+            refusals.add_metric([task_id, group], n)
+        yield refusals
+        backlog = GaugeMetricFamily(
+            "baton_backlog", "A limited consumer group's backlog (verified entries not "
+            "yet acked by it, plus the task's producer claims in flight), by task and group",
+            labels=["task", "group"])
+        limit = GaugeMetricFamily(
+            "baton_backlog_limit", "The group's backlog limit (the manifest's "
+            "backlog_limits): producers' claims are refused while baton_backlog >= it",
+            labels=["task", "group"])
+        for task_id, b in self._backlogs:
+            backlog.add_metric([task_id, b.group], b.backlog)
+            limit.add_metric([task_id, b.group], b.limit)
+        yield backlog
+        yield limit
         if sources.reaper is not None:
             yield CounterMetricFamily(
                 "baton_reaped_claims", "Claims whose lease was gone, moved on by this "

@@ -9,13 +9,15 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import blake3
 import pytest
 from registry_fixtures import agent_processes, on_etcd, produce_verified
-from test_cli import invoke, one_error_line
+from test_cli import invoke, ok_json, one_error_line
+from test_metrics import check_conventions, metrics_port, scrape
 
 from baton_relay.client import Client, Session, produce
 from baton_relay.kernel import errors
@@ -231,6 +233,44 @@ def test_the_cli_exits_9_naming_the_group(client: Client, registry: Any) -> None
     shown = invoke(registry, "task", "get", "t", "-o", "json")
     assert shown.exit_code == 0, shown.output
     assert json.loads(shown.stdout)["spec"]["backlog_limits"]["g"]["entries"] == 1
+
+
+def test_explain_get_task_and_top_say_a_task_is_back_pressured(
+        client: Client, registry: Any) -> None:
+    """A pending entry's explanation names the group, its backlog and limit; GetTask
+    carries each limited group's backlog, and `baton top -o json` shows it."""
+    client.create_task(manifest(3, 1, ("g", "h")))
+    with client.open_session("p", ttl=30, keepalive=False) as s:
+        produce_verified(client, s, "t", "e00")
+    text = client.explain("t", "e01").text
+    assert "back-pressured" in text and "consumer group g has a backlog of 1" in text
+    assert "limit of 1" in text
+    (b,) = client.get_task("t").backlog
+    assert (b.group, b.backlog, b.limit, b.over) == ("g", 1, 1, True)
+    top = ok_json(invoke(registry, "top", "--once", "-o", "json"))
+    assert top["tasks"][0]["backlog"] == [{"group": "g", "backlog": 1, "limit": 1,
+                                           "over": True}]
+
+
+def test_refusals_and_backlogs_are_exported(
+        registry_factory: Callable[..., Any]) -> None:
+    """A refusal counts in baton_backpressure_refusals_total{task, group}; the limited
+    group's backlog and limit are gauges; a task without limits is not labelled."""
+    registry = registry_factory(metrics="127.0.0.1:0")
+    with Client(registry.address, timeout=10) as client:
+        client.create_task(manifest(3, 1))
+        client.create_task({"task_id": "free", "entries": [{"file_id": "a", "path": "a"}]})
+        with client.open_session("p", ttl=30, keepalive=False) as s:
+            produce_verified(client, s, "t", "e00")
+            refused(client, s)
+            refused(client, s)
+            client.claim("free", session=s)
+    m = scrape(metrics_port(registry))
+    check_conventions(m)
+    assert m.value("baton_backpressure_refusals_total", task="t", group="g") == 2
+    assert m.value("baton_backlog", task="t", group="g") == 1
+    assert m.value("baton_backlog_limit", task="t", group="g") == 1
+    assert "free" not in m.label_values()
 
 
 # --- acceptance: a two-stage pipeline whose consumer is 10x slower ---------------------
