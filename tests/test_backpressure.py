@@ -20,6 +20,7 @@ from test_cli import invoke, ok_json, one_error_line
 from test_metrics import check_conventions, metrics_port, scrape
 
 from baton_relay.client import Client, Session, produce
+from baton_relay.client.aio import AsyncClient
 from baton_relay.kernel import errors
 from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.registry._etcd import KV, Etcd
@@ -216,6 +217,50 @@ def test_produce_gives_up_after_its_wait(client: Client) -> None:
         produce_verified(client, s, "t", "e00")
         with pytest.raises(errors.Backpressure), produce(client, s, "t", wait=0.3) as out:
             out.write(b"never")
+
+
+def test_the_async_session_waits_then_claims(client: Client, registry: Any) -> None:
+    """``AsyncSession.claim_waiting`` at the limit waits, logging once, while another
+    session of the same loop consumes and acks; then it claims. A bare ``claim``
+    raises, and a wait that runs out raises the last refusal."""
+    client.create_task(manifest(3, 1))
+    with client.open_session("p", ttl=30, keepalive=False) as s:
+        produce_verified(client, s, "t", "e00")
+    seen = _Seen()
+    logger = logging.getLogger("baton.client")
+    logger.addHandler(seen)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+
+    async def consume_once(ac: AsyncClient) -> str:
+        deadline = time.monotonic() + 20
+        while not seen.event.is_set():  # until the producer says it waits
+            assert time.monotonic() < deadline, "the producer never said it waits"
+            await asyncio.sleep(0.02)
+        async with ac.session("c", ttl=30) as cs:
+            lease = await cs.consume("t", "g")
+            await cs.ack("t", lease.file_id, "g", lease.token)
+            return lease.file_id
+
+    async def main() -> tuple[str, str]:
+        async with AsyncClient(registry.address) as ac, ac.session("p", ttl=30) as ps:
+            with pytest.raises(errors.Backpressure):
+                await ps.claim("t")
+            with pytest.raises(errors.Backpressure):
+                await ps.claim_waiting("t", wait=0.2)
+            seen.event.clear()
+            seen.lines.clear()
+            claim, acked = await asyncio.gather(ps.claim_waiting("t", wait=30),
+                                                consume_once(ac))
+            return claim.file_id, acked
+
+    try:
+        claimed, acked = asyncio.run(main())
+    finally:
+        logger.removeHandler(seen)
+        logger.setLevel(old_level)
+    assert (claimed, acked) == ("e01", "e00")
+    assert len(seen.lines) == 1
 
 
 def test_the_cli_exits_9_naming_the_group(client: Client, registry: Any) -> None:
