@@ -37,7 +37,7 @@ if TYPE_CHECKING:
         read_verified,
     )
     from .failures import PermanentError, RetryAfter
-    from .producer import Output, produce, produce_each, put
+    from .producer import Output, claim_waiting, produce, produce_each, put
     from .retry import RetryPolicy
 
 #: each public name and the module that defines it
@@ -58,6 +58,7 @@ _HOME = {
     "PermanentError": ".failures",
     "RetryAfter": ".failures",
     "Output": ".producer",
+    "claim_waiting": ".producer",
     "produce": ".producer",
     "produce_each": ".producer",
     "put": ".producer",
@@ -74,6 +75,7 @@ __all__ = [
     "RetryAfter",
     "RetryPolicy",
     "Session",
+    "claim_waiting",
     "consume",
     "consume_each",
     "errors",

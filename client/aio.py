@@ -50,6 +50,7 @@ from ._wire import (
     error_of,
     raise_from_rpc,
 )
+from .retry import BACKPRESSURE_BACKOFF, BACKPRESSURE_WAIT, waiting_line
 
 __all__ = ["AsyncClient", "AsyncSession"]
 
@@ -404,6 +405,26 @@ class AsyncSession:
             task_id=task_id, file_id=file_id, session_id=self.session_id,
             traceparent=tracing.current() if traceparent is None else traceparent))
         return Claim.of(task_id, r, self.session_id)
+
+    async def claim_waiting(self, task_id: str, file_id: str = "", *,
+                            wait: float = BACKPRESSURE_WAIT,
+                            backoff: Backoff = BACKPRESSURE_BACKOFF) -> Claim:
+        """``claim``, waiting out ``Backpressure`` (a consumer group of the task at its
+        backlog limit) with jittered backoff for up to ``wait`` seconds, then raising
+        the last refusal; logged at INFO once per wait."""
+        deadline = time.monotonic() + wait
+        failures = 0
+        while True:
+            try:
+                return await self.claim(task_id, file_id)
+            except errors.Backpressure as e:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                failures += 1
+                if failures == 1:
+                    log.info(waiting_line(e, wait))
+                await asyncio.sleep(min(backoff.delay(failures), left))
 
     async def claim_batch(self, task_id: str, max_count: int) -> list[Claim]:
         """Claim up to ``max_count`` entries in one transaction (all or nothing)."""

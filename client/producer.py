@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -27,12 +28,16 @@ from typing import Any, BinaryIO
 import blake3
 
 from ..kernel import tracing
+from ..kernel.backoff import Backoff
 from ..kernel.contract import TEMP_MARKER, parse_attempt, parse_temp
-from ..kernel.errors import BatonError, Draining, InvalidArgument, NothingToClaim
+from ..kernel.errors import Backpressure, BatonError, Draining, InvalidArgument, NothingToClaim
 from ..kernel.v1 import baton_pb2 as pb
 from ._client import Client, Session
 from ._wire import Attributes, Claim
 from .failures import handing_back
+from .retry import BACKPRESSURE_BACKOFF, BACKPRESSURE_WAIT, waiting_line
+
+log = logging.getLogger("baton.client")
 
 #: random bytes in a temp file's name (hex-encoded): 64 bits nobody can guess
 NONCE_BYTES = 8
@@ -319,18 +324,20 @@ def _attempt_span(task_id: str, file_id: str) -> Any:
 
 
 def _claim(client: Client, session: Session | int, task_id: str, file_id: str,
-           root: Any) -> Claim:
+           root: Any, wait: float) -> Claim:
     """Claim for the attempt whose span is ``root``: the entry keeps it (the watcher's
     and the consumers' spans follow it). A claim that takes nothing leaves no trace:
-    its spans are never ended, so never sent."""
+    its spans are never ended, so never sent. Back-pressure is waited out for up to
+    ``wait`` seconds (``claim_waiting``)."""
     if root is None:
-        return client.claim(task_id, file_id, session=session, traceparent="")
+        return claim_waiting(client, session, task_id, file_id, wait=wait, traceparent="")
     parent = tracing.traceparent(root)
     span = tracing.start("baton.claim", parent=parent)
     try:
         with tracing.active(span):
-            claim = client.claim(task_id, file_id, session=session, traceparent=parent)
-    except (NothingToClaim, Draining):
+            claim = claim_waiting(client, session, task_id, file_id, wait=wait,
+                                  traceparent=parent)
+    except (NothingToClaim, Draining, Backpressure):
         raise  # nothing was taken: no trace of it
     except BaseException as e:
         tracing.end(span, e)
@@ -346,11 +353,37 @@ def _claimed(root: Any, claim: Claim) -> None:
                               "baton.attempt": claim.attempt})
 
 
+def claim_waiting(client: Client, session: Session | int, task_id: str, file_id: str = "",
+                  *, wait: float = BACKPRESSURE_WAIT,
+                  backoff: Backoff = BACKPRESSURE_BACKOFF,
+                  sleep: Callable[[float], None] = time.sleep,
+                  clock: Callable[[], float] = time.monotonic,
+                  traceparent: str | None = None) -> Claim:
+    """``client.claim``, waiting out ``Backpressure`` (a consumer group of the task at
+    its backlog limit) with jittered backoff for up to ``wait`` seconds, then raising
+    the last refusal. Logged at INFO once per wait; other errors are raised at once.
+    ``traceparent``: as ``Client.claim`` takes it."""
+    deadline = clock() + wait
+    failures = 0
+    while True:
+        try:
+            return client.claim(task_id, file_id, session=session, traceparent=traceparent)
+        except Backpressure as e:
+            left = deadline - clock()
+            if left <= 0:
+                raise
+            failures += 1
+            if failures == 1:
+                log.info(waiting_line(e, wait))
+            sleep(min(backoff.delay(failures), left))
+
+
 @contextmanager
 def produce(
     client: Client, session: Session | int, task_id: str, file_id: str = "", *,
     nonce: Callable[[], str] = new_nonce, attributes: Attributes = None,
     resumable: bool = False, resume_every: int = RESUME_EVERY, expected_size: int = 0,
+    wait: float = BACKPRESSURE_WAIT,
 ) -> Iterator[Output]:
     """Claim an entry and yield its output; publish and commit when the block ends.
 
@@ -371,9 +404,11 @@ def produce(
     fails the entry the same way with ``InvalidArgument``; nothing is written
     through it. ``nonce`` makes the random part of the temp file's name.
     ``attributes`` (or ``Output.attributes``, set in the block) go with the commit.
+    A claim refused with ``Backpressure`` is tried again with jittered backoff for up
+    to ``wait`` seconds (``claim_waiting``).
     """
     root = _attempt_span(task_id, file_id)
-    claim = _claim(client, session, task_id, file_id, root)
+    claim = _claim(client, session, task_id, file_id, root, wait)
     resume = (resume_every if resumable else 0, expected_size)
     trace = tracing.traceparent(root)
     try:
@@ -468,7 +503,8 @@ def _writing(client: Client, session: Session | int, claim: Claim,
 
 
 def produce_each(client: Client, session: Session, task_id: str, *,
-                 nonce: Callable[[], str] = new_nonce) -> Iterator[Output]:
+                 nonce: Callable[[], str] = new_nonce,
+                 wait: float = BACKPRESSURE_WAIT) -> Iterator[Output]:
     """Claim the task's entries one after another: each output is yielded to be
     written, and published and committed when the loop asks for the next.
 
@@ -477,7 +513,8 @@ def produce_each(client: Client, session: Session, task_id: str, *,
     when nothing is left to claim or once the session's host is drained
     (``Session.draining``): the entry in hand is committed first, and no new one is
     claimed. Leaving the loop early (``break``, an exception) fails the entry in
-    hand, as ``produce`` does.
+    hand, as ``produce`` does. Back-pressure is waited out as ``produce`` does (a
+    fused step whose next claim it refused claims again, waiting).
     """
     claim: Claim | None = None
     root: Any = None
@@ -487,7 +524,7 @@ def produce_each(client: Client, session: Session, task_id: str, *,
                 return
             root = _attempt_span(task_id, "")
             try:
-                claim = _claim(client, session, task_id, "", root)
+                claim = _claim(client, session, task_id, "", root, wait)
             except (NothingToClaim, Draining):
                 return
         trace = tracing.traceparent(root)
@@ -523,19 +560,22 @@ def produce_each(client: Client, session: Session, task_id: str, *,
 def put(client: Client, session: Session | int, task_id: str, file_id: str,
         src: Path | BinaryIO, chunk: int = 1 << 20, *,
         attributes: Attributes = None, resumable: bool = False,
-        resume_every: int = RESUME_EVERY, size: int = 0) -> pb.Entry:
+        resume_every: int = RESUME_EVERY, size: int = 0,
+        wait: float = BACKPRESSURE_WAIT) -> pb.Entry:
     """Claim ``file_id``, copy ``src`` into it durably, and commit (with
     ``attributes``, for the task's routing rules). ``resumable``: as ``produce``'s; an
     attempt that adopts an earlier one's partial file copies only the rest of ``src``
     (skipped by seeking, or by reading it when it cannot seek). ``size``: of ``src``,
-    for the progress shown (a path's is looked up)."""
+    for the progress shown (a path's is looked up). ``wait``: seconds to wait out
+    back-pressure, as ``produce``'s."""
     if isinstance(src, Path):
         with open(src, "rb") as f:
             return put(client, session, task_id, file_id, f, chunk, attributes=attributes,
                        resumable=resumable, resume_every=resume_every,
-                       size=size or os.fstat(f.fileno()).st_size)
+                       size=size or os.fstat(f.fileno()).st_size, wait=wait)
     with produce(client, session, task_id, file_id, attributes=attributes,
-                 resumable=resumable, resume_every=resume_every, expected_size=size) as out:
+                 resumable=resumable, resume_every=resume_every, expected_size=size,
+                 wait=wait) as out:
         if out.size:
             _skip(src, out.size, chunk)
         shutil.copyfileobj(src, out, chunk)

@@ -4,6 +4,11 @@ Like kazoo's ``KazooRetry``, the policy is an object whose sleep, clock and jitt
 can be swapped in tests. A call is retried only on ``Unavailable`` (which includes
 ``DeadlineExceeded``): every mutating request carries a request id that stays the
 same across its attempts, so the registry applies it at most once.
+
+A producer's claim refused with ``Backpressure`` is a different wait: nothing is
+wrong, a consumer group is behind. The producing helpers (``produce``,
+``produce_each``, ``put``, ``AsyncSession.claim_waiting``) claim again after
+``BACKPRESSURE_BACKOFF`` for up to ``BACKPRESSURE_WAIT`` seconds.
 """
 
 from __future__ import annotations
@@ -15,9 +20,23 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from ..kernel.backoff import Backoff
-from ..kernel.errors import Unavailable
+from ..kernel.errors import Backpressure, Unavailable
 
 R = TypeVar("R")
+
+#: seconds the producing helpers wait out back-pressure by default
+BACKPRESSURE_WAIT = 300.0
+#: between claims refused with ``Backpressure``: Baton's one jittered backoff
+BACKPRESSURE_BACKOFF = Backoff(0.05, 2.0)
+
+
+def waiting_line(error: Backpressure, wait: float) -> str:
+    """What is logged (INFO, once per wait) when a producer starts waiting out
+    ``error``."""
+    f = error.fields
+    return (f"task {f.get('task_id', '?')!r} is back-pressured by consumer group "
+            f"{f.get('group', '?')!r} (backlog {f.get('backlog', '?')}, limit "
+            f"{f.get('limit', '?')}): waiting up to {wait:g} s to claim")
 
 
 @dataclass(frozen=True)

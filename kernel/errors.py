@@ -112,6 +112,17 @@ class NothingToClaim(BatonError):
     exit_code = 3
 
 
+class Backpressure(BatonError):
+    """A producer's claim on a task one of whose consumer groups is at its backlog
+    limit (the manifest's ``backlog_limits``): ``task_id``, ``group``, ``backlog``
+    (the group's verified entries not yet acked, plus the task's producer claims in
+    flight), ``limit`` and ``over`` (backlog - limit). Nothing changed; the claim may
+    succeed once the group has acked some, so the client's producing helpers wait."""
+
+    code = _Code("RESOURCE_EXHAUSTED")
+    exit_code = 9
+
+
 class IllegalTransition(BatonError):
     """The entry is not in a state that allows the requested transition."""
 
@@ -251,6 +262,7 @@ _BY_NAME: dict[str, type[BatonError]] = {
         TaskExists,
         NotFound,
         NothingToClaim,
+        Backpressure,
         IllegalTransition,
         AlreadyClaimed,
         StaleToken,

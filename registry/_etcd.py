@@ -774,6 +774,17 @@ class Etcd:
         return int(resp.count)
 
     @_request("txn")
+    async def counts(self, prefixes: Sequence[bytes]) -> list[int]:
+        """How many keys are under each prefix: count-only ranges in one request, at
+        one revision (no key or value is sent back; etcd still walks each range)."""
+        req = rpc.TxnRequest(success=[
+            rpc.RequestOp(request_range=rpc.RangeRequest(
+                key=p, range_end=prefix_end(p), count_only=True))
+            for p in prefixes])
+        resp = await self._unary(self._pick().kv.Txn, req)
+        return [int(r.response_range.count) for r in resp.responses]
+
+    @_request("txn")
     async def txn(
         self,
         compares: Sequence[Compare],

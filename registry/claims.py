@@ -192,27 +192,30 @@ def need_task(kv: KV | None, task_id: str, active: bool = False) -> TaskRecord:
     return task
 
 
-#: task headers' (status, reason) by (key, revision), as :func:`need_active` read them
-_STATUS: dict[tuple[bytes, int], tuple[str, str]] = {}
+#: task headers' (status, reason, backlog limits) by (key, revision), as
+#: :func:`need_active` read them
+_STATUS: dict[tuple[bytes, int], tuple[str, str, dict[str, int]]] = {}
 #: headers remembered at most (the whole memory goes when full: it refills at once)
 _STATUS_KEPT = 4096
 
 
-def need_active(kv: KV | None, task_id: str) -> None:
+def need_active(kv: KV | None, task_id: str) -> dict[str, int]:
     """``need_task(..., active=True)`` for a caller that wants only the verdict (a
-    claim's): the header is parsed once per revision, not once per claim."""
+    claim's) and the task's backlog limits (empty: none): the header is parsed once
+    per revision, not once per claim."""
     if kv is None:
         raise NotFound(f"no task {task_id!r}", task_id=task_id)
     at = (kv.key, kv.mod_revision)
     known = _STATUS.get(at) if kv.mod_revision else None
     if known is None:
         task = TaskRecord.load(kv.value)
-        known = (task.status, task.status_reason)
+        known = (task.status, task.status_reason, task.backlog_limits)
         if kv.mod_revision:
             if len(_STATUS) >= _STATUS_KEPT:
                 _STATUS.clear()
             _STATUS[at] = known
-    _hands_out_work(task_id, *known)
+    _hands_out_work(task_id, known[0], known[1])
+    return known[2]
 
 
 def _hands_out_work(task_id: str, status: str, reason: str) -> None:

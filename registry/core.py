@@ -25,6 +25,7 @@ from ..kernel.backoff import Backoff
 from ..kernel.errors import BatonError, NotFound
 from ._etcd import KV, Etcd
 from .archive_store import Archived, Archives
+from .backlog import Backlogs
 from .fanout import Fanout
 from .keys import ClaimRef, Keys
 from .machine import Event, apply
@@ -123,6 +124,8 @@ class Core:
         #: claims this replica refused because a concurrency pool had no free unit,
         #: per pool (the metrics' baton_pool_refusals)
         self.pool_refusals: collections.Counter[str] = collections.Counter()
+        #: limited tasks' backlogs: counted for producers' claims (back-pressure)
+        self.backlogs = Backlogs(etcd, keys)
 
     async def start(self) -> None:
         if self.view is not None:

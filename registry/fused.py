@@ -19,7 +19,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..kernel.errors import BatonError, InvalidArgument, NothingToClaim, to_status
+from ..kernel.errors import (
+    Backpressure,
+    BatonError,
+    InvalidArgument,
+    NothingToClaim,
+    to_status,
+)
 from ..kernel.v1 import baton_pb2 as pb
 from .claims import claim_replayed
 from .consumers import Consumers, _consumable, _leased
@@ -30,9 +36,11 @@ from .txn import Txn
 
 
 def final(txn: Txn, error: BatonError) -> bool:
-    """Whether a take refused with ``error`` stands: decided on etcd, or "nothing to
-    take" decided on a view that was current (``txn.Transactions.run``)."""
-    return txn.fresh or (txn.settled and isinstance(error, NothingToClaim))
+    """Whether a take refused with ``error`` stands: decided on etcd, "nothing to
+    take" decided on a view that was current (``txn.Transactions.run``), or
+    back-pressure (its backlog is always counted on etcd)."""
+    return (txn.fresh or isinstance(error, Backpressure)
+            or (txn.settled and isinstance(error, NothingToClaim)))
 
 
 def next_error(error: BatonError) -> pb.CallError:
@@ -70,7 +78,7 @@ class Fused:
             taken = None
             refused: BatonError | None = None
             try:
-                slots = await producers._session(txn, task_id, session_id, caller)
+                slots, _ = await producers._session(txn, task_id, session_id, caller)
                 (picked,) = await producers._pick(txn, task_id, 1, caller, slots)
                 taken = await producers._claim(txn, picked, slots, session_id, caller,
                                                req.claim.traceparent)

@@ -179,6 +179,10 @@ class Keys:
     def inflight_of_task(self, kind: str, task_id: str) -> bytes:
         return self._k("inflight", kind, task_id, "")
 
+    def inflight_of_group(self, task_id: str, group: str) -> bytes:
+        """The durable twins of a consumer group's consume-claims in a task."""
+        return self._k("inflight", "c", task_id, group, "")
+
     def cready_of_task(self, task_id: str) -> bytes:
         return self._k("cready", task_id, "")
 

@@ -22,6 +22,8 @@ Limits (documented in docs/cli.md, "The manifest"):
   assembly may have hundreds of parts
 - ``access`` rules as ``registry.access`` checks them (patterns, directories,
   unix groups and modes; groups named must be consumer groups of the task)
+- ``backlog_limits`` name consumer groups of the task, each with ``entries`` in
+  1..``MAX_BACKLOG`` (``bytes`` is refused: not counted yet)
 - ``routing_rules`` as ``registry.routing`` checks them (at most ``MAX_RULES``,
   each condition a filter it can evaluate, its groups consumer groups of every
   entry the rules route)
@@ -37,7 +39,8 @@ import hashlib
 import math
 import re
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 
 from ..kernel import tracing
@@ -70,6 +73,8 @@ MAX_DEADLINE = 7 * 86400.0
 DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
 #: the longest staging retention a manifest may set: a year
 MAX_RETENTION = 366 * 86400.0
+#: the largest backlog limit a manifest may set (a task's entries at most)
+MAX_BACKLOG = 100_000
 
 
 def check_id(kind: str, value: str) -> None:
@@ -164,6 +169,8 @@ class ValidTask:
     #: its entries name
     pools: dict[str, object] | None = None
     pools_used: tuple[str, ...] = ()
+    #: per consumer group, the most entries its backlog may hold (``backlog_limits``)
+    backlog_limits: dict[str, int] = field(default_factory=dict)
 
 
 def check_pool_name(name: str) -> None:
@@ -203,6 +210,26 @@ def _pool_problems(spec: pb.TaskSpec, groups: list[str], owner: dict[str, str]) 
             problems.append(f"entry {shown(e.file_id)} is a part of {shown(owner[e.file_id])}: "
                             "parts are consumed as their assembly and take no pool")
     return problems
+
+
+def _backlog_problems(limits: Mapping[str, pb.BacklogLimit], groups: set[str]) -> list[str]:
+    """Each limit names a consumer group of the task and a positive number of entries
+    (at most ``MAX_BACKLOG``); a limit in bytes is not counted yet, so it is refused
+    rather than ignored."""
+    out = []
+    for group in sorted(limits):
+        where = f"backlog_limits[{shown(group)}]"
+        limit = limits[group]
+        if group not in groups:
+            out.append(f"{where}: {shown(group)} is not a consumer group of the task "
+                       f"(its groups: {', '.join(sorted(groups))})")
+        if limit.bytes:
+            out.append(f"{where}.bytes: a backlog limit in bytes is not supported; "
+                       "set entries")
+        if not 0 < limit.entries <= MAX_BACKLOG:
+            out.append(f"{where}.entries: {limit.entries} is not a number of entries "
+                       f"within 1..{MAX_BACKLOG}")
+    return out
 
 
 def _labels_problems(where: str, labels: dict[str, str]) -> list[str]:
@@ -405,6 +432,7 @@ def validate(spec: pb.TaskSpec) -> ValidTask:
     rules = tuple(routing.Rule(r.condition, list(r.groups), dict(r.pools))
                   for r in spec.routing_rules)
     problems += _routing_problems(spec, rules, groups, owner)
+    problems += _backlog_problems(spec.backlog_limits, all_groups)
     size = spec.ByteSize()
     if size > MAX_MANIFEST_BYTES:
         problems.append(f"the manifest is {mib(size)} encoded: at most "
@@ -469,4 +497,5 @@ def validate(spec: pb.TaskSpec) -> ValidTask:
     digest = hashlib.sha256(spec.SerializeToString(deterministic=True)).hexdigest()
     return ValidTask(spec.task_id, groups, task_retries, dict(spec.labels), entries, digest,
                      task_priority, backoff, aging, access.to_dict(spec.access),
-                     spec.digest_optional, rules, task_pools, tuple(used))
+                     spec.digest_optional, rules, task_pools, tuple(used),
+                     {g: limit.entries for g, limit in spec.backlog_limits.items()})

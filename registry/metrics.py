@@ -50,6 +50,7 @@ from ..kernel.metrics_endpoint import MetricsEndpoint, serve_metrics
 from ..kernel.names import state_name, status_name
 from ..kernel.v1 import baton_pb2 as pb
 from ._etcd import KV
+from .backlog import GroupBacklog
 from .model import TaskRecord
 from .pools import PoolAdmin
 
@@ -191,6 +192,8 @@ class RegistryMetrics:
         #: watchers registered, and shards by state (owned, moving, unowned)
         self._watchers = 0
         self._shards: dict[str, int] = {}
+        #: limited groups' backlogs, by task, as the last refresh counted them
+        self._backlogs: list[tuple[str, GroupBacklog]] = []
         self._counted_at = -1.0
         #: concurrency pools: limit and units held (each scrape), entries waiting
         #: (once per ``count_ttl``)
@@ -333,6 +336,7 @@ class RegistryMetrics:
         if self._sources.shards is not None:
             await self._count_shards(self._sources.shards)
         await self._count_pools(core)
+        await self._count_backlogs(core, headers)
         now = time.monotonic()
         if self._counted_at >= 0 and now - self._counted_at < self.count_ttl:
             return
@@ -371,6 +375,20 @@ class RegistryMetrics:
             pools[name] = (limit, held + 1)
         self._pools = pools
 
+    async def _count_backlogs(self, core: Core, headers: list[Any]) -> None:
+        """Each limited group's backlog in the tasks that hand out work: one etcd
+        request per task with ``backlog_limits`` (none for a task without)."""
+        found: list[tuple[str, GroupBacklog]] = []
+        for kv in headers:
+            try:
+                task = TaskRecord.load(kv.value)
+            except Exception:  # counted as "unknown" above
+                continue
+            if task.backlog_limits and task.status in ("active", "paused"):
+                found += [(task.task_id, b) for b in
+                          await core.backlogs.count(task.task_id, task.backlog_limits)]
+        self._backlogs = found
+
     async def _count_shards(self, shards: Shards) -> None:
         """Watchers registered and shards by state, from the view's mirror."""
         count, table = await shards.table()
@@ -408,6 +426,28 @@ class RegistryMetrics:
         yield CounterMetricFamily(
             "baton_txn_committed", "Transactions sent to etcd (applied or not)",
             value=txns.committer.carried)
+        # Labelled by task and group: only tasks whose manifest sets backlog_limits,
+        # a set their operators chose to bound.
+        refusals = CounterMetricFamily(
+            "baton_backpressure_refusals", "Producers' claims this replica refused with "
+            "Backpressure, by task and by the consumer group at its backlog limit",
+            labels=["task", "group"])
+        for (task_id, group), n in sorted(sources.core.backlogs.refusals.items()):
+            refusals.add_metric([task_id, group], n)
+        yield refusals
+        backlog = GaugeMetricFamily(
+            "baton_backlog", "A limited consumer group's backlog (verified entries not "
+            "yet acked by it, plus the task's producer claims in flight), by task and group",
+            labels=["task", "group"])
+        limit = GaugeMetricFamily(
+            "baton_backlog_limit", "The group's backlog limit (the manifest's "
+            "backlog_limits): producers' claims are refused while baton_backlog >= it",
+            labels=["task", "group"])
+        for task_id, b in self._backlogs:
+            backlog.add_metric([task_id, b.group], b.backlog)
+            limit.add_metric([task_id, b.group], b.limit)
+        yield backlog
+        yield limit
         if sources.reaper is not None:
             yield CounterMetricFamily(
                 "baton_reaped_claims", "Claims whose lease was gone, moved on by this "
@@ -481,23 +521,23 @@ class RegistryMetrics:
             yield states
         if sources.etcd_members is not None:
             yield from _etcd_members(sources.etcd_members)
-        limits = GaugeMetricFamily("baton_pool_limit", "A concurrency pool's limit (0: units "
+        pool_limits = GaugeMetricFamily("baton_pool_limit", "A concurrency pool's limit (0: units "
                                    "held, the pool no longer defined)", labels=["pool"])
-        held = GaugeMetricFamily("baton_pool_units_in_use", "Units of a concurrency pool "
+        pool_held = GaugeMetricFamily("baton_pool_units_in_use", "Units of a concurrency pool "
                                  "held by claims", labels=["pool"])
-        waiting = GaugeMetricFamily("baton_pool_waiting", "Claimable entries that need a "
+        pool_waiting = GaugeMetricFamily("baton_pool_waiting", "Claimable entries that need a "
                                     "unit of the pool (counted once per count TTL)",
                                     labels=["pool"])
-        for name, (limit, in_use) in sorted(self._pools.items()):
-            limits.add_metric([name], limit)
-            held.add_metric([name], in_use)
-            waiting.add_metric([name], self._pool_waiting.get(name, 0))
-        refused = CounterMetricFamily("baton_pool_refusals", "Claims and consumes this "
+        for name, (pool_limit, in_use) in sorted(self._pools.items()):
+            pool_limits.add_metric([name], pool_limit)
+            pool_held.add_metric([name], in_use)
+            pool_waiting.add_metric([name], self._pool_waiting.get(name, 0))
+        pool_refused = CounterMetricFamily("baton_pool_refusals", "Claims and consumes this "
                                       "replica answered with nothing to claim because a "
                                       "pool had no free unit", labels=["pool"])
         for name, n in sorted(sources.core.pool_refusals.items()):
-            refused.add_metric([name], n)
-        yield from (limits, held, waiting, refused)
+            pool_refused.add_metric([name], n)
+        yield from (pool_limits, pool_held, pool_waiting, pool_refused)
         tasks = GaugeMetricFamily("baton_tasks", "Tasks by status", labels=["status"])
         for status, n in self._tasks.items():
             tasks.add_metric([status], n)

@@ -413,6 +413,9 @@ class TaskRecord:
     #: and every pool its entries name (what ``baton pool ls`` counts waiting entries of)
     pools: dict[str, Any] = field(default_factory=dict)
     pools_used: list[str] = field(default_factory=list)
+    #: per consumer group, the most entries its backlog may hold (producers' claims
+    #: are refused with Backpressure at it); empty: no limit, no counting
+    backlog_limits: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def load(cls, raw: bytes) -> TaskRecord:
@@ -443,6 +446,8 @@ class TaskRecord:
             staging_retention_seconds=self.staging_retention,
             pools=pb.Pools(produce=self.pools.get("produce", ""),
                            consume=self.pools.get("consume", {})),
+            backlog_limits={g: pb.BacklogLimit(entries=n)
+                            for g, n in self.backlog_limits.items()},
         )
         return pb.Task(
             spec=spec,

@@ -447,8 +447,18 @@ class Operators:
                     timespec="seconds")
                 s.append(f"It is in retry backoff until {until} after: {rec.error}.")
             else:
-                s.append(f"It is claimable (priority {rec.priority}) and waits for a "
-                         "producer to claim it.")
+                over = [b for b in await self.core.backlogs.count(
+                    rec.task_id, task.backlog_limits) if b.over] if task.backlog_limits else []
+                if over:
+                    s.append(f"It is claimable (priority {rec.priority}), but the task is "
+                             "back-pressured: " + "; ".join(
+                                 f"consumer group {b.group} has a backlog of {b.backlog} "
+                                 f"entries, at or over its limit of {b.limit}" for b in over)
+                             + ". Producers' claims are refused (Backpressure) until it "
+                             "consumes.")
+                else:
+                    s.append(f"It is claimable (priority {rec.priority}) and waits for a "
+                             "producer to claim it.")
             if rec.checkpointed:
                 s.append(await self._progress(rec, ClaimRef("p", rec.task_id, rec.file_id),
                                               None))

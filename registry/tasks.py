@@ -127,6 +127,7 @@ class Tasks:
                                       valid.consumers),
             pools=dict(valid.pools or {}),
             pools_used=list(valid.pools_used),
+            backlog_limits=dict(valid.backlog_limits),
         )
 
         async def header(txn: Txn) -> TaskRecord | None:
@@ -278,7 +279,8 @@ class Tasks:
         await asyncio.gather(*(chunk(batch) for batch in chunks))
 
     async def get(self, task_id: str) -> pb.Task:
-        """The task with counts by state and by consumer group (reads every entry)."""
+        """The task with counts by state and by consumer group (reads every entry), and
+        its limited groups' backlogs."""
         check_id("task_id", task_id)
         _, record = await self.core.task(task_id)
         if record.status == "archived":  # its counts were kept when it was archived
@@ -312,6 +314,9 @@ class Tasks:
         task.stuck_written = stuck
         task.staging_bytes = staged
         task.open, task.dead = await self._progress(task_id)
+        if record.backlog_limits and record.status not in ("completed", "cancelled"):
+            task.backlog.extend(b.to_pb() for b in await self.core.backlogs.count(
+                task_id, record.backlog_limits))
         return task
 
     async def _progress(self, task_id: str) -> tuple[int, int]:

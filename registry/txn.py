@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 from google.protobuf.message import Message
 
 from ..kernel.backoff import Backoff
-from ..kernel.errors import BatonError, Conflict, Internal, NothingToClaim
+from ..kernel.errors import Backpressure, BatonError, Conflict, Internal, NothingToClaim
 from ._etcd import (
     KV,
     READ_CHUNK,
@@ -481,6 +481,8 @@ class Transactions:
                 if txn.settled and isinstance(e, NothingToClaim):
                     self.settled += 1
                     raise
+                if isinstance(e, Backpressure):
+                    raise  # counted on etcd itself (registry.backlog), never on the view
                 self.replans["confirm"] += 1
                 fresh = True  # the view may be behind: decide again on etcd's own state
                 continue

@@ -510,7 +510,7 @@ def test_alerting_rules_parse_and_use_exported_metrics(exported: dict[str, set[s
     # what docs/operations.md promises an alert for
     assert {"BatonEntriesStuckWritten", "BatonDeadEntriesGrowing", "BatonLeaseExpiriesSpiking",
             "BatonWatcherBacklog", "BatonEtcdDatabaseNearQuota",
-            "BatonEtcdVersionRefused"} <= alerts
+            "BatonEtcdVersionRefused", "BatonBackpressureLong"} <= alerts
     for name in ("etcd_mvcc_db_total_size_in_bytes", "etcd_server_quota_backend_bytes"):
         assert name in exported["etcd"], name
 

@@ -274,17 +274,22 @@ def checkpoint(settings: Settings, task_id: str, file_id: str, token: int, group
                    "from the partial file of an earlier attempt that recorded one")
 @click.option("--resume-every", type=click.IntRange(min=1), default=100, show_default=True,
               metavar="MIB", help="MiB written between two resume points (with --resume)")
+@click.option("--wait", type=click.FloatRange(min=0), default=300.0, show_default=True,
+              metavar="SECONDS", help="how long to wait while the task is back-pressured "
+                                      "(a consumer group at its backlog limit); then exit 9")
 @output_option
 @pass_settings
 def put(settings: Settings, task_id: str, file_id: str, src: Path, agent: str, ttl: int,
-        attributes: str, resume: bool, resume_every: int, output: str) -> None:
+        attributes: str, resume: bool, resume_every: int, wait: float, output: str) -> None:
     """Claim, copy SRC in durably, and commit.
 
     SRC (- reads stdin) is written to a temporary file beside the entry's path,
     fsynced, renamed into place, and committed with its size and BLAKE3 digest
     (and --attributes, a JSON object the task's routing rules look at). With
     --resume, an attempt that dies part-way leaves its partial file and a checkpoint;
-    the next `put --resume` of the entry copies only the rest.
+    the next `put --resume` of the entry copies only the rest. While a consumer
+    group of the task is at its backlog limit, the claim is tried again for up to
+    --wait seconds.
     """
     from ..producer import put as put_file
 
@@ -295,14 +300,14 @@ def put(settings: Settings, task_id: str, file_id: str, src: Path, agent: str, t
         if str(src) == "-":
             entry = put_file(client, session, task_id, file_id, sys.stdin.buffer,
                              attributes=attributes, resumable=resume,
-                             resume_every=resume_every << 20)
+                             resume_every=resume_every << 20, wait=wait)
         else:
             size = src.stat().st_size
             with src.open("rb") as f, progress_reader(f, size,
                                                       f"copying {src.name}") as reader:
                 entry = put_file(client, session, task_id, file_id, reader,
                                  attributes=attributes, size=size, resumable=resume,
-                                 resume_every=resume_every << 20)
+                                 resume_every=resume_every << 20, wait=wait)
     emit_entry(entry, output)
 
 

@@ -325,6 +325,8 @@ def frame_json(frame: Frame, number: int, *, stuck_after: float, rows: int) -> d
             "verified_per_s": v.verified_rate,
             "consumed_per_s": v.consumed_rate,
             "stuck": v.stuck,
+            "backlog": [{"group": b.group, "backlog": b.backlog, "limit": b.limit,
+                         "over": b.over} for b in v.task.backlog],
         } for v in views],
         "totals": totals,
         "stuck": {
@@ -433,6 +435,10 @@ def _tasks_table(frame: Frame) -> Table:
                       Text(str(v.stuck), style="bold red" if v.stuck else ""))
     reasons = [f"{v.task.spec.task_id}: {v.task.status_reason}" for v in frame.tasks
                if v.task.status_reason]
+    # A limited group's backlog, and whether producers are held back by it.
+    reasons += [f"{v.task.spec.task_id}: backlog of {b.group} {b.backlog}/{b.limit}"
+                + (" (back-pressured: claims refused)" if b.over else "")
+                for v in frame.tasks for b in v.task.backlog]
     table.caption = Text("\n".join(reasons)) if reasons else None
     if len(frame.tasks) > 1:
         all_ = _totals(frame.tasks)

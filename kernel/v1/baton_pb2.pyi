@@ -434,6 +434,27 @@ class TaskSpec(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class BacklogLimitsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        @_builtins.property
+        def value(self) -> Global___BacklogLimit: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: Global___BacklogLimit | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     TASK_ID_FIELD_NUMBER: _builtins.int
     SCHEMA_VERSION_FIELD_NUMBER: _builtins.int
     ENTRIES_FIELD_NUMBER: _builtins.int
@@ -452,6 +473,7 @@ class TaskSpec(_message.Message):
     STAGING_RETENTION_SECONDS_FIELD_NUMBER: _builtins.int
     STALL_AFTER_SECONDS_FIELD_NUMBER: _builtins.int
     POOLS_FIELD_NUMBER: _builtins.int
+    BACKLOG_LIMITS_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     schema_version: _builtins.int
     """0 means the current version (1)"""
@@ -506,6 +528,13 @@ class TaskSpec(_message.Message):
     def pools(self) -> Global___Pools:
         """The concurrency pools of its entries' work, unless an entry names its own."""
 
+    @_builtins.property
+    def backlog_limits(self) -> _containers.MessageMap[_builtins.str, Global___BacklogLimit]:
+        """Per consumer group (one of the task's consumers): how many verified entries the
+        group may have waiting or in hand before producers' claims are refused with
+        Backpressure. Counted with the task's producer claims in flight.
+        """
+
     def __init__(
         self,
         *,
@@ -527,10 +556,11 @@ class TaskSpec(_message.Message):
         staging_retention_seconds: _builtins.float | None = ...,
         stall_after_seconds: _builtins.float = ...,
         pools: Global___Pools | None = ...,
+        backlog_limits: _abc.Mapping[_builtins.str, Global___BacklogLimit] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "_staging_retention_seconds", b"_staging_retention_seconds", "access", b"access", "backoff", b"backoff", "max_retries", b"max_retries", "pools", b"pools", "priority", b"priority", "staging_retention_seconds", b"staging_retention_seconds"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "_staging_retention_seconds", b"_staging_retention_seconds", "access", b"access", "aging_seconds", b"aging_seconds", "archive_after_seconds", b"archive_after_seconds", "backoff", b"backoff", "claim_deadline_seconds", b"claim_deadline_seconds", "consume_deadline_seconds", b"consume_deadline_seconds", "consumers", b"consumers", "digest_optional", b"digest_optional", "entries", b"entries", "labels", b"labels", "max_retries", b"max_retries", "pools", b"pools", "priority", b"priority", "routing_rules", b"routing_rules", "schema_version", b"schema_version", "staging_retention_seconds", b"staging_retention_seconds", "stall_after_seconds", b"stall_after_seconds", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "_staging_retention_seconds", b"_staging_retention_seconds", "access", b"access", "aging_seconds", b"aging_seconds", "archive_after_seconds", b"archive_after_seconds", "backlog_limits", b"backlog_limits", "backoff", b"backoff", "claim_deadline_seconds", b"claim_deadline_seconds", "consume_deadline_seconds", b"consume_deadline_seconds", "consumers", b"consumers", "digest_optional", b"digest_optional", "entries", b"entries", "labels", b"labels", "max_retries", b"max_retries", "pools", b"pools", "priority", b"priority", "routing_rules", b"routing_rules", "schema_version", b"schema_version", "staging_retention_seconds", b"staging_retention_seconds", "stall_after_seconds", b"stall_after_seconds", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_retries: _TypeAlias = _typing.Literal["max_retries"]  # noqa: Y015
     _WhichOneofArgType__max_retries: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries"]  # noqa: Y015
@@ -546,6 +576,67 @@ class TaskSpec(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__staging_retention_seconds) -> _WhichOneofReturnType__staging_retention_seconds | None: ...
 
 Global___TaskSpec: _TypeAlias = TaskSpec  # noqa: Y015
+
+@_typing.final
+class BacklogLimit(_message.Message):
+    """A consumer group's backlog limit (TaskSpec.backlog_limits)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENTRIES_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    entries: _builtins.int
+    """Entries verified and not yet acked by the group, plus producer claims in flight
+    (0: no limit on entries).
+    """
+    bytes: _builtins.int
+    """Reserved for a limit in bytes; a manifest that sets it is refused for now."""
+    def __init__(
+        self,
+        *,
+        entries: _builtins.int = ...,
+        bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "entries", b"entries"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BacklogLimit: _TypeAlias = BacklogLimit  # noqa: Y015
+
+@_typing.final
+class GroupBacklog(_message.Message):
+    """A limited group's backlog as a claim on the task would count it now."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_FIELD_NUMBER: _builtins.int
+    BACKLOG_FIELD_NUMBER: _builtins.int
+    LIMIT_FIELD_NUMBER: _builtins.int
+    OVER_FIELD_NUMBER: _builtins.int
+    group: _builtins.str
+    backlog: _builtins.int
+    """the group's waiting and in-hand entries, plus producer claims"""
+    limit: _builtins.int
+    """the manifest's entries limit"""
+    over: _builtins.bool
+    """backlog >= limit: producers' claims are refused"""
+    def __init__(
+        self,
+        *,
+        group: _builtins.str = ...,
+        backlog: _builtins.int = ...,
+        limit: _builtins.int = ...,
+        over: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backlog", b"backlog", "group", b"group", "limit", b"limit", "over", b"over"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GroupBacklog: _TypeAlias = GroupBacklog  # noqa: Y015
 
 @_typing.final
 class RoutingRule(_message.Message):
@@ -663,6 +754,7 @@ class Task(_message.Message):
     FINISHED_AT_FIELD_NUMBER: _builtins.int
     STUCK_WRITTEN_FIELD_NUMBER: _builtins.int
     STAGING_BYTES_FIELD_NUMBER: _builtins.int
+    BACKLOG_FIELD_NUMBER: _builtins.int
     status: Global___TaskStatus.ValueType
     staging_dir: _builtins.str
     """absolute, on the registry's staging root"""
@@ -703,6 +795,10 @@ class Task(_message.Message):
     def consumed_by_group(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
         """GetTask only"""
 
+    @_builtins.property
+    def backlog(self) -> _containers.RepeatedCompositeFieldContainer[Global___GroupBacklog]:
+        """Its limited consumer groups' backlogs (GetTask only, for a task with backlog_limits)."""
+
     def __init__(
         self,
         *,
@@ -723,10 +819,11 @@ class Task(_message.Message):
         finished_at: _builtins.str = ...,
         stuck_written: _builtins.int = ...,
         staging_bytes: _builtins.int = ...,
+        backlog: _abc.Iterable[Global___GroupBacklog] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["archive", b"archive", "archived_at", b"archived_at", "blocked", b"blocked", "consumed_by_group", b"consumed_by_group", "created_at", b"created_at", "dead", b"dead", "entry_count", b"entry_count", "finished_at", b"finished_at", "manifest_digest", b"manifest_digest", "open", b"open", "spec", b"spec", "staging_bytes", b"staging_bytes", "staging_dir", b"staging_dir", "states", b"states", "status", b"status", "status_reason", b"status_reason", "stuck_written", b"stuck_written"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["archive", b"archive", "archived_at", b"archived_at", "backlog", b"backlog", "blocked", b"blocked", "consumed_by_group", b"consumed_by_group", "created_at", b"created_at", "dead", b"dead", "entry_count", b"entry_count", "finished_at", b"finished_at", "manifest_digest", b"manifest_digest", "open", b"open", "spec", b"spec", "staging_bytes", b"staging_bytes", "staging_dir", b"staging_dir", "states", b"states", "status", b"status", "status_reason", b"status_reason", "stuck_written", b"stuck_written"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
