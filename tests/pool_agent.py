@@ -18,13 +18,19 @@ from baton_relay.client import Client, RetryPolicy, produce
 from baton_relay.kernel import errors
 
 
+#: seconds of each session's lease: a killed agent's claim comes back after about this
+TTL = 4
+
+
 def main() -> None:
     address, task, name = sys.argv[1:4]
     client = Client(address, retry=RetryPolicy(attempts=3, deadline=3.0))
-    session = client.open_session(name, ttl=3)
+    session = None
     done = 0
     while True:
         try:
+            if session is None or session.lost.is_set():
+                session = client.open_session(name, ttl=TTL)
             with produce(client, session, task) as out:
                 out.write(f"{task}/{out.claim.file_id} by {name}".encode())
             done += 1
@@ -33,9 +39,10 @@ def main() -> None:
             if not states.get("pending", 0) and not states.get("writing", 0):
                 break
             time.sleep(random.uniform(0.01, 0.05))
-        except errors.BatonError as e:  # its session revoked, its claim lost: go on
+        except errors.BatonError as e:  # its session revoked or lost (a loaded machine)
             print(f"{name}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-            session = client.open_session(name, ttl=3)
+            session = None  # a new one, and go on
+            time.sleep(random.uniform(0.05, 0.2))
     print(done, flush=True)
 
 
