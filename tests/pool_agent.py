@@ -17,7 +17,6 @@ import time
 from baton_relay.client import Client, RetryPolicy, produce
 from baton_relay.kernel import errors
 
-
 #: seconds of each session's lease: a killed agent's claim comes back after about this
 TTL = 4
 
