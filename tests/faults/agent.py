@@ -63,6 +63,9 @@ CHECKPOINT_ODDS = 0.3
 #: its name, length and digest), and it adopts the partial file of an earlier attempt
 #: whose point it is handed, going on with that attempt's payload
 RESUMABLE_ODDS = 0.5
+#: seconds ``produce`` waits out a task's back-pressure before the agent turns to
+#: another task (its claim refused with ``Backpressure``)
+BACKPRESSURE_WAIT = 1.0
 #: a resumable attempt's own ``resume_every``: never reached, so that its points are
 #: the ones it records (and its history shows) itself
 NO_AUTOMATIC_POINTS = 1 << 62
@@ -201,7 +204,7 @@ class Agent:
                  resumable=resumable)
         try:
             with produce(client, session, task, resumable=resumable,
-                         resume_every=NO_AUTOMATIC_POINTS) as out:
+                         resume_every=NO_AUTOMATIC_POINTS, wait=BACKPRESSURE_WAIT) as out:
                 claim = out.claim
                 handed = handed_checkpoint(claim.checkpoint)
                 h.ok("claim", task=task, file=claim.file_id, token=claim.token,
@@ -235,8 +238,9 @@ class Agent:
         except errors.BatonError as e:
             if stage == "claim":
                 h.error("claim", e, task=task)
-                if isinstance(e, errors.NothingToClaim | errors.TaskNotActive):
-                    return False
+                if isinstance(e, errors.NothingToClaim | errors.TaskNotActive
+                              | errors.Backpressure):
+                    return False  # another task, or later
                 if phase_of(e) == "info":
                     self.switch()
                     self.abandon_session(f"claim outcome unknown: {e}")

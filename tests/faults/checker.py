@@ -113,6 +113,8 @@ class _Histories:
         self.unknown = 0
         #: calls refused because etcd was at its quota
         self.storage_full = 0
+        #: producers' claims refused (after the helper's wait) by a task's back-pressure
+        self.backpressured = 0
         self.ops = 0
         for r in records:
             op, phase = r.get("op", ""), r.get("phase", "")
@@ -120,6 +122,7 @@ class _Histories:
                 self.ops += 1
                 self.unknown += phase == "info"
                 self.storage_full += r.get("error") == "StorageFull"
+                self.backpressured += r.get("error") == "Backpressure"
             if op == "write" and phase == "ok":
                 self.writes[(r["task"], r["file"], int(r["token"]))] = r
             elif op == "write" and phase == "fail":
@@ -196,6 +199,7 @@ def check(records: list[dict[str, Any]], snap: Snapshot,
     report.stats["mismatched_reads"] = hist.read_failures
     report.stats["write_failed"] = len(hist.write_failures)
     report.stats["storage_full"] = hist.storage_full
+    report.stats["backpressured"] = hist.backpressured
     return report
 
 

@@ -150,14 +150,21 @@ SHORT_RETENTION = 1.0
 #: take a unit of the first, its first consumer group's leases of the second (below
 #: the agents' numbers, so the pools bind)
 POOLS = {"faults-produce": 2, "faults-consume": 1}
+#: the backlog limit of every third task's last consumer group (its producers are
+#: held back by it)
+BACKLOG_LIMIT = 6
 
 
 def task_spec(task_id: str, size: int, groups: tuple[str, ...],
-              retention: float | None = None, pooled: bool = False) -> dict[str, Any]:
+              retention: float | None = None, pooled: bool = False,
+              limited: bool = False) -> dict[str, Any]:
     files = [f"f{i:04d}" for i in range(size)]
     more: dict[str, Any] = {} if retention is None else {"staging_retention_seconds": retention}
     if pooled:
         more["pools"] = {"produce": "faults-produce", "consume": {groups[0]: "faults-consume"}}
+    if limited:
+        # back-pressure: producers wait while the last group has this many in its backlog
+        more["backlog_limits"] = {groups[-1]: {"entries": BACKLOG_LIMIT}}
     return {
         "task_id": task_id,
         **more,
@@ -253,7 +260,7 @@ class Feeder(threading.Thread):
 
     def create(self, task_id: str) -> None:
         spec = task_spec(task_id, self.cfg.task_size, self.cfg.groups, self.retention,
-                         pooled=self._next % 2 == 1)
+                         pooled=self._next % 2 == 1, limited=self._next % 3 == 2)
         files = [e["file_id"] for e in spec["entries"]]
         while True:
             self.history.invoke("create-task", task=task_id, files=len(files))
