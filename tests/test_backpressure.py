@@ -283,7 +283,8 @@ def test_the_cli_exits_9_naming_the_group(client: Client, registry: Any) -> None
 def test_explain_get_task_and_top_say_a_task_is_back_pressured(
         client: Client, registry: Any) -> None:
     """A pending entry's explanation names the group, its backlog and limit; GetTask
-    carries each limited group's backlog, and `baton top -o json` shows it."""
+    carries each limited group's backlog, and `baton task get` and `baton top -o json`
+    show it."""
     client.create_task(manifest(3, 1, ("g", "h")))
     with client.open_session("p", ttl=30, keepalive=False) as s:
         produce_verified(client, s, "t", "e00")
@@ -292,6 +293,9 @@ def test_explain_get_task_and_top_say_a_task_is_back_pressured(
     assert "limit of 1" in text
     (b,) = client.get_task("t").backlog
     assert (b.group, b.backlog, b.limit, b.over) == ("g", 1, 1, True)
+    shown = invoke(registry, "task", "get", "t")
+    assert shown.exit_code == 0, shown.output
+    assert "g 1/1  back-pressured" in shown.stdout
     top = ok_json(invoke(registry, "top", "--once", "-o", "json"))
     assert top["tasks"][0]["backlog"] == [{"group": "g", "backlog": 1, "limit": 1,
                                            "over": True}]
