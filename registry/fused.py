@@ -78,8 +78,9 @@ class Fused:
             taken = None
             refused: BatonError | None = None
             try:
-                slots, _ = await producers._session(txn, task_id, session_id, caller)
+                slots, limits = await producers._session(txn, task_id, session_id, caller)
                 (picked,) = await producers._pick(txn, task_id, 1, caller, slots)
+                await self.core.backlogs.check(task_id, limits)
                 taken = await producers._claim(txn, picked, slots, session_id, caller,
                                                req.claim.traceparent)
             except BatonError as e:

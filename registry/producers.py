@@ -87,21 +87,18 @@ class Producers:
         return reply
 
     async def _session(self, txn: Txn, task_id: str, session_id: int,
-                       caller: Caller) -> tuple[Slots, int | None]:
+                       caller: Caller) -> tuple[Slots, dict[str, int]]:
         """The task must hand out work and the session must live, take work (not
-        drained, not being revoked) and be the caller's: both pinned. A task with
-        backlog limits must have no group at its limit (``Backlogs.check``): with the
-        slots, how many claims fit under its limits (None: no limits). Pinning the
-        record also pins the session's lease: a rotation meanwhile makes this plan
-        again on the new lease."""
+        drained, not being revoked) and be the caller's: both pinned. With the
+        session's slots, the task's backlog limits (``Backlogs.check`` them once
+        something is found to claim). Pinning the record also pins the session's
+        lease: a rotation meanwhile makes this plan again on the new lease."""
         task_kv, agent_kv = await txn.get_many([self.keys.task(task_id),
                                                 self.keys.agent(session_id)])
         limits = need_active(task_kv, task_id)
         record = need_session(agent_kv, session_id)
         check_owner(caller, agent_kv, f"session {session_id:x}")
-        slots = await Slots.read(txn, self.keys, record)
-        # Last: the refusal says what the producer waits for, once all else holds.
-        return slots, await self.core.backlogs.check(task_id, limits)
+        return await Slots.read(txn, self.keys, record), limits
 
     async def claim(self, req: pb.ClaimRequest, caller: Caller) -> pb.ClaimResponse:
         self._busy[req.task_id] = self._busy.get(req.task_id, 0) + 1
@@ -121,7 +118,7 @@ class Producers:
         staging = self.core.staging_dir(req.task_id)
 
         async def planner(txn: Txn) -> Callable[[int], pb.ClaimResponse]:
-            slots, _ = await self._session(txn, req.task_id, req.session_id, caller)
+            slots, limits = await self._session(txn, req.task_id, req.session_id, caller)
             if req.file_id:
                 rec = need_entry(await txn.get(self.keys.entry(req.task_id, req.file_id)),
                                  req.task_id, req.file_id)
@@ -129,6 +126,8 @@ class Producers:
                 self._check_claimable(rec, staging)
             else:
                 (rec,) = await self._pick(txn, req.task_id, 1, caller, slots)
+            # Last: a producer waits out back-pressure only when there is work for it.
+            await self.core.backlogs.check(req.task_id, limits)
             return await self._claim(txn, rec, slots, req.session_id, caller,
                                      req.traceparent)
 
@@ -205,10 +204,14 @@ class Producers:
         want = min(req.max, MAX_TXN_OPS // OPS_PER_CLAIM)
 
         async def planner(txn: Txn) -> Callable[[int], pb.ClaimBatchResponse]:
-            slots, room = await self._session(txn, req.task_id, req.session_id, caller)
-            # A batch takes no more than its task's backlog limits leave room for.
-            free = min(n for n in (slots.free, room, want) if n is not None)
-            picked = await self._pick(txn, req.task_id, max(1, free), caller, slots)
+            slots, limits = await self._session(txn, req.task_id, req.session_id, caller)
+            free = slots.free
+            picked = await self._pick(txn, req.task_id, want if free is None else
+                                      max(1, min(want, free)), caller, slots)
+            # No more than the task's backlog limits leave room for (at least one).
+            room = await self.core.backlogs.check(req.task_id, limits)
+            if room is not None:
+                picked = picked[:max(1, room)]
             replies = [await self._claim(txn, rec, slots, req.session_id, caller)
                        for rec in picked]
 

@@ -19,7 +19,7 @@ from registry_fixtures import agent_processes, on_etcd, produce_verified
 from test_cli import invoke, ok_json, one_error_line
 from test_metrics import check_conventions, metrics_port, scrape
 
-from baton_relay.client import Client, Session, produce
+from baton_relay.client import Client, Session, produce, produce_each
 from baton_relay.client.aio import AsyncClient
 from baton_relay.kernel import errors
 from baton_relay.kernel.v1 import baton_pb2 as pb
@@ -137,6 +137,16 @@ def test_only_a_limited_group_counts(client: Client) -> None:
         assert client.claim("t", session=s).file_id == "e01"
 
 
+def test_nothing_left_to_claim_is_not_back_pressure(client: Client) -> None:
+    """At the limit with every entry produced: a claim says there is nothing to claim
+    (the producer is done), not that it should wait."""
+    client.create_task(manifest(1, 1))
+    with client.open_session("p", ttl=30, keepalive=False) as s:
+        produce_verified(client, s, "t", "e00")
+        with pytest.raises(errors.NothingToClaim):
+            client.claim("t", session=s)
+
+
 def test_a_batch_claims_no_more_than_the_limit_leaves_room_for(client: Client) -> None:
     """Limit 3, one entry waiting: a batch of 10 takes 2; the next batch is refused."""
     client.create_task(manifest(8, 3))
@@ -208,6 +218,60 @@ def test_produce_waits_for_the_group_instead_of_failing(client: Client) -> None:
     assert out.entry is not None and out.entry.file_id == "e01"
     assert out.entry.state == pb.ENTRY_STATE_WRITTEN
     assert len(seen.lines) == 1 and "'g'" in seen.lines[0]
+
+
+def test_produce_each_on_a_stream_waits_between_fused_steps(client: Client) -> None:
+    """``produce_each`` on a stream session: a fused step whose next claim is refused
+    still commits, and the loop waits for the group (acking in another thread)
+    instead of ending; every entry is produced."""
+    client.create_task(manifest(3, 1))
+    seen = _Seen()
+    logger = logging.getLogger("baton.client")
+    logger.addHandler(seen)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    acked: list[str] = []
+    done = threading.Event()
+
+    def consumer() -> None:
+        with client.open_session("c", ttl=30, keepalive=False) as cs:
+            deadline = time.monotonic() + 30
+            while len(acked) < 3 and time.monotonic() < deadline and not done.is_set():
+                try:
+                    lease = client.consume("t", "g", session=cs)
+                except errors.NothingToClaim:
+                    time.sleep(0.02)  # nothing verified yet: look again
+                    continue
+                client.ack("t", lease.file_id, "g", lease.token, session=cs)
+                acked.append(lease.file_id)
+
+    def verify(entry: pb.Entry | None) -> None:
+        assert entry is not None
+        client.report("t", entry.file_id, 1, digest(b"x"))
+
+    thread = threading.Thread(target=consumer)
+    thread.start()
+    produced = []
+    try:
+        with client.open_session("p", ttl=30) as s:
+            assert s.stream is not None
+            previous = None
+            for out in produce_each(client, s, "t", wait=30):
+                if previous is not None:
+                    verify(previous.entry)  # as the watcher would
+                out.write(b"x")
+                produced.append(out.claim.file_id)
+                previous = out
+            assert previous is not None
+            verify(previous.entry)
+        thread.join(30)
+    finally:
+        done.set()
+        logger.removeHandler(seen)
+        logger.setLevel(old_level)
+    assert produced == ["e00", "e01", "e02"]
+    assert sorted(acked) == produced
+    assert seen.lines, "the loop never waited for the group"
 
 
 def test_produce_gives_up_after_its_wait(client: Client) -> None:
@@ -283,7 +347,8 @@ def test_the_cli_exits_9_naming_the_group(client: Client, registry: Any) -> None
 def test_explain_get_task_and_top_say_a_task_is_back_pressured(
         client: Client, registry: Any) -> None:
     """A pending entry's explanation names the group, its backlog and limit; GetTask
-    carries each limited group's backlog, and `baton top -o json` shows it."""
+    carries each limited group's backlog, and `baton task get` and `baton top -o json`
+    show it."""
     client.create_task(manifest(3, 1, ("g", "h")))
     with client.open_session("p", ttl=30, keepalive=False) as s:
         produce_verified(client, s, "t", "e00")
@@ -292,6 +357,9 @@ def test_explain_get_task_and_top_say_a_task_is_back_pressured(
     assert "limit of 1" in text
     (b,) = client.get_task("t").backlog
     assert (b.group, b.backlog, b.limit, b.over) == ("g", 1, 1, True)
+    shown = invoke(registry, "task", "get", "t")
+    assert shown.exit_code == 0, shown.output
+    assert "g 1/1  back-pressured" in shown.stdout
     top = ok_json(invoke(registry, "top", "--once", "-o", "json"))
     assert top["tasks"][0]["backlog"] == [{"group": "g", "backlog": 1, "limit": 1,
                                            "over": True}]

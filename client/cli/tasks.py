@@ -105,6 +105,11 @@ def task_get(settings: Settings, task_id: str, output: str) -> None:
         **({"routing": "\n".join(f"{i}: {r.condition} → {', '.join(r.groups)}"
                                   for i, r in enumerate(t.spec.routing_rules))}
            if t.spec.routing_rules else {}),
+        # A limited group's backlog now, against its limit (back-pressure).
+        **({"backlog": "\n".join(
+            f"{b.group} {b.backlog}/{b.limit}" + ("  back-pressured: claims refused"
+                                                  if b.over else "")
+            for b in t.backlog)} if t.backlog else {}),
         "max_retries": str(t.spec.max_retries),
         "priority": f"{t.spec.priority}  (aging: +1 per {t.spec.aging_seconds:g} s waiting)",
         "backoff": f"base {b.base_seconds:g} s, factor {b.factor:g}, cap {b.cap_seconds:g} s",
