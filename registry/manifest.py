@@ -25,6 +25,9 @@ Limits (documented in docs/cli.md, "The manifest"):
 - ``routing_rules`` as ``registry.routing`` checks them (at most ``MAX_RULES``,
   each condition a filter it can evaluate, its groups consumer groups of every
   entry the rules route)
+- ``fairness``: 1..``fairness.MAX_KEYS`` declared keys (valid ids), weights
+  1..``fairness.MAX_WEIGHT``, the default one of them; each entry's ``fairness_key``
+  declared (or the task's default)
 - the manifest, encoded, at most ``kernel.contract.MAX_MANIFEST_BYTES``
 
 Problems quote the values they are about cut short (``kernel.errors.shown``), so
@@ -52,7 +55,7 @@ from ..kernel.contract import (
 )
 from ..kernel.errors import InvalidArgument, InvalidManifest, shown
 from ..kernel.v1 import baton_pb2 as pb
-from . import access, routing
+from . import access, fairness, routing
 from .model import SCHEMA_VERSION, EntryRecord, now
 
 MAX_ENTRIES = 100_000
@@ -160,6 +163,9 @@ class ValidTask:
     access: dict[str, object] | None = None
     digest_optional: bool = False
     routing_rules: tuple[routing.Rule, ...] = ()
+    #: fairness keys and their weights (empty: no fair shares)
+    fairness: dict[str, int] | None = None
+    fairness_default: str = ""
 
 
 def _labels_problems(where: str, labels: dict[str, str]) -> list[str]:
@@ -360,6 +366,7 @@ def validate(spec: pb.TaskSpec) -> ValidTask:
     problems += access.problems(spec.access, all_groups)
     rules = tuple(routing.Rule(r.condition, list(r.groups)) for r in spec.routing_rules)
     problems += _routing_problems(spec, rules, groups, owner)
+    problems += fairness.problems(spec)
     size = spec.ByteSize()
     if size > MAX_MANIFEST_BYTES:
         problems.append(f"the manifest is {mib(size)} encoded: at most "
@@ -410,7 +417,9 @@ def validate(spec: pb.TaskSpec) -> ValidTask:
         )
         for e in spec.entries
     ]
+    fairness.assign(spec, entries)
     digest = hashlib.sha256(spec.SerializeToString(deterministic=True)).hexdigest()
     return ValidTask(spec.task_id, groups, task_retries, dict(spec.labels), entries, digest,
                      task_priority, backoff, aging, access.to_dict(spec.access),
-                     spec.digest_optional, rules)
+                     spec.digest_optional, rules, fairness.weights(spec),
+                     spec.fairness.default_key)

@@ -151,6 +151,10 @@ class EntryRecord:
     not_before: float = 0.0
     #: when it last became claimable (UTC epoch seconds), for ordering and aging
     enqueued_at: float = 0.0
+    #: its fairness key ("" = the task has no fair shares) and its virtual time among
+    #: the entries of that key (registry.fairness), fixed at its creation
+    fairness_key: str = ""
+    fair_time: int = 0
     #: the index key (full etcd key) the entry is listed under while pending
     index: str = ""
     #: transitions so far: numbers the journal records
@@ -348,6 +352,7 @@ class EntryRecord:
             consumed_at=_iso(self.consumed_at) if self.consumed_at else "",
             staging_removed_at=(self.staging_removed or {}).get("at", ""),
             traceparent=self.traceparent,
+            fairness_key=self.fairness_key,
         )
 
 
@@ -395,6 +400,9 @@ class TaskRecord:
     readers: list[str] | None = None
     #: its manifest's staging retention (None: the registry's default when created)
     staging_retention: float | None = None
+    #: its fair shares: the declared keys' weights and the default key (empty: none)
+    fairness_weights: dict[str, int] = field(default_factory=dict)
+    fairness_default: str = ""
 
     @classmethod
     def load(cls, raw: bytes) -> TaskRecord:
@@ -422,6 +430,9 @@ class TaskRecord:
             routing_rules=[pb.RoutingRule(condition=r["condition"], groups=r["groups"])
                            for r in self.routing_rules],
             staging_retention_seconds=self.staging_retention,
+            fairness=pb.Fairness(
+                keys={k: pb.FairnessKey(weight=w) for k, w in self.fairness_weights.items()},
+                default_key=self.fairness_default) if self.fairness_weights else None,
         )
         return pb.Task(
             spec=spec,

@@ -124,7 +124,15 @@ class Tasks:
                            for r in valid.routing_rules],
             readers=access.readers_of(dict(valid.access or {}), valid.entries,
                                       valid.consumers),
+            fairness_weights=valid.fairness or {},
+            fairness_default=valid.fairness_default,
         )
+        if valid.fairness:
+            # One enqueue time for the task's entries, whichever chunk writes them, so
+            # that their fairness keys interleave by weight (registry.fairness).
+            enqueued = self.core.clock()
+            for e in valid.entries:
+                e.enqueued_at = enqueued
 
         async def header(txn: Txn) -> TaskRecord | None:
             """Create the header; or the existing one, if there is one."""

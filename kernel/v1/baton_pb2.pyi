@@ -136,6 +136,7 @@ class EntrySpec(_message.Message):
     CONSUME_DEADLINE_SECONDS_FIELD_NUMBER: _builtins.int
     STAGING_RETENTION_SECONDS_FIELD_NUMBER: _builtins.int
     STALL_AFTER_SECONDS_FIELD_NUMBER: _builtins.int
+    FAIRNESS_KEY_FIELD_NUMBER: _builtins.int
     file_id: _builtins.str
     """[A-Za-z0-9._-], unique within the task"""
     path: _builtins.str
@@ -162,6 +163,10 @@ class EntrySpec(_message.Message):
     """Seconds an attempt may go without a checkpoint (counted from its claim or
     consume until the first) before it is taken back as stalled (0: the task's;
     unset there: never).
+    """
+    fairness_key: _builtins.str
+    """Its fairness key: one the task's `fairness` declares ("" = the task's
+    default_key). Among entries of equal priority, claims interleave keys by weight.
     """
     @_builtins.property
     def depends_on(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -203,10 +208,11 @@ class EntrySpec(_message.Message):
         consume_deadline_seconds: _builtins.float = ...,
         staging_retention_seconds: _builtins.float | None = ...,
         stall_after_seconds: _builtins.float = ...,
+        fairness_key: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "_staging_retention_seconds", b"_staging_retention_seconds", "max_retries", b"max_retries", "priority", b"priority", "staging_retention_seconds", b"staging_retention_seconds"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "_staging_retention_seconds", b"_staging_retention_seconds", "claim_deadline_seconds", b"claim_deadline_seconds", "consume_deadline_seconds", b"consume_deadline_seconds", "consumers", b"consumers", "depends_on", b"depends_on", "expected_digest", b"expected_digest", "expected_size", b"expected_size", "file_id", b"file_id", "labels", b"labels", "max_retries", b"max_retries", "parts", b"parts", "path", b"path", "priority", b"priority", "producers", b"producers", "staging_retention_seconds", b"staging_retention_seconds", "stall_after_seconds", b"stall_after_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "_staging_retention_seconds", b"_staging_retention_seconds", "claim_deadline_seconds", b"claim_deadline_seconds", "consume_deadline_seconds", b"consume_deadline_seconds", "consumers", b"consumers", "depends_on", b"depends_on", "expected_digest", b"expected_digest", "expected_size", b"expected_size", "fairness_key", b"fairness_key", "file_id", b"file_id", "labels", b"labels", "max_retries", b"max_retries", "parts", b"parts", "path", b"path", "priority", b"priority", "producers", b"producers", "staging_retention_seconds", b"staging_retention_seconds", "stall_after_seconds", b"stall_after_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_retries: _TypeAlias = _typing.Literal["max_retries"]  # noqa: Y015
     _WhichOneofArgType__max_retries: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries"]  # noqa: Y015
@@ -394,6 +400,7 @@ class TaskSpec(_message.Message):
     CONSUME_DEADLINE_SECONDS_FIELD_NUMBER: _builtins.int
     STAGING_RETENTION_SECONDS_FIELD_NUMBER: _builtins.int
     STALL_AFTER_SECONDS_FIELD_NUMBER: _builtins.int
+    FAIRNESS_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     schema_version: _builtins.int
     """0 means the current version (1)"""
@@ -444,6 +451,10 @@ class TaskSpec(_message.Message):
         no rule holds (or none given): every consumer group of the entry.
         """
 
+    @_builtins.property
+    def fairness(self) -> Global___Fairness:
+        """Fair shares among the keys its entries name (unset: none, claims in order)."""
+
     def __init__(
         self,
         *,
@@ -464,10 +475,11 @@ class TaskSpec(_message.Message):
         consume_deadline_seconds: _builtins.float = ...,
         staging_retention_seconds: _builtins.float | None = ...,
         stall_after_seconds: _builtins.float = ...,
+        fairness: Global___Fairness | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "_staging_retention_seconds", b"_staging_retention_seconds", "access", b"access", "backoff", b"backoff", "max_retries", b"max_retries", "priority", b"priority", "staging_retention_seconds", b"staging_retention_seconds"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "_staging_retention_seconds", b"_staging_retention_seconds", "access", b"access", "backoff", b"backoff", "fairness", b"fairness", "max_retries", b"max_retries", "priority", b"priority", "staging_retention_seconds", b"staging_retention_seconds"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "_staging_retention_seconds", b"_staging_retention_seconds", "access", b"access", "aging_seconds", b"aging_seconds", "archive_after_seconds", b"archive_after_seconds", "backoff", b"backoff", "claim_deadline_seconds", b"claim_deadline_seconds", "consume_deadline_seconds", b"consume_deadline_seconds", "consumers", b"consumers", "digest_optional", b"digest_optional", "entries", b"entries", "labels", b"labels", "max_retries", b"max_retries", "priority", b"priority", "routing_rules", b"routing_rules", "schema_version", b"schema_version", "staging_retention_seconds", b"staging_retention_seconds", "stall_after_seconds", b"stall_after_seconds", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "_staging_retention_seconds", b"_staging_retention_seconds", "access", b"access", "aging_seconds", b"aging_seconds", "archive_after_seconds", b"archive_after_seconds", "backoff", b"backoff", "claim_deadline_seconds", b"claim_deadline_seconds", "consume_deadline_seconds", b"consume_deadline_seconds", "consumers", b"consumers", "digest_optional", b"digest_optional", "entries", b"entries", "fairness", b"fairness", "labels", b"labels", "max_retries", b"max_retries", "priority", b"priority", "routing_rules", b"routing_rules", "schema_version", b"schema_version", "staging_retention_seconds", b"staging_retention_seconds", "stall_after_seconds", b"stall_after_seconds", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_retries: _TypeAlias = _typing.Literal["max_retries"]  # noqa: Y015
     _WhichOneofArgType__max_retries: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries"]  # noqa: Y015
@@ -483,6 +495,81 @@ class TaskSpec(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__staging_retention_seconds) -> _WhichOneofReturnType__staging_retention_seconds | None: ...
 
 Global___TaskSpec: _TypeAlias = TaskSpec  # noqa: Y015
+
+@_typing.final
+class Fairness(_message.Message):
+    """Fair shares: the fairness keys a task's entries may name (tenants, suppliers),
+    each with its weight. Among claimable entries of equal priority, claims take
+    the keys in proportion to their weights; a key with nothing claimable takes
+    nothing from the others.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class KeysEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        @_builtins.property
+        def value(self) -> Global___FairnessKey: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: Global___FairnessKey | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    KEYS_FIELD_NUMBER: _builtins.int
+    DEFAULT_KEY_FIELD_NUMBER: _builtins.int
+    default_key: _builtins.str
+    """the key of an entry naming none ("" = none)"""
+    @_builtins.property
+    def keys(self) -> _containers.MessageMap[_builtins.str, Global___FairnessKey]:
+        """at most 256, each a valid id"""
+
+    def __init__(
+        self,
+        *,
+        keys: _abc.Mapping[_builtins.str, Global___FairnessKey] | None = ...,
+        default_key: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["default_key", b"default_key", "keys", b"keys"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Fairness: _TypeAlias = Fairness  # noqa: Y015
+
+@_typing.final
+class FairnessKey(_message.Message):
+    """One declared fairness key."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WEIGHT_FIELD_NUMBER: _builtins.int
+    weight: _builtins.int
+    """1..1000"""
+    def __init__(
+        self,
+        *,
+        weight: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["weight", b"weight"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FairnessKey: _TypeAlias = FairnessKey  # noqa: Y015
 
 @_typing.final
 class RoutingRule(_message.Message):
@@ -699,6 +786,7 @@ class Entry(_message.Message):
     ATTEMPT_PATH_FIELD_NUMBER: _builtins.int
     ABS_ATTEMPT_PATH_FIELD_NUMBER: _builtins.int
     TRACEPARENT_FIELD_NUMBER: _builtins.int
+    FAIRNESS_KEY_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     file_id: _builtins.str
     path: _builtins.str
@@ -758,6 +846,8 @@ class Entry(_message.Message):
     (consumers' spans are its children). A failed attempt's stays until the next
     claim replaces it (a dead entry names the trace of its last attempt).
     """
+    fairness_key: _builtins.str
+    """its fairness key ("" = the task has none)"""
     @_builtins.property
     def consumers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -813,10 +903,11 @@ class Entry(_message.Message):
         attempt_path: _builtins.str = ...,
         abs_attempt_path: _builtins.str = ...,
         traceparent: _builtins.str = ...,
+        fairness_key: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_routing_rule", b"_routing_rule", "routing_rule", b"routing_rule"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_routing_rule", b"_routing_rule", "abs_attempt_path", b"abs_attempt_path", "abs_path", b"abs_path", "assembly", b"assembly", "attempt_path", b"attempt_path", "attributes", b"attributes", "blocked", b"blocked", "claim_deadline_seconds", b"claim_deadline_seconds", "consume_deadline_seconds", b"consume_deadline_seconds", "consumed_at", b"consumed_at", "consumed_by", b"consumed_by", "consumers", b"consumers", "consuming", b"consuming", "depends_on", b"depends_on", "digest", b"digest", "error", b"error", "file_id", b"file_id", "max_retries", b"max_retries", "not_before", b"not_before", "owner", b"owner", "parts", b"parts", "path", b"path", "priority", b"priority", "retry_count", b"retry_count", "revision", b"revision", "routed_to", b"routed_to", "routing_rule", b"routing_rule", "size", b"size", "staging_removed_at", b"staging_removed_at", "staging_retention_seconds", b"staging_retention_seconds", "state", b"state", "task_id", b"task_id", "token", b"token", "traceparent", b"traceparent", "updated_at", b"updated_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_routing_rule", b"_routing_rule", "abs_attempt_path", b"abs_attempt_path", "abs_path", b"abs_path", "assembly", b"assembly", "attempt_path", b"attempt_path", "attributes", b"attributes", "blocked", b"blocked", "claim_deadline_seconds", b"claim_deadline_seconds", "consume_deadline_seconds", b"consume_deadline_seconds", "consumed_at", b"consumed_at", "consumed_by", b"consumed_by", "consumers", b"consumers", "consuming", b"consuming", "depends_on", b"depends_on", "digest", b"digest", "error", b"error", "fairness_key", b"fairness_key", "file_id", b"file_id", "max_retries", b"max_retries", "not_before", b"not_before", "owner", b"owner", "parts", b"parts", "path", b"path", "priority", b"priority", "retry_count", b"retry_count", "revision", b"revision", "routed_to", b"routed_to", "routing_rule", b"routing_rule", "size", b"size", "staging_removed_at", b"staging_removed_at", "staging_retention_seconds", b"staging_retention_seconds", "state", b"state", "task_id", b"task_id", "token", b"token", "traceparent", b"traceparent", "updated_at", b"updated_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__routing_rule: _TypeAlias = _typing.Literal["routing_rule"]  # noqa: Y015
     _WhichOneofArgType__routing_rule: _TypeAlias = _typing.Literal["_routing_rule", b"_routing_rule"]  # noqa: Y015
