@@ -116,6 +116,21 @@ def test_a_task_without_fairness_keeps_its_index_keys(client: Client,
     assert order.isdigit() and len(order) == 15
 
 
+def test_task_get_shows_the_fair_shares(client: Client, registry: RegistryHandle) -> None:
+    """`baton task get` shows the keys with their weights and the default key; a task
+    without fairness has no such row."""
+    from test_cli import invoke
+
+    client.create_task(fair_spec({"acme": 1, "initech": 1}) | {
+        "fairness": {"keys": {"acme": {"weight": 1}, "initech": {"weight": 2}},
+                     "default_key": "acme"}})
+    client.create_task({"task_id": "plain", "entries": [{"file_id": "a", "path": "a"}]})
+    shown = invoke(registry, "task", "get", "t")
+    assert shown.exit_code == 0, shown.output
+    assert "fairness     acme 1, initech 2  (default: acme)" in shown.stdout
+    assert "fairness" not in invoke(registry, "task", "get", "plain").stdout
+
+
 # the order -----------------------------------------------------------------------
 
 def test_one_claimer_interleaves_keys_by_weight(client: Client) -> None:
