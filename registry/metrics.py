@@ -81,8 +81,8 @@ STEPS = {"Claim": "claims", "ClaimBatch": "claims", "Commit": "commits",
          "CommitBatch": "commits", "Fail": "fails", "Consume": "consumes",
          "ConsumeBatch": "consumes", "Ack": "acks",
          "AckBatch": "acks", "Nack": "nacks"}
-#: the calls whose claims are counted by fairness key
-FAIR_STEPS = frozenset({"Claim", "ClaimBatch"})
+#: the calls whose claims are counted by fairness key (a commit-and-claim's next one)
+FAIR_STEPS = frozenset({"Claim", "ClaimBatch", "CommitAndClaim"})
 _STEP_HELP = {
     "claims": "Entries handed to producers (Claim, ClaimBatch: ok counts entries), and "
     "refused claim calls by error",
@@ -259,10 +259,10 @@ class RegistryMetrics:
                 raise
             seconds.observe(self.clock() - start)
             ok_calls.inc()
+            if claims:
+                self._count_fair(reply)
             if ok_steps is not None:
                 ok_steps.inc(_entries_in(reply))
-                if claims:
-                    self._count_fair(reply)
             elif report is not None:
                 self.reports.labels(report, _state_name(reply.entry.state)).inc()
             elif method == "ReportVerificationBatch":
@@ -284,12 +284,12 @@ class RegistryMetrics:
         else:
             code = "INTERNAL"
         self.calls.labels(method, code).inc()
+        if error is None and method in FAIR_STEPS:
+            self._count_fair(reply)
         if method in STEPS:
             step = self.steps[STEPS[method]]
             if error is None:
                 step.labels("ok").inc(_entries_in(reply))
-                if method in FAIR_STEPS:
-                    self._count_fair(reply)
             else:
                 step.labels(outcome_of(type(error).__name__)
                             if isinstance(error, errors.BatonError) else code).inc()
@@ -297,7 +297,11 @@ class RegistryMetrics:
     def _count_fair(self, reply: Any) -> None:
         """Count the claims of a claim's reply by fairness key (entries of tasks
         without fair shares have none, and cost a field read)."""
-        for claim in reply.claims if isinstance(reply, pb.ClaimBatchResponse) else (reply,):
+        if isinstance(reply, pb.CommitAndClaimResponse):
+            claims = [reply.next] if reply.HasField("next") else []
+        else:
+            claims = reply.claims if isinstance(reply, pb.ClaimBatchResponse) else [reply]
+        for claim in claims:
             if claim.entry.fairness_key:
                 self.fair_claims.labels(claim.entry.task_id, claim.entry.fairness_key).inc()
 

@@ -161,7 +161,7 @@ def test_a_key_with_nothing_claimable_takes_nothing(client: Client) -> None:
 def test_claims_are_counted_by_fairness_key(registry_factory: Callable[..., RegistryHandle]
                                             ) -> None:
     """`baton_claims_by_fairness_key_total{task, key}` counts the claims of each
-    declared key, single and batched."""
+    declared key: single, batched, and a commit-and-claim's next one."""
     from test_metrics import metrics_port, scrape
 
     registry = registry_factory(metrics="127.0.0.1:0")
@@ -170,8 +170,10 @@ def test_claims_are_counted_by_fairness_key(registry_factory: Callable[..., Regi
         client.create_task(fair_spec({"acme": 2, "globex": 2, "initech": 4}))
         client.create_task({"task_id": "plain", "entries": [{"file_id": "p", "path": "p"}]})
         client.claim("plain", session=s)
-        for _ in range(4):
-            client.claim("t", session=s)
+        held = [client.claim("t", session=s) for _ in range(3)]
+        _, taken = client.commit_and_claim("t", held[0].file_id, held[0].token, 1,
+                                           "0" * 64, session=s)
+        assert taken is not None
         client.claim_batch("t", 4, session=s)
     found = scrape(metrics_port(registry))
     name = "baton_claims_by_fairness_key_total"
