@@ -297,6 +297,7 @@ class RegistryMetrics:
     def _count_fair(self, reply: Any) -> None:
         """Count the claims of a claim's reply by fairness key (entries of tasks
         without fair shares have none, and cost a field read)."""
+        claims: Iterable[pb.ClaimResponse]
         if isinstance(reply, pb.CommitAndClaimResponse):
             claims = [reply.next] if reply.HasField("next") else []
         else:
