@@ -158,6 +158,20 @@ def test_a_key_with_nothing_claimable_takes_nothing(client: Client) -> None:
     assert [key_of(f) for f in claimed] == ["globex", "initech", "initech"] * 6
 
 
+def test_a_retried_entry_goes_behind(client: Client, wait_for: Callable[..., None]) -> None:
+    """An entry failed and retried re-enters with a later enqueue time: behind every
+    entry claimable before it, its key's other entries included."""
+    client.create_task(fair_spec({"acme": 2, "globex": 2}, {"acme": 1, "globex": 1}))
+    with client.open_session("solo", ttl=30) as s:
+        first = client.claim("t", session=s)
+        assert first.file_id == "acme-0000"
+        client.fail("t", first.file_id, first.token, "try again", session=s, delay=0.05)
+        wait_for(lambda: not client.get_entry("t", first.file_id).not_before,
+                 what="the retry's delay to pass")
+        claimed = claim_all(client, s, "t")
+    assert claimed == ["globex-0000", "acme-0001", "globex-0001", "acme-0000"]
+
+
 def test_claims_are_counted_by_fairness_key(registry_factory: Callable[..., RegistryHandle]
                                             ) -> None:
     """`baton_claims_by_fairness_key_total{task, key}` counts the claims of each
