@@ -53,9 +53,9 @@ def problems(spec: pb.TaskSpec) -> list[str]:
         named = [e.file_id for e in spec.entries if e.fairness_key]
         if not named:
             return []
-        more = f" and {len(named) - 1} more" if len(named) > 1 else ""
-        return [f"entries[{shown(named[0])}]{more}: fairness_key given, but the task "
-                "declares no fairness keys (fairness.keys)"]
+        more = f" (and {len(named) - 1} more)" if len(named) > 1 else ""
+        return [f"entry {shown(named[0])}: fairness_key given, but the task declares no "
+                f"fairness keys (fairness.keys){more}"]
     fair = spec.fairness
     out: list[str] = []
     if not fair.keys:

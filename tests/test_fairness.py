@@ -67,7 +67,8 @@ def claim_all(client: Client, session: Session, task_id: str) -> list[str]:
         ({"keys": {"a": {"weight": 1}}}, "", r"entry 'x': no fairness_key, and the task has "
          r"no fairness.default_key"),
         ({"default_key": ""}, "", r"fairness.keys: declare at least one key"),
-        (None, "a", r"fairness_key given, but the task declares no fairness keys"),
+        (None, "a", r"entry 'x': fairness_key given, but the task declares no "
+         r"fairness keys"),
     ],
 )
 def test_bad_fairness_is_refused(fairness: dict[str, Any] | None, entry_key: str,
