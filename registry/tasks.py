@@ -132,7 +132,8 @@ class Tasks:
             # that their fairness keys interleave by weight (registry.fairness).
             enqueued = self.core.clock()
             for e in valid.entries:
-                e.enqueued_at = enqueued
+                if e.deps_ok:  # claimable once the task is active; the others when released
+                    e.enqueued_at = enqueued
 
         async def header(txn: Txn) -> TaskRecord | None:
             """Create the header; or the existing one, if there is one."""
