@@ -447,7 +447,10 @@ class Operators:
                     timespec="seconds")
                 s.append(f"It is in retry backoff until {until} after: {rec.error}.")
             else:
-                s.append(f"It is claimable (priority {rec.priority}) and waits for a "
+                weight = task.fairness_weights.get(rec.fairness_key)
+                fair = (f", fairness key {rec.fairness_key} of weight {weight}: it comes "
+                        "up with its key's share of the claims" if weight else "")
+                s.append(f"It is claimable (priority {rec.priority}{fair}) and waits for a "
                          "producer to claim it.")
             if rec.checkpointed:
                 s.append(await self._progress(rec, ClaimRef("p", rec.task_id, rec.file_id),

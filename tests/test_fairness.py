@@ -145,6 +145,14 @@ def test_one_claimer_interleaves_keys_by_weight(client: Client) -> None:
     assert client.get_entry("t", "initech-0003").fairness_key == "initech"
 
 
+def test_explain_names_the_fairness_key(client: Client) -> None:
+    """`explain` of a claimable entry of a fair task names its key and weight."""
+    client.create_task(fair_spec({"acme": 1, "initech": 1}))
+    text = client.explain("t", "initech-0000").text
+    assert "It is claimable (priority 0, fairness key initech of weight 2: it comes up " \
+        "with its key's share of the claims)" in text, text
+
+
 def test_a_key_with_nothing_claimable_takes_nothing(client: Client) -> None:
     """A declared key whose entries all wait (for an entry of another task) reserves
     nothing: the other keys share every claim by their weights, 1:2, with no gap."""
