@@ -261,11 +261,17 @@ class Core:
                                      rec.file_id).decode()
         if rec.index.startswith(self.keys.ready_all(rec.task_id).decode()):
             return rec.index
+        if rec.fairness_key and rec.from_state is None and rec.enqueued_at:
+            t = rec.enqueued_at  # created with its task's other entries: one time for all
         # Priority with aging: an entry of priority p counts as enqueued
         # p * aging seconds earlier, so a waiting low-priority entry
         # overtakes newer high-priority ones after a while; ties by age.
         rec.enqueued_at = t
         order = int((t - rec.priority * rec.aging) * 1000)
+        if rec.fairness_key:
+            # then by virtual time: the keys interleave by weight (registry.fairness)
+            return self.keys.ready_fair(rec.task_id, order, rec.fair_time,
+                                        rec.file_id).decode()
         return self.keys.ready(rec.task_id, order, rec.file_id).decode()
 
     def put_entry(self, rec: EntryRecord, txn: Txn) -> None:

@@ -5,7 +5,8 @@ Layout under the prefix (default ``/baton/v1/``)::
     tasks/{task}                       task header (JSON)
     entries/{task}/{file}              one entry per file (JSON)
     ready/{task}/{order}/{file}        index: pending and claimable; ``order`` sorts
-                                       by priority with aging, then age
+                                       by priority with aging, then age (then, with
+                                       fair shares, ``{order}.{virtual time}``)
     delayed/{task}/{due}/{file}        index: pending, in retry backoff until ``due``
     waiting/{task}/{file}              index: pending, waits for dependencies (or an
                                        assembly for its parts)
@@ -107,6 +108,11 @@ class Keys:
     # claimable indexes
     def ready(self, task_id: str, order: int, file_id: str) -> bytes:
         return self._k("ready", task_id, f"{order:015d}", file_id)
+
+    def ready_fair(self, task_id: str, order: int, fair_time: int, file_id: str) -> bytes:
+        """A ready key of an entry with a fairness key: ``order``, then its virtual
+        time, sort it (registry.fairness)."""
+        return self._k("ready", task_id, f"{order:015d}.{fair_time:013d}", file_id)
 
     def ready_all(self, task_id: str) -> bytes:
         return self._k("ready", task_id, "")

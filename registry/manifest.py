@@ -27,6 +27,9 @@ Limits (documented in docs/cli.md, "The manifest"):
 - ``routing_rules`` as ``registry.routing`` checks them (at most ``MAX_RULES``,
   each condition a filter it can evaluate, its groups consumer groups of every
   entry the rules route)
+- ``fairness``: 1..``fairness.MAX_KEYS`` declared keys (valid ids), weights
+  1..``fairness.MAX_WEIGHT``, the default one of them; each entry's ``fairness_key``
+  declared (or the task's default)
 - the manifest, encoded, at most ``kernel.contract.MAX_MANIFEST_BYTES``
 
 Problems quote the values they are about cut short (``kernel.errors.shown``), so
@@ -55,7 +58,7 @@ from ..kernel.contract import (
 )
 from ..kernel.errors import InvalidArgument, InvalidManifest, shown
 from ..kernel.v1 import baton_pb2 as pb
-from . import access, routing
+from . import access, fairness, routing
 from .model import SCHEMA_VERSION, EntryRecord, now
 
 MAX_ENTRIES = 100_000
@@ -171,6 +174,9 @@ class ValidTask:
     pools_used: tuple[str, ...] = ()
     #: per consumer group, the most entries its backlog may hold (``backlog_limits``)
     backlog_limits: dict[str, int] = field(default_factory=dict)
+    #: fairness keys and their weights (empty: no fair shares)
+    fairness: dict[str, int] | None = None
+    fairness_default: str = ""
 
 
 def check_pool_name(name: str) -> None:
@@ -433,6 +439,7 @@ def validate(spec: pb.TaskSpec) -> ValidTask:
                   for r in spec.routing_rules)
     problems += _routing_problems(spec, rules, groups, owner)
     problems += _backlog_problems(spec.backlog_limits, all_groups)
+    problems += fairness.problems(spec)
     size = spec.ByteSize()
     if size > MAX_MANIFEST_BYTES:
         problems.append(f"the manifest is {mib(size)} encoded: at most "
@@ -494,8 +501,10 @@ def validate(spec: pb.TaskSpec) -> ValidTask:
         task_pools["produce"] = spec.pools.produce
     if spec.pools.consume:
         task_pools["consume"] = dict(spec.pools.consume)
+    fairness.assign(spec, entries)
     digest = hashlib.sha256(spec.SerializeToString(deterministic=True)).hexdigest()
     return ValidTask(spec.task_id, groups, task_retries, dict(spec.labels), entries, digest,
                      task_priority, backoff, aging, access.to_dict(spec.access),
                      spec.digest_optional, rules, task_pools, tuple(used),
-                     {g: limit.entries for g, limit in spec.backlog_limits.items()})
+                     {g: limit.entries for g, limit in spec.backlog_limits.items()},
+                     fairness.weights(spec), spec.fairness.default_key)

@@ -13,7 +13,9 @@ cached for ``COUNT_TTL`` seconds (see docs/operations.md, Metrics, for the cost)
 Label values come from bounded sets only: method names of the service, gRPC
 status codes, names of Baton's error classes, entry states, task statuses, etcd
 request kinds; and etcd member names and releases (as many as the cluster has
-members). Never an id, a path, a host or an identity.
+members). Never an id, a path, a host or an identity; but for the claims by fairness
+key, labelled by task and by the fairness keys its manifest declares (at most
+``registry.fairness.MAX_KEYS``), counted only for tasks that declare them.
 
 The endpoint is prometheus_client's HTTP server on a thread of its own
 (``kernel.metrics_endpoint``, the watcher's too). A scrape there asks the replica's
@@ -83,6 +85,8 @@ STEPS = {"Claim": "claims", "ClaimBatch": "claims", "Commit": "commits",
          "CommitBatch": "commits", "Fail": "fails", "Consume": "consumes",
          "ConsumeBatch": "consumes", "Ack": "acks",
          "AckBatch": "acks", "Nack": "nacks"}
+#: the calls whose claims are counted by fairness key (a commit-and-claim's next one)
+FAIR_STEPS = frozenset({"Claim", "ClaimBatch", "CommitAndClaim"})
 _STEP_HELP = {
     "claims": "Entries handed to producers (Claim, ClaimBatch: ok counts entries), and "
     "refused claim calls by error",
@@ -178,6 +182,10 @@ class RegistryMetrics:
             "ReportVerificationBatch) or "
             "problem (ReportProblem), by the entry's state after it, or the error",
             ["kind", "result"], registry=r)
+        self.fair_claims = Counter(
+            "baton_claims_by_fairness_key", "Producer claims of entries of tasks with fair "
+            "shares, by task and fairness key (the keys a manifest declares)",
+            ["task", "key"], registry=r)
         self.etcd_seconds = Histogram(
             "baton_etcd_request_duration_seconds", "etcd requests as the registry sees "
             "them (watch: until etcd confirmed the watch), by kind", ["op"],
@@ -243,6 +251,7 @@ class RegistryMetrics:
         step = self.steps[STEPS[method]] if method in STEPS else None
         ok_steps = step.labels("ok") if step is not None else None
         report = {"ReportVerification": "digest", "ReportProblem": "problem"}.get(method)
+        claims = method in FAIR_STEPS
 
         @functools.wraps(behaviour)
         async def unary(request: Any, context: Any) -> Any:
@@ -260,6 +269,8 @@ class RegistryMetrics:
                 raise
             seconds.observe(self.clock() - start)
             ok_calls.inc()
+            if claims:
+                self._count_fair(reply)
             if ok_steps is not None:
                 ok_steps.inc(_entries_in(reply))
             elif report is not None:
@@ -283,6 +294,8 @@ class RegistryMetrics:
         else:
             code = "INTERNAL"
         self.calls.labels(method, code).inc()
+        if error is None and method in FAIR_STEPS:
+            self._count_fair(reply)
         if method in STEPS:
             step = self.steps[STEPS[method]]
             if error is None:
@@ -290,6 +303,18 @@ class RegistryMetrics:
             else:
                 step.labels(outcome_of(type(error).__name__)
                             if isinstance(error, errors.BatonError) else code).inc()
+
+    def _count_fair(self, reply: Any) -> None:
+        """Count the claims of a claim's reply by fairness key (entries of tasks
+        without fair shares have none, and cost a field read)."""
+        claims: Iterable[pb.ClaimResponse]
+        if isinstance(reply, pb.CommitAndClaimResponse):
+            claims = [reply.next] if reply.HasField("next") else []
+        else:
+            claims = reply.claims if isinstance(reply, pb.ClaimBatchResponse) else [reply]
+        for claim in claims:
+            if claim.entry.fairness_key:
+                self.fair_claims.labels(claim.entry.task_id, claim.entry.fairness_key).inc()
 
     def etcd_request(self, op: str, seconds: float, ok: bool) -> None:
         """One etcd request of kind ``op`` took ``seconds`` (``Etcd.observe``)."""

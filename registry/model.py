@@ -151,6 +151,10 @@ class EntryRecord:
     not_before: float = 0.0
     #: when it last became claimable (UTC epoch seconds), for ordering and aging
     enqueued_at: float = 0.0
+    #: its fairness key ("" = the task has no fair shares) and its virtual time among
+    #: the entries of that key (registry.fairness), fixed at its creation
+    fairness_key: str = ""
+    fair_time: int = 0
     #: the index key (full etcd key) the entry is listed under while pending
     index: str = ""
     #: transitions so far: numbers the journal records
@@ -362,6 +366,7 @@ class EntryRecord:
             pools=pb.Pools(produce=self.pool, consume={**self.consume_pools,
                                                        **self.routed_pools})
             if self.pool or self.consume_pools or self.routed_pools else None,
+            fairness_key=self.fairness_key,
         )
 
 
@@ -416,6 +421,9 @@ class TaskRecord:
     #: per consumer group, the most entries its backlog may hold (producers' claims
     #: are refused with Backpressure at it); empty: no limit, no counting
     backlog_limits: dict[str, int] = field(default_factory=dict)
+    #: its fair shares: the declared keys' weights and the default key (empty: none)
+    fairness_weights: dict[str, int] = field(default_factory=dict)
+    fairness_default: str = ""
 
     @classmethod
     def load(cls, raw: bytes) -> TaskRecord:
@@ -448,6 +456,9 @@ class TaskRecord:
                            consume=self.pools.get("consume", {})),
             backlog_limits={g: pb.BacklogLimit(entries=n)
                             for g, n in self.backlog_limits.items()},
+            fairness=pb.Fairness(
+                keys={k: pb.FairnessKey(weight=w) for k, w in self.fairness_weights.items()},
+                default_key=self.fairness_default) if self.fairness_weights else None,
         )
         return pb.Task(
             spec=spec,

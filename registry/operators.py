@@ -449,16 +449,19 @@ class Operators:
             else:
                 over = [b for b in await self.core.backlogs.count(
                     rec.task_id, task.backlog_limits) if b.over] if task.backlog_limits else []
+                weight = task.fairness_weights.get(rec.fairness_key)
+                fair = (f", fairness key {rec.fairness_key} of weight {weight}: it comes "
+                        "up with its key's share of the claims" if weight else "")
                 if over:
-                    s.append(f"It is claimable (priority {rec.priority}), but the task is "
-                             "back-pressured: " + "; ".join(
+                    s.append(f"It is claimable (priority {rec.priority}{fair}), but the task "
+                             "is back-pressured: " + "; ".join(
                                  f"consumer group {b.group} has a backlog of {b.backlog} "
                                  f"entries, at or over its limit of {b.limit}" for b in over)
                              + ". Producers' claims are refused (Backpressure) until it "
                              "consumes.")
                 else:
-                    s.append(f"It is claimable (priority {rec.priority}) and waits for a "
-                             "producer to claim it.")
+                    s.append(f"It is claimable (priority {rec.priority}{fair}) and waits for "
+                             "a producer to claim it.")
             if rec.checkpointed:
                 s.append(await self._progress(rec, ClaimRef("p", rec.task_id, rec.file_id),
                                               None))

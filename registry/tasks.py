@@ -128,7 +128,16 @@ class Tasks:
             pools=dict(valid.pools or {}),
             pools_used=list(valid.pools_used),
             backlog_limits=dict(valid.backlog_limits),
+            fairness_weights=valid.fairness or {},
+            fairness_default=valid.fairness_default,
         )
+        if valid.fairness:
+            # One enqueue time for the task's entries, whichever chunk writes them, so
+            # that their fairness keys interleave by weight (registry.fairness).
+            enqueued = self.core.clock()
+            for e in valid.entries:
+                if e.deps_ok:  # claimable once the task is active; the others when released
+                    e.enqueued_at = enqueued
 
         async def header(txn: Txn) -> TaskRecord | None:
             """Create the header; or the existing one, if there is one."""

@@ -168,7 +168,8 @@ def test_the_cli_docs_manifests_and_shell_agents_run_as_written(
     require("b3sum", "jq")
     blocks = fenced_blocks(ROOT / "docs" / "cli.md")
     manifests = [json.loads(text) for language, text in blocks if language == "json"]
-    assert [m["task_id"] for m in manifests] == ["t1", "scan-42", "book-7", "compliance-3"]
+    assert [m["task_id"] for m in manifests] == ["t1", "scan-42", "book-7", "compliance-3",
+                                                "scans"]
     with up_stack.client() as c:
         for manifest in manifests:
             assert c.create_task(manifest)[1], manifest["task_id"]

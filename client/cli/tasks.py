@@ -113,6 +113,7 @@ def task_get(settings: Settings, task_id: str, output: str) -> None:
         "max_retries": str(t.spec.max_retries),
         "priority": f"{t.spec.priority}  (aging: +1 per {t.spec.aging_seconds:g} s waiting)",
         "backoff": f"base {b.base_seconds:g} s, factor {b.factor:g}, cap {b.cap_seconds:g} s",
+        **({"fairness": fairness_row(t.spec.fairness)} if t.spec.HasField("fairness") else {}),
         "labels": ", ".join(f"{k}={v}" for k, v in sorted(t.spec.labels.items())) or "-",
         "staging": t.staging_dir,
         "created": t.created_at,
@@ -121,6 +122,12 @@ def task_get(settings: Settings, task_id: str, output: str) -> None:
     for key, value in rows.items():
         table.add_row(key, value)
     emit_table(table)
+
+
+def fairness_row(fairness: pb.Fairness) -> str:
+    """A task's fair shares: its keys with their weights, and its default key."""
+    keys = ", ".join(f"{k} {v.weight}" for k, v in sorted(fairness.keys.items()))
+    return keys + (f"  (default: {fairness.default_key})" if fairness.default_key else "")
 
 
 @task.command("ls")

@@ -137,6 +137,7 @@ class EntrySpec(_message.Message):
     STAGING_RETENTION_SECONDS_FIELD_NUMBER: _builtins.int
     STALL_AFTER_SECONDS_FIELD_NUMBER: _builtins.int
     POOLS_FIELD_NUMBER: _builtins.int
+    FAIRNESS_KEY_FIELD_NUMBER: _builtins.int
     file_id: _builtins.str
     """[A-Za-z0-9._-], unique within the task"""
     path: _builtins.str
@@ -163,6 +164,10 @@ class EntrySpec(_message.Message):
     """Seconds an attempt may go without a checkpoint (counted from its claim or
     consume until the first) before it is taken back as stalled (0: the task's;
     unset there: never).
+    """
+    fairness_key: _builtins.str
+    """Its fairness key: one the task's `fairness` declares ("" = the task's
+    default_key). Among entries of equal priority, claims interleave keys by weight.
     """
     @_builtins.property
     def depends_on(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -209,10 +214,11 @@ class EntrySpec(_message.Message):
         staging_retention_seconds: _builtins.float | None = ...,
         stall_after_seconds: _builtins.float = ...,
         pools: Global___Pools | None = ...,
+        fairness_key: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "_staging_retention_seconds", b"_staging_retention_seconds", "max_retries", b"max_retries", "pools", b"pools", "priority", b"priority", "staging_retention_seconds", b"staging_retention_seconds"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "_staging_retention_seconds", b"_staging_retention_seconds", "claim_deadline_seconds", b"claim_deadline_seconds", "consume_deadline_seconds", b"consume_deadline_seconds", "consumers", b"consumers", "depends_on", b"depends_on", "expected_digest", b"expected_digest", "expected_size", b"expected_size", "file_id", b"file_id", "labels", b"labels", "max_retries", b"max_retries", "parts", b"parts", "path", b"path", "pools", b"pools", "priority", b"priority", "producers", b"producers", "staging_retention_seconds", b"staging_retention_seconds", "stall_after_seconds", b"stall_after_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "_staging_retention_seconds", b"_staging_retention_seconds", "claim_deadline_seconds", b"claim_deadline_seconds", "consume_deadline_seconds", b"consume_deadline_seconds", "consumers", b"consumers", "depends_on", b"depends_on", "expected_digest", b"expected_digest", "expected_size", b"expected_size", "fairness_key", b"fairness_key", "file_id", b"file_id", "labels", b"labels", "max_retries", b"max_retries", "parts", b"parts", "path", b"path", "pools", b"pools", "priority", b"priority", "producers", b"producers", "staging_retention_seconds", b"staging_retention_seconds", "stall_after_seconds", b"stall_after_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_retries: _TypeAlias = _typing.Literal["max_retries"]  # noqa: Y015
     _WhichOneofArgType__max_retries: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries"]  # noqa: Y015
@@ -474,6 +480,7 @@ class TaskSpec(_message.Message):
     STALL_AFTER_SECONDS_FIELD_NUMBER: _builtins.int
     POOLS_FIELD_NUMBER: _builtins.int
     BACKLOG_LIMITS_FIELD_NUMBER: _builtins.int
+    FAIRNESS_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     schema_version: _builtins.int
     """0 means the current version (1)"""
@@ -535,6 +542,10 @@ class TaskSpec(_message.Message):
         Backpressure. Counted with the task's producer claims in flight.
         """
 
+    @_builtins.property
+    def fairness(self) -> Global___Fairness:
+        """Fair shares among the keys its entries name (unset: none, claims in order)."""
+
     def __init__(
         self,
         *,
@@ -557,10 +568,11 @@ class TaskSpec(_message.Message):
         stall_after_seconds: _builtins.float = ...,
         pools: Global___Pools | None = ...,
         backlog_limits: _abc.Mapping[_builtins.str, Global___BacklogLimit] | None = ...,
+        fairness: Global___Fairness | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "_staging_retention_seconds", b"_staging_retention_seconds", "access", b"access", "backoff", b"backoff", "max_retries", b"max_retries", "pools", b"pools", "priority", b"priority", "staging_retention_seconds", b"staging_retention_seconds"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "_staging_retention_seconds", b"_staging_retention_seconds", "access", b"access", "backoff", b"backoff", "fairness", b"fairness", "max_retries", b"max_retries", "pools", b"pools", "priority", b"priority", "staging_retention_seconds", b"staging_retention_seconds"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "_staging_retention_seconds", b"_staging_retention_seconds", "access", b"access", "aging_seconds", b"aging_seconds", "archive_after_seconds", b"archive_after_seconds", "backlog_limits", b"backlog_limits", "backoff", b"backoff", "claim_deadline_seconds", b"claim_deadline_seconds", "consume_deadline_seconds", b"consume_deadline_seconds", "consumers", b"consumers", "digest_optional", b"digest_optional", "entries", b"entries", "labels", b"labels", "max_retries", b"max_retries", "pools", b"pools", "priority", b"priority", "routing_rules", b"routing_rules", "schema_version", b"schema_version", "staging_retention_seconds", b"staging_retention_seconds", "stall_after_seconds", b"stall_after_seconds", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries", "_priority", b"_priority", "_staging_retention_seconds", b"_staging_retention_seconds", "access", b"access", "aging_seconds", b"aging_seconds", "archive_after_seconds", b"archive_after_seconds", "backlog_limits", b"backlog_limits", "backoff", b"backoff", "claim_deadline_seconds", b"claim_deadline_seconds", "consume_deadline_seconds", b"consume_deadline_seconds", "consumers", b"consumers", "digest_optional", b"digest_optional", "entries", b"entries", "fairness", b"fairness", "labels", b"labels", "max_retries", b"max_retries", "pools", b"pools", "priority", b"priority", "routing_rules", b"routing_rules", "schema_version", b"schema_version", "staging_retention_seconds", b"staging_retention_seconds", "stall_after_seconds", b"stall_after_seconds", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_retries: _TypeAlias = _typing.Literal["max_retries"]  # noqa: Y015
     _WhichOneofArgType__max_retries: _TypeAlias = _typing.Literal["_max_retries", b"_max_retries"]  # noqa: Y015
@@ -637,6 +649,81 @@ class GroupBacklog(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GroupBacklog: _TypeAlias = GroupBacklog  # noqa: Y015
+
+@_typing.final
+class Fairness(_message.Message):
+    """Fair shares: the fairness keys a task's entries may name (tenants, suppliers),
+    each with its weight. Among claimable entries of equal priority, claims take
+    the keys in proportion to their weights; a key with nothing claimable takes
+    nothing from the others.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class KeysEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        @_builtins.property
+        def value(self) -> Global___FairnessKey: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: Global___FairnessKey | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    KEYS_FIELD_NUMBER: _builtins.int
+    DEFAULT_KEY_FIELD_NUMBER: _builtins.int
+    default_key: _builtins.str
+    """the key of an entry naming none ("" = none)"""
+    @_builtins.property
+    def keys(self) -> _containers.MessageMap[_builtins.str, Global___FairnessKey]:
+        """at most 256, each a valid id"""
+
+    def __init__(
+        self,
+        *,
+        keys: _abc.Mapping[_builtins.str, Global___FairnessKey] | None = ...,
+        default_key: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["default_key", b"default_key", "keys", b"keys"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Fairness: _TypeAlias = Fairness  # noqa: Y015
+
+@_typing.final
+class FairnessKey(_message.Message):
+    """One declared fairness key."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WEIGHT_FIELD_NUMBER: _builtins.int
+    weight: _builtins.int
+    """1..1000"""
+    def __init__(
+        self,
+        *,
+        weight: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["weight", b"weight"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FairnessKey: _TypeAlias = FairnessKey  # noqa: Y015
 
 @_typing.final
 class RoutingRule(_message.Message):
@@ -888,6 +975,7 @@ class Entry(_message.Message):
     ABS_ATTEMPT_PATH_FIELD_NUMBER: _builtins.int
     TRACEPARENT_FIELD_NUMBER: _builtins.int
     POOLS_FIELD_NUMBER: _builtins.int
+    FAIRNESS_KEY_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     file_id: _builtins.str
     path: _builtins.str
@@ -947,6 +1035,8 @@ class Entry(_message.Message):
     (consumers' spans are its children). A failed attempt's stays until the next
     claim replaces it (a dead entry names the trace of its last attempt).
     """
+    fairness_key: _builtins.str
+    """its fairness key ("" = the task has none)"""
     @_builtins.property
     def consumers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -1007,10 +1097,11 @@ class Entry(_message.Message):
         abs_attempt_path: _builtins.str = ...,
         traceparent: _builtins.str = ...,
         pools: Global___Pools | None = ...,
+        fairness_key: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_routing_rule", b"_routing_rule", "pools", b"pools", "routing_rule", b"routing_rule"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_routing_rule", b"_routing_rule", "abs_attempt_path", b"abs_attempt_path", "abs_path", b"abs_path", "assembly", b"assembly", "attempt_path", b"attempt_path", "attributes", b"attributes", "blocked", b"blocked", "claim_deadline_seconds", b"claim_deadline_seconds", "consume_deadline_seconds", b"consume_deadline_seconds", "consumed_at", b"consumed_at", "consumed_by", b"consumed_by", "consumers", b"consumers", "consuming", b"consuming", "depends_on", b"depends_on", "digest", b"digest", "error", b"error", "file_id", b"file_id", "max_retries", b"max_retries", "not_before", b"not_before", "owner", b"owner", "parts", b"parts", "path", b"path", "pools", b"pools", "priority", b"priority", "retry_count", b"retry_count", "revision", b"revision", "routed_to", b"routed_to", "routing_rule", b"routing_rule", "size", b"size", "staging_removed_at", b"staging_removed_at", "staging_retention_seconds", b"staging_retention_seconds", "state", b"state", "task_id", b"task_id", "token", b"token", "traceparent", b"traceparent", "updated_at", b"updated_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_routing_rule", b"_routing_rule", "abs_attempt_path", b"abs_attempt_path", "abs_path", b"abs_path", "assembly", b"assembly", "attempt_path", b"attempt_path", "attributes", b"attributes", "blocked", b"blocked", "claim_deadline_seconds", b"claim_deadline_seconds", "consume_deadline_seconds", b"consume_deadline_seconds", "consumed_at", b"consumed_at", "consumed_by", b"consumed_by", "consumers", b"consumers", "consuming", b"consuming", "depends_on", b"depends_on", "digest", b"digest", "error", b"error", "fairness_key", b"fairness_key", "file_id", b"file_id", "max_retries", b"max_retries", "not_before", b"not_before", "owner", b"owner", "parts", b"parts", "path", b"path", "pools", b"pools", "priority", b"priority", "retry_count", b"retry_count", "revision", b"revision", "routed_to", b"routed_to", "routing_rule", b"routing_rule", "size", b"size", "staging_removed_at", b"staging_removed_at", "staging_retention_seconds", b"staging_retention_seconds", "state", b"state", "task_id", b"task_id", "token", b"token", "traceparent", b"traceparent", "updated_at", b"updated_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__routing_rule: _TypeAlias = _typing.Literal["routing_rule"]  # noqa: Y015
     _WhichOneofArgType__routing_rule: _TypeAlias = _typing.Literal["_routing_rule", b"_routing_rule"]  # noqa: Y015
