@@ -23,6 +23,7 @@ from baton_relay.kernel.errors import InvalidArgument, InvalidManifest, NotFound
 from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.registry._etcd import Etcd
 from baton_relay.registry.keys import Keys
+from tests.faults.checker import most_at_once
 
 Wait = Callable[..., None]
 
@@ -193,16 +194,6 @@ def test_a_bad_pool_definition_is_refused(client: Client, name: str, limit: int)
 POOL_AGENT = Path(__file__).with_name("pool_agent.py")
 
 
-def overlap(intervals: list[tuple[int, int]]) -> int:
-    """The most intervals (start, end revisions) open at once."""
-    events = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])
-    most = held = 0
-    for _, step in events:
-        held += step
-        most = max(most, held)
-    return most
-
-
 def claim_intervals(registry: RegistryHandle, tasks: list[str]) -> list[tuple[int, int]]:
     """From the journal: each producer claim, from the revision of its ``claimed``
     record to that of the record that ended it (committed, failed, revoked)."""
@@ -283,7 +274,7 @@ def test_thirty_two_agents_on_four_tasks_never_hold_more_than_the_pools_limit(
     assert max(seen) == 5  # the pool was the bound: it was full at times
     intervals = claim_intervals(registry, tasks)
     assert len(intervals) >= 240
-    assert overlap(intervals) <= 5
+    assert most_at_once(intervals) <= 5
     wait_for(lambda: units(registry, "shared") == [], what="no unit left held")
 
 
