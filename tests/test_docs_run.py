@@ -863,7 +863,7 @@ def test_the_recorded_fault_runs_parse() -> None:
             with pytest.raises(SystemExit):
                 faults_main.main(argv)
     assert [cfg.seed for cfg in seen] == [6, 1130, 2026, 7, 64464, 2027, 2212, 1204, 3207,
-                                         4125]
+                                         4125, 4127]
 
 
 @pytest.mark.slow
