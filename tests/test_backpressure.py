@@ -234,6 +234,10 @@ def test_produce_each_on_a_stream_waits_between_fused_steps(client: Client) -> N
     done = threading.Event()
 
     def consumer() -> None:
+        # Nothing is consumed before the loop says it waits: on a loaded machine a
+        # consumer acking first could let every step through without a wait.
+        if not seen.event.wait(30):
+            return
         with client.open_session("c", ttl=30, keepalive=False) as cs:
             deadline = time.monotonic() + 30
             while len(acked) < 3 and time.monotonic() < deadline and not done.is_set():
