@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 from click.testing import CliRunner
 from registry_fixtures import TEST_RETRY, RegistryHandle, on_etcd, start_registry
@@ -79,8 +80,12 @@ async def _compact_defrag(etcd: Etcd) -> None:
 
     channel = etcd._pick()
     _, revision, _ = await etcd.range(PREFIX.encode(), limit=1)
-    await etcd._unary(channel.kv.Compact, rpc.CompactionRequest(revision=revision,
-                                                                physical=True))
+    try:
+        await etcd._unary(channel.kv.Compact, rpc.CompactionRequest(revision=revision,
+                                                                    physical=True))
+    except grpc.aio.AioRpcError as e:  # compacted there already: nothing written since
+        if e.code() != grpc.StatusCode.OUT_OF_RANGE:
+            raise
     await etcd._unary(channel.maint.Defragment, rpc.DefragmentRequest())
 
 
@@ -155,14 +160,14 @@ async def _over_quota(etcd: Etcd) -> None:
 
 
 async def _deletes_accepted(etcd: Etcd) -> None:
-    """etcd 3.5 refuses every transaction, deletes-only too, while its database file is
-    over the quota: as the runbook says, compact and defragment first (the alarm stays
-    raised, so puts are still refused). etcd 3.4 applies them as it is."""
-    try:
-        await etcd.txn([], [])
-    except StorageFull:
-        await _compact_defrag(etcd)
-        await etcd.txn([], [])
+    """Room for an archive's deletes, as the runbook makes it: compact and defragment
+    (the alarm stays raised, so puts are still refused). etcd 3.5 refuses every
+    transaction, deletes-only too, while its database file is over the quota, and the
+    deletes themselves grow the file: a file just under the quota (a probe that passes)
+    can pass it again in the middle of an archive. etcd 3.4 would apply them as it is;
+    compacting there changes nothing the tests look at."""
+    await _compact_defrag(etcd)
+    await etcd.txn([], [])
 
 
 @contextmanager
