@@ -201,6 +201,9 @@ async def pick(core: Core, txn: Txn, head: Head, want: int) -> list[tuple[KV, En
     view = core.view if not txn.fresh else None
     picked: list[tuple[KV, EntryRecord]] = []
     moved = False
+    #: a candidate another planner of this replica reserved, or took (its index key
+    #: left the window), while this one read: the window is current, the page was not
+    taken = False
     denied = 0
     #: entries passed over per pool without a free unit, and units this pick needs
     full: dict[str, int] = {}
@@ -208,6 +211,9 @@ async def pick(core: Core, txn: Txn, head: Head, want: int) -> list[tuple[KV, En
     for order in (ordered[:cut], ordered[cut:]):
         keys = [core.keys.entry(head.task_id, core.keys.last_segment(k.key)) for k in order]
         for key, listed, kv in zip(keys, order, await txn.peek_many(keys), strict=True):
+            if view is not None and view.taken(listed.key):
+                taken = True
+                continue
             rec = EntryRecord.load(kv.value) if kv is not None else None
             if kv is None or rec is None or not head.current(rec, listed.key):
                 moved = True  # taken while we looked
@@ -228,17 +234,17 @@ async def pick(core: Core, txn: Txn, head: Head, want: int) -> list[tuple[KV, En
                 needs[pool] = needs.get(pool, 0) + 1
             if len(picked) == want:
                 return picked
-        if picked or not full:
-            break  # the rest of the page only when a pool passed entries over
+        if picked or not (full or taken):
+            break  # the rest of the page only when entries were passed over or taken
     if picked:
         return picked
-    if full and not moved:
+    if full and not (moved or taken):
         assert head.pools is not None
         core.pool_refusals.update(full.keys())
         raise await head.pools.nothing(txn, head.task_id, full)
-    if denied and not moved:
+    if denied and not (moved or taken):
         raise head.nothing(denied)
-    if moved or len(head.page) >= PAGE:
+    if moved or taken or len(head.page) >= PAGE:
         if view is not None and moved:
             view.invalidate(head.index)  # the window was behind
         raise Retry()

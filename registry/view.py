@@ -354,6 +354,16 @@ class View:
     def release(self, keys: Sequence[bytes]) -> None:
         self._reserved.difference_update(keys)
 
+    def taken(self, key: bytes) -> bool:
+        """Whether an index key a planner listed is no longer free to it: another
+        planner of this replica reserved it since, or it left its window (a write of
+        this replica or the watch took it). Passing such a key over says nothing of the
+        window being behind."""
+        if key in self._reserved:
+            return True
+        window = self._windows.get(self._window_base(key))
+        return window is None or key not in window.keys
+
     # reading (txn.Source) ----------------------------------------------------
 
     async def get_many(self, keys: Sequence[bytes]) -> list[KV | None]:

@@ -394,3 +394,60 @@ def test_each_step_is_one_transaction_of_a_fixed_size(etcd: Any, prefix: str) ->
 
     shapes = asyncio.run(body())
     assert shapes == {name: [shape] for name, shape in SHAPES.items()}
+
+
+def test_many_planners_at_once_keep_the_window(etcd: Any, prefix: str) -> None:
+    """Many agents' fused loops at once on one replica: a planner whose candidates
+    another planner of the replica took while it read them plans again on the same
+    window, which is current; it neither reads the index again from etcd (its window
+    thrown away as if behind) nor is told there is nothing to claim."""
+    agents, steps, size = 48, 30, 3000
+
+    async def body() -> tuple[int, int, int]:
+        client = CountingEtcd(etcd.endpoint, timeout=60)
+        await client.connect()
+        core = Core(client, Keys(prefix), "/staging")
+        await core.start()
+        try:
+            spec = pb.TaskSpec(task_id="t", entries=[
+                pb.EntrySpec(file_id=f"e{i:06d}", path=f"e{i:06d}") for i in range(size)])
+            await Tasks(core).create(pb.CreateTaskRequest(spec=spec))
+            producers = Producers(core)
+            fused = Fused(producers, Consumers(core))
+            sids = [(await Sessions(core).open(pb.OpenSessionRequest(agent=f"a{n}", ttl=30),
+                                               ANONYMOUS)).session_id for n in range(agents)]
+            gate = asyncio.Event()
+
+            async def loop(sid: str) -> list[str]:
+                await gate.wait()
+                claim = await producers.claim(pb.ClaimRequest(task_id="t", session_id=sid),
+                                              ANONYMOUS)
+                done = []
+                for _ in range(steps):
+                    step = await fused.commit_and_claim(pb.CommitAndClaimRequest(
+                        commit=pb.CommitRequest(task_id="t", file_id=claim.entry.file_id,
+                                                token=claim.token, digest=EMPTY,
+                                                session_id=sid),
+                        claim=pb.ClaimRequest(session_id=sid)), ANONYMOUS)
+                    assert step.HasField("next"), step.next_error
+                    done.append(claim.entry.file_id)
+                    claim = step.next
+                return done
+
+            tasks = [asyncio.create_task(loop(sid)) for sid in sids]
+            client.requests = client.ranges = 0
+            gate.set()
+            committed = [f for done in await asyncio.gather(*tasks) for f in done]
+            assert len(set(committed)) == len(committed) == agents * steps
+            return client.ranges, client.requests, core.txns.replans["moved"]
+        finally:
+            await core.stop()
+            await client.close()
+
+    ranges, requests, moved = asyncio.run(body())
+    claims = agents * (steps + 1)
+    # a window page per 128 claims (and the delayed index's once), as for one agent
+    assert ranges <= claims // 128 + 4, f"{ranges} range reads for {claims} claims"
+    assert requests <= claims, f"{requests} etcd requests for {claims} fused steps"
+    # taken candidates send a planner down the page, not back to the start
+    assert moved <= claims // 10, f"{moved} plans made again for {claims} claims"
