@@ -261,29 +261,31 @@ def consume(
     delay (``baton_relay.client.failures``).
     """
     lease = next_lease(client, session, task_id, group, timeout)
-    span = _consume_span(lease)
-    trace = tracing.traceparent(span)
-    try:
+    with _consumption(lease) as trace:
         with _delivered(client, session, lease, trace) as delivery:
             yield delivery
         with tracing.child(trace, "baton.ack"):
             client.ack(task_id, lease.file_id, group, lease.token, session=session)
+
+
+@contextmanager
+def _consumption(lease: Lease) -> Iterator[str]:
+    """Within: the span of one group's consumption of an entry, ended with the block's
+    error if it raises; yields its traceparent ("" when traces are off). The span is the
+    child of the one the entry carries (the watcher's verification, so the hand-off
+    reads producer → watcher → consumers in one trace)."""
+    span: Any = None
+    if tracing.ENABLED:
+        span = tracing.start("baton.consume", parent=lease.entry.traceparent, attributes={
+            "baton.task": lease.task_id, "baton.file_id": lease.file_id,
+            "baton.group": lease.group, "baton.token": lease.token,
+            "baton.attempt": lease.attempt, "baton.size": lease.size})
+    try:
+        yield tracing.traceparent(span)
     except BaseException as e:
         tracing.end(span, e)
         raise
     tracing.end(span)
-
-
-def _consume_span(lease: Lease) -> Any:
-    """The span of one group's consumption of an entry (None when traces are off): the
-    child of the span the entry carries (the watcher's verification, so the hand-off
-    reads producer → watcher → consumers in one trace)."""
-    if not tracing.ENABLED:
-        return None
-    return tracing.start("baton.consume", parent=lease.entry.traceparent, attributes={
-        "baton.task": lease.task_id, "baton.file_id": lease.file_id,
-        "baton.group": lease.group, "baton.token": lease.token,
-        "baton.attempt": lease.attempt, "baton.size": lease.size})
 
 
 @contextmanager
@@ -328,9 +330,7 @@ def consume_each(client: Client, session: Session, task_id: str, group: str = "d
                 lease = next_lease(client, session, task_id, group, timeout)
             except (NothingToClaim, Draining):
                 return
-        span = _consume_span(lease)
-        trace = tracing.traceparent(span)
-        try:
+        with _consumption(lease) as trace:
             with _delivered(client, session, lease, trace) as delivery:
                 yield delivery
             with tracing.child(trace, "baton.ack"):
@@ -340,7 +340,3 @@ def consume_each(client: Client, session: Session, task_id: str, group: str = "d
                 else:
                     client.ack(task_id, lease.file_id, group, lease.token, session=session)
                     lease = None
-        except BaseException as e:
-            tracing.end(span, e)
-            raise
-        tracing.end(span)
