@@ -57,12 +57,18 @@ class CountingEtcd(Etcd):
         return await super().txn_group(group)
 
 
-async def _cycles(endpoint: str, prefix: str, size: int, cycles: int,
-                  request_ids: bool) -> tuple[CountingEtcd, Core]:
+async def _started(endpoint: str, prefix: str) -> tuple[CountingEtcd, Core]:
+    """A counting etcd client and a core on it, started."""
     etcd = CountingEtcd(endpoint, timeout=60)
     await etcd.connect()
     core = Core(etcd, Keys(prefix), "/staging")
     await core.start()
+    return etcd, core
+
+
+async def _cycles(endpoint: str, prefix: str, size: int, cycles: int,
+                  request_ids: bool) -> tuple[CountingEtcd, Core]:
+    etcd, core = await _started(endpoint, prefix)
     spec = pb.TaskSpec(task_id="t", entries=[
         pb.EntrySpec(file_id=f"e{i:06d}", path=f"e{i:06d}") for i in range(size)])
     await Tasks(core).create(pb.CreateTaskRequest(spec=spec))
@@ -103,10 +109,7 @@ def test_a_fused_commit_and_claim_is_one_request(etcd: Any, prefix: str) -> None
     """Commit-and-claim-the-next at one agent costs at most 1.1 etcd requests per cycle,
     and the claims it hands out are the live ones."""
     async def body() -> tuple[float, int]:
-        client = CountingEtcd(etcd.endpoint, timeout=60)
-        await client.connect()
-        core = Core(client, Keys(prefix), "/staging")
-        await core.start()
+        client, core = await _started(etcd.endpoint, prefix)
         try:
             spec = pb.TaskSpec(task_id="t", entries=[
                 pb.EntrySpec(file_id=f"e{i:06d}", path=f"e{i:06d}") for i in range(300)])
@@ -282,10 +285,7 @@ def test_routing_reads_nothing_from_etcd(etcd: Any, prefix: str) -> None:
     from baton_relay.registry.verify import Verifier
 
     async def requests_per_verification(task: str, rules: list[pb.RoutingRule]) -> float:
-        client = CountingEtcd(etcd.endpoint, timeout=60)
-        await client.connect()
-        core = Core(client, Keys(prefix), "/staging")
-        await core.start()
+        client, core = await _started(etcd.endpoint, prefix)
         try:
             await Tasks(core).create(pb.CreateTaskRequest(spec=pb.TaskSpec(
                 task_id=task, consumers=["pdf", "review"], routing_rules=rules,
@@ -330,10 +330,7 @@ def test_each_step_is_one_transaction_of_a_fixed_size(etcd: Any, prefix: str) ->
     """Each step of the agents' loops (claim, commit, consume, ack, fail, nack, the
     fused steps) is one transaction whose compares and operations stay as listed."""
     async def body() -> dict[str, list[tuple[int, int]]]:
-        client = CountingEtcd(etcd.endpoint, timeout=60)
-        await client.connect()
-        core = Core(client, Keys(prefix), "/staging")
-        await core.start()
+        client, core = await _started(etcd.endpoint, prefix)
         shapes: dict[str, list[tuple[int, int]]] = {}
         try:
             spec = pb.TaskSpec(task_id="t", consumers=["g"], claim_deadline_seconds=60,
@@ -404,10 +401,7 @@ def test_many_planners_at_once_keep_the_window(etcd: Any, prefix: str) -> None:
     agents, steps, size = 48, 30, 3000
 
     async def body() -> tuple[int, int, int]:
-        client = CountingEtcd(etcd.endpoint, timeout=60)
-        await client.connect()
-        core = Core(client, Keys(prefix), "/staging")
-        await core.start()
+        client, core = await _started(etcd.endpoint, prefix)
         try:
             spec = pb.TaskSpec(task_id="t", entries=[
                 pb.EntrySpec(file_id=f"e{i:06d}", path=f"e{i:06d}") for i in range(size)])
