@@ -17,7 +17,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from typing import Any
 
 Job = dict[str, Any]
@@ -71,11 +71,14 @@ def baton(job: Job, gate: Gate) -> Job:
         t0 = time.perf_counter()
         if job["loop"] in ("each", "checkpoint"):
             checkpoint = job["loop"] == "checkpoint"
-            steps: Iterator[Any] = produce_each(c, s, job["task"])
+            steps: Generator[Any, None, None] = produce_each(c, s, job["task"])
             for out in steps:
                 if time.monotonic() >= deadline:
-                    # Each output before this one was committed when the loop asked for
-                    # the next; this one is in hand, unwritten: leaving gives it back.
+                    # This one is in hand, unwritten: leaving gives it back. Closing the
+                    # loop while the session is open commits every output written
+                    # before it (a loop working ahead commits several per step), so
+                    # each one counted below is published within the round.
+                    steps.close()
                     break
                 out.write(payload)
                 if checkpoint:

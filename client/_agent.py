@@ -255,18 +255,32 @@ class AgentCalls(Connection):
             task_id, file_id, token, size, digest, attributes=attributes,
             traceparent=traceparent))
 
+    def commit_and_claim_batch(
+            self, commits: Sequence[tuple[str, str, int, int, str]
+                                    | tuple[str, str, int, int, str, Attributes]],
+            task_id: str, max_count: int, *, session: Session,
+            traceparents: Sequence[str] = ()) -> tuple[list[pb.Entry], list[Claim]]:
+        """Commit (task, file_id, token, size, digest[, attributes]) tuples and claim up
+        to ``max_count`` next entries of ``task_id`` in one step (one message on the
+        session's stream, one etcd transaction): the committed entries and the claims
+        taken (none when none can be taken now). Needs a session kept on its stream."""
+        return self._run(_needs_stream(session, "commit_and_claim_batch")
+                         .commit_and_claim_batch(commits, task_id, max_count,
+                                                 traceparents=traceparents))
+
     def fail(self, task_id: str, file_id: str, token: int, reason: str = "", *,
              session: Session | int = 0, permanent: bool = False,
-             delay: float = 0.0) -> pb.Entry:
+             delay: float = 0.0, release: bool = False) -> pb.Entry:
         """Give a claim up: the entry is retried after its backoff (after ``delay``
         seconds instead, when given), or goes dead at once, no retry spent, when
-        ``permanent``."""
+        ``permanent``. ``release``: the attempt never began (claimed ahead, not worked
+        on): the entry is pending again at once, no retry spent."""
         if (stream := _stream_of(session)) is not None:
             return self._run(stream.fail(task_id, file_id, token, reason,
-                                         permanent=permanent, delay=delay))
+                                         permanent=permanent, delay=delay, release=release))
         req = pb.FailRequest(task_id=task_id, file_id=file_id, token=token, reason=reason,
                              session_id=_named_session(session), permanent=permanent,
-                             delay_seconds=delay)
+                             delay_seconds=delay, release=release)
         return self._call("Fail", req).entry  # type: ignore[no-any-return]
 
     def checkpoint(self, task_id: str, file_id: str, token: int, *, data: bytes = b"",

@@ -471,6 +471,28 @@ class AsyncSession:
         self._noted(r.next_error)
         return r.entry, None
 
+    async def commit_and_claim_batch(
+            self, commits: Sequence[tuple[str, str, int, int, str]
+                                    | tuple[str, str, int, int, str, Attributes]],
+            task_id: str, max_count: int, *, traceparents: Sequence[str] = ()
+    ) -> tuple[list[pb.Entry], list[Claim]]:
+        """Commit (task, file_id, token, size, digest[, attributes]) tuples and claim up
+        to ``max_count`` next entries of ``task_id``, in one message and one etcd
+        transaction: the committed entries, in order, and the claims taken (none when
+        none can be taken now, as ``commit_and_claim``'s None). ``traceparents``: the
+        i-th claim's attempt span (traces on)."""
+        r = await self._ask("commit_and_claim_batch", pb.CommitAndClaimBatchRequest(
+            commits=[pb.CommitRequest(task_id=c[0], file_id=c[1], token=c[2], size=c[3],
+                                      digest=c[4], session_id=self.session_id,
+                                      attributes=encode_attributes(c[5] if len(c) > 5
+                                                                   else None))
+                     for c in commits],
+            task_id=task_id, session_id=self.session_id, max=max_count,
+            traceparents=list(traceparents), request_id=_request_id()))
+        if not r.next:
+            self._noted(r.next_error)
+        return list(r.entries), [Claim.of(task_id, c, self.session_id) for c in r.next]
+
     async def ack_and_consume(self, task_id: str, file_id: str, group: str, token: int
                               ) -> tuple[pb.Entry, Lease | None]:
         """Ack a lease and take the group's next entry, in one message and one etcd
@@ -497,12 +519,16 @@ class AsyncSession:
             self._lose(error)
 
     async def fail(self, task_id: str, file_id: str, token: int, reason: str = "", *,
-                   permanent: bool = False, delay: float = 0.0) -> pb.Entry:
+                   permanent: bool = False, delay: float = 0.0,
+                   release: bool = False) -> pb.Entry:
         """Give a claim up: the entry is retried after its backoff (after ``delay``
-        seconds instead, when given), or goes dead at once when ``permanent``."""
+        seconds instead, when given), or goes dead at once when ``permanent``.
+        ``release``: the attempt never began (claimed ahead, not worked on): pending
+        again at once, no retry spent."""
         r = await self._ask("fail", pb.FailRequest(
             task_id=task_id, file_id=file_id, token=token, reason=reason,
-            session_id=self.session_id, permanent=permanent, delay_seconds=delay))
+            session_id=self.session_id, permanent=permanent, delay_seconds=delay,
+            release=release))
         return r.entry  # type: ignore[no-any-return]
 
     async def checkpoint(self, task_id: str, file_id: str, token: int, *, data: bytes = b"",

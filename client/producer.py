@@ -19,6 +19,7 @@ import secrets
 import shutil
 import stat
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
@@ -30,7 +31,14 @@ import blake3
 from ..kernel import tracing
 from ..kernel.backoff import Backoff
 from ..kernel.contract import TEMP_MARKER, parse_attempt, parse_temp
-from ..kernel.errors import Backpressure, BatonError, Draining, InvalidArgument, NothingToClaim
+from ..kernel.errors import (
+    Backpressure,
+    BatonError,
+    Draining,
+    InvalidArgument,
+    NothingToClaim,
+    Unavailable,
+)
 from ..kernel.v1 import baton_pb2 as pb
 from ._client import Client, Session
 from ._wire import Attributes, Claim
@@ -502,59 +510,177 @@ def _writing(client: Client, session: Session | int, claim: Claim,
             os.close(parent)
 
 
+#: the most entries ``produce_each`` claims in one step, and how long (seconds) what it
+#: has written may wait for its commit while it works on entries claimed ahead
+AHEAD = 8
+LINGER = 0.5
+
+
+class _Pace:
+    """How long a loop's steps take (a moving average of the body's time), so that a
+    step claims as many entries as the loop writes within ``linger``: a fast loop
+    works ahead (one message for several entries), a slow one claims one at a time."""
+
+    def __init__(self, ahead: int, linger: float) -> None:
+        self.ahead, self.linger = ahead, linger
+        self.step = 0.0  # 0: not measured yet
+
+    def lap(self, seconds: float) -> None:
+        self.step = seconds if not self.step else 0.8 * self.step + 0.2 * seconds
+
+    def want(self) -> int:
+        if not self.step:
+            return 1
+        return max(1, min(self.ahead, int(self.linger / self.step)))
+
+
+#: an output written and not committed yet: with its attempt's span and traceparent
+_Done = tuple[Output, Any, str]
+
+
 def produce_each(client: Client, session: Session, task_id: str, *,
                  nonce: Callable[[], str] = new_nonce,
-                 wait: float = BACKPRESSURE_WAIT) -> Iterator[Output]:
+                 wait: float = BACKPRESSURE_WAIT, ahead: int = AHEAD,
+                 linger: float = LINGER) -> Iterator[Output]:
     """Claim the task's entries one after another: each output is yielded to be
-    written, and published and committed when the loop asks for the next.
+    written; what is written is published and committed by the next step.
 
-    On a session kept on its stream, each commit claims the next entry in the same
-    step (one message, one etcd transaction). The loop ends, without an error,
-    when nothing is left to claim or once the session's host is drained
-    (``Session.draining``): the entry in hand is committed first, and no new one is
-    claimed. Leaving the loop early (``break``, an exception) fails the entry in
-    hand, as ``produce`` does. Back-pressure is waited out as ``produce`` does (a
-    fused step whose next claim it refused claims again, waiting).
+    On a session kept on its stream, a step is one message and one etcd transaction
+    that commits what the loop has written and claims what it works on next. A loop
+    whose steps are quick works ahead: a step claims as many entries (at most
+    ``ahead``) as the loop writes within ``linger`` seconds, and commits them
+    together once they are all written (or once the first has waited ``linger``) —
+    so each output's ``entry`` is set when its step commits it. A slow loop (a step
+    longer than ``linger``) claims one entry per step, committing each as the loop
+    asks for the next; ``ahead=1`` always does. Without a stream, each output is
+    committed as the loop asks for the next, and the next one claimed on its own.
+
+    The loop ends, without an error, when nothing is left to claim or once the
+    session's host is drained (``Session.draining``). Leaving the loop (its end,
+    ``break``, an exception) commits what was written, fails the entry in hand if it
+    was not written (as ``produce`` does), and gives back the entries claimed ahead
+    and not begun, as they were (no retry spent). Back-pressure is waited out as
+    ``produce`` does.
     """
-    claim: Claim | None = None
-    root: Any = None
-    while True:
-        if claim is None:
+    if ahead < 1:
+        raise InvalidArgument(f"ahead must be at least 1, not {ahead}")
+    if linger < 0:
+        raise InvalidArgument(f"linger must not be negative, not {linger}")
+    pace = _Pace(ahead, linger)
+    hand: deque[tuple[Claim, Any]] = deque()  # claimed, not begun: with their spans
+    done: list[_Done] = []
+    oldest = 0.0  # when the first output of ``done`` was written
+    try:
+        while True:
             if session.draining:
                 return
-            root = _attempt_span(task_id, "")
+            if not hand:
+                root = _attempt_span(task_id, "")
+                try:
+                    hand.append((_claim(client, session, task_id, "", root, wait), root))
+                except (NothingToClaim, Draining):
+                    return
+            claim, root = hand.popleft()
+            trace = tracing.traceparent(root)
+            began = time.monotonic()
             try:
-                claim = _claim(client, session, task_id, "", root, wait)
-            except (NothingToClaim, Draining):
-                return
-        trace = tracing.traceparent(root)
-        try:
-            with _written(client, session, claim, nonce, None, trace=trace) as out:
-                yield out
-            if session.stream is not None and not session.draining:
-                # the next attempt's span goes with the step that claims it
-                nxt = _attempt_span(task_id, "")
-                started = time.time_ns()
-                with tracing.child(trace, "baton.commit", size=out.size):
-                    out.entry, claim = client.commit_and_claim(
-                        task_id, claim.file_id, claim.token, out.size, out.digest,
-                        attributes=out.attributes, session=session,
-                        traceparent=tracing.traceparent(nxt))
-                if claim is not None and nxt is not None:
-                    tracing.end(tracing.start("baton.claim", parent=tracing.traceparent(nxt),
-                                              start_ns=started))
-                    _claimed(nxt, claim)
-            else:
-                with tracing.child(trace, "baton.commit", size=out.size):
-                    out.entry = client.commit(task_id, claim.file_id, claim.token, out.size,
-                                              out.digest, attributes=out.attributes,
-                                              session=session)
-                claim = nxt = None
-        except BaseException as e:
-            tracing.end(root, e)
-            raise
+                with _written(client, session, claim, nonce, None, trace=trace) as out:
+                    yield out
+            except BaseException as e:
+                tracing.end(root, e)
+                raise
+            now = time.monotonic()
+            pace.lap(now - began)
+            if not done:
+                oldest = now
+            done.append((out, root, trace))
+            if session.stream is None:
+                _commit_one(client, session, done.pop())
+            elif not hand or now - oldest >= linger or session.draining:
+                more = 0 if session.draining else max(0, pace.want() - len(hand))
+                hand.extend(_step(client, session, task_id, done, more))
+                done.clear()
+    finally:
+        _hand_back(client, session, done, hand)
+
+
+def _ended(done: _Done, entry: pb.Entry, started: int) -> None:
+    """``done`` was committed as ``entry`` by a step that began at ``started``."""
+    out, root, trace = done
+    out.entry = entry
+    if root is not None:
+        tracing.end(tracing.start("baton.commit", parent=trace, start_ns=started,
+                                  attributes={"baton.size": out.size}))
         tracing.end(root)
-        root = nxt  # a next attempt's span that claimed nothing is never ended: not sent
+
+
+def _commit_one(client: Client, session: Session, done: _Done) -> None:
+    out, root, trace = done
+    c = out.claim
+    try:
+        with tracing.child(trace, "baton.commit", size=out.size):
+            out.entry = client.commit(c.task_id, c.file_id, c.token, out.size, out.digest,
+                                      attributes=out.attributes, session=session)
+    except BaseException as e:
+        tracing.end(root, e)
+        raise
+    tracing.end(root)
+
+
+def _step(client: Client, session: Session, task_id: str, done: list[_Done],
+          more: int) -> list[tuple[Claim, Any]]:
+    """Commit ``done`` and claim up to ``more`` next entries, in one message: the claims
+    taken, with their attempts' spans (a span that claimed nothing is never ended,
+    so never sent)."""
+    spans = [_attempt_span(task_id, "") for _ in range(more)] if tracing.ENABLED else []
+    started = time.time_ns()
+    entries, claims = client.commit_and_claim_batch(
+        [(o.claim.task_id, o.claim.file_id, o.claim.token, o.size, o.digest, o.attributes)
+         for o, _, _ in done], task_id, more, session=session,
+        traceparents=[tracing.traceparent(s) for s in spans])
+    for d, entry in zip(done, entries, strict=True):
+        _ended(d, entry, started)
+    taken = []
+    for i, claim in enumerate(claims):
+        root = spans[i] if spans else None
+        if root is not None:
+            tracing.end(tracing.start("baton.claim", parent=tracing.traceparent(root),
+                                      start_ns=started))
+            _claimed(root, claim)
+        taken.append((claim, root))
+    return taken
+
+
+def _hand_back(client: Client, session: Session, done: list[_Done],
+               hand: deque[tuple[Claim, Any]]) -> None:
+    """As a loop ends: commit what it wrote (one by one if the step of all of them is
+    refused: one lost claim does not keep the others' files unpublished) and give
+    back what it claimed ahead and did not begin. What cannot be done is logged: the
+    registry gives those claims back with the session, or at their deadlines."""
+    if done:
+        try:
+            if session.stream is not None:
+                _step(client, session, done[0][0].claim.task_id, done, 0)
+            else:
+                raise Unavailable("no stream: committed one by one")
+        except Exception:
+            for d in done:
+                if d[0].entry is None:
+                    try:
+                        _commit_one(client, session, d)
+                    except Exception as e:
+                        log.warning("could not commit %s/%s as the loop ended: %s",
+                                    d[0].claim.task_id, d[0].claim.file_id, e)
+        done.clear()
+    while hand:
+        claim, _ = hand.popleft()
+        try:
+            client.fail(claim.task_id, claim.file_id, claim.token, session=session,
+                        release=True, reason="the producer's loop ended before it began")
+        except Exception as e:
+            log.info("could not give %s/%s back as the loop ended (the registry will, "
+                     "with the session or at its deadline): %s", claim.task_id,
+                     claim.file_id, e)
 
 
 def put(client: Client, session: Session | int, task_id: str, file_id: str,

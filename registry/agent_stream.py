@@ -49,6 +49,7 @@ METHODS = {
     "commit_batch": "CommitBatch", "consume_batch": "ConsumeBatch", "ack_batch": "AckBatch",
     "keepalive": "KeepAlive", "commit_and_claim": "CommitAndClaim",
     "ack_and_consume": "AckAndConsume", "checkpoint": "Checkpoint",
+    "commit_and_claim_batch": "CommitAndClaimBatch",
 }
 
 
@@ -105,6 +106,7 @@ class AgentStreams:
             "keepalive": sessions.keepalive,
             "commit_and_claim": fused.commit_and_claim,
             "ack_and_consume": fused.ack_and_consume,
+            "commit_and_claim_batch": fused.commit_and_claim_batch,
             "checkpoint": checkpoints.checkpoint,
         }
 
@@ -241,9 +243,11 @@ def _entry(response: Any, handler: Callable[[Any, Caller], Awaitable[pb.Entry]])
 
 
 def _parts(request: Any) -> tuple[Any, ...]:
-    """The two requests a fused step is made of (none for other calls)."""
+    """The requests a fused step is made of (none for other calls)."""
     if isinstance(request, pb.CommitAndClaimRequest):
         return request.commit, request.claim
+    if isinstance(request, pb.CommitAndClaimBatchRequest):
+        return tuple(request.commits)
     if isinstance(request, pb.AckAndConsumeRequest):
         return request.ack, request.consume
     return ()

@@ -31,8 +31,8 @@ from .claims import claim_replayed
 from .consumers import Consumers, _consumable, _leased
 from .identity import Caller
 from .manifest import check_id, check_traceparent
-from .producers import Producers
-from .txn import Txn
+from .producers import OPS_PER_CLAIM, OPS_PER_COMMIT, Producers
+from .txn import MAX_TXN_OPS, Txn
 
 
 def final(txn: Txn, error: BatonError) -> bool:
@@ -106,6 +106,72 @@ class Fused:
             return out
 
         return await self.core.txns.run(planner, commit.request_id, replay)
+
+    async def commit_and_claim_batch(self, req: pb.CommitAndClaimBatchRequest,
+                                     caller: Caller) -> pb.CommitAndClaimBatchResponse:
+        """Commit ``req.commits`` and claim up to ``req.max`` next entries of the task, in
+        one transaction: a producer loop working several entries per message. The
+        commits are what the call is for: they apply when nothing is left to claim
+        (``next_error`` says why), as a commit batch would; the claims are as many as
+        etcd's operation limit leaves room for after the commits."""
+        commits = list(req.commits)
+        task_id = req.task_id or (commits[0].task_id if commits else "")
+        check_id("task_id", task_id)
+        if req.max < 0:
+            raise InvalidArgument(f"max {req.max} is negative")
+        if not commits and not req.max:
+            raise InvalidArgument("a step needs at least one commit or a claim (max ≥ 1)")
+        if len(req.traceparents) > max(req.max, 0):
+            raise InvalidArgument(f"{len(req.traceparents)} traceparents for at most "
+                                  f"{req.max} claims")
+        for tp in req.traceparents:
+            check_traceparent(tp)
+        room = MAX_TXN_OPS - len(commits) * OPS_PER_COMMIT
+        if room < 0 or (req.max and room < OPS_PER_CLAIM):
+            raise InvalidArgument(
+                f"{len(commits)} commits leave no room for a claim in one transaction "
+                f"(etcd's operation limit: at most {MAX_TXN_OPS // OPS_PER_COMMIT} commits, "
+                f"{(MAX_TXN_OPS - OPS_PER_CLAIM) // OPS_PER_COMMIT} with claims)")
+        Producers.check_distinct(commits)
+        want = min(req.max, room // OPS_PER_CLAIM)
+        producers = self.producers
+
+        async def planner(txn: Txn) -> Callable[[int], pb.CommitAndClaimBatchResponse]:
+            live = await producers._live_claims(
+                txn, [(c.task_id, c.file_id, c.token, c.session_id) for c in commits], caller)
+            for (rec, claim), c in zip(live, commits, strict=True):
+                await producers._commit(txn, rec, claim, c)
+            taken: list[Callable[[int], pb.ClaimResponse]] = []
+            refused: BatonError | None = None
+            if want:
+                try:
+                    taken = await producers._claim_many(txn, task_id, req.session_id, want,
+                                                        caller, list(req.traceparents))
+                except BatonError as e:
+                    if not final(txn, e):
+                        raise  # decided on a view that may be behind: plan again on etcd
+                    refused = e
+
+            def reply(rev: int) -> pb.CommitAndClaimBatchResponse:
+                out = pb.CommitAndClaimBatchResponse(
+                    entries=[rec.to_pb(self.core.staging_dir(rec.task_id), revision=rev)
+                             for rec, _ in live],
+                    next=[t(rev) for t in taken])
+                if refused is not None:
+                    out.next_error.CopyFrom(next_error(refused))
+                return out
+
+            return reply
+
+        def replay(raw: bytes, rev: int) -> pb.CommitAndClaimBatchResponse:
+            out = pb.CommitAndClaimBatchResponse.FromString(raw)
+            for e in out.entries:
+                e.revision = rev
+            for c in out.next:
+                claim_replayed(c, rev)
+            return out
+
+        return await self.core.txns.run(planner, req.request_id, replay)
 
     async def ack_and_consume(self, req: pb.AckAndConsumeRequest,
                               caller: Caller) -> pb.AckAndConsumeResponse:

@@ -86,7 +86,7 @@ STEPS = {"Claim": "claims", "ClaimBatch": "claims", "Commit": "commits",
          "ConsumeBatch": "consumes", "Ack": "acks",
          "AckBatch": "acks", "Nack": "nacks"}
 #: the calls whose claims are counted by fairness key (a commit-and-claim's next one)
-FAIR_STEPS = frozenset({"Claim", "ClaimBatch", "CommitAndClaim"})
+FAIR_STEPS = frozenset({"Claim", "ClaimBatch", "CommitAndClaim", "CommitAndClaimBatch"})
 _STEP_HELP = {
     "claims": "Entries handed to producers (Claim, ClaimBatch: ok counts entries), and "
     "refused claim calls by error",
@@ -310,6 +310,8 @@ class RegistryMetrics:
         claims: Iterable[pb.ClaimResponse]
         if isinstance(reply, pb.CommitAndClaimResponse):
             claims = [reply.next] if reply.HasField("next") else []
+        elif isinstance(reply, pb.CommitAndClaimBatchResponse):
+            claims = reply.next
         else:
             claims = reply.claims if isinstance(reply, pb.ClaimBatchResponse) else [reply]
         for claim in claims:

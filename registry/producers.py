@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from ..kernel.errors import (
     AlreadyClaimed,
@@ -14,7 +14,7 @@ from ..kernel.v1 import baton_pb2 as pb
 from ._etcd import KV, present
 from .access import check_producer
 from .checkpoints import drop, resume
-from .claim import PAGE, Ask, Head, check_live, end, pick, take
+from .claim import PAGE, Ask, Head, check_live, end, give_back, pick, take
 from .claims import (
     Slots,
     actor_of,
@@ -204,16 +204,7 @@ class Producers:
         want = min(req.max, MAX_TXN_OPS // OPS_PER_CLAIM)
 
         async def planner(txn: Txn) -> Callable[[int], pb.ClaimBatchResponse]:
-            slots, limits = await self._session(txn, req.task_id, req.session_id, caller)
-            free = slots.free
-            picked = await self._pick(txn, req.task_id, want if free is None else
-                                      max(1, min(want, free)), caller, slots)
-            # No more than the task's backlog limits leave room for (at least one).
-            room = await self.core.backlogs.check(req.task_id, limits)
-            if room is not None:
-                picked = picked[:max(1, room)]
-            replies = [await self._claim(txn, rec, slots, req.session_id, caller)
-                       for rec in picked]
+            replies = await self._claim_many(txn, req.task_id, req.session_id, want, caller)
 
             def reply(rev: int) -> pb.ClaimBatchResponse:
                 return pb.ClaimBatchResponse(claims=[r(rev) for r in replies])
@@ -227,6 +218,26 @@ class Producers:
             return resp
 
         return await self.core.txns.run(planner, req.request_id, replay)
+
+    async def _claim_many(self, txn: Txn, task_id: str, session_id: int, want: int,
+                          caller: Caller, traceparents: list[str] | None = None
+                          ) -> list[Callable[[int], pb.ClaimResponse]]:
+        """Add up to ``want`` claims of the task's next entries to a transaction being
+        planned (at least one, or the refusal saying why there is none): no more than
+        the session's free slots and the task's backlog limits leave room for.
+        ``traceparents``: the i-th claim's attempt span."""
+        slots, limits = await self._session(txn, task_id, session_id, caller)
+        free = slots.free
+        picked = await self._pick(txn, task_id, want if free is None else
+                                  max(1, min(want, free)), caller, slots)
+        # No more than the task's backlog limits leave room for (at least one).
+        room = await self.core.backlogs.check(task_id, limits)
+        if room is not None:
+            picked = picked[:max(1, room)]
+        spans = traceparents or []
+        return [await self._claim(txn, rec, slots, session_id, caller,
+                                  spans[i] if i < len(spans) else "")
+                for i, rec in enumerate(picked)]
 
     # commit and fail -------------------------------------------------------------
 
@@ -317,15 +328,7 @@ class Producers:
             raise InvalidArgument(
                 f"at most {MAX_TXN_OPS // OPS_PER_COMMIT} commits per batch (etcd's "
                 "operation limit per transaction)")
-        # Commits of one entry would share its record (claim.check_live): the second
-        # would find it written. Refused before anything is read, as AckBatch does.
-        seen: dict[tuple[str, str], int] = {}
-        for i, c in enumerate(req.commits):
-            if (c.task_id, c.file_id) in seen:
-                raise InvalidArgument(
-                    f"commits [{seen[c.task_id, c.file_id]}] and [{i}] both commit "
-                    f"{c.task_id}/{c.file_id}")
-            seen[c.task_id, c.file_id] = i
+        self.check_distinct(req.commits)
 
         async def planner(txn: Txn) -> Callable[[int], pb.CommitBatchResponse]:
             live = await self._live_claims(
@@ -344,11 +347,26 @@ class Producers:
         return await self.core.txns.run(planner, req.request_id,
                                         batch_replay(pb.CommitBatchResponse))
 
+    @staticmethod
+    def check_distinct(commits: Sequence[pb.CommitRequest]) -> None:
+        """Commits of one entry would share its record (claim.check_live): the second
+        would find it written. Refused before anything is read, as AckBatch does."""
+        seen: dict[tuple[str, str], int] = {}
+        for i, c in enumerate(commits):
+            if (c.task_id, c.file_id) in seen:
+                raise InvalidArgument(
+                    f"commits [{seen[c.task_id, c.file_id]}] and [{i}] both commit "
+                    f"{c.task_id}/{c.file_id}")
+            seen[c.task_id, c.file_id] = i
+
     async def fail(self, req: pb.FailRequest, caller: Caller) -> pb.Entry:
         """Give a claim up: the entry takes the retry path (after ``delay_seconds``
         instead of the backoff, when given), or goes dead at once when ``permanent``.
         Bad delays are refused before anything is read."""
         check_delay("delay_seconds", req.delay_seconds, permanent=req.permanent)
+        if req.release and (req.permanent or req.delay_seconds):
+            raise InvalidArgument("release gives an unbegun claim back as it was: not with "
+                                  "permanent or delay_seconds")
         staging = self.core.staging_dir(req.task_id)
         how = " permanently" if req.permanent else ""
         reason = f"producer failed{how}: {req.reason or 'no reason given'}"
@@ -357,6 +375,12 @@ class Producers:
             ((rec, claim),) = await self._live_claims(
                 txn, [(req.task_id, req.file_id, req.token, req.session_id)], caller)
             self._finish_claim(txn, rec, claim, req.token)
+            if req.release:
+                give_back(self.core, txn, rec, ClaimRef("p", rec.task_id, rec.file_id),
+                          req.token, actor=actor_of(claim), spend=False, event="released",
+                          reason=f"released unbegun by its producer: "
+                                 f"{req.reason or 'claimed ahead, not worked on'}")
+                return lambda rev: rec.to_pb(staging, revision=rev)
             self.core.retry_or_dead(rec, reason, token=req.token, who=caller.name,
                                     delay=req.delay_seconds, permanent=req.permanent)
             self.core.put_entry(rec, txn)

@@ -430,11 +430,12 @@ def test_drain_refuses_new_work_then_revokes_what_is_left_at_the_deadline(
 
 def test_the_producer_helper_stops_cleanly_when_its_host_drains(
         registry: RegistryHandle, client: Client) -> None:
-    """`produce_each` finishes the entry in hand, then ends without an error."""
+    """`produce_each` one at a time finishes the entry in hand, then ends without an
+    error."""
     client.create_task(manifest("t", 10, digest_optional=True))
     done = []
     with client.open_session("helper", ttl=10, host="drain-y") as s:
-        for out in produce_each(client, s, "t"):
+        for out in produce_each(client, s, "t", ahead=1):
             out.write(b"page")
             done.append(out.claim.file_id)
             if len(done) == 3:
@@ -443,6 +444,28 @@ def test_the_producer_helper_stops_cleanly_when_its_host_drains(
     states = {e.file_id: e.state for e in client.list_entries("t")}
     assert sorted(f for f, st in states.items() if st == pb.ENTRY_STATE_WRITTEN) == sorted(done)
     assert len(done) == 3 and list(states.values()).count(pb.ENTRY_STATE_PENDING) == 7
+
+
+def test_a_producer_loop_working_ahead_stops_at_its_next_step_once_drained(
+        registry: RegistryHandle, client: Client) -> None:
+    """Working ahead, `produce_each` learns of the drain at its next step: it finishes
+    at most the entries it had claimed ahead, commits what it wrote, gives the rest
+    back (no retry spent) and ends without an error; no claim is left."""
+    client.create_task(manifest("t", 40, digest_optional=True))
+    done = []
+    with client.open_session("helper", ttl=10, host="drain-z") as s:
+        for out in produce_each(client, s, "t", ahead=8, linger=5.0):
+            out.write(b"page")
+            done.append(out.claim.file_id)
+            if len(done) == 3:
+                client.drain_host("drain-z", deadline=60)
+        assert s.draining
+    entries = client.list_entries("t")
+    written = sorted(e.file_id for e in entries if e.state == pb.ENTRY_STATE_WRITTEN)
+    assert written == sorted(done) and 3 <= len(done) <= 3 + 8
+    rest = [e for e in entries if e.state != pb.ENTRY_STATE_WRITTEN]
+    assert len(rest) == 40 - len(done)
+    assert all(e.state == pb.ENTRY_STATE_PENDING and e.retry_count == 0 for e in rest)
 
 
 def test_the_consumer_helper_stops_cleanly_when_its_host_drains(

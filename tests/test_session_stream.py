@@ -224,19 +224,115 @@ def test_the_asyncio_client_runs_a_whole_cycle(registry: RegistryHandle) -> None
 
 def test_produce_each_commits_and_claims_the_next_in_one_step(
         registry: RegistryHandle, client: Client) -> None:
-    """produce_each on a stream session: one plain claim, then each commit claims the
-    next; every entry is committed once with its bytes."""
+    """produce_each on a stream session, one at a time (``ahead=1``): one plain claim,
+    then each step commits the entry written and claims the next in one message; every
+    entry is committed once with its bytes."""
     client.create_task(manifest("t", 5))
     streams = streams_of(registry)
     with client.open_session("p", ttl=10) as s:
-        for out in produce_each(client, s, "t"):
+        for out in produce_each(client, s, "t", ahead=1):
             out.write(out.claim.file_id.encode())
     assert streams.served["claim"] == 1
-    assert streams.served["commit_and_claim"] == 5 and streams.served["commit"] == 0
+    assert streams.served["commit_and_claim_batch"] == 5 and streams.served["commit"] == 0
     for e in client.list_entries("t"):
         assert (e.state == pb.ENTRY_STATE_WRITTEN and Path(e.abs_attempt_path).read_bytes()
                 == e.file_id.encode())
         assert [r.event for r in client.journal("t", e.file_id)].count("committed") == 1
+
+
+def test_a_quick_producer_loop_works_ahead_several_entries_per_message(
+        registry: RegistryHandle, client: Client) -> None:
+    """A loop whose steps are quick claims several entries per step and commits them
+    together: 60 entries take fewer than a quarter as many messages as entries, each
+    entry committed once with its bytes and its output's ``entry`` set, no retry spent,
+    none left claimed."""
+    client.create_task(manifest("t", 60))
+    streams = streams_of(registry)
+    outs = []
+    with client.open_session("p", ttl=10) as s:
+        for out in produce_each(client, s, "t", ahead=8, linger=5.0):
+            out.write(out.claim.file_id.encode())
+            outs.append(out)
+    steps = streams.served["commit_and_claim_batch"] + streams.served["claim"]
+    assert len(outs) == 60 and steps < 60 / 4, steps
+    assert all(o.entry is not None and o.entry.state == pb.ENTRY_STATE_WRITTEN
+               for o in outs)
+    entries = client.list_entries("t")
+    assert {e.state for e in entries} == {pb.ENTRY_STATE_WRITTEN}
+    for e in entries:
+        assert Path(e.abs_attempt_path).read_bytes() == e.file_id.encode()
+        assert e.retry_count == 0
+        assert [r.event for r in client.journal("t", e.file_id)].count("committed") == 1
+
+
+def test_leaving_a_loop_that_works_ahead_commits_the_written_and_releases_the_rest(
+        registry: RegistryHandle, client: Client) -> None:
+    """``break`` in a loop holding entries claimed ahead: what was written is committed,
+    the entry in hand (not written) is failed as ``produce`` does, and the entries
+    claimed ahead and not begun are pending again at once, no retry spent, journalled
+    ``released``; no claim is left."""
+    client.create_task(manifest("t", 30, backoff={"base_seconds": 60, "cap_seconds": 60}))
+    written: list[str] = []
+    with client.open_session("p", ttl=10) as s:
+        steps = produce_each(client, s, "t", ahead=8, linger=5.0)
+        for out in steps:
+            if len(written) == 5:
+                in_hand = out.claim.file_id
+                break
+            out.write(b"x")
+            written.append(out.claim.file_id)
+        steps.close()  # as the loop's end would, while the session is open
+        by_id = {e.file_id: e for e in client.list_entries("t")}
+    assert all(by_id[f].state == pb.ENTRY_STATE_WRITTEN for f in written)
+    assert by_id[in_hand].state == pb.ENTRY_STATE_PENDING and by_id[in_hand].retry_count == 1
+    released = [f for f, e in by_id.items()
+                if "released" in [r.event for r in client.journal("t", f)]]
+    assert released, "nothing was claimed ahead"
+    for f in released:
+        assert by_id[f].state == pb.ENTRY_STATE_PENDING and by_id[f].retry_count == 0
+        assert f not in written and f != in_hand
+    assert not any(e.state == pb.ENTRY_STATE_WRITING for e in by_id.values())
+    # released entries are claimable at once: the next loop takes every one left
+    with client.open_session("q", ttl=10) as s:
+        rest = []
+        for out in produce_each(client, s, "t"):
+            out.write(b"y")
+            rest.append(out.claim.file_id)
+    assert set(released) <= set(rest)
+
+
+def test_release_is_refused_with_permanent_or_a_delay(
+        registry: RegistryHandle, client: Client) -> None:
+    """A release gives an unbegun claim back as it was: with ``permanent`` or a delay it
+    is refused before anything changes."""
+    client.create_task(manifest("t", 1))
+    with client.open_session("p", ttl=10) as s:
+        claim = client.claim("t", session=s)
+        for extra in ({"permanent": True}, {"delay": 5.0}):
+            with pytest.raises(errors.InvalidArgument, match="release"):
+                client.fail("t", claim.file_id, claim.token, session=s, release=True,
+                            **extra)
+        assert client.get_entry("t", claim.file_id).state == pb.ENTRY_STATE_WRITING
+        entry = client.fail("t", claim.file_id, claim.token, session=s, release=True)
+    assert entry.state == pb.ENTRY_STATE_PENDING and entry.retry_count == 0
+
+
+def test_a_batch_step_commits_even_when_nothing_is_left_to_claim(
+        registry: RegistryHandle, client: Client) -> None:
+    """The batch step's commits apply when nothing is left to claim; ``next`` is empty.
+    A step with neither commits nor claims, and two commits of one entry, are refused."""
+    client.create_task(manifest("t", 2))
+    with client.open_session("p", ttl=10) as s:
+        claims = client.claim_batch("t", 2, session=s)
+        entries, nxt = client.commit_and_claim_batch(
+            [(c.task_id, c.file_id, c.token, 1, DIGEST) for c in claims], "t", 4, session=s)
+        assert [e.state for e in entries] == [pb.ENTRY_STATE_WRITTEN] * 2 and nxt == []
+        with pytest.raises(errors.InvalidArgument, match="at least one commit"):
+            client.commit_and_claim_batch([], "t", 0, session=s)
+        c = claims[0]
+        with pytest.raises(errors.InvalidArgument, match="both commit"):
+            client.commit_and_claim_batch([(c.task_id, c.file_id, c.token, 1, DIGEST)] * 2,
+                                          "t", 1, session=s)
 
 
 def test_consume_each_acks_and_takes_the_next_in_one_step(

@@ -2862,6 +2862,7 @@ class FailRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _builtins.int
     PERMANENT_FIELD_NUMBER: _builtins.int
     DELAY_SECONDS_FIELD_NUMBER: _builtins.int
+    RELEASE_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     file_id: _builtins.str
     token: _builtins.int
@@ -2875,6 +2876,11 @@ class FailRequest(_message.Message):
     """Claimable again no sooner than this many seconds from now (instead of the task's
     retry backoff; 0: the backoff). At most 7 days; not with permanent.
     """
+    release: _builtins.bool
+    """The attempt never began (an entry claimed ahead and not worked on): the entry is
+    pending again at once, no retry spent, journalled `released`. Not with permanent
+    or delay_seconds.
+    """
     def __init__(
         self,
         *,
@@ -2886,10 +2892,11 @@ class FailRequest(_message.Message):
         session_id: _builtins.int = ...,
         permanent: _builtins.bool = ...,
         delay_seconds: _builtins.float = ...,
+        release: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["delay_seconds", b"delay_seconds", "file_id", b"file_id", "permanent", b"permanent", "reason", b"reason", "request_id", b"request_id", "session_id", b"session_id", "task_id", b"task_id", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["delay_seconds", b"delay_seconds", "file_id", b"file_id", "permanent", b"permanent", "reason", b"reason", "release", b"release", "request_id", b"request_id", "session_id", b"session_id", "task_id", b"task_id", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -4426,6 +4433,7 @@ class AgentCall(_message.Message):
     COMMIT_AND_CLAIM_FIELD_NUMBER: _builtins.int
     ACK_AND_CONSUME_FIELD_NUMBER: _builtins.int
     CHECKPOINT_FIELD_NUMBER: _builtins.int
+    COMMIT_AND_CLAIM_BATCH_FIELD_NUMBER: _builtins.int
     TRACEPARENT_FIELD_NUMBER: _builtins.int
     call_id: _builtins.int
     """chosen by the agent, unique on its stream"""
@@ -4463,6 +4471,8 @@ class AgentCall(_message.Message):
     def ack_and_consume(self) -> Global___AckAndConsumeRequest: ...
     @_builtins.property
     def checkpoint(self) -> Global___CheckpointRequest: ...
+    @_builtins.property
+    def commit_and_claim_batch(self) -> Global___CommitAndClaimBatchRequest: ...
     def __init__(
         self,
         *,
@@ -4481,13 +4491,14 @@ class AgentCall(_message.Message):
         commit_and_claim: Global___CommitAndClaimRequest | None = ...,
         ack_and_consume: Global___AckAndConsumeRequest | None = ...,
         checkpoint: Global___CheckpointRequest | None = ...,
+        commit_and_claim_batch: Global___CommitAndClaimBatchRequest | None = ...,
         traceparent: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "ack_and_consume", b"ack_and_consume", "ack_batch", b"ack_batch", "checkpoint", b"checkpoint", "claim", b"claim", "claim_batch", b"claim_batch", "commit", b"commit", "commit_and_claim", b"commit_and_claim", "commit_batch", b"commit_batch", "consume", b"consume", "consume_batch", b"consume_batch", "fail", b"fail", "keepalive", b"keepalive", "nack", b"nack", "request", b"request"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "ack_and_consume", b"ack_and_consume", "ack_batch", b"ack_batch", "checkpoint", b"checkpoint", "claim", b"claim", "claim_batch", b"claim_batch", "commit", b"commit", "commit_and_claim", b"commit_and_claim", "commit_and_claim_batch", b"commit_and_claim_batch", "commit_batch", b"commit_batch", "consume", b"consume", "consume_batch", b"consume_batch", "fail", b"fail", "keepalive", b"keepalive", "nack", b"nack", "request", b"request"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "ack_and_consume", b"ack_and_consume", "ack_batch", b"ack_batch", "call_id", b"call_id", "checkpoint", b"checkpoint", "claim", b"claim", "claim_batch", b"claim_batch", "commit", b"commit", "commit_and_claim", b"commit_and_claim", "commit_batch", b"commit_batch", "consume", b"consume", "consume_batch", b"consume_batch", "fail", b"fail", "keepalive", b"keepalive", "nack", b"nack", "request", b"request", "traceparent", b"traceparent"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "ack_and_consume", b"ack_and_consume", "ack_batch", b"ack_batch", "call_id", b"call_id", "checkpoint", b"checkpoint", "claim", b"claim", "claim_batch", b"claim_batch", "commit", b"commit", "commit_and_claim", b"commit_and_claim", "commit_and_claim_batch", b"commit_and_claim_batch", "commit_batch", b"commit_batch", "consume", b"consume", "consume_batch", b"consume_batch", "fail", b"fail", "keepalive", b"keepalive", "nack", b"nack", "request", b"request", "traceparent", b"traceparent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_request: _TypeAlias = _typing.Literal["claim", "commit", "fail", "consume", "ack", "nack", "claim_batch", "commit_batch", "consume_batch", "ack_batch", "keepalive", "commit_and_claim", "ack_and_consume", "checkpoint"]  # noqa: Y015
+    _WhichOneofReturnType_request: _TypeAlias = _typing.Literal["claim", "commit", "fail", "consume", "ack", "nack", "claim_batch", "commit_batch", "consume_batch", "ack_batch", "keepalive", "commit_and_claim", "ack_and_consume", "checkpoint", "commit_and_claim_batch"]  # noqa: Y015
     _WhichOneofArgType_request: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_request) -> _WhichOneofReturnType_request | None: ...
 
@@ -4550,6 +4561,85 @@ class CommitAndClaimResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CommitAndClaimResponse: _TypeAlias = CommitAndClaimResponse  # noqa: Y015
+
+@_typing.final
+class CommitAndClaimBatchRequest(_message.Message):
+    """Commit claims and claim up to `max` next entries of a task, in one message and one
+    etcd transaction: a producer loop working several entries per step.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COMMITS_FIELD_NUMBER: _builtins.int
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    MAX_FIELD_NUMBER: _builtins.int
+    TRACEPARENTS_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    task_id: _builtins.str
+    """of the claims; "" = the first commit's"""
+    session_id: _builtins.int
+    """of the claims and the commits; 0 = the stream's"""
+    max: _builtins.int
+    """claim up to this many (0: commit only)"""
+    request_id: _builtins.str
+    @_builtins.property
+    def commits(self) -> _containers.RepeatedCompositeFieldContainer[Global___CommitRequest]:
+        """may be empty; their own request_ids are ignored"""
+
+    @_builtins.property
+    def traceparents(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """the i-th claim's attempt span ("" = untraced)"""
+
+    def __init__(
+        self,
+        *,
+        commits: _abc.Iterable[Global___CommitRequest] | None = ...,
+        task_id: _builtins.str = ...,
+        session_id: _builtins.int = ...,
+        max: _builtins.int = ...,
+        traceparents: _abc.Iterable[_builtins.str] | None = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commits", b"commits", "max", b"max", "request_id", b"request_id", "session_id", b"session_id", "task_id", b"task_id", "traceparents", b"traceparents"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CommitAndClaimBatchRequest: _TypeAlias = CommitAndClaimBatchRequest  # noqa: Y015
+
+@_typing.final
+class CommitAndClaimBatchResponse(_message.Message):
+    """The commits' entries, in order, and the claims taken (none, with `next_error` saying
+    why, when nothing could be claimed).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENTRIES_FIELD_NUMBER: _builtins.int
+    NEXT_FIELD_NUMBER: _builtins.int
+    NEXT_ERROR_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___Entry]: ...
+    @_builtins.property
+    def next(self) -> _containers.RepeatedCompositeFieldContainer[Global___ClaimResponse]: ...
+    @_builtins.property
+    def next_error(self) -> Global___CallError: ...
+    def __init__(
+        self,
+        *,
+        entries: _abc.Iterable[Global___Entry] | None = ...,
+        next: _abc.Iterable[Global___ClaimResponse] | None = ...,
+        next_error: Global___CallError | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["next_error", b"next_error"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries", "next", b"next", "next_error", b"next_error"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CommitAndClaimBatchResponse: _TypeAlias = CommitAndClaimBatchResponse  # noqa: Y015
 
 @_typing.final
 class AckAndConsumeRequest(_message.Message):
@@ -4678,6 +4768,7 @@ class AgentReply(_message.Message):
     COMMIT_AND_CLAIM_FIELD_NUMBER: _builtins.int
     ACK_AND_CONSUME_FIELD_NUMBER: _builtins.int
     CHECKPOINT_FIELD_NUMBER: _builtins.int
+    COMMIT_AND_CLAIM_BATCH_FIELD_NUMBER: _builtins.int
     call_id: _builtins.int
     @_builtins.property
     def error(self) -> Global___CallError: ...
@@ -4709,6 +4800,8 @@ class AgentReply(_message.Message):
     def ack_and_consume(self) -> Global___AckAndConsumeResponse: ...
     @_builtins.property
     def checkpoint(self) -> Global___CheckpointResponse: ...
+    @_builtins.property
+    def commit_and_claim_batch(self) -> Global___CommitAndClaimBatchResponse: ...
     def __init__(
         self,
         *,
@@ -4728,12 +4821,13 @@ class AgentReply(_message.Message):
         commit_and_claim: Global___CommitAndClaimResponse | None = ...,
         ack_and_consume: Global___AckAndConsumeResponse | None = ...,
         checkpoint: Global___CheckpointResponse | None = ...,
+        commit_and_claim_batch: Global___CommitAndClaimBatchResponse | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "ack_and_consume", b"ack_and_consume", "ack_batch", b"ack_batch", "checkpoint", b"checkpoint", "claim", b"claim", "claim_batch", b"claim_batch", "commit", b"commit", "commit_and_claim", b"commit_and_claim", "commit_batch", b"commit_batch", "consume", b"consume", "consume_batch", b"consume_batch", "error", b"error", "fail", b"fail", "keepalive", b"keepalive", "nack", b"nack", "reply", b"reply"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "ack_and_consume", b"ack_and_consume", "ack_batch", b"ack_batch", "checkpoint", b"checkpoint", "claim", b"claim", "claim_batch", b"claim_batch", "commit", b"commit", "commit_and_claim", b"commit_and_claim", "commit_and_claim_batch", b"commit_and_claim_batch", "commit_batch", b"commit_batch", "consume", b"consume", "consume_batch", b"consume_batch", "error", b"error", "fail", b"fail", "keepalive", b"keepalive", "nack", b"nack", "reply", b"reply"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "ack_and_consume", b"ack_and_consume", "ack_batch", b"ack_batch", "call_id", b"call_id", "checkpoint", b"checkpoint", "claim", b"claim", "claim_batch", b"claim_batch", "commit", b"commit", "commit_and_claim", b"commit_and_claim", "commit_batch", b"commit_batch", "consume", b"consume", "consume_batch", b"consume_batch", "error", b"error", "fail", b"fail", "keepalive", b"keepalive", "nack", b"nack", "reply", b"reply"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "ack_and_consume", b"ack_and_consume", "ack_batch", b"ack_batch", "call_id", b"call_id", "checkpoint", b"checkpoint", "claim", b"claim", "claim_batch", b"claim_batch", "commit", b"commit", "commit_and_claim", b"commit_and_claim", "commit_and_claim_batch", b"commit_and_claim_batch", "commit_batch", b"commit_batch", "consume", b"consume", "consume_batch", b"consume_batch", "error", b"error", "fail", b"fail", "keepalive", b"keepalive", "nack", b"nack", "reply", b"reply"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_reply: _TypeAlias = _typing.Literal["error", "claim", "commit", "fail", "consume", "ack", "nack", "claim_batch", "commit_batch", "consume_batch", "ack_batch", "keepalive", "commit_and_claim", "ack_and_consume", "checkpoint"]  # noqa: Y015
+    _WhichOneofReturnType_reply: _TypeAlias = _typing.Literal["error", "claim", "commit", "fail", "consume", "ack", "nack", "claim_batch", "commit_batch", "consume_batch", "ack_batch", "keepalive", "commit_and_claim", "ack_and_consume", "checkpoint", "commit_and_claim_batch"]  # noqa: Y015
     _WhichOneofArgType_reply: _TypeAlias = _typing.Literal["reply", b"reply"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_reply) -> _WhichOneofReturnType_reply | None: ...
 
