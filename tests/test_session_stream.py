@@ -392,6 +392,38 @@ def test_a_fused_step_whose_reply_was_lost_hands_out_the_same_next_claim(
         assert events.count("claimed") == 1 and events.count("committed") == 1
 
 
+def test_a_batch_step_whose_reply_was_lost_hands_out_the_same_claims(
+        registry: RegistryHandle, client: Client) -> None:
+    """The stream breaks after a batch step applied: sent again on a new stream, it is
+    answered from its request record with the same commits and the same next claims,
+    whose tokens then commit; nothing applied twice."""
+    client.create_task(manifest("t", 6))
+    streams = streams_of(registry)
+    cut = [False]
+
+    def once(kind: str) -> bool:
+        if kind == "commit_and_claim_batch" and not cut[0]:
+            cut[0] = True
+            return True
+        return False
+
+    with client.open_session("p", ttl=10) as s:
+        first = client.claim_batch("t", 2, session=s)
+        streams.cut = once
+        entries, nxt = client.commit_and_claim_batch(
+            [(c.task_id, c.file_id, c.token, 1, DIGEST) for c in first], "t", 3, session=s)
+        assert cut[0] and s.stream is not None and s.stream.resumed == 1
+        assert [e.state for e in entries] == [pb.ENTRY_STATE_WRITTEN] * 2 and len(nxt) == 3
+        entries, more = client.commit_and_claim_batch(
+            [(c.task_id, c.file_id, c.token, 1, DIGEST) for c in nxt], "t", 0, session=s)
+        assert [e.state for e in entries] == [pb.ENTRY_STATE_WRITTEN] * 3 and more == []
+    by_id = {e.file_id: e for e in client.list_entries("t")}
+    assert [by_id[f].state for f in sorted(by_id)].count(pb.ENTRY_STATE_WRITTEN) == 5
+    for f in [c.file_id for c in first + nxt]:
+        events = [r.event for r in client.journal("t", f)]
+        assert events.count("claimed") == 1 and events.count("committed") == 1
+
+
 def test_two_clients_of_one_process_share_the_loop_their_streams_run_on(
         registry_factory: Callable[..., RegistryHandle]) -> None:
     """Two blocking clients (two replicas) in one process, their stream sessions used
