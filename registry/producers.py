@@ -376,10 +376,11 @@ class Producers:
                 txn, [(req.task_id, req.file_id, req.token, req.session_id)], caller)
             self._finish_claim(txn, rec, claim, req.token)
             if req.release:
+                # as it was: its error is still an earlier attempt's, if any
                 give_back(self.core, txn, rec, ClaimRef("p", rec.task_id, rec.file_id),
                           req.token, actor=actor_of(claim), spend=False, event="released",
-                          reason=f"released unbegun by its producer: "
-                                 f"{req.reason or 'claimed ahead, not worked on'}")
+                          reason=rec.error, details={
+                              "reason": req.reason or "claimed ahead, not begun"})
                 return lambda rev: rec.to_pb(staging, revision=rev)
             self.core.retry_or_dead(rec, reason, token=req.token, who=caller.name,
                                     delay=req.delay_seconds, permanent=req.permanent)

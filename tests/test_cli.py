@@ -331,6 +331,20 @@ def test_fail_returns_entry_for_retry(registry: Any) -> None:
     assert "disk full" in entry["error"]
 
 
+def test_fail_release_gives_an_unbegun_claim_back_as_it_was(registry: Any) -> None:
+    """`fail --release` sends the entry back to pending at once: no retry spent, no
+    error; with --permanent it is refused (exit 2) and changes nothing."""
+    create(registry, MANIFEST)
+    claimed = ok_json(invoke(registry, "claim", "t1", "-o", "json"))
+    token = str(claimed["token"])
+    refused = invoke(registry, "fail", "t1", "a", "--token", token, "--release", "--permanent")
+    assert refused.exit_code == 2 and "release" in refused.output
+    entry = ok_json(invoke(registry, "fail", "t1", "a", "--token", token, "--release",
+                           "-o", "json"))
+    assert entry["state"] == "ENTRY_STATE_PENDING" and not entry.get("retry_count")
+    assert not entry.get("error")
+
+
 # --- consumers --------------------------------------------------------------------
 
 

@@ -313,8 +313,12 @@ def test_release_is_refused_with_permanent_or_a_delay(
                 client.fail("t", claim.file_id, claim.token, session=s, release=True,
                             **extra)
         assert client.get_entry("t", claim.file_id).state == pb.ENTRY_STATE_WRITING
-        entry = client.fail("t", claim.file_id, claim.token, session=s, release=True)
+        entry = client.fail("t", claim.file_id, claim.token, session=s, release=True,
+                            reason="stopping")
     assert entry.state == pb.ENTRY_STATE_PENDING and entry.retry_count == 0
+    assert entry.error == ""  # a release is no failure
+    last = list(client.journal("t", claim.file_id))[-1]
+    assert last.event == "released" and "stopping" in last.reason
 
 
 def test_a_batch_step_commits_even_when_nothing_is_left_to_claim(

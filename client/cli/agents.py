@@ -210,18 +210,22 @@ def load_acks(source: IO[bytes]) -> list[tuple[str, str, str, int]]:
 @click.option("--delay", type=float, default=0.0, metavar="S",
               help="claimable again no sooner than S seconds from now, instead of after "
                    "the task's backoff (at most 7 days)")
+@click.option("--release", is_flag=True,
+              help="the work never began (claimed ahead): pending again at once, no "
+                   "retry spent")
 @output_option
 @pass_settings
 def fail(settings: Settings, task_id: str, file_id: str, token: int, reason: str,
-         permanent: bool, delay: float, output: str) -> None:
+         permanent: bool, delay: float, release: bool, output: str) -> None:
     """Give up a claim; the entry is retried.
 
     The entry goes back to pending, or to dead once its retries are used up.
     --permanent sends it to dead at once, keeping its retries; --delay S keeps it
-    from being claimed again for S seconds (a retry is spent as usual).
+    from being claimed again for S seconds (a retry is spent as usual); --release
+    gives back a claim whose work never began, as it was.
     """
     emit_entry(settings.client().fail(task_id, file_id, token, reason, permanent=permanent,
-                                      delay=delay), output)
+                                      delay=delay, release=release), output)
 
 
 @cli.command()
