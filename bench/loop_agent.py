@@ -58,7 +58,8 @@ def _fsync_dir(path: str) -> None:
 
 def baton(job: Job, gate: Gate) -> Job:
     """Producer steps through the client's helpers on a kept-alive session: ``each`` is
-    ``produce_each`` (what a producer loop calls), ``checkpoint`` the same with one
+    ``produce_each`` (what a producer loop calls), ``single`` the same one entry per
+    step (``ahead=1``), ``checkpoint`` the same with one
     checkpoint per step (after the write, before the commit; trees that have
     ``Output.checkpoint``), ``plain`` a ``produce`` block per entry (a claim, then a
     commit)."""
@@ -69,9 +70,12 @@ def baton(job: Job, gate: Gate) -> Job:
     with Client(job["address"], timeout=30) as c, c.open_session(job["agent"], ttl=30) as s:
         deadline = tally.begin(gate) + job["seconds"]
         t0 = time.perf_counter()
-        if job["loop"] in ("each", "checkpoint"):
+        if job["loop"] in ("each", "checkpoint", "single"):
             checkpoint = job["loop"] == "checkpoint"
-            steps: Generator[Any, None, None] = produce_each(c, s, job["task"])
+            # "single": one entry per step (trees that have ``ahead``)
+            steps: Generator[Any, None, None] = (
+                produce_each(c, s, job["task"], ahead=1) if job["loop"] == "single"
+                else produce_each(c, s, job["task"]))
             for out in steps:
                 if time.monotonic() >= deadline:
                     # This one is in hand, unwritten: leaving gives it back. Closing the

@@ -41,8 +41,13 @@ real producer does, and the part of a cycle the registry does not see. At each n
 of agents (one process and one connection per agent; the processes live for the whole
 scenario and run one job per point), rounds back to back, one etcd, one PostgreSQL:
 
-* **Baton, helper loop** — `produce_each` on a kept-alive session: on the session's
-  stream, each commit claims the next entry in the same message and transaction.
+* **Baton, helper loop** — `produce_each` as it runs by default, on a kept-alive
+  session: on the session's stream, one step (one message, one etcd transaction)
+  commits what the loop wrote and claims what it works on next — several entries at
+  once when the loop is quick (working ahead: as many as it writes within `linger`,
+  at most `ahead`), one when it is slow.
+* **Baton, one at a time** — the same helper with `ahead=1`: each step commits one
+  entry and claims the next (one message, one transaction per entry).
 * **Baton, checkpoint each step** — the helper loop with one checkpoint per step (a few
   bytes of data, after the write, before the commit): a third message on the stream,
   and one more etcd transaction per step, grouped with the others by group commit.
@@ -61,9 +66,9 @@ both trees. Registry CPU and etcd requests are counted over each run (both regis
 run throughout; the idle one's background requests are counted too).
 """
 
-SYSTEMS = ("helper loop", "checkpoint each step", "claim then commit", "before",
-           "PostgreSQL")
-COLOURS = dict(zip(SYSTEMS, ("C0", "C1", "C2", "C7", "C4"), strict=True))
+SYSTEMS = ("helper loop", "one at a time", "checkpoint each step", "claim then commit",
+           "before", "PostgreSQL")
+COLOURS = dict(zip(SYSTEMS, ("C0", "C3", "C1", "C2", "C7", "C4"), strict=True))
 #: bytes each step writes
 PAYLOAD = 512
 #: seconds a round may take beyond its own length
@@ -235,6 +240,8 @@ def run(p: Profile, root: Path, plot_dir: Path) -> Section:
         registry = stack.registry(root / "staging-now", prefix="/baton/now/")
         runs: dict[str, Any] = {
             "helper loop": lambda n, name: baton_run(stack, now, registry, "each", n, p, name),
+            "one at a time": lambda n, name: baton_run(stack, now, registry, "single", n, p,
+                                                       name),
             "checkpoint each step": lambda n, name: baton_run(stack, now, registry,
                                                                "checkpoint", n, p, name),
             "claim then commit": lambda n, name: baton_run(stack, now, registry, "plain", n,
@@ -274,12 +281,14 @@ def section(p: Profile, points: dict[tuple[str, int], Point], plot_dir: Path,
     before = f"before ({p.loop_before})" if p.loop_before else "before (not run)"
     rate = Table(f"Producer steps per second (claim, write a {PAYLOAD}-byte file, publish)"
                  f"{rounds}",
-                 ["agents", "helper loop", "claim then commit", before, "PostgreSQL",
-                  "helper ÷ before", "claim+commit ÷ before", "helper ÷ PostgreSQL",
+                 ["agents", "helper loop", "one at a time", "claim then commit", before,
+                  "PostgreSQL", "helper ÷ before", "one at a time ÷ before",
+                  "claim+commit ÷ before", "helper ÷ PostgreSQL",
                   "claim+commit ÷ PostgreSQL", "before ÷ PostgreSQL"])
     cost = Table("Per step: the registry's CPU (ms) and etcd requests (Txn + Range)",
-                 ["agents", "registry ms: helper", "registry ms: claim+commit",
-                  "registry ms: before", "etcd req.: helper", "etcd req.: claim+commit",
+                 ["agents", "registry ms: helper", "registry ms: one at a time",
+                  "registry ms: claim+commit", "registry ms: before", "etcd req.: helper",
+                  "etcd req.: one at a time", "etcd req.: claim+commit",
                   "etcd req.: before", "agent CPU ms: helper", "agent CPU ms: before",
                   "agent CPU ms: PostgreSQL"])
     checkpoints = Table("One checkpoint per step: its cost beside the plain helper loop",
@@ -292,21 +301,24 @@ def section(p: Profile, points: dict[tuple[str, int], Point], plot_dir: Path,
     safety = Table("Entries handed out twice, all rounds",
                    ["agents", *(f"{s}: steps" for s in SYSTEMS), "double claims"])
     for n in agents:
-        h, k, c, b, g = (points[s, n] for s in SYSTEMS)
+        h, o, k, c, b, g = (points[s, n] for s in SYSTEMS)
         checkpoints.rows.append([
             n, h.per_s, k.per_s, median_ratio(points, "checkpoint each step", "helper loop", n),
             h.per_cycle("etcd_requests"), k.per_cycle("etcd_requests"),
             k.per_cycle("etcd_requests") - h.per_cycle("etcd_requests"),
             1000 * (k.per_cycle("registry_cpu") - h.per_cycle("registry_cpu"))])
-        rate.rows.append([n, h.per_s, c.per_s, b.per_s, g.per_s,
+        rate.rows.append([n, h.per_s, o.per_s, c.per_s, b.per_s, g.per_s,
                           median_ratio(points, "helper loop", "before", n),
+                          median_ratio(points, "one at a time", "before", n),
                           median_ratio(points, "claim then commit", "before", n),
                           median_ratio(points, "helper loop", "PostgreSQL", n),
                           median_ratio(points, "claim then commit", "PostgreSQL", n),
                           median_ratio(points, "before", "PostgreSQL", n)])
         cost.rows.append([n, 1000 * h.per_cycle("registry_cpu"),
+                          1000 * o.per_cycle("registry_cpu"),
                           1000 * c.per_cycle("registry_cpu"),
                           1000 * b.per_cycle("registry_cpu"), h.per_cycle("etcd_requests"),
+                          o.per_cycle("etcd_requests"),
                           c.per_cycle("etcd_requests"), b.per_cycle("etcd_requests"),
                           1000 * h.per_cycle("agents_cpu"), 1000 * b.per_cycle("agents_cpu"),
                           1000 * g.per_cycle("agents_cpu")])
@@ -336,6 +348,14 @@ def section(p: Profile, points: dict[tuple[str, int], Point], plot_dir: Path,
     notes = [] if not no_pg else [f"The PostgreSQL peer did not run: {no_pg}."]
     if not p.loop_before:
         notes.append("The earlier revision was not run (this profile names none).")
+    facts: dict[str, float] = {}
+    for n in agents:
+        if p.loop_before:
+            facts[f"loops.vs_before.{n}"] = median_ratio(points, "helper loop", "before", n)
+        if any(points["PostgreSQL", n].samples):
+            facts[f"loops.vs_pg.{n}"] = median_ratio(points, "helper loop", "PostgreSQL", n)
+        facts[f"loops.registry_ms.{n}"] = 1000 * points["helper loop", n].per_cycle(
+            "registry_cpu")
     return Section("loops", "Producer loops", METHOD.strip(),
                    [rate, cost, checkpoints, latency, safety], [plot], notes, headlines,
-                   seconds)
+                   seconds, facts=facts)

@@ -32,7 +32,23 @@ def _ratio(key: str, goal: float) -> Target:
         lambda f: (v := _get(f, key)) is not None and v[0] >= goal)
 
 
+def _loops(key: str, goal: float, peer: str) -> Target:
+    n = key.rsplit(".", 1)[-1]
+    return Target(
+        f"producer helper loop steps/s ≥ {goal:.1f}x {peer} at {n} agents",
+        lambda f: None if (v := _get(f, key)) is None else f"{v[0]:.2f}x",
+        lambda f: (v := _get(f, key)) is not None and v[0] >= goal)
+
+
 TARGETS = (
+    _loops("loops.vs_before.16", 2.0, "the earlier revision run beside it"),
+    _loops("loops.vs_before.64", 2.0, "the earlier revision run beside it"),
+    _loops("loops.vs_pg.16", 1.0, "PostgreSQL SKIP LOCKED"),
+    _loops("loops.vs_pg.64", 1.0, "PostgreSQL SKIP LOCKED"),
+    Target("registry CPU per producer helper step ≤ 0.5 ms at 16 agents",
+           lambda f: None if (v := _get(f, "loops.registry_ms.16")) is None
+           else f"{v[0]:.2f} ms",
+           lambda f: (v := _get(f, "loops.registry_ms.16")) is not None and v[0] <= 0.5),
     _ratio("claims.vs_raw.64", 1.0),
     _ratio("claims.vs_raw.1", 0.4),
     _ratio("claims.vs_pg.16", 1.0),

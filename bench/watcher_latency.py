@@ -1,6 +1,7 @@
 """Write → verified latency through a real stack: etcd, registry and watcher processes.
 
     python -m bench.watcher_latency [--files 1000] [--rate 100] [--size-kib 64] [--drain]
+    python -m bench.watcher_latency --helper [--files 6000] [--producers 4]
 
 Producer threads publish ``--files`` files of ``--size-kib`` KiB at ``--rate`` files
 per second, each exactly as the producer helper does (claim, temp file, fsync,
@@ -9,6 +10,11 @@ each entry turns verified. Printed: percentiles of landed → verified (from the
 rename that publishes the file) and of commit → verified (from the moment the
 commit call returned; 0 when the watcher's report came first and the commit
 itself verified the entry).
+
+``--helper``: end to end as fast as it goes — ``--producers`` agent processes run the
+producer helper (``produce_each``, working ahead) over the task until nothing is left,
+while the watcher verifies; printed: files verified per second from the first claim
+to the last verification, and each process's CPU per file.
 """
 
 from __future__ import annotations
@@ -61,6 +67,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--drain", action="store_true",
                    help="publish every file first, then start the watcher: how fast it "
                    "verifies the backlog")
+    p.add_argument("--helper", action="store_true",
+                   help="producer processes run produce_each as fast as they can: write → "
+                   "verified end to end, sustained")
     return p.parse_args(argv)
 
 
@@ -106,6 +115,9 @@ def stack(root: Path, etcd: EtcdProcess, args: argparse.Namespace) -> None:
                 drain(address, args, start_watcher)
                 return
             start_watcher()
+            if args.helper:
+                helper(address, args, pids)
+                return
             before = {k: cpu_seconds(v) for k, v in pids.items()}
             run(address, args)
             used = {k: cpu_seconds(v) - before[k] for k, v in pids.items()}
@@ -180,6 +192,70 @@ def drain(address: str, args: argparse.Namespace, start_watcher: Callable[[], No
         took = time.monotonic() - start
     print(f"{n} files of {args.size_kib} KiB committed, then the watcher started: all "
           f"verified in {took:.2f} s, {n / took:.0f} files/s ({os.cpu_count()} cpus)")
+
+
+#: one producer process of ``--helper``: produce_each until nothing is left to claim
+HELPER_AGENT = """
+import os, sys, time
+from baton_relay.client import Client, produce_each
+address, name, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
+body = os.urandom(size - 16)
+n = 0
+with Client(address) as c, c.open_session(name, ttl=30) as s:
+    sys.stdin.readline()  # the common start
+    for out in produce_each(c, s, "lat"):
+        out.write(body + out.claim.file_id.encode().ljust(16))
+        n += 1
+print(n, time.process_time(), flush=True)
+"""
+
+
+def helper(address: str, args: argparse.Namespace, pids: dict[str, int]) -> None:
+    """``--helper``: producer processes on ``produce_each`` publish every file as fast
+    as they can while the watcher verifies; files verified per second, end to end."""
+    n = args.files
+    ids = [f"f{i:05d}" for i in range(n)]
+    verified: dict[str, float] = {}
+    all_seen = threading.Event()
+    with Client(address) as c:
+        c.create_task({"task_id": "lat", "entries": [
+            {"file_id": f, "path": f"d{i % 8}/{f}.bin"} for i, f in enumerate(ids)]})
+
+        def follow() -> None:
+            for ev in c.watch("lat", start_revision=-1, timeout=600):
+                if (ev.kind == pb.TaskEvent.KIND_CHANGED
+                        and ev.entry.state == pb.ENTRY_STATE_VERIFIED):
+                    verified.setdefault(ev.entry.file_id, time.monotonic())
+                    if len(verified) == n:
+                        all_seen.set()
+                        return
+
+        threading.Thread(target=follow, daemon=True).start()
+        agents = [subprocess.Popen([sys.executable, "-c", HELPER_AGENT, address, f"p{k}",
+                                    str(args.size_kib << 10)], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, text=True)
+                  for k in range(args.producers)]
+        time.sleep(2.0)  # connected, sessions open, the watch on its way
+        before = {k: cpu_seconds(v) for k, v in pids.items()}
+        start = time.monotonic()
+        for a in agents:
+            assert a.stdin is not None
+            a.stdin.write("go\n")
+            a.stdin.flush()
+        made, agent_cpu = 0, 0.0
+        for a in agents:
+            out, _ = a.communicate(timeout=600)
+            count, cpu = out.split()
+            made, agent_cpu = made + int(count), agent_cpu + float(cpu)
+        if not all_seen.wait(120):
+            raise SystemExit(f"only {len(verified)} of {n} verified")
+        took = max(verified.values()) - start
+        used = {k: cpu_seconds(v) - before[k] for k, v in pids.items()}
+    print(f"{n} files of {args.size_kib} KiB by {args.producers} produce_each processes "
+          f"({made} produced): all verified in {took:.2f} s, {n / took:.0f} files/s "
+          f"end to end ({os.cpu_count()} cpus)")
+    print("  CPU ms per file: " + ", ".join(
+        f"{k} {1000 * v / n:.2f}" for k, v in {**used, "producers": agent_cpu}.items()))
 
 
 def run(address: str, args: argparse.Namespace) -> None:
