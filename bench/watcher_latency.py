@@ -222,7 +222,8 @@ def helper(address: str, args: argparse.Namespace, pids: dict[str, int]) -> None
             {"file_id": f, "path": f"d{i % 8}/{f}.bin"} for i, f in enumerate(ids)]})
 
         def follow() -> None:
-            for ev in c.watch("lat", start_revision=-1, timeout=600):
+            for ev in c.watch("lat", start_revision=-1, timeout=600,
+                              states=[pb.ENTRY_STATE_VERIFIED]):
                 if (ev.kind == pb.TaskEvent.KIND_CHANGED
                         and ev.entry.state == pb.ENTRY_STATE_VERIFIED):
                     verified.setdefault(ev.entry.file_id, time.monotonic())

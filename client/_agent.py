@@ -360,9 +360,13 @@ class AgentCalls(Connection):
         return self._call("Nack", req).entry  # type: ignore[no-any-return]
 
     def watch(self, task_id: str, start_revision: int = 0,
-              timeout: float | None = None) -> Generator[pb.TaskEvent, None, None]:
-        """The task's events (see ``WatchRequest``); ends quietly when ``timeout`` passes."""
-        request = pb.WatchRequest(task_id=task_id, start_revision=start_revision)
+              timeout: float | None = None, *,
+              states: Sequence[pb.EntryState.ValueType] = ()
+              ) -> Generator[pb.TaskEvent, None, None]:
+        """The task's events (see ``WatchRequest``); ends quietly when ``timeout`` passes.
+        ``states``: only entries in these (``pb.ENTRY_STATE_*``); empty: every entry."""
+        request = pb.WatchRequest(task_id=task_id, start_revision=start_revision,
+                                  states=list(states))
         call = self._method("Watch")(request, timeout=timeout)
         try:
             for reply in call:

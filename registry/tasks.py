@@ -437,6 +437,10 @@ class Tasks:
     async def watch(self, req: pb.WatchRequest) -> AsyncIterator[pb.TaskEvent]:
         """A snapshot of the task's entries (unless resuming), then every change."""
         check_id("task_id", req.task_id)
+        wanted = frozenset(STATE_FROM_PB.get(s, "") for s in req.states)
+        if "" in wanted:
+            bad = next(s for s in req.states if s not in STATE_FROM_PB)
+            raise InvalidArgument(f"states: {bad} is not an entry state")
         await self.core.task(req.task_id)
         staging = self.core.staging_dir(req.task_id)
         start = req.start_revision
@@ -448,9 +452,12 @@ class Tasks:
             # One consistent snapshot at revision ``at``, then changes after it.
             _, at, _ = await self.core.etcd.range(self.keys.task(req.task_id), limit=1)
             async for kv in self._entries(req.task_id, revision=at):
+                rec = EntryRecord.load(kv.value)
+                if wanted and rec.state not in wanted:
+                    continue
                 yield pb.TaskEvent(
                     kind=pb.TaskEvent.KIND_SNAPSHOT,
-                    entry=EntryRecord.load(kv.value).to_pb(staging, revision=kv.mod_revision),
+                    entry=rec.to_pb(staging, revision=kv.mod_revision),
                     revision=kv.mod_revision,
                 )
             yield pb.TaskEvent(kind=pb.TaskEvent.KIND_SYNCED, revision=at)
@@ -459,6 +466,8 @@ class Tasks:
             for ev in batch:
                 if ev.kind == "put":
                     rec = EntryRecord.load(ev.kv.value)
+                    if wanted and rec.state not in wanted:
+                        continue
                     yield pb.TaskEvent(
                         kind=pb.TaskEvent.KIND_CHANGED,
                         entry=rec.to_pb(staging, revision=ev.kv.mod_revision),

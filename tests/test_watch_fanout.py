@@ -8,9 +8,11 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import pytest
 from registry_fixtures import RegistryHandle
 
 from baton_relay.client import Client
+from baton_relay.kernel import errors
 from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.local.etcdproc import EtcdProcess
 from baton_relay.registry._etcd import Etcd, Put
@@ -168,3 +170,44 @@ def test_client_watch_streams_on_a_task_share_the_replicas_one_watch(
     while fanout.streams(entries) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert fanout.streams(entries) == 0
+
+
+def test_a_watch_of_some_states_is_sent_only_entries_in_them(
+        registry: RegistryHandle, client: Client) -> None:
+    """``states=[WRITTEN]``: the snapshot lists only written entries and the changes
+    only moves into ``written`` (no claim's event); an unknown state is refused."""
+    client.create_task({"task_id": "t", "digest_optional": True,
+                        "entries": [{"file_id": f"f{i}", "path": f"f{i}"} for i in range(4)]})
+    with client.open_session("p", ttl=10) as s:
+        first = client.claim("t", "f0", session=s)
+        client.commit("t", "f0", first.token, 1, DIGEST, session=s)
+    snapshot: list[pb.TaskEvent] = []
+    changes: list[pb.TaskEvent] = []
+    synced = threading.Event()
+
+    def follow() -> None:
+        with Client(registry.address) as c:
+            for ev in c.watch("t", start_revision=0, timeout=15,
+                              states=[pb.ENTRY_STATE_WRITTEN]):
+                if ev.kind == pb.TaskEvent.KIND_SNAPSHOT:
+                    snapshot.append(ev)
+                elif ev.kind == pb.TaskEvent.KIND_SYNCED:
+                    synced.set()
+                else:
+                    changes.append(ev)
+                    if len(changes) == 3:
+                        return
+
+    thread = threading.Thread(target=follow)
+    thread.start()
+    assert synced.wait(10)
+    with client.open_session("p", ttl=10) as s:
+        for _ in range(3):
+            claim = client.claim("t", session=s)
+            client.commit("t", claim.file_id, claim.token, 1, DIGEST, session=s)
+    thread.join(20)
+    assert [e.entry.file_id for e in snapshot] == ["f0"]
+    assert sorted(e.entry.file_id for e in changes) == ["f1", "f2", "f3"]
+    assert {e.entry.state for e in snapshot + changes} == {pb.ENTRY_STATE_WRITTEN}
+    with pytest.raises(errors.InvalidArgument, match="not an entry state"):
+        next(client.watch("t", timeout=5, states=[pb.EntryState.ValueType(42)]))

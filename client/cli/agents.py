@@ -483,14 +483,23 @@ def release(settings: Settings, session_id: int) -> None:
     click.echo(f"session {session_id} released")
 
 
+#: the entry states `baton watch --state` takes (the contract's, short)
+WATCH_STATES = ("pending", "writing", "written", "verified", "consumed", "dead")
+
+
 @cli.command()
 @click.argument("task_id", metavar="TASK")
 @click.option("--from-revision", type=click.IntRange(min=-1), default=-1, show_default=True,
               metavar="N", help="-1: changes from now; 0: every entry first, then changes; "
                                 "N: changes since revision N")
+@click.option("--state", "states", multiple=True, metavar="STATE",
+              type=click.Choice(WATCH_STATES, case_sensitive=False),
+              help="only entries in this state (repeatable): the others' changes are not "
+                   "sent")
 @output_option
 @pass_settings
-def watch(settings: Settings, task_id: str, from_revision: int, output: str) -> None:
+def watch(settings: Settings, task_id: str, from_revision: int, states: tuple[str, ...],
+          output: str) -> None:
     """Print a task's entry changes until Ctrl-C.
 
     One line per event: time, file_id, state, revision (-o json: one JSON
@@ -498,7 +507,9 @@ def watch(settings: Settings, task_id: str, from_revision: int, output: str) -> 
     """
     from ...kernel.v1 import baton_pb2 as pb
 
-    events = settings.client().watch(task_id, start_revision=from_revision)
+    events = settings.client().watch(
+        task_id, start_revision=from_revision,
+        states=[pb.EntryState.Value(f"ENTRY_STATE_{s.upper()}") for s in states])
     try:
         for ev in events:
             if output == "json":

@@ -4229,20 +4229,29 @@ class WatchRequest(_message.Message):
 
     TASK_ID_FIELD_NUMBER: _builtins.int
     START_REVISION_FIELD_NUMBER: _builtins.int
+    STATES_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     start_revision: _builtins.int
     """0 = a snapshot of every entry, SYNCED, then changes; -1 = SYNCED at the
     current revision, then changes; N > 0 = changes from revision N on.
     """
+    @_builtins.property
+    def states(self) -> _containers.RepeatedScalarFieldContainer[Global___EntryState.ValueType]:
+        """Only entries in these states, in the snapshot and the changes (a change into
+        another state is not sent); empty: every entry. A follower of one state (a
+        consumer waiting for verified entries) is sent a third of the messages.
+        """
+
     def __init__(
         self,
         *,
         task_id: _builtins.str = ...,
         start_revision: _builtins.int = ...,
+        states: _abc.Iterable[Global___EntryState.ValueType] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["start_revision", b"start_revision", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["start_revision", b"start_revision", "states", b"states", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
