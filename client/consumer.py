@@ -78,7 +78,10 @@ def next_lease(
                 raise Draining(f"session {session.session_id:x} is draining: no new work",
                                session_id=session.session_id)
             wait = min(left if left is not None else session.ttl, max(session.ttl / 3, 0.5))
-        events = client.watch(task_id, start_revision=-1, timeout=wait)
+        # only moves into verified are sent: a waiting consumer is not woken by the
+        # task's other moves
+        events = client.watch(task_id, start_revision=-1, timeout=wait,
+                              states=[pb.ENTRY_STATE_VERIFIED])
         try:
             try:
                 synced = next(events, None)  # SYNCED: the watch is in place
