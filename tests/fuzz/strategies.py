@@ -144,7 +144,10 @@ def _fill(draw: st.DrawFn, desc: Descriptor, cls: type[Message], depth: int,
             values = st.sampled_from(NAMED[field.name])
         if repeated:
             n = 5000 if field.name == huge else draw(st.integers(0, 3))
-            one = draw(st.sampled_from(known or ("a",)) if n > 3 else values)
+            # a long list repeats one value: a known id where the field takes strings
+            long_one = (st.sampled_from(known or ("a",))
+                        if field.type == FieldDescriptor.TYPE_STRING else values)
+            one = draw(long_one if n > 3 else values)
             getattr(msg, field.name).extend([one] * n if n > 3 else
                                             [draw(values) for _ in range(n)])
         else:
