@@ -37,7 +37,6 @@ from ..kernel.errors import (
     Draining,
     InvalidArgument,
     NothingToClaim,
-    Unavailable,
 )
 from ..kernel.v1 import baton_pb2 as pb
 from ._client import Client, Session
@@ -657,21 +656,17 @@ def _hand_back(client: Client, session: Session, done: list[_Done],
     refused: one lost claim does not keep the others' files unpublished) and give
     back what it claimed ahead and did not begin. What cannot be done is logged: the
     registry gives those claims back with the session, or at their deadlines."""
-    if done:
-        try:
-            if session.stream is not None:
-                _step(client, session, done[0][0].claim.task_id, done, 0)
-            else:
-                raise Unavailable("no stream: committed one by one")
-        except Exception:
-            for d in done:
-                if d[0].entry is None:
-                    try:
-                        _commit_one(client, session, d)
-                    except Exception as e:
-                        log.warning("could not commit %s/%s as the loop ended: %s",
-                                    d[0].claim.task_id, d[0].claim.file_id, e)
-        done.clear()
+    if done and session.stream is not None:
+        with suppress(Exception):  # refused as a whole: each is committed on its own below
+            _step(client, session, done[0][0].claim.task_id, done, 0)
+    for d in done:
+        if d[0].entry is None:
+            try:
+                _commit_one(client, session, d)
+            except Exception as e:
+                log.warning("could not commit %s/%s as the loop ended: %s",
+                            d[0].claim.task_id, d[0].claim.file_id, e)
+    done.clear()
     while hand:
         claim, _ = hand.popleft()
         try:
