@@ -162,4 +162,4 @@ def test_cli_consume_batch_refuses_a_file_id_or_wait(registry: Any, extra: list[
                                                      ) -> None:
     result = invoke(registry, "consume", "t", "--batch", "2", *extra)
     assert result.exit_code == 2
-    assert "Error: --batch takes the next verified entries" in result.stderr
+    assert result.stderr.startswith("baton: consume: --batch takes the next verified entries")

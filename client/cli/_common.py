@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
+from typing import IO, TYPE_CHECKING, Any, BinaryIO, TypeVar
 
 import click
 
@@ -75,10 +75,54 @@ class Settings:
 pass_settings = click.make_pass_decorator(Settings)
 
 
+class UsageLine(click.UsageError):
+    """A usage error told in one line: ``baton: COMMAND: what was wrong; see 'baton
+    COMMAND --help'`` (click's own shows the usage, a hint and the error on four)."""
+
+    def __init__(self, error: click.UsageError) -> None:
+        names = []
+        ctx = error.ctx
+        while ctx is not None and ctx.parent is not None:
+            names.append(ctx.info_name or "")
+            ctx = ctx.parent
+        command = " ".join(reversed(names))
+        what = " ".join(line.strip() for line in error.format_message().splitlines()
+                        if line.strip()).rstrip(".")
+        if what[:1].isupper() and what[1:2].islower():  # "Missing argument", not "FILE_ID"
+            what = what[0].lower() + what[1:]
+        where = f"{command}: " if command else ""
+        helper = " ".join(["baton", *reversed(names), "--help"])
+        super().__init__(f"{where}{what}; see '{helper}'", error.ctx)
+
+    def show(self, file: IO[Any] | None = None) -> None:
+        click.echo(f"baton: {self.message}", file=file, err=file is None)
+
+
+@contextmanager
+def usage_in_one_line() -> Iterator[None]:
+    """Turn click's usage errors into :class:`UsageLine`; a group named without a
+    command (``baton task``) still shows its help."""
+    try:
+        yield
+    except (UsageLine, click.exceptions.NoArgsIsHelpError):
+        raise
+    except click.UsageError as e:
+        raise UsageLine(e) from e
+
+
 class BatonGroup(click.Group):
     """A group that turns expected errors into one stderr line and an exit status."""
 
+    def make_context(self, info_name: str | None, args: list[str],
+                     parent: click.Context | None = None, **extra: Any) -> click.Context:
+        with usage_in_one_line():
+            return super().make_context(info_name, args, parent, **extra)
+
     def invoke(self, ctx: click.Context) -> Any:
+        with usage_in_one_line():
+            return self._invoke(ctx)
+
+    def _invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except errors.BatonError as e:
