@@ -592,6 +592,23 @@ def test_the_docs_apply_and_name_what_the_manifests_make(kubectl: str) -> None:
     assert set(secrets) == mounted, (secrets, mounted)
 
 
+NUMBERS = ("no", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten")
+
+
+def test_the_docs_list_every_overlay_in_the_tree() -> None:
+    """docs/deploy.md's Kubernetes section counts the overlays under
+    deploy/kubernetes/overlays and lists each in its table, and only those."""
+    doc = (ROOT / "docs/deploy.md").read_text()
+    tree = sorted(p.name for p in (KUBE / "overlays").iterdir() if p.is_dir())
+    said = re.search(r"\) and\s+(\w+) overlays:\n\n(.*?)\n\n", doc, re.DOTALL)
+    assert said, "docs/deploy.md: no \"... and N overlays:\" before the overlay table"
+    count, table = said.groups()
+    listed = re.findall(r"^\| `overlays/([^`]+)` \|", table, re.MULTILINE)
+    assert sorted(listed) == tree, (listed, tree)
+    assert count == NUMBERS[len(tree)], f"docs/deploy.md says {count} overlays, the tree has " \
+        f"{len(tree)}"
+
+
 # --- sd_notify ----------------------------------------------------------------------------
 
 
