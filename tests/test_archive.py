@@ -286,7 +286,7 @@ def test_cli_archives_and_lists_archived_tasks(
     listed = runner.invoke(cli, ["task", "ls", "--archived", "-o", "json"], env=env)
     assert listed.exit_code == 0, listed.output
     (only,) = json.loads(listed.output)
-    assert only["spec"]["task_id"] == "t1" and only["status"] == "TASK_STATUS_ARCHIVED"
+    assert only["spec"]["task_id"] == "t1" and only["status"] == "archived"
     active = runner.invoke(cli, ["task", "create", "-"], env=env,
                            input=json.dumps({"task_id": "t2", "entries": [
                                {"file_id": "a", "path": "a"}]}))

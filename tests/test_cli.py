@@ -222,8 +222,8 @@ def test_status_table_counts_states_and_lists_entries(registry: Any) -> None:
     assert "pending" in rows["b"]
     data = ok_json(invoke(registry, "status", "t1", "--entries", "-o", "json"))
     assert data["states"]["writing"] == 1 and data["states"]["pending"] == 1
-    assert {e["file_id"]: e["state"] for e in data["entries"]} == {"a": "ENTRY_STATE_WRITING",
-                                                                   "b": "ENTRY_STATE_PENDING"}
+    assert {e["file_id"]: e["state"] for e in data["entries"]} == {"a": "writing",
+                                                                   "b": "pending"}
 
 
 # --- producers --------------------------------------------------------------------
@@ -250,7 +250,7 @@ def test_claim_outlives_its_process_and_commit_from_another_succeeds(
     done = run(registry, "commit", "t1", "a", "--token", str(claimed["token"]),
                "--file", claimed["path"], "-o", "json")
     entry = ok_json(done)
-    assert entry["state"] == "ENTRY_STATE_WRITTEN" and entry["size"] == len(data)
+    assert entry["state"] == "written" and entry["size"] == len(data)
     committed = lib.get_entry("t1", "a")
     assert committed.state == pb.ENTRY_STATE_WRITTEN and committed.size == len(data)
 
@@ -327,7 +327,7 @@ def test_fail_returns_entry_for_retry(registry: Any) -> None:
     claimed = ok_json(invoke(registry, "claim", "t1", "-o", "json"))
     entry = ok_json(invoke(registry, "fail", "t1", "a", "--token", str(claimed["token"]),
                            "--reason", "disk full", "-o", "json"))
-    assert entry["state"] == "ENTRY_STATE_PENDING" and entry["retry_count"] == 1
+    assert entry["state"] == "pending" and entry["retry_count"] == 1
     assert "disk full" in entry["error"]
 
 
@@ -341,7 +341,7 @@ def test_fail_release_gives_an_unbegun_claim_back_as_it_was(registry: Any) -> No
     assert refused.exit_code == 2 and "release" in refused.output
     entry = ok_json(invoke(registry, "fail", "t1", "a", "--token", token, "--release",
                            "-o", "json"))
-    assert entry["state"] == "ENTRY_STATE_PENDING" and not entry.get("retry_count")
+    assert entry["state"] == "pending" and not entry.get("retry_count")
     assert not entry.get("error")
 
 
@@ -446,7 +446,7 @@ def test_keepalive_extends_a_claim_and_an_unrefreshed_one_dies(
     def reaped() -> bool:
         entries = ok_json(invoke(registry, "status", "t1", "--entries", "-o", "json"))["entries"]
         b = next(e for e in entries if e["file_id"] == "b")
-        return bool(b["state"] == "ENTRY_STATE_PENDING" and b["retry_count"] == 1)
+        return bool(b["state"] == "pending" and b["retry_count"] == 1)
 
     wait_until(reaped, 15, "the registry to reap the expired claim")
     late = run(registry, "commit", "t1", "b", "--token", str(lost["token"]), "--size", "0")
@@ -485,9 +485,9 @@ def test_watch_prints_events_and_ctrl_c_exits_0(registry: Any, lib: Client) -> N
     )
     try:
         lines = Lines(proc)
-        lines.until(lambda line: json.loads(line)["kind"] == "KIND_SYNCED")
+        lines.until(lambda line: json.loads(line)["kind"] == "synced")
         claimed = ok_json(invoke(registry, "claim", "t1", "-o", "json"))
-        event = json.loads(lines.until(lambda line: "ENTRY_STATE_WRITING" in line))
+        event = json.loads(lines.until(lambda line: '"state": "writing"' in line))
         assert event["entry"]["file_id"] == "a" and event["revision"] == claimed["token"]
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=SUBPROCESS_TIMEOUT) == 0

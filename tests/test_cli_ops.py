@@ -60,7 +60,7 @@ def kill(registry: Any, task_id: str, file_id: str, reason: str = "broken") -> N
     c = ok_json(invoke(registry, "claim", task_id, file_id, "-o", "json"))
     dead = ok_json(invoke(registry, "fail", task_id, file_id, "--token", str(c["token"]),
                           "--reason", reason, "-o", "json"))
-    assert dead["state"] == "ENTRY_STATE_DEAD"
+    assert dead["state"] == "dead"
 
 
 def table_rows(stdout: str) -> dict[str, list[str]]:
@@ -90,9 +90,9 @@ def test_pause_refuses_claims_and_consumes_and_resume_allows_them(registry: Any)
     helped = invoke(registry, "task", "pause", "--help").stdout
     assert "claims and consumes" in helped and "may still take" not in helped
     shown = ok_json(invoke(registry, "task", "get", "t1", "-o", "json"))
-    assert shown["status"] == "TASK_STATUS_PAUSED" and shown["status_reason"] == "pause: disk swap"
+    assert shown["status"] == "paused" and shown["status_reason"] == "pause: disk swap"
     resumed = ok_json(invoke(registry, "task", "resume", "t1", "-o", "json"))
-    assert resumed["status"] == "TASK_STATUS_ACTIVE"
+    assert resumed["status"] == "active"
     assert ok_json(invoke(registry, "claim", "t1", "-o", "json"))["file_id"] == "a"
 
 
@@ -223,7 +223,7 @@ def test_explain_pending_writing_and_dead(registry: Any) -> None:
     assert "claimable" in pending.stdout
     claimed = ok_json(invoke(registry, "claim", "t1", "a", "--agent", "writer-7", "-o", "json"))
     writing = ok_json(invoke(registry, "explain", "t1", "a", "-o", "json"))
-    assert writing["entry"]["state"] == "ENTRY_STATE_WRITING"
+    assert writing["entry"]["state"] == "writing"
     assert "writer-7" in writing["text"] and str(claimed["token"]) in writing["text"]
     ok_json(invoke(registry, "fail", "t1", "a", "--token", str(claimed["token"]),
                    "--reason", "toner out", "-o", "json"))
@@ -372,7 +372,7 @@ def test_claim_batch_then_commit_batch(registry: Any, client: Client, tmp_path: 
     batch.write_text(json.dumps(commits))
     entries = ok_json(invoke(registry, "commit-batch", str(batch), "-o", "json"))
     assert sorted(e["file_id"] for e in entries) == sorted(c["file_id"] for c in claims)
-    assert {e["state"] for e in entries} == {"ENTRY_STATE_WRITTEN"}
+    assert {e["state"] for e in entries} == {"written"}
     for c in commits:
         assert client.get_entry("t1", c["file_id"]).size == c["size"]
     # The sixth, as a table: one row per claim, then the session line.

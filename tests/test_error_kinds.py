@@ -474,7 +474,7 @@ def test_cli_fail_nack_requeue_and_explain_flags(
         out = invoke(registry, "fail", "t", "f0", "--token", str(c0.token), "--reason", "x",
                      "--permanent", "-o", "json")
         assert out.exit_code == 0, out.output
-        assert json.loads(out.stdout)["state"] == "ENTRY_STATE_DEAD"
+        assert json.loads(out.stdout)["state"] == "dead"
         c1 = client.claim("t", "f1", session=s)
         bad = invoke(registry, "fail", "t", "f1", "--token", str(c1.token), "--delay", "-3")
         assert bad.exit_code == 2 and "delay_seconds" in bad.output

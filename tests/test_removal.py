@@ -445,7 +445,7 @@ def test_cli_task_delete_json_output(registry: Any, client: Client) -> None:
     data = ok_json(invoke(registry, "task", "delete", "t1", "-y", "-o", "json"))
     assert data["keys_removed"] == 3 and data["removed"] == {"header": 1, "entries": 1,
                                                               "open": 1}
-    assert data["task"]["status"] == "TASK_STATUS_DELETING"
+    assert data["task"]["status"] == "deleting"
 
 
 def test_cli_task_delete_asks_on_a_terminal(

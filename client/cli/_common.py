@@ -17,13 +17,14 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, BinaryIO, TypeVar
+from typing import IO, TYPE_CHECKING, Any, BinaryIO, TypeVar, cast
 
 import click
 
 from ...kernel import errors
 
 if TYPE_CHECKING:
+    from google.protobuf.descriptor import Descriptor, EnumDescriptor
     from google.protobuf.message import Message
     from rich.console import Console, RenderableType
     from rich.table import Table
@@ -204,15 +205,63 @@ def slots_option(f: F) -> F:
 
 
 def as_dict(msg: Message) -> dict[str, Any]:
-    """A message as JSON-ready data: proto field names, every field, numbers as numbers."""
+    """A message as JSON-ready data: proto field names, every field, numbers as numbers,
+    and enum values by the short names the tables show (:func:`enum_name`)."""
     from google.protobuf import json_format
 
-    return json_format.MessageToDict(
+    data = json_format.MessageToDict(
         msg,
         preserving_proto_field_name=True,
         always_print_fields_with_no_presence=True,
         unquote_int64_if_possible=True,
+        use_integers_for_enums=True,
     )
+    _name_enums(cast("Descriptor", msg.DESCRIPTOR), data)
+    return data
+
+
+def enum_name(enum: EnumDescriptor, number: int) -> str | int:
+    """An enum value as people read it (``verified``, ``active``, ``snapshot``): the
+    wire's name (``ENTRY_STATE_VERIFIED``) without its enum's prefix, in lower case,
+    as ``kernel.names`` gives it to the tables. The unspecified value keeps its prefix
+    (``entry_state_unspecified``); a number this client does not know stays a number."""
+    value = enum.values_by_number.get(number)
+    if value is None:
+        return number
+    prefix = re.sub(r"(?<!^)(?=[A-Z])", "_", enum.name).upper() + "_"
+    return value.name.removeprefix(prefix).lower() if number else value.name.lower()
+
+
+def _name_enums(descriptor: Descriptor, data: dict[str, Any]) -> None:
+    """Replace, in ``data`` (``descriptor``'s message as MessageToDict made it with
+    integer enums), every enum number by :func:`enum_name`."""
+    for fd in descriptor.fields:
+        if fd.name not in data:
+            continue
+        value = data[fd.name]
+        if fd.enum_type is not None:
+            if isinstance(value, list):
+                data[fd.name] = [enum_name(fd.enum_type, v) for v in value]
+            else:
+                data[fd.name] = enum_name(fd.enum_type, value)
+            continue
+        message = fd.message_type
+        if message is None or message.full_name.startswith("google.protobuf."):
+            continue  # well-known types (Timestamp, Struct) have their own JSON
+        if message.GetOptions().map_entry:
+            entry_value = message.fields_by_name["value"]
+            if entry_value.enum_type is not None:
+                data[fd.name] = {k: enum_name(entry_value.enum_type, v)
+                                    for k, v in value.items()}
+            elif (entry_value.message_type is not None
+                  and not entry_value.message_type.full_name.startswith("google.protobuf.")):
+                for item in value.values():
+                    _name_enums(entry_value.message_type, item)
+        elif isinstance(value, list):
+            for item in value:
+                _name_enums(message, item)
+        elif isinstance(value, dict):
+            _name_enums(message, value)
 
 
 def emit_json(data: Any) -> None:
