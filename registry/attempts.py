@@ -40,9 +40,10 @@ async def read(core: Core, task_id: str, file_id: str, page: int) -> list[pb.Att
 def of(records: Sequence[tuple[int, dict[str, Any]]]) -> list[pb.Attempt]:
     """The attempts an entry's journal records (revision, fields) tell of, oldest
     first: each ``claimed`` record opens one (its revision is the token), its
-    ``committed`` record gives the size and digest, and the first record after it that
-    takes the entry from writing, written or verified back to pending, or to dead
-    (failed, deadline, revoked, a permanent nack…) closes it with its reason."""
+    ``committed`` record ends it (when, outcome ``committed``) with the size and digest,
+    and the first record after it that takes the entry from writing, written or verified
+    back to pending, or to dead (failed, deadline, revoked, a permanent nack…) ends it
+    instead, with its reason: the attempt's bytes were taken back."""
     out: list[pb.Attempt] = []
     current: pb.Attempt | None = None
     for revision, data in sorted(records, key=lambda r: r[0]):
@@ -56,6 +57,10 @@ def of(records: Sequence[tuple[int, dict[str, Any]]]) -> list[pb.Attempt]:
         elif current is None:
             continue
         elif event == "committed":
+            # The producer's part is done; it stays the entry's attempt (not closed)
+            # until a later record takes its bytes back.
+            current.ended_at = str(data.get("at", ""))
+            current.outcome = event
             current.size = _int(data.get("size"))
             current.digest = str(data.get("digest") or current.digest)
         elif data.get("from") in ENDS_FROM and data.get("to") in (PENDING, DEAD):
@@ -81,7 +86,8 @@ def explained(entry: pb.Entry, text: str, attempts: list[pb.Attempt],
         for a in attempts:
             where = f" on {a.host}" if a.host else ""
             label = f' "{a.label}"' if a.label else ""
-            how = f"{a.outcome}: {a.error}" if a.ended_at else "in progress"
+            how = (f"{a.outcome}: {a.error}" if a.error else a.outcome) if a.ended_at else (
+                "in progress")
             digest = f", digest {a.digest}" if a.digest else ""
             lines.append(f"#{a.number} {a.claimed_at} by {a.who or '-'}{label}{where}, "
                          f"token {a.token}{digest}, ended {a.ended_at or '-'}, {how}.")

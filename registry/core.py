@@ -23,6 +23,7 @@ from typing import Any
 from ..kernel import logs, tracing
 from ..kernel.backoff import Backoff
 from ..kernel.errors import BatonError, NotFound
+from ..kernel.v1 import baton_pb2 as pb
 from ._etcd import KV, Etcd
 from .archive_store import Archived, Archives
 from .backlog import Backlogs
@@ -192,6 +193,30 @@ class Core:
                 archived = await self.archived_entry(name)
                 states[name] = archived.state if archived else "missing"
         return states
+
+    async def blocked(self, task_id: str, recs: Iterable[EntryRecord],
+                      known: Mapping[str, str] | None = None) -> set[str]:
+        """The file ids of ``recs`` (entries of ``task_id``) that a dead dependency or
+        part blocks (``EntryRecord.blocked_by``): the one decision behind a task's count
+        of blocked entries and every read's ``Entry.blocked`` (GetEntry, ListEntries,
+        Explain, Watch). Only entries pending and not released look their dependencies
+        up, all in one read; ``known``: states of the task's entries already read."""
+        waiting = [r for r in recs if r.state == PENDING and not r.deps_ok]
+        if not waiting:
+            return set()
+        states = await self.dependency_states(
+            task_id, {n for r in waiting for n in r.parts or r.depends_on}, known)
+        return {r.file_id for r in waiting if r.blocked_by(states)}
+
+    async def mark_blocked(self, task_id: str,
+                           read: Iterable[tuple[EntryRecord, pb.Entry]],
+                           known: Mapping[str, str] | None = None) -> None:
+        """Set ``blocked`` on each entry as a read shows it, from its record (see
+        ``blocked``): every read that hands out entries goes through here."""
+        pairs = list(read)
+        blocked = await self.blocked(task_id, (rec for rec, _ in pairs), known)
+        for rec, entry in pairs:
+            entry.blocked = rec.file_id in blocked
 
     async def archived_entry(self, name: str) -> EntryRecord | None:
         """An entry of another task (``task:file_id``), from its archive if that task is

@@ -338,7 +338,8 @@ class EntryRecord:
             abs_attempt_path=f"{root}/{attempt}" if attempt else "",
             state=_STATE_PB[self.state],
             size=self.size,
-            digest=self.digest,
+            # verified, else committed: a written entry's reply says what was stored
+            digest=self.digest or self.committed_digest,
             retry_count=self.retry_count,
             max_retries=self.max_retries,
             owner=self.owner,

@@ -405,6 +405,7 @@ class Operators:
         if rules:
             text = f"{text} {rules}"
         entry = rec.to_pb(self.core.staging_dir(rec.task_id), revision=kv.mod_revision)
+        await self.core.mark_blocked(rec.task_id, [(rec, entry)])
         tried = await attempts.read(self.core, rec.task_id, rec.file_id, page=LIST_PAGE)
         return attempts.explained(entry, text, tried, rec.state == DEAD)
 
@@ -423,6 +424,8 @@ class Operators:
                 f"was archived at {task.archived_at}, to {task.archive}. Nothing more will "
                 "happen to it; `baton log` shows its history from the archive.")
         entry = rec.to_pb(self.core.staging_dir(rec.task_id), revision=rev)
+        await self.core.mark_blocked(rec.task_id, [(rec, entry)],
+                                     known={r.file_id: r.state for _, r in archived.entries})
         tried = attempts.of([(r, data) for f, r, data in archived.journal if f == file_id])
         return attempts.explained(entry, text, tried, rec.state == DEAD)
 

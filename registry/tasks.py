@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 
 from ..kernel.errors import (
     Conflict,
@@ -313,10 +313,7 @@ class Tasks:
             if rec.state == PENDING and not rec.deps_ok:
                 pending_deps.append(rec)
         # Dependencies on other tasks' entries are read (this task's are known).
-        deps = await self.core.dependency_states(
-            task_id, {n for rec in pending_deps for n in rec.parts or rec.depends_on},
-            known=states)
-        blocked = sum(1 for rec in pending_deps if rec.blocked_by(deps))
+        blocked = len(await self.core.blocked(task_id, pending_deps, known=states))
         task = record.to_pb(states=counts)
         task.consumed_by_group.update(by_group)
         task.blocked = blocked
@@ -379,9 +376,13 @@ class Tasks:
             _, task = await self.core.task(req.task_id)
             if task.status != "archived":
                 raise
-            for rev, archived in (await self.core.archived(req.task_id)).entries:
+            entries = (await self.core.archived(req.task_id)).entries
+            for rev, archived in entries:
                 if archived.file_id == req.file_id:
-                    return archived.to_pb(self.core.staging_dir(req.task_id), revision=rev)
+                    entry = archived.to_pb(self.core.staging_dir(req.task_id), revision=rev)
+                    await self.core.mark_blocked(req.task_id, [(archived, entry)],
+                                                 known={r.file_id: r.state for _, r in entries})
+                    return entry
             raise
         return await self._entry_pb(kv, rec)
 
@@ -399,9 +400,7 @@ class Tasks:
             token=claim.create_revision if claim else 0,
             consuming=consuming,
         )
-        if rec.state == PENDING and not rec.deps_ok:
-            entry.blocked = bool(rec.blocked_by(await self.core.dependency_states(
-                rec.task_id, rec.parts or rec.depends_on)))
+        await self.core.mark_blocked(rec.task_id, [(rec, entry)])
         return entry
 
     async def list_entries(self, req: pb.ListEntriesRequest) -> pb.ListEntriesResponse:
@@ -413,14 +412,18 @@ class Tasks:
             raise InvalidArgument("limit must be ≥ 0")
         want = STATE_FROM_PB.get(req.state) if req.state else None
         staging = self.core.staging_dir(req.task_id)
-        out: list[pb.Entry] = []
+        out: list[tuple[EntryRecord, pb.Entry]] = []
+        # the states of the entries passed over too: their dependents' need no read
+        states: dict[str, str] = {}
         async for rev, rec in self._records(req.task_id, req.start_after,
                                             task.status == "archived"):
+            states[rec.file_id] = rec.state
             if want is None or rec.state == want:
-                out.append(rec.to_pb(staging, revision=rev))
+                out.append((rec, rec.to_pb(staging, revision=rev)))
                 if req.limit and len(out) >= req.limit:
                     break
-        return pb.ListEntriesResponse(entries=out)
+        await self.core.mark_blocked(req.task_id, out, known=states)
+        return pb.ListEntriesResponse(entries=[entry for _, entry in out])
 
     async def _records(self, task_id: str, start_after: str,
                        archived: bool) -> AsyncIterator[tuple[int, EntryRecord]]:
@@ -451,28 +454,43 @@ class Tasks:
         elif start == 0:
             # One consistent snapshot at revision ``at``, then changes after it.
             _, at, _ = await self.core.etcd.range(self.keys.task(req.task_id), limit=1)
+            states: dict[str, str] = {}
+            page: list[tuple[EntryRecord, pb.Entry]] = []
             async for kv in self._entries(req.task_id, revision=at):
                 rec = EntryRecord.load(kv.value)
+                states[rec.file_id] = rec.state
                 if wanted and rec.state not in wanted:
                     continue
-                yield pb.TaskEvent(
-                    kind=pb.TaskEvent.KIND_SNAPSHOT,
-                    entry=rec.to_pb(staging, revision=kv.mod_revision),
-                    revision=kv.mod_revision,
-                )
+                page.append((rec, rec.to_pb(staging, revision=kv.mod_revision)))
+                if len(page) >= LIST_PAGE:
+                    for event in await self._events(pb.TaskEvent.KIND_SNAPSHOT, page, states):
+                        yield event
+                    page = []
+            for event in await self._events(pb.TaskEvent.KIND_SNAPSHOT, page, states):
+                yield event
             yield pb.TaskEvent(kind=pb.TaskEvent.KIND_SYNCED, revision=at)
             start = at + 1
         async for batch in self.fanout.follow(self.keys.entries(req.task_id), start):
+            changed = []
             for ev in batch:
                 if ev.kind == "put":
                     rec = EntryRecord.load(ev.kv.value)
                     if wanted and rec.state not in wanted:
                         continue
-                    yield pb.TaskEvent(
-                        kind=pb.TaskEvent.KIND_CHANGED,
-                        entry=rec.to_pb(staging, revision=ev.kv.mod_revision),
-                        revision=ev.kv.mod_revision,
-                    )
+                    changed.append((rec, rec.to_pb(staging, revision=ev.kv.mod_revision)))
+            for event in await self._events(pb.TaskEvent.KIND_CHANGED, changed):
+                yield event
+
+    async def _events(self, kind: pb.TaskEvent.Kind.ValueType,
+                      read: Sequence[tuple[EntryRecord, pb.Entry]],
+                      known: Mapping[str, str] | None = None) -> Sequence[pb.TaskEvent]:
+        """Watch events of entries as read, each saying whether it is blocked (one
+        dependency read for the lot; ``known``: states of the task's entries read)."""
+        if not read:
+            return []
+        await self.core.mark_blocked(read[0][0].task_id, read, known)
+        return [pb.TaskEvent(kind=kind, entry=entry, revision=entry.revision)
+                for _, entry in read]
 
     async def watch_tasks(self, caller: Caller = ANONYMOUS) -> AsyncIterator[pb.Task]:
         """Every task header now, then each one again whenever it changes (those

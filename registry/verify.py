@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..kernel import tracing
-from ..kernel.errors import InvalidArgument, StaleReport
+from ..kernel.errors import InvalidArgument, StaleReport, TaskNotActive
 from ..kernel.v1 import baton_pb2 as pb
 from .claim import end
-from .claims import entry_replay, need_task
+from .claims import VOID, entry_replay, need_task
 from .core import Core
 from .identity import ANONYMOUS, Caller
 from .keys import ClaimRef
@@ -148,6 +148,19 @@ class Verifier:
         elif asm.state == PENDING:
             txn.put(kv.key, asm.dump())
 
+    async def not_cancelled(self, txn: Txn, rec: EntryRecord, what: str) -> None:
+        """Refuse a watcher's report that would change an entry of a cancelled task
+        (``TaskNotActive``): its entries stay as they were, a file committed before the
+        cancel stays written. The header is pinned in the report's own transaction, so
+        a cancel applied meanwhile fails its compare and the report, planned again, is
+        refused: whichever etcd applies first decides, never a read made earlier."""
+        task = need_task(await txn.get(self.keys.task(rec.task_id)), rec.task_id)
+        if task.status in VOID:
+            raise TaskNotActive(
+                f"task {rec.task_id!r} is {task.status}: its entries stay as they were; "
+                f"the {what} of {rec.file_id!r} is not taken", task_id=rec.task_id,
+                file_id=rec.file_id, status=task.status)
+
     @staticmethod
     def current(rec: EntryRecord, token: int) -> bool:
         """Whether the file of the attempt with ``token`` may be ``rec``'s bytes: once
@@ -179,11 +192,14 @@ class Verifier:
             if not self.current(rec, req.token):
                 pass  # another attempt's file: never the entry's bytes, nothing to undo
             elif rec.state == WRITTEN and not rec.parts:
+                await self.not_cancelled(txn, rec, "problem report")
                 self.core.retry_or_dead(rec, reason, who=caller.name)
             elif rec.state == VERIFIED and not rec.parts:
+                await self.not_cancelled(txn, rec, "problem report")
                 await self.unverify(txn, rec, reason)
             elif rec.state == WRITING and rec.observed is not None and (
                     req.token in (0, rec.observed.get("token", 0))):
+                await self.not_cancelled(txn, rec, "problem report")
                 rec.observed = None  # what was seen before the commit no longer holds
                 rec.remember(kinds[req.kind], who=caller.name, label=req.reporter,
                              reason=req.reason)
@@ -229,6 +245,10 @@ class Verifier:
                     f"{rec.state}): the report is not judged; look again",
                     task_id=req.task_id, file_id=req.file_id,
                     seen_revision=req.seen_revision)
+            changes = rec.state in (PENDING, WRITING, WRITTEN) or (
+                rec.state == VERIFIED and req.digest != rec.digest)
+            if changes:
+                await self.not_cancelled(txn, rec, "verification report")
             if rec.state in (PENDING, WRITING):
                 rec.observed = {
                     "size": req.size, "digest": req.digest, "inode": req.identity.inode,
