@@ -84,6 +84,8 @@ def impact(c: Client, name: str, args: dict[str, str]) -> tuple[list[str], str]:
             return [f"shard {shard.shard}: {shard.tasks} tasks, owner "
                     f"{shard.owner or 'nobody'} (epoch {shard.epoch}) → "
                     f"{args['to_watcher']}"], ""
+    except errors.NotFound:
+        raise  # nothing to confirm: the console answers 404, as for a page of it
     except (errors.BatonError, ValueError) as e:
         return [], str(e)
     return [], ""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Any
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route
@@ -21,6 +23,7 @@ from starlette.staticfiles import StaticFiles
 
 from ...client.cli._common import Settings
 from ...kernel import errors
+from ...kernel.contract import ID_PATTERN
 from ...kernel.names import state_name
 from ...kernel.v1 import baton_pb2 as pb
 from . import actions
@@ -52,6 +55,14 @@ def identity_of(settings: Settings) -> Identity:
     return Identity(name, "operator" in roles)
 
 
+def checked_ids(**ids: str) -> None:
+    """Raise :class:`~kernel.errors.NotFound` for an id no task or entry can have (a
+    page of it is not found, as one of an unknown id is), before asking the registry."""
+    for kind, value in ids.items():
+        if not re.fullmatch(ID_PATTERN, value):
+            shown = value if len(value) <= 40 else f"{value[:40]}… ({len(value)} characters)"
+            raise errors.NotFound(f"{shown!r} is not a valid {kind.replace('_', ' ')} "
+                                  f"(expected {ID_PATTERN})")
 
 
 def same_origin(request: Request) -> bool:
@@ -109,6 +120,7 @@ class Console:
 
     async def task(self, request: Request) -> Response:
         task_id = request.path_params["task_id"]
+        checked_ids(task_id=task_id)
         task = await self.call(self.client.get_task, task_id)
         row = self.hub.summary(task)
         dead = await self.call(self.client.list_entries, task_id, pb.ENTRY_STATE_DEAD,
@@ -140,6 +152,7 @@ class Console:
 
     async def entry(self, request: Request) -> Response:
         task_id, file_id = request.path_params["task_id"], request.path_params["file_id"]
+        checked_ids(task_id=task_id, file_id=file_id)
         explained = await self.call(self.client.explain, task_id, file_id)
         journal = await self.call(self.client.journal, task_id, file_id)
         return self.page("entry.html", task_id=task_id, entry=explained.entry,
@@ -197,6 +210,7 @@ class Console:
         missing = [k for k in action.fields if not args[k]]
         if missing:
             return self.refuse(400, f"missing {', '.join(missing)}")
+        checked_ids(**{k: args[k] for k in ("task_id", "file_id") if k in args})
         if request.method == "GET":
             impact, problem = await self.call(actions.impact, self.client, name, args)
             return self.page("confirm.html", action=action, name=name, args=args,
@@ -209,6 +223,8 @@ class Console:
             return self.refuse(400, "an action needs evidence (a link or a text)")
         try:
             done = await self.call(actions.perform, self.client, name, args, reason, evidence)
+        except errors.NotFound:
+            raise  # a 404 page, as for a page of it
         except (errors.BatonError, ValueError) as e:
             return self.refuse(409, str(e))
         return self.page("message.html", title=f"{action.title}: done", status="done",
@@ -219,11 +235,23 @@ class Console:
             me=self.me, title="Refused", status="refused", text=text)
         return HTMLResponse(html, status_code=status)
 
+    def not_found(self, text: str) -> Response:
+        html = self.env.get_template("message.html").render(
+            me=self.me, title="Not found", status="not-found", text=text, back="/tasks")
+        return HTMLResponse(html, status_code=404)
+
+
 def make_app(settings: Settings) -> Starlette:
     console = Console(settings)
 
     async def not_found(request: Request, exc: Exception) -> Response:
-        return console.refuse(404, str(exc))
+        return console.not_found(str(exc))
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        if isinstance(exc, HTTPException) and exc.status_code == 404:
+            return console.not_found(f"no page {request.url.path}")
+        status = exc.status_code if isinstance(exc, HTTPException) else 500
+        return console.refuse(status, str(getattr(exc, "detail", exc)))
 
     async def refused(request: Request, exc: Exception) -> Response:
         status = 403 if isinstance(exc, errors.PermissionDenied) else 502
@@ -254,7 +282,8 @@ def make_app(settings: Settings) -> Starlette:
     ]
     return Starlette(routes=routes, lifespan=lifespan,
                      exception_handlers={errors.NotFound: not_found,
-                                         errors.BatonError: refused})
+                                         errors.BatonError: refused,
+                                         HTTPException: http_error})
 
 
 def serve(settings: Settings, host: str, port: int, out: Callable[[str], None]) -> None:
