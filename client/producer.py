@@ -159,7 +159,11 @@ def refuse_link(name: str, dir_fd: int, where: str, refused: Refusal) -> None:
 
 @dataclass
 class Output:
-    """The open temp file of a claim: write to it; size and digest follow along."""
+    """The open temp file of a claim: write to it; size and digest follow along.
+
+    ``close()`` (or leaving ``with out:`` without an error, or closing ``file``) says
+    the bytes are complete: nothing more is written, and ``produce_each`` commits the
+    output even if its loop is then left with ``break``."""
 
     claim: Claim
     file: BinaryIO
@@ -182,26 +186,66 @@ class Output:
     _saved: int = -1
     #: the attempt's span (traces on; "" = untraced): checkpoints are its children
     _trace: str = ""
+    #: ``close()`` was called: the bytes are complete
+    _closed: bool = False
 
-    def write(self, data: bytes) -> int:
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        """Append ``data``; a resumable write records a resume point each time
+        ``resume_every`` bytes have gone in since the last one, in the middle of a
+        call if need be (so a large call does not stretch the work a kill loses)."""
+        if self.closed:
+            raise ValueError(f"write to a closed output ({self.claim.task_id}/"
+                             f"{self.claim.file_id})")
+        view = memoryview(data).cast("B")
+        n = len(view)
+        every = self._resume_every
+        while every and len(view) >= (room := every - (self.size - max(self._saved, 0))):
+            self._append(view[:room])
+            self.save_point()
+            view = view[room:]
+        if view:
+            self._append(view)
+        return n
+
+    def _append(self, data: memoryview) -> None:
         self._hash.update(data)
         self.size += len(data)
-        written = self.file.write(data)
-        if self._resume_every and self.size - max(self._saved, 0) >= self._resume_every:
-            self.save_point()
-        return written
+        self.file.write(data)
 
-    def save_point(self) -> None:
+    def close(self) -> None:
+        """The bytes are complete: later writes raise ``ValueError``, and leaving a
+        ``produce_each`` loop (``break``, ``return``, an exception) commits this
+        output rather than failing it. The file is made durable, renamed and committed
+        as usual, when the block or the loop's step ends."""
+        if not self.file.closed:
+            self.file.flush()
+        self._closed = True
+
+    @property
+    def closed(self) -> bool:
+        """Whether the bytes are complete (``close()``, or ``file`` closed)."""
+        return self._closed or self.file.closed
+
+    def __enter__(self) -> Output:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        if kind is None:  # an error in the block leaves it open: it may be partial
+            self.close()
+
+    def save_point(self) -> pb.Checkpoint:
         """Make what was written so far durable and record it as the point a later
-        attempt resumes from (a resumable write does this every ``resume_every``
-        bytes on its own)."""
+        attempt resumes from (a resumable write does this on its own, see
+        ``produce``); the checkpoint as kept, with the progress over the expected size
+        (the caller's ``expected_size``, else the entry's)."""
         self.file.flush()
         os.fsync(self.file.fileno())
         point = ResumePoint(self._temp, self.size, self._hash.hexdigest())
         progress = min(self.size / self._expected, 1.0) if self._expected else 0.0
-        self.checkpoint(data=point.dump(), progress=progress,
-                        message=f"{self.size} bytes written and on disk")
+        kept = self.checkpoint(data=point.dump(), progress=progress,
+                               message=f"{self.size} bytes written and on disk")
         self._saved = self.size
+        return kept
 
     def checkpoint(self, *, data: bytes = b"", progress: float = 0.0,
                    message: str = "") -> pb.Checkpoint:
@@ -226,8 +270,23 @@ def _unusable(claim: Claim) -> Refusal:
     return refused
 
 
-#: bytes a resumable write puts on disk between two resume points
-RESUME_EVERY = 100 << 20
+#: the most bytes a resumable write puts on disk between two resume points
+RESUME_EVERY = 8 << 20
+#: ... and the most, as a fraction of the expected size when it is known (the smaller
+#: of the two holds), but never fewer bytes apart than ``RESUME_MIN``: a small file
+#: is quick to write again, and each point costs an fsync and a call to the registry
+RESUME_FRACTION = 0.05
+RESUME_MIN = 1 << 20
+
+
+def resume_interval(every: int, fraction: float, expected: int) -> int:
+    """Bytes between two resume points of a resumable write: ``every``, or ``fraction``
+    of the ``expected`` size (0: unknown) when that is smaller, not under
+    ``RESUME_MIN`` unless ``every`` is. The work a killed attempt loses is at most
+    this many bytes."""
+    if expected > 0 and fraction > 0:
+        return min(every, max(int(expected * fraction), RESUME_MIN))
+    return every
 #: what a resume point's checkpoint data says it is
 _RESUME_FORMAT = "baton-resume/1"
 
@@ -333,15 +392,19 @@ def _attempt_span(task_id: str, file_id: str) -> Any:
 def _claim(client: Client, session: Session | int, task_id: str, file_id: str,
            root: Any, wait: float) -> Claim:
     """Claim for the attempt whose span is ``root``: the entry keeps it (the watcher's
-    and the consumers' spans follow it). A claim that takes nothing leaves no trace:
-    its spans are never ended, so never sent. Back-pressure is waited out for up to
-    ``wait`` seconds (``claim_waiting``)."""
+    and the consumers' spans follow it). A claim that takes nothing (refused with
+    back-pressure, nothing to claim, a drained host) is no attempt and leaves no
+    trace: its spans are never ended, so never sent. Back-pressure is waited out for
+    up to ``wait`` seconds (``claim_waiting``)."""
     if root is None:
         return claim_waiting(client, session, task_id, file_id, wait=wait, traceparent="")
     parent = tracing.traceparent(root)
     span = tracing.start("baton.claim", parent=parent)
     try:
-        with tracing.active(span):
+        # The calls carry the attempt's span in the request only (kept on the entry if
+        # one is taken), no trace context: the registry would send its span of each
+        # call, refused or not, in a trace whose attempt never began.
+        with tracing.untraced():
             claim = claim_waiting(client, session, task_id, file_id, wait=wait,
                                   traceparent=parent)
     except (NothingToClaim, Draining, Backpressure):
@@ -389,17 +452,24 @@ def claim_waiting(client: Client, session: Session | int, task_id: str, file_id:
 def produce(
     client: Client, session: Session | int, task_id: str, file_id: str = "", *,
     nonce: Callable[[], str] = new_nonce, attributes: Attributes = None,
-    resumable: bool = False, resume_every: int = RESUME_EVERY, expected_size: int = 0,
+    resumable: bool = False, resume_every: int = RESUME_EVERY,
+    resume_fraction: float = RESUME_FRACTION, expected_size: int = 0,
     wait: float = BACKPRESSURE_WAIT,
 ) -> Iterator[Output]:
     """Claim an entry and yield its output; publish and commit when the block ends.
 
-    ``resumable``: every ``resume_every`` bytes the output is fsynced and a checkpoint
-    records the temp file, its length and their BLAKE3 (a ``ResumePoint``); a block
-    that fails keeps the temp file. The next attempt at the entry (another process,
-    after the registry took this claim back) adopts that file if its recorded prefix
-    is intact, and its ``Output.size`` says where to go on writing from; otherwise it
-    starts from nothing. ``expected_size`` (or the entry's) makes the progress shown.
+    ``resumable``: the output is fsynced and a checkpoint records the temp file, its
+    length and their BLAKE3 (a ``ResumePoint``) each time ``resume_every`` bytes
+    (8 MiB) or ``resume_fraction`` (5 %) of the expected size, whichever is fewer
+    bytes, have been written since the last point (``resume_interval``: never under
+    1 MiB for the fraction; ``resume_fraction=0`` leaves ``resume_every`` alone). A
+    block that fails keeps the temp file. The next attempt at the entry (another
+    process, after the registry took this claim back) adopts that file if its recorded
+    prefix is intact, and its ``Output.size`` says where to go on writing from;
+    otherwise it starts from nothing. So a killed attempt's lost work, what the next
+    one writes again, is at most that interval. The expected size is
+    ``expected_size``, else the entry's (the manifest's ``expected_size``, carried by
+    the claim); it is also the total of the progress each point records.
 
     If the block raises, the temp file is removed and the entry failed (it goes
     back to ``pending`` or to ``dead``), and the exception propagates: a
@@ -414,9 +484,13 @@ def produce(
     A claim refused with ``Backpressure`` is tried again with jittered backoff for up
     to ``wait`` seconds (``claim_waiting``).
     """
+    if resumable and resume_every < 1:
+        raise InvalidArgument(f"resume_every must be at least 1 byte, not {resume_every}")
+    if not 0 <= resume_fraction <= 1:
+        raise InvalidArgument(f"resume_fraction must be within 0..1, not {resume_fraction}")
     root = _attempt_span(task_id, file_id)
     claim = _claim(client, session, task_id, file_id, root, wait)
-    resume = (resume_every if resumable else 0, expected_size)
+    resume = _Resume(resume_every if resumable else 0, resume_fraction, expected_size)
     trace = tracing.traceparent(root)
     try:
         with _written(client, session, claim, nonce, attributes, resume, trace) as out:
@@ -430,14 +504,24 @@ def produce(
     tracing.end(root)
 
 
+@dataclass(frozen=True)
+class _Resume:
+    """A write's resume points: at most ``every`` bytes apart (0: not resumable), or
+    ``fraction`` of the ``expected`` size (0: the entry's, if it has one)."""
+
+    every: int = 0
+    fraction: float = RESUME_FRACTION
+    expected: int = 0
+
+
 @contextmanager
 def _written(client: Client, session: Session | int, claim: Claim,
              nonce: Callable[[], str], attributes: Attributes,
-             resume: tuple[int, int] = (0, 0), trace: str = "") -> Iterator[Output]:
+             resume: _Resume = _Resume(), trace: str = "") -> Iterator[Output]:
     """Yield the claim's output; once the block ends, the file is under its final name
-    and on disk, ready to commit. A block that raises fails the entry. ``resume``: the
-    bytes between resume points (0: not resumable) and the size expected. ``trace``:
-    the attempt's span ("" = untraced), the parent of the write's."""
+    and on disk, ready to commit. A block that raises fails the entry. ``resume``:
+    where resume points go. ``trace``: the attempt's span ("" = untraced), the parent
+    of the write's."""
     with tracing.child(trace, "baton.write") as span:
         with _writing(client, session, claim, nonce, attributes, resume, trace) as out:
             yield out
@@ -448,12 +532,13 @@ def _written(client: Client, session: Session | int, claim: Claim,
 @contextmanager
 def _writing(client: Client, session: Session | int, claim: Claim,
              nonce: Callable[[], str], attributes: Attributes,
-             resume: tuple[int, int], trace: str) -> Iterator[Output]:
+             resume: _Resume, trace: str) -> Iterator[Output]:
     refused = _unusable(claim)
     parent: int | None = None
     tmp = ""  # set once the temp file is ours to remove
     out: Output | None = None
-    every, expected = resume
+    expected = resume.expected or claim.entry.expected_size
+    every = resume_interval(resume.every, resume.fraction, expected) if resume.every else 0
     try:
         parent, name = open_entry_dir(claim.task_id, claim.path, claim.entry.attempt_path,
                                       refused, create=True)
@@ -481,8 +566,11 @@ def _writing(client: Client, session: Session | int, claim: Claim,
             if adopted is not None:
                 out.save_point()  # the file's new name, for an attempt after this one
             yield out
-            f.flush()
-            os.fsync(f.fileno())
+            if f.closed:  # closed by the block: its bytes reached the file, not the disk
+                _fsync_file(attempt, parent)
+            else:
+                f.flush()
+                os.fsync(f.fileno())
         if isinstance(session, Session):
             # A claim lost while we wrote (paused past the TTL) must not publish over
             # the attempt that replaced it; the registry would refuse the commit anyway.
@@ -500,13 +588,32 @@ def _writing(client: Client, session: Session | int, claim: Claim,
             with suppress(FileNotFoundError):
                 os.unlink(tmp, dir_fd=parent)
         permanent, delay = handing_back(e)
-        client.fail(claim.task_id, claim.file_id, claim.token,
-                    reason=f"{type(e).__name__}: {e}", session=session,
-                    permanent=permanent, delay=delay)
+        client.fail(claim.task_id, claim.file_id, claim.token, reason=_failure(e, out),
+                    session=session, permanent=permanent, delay=delay)
         raise
     finally:
         if parent is not None:
             os.close(parent)
+
+
+def _fsync_file(name: str, parent: int) -> None:
+    """Make the file ``name`` (in the directory ``parent``) durable by a descriptor
+    of its own: the block closed the one it was written through."""
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _failure(e: BaseException, out: Output | None) -> str:
+    """Why an attempt failed, as the journal says it."""
+    if isinstance(e, GeneratorExit):  # the code that held the output let it go
+        written = out.size if out is not None else 0
+        return (f"left with its output not closed ({written} bytes written): a break, "
+                "return or exception in the producing loop's body; close() an output "
+                "whose bytes are complete to have it committed")
+    return f"{type(e).__name__}: {e}"
 
 
 #: the most entries ``produce_each`` claims in one step, and how long (seconds) what it
@@ -556,10 +663,17 @@ def produce_each(client: Client, session: Session, task_id: str, *,
 
     The loop ends, without an error, when nothing is left to claim or once the
     session's host is drained (``Session.draining``). Leaving the loop (its end,
-    ``break``, an exception) commits what was written, fails the entry in hand if it
-    was not written (as ``produce`` does), and gives back the entries claimed ahead
-    and not begun, as they were (no retry spent). Back-pressure is waited out as
-    ``produce`` does.
+    ``break``, ``return``, an exception) commits what was written: every output the
+    loop went past, and the one in hand if the body closed it (``out.close()``, or
+    ``with out:`` left without an error). It gives back the entries claimed ahead
+    and not begun, as they were (no retry spent). The output in hand that was not
+    closed is failed, as ``produce`` fails a block that raises (a retry spent): Python
+    leaves the loop's generator the same way for a ``break`` and for an exception
+    raised in the body, so it may be partial — and one not written at all may be an
+    entry the body failed on before its first byte, which must count as a failure
+    (else it would go round forever). So a loop that stops at a deadline closes the
+    output it wrote, then breaks: nothing it claimed is failed. Back-pressure is
+    waited out as ``produce`` does.
     """
     if ahead < 1:
         raise InvalidArgument(f"ahead must be at least 1, not {ahead}")
@@ -582,12 +696,21 @@ def produce_each(client: Client, session: Session, task_id: str, *,
             claim, root = hand.popleft()
             trace = tracing.traceparent(root)
             began = time.monotonic()
+            left = False  # the loop was left with the output in hand closed
             try:
                 with _written(client, session, claim, nonce, None, trace=trace) as out:
-                    yield out
+                    try:
+                        yield out
+                    except GeneratorExit:
+                        if not out.closed:
+                            raise  # it may be partial: the entry is failed
+                        left = True  # complete: published below, committed as we end
             except BaseException as e:
                 tracing.end(root, e)
                 raise
+            if left:
+                done.append((out, root, trace))
+                return  # ``_hand_back`` commits it with the rest
             now = time.monotonic()
             pace.lap(now - began)
             if not done:

@@ -257,6 +257,22 @@ def within(traceparent: str) -> Iterator[None]:
 
 
 @contextmanager
+def untraced() -> Iterator[None]:
+    """No span current in the block: calls to the registry made in it carry no trace
+    context, so the registry makes no span of them. Nothing when traces are off."""
+    if not ENABLED:
+        yield
+        return
+    from opentelemetry import context
+
+    token = context.attach(context.Context())
+    try:
+        yield
+    finally:
+        context.detach(token)
+
+
+@contextmanager
 def active(s: Any) -> Iterator[Any]:
     """``s`` current in the block, not ended by it (nothing for None)."""
     if s is None:

@@ -368,6 +368,7 @@ class EntryRecord:
                                                        **self.routed_pools})
             if self.pool or self.consume_pools or self.routed_pools else None,
             fairness_key=self.fairness_key,
+            expected_size=self.expected_size,
         )
 
 

@@ -31,13 +31,14 @@ EVERY = 100 << 20
 KILL_AT = 0.70
 
 
-def writer(registry: RegistryHandle, ttl: int, size: int = SIZE, every: int = EVERY
-           ) -> subprocess.Popen[str]:
+def writer(registry: RegistryHandle, ttl: int, size: int = SIZE, every: int = EVERY,
+           chunk: int = BLOCK) -> subprocess.Popen[str]:
+    """A writer process (``resume_writer.py``); ``every`` 0: produce's own resume points."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(WRITER.parent), os.environ.get("PYTHONPATH", "")])}
     return subprocess.Popen(
         [sys.executable, "-u", str(WRITER), registry.address, "t", "big", str(size),
-         str(every), str(ttl)], stdout=subprocess.PIPE, text=True, env=env)
+         str(every), str(ttl), str(chunk)], stdout=subprocess.PIPE, text=True, env=env)
 
 
 def lines(proc: subprocess.Popen[str]) -> Any:
@@ -46,14 +47,16 @@ def lines(proc: subprocess.Popen[str]) -> Any:
         yield json.loads(line)
 
 
-def payload_digest() -> str:
+def payload_digest(size: int = SIZE) -> str:
     h = blake3.blake3(max_threads=blake3.blake3.AUTO)
-    for i in range(SIZE // BLOCK):
+    for i in range(size // BLOCK):
         h.update(block(i))
     return str(h.hexdigest())
 
 
 def partials(staging: Path) -> list[Path]:
+    if not (staging / "t").is_dir():
+        return []
     return [p for p in (staging / "t").iterdir() if TEMP_MARKER in p.name]
 
 
@@ -105,6 +108,39 @@ def test_a_killed_large_write_resumes_where_its_last_resume_point_left_it(
     entry = big_task.get_entry("t", "big")
     assert (entry.size, entry.digest) == (SIZE, payload_digest())
     assert not partials(staging)  # the adopted partial became the file
+
+
+def test_a_write_killed_part_way_re_does_at_most_its_resume_bound(
+        registry: RegistryHandle, staging: Path, big_task: Client,
+        wait_for: Callable[..., None]) -> None:
+    """256 MiB with produce's own resume points, in 16 MiB write calls, stopped and
+    killed once 60 % is on disk: the next attempt goes on at most 8 MiB (the smaller of
+    8 MiB and 5 % of the size) before where the first one stopped, and the whole file
+    is verified."""
+    size, chunk, bound = 256 << 20, 16 << 20, 8 << 20
+
+    def on_disk() -> int:
+        return sum(p.stat().st_size for p in partials(staging))
+
+    first = writer(registry, ttl=2, size=size, every=0, chunk=chunk)
+    try:
+        wait_for(lambda: on_disk() >= 0.6 * size, 120, "60 % of the file on disk")
+        first.send_signal(signal.SIGSTOP)  # nothing more is written while we look
+        stopped_at = on_disk()
+    finally:
+        first.kill()
+        first.wait(timeout=30)
+    assert stopped_at < size, "the first writer finished before it was stopped"
+    second = writer(registry, ttl=10, size=size, every=0, chunk=chunk)
+    said = list(lines(second))
+    assert second.wait(timeout=120) == 0
+    start = said[0]["start"]
+    assert said[0]["attempt"] == 2 and 0 <= stopped_at - start <= bound, (stopped_at, start)
+    assert said[-1]["written"] == size - start
+    wait_for(lambda: big_task.get_entry("t", "big").state == pb.ENTRY_STATE_VERIFIED, 120,
+             "the resumed file to be verified")
+    entry = big_task.get_entry("t", "big")
+    assert (entry.size, entry.digest) == (size, payload_digest(size))
 
 
 def test_a_damaged_partial_file_is_not_adopted_and_the_write_starts_over(

@@ -230,6 +230,66 @@ def test_a_files_hand_off_is_one_trace_across_a_three_stage_pipeline(
             assert lines and all(x.get("trace_id") == trace_id for x in lines), lines
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_claim_refused_while_produce_waits_out_back_pressure_leaves_no_trace(
+        etcd: Any, prefix: str, staging: Path, otlp: tuple[Receiver, str],
+        wait_for: Wait, stream: bool) -> None:
+    """A traced producer whose claims are refused with Backpressure until ``produce``
+    gives up sends no span about that entry, and neither does the registry: a refused
+    claim is not an attempt. (What it does next, a put elsewhere, is traced.)"""
+    receiver, endpoint = otlp
+    env = traced_env(endpoint)
+    registry = subprocess.Popen(
+        [sys.executable, "-m", "baton_relay.registry", "--insecure", "--etcd", etcd.endpoint,
+         *allow_suite_etcd(), "--listen", "127.0.0.1:0", "--staging", str(staging),
+         "--prefix", prefix],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        line = registry.stdout.readline()  # type: ignore[union-attr]
+        assert "listening on" in line, f"registry did not start: {line!r}"
+        address = line.split()[-1]
+        with Client(address) as client:
+            client.create_task({"task_id": "t", "consumers": ["g"],
+                                "backlog_limits": {"g": {"entries": 1}},
+                                "entries": [{"file_id": f, "path": f} for f in "ab"]})
+            client.create_task({"task_id": "m", "entries": [{"file_id": "x", "path": "x"}]})
+            # a claim in hand is g's backlog to be: at the limit, b's claims are refused
+            held = client.open_session("holder", ttl=30, keepalive=False)
+            client.claim("t", "a", session=held)
+            script = (
+                "import io\n"
+                "from baton_relay.client import Client, errors, produce, put\n"
+                f"c = Client({address!r})\n"
+                f"s = c.open_session('pressed', ttl=10, keepalive={stream!r})\n"
+                "try:\n"
+                "    with produce(c, s, 't', 'b', wait=1.0) as out:\n"
+                "        out.write(b'never')\n"
+                "except errors.Backpressure:\n"
+                "    print('refused', flush=True)\n"
+                "put(c, s, 'm', 'x', io.BytesIO(b'after'))\n"
+                "c.close_session(s.session_id)\n"
+            )
+            done = subprocess.run([sys.executable, "-c", script], env=env, text=True,
+                                  capture_output=True, timeout=60)
+            assert done.returncode == 0 and done.stdout == "refused\n", done
+            assert client.get_entry("t", "b").state == pb.ENTRY_STATE_PENDING
+
+        # spans leave each process in the order they ended: once the registry's span of
+        # the put's commit and the agent's attempt at it are in, the refused claims'
+        # would be too
+        def put_seen() -> bool:
+            spans = receiver.all()
+            return (any(s.service == "baton-registry" and s.says(task="m")
+                        for s in spans)
+                    and any(s.name == "baton.produce" and s.says(task="m") for s in spans))
+
+        wait_for(put_seen, timeout=30, what="the put's spans at the receiver")
+        about = [(s.service, s.name) for s in receiver.all() if s.says(task="t")]
+        assert not about, about
+    finally:
+        stop(registry)
+
+
 def test_traces_are_off_without_the_environment_and_nothing_is_imported(
         registry: RegistryHandle, client: Client, tmp_path: Path) -> None:
     """No OTEL_* variable: an agent that produces and consumes never imports

@@ -966,6 +966,7 @@ class Entry(_message.Message):
     ATTRIBUTES_FIELD_NUMBER: _builtins.int
     ROUTING_RULE_FIELD_NUMBER: _builtins.int
     ROUTED_TO_FIELD_NUMBER: _builtins.int
+    EXPECTED_SIZE_FIELD_NUMBER: _builtins.int
     CLAIM_DEADLINE_SECONDS_FIELD_NUMBER: _builtins.int
     CONSUME_DEADLINE_SECONDS_FIELD_NUMBER: _builtins.int
     STAGING_RETENTION_SECONDS_FIELD_NUMBER: _builtins.int
@@ -1010,6 +1011,10 @@ class Entry(_message.Message):
     routing_rule: _builtins.int
     """The task's routing rule (index) that decided which groups receive it; unset
     while not verified, when no rule held, or when the task has none.
+    """
+    expected_size: _builtins.int
+    """The manifest's expected size in bytes (0 = unknown): a producer's total for the
+    progress it shows, and the size its commit must have.
     """
     claim_deadline_seconds: _builtins.float
     """0: none"""
@@ -1088,6 +1093,7 @@ class Entry(_message.Message):
         attributes: _builtins.str = ...,
         routing_rule: _builtins.int | None = ...,
         routed_to: _abc.Iterable[_builtins.str] | None = ...,
+        expected_size: _builtins.int = ...,
         claim_deadline_seconds: _builtins.float = ...,
         consume_deadline_seconds: _builtins.float = ...,
         staging_retention_seconds: _builtins.float = ...,
@@ -1101,7 +1107,7 @@ class Entry(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_routing_rule", b"_routing_rule", "pools", b"pools", "routing_rule", b"routing_rule"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_routing_rule", b"_routing_rule", "abs_attempt_path", b"abs_attempt_path", "abs_path", b"abs_path", "assembly", b"assembly", "attempt_path", b"attempt_path", "attributes", b"attributes", "blocked", b"blocked", "claim_deadline_seconds", b"claim_deadline_seconds", "consume_deadline_seconds", b"consume_deadline_seconds", "consumed_at", b"consumed_at", "consumed_by", b"consumed_by", "consumers", b"consumers", "consuming", b"consuming", "depends_on", b"depends_on", "digest", b"digest", "error", b"error", "fairness_key", b"fairness_key", "file_id", b"file_id", "max_retries", b"max_retries", "not_before", b"not_before", "owner", b"owner", "parts", b"parts", "path", b"path", "pools", b"pools", "priority", b"priority", "retry_count", b"retry_count", "revision", b"revision", "routed_to", b"routed_to", "routing_rule", b"routing_rule", "size", b"size", "staging_removed_at", b"staging_removed_at", "staging_retention_seconds", b"staging_retention_seconds", "state", b"state", "task_id", b"task_id", "token", b"token", "traceparent", b"traceparent", "updated_at", b"updated_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_routing_rule", b"_routing_rule", "abs_attempt_path", b"abs_attempt_path", "abs_path", b"abs_path", "assembly", b"assembly", "attempt_path", b"attempt_path", "attributes", b"attributes", "blocked", b"blocked", "claim_deadline_seconds", b"claim_deadline_seconds", "consume_deadline_seconds", b"consume_deadline_seconds", "consumed_at", b"consumed_at", "consumed_by", b"consumed_by", "consumers", b"consumers", "consuming", b"consuming", "depends_on", b"depends_on", "digest", b"digest", "error", b"error", "expected_size", b"expected_size", "fairness_key", b"fairness_key", "file_id", b"file_id", "max_retries", b"max_retries", "not_before", b"not_before", "owner", b"owner", "parts", b"parts", "path", b"path", "pools", b"pools", "priority", b"priority", "retry_count", b"retry_count", "revision", b"revision", "routed_to", b"routed_to", "routing_rule", b"routing_rule", "size", b"size", "staging_removed_at", b"staging_removed_at", "staging_retention_seconds", b"staging_retention_seconds", "state", b"state", "task_id", b"task_id", "token", b"token", "traceparent", b"traceparent", "updated_at", b"updated_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__routing_rule: _TypeAlias = _typing.Literal["routing_rule"]  # noqa: Y015
     _WhichOneofArgType__routing_rule: _TypeAlias = _typing.Literal["_routing_rule", b"_routing_rule"]  # noqa: Y015
