@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
@@ -18,6 +19,8 @@ from ..client._client import Client, RetryPolicy
 from ..client.cli._common import Settings, pass_settings
 from ..kernel import errors
 from ..kernel.contract import LOCAL_ETCD_PORT, REGISTRY_PORT
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 if TYPE_CHECKING:
     from .demo import DemoResult
@@ -39,6 +42,59 @@ def _local() -> Any:
     return stack, demo
 
 
+#: the registry's archive settings (``registry/config.py``) ``baton up`` passes through:
+#: each is ``--archive-…`` / ``BATON_ARCHIVE_…`` as on ``baton-registry``
+ARCHIVE_OPTIONS: dict[str, tuple[click.ParamType[Any], str, str]] = {
+    "archive_dir": (
+        click.Path(file_okay=False, path_type=Path), "DIR",
+        "directory finished tasks are archived to, out of etcd  "
+        "[default: DATA_DIR/archive, unless --archive-s3-bucket]"),
+    "archive_s3_bucket": (
+        click.STRING, "BUCKET",
+        "S3 bucket finished tasks are archived to instead (credentials from boto3's "
+        "chain: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, ~/.aws, a role)"),
+    "archive_s3_prefix": (click.STRING, "PREFIX", "key prefix of the archives in the bucket"),
+    "archive_s3_endpoint": (
+        click.STRING, "URL", "URL of an S3-compatible server (MinIO, ...)  [default: AWS S3]"),
+    "archive_after": (
+        click.FLOAT, "SECONDS",
+        "seconds after a task finished that it is archived, unless its manifest says; "
+        "negative = never  [default: 86400]"),
+    "archive_retention": (
+        click.FLOAT, "SECONDS", "seconds an archive is kept  [default: 90 days]"),
+    "archive_interval": (
+        click.FLOAT, "SECONDS",
+        "seconds between looks for finished tasks due for the archive  [default: 30]"),
+    "archive_lease_ttl": (
+        click.IntRange(min=1), "SECONDS",
+        "seconds of the archiver election's lease  [default: 10]"),
+}
+
+
+def archive_options(f: F) -> F:
+    """``--archive-…`` options of ``baton up``, one per :data:`ARCHIVE_OPTIONS` entry."""
+    for name, (kind, metavar, text) in reversed(ARCHIVE_OPTIONS.items()):
+        f = click.option("--" + name.replace("_", "-"), name, type=kind, default=None,
+                         metavar=metavar, envvar="BATON_" + name.upper(), show_envvar=True,
+                         help=text)(f)
+    return f
+
+
+def archive_settings(ctx: click.Context, given: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    """The archive options given, as (name, value) for the registry; one store only."""
+    chosen = {name: value for name, value in given.items() if value is not None}
+    if chosen.get("archive_dir") and chosen.get("archive_s3_bucket"):
+        raise click.UsageError("--archive-dir and --archive-s3-bucket both set: archive to "
+                               "a directory or to S3, not both", ctx)
+    if not chosen.get("archive_s3_bucket") and any(
+            chosen.get(k) for k in ("archive_s3_prefix", "archive_s3_endpoint")):
+        raise click.UsageError("--archive-s3-prefix/--archive-s3-endpoint need "
+                               "--archive-s3-bucket", ctx)
+    if isinstance(chosen.get("archive_dir"), Path):
+        chosen["archive_dir"] = chosen["archive_dir"].expanduser().absolute()
+    return tuple((name, str(value)) for name, value in chosen.items())
+
+
 @click.command()
 @click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path),
               help="etcd data and logs  [default: $XDG_DATA_HOME/baton]")
@@ -55,9 +111,11 @@ def _local() -> Any:
               help="once the stack is up, run the demo pipeline against it")
 @click.option("--insecure", is_flag=True,
               help="plaintext everywhere, no certificates and no identities")
+@archive_options
 @click.pass_context
-def up(ctx: click.Context, data_dir: Path | None, staging: Path | None, etcd_port: int,
-       registry_port: int, watchers: int, demo: bool, insecure: bool) -> None:
+def up(ctx: click.Context, /, data_dir: Path | None, staging: Path | None, etcd_port: int,
+       registry_port: int, watchers: int, demo: bool, insecure: bool,
+       **archive: Any) -> None:
     """Run a local Baton stack until Ctrl-C.
 
     A private single-member etcd in DATA_DIR, a registry serving the staging
@@ -66,14 +124,19 @@ def up(ctx: click.Context, data_dir: Path | None, staging: Path | None, etcd_por
     TLS with certificates made in DATA_DIR/pki on first start; prints the
     `export` lines (BATON_REGISTRY, BATON_CA, BATON_CERT, BATON_KEY) for the
     operator identity, also kept in DATA_DIR/env.
+
+    Finished tasks are archived out of etcd to DATA_DIR/archive, or as the
+    --archive-* options say: they are the registry's (--archive-s3-bucket and
+    --archive-s3-endpoint try the S3 store locally, against MinIO say).
     """
+    settings = archive_settings(ctx, archive)
     local, _ = _local()
     data_dir = data_dir or local.default_data_dir()
     try:
         opts = local.UpOptions(data_dir=data_dir,
                                staging=staging or local.default_staging(data_dir),
                                etcd_port=etcd_port, registry_port=registry_port,
-                               watchers=watchers, insecure=insecure)
+                               watchers=watchers, insecure=insecure, archive=settings)
     except ValueError as e:
         raise click.BadParameter(str(e), ctx, param_hint="--watchers") from None
     if demo:

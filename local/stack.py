@@ -112,10 +112,24 @@ class UpOptions:
     #: and kept across restarts)
     registry_metrics_port: int = 0
     watcher_metrics_ports: tuple[int, ...] = ()
+    #: the registry's archive settings, (name, value) as ``baton-registry`` takes them
+    #: (``("archive_s3_bucket", "b")`` is ``--archive-s3-bucket b``); with neither
+    #: ``archive_dir`` nor ``archive_s3_bucket``, it archives to ``DATA_DIR/archive``
+    archive: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if not 1 <= self.watchers <= MAX_WATCHERS:
             raise ValueError(f"watchers {self.watchers} not within 1..{MAX_WATCHERS}")
+
+    def archive_flags(self) -> tuple[str, ...]:
+        """The registry's archive flags: ``archive`` as given, and the default store."""
+        given = dict(self.archive)
+        flags: tuple[str, ...] = ()
+        if not given.get("archive_dir") and not given.get("archive_s3_bucket"):
+            flags = ("--archive-dir", str(self.data_dir / "archive"))
+        for name, value in self.archive:
+            flags += ("--" + name.replace("_", "-"), value)
+        return flags
 
 
 @dataclass(frozen=True)
@@ -209,7 +223,7 @@ def child_specs(opts: UpOptions, etcd_endpoint: str,
         "--listen", registry_address,
         "--staging", str(opts.staging),
         "--prefix", opts.prefix,
-        "--archive-dir", str(opts.data_dir / "archive"),
+        *opts.archive_flags(),
         *registry_tls,
         "--metrics", registry_metrics,
         *(("--allow-etcd-version", allow_etcd_version) if allow_etcd_version else ()),
