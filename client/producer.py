@@ -804,22 +804,24 @@ def _hand_back(client: Client, session: Session, done: list[_Done],
 def put(client: Client, session: Session | int, task_id: str, file_id: str,
         src: Path | BinaryIO, chunk: int = 1 << 20, *,
         attributes: Attributes = None, resumable: bool = False,
-        resume_every: int = RESUME_EVERY, size: int = 0,
-        wait: float = BACKPRESSURE_WAIT) -> pb.Entry:
+        resume_every: int = RESUME_EVERY, resume_fraction: float = RESUME_FRACTION,
+        size: int = 0, wait: float = BACKPRESSURE_WAIT) -> pb.Entry:
     """Claim ``file_id``, copy ``src`` into it durably, and commit (with
-    ``attributes``, for the task's routing rules). ``resumable``: as ``produce``'s; an
-    attempt that adopts an earlier one's partial file copies only the rest of ``src``
-    (skipped by seeking, or by reading it when it cannot seek). ``size``: of ``src``,
-    for the progress shown (a path's is looked up). ``wait``: seconds to wait out
-    back-pressure, as ``produce``'s."""
+    ``attributes``, for the task's routing rules). ``resumable``, ``resume_every``,
+    ``resume_fraction``: as ``produce``'s; an attempt that adopts an earlier one's
+    partial file copies only the rest of ``src`` (skipped by seeking, or by reading it
+    when it cannot seek). ``size``: of ``src``, the expected size for the progress
+    shown and the resume points (a path's is looked up; else the entry's). ``wait``:
+    seconds to wait out back-pressure, as ``produce``'s."""
     if isinstance(src, Path):
         with open(src, "rb") as f:
             return put(client, session, task_id, file_id, f, chunk, attributes=attributes,
                        resumable=resumable, resume_every=resume_every,
+                       resume_fraction=resume_fraction,
                        size=size or os.fstat(f.fileno()).st_size, wait=wait)
     with produce(client, session, task_id, file_id, attributes=attributes,
-                 resumable=resumable, resume_every=resume_every, expected_size=size,
-                 wait=wait) as out:
+                 resumable=resumable, resume_every=resume_every,
+                 resume_fraction=resume_fraction, expected_size=size, wait=wait) as out:
         if out.size:
             _skip(src, out.size, chunk)
         shutil.copyfileobj(src, out, chunk)
