@@ -47,16 +47,16 @@ def close_the_file(out: Output, data: bytes) -> None:
 
 
 @pytest.mark.parametrize("finish", [close_by_method, close_as_a_block, close_the_file])
-@pytest.mark.parametrize("ahead", [1, 8])
+@pytest.mark.parametrize(("ahead", "stream"), [(1, True), (8, True), (1, False)])
 def test_breaking_out_after_closing_an_output_commits_it(
-        registry: RegistryHandle, client: Client, ahead: int,
+        registry: RegistryHandle, client: Client, ahead: int, stream: bool,
         finish: Callable[[Output, bytes], None]) -> None:
     """A loop that writes and closes an output, then breaks (a deadline), commits that
     output with its bytes: no `failed` record, no retry spent; the entries claimed
-    ahead are released and none is left claimed."""
+    ahead are released and none is left claimed (on a stream session or not)."""
     client.create_task(manifest(12))
     outs: list[Output] = []
-    with client.open_session("p", ttl=10) as s:
+    with client.open_session("p", ttl=10, keepalive=stream) as s:
         steps = produce_each(client, s, "t", ahead=ahead, linger=5.0)
         for out in steps:
             finish(out, out.claim.file_id.encode())
