@@ -77,21 +77,29 @@ def baton(job: Job, gate: Gate) -> Job:
                 produce_each(c, s, job["task"], ahead=1) if job["loop"] == "single"
                 else produce_each(c, s, job["task"]))
             for out in steps:
-                if time.monotonic() >= deadline:
-                    # This one is in hand, unwritten: leaving gives it back. Closing the
-                    # loop while the session is open commits every output written
-                    # before it (a loop working ahead commits several per step), so
-                    # each one counted below is published within the round.
+                closes = hasattr(out, "close")
+                if not closes and time.monotonic() >= deadline:
+                    # Trees older than ``Output.close`` fail the output in hand on
+                    # leaving: it is left unwritten and uncounted.
                     steps.close()
                     break
                 out.write(payload)
                 if checkpoint:
                     out.checkpoint(data=b"offset 512", progress=1.0)
+                if closes:
+                    out.close()  # complete: leaving the loop commits it
                 tally.claimed.append(out.claim.file_id)
                 now = time.perf_counter()
                 if len(tally.claimed) > 1:
                     tally.latencies.append(now - t0)
                 t0 = now
+                if closes and time.monotonic() >= deadline:
+                    # Closing the loop while the session is open commits every output
+                    # written (a loop working ahead commits several per step) and gives
+                    # back the entries claimed ahead, so each one counted is published
+                    # within the round and none is failed.
+                    steps.close()
+                    break
         else:
             while time.monotonic() < deadline:
                 t0 = time.perf_counter()

@@ -158,3 +158,12 @@ def test_resume_points_bound_the_work_a_killed_write_loses(
                 behind.append(out.size - max(out._saved, 0))
     assert out.entry is not None and out.entry.size == size
     assert max(behind) <= apart, (max(behind), apart)
+
+
+def test_baton_put_resumes_by_the_library_default() -> None:
+    """`baton put --resume` records resume points as often as the library does by default."""
+    from baton_relay.client.cli.agents import put as put_command
+    from baton_relay.client.producer import RESUME_EVERY
+
+    (every,) = [p for p in put_command.params if p.name == "resume_every"]
+    assert every.default << 20 == RESUME_EVERY

@@ -276,8 +276,12 @@ def checkpoint(settings: Settings, task_id: str, file_id: str, token: int, group
 @click.option("--resume", is_flag=True,
               help="resumable: record a resume point every --resume-every MiB, and go on "
                    "from the partial file of an earlier attempt that recorded one")
-@click.option("--resume-every", type=click.IntRange(min=1), default=100, show_default=True,
-              metavar="MIB", help="MiB written between two resume points (with --resume)")
+# The default is the library's RESUME_EVERY (8 MiB), not imported so that `baton
+# --help` does not load the producer's modules; tests/test_produce_promises.py checks.
+@click.option("--resume-every", type=click.IntRange(min=1), default=8, show_default=True,
+              metavar="MIB",
+              help="at most this many MiB written between two resume points, fewer where "
+                   "5%% of SRC's size is fewer (with --resume)")
 @click.option("--wait", type=click.FloatRange(min=0), default=300.0, show_default=True,
               metavar="SECONDS", help="how long to wait while the task is back-pressured "
                                       "(a consumer group at its backlog limit); then exit 9")

@@ -66,8 +66,9 @@ RESUMABLE_ODDS = 0.5
 #: seconds ``produce`` waits out a task's back-pressure before the agent turns to
 #: another task (its claim refused with ``Backpressure``)
 BACKPRESSURE_WAIT = 1.0
-#: a resumable attempt's own ``resume_every``: never reached, so that its points are
-#: the ones it records (and its history shows) itself
+#: a resumable attempt's own ``resume_every``: never reached (and no fraction of the
+#: expected size either), so that its points are the ones it records (and its history
+#: shows) itself
 NO_AUTOMATIC_POINTS = 1 << 62
 
 
@@ -204,7 +205,8 @@ class Agent:
                  resumable=resumable)
         try:
             with produce(client, session, task, resumable=resumable,
-                         resume_every=NO_AUTOMATIC_POINTS, wait=BACKPRESSURE_WAIT) as out:
+                         resume_every=NO_AUTOMATIC_POINTS, resume_fraction=0,
+                         wait=BACKPRESSURE_WAIT) as out:
                 claim = out.claim
                 handed = handed_checkpoint(claim.checkpoint)
                 h.ok("claim", task=task, file=claim.file_id, token=claim.token,
