@@ -32,6 +32,7 @@ from ..kernel import tracing
 from ..kernel.backoff import Backoff
 from ..kernel.contract import TEMP_MARKER, parse_attempt, parse_temp
 from ..kernel.errors import (
+    NOTHING_TAKEN,
     Backpressure,
     BatonError,
     Draining,
@@ -401,13 +402,11 @@ def _claim(client: Client, session: Session | int, task_id: str, file_id: str,
     parent = tracing.traceparent(root)
     span = tracing.start("baton.claim", parent=parent)
     try:
-        # The calls carry the attempt's span in the request only (kept on the entry if
-        # one is taken), no trace context: the registry would send its span of each
-        # call, refused or not, in a trace whose attempt never began.
-        with tracing.untraced():
+        # The registry sends no span of a refused call either (NOTHING_TAKEN).
+        with tracing.active(span):
             claim = claim_waiting(client, session, task_id, file_id, wait=wait,
                                   traceparent=parent)
-    except (NothingToClaim, Draining, Backpressure):
+    except NOTHING_TAKEN:
         raise  # nothing was taken: no trace of it
     except BaseException as e:
         tracing.end(span, e)

@@ -395,3 +395,8 @@ def from_status(
     # A field must not take the place of what every error has.
     fields = {k: v for k, v in fields.items() if k not in _RESERVED and k.isidentifier()}
     return cls(clip(details or code.name.lower(), MAX_DETAILS_BYTES), **fields)
+
+
+#: refusals of a claim (or consume) that took nothing: no attempt began, so such a call
+#: leaves no trace, in the agent or in the registry
+NOTHING_TAKEN: tuple[type[BatonError], ...] = (NothingToClaim, Backpressure, Draining)

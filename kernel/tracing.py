@@ -203,9 +203,11 @@ def carried(coro: Any) -> Any:
 
 
 @contextmanager
-def using(s: Any) -> Iterator[Any]:
+def using(s: Any, *, unsent: tuple[type[BaseException], ...] = ()) -> Iterator[Any]:
     """``s`` current in the block (log lines and calls made in it name its trace);
-    ended when the block ends, marked failed if it raises. Nothing for None."""
+    ended when the block ends, marked failed if it raises. A block that raises one of
+    ``unsent`` leaves it unended, so it is never sent (a call refused before it did
+    anything: no trace of it). Nothing for None."""
     if s is None:
         yield None
         return
@@ -215,6 +217,8 @@ def using(s: Any) -> Iterator[Any]:
         with trace.use_span(s, end_on_exit=False, record_exception=False,
                             set_status_on_exception=False):
             yield s
+    except unsent:
+        raise
     except BaseException as e:
         end(s, e)
         raise
@@ -250,22 +254,6 @@ def within(traceparent: str) -> Iterator[None]:
     from opentelemetry import context
 
     token = context.attach(ctx)
-    try:
-        yield
-    finally:
-        context.detach(token)
-
-
-@contextmanager
-def untraced() -> Iterator[None]:
-    """No span current in the block: calls to the registry made in it carry no trace
-    context, so the registry makes no span of them. Nothing when traces are off."""
-    if not ENABLED:
-        yield
-        return
-    from opentelemetry import context
-
-    token = context.attach(context.Context())
     try:
         yield
     finally:

@@ -25,7 +25,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..kernel import tracing
-from ..kernel.errors import BatonError, Internal, InvalidArgument, Unavailable, to_status
+from ..kernel.errors import (
+    NOTHING_TAKEN,
+    BatonError,
+    Internal,
+    InvalidArgument,
+    Unavailable,
+    to_status,
+)
 from ..kernel.v1 import baton_pb2 as pb
 from .checkpoints import Checkpoints
 from .consumers import Consumers
@@ -202,7 +209,7 @@ class AgentStreams:
             if tracing.ENABLED and call.traceparent:  # the caller's span is the parent
                 with tracing.using(tracing.start(
                         f"baton.registry/{METHODS.get(kind, kind)}", parent=call.traceparent,
-                        attributes=tracing.call_attributes(request))):
+                        attributes=tracing.call_attributes(request)), unsent=NOTHING_TAKEN):
                     result = await self.handlers[kind](request, stream.caller)
             else:
                 result = await self.handlers[kind](request, stream.caller)

@@ -32,7 +32,14 @@ from google.protobuf.message import DecodeError, Message
 
 from ..kernel import tracing
 from ..kernel.contract import SERVICES
-from ..kernel.errors import BatonError, Internal, InvalidArgument, PermissionDenied, to_status
+from ..kernel.errors import (
+    NOTHING_TAKEN,
+    BatonError,
+    Internal,
+    InvalidArgument,
+    PermissionDenied,
+    to_status,
+)
 from .identity import authorize, caller_of, current, enter, scoped_request_id
 
 if TYPE_CHECKING:
@@ -261,7 +268,8 @@ class Traces(_Wrapping):
             if not parent:
                 return await behaviour(request, context)
             with tracing.using(tracing.start(name, parent=str(parent),
-                                             attributes=tracing.call_attributes(request))):
+                                             attributes=tracing.call_attributes(request)),
+                               unsent=NOTHING_TAKEN):
                 return await behaviour(request, context)
 
         return call

@@ -236,7 +236,8 @@ def test_a_claim_refused_while_produce_waits_out_back_pressure_leaves_no_trace(
         wait_for: Wait, stream: bool) -> None:
     """A traced producer whose claims are refused with Backpressure until ``produce``
     gives up sends no span about that entry, and neither does the registry: a refused
-    claim is not an attempt. (What it does next, a put elsewhere, is traced.)"""
+    claim is not an attempt. (What it does next, a put elsewhere, is traced, the
+    registry's span of its claim included.)"""
     receiver, endpoint = otlp
     env = traced_env(endpoint)
     registry = subprocess.Popen(
@@ -286,6 +287,8 @@ def test_a_claim_refused_while_produce_waits_out_back_pressure_leaves_no_trace(
         wait_for(put_seen, timeout=30, what="the put's spans at the receiver")
         about = [(s.service, s.name) for s in receiver.all() if s.says(task="t")]
         assert not about, about
+        assert any(s.service == "baton-registry" and s.name == "baton.registry/Claim"
+                   and s.says(task="m") for s in receiver.all())
     finally:
         stop(registry)
 
