@@ -47,7 +47,7 @@ from datetime import UTC, datetime
 from ..kernel.errors import BatonError, InvalidArgument, NotFound
 from ..kernel.v1 import baton_pb2 as pb
 from .claim import end, give_back, reattach
-from .claims import SessionRecord, claim_holder, claim_session
+from .claims import SessionRecord, claim_holder, claim_session, voided
 from .core import Core, every
 from .identity import Caller
 from .manifest import check_id
@@ -170,7 +170,8 @@ class Leases:
         """Give back the claims of ``keys`` still held by the session, in one guarded
         transaction: a producer's entry goes back to pending as it was (no retry
         spent, no backoff), a consumer's back to its group; each claim dies with its
-        twin and its slot, so its token is refused from then on."""
+        twin and its slot, so its token is refused from then on. An entry of a
+        cancelled task (its cancel not done revoking claims) stays as it was."""
 
         async def plan(txn: Txn) -> int:
             claims = await txn.get_many(keys)
@@ -178,11 +179,15 @@ class Leases:
                     if c is not None and claim_session(c) == session_id]
             refs = [self.keys.parse_claim(k) for k, _ in held]
             entries = await txn.get_many([self.keys.entry(r.task_id, r.file_id) for r in refs])
+            # Pinned: a cancel applied meanwhile fails this transaction's compare.
+            task_ids = list(dict.fromkeys(r.task_id for r in refs))
+            void = {t for t, kv in zip(task_ids, await txn.get_many(
+                [self.keys.task(t) for t in task_ids]), strict=True) if voided(kv)}
             for (_key, claim), ref, kv in zip(held, refs, entries, strict=True):
                 token = claim.create_revision
                 end(self.core, txn, ref, claim)
-                if kv is None:
-                    continue
+                if kv is None or ref.task_id in void:
+                    continue  # a cancelled task's entry stays as it was: the claim dies
                 give_back(self.core, txn, EntryRecord.load(kv.value), ref, token,
                           actor={"who": who, "label": claim_holder(claim)},
                           spend=False, event="revoked",

@@ -121,7 +121,7 @@ class Operators:
 
     async def _revoke_claims(self, task_id: str) -> None:
         """Delete a cancelled task's claims (their tokens die; their slots are freed),
-        their twins (and twins left by lost claims) and its claimable indexes, a page
+        their twins (and twins left by lost claims) and its indexes (``_revoked``), a page
         of keys at a time. The task is already cancelled, so nothing recreates them
         (and no token of it commits, fails, acks or nacks meanwhile: each of those
         reads the header in its own transaction). Stopped part-way, it is finished by
@@ -133,12 +133,14 @@ class Operators:
             await self._each_chunk(prefix, DELETE_CHUNK, self._delete_chunk)
 
     def _revoked(self, task_id: str) -> list[bytes]:
-        """What cancel deletes, in order: claims, twins, claimable indexes."""
+        """What cancel deletes, in order: claims, twins, claimable indexes, and the
+        index of entries waiting for dependencies (or parts), which the scheduler
+        would otherwise keep looking at (it releases nothing of a cancelled task)."""
         k = self.keys
         return [k.claims_of_task("p", task_id), k.claims_of_task("c", task_id),
                 k.inflight_of_task("p", task_id), k.inflight_of_task("c", task_id),
                 k.ready_all(task_id), k.delayed_of_task(task_id), k.cready_of_task(task_id),
-                k.cdelayed_of_task(task_id)]
+                k.cdelayed_of_task(task_id), k.waiting(task_id, "")]
 
     async def finish_cancel(self, task_id: str) -> bool:
         """Revoke what a cancel stopped part-way left of a cancelled task (its holders

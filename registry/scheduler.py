@@ -3,6 +3,8 @@ dependencies (or parts) are now verified, and tasks whose entries are all done.
 
 Each move is one guarded transaction (``txn.write``), so several replicas may
 run schedulers at once: the compares let exactly one of them apply each move.
+None moves an entry of a cancelled task (``Scheduler.unless_cancelled``): its entries
+stay as they were.
 Verifications made by this replica wake the scheduler at once
 (``Core.verified``); a periodic sweep catches everything else (other replicas,
 restarts). Every listing is read a page at a time, and one entry or task that
@@ -20,7 +22,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from ..kernel.contract import assembly_digest
 from ..kernel.errors import BatonError
 from ._etcd import KV, empty, present
-from .claims import need_task
+from .claims import need_task, voided
 from .core import Core, Gate
 from .keys import prefix_end
 from .machine import Event, apply
@@ -133,6 +135,39 @@ class Scheduler:
         self._complain.cleared(item)
         return moved
 
+    def unless_cancelled(self, task_id: str, index: bytes,
+                         plan: Callable[[Txn], Awaitable[bool]]
+                         ) -> Callable[[Txn], Awaitable[bool]]:
+        """``plan`` (a move of an entry of ``task_id`` that ``index``, an index key,
+        brought a sweep to), unless the task is cancelled (or being deleted): its
+        entries stay as they were (docs/cli.md, ``cancel``). Every move of this module
+        goes through here.
+
+        The task header is read in the move's own transaction and pinned whenever the
+        plan writes, so a cancel applied meanwhile fails the move's compare and the
+        move, planned again, meets the cancelled task: whichever etcd applies first
+        decides, never a read made earlier. Meeting one, the index key (if still there)
+        is deleted in that transaction, as the cancel deletes a task's index keys, and
+        nothing else is written: no sweep comes back to it, nothing is logged."""
+        task_key = self.keys.task(task_id)
+
+        async def guarded(txn: Txn) -> bool:
+            task, listed = await txn.peek_many([task_key, index])
+            if voided(task):
+                if listed is not None:
+                    txn.pin(task_key, task)
+                    txn.delete(index)
+                return False
+            moved = await plan(txn)
+            if txn.writes:
+                pinned, read = txn.read_state(task_key)
+                if pinned and _revision(read) != _revision(task):
+                    raise Retry()  # the plan read it again, changed: plan again
+                txn.pin(task_key, task)
+            return moved
+
+        return guarded
+
     # retry backoff ---------------------------------------------------------
 
     async def promote_due(self) -> int:
@@ -182,7 +217,8 @@ class Scheduler:
                             # task's are not due either; go on with the next task.
                             skip_to = prefix_end(base + task_id.encode() + b"/")
                             break
-                        plan = plan_of(task_id, rest, key.key)
+                        plan = self.unless_cancelled(task_id, key.key,
+                                                     plan_of(task_id, rest, key.key))
                     except (ValueError, IndexError) as e:
                         self._complain(f"{what} key {key.key!r}", e)
                         continue
@@ -293,7 +329,8 @@ class Scheduler:
             return True
 
         # Fresh: the plan peeks at the entry and its dependencies and may do nothing.
-        return await write(self.core.txns, plan, fresh=True)
+        return await write(self.core.txns, self.unless_cancelled(
+            task_id, self.keys.waiting(task_id, file_id), plan), fresh=True)
 
     async def _read_pinned(self, txn: Txn, task_id: str, names: Sequence[str],
                            ok: tuple[str, ...]) -> list[EntryRecord] | None:
@@ -445,3 +482,7 @@ def _all_in(found: Sequence[EntryRecord | None], ok: tuple[str, ...]
             return None
         out.append(rec)
     return out
+
+
+def _revision(kv: KV | None) -> int:
+    return kv.mod_revision if kv is not None else 0

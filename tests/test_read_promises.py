@@ -5,9 +5,12 @@ real registry)."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import blake3
 import pytest
@@ -16,8 +19,19 @@ from registry_fixtures import RegistryHandle, on_etcd
 from baton_relay.client import Client, Session
 from baton_relay.kernel import errors
 from baton_relay.kernel.v1 import baton_pb2 as pb
-from baton_relay.registry._etcd import Etcd
+from baton_relay.registry._etcd import KV, Etcd
+from baton_relay.registry.consumers import Consumers
+from baton_relay.registry.core import Core
+from baton_relay.registry.identity import ANONYMOUS
 from baton_relay.registry.keys import Keys
+from baton_relay.registry.leases import Leases
+from baton_relay.registry.model import PENDING, WRITING, EntryRecord
+from baton_relay.registry.operators import Operators
+from baton_relay.registry.producers import Producers
+from baton_relay.registry.scheduler import Scheduler
+from baton_relay.registry.sessions import Sessions
+from baton_relay.registry.tasks import Tasks
+from baton_relay.registry.verify import Verifier
 
 Wait = Callable[..., None]
 
@@ -215,3 +229,207 @@ def test_a_committed_attempt_taken_back_ends_with_how(
     assert (first.outcome, first.ended_at) == (failed.event, failed.at)
     assert "checksum mismatch" in first.error
     assert (second.outcome, second.ended_at) == ("", "")
+
+
+# --- 11: nothing moves a cancelled task's entries on its own ---------------------------
+#
+# On a Core of this test's own (real etcd, no scheduler running), so that each sweep runs
+# exactly when the test says: after the cancel.
+
+
+class Clock:
+    """The registry's wall clock, moved on by the test (backoffs and nack delays)."""
+
+    def __init__(self) -> None:
+        self.t = time.time()
+
+    def __call__(self) -> float:
+        return self.t
+
+
+async def _on_core(etcd: Any, prefix: str, clock: Clock,
+                   body: Callable[[Core], Awaitable[None]]) -> None:
+    conn = Etcd(etcd.endpoint)
+    await conn.connect()
+    core = Core(conn, Keys(prefix), "/staging", clock=clock)
+    await core.start()
+    try:
+        await body(core)
+    finally:
+        await core.stop()
+        await conn.close()
+
+
+def _run(etcd: Any, prefix: str, body: Callable[[Core], Awaitable[None]],
+         clock: Clock | None = None) -> None:
+    asyncio.run(_on_core(etcd, prefix, clock or Clock(), body))
+
+
+async def _session(core: Core) -> int:
+    return (await Sessions(core).open(pb.OpenSessionRequest(agent="p", ttl=60, slots=8),
+                                      ANONYMOUS)).session_id
+
+
+async def _committed(core: Core, session: int, file_id: str) -> None:
+    producers = Producers(core)
+    claim = await producers.claim(pb.ClaimRequest(task_id="t", file_id=file_id,
+                                                  session_id=session), ANONYMOUS)
+    await producers.commit(pb.CommitRequest(task_id="t", file_id=file_id, token=claim.token,
+                                            size=1, digest=digest(b"x")), ANONYMOUS)
+
+
+async def _verified(core: Core, session: int, file_id: str) -> None:
+    await _committed(core, session, file_id)
+    await Verifier(core).report(pb.ReportVerificationRequest(
+        task_id="t", file_id=file_id, size=1, digest=digest(b"x")))
+
+
+async def _cancel(core: Core, monkeypatch: pytest.MonkeyPatch | None = None) -> int:
+    """Cancel task t; the header's revision. With ``monkeypatch``, the cancel stops
+    right after its first transaction (the registry died there): the task is cancelled,
+    its claims and index keys not revoked yet."""
+    if monkeypatch is not None:
+        async def stopped(self: Operators, task_id: str) -> None:
+            return None
+
+        monkeypatch.setattr(Operators, "_revoke_claims", stopped)
+    task = await Operators(core).control("cancel", pb.CancelTaskRequest(task_id="t"),
+                                         ANONYMOUS)
+    assert task.status == pb.TASK_STATUS_CANCELLED
+    kv = await core.etcd.get(core.keys.task("t"))
+    assert kv is not None
+    return kv.mod_revision
+
+
+async def _under(core: Core, base: bytes) -> list[KV]:
+    kvs, _, _ = await core.etcd.range(base)
+    return kvs
+
+
+async def _as_it_was(core: Core, file_id: str, cancelled_at: int) -> EntryRecord:
+    """The entry, written last before the cancel, and no journal record of it after."""
+    kv = await core.etcd.get(core.keys.entry("t", file_id))
+    assert kv is not None and kv.mod_revision < cancelled_at, (file_id, kv, cancelled_at)
+    journal = await _under(core, core.keys.journal_all("t", file_id))
+    after = [r.mod_revision for r in journal if r.mod_revision > cancelled_at]
+    assert after == [], file_id
+    return EntryRecord.load(kv.value)
+
+
+def test_a_dependent_is_not_released_after_its_task_is_cancelled(
+        etcd: Any, prefix: str) -> None:
+    """b's dependency verified just before the cancel: neither the event of that
+    verification nor the sweep of waiting entries releases b after it, and its waiting
+    key goes (nothing looks at it again)."""
+    async def body(core: Core) -> None:
+        await Tasks(core).create(pb.CreateTaskRequest(spec=pb.TaskSpec(task_id="t", entries=[
+            pb.EntrySpec(file_id="a", path="a"),
+            pb.EntrySpec(file_id="b", path="b", depends_on=["a"])])))
+        await _verified(core, await _session(core), "a")
+        cancelled_at = await _cancel(core)
+        scheduler = Scheduler(core)
+        assert not await scheduler.check_waiting("t", "b")  # the verification's event
+        assert await scheduler.sweep_waiting() == 0
+        rec = await _as_it_was(core, "b", cancelled_at)
+        assert (rec.state, rec.deps_ok) == (PENDING, False)
+        assert await _under(core, core.keys.waiting_all()) == []
+
+    _run(etcd, prefix, body)
+
+
+def test_an_assembly_is_not_verified_after_its_task_is_cancelled(
+        etcd: Any, prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every part verified just before a cancel that stopped part-way: the assembly
+    stays pending, not verified, whichever way the scheduler comes to it."""
+    async def body(core: Core) -> None:
+        await Tasks(core).create(pb.CreateTaskRequest(spec=pb.TaskSpec(task_id="t", entries=[
+            pb.EntrySpec(file_id="p", path="p"), pb.EntrySpec(file_id="q", path="q"),
+            pb.EntrySpec(file_id="x", path="x", parts=["p", "q"])])))
+        session = await _session(core)
+        for part in ("p", "q"):
+            await _verified(core, session, part)
+        cancelled_at = await _cancel(core, monkeypatch)
+        scheduler = Scheduler(core)
+        assert not await scheduler.check_waiting("t", "x")
+        assert await scheduler.sweep_waiting() == 0
+        rec = await _as_it_was(core, "x", cancelled_at)
+        assert (rec.state, rec.digest) == (PENDING, "")
+        assert await _under(core, core.keys.waiting_all()) == []
+
+    _run(etcd, prefix, body)
+
+
+def test_an_entry_in_backoff_is_not_promoted_after_its_task_is_cancelled(
+        etcd: Any, prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed entry's backoff ends after a cancel that stopped before deleting its
+    delayed key: the promotion sweep leaves the entry as it was (no ready key comes)
+    and drops the key."""
+    clock = Clock()
+
+    async def body(core: Core) -> None:
+        await Tasks(core).create(pb.CreateTaskRequest(spec=pb.TaskSpec(task_id="t", entries=[
+            pb.EntrySpec(file_id="f", path="f")])))
+        producers = Producers(core)
+        claim = await producers.claim(pb.ClaimRequest(task_id="t", file_id="f",
+                                                      session_id=await _session(core)),
+                                      ANONYMOUS)
+        await producers.fail(pb.FailRequest(task_id="t", file_id="f", token=claim.token,
+                                            delay_seconds=60), ANONYMOUS)
+        cancelled_at = await _cancel(core, monkeypatch)
+        clock.t += 120  # the backoff is over
+        assert await Scheduler(core).promote_due() == 0
+        rec = await _as_it_was(core, "f", cancelled_at)
+        assert rec.index.startswith(core.keys.delayed_of_task("t").decode())
+        assert await _under(core, core.keys.ready_all("t")) == []
+        assert await _under(core, core.keys.delayed_of_task("t")) == []
+
+    _run(etcd, prefix, body, clock)
+
+
+def test_a_nacked_entry_is_not_handed_back_after_its_task_is_cancelled(
+        etcd: Any, prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A nack's delay ends after a cancel that stopped before deleting its key: the
+    entry is not handed back to the group (no claimable key, no `returned` record)."""
+    clock = Clock()
+
+    async def body(core: Core) -> None:
+        await Tasks(core).create(pb.CreateTaskRequest(spec=pb.TaskSpec(task_id="t", entries=[
+            pb.EntrySpec(file_id="f", path="f")])))
+        session = await _session(core)
+        await _verified(core, session, "f")
+        consumers = Consumers(core)
+        lease = await consumers.consume(pb.ConsumeRequest(task_id="t", group="default",
+                                                          session_id=session), ANONYMOUS)
+        await consumers.nack(pb.NackRequest(task_id="t", file_id="f", group="default",
+                                            token=lease.token, delay_seconds=60), ANONYMOUS)
+        cancelled_at = await _cancel(core, monkeypatch)
+        clock.t += 120  # the nack's delay is over
+        assert await Scheduler(core).promote_nacked() == 0
+        rec = await _as_it_was(core, "f", cancelled_at)
+        assert "default" in rec.nacked_until
+        assert await _under(core, core.keys.cready_of_task("t")) == []
+        assert await _under(core, core.keys.cdelayed_of_task("t")) == []
+
+    _run(etcd, prefix, body, clock)
+
+
+def test_a_revoked_session_gives_nothing_of_a_cancelled_task_back(
+        etcd: Any, prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A session revoked while a cancel that stopped part-way left its claim: the claim
+    dies (token, twin, slot) and its entry of the cancelled task stays writing."""
+    async def body(core: Core) -> None:
+        await Tasks(core).create(pb.CreateTaskRequest(spec=pb.TaskSpec(task_id="t", entries=[
+            pb.EntrySpec(file_id="f", path="f")])))
+        session = await _session(core)
+        await Producers(core).claim(pb.ClaimRequest(task_id="t", file_id="f",
+                                                    session_id=session), ANONYMOUS)
+        cancelled_at = await _cancel(core, monkeypatch)
+        revoked = await Leases(core).revoke_session(session, "ops", "host retired")
+        assert revoked is not None and revoked.claims_returned == 1
+        rec = await _as_it_was(core, "f", cancelled_at)
+        assert rec.state == WRITING
+        for base in (core.keys.claims_of_task("p", "t"), core.keys.inflight_of_task("p", "t"),
+                     core.keys.ready_all("t")):
+            assert await _under(core, base) == [], base
+
+    _run(etcd, prefix, body)
