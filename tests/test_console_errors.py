@@ -13,10 +13,12 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import blake3
 import pytest
 from test_cli import SUBPROCESS_TIMEOUT, Lines, cli_env
 
 from baton_relay.client import Client
+from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.local.etcdproc import free_port
 
 
@@ -87,3 +89,25 @@ def test_an_action_on_a_task_that_does_not_exist_is_a_404(console: str, client: 
     status, body = get(f"{console}/act/{action}?task_id=nope&file_id=a&group=g")
     assert status == 404, (action, status, body)
     assert "nope" in body
+
+
+def test_a_consumed_entrys_page_ends_its_attempt_with_the_commit(
+        console: str, client: Client) -> None:
+    """The entry page of a consumed entry shows its attempt ended with its commit
+    ("committed", the commit's time), not "in progress"."""
+    data = b"payload"
+    digest = blake3.blake3(data).hexdigest()
+    client.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "a.bin"}]})
+    with client.open_session("p", ttl=30) as s:
+        claim = client.claim("t1", "a", session=s)
+        client.commit("t1", "a", claim.token, len(data), digest, session=s)
+        client.report("t1", "a", len(data), digest)
+        lease = client.consume("t1", "default", "a", session=s)
+        assert client.ack("t1", "a", "default", lease.token).state == pb.ENTRY_STATE_CONSUMED
+    (committed,) = [r for r in client.journal("t1", "a") if r.event == "committed"]
+    status, body = get(f"{console}/tasks/t1/entries/a")
+    assert status == 200, body
+    table = body[body.index('<table id="attempts">'):]
+    row = table[:table.index("</table>")]
+    assert "in progress" not in row, row
+    assert f"<td>{committed.at}</td><td>committed</td>" in row.replace("\n", ""), row
