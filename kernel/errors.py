@@ -202,6 +202,13 @@ class Unavailable(BatonError):
     exit_code = 6
 
 
+class Compacted(Unavailable):
+    """A ``Watch`` resumed from a revision etcd's compaction has removed: the registry
+    is reachable, the stream's place in the task's history is gone. Start over with a
+    snapshot of that task (``start_revision`` 0). An older client sees it as
+    ``Unavailable``."""
+
+
 class StorageFull(BatonError):
     """etcd's database reached its quota (``NOSPACE``): every write is refused until an
     operator frees space (archive or remove finished tasks, compact, defragment) and
@@ -275,6 +282,7 @@ _BY_NAME: dict[str, type[BatonError]] = {
         ChecksumMismatch,
         Conflict,
         Unavailable,
+        Compacted,
         DeadlineExceeded,
         OutcomeUnknown,
         StorageFull,

@@ -83,8 +83,11 @@ class ExtraNotInstalled(BatonError):
 
 #: the private etcd keeps a minute of history (periodic compaction), so deleted and
 #: rewritten keys free their space; docs/operations.md, "Compaction: what the
-#: retention costs" (an hour of history at a busy pace nears etcd's quota)
-ETCD_UPKEEP = ("--auto-compaction-mode=periodic", "--auto-compaction-retention=1m")
+#: retention costs" (an hour of history at a busy pace nears etcd's quota). Idle watches
+#: are told their revision every 10 s (not etcd's default 10 minutes), well within
+#: that minute: an idle task's Watch stream resumes without a snapshot (docs/watcher.md)
+ETCD_UPKEEP = ("--auto-compaction-mode=periodic", "--auto-compaction-retention=1m",
+               "--experimental-watch-progress-notify-interval=10s")
 
 
 class StackAlreadyRunning(BatonError):

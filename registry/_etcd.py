@@ -9,6 +9,7 @@ here too, plaintext or TLS, and the etcd auth token rides on every call.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import ipaddress
 import logging
@@ -26,6 +27,7 @@ from aetcd import rpc
 
 from ..kernel.errors import (
     BatonError,
+    Compacted,
     Internal,
     InvalidArgument,
     SessionExpired,
@@ -86,10 +88,6 @@ def _hinted(details: str, tls: bool | None = None) -> str:
     hint = next((h for words, when, h in _HINTS
                  if when in (None, tls) and any(w in details for w in words)), "")
     return f"{details} ({hint})" if hint else details
-
-
-class Compacted(Unavailable):
-    """A watch asked for a revision etcd has already compacted away."""
 
 
 def _translate(exc: BaseException) -> BatonError:
@@ -961,12 +959,44 @@ class Etcd:
         after its kept events are yielded (those ``keep`` drops included: the watch
         has still come that far).
         """
+        async with contextlib.aclosing(
+                self._watch(prefix, start_revision, keep, progress, notify=False)) as items:
+            async for item in items:
+                if isinstance(item, list):
+                    yield item
+
+    async def watch_progress(
+        self, prefix: bytes, start_revision: int,
+    ) -> AsyncIterator[list[WatchEvent] | int]:
+        """As :meth:`watch` of one prefix, with etcd's progress notifications in
+        between: an ``int`` is a revision up to which every event under ``prefix`` has
+        been yielded (sent while the watch is idle, at etcd's
+        ``--experimental-watch-progress-notify-interval``, 10 minutes by default).
+
+        They come from the watch's own stream in order with its events (etcd sends
+        them only to a watch that has caught up, through the queue its events take),
+        unlike the answers to a ``WatchProgressRequest``, which etcd before 3.4.24 and
+        3.5.8 may send ahead of events still queued."""
+        async with contextlib.aclosing(
+                self._watch(prefix, start_revision, None, None, notify=True)) as items:
+            async for item in items:
+                yield item
+
+    async def _watch(
+        self,
+        prefix: bytes | Sequence[bytes],
+        start_revision: int,
+        keep: Callable[[bytes], bool] | None,
+        progress: Callable[[int], None] | None,
+        notify: bool,
+    ) -> AsyncGenerator[list[WatchEvent] | int, None]:
         prefixes = [prefix] if isinstance(prefix, bytes) else list(prefix)
 
         async def requests(stop: asyncio.Event) -> Any:
             for p in prefixes:
                 yield rpc.WatchRequest(create_request=rpc.WatchCreateRequest(
-                    key=p, range_end=prefix_end(p), start_revision=start_revision))
+                    key=p, range_end=prefix_end(p), start_revision=start_revision,
+                    progress_notify=notify))
             await stop.wait()
 
         sent = self._metadata
@@ -1004,6 +1034,9 @@ class Etcd:
                             yield batch
                         if progress is not None:
                             progress(int(resp.header.revision))
+                    elif notify and not resp.created:
+                        # a progress notification: the watch has come this far
+                        yield int(resp.header.revision)
                 else:
                     return
             except grpc.aio.AioRpcError as e:

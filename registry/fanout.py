@@ -15,6 +15,13 @@ not yet delivered its start revision, so it misses nothing and sees nothing twic
   and goes on, from the revision after the last batch it took, on a watch of its own —
   it never holds the others back and never loses an event.
 
+Every watch asks etcd for progress notifications: while nothing under its prefix
+changes, etcd says now and then (``--experimental-watch-progress-notify-interval``)
+which revision the watch has come to, in order with its events. Each stream is handed
+them as :class:`Progress` (a revision it has been given every event up to), which the
+``Watch`` RPC passes on to clients that ask, so that an idle client stream resumes from
+a revision etcd's compaction has not removed.
+
 An error of the shared watch (its revision compacted, etcd unreachable) ends every
 stream on it with that error, as it would have ended each one's own watch; the next
 stream opens a new feed. The feed ends when its last stream leaves.
@@ -37,6 +44,13 @@ DEFAULT_LIMIT = 1024
 Batch = list[WatchEvent]
 
 
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """Every event under the prefix up to ``revision`` has been handed out."""
+
+    revision: int
+
+
 class _End:
     """The feed's watch ended without an error (the stream ends too)."""
 
@@ -53,7 +67,7 @@ class _Stream:
     """One client stream on a feed: the first revision it wants and what waits for it."""
 
     start: int
-    waiting: asyncio.Queue[Batch | BaseException | _End | _Behind] = field(
+    waiting: asyncio.Queue[Batch | Progress | BaseException | _End | _Behind] = field(
         default_factory=asyncio.Queue)
     behind: bool = False
 
@@ -88,17 +102,18 @@ class Fanout:
         feed = self._feeds.get(prefix)
         return len(feed.streams) if feed else 0
 
-    async def follow(self, prefix: bytes, start: int) -> AsyncIterator[Batch]:
+    async def follow(self, prefix: bytes, start: int) -> AsyncIterator[Batch | Progress]:
         """Batches of events under ``prefix`` from revision ``start`` (inclusive), as
-        :meth:`Etcd.watch` gives them, from the shared watch where it can."""
+        :meth:`Etcd.watch` gives them, from the shared watch where it can; and, while
+        nothing changes, :class:`Progress` now and then."""
         feed = self._feeds.get(prefix)
         if feed is None:
             feed = self._open(prefix, start)
         elif start <= feed.delivered:
             # The feed is past this start: only a watch of its own has those events.
             self.private += 1
-            async for batch in self.etcd.watch(prefix, start):
-                yield batch
+            async for own in self._own(prefix, start):
+                yield own
             return
         stream = _Stream(start)
         feed.streams.add(stream)
@@ -112,6 +127,10 @@ class Fanout:
                     return
                 if isinstance(item, _Behind):
                     break
+                if isinstance(item, Progress):
+                    after = max(after, item.revision)
+                    yield item
+                    continue
                 assert isinstance(item, list)
                 after = item[-1].kv.mod_revision
                 yield item
@@ -121,8 +140,13 @@ class Fanout:
         self.private += 1
         log.info("watch of %r: a stream fell %d batches behind; it goes on alone",
                  prefix, self.limit)
-        async for batch in self.etcd.watch(prefix, after + 1):
-            yield batch
+        async for own in self._own(prefix, after + 1):
+            yield own
+
+    async def _own(self, prefix: bytes, start: int) -> AsyncIterator[Batch | Progress]:
+        """A watch of a stream's own, its progress notifications as :class:`Progress`."""
+        async for got in self.etcd.watch_progress(prefix, start):
+            yield Progress(got) if isinstance(got, int) else got
 
     def _open(self, prefix: bytes, start: int) -> _Feed:
         feed = _Feed(prefix, delivered=start - 1)
@@ -141,8 +165,11 @@ class Fanout:
     async def _run(self, feed: _Feed, start: int) -> None:
         ending: BaseException | _End = _END
         try:
-            async for batch in self.etcd.watch(feed.prefix, start):
-                self._hand_out(feed, batch)
+            async for item in self.etcd.watch_progress(feed.prefix, start):
+                if isinstance(item, int):
+                    self._hand_progress(feed, item)
+                else:
+                    self._hand_out(feed, item)
         except asyncio.CancelledError:
             return  # its last stream left
         except Exception as e:  # every stream on it ends with the watch's error
@@ -169,3 +196,12 @@ class Fanout:
                 stream.waiting.put_nowait(_BEHIND)
                 continue
             stream.waiting.put_nowait(mine)
+
+    def _hand_progress(self, feed: _Feed, revision: int) -> None:
+        """Tell every stream the feed has handed out everything up to ``revision``
+        (those it takes it to: a stream that started later already knows more)."""
+        for stream in feed.streams:
+            if (stream.behind or revision < stream.start
+                    or stream.waiting.qsize() >= self.limit):
+                continue
+            stream.waiting.put_nowait(Progress(revision))

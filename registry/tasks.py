@@ -22,6 +22,7 @@ from . import access
 from ._etcd import KV, empty
 from .claims import claim_holder, need_task
 from .core import Core
+from .fanout import Progress
 from .identity import ANONYMOUS, Caller
 from .keys import ClaimRef
 from .manifest import ValidTask, check_id, summary, validate
@@ -471,6 +472,11 @@ class Tasks:
             yield pb.TaskEvent(kind=pb.TaskEvent.KIND_SYNCED, revision=at)
             start = at + 1
         async for batch in self.fanout.follow(self.keys.entries(req.task_id), start):
+            if isinstance(batch, Progress):
+                if req.progress:
+                    yield pb.TaskEvent(kind=pb.TaskEvent.KIND_PROGRESS,
+                                       revision=batch.revision)
+                continue
             changed = []
             for ev in batch:
                 if ev.kind == "put":
@@ -500,6 +506,8 @@ class Tasks:
             if readable(caller, record := TaskRecord.load(kv.value)):
                 yield record.to_pb()
         async for batch in self.fanout.follow(self.keys.tasks(), at + 1):
+            if isinstance(batch, Progress):
+                continue  # a WatchTasks stream starts with every header: nothing to resume
             for ev in batch:
                 if ev.kind == "put" and readable(caller,
                                                  record := TaskRecord.load(ev.kv.value)):

@@ -106,7 +106,7 @@ class Watcher:
         self.streams = TaskStreams(
             self.client, self.table, on_changes=self._on_changes,
             on_lost=self._registry_lost, on_gone=self._gone, stop=self._stop,
-            timeout=config.stream_timeout,
+            timeout=config.stream_timeout, count=self.metrics.add,
         )
         self._threads = [
             threading.Thread(target=self._dispatch, name="watcher-dispatch", daemon=True),

@@ -41,6 +41,11 @@ COUNTERS = {
     "reconciliations": ("baton_watcher_reconciliations", "Full comparisons of the registry "
                         "with the disk (at start, after an overflow or a lost registry, "
                         "periodically)"),
+    "stream_snapshots": ("baton_watcher_stream_snapshots", "Snapshots of a task's entries "
+                         "taken by its Watch stream (when first served, after a broken "
+                         "stream or a resume too late for etcd's history)"),
+    "stream_resumes": ("baton_watcher_stream_resumes", "Watch streams resumed from the "
+                       "revision they had come to, without a snapshot"),
     "hashes": ("baton_watcher_files_hashed", "Files hashed to the end"),
     "hashed_bytes": ("baton_watcher_hashed_bytes", "Bytes of the files hashed"),
     "hash_failures": ("baton_watcher_hash_failures", "Hashes that failed (file changed, "

@@ -4,8 +4,13 @@ A stream starts with a snapshot of the task's entries (applied as a whole,
 then handed on as a "synced" batch: the daemon checks every entry's file, a
 per-task reconciliation), then streams every change. Streams end after
 ``timeout`` seconds and are resumed from the next revision, without a new
-snapshot; a broken stream (registry gone, revision compacted) starts over with
-a snapshot, and the daemon is told, so it reconciles once the registry is back.
+snapshot and without a reconciliation. While nothing of the task changes, the
+registry sends progress events (the revision the stream has come to, at etcd's
+watch progress interval): the resume revision keeps up with etcd's, so an idle
+task's resume is not refused as compacted. A resume that is (a partition longer
+than etcd's history) takes a snapshot of that task alone; a broken stream
+(registry gone) starts over with a snapshot, and the daemon is told, so it
+reconciles once the registry is back.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from collections.abc import Callable
 
 from ..client import Client
 from ..kernel.backoff import Backoff
-from ..kernel.errors import BatonError, NotFound
+from ..kernel.errors import BatonError, Compacted, NotFound
 from ..kernel.logs import log
 from ..kernel.v1 import baton_pb2 as pb
 from .state import Change, Table, TaskView
@@ -30,7 +35,8 @@ OnChanges = Callable[[str, list[Change], bool], None]
 class TaskStreams:
     def __init__(self, client: Client, table: Table, *, on_changes: OnChanges,
                  on_lost: Callable[[], None], on_gone: Callable[[TaskView], None],
-                 stop: threading.Event, timeout: float, backoff: float = 0.5) -> None:
+                 stop: threading.Event, timeout: float, backoff: float = 0.5,
+                 count: Callable[[str], None] = lambda name: None) -> None:
         self.client = client
         self.table = table
         self.on_changes = on_changes
@@ -38,6 +44,9 @@ class TaskStreams:
         self.on_gone = on_gone
         self.stop = stop
         self.timeout = timeout
+        #: told "stream_snapshots" for each snapshot a stream takes, "stream_resumes"
+        #: for each stream resumed from a revision (the daemon's metrics)
+        self.count = count
         #: between tries of a broken task stream: up to ``backoff`` doubling, at most 5 s
         self.backoff = Backoff(backoff, max(backoff, 5.0))
         self._lock = threading.Lock()
@@ -74,9 +83,10 @@ class TaskStreams:
         revision, failures = 0, 0
         while self._current(view):
             snapshot: list[pb.Entry] = []
+            self.count("stream_resumes" if revision else "stream_snapshots")
             try:
                 for ev in self.client.watch(task_id, start_revision=revision,
-                                            timeout=self.timeout):
+                                            timeout=self.timeout, progress=True):
                     if not self._current(view):
                         return
                     if ev.kind == pb.TaskEvent.KIND_SNAPSHOT:
@@ -90,11 +100,20 @@ class TaskStreams:
                         change = self.table.apply(task_id, ev.entry)
                         if change is not None:
                             self.on_changes(task_id, [change], False)
+                    elif ev.kind == pb.TaskEvent.KIND_PROGRESS and revision:
+                        # nothing of the task changed up to there: resume after it
+                        revision = max(revision, ev.revision + 1)
                 failures = 0
             except NotFound:
                 log(logger, logging.INFO, "task not in the registry", task=task_id)
                 self.on_gone(view)  # this view only: the id may be served anew already
                 return
+            except Compacted as e:
+                # The registry answered: only this task's place in etcd's history is
+                # gone. Its snapshot (next round) checks its files; nothing else is.
+                log(logger, logging.WARNING, "task stream resumed too late; taking a "
+                    "snapshot of the task", task=task_id, error=str(e))
+                revision = 0
             except BatonError as e:
                 if not self._current(view):
                     return

@@ -4236,10 +4236,17 @@ class WatchRequest(_message.Message):
     TASK_ID_FIELD_NUMBER: _builtins.int
     START_REVISION_FIELD_NUMBER: _builtins.int
     STATES_FIELD_NUMBER: _builtins.int
+    PROGRESS_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     start_revision: _builtins.int
     """0 = a snapshot of every entry, SYNCED, then changes; -1 = SYNCED at the
     current revision, then changes; N > 0 = changes from revision N on.
+    """
+    progress: _builtins.bool
+    """Send PROGRESS events: while nothing of the task changes, the stream is told now
+    and then (at etcd's watch progress interval) the revision it has come to, so a
+    stream resumed after it ends starts there, not at its last change (which etcd's
+    compaction may have removed). Off: no PROGRESS event is sent (older clients).
     """
     @_builtins.property
     def states(self) -> _containers.RepeatedScalarFieldContainer[Global___EntryState.ValueType]:
@@ -4254,10 +4261,11 @@ class WatchRequest(_message.Message):
         task_id: _builtins.str = ...,
         start_revision: _builtins.int = ...,
         states: _abc.Iterable[Global___EntryState.ValueType] | None = ...,
+        progress: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["start_revision", b"start_revision", "states", b"states", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["progress", b"progress", "start_revision", b"start_revision", "states", b"states", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -4279,6 +4287,10 @@ class TaskEvent(_message.Message):
         KIND_SYNCED: TaskEvent._Kind.ValueType  # 2
         """snapshot complete; entry unset"""
         KIND_CHANGED: TaskEvent._Kind.ValueType  # 3
+        KIND_PROGRESS: TaskEvent._Kind.ValueType  # 4
+        """entry unset: every change of the task up to `revision` has been sent (only
+        with WatchRequest.progress); resume from revision + 1
+        """
 
     class Kind(_Kind, metaclass=_KindEnumTypeWrapper): ...
     KIND_UNSPECIFIED: TaskEvent.Kind.ValueType  # 0
@@ -4287,6 +4299,10 @@ class TaskEvent(_message.Message):
     KIND_SYNCED: TaskEvent.Kind.ValueType  # 2
     """snapshot complete; entry unset"""
     KIND_CHANGED: TaskEvent.Kind.ValueType  # 3
+    KIND_PROGRESS: TaskEvent.Kind.ValueType  # 4
+    """entry unset: every change of the task up to `revision` has been sent (only
+    with WatchRequest.progress); resume from revision + 1
+    """
 
     KIND_FIELD_NUMBER: _builtins.int
     ENTRY_FIELD_NUMBER: _builtins.int
