@@ -361,15 +361,17 @@ class AgentCalls(Connection):
 
     def watch(self, task_id: str, start_revision: int = 0,
               timeout: float | None = None, *,
-              states: Sequence[pb.EntryState.ValueType] = (), progress: bool = False
-              ) -> Generator[pb.TaskEvent, None, None]:
+              states: Sequence[pb.EntryState.ValueType] = (), progress: bool = False,
+              catch_up: bool = False) -> Generator[pb.TaskEvent, None, None]:
         """The task's events (see ``WatchRequest``); ends quietly when ``timeout`` passes.
         ``states``: only entries in these (``pb.ENTRY_STATE_*``); empty: every entry.
         ``progress``: also ``KIND_PROGRESS`` events (entry unset) while nothing changes,
-        whose ``revision + 1`` is where to resume; a resume from a revision etcd has
-        compacted raises ``Compacted`` (an ``Unavailable``)."""
+        whose ``revision + 1`` is where to resume. A resume from a revision etcd has
+        compacted raises ``Compacted`` (an ``Unavailable``), or, with ``catch_up``, is
+        sent every entry written since that revision as ``KIND_CHANGED``, as it is now."""
         request = pb.WatchRequest(task_id=task_id, start_revision=start_revision,
-                                  states=list(states), progress=progress)
+                                  states=list(states), progress=progress,
+                                  catch_up=catch_up)
         call = self._method("Watch")(request, timeout=timeout)
         try:
             for reply in call:

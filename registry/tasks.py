@@ -8,6 +8,7 @@ import math
 from collections.abc import AsyncIterator, Mapping, Sequence
 
 from ..kernel.errors import (
+    Compacted,
     Conflict,
     IllegalTransition,
     InvalidArgument,
@@ -471,21 +472,51 @@ class Tasks:
                 yield event
             yield pb.TaskEvent(kind=pb.TaskEvent.KIND_SYNCED, revision=at)
             start = at + 1
-        async for batch in self.fanout.follow(self.keys.entries(req.task_id), start):
-            if isinstance(batch, Progress):
-                if req.progress:
-                    yield pb.TaskEvent(kind=pb.TaskEvent.KIND_PROGRESS,
-                                       revision=batch.revision)
-                continue
-            changed = []
-            for ev in batch:
-                if ev.kind == "put":
-                    rec = EntryRecord.load(ev.kv.value)
-                    if wanted and rec.state not in wanted:
+        while True:
+            sent = False
+            try:
+                async for batch in self.fanout.follow(self.keys.entries(req.task_id), start):
+                    if isinstance(batch, Progress):
+                        if req.progress:
+                            sent = True
+                            yield pb.TaskEvent(kind=pb.TaskEvent.KIND_PROGRESS,
+                                               revision=batch.revision)
                         continue
-                    changed.append((rec, rec.to_pb(staging, revision=ev.kv.mod_revision)))
-            for event in await self._events(pb.TaskEvent.KIND_CHANGED, changed):
+                    changed = []
+                    for ev in batch:
+                        if ev.kind == "put":
+                            rec = EntryRecord.load(ev.kv.value)
+                            if wanted and rec.state not in wanted:
+                                continue
+                            changed.append(
+                                (rec, rec.to_pb(staging, revision=ev.kv.mod_revision)))
+                    for event in await self._events(pb.TaskEvent.KIND_CHANGED, changed):
+                        sent = True
+                        yield event
+                return
+            except Compacted:
+                if not req.catch_up or sent:
+                    raise
+            # The resume's revision is gone: what changed since is what was written
+            # since (etcd's entries carry their last revision); then on from there.
+            _, at, _ = await self.core.etcd.range(self.keys.task(req.task_id), limit=1)
+            caught: list[tuple[EntryRecord, pb.Entry]] = []
+            async for kv in self._entries(req.task_id, revision=at):
+                if kv.mod_revision < start:
+                    continue
+                rec = EntryRecord.load(kv.value)
+                if wanted and rec.state not in wanted:
+                    continue
+                caught.append((rec, rec.to_pb(staging, revision=kv.mod_revision)))
+                if len(caught) >= LIST_PAGE:
+                    for event in await self._events(pb.TaskEvent.KIND_CHANGED, caught):
+                        yield event
+                    caught = []
+            for event in await self._events(pb.TaskEvent.KIND_CHANGED, caught):
                 yield event
+            log.info("watch of %s resumed from compacted revision %d: caught up to %d",
+                     req.task_id, start, at)
+            start = at + 1
 
     async def _events(self, kind: pb.TaskEvent.Kind.ValueType,
                       read: Sequence[tuple[EntryRecord, pb.Entry]],

@@ -131,17 +131,41 @@ def test_an_idle_tasks_stream_resumes_after_compaction_without_a_snapshot(
     assert w.metrics.get("reconciliations") == reconciled
 
 
-def test_a_resume_too_late_for_etcds_history_snapshots_that_task_alone(
+def test_a_resume_too_late_for_etcds_history_is_caught_up_without_a_snapshot(
         stack_factory: Callable[..., Stack], wait_for: Callable[..., None]) -> None:
     """Without progress notifications (etcd's default 10 minutes), an idle stream's
-    resume is refused as compacted: the watcher takes a snapshot of that task again and
-    asks for no reconciliation (the registry answered; nothing else was missed)."""
+    resume is from a compacted revision: the registry catches it up (what was written
+    since), and the watcher takes no second snapshot and asks for no reconciliation."""
     stack = stack_factory(*COMPACTING)
     w = stack.watcher()
     reconciled = idle_across_compactions(stack, w, wait_for)
-    wait_for(lambda: stack.tick() > 0 and w.metrics.get("stream_snapshots") >= 2,
-             timeout=20, what="a second snapshot of the task")
+    assert w.metrics.get("stream_snapshots") == 1
+    assert w.metrics.get("stream_resumes") >= 3
     assert w.metrics.get("reconciliations") == reconciled
+
+
+def test_a_caught_up_resume_is_sent_what_was_written_since(
+        stack_factory: Callable[..., Stack], wait_for: Callable[..., None]) -> None:
+    """A Watch resumed with catch_up from a compacted revision is sent, as changes,
+    the entries written since that revision as they are now (not the others), then
+    goes on with the task's changes."""
+    stack = stack_factory(*COMPACTING)
+    stack.client.create_task({"task_id": "t", "entries": [
+        {"file_id": f, "path": f} for f in ("a", "b", "c")]})
+    old = stack.tick()
+    with stack.client.open_session("producer", ttl=10) as session:
+        stack.client.claim("t", "b", session=session)
+        wait_for(lambda: stack.tick() > 0 and stack.compacted(old + 1), timeout=20,
+                 what="a compaction past the resume's revision")
+        events = stack.client.watch("t", start_revision=old + 1, timeout=10,
+                                    catch_up=True)
+        first = next(events)
+        assert (first.kind, first.entry.file_id) == (pb.TaskEvent.KIND_CHANGED, "b")
+        assert first.entry.state == pb.ENTRY_STATE_WRITING
+        stack.client.claim("t", "c", session=session)
+        second = next(events)
+        events.close()
+    assert (second.kind, second.entry.file_id) == (pb.TaskEvent.KIND_CHANGED, "c")
 
 
 def test_a_resume_from_a_compacted_revision_raises_compacted(

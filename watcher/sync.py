@@ -7,8 +7,10 @@ per-task reconciliation), then streams every change. Streams end after
 snapshot and without a reconciliation. While nothing of the task changes, the
 registry sends progress events (the revision the stream has come to, at etcd's
 watch progress interval): the resume revision keeps up with etcd's, so an idle
-task's resume is not refused as compacted. A resume that is (a partition longer
-than etcd's history) takes a snapshot of that task alone; a broken stream
+task's resume is not refused as compacted. A resume from a compacted revision (a
+partition longer than etcd's history) is caught up by the registry: it sends every
+entry written since, as changes; from an older registry, refused as compacted, it
+takes a snapshot of that task alone. A broken stream
 (registry gone) starts over with a snapshot, and the daemon is told, so it
 reconciles once the registry is back.
 """
@@ -86,7 +88,8 @@ class TaskStreams:
             self.count("stream_resumes" if revision else "stream_snapshots")
             try:
                 for ev in self.client.watch(task_id, start_revision=revision,
-                                            timeout=self.timeout, progress=True):
+                                            timeout=self.timeout, progress=True,
+                                            catch_up=True):
                     if not self._current(view):
                         return
                     if ev.kind == pb.TaskEvent.KIND_SNAPSHOT:

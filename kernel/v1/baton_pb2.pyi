@@ -4237,6 +4237,7 @@ class WatchRequest(_message.Message):
     START_REVISION_FIELD_NUMBER: _builtins.int
     STATES_FIELD_NUMBER: _builtins.int
     PROGRESS_FIELD_NUMBER: _builtins.int
+    CATCH_UP_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     start_revision: _builtins.int
     """0 = a snapshot of every entry, SYNCED, then changes; -1 = SYNCED at the
@@ -4247,6 +4248,11 @@ class WatchRequest(_message.Message):
     and then (at etcd's watch progress interval) the revision it has come to, so a
     stream resumed after it ends starts there, not at its last change (which etcd's
     compaction may have removed). Off: no PROGRESS event is sent (older clients).
+    """
+    catch_up: _builtins.bool
+    """A resume (N > 0) from a revision etcd has compacted: instead of failing with
+    Compacted, send as CHANGED every entry written since revision N, as it is now
+    (several changes of one entry as its last), then changes as usual. Off: Compacted.
     """
     @_builtins.property
     def states(self) -> _containers.RepeatedScalarFieldContainer[Global___EntryState.ValueType]:
@@ -4262,10 +4268,11 @@ class WatchRequest(_message.Message):
         start_revision: _builtins.int = ...,
         states: _abc.Iterable[Global___EntryState.ValueType] | None = ...,
         progress: _builtins.bool = ...,
+        catch_up: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["progress", b"progress", "start_revision", b"start_revision", "states", b"states", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["catch_up", b"catch_up", "progress", b"progress", "start_revision", b"start_revision", "states", b"states", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
