@@ -1005,9 +1005,11 @@ class Entry(_message.Message):
     assembly: _builtins.str
     """the assembly this entry is a part of"""
     blocked: _builtins.bool
-    """a dependency is dead (GetEntry/ListEntries)"""
+    """a dependency or part is dead (every read: GetEntry,"""
     attributes: _builtins.str
-    """JSON object its producer committed, "" = none"""
+    """ListEntries, Explain, Watch as of its event)
+    JSON object its producer committed, "" = none
+    """
     routing_rule: _builtins.int
     """The task's routing rule (index) that decided which groups receive it; unset
     while not verified, when no rule held, or when the task has none.
@@ -1861,9 +1863,11 @@ class Attempt(_message.Message):
     ended_at: _builtins.str
     """empty: still in progress"""
     outcome: _builtins.str
-    """the journal event that ended it: failed, deadline, lost, ..."""
+    """the journal event that ended it: committed (its commit"""
     error: _builtins.str
-    """the reason it ended with"""
+    """stands), or how it was taken back: failed, deadline, lost, ...
+    the reason it ended with
+    """
     digest: _builtins.str
     """the digest its commit declared (or the watcher saw), if any"""
     size: _builtins.int
