@@ -254,6 +254,8 @@ class Watcher:
             return
         need, watched = self.table.needs_watch(task_id)
         if need and (not watched or rewalk):
+            if watched:
+                self.metrics.add("reconcile_trees_walked")
             try:
                 backend = self.watches.watch_tree(view.directory)
             except WatchFailed as e:
@@ -329,6 +331,7 @@ class Watcher:
         before = self.table.views()
         try:
             tasks = self.client.list_tasks()
+            self.metrics.add("reconcile_listings")
         except BatonError as e:
             log(logger, logging.WARNING, "reconciliation: registry unreachable",
                 reason=reason, error=str(e))
@@ -351,6 +354,8 @@ class Watcher:
         for task_id in served:
             try:
                 entries = self.client.list_entries(task_id)
+                self.metrics.add("reconcile_listings")
+                self.metrics.add("reconcile_entries_listed", len(entries))
             except BatonError as e:
                 log(logger, logging.WARNING, "reconciliation: cannot list entries",
                     task=task_id, error=str(e))
@@ -364,6 +369,8 @@ class Watcher:
             self.retention.offer(task_id, entries)
             self._sync_watch(task_id, rewalk=True)
         self.metrics.add("reconciliations")
+        self.metrics.add("full_reconciliations")
+        self.metrics.add("reconcile_entries_checked", checked)
         log(logger, logging.INFO, "reconciled", reason=reason, tasks=len(served),
             entries_checked=checked)
         return True
