@@ -37,10 +37,9 @@ disable_created_metrics()  # type: ignore[no-untyped-call]
 COUNTERS = {
     "events": ("baton_watcher_events", "File events handled (inotify or polling)"),
     "overflows": ("baton_watcher_overflows", "Times file events were lost (the kernel's "
-                  "queue or the watcher's overflowed); each forces a reconciliation"),
-    "reconciliations": ("baton_watcher_reconciliations", "Full comparisons of the registry "
-                        "with the disk (at start, after an overflow or a lost registry, "
-                        "periodically)"),
+                  "queue or the watcher's overflowed); each forces a full reconciliation"),
+    "reconciliations": ("baton_watcher_reconciliations", "Reconciliations: routine ones "
+                        "(every --reconcile-interval: what may have changed) and full ones"),
     "full_reconciliations": ("baton_watcher_full_reconciliations", "Reconciliations that "
                              "listed every served task's entries and checked them against "
                              "the disk (at start, after an overflow, a lost registry or a "
