@@ -32,6 +32,9 @@ class WatcherConfig:
     staging: str = "/var/lib/baton/staging"
     observer: str = "auto"
     reconcile_interval: float = 30.0
+    #: a backstop for changes the kernel never reported as lost: rare enough that the
+    #: full pass it costs (every entry of the shards listed and checked) stays small at rest
+    full_reconcile_interval: float = 6 * 3600.0
     poll_interval: float = 1.0
     hash_workers: int = 2
     large_file: int = LARGE_FILE
@@ -57,13 +60,17 @@ _HELP = {
     "key": "PEM private key of --cert",
     "staging": "staging root; a task's files live under STAGING/TASK/",
     "observer": "auto (inotify, polling where inotify cannot see), inotify or poll",
-    "reconcile_interval": "seconds between full comparisons of the registry with the disk",
+    "reconcile_interval": "seconds between routine reconciliations: they check what may "
+    "have changed (files not seen verified, directories with events, unwatched trees)",
+    "full_reconcile_interval": "seconds between full reconciliations on a timer, which list "
+    "and check every entry, a backstop for changes the kernel never reported as lost (0 = "
+    "none: only at start, after an overflow, a lost registry or a shard gained)",
     "poll_interval": "seconds between scans of trees the polling observer watches",
     "hash_workers": "files hashed at the same time",
     "large_file": "bytes from which a file is hashed on several threads",
     "max_failures": "failed hashes in a row before a file is reported corrupted",
     "retry_delay": "seconds before a failed hash is tried again (times the attempt)",
-    "event_queue": "file events buffered before an overflow forces a reconciliation",
+    "event_queue": "file events buffered before an overflow forces a full reconciliation",
     "stream_timeout": "seconds a registry Watch stream lasts before it is resumed",
     "reporter": "name of this watcher in reports (empty = watcher@HOSTNAME)",
     "state_file": "SQLite file remembering what was hashed, kept across restarts "

@@ -4,7 +4,8 @@ Threads, and what flows between them::
 
     emitters (inotify / polling) ──FsEvent──▶ Intake ──▶ dispatcher ──key──▶ JobQueue
     registry Watch streams (one per task) ──entry changes──────────────────────▶ │
-    reconciler (start, overflow, lost registry, every N s) ──every entry─────────▶ │
+    reconciler: full (start, overflow, lost registry) ──every entry────────────────▶ │
+                routine (every N s) ──what may have changed────────────────────▶ │
                                                                 hash workers ◀──┘
                                                        (hash, then Client.report)
 
@@ -16,10 +17,12 @@ from __future__ import annotations
 
 import logging
 import os
+import posixpath
 import re
 import socket
 import threading
 import time
+from collections import Counter
 from typing import Any
 
 from ..client import Client, RetryPolicy
@@ -39,7 +42,7 @@ from .observe import Watches
 from .reporter import Reporter
 from .retention import Retention
 from .shards import Membership
-from .state import LIVE, Change, Table, TaskView
+from .state import CHECKED, LIVE, Change, Table, TaskView
 from .sync import TaskStreams
 from .taskdirs import TaskDirs
 
@@ -88,7 +91,13 @@ class Watcher:
         self.watches = Watches(self.root, config.observer, self.intake.put,
                                config.poll_interval)
         self._stop = threading.Event()
+        #: wakes the reconciler: a pass is wanted now (or the watcher stops)
         self._reconcile_now = threading.Event()
+        #: the next pass is a full one (something may have been missed)
+        self._full_due = threading.Event()
+        #: (task id, directory relative to it) of the file events since the last pass
+        self._event_dirs: set[tuple[str, str]] = set()
+        self._event_dirs_lock = threading.Lock()
         self.membership = Membership(
             self.client, self.root, self.reporter, config.shard_ttl, capacity=self.capacity,
             gained=self._shards_gained, lost=self._shards_lost, handover=self._handover,
@@ -136,7 +145,7 @@ class Watcher:
         self.membership.start()
         self.retention.start()
         if not self.reconcile("start"):
-            self._reconcile_now.set()
+            self._request_full()
         self._task_follower.start()
         log(logger, logging.INFO, "watching", root=self.root, registry=self.config.registry,
             observer=self.watches.root_backend, workers=self.config.hash_workers,
@@ -204,7 +213,7 @@ class Watcher:
 
     def _shards_gained(self, shards: set[int]) -> None:
         # The reconciliation serves the shards' tasks, from what the registry says now.
-        self._reconcile_now.set()
+        self._request_full()
 
     def _shards_lost(self, shards: set[int]) -> None:
         for task_id in self.table.task_ids():
@@ -228,7 +237,12 @@ class Watcher:
         return self.membership.serves(task_id)
 
     def _registry_lost(self) -> None:
-        self._reconcile_now.set()  # it retries until the registry answers again
+        self._request_full()  # it retries until the registry answers again
+
+    def _request_full(self) -> None:
+        """A full reconciliation, as soon as may be: something may have been missed."""
+        self._full_due.set()
+        self._reconcile_now.set()
 
     # the registry's side -----------------------------------------------------------------
 
@@ -306,7 +320,7 @@ class Watcher:
         except BatonError as e:
             log(logger, logging.WARNING, "task gone; cannot tell whether it is back",
                 task=view.task_id, error=str(e))
-            self._reconcile_now.set()
+            self._request_full()
             return
         self._serve(task)
 
@@ -321,17 +335,34 @@ class Watcher:
             self.taskdirs.prepare(task)
             self.streams.follow(task_id)
 
-    def reconcile(self, reason: str) -> bool:
-        """Compare the registry with the disk for every served task; False if unreachable."""
+    def reconcile(self, reason: str, *, full: bool = True) -> bool:
+        """Compare the registry with the disk; False if the registry could not be
+        reached. A full pass lists every task and every served task's entries, checks
+        each entry's file and walks each watched tree again; a routine one
+        (``full=False``) looks only at what may have changed (:meth:`_routine`)."""
+        counts: Counter[str] = Counter()
+        try:
+            done = self._full(reason, counts) if full else self._routine(reason, counts)
+            if done:
+                counts["reconciliations"] += 1
+                counts["full_reconciliations"] += full
+            return done
+        finally:
+            self.metrics.add_all(counts)
+
+    def _full(self, reason: str, counts: Counter[str]) -> bool:
         # What was served before the listing was asked for: only those views may be
         # dropped on its word. A task created (or created again) meanwhile is newer
         # than the listing, which may still show it finished, or not at all.
         before = self.table.views()
+        dirs = self._take_event_dirs()  # this pass looks at every file
         try:
             tasks = self.client.list_tasks()
+            counts["reconcile_listings"] += 1
         except BatonError as e:
             log(logger, logging.WARNING, "reconciliation: registry unreachable",
                 reason=reason, error=str(e))
+            self._put_back_event_dirs(dirs)
             return False
         served = set()
         for t in tasks:
@@ -347,26 +378,87 @@ class Watcher:
         for task_id in before.keys() - served:
             self._forget(task_id, before[task_id])
         self._sweep_dirs({t.spec.task_id for t in tasks})
-        checked = 0
         for task_id in served:
-            try:
-                entries = self.client.list_entries(task_id)
-            except BatonError as e:
-                log(logger, logging.WARNING, "reconciliation: cannot list entries",
-                    task=task_id, error=str(e))
+            if not self._list_task(task_id, counts, rewalk=True):
+                self._put_back_event_dirs(dirs)
                 return False
-            for entry in entries:
-                self.table.apply(task_id, entry)
-                if entry.state in (pb.ENTRY_STATE_WRITING, pb.ENTRY_STATE_WRITTEN,
-                                   pb.ENTRY_STATE_VERIFIED) and not entry.parts:
-                    self.jobs.submit((task_id, entry.file_id))
-                    checked += 1
-            self.retention.offer(task_id, entries)
-            self._sync_watch(task_id, rewalk=True)
-        self.metrics.add("reconciliations")
-        log(logger, logging.INFO, "reconciled", reason=reason, tasks=len(served),
-            entries_checked=checked)
+        log(logger, logging.INFO, "reconciled", reason=reason, full=True, tasks=len(served),
+            entries_checked=counts["reconcile_entries_checked"])
         return True
+
+    def _list_task(self, task_id: str, counts: Counter[str], *, rewalk: bool) -> bool:
+        """List one served task's entries and check each file against them; False if
+        the registry could not be reached."""
+        try:
+            entries = self.client.list_entries(task_id)
+        except BatonError as e:
+            log(logger, logging.WARNING, "reconciliation: cannot list entries",
+                task=task_id, error=str(e))
+            return False
+        counts["reconcile_listings"] += 1
+        counts["reconcile_entries_listed"] += len(entries)
+        for entry in entries:
+            self.table.apply(task_id, entry)
+            if entry.state in CHECKED and not entry.parts:
+                self.jobs.submit((task_id, entry.file_id))
+                counts["reconcile_entries_checked"] += 1
+        self.retention.offer(task_id, entries)
+        if rewalk and self.table.needs_watch(task_id) == (True, True):
+            counts["reconcile_trees_walked"] += 1
+        self._sync_watch(task_id, rewalk=rewalk)
+        return True
+
+    def _routine(self, reason: str, counts: Counter[str]) -> bool:
+        """What may have changed since the last pass, from this watcher's own records;
+        nothing is listed from the registry for a task whose stream is current (it has
+        had every change since its snapshot) and no tree is walked. Per served task:
+
+        - stream not current (no snapshot yet, broken, a resume refused): listed and
+          checked as in a full pass;
+        - tree not watched (cold, or not watchable): every file checked, no emitter
+          sees it; a tree that could not be watched is tried again;
+        - else the entries not seen verified (writing, written: a check that found
+          nothing yet, or whose report did not get through) and the entries directly
+          in a directory that had file events since the last pass.
+
+        Task directories get their group and mode put back. What this misses (events
+        lost without an overflow being reported) only a full pass finds."""
+        dirs = self._take_event_dirs()
+        self.taskdirs.again()
+        by_task: dict[str, set[str]] = {}
+        for task_id, rel_dir in dirs:
+            by_task.setdefault(task_id, set()).add(rel_dir)
+        tasks = 0
+        for task_id, view in self.table.views().items():
+            if not self._serves(task_id):
+                continue
+            tasks += 1
+            if not view.current:
+                if not self._list_task(task_id, counts, rewalk=False):
+                    self._put_back_event_dirs(dirs)
+                    return False
+                continue
+            if not view.watched and not view.cold:
+                self._sync_watch(task_id)  # not watchable before: it may be now
+            unwatched = not view.watched
+            for file_id in self.table.to_check(task_id, verified=unwatched,
+                                               dirs=by_task.get(task_id, set())):
+                self.jobs.submit((task_id, file_id))
+                counts["reconcile_entries_checked"] += 1
+        log(logger, logging.DEBUG, "reconciled", reason=reason, full=False, tasks=tasks,
+            entries_listed=counts["reconcile_entries_listed"],
+            entries_checked=counts["reconcile_entries_checked"])
+        return True
+
+    def _take_event_dirs(self) -> set[tuple[str, str]]:
+        with self._event_dirs_lock:
+            dirs, self._event_dirs = self._event_dirs, set()
+        return dirs
+
+    def _put_back_event_dirs(self, dirs: set[tuple[str, str]]) -> None:
+        """A pass that could not finish: its directories are the next one's."""
+        with self._event_dirs_lock:
+            self._event_dirs |= dirs
 
     def _retain(self, task: pb.Task) -> None:
         """A task no longer served: the staging retention still removes the files of a
@@ -411,15 +503,26 @@ class Watcher:
                 return
 
     def _reconcile_loop(self) -> None:
-        interval = self.config.reconcile_interval
+        """A routine pass every ``reconcile_interval``; a full one when asked for (an
+        overflow, a lost registry, a shard gained, a pass that failed) and every
+        ``full_reconcile_interval`` if set."""
+        interval, every = self.config.reconcile_interval, self.config.full_reconcile_interval
+        last_full = time.monotonic()
         while not self._stop.is_set():
             requested = self._reconcile_now.wait(interval)
             if self._stop.is_set():
                 return
             self._reconcile_now.clear()
-            if not self.reconcile("requested" if requested else "interval"):
+            timed = every > 0 and time.monotonic() - last_full >= every
+            full = self._full_due.is_set() or timed
+            self._full_due.clear()  # asked for again during the pass: one more after it
+            reason = "requested" if requested and full else "timer" if timed else "interval"
+            if self.reconcile(reason, full=full):
+                if full:
+                    last_full = time.monotonic()
+            else:
                 self._stop.wait(RECONCILE_RETRY)
-                self._reconcile_now.set()
+                self._request_full()
 
     def _poll_links(self) -> None:
         """Every ``poll_interval``, check the verified files with several names whose
@@ -482,13 +585,17 @@ class Watcher:
         if event.kind is Kind.OVERFLOW:
             self.metrics.add("overflows")
             log(logger, logging.WARNING, "events were lost; reconciling everything")
-            self._reconcile_now.set()
+            self._request_full()
             return
         where = self.table.locate(event.path)
         if where is None:
             return
         task_id, rel = where
         self.table.touch(task_id)
+        if rel and event.kind not in (Kind.DIR_CREATED, Kind.DIR_GONE, Kind.WATCH_LIMIT):
+            # the next routine reconciliation looks at that directory's files again
+            with self._event_dirs_lock:
+                self._event_dirs.add((task_id, posixpath.dirname(rel)))
         if event.kind is Kind.WATCH_LIMIT:
             self.watches.fall_back(event.path)
             self._check_all(task_id)

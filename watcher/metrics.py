@@ -37,10 +37,23 @@ disable_created_metrics()  # type: ignore[no-untyped-call]
 COUNTERS = {
     "events": ("baton_watcher_events", "File events handled (inotify or polling)"),
     "overflows": ("baton_watcher_overflows", "Times file events were lost (the kernel's "
-                  "queue or the watcher's overflowed); each forces a reconciliation"),
-    "reconciliations": ("baton_watcher_reconciliations", "Full comparisons of the registry "
-                        "with the disk (at start, after an overflow or a lost registry, "
-                        "periodically)"),
+                  "queue or the watcher's overflowed); each forces a full reconciliation"),
+    "reconciliations": ("baton_watcher_reconciliations", "Reconciliations: routine ones "
+                        "(every --reconcile-interval: what may have changed) and full ones"),
+    "full_reconciliations": ("baton_watcher_full_reconciliations", "Reconciliations that "
+                             "listed every served task's entries and checked them against "
+                             "the disk (at start, after an overflow, a lost registry or a "
+                             "shard gained; every --full-reconcile-interval)"),
+    "reconcile_listings": ("baton_watcher_reconcile_listings", "Listings (ListTasks, "
+                           "ListEntries) asked of the registry by reconciliations"),
+    "reconcile_entries_listed": ("baton_watcher_reconcile_entries_listed", "Entries read "
+                                 "from the registry by reconciliations"),
+    "reconcile_entries_checked": ("baton_watcher_reconcile_entries_checked", "Entries "
+                                  "handed to a check by reconciliations (each at least a "
+                                  "stat of its file)"),
+    "reconcile_trees_walked": ("baton_watcher_reconcile_trees_walked", "Watched task "
+                               "trees walked again by reconciliations (every directory "
+                               "listed, watches added where missing)"),
     "stream_snapshots": ("baton_watcher_stream_snapshots", "Snapshots of a task's entries "
                          "taken by its Watch stream (when first served, after a broken "
                          "stream or a resume too late for etcd's history)"),
@@ -116,6 +129,11 @@ class Metrics:
     def add(self, name: str, n: int = 1) -> None:
         with self._lock:
             self._counts[name] += n
+
+    def add_all(self, counts: dict[str, int]) -> None:
+        """Add several counts at once (a reader sees all of them or none)."""
+        with self._lock:
+            self._counts.update(counts)
 
     def hashed(self, size: int, seconds: float) -> None:
         """A file of ``size`` bytes was hashed in ``seconds``."""

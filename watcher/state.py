@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import posixpath
 import threading
 import time
 from dataclasses import dataclass, field
@@ -24,6 +25,11 @@ LIVE = frozenset({pb.ENTRY_STATE_PENDING, pb.ENTRY_STATE_WRITING, pb.ENTRY_STATE
 STATE_NAMES: dict[int, str] = {int(v): state_name(v) for v in pb.EntryState.values()}
 #: states without a committed attempt: the newest attempt's file is the one to look at
 UNCOMMITTED = frozenset({pb.ENTRY_STATE_PENDING, pb.ENTRY_STATE_WRITING})
+#: states whose file a check looks at (a pending entry's file is a dead attempt's)
+CHECKED = frozenset({pb.ENTRY_STATE_WRITING, pb.ENTRY_STATE_WRITTEN,
+                     pb.ENTRY_STATE_VERIFIED})
+#: of those, the ones this watcher has not seen verified
+UNVERIFIED = frozenset({pb.ENTRY_STATE_WRITING, pb.ENTRY_STATE_WRITTEN})
 
 
 @dataclass
@@ -70,9 +76,18 @@ class TaskView:
     active_at: float = field(default_factory=time.monotonic)
     #: unwatched for having had no change for a while: reconciliation checks it
     cold: bool = False
+    #: its Watch stream has applied a snapshot and has lost nothing since (a resume
+    #: from a revision keeps it current; a broken stream or a refused resume does not)
+    current: bool = False
+    #: file ids by state, for the live states (kept by ``Table``): what a routine
+    #: reconciliation looks at, without going through every entry
+    by_state: dict[int, set[str]] = field(
+        default_factory=lambda: {state: set() for state in LIVE})
+    #: file ids by the directory of their path ("" = the task's directory)
+    by_dir: dict[str, set[str]] = field(default_factory=dict)
 
     def needs_watch(self) -> bool:
-        return not self.cold and any(e.state in LIVE for e in self.entries.values())
+        return not self.cold and any(self.by_state.values())
 
 
 @dataclass(frozen=True)
@@ -182,6 +197,11 @@ class Table:
             known = EntryView(entry.file_id, entry.path, entry.state)
             view.entries[entry.file_id] = known
             view.by_path[entry.path] = entry.file_id
+            view.by_dir.setdefault(posixpath.dirname(entry.path), set()).add(entry.file_id)
+        elif entry.state != known.state:
+            view.by_state.get(known.state, set()).discard(entry.file_id)
+        if entry.state in view.by_state:
+            view.by_state[entry.state].add(entry.file_id)
         if entry.state != known.state:
             known.failures = 0
         known.state, known.size, known.digest = entry.state, entry.size, entry.digest
@@ -205,7 +225,13 @@ class Table:
                 return []
             keep = {e.file_id for e in entries}
             for gone in set(view.entries) - keep:
-                view.by_path.pop(view.entries.pop(gone).path, None)
+                old = view.entries.pop(gone)
+                view.by_path.pop(old.path, None)
+                view.by_state.get(old.state, set()).discard(gone)
+                if (same := view.by_dir.get(d := posixpath.dirname(old.path))) is not None:
+                    same.discard(gone)
+                    if not same:
+                        del view.by_dir[d]
             return [c for e in entries if (c := self._apply(view, e)) is not None]
 
     def entry(self, task_id: str, file_id: str) -> EntryView | None:
@@ -218,6 +244,26 @@ class Table:
         with self._lock:
             view = self._tasks.get(task_id)
             return [dataclasses.replace(e) for e in view.entries.values()] if view else []
+
+    def to_check(self, task_id: str, *, unverified: bool = True, verified: bool = False,
+                 dirs: frozenset[str] | set[str] = frozenset()) -> list[str]:
+        """File ids of the task's entries a check looks at (``CHECKED`` states): those
+        not seen verified, with ``verified`` the verified ones too, and the ones whose
+        path is directly in one of ``dirs``. From the indexes: no pass over the entries."""
+        with self._lock:
+            view = self._tasks.get(task_id)
+            if view is None:
+                return []
+            chosen: set[str] = set()
+            for state in (UNVERIFIED if unverified else ()):
+                chosen |= view.by_state[state]
+            if verified:
+                chosen |= view.by_state[pb.ENTRY_STATE_VERIFIED]
+            for d in dirs:
+                for file_id in view.by_dir.get(d, ()):
+                    if view.entries[file_id].state in CHECKED:
+                        chosen.add(file_id)
+            return sorted(chosen)
 
     def update(self, task_id: str, file_id: str, **changes: object) -> None:
         """Set local notes (``failures``) on an entry."""

@@ -12,7 +12,8 @@ partition longer than etcd's history) is caught up by the registry: it sends eve
 entry written since, as changes; from an older registry, refused as compacted, it
 takes a snapshot of that task alone. A broken stream
 (registry gone) starts over with a snapshot, and the daemon is told, so it
-reconciles once the registry is back.
+reconciles once the registry is back. A task whose stream has had its snapshot and
+lost nothing since is ``current``: a routine reconciliation does not list it.
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ class TaskStreams:
                     elif ev.kind == pb.TaskEvent.KIND_SYNCED:
                         changes = self.table.replace(task_id, snapshot)
                         revision = ev.revision + 1
+                        view.current = True  # every change from here on comes
                         self.on_changes(task_id, changes, True)
                     elif ev.kind == pb.TaskEvent.KIND_CHANGED:
                         revision = max(revision, ev.revision + 1)
@@ -116,13 +118,13 @@ class TaskStreams:
                 # gone. Its snapshot (next round) checks its files; nothing else is.
                 log(logger, logging.WARNING, "task stream resumed too late; taking a "
                     "snapshot of the task", task=task_id, error=str(e))
-                revision = 0
+                revision, view.current = 0, False
             except BatonError as e:
                 if not self._current(view):
                     return
                 failures += 1
                 log(logger, logging.WARNING, "task stream broken; starting over",
                     task=task_id, error=f"{type(e).__name__}: {e}", attempt=failures)
-                revision = 0
+                revision, view.current = 0, False
                 self.on_lost()
                 self.stop.wait(self.backoff.delay(failures))

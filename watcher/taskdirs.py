@@ -190,22 +190,33 @@ class TaskDirs:
             if not again and self._prepared.get(task_id) == rules:
                 return
             self._prepared[task_id] = rules
-            failing = self._failing.setdefault(task_id, set())
-            for rule in rules:
-                try:
-                    changed = prepare_dir(self.root, task_id, rule)
-                except TaskDirFailed as e:
-                    if rule.dir not in failing:
-                        failing.add(rule.dir)
-                        log(logger, logging.WARNING, "task directory not prepared",
-                            task=task_id, dir=rule.dir, group=rule.group, mode=rule.mode,
-                            error=e.reason)
-                    continue
-                failing.discard(rule.dir)
-                if changed:
-                    log(logger, logging.INFO, "task directory prepared", task=task_id,
-                        dir=rule.dir, group=rule.group, mode=rule.mode,
-                        changed=", ".join(changed))
+            self._apply(task_id, rules)
+
+    def again(self) -> None:
+        """Put back the group and mode of every prepared task's directories, from the
+        rules last seen (a routine reconciliation, which lists no task)."""
+        with self._lock:
+            for task_id, rules in list(self._prepared.items()):
+                self._apply(task_id, rules)
+
+    def _apply(self, task_id: str, rules: tuple[DirRule, ...]) -> None:
+        """Under the lock."""
+        failing = self._failing.setdefault(task_id, set())
+        for rule in rules:
+            try:
+                changed = prepare_dir(self.root, task_id, rule)
+            except TaskDirFailed as e:
+                if rule.dir not in failing:
+                    failing.add(rule.dir)
+                    log(logger, logging.WARNING, "task directory not prepared",
+                        task=task_id, dir=rule.dir, group=rule.group, mode=rule.mode,
+                        error=e.reason)
+                continue
+            failing.discard(rule.dir)
+            if changed:
+                log(logger, logging.INFO, "task directory prepared", task=task_id,
+                    dir=rule.dir, group=rule.group, mode=rule.mode,
+                    changed=", ".join(changed))
 
     def forget(self, task_id: str) -> None:
         with self._lock:
