@@ -4,15 +4,21 @@ nothing is due does not grow with the entries (and tasks) stored."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import pytest
 from aetcd import rpc
+from registry_fixtures import RegistryHandle, on_etcd, produce_verified
 
+from baton_relay.client import Client
+from baton_relay.kernel import errors
 from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.registry._etcd import Etcd
 from baton_relay.registry.core import Core
 from baton_relay.registry.deadlines import Deadlines
+from baton_relay.registry.election import Election
 from baton_relay.registry.identity import ANONYMOUS
 from baton_relay.registry.keys import Keys
 from baton_relay.registry.producers import Producers
@@ -130,3 +136,94 @@ def test_sweeps_at_rest_read_the_same_over_a_larger_store(etcd: Any, prefix: str
         print(f"  {name}: {small[name]} → {large[name]}")
     grew = {name: (small[name], large[name]) for name in small if large[name] > small[name]}
     assert not grew, f"sweeps whose reads at rest grew with the store: {grew}"
+
+
+# only the leader sweeps ----------------------------------------------------------------
+
+TTL = 2
+
+
+def sweeper(replica: RegistryHandle) -> Election:
+    election = replica._running.sweeper
+    assert election is not None
+    return election
+
+
+@pytest.fixture
+def swept(monkeypatch: pytest.MonkeyPatch) -> dict[int, int]:
+    """Periodic sweeps run, by the ``id`` of the replica's core that ran them."""
+    runs: dict[int, int] = {}
+    for cls, name in ((Reaper, "sweep"), (Deadlines, "sweep"), (Stalls, "sweep"),
+                      (Scheduler, "promote_due"), (Scheduler, "complete_tasks")):
+        real = getattr(cls, name)
+
+        def counted(self: Any, *args: Any, real: Any = real, **kw: Any) -> Any:
+            runs[id(self.core)] = runs.get(id(self.core), 0) + 1
+            return real(self, *args, **kw)
+
+        monkeypatch.setattr(cls, name, counted)
+    return runs
+
+
+def test_only_the_leader_sweeps_and_another_takes_over_within_the_ttl(
+        registry_factory: Callable[..., RegistryHandle], swept: dict[int, int],
+        wait_for: Callable[..., None]) -> None:
+    """Of two replicas only the elected one sweeps; when its lease ends it stops, the
+    other sweeps within the lease's TTL, and due work (a lost claim, a finished task) is
+    done by it."""
+    replicas = [registry_factory(sweep_lease_ttl=TTL) for _ in range(2)]
+
+    def leader() -> RegistryHandle | None:
+        leading = [r for r in replicas if sweeper(r).is_leader]
+        return leading[0] if len(leading) == 1 else None
+
+    def runs(r: RegistryHandle) -> int:
+        return swept.get(id(r._running.core), 0)
+
+    wait_for(lambda: leader() is not None, what="one leader")
+    first = leader()
+    assert first is not None
+    other = next(r for r in replicas if r is not first)
+    wait_for(lambda: runs(first) >= 20, what="the leader's sweeps")
+    assert runs(other) == 0
+
+    lease = sweeper(first)._lease
+
+    async def revoke(etcd: Etcd) -> None:
+        await etcd.revoke(lease)  # as when the leader dies: its lease ends
+
+    started = time.monotonic()
+    on_etcd(first.etcd, revoke)
+    wait_for(lambda: sweeper(other).is_leader, timeout=TTL + 1, what="the other leads")
+    assert time.monotonic() - started < TTL + 1
+    wait_for(lambda: not sweeper(first).is_leader, timeout=TTL, what="the first steps down")
+    wait_for(lambda: runs(other) > 0, timeout=TTL, what="the new leader's sweeps")
+    stopped_at = runs(first)
+    with Client(first.address, timeout=10) as client:
+        client.create_task({"task_id": "t", "backoff": {"base_seconds": 0.1},
+                            "entries": [{"file_id": "a", "path": "a"},
+                                        {"file_id": "b", "path": "b"}]})
+        with client.open_session("p", ttl=30) as s:
+            produce_verified(client, s, "t", "a")
+            lease_a = client.consume("t", "default", "a", session=s)
+            client.ack("t", "a", "default", lease_a.token, session=s)
+        lost = client.open_session("lost", ttl=30, keepalive=False)
+        client.claim("t", "b", session=lost)
+        client.close_session(lost.session_id)
+        wait_for(lambda: client.get_entry("t", "b").state == pb.ENTRY_STATE_PENDING
+                 and client.get_entry("t", "b").retry_count == 1, what="b reaped")
+        with client.open_session("p", ttl=30) as s:
+
+            def produced() -> bool:
+                try:
+                    produce_verified(client, s, "t", "b")
+                except errors.IllegalTransition:  # still in its retry backoff
+                    return False
+                return True
+
+            wait_for(produced, what="b produced after its backoff")
+            lease_b = client.consume("t", "default", "b", session=s)
+            client.ack("t", "b", "default", lease_b.token, session=s)
+        wait_for(lambda: client.get_task("t").status == pb.TASK_STATUS_COMPLETED,
+                 what="t completed")
+    assert runs(first) == stopped_at  # the old leader swept no more
