@@ -4,6 +4,7 @@ nothing is due does not grow with the entries (and tasks) stored."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -227,3 +228,48 @@ def test_only_the_leader_sweeps_and_another_takes_over_within_the_ttl(
         wait_for(lambda: client.get_task("t").status == pb.TASK_STATUS_COMPLETED,
                  what="t completed")
     assert runs(first) == stopped_at  # the old leader swept no more
+
+
+def test_a_task_an_older_registry_wrote_is_looked_at_once_by_a_new_leader(
+        etcd: Any, prefix: str) -> None:
+    """A header without ``cross_deps`` (no wake or finishing keys behind it): ``learn``
+    releases what its verified dependencies allow and records that it has none across
+    tasks; after that the sweeps read nothing of it."""
+    from baton_relay.registry._etcd import Put
+    from baton_relay.registry.model import VERIFIED, EntryRecord, TaskRecord
+
+    async def body() -> tuple[int, str, bool | None, tuple[int, int, int], int]:
+        conn = ReadCounter(etcd.endpoint, timeout=60)
+        await conn.connect()
+        core = Core(conn, Keys(prefix), "/staging")
+        await core.start()
+        keys = core.keys
+        try:
+            await Tasks(core).create(pb.CreateTaskRequest(spec=pb.TaskSpec(
+                task_id="old", entries=[pb.EntrySpec(file_id="a", path="a"),
+                                        pb.EntrySpec(file_id="z", path="z",
+                                                     depends_on=["a"])])))
+            header = await conn.get(keys.task("old"))
+            entry = await conn.get(keys.entry("old", "a"))
+            assert header is not None and entry is not None
+            old = {k: v for k, v in json.loads(header.value).items() if k != "cross_deps"}
+            rec = EntryRecord.load(entry.value)
+            rec.state = VERIFIED  # verified as an older registry did: no wake key
+            await conn.txn([], [Put(header.key, json.dumps(old).encode()),
+                                Put(entry.key, rec.dump())])
+            scheduler = Scheduler(core)
+            learnt = await scheduler.learn()
+            z = EntryRecord.load((await conn.get(keys.entry("old", "z"))).value)  # type: ignore[union-attr]
+            after = TaskRecord.load((await conn.get(keys.task("old"))).value)  # type: ignore[union-attr]
+            conn.reset()
+            await scheduler.sweep_waiting()
+            again = await scheduler.learn()
+            return learnt, z.state if z.deps_ok else "waiting", after.cross_deps, \
+                conn.reset(), again
+        finally:
+            await core.stop()
+            await conn.close()
+
+    learnt, z, cross, reads, again = asyncio.run(body())
+    assert (learnt, z, cross, again) == (1, "pending", False, 0)
+    assert reads[1:] == (0, 0)  # no key of it read by the sweep of waiting entries
