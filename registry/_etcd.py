@@ -774,15 +774,18 @@ class Etcd:
         limit: int = 0,
         keys_only: bool = False,
         revision: int = 0,
+        end: bytes = b"",
     ) -> tuple[list[KV], int, bool]:
-        """Keys under ``prefix`` from ``start`` (inclusive), sorted by key.
+        """Keys under ``prefix`` from ``start`` (inclusive), sorted by key; with ``end``,
+        only those before it (etcd then walks no further: it visits every key of a range
+        to count it, whatever the ``limit``).
 
         ``revision`` reads an older snapshot (0 = now). Returns (kvs, revision
         of the read, whether more keys follow).
         """
         req = rpc.RangeRequest(
             key=start or prefix,
-            range_end=prefix_end(prefix),
+            range_end=end or prefix_end(prefix),
             limit=limit,
             keys_only=keys_only,
             revision=revision,
@@ -851,13 +854,14 @@ class Etcd:
         keys_only: bool = False,
         revision: int = 0,
         start: bytes | None = None,
+        end: bytes = b"",
     ) -> AsyncGenerator[KV, None]:
-        """Every key under ``prefix``, read ``page`` keys per request, all at one revision
-        (the first page's, unless ``revision`` is given): no read exceeds gRPC's
-        message limit however many keys there are."""
+        """Every key under ``prefix`` (before ``end``, if given), read ``page`` keys per
+        request, all at one revision (the first page's, unless ``revision`` is given): no
+        read exceeds gRPC's message limit however many keys there are."""
         while True:
             kvs, rev, more = await self.range(prefix, start=start, limit=page,
-                                              keys_only=keys_only, revision=revision)
+                                              keys_only=keys_only, revision=revision, end=end)
             revision = revision or rev
             for kv in kvs:
                 yield kv

@@ -57,6 +57,8 @@ class RegistryConfig:
     archive_retention: float = 90 * 86400.0
     archive_interval: float = 30.0
     archive_lease_ttl: int = 10
+    # the election of the replica that runs the periodic sweeps
+    sweep_lease_ttl: int = 10
     # an entry written for longer is counted (status) and named (explain) as stuck
     stuck_written_after: float = 600.0
     # consumed entries' files out of staging (the watcher owning the shard removes them)
@@ -105,6 +107,9 @@ _HELP = {
     "archive_interval": "seconds between looks for finished tasks due for the archive",
     "archive_lease_ttl": "seconds of the lease behind the archiver election: one replica "
     "archives at a time, and a dead one is replaced within this",
+    "sweep_lease_ttl": "seconds of the lease behind the sweeps' election: one replica "
+    "runs the periodic sweeps (reaper, scheduler, deadlines, stalls) at a time, and a dead "
+    "one is replaced within this",
     "stuck_written_after": "seconds after which an entry committed and not yet verified "
     "is counted by status and named by explain as stuck (no watcher settled it)",
     "staging_retention": "seconds a consumed entry's file stays in staging after its last "

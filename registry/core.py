@@ -113,9 +113,6 @@ class Core:
         self.txns = Transactions(etcd, keys.request, self.view, sleep=sleep, rng=self.rng)
         #: entries that just became verified, for the scheduler (dependents, assemblies)
         self.verified: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
-        #: tasks in which an entry was finished here since the scheduler last looked: the
-        #: ones that may have just completed (it checks every task now and then anyway)
-        self.finishing: set[str] = set()
         #: where finished tasks go, and archived ones are read from (None: nowhere)
         self.archive: Archives | None = None
         #: seconds after which a written entry no watcher verified counts as stuck
@@ -301,7 +298,7 @@ class Core:
 
     def put_entry(self, rec: EntryRecord, txn: Txn) -> None:
         """Write ``rec`` with everything that follows from its state, in ``txn``:
-        its index keys (ready / delayed / waiting, open, dead) and one journal
+        its index keys (ready / delayed / waiting, open, finishing, dead) and one journal
         record per event remembered since it was loaded."""
         was, now_done = rec.from_state, rec.done
         want = self._index_for(rec, self.clock())
@@ -319,8 +316,9 @@ class Core:
                 txn.put(open_key, b"")
             elif was is not None:
                 txn.delete(open_key)
-                task_id = rec.task_id
-                txn.after(lambda: self.finishing.add(task_id))
+                # The due-work signal of task completion, with its cause: whichever
+                # replica finishes an entry, the leader's scheduler hears of it from etcd.
+                txn.put(self.keys.finishing(rec.task_id, rec.file_id), b"")
         if (was == DEAD) != (rec.state == DEAD):
             dead_key = self.keys.dead(rec.task_id, rec.file_id)
             if rec.state == DEAD:

@@ -45,8 +45,10 @@ async def sweep_due(core: Core, prefix: bytes, parse: Callable[[bytes], tuple[in
                     handle: Callable[[KV], Awaitable[bool]], complain: Complaints) -> int:
     """Hand ``handle`` every key under ``prefix`` (``{due}/…``, due in epoch ms, as
     ``parse`` reads it) that has fallen due, ``PARALLEL`` at a time, each on its own;
-    how many it said it acted on. Keys sort by due time: the listing stops at the first
-    not due. One bad key never stops the others: its error is complained of."""
+    how many it said it acted on. Keys sort by due time: the listing's range ends at now,
+    so etcd reads (and walks) only the keys due; with nothing due, one request of no key,
+    however many claims have a deadline ahead. One bad key never stops the others: its
+    error is complained of."""
     now_ms = int(core.clock() * 1000)
     gate = Gate(PARALLEL)
     done = 0
@@ -59,7 +61,8 @@ async def sweep_due(core: Core, prefix: bytes, parse: Callable[[bytes], tuple[in
         except Exception as e:
             complain(kv.key.decode(errors="replace"), e)
 
-    pages = core.etcd.scan(prefix, page=PAGE, keys_only=True)
+    pages = core.etcd.scan(prefix, page=PAGE, keys_only=True,
+                           end=core.keys.due_until(prefix, now_ms))
     async with contextlib.aclosing(pages):
         async for kv in pages:
             try:

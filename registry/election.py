@@ -54,6 +54,12 @@ class Election:
     def is_leader(self) -> bool:
         return self.leading.is_set()
 
+    async def until_leading(self, stop: asyncio.Event) -> bool:
+        """Wait until this candidate leads (True) or ``stop`` is set (False)."""
+        if not self.leading.is_set():
+            await _first(stop.wait(), self.leading.wait())
+        return not stop.is_set()
+
     async def run(self, stop: asyncio.Event) -> None:
         """Campaign, lead, campaign again after losing, until ``stop``; then resign."""
         while not stop.is_set():
@@ -172,10 +178,7 @@ async def while_leading(election: Election, interval: float, stop: asyncio.Event
                         sweep: Callable[[], Awaitable[object]], what: str) -> None:
     """Run ``sweep`` every ``interval`` seconds while ``election`` leads, until ``stop``:
     at once when leadership is won, never while it is not held."""
-    while not stop.is_set():
-        await _first(stop.wait(), election.leading.wait())
-        if stop.is_set():
-            return
+    while await election.until_leading(stop):
         await sweep_once(sweep, what)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), interval)

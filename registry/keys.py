@@ -14,6 +14,16 @@ Layout under the prefix (default ``/baton/v1/``)::
     cdelayed/{task}/{due}/{group}/{file}  index: verified, nacked by group with a delay;
                                        handed back to the group at ``due`` (epoch ms)
     open/{task}/{file}                 index: entry not done yet (task completion)
+    finishing/{task}/{file}            index: the entry finished (its open key went, same
+                                       transaction): the leader looks at its task's
+                                       completion, then deletes it
+    wakes/{task}/{file}                index: the entry became verified and has dependents
+                                       or an assembly (same transaction): the leader checks
+                                       them, then deletes it
+    cancels/{due}/{task}               the task was cancelled (same transaction as its
+                                       header); its cancel deletes it once every claim and
+                                       index key is revoked, else the leader finishes the
+                                       cancel from ``due`` (epoch ms) on
     dead/{task}/{file}                 index: entry is dead
     journal/{task}/{file}/{seq}        one record per transition, same transaction
     checkpoints/{task}/p/{file}        the latest checkpoint of a producer's attempt
@@ -140,6 +150,35 @@ class Keys:
 
     def open_all(self, task_id: str) -> bytes:
         return self._k("open", task_id, "")
+
+    def finishing(self, task_id: str, file_id: str) -> bytes:
+        return self._k("finishing", task_id, file_id)
+
+    def finishing_of_task(self, task_id: str) -> bytes:
+        return self._k("finishing", task_id, "")
+
+    def finishing_all(self) -> bytes:
+        return self._k("finishing", "")
+
+    def wake(self, task_id: str, file_id: str) -> bytes:
+        return self._k("wakes", task_id, file_id)
+
+    def wakes_of_task(self, task_id: str) -> bytes:
+        return self._k("wakes", task_id, "")
+
+    def wakes(self) -> bytes:
+        return self._k("wakes", "")
+
+    def cancel(self, due_ms: int, task_id: str) -> bytes:
+        return self._k("cancels", f"{due_ms:015d}", task_id)
+
+    def cancels(self) -> bytes:
+        return self._k("cancels", "")
+
+    def due_until(self, base: bytes, now_ms: int) -> bytes:
+        """The end of the range of keys under ``base`` (``{due}/…``, due in epoch ms) due by
+        ``now_ms``: a range [base, this) reads, and makes etcd walk, only what is due."""
+        return base + f"{now_ms + 1:015d}".encode()
 
     def dead(self, task_id: str, file_id: str) -> bytes:
         return self._k("dead", task_id, file_id)

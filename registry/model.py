@@ -426,6 +426,11 @@ class TaskRecord:
     #: its fair shares: the declared keys' weights and the default key (empty: none)
     fairness_weights: dict[str, int] = field(default_factory=dict)
     fairness_default: str = ""
+    #: whether some entry depends on another task's entry (``task:file_id``): another
+    #: task's verification tells nothing, so the scheduler looks at such a task's waiting
+    #: entries every few seconds; None: not known (a header an older registry wrote,
+    #: learnt once by the leader's scheduler when it starts, ``Scheduler.learn_cross_deps``)
+    cross_deps: bool | None = None
 
     @classmethod
     def load(cls, raw: bytes) -> TaskRecord:

@@ -14,7 +14,7 @@ from typing import Any
 from ..kernel.errors import IllegalTransition, InvalidArgument, NotFound
 from ..kernel.v1 import baton_pb2 as pb
 from . import access, attempts
-from ._etcd import KV, Get
+from ._etcd import KV, Delete, Get
 from .checkpoints import CheckpointRecord
 from .checkpoints import peek as last_checkpoint
 from .claim import end_read
@@ -54,6 +54,9 @@ TaskControl = pb.PauseTaskRequest | pb.ResumeTaskRequest | pb.CancelTaskRequest
 
 #: a cancelled task's keys are deleted in chunks of this many per transaction
 DELETE_CHUNK = 100
+#: seconds after a cancel from which, if the cancel stopped part-way (its replica died),
+#: the leader's scheduler finishes it (``cancels/{due}/{task}``, registry.keys)
+CANCEL_FINISHED_AFTER = 30.0
 #: claims revoked per transaction: each read (pinned), deleted with its twin and slot
 CLAIM_CHUNK = 40
 #: keys read per request by listings (journal, agents, a cancelled task's claims)
@@ -92,6 +95,7 @@ class Operators:
         check_id("task_id", req.task_id)
         allowed, target = _ALLOWED[action]
         who = caller.name or "operator"
+        marker: list[bytes] = []  # the cancel's key, if this call cancelled the task
 
         async def planner(txn: Txn) -> Callable[[int], pb.Task]:
             kv = await txn.get(self.keys.task(req.task_id))
@@ -110,6 +114,13 @@ class Operators:
             elif target == "active":
                 task.finished_at = ""  # resumed: not finished any more
             txn.put(self.keys.task(req.task_id), task.dump())
+            marker.clear()
+            if target == "cancelled":
+                # With the cancel: if this call stops before every claim and index key is
+                # revoked, the leader's scheduler finishes it (``Scheduler.finish_cancels``).
+                due = int((self.core.clock() + CANCEL_FINISHED_AFTER) * 1000)
+                marker.append(self.keys.cancel(due, req.task_id))
+                txn.put(marker[0], b"")
             txn.after(lambda: log.info("task %s: %s by %s, now %s (%s)", req.task_id,
                                        action, who, target, task.status_reason))
             return lambda _: task.to_pb()
@@ -117,6 +128,8 @@ class Operators:
         task = await self.core.txns.run(planner, req.request_id, _task_replay)
         if action == "cancel":
             await self._revoke_claims(req.task_id)
+            if marker:  # all revoked: nothing left for the scheduler
+                await self.core.etcd.txn([], [Delete(marker[0])])
         return task
 
     async def _revoke_claims(self, task_id: str) -> None:

@@ -302,7 +302,7 @@ class Producers:
                                                who=obs.identity, label=obs.reporter,
                                                traceparent=obs.traceparent)):
             # The watcher's report came first and vouches for exactly these bytes.
-            txn.after(self.verifier.notify(rec))
+            self.verifier.notify(rec, txn)
         # Anything else seen before the commit (another attempt's file, or this one's
         # before it was complete) does not vouch for these bytes: the watcher's report
         # after the commit decides.

@@ -182,6 +182,8 @@ class Removal:
             ("cdelayed", k.cdelayed_of_task(task_id)),
             ("open", k.open_all(task_id)),
             ("dead", k.dead_all(task_id)),
+            ("finishing", k.finishing_of_task(task_id)),
+            ("wakes", k.wakes_of_task(task_id)),
             ("checkpoints", k.checkpoints_of_task(task_id)),
             ("journal", k.journal_all(task_id)),
         ]

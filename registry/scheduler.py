@@ -5,11 +5,21 @@ Each move is one guarded transaction (``txn.write``), so several replicas may
 run schedulers at once: the compares let exactly one of them apply each move.
 None moves an entry of a cancelled task (``Scheduler.unless_cancelled``): its entries
 stay as they were.
-Verifications made by this replica wake the scheduler at once
-(``Core.verified``); a periodic sweep catches everything else (other replicas,
-restarts). Every listing is read a page at a time, and one entry or task that
-cannot be handled (a corrupt record, a move that keeps conflicting) is logged
-and passed over: it never stops the sweep for the others.
+Its periodic sweeps run on the elected replica only (``run`` with an ``Election``),
+and each reads the head of an index of what is due, never every stored entry or
+task: ``delayed/`` and ``cdelayed/`` (backoffs and nacks), ``wakes/`` (an entry
+became verified and something waits for it), ``finishing/`` (an entry finished: its
+task may be complete) and ``cancels/`` (a cancel that may have stopped part-way),
+each key written by the same transaction as its cause. Only the waiting entries of
+tasks whose entries wait for another task's (``TaskRecord.cross_deps``) are looked at
+whole, every few seconds: another task's verification writes no wake key for them.
+A replica that becomes the leader first looks once at tasks whose header an older
+registry wrote (``learn``): those have no such keys yet (docs/architecture.md).
+Verifications made by any replica also wake that replica's scheduler at once
+(``Core.verified``), leader or not: its own work, done as it happens. Every listing is
+read a page at a time, and one entry or task that cannot be handled (a corrupt record,
+a move that keeps conflicting) is logged and passed over: it never stops the sweep for
+the others.
 """
 
 from __future__ import annotations
@@ -17,13 +27,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 
 from ..kernel.contract import assembly_digest
 from ..kernel.errors import BatonError
-from ._etcd import KV, empty, present
+from ._etcd import KV, Delete, Guarded, empty, present, unchanged
 from .claims import need_task, voided
-from .core import Core, Gate
+from .core import Core, Gate, sweep_once
+from .election import Election
 from .keys import prefix_end
 from .machine import Event, apply
 from .model import CONSUMED, PENDING, VERIFIED, EntryRecord, TaskRecord, now
@@ -33,14 +44,15 @@ from .verify import Verifier
 
 log = logging.getLogger("baton.registry")
 
-#: seconds between full sweeps of waiting entries, and between looks at the tasks in
-#: which an entry finished
+#: seconds between looks at the wake, finishing and cancel keys, and at the waiting
+#: entries of tasks that depend on other tasks
 SLOW_SWEEP = 2.0
-#: seconds between looks at every active task for completion (other replicas finish
-#: entries too; this replica hears only of its own)
-FULL_COMPLETION_SWEEP = 30.0
+#: task statuses whose waiting entries may be released
+WAITING_STATUSES = frozenset({"creating", "active", "paused"})
 #: keys read per request when listing an index (delayed, waiting, task headers)
 SCAN_PAGE = 1000
+#: handled index keys deleted per etcd request (each guarded on its own)
+FORGET_CHUNK = 100
 #: entries promoted at once when their backoffs end (each its own transaction)
 PROMOTE_PARALLEL = 32
 #: dependencies (parts) of one entry pinned by its release; beyond, read unpinned
@@ -79,29 +91,34 @@ class Scheduler:
         self.interval = interval
         self.verifier = Verifier(core)
         self._complain = Complaints("scheduler")
+        #: task headers as last parsed, by key: (mod revision, record)
+        self._parsed: dict[bytes, tuple[int, TaskRecord]] = {}
 
-    async def run(self, stop: asyncio.Event) -> None:
+    async def run(self, stop: asyncio.Event, election: Election | None = None) -> None:
+        """Sweep every ``interval`` until ``stop``: while ``election`` leads (if given),
+        after one look at what older registries left (``learn``) each time it becomes
+        the leader. This replica's own verifications are followed up at once, leader or
+        not (``Core.verified``)."""
         events = asyncio.create_task(self._on_verified(stop))
         loops = 0
+        term = -1
         try:
             while not stop.is_set():
+                if election is not None and not await election.until_leading(stop):
+                    break
+                now_term = election.terms if election is not None else 0
+                if now_term != term:
+                    term, loops = now_term, 0
+                    await sweep_once(self.learn, "scheduler (first look as leader)")
                 slow = loops % max(1, int(SLOW_SWEEP / self.interval)) == 0
-                every = loops % max(1, int(FULL_COMPLETION_SWEEP / self.interval)) == 0
                 sweeps: list[Callable[[], Awaitable[object]]] = [self.promote_due,
                                                                  self.promote_nacked]
                 if slow:
-                    sweeps.append(self.sweep_waiting)
-                    if every:
-                        sweeps += [self.complete_tasks, self.finish_cancels]
-                    else:
-                        sweeps.append(self.complete_finishing)
+                    sweeps += [self.sweep_waiting, self.complete_tasks, self.finish_cancels]
                 for sweep in sweeps:  # one failing sweep does not skip the others
-                    try:
-                        await sweep()
-                    except BatonError as e:
-                        log.warning("scheduler: %s failed: %s", sweep.__name__, e)
-                    except Exception:
-                        log.exception("scheduler: %s crashed", sweep.__name__)
+                    if election is not None and not election.is_leader:
+                        break  # lost the lead mid-period: the next leader goes on
+                    await sweep_once(sweep, f"scheduler: {sweep.__name__}")
                 loops += 1
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), self.interval)
@@ -124,14 +141,15 @@ class Scheduler:
             for name in [*rec.dependents, *([rec.assembly] if rec.assembly else [])]:
                 await self._check(task_id, name)
 
-    async def _check(self, task_id: str, file_id: str) -> bool:
-        """``check_waiting`` for one entry of a sweep: failures are logged, not raised."""
+    async def _check(self, task_id: str, file_id: str) -> bool | None:
+        """``check_waiting`` for one entry of a sweep: failures are logged, not raised
+        (None)."""
         item = f"waiting entry {task_id}/{file_id}"
         try:
             moved = await self.check_waiting(task_id, file_id)
         except Exception as e:
             self._complain(item, e)
-            return False
+            return None
         self._complain.cleared(item)
         return moved
 
@@ -278,19 +296,80 @@ class Scheduler:
     # dependencies and assemblies ---------------------------------------------
 
     async def sweep_waiting(self) -> int:
-        """Every entry waiting for dependencies (or an assembly for its parts), checked."""
-        base = self.keys.waiting_all()
+        """The entries waiting for an entry verified since the last look (its wake key),
+        and every waiting entry of a task whose entries wait for other tasks', checked."""
+        moved = 0
+        done: list[KV] = []
+        async for kv in self._listing(self.keys.wakes()):
+            item = f"wake key {kv.key.decode(errors='replace')}"
+            try:
+                task_id, file_id = self.keys.parse_tail(kv.key, self.keys.wakes())
+                entry = await self.core.etcd.get(self.keys.entry(task_id, file_id))
+                rec = EntryRecord.load(entry.value) if entry is not None else None
+            except Exception as e:  # kept: looked at again next time
+                self._complain(item, e)
+                continue
+            self._complain.cleared(item)
+            failed = False
+            for name in [*rec.dependents, *([rec.assembly] if rec.assembly else [])] if (
+                    rec is not None) else []:
+                checked = await self._check(task_id, name)
+                failed = failed or checked is None
+                moved += bool(checked)
+            if not failed:  # else kept: looked at again next time
+                done.append(kv)
+        await self._forget(done)
+        for header in await self._headers():
+            if header.cross_deps is not False and header.status in WAITING_STATUSES:
+                moved += await self._sweep_waiting_of(header.task_id)
+        return moved
+
+    async def _sweep_waiting_of(self, task_id: str) -> int:
+        """Every waiting entry of one task, checked."""
+        base = self.keys.waiting(task_id, "")
         moved = 0
         pages = self.core.etcd.scan(base, page=SCAN_PAGE, keys_only=True)
         async with contextlib.aclosing(pages):
             async for key in pages:
-                try:
-                    task_id, file_id = self.keys.parse_tail(key.key, base)
-                except ValueError as e:
-                    self._complain(f"waiting key {key.key!r}", e)
-                    continue
-                moved += await self._check(task_id, file_id)
+                moved += bool(await self._check(task_id, self.keys.last_segment(key.key)))
         return moved
+
+    async def _headers(self) -> list[TaskRecord]:
+        """Every task header: from the view (no etcd request) once it is loaded, each
+        parsed once per revision."""
+        view = self.core.view
+        if view is not None and view.ready:
+            kvs = await view.scan(self.keys.tasks(), 0, False)
+        else:
+            kvs = [kv async for kv in self.core.etcd.scan(self.keys.tasks(), page=SCAN_PAGE)]
+        parsed: dict[bytes, tuple[int, TaskRecord]] = {}
+        for kv in kvs:
+            known = self._parsed.get(kv.key)
+            if known is None or known[0] != kv.mod_revision:
+                try:
+                    known = (kv.mod_revision, TaskRecord.load(kv.value))
+                except Exception as e:
+                    self._complain(f"task header {kv.key.decode(errors='replace')}", e)
+                    continue
+            parsed[kv.key] = known
+        self._parsed = parsed
+        return [task for _, task in parsed.values()]
+
+    async def _listing(self, base: bytes, end: bytes = b"") -> AsyncGenerator[KV, None]:
+        """The keys of an index of due work (each names something to do; the sweep
+        deletes those it did), a page per request: at rest, one request of no key.
+        Bounded by how much work is due, never by what is stored."""
+        pages = self.core.etcd.scan(base, page=SCAN_PAGE, keys_only=True, end=end)
+        async with contextlib.aclosing(pages):
+            async for kv in pages:
+                yield kv
+
+    async def _forget(self, listed: Sequence[KV]) -> None:
+        """Delete index keys a sweep has handled, each only if not written again since
+        it was listed (then it is handled again next time)."""
+        for i in range(0, len(listed), FORGET_CHUNK):
+            await self.core.etcd.txn_group([
+                Guarded([unchanged(kv)], [Delete(kv.key)]) for kv in listed[i:i + FORGET_CHUNK]])
 
     async def check_waiting(self, task_id: str, file_id: str) -> bool:
         """Release an entry waiting for dependencies, or verify an assembly, if due."""
@@ -322,7 +401,7 @@ class Scheduler:
                              **routed)
                 self.verifier.open_to_consumers(rec, txn)
                 # Its own dependents (and task completion) hear of it like any verification.
-                txn.after(self.verifier.notify(rec))
+                self.verifier.notify(rec, txn)
             else:
                 rec.remember("released", reason="dependencies verified")
             self.core.put_entry(rec, txn)
@@ -399,53 +478,98 @@ class Scheduler:
 
     # task completion ---------------------------------------------------------
 
-    async def complete_finishing(self) -> int:
-        """``complete_tasks`` for the tasks in which this replica finished an entry since
-        the last look: checking whether a task has open entries makes etcd count them
-        all, so tasks nothing finished in are left to the full sweep."""
-        hints, self.core.finishing = self.core.finishing, set()
-        return await self.complete_tasks(only=hints) if hints else 0
-
-    async def complete_tasks(self, only: set[str] | None = None) -> int:
-        """An active task none of whose entries is open any more is completed (of the
-        tasks in ``only``, if given)."""
+    async def complete_tasks(self) -> int:
+        """Each task in which an entry finished since the last look (its finishing keys)
+        is completed if none of its entries is open any more."""
+        base = self.keys.finishing_all()
+        by_task: dict[str, list[KV]] = {}
+        async for kv in self._listing(base):
+            by_task.setdefault(self.keys.parse_tail(kv.key, base)[0], []).append(kv)
         completed = 0
-        if only is None:
-            self.core.finishing.clear()  # every task is looked at now
-        pages = self.core.etcd.scan(self.keys.tasks(), page=SCAN_PAGE)
-        async with contextlib.aclosing(pages):
-            async for kv in pages:
-                item = f"task header {kv.key.decode(errors='replace')}"
-                try:
-                    task = TaskRecord.load(kv.value)
-                    if task.status != "active" or (only is not None
-                                                   and task.task_id not in only):
-                        continue
-                    completed += await write(self.core.txns, self._complete_plan(task.task_id))
-                except Exception as e:
-                    self._complain(item, e)
-                else:
-                    self._complain.cleared(item)
+        for task_id, listed in by_task.items():
+            item = f"task {task_id}"
+            try:
+                # Looked at after the keys were listed: each entry finished before.
+                completed += await write(self.core.txns, self._complete_plan(task_id))
+            except Exception as e:  # its keys stay: looked at again next time
+                self._complain(item, e)
+                continue
+            self._complain.cleared(item)
+            await self._forget(listed)
         return completed
 
     async def finish_cancels(self) -> int:
-        """Cancelled tasks whose cancel stopped part-way (the registry died in it) have
-        their claims, twins and claimable keys revoked now; how many had some left."""
+        """Cancels whose replica may have stopped part-way (their keys, from 30 s after
+        the cancel; the cancel deletes its key once done) are finished: what is left of
+        their claims, twins and claimable keys revoked; how many had some left."""
+        base = self.keys.cancels()
+        now_ms = int(self.core.clock() * 1000)
         finished = 0
-        operators = Operators(self.core)
-        pages = self.core.etcd.scan(self.keys.tasks(), page=SCAN_PAGE)
-        async with contextlib.aclosing(pages):
-            async for kv in pages:
-                item = f"cancelled task {kv.key.decode(errors='replace')}"
-                try:
-                    task = TaskRecord.load(kv.value)
-                    if task.status == "cancelled":
-                        finished += await operators.finish_cancel(task.task_id)
-                except Exception as e:
-                    self._complain(item, e)
-                else:
-                    self._complain.cleared(item)
+        done: list[KV] = []
+        async for kv in self._listing(base, end=self.keys.due_until(base, now_ms)):
+            item = f"cancel key {kv.key.decode(errors='replace')}"
+            try:
+                task_id = self.keys.last_segment(kv.key)
+                finished += await self._finish_cancel(task_id)
+            except Exception as e:
+                self._complain(item, e)
+                continue
+            self._complain.cleared(item)
+            done.append(kv)
+        await self._forget(done)
         return finished
+
+    async def _finish_cancel(self, task_id: str) -> bool:
+        """``Operators.finish_cancel`` for a task still cancelled."""
+        kv = await self.core.etcd.get(self.keys.task(task_id))
+        if kv is None or TaskRecord.load(kv.value).status != "cancelled":
+            return False
+        return await Operators(self.core).finish_cancel(task_id)
+
+    async def learn(self) -> int:
+        """Once, when this replica becomes the leader: the tasks whose header an older
+        registry wrote (``cross_deps`` unknown) have no wake, finishing or cancel keys
+        for what happened before. Each is looked at whole once: its waiting entries
+        checked (and whether any waits for another task's entry written to its header),
+        its completion, or, cancelled, the rest of its cancel. How many tasks."""
+        learnt = 0
+        for header in await self._headers():
+            if header.cross_deps is not None:
+                continue
+            item = f"task {header.task_id} (written by an older registry)"
+            try:
+                await self._learn(header.task_id)
+            except Exception as e:
+                self._complain(item, e)
+                continue
+            self._complain.cleared(item)
+            learnt += 1
+        return learnt
+
+    async def _learn(self, task_id: str) -> None:
+        base = self.keys.waiting(task_id, "")
+        cross = False
+        pages = self.core.etcd.scan(base, page=SCAN_PAGE, keys_only=True)
+        async with contextlib.aclosing(pages):
+            async for key in pages:
+                file_id = self.keys.last_segment(key.key)
+                kv = await self.core.etcd.get(self.keys.entry(task_id, file_id))
+                if kv is not None:
+                    cross = cross or any(":" in d for d in EntryRecord.load(kv.value).depends_on)
+                await self._check(task_id, file_id)
+        await self._finish_cancel(task_id)
+        await write(self.core.txns, self._complete_plan(task_id))
+
+        async def plan(txn: Txn) -> None:
+            kv = await txn.get(self.keys.task(task_id))
+            if kv is None:
+                return
+            task = TaskRecord.load(kv.value)
+            if task.cross_deps is None and task.status in WAITING_STATUSES:
+                task.cross_deps = cross
+                txn.put(kv.key, task.dump())
+
+        await write(self.core.txns, plan)
 
     def _complete_plan(self, task_id: str) -> Callable[[Txn], Awaitable[bool]]:
         async def plan(txn: Txn) -> bool:

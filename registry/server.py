@@ -74,6 +74,8 @@ class Running:
     streams: AgentStreams | None = None
     #: takes back attempts that stopped checkpointing
     stalls: Stalls | None = None
+    #: the election of the replica that runs the periodic sweeps
+    sweeper: Election | None = None
 
     async def stop(self, grace: float | None = 5.0) -> None:
         """Stop taking calls, let in-flight ones finish within ``grace``, then close."""
@@ -241,25 +243,36 @@ async def _start(config: RegistryConfig, certificates: ServerCertificates | None
     for name in HEALTH_NAMES:
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     stop = asyncio.Event()
+    who = f"{socket.gethostname()}:{os.getpid()}"
+    # The periodic sweeps over the shared store run on one replica at a time, elected;
+    # each reads only the head of an index of what is due (docs/architecture.md, Sweeps).
+    sweeper = Election(etcd, config.prefix, "sweeps", config.sweep_lease_ttl, who=who)
     reaper = Reaper(core, config.reap_interval)
     scheduler = Scheduler(core, config.reap_interval)
+    deadlines = Deadlines(core)
+    stalls = Stalls(core)
     assigner = Assigner(shards, config.reap_interval)
     service.leases.interval = config.reap_interval
-    background = [asyncio.create_task(reaper.run(stop)), asyncio.create_task(scheduler.run(stop)),
-                  asyncio.create_task(assigner.run(stop)),
-                  asyncio.create_task(service.leases.run(stop))]
-    background.append(asyncio.create_task(
-        every(config.etcd_check_interval, stop, health_servicer.check_etcd, "etcd versions")))
-    deadlines = Deadlines(core)
-    background.append(asyncio.create_task(
-        every(config.reap_interval, stop, deadlines.sweep, "deadlines")))
-    stalls = Stalls(core)
-    background.append(asyncio.create_task(
-        every(config.reap_interval, stop, stalls.sweep, "stalls")))
+    background = [
+        asyncio.create_task(sweeper.run(stop)),
+        asyncio.create_task(scheduler.run(stop, sweeper)),
+        asyncio.create_task(while_leading(sweeper, config.reap_interval, stop, reaper.sweep,
+                                          "reaper")),
+        asyncio.create_task(while_leading(sweeper, config.reap_interval, stop, deadlines.sweep,
+                                          "deadlines")),
+        asyncio.create_task(while_leading(sweeper, config.reap_interval, stop, stalls.sweep,
+                                          "stalls")),
+        # On every replica: the shard assigner and the drain deadlines read what is as
+        # small as the watchers and the drained hosts (never entries or tasks), and their
+        # guarded transactions race safely; the etcd check is this replica's own health.
+        asyncio.create_task(assigner.run(stop)),
+        asyncio.create_task(service.leases.run(stop)),
+        asyncio.create_task(every(config.etcd_check_interval, stop, health_servicer.check_etcd,
+                                  "etcd versions")),
+    ]
     if archiver is not None:
         # One replica archives (and expires) at a time; every one reads the store.
-        election = Election(etcd, config.prefix, "archiver", config.archive_lease_ttl,
-                            who=f"{socket.gethostname()}:{os.getpid()}")
+        election = Election(etcd, config.prefix, "archiver", config.archive_lease_ttl, who=who)
         archiver.election = election
         background.append(asyncio.create_task(election.run(stop)))
         background.append(asyncio.create_task(
@@ -271,7 +284,7 @@ async def _start(config: RegistryConfig, certificates: ServerCertificates | None
         metrics.bind(core, reaper, service.sessions, shards, service.leases, members,
                      deadlines, archiver, stalls)
     return Running(port, server, etcd, core, reaper, scheduler, health_servicer, stop, background,
-                   assigner, members, metrics, metrics_port, service.streams, stalls)
+                   assigner, members, metrics, metrics_port, service.streams, stalls, sweeper)
 
 
 def archive_store(config: RegistryConfig) -> ArchiveStore | None:

@@ -132,6 +132,7 @@ class Tasks:
             backlog_limits=dict(valid.backlog_limits),
             fairness_weights=valid.fairness or {},
             fairness_default=valid.fairness_default,
+            cross_deps=any(":" in d for e in valid.entries for d in e.depends_on),
         )
         if valid.fairness:
             # One enqueue time for the task's entries, whichever chunk writes them, so

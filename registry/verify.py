@@ -26,13 +26,16 @@ class Verifier:
         self.core = core
         self.keys = core.keys
 
-    def notify(self, rec: EntryRecord) -> Callable[[], None]:
-        """A hook telling the scheduler ``rec`` became verified, if anything waits for it
-        (dependents, an assembly); its periodic sweep catches the rest."""
-        key = (rec.task_id, rec.file_id)
+    def notify(self, rec: EntryRecord, txn: Txn) -> None:
+        """In the transaction that makes ``rec`` verified: if anything waits for it
+        (dependents, an assembly), its wake key (what the leader's scheduler reads to
+        check them, whichever replica verified it), and a hook telling this replica's
+        scheduler at once."""
         if not (rec.dependents or rec.assembly):
-            return lambda: None
-        return lambda: self.core.verified.put_nowait(key)
+            return
+        txn.put(self.core.keys.wake(rec.task_id, rec.file_id), b"")
+        key = (rec.task_id, rec.file_id)
+        txn.after(lambda: self.core.verified.put_nowait(key))
 
     async def settle(self, txn: Txn, rec: EntryRecord, size: int, digest: str,
                      who: str = "", label: str = "", traceparent: str = "") -> bool:
@@ -260,7 +263,7 @@ class Verifier:
             elif rec.state == WRITTEN:
                 if await self.settle(txn, rec, req.size, req.digest, who=caller.name,
                                      label=req.reporter, traceparent=req.traceparent):
-                    txn.after(self.notify(rec))
+                    self.notify(rec, txn)
             elif rec.state == VERIFIED and req.digest != rec.digest:
                 await self.unverify(txn, rec, f"verified file changed on disk (now size "
                                     f"{req.size} digest {req.digest})")

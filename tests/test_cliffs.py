@@ -254,6 +254,8 @@ def test_poisoned_records_do_not_stop_the_sweeps_or_the_reaper(
             Put(keys.entry("a-poison", "y"), bad), Put(keys.delayed("a-poison", 1, "y"), b""),
             Put(keys.entry("a-poison", "z"), b'{"task_id": "a-poison"}'),  # fields missing
             Put(keys.waiting("a-poison", "z"), b""),
+            # first in the wake index: entries that cannot be read
+            Put(keys.wake("a-poison", "x"), b""), Put(keys.wake("a-poison", "z"), b""),
             Put(keys.inflight(ClaimRef("p", "a-poison", "y")), b'{"agent": "gone"}'),
         ])
 
@@ -266,12 +268,13 @@ def test_poisoned_records_do_not_stop_the_sweeps_or_the_reaper(
     client.create_task({"task_id": "t-lost", "backoff": FAST, "entries": entries("l")})
 
     async def verify_behind(conn: Etcd) -> None:
-        """Dependencies verified behind the registry's back: only a sweep releases z."""
+        """Dependencies verified behind the registry's back (with their wake keys, as a
+        verification writes them): only a sweep releases z."""
         for f in ("a", "b", "c"):
             key = keys.entry("t-dep", f)
             rec = EntryRecord.load((await conn.get(key)).value)  # type: ignore[union-attr]
             rec.state, rec.digest = VERIFIED, digest(b"")
-            await conn.txn([], [Put(key, rec.dump())])
+            await conn.txn([], [Put(key, rec.dump()), Put(keys.wake("t-dep", f), b"")])
 
     on_etcd(etcd, verify_behind)
     with client.open_session("p", ttl=30) as s:
@@ -295,7 +298,7 @@ def test_poisoned_records_do_not_stop_the_sweeps_or_the_reaper(
     wait_for(lambda: client.get_entry("t-lost", "l").state == pb.ENTRY_STATE_PENDING,
              what="l reaped")
     # Each poisoned record is reported, once: not again at every sweep.
-    for item in ("waiting entry a-poison/x", "waiting entry a-poison/z",
+    for item in (f"wake key {prefix}wakes/a-poison/x", f"wake key {prefix}wakes/a-poison/z",
                  "delayed entry a-poison/y", f"task header {prefix}tasks/a-poison",
                  f"twin {prefix}inflight/p/a-poison/y"):
         said = [line for line in caplog.text.splitlines() if item in line and "failed" in line]

@@ -188,14 +188,14 @@ def test_manifest_validation_runs_off_the_event_loop(
     assert seen and all(name != loop_thread for name in seen)
 
 
-def test_completion_looks_at_tasks_finished_here_and_sweeps_all_now_and_then(
-        etcd: Any, prefix: str) -> None:
-    """Only tasks with an entry finished on this replica are checked between full sweeps."""
+def test_completion_looks_at_the_tasks_whose_entries_finished(etcd: Any, prefix: str) -> None:
+    """Finishing an entry writes its finishing key; the completion sweep reads only those,
+    completes the task and deletes them."""
     from baton_relay.registry.consumers import Consumers
     from baton_relay.registry.scheduler import Scheduler
     from baton_relay.registry.verify import Verifier
 
-    async def body() -> tuple[list[str], str, str]:
+    async def body() -> tuple[int, str, str, int]:
         client = Etcd(etcd.endpoint)
         await client.connect()
         core = Core(client, Keys(prefix), "/staging")
@@ -221,21 +221,19 @@ def test_completion_looks_at_tasks_finished_here_and_sweeps_all_now_and_then(
                 task_id="t", group="default", session_id=session.session_id), ANONYMOUS)
             await consumers.ack(pb.AckRequest(task_id="t", file_id="a", group="default",
                                               token=lease.token), ANONYMOUS)
-            scheduler = Scheduler(core)
-            hinted = sorted(core.finishing)
-            core.finishing.clear()  # as if another replica had finished it
-            await scheduler.complete_finishing()
+            marked = await client.count(core.keys.finishing_all())
             before = (await Tasks(core).get("t")).status
-            await scheduler.complete_tasks()
+            await Scheduler(core).complete_tasks()
             after = (await Tasks(core).get("t")).status
-            return hinted, pb.TaskStatus.Name(before), pb.TaskStatus.Name(after)
+            left = await client.count(core.keys.finishing_all())
+            return marked, pb.TaskStatus.Name(before), pb.TaskStatus.Name(after), left
         finally:
             await core.stop()
             await client.close()
 
-    hinted, before, after = asyncio.run(body())
-    assert hinted == ["t"]  # finishing the entry here hinted its task
-    assert (before, after) == ("TASK_STATUS_ACTIVE", "TASK_STATUS_COMPLETED")
+    marked, before, after, left = asyncio.run(body())
+    assert marked == 1  # written with the ack that finished the entry
+    assert (before, after, left) == ("TASK_STATUS_ACTIVE", "TASK_STATUS_COMPLETED", 0)
 
 
 def test_a_replica_whose_view_is_behind_still_releases_a_dependent(
@@ -322,8 +320,9 @@ def test_routing_reads_nothing_from_etcd(etcd: Any, prefix: str) -> None:
 #: a verification compares the task header too: a cancelled task's entries stay as they were)
 SHAPES = {
     "claim": (7, 7), "commit": (4, 5), "verify": (3, 3), "commit and claim": (10, 12),
-    "fail": (4, 6), "consume": (6, 6), "nack": (4, 6), "ack and consume": (9, 12),
-    "ack": (4, 6),
+    "fail": (4, 6), "consume": (6, 6), "nack": (4, 6), "ack and consume": (9, 13),
+    # the last ack of an entry also writes its finishing key (task completion's signal)
+    "ack": (4, 7),
 }
 
 
