@@ -1,7 +1,7 @@
 """``python -m bench``: run the scenarios and write the report with its plots.
 
     python -m bench [--quick]
-                    [--only claims,loops,batches,pools,scale,watcher,cli,etcd-tls,lifetime]
+                    [--only claims,loops,batches,pools,scale,watcher,cli,etcd-tls,lifetime,rest]
                     [--out docs/benchmarks.md] [--set FIELD=VALUE ...]
 
 Without ``--only``, every scenario but the lifetime, which runs for hours at full size
@@ -26,7 +26,18 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
-from . import batches, claims, cli_startup, etcd_tls, lifetime, loops, pools, scale, watching
+from . import (
+    batches,
+    claims,
+    cli_startup,
+    etcd_tls,
+    lifetime,
+    loops,
+    pools,
+    rest,
+    scale,
+    watching,
+)
 from .harness import INTERRUPTED, Machine, cpu_busy, ensure_b3sum, load_average
 from .profiles import FULL, QUICK, Profile
 from .report import Section, render
@@ -42,6 +53,7 @@ SCENARIOS: dict[str, tuple[str, Scenario]] = {
     "cli": ("CLI startup", cli_startup.run),
     "etcd-tls": ("TLS: etcd over TLS, and mutual TLS to clients", etcd_tls.run),
     "lifetime": ("Lifetime", lifetime.run),
+    "rest": ("At rest", rest.run),
 }
 #: scenarios that run only when named (or with --quick): hours at full size
 LONG = ("lifetime",)

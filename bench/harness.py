@@ -340,6 +340,7 @@ class Machine:
                 facts["RAM"] = f"{int(found.group(1)) / 1024 / 1024:.1f} GiB"
         facts["kernel"] = f"{platform.system()} {platform.release()}"
         facts["Python"] = platform.python_version()
+        facts["commit"] = commit()
         binary = etcd_binary()
         facts["etcd"] = f"{etcd_version(binary)} ({binary})"
         b3sum = shutil.which("b3sum")
@@ -348,6 +349,18 @@ class Machine:
                                   timeout=30, check=False)
             facts["b3sum"] = done.stdout.strip() or b3sum
         return cls(facts)
+
+
+def commit() -> str:
+    """The checkout's commit (short), "+ changes" when its tracked files differ from it."""
+    try:
+        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, timeout=30, check=True)
+        dirty = subprocess.run(["git", "-C", str(REPO), "diff", "--quiet", "HEAD"],
+                               capture_output=True, timeout=30, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head.stdout.strip() + (" + changes" if dirty.returncode else "")
 
 
 def cpu_busy(seconds: float = 1.0) -> float:

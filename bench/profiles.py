@@ -76,6 +76,31 @@ class Profile:
     #: the revision the loops are compared with ("" = none): the main branch before the
     #: session stream and the registry's reshaping
     loop_before: str = "f734371"
+    # at rest
+    #: entries held, across tasks (most pending; shares verified and consumed)
+    rest_entries: int = 1_000_000
+    rest_tasks: int = 100
+    rest_verified: float = 0.04
+    rest_consumed: float = 0.02
+    #: etcd's history (periodic compaction), as baton up keeps it, and its watch
+    #: progress interval ("": baton up's)
+    rest_compaction: str = "1m"
+    rest_notify: str = ""
+    #: the idle window: at least this many compaction periods, and this many seconds
+    rest_periods: float = 5.0
+    rest_idle: float = 0.0
+    #: seconds the watcher's counters must stay still before the window opens
+    rest_settle: float = 10.0
+    #: seconds between CPU samples in the window (the plot)
+    rest_sample: float = 10.0
+    #: mutual TLS to the registry and TLS to etcd, as baton up runs them
+    rest_tls: bool = True
+    #: threads loading the entries
+    rest_workers: int = 6
+    #: the watcher's --stream-timeout (0: its default)
+    rest_stream_timeout: float = 0.0
+    #: seconds of py-spy on the busiest Baton process when one misses the goal (0: none)
+    rest_profile: float = 60.0
 
 
 FULL = Profile(
@@ -152,4 +177,16 @@ QUICK = Profile(
     loop_seconds=1.0,
     loop_rounds=1,
     loop_before="",
+    rest_entries=20_000,
+    rest_tasks=20,
+    rest_verified=0.025,
+    rest_consumed=0.025,
+    rest_workers=4,
+    rest_compaction="5s",
+    rest_notify="1s",
+    rest_periods=5.0,
+    rest_settle=2.0,
+    rest_sample=5.0,
+    rest_stream_timeout=5.0,
+    rest_profile=0.0,
 )

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from tools import require
 
-SCENARIOS = ("Claims", "Producer loops", "Batches", "Scale", "Watcher", "CLI startup", "Lifetime")
+SCENARIOS = ("Claims", "Producer loops", "Batches", "Scale", "Watcher", "CLI startup", "Lifetime",
+             "At rest")
 
 
 @pytest.mark.slow
@@ -26,7 +27,7 @@ def test_quick_benchmark_writes_every_scenario(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "bench", "--quick", "--out", str(out)],
         cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True,
-        timeout=360, check=False,
+        timeout=480, check=False,
     )
     assert done.returncode == 0, f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-6000:]}"
     report = out.read_text()
@@ -49,3 +50,32 @@ def test_the_full_run_leaves_out_the_long_scenarios_unless_named() -> None:
     assert parse(["--quick"]).only == list(SCENARIOS)
     assert parse(["--only", "lifetime"]).only == ["lifetime"]
     assert parse(["--only", "claims,lifetime"]).only == ["claims", "lifetime"]
+
+
+def test_the_rest_scenario_runs_etcd_as_baton_up_does() -> None:
+    """The rest scenario's etcd has `baton up`'s flags (local.stack.ETCD_UPKEEP), the
+    compaction retention and the progress interval set; its durations read as etcd's."""
+    from baton_relay.local.stack import ETCD_UPKEEP
+    from bench.rest import etcd_flags, notify_interval, seconds_of
+
+    assert etcd_flags("1m", notify_interval()) == ETCD_UPKEEP
+    flags = etcd_flags("5s", "1s")
+    assert "--auto-compaction-retention=5s" in flags
+    assert "--experimental-watch-progress-notify-interval=1s" in flags
+    assert len(flags) == len(ETCD_UPKEEP)
+    assert [seconds_of(d) for d in ("1m", "5s", "200ms", "1h", "2")] == [
+        60.0, 5.0, 0.2, 3600.0, 7200.0]
+
+
+def test_the_rest_scenario_reads_counters_by_label() -> None:
+    """Prometheus samples summed by name (with or without _total) and labels."""
+    from bench.rest import total
+
+    samples = {'baton_grpc_calls_total{code="OK",method="ListEntries"}': 3.0,
+               'baton_grpc_calls_total{code="NOT_FOUND",method="ListEntries"}': 1.0,
+               'baton_grpc_calls_total{code="OK",method="Watch"}': 7.0,
+               'baton_grpc_calls_created{code="OK",method="Watch"}': 1e9,
+               "baton_watcher_stream_snapshots_total": 2.0}
+    assert total(samples, "baton_grpc_calls", method="ListEntries") == 4.0
+    assert total(samples, "baton_grpc_calls") == 11.0
+    assert total(samples, "baton_watcher_stream_snapshots") == 2.0
