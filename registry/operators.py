@@ -147,13 +147,17 @@ class Operators:
 
     def _revoked(self, task_id: str) -> list[bytes]:
         """What cancel deletes, in order: claims, twins, claimable indexes, and the
-        index of entries waiting for dependencies (or parts), which the scheduler
-        would otherwise keep looking at (it releases nothing of a cancelled task)."""
+        indexes of work the scheduler would otherwise still look at — entries waiting
+        for dependencies (or parts), verifications that wake them, entries finished
+        since its last look — though it does nothing for a cancelled task (it releases
+        nothing and completes nothing): the task keeps only its entries, journal and
+        history indexes."""
         k = self.keys
         return [k.claims_of_task("p", task_id), k.claims_of_task("c", task_id),
                 k.inflight_of_task("p", task_id), k.inflight_of_task("c", task_id),
                 k.ready_all(task_id), k.delayed_of_task(task_id), k.cready_of_task(task_id),
-                k.cdelayed_of_task(task_id), k.waiting(task_id, "")]
+                k.cdelayed_of_task(task_id), k.waiting(task_id, ""),
+                k.wakes_of_task(task_id), k.finishing_of_task(task_id)]
 
     async def finish_cancel(self, task_id: str) -> bool:
         """Revoke what a cancel stopped part-way left of a cancelled task (its holders

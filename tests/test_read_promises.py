@@ -433,3 +433,31 @@ def test_a_revoked_session_gives_nothing_of_a_cancelled_task_back(
             assert await _under(core, base) == [], base
 
     _run(etcd, prefix, body)
+
+
+def test_a_cancel_leaves_the_scheduler_nothing_of_the_task_to_look_at(
+        etcd: Any, prefix: str) -> None:
+    """An entry finished and a verification that wakes a dependent, just before the
+    cancel: the cancel deletes their finishing and wake keys with the waiting one, so
+    no sweep looks at the task again and a delete finds only its history."""
+    async def body(core: Core) -> None:
+        await Tasks(core).create(pb.CreateTaskRequest(spec=pb.TaskSpec(
+            task_id="t", max_retries=0, entries=[
+                pb.EntrySpec(file_id="a", path="a"),
+                pb.EntrySpec(file_id="b", path="b", depends_on=["a"]),
+                pb.EntrySpec(file_id="d", path="d")])))
+        session = await _session(core)
+        await _verified(core, session, "a")  # wakes b
+        producers = Producers(core)
+        claim = await producers.claim(pb.ClaimRequest(task_id="t", file_id="d",
+                                                      session_id=session), ANONYMOUS)
+        await producers.fail(pb.FailRequest(task_id="t", file_id="d", token=claim.token,
+                                            reason="jammed"), ANONYMOUS)  # d finished: dead
+        assert await _under(core, core.keys.wakes_of_task("t"))
+        assert await _under(core, core.keys.finishing_of_task("t"))
+        await _cancel(core)
+        for left in (core.keys.wakes_of_task("t"), core.keys.finishing_of_task("t"),
+                     core.keys.waiting_all()):
+            assert await _under(core, left) == [], left
+
+    _run(etcd, prefix, body)
