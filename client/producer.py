@@ -672,7 +672,13 @@ def produce_each(client: Client, session: Session, task_id: str, *,
     entry the body failed on before its first byte, which must count as a failure
     (else it would go round forever). So a loop that stops at a deadline closes the
     output it wrote, then breaks: nothing it claimed is failed. Back-pressure is
-    waited out as ``produce`` does.
+    waited out as ``produce`` does. For example::
+
+        for out in produce_each(client, session, "scan-42"):
+            with out:  # complete once the block ends without an error
+                out.write(render(out.claim.file_id))
+            if time.monotonic() > deadline:
+                break  # commits it, gives back what was claimed ahead
     """
     if ahead < 1:
         raise InvalidArgument(f"ahead must be at least 1, not {ahead}")
