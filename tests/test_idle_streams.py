@@ -8,33 +8,22 @@ do (heartbeats, other tasks).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from compacting import COMPACTING, compacted, start_etcd, tick
 from registry_fixtures import TEST_RETRY, RegistryHandle, on_etcd, start_registry
 
 from baton_relay.client import Client
 from baton_relay.kernel import errors
 from baton_relay.kernel.v1 import baton_pb2 as pb
-from baton_relay.local.etcdproc import EtcdProcess
-from baton_relay.registry._etcd import Etcd, Put
+from baton_relay.registry._etcd import Etcd
 from baton_relay.watcher import Watcher, WatcherConfig, start_watcher
 
-#: etcd compacts its history every second, to the revision of a second ago
-COMPACTING = ("--auto-compaction-mode=periodic", "--auto-compaction-retention=1s")
-#: and tells idle watches their revision every 200 ms
+#: etcd tells idle watches their revision every 200 ms
 NOTIFYING = ("--experimental-watch-progress-notify-interval=200ms",)
-
-
-def start_etcd(tmp_path: Path, *flags: str) -> EtcdProcess:
-    process = EtcdProcess(tmp_path / "etcd", log_path=tmp_path / "etcd.log",
-                          binary=os.environ.get("BATON_TEST_ETCD") or None,
-                          extra_args=flags)
-    process.start()
-    return process
 
 
 class Stack:
@@ -59,18 +48,12 @@ class Stack:
 
     def tick(self) -> int:
         """Write a key outside Baton's prefix (etcd's revision moves on); its revision."""
-        async def put(etcd: Etcd) -> int:
-            return (await etcd.txn([], [Put(b"/elsewhere/tick", b"x")])).revision
-        return on_etcd(self.etcd, put)
+        return on_etcd(self.etcd, tick)
 
     def compacted(self, revision: int) -> bool:
         """Whether etcd has compacted ``revision`` away (a read at it is refused)."""
         async def read(etcd: Etcd) -> bool:
-            try:
-                await etcd.range(b"/elsewhere/", limit=1, revision=revision)
-            except errors.BatonError:
-                return True
-            return False
+            return await compacted(etcd, revision)
         return on_etcd(self.etcd, read)
 
     def close(self) -> None:
@@ -194,18 +177,18 @@ def test_progress_events_go_only_to_streams_that_ask(
     synced = next(told)
     assert synced.kind == pb.TaskEvent.KIND_SYNCED
     revisions: list[int] = []
-    tick = stack.tick()  # the revision moves on; the task does not change
+    moved = stack.tick()  # the revision moves on; the task does not change
     reached = 0
     for ev in told:
         assert ev.kind == pb.TaskEvent.KIND_PROGRESS and not ev.HasField("entry")
         # never back: a notification sent before the tick may still name an earlier one
         assert ev.revision >= (revisions[-1] if revisions else synced.revision)
         revisions.append(ev.revision)
-        if ev.revision >= tick:  # told of the tick, though the task did not change
+        if ev.revision >= moved:  # told of the tick, though the task did not change
             reached += 1
             if reached == 2:
                 break
-            tick = stack.tick()
+            moved = stack.tick()
     told.close()
     with stack.client.open_session("producer", ttl=10) as session:
         stack.client.claim("t", "a", session=session)

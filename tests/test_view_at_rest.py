@@ -9,19 +9,16 @@ breaks nor loads again. The test runs an etcd of its own that compacts every sec
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from baton_relay.kernel import errors
-from baton_relay.local.etcdproc import EtcdProcess
+from compacting import COMPACTING, compacted, start_etcd, tick
+
 from baton_relay.registry._etcd import Etcd, Put
 from baton_relay.registry.keys import Keys
 from baton_relay.registry.view import View
 
-#: etcd compacts its history every second, to the revision of a second ago
-COMPACTING = ("--auto-compaction-mode=periodic", "--auto-compaction-retention=1s")
 PREFIX = "/baton-view-rest/"
 
 
@@ -42,10 +39,7 @@ def test_an_idle_view_keeps_its_watch_across_compactions(tmp_path: Path) -> None
     """While nothing it watches changes and etcd compacts past the revision its watch
     started from, several times over, the view loads once (at start), stays ready, and
     its watch still brings the next change."""
-    etcd_process = EtcdProcess(tmp_path / "etcd", log_path=tmp_path / "etcd.log",
-                               binary=os.environ.get("BATON_TEST_ETCD") or None,
-                               extra_args=COMPACTING)
-    etcd_process.start()
+    etcd_process = start_etcd(tmp_path, *COMPACTING)
     try:
         asyncio.run(idle_view(etcd_process.endpoint))
     finally:
@@ -71,27 +65,16 @@ async def idle_view(endpoint: str) -> None:
         assert view.ready and loads == 1
         started = view.revision
 
-        async def tick() -> int:
-            """A write outside the prefix: etcd's revision moves on, the view's keys do not."""
-            return (await etcd.txn([], [Put(b"/elsewhere/tick", b"x")])).revision
-
-        async def compacted(revision: int) -> bool:
-            try:
-                await etcd.range(b"/elsewhere/", limit=1, revision=revision)
-            except errors.BatonError:
-                return True
-            return False
-
         # etcd compacts past the watch's start, then past three later marks
         for _ in range(4):
-            mark = await tick()
+            mark = await tick(etcd)
 
             async def past(mark: int = mark) -> bool:
-                await tick()
-                return await compacted(mark)
+                await tick(etcd)
+                return await compacted(etcd, mark)
 
             await until(past, f"etcd compacting past revision {mark}")
-        assert await compacted(started + 1)
+        assert await compacted(etcd, started + 1)
         assert loads == 1 and view.ready
         # the watch is alive: a task header written now reaches the mirror
         header = keys.task("t")
