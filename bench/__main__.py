@@ -1,7 +1,8 @@
 """``python -m bench``: run the scenarios and write the report with its plots.
 
     python -m bench [--quick]
-                    [--only claims,loops,batches,pools,scale,watcher,cli,etcd-tls,lifetime,rest]
+                    [--only claims,loops,stack,batches,pools,scale,watcher,cli,etcd-tls,
+                            lifetime,rest]
                     [--out docs/benchmarks.md] [--set FIELD=VALUE ...]
 
 Without ``--only``, every scenario but the lifetime, which runs for hours at full size
@@ -36,6 +37,7 @@ from . import (
     pools,
     rest,
     scale,
+    stack,
     watching,
 )
 from .harness import INTERRUPTED, Machine, cpu_busy, ensure_b3sum, load_average
@@ -46,6 +48,7 @@ Scenario = Callable[[Profile, Path, Path], Section]
 SCENARIOS: dict[str, tuple[str, Scenario]] = {
     "claims": ("Claims", claims.run),
     "loops": ("Producer loops", loops.run),
+    "stack": ("The stack", stack.run),
     "batches": ("Batches", batches.run),
     "pools": ("Pools", pools.run),
     "scale": ("Scale", scale.run),

@@ -36,6 +36,7 @@ class Tally:
     def __init__(self) -> None:
         self.latencies: list[float] = []
         self.claimed: list[str] = []
+        self.written: dict[str, float] = {}
         self.cpu0 = 0.0
 
     def begin(self, gate: Gate) -> float:
@@ -45,7 +46,7 @@ class Tally:
 
     def result(self) -> Job:
         return {"latencies": self.latencies, "claimed": self.claimed, "end": time.monotonic(),
-                "cpu": time.process_time() - self.cpu0}
+                "cpu": time.process_time() - self.cpu0, "written": self.written}
 
 
 def _fsync_dir(path: str) -> None:
@@ -72,6 +73,8 @@ def baton(job: Job, gate: Gate) -> Job:
         t0 = time.perf_counter()
         if job["loop"] in ("each", "checkpoint", "single"):
             checkpoint = job["loop"] == "checkpoint"
+            # the wall-clock instant each file was written (closed), for write → verified
+            timed = bool(job.get("times"))
             # "single": one entry per step (trees that have ``ahead``)
             steps: Generator[Any, None, None] = (
                 produce_each(c, s, job["task"], ahead=1) if job["loop"] == "single"
@@ -89,6 +92,8 @@ def baton(job: Job, gate: Gate) -> Job:
                 if closes:
                     out.close()  # complete: leaving the loop commits it
                 tally.claimed.append(out.claim.file_id)
+                if timed:
+                    tally.written[out.claim.file_id] = time.time()
                 now = time.perf_counter()
                 if len(tally.claimed) > 1:
                     tally.latencies.append(now - t0)
@@ -155,7 +160,66 @@ def postgres(job: Job, gate: Gate) -> Job:
     return tally.result()
 
 
-RUNNERS = {"baton": baton, "postgres": postgres}
+def postgres_batched(job: Job, gate: Gate) -> Job:
+    """The PostgreSQL loop a careful engineer writes: each step is one transaction that
+    marks written (with their BLAKE3) the rows the last step's files were written for,
+    checking they are still this agent's, and claims up to ``batch`` more rows
+    (``FOR UPDATE SKIP LOCKED``). Each file is written as ``produce`` writes one (temp
+    file, fsync, rename, fsync of the directory), its BLAKE3 taken from its bytes."""
+    import blake3
+    import psycopg
+    from psycopg import sql
+
+    t = sql.Identifier(job["table"])
+    commit_q = sql.SQL(job["commit_sql"]).format(t=t)
+    claim_q = sql.SQL(job["claim_sql"]).format(t=t)
+    payload = b"x" * job["size"]
+    where = job["staging"]
+    os.makedirs(where, exist_ok=True)
+    tally = Tally()
+    held: list[int] = []
+    written: list[tuple[int, str]] = []
+    with psycopg.connect(job["conninfo"]) as conn:
+        conn.execute("SELECT 1")
+        conn.commit()
+        deadline = tally.begin(gate) + job["seconds"]
+        t0 = time.perf_counter()
+        while True:
+            with conn.transaction():
+                if written:
+                    done = conn.execute(commit_q, ([i for i, _ in written],
+                                                   [d for _, d in written], job["agent"]),
+                                        prepare=True)
+                    if done.rowcount != len(written):
+                        raise RuntimeError("rows written were no longer this agent's")
+                    for i, _ in written:
+                        tally.claimed.append(f"e{i:06d}")
+                    written = []
+                if time.monotonic() >= deadline:
+                    break
+                held = [r[0] for r in conn.execute(claim_q, (job["agent"], job["batch"]),
+                                                   prepare=True).fetchall()]
+            if not held:
+                break
+            for row in held:
+                name = f"e{row:06d}"
+                tmp = os.path.join(where, f".{name}.{job['agent']}.tmp")
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                try:
+                    os.write(fd, payload)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                os.rename(tmp, os.path.join(where, name))
+                _fsync_dir(where)
+                written.append((row, blake3.blake3(payload).hexdigest()))
+                now = time.perf_counter()
+                tally.latencies.append(now - t0)
+                t0 = now
+    return tally.result()
+
+
+RUNNERS = {"baton": baton, "postgres": postgres, "postgres-batched": postgres_batched}
 
 
 def main() -> int:

@@ -51,6 +51,14 @@ CLAIM_SQL = ("UPDATE {t} SET state = 'writing', owner = %s WHERE id = ("
              "SELECT id FROM {t} WHERE state = 'pending' ORDER BY id "
              "FOR UPDATE SKIP LOCKED LIMIT 1) RETURNING id")
 COMMIT_SQL = "UPDATE {t} SET state = 'written' WHERE id = %s AND owner = %s"
+#: the batched loop's step, one transaction: mark written (with each file's BLAKE3) the
+#: rows the agent still owns, then claim up to N more
+BATCH_COMMIT_SQL = ("UPDATE {t} SET state = 'written', digest = d.digest "
+                    "FROM unnest(%s::integer[], %s::text[]) AS d(id, digest) "
+                    "WHERE {t}.id = d.id AND {t}.owner = %s AND {t}.state = 'writing'")
+BATCH_CLAIM_SQL = ("UPDATE {t} SET state = 'writing', owner = %s WHERE id IN ("
+                   "SELECT id FROM {t} WHERE state = 'pending' ORDER BY id "
+                   "FOR UPDATE SKIP LOCKED LIMIT %s) RETURNING id")
 
 
 def _version_key(path: Path) -> tuple[int, ...]:
@@ -147,6 +155,24 @@ class Postgres:
     def pid(self) -> int:
         return self.process.pid if self.process else 0
 
+    def cpu(self) -> float:
+        """CPU seconds the server has used so far: the postmaster, its live processes,
+        and those that have exited (backends of closed connections, counted in the
+        postmaster's children times)."""
+        total = 0.0
+        tick = os.sysconf("SC_CLK_TCK")
+        children = Path(f"/proc/{self.pid}/task/{self.pid}/children")
+        for pid in [self.pid, *(int(c) for c in children.read_text().split())]:
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except FileNotFoundError:
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+            if pid == self.pid:
+                total += (int(fields[13]) + int(fields[14])) / tick
+        return total
+
     def __enter__(self) -> Self:
         try:
             self.start()
@@ -237,8 +263,8 @@ class Postgres:
         with psycopg.connect(self.conninfo, autocommit=True) as conn:
             conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(t))
             conn.execute(sql.SQL("CREATE TABLE {} (id integer PRIMARY KEY, state text NOT NULL, "
-                                 "owner text)").format(t))
-            conn.execute(sql.SQL("INSERT INTO {} SELECT g, 'pending', NULL "
+                                 "owner text, digest text)").format(t))
+            conn.execute(sql.SQL("INSERT INTO {} SELECT g, 'pending', NULL, NULL "
                                  "FROM generate_series(0, %s) AS g").format(t), (entries - 1,))
             # The usual companion of a SKIP LOCKED queue: pending rows only.
             conn.execute(sql.SQL("CREATE INDEX ON {} (id) WHERE state = 'pending'").format(t))

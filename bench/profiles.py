@@ -76,6 +76,12 @@ class Profile:
     #: the revision the loops are compared with ("" = none): the main branch before the
     #: session stream and the registry's reshaping
     loop_before: str = "f734371"
+    # the stack (baton up and the client's loop, verified)
+    stack_agents: tuple[int, ...] = (1, 16, 64)
+    #: entries in each point's task
+    stack_entries: int = 12_000
+    stack_seconds: float = 8.0
+    stack_rounds: int = 3
     # at rest
     #: entries held, across tasks (most pending; shares verified and consumed)
     rest_entries: int = 1_000_000
@@ -177,6 +183,10 @@ QUICK = Profile(
     loop_seconds=1.0,
     loop_rounds=1,
     loop_before="",
+    stack_agents=(2,),
+    stack_entries=400,
+    stack_seconds=1.0,
+    stack_rounds=1,
     rest_entries=20_000,
     rest_tasks=20,
     rest_verified=0.025,

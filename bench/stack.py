@@ -1,0 +1,330 @@
+"""The stack: what a user gets from `baton up` and the client's own loop, file work and
+verification included, beside the PostgreSQL loop a careful engineer writes."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import ssl
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+from baton_relay.client import Client
+from baton_relay.kernel.v1 import baton_pb2 as pb
+from baton_relay.local.etcdproc import free_port, terminate, wait_ready
+
+from . import pg_peer
+from .agents import double_claims
+from .claims import postgres_bindir
+from .harness import BenchError, cpu_seconds, die_with_parent, ms, ratio
+from .loops import PAYLOAD, Agents
+from .profiles import Profile
+from .report import Section, Table, bar_plot, line_plot
+
+METHOD = """
+Tried as a new user would: `baton up` (its own etcd, registry and watcher, mutual TLS
+everywhere, the watcher verifying every file put into staging), then agent processes
+running the client's own producer loop, `produce_each` as it runs by default (working
+ahead on a kept-alive session), with the agent identity `baton up` made. Each step
+writes one small file exactly as the helper does — a temp file, fsync, rename, fsync of
+its directory, BLAKE3 of its bytes — and the watcher checksums it again and reports it,
+so a file counts once it is *verified*. At each number of agents (one process and one
+connection each), rounds back to back:
+
+* **Baton** — files verified per second, from the common start to the later of the
+  agents' end and the last verification.
+* **PostgreSQL** — the same file work around the loop a careful engineer writes on
+  PostgreSQL 15 (fsync and synchronous commit on): each step is one transaction that
+  marks written, with their BLAKE3, the rows written since the last step (checking the
+  agent still owns them) and claims up to 8 more with `FOR UPDATE SKIP LOCKED`.
+
+CPU per file is counted from /proc for every process: the agents (their own
+`process_time`), and etcd, the registry and the watcher (or PostgreSQL's server and
+its backends), over the run. Keys written per file are etcd's own counters (puts and
+deletes) over the run. Write → verified runs from the instant the agent closed a file
+to the entry's verified time as the registry stamps it (milliseconds). Every id
+claimed is checked for doubles; there must be none.
+"""
+
+SYSTEMS = ("Baton", "PostgreSQL")
+COLOURS = dict(zip(SYSTEMS, ("C0", "C4"), strict=True))
+PROCESSES = ("agents", "registry", "watcher", "etcd", "postgres")
+#: entries claimed per PostgreSQL step
+PG_BATCH = 8
+READY_TIMEOUT = 90.0
+#: seconds allowed for the last written files to turn verified
+VERIFY_TIMEOUT = 120.0
+
+
+class Up:
+    """`baton up` in ``root`` (mutual TLS, one watcher), until closed: its address, the
+    agent and operator identities' settings, and its processes' ids."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.data = root / "up"
+        self.staging = root / "staging"
+        port, self._etcd_port = free_port(), free_port()
+        self.address = f"127.0.0.1:{port}"
+        self.log = root / "up.log"
+        with self.log.open("wb") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "baton_relay.client.cli", "up", "--data-dir",
+                 str(self.data), "--staging", str(self.staging), "--etcd-port",
+                 str(self._etcd_port), "--registry-port", str(port)],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True, preexec_fn=die_with_parent)
+        try:
+            wait_ready(self._ready, self.process, daemon="baton up", log_path=self.log,
+                       timeout=READY_TIMEOUT)
+            self.pids = self._children()
+        except BaseException:
+            self.close()
+            raise
+        pki = self.data / "pki"
+        self.agent_env = {"BATON_REGISTRY": self.address, "BATON_CA": str(pki / "ca.crt"),
+                          "BATON_CERT": str(pki / "agent.crt"),
+                          "BATON_KEY": str(pki / "agent.key")}
+        self.operator = (str(pki / "ca.crt"), str(pki / "operator.crt"),
+                         str(pki / "operator.key"))
+        self._ssl = ssl.create_default_context(cafile=str(pki / "ca.crt"))
+        self._ssl.load_cert_chain(str(pki / "etcd-client.crt"), str(pki / "etcd-client.key"))
+
+    def _ready(self) -> bool:
+        text = self.log.read_text(errors="replace")
+        return any(line.startswith("ready") for line in text.splitlines())
+
+    def _children(self) -> dict[str, int]:
+        """etcd's, the registry's and the watcher's process ids, by their command lines."""
+        found: dict[str, int] = {}
+        todo = [self.process.pid]
+        while todo:
+            pid = todo.pop()
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                with contextlib.suppress(OSError):
+                    todo += [int(c) for c in (task / "children").read_text().split()]
+            if pid == self.process.pid:
+                continue
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if b"baton_relay.registry" in argv:
+                found["registry"] = pid
+            elif b"baton_relay.watcher" in argv:
+                found["watcher"] = pid
+            elif argv and argv[0].endswith(b"etcd"):
+                found["etcd"] = pid
+        missing = {"etcd", "registry", "watcher"} - set(found)
+        if missing:
+            raise BenchError(f"baton up runs no {', '.join(sorted(missing))} (log: {self.log})")
+        return found
+
+    def keys_written(self) -> int:
+        """Keys etcd has put and deleted so far (its own counters)."""
+        url = f"https://127.0.0.1:{self._etcd_port}/metrics"
+        with urllib.request.urlopen(url, context=self._ssl, timeout=10) as response:
+            text = response.read().decode()
+        total = 0
+        for name in ("put", "delete"):
+            m = re.search(rf"^etcd_mvcc_{name}_total (\S+)$", text, re.MULTILINE) or re.search(
+                rf"^etcd_debugging_mvcc_{name}_total (\S+)$", text, re.MULTILINE)
+            total += int(float(m.group(1))) if m else 0
+        return total
+
+    def cpu(self) -> dict[str, float]:
+        return {name: cpu_seconds(pid) for name, pid in self.pids.items()}
+
+    def client(self) -> Client:
+        ca, cert, key = self.operator
+        return Client(self.address, timeout=120, ca=ca, cert=cert, key=key)
+
+    def close(self) -> None:
+        terminate(self.process, timeout=30)
+
+
+@dataclass
+class Sample:
+    files: int
+    per_s: float
+    doubles: int
+    cpu: dict[str, float] = field(default_factory=dict)
+    keys: int = 0
+    #: write → verified, seconds
+    verified: list[float] = field(default_factory=list)
+
+
+@dataclass
+class Point:
+    samples: list[Sample] = field(default_factory=list)
+
+    @property
+    def per_s(self) -> float:
+        return median(x.per_s for x in self.samples) if self.samples else float("nan")
+
+    def per_file(self, name: str) -> float:
+        """CPU seconds of process ``name`` (or keys) per file, over every round."""
+        total = sum(x.cpu.get(name, 0.0) if name != "keys" else x.keys for x in self.samples)
+        return ratio(total, sum(x.files for x in self.samples))
+
+
+def _stamp(text: str) -> float:
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+def baton_run(up: Up, agents: Agents, n: int, p: Profile, name: str) -> Sample:
+    with up.client() as c:
+        c.create_task({"task_id": name, "entries": [
+            {"file_id": f"e{i:06d}", "path": f"{name}/e{i:06d}"}
+            for i in range(p.stack_entries)]})
+        jobs = [{"runner": "baton", "loop": "each", "address": up.address, "task": name,
+                 "agent": f"{name}-{i}", "seconds": p.stack_seconds, "size": PAYLOAD,
+                 "times": True} for i in range(n)]
+        cpu, keys = up.cpu(), up.keys_written()
+        start, results = agents.run(jobs, p.stack_seconds)
+        written = {f: t for r in results for f, t in r["written"].items()}
+        deadline = time.monotonic() + VERIFY_TIMEOUT
+        while True:
+            states = c.get_task(name).states
+            if states.get("verified", 0) + states.get("consumed", 0) >= len(written):
+                break
+            if time.monotonic() > deadline:
+                raise BenchError(f"{name}: {len(written)} written, only "
+                                 f"{states.get('verified', 0)} verified "
+                                 f"in {VERIFY_TIMEOUT:.0f} s: {dict(states)}")
+            time.sleep(0.05)
+        done = time.monotonic()
+        used = {k: v - cpu[k] for k, v in up.cpu().items()}
+        keys = up.keys_written() - keys
+        entries = c.list_entries(name, state=pb.ENTRY_STATE_VERIFIED)
+    latencies = [_stamp(e.updated_at) - written[e.file_id] for e in entries
+                 if e.file_id in written]
+    end = max([done, *(r["end"] for r in results)]) if written else start
+    # the last verification was seen within one poll of ``done``
+    elapsed = end - start
+    return Sample(len(written), len(written) / elapsed if elapsed > 0 else float("nan"),
+                  double_claims([r["claimed"] for r in results]),
+                  {**used, "agents": sum(r["cpu"] for r in results)}, keys, latencies)
+
+
+def pg_run(pg: pg_peer.Postgres, agents: Agents, root: Path, n: int, p: Profile,
+           name: str) -> Sample:
+    table = name.replace("-", "_")
+    pg.new_table(table, p.stack_entries)
+    jobs = [{"runner": "postgres-batched", "conninfo": pg.conninfo, "table": table,
+             "claim_sql": pg_peer.BATCH_CLAIM_SQL, "commit_sql": pg_peer.BATCH_COMMIT_SQL,
+             "batch": PG_BATCH, "agent": f"agent-{i}", "seconds": p.stack_seconds,
+             "size": PAYLOAD, "staging": str(root / "pg-staging" / table)} for i in range(n)]
+    before = pg.cpu()
+    start, results = agents.run(jobs, p.stack_seconds)
+    used = pg.cpu() - before
+    files = sum(len(r["claimed"]) for r in results)
+    elapsed = max(r["end"] for r in results) - start
+    ids = [int(f[1:]) for r in results for f in r["claimed"]]
+    if pg.not_written(table, ids):
+        raise BenchError(f"{table}: rows an agent committed are not written")
+    return Sample(files, files / elapsed if elapsed > 0 else float("nan"),
+                  double_claims([r["claimed"] for r in results]),
+                  {"postgres": used, "agents": sum(r["cpu"] for r in results)})
+
+
+def run(p: Profile, root: Path, plot_dir: Path) -> Section:
+    t0 = time.monotonic()
+    points = {(s, n): Point() for s in SYSTEMS for n in p.stack_agents}
+    bindir, no_pg = postgres_bindir(p)
+    size = max(p.stack_agents)
+    with contextlib.ExitStack() as stack:
+        up = Up(root)
+        stack.callback(up.close)
+        agents = stack.enter_context(Agents(size, {**_env(), **up.agent_env},
+                                            root / "agents"))
+        runs: dict[str, Any] = {
+            "Baton": lambda n, name: baton_run(up, agents, n, p, name)}
+        if bindir:
+            pg = stack.enter_context(pg_peer.Postgres(bindir, size + 10))
+            runs["PostgreSQL"] = lambda n, name: pg_run(pg, agents, root, n, p, name)
+        systems = [s for s in SYSTEMS if s in runs]
+        for r in range(p.stack_rounds):
+            order = systems[r % len(systems):] + systems[:r % len(systems)]
+            for n in p.stack_agents:
+                for system in order:
+                    name = f"stack-{system[0].lower()}-{n}-{r}"
+                    points[system, n].samples.append(runs[system](n, name))
+    return section(p, points, plot_dir, time.monotonic() - t0, no_pg)
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items()
+            if k not in ("BATON_REGISTRY", "BATON_CA", "BATON_CERT", "BATON_KEY")}
+
+
+def median_ratio(points: dict[tuple[str, int], Point], n: int) -> float:
+    """The median over rounds of Baton's rate over PostgreSQL's in the same round."""
+    xs, ys = points["Baton", n].samples, points["PostgreSQL", n].samples
+    if not xs or not ys:
+        return float("nan")
+    return median(ratio(x.per_s, y.per_s) for x, y in zip(xs, ys, strict=True))
+
+
+def section(p: Profile, points: dict[tuple[str, int], Point], plot_dir: Path,
+            seconds: float, no_pg: str) -> Section:
+    agents = list(p.stack_agents)
+    rounds = "" if p.stack_rounds == 1 else f", medians of {p.stack_rounds} rounds"
+    rate = Table(f"Files per second (claim, write a {PAYLOAD}-byte file, publish; Baton: "
+                 f"until verified){rounds}",
+                 ["agents", "Baton", "PostgreSQL", "Baton ÷ PostgreSQL"])
+    cost = Table("CPU per file (ms), every process, over all rounds",
+                 ["agents", "Baton: agents", "registry", "watcher", "etcd", "Baton: all",
+                  "PostgreSQL: agents", "server", "PostgreSQL: all", "etcd keys written"])
+    latency = Table("Baton: write → verified (ms)", ["agents", "p50", "p99", "max", "files"])
+    safety = Table("Entries handed out twice, all rounds",
+                   ["agents", "Baton files", "PostgreSQL files", "double claims"])
+    for n in agents:
+        b, g = points["Baton", n], points["PostgreSQL", n]
+        rate.rows.append([n, b.per_s, g.per_s, median_ratio(points, n)])
+        baton_cpu = [1000 * b.per_file(k) for k in ("agents", "registry", "watcher", "etcd")]
+        pg_cpu = [1000 * g.per_file(k) for k in ("agents", "postgres")]
+        cost.rows.append([n, *baton_cpu, sum(baton_cpu), *pg_cpu, sum(pg_cpu),
+                          b.per_file("keys")])
+        values = [v for x in b.samples for v in x.verified]
+        latency.rows.append([n, ms(values, 0.5), ms(values, 0.99),
+                             1000 * max(values, default=float("nan")), len(values)])
+        safety.rows.append([n, sum(x.files for x in b.samples),
+                            sum(x.files for x in g.samples),
+                            sum(x.doubles for s in SYSTEMS for x in points[s, n].samples)])
+    plots = [
+        line_plot(plot_dir / "stack_throughput.png",
+                  "The stack: files per second (Baton: verified)",
+                  "concurrent agents (one process each)", "files/s",
+                  {s: (agents, [points[s, n].per_s for n in agents]) for s in SYSTEMS
+                   if any(points[s, n].samples for n in agents)},
+                  logx=True, colours=COLOURS),
+        bar_plot(plot_dir / "stack_cpu.png", "The stack: CPU per file (ms)", "ms",
+                 [str(n) + " agents" for n in agents],
+                 {k: [1000 * points["Baton", n].per_file(k) for n in agents]
+                  for k in ("agents", "registry", "watcher", "etcd")}
+                 | {"PostgreSQL (all)": [1000 * (points["PostgreSQL", n].per_file("agents")
+                                                 + points["PostgreSQL", n].per_file(
+                                                     "postgres")) for n in agents]}),
+    ]
+    headlines, facts = [], {}
+    for n in agents:
+        b = points["Baton", n]
+        parts = [f"Baton {b.per_s:,.0f} files/s verified"]
+        if points["PostgreSQL", n].samples:
+            parts.append(f"{median_ratio(points, n):.2f}x PostgreSQL")
+            facts[f"stack.vs_pg.{n}"] = median_ratio(points, n)
+        parts.append(f"registry {1000 * b.per_file('registry'):.2f} ms, watcher "
+                     f"{1000 * b.per_file('watcher'):.2f} ms CPU/file")
+        facts[f"stack.registry_ms.{n}"] = 1000 * b.per_file("registry")
+        facts[f"stack.watcher_ms.{n}"] = 1000 * b.per_file("watcher")
+        headlines.append(f"The stack at {n} agents: " + ", ".join(parts) + ".")
+    notes = [] if not no_pg else [f"The PostgreSQL peer did not run: {no_pg}."]
+    return Section("stack", "The stack", METHOD.strip(), [rate, cost, latency, safety],
+                   plots, notes, headlines, seconds, facts=facts)
