@@ -82,6 +82,8 @@ class Profile:
     stack_entries: int = 12_000
     stack_seconds: float = 8.0
     stack_rounds: int = 3
+    #: a revision run beside this one, its own `baton up` and agents ("" = none)
+    stack_before: str = ""
     # at rest
     #: entries held, across tasks (most pending; shares verified and consumed)
     rest_entries: int = 1_000_000

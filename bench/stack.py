@@ -23,7 +23,15 @@ from baton_relay.local.etcdproc import free_port, terminate, wait_ready
 from . import pg_peer
 from .agents import double_claims
 from .claims import postgres_bindir
-from .harness import BenchError, cpu_seconds, die_with_parent, ms, ratio
+from .harness import (
+    BenchError,
+    cpu_seconds,
+    die_with_parent,
+    ms,
+    ratio,
+    tree_env,
+    worktree,
+)
 from .loops import PAYLOAD, Agents
 from .profiles import Profile
 from .report import Section, Table, bar_plot, line_plot
@@ -53,8 +61,8 @@ to the entry's verified time as the registry stamps it (milliseconds). Every id
 claimed is checked for doubles; there must be none.
 """
 
-SYSTEMS = ("Baton", "PostgreSQL")
-COLOURS = dict(zip(SYSTEMS, ("C0", "C4"), strict=True))
+SYSTEMS = ("Baton", "Baton before", "PostgreSQL")
+COLOURS = dict(zip(SYSTEMS, ("C0", "C7", "C4"), strict=True))
 PROCESSES = ("agents", "registry", "watcher", "etcd", "postgres")
 #: entries claimed per PostgreSQL step
 PG_BATCH = 8
@@ -67,8 +75,9 @@ class Up:
     """`baton up` in ``root`` (mutual TLS, one watcher), until closed: its address, the
     agent and operator identities' settings, and its processes' ids."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, env: dict[str, str] | None = None) -> None:
         self.root = root
+        root.mkdir(parents=True, exist_ok=True)
         self.data = root / "up"
         self.staging = root / "staging"
         port, self._etcd_port = free_port(), free_port()
@@ -79,7 +88,7 @@ class Up:
                 [sys.executable, "-m", "baton_relay.client.cli", "up", "--data-dir",
                  str(self.data), "--staging", str(self.staging), "--etcd-port",
                  str(self._etcd_port), "--registry-port", str(port)],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
                 start_new_session=True, preexec_fn=die_with_parent)
         try:
             wait_ready(self._ready, self.process, daemon="baton up", log_path=self.log,
@@ -136,6 +145,19 @@ class Up:
             total += int(float(m.group(1))) if m else 0
         return total
 
+    def registry_calls(self) -> dict[str, int]:
+        """Calls (and agent stream messages) the registry has handled so far, by method."""
+        argv = Path(f"/proc/{self.pids['registry']}/cmdline").read_bytes().split(b"\0")
+        where = argv[argv.index(b"--metrics") + 1].decode()
+        with urllib.request.urlopen(f"http://{where}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        calls: dict[str, int] = {}
+        for method, value in re.findall(
+                r'^baton_grpc_calls_total\{[^}]*method="([^"]+)"[^}]*\} (\S+)$', text,
+                re.MULTILINE):
+            calls[method] = calls.get(method, 0) + int(float(value))
+        return calls
+
     def cpu(self) -> dict[str, float]:
         return {name: cpu_seconds(pid) for name, pid in self.pids.items()}
 
@@ -156,6 +178,8 @@ class Sample:
     keys: int = 0
     #: write → verified, seconds
     verified: list[float] = field(default_factory=list)
+    #: the registry's calls (agent stream messages included) by method, over the run
+    calls: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -184,11 +208,12 @@ def baton_run(up: Up, agents: Agents, n: int, p: Profile, name: str) -> Sample:
         jobs = [{"runner": "baton", "loop": "each", "address": up.address, "task": name,
                  "agent": f"{name}-{i}", "seconds": p.stack_seconds, "size": PAYLOAD,
                  "times": True} for i in range(n)]
-        cpu, keys = up.cpu(), up.keys_written()
+        cpu, keys, calls = up.cpu(), up.keys_written(), up.registry_calls()
         start, results = agents.run(jobs, p.stack_seconds)
         written = {f: t for r in results for f, t in r["written"].items()}
         deadline = time.monotonic() + VERIFY_TIMEOUT
         while True:
+            # GetTask counts every entry: asked twice a second, once the agents are done
             states = c.get_task(name).states
             if states.get("verified", 0) + states.get("consumed", 0) >= len(written):
                 break
@@ -196,19 +221,22 @@ def baton_run(up: Up, agents: Agents, n: int, p: Profile, name: str) -> Sample:
                 raise BenchError(f"{name}: {len(written)} written, only "
                                  f"{states.get('verified', 0)} verified "
                                  f"in {VERIFY_TIMEOUT:.0f} s: {dict(states)}")
-            time.sleep(0.05)
-        done = time.monotonic()
+            time.sleep(0.5)
         used = {k: v - cpu[k] for k, v in up.cpu().items()}
         keys = up.keys_written() - keys
+        after = up.registry_calls()
+        calls = {m: after[m] - calls.get(m, 0) for m in after if after[m] > calls.get(m, 0)}
         entries = c.list_entries(name, state=pb.ENTRY_STATE_VERIFIED)
-    latencies = [_stamp(e.updated_at) - written[e.file_id] for e in entries
-                 if e.file_id in written]
-    end = max([done, *(r["end"] for r in results)]) if written else start
-    # the last verification was seen within one poll of ``done``
+    verified = {e.file_id: _stamp(e.updated_at) for e in entries if e.file_id in written}
+    latencies = [t - written[f] for f, t in verified.items()]
+    # the last verification, on the agents' clock (the registry stamps wall-clock time)
+    last = max(verified.values(), default=0.0) - (time.time() - time.monotonic())
+    end = max([last, *(r["end"] for r in results)]) if written else start
     elapsed = end - start
     return Sample(len(written), len(written) / elapsed if elapsed > 0 else float("nan"),
                   double_claims([r["claimed"] for r in results]),
-                  {**used, "agents": sum(r["cpu"] for r in results)}, keys, latencies)
+                  {**used, "agents": sum(r["cpu"] for r in results)}, keys, latencies,
+                  calls)
 
 
 def pg_run(pg: pg_peer.Postgres, agents: Agents, root: Path, n: int, p: Profile,
@@ -238,12 +266,19 @@ def run(p: Profile, root: Path, plot_dir: Path) -> Section:
     bindir, no_pg = postgres_bindir(p)
     size = max(p.stack_agents)
     with contextlib.ExitStack() as stack:
-        up = Up(root)
+        up = Up(root / "now")
         stack.callback(up.close)
         agents = stack.enter_context(Agents(size, {**_env(), **up.agent_env},
                                             root / "agents"))
         runs: dict[str, Any] = {
             "Baton": lambda n, name: baton_run(up, agents, n, p, name)}
+        if p.stack_before:
+            env = tree_env(stack.enter_context(worktree(p.stack_before)))
+            old = Up(root / "before", env)
+            stack.callback(old.close)
+            olds = stack.enter_context(Agents(size, {**_env(), **env, **old.agent_env},
+                                              root / "agents-before"))
+            runs["Baton before"] = lambda n, name: baton_run(old, olds, n, p, name)
         if bindir:
             pg = stack.enter_context(pg_peer.Postgres(bindir, size + 10))
             runs["PostgreSQL"] = lambda n, name: pg_run(pg, agents, root, n, p, name)
@@ -264,9 +299,10 @@ def _env() -> dict[str, str]:
             if k not in ("BATON_REGISTRY", "BATON_CA", "BATON_CERT", "BATON_KEY")}
 
 
-def median_ratio(points: dict[tuple[str, int], Point], n: int) -> float:
-    """The median over rounds of Baton's rate over PostgreSQL's in the same round."""
-    xs, ys = points["Baton", n].samples, points["PostgreSQL", n].samples
+def median_ratio(points: dict[tuple[str, int], Point], n: int, a: str = "Baton",
+                 b: str = "PostgreSQL") -> float:
+    """The median over rounds of ``a``'s rate over ``b``'s in the same round."""
+    xs, ys = points[a, n].samples, points[b, n].samples
     if not xs or not ys:
         return float("nan")
     return median(ratio(x.per_s, y.per_s) for x, y in zip(xs, ys, strict=True))
@@ -276,27 +312,53 @@ def section(p: Profile, points: dict[tuple[str, int], Point], plot_dir: Path,
             seconds: float, no_pg: str) -> Section:
     agents = list(p.stack_agents)
     rounds = "" if p.stack_rounds == 1 else f", medians of {p.stack_rounds} rounds"
+    before = f"Baton before ({p.stack_before})" if p.stack_before else "Baton before (not run)"
     rate = Table(f"Files per second (claim, write a {PAYLOAD}-byte file, publish; Baton: "
                  f"until verified){rounds}",
-                 ["agents", "Baton", "PostgreSQL", "Baton ÷ PostgreSQL"])
+                 ["agents", "Baton", "PostgreSQL", "Baton ÷ PostgreSQL", before,
+                  "before ÷ PostgreSQL", "Baton ÷ before"])
     cost = Table("CPU per file (ms), every process, over all rounds",
-                 ["agents", "Baton: agents", "registry", "watcher", "etcd", "Baton: all",
-                  "PostgreSQL: agents", "server", "PostgreSQL: all", "etcd keys written"])
-    latency = Table("Baton: write → verified (ms)", ["agents", "p50", "p99", "max", "files"])
+                 ["agents", "system", "agents' CPU", "registry", "watcher",
+                  "etcd / PostgreSQL server", "all", "etcd keys written"])
+    latency = Table("Write → verified (ms)",
+                    ["agents", "system", "p50", "p99", "max", "files"])
+    calls = Table("The registry's calls and agent stream messages per file, by method "
+                  "(all rounds)", ["agents", "system", "method", "per file"])
     safety = Table("Entries handed out twice, all rounds",
-                   ["agents", "Baton files", "PostgreSQL files", "double claims"])
+                   ["agents", *(f"{s} files" for s in SYSTEMS), "double claims"])
     for n in agents:
         b, g = points["Baton", n], points["PostgreSQL", n]
-        rate.rows.append([n, b.per_s, g.per_s, median_ratio(points, n)])
-        baton_cpu = [1000 * b.per_file(k) for k in ("agents", "registry", "watcher", "etcd")]
-        pg_cpu = [1000 * g.per_file(k) for k in ("agents", "postgres")]
-        cost.rows.append([n, *baton_cpu, sum(baton_cpu), *pg_cpu, sum(pg_cpu),
-                          b.per_file("keys")])
-        values = [v for x in b.samples for v in x.verified]
-        latency.rows.append([n, ms(values, 0.5), ms(values, 0.99),
-                             1000 * max(values, default=float("nan")), len(values)])
-        safety.rows.append([n, sum(x.files for x in b.samples),
-                            sum(x.files for x in g.samples),
+        o = points["Baton before", n]
+        rate.rows.append([n, b.per_s, g.per_s, median_ratio(points, n), o.per_s,
+                          median_ratio(points, n, "Baton before"),
+                          median_ratio(points, n, "Baton", "Baton before")])
+        for system in SYSTEMS:
+            point = points[system, n]
+            if not point.samples:
+                continue
+            if system == "PostgreSQL":
+                used = [1000 * g.per_file("agents"), float("nan"), float("nan"),
+                        1000 * g.per_file("postgres")]
+                keys = float("nan")
+            else:
+                used = [1000 * point.per_file(k)
+                        for k in ("agents", "registry", "watcher", "etcd")]
+                keys = point.per_file("keys")
+            cost.rows.append([n, system, *used, sum(u for u in used if u == u), keys])
+            if system == "PostgreSQL":
+                continue
+            files = sum(x.files for x in point.samples)
+            by_method: dict[str, int] = {}
+            for x in point.samples:
+                for m, k in x.calls.items():
+                    by_method[m] = by_method.get(m, 0) + k
+            for m, k in sorted(by_method.items(), key=lambda mk: -mk[1]):
+                if k >= files / 100:
+                    calls.rows.append([n, system, m, ratio(k, files)])
+            values = [v for x in point.samples for v in x.verified]
+            latency.rows.append([n, system, ms(values, 0.5), ms(values, 0.99),
+                                 1000 * max(values, default=float("nan")), len(values)])
+        safety.rows.append([n, *(sum(x.files for x in points[s, n].samples) for s in SYSTEMS),
                             sum(x.doubles for s in SYSTEMS for x in points[s, n].samples)])
     plots = [
         line_plot(plot_dir / "stack_throughput.png",
@@ -326,5 +388,5 @@ def section(p: Profile, points: dict[tuple[str, int], Point], plot_dir: Path,
         facts[f"stack.watcher_ms.{n}"] = 1000 * b.per_file("watcher")
         headlines.append(f"The stack at {n} agents: " + ", ".join(parts) + ".")
     notes = [] if not no_pg else [f"The PostgreSQL peer did not run: {no_pg}."]
-    return Section("stack", "The stack", METHOD.strip(), [rate, cost, latency, safety],
+    return Section("stack", "The stack", METHOD.strip(), [rate, cost, latency, calls, safety],
                    plots, notes, headlines, seconds, facts=facts)
