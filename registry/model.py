@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -92,15 +93,83 @@ def epoch_of(stamp: str) -> float:
 
 
 def _load(cls: type[Any], raw: bytes) -> Any:
-    data = json.loads(raw)
-    known = _FIELDS.get(cls)
-    if known is None:
-        known = _FIELDS[cls] = frozenset(f.name for f in fields(cls))
-    return cls(**{k: v for k, v in data.items() if k in known})
+    """A new ``cls`` record from its stored bytes.
+
+    The same bytes are read again and again — a task's header by every step of its
+    producers, an entry by the watch that saw it change and then by the step that moves
+    it next — and decoding is the registry's costliest work per entry. So the fields
+    decoded from the last :data:`DECODED_KEPT` stored values of each class are kept,
+    keyed by those bytes (equal bytes decode to equal records), and each load builds a
+    new record from them: writers change records in place, so lists and dicts are
+    copied, never shared."""
+    kept = _DECODED.setdefault(cls, {})
+    hit = kept.get(raw)
+    if hit is None:
+        form = _form(cls)
+        values = {k: v for k, v in json.loads(raw).items() if k in form.template}
+        hit = (values, tuple(k for k, v in values.items() if isinstance(v, (list, dict))))
+        if len(kept) >= DECODED_KEPT:
+            with contextlib.suppress(RuntimeError, StopIteration, KeyError):
+                del kept[next(iter(kept))]  # the oldest
+        kept[raw] = hit
+    values, containers = hit
+    form = _form(cls)
+    if not form.required <= values.keys():
+        return cls(**values)  # refused as the constructor refuses it
+    # What the dataclass's __init__ would do, without its call per field (the
+    # attributes in the same order, so a record dumps the same bytes).
+    state = {**form.template, **values}
+    for name, factory in form.factories:
+        if name not in values:
+            state[name] = factory()
+    for name in containers:
+        state[name] = _copied(values[name])
+    rec = cls.__new__(cls)
+    rec.__dict__.update(state)
+    if form.post_init:
+        rec.__post_init__()
+    return rec
 
 
-#: the names of each record class's fields (what a stored record may set)
-_FIELDS: dict[type[Any], frozenset[str]] = {}
+@dataclass(frozen=True)
+class _Form:
+    """How :func:`_load` builds a record class without calling its constructor."""
+
+    #: every field, in order: its default, or None for one that has a factory or none
+    template: dict[str, Any]
+    factories: tuple[tuple[str, Callable[[], Any]], ...]
+    required: frozenset[str]
+    post_init: bool
+
+
+def _form(cls: type[Any]) -> _Form:
+    form = _FORMS.get(cls)
+    if form is None:
+        template, factories, required = {}, [], set()
+        for f in fields(cls):
+            template[f.name] = None if f.default is MISSING else f.default
+            if f.default_factory is not MISSING:
+                factories.append((f.name, f.default_factory))
+            elif f.default is MISSING:
+                required.add(f.name)
+        form = _FORMS[cls] = _Form(template, tuple(factories), frozenset(required),
+                                   hasattr(cls, "__post_init__"))
+    return form
+
+
+def _copied(value: Any) -> Any:
+    """A JSON value whose lists and dicts are new (their leaves are immutable)."""
+    if isinstance(value, list):
+        return [_copied(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _copied(v) for k, v in value.items()}
+    return value
+
+
+_FORMS: dict[type[Any], _Form] = {}
+#: how many stored values of each record class :func:`_load` keeps decoded
+DECODED_KEPT = 4096
+_DECODED: dict[type[Any], dict[bytes, tuple[dict[str, Any], tuple[str, ...]]]] = {}
 
 
 @dataclass
@@ -237,8 +306,13 @@ class EntryRecord:
         restores them), which keeps a pending entry to about a third of its full size."""
         self.updated_at = now()
         # Every field is already a JSON value: skip asdict()'s deep copy (hot path).
-        data = {k: v for k, v in vars(self).items()
-                if not k.startswith("_") and _ENTRY_DEFAULTS.get(k, _NO_DEFAULT) != v}
+        state = vars(self)
+        if len(state) == _ENTRY_ATTRIBUTES:  # its fields, ``_from`` and ``_events``
+            data = {k: v for k, d in _ENTRY_FIELD_DEFAULTS
+                    if (v := state[k]) is not d and v != d}
+        else:  # an attribute set beside the fields is stored too
+            data = {k: v for k, v in state.items()
+                    if not k.startswith("_") and _ENTRY_DEFAULTS.get(k, _NO_DEFAULT) != v}
         return json.dumps(data, separators=(",", ":")).encode()
 
     def remember(self, event: str, **details: Any) -> None:
@@ -378,6 +452,10 @@ _ENTRY_DEFAULTS: dict[str, Any] = {
     for f in fields(EntryRecord)
     if f.default is not MISSING or f.default_factory is not MISSING
 }
+#: each field of an entry with its default (or none), in order: what ``dump`` compares
+_ENTRY_FIELD_DEFAULTS = tuple((f.name, _ENTRY_DEFAULTS.get(f.name, _NO_DEFAULT))
+                              for f in fields(EntryRecord))
+_ENTRY_ATTRIBUTES = len(_ENTRY_FIELD_DEFAULTS) + 2
 
 
 @dataclass

@@ -492,7 +492,7 @@ class Transactions:
             try:
                 if not txn.writes and not req_key and not txn.compares():
                     return reply(0)
-                result, refresh = await self._commit(txn, reply, req_key)
+                result, refresh, stored = await self._commit(txn, reply, req_key)
             finally:
                 self._release(txn)
             if result.succeeded:
@@ -500,6 +500,12 @@ class Transactions:
                     self.view.written(txn, result.revision)
                 txn.revision = result.revision
                 txn.run_hooks()
+                if stored:
+                    # The reply is built once: the one recorded for a retry of the call,
+                    # given the commit's revision as a retry would be (no record is
+                    # converted to a message twice).
+                    assert replay is not None
+                    return replay(stored, result.revision)
                 return reply(result.revision)
             if req_key and result.gets and result.gets[-1]:
                 record = result.gets[-1][0]
@@ -522,11 +528,12 @@ class Transactions:
             self.view.release(txn.reserved)
 
     async def _commit(self, txn: Txn, reply: Callable[[int], M],
-                      req_key: bytes) -> tuple[TxnResult, list[bytes]]:
-        """Commit ``txn`` (and the call's request record); the result and the keys
-        its failure branch reads back."""
+                      req_key: bytes) -> tuple[TxnResult, list[bytes], bytes]:
+        """Commit ``txn`` (and the call's request record); the result, the keys its
+        failure branch reads back, and the reply as recorded ("" without a request)."""
         compares, ops = txn.compares(), txn.ops()
         refresh = txn.read_keys()
+        stored = b""
         if req_key:
             # The reply may name the commit revision, unknown until the
             # transaction applies: record it as of revision 0; ``replay``
@@ -535,11 +542,12 @@ class Transactions:
             assert isinstance(record, Message), "a call with a request id replies a message"
             compares.append(absent(req_key))
             lease = await self._lease_for_requests()
-            ops.append(Put(req_key, record.SerializeToString(), lease=lease))
+            stored = record.SerializeToString()
+            ops.append(Put(req_key, stored, lease=lease))
             refresh = [*refresh, req_key]
         if len(refresh) > MAX_TXN_OPS:
             refresh = refresh[-MAX_TXN_OPS:]
-        return await self.committer.commit(txn, compares, ops, refresh), refresh
+        return await self.committer.commit(txn, compares, ops, refresh), refresh, stored
 
     async def _backoff(self, attempt: int) -> None:
         if attempt:
