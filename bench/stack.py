@@ -53,7 +53,8 @@ connection each), rounds back to back:
   marks written, with their BLAKE3, the rows written since the last step (checking the
   agent still owns them) and claims up to 8 more with `FOR UPDATE SKIP LOCKED`.
 
-CPU per file is counted from /proc for every process: the agents (their own
+Each run starts once the stack is quiet (the new task taken in by the registry and the
+watcher). CPU per file is counted from /proc for every process: the agents (their own
 `process_time`), and etcd, the registry and the watcher (or PostgreSQL's server and
 its backends), over the run. Keys written per file are etcd's own counters (puts and
 deletes) over the run. Write → verified runs from the instant the agent closed a file
@@ -69,6 +70,11 @@ PG_BATCH = 8
 READY_TIMEOUT = 90.0
 #: seconds allowed for the last written files to turn verified
 VERIFY_TIMEOUT = 120.0
+#: a stack is settled once its processes use at most SETTLE_BUSY of a core in two
+#: consecutive samples of SETTLE_SAMPLE seconds
+SETTLE_TIMEOUT = 300.0
+SETTLE_SAMPLE = 0.5
+SETTLE_BUSY = 0.1
 
 
 class Up:
@@ -161,6 +167,19 @@ class Up:
     def cpu(self) -> dict[str, float]:
         return {name: cpu_seconds(pid) for name, pid in self.pids.items()}
 
+    def settle(self, timeout: float = SETTLE_TIMEOUT) -> None:
+        """Wait until the stack is quiet (a new task's entries taken in by the registry's
+        view and the watcher's table), so that a run counts the hand-offs only."""
+        deadline = time.monotonic() + timeout
+        quiet, last = 0, sum(self.cpu().values())
+        while quiet < 2:
+            if time.monotonic() > deadline:
+                raise BenchError(f"the stack did not settle within {timeout:.0f} s")
+            time.sleep(SETTLE_SAMPLE)
+            now = sum(self.cpu().values())
+            quiet = quiet + 1 if now - last <= SETTLE_BUSY * SETTLE_SAMPLE else 0
+            last = now
+
     def client(self) -> Client:
         ca, cert, key = self.operator
         return Client(self.address, timeout=120, ca=ca, cert=cert, key=key)
@@ -208,6 +227,7 @@ def baton_run(up: Up, agents: Agents, n: int, p: Profile, name: str) -> Sample:
         jobs = [{"runner": "baton", "loop": "each", "address": up.address, "task": name,
                  "agent": f"{name}-{i}", "seconds": p.stack_seconds, "size": PAYLOAD,
                  "times": True} for i in range(n)]
+        up.settle()
         cpu, keys, calls = up.cpu(), up.keys_written(), up.registry_calls()
         start, results = agents.run(jobs, p.stack_seconds)
         written = {f: t for r in results for f, t in r["written"].items()}
