@@ -79,11 +79,12 @@ class Profile:
     # the stack (baton up and the client's loop, verified)
     stack_agents: tuple[int, ...] = (1, 16, 64)
     #: entries in each point's task
-    stack_entries: int = 12_000
+    stack_entries: int = 40_000
     stack_seconds: float = 8.0
     stack_rounds: int = 3
-    #: a revision run beside this one, its own `baton up` and agents ("" = none)
-    stack_before: str = ""
+    #: a revision run beside this one, its own `baton up` and agents ("" = none): the
+    #: main branch before the hand-off's cost was first cut (issue 38's baseline)
+    stack_before: str = "1912c3f"
     # at rest
     #: entries held, across tasks (most pending; shares verified and consumed)
     rest_entries: int = 1_000_000
@@ -189,6 +190,7 @@ QUICK = Profile(
     stack_entries=400,
     stack_seconds=1.0,
     stack_rounds=1,
+    stack_before="",
     rest_entries=20_000,
     rest_tasks=20,
     rest_verified=0.025,

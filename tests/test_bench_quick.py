@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from tools import require
 
-SCENARIOS = ("Claims", "Producer loops", "Batches", "Scale", "Watcher", "CLI startup", "Lifetime",
-             "At rest")
+SCENARIOS = ("Claims", "Producer loops", "The stack", "Batches", "Scale", "Watcher",
+             "CLI startup", "Lifetime", "At rest")
 
 
 @pytest.mark.slow
