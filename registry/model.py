@@ -124,7 +124,7 @@ def _load(cls: type[Any], raw: bytes) -> Any:
             state[name] = factory()
     for name in containers:
         state[name] = _copied(values[name])
-    rec = cls.__new__(cls)
+    rec = object.__new__(cls)
     rec.__dict__.update(state)
     if form.post_init:
         rec.__post_init__()
