@@ -178,13 +178,19 @@ class Table:
         with self._lock:
             return sum(1 for v in self._tasks.values() if v.cold)
 
-    def apply(self, task_id: str, entry: pb.Entry) -> Change | None:
-        """Record ``entry`` unless something newer is known; the change, if any."""
+    def apply(self, task_id: str, entry: pb.Entry, *,
+              failures: int | None = None) -> Change | None:
+        """Record ``entry`` unless something newer is known; the change, if any.
+        ``failures``: set the entry's count of failed hashes too (whether or not
+        ``entry`` was news)."""
         with self._lock:
             view = self._tasks.get(task_id)
             if view is None:
                 return None
-            return self._apply(view, entry)
+            change = self._apply(view, entry)
+            if failures is not None and (known := view.entries.get(entry.file_id)):
+                known.failures = failures
+            return change
 
     def _apply(self, view: TaskView, entry: pb.Entry) -> Change | None:
         if entry.parts:
@@ -239,6 +245,13 @@ class Table:
             view = self._tasks.get(task_id)
             known = view.entries.get(file_id) if view else None
             return dataclasses.replace(known) if known else None
+
+    def revision(self, task_id: str, file_id: str) -> int:
+        """The revision the entry is known at (0: not known)."""
+        with self._lock:
+            view = self._tasks.get(task_id)
+            known = view.entries.get(file_id) if view else None
+            return known.revision if known else 0
 
     def entries(self, task_id: str) -> list[EntryView]:
         with self._lock:
