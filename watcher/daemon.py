@@ -88,7 +88,7 @@ class Watcher:
                              key=config.key)
         self.cache = cache if cache is not None else open_cache(config.state_file)
         self.hasher = hasher or Hasher(self.root, config.large_file)
-        self.watches = Watches(self.root, config.observer, self.intake.put,
+        self.watches = Watches(self.root, config.observer, self.intake.put_all,
                                config.poll_interval)
         self._stop = threading.Event()
         #: wakes the reconciler: a pass is wanted now (or the watcher stops)
@@ -261,8 +261,8 @@ class Watcher:
         else:
             self._check_now([(task_id, c.entry.file_id) for c in changes
                              if self.checker.wants(c, watched=watched)])
-        self.retention.offer(task_id, (c.entry for c in changes
-                                       if c.entry.state == pb.ENTRY_STATE_CONSUMED))
+        if consumed := [c.entry for c in changes if c.entry.state == pb.ENTRY_STATE_CONSUMED]:
+            self.retention.offer(task_id, consumed)
         self._sync_watch(task_id, rescan=synced or warmed)
 
     def _sync_watch(self, task_id: str, *, rescan: bool = False, rewalk: bool = False) -> None:

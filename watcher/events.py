@@ -62,11 +62,16 @@ class Intake:
         self._waiting = False
 
     def put(self, event: FsEvent) -> None:
+        self.put_all([event])
+
+    def put_all(self, events: list[FsEvent]) -> None:
+        """Queue ``events`` (those beyond the bound are dropped: an overflow)."""
         with self._cond:
-            if len(self._events) >= self._maxsize:
+            room = self._maxsize - len(self._events)
+            if len(events) > room:
                 self._overflowed = True
-            else:
-                self._events.append(event)
+                events = events[:max(0, room)]
+            self._events.extend(events)
             if self._waiting:
                 self._cond.notify()
 
