@@ -88,7 +88,8 @@ class FlakyHasher(Hasher):
     def hash(self, task_id: str, rel: str) -> Hashed:
         raise FileChanged(rel, "changed while hashed", "")
 
-    def look(self, task_id: str, rel: str) -> Identity | Hashed | None:
+    def look(self, task_id: str, rel: str, *,
+             known: Identity | None = None) -> Identity | Hashed | None:
         raise FileChanged(rel, "changed while hashed", "")
 
 
@@ -176,10 +177,11 @@ class GatedHasher(Hasher):
         assert self.gate.wait(30)
         return super().hash(task_id, rel)
 
-    def look(self, task_id: str, rel: str) -> Identity | Hashed | None:
+    def look(self, task_id: str, rel: str, *,
+             known: Identity | None = None) -> Identity | Hashed | None:
         self.started.set()
         assert self.gate.wait(30)
-        return super().look(task_id, rel)
+        return super().look(task_id, rel, known=known)
 
 
 def test_stop_finishes_and_reports_the_hash_in_hand(

@@ -169,14 +169,17 @@ class Checker:
 
     # by state ------------------------------------------------------------------------
 
-    def _look(self, key: Key, entry: EntryView, inline: bool) -> Identity | Hashed | None:
-        """The file hashed if it is small, else its identity; None if absent. A
-        failure is handled (counted, reported) and raises ``_Handled``; a large file
-        on an ``inline`` check raises ``_Large``."""
+    def _look(self, key: Key, entry: EntryView) -> Identity | Hashed | None:
+        """The file hashed if it is small and not the one last reported, else its
+        identity; None if absent. A failure is handled (counted, reported) and raises
+        ``_Handled``."""
         start = self.metrics.clock()
         started_ns = time.time_ns() if tracing.ENABLED else 0
+        with self._sent_lock:
+            sent = self._sent.get(key)
         try:
-            found = self.hasher.look(key[0], entry.attempt_path)
+            found = self.hasher.look(key[0], entry.attempt_path,
+                                     known=sent[0] if sent is not None else None)
         except HashFailed as e:
             self._hash_failed(key, entry, e)
             raise _Handled() from e
@@ -184,9 +187,17 @@ class Checker:
             self.metrics.hashed(found.identity.size, self.metrics.clock() - start)
             if started_ns:
                 found = dataclasses.replace(found, started_ns=started_ns)
-        elif found is not None and inline:
-            raise _Large()
         return found
+
+    def _known(self, key: Key) -> Known | None:
+        """What this watcher knows the file's bytes hash to, for which identity: the
+        last report of the entry (a recent one is remembered in memory), else the
+        state file (large files only)."""
+        with self._sent_lock:
+            sent = self._sent.get(key)
+        if sent is not None:
+            return Known(sent[0], sent[1])
+        return self.cache.get(*key)
 
     def _pending(self, key: Key, entry: EntryView) -> None:
         """No attempt is live: whatever is on disk is a dead attempt's."""
@@ -204,7 +215,7 @@ class Checker:
             entry.attempt_path, entry.token = newest
             self.table.saw_attempt(*key, *newest)
         try:
-            found = self._look(key, entry, inline)
+            found = self._look(key, entry)
         except _Handled:
             return
         if found is None:
@@ -215,16 +226,16 @@ class Checker:
             return
         if self._on_its_way(key, found):
             return
-        known = self.cache.get(*key)
+        known = self._known(key)
         if known is not None and known.identity == found:
             return  # this very file was reported already
-        hashed = self._hash(key, entry)
+        hashed = self._hash(key, entry, found, inline)
         if hashed is not None:
             self._report(key, entry, hashed)
 
     def _written(self, key: Key, entry: EntryView, inline: bool) -> None:
         try:
-            found = self._look(key, entry, inline)
+            found = self._look(key, entry)
         except _Handled:
             return
         if found is None:  # committed, but not (yet, on a network mount) visible here
@@ -237,17 +248,17 @@ class Checker:
         if isinstance(found, Hashed):
             self._report(key, entry, found)
             return
-        known = self.cache.get(*key)
+        known = self._known(key)
         if known is not None and known.identity == identity:
             self._report(key, entry, Hashed(identity, known.digest))
             return
-        hashed = self._hash(key, entry)
+        hashed = self._hash(key, entry, identity, inline)
         if hashed is not None:
             self._report(key, entry, hashed)
 
     def _verified(self, key: Key, entry: EntryView, inline: bool) -> None:
         try:
-            found = self._look(key, entry, inline)
+            found = self._look(key, entry)
         except _Handled:
             return
         if found is None:
@@ -259,12 +270,12 @@ class Checker:
         if isinstance(found, Hashed):
             hashed: Hashed | None = found
         else:
-            known = self.cache.get(*key)
+            known = self._known(key)
             if (known is not None and known.identity == identity
                     and known.digest == entry.digest):
                 self._mind_links(key, identity)
                 return
-            hashed = self._hash(key, entry)
+            hashed = self._hash(key, entry, identity, inline)
         if hashed is None:
             return
         if hashed.digest == entry.digest:
@@ -286,7 +297,12 @@ class Checker:
 
     # hashing and its failures ------------------------------------------------------------
 
-    def _hash(self, key: Key, entry: EntryView) -> Hashed | None:
+    def _hash(self, key: Key, entry: EntryView, identity: Identity,
+              inline: bool) -> Hashed | None:
+        """Hash the file (whose identity was just taken); ``inline``: not a large one,
+        which is left to the hash workers (``_Large``)."""
+        if inline and identity.size >= self.hasher.small_file:
+            raise _Large()
         start = self.metrics.clock()
         started_ns = time.time_ns() if tracing.ENABLED else 0
         try:

@@ -42,7 +42,7 @@ from .observe import Watches
 from .reporter import Reporter
 from .retention import Retention
 from .shards import Membership
-from .state import CHECKED, LIVE, UNCOMMITTED, Change, EntryView, Table, TaskView
+from .state import CHECKED, UNCOMMITTED, Change, EntryView, Table, TaskView
 from .sync import TaskStreams
 from .taskdirs import TaskDirs
 
@@ -256,7 +256,7 @@ class Watcher:
         watched = self.table.needs_watch(task_id)[1]
         if synced:  # a snapshot: many files, some of them large; the workers'
             for c in changes:
-                if c.entry.state in LIVE:
+                if c.entry.state in CHECKED:  # (a pending entry's check does nothing)
                     self.jobs.submit((task_id, c.entry.file_id))
         else:
             self._check_now([(task_id, c.entry.file_id) for c in changes
@@ -596,7 +596,9 @@ class Watcher:
     def _dispatch(self) -> None:
         while not self._stop.is_set():
             keys: dict[tuple[str, str], None] = {}  # in order, once each
-            for event in self.intake.take():
+            events = self.intake.take()
+            self.metrics.add("events", len(events))
+            for event in events:
                 try:
                     if (key := self._handle(event)) is not None:
                         keys[key] = None
@@ -624,7 +626,6 @@ class Watcher:
 
     def _handle(self, event: FsEvent) -> tuple[str, str] | None:
         """Act on one event; the entry whose file to check, if it names one."""
-        self.metrics.add("events")
         if event.kind is Kind.OVERFLOW:
             self.metrics.add("overflows")
             log(logger, logging.WARNING, "events were lost; reconciling everything")

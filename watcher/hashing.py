@@ -224,11 +224,13 @@ class Hasher:
             raise Refused(shown, "not a regular file")
         return Identity.of(st)
 
-    def look(self, task_id: str, rel: str) -> Identity | Hashed | None:
+    def look(self, task_id: str, rel: str, *,
+             known: Identity | None = None) -> Identity | Hashed | None:
         """The file hashed if it is small (below ``small_file``: reading it costs about
-        what remembering its digest would), else only its identity (no bytes read);
-        None if it does not exist. One walk from the root, one descriptor: what is
-        hashed is the file whose identity was taken."""
+        what remembering its digest would) and its identity is not ``known`` (the
+        caller knows the digest of those bytes), else only its identity (no bytes
+        read); None if it does not exist. One walk from the root, one descriptor:
+        what is hashed is the file whose identity was taken."""
         parts = split_path(task_id, rel)
         shown = "/".join(parts)
         try:
@@ -244,7 +246,9 @@ class Hasher:
                 raise _translate(shown, e) from e
             try:
                 before = os.fstat(fd)
-                if stat.S_ISREG(before.st_mode) and before.st_size >= self.small_file:
+                if stat.S_ISREG(before.st_mode) and (
+                        before.st_size >= self.small_file
+                        or (known is not None and Identity.of(before) == known)):
                     return Identity.of(before)
                 return self._hash_fd(fd, parent, parts[-1], shown, before)
             finally:
