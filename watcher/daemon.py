@@ -442,7 +442,8 @@ class Watcher:
           sees it; a tree that could not be watched is tried again;
         - else the entries not seen verified (writing, written: a check that found
           nothing yet, or whose report did not get through) and the entries directly
-          in a directory that had file events since the last pass.
+          in a directory that had events about files no entry was known by (an
+          event naming an entry's file was that file's check).
 
         Task directories get their group and mode put back. What this misses (events
         lost without an overflow being reported) only a full pass finds."""
@@ -636,10 +637,6 @@ class Watcher:
             return None
         task_id, rel = where
         self.table.touch(task_id)
-        if rel and event.kind not in (Kind.DIR_CREATED, Kind.DIR_GONE, Kind.WATCH_LIMIT):
-            # the next routine reconciliation looks at that directory's files again
-            with self._event_dirs_lock:
-                self._event_dirs.add((task_id, posixpath.dirname(rel)))
         if event.kind is Kind.WATCH_LIMIT:
             self.watches.fall_back(event.path)
             self._check_all(task_id)
@@ -661,6 +658,12 @@ class Watcher:
                 if entry is None or entry.state != pb.ENTRY_STATE_VERIFIED:
                     return None  # only a verified file's changes matter before its close
             return key
+        elif rel:
+            # A file no entry is known by (yet): the next routine reconciliation looks
+            # at that directory's files again. An event naming an entry's file is
+            # that file's check, made now; its directory's other files are not news.
+            with self._event_dirs_lock:
+                self._event_dirs.add((task_id, posixpath.dirname(rel)))
         return None
 
     def _work(self) -> None:
