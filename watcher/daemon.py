@@ -615,6 +615,7 @@ class Watcher:
         held = self.jobs.hold(keys) if keys else []
         if not held:
             return
+        self.metrics.add("inline_checks", len(held))
         try:
             with self.reports.gathering():
                 for key in held:
@@ -668,6 +669,7 @@ class Watcher:
 
     def _work(self) -> None:
         while (key := self.jobs.get()) is not None:
+            self.metrics.add("worker_checks")
             try:
                 self.checker.check(key)
             except Exception:
