@@ -24,7 +24,7 @@ from baton_relay.watcher import Watcher
 from baton_relay.watcher.emitter import InotifyEmitter
 from baton_relay.watcher.errors import FileChanged, WatchLimitReached
 from baton_relay.watcher.events import FsEvent
-from baton_relay.watcher.hashing import Hashed, Hasher
+from baton_relay.watcher.hashing import Hashed, Hasher, Identity
 
 Wait = Callable[..., None]
 
@@ -83,9 +83,13 @@ def test_kernel_overflow_event_forces_a_reconciliation(
 
 
 class FlakyHasher(Hasher):
-    """Every hash fails as if the file kept changing."""
+    """Every hash fails as if the file kept changing (small files are hashed by look)."""
 
     def hash(self, task_id: str, rel: str) -> Hashed:
+        raise FileChanged(rel, "changed while hashed", "")
+
+    def look(self, task_id: str, rel: str, *,
+             known: Identity | None = None) -> Identity | Hashed | None:
         raise FileChanged(rel, "changed while hashed", "")
 
 
@@ -172,6 +176,12 @@ class GatedHasher(Hasher):
         self.started.set()
         assert self.gate.wait(30)
         return super().hash(task_id, rel)
+
+    def look(self, task_id: str, rel: str, *,
+             known: Identity | None = None) -> Identity | Hashed | None:
+        self.started.set()
+        assert self.gate.wait(30)
+        return super().look(task_id, rel, known=known)
 
 
 def test_stop_finishes_and_reports_the_hash_in_hand(

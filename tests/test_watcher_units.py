@@ -189,7 +189,12 @@ def test_emitter_watches_a_new_directory_before_announcing_it(
 ) -> None:
     """mkdir -p is followed down: announced once watched, later files seen, temp files not."""
     events: queue.Queue[FsEvent] = queue.Queue()
-    em = InotifyEmitter(events.put)
+
+    def sink(batch: list[FsEvent]) -> None:
+        for e in batch:
+            events.put(e)
+
+    em = InotifyEmitter(sink)
     em.start()
 
     def until(wanted: FsEvent) -> list[FsEvent]:

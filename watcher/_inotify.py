@@ -10,7 +10,8 @@ import contextlib
 import errno
 import os
 import select
-from dataclasses import dataclass
+import struct
+from typing import NamedTuple
 
 import inotify_simple
 
@@ -34,12 +35,32 @@ IN_DONT_FOLLOW = int(_f.DONT_FOLLOW)
 IN_EXCL_UNLINK = int(_f.EXCL_UNLINK)
 
 
-@dataclass(frozen=True, slots=True)
-class RawEvent:
+class RawEvent(NamedTuple):
+    """One event as the kernel wrote it (a tuple: several are made per file landed)."""
+
     wd: int
     mask: int
     cookie: int
     name: str
+
+
+_HEAD = struct.Struct("iIII")  # struct inotify_event, before its name
+#: bytes read at once: whole events only, as many as fit (a name is at most 256 bytes)
+READ_SIZE = 64 << 10
+
+
+def parse(data: bytes) -> list[RawEvent]:
+    """The events in what a read of an inotify descriptor returned."""
+    events = []
+    pos, end, head = 0, len(data), _HEAD.size
+    unpack = _HEAD.unpack_from
+    while pos < end:
+        wd, mask, cookie, size = unpack(data, pos)
+        pos += head
+        name = data[pos:pos + size].split(b"\0", 1)[0] if size else b""
+        pos += size
+        events.append(RawEvent(wd, mask, cookie, os.fsdecode(name)))
+    return events
 
 
 class Inotify:
@@ -78,7 +99,10 @@ class Inotify:
                 os.read(self._wake_r, 4096)
         if self._ino.fileno() not in ready:
             return []
-        return [RawEvent(e.wd, e.mask, e.cookie, e.name) for e in self._ino.read(timeout=0)]
+        try:
+            return parse(os.read(self._ino.fileno(), READ_SIZE))
+        except BlockingIOError:
+            return []
 
     def wake(self) -> None:
         with contextlib.suppress(BlockingIOError):

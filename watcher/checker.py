@@ -50,7 +50,7 @@ from .links import LinkedFiles
 from .metrics import Metrics
 from .reporter import Reporter
 from .shards import Membership
-from .state import STATE_NAMES, UNCOMMITTED, EntryView, Table
+from .state import CHECKED, STATE_NAMES, UNCOMMITTED, Change, EntryView, Table
 
 logger = logging.getLogger("baton.watcher")
 
@@ -90,26 +90,57 @@ class Checker:
     _sent: OrderedDict[Key, tuple[Identity, str, int]] = field(default_factory=OrderedDict)
     _sent_lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def check(self, key: Key) -> None:
+    def wants(self, change: Change, *, watched: bool) -> bool:
+        """Whether news of ``change`` from the registry calls for a check of its file
+        (``watched``: an emitter watched the task's tree before the news came).
+
+        Not for news that a check could do nothing with: a pending entry (no attempt
+        is live); a claim of an entry already known in a watched tree, no file of the
+        attempt seen yet (its landing is an event naming it, which brings the check;
+        were that event missed, the commit names the file); the verified state that
+        this watcher's own report brought (its answer said so already).
+        """
+        entry = change.entry
+        if entry.state not in CHECKED:
+            return False
+        if entry.state == pb.ENTRY_STATE_WRITING:
+            return bool(entry.attempt_path) or not watched or change.old_state is None
+        if entry.state == pb.ENTRY_STATE_VERIFIED:
+            with self._sent_lock:
+                sent = self._sent.get((change.task_id, entry.file_id))
+            return sent is None or sent[1:] != (entry.digest, entry.revision)
+        return True
+
+    def check(self, key: Key, *, inline: bool = False) -> None:
+        """Check ``key``'s file. ``inline``: on a thread that must not wait for a large
+        file (the dispatcher, a stream): a file that turns out large is left to the
+        hash workers (submitted: the caller holds the key, so it is theirs once the
+        caller is done with it)."""
         entry = self.table.entry(*key)
         if entry is None or not (entry.attempt_path or entry.state in UNCOMMITTED):
             return  # no attempt's file known yet (the news of its commit brings it)
-        if tracing.ENABLED and entry.traceparent:
-            with tracing.within(entry.traceparent):  # its lines name the entry's trace
-                self._check(key, entry)
-        else:
-            self._check(key, entry)
+        if inline and not entry.attempt_path:
+            self.jobs.submit(key)  # a directory to list: a worker's
+            return
+        try:
+            if tracing.ENABLED and entry.traceparent:
+                with tracing.within(entry.traceparent):  # its lines name the entry's trace
+                    self._check(key, entry, inline)
+            else:
+                self._check(key, entry, inline)
+        except _Large:
+            self.jobs.submit(key)
 
-    def _check(self, key: Key, entry: EntryView) -> None:
+    def _check(self, key: Key, entry: EntryView, inline: bool) -> None:
         try:
             if entry.state == pb.ENTRY_STATE_PENDING:
                 self._pending(key, entry)
             elif entry.state == pb.ENTRY_STATE_WRITING:
-                self._writing(key, entry)
+                self._writing(key, entry, inline)
             elif entry.state == pb.ENTRY_STATE_WRITTEN:
-                self._written(key, entry)
+                self._written(key, entry, inline)
             elif entry.state == pb.ENTRY_STATE_VERIFIED:
-                self._verified(key, entry)
+                self._verified(key, entry, inline)
         except BatonError as e:
             self._refused_by_registry(key, e)
 
@@ -138,21 +169,40 @@ class Checker:
 
     # by state ------------------------------------------------------------------------
 
-    def _stat(self, key: Key, entry: EntryView) -> Identity | None:
-        """The file's identity, None if absent; a refused path is reported at once."""
+    def _look(self, key: Key, entry: EntryView) -> Identity | Hashed | None:
+        """The file hashed if it is small and not the one last reported, else its
+        identity; None if absent. A failure is handled (counted, reported) and raises
+        ``_Handled``."""
+        start = self.metrics.clock()
+        started_ns = time.time_ns() if tracing.ENABLED else 0
+        with self._sent_lock:
+            sent = self._sent.get(key)
         try:
-            return self.hasher.stat(key[0], entry.attempt_path)
+            found = self.hasher.look(key[0], entry.attempt_path,
+                                     known=sent[0] if sent is not None else None)
         except HashFailed as e:
-            if e.permanent:
-                self._refused(key, entry, e)
-            else:
-                self._failed(key, entry, e)
+            self._hash_failed(key, entry, e)
             raise _Handled() from e
+        if isinstance(found, Hashed):
+            self.metrics.hashed(found.identity.size, self.metrics.clock() - start)
+            if started_ns:
+                found = dataclasses.replace(found, started_ns=started_ns)
+        return found
+
+    def _known(self, key: Key) -> Known | None:
+        """What this watcher knows the file's bytes hash to, for which identity: the
+        last report of the entry (a recent one is remembered in memory), else the
+        state file (large files only)."""
+        with self._sent_lock:
+            sent = self._sent.get(key)
+        if sent is not None:
+            return Known(sent[0], sent[1])
+        return self.cache.get(*key)
 
     def _pending(self, key: Key, entry: EntryView) -> None:
         """No attempt is live: whatever is on disk is a dead attempt's."""
 
-    def _writing(self, key: Key, entry: EntryView) -> None:
+    def _writing(self, key: Key, entry: EntryView, inline: bool) -> None:
         if not entry.attempt_path:
             # No event named one (the directory may have been made just before it):
             # look for the newest attempt's file.
@@ -165,57 +215,73 @@ class Checker:
             entry.attempt_path, entry.token = newest
             self.table.saw_attempt(*key, *newest)
         try:
-            identity = self.hasher.stat(key[0], entry.attempt_path)
-        except HashFailed:
-            return  # nothing is vouched for before the commit; written will tell
-        if identity is None or self._on_its_way(key, identity):
+            found = self._look(key, entry)
+        except _Handled:
             return
-        known = self.cache.get(*key)
-        if known is not None and known.identity == identity:
+        if found is None:
+            return  # nothing is vouched for before the commit; written will tell
+        if isinstance(found, Hashed):
+            if not self._on_its_way(key, found.identity):
+                self._report(key, entry, found)
+            return
+        if self._on_its_way(key, found):
+            return
+        known = self._known(key)
+        if known is not None and known.identity == found:
             return  # this very file was reported already
-        hashed = self._hash(key, entry)
+        hashed = self._hash(key, entry, found, inline)
         if hashed is not None:
             self._report(key, entry, hashed)
 
-    def _written(self, key: Key, entry: EntryView) -> None:
+    def _written(self, key: Key, entry: EntryView, inline: bool) -> None:
         try:
-            identity = self._stat(key, entry)
+            found = self._look(key, entry)
         except _Handled:
             return
-        if identity is None:  # committed, but not (yet, on a network mount) visible here
+        if found is None:  # committed, but not (yet, on a network mount) visible here
             self._failed(key, entry,
                          FileMissing(entry.attempt_path, "no such file after the commit"))
             return
+        identity = found.identity if isinstance(found, Hashed) else found
         if self._on_its_way(key, identity):
             return  # its answer (or a StaleReport) brings this entry back if need be
-        known = self.cache.get(*key)
+        if isinstance(found, Hashed):
+            self._report(key, entry, found)
+            return
+        known = self._known(key)
         if known is not None and known.identity == identity:
             self._report(key, entry, Hashed(identity, known.digest))
             return
-        hashed = self._hash(key, entry)
+        hashed = self._hash(key, entry, identity, inline)
         if hashed is not None:
             self._report(key, entry, hashed)
 
-    def _verified(self, key: Key, entry: EntryView) -> None:
+    def _verified(self, key: Key, entry: EntryView, inline: bool) -> None:
         try:
-            identity = self._stat(key, entry)
+            found = self._look(key, entry)
         except _Handled:
             return
-        if identity is None:
+        if found is None:
             self._problem(key, MISSING, "the verified file is gone", entry.token)
             return
+        identity = found.identity if isinstance(found, Hashed) else found
         if self._on_its_way(key, identity):
             return  # the report that verified it is answered in a moment
-        known = self.cache.get(*key)
-        if known is not None and known.identity == identity and known.digest == entry.digest:
-            self._mind_links(key, identity)
-            return
-        hashed = self._hash(key, entry)
+        if isinstance(found, Hashed):
+            hashed: Hashed | None = found
+        else:
+            known = self._known(key)
+            if (known is not None and known.identity == identity
+                    and known.digest == entry.digest):
+                self._mind_links(key, identity)
+                return
+            hashed = self._hash(key, entry, identity, inline)
         if hashed is None:
             return
         if hashed.digest == entry.digest:
-            self.cache.put(*key, Known(hashed.identity, hashed.digest))
-            self.table.update(*key, failures=0)
+            self._remember(key, hashed)
+            if entry.failures:
+                self.table.update(*key, failures=0)
             self._mind_links(key, hashed.identity)
             return
         log(logger, logging.WARNING, "verified file changed on disk", task=key[0],
@@ -223,37 +289,50 @@ class Checker:
             verified_digest=entry.digest)
         self._report(key, entry, hashed)
 
+    def _remember(self, key: Key, hashed: Hashed) -> None:
+        """Keep a large file's digest with its identity (a small one is hashed again
+        more cheaply than it is looked up)."""
+        if hashed.identity.size >= self.hasher.small_file:
+            self.cache.put(*key, Known(hashed.identity, hashed.digest))
+
     # hashing and its failures ------------------------------------------------------------
 
-    def _hash(self, key: Key, entry: EntryView) -> Hashed | None:
+    def _hash(self, key: Key, entry: EntryView, identity: Identity,
+              inline: bool) -> Hashed | None:
+        """Hash the file (whose identity was just taken); ``inline``: not a large one,
+        which is left to the hash workers (``_Large``)."""
+        if inline and identity.size >= self.hasher.small_file:
+            raise _Large()
         start = self.metrics.clock()
         started_ns = time.time_ns() if tracing.ENABLED else 0
         try:
             hashed = self.hasher.hash(key[0], entry.attempt_path)
-        except FileChanged as e:
-            if entry.state == pb.ENTRY_STATE_VERIFIED and e.digest and e.digest != entry.digest:
-                # Whatever it settles to, these are not the verified bytes any more.
-                self._problem(key, CORRUPTED, f"verified file changed on disk: {e.reason}",
-                              entry.token)
-                return None
-            self._failed(key, entry, e)
-            return None
-        except FileMissing as e:
-            if entry.state == pb.ENTRY_STATE_VERIFIED:
-                self._problem(key, MISSING, "the verified file is gone", entry.token)
-            elif entry.state == pb.ENTRY_STATE_WRITTEN:
-                self._failed(key, entry, e)
-            return None
         except HashFailed as e:
-            if e.permanent:
-                self._refused(key, entry, e)
-            else:
-                self._failed(key, entry, e)
+            self._hash_failed(key, entry, e)
             return None
         self.metrics.hashed(hashed.identity.size, self.metrics.clock() - start)
         if started_ns:
             hashed = dataclasses.replace(hashed, started_ns=started_ns)
         return hashed
+
+    def _hash_failed(self, key: Key, entry: EntryView, e: HashFailed) -> None:
+        """What a failed look at or hash of the entry's file means, acted on."""
+        if isinstance(e, FileChanged):
+            if entry.state == pb.ENTRY_STATE_VERIFIED and e.digest and e.digest != entry.digest:
+                # Whatever it settles to, these are not the verified bytes any more.
+                self._problem(key, CORRUPTED, f"verified file changed on disk: {e.reason}",
+                              entry.token)
+                return
+            self._failed(key, entry, e)
+        elif isinstance(e, FileMissing):
+            if entry.state == pb.ENTRY_STATE_VERIFIED:
+                self._problem(key, MISSING, "the verified file is gone", entry.token)
+            elif entry.state == pb.ENTRY_STATE_WRITTEN:
+                self._failed(key, entry, e)
+        elif e.permanent:
+            self._refused(key, entry, e)
+        else:
+            self._failed(key, entry, e)
 
     def _failed(self, key: Key, entry: EntryView, e: HashFailed) -> None:
         failures = entry.failures + 1
@@ -373,21 +452,18 @@ class Checker:
                         del self._sent[key]  # not taken: the next check sends it again
                     else:
                         self._sent[key] = (hashed.identity, hashed.digest, outcome.revision)
-        if isinstance(outcome, pb.Entry):
-            now = self.table.entry(*key)
-            if now is not None and now.revision > outcome.revision:
-                # The entry moved on while the report was on its way (a commit): a
-                # check in between sent nothing, these bytes being on their way; look
-                # again, against what it is now.
-                self.jobs.submit(key)
+        if isinstance(outcome, pb.Entry) and self.table.revision(*key) > outcome.revision:
+            # The entry moved on while the report was on its way (a commit): a check
+            # in between sent nothing, these bytes being on their way; look again,
+            # against what it is now.
+            self.jobs.submit(key)
 
     def _reported(self, key: Key, entry: EntryView, hashed: Hashed, reply: pb.Entry) -> None:
         """The registry took a digest report: the entry is now ``reply``."""
         i = hashed.identity
         self.metrics.reported(*key, "digest", STATE_NAMES.get(reply.state, ""))
-        self.cache.put(*key, Known(i, hashed.digest))
-        self.table.apply(key[0], reply)
-        self.table.update(*key, failures=0)
+        self._remember(key, hashed)
+        self.table.apply(key[0], reply, failures=0)
         if reply.state == pb.ENTRY_STATE_VERIFIED:
             self._mind_links(key, i)
         else:
@@ -431,3 +507,7 @@ class Checker:
 
 class _Handled(Exception):
     """The check already reported what it found; stop here."""
+
+
+class _Large(Exception):
+    """An inline check found a large file: the hash workers hash it."""

@@ -42,7 +42,7 @@ from .observe import Watches
 from .reporter import Reporter
 from .retention import Retention
 from .shards import Membership
-from .state import CHECKED, LIVE, Change, Table, TaskView
+from .state import CHECKED, UNCOMMITTED, Change, EntryView, Table, TaskView
 from .sync import TaskStreams
 from .taskdirs import TaskDirs
 
@@ -88,7 +88,7 @@ class Watcher:
                              key=config.key)
         self.cache = cache if cache is not None else open_cache(config.state_file)
         self.hasher = hasher or Hasher(self.root, config.large_file)
-        self.watches = Watches(self.root, config.observer, self.intake.put,
+        self.watches = Watches(self.root, config.observer, self.intake.put_all,
                                config.poll_interval)
         self._stop = threading.Event()
         #: wakes the reconciler: a pass is wanted now (or the watcher stops)
@@ -167,6 +167,8 @@ class Watcher:
         started = [t for t in self._threads if t.ident is not None]
         for t in started:
             t.join(timeout)
+        # and the checks a stream's thread makes itself (``_check_now``) done
+        self.jobs.settle(lambda key: True, timeout)
         self.reports.close(timeout)  # what the workers reported, sent
         self.retention.stop(timeout)
         self.client.close()  # ends the Watch streams
@@ -250,11 +252,17 @@ class Watcher:
         if not self._serves(task_id):
             return  # its shard left while the stream was open; the stream ends with it
         warmed = bool(changes) and self.table.touch(task_id)
-        for c in changes:
-            if c.entry.state in LIVE:
-                self.jobs.submit((task_id, c.entry.file_id))
-        self.retention.offer(task_id, (c.entry for c in changes
-                                       if c.entry.state == pb.ENTRY_STATE_CONSUMED))
+        # read before the tree may become watched below: that rescans everything
+        watched = self.table.needs_watch(task_id)[1]
+        if synced:  # a snapshot: many files, some of them large; the workers'
+            for c in changes:
+                if c.entry.state in CHECKED:  # (a pending entry's check does nothing)
+                    self.jobs.submit((task_id, c.entry.file_id))
+        else:
+            self._check_now([(task_id, c.entry.file_id) for c in changes
+                             if self.checker.wants(c, watched=watched)])
+        if consumed := [c.entry for c in changes if c.entry.state == pb.ENTRY_STATE_CONSUMED]:
+            self.retention.offer(task_id, consumed)
         self._sync_watch(task_id, rescan=synced or warmed)
 
     def _sync_watch(self, task_id: str, *, rescan: bool = False, rewalk: bool = False) -> None:
@@ -288,9 +296,24 @@ class Watcher:
             self._check_all(task_id)
 
     def _check_all(self, task_id: str, rel_dir: str = "") -> None:
+        """Check every entry below ``rel_dir`` ("": the whole task), a tree now
+        watched: what landed before the watch raised no event. An attempt's file found
+        beside an entry not yet committed is remembered (one listing per directory),
+        so news of its claim, which this watcher's events would otherwise answer, finds
+        it known."""
         wanted = set(self.table.files_under(task_id, rel_dir))
-        for e in self.table.entries(task_id):
-            if e.file_id in wanted and e.state in LIVE:
+        entries = [e for e in self.table.entries(task_id) if e.file_id in wanted]
+        by_dir: dict[str, list[EntryView]] = {}
+        for e in entries:
+            if e.state in UNCOMMITTED:
+                by_dir.setdefault(posixpath.dirname(e.path), []).append(e)
+        for rel, uncommitted in by_dir.items():
+            newest = self.hasher.attempts(task_id, rel)
+            for e in uncommitted:
+                if (found := newest.get(e.path)) is not None:
+                    self.table.saw_attempt(task_id, e.file_id, *found)
+        for e in entries:
+            if e.state in CHECKED:
                 self.jobs.submit((task_id, e.file_id))
 
     def _forget(self, task_id: str, view: TaskView | None = None) -> None:
@@ -419,7 +442,8 @@ class Watcher:
           sees it; a tree that could not be watched is tried again;
         - else the entries not seen verified (writing, written: a check that found
           nothing yet, or whose report did not get through) and the entries directly
-          in a directory that had file events since the last pass.
+          in a directory that had events about files no entry was known by (an
+          event naming an entry's file was that file's check).
 
         Task directories get their group and mode put back. What this misses (events
         lost without an overflow being reported) only a full pass finds."""
@@ -572,30 +596,48 @@ class Watcher:
 
     def _dispatch(self) -> None:
         while not self._stop.is_set():
-            event = self.intake.get()
-            if event is None:
-                continue
-            try:
-                self._handle(event)
-            except Exception:
-                logger.exception("handling %s failed", event)
+            keys: dict[tuple[str, str], None] = {}  # in order, once each
+            events = self.intake.take()
+            self.metrics.add("events", len(events))
+            for event in events:
+                try:
+                    if (key := self._handle(event)) is not None:
+                        keys[key] = None
+                except Exception:
+                    logger.exception("handling %s failed", event)
+            self._check_now(list(keys))
 
-    def _handle(self, event: FsEvent) -> None:
-        self.metrics.add("events")
+    def _check_now(self, keys: list[tuple[str, str]]) -> None:
+        """Check these entries' files on this thread, small ones hashed here: no hand-off
+        to a worker per file (a large file, or a directory to list, is still theirs;
+        so is an entry a worker holds, checked again once it is done). Their reports
+        leave together."""
+        held = self.jobs.hold(keys) if keys else []
+        if not held:
+            return
+        self.metrics.add("inline_checks", len(held))
+        try:
+            with self.reports.gathering():
+                for key in held:
+                    try:
+                        self.checker.check(key, inline=True)
+                    except Exception:
+                        logger.exception("checking %s/%s failed", *key)
+        finally:
+            self.jobs.release(held)
+
+    def _handle(self, event: FsEvent) -> tuple[str, str] | None:
+        """Act on one event; the entry whose file to check, if it names one."""
         if event.kind is Kind.OVERFLOW:
             self.metrics.add("overflows")
             log(logger, logging.WARNING, "events were lost; reconciling everything")
             self._request_full()
-            return
+            return None
         where = self.table.locate(event.path)
         if where is None:
-            return
+            return None
         task_id, rel = where
         self.table.touch(task_id)
-        if rel and event.kind not in (Kind.DIR_CREATED, Kind.DIR_GONE, Kind.WATCH_LIMIT):
-            # the next routine reconciliation looks at that directory's files again
-            with self._event_dirs_lock:
-                self._event_dirs.add((task_id, posixpath.dirname(rel)))
         if event.kind is Kind.WATCH_LIMIT:
             self.watches.fall_back(event.path)
             self._check_all(task_id)
@@ -615,11 +657,19 @@ class Watcher:
             if event.kind is Kind.TOUCHED:
                 entry = self.table.entry(*key)
                 if entry is None or entry.state != pb.ENTRY_STATE_VERIFIED:
-                    return  # only a verified file's changes matter before its close
-            self.jobs.submit(key)
+                    return None  # only a verified file's changes matter before its close
+            return key
+        elif rel:
+            # A file no entry is known by (yet): the next routine reconciliation looks
+            # at that directory's files again. An event naming an entry's file is
+            # that file's check, made now; its directory's other files are not news.
+            with self._event_dirs_lock:
+                self._event_dirs.add((task_id, posixpath.dirname(rel)))
+        return None
 
     def _work(self) -> None:
         while (key := self.jobs.get()) is not None:
+            self.metrics.add("worker_checks")
             try:
                 self.checker.check(key)
             except Exception:

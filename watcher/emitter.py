@@ -46,10 +46,16 @@ TREE_MASK = (IN_CLOSE_WRITE | IN_MOVED_TO | IN_MOVED_FROM | IN_DELETE | IN_ATTRI
 DIRS_MASK = IN_CREATE | IN_MOVED_TO | IN_MOVED_FROM | IN_DELETE | _SELF
 
 
-class InotifyEmitter:
-    """Watches directories with inotify and puts :class:`FsEvent` into ``sink``."""
+#: events about a name that is not an entry's file, or about no name
+_NOT_A_FILE = IN_ISDIR | IN_Q_OVERFLOW | IN_IGNORED | IN_DELETE_SELF | IN_MOVE_SELF
 
-    def __init__(self, sink: Callable[[FsEvent], None], inotify: Inotify | None = None) -> None:
+
+class InotifyEmitter:
+    """Watches directories with inotify and hands :class:`FsEvent` to ``sink``, the
+    events of one read of the kernel's queue together."""
+
+    def __init__(self, sink: Callable[[list[FsEvent]], None],
+                 inotify: Inotify | None = None) -> None:
         self._sink = sink
         self._ino = inotify or Inotify()
         self._lock = threading.RLock()
@@ -127,20 +133,25 @@ class InotifyEmitter:
             except OSError as e:  # the descriptor is gone: nothing more will come
                 if not self._stop.is_set():
                     log.error("reading inotify events failed: %s", e)
-                    self._sink(FsEvent(Kind.OVERFLOW))
+                    self._sink([FsEvent(Kind.OVERFLOW)])
                 return
             self.handle(events)
 
     def handle(self, events: Iterable[RawEvent]) -> None:
-        """Translate raw events (public so tests can inject e.g. an IN_Q_OVERFLOW)."""
+        """Translate raw events (public so tests can inject e.g. an IN_Q_OVERFLOW);
+        what they mean goes to the sink in one batch."""
+        out: list[FsEvent] = []
         for ev in events:
-            if ev.mask & IN_Q_OVERFLOW:
+            mask = ev.mask
+            if not mask & _NOT_A_FILE and TEMP_MARKER in ev.name:
+                continue  # the producer helper's temp file; its rename is what counts
+            if mask & IN_Q_OVERFLOW:
                 log.warning("inotify queue overflowed: events were lost")
-                self._sink(FsEvent(Kind.OVERFLOW))
+                out.append(FsEvent(Kind.OVERFLOW))
                 continue
             with self._lock:
                 where = self._by_wd.get(ev.wd)
-                if ev.mask & IN_IGNORED:
+                if mask & IN_IGNORED:
                     if where is not None:
                         del self._by_wd[ev.wd]
                         if self._by_path.get(where[0]) == ev.wd:
@@ -149,35 +160,36 @@ class InotifyEmitter:
             if where is None:
                 continue
             directory, recursive = where
-            if ev.mask & (IN_DELETE_SELF | IN_MOVE_SELF):
-                if ev.mask & IN_MOVE_SELF:
+            if mask & (IN_DELETE_SELF | IN_MOVE_SELF):
+                if mask & IN_MOVE_SELF:
                     self.unwatch(directory)  # it still exists, elsewhere, under another name
-                self._sink(FsEvent(Kind.DIR_GONE, directory))
+                out.append(FsEvent(Kind.DIR_GONE, directory))
                 continue
-            path = os.path.join(directory, ev.name)
-            if ev.mask & IN_ISDIR:
-                self._directory_event(ev.mask, path, recursive)
-            elif TEMP_MARKER in ev.name:
-                continue  # the producer helper's temp file; its rename is what counts
-            elif ev.mask & (IN_CLOSE_WRITE | IN_MOVED_TO):
-                self._sink(FsEvent(Kind.LANDED, path))
-            elif ev.mask & (IN_DELETE | IN_MOVED_FROM):
-                self._sink(FsEvent(Kind.GONE, path))
-            elif ev.mask & (IN_MODIFY | IN_ATTRIB):
-                self._sink(FsEvent(Kind.TOUCHED, path))
+            path = f"{directory}/{ev.name}"
+            if mask & IN_ISDIR:
+                self._directory_event(mask, path, recursive, out)
+            elif mask & (IN_CLOSE_WRITE | IN_MOVED_TO):
+                out.append(FsEvent(Kind.LANDED, path))
+            elif mask & (IN_DELETE | IN_MOVED_FROM):
+                out.append(FsEvent(Kind.GONE, path))
+            elif mask & (IN_MODIFY | IN_ATTRIB):
+                out.append(FsEvent(Kind.TOUCHED, path))
+        if out:
+            self._sink(out)
 
-    def _directory_event(self, mask: int, path: str, recursive: bool) -> None:
+    def _directory_event(self, mask: int, path: str, recursive: bool,
+                         out: list[FsEvent]) -> None:
         if mask & (IN_CREATE | IN_MOVED_TO):
             if recursive:
                 try:
                     self.watch(path, True)
                 except WatchLimitReached:
-                    self._sink(FsEvent(Kind.WATCH_LIMIT, path))
+                    out.append(FsEvent(Kind.WATCH_LIMIT, path))
                     return
                 except WatchFailed:
                     return  # gone again already
-            self._sink(FsEvent(Kind.DIR_CREATED, path))
+            out.append(FsEvent(Kind.DIR_CREATED, path))
         elif mask & (IN_DELETE | IN_MOVED_FROM):
             if mask & IN_MOVED_FROM:
                 self.unwatch(path)
-            self._sink(FsEvent(Kind.DIR_GONE, path))
+            out.append(FsEvent(Kind.DIR_GONE, path))

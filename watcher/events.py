@@ -9,10 +9,9 @@ exactly as after the kernel's own IN_Q_OVERFLOW.
 
 from __future__ import annotations
 
-import contextlib
 import enum
-import queue
 import threading
+from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -48,36 +47,76 @@ class Emitter(Protocol):
 
 
 class Intake:
-    """A bounded FIFO of events that records, instead of blocking, when it overflows."""
+    """A bounded FIFO of events that records, instead of blocking, when it overflows.
+
+    The dispatcher takes every waiting event at once (:meth:`take`), and an emitter
+    wakes it only if it waits: a burst of events is one hand-off, not one per event.
+    """
 
     def __init__(self, maxsize: int) -> None:
-        self._queue: queue.Queue[FsEvent | None] = queue.Queue(maxsize)
-        self._lock = threading.Lock()
+        self._maxsize = maxsize
+        self._events: deque[FsEvent] = deque()
+        self._cond = threading.Condition(threading.Lock())
         self._overflowed = False
+        self._closed = False
+        self._waiting = False
 
     def put(self, event: FsEvent) -> None:
-        try:
-            self._queue.put_nowait(event)
-        except queue.Full:
-            with self._lock:
+        self.put_all([event])
+
+    def put_all(self, events: list[FsEvent]) -> None:
+        """Queue ``events`` (those beyond the bound are dropped: an overflow)."""
+        with self._cond:
+            room = self._maxsize - len(self._events)
+            if len(events) > room:
                 self._overflowed = True
+                events = events[:max(0, room)]
+            self._events.extend(events)
+            if self._waiting:
+                self._cond.notify()
 
     def __len__(self) -> int:
-        """Events waiting (approximately: for metrics)."""
-        return self._queue.qsize()
+        """Events waiting (for metrics)."""
+        return len(self._events)
+
+    def take(self, timeout: float | None = None) -> list[FsEvent]:
+        """Every event waiting, an OVERFLOW first if events were dropped; waits for one
+        up to ``timeout`` seconds (None: until one comes or :meth:`close`); [] if none
+        came, or once closed."""
+        with self._cond:
+            if not self._events and not self._overflowed and not self._closed:
+                self._waiting = True
+                try:
+                    self._cond.wait(timeout)
+                finally:
+                    self._waiting = False
+            if self._closed:
+                return []
+            events = list(self._events)
+            self._events.clear()
+            if self._overflowed:
+                self._overflowed = False
+                events.insert(0, FsEvent(Kind.OVERFLOW))
+            return events
 
     def get(self, timeout: float | None = None) -> FsEvent | None:
         """The next event; an OVERFLOW first if events were dropped; None on timeout/close."""
-        with self._lock:
+        with self._cond:
             if self._overflowed:
                 self._overflowed = False
                 return FsEvent(Kind.OVERFLOW)
-        try:
-            return self._queue.get(timeout=timeout)
-        except queue.Empty:
-            return None
+            if not self._events and not self._closed:
+                self._waiting = True
+                try:
+                    self._cond.wait(timeout)
+                finally:
+                    self._waiting = False
+            if self._closed or not self._events:
+                return None
+            return self._events.popleft()
 
     def close(self) -> None:
-        """Wake a blocked :meth:`get` (it returns None)."""
-        with contextlib.suppress(queue.Full):
-            self._queue.put_nowait(None)
+        """Wake a blocked :meth:`take` or :meth:`get` (they return nothing from now on)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()

@@ -39,6 +39,11 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
 
 SMALL_CHUNK = 1 << 20
+#: files below this many bytes are hashed wherever they are looked at, and their
+#: digests are not remembered: reading and hashing 64 KiB costs about two lookups in
+#: the state file, and a new file (every file of a hand-off) is never in it anyway
+#: (docs/watcher.md, "Small files")
+SMALL_FILE = 64 << 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,9 +168,11 @@ class Hasher:
     """Hashes entries' files below one staging root (thread-safe)."""
 
     def __init__(self, root: str, large_file: int = LARGE_FILE, *,
-                 small_chunk: int = SMALL_CHUNK) -> None:
+                 small_chunk: int = SMALL_CHUNK, small_file: int = SMALL_FILE) -> None:
         self.root = os.path.realpath(root)
         self.large_file = large_file
+        #: files below this many bytes are hashed by :meth:`look` (never remembered)
+        self.small_file = small_file
         self.small_chunk = small_chunk
         self._buffers = threading.local()
         self._mapped = MappedHasher()
@@ -217,6 +224,38 @@ class Hasher:
             raise Refused(shown, "not a regular file")
         return Identity.of(st)
 
+    def look(self, task_id: str, rel: str, *,
+             known: Identity | None = None) -> Identity | Hashed | None:
+        """The file hashed if it is small (below ``small_file``: reading it costs about
+        what remembering its digest would) and its identity is not ``known`` (the
+        caller knows the digest of those bytes), else only its identity (no bytes
+        read); None if it does not exist. One walk from the root, one descriptor:
+        what is hashed is the file whose identity was taken."""
+        parts = split_path(task_id, rel)
+        shown = "/".join(parts)
+        try:
+            parent = self._parent(parts, shown)
+        except FileMissing:
+            return None
+        try:
+            try:
+                fd = os.open(parts[-1], _FILE_FLAGS, dir_fd=parent)
+            except FileNotFoundError:
+                return None
+            except OSError as e:
+                raise _translate(shown, e) from e
+            try:
+                before = os.fstat(fd)
+                if stat.S_ISREG(before.st_mode) and (
+                        before.st_size >= self.small_file
+                        or (known is not None and Identity.of(before) == known)):
+                    return Identity.of(before)
+                return self._hash_fd(fd, parent, parts[-1], shown, before)
+            finally:
+                os.close(fd)
+        finally:
+            os.close(parent)
+
     def hash(self, task_id: str, rel: str) -> Hashed:
         """Hash the entry's file; raises a :class:`HashFailed` subclass when it cannot."""
         parts = split_path(task_id, rel)
@@ -258,6 +297,31 @@ class Hasher:
         if not tokens:
             return None
         return attempt_path(rel, max(tokens)), max(tokens)
+
+    def attempts(self, task_id: str, rel_dir: str) -> dict[str, tuple[str, int]]:
+        """The newest attempt's file of each entry directly in ``rel_dir`` ("": the
+        task's directory) that has one on disk, by the entry's path: (the file,
+        relative to the task's directory, and its token). One listing for them all."""
+        # the directory's components, and a name in it (``_parent`` opens all but it)
+        parts = split_path(task_id, f"{rel_dir}/-" if rel_dir else "-")
+        try:
+            parent = self._parent(parts, "/".join(parts[:-1]))
+        except HashFailed:
+            return {}
+        try:
+            names = os.listdir(parent)
+        except OSError:
+            return {}
+        finally:
+            os.close(parent)
+        prefix = f"{rel_dir}/" if rel_dir else ""
+        newest: dict[str, tuple[str, int]] = {}
+        for name in names:
+            if (a := parse_attempt(name)) is not None:
+                path = prefix + a[0]
+                if path not in newest or a[1] > newest[path][1]:
+                    newest[path] = (prefix + name, a[1])
+        return newest
 
     def remove_dead_attempts(self, task_id: str, rel: str, token: int) -> int:
         """Unlink the files of the attempts before ``token`` of the entry at ``rel``
@@ -325,8 +389,10 @@ class Hasher:
         finally:
             os.close(parent)
 
-    def _hash_fd(self, fd: int, parent: int, name: str, shown: str) -> Hashed:
-        before = os.fstat(fd)
+    def _hash_fd(self, fd: int, parent: int, name: str, shown: str,
+                 before: os.stat_result | None = None) -> Hashed:
+        if before is None:
+            before = os.fstat(fd)
         if not stat.S_ISREG(before.st_mode):
             raise Refused(shown, "not a regular file")
         try:

@@ -5,6 +5,10 @@ file becomes one check. A key submitted while a worker holds it is marked and
 handed out again once that worker is done, so the last event is never lost and
 one file is never checked by two workers at once. Delayed submissions (retries
 after a failed hash) are due later; an earlier submission of the same key wins.
+
+A thread that learns of files to check may check them itself instead of queueing
+them (:meth:`JobQueue.hold`, then :meth:`JobQueue.release`): it holds their keys as a
+worker would, so the same rules keep one check per file at a time.
 """
 
 from __future__ import annotations
@@ -21,7 +25,13 @@ Key = tuple[str, str]
 class JobQueue:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        #: workers wait on it for a key to be due
+        self._cond = threading.Condition(self._lock)
+        #: ``settle`` waits on it for held keys to be released; separate, so that a
+        #: release wakes no idle worker
+        self._released = threading.Condition(self._lock)
+        self._settling = 0
         self._heap: list[tuple[float, int, Key]] = []
         self._due: dict[Key, tuple[float, int]] = {}
         self._held: set[Key] = set()
@@ -73,12 +83,39 @@ class JobQueue:
             return None
 
     def done(self, key: Key) -> None:
+        self.release([key])
+
+    def hold(self, keys: list[Key]) -> list[Key]:
+        """Of ``keys``, the ones the caller may check on its own thread now, as if a
+        worker had got each of them (queued ones are taken out of the queue), held
+        until :meth:`release`. A key a worker holds is not among them: it is handed
+        out again once that worker is done, as for :meth:`submit`."""
         with self._cond:
-            self._held.discard(key)
-            again = self._again.pop(key, None)
-            if again is not None and not self._closed:
-                self._push(key, again)
-            self._cond.notify_all()  # one waiting in ``settle`` may be done
+            if self._closed:
+                return []
+            now = self._clock()
+            held = []
+            for key in keys:
+                if key in self._held:
+                    self._again[key] = min(now, self._again.get(key, now))
+                else:
+                    self._due.pop(key, None)  # its heap item is skipped as superseded
+                    self._held.add(key)
+                    held.append(key)
+            return held
+
+    def release(self, keys: list[Key]) -> None:
+        """The checks of ``keys`` (from :meth:`hold`) are done."""
+        if not keys:
+            return
+        with self._cond:
+            for key in keys:
+                self._held.discard(key)
+                again = self._again.pop(key, None)
+                if again is not None and not self._closed:
+                    self._push(key, again)
+            if self._settling:
+                self._released.notify_all()
 
     def pending(self) -> list[Key]:
         """The keys due or delayed (a snapshot)."""
@@ -98,7 +135,11 @@ class JobQueue:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
-                self._cond.wait(left)
+                self._settling += 1
+                try:
+                    self._released.wait(left)
+                finally:
+                    self._settling -= 1
         return True
 
     def idle(self) -> bool:

@@ -59,6 +59,11 @@ COUNTERS = {
                          "stream or a resume too late for etcd's history)"),
     "stream_resumes": ("baton_watcher_stream_resumes", "Watch streams resumed from the "
                        "revision they had come to, without a snapshot"),
+    "inline_checks": ("baton_watcher_inline_checks", "Checks made on the thread that read "
+                      "the event or the registry's news (no hand-off; a large file found "
+                      "is handed on to a hash worker)"),
+    "worker_checks": ("baton_watcher_worker_checks", "Checks made by the hash workers (large "
+                      "files, directories to list, retries, reconciliations, snapshots)"),
     "hashes": ("baton_watcher_files_hashed", "Files hashed to the end"),
     "hashed_bytes": ("baton_watcher_hashed_bytes", "Bytes of the files hashed"),
     "hash_failures": ("baton_watcher_hash_failures", "Hashes that failed (file changed, "

@@ -27,7 +27,7 @@ LIMIT_REASON = "inotify ran out of watches (ENOSPC; raise fs.inotify.max_user_wa
 
 
 class Watches:
-    def __init__(self, root: str, mode: str, sink: Callable[[FsEvent], None],
+    def __init__(self, root: str, mode: str, sink: Callable[[list[FsEvent]], None],
                  poll_interval: float,
                  spot: Callable[[str], str | None] = blind_spot) -> None:
         self.root = root
@@ -45,7 +45,8 @@ class Watches:
         if self._polling is None:
             from .polling import PollingEmitter  # watchdog only where it is needed
 
-            self._polling = PollingEmitter(self._sink, self._poll_interval)
+            sink = self._sink
+            self._polling = PollingEmitter(lambda event: sink([event]), self._poll_interval)
             self._polling.start()
         return self._polling
 

@@ -11,10 +11,11 @@ the batches grow by themselves, and the registry applies their reports together
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from ..client import Client
@@ -46,6 +47,9 @@ class Reporter:
         self._cond = threading.Condition()
         self._closing = False
         self._sending = False
+        #: the reporter thread waits for reports (a submit wakes it)
+        self._idle = False
+        self._local = threading.local()
         self._thread = threading.Thread(target=self._run, name="watcher-reporter",
                                         daemon=True)
         #: batches sent and reports carried, for the watcher's metrics and tests
@@ -62,13 +66,27 @@ class Reporter:
             if self._closing:
                 raise BatonError("the watcher is stopping: no new reports")
             self._queue.append(_Queued(request, done))
-            self._cond.notify()
+            if self._idle and not getattr(self._local, "gathering", False):
+                self._cond.notify_all()  # notify() might wake one in ``settle`` instead
+
+    @contextlib.contextmanager
+    def gathering(self) -> Iterator[None]:
+        """The reports the calling thread submits within go together: the reporter
+        is woken once, at the end, not for the first of them."""
+        self._local.gathering = True
+        try:
+            yield
+        finally:
+            self._local.gathering = False
+            with self._cond:
+                if self._idle and self._queue:
+                    self._cond.notify_all()
 
     def close(self, timeout: float = 30.0) -> None:
         """Send what is queued, then stop (waits at most ``timeout`` seconds)."""
         with self._cond:
             self._closing = True
-            self._cond.notify()
+            self._cond.notify_all()
         if self._thread.ident is not None:
             self._thread.join(timeout)
 
@@ -85,7 +103,11 @@ class Reporter:
     def _take(self) -> list[_Queued]:
         with self._cond:
             while not self._queue and not self._closing:
-                self._cond.wait()
+                self._idle = True
+                try:
+                    self._cond.wait()
+                finally:
+                    self._idle = False
             batch: list[_Queued] = []
             while self._queue and len(batch) < self.max_batch:
                 batch.append(self._queue.popleft())

@@ -34,6 +34,8 @@ logger = logging.getLogger("baton.watcher")
 REGISTER_RETRY = 1.0
 #: seconds between heartbeats while the watcher owns no shard yet
 FIRST_SHARDS = 0.5
+#: task ids whose shard is kept (beyond, the record starts over)
+SHARDS_KEPT = 4096
 
 
 class Membership:
@@ -65,6 +67,8 @@ class Membership:
         self._lock = threading.Lock()
         self.watcher_id = ""
         self.count = 0
+        #: task id -> its shard among ``count`` (emptied when the count changes)
+        self._shards: dict[str, int] = {}
         #: shard -> epoch: owned and served
         self._owned: dict[int, int] = {}
         #: shard -> epoch: being handed over (reports of checks in hand still count)
@@ -77,21 +81,31 @@ class Membership:
 
     # what the daemon asks ---------------------------------------------------------
 
+    def _shard(self, task_id: str) -> int:
+        """The task's shard among ``count`` (under the lock): asked for each file's
+        news and report, so kept per task id rather than hashed each time."""
+        n = self._shards.get(task_id)
+        if n is None:
+            if len(self._shards) >= SHARDS_KEPT:
+                self._shards.clear()
+            n = self._shards[task_id] = shard_of(task_id, self.count)
+        return n
+
     def shard(self, task_id: str) -> int | None:
         with self._lock:
-            return shard_of(task_id, self.count) if self.count else None
+            return self._shard(task_id) if self.count else None
 
     def serves(self, task_id: str) -> bool:
         """Whether this watcher serves the task: it owns its shard (and keeps it)."""
         with self._lock:
-            return bool(self.count) and shard_of(task_id, self.count) in self._owned
+            return bool(self.count) and self._shard(task_id) in self._owned
 
     def epoch_of(self, task_id: str) -> int | None:
         """The epoch to report ``task_id`` under (None: not this watcher's to report)."""
         with self._lock:
             if not self.count:
                 return None
-            n = shard_of(task_id, self.count)
+            n = self._shard(task_id)
             return self._owned.get(n, self._leaving.get(n))
 
     def owned(self) -> dict[int, int]:
@@ -119,6 +133,7 @@ class Membership:
             return False
         with self._lock:
             self.watcher_id, self.count, self.ttl = reply.watcher_id, reply.shard_count, reply.ttl
+            self._shards.clear()
         self._previous = reply.watcher_id
         self._remember(reply.watcher_id)
         self._last_ok = time.monotonic()
@@ -174,6 +189,8 @@ class Membership:
     def _apply(self, reply: pb.WatcherHeartbeatResponse) -> None:
         now = {g.shard: g for g in reply.shards}
         with self._lock:
+            if self.count != reply.shard_count:
+                self._shards.clear()
             self.count = reply.shard_count
             self.draining = reply.draining
             gained = {n for n, g in now.items() if not g.release and (

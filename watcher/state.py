@@ -7,7 +7,6 @@ ignored, so the three sources can race freely.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import posixpath
 import threading
@@ -48,8 +47,8 @@ class EntryView:
     token: int = 0
     #: failed hashes in a row
     failures: int = 0
-    #: when the registry last changed the entry (UTC epoch nanoseconds)
-    updated_ns: int = 0
+    #: when the registry last changed the entry (RFC 3339 UTC; parsed only when asked)
+    updated_at: str = ""
     #: the staging retention, as the registry says (``retention.candidate``)
     staging_retention_seconds: float = -1.0
     consumed_at: str = ""
@@ -60,6 +59,18 @@ class EntryView:
     @property
     def state_name(self) -> str:
         return STATE_NAMES.get(self.state, str(self.state))
+
+    @property
+    def updated_ns(self) -> int:
+        """When the registry last changed the entry (UTC epoch nanoseconds; 0: unknown)."""
+        return _epoch_ns(self.updated_at)
+
+    def copy(self) -> EntryView:
+        """A copy to hand out (as ``dataclasses.replace`` makes, at a fraction of its
+        cost: one is made for each piece of news of each file)."""
+        view = object.__new__(EntryView)
+        view.__dict__.update(self.__dict__)
+        return view
 
 
 @dataclass
@@ -178,13 +189,19 @@ class Table:
         with self._lock:
             return sum(1 for v in self._tasks.values() if v.cold)
 
-    def apply(self, task_id: str, entry: pb.Entry) -> Change | None:
-        """Record ``entry`` unless something newer is known; the change, if any."""
+    def apply(self, task_id: str, entry: pb.Entry, *,
+              failures: int | None = None) -> Change | None:
+        """Record ``entry`` unless something newer is known; the change, if any.
+        ``failures``: set the entry's count of failed hashes too (whether or not
+        ``entry`` was news)."""
         with self._lock:
             view = self._tasks.get(task_id)
             if view is None:
                 return None
-            return self._apply(view, entry)
+            change = self._apply(view, entry)
+            if failures is not None and (known := view.entries.get(entry.file_id)):
+                known.failures = failures
+            return change
 
     def _apply(self, view: TaskView, entry: pb.Entry) -> Change | None:
         if entry.parts:
@@ -210,12 +227,12 @@ class Table:
             attempt = parse_attempt(entry.attempt_path)
             known.token = attempt[1] if attempt else 0
         known.revision = entry.revision
-        known.updated_ns = _epoch_ns(entry.updated_at)
+        known.updated_at = entry.updated_at
         known.staging_retention_seconds = entry.staging_retention_seconds
         known.consumed_at = entry.consumed_at
         known.staging_removed_at = entry.staging_removed_at
         known.traceparent = entry.traceparent
-        return Change(view.task_id, dataclasses.replace(known), old)
+        return Change(view.task_id, known.copy(), old)
 
     def replace(self, task_id: str, entries: list[pb.Entry]) -> list[Change]:
         """A full snapshot of the task: apply each entry, drop the ones not in it."""
@@ -238,12 +255,19 @@ class Table:
         with self._lock:
             view = self._tasks.get(task_id)
             known = view.entries.get(file_id) if view else None
-            return dataclasses.replace(known) if known else None
+            return known.copy() if known else None
+
+    def revision(self, task_id: str, file_id: str) -> int:
+        """The revision the entry is known at (0: not known)."""
+        with self._lock:
+            view = self._tasks.get(task_id)
+            known = view.entries.get(file_id) if view else None
+            return known.revision if known else 0
 
     def entries(self, task_id: str) -> list[EntryView]:
         with self._lock:
             view = self._tasks.get(task_id)
-            return [dataclasses.replace(e) for e in view.entries.values()] if view else []
+            return [e.copy() for e in view.entries.values()] if view else []
 
     def to_check(self, task_id: str, *, unverified: bool = True, verified: bool = False,
                  dirs: frozenset[str] | set[str] = frozenset()) -> list[str]:
@@ -284,9 +308,9 @@ class Table:
             for view in self._tasks.values():
                 for e in view.entries.values():
                     counts[e.state_name] = counts.get(e.state_name, 0) + 1
-                    if e.state == pb.ENTRY_STATE_WRITTEN and e.updated_ns and (
-                            not oldest or e.updated_ns < oldest):
-                        oldest = e.updated_ns
+                    if e.state == pb.ENTRY_STATE_WRITTEN and (at := e.updated_ns) and (
+                            not oldest or at < oldest):
+                        oldest = at
         return counts, oldest
 
     def locate(self, path: str) -> tuple[str, str] | None:
