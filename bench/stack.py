@@ -396,6 +396,12 @@ def section(p: Profile, points: dict[tuple[str, int], Point], plot_dir: Path,
                                                      "postgres")) for n in agents]}),
     ]
     headlines, facts = [], {}
+    best = max(agents, key=lambda n: points["Baton", n].per_s
+               if points["Baton", n].samples else -1.0)
+    if points["Baton", best].samples:
+        facts["stack.best_per_s"] = points["Baton", best].per_s
+        facts["stack.best_p99"] = ms([v for x in points["Baton", best].samples
+                                      for v in x.verified], 0.99)
     for n in agents:
         b = points["Baton", n]
         parts = [f"Baton {b.per_s:,.0f} files/s verified"]

@@ -40,7 +40,36 @@ def _loops(key: str, goal: float, peer: str) -> Target:
         lambda f: (v := _get(f, key)) is not None and v[0] >= goal)
 
 
+def _stack(key: str, goal: float) -> Target:
+    n = key.rsplit(".", 1)[-1]
+    return Target(
+        f"the stack (`baton up`, files verified): files/s ≥ {goal:.1f}x PostgreSQL's "
+        f"batched SKIP LOCKED loop at {n} agents",
+        lambda f: None if (v := _get(f, key)) is None else f"{v[0]:.2f}x",
+        lambda f: (v := _get(f, key)) is not None and v[0] >= goal)
+
+
+def _stack_cpu(process: str, goal: float) -> Target:
+    key = f"stack.{process}_ms.16"
+    return Target(
+        f"the stack: {process} CPU per file ≤ {goal:.1f} ms at 16 agents",
+        lambda f: None if (v := _get(f, key)) is None else f"{v[0]:.2f} ms",
+        lambda f: (v := _get(f, key)) is not None and v[0] <= goal)
+
+
 TARGETS = (
+    _stack("stack.vs_pg.16", 0.4),
+    _stack("stack.vs_pg.64", 0.4),
+    _stack("stack.vs_pg.16", 1.0),
+    _stack("stack.vs_pg.64", 1.0),
+    _stack_cpu("registry", 0.6),
+    _stack_cpu("watcher", 0.3),
+    Target("the stack: ≥ 1,000 files/s verified with write → verified p99 ≤ 50 ms "
+           "(its best agent count)",
+           lambda f: None if (v := _get(f, "stack.best_per_s", "stack.best_p99")) is None
+           else f"{v[0]:,.0f} files/s, p99 {v[1]:,.0f} ms",
+           lambda f: (v := _get(f, "stack.best_per_s", "stack.best_p99")) is not None
+           and v[0] >= 1000 and v[1] <= 50),
     _loops("loops.vs_before.16", 2.0, "the earlier revision run beside it"),
     _loops("loops.vs_before.64", 2.0, "the earlier revision run beside it"),
     _loops("loops.vs_pg.16", 1.0, "PostgreSQL SKIP LOCKED"),
