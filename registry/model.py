@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import time
@@ -93,37 +92,19 @@ def epoch_of(stamp: str) -> float:
 
 
 def _load(cls: type[Any], raw: bytes) -> Any:
-    """A new ``cls`` record from its stored bytes.
-
-    The same bytes are read again and again — a task's header by every step of its
-    producers, an entry by the watch that saw it change and then by the step that moves
-    it next — and decoding is the registry's costliest work per entry. So the fields
-    decoded from the last :data:`DECODED_KEPT` stored values of each class are kept,
-    keyed by those bytes (equal bytes decode to equal records), and each load builds a
-    new record from them: writers change records in place, so lists and dicts are
-    copied, never shared."""
-    kept = _DECODED.setdefault(cls, {})
-    hit = kept.get(raw)
-    if hit is None:
-        form = _form(cls)
-        values = {k: v for k, v in json.loads(raw).items() if k in form.template}
-        hit = (values, tuple(k for k, v in values.items() if isinstance(v, (list, dict))))
-        if len(kept) >= DECODED_KEPT:
-            with contextlib.suppress(RuntimeError, StopIteration, KeyError):
-                del kept[next(iter(kept))]  # the oldest
-        kept[raw] = hit
-    values, containers = hit
+    """A new ``cls`` record from its stored bytes (the fields it knows; a field stored
+    by a later version is left out). Records are loaded several times per entry per
+    hand-off, so this does what the dataclass's constructor would, without its call
+    per field: the attributes in the same order (a record dumps the same bytes), a
+    default factory's value for each field not stored."""
     form = _form(cls)
+    values = {k: v for k, v in json.loads(raw).items() if k in form.template}
     if not form.required <= values.keys():
         return cls(**values)  # refused as the constructor refuses it
-    # What the dataclass's __init__ would do, without its call per field (the
-    # attributes in the same order, so a record dumps the same bytes).
     state = {**form.template, **values}
     for name, factory in form.factories:
         if name not in values:
             state[name] = factory()
-    for name in containers:
-        state[name] = _copied(values[name])
     rec = object.__new__(cls)
     rec.__dict__.update(state)
     if form.post_init:
@@ -157,19 +138,7 @@ def _form(cls: type[Any]) -> _Form:
     return form
 
 
-def _copied(value: Any) -> Any:
-    """A JSON value whose lists and dicts are new (their leaves are immutable)."""
-    if isinstance(value, list):
-        return [_copied(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _copied(v) for k, v in value.items()}
-    return value
-
-
 _FORMS: dict[type[Any], _Form] = {}
-#: how many stored values of each record class :func:`_load` keeps decoded
-DECODED_KEPT = 4096
-_DECODED: dict[type[Any], dict[bytes, tuple[dict[str, Any], tuple[str, ...]]]] = {}
 
 
 @dataclass
