@@ -245,3 +245,22 @@ def test_structured_logs_carry_task_and_file_id() -> None:
         finally:
             logger.removeHandler(handler)
         assert check(stream.getvalue().strip()), stream.getvalue()
+
+
+def test_per_entry_report_counts_are_kept_for_the_latest_entries_only(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A watcher verifies millions of files over its life: the report counts it keeps per
+    entry are bounded, the longest known given up first, a recent one still counted
+    (each report, a repeat too, in the total)."""
+    from baton_relay.watcher import metrics as metrics_module
+
+    monkeypatch.setattr(metrics_module, "REPORTS_KEPT", 3)
+    m = metrics_module.Metrics()
+    for f in ("a", "b", "c"):
+        m.reported("t", f)
+    m.reported("t", "a")  # a repeat is not a new entry: nothing given up
+    assert [m.reports_of("t", f) for f in ("a", "b", "c")] == [2, 1, 1]
+    m.reported("t", "d")
+    assert [m.reports_of("t", f) for f in ("a", "b", "c", "d")] == [0, 1, 1, 1]
+    assert len(m._reports) == 3
+    assert m.get("reports") == 5

@@ -112,13 +112,19 @@ class Levels:
     staging_held: int = 0
 
 
+#: how many entries' report counts :meth:`Metrics.reports_of` keeps
+REPORTS_KEPT = 10_000
+
+
 class Metrics:
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         #: measures hash times (injected so tests control it)
         self.clock = clock
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()
-        self._reports: Counter[tuple[str, str]] = Counter()
+        #: digest reports per entry, for the most recent REPORTS_KEPT entries reported (a
+        #: watcher verifies millions of files over its life: not one count per file kept)
+        self._reports: dict[tuple[str, str], int] = {}
         self._results: Counter[tuple[str, str]] = Counter()
         #: seconds spent hashing, for the rate a watcher registers with
         self._hashing = 0.0
@@ -162,7 +168,11 @@ class Metrics:
         with self._lock:
             if kind == "digest":
                 self._counts["reports"] += 1
-                self._reports[(task_id, file_id)] += 1
+                key = (task_id, file_id)
+                known = self._reports.get(key)
+                if known is None and len(self._reports) >= REPORTS_KEPT:
+                    del self._reports[next(iter(self._reports))]  # the longest known
+                self._reports[key] = (known or 0) + 1
             self._results[(kind, result or "other")] += 1
 
     def refused(self, kind: str, exc: BaseException) -> None:
@@ -175,9 +185,10 @@ class Metrics:
             return self._counts[name]
 
     def reports_of(self, task_id: str, file_id: str) -> int:
-        """Verification reports sent for one entry."""
+        """Verification reports sent for one entry (0 for one reported before the last
+        :data:`REPORTS_KEPT` entries reported)."""
         with self._lock:
-            return self._reports[(task_id, file_id)]
+            return self._reports.get((task_id, file_id), 0)
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:
