@@ -517,10 +517,15 @@ class Shards:
         moves = await self.balance_moves(fresh=True)
         for n, _, to in moves:
             await self._start_move(n, to, self.move_deadline)
+        _, shards = await self.table(fresh=True)
+        if not req.undo:
+            # Every move under way away from it: those started here, and those the
+            # assigner started on seeing the drain first (then none are started here).
+            moves = [(n, rec.owner, rec.moving_to) for n, (_, rec) in sorted(shards.items())
+                     if rec.owner == req.watcher_id and rec.moving_to]
         logs.log(log, logging.INFO, "watcher undrained" if req.undo else "watcher draining",
                  watcher=req.watcher_id, moves=len(moves), by=caller.name or "operator")
         ttl = await self.core.etcd.time_to_live(record.kv.lease)
-        _, shards = await self.table()
         owned = sum(1 for _, rec in shards.values() if rec.owner == req.watcher_id)
         return pb.DrainWatcherResponse(
             watcher=_watcher_info(record, ttl, owned),

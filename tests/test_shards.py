@@ -281,6 +281,24 @@ def test_draining_a_watcher_moves_its_shards_away_and_undo_takes_them_back(
         client.drain_watcher("0123456789abcdef")
 
 
+def test_a_drain_reply_names_the_moves_under_way_away_from_the_watcher(
+    client: Client, hosts: Callable[..., FakeHost], wait_for: Wait,
+) -> None:
+    """A drain while a move away from the watcher is already under way (here an
+    operator's, which the watcher has not acted on yet) starts none of its own until
+    that one ends, and its reply names that move: an operator sees what the drain is
+    waiting for."""
+    b = hosts("b")
+    a = hosts("a", release=False)  # holds on to what it is asked to hand over
+    wait_for(balanced(client, [a.id, b.id]), what="shards balanced")
+    shard = next(n for n, info in owners(client).items() if info.owner == a.id)
+    client.move_shard(shard, b.id, deadline=120)
+    reply = client.drain_watcher(a.id)
+    assert reply.watcher.draining
+    assert [(m.shard, m.from_watcher, m.to_watcher) for m in reply.moves] == [
+        (shard, a.id, b.id)]
+
+
 # real watcher processes over one staging root ----------------------------------------------
 
 def sharded(processes: Callable[..., WatcherProcess], name: str) -> WatcherProcess:

@@ -3915,7 +3915,9 @@ class DrainWatcherResponse(_message.Message):
     def watcher(self) -> Global___WatcherInfo: ...
     @_builtins.property
     def moves(self) -> _containers.RepeatedCompositeFieldContainer[Global___ShardMove]:
-        """moves started"""
+        """A drain: every move under way away from the watcher once it is draining (started
+        by the drain, or by the assigner that saw it first); an undo: the moves it started.
+        """
 
     def __init__(
         self,
