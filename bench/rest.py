@@ -17,7 +17,7 @@ import blake3
 
 from baton_relay.client import Client, Session
 from baton_relay.kernel import errors, pki
-from baton_relay.local.etcdproc import free_port
+from baton_relay.local.etcdproc import EtcdProcess, free_port
 from baton_relay.local.stack import ETCD_UPKEEP
 
 from .harness import (
@@ -328,6 +328,8 @@ class Reading:
     registry: dict[str, float]
     watcher: dict[str, float]
     etcd: dict[str, int]
+    #: etcd's revision and compactions so far (``store_counts``)
+    store: dict[str, float]
     breaks: int
     machine: tuple[int, int]
 
@@ -338,11 +340,33 @@ def machine_ticks() -> tuple[int, int]:
     return sum(fields), fields[3] + (fields[4] if len(fields) > 4 else 0)
 
 
+#: etcd's own samples the window reads: its revision (every write moves it), and its
+#: compactions (each walks every stored key, whatever changed since the last one; one
+#: at a revision already compacted is refused at once and counts nowhere)
+STORE_SAMPLES = {
+    "revision": "etcd_debugging_mvcc_current_revision",
+    "compactions": "etcd_debugging_mvcc_db_compaction_total_duration_milliseconds_count",
+    "compaction_ms": "etcd_debugging_mvcc_db_compaction_total_duration_milliseconds_sum",
+    "index_pause_ms": "etcd_debugging_mvcc_index_compaction_pause_duration_milliseconds_sum",
+}
+
+
+def store_counts(etcd: EtcdProcess) -> dict[str, float]:
+    """etcd's revision and compaction counts so far (``STORE_SAMPLES``)."""
+    text = etcd.get("/metrics", timeout=5).decode()
+    found = {}
+    for what, name in STORE_SAMPLES.items():
+        sample = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
+        found[what] = float(sample.group(1)) if sample else float("nan")
+    return found
+
+
 def read(pids: dict[str, int], registry_metrics: str, watcher_metrics: str, stack: Stack,
          registry: Daemon) -> Reading:
     return Reading(time.monotonic(), {n: cpu_seconds(pid) for n, pid in pids.items()},
                    scrape(registry_metrics), scrape(watcher_metrics),
-                   etcd_kv_calls(stack.etcd), watch_breaks(registry.log_path), machine_ticks())
+                   etcd_kv_calls(stack.etcd), store_counts(stack.etcd),
+                   watch_breaks(registry.log_path), machine_ticks())
 
 
 def calls(a: Reading, b: Reading, method: str = "") -> int:
@@ -390,8 +414,9 @@ def run(p: Profile, root: Path, plot_dir: Path) -> Section:
         ca, cert, key = registry.credentials
         with Client(registry.address, timeout=60, ca=ca, cert=cert, key=key) as c:
             sync_seconds = first_sync(p, watcher_metrics, todo, c, watcher)
-        print(f"  rest: first sync done after {sync_seconds:.0f} s; idle for {idle:.0f} s",
-              flush=True)
+        print(f"  rest: first sync done after {sync_seconds:.0f} s", flush=True)
+        settled_compaction(stack.etcd, period, notes)
+        print(f"  rest: idle for {idle:.0f} s", flush=True)
         readings = [read(pids, registry_metrics, watcher_metrics, stack, registry)]
         end = readings[0].at + idle
         step = max(1.0, min(p.rest_sample, idle / 4))
@@ -409,6 +434,28 @@ def run(p: Profile, root: Path, plot_dir: Path) -> Section:
         profile = profile_busiest(p, root, readings, pids)
     return section(p, todo, readings, period, idle, notify, load_seconds, sync_seconds,
                    profile, notes, plot_dir, time.monotonic() - t0)
+
+
+def settled_compaction(etcd: EtcdProcess, period: float, notes: list[str]) -> None:
+    """Wait until etcd has compacted up to its revision of now (a compaction period or
+    two), so that the window's compactions are those its own writes call for, not the
+    load's last. If writes go on meanwhile, it never comes: say so and go on."""
+    target = store_counts(etcd)["revision"]
+    deadline = time.monotonic() + 3 * period + 30
+    while time.monotonic() < deadline:
+        check_interrupted()
+        if compact_revision(etcd) >= target:
+            return
+        time.sleep(min(1.0, period / 5))
+    notes.append(f"etcd had not compacted up to revision {target:.0f} (the first sync's "
+                 f"end) {3 * period + 30:.0f} s after it: the window's first compactions "
+                 "are partly the load's.")
+
+
+def compact_revision(etcd: EtcdProcess) -> float:
+    text = etcd.get("/metrics", timeout=5).decode()
+    sample = re.search(r"^etcd_debugging_mvcc_compact_revision (\S+)$", text, re.MULTILINE)
+    return float(sample.group(1)) if sample else float("inf")
 
 
 def cores(a: Reading, b: Reading, name: str) -> float:
@@ -503,6 +550,11 @@ def section(p: Profile, todo: list[Plan], readings: list[Reading], period: float
     row("registry: view reloads (its etcd watch broke)", b.breaks - a.breaks)
     for method in ("Range", "Txn"):
         row(f"etcd: {method} requests", b.etcd.get(method, 0) - a.etcd.get(method, 0))
+    moved = b.store["revision"] - a.store["revision"]
+    row("etcd: revisions written (every write moves it)", round(moved), "0")
+    row("etcd: compactions run (each walks every stored key)",
+        round(b.store["compactions"] - a.store["compactions"]), "0")
+    compaction_s = (b.store["compaction_ms"] - a.store["compaction_ms"]) / 1000
     load_table = Table("Loading and the first sync",
                        ["entries", "pending", "verified", "consumed", "load s", "entries/s",
                         "first sync s"])
@@ -541,5 +593,9 @@ def section(p: Profile, todo: list[Plan], readings: list[Reading], period: float
     facts = {f"rest.cores.{n}": v for n, v in shares.items()}
     facts["rest.list_entries"] = float(list_entries)
     facts["rest.snapshots"] = float(snapshots)
+    facts["rest.revisions"] = moved
+    if compaction_s > 0:
+        notes.append(f"etcd's compactions in the window took {compaction_s:.1f} s of wall "
+                     "time in all (its database walk, in batches with pauses).")
     return Section("rest", "At rest", intro, tables, plots, notes=notes, headlines=[headline],
                    seconds=seconds, load=load_average(), facts=facts)

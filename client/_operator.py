@@ -3,16 +3,19 @@ journal, sessions and leases, watchers and shards."""
 
 from __future__ import annotations
 
-from collections.abc import Generator
+import threading
+from collections.abc import Callable, Generator
 from typing import Any
 
 import grpc
 
 from ..kernel import errors
+from ..kernel.backoff import Backoff
 from ..kernel.contract import (
     MAX_MANIFEST_BYTES,
     mib,
 )
+from ..kernel.errors import BatonError
 from ..kernel.v1 import baton_pb2 as pb
 from ._connection import Connection
 from ._wire import raise_from_rpc
@@ -48,6 +51,41 @@ class OperatorCalls(Connection):
             raise raise_from_rpc(e) from None
         finally:
             call.cancel()
+
+    def follow_tasks(self, stop: threading.Event, *, retry: float = 0.5,
+                     on_lost: Callable[[BatonError], None] | None = None
+                     ) -> Generator[pb.Task, None, None]:
+        """Every task header, then each again as it changes, until ``stop`` is set (looked
+        at between messages; closing the client ends it at once). The stream is resumed
+        from where it stood when it ends or breaks (the registry's progress messages keep
+        that revision current while nothing changes), so a header is sent again only if
+        it changed meanwhile. A broken stream is tried again after a backoff (from
+        ``retry`` seconds, doubling, at most 5 s), ``on_lost`` told of each break. A
+        registry that predates resumes sends no revision: each stream it serves then
+        starts with every header, as ``watch_tasks`` does."""
+        revision, failures = 0, 0
+        backoff = Backoff(retry, max(retry, 5.0))
+        while not stop.is_set():
+            call = self._method("WatchTasks")(
+                pb.WatchTasksRequest(start_revision=revision, progress=True))
+            try:
+                for reply in call:
+                    failures = 0
+                    if reply.revision:
+                        revision = max(revision, reply.revision + 1)
+                    if reply.HasField("task"):
+                        yield reply.task
+                    if stop.is_set():
+                        return
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.CANCELLED or stop.is_set():
+                    return
+                failures += 1
+                if on_lost is not None:
+                    on_lost(raise_from_rpc(e))
+                stop.wait(backoff.delay(failures))
+            finally:
+                call.cancel()
 
     def get_entry(self, task_id: str, file_id: str) -> pb.Entry:
         req = pb.GetEntryRequest(task_id=task_id, file_id=file_id)

@@ -57,16 +57,23 @@ def next_lease(
     """Consume the next verified entry for ``group``, waiting for one if needed.
 
     Waiting is event-driven: a ``Watch`` opened at the current revision is
-    started before each attempt, so an entry verified between the attempt and
+    started before the first attempt, so an entry verified between the attempt and
     the wait still wakes us. Raises ``NothingToClaim`` when ``timeout`` passes,
     and ``Draining`` once the session's host is drained (a keepalive says so
     while we wait: each wait then lasts at most a third of the session's TTL).
-    A broken watch is opened again; a consume whose outcome is unknown (the
-    registry became unreachable before it replied) raises ``Unavailable`` at once,
-    never ``NothingToClaim``: it may have leased an entry to the session, which
-    only the session's end (``close`` with revoke) hands back.
+    A wait that ends with nothing verified is resumed from the revision its watch
+    had come to (the registry's progress events keep it current while the task is
+    idle), without another attempt: an idle consumer costs the registry one resumed
+    stream per wait, and no read of the task. A broken watch is opened again; a
+    consume whose outcome is unknown (the registry became unreachable before it
+    replied) raises ``Unavailable`` at once, never ``NothingToClaim``: it may have
+    leased an entry to the session, which only the session's end (``close`` with
+    revoke) hands back.
     """
     deadline = None if timeout is None else time.monotonic() + timeout
+    #: the revision the watch has come to (0: none yet); an attempt is due when a
+    #: verification for the group was seen, or no watch stood yet
+    revision, attempt = 0, True
     while True:
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
@@ -80,28 +87,36 @@ def next_lease(
             wait = min(left if left is not None else session.ttl, max(session.ttl / 3, 0.5))
         # only moves into verified are sent: a waiting consumer is not woken by the
         # task's other moves
-        events = client.watch(task_id, start_revision=-1, timeout=wait,
-                              states=[pb.ENTRY_STATE_VERIFIED])
+        events = client.watch(task_id, start_revision=revision + 1 if revision else -1,
+                              timeout=wait, states=[pb.ENTRY_STATE_VERIFIED],
+                              progress=True, catch_up=True)
         try:
-            try:
-                synced = next(events, None)  # SYNCED: the watch is in place
-            except Unavailable as e:
-                _pause_or_raise(deadline, e)
-                continue
-            if synced is None:
-                continue
-            # Unavailable here is not retried: the consume may have been applied with
-            # its reply lost, so a lease may be held; the caller must know it.
-            try:
-                return client.consume(task_id, group, session=session)
-            except NothingToClaim:
-                pass
+            if not revision:
+                try:
+                    synced = next(events, None)  # SYNCED: the watch is in place
+                except Unavailable as e:
+                    _pause_or_raise(deadline, e)
+                    continue
+                if synced is None:
+                    continue
+                revision, attempt = synced.revision, True
+            if attempt:
+                # Unavailable here is not retried: the consume may have been applied
+                # with its reply lost, so a lease may be held; the caller must know it.
+                try:
+                    return client.consume(task_id, group, session=session)
+                except NothingToClaim:
+                    attempt = False
             try:
                 for event in events:
-                    if (event.entry.state == pb.ENTRY_STATE_VERIFIED
-                        and group in event.entry.consumers):
+                    revision = max(revision, event.revision)
+                    if (event.kind == pb.TaskEvent.KIND_CHANGED
+                            and event.entry.state == pb.ENTRY_STATE_VERIFIED
+                            and group in event.entry.consumers):
+                        attempt = True
                         break
             except Unavailable as e:
+                revision, attempt = 0, True  # start afresh: the watch, then an attempt
                 _pause_or_raise(deadline, e)
         finally:
             events.close()

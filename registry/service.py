@@ -265,8 +265,9 @@ class OperatorService(pb_grpc.OperatorServiceServicer):
 
     async def WatchTasks(self, request: pb.WatchTasksRequest, context: Context
                          ) -> AsyncIterator[pb.WatchTasksResponse]:
-        async for task in self.tasks.watch_tasks(current()):
-            yield pb.WatchTasksResponse(task=task)
+        async for task, revision in self.tasks.watch_tasks(
+                current(), request.start_revision, request.progress):
+            yield pb.WatchTasksResponse(task=task, revision=revision)
 
     async def GetEntry(self, request: pb.GetEntryRequest, context: Context
                        ) -> pb.GetEntryResponse:

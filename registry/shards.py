@@ -326,15 +326,23 @@ class Shards:
             raise NotFound(f"watcher {req.watcher_id}'s lease has expired: register again",
                            watcher_id=req.watcher_id)
 
+        capacity = _capacity(req.capacity)
+
         async def plan(txn: Txn) -> None:
             kv = await txn.get(record.kv.key)
             if kv is None:
                 return
             info = WatcherRecord.load(req.watcher_id, kv).info
-            info["capacity"] = _capacity(req.capacity)
+            if info.get("capacity") == capacity:
+                return
+            info["capacity"] = capacity
             txn.put(kv.key, json.dumps(info).encode(), lease=kv.lease)
 
-        await write(self.core.txns, plan)
+        # The record is rewritten only when the capacity it holds changed: the lease
+        # keeps the registration alive, and a heartbeat of an idle watcher writes
+        # nothing (no etcd revision at rest: etcd's compaction then has nothing to do).
+        if record.info.get("capacity") != capacity:
+            await write(self.core.txns, plan)
         count, _ = await self.table()
         return pb.WatcherHeartbeatResponse(ttl=ttl, shard_count=count,
                                            shards=await self._grants(req.watcher_id),

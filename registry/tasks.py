@@ -530,17 +530,53 @@ class Tasks:
         return [pb.TaskEvent(kind=kind, entry=entry, revision=entry.revision)
                 for _, entry in read]
 
-    async def watch_tasks(self, caller: Caller = ANONYMOUS) -> AsyncIterator[pb.Task]:
-        """Every task header now, then each one again whenever it changes (those
-        ``caller`` may read)."""
-        _, at, _ = await self.core.etcd.range(self.keys.tasks(), limit=1, keys_only=True)
-        async for kv in self.core.etcd.scan(self.keys.tasks(), page=LIST_PAGE, revision=at):
-            if readable(caller, record := TaskRecord.load(kv.value)):
-                yield record.to_pb()
-        async for batch in self.fanout.follow(self.keys.tasks(), at + 1):
-            if isinstance(batch, Progress):
-                continue  # a WatchTasks stream starts with every header: nothing to resume
-            for ev in batch:
-                if ev.kind == "put" and readable(caller,
-                                                 record := TaskRecord.load(ev.kv.value)):
-                    yield record.to_pb()
+    async def watch_tasks(self, caller: Caller = ANONYMOUS, start_revision: int = 0,
+                          progress: bool = False) -> AsyncIterator[tuple[pb.Task | None, int]]:
+        """Every task header now (those ``caller`` may read), then each one again whenever
+        it changes; each with the revision it was written at. From ``start_revision``
+        (> 0): only the headers written since, then changes. With ``progress``, ``(None,
+        revision)`` after the snapshot and, while no header changes, now and then: every
+        change up to ``revision`` has been sent.
+
+        A resume from a revision etcd has compacted is caught up from the headers as they
+        are now (each carries the revision it was last written at): those written since
+        are sent, the rest were sent before. Headers are few (one per task), so the look
+        is one paged read; a resume that was not compacted reads none."""
+        if start_revision < 0:
+            raise InvalidArgument("start_revision must be ≥ 0")
+        base = self.keys.tasks()
+        start = start_revision
+        if start == 0:
+            _, at, _ = await self.core.etcd.range(base, limit=1, keys_only=True)
+            async for kv in self.core.etcd.scan(base, page=LIST_PAGE, revision=at):
+                if readable(caller, record := TaskRecord.load(kv.value)):
+                    yield record.to_pb(), kv.mod_revision
+            if progress:
+                yield None, at
+            start = at + 1
+        while True:
+            try:
+                async for batch in self.fanout.follow(base, start):
+                    if isinstance(batch, Progress):
+                        if progress:
+                            yield None, batch.revision
+                        start = batch.revision + 1
+                        continue
+                    for ev in batch:
+                        start = max(start, ev.kv.mod_revision + 1)
+                        if ev.kind == "put" and readable(
+                                caller, record := TaskRecord.load(ev.kv.value)):
+                            yield record.to_pb(), ev.kv.mod_revision
+                return
+            except Compacted:
+                pass  # caught up below from the headers as they are now
+            _, at, _ = await self.core.etcd.range(base, limit=1, keys_only=True)
+            async for kv in self.core.etcd.scan(base, page=LIST_PAGE, revision=at):
+                if kv.mod_revision >= start and readable(
+                        caller, record := TaskRecord.load(kv.value)):
+                    yield record.to_pb(), kv.mod_revision
+            log.info("task headers' watch resumed from compacted revision %d: caught up "
+                     "to %d", start, at)
+            if progress:
+                yield None, at
+            start = at + 1

@@ -285,20 +285,18 @@ class HeaderWatch:
             self._shown = {v.task.spec.task_id: v.task.status for v in frame.tasks}
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                for task in self._client.watch_tasks():
-                    if self._task_ids and task.spec.task_id not in self._task_ids:
-                        continue
-                    with self._lock:
-                        shown = self._shown.get(task.spec.task_id)
-                    if shown != task.status:
-                        self.changed.set()
-            except errors.BatonError:
-                pass  # the registry is away: the interval refreshes meanwhile
-            except ValueError:
-                return  # the client is closed: the view is over
-            self._stop.wait(WATCH_RETRY)
+        # Resumed where it stood after a break (the registry away: the interval
+        # refreshes meanwhile), so a header that did not change is not sent again.
+        try:
+            for task in self._client.follow_tasks(self._stop, retry=WATCH_RETRY):
+                if self._task_ids and task.spec.task_id not in self._task_ids:
+                    continue
+                with self._lock:
+                    shown = self._shown.get(task.spec.task_id)
+                if shown != task.status:
+                    self.changed.set()
+        except ValueError:
+            return  # the client is closed: the view is over
 
 
 # --- JSON ---------------------------------------------------------------------------

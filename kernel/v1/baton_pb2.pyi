@@ -4365,12 +4365,27 @@ class WatchTasksRequest(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    START_REVISION_FIELD_NUMBER: _builtins.int
+    PROGRESS_FIELD_NUMBER: _builtins.int
+    start_revision: _builtins.int
+    """0 = every task header now, then each as it changes; N > 0 = a resume: every
+    header written from revision N on (as it is now, if etcd has compacted N), then
+    changes, without the headers that did not change.
+    """
+    progress: _builtins.bool
+    """Send progress messages (task unset): after the snapshot, and while no header
+    changes, now and then (at etcd's watch progress interval), the revision the
+    stream has come to, so a resume starts there. Off: headers only (older clients).
+    """
     def __init__(
         self,
+        *,
+        start_revision: _builtins.int = ...,
+        progress: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["progress", b"progress", "start_revision", b"start_revision"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -4381,16 +4396,23 @@ class WatchTasksResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     TASK_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    revision: _builtins.int
+    """The revision the header was last written at; with task unset (a progress
+    message), every header change up to it has been sent. Resume from the highest
+    revision seen + 1.
+    """
     @_builtins.property
     def task(self) -> Global___Task: ...
     def __init__(
         self,
         *,
         task: Global___Task | None = ...,
+        revision: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["revision", b"revision", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

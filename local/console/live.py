@@ -16,6 +16,8 @@ from ...kernel.v1 import baton_pb2 as pb
 
 #: task statuses after which nothing moves (no watch is kept on them)
 FINISHED = {pb.TASK_STATUS_CANCELLED, pb.TASK_STATUS_ARCHIVED}
+#: seconds before a broken stream is resumed
+WATCH_RETRY = 1.0
 #: how long the rate looks back (seconds)
 RATE_WINDOW = 60.0
 #: at most this often a changed task is read again and sent to the browsers (seconds)
@@ -33,6 +35,8 @@ class Hub:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.queues: set[asyncio.Queue[str]] = set()
         self.followed: set[str] = set()
+        #: tasks the headers' stream said have finished: their entry streams end
+        self.finished: set[str] = set()
         self.dirty: set[str] = set()
         self.samples: dict[str, deque[tuple[float, int]]] = {}
         self.changed = threading.Event()
@@ -60,31 +64,55 @@ class Hub:
         self.changed.set()
 
     def _watch_tasks(self) -> None:
-        while not self.stop.is_set():
-            try:
-                for task in self.client.watch_tasks():
-                    self._mark(task.spec.task_id)
-                    if task.status not in FINISHED:
-                        self._follow(task.spec.task_id)
-            except errors.BatonError:
-                pass
-            self.stop.wait(1.0)  # the stream ended or broke: open it again
+        # Resumed where it stood when it breaks: only headers that changed come again.
+        try:
+            for task in self.client.follow_tasks(self.stop, retry=WATCH_RETRY):
+                self._mark(task.spec.task_id)
+                if task.status in FINISHED:
+                    with self.lock:
+                        self.finished.add(task.spec.task_id)
+                else:
+                    self._follow(task.spec.task_id)
+        except ValueError:
+            return  # the client is closed: the console is stopping
 
     def _follow(self, task_id: str) -> None:
         with self.lock:
+            self.finished.discard(task_id)
             if task_id in self.followed:
                 return
             self.followed.add(task_id)
         threading.Thread(target=self._watch_entries, args=(task_id,), daemon=True).start()
 
     def _watch_entries(self, task_id: str) -> None:
+        """Mark the task at each change of its entries, until it finishes or is gone.
+        The stream asks for progress events, so it resumes from where it stood after a
+        break (caught up by the registry if etcd compacted that revision meanwhile)."""
+        revision = 0
         try:
-            for _ in self.client.watch(task_id, start_revision=-1):
-                self._mark(task_id)
-        except errors.BatonError:
-            pass
+            while not self.stop.is_set() and not self._done(task_id):
+                try:
+                    for ev in self.client.watch(
+                            task_id, start_revision=revision + 1 if revision else -1,
+                            progress=True, catch_up=True):
+                        revision = max(revision, ev.revision)
+                        if ev.kind == pb.TaskEvent.KIND_CHANGED:
+                            self._mark(task_id)
+                        if self._done(task_id):
+                            return
+                except errors.NotFound:
+                    return  # the task is gone
+                except errors.BatonError:
+                    self.stop.wait(WATCH_RETRY)  # the registry is away: resume after
+                except ValueError:
+                    return  # the client is closed: the console is stopping
+        finally:
+            with self.lock:
+                self.followed.discard(task_id)
+
+    def _done(self, task_id: str) -> bool:
         with self.lock:
-            self.followed.discard(task_id)
+            return self.stop.is_set() or task_id in self.finished
 
     def _flush(self) -> None:
         while not self.stop.is_set():
