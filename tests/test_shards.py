@@ -367,8 +367,21 @@ def test_a_cold_task_is_unwatched_left_to_reconciliation_and_warms_up_on_a_chang
     wait_for(lambda: w.table.task("t1").cold and not w.table.task("t1").watched,  # type: ignore[union-attr]
              what="t1 cold and unwatched")
     assert w.capacity().cold_tasks == 1
-    Path(client.get_entry("t1", "a").abs_attempt_path).write_bytes(
-        b"changed behind the watcher's back")
+    # Routine passes over the idle cold tree look at its directory, not at its files.
+    passes = w.metrics.get("reconciliations")
+    # (four passes a second apart: past daemon.RACY_SECONDS since the tree last changed)
+    wait_for(lambda: w.metrics.get("reconciliations") >= passes + 4, timeout=15,
+             what="the first looks at the cold tree")
+    checked, passes = (w.metrics.get("reconcile_entries_checked"),
+                       w.metrics.get("reconciliations"))
+    wait_for(lambda: w.metrics.get("reconciliations") >= passes + 3, timeout=15,
+             what="three routine passes")
+    assert w.metrics.get("reconcile_entries_checked") == checked, "an idle cold tree's files"
+    # A file put into place there (written aside, renamed over) is seen at the next pass.
+    path = Path(client.get_entry("t1", "a").abs_attempt_path)
+    aside = path.with_name(".aside")
+    aside.write_bytes(b"changed behind the watcher's back")
+    aside.rename(path)
     wait_for(lambda: client.get_entry("t1", "a").state != pb.ENTRY_STATE_VERIFIED, timeout=15,
              what="the reconciliation saw the change")
     # That change, and the claim, reach the watcher from the registry: it warms up.

@@ -56,6 +56,9 @@ FINISHED = (pb.TASK_STATUS_CANCELLED, pb.TASK_STATUS_COMPLETED, pb.TASK_STATUS_A
 #: gone whose directory goes once empty
 DONE = (pb.TASK_STATUS_CANCELLED, pb.TASK_STATUS_COMPLETED)
 GONE = (pb.TASK_STATUS_ARCHIVED, pb.TASK_STATUS_DELETING)
+#: a directory whose times are this close to when it was looked at is looked at
+#: again at the next pass (a change within the same clock tick leaves them as they were)
+RACY_SECONDS = 2.0
 #: seconds between attempts of a reconciliation that could not reach the registry
 RECONCILE_RETRY = 1.0
 #: seconds a shard's handover waits for the checks in hand before releasing anyway
@@ -98,6 +101,8 @@ class Watcher:
         #: (task id, directory relative to it) of the file events since the last pass
         self._event_dirs: set[tuple[str, str]] = set()
         self._event_dirs_lock = threading.Lock()
+        #: per unwatched task, its directories' times as the last routine pass saw them
+        self._dir_marks: dict[str, dict[str, tuple[int, int, int] | None]] = {}
         self.membership = Membership(
             self.client, self.root, self.reporter, config.shard_ttl, capacity=self.capacity,
             gained=self._shards_gained, lost=self._shards_lost, handover=self._handover,
@@ -438,8 +443,11 @@ class Watcher:
 
         - stream not current (no snapshot yet, broken, a resume refused): listed and
           checked as in a full pass;
-        - tree not watched (cold, or not watchable): every file checked, no emitter
-          sees it; a tree that could not be watched is tried again;
+        - tree not watched (cold, or not watchable): no emitter sees it, so its
+          directories are looked at instead — one ``stat`` each — and the entries of
+          those changed since the last pass (a file created, renamed into place or
+          removed there changes the directory) are checked, with the entries not seen
+          verified; a tree that could not be watched is tried again (``_moved_dirs``);
         - else the entries not seen verified (writing, written: a check that found
           nothing yet, or whose report did not get through) and the entries directly
           in a directory that had events about files no entry was known by (an
@@ -464,15 +472,46 @@ class Watcher:
                 continue
             if not view.watched and not view.cold:
                 self._sync_watch(task_id)  # not watchable before: it may be now
-            unwatched = not view.watched
-            for file_id in self.table.to_check(task_id, verified=unwatched,
-                                               dirs=by_task.get(task_id, set())):
+            looked = by_task.get(task_id, set())
+            if not view.watched:
+                looked = looked | self._moved_dirs(view)
+            else:
+                self._dir_marks.pop(task_id, None)
+            for file_id in self.table.to_check(task_id, dirs=looked):
                 self.jobs.submit((task_id, file_id))
                 counts["reconcile_entries_checked"] += 1
+        for gone in self._dir_marks.keys() - self.table.views().keys():
+            del self._dir_marks[gone]
         log(logger, logging.DEBUG, "reconciled", reason=reason, full=False, tasks=tasks,
             entries_listed=counts["reconcile_entries_listed"],
             entries_checked=counts["reconcile_entries_checked"])
         return True
+
+    def _moved_dirs(self, view: TaskView) -> set[str]:
+        """The directories of an unwatched task's entries whose ``stat`` changed since
+        the last pass looked (all of them at the first look). A directory changes when
+        a file is created, renamed into it or removed from it, which is how files land
+        (the producer helper writes a temporary file and renames it into place); a file
+        rewritten in place changes no directory, and is found by the next full pass (or
+        refused by the consumer's digest check before then). A directory changed less
+        than ``RACY_SECONDS`` before it was looked at is looked at again next time: a
+        change in the same clock tick would leave its times as they were."""
+        marks = self._dir_marks.get(view.task_id, {})
+        seen: dict[str, tuple[int, int, int] | None] = {}
+        moved: set[str] = set()
+        racy = time.time_ns() - int(RACY_SECONDS * 1e9)
+        for d in self.table.dirs_of(view.task_id):
+            try:
+                st = os.stat(os.path.join(view.directory, d))
+            except OSError:
+                mark = None  # not there (yet): its entries' checks say what that means
+            else:
+                mark = (st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+            if d not in marks or marks[d] != mark or (mark and max(mark[:2]) > racy):
+                moved.add(d)
+            seen[d] = mark
+        self._dir_marks[view.task_id] = seen
+        return moved
 
     def _take_event_dirs(self) -> set[tuple[str, str]]:
         with self._event_dirs_lock:

@@ -289,6 +289,12 @@ class Table:
                         chosen.add(file_id)
             return sorted(chosen)
 
+    def dirs_of(self, task_id: str) -> list[str]:
+        """The directories of the task's entries' paths ("" = the task's directory)."""
+        with self._lock:
+            view = self._tasks.get(task_id)
+            return sorted(view.by_dir) if view is not None else []
+
     def update(self, task_id: str, file_id: str, **changes: object) -> None:
         """Set local notes (``failures``) on an entry."""
         with self._lock:
