@@ -110,6 +110,9 @@ class Profile:
     rest_stream_timeout: float = 0.0
     #: seconds of py-spy on the busiest Baton process when one misses the goal (0: none)
     rest_profile: float = 60.0
+    #: seconds etcd is measured alone after the window, the registry and the watcher
+    #: stopped (the cost of what it stores with no client; 0: not measured)
+    rest_alone: float = 120.0
 
 
 FULL = Profile(
@@ -203,4 +206,5 @@ QUICK = Profile(
     rest_sample=5.0,
     rest_stream_timeout=5.0,
     rest_profile=0.0,
+    rest_alone=10.0,
 )

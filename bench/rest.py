@@ -29,6 +29,7 @@ from .harness import (
     etcd_kv_calls,
     load_average,
     ratio,
+    terminate,
 )
 from .profiles import Profile
 from .profiling import Function, Recorder, py_spy
@@ -45,7 +46,8 @@ with its digest, verified by the watcher) and {consumed:,} consumed (verified, t
 taken and acked by a consumer group) — by {workers} loading threads with
 `ClaimBatch`, `CommitBatch`, `ConsumeBatch` and `AckBatch` of 21. Once the load is done
 and the watcher's first sync is over (a snapshot of every task's Watch stream, its
-queues empty, its snapshots and hashes still for {settle:g} s), the stack is left alone for
+queues empty, its snapshots and hashes still for {settle:g} s) and etcd has compacted
+the load's history away, the stack is left alone for
 {idle:g} s ({periods:g} compaction periods of {period:g} s at least), and measured
 over that window:
 
@@ -58,6 +60,14 @@ over that window:
   the first sync), stream resumes, reconciliations, files hashed.
 * **etcd's requests** (`Range` and `Txn` as etcd counts them) and whether the
   registry's own etcd watch (the view of the hot keys) broke and reloaded (its log).
+* **etcd's revision and compactions**: every write moves the revision, and each
+  periodic compaction after one walks every stored key (its index, then its database
+  in batches), whatever changed; a compaction at a revision already compacted costs
+  nothing. The goal: no write at rest, so no compaction.
+* **etcd alone**: after the window the watcher and the registry are stopped and, once
+  etcd has compacted their last writes away, etcd is measured on its own holding the
+  same keys, with no client: the floor no client of it can take away (its runtime's
+  memory upkeep grows with what it stores).
 """
 
 #: a process's goal at rest: at most this share of a core
@@ -432,8 +442,28 @@ def run(p: Profile, root: Path, plot_dir: Path) -> Section:
                 print(f"  rest: idle {readings[-1].at - readings[0].at:.0f}/{idle:.0f} s",
                       flush=True)
         profile = profile_busiest(p, root, readings, pids)
+        alone = etcd_alone(p, stack, (watcher, registry), period, notes)
     return section(p, todo, readings, period, idle, notify, load_seconds, sync_seconds,
-                   profile, notes, plot_dir, time.monotonic() - t0)
+                   profile, notes, plot_dir, time.monotonic() - t0, alone)
+
+
+def etcd_alone(p: Profile, stack: Stack, daemons: tuple[Daemon, ...], period: float,
+               notes: list[str]) -> float | None:
+    """etcd's share of a core holding the same keys with no client at all: the
+    watcher and the registry stopped, their writes (leases revoked) compacted away,
+    then ``p.rest_alone`` seconds measured. What etcd costs for what it stores (its
+    runtime's memory upkeep), which no client of it can take away; None if not measured."""
+    if p.rest_alone <= 0:
+        return None
+    for daemon in daemons:
+        terminate(daemon.process, timeout=10)
+    settled_compaction(stack.etcd, period, notes)
+    pid = stack.etcd.pid or 0
+    before, at = cpu_seconds(pid), time.monotonic()
+    while time.monotonic() < at + p.rest_alone:
+        check_interrupted()
+        time.sleep(min(5.0, max(0.0, at + p.rest_alone - time.monotonic())))
+    return (cpu_seconds(pid) - before) / (time.monotonic() - at)
 
 
 def settled_compaction(etcd: EtcdProcess, period: float, notes: list[str]) -> None:
@@ -444,12 +474,24 @@ def settled_compaction(etcd: EtcdProcess, period: float, notes: list[str]) -> No
     deadline = time.monotonic() + 3 * period + 30
     while time.monotonic() < deadline:
         check_interrupted()
-        if compact_revision(etcd) >= target:
+        if compact_revision(etcd) >= target and compactions_done(etcd):
             return
         time.sleep(min(1.0, period / 5))
     notes.append(f"etcd had not compacted up to revision {target:.0f} (the first sync's "
                  f"end) {3 * period + 30:.0f} s after it: the window's first compactions "
                  "are partly the load's.")
+
+
+def compactions_done(etcd: EtcdProcess) -> bool:
+    """Whether every compaction etcd started has finished its database phase (which
+    goes on in the background after the compact revision is set)."""
+    text = etcd.get("/metrics", timeout=5).decode()
+
+    def count(name: str) -> float:
+        sample = re.search(rf"^{name}_count (\S+)$", text, re.MULTILINE)
+        return float(sample.group(1)) if sample else 0.0
+    return (count("etcd_debugging_mvcc_db_compaction_total_duration_milliseconds")
+            >= count("etcd_debugging_mvcc_index_compaction_pause_duration_milliseconds"))
 
 
 def compact_revision(etcd: EtcdProcess) -> float:
@@ -508,7 +550,7 @@ def baton_frame(name: str) -> bool:
 def section(p: Profile, todo: list[Plan], readings: list[Reading], period: float,
             idle: float, notify: str, load_seconds: float, sync_seconds: float,
             profile: tuple[str, list[list[object]], str], notes: list[str], plot_dir: Path,
-            seconds: float) -> Section:
+            seconds: float, alone: float | None = None) -> Section:
     a, b = readings[0], readings[-1]
     wall = b.at - a.at
     entries = sum(x.entries for x in todo)
@@ -530,6 +572,9 @@ def section(p: Profile, todo: list[Plan], readings: list[Reading], period: float
         shares[name] = cores(a, b, name)
         cpu.rows.append([name, used, shares[name], 100 * shares[name],
                          "yes" if shares[name] <= GOAL_CORE else "no"])
+    if alone is not None:
+        cpu.rows.append(["etcd alone, same keys, no client (after the window)", None, alone,
+                         100 * alone, "yes" if alone <= GOAL_CORE else "no"])
     busy = 1 - (b.machine[1] - a.machine[1]) / max(1, b.machine[0] - a.machine[0])
     list_entries = calls(a, b, "ListEntries")
     snapshots = counted(a, b, "baton_watcher_stream_snapshots")
@@ -594,6 +639,8 @@ def section(p: Profile, todo: list[Plan], readings: list[Reading], period: float
     facts["rest.list_entries"] = float(list_entries)
     facts["rest.snapshots"] = float(snapshots)
     facts["rest.revisions"] = moved
+    if alone is not None:
+        facts["rest.cores.etcd_alone"] = alone
     if compaction_s > 0:
         notes.append(f"etcd's compactions in the window took {compaction_s:.1f} s of wall "
                      "time in all (its database walk, in batches with pauses).")
