@@ -106,7 +106,7 @@ class Profile:
     rest_tls: bool = True
     #: threads loading the entries
     rest_workers: int = 6
-    #: the watcher's --stream-timeout (0: its default)
+    #: the watcher's --stream-timeout (0: its default, none: a stream lasts while healthy)
     rest_stream_timeout: float = 0.0
     #: seconds of py-spy on the busiest Baton process when one misses the goal (0: none)
     rest_profile: float = 60.0
@@ -204,7 +204,6 @@ QUICK = Profile(
     rest_periods=5.0,
     rest_settle=2.0,
     rest_sample=5.0,
-    rest_stream_timeout=5.0,
     rest_profile=0.0,
     rest_alone=10.0,
 )

@@ -280,6 +280,7 @@ def load(p: Profile, address: str, credentials: tuple[str, str, str], staging: P
 WATCHER_COUNTERS = {
     "stream snapshots": "baton_watcher_stream_snapshots",
     "stream resumes": "baton_watcher_stream_resumes",
+    "stream silences": "baton_watcher_stream_silences",
     "reconciliations": "baton_watcher_reconciliations",
     "files hashed": "baton_watcher_files_hashed",
 }
@@ -589,7 +590,9 @@ def section(p: Profile, todo: list[Plan], readings: list[Reading], period: float
     row("registry: Watch calls (streams opened or resumed)", calls(a, b, "Watch"))
     row("registry: every gRPC call", calls(a, b))
     row("watcher: stream snapshots", snapshots, "0")
-    row("watcher: stream resumes", counted(a, b, "baton_watcher_stream_resumes"))
+    row("watcher: stream resumes", counted(a, b, "baton_watcher_stream_resumes"), "0")
+    row("watcher: stream silences (resumes after no message)",
+        counted(a, b, "baton_watcher_stream_silences"), "0")
     row("watcher: reconciliations", counted(a, b, "baton_watcher_reconciliations"))
     row("watcher: files hashed", counted(a, b, "baton_watcher_files_hashed"))
     row("registry: view reloads (its etcd watch broke)", b.breaks - a.breaks)

@@ -5,6 +5,7 @@ registry's services are (``_agent``, ``_watcher_calls``, ``_operator``)."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import threading
@@ -27,7 +28,7 @@ from ._wire import (
 from .retry import RetryPolicy
 
 if TYPE_CHECKING:
-    from collections.abc import Coroutine
+    from collections.abc import Callable, Coroutine
 
     from .aio import AsyncClient
 
@@ -66,17 +67,18 @@ class _Stub:
 
 class _Loop:
     """The event loop, in a daemon thread, where every blocking client of the process
-    runs its stream sessions: the asyncio client is the one implementation of a
-    session, the blocking one hands it each call. One per process, because gRPC's
-    asyncio layer serves one running event loop at a time (a second one, running in
-    another thread, gets its futures refused)."""
+    runs its stream sessions and its long-lived streams (``Connection.spawn``): the
+    asyncio client is the one implementation of a session, the blocking one hands it
+    each call. One per process, because gRPC's asyncio layer serves one running event
+    loop at a time (a second one, running in another thread, gets its futures
+    refused)."""
 
     _shared: _Loop | None = None
     _lock = threading.Lock()
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="baton-sessions",
+        self.thread = threading.Thread(target=self.loop.run_forever, name="baton-streams",
                                        daemon=True)
         self.thread.start()
 
@@ -91,6 +93,9 @@ class _Loop:
         # the caller's span goes with the call (traces on): the registry's is its child
         result: T = asyncio.run_coroutine_threadsafe(tracing.carried(coro), self.loop).result()
         return result
+
+    def start(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
 
 class Connection:
@@ -149,6 +154,19 @@ class Connection:
                 self._loop = _Loop.shared()
                 self._aio = self._loop.run(make())
             return self._aio
+
+    def spawn(self, make: Callable[[AsyncClient], Coroutine[Any, Any, T]]
+              ) -> concurrent.futures.Future[T]:
+        """Run ``make(client)`` on the loop that carries this client's streams, without
+        waiting for it; its future (cancelling it cancels the coroutine). ``client`` is
+        this client's asyncio twin: the same registry, channel options and identity
+        (mutual TLS as here). However many streams a process follows so, they share
+        one thread, and an idle one costs nothing until a message arrives."""
+        aio = self._streams()
+        loop = self._loop
+        if loop is None:  # closed since
+            raise errors.ClientClosed(f"this client of {self.target} is closed")
+        return loop.start(make(aio))
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run a stream session's call on the loop that carries it; its result."""

@@ -19,6 +19,12 @@ This is the one implementation of an agent's session: the blocking :class:`Clien
 runs it on an event loop of its own thread, one per process (``Client.open_session``).
 gRPC's asyncio layer serves one running event loop per process: a program that runs
 its own loop uses this client there, and not blocking stream sessions beside it.
+
+The client also follows the registry's server streams (``watch``, ``watch_tasks``) as
+async iterators. A blocking client's stream holds a thread, and gRPC's blocking
+iterator wakes it ten times a second while nothing arrives; here an idle stream costs
+nothing until a message comes, however many are open (the watcher follows every
+served task's entries so: ``Client.spawn``).
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import os
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import grpc
 import grpc.aio
@@ -52,11 +58,14 @@ from ._wire import (
 )
 from .retry import BACKPRESSURE_BACKOFF, BACKPRESSURE_WAIT, waiting_line
 
-__all__ = ["AsyncClient", "AsyncSession"]
+__all__ = ["AsyncClient", "AsyncSession", "ServerStream"]
+
+M = TypeVar("M")
 
 log = logging.getLogger("baton.client")
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["AgentService"].full_name
+_OPERATOR = pb.DESCRIPTOR.services_by_name["OperatorService"].full_name
 #: what ``read`` returns once the registry ended a stream
 _EOF: object = grpc.aio.EOF  # type: ignore[attr-defined]  # not in grpc-stubs
 #: what a broken stream is given between attempts to resume it
@@ -87,6 +96,14 @@ class AsyncClient:
             f"/{_SERVICE}/CloseSession",
             request_serializer=pb.CloseSessionRequest.SerializeToString,
             response_deserializer=pb.CloseSessionResponse.FromString)
+        self._watch = self._channel.unary_stream(
+            f"/{_SERVICE}/Watch", request_serializer=pb.WatchRequest.SerializeToString,
+            response_deserializer=pb.WatchResponse.FromString)
+        self._watch_tasks = self._channel.unary_stream(
+            f"/{_OPERATOR}/WatchTasks",
+            request_serializer=pb.WatchTasksRequest.SerializeToString,
+            response_deserializer=pb.WatchTasksResponse.FromString)
+        self.closed = False
 
     async def open_session(self, agent: str, ttl: int = 10, *, slots: int = 0,
                            host: str = "") -> AsyncSession:
@@ -108,7 +125,29 @@ class AsyncClient:
         finally:
             await session.close()
 
+    def watch(self, task_id: str, start_revision: int = 0, timeout: float | None = None, *,
+              states: Sequence[pb.EntryState.ValueType] = (), progress: bool = False,
+              catch_up: bool = False) -> ServerStream[pb.TaskEvent]:
+        """The task's events, as ``Client.watch`` yields them (the same arguments); the
+        iteration ends quietly when ``timeout`` passes or the stream is cancelled."""
+        request = pb.WatchRequest(task_id=task_id, start_revision=start_revision,
+                                  states=list(states), progress=progress,
+                                  catch_up=catch_up)
+        return ServerStream(self._open(self._watch, request, timeout), "Watch",
+                            _task_event)
+
+    def watch_tasks(self, timeout: float | None = None) -> ServerStream[pb.Task]:
+        """Every task header, then each again as it changes, as ``Client.watch_tasks``."""
+        return ServerStream(self._open(self._watch_tasks, pb.WatchTasksRequest(), timeout),
+                            "WatchTasks", _task)
+
+    def _open(self, method: Any, request: Any, timeout: float | None) -> Any:
+        if self.closed:
+            raise errors.ClientClosed(f"this client of {self.target} is closed")
+        return method(request, timeout=timeout)
+
     async def close(self) -> None:
+        self.closed = True
         await self._channel.close(None)
 
     async def __aenter__(self) -> AsyncClient:
@@ -116,6 +155,55 @@ class AsyncClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+class ServerStream(Generic[M]):
+    """The messages of one server stream, as an async iterator.
+
+    It ends quietly (as the blocking client's generators do) when the registry ends
+    it, when its deadline passes, or when it is cancelled: by :meth:`cancel` from the
+    loop (a caller that stops listening: silence, a task no longer followed) or by
+    its channel closing. A failure raises the domain error (``Unavailable``,
+    ``NotFound``, ``Compacted``...). Cancelling the task that reads it cancels the
+    call and raises ``CancelledError``, as any await does.
+    """
+
+    def __init__(self, call: Any, method: str, unwrap: Callable[[Any], M]) -> None:
+        self._call = call
+        self._method = method
+        self._unwrap = unwrap
+
+    def cancel(self) -> None:
+        """End the stream; the reader's iteration stops quietly."""
+        self._call.cancel()
+
+    def __aiter__(self) -> ServerStream[M]:
+        return self
+
+    async def __anext__(self) -> M:
+        try:
+            reply = await self._call.read()
+        except grpc.RpcError as e:
+            code = e.code() if hasattr(e, "code") else None
+            if code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+                raise StopAsyncIteration from None
+            raise raise_from_rpc(e, self._method) from None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # the reader is cancelled, not only the call
+            raise StopAsyncIteration from None  # the call was: cancel(), or channel closed
+        if reply is _EOF:
+            raise StopAsyncIteration
+        return self._unwrap(reply)
+
+
+def _task_event(reply: pb.WatchResponse) -> pb.TaskEvent:
+    return reply.event
+
+
+def _task(reply: pb.WatchTasksResponse) -> pb.Task:
+    return reply.task
 
 
 class _Pending:

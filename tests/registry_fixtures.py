@@ -91,6 +91,24 @@ class RegistryHandle:
     def stalls(self) -> Any:
         return self._running.stalls
 
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """The replica stuck while inside: its event loop held (it answers nothing,
+        sends nothing), its connections still open."""
+        holding, release = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            holding.set()
+            release.wait(60)
+
+        self._loop.call_soon_threadsafe(hold)
+        try:
+            if not holding.wait(10):
+                raise RuntimeError("the registry's loop was not held within 10 s")
+            yield
+        finally:
+            release.set()
+
     def stop(self, grace: float = 0.5) -> None:
         if self.stopped:
             return

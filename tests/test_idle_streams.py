@@ -1,29 +1,38 @@
-"""Watch streams at rest: an idle task's stream survives etcd's compaction (issue 39).
+"""Watch streams at rest: an idle task's stream lasts while it is healthy, across
+etcd's compactions, on the watcher's one stream thread (issue 39).
 
 Each test runs its own etcd that compacts every second and, where the test says so,
-tells idle watches their revision every 200 ms; the watcher's streams last one second.
-Unrelated writes move etcd's revision on while the task stays idle, as a live stack's
-do (heartbeats, other tasks).
+tells idle watches their revision every 200 ms. Unrelated writes move etcd's revision
+on while the task stays idle, as a live stack's do (heartbeats, other tasks). A
+watcher's streams are resumed after ``SILENCE`` seconds without a message, five of
+those progress intervals (where a test does not set a timer of its own).
 """
 
 from __future__ import annotations
 
+import io
+import os
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import blake3
 import pytest
 from compacting import COMPACTING, compacted, start_etcd, tick
 from registry_fixtures import TEST_RETRY, RegistryHandle, on_etcd, start_registry
 
-from baton_relay.client import Client
+from baton_relay.client import Client, put
 from baton_relay.kernel import errors
 from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.registry._etcd import Etcd
 from baton_relay.watcher import Watcher, WatcherConfig, start_watcher
+from baton_relay.watcher.sync import NEWS_WORKERS
 
 #: etcd tells idle watches their revision every 200 ms
 NOTIFYING = ("--experimental-watch-progress-notify-interval=200ms",)
+#: seconds without a message before a watcher resumes a stream
+SILENCE = 1.0
 
 
 class Stack:
@@ -38,10 +47,11 @@ class Stack:
         self.client = Client(self.registry.address, timeout=10, retry=TEST_RETRY)
         self.watchers: list[Watcher] = []
 
-    def watcher(self) -> Watcher:
-        config = WatcherConfig(registry=self.registry.address, staging=str(self.staging),
-                               stream_timeout=1.0, reconcile_interval=300.0,
-                               retry_delay=0.05, poll_interval=0.1)
+    def watcher(self, **settings: Any) -> Watcher:
+        config = WatcherConfig(**{
+            "registry": self.registry.address, "staging": str(self.staging),
+            "stream_silence": SILENCE, "reconcile_interval": 300.0, "retry_delay": 0.05,
+            "poll_interval": 0.1, **settings})
         w = start_watcher(config, retry=TEST_RETRY)
         self.watchers.append(w)
         return w
@@ -55,6 +65,17 @@ class Stack:
         async def read(etcd: Etcd) -> bool:
             return await compacted(etcd, revision)
         return on_etcd(self.etcd, read)
+
+    def put(self, task_id: str, file_id: str) -> bytes:
+        """Write an entry's file into staging and commit it; its content."""
+        data = os.urandom(1000) + f"{task_id}/{file_id}".encode()
+        with self.client.open_session("producer", ttl=10) as session:
+            put(self.client, session, task_id, file_id, io.BytesIO(data))
+        return data
+
+    def verified(self, task_id: str, file_id: str) -> Callable[[], bool]:
+        return lambda: (self.client.get_entry(task_id, file_id).state
+                        == pb.ENTRY_STATE_VERIFIED)
 
     def close(self) -> None:
         for w in self.watchers:
@@ -104,27 +125,108 @@ def idle_across_compactions(stack: Stack, w: Watcher, wait_for: Callable[..., No
 
 def test_an_idle_tasks_stream_resumes_after_compaction_without_a_snapshot(
         stack_factory: Callable[..., Stack], wait_for: Callable[..., None]) -> None:
-    """With etcd's progress notifications, an idle task's stream is resumed across
-    compactions from where it stood: one snapshot in all, no reconciliation asked for."""
+    """With etcd's progress notifications, an idle task's stream ended by a timer
+    (``stream_timeout``) is resumed across compactions from where it stood: one
+    snapshot in all, no reconciliation asked for."""
     stack = stack_factory(*COMPACTING, *NOTIFYING)
-    w = stack.watcher()
+    w = stack.watcher(stream_timeout=1.0)
     reconciled = idle_across_compactions(stack, w, wait_for)
     assert w.metrics.get("stream_snapshots") == 1
     assert w.metrics.get("stream_resumes") >= 3
     assert w.metrics.get("reconciliations") == reconciled
 
 
-def test_a_resume_too_late_for_etcds_history_is_caught_up_without_a_snapshot(
+def test_a_silent_stream_is_resumed_and_caught_up_without_a_snapshot(
         stack_factory: Callable[..., Stack], wait_for: Callable[..., None]) -> None:
-    """Without progress notifications (etcd's default 10 minutes), an idle stream's
-    resume is from a compacted revision: the registry catches it up (what was written
-    since), and the watcher takes no second snapshot and asks for no reconciliation."""
+    """Without progress notifications (etcd's default 10 minutes: as from a registry
+    that sends none), an idle stream says nothing: it is resumed each time the
+    silence limit passes, from a compacted revision, and the registry catches it up
+    (what was written since). No second snapshot, no reconciliation asked for, and a
+    file committed between two silences is verified."""
     stack = stack_factory(*COMPACTING)
     w = stack.watcher()
     reconciled = idle_across_compactions(stack, w, wait_for)
+    assert w.metrics.get("stream_resumes") == w.metrics.get("stream_silences") >= 3
+    silences = w.metrics.get("stream_silences")
+    data = stack.put("idle", "f1")
+    wait_for(stack.verified("idle", "f1"), what="f1 verified")
+    assert stack.client.get_entry("idle", "f1").digest == blake3.blake3(data).hexdigest()
+    wait_for(lambda: w.metrics.get("stream_silences") >= silences + 2,
+             timeout=4 * SILENCE, what="two more silences, each within the limit")
+    stack.put("idle", "f2")
+    wait_for(stack.verified("idle", "f2"), what="f2 verified")
     assert w.metrics.get("stream_snapshots") == 1
-    assert w.metrics.get("stream_resumes") >= 3
     assert w.metrics.get("reconciliations") == reconciled
+
+
+def test_the_streams_of_idle_tasks_share_one_thread(
+        stack_factory: Callable[..., Stack], wait_for: Callable[..., None]) -> None:
+    """However many tasks a watcher serves, their streams run on the one thread of
+    the client's event loop; their news is handled on a few threads, not one per
+    task."""
+    stack = stack_factory(*NOTIFYING)
+    w = stack.watcher()
+    before = {t.ident for t in threading.enumerate()}
+    tasks = 3 * NEWS_WORKERS
+    for n in range(tasks):
+        stack.client.create_task({"task_id": f"t{n}", "entries": [
+            {"file_id": "a", "path": "a.bin"}]})
+    wait_for(lambda: w.metrics.get("stream_snapshots") >= tasks, what="every snapshot")
+    assert sorted(w.table.task_ids()) == sorted(f"t{n}" for n in range(tasks))
+    threads = threading.enumerate()
+    assert [t.name for t in threads if t.name == "baton-streams"] == ["baton-streams"]
+    new = [t.name for t in threads if t.ident not in before and t.name.startswith(
+        ("watcher", "baton"))]
+    assert len(new) <= NEWS_WORKERS and all(n.startswith("watcher-news") for n in new), new
+    stack.put("t0", "a")
+    wait_for(stack.verified("t0", "a"), what="t0/a verified")
+
+
+def test_an_idle_stream_lasts_across_compactions(
+        stack_factory: Callable[..., Stack], wait_for: Callable[..., None]) -> None:
+    """With progress notifications, an idle task's stream is neither ended nor resumed
+    while etcd compacts past the revision it started from, several times over, for
+    longer than several silence limits (and the timer streams once had); a file
+    committed afterwards comes on that same stream and is verified."""
+    stack = stack_factory(*COMPACTING, *NOTIFYING)
+    w = stack.watcher()
+    stack.client.create_task({"task_id": "idle", "entries": [
+        {"file_id": f"f{i}", "path": f"f{i}.bin"} for i in range(3)]})
+    wait_for(lambda: w.metrics.get("stream_snapshots") >= 1, what="the task's snapshot")
+    for _ in range(4):  # four compactions, each past a revision written after the last
+        revision = stack.tick()
+        wait_for(lambda r=revision: stack.tick() > 0 and stack.compacted(r), timeout=20,
+                 what="etcd compacting past the last tick")
+    assert w.metrics.get("stream_resumes") == 0
+    assert w.metrics.get("stream_silences") == 0
+    assert w.metrics.get("stream_snapshots") == 1
+    data = stack.put("idle", "f0")
+    wait_for(stack.verified("idle", "f0"), what="f0 verified")
+    assert stack.client.get_entry("idle", "f0").digest == blake3.blake3(data).hexdigest()
+    assert w.metrics.get("stream_resumes") == 0
+    assert w.metrics.get("stream_snapshots") == 1
+
+
+def test_a_stream_silenced_by_a_stuck_registry_is_resumed_and_loses_nothing(
+        stack_factory: Callable[..., Stack], wait_for: Callable[..., None]) -> None:
+    """A registry that stops answering (its event loop held, the connection still up)
+    sends no progress: the stream is resumed within the silence limit, again until the
+    registry answers, then goes on from its revision; no snapshot, nothing lost."""
+    stack = stack_factory(*NOTIFYING)
+    w = stack.watcher()
+    stack.client.create_task({"task_id": "idle", "entries": [
+        {"file_id": f"f{i}", "path": f"f{i}.bin"} for i in range(2)]})
+    wait_for(lambda: w.metrics.get("stream_snapshots") >= 1, what="the task's snapshot")
+    stack.put("idle", "f0")
+    wait_for(stack.verified("idle", "f0"), what="f0 verified")
+    assert w.metrics.get("stream_silences") == 0
+    with stack.registry.held():
+        wait_for(lambda: w.metrics.get("stream_silences") >= 2, timeout=4 * SILENCE,
+                 what="the silent stream resumed twice")
+    data = stack.put("idle", "f1")
+    wait_for(stack.verified("idle", "f1"), what="f1 verified")
+    assert stack.client.get_entry("idle", "f1").digest == blake3.blake3(data).hexdigest()
+    assert w.metrics.get("stream_snapshots") == 1
 
 
 def test_a_caught_up_resume_is_sent_what_was_written_since(

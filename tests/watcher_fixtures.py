@@ -29,8 +29,7 @@ from baton_relay.watcher.__main__ import READY
 
 #: settings that keep tests fast; the reconciliation interval is long so that tests
 #: prove events (not the periodic sweep) did the work, unless they shorten it
-FAST = {"retry_delay": 0.05, "poll_interval": 0.1, "reconcile_interval": 300.0,
-        "stream_timeout": 30.0}
+FAST = {"retry_delay": 0.05, "poll_interval": 0.1, "reconcile_interval": 300.0}
 
 
 @pytest.fixture

@@ -41,7 +41,10 @@ class WatcherConfig:
     max_failures: int = 3
     retry_delay: float = 0.2
     event_queue: int = 65536
-    stream_timeout: float = 60.0
+    #: streams last while they are healthy: no timer (watcher/sync.py), but a silence
+    #: limit of three of the progress intervals ``baton up`` gives etcd (10 s)
+    stream_timeout: float = 0.0
+    stream_silence: float = 30.0
     reporter: str = ""
     state_file: str = ""
     log_level: str = "INFO"
@@ -71,7 +74,10 @@ _HELP = {
     "max_failures": "failed hashes in a row before a file is reported corrupted",
     "retry_delay": "seconds before a failed hash is tried again (times the attempt)",
     "event_queue": "file events buffered before an overflow forces a full reconciliation",
-    "stream_timeout": "seconds a registry Watch stream lasts before it is resumed",
+    "stream_timeout": "seconds a registry stream lasts before it is ended and resumed (0 "
+    "or less = none: a stream lasts while it is healthy)",
+    "stream_silence": "seconds without a message (a change or a progress event) after which "
+    "a task's Watch stream is resumed from its revision (0 or less = none)",
     "reporter": "name of this watcher in reports (empty = watcher@HOSTNAME)",
     "state_file": "SQLite file remembering what was hashed, kept across restarts "
     "(empty = memory only; a restart rehashes verified files once)",
@@ -89,8 +95,7 @@ _HELP = {
 
 _CHOICES: dict[str, tuple[str, ...]] = {"observer": OBSERVERS, "log_format": LOG_FORMATS}
 _POSITIVE = ("reconcile_interval", "poll_interval", "hash_workers", "large_file",
-             "max_failures", "event_queue", "stream_timeout", "shard_ttl", "cold_after",
-             "removal_rate")
+             "max_failures", "event_queue", "shard_ttl", "cold_after", "removal_rate")
 
 
 def load_config(argv: Sequence[str], environ: Mapping[str, str]) -> WatcherConfig:

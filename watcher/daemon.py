@@ -3,7 +3,7 @@
 Threads, and what flows between them::
 
     emitters (inotify / polling) ──FsEvent──▶ Intake ──▶ dispatcher ──key──▶ JobQueue
-    registry Watch streams (one per task) ──entry changes──────────────────────▶ │
+    registry streams (every task's, one thread) ──news──▶ news threads ─────────▶ │
     reconciler: full (start, overflow, lost registry) ──every entry────────────────▶ │
                 routine (every N s) ──what may have changed────────────────────▶ │
                                                                 hash workers ◀──┘
@@ -120,7 +120,8 @@ class Watcher:
         self.streams = TaskStreams(
             self.client, self.table, on_changes=self._on_changes,
             on_lost=self._registry_lost, on_gone=self._gone, stop=self._stop,
-            timeout=config.stream_timeout, count=self.metrics.add,
+            timeout=config.stream_timeout, silence=config.stream_silence,
+            count=self.metrics.add,
         )
         self._threads = [
             threading.Thread(target=self._dispatch, name="watcher-dispatch", daemon=True),
@@ -130,9 +131,6 @@ class Watcher:
             *(threading.Thread(target=self._work, name=f"watcher-hash-{i}", daemon=True)
               for i in range(config.hash_workers)),
         ]
-        # Ends when the client closes (after the others), like the Watch streams.
-        self._task_follower = threading.Thread(target=self._follow_tasks,
-                                               name="watcher-tasks", daemon=True)
         self._stopped = False
 
     # lifecycle ---------------------------------------------------------------------
@@ -151,7 +149,9 @@ class Watcher:
         self.retention.start()
         if not self.reconcile("start"):
             self._request_full()
-        self._task_follower.start()
+        # Serve new tasks the moment they are created, and drop finished ones, from the
+        # registry's stream of task headers (no waiting for a reconciliation).
+        self.streams.follow_headers(self._serve, RECONCILE_RETRY)
         log(logger, logging.INFO, "watching", root=self.root, registry=self.config.registry,
             observer=self.watches.root_backend, workers=self.config.hash_workers,
             reporter=self.reporter)
@@ -172,14 +172,12 @@ class Watcher:
         started = [t for t in self._threads if t.ident is not None]
         for t in started:
             t.join(timeout)
-        # and the checks a stream's thread makes itself (``_check_now``) done
+        # and the checks the streams' news threads make themselves (``_check_now``) done
         self.jobs.settle(lambda key: True, timeout)
         self.reports.close(timeout)  # what the workers reported, sent
         self.retention.stop(timeout)
-        self.client.close()  # ends the Watch streams
+        self.client.close()  # ends the registry's streams
         self.streams.join(timeout)
-        if self._task_follower.is_alive():
-            self._task_follower.join(timeout)
         self.hasher.close()
         self.cache.close()
         self.metrics.close()
@@ -330,6 +328,7 @@ class Watcher:
             return
         self.taskdirs.forget(task_id)
         if removed is not None:
+            self.streams.drop(removed)
             self.watches.unwatch_tree(removed.directory)
             self.cache.drop_task(task_id)
             log(logger, logging.INFO, "no longer serving task", task=task_id)
@@ -547,23 +546,6 @@ class Watcher:
 
     def _removal_reply(self, task_id: str, entry: pb.Entry) -> None:
         self.table.apply(task_id, entry)
-
-    def _follow_tasks(self) -> None:
-        """Serve new tasks the moment they are created, and drop finished ones,
-        from the registry's stream of task headers (no waiting for a reconciliation)."""
-        while not self._stop.is_set():
-            try:
-                for task in self.client.watch_tasks(timeout=self.config.stream_timeout):
-                    if self._stop.is_set():
-                        return
-                    self._serve(task)
-            except BatonError as e:
-                if self._stop.is_set():
-                    return
-                log(logger, logging.WARNING, "task stream lost; retrying", error=str(e))
-                self._stop.wait(RECONCILE_RETRY)
-            except ValueError:  # the client was closed under us: stopping
-                return
 
     def _reconcile_loop(self) -> None:
         """A routine pass every ``reconcile_interval``; a full one when asked for (an

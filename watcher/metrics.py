@@ -59,6 +59,9 @@ COUNTERS = {
                          "stream or a resume too late for etcd's history)"),
     "stream_resumes": ("baton_watcher_stream_resumes", "Watch streams resumed from the "
                        "revision they had come to, without a snapshot"),
+    "stream_silences": ("baton_watcher_stream_silences", "Watch streams resumed because "
+                        "nothing, not even a progress event, came for --stream-silence "
+                        "seconds (counted among the resumes)"),
     "inline_checks": ("baton_watcher_inline_checks", "Checks made on the thread that read "
                       "the event or the registry's news (no hand-off; a large file found "
                       "is handed on to a hash worker)"),
