@@ -141,6 +141,16 @@ class AsyncClient:
         return ServerStream(self._open(self._watch_tasks, pb.WatchTasksRequest(), timeout),
                             "WatchTasks", _task)
 
+    def watch_task_headers(self, start_revision: int = 0, timeout: float | None = None
+                           ) -> ServerStream[pb.WatchTasksResponse]:
+        """The task headers' stream with progress messages (``WatchTasksRequest``):
+        each reply a header with the revision it was written at, or (task unset) a
+        revision every header change up to which was sent; resume from the highest
+        revision + 1 with ``start_revision``, which sends only what changed since."""
+        request = pb.WatchTasksRequest(start_revision=start_revision, progress=True)
+        return ServerStream(self._open(self._watch_tasks, request, timeout), "WatchTasks",
+                            _same)
+
     def _open(self, method: Any, request: Any, timeout: float | None) -> Any:
         if self.closed:
             raise errors.ClientClosed(f"this client of {self.target} is closed")
@@ -204,6 +214,10 @@ def _task_event(reply: pb.WatchResponse) -> pb.TaskEvent:
 
 def _task(reply: pb.WatchTasksResponse) -> pb.Task:
     return reply.task
+
+
+def _same(reply: pb.WatchTasksResponse) -> pb.WatchTasksResponse:
+    return reply
 
 
 class _Pending:

@@ -352,21 +352,41 @@ class TaskStreams:
 
     async def _headers(self, aio: AsyncClient, on_task: Callable[[pb.Task], None],
                        retry: float) -> None:
+        """The task headers' stream, resumed from where it stood (progress messages keep
+        that current while no header changes): after a break only the headers that
+        changed come again. Silent for the silence limit: resumed, as a task's is."""
+        revision = 0
         while not self.stop.is_set():
+            silence: _Silence | None = None
+            stream: ServerStream[pb.WatchTasksResponse] | None = None
             try:
-                stream = aio.watch_tasks(timeout=self._deadline())
-                try:
-                    async for task in stream:
-                        if self.stop.is_set():
-                            return
-                        await self._put(HEADERS, functools.partial(on_task, task))
-                finally:
-                    stream.cancel()
+                stream = aio.watch_task_headers(revision, timeout=self._deadline())
+                silence = _Silence(stream.cancel, self.silence)
+                heard = False
+                async for reply in stream:
+                    silence.heard()
+                    heard = True
+                    if self.stop.is_set():
+                        return
+                    if reply.revision:
+                        revision = max(revision, reply.revision + 1)
+                    if reply.HasField("task"):
+                        await self._put(HEADERS, functools.partial(on_task, reply.task))
+                if silence.fired:  # (the stream metrics count the tasks' streams)
+                    log(logger, logging.INFO, "task headers' stream silent; resuming it",
+                        silence_s=self.silence, revision=revision)
+                elif not heard and not self._deadline():
+                    await asyncio.sleep(retry)  # ended with nothing said: not at once again
             except BatonError as e:
                 if self.stop.is_set():
                     return
                 log(logger, logging.WARNING, "task stream lost; retrying", error=str(e))
                 await asyncio.sleep(retry)
+            finally:
+                if silence is not None:
+                    silence.stop()
+                if stream is not None:
+                    stream.cancel()
 
     async def _tell(self, view: TaskView,
                     news: tuple[list[Change], bool] | Callable[[], None]) -> None:
