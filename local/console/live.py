@@ -10,6 +10,7 @@ from collections import deque
 from typing import Any
 
 from ...client._client import Client
+from ...client.aio import AsyncClient, ServerStream
 from ...kernel import errors
 from ...kernel.names import state_name, status_name
 from ...kernel.v1 import baton_pb2 as pb
@@ -82,19 +83,28 @@ class Hub:
             if task_id in self.followed:
                 return
             self.followed.add(task_id)
-        threading.Thread(target=self._watch_entries, args=(task_id,), daemon=True).start()
+        try:
+            # on the client's one stream loop: an idle task's stream holds no thread
+            self.client.spawn(lambda aio: self._watch_entries(aio, task_id))
+        except errors.BatonError:  # the client is closed: the console is stopping
+            with self.lock:
+                self.followed.discard(task_id)
 
-    def _watch_entries(self, task_id: str) -> None:
+    async def _watch_entries(self, aio: AsyncClient, task_id: str) -> None:
         """Mark the task at each change of its entries, until it finishes or is gone.
         The stream asks for progress events, so it resumes from where it stood after a
         break (caught up by the registry if etcd compacted that revision meanwhile)."""
         revision = 0
         try:
-            while not self.stop.is_set() and not self._done(task_id):
+            while not self._done(task_id):
+                heard = False
+                stream: ServerStream[pb.TaskEvent] | None = None
                 try:
-                    for ev in self.client.watch(
-                            task_id, start_revision=revision + 1 if revision else -1,
-                            progress=True, catch_up=True):
+                    stream = aio.watch(task_id,
+                                       start_revision=revision + 1 if revision else -1,
+                                       progress=True, catch_up=True)
+                    async for ev in stream:
+                        heard = True
                         revision = max(revision, ev.revision)
                         if ev.kind == pb.TaskEvent.KIND_CHANGED:
                             self._mark(task_id)
@@ -102,10 +112,15 @@ class Hub:
                             return
                 except errors.NotFound:
                     return  # the task is gone
+                except errors.ClientClosed:
+                    return  # the console is stopping
                 except errors.BatonError:
-                    self.stop.wait(WATCH_RETRY)  # the registry is away: resume after
-                except ValueError:
-                    return  # the client is closed: the console is stopping
+                    heard = False  # the registry is away: resume after a pause
+                finally:
+                    if stream is not None:
+                        stream.cancel()
+                if not heard:
+                    await asyncio.sleep(WATCH_RETRY)
         finally:
             with self.lock:
                 self.followed.discard(task_id)
