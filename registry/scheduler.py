@@ -5,21 +5,24 @@ Each move is one guarded transaction (``txn.write``), so several replicas may
 run schedulers at once: the compares let exactly one of them apply each move.
 None moves an entry of a cancelled task (``Scheduler.unless_cancelled``): its entries
 stay as they were.
-Its periodic sweeps run on the elected replica only (``run`` with an ``Election``),
-and each reads the head of an index of what is due, never every stored entry or
-task: ``delayed/`` and ``cdelayed/`` (backoffs and nacks), ``wakes/`` (an entry
-became verified and something waits for it), ``finishing/`` (an entry finished: its
-task may be complete) and ``cancels/`` (a cancel that may have stopped part-way),
-each key written by the same transaction as its cause. Only the waiting entries of
-tasks whose entries wait for another task's (``TaskRecord.cross_deps``) are looked at
-whole, every few seconds: another task's verification writes no wake key for them.
-A replica that becomes the leader first looks once at tasks whose header an older
-registry wrote (``learn``): those have no such keys yet (docs/architecture.md).
-Verifications made by any replica also wake that replica's scheduler at once
-(``Core.verified``), leader or not: its own work, done as it happens. Every listing is
-read a page at a time, and one entry or task that cannot be handled (a corrupt record,
-a move that keeps conflicting) is logged and passed over: it never stops the sweep for
-the others.
+Its sweeps run on the elected replica only, and each reads the head of an index of
+what is due, never every stored entry or task: ``delayed/`` and ``cdelayed/``
+(backoffs and nacks), ``wakes/`` (an entry became verified and something waits for
+it), ``finishing/`` (an entry finished: its task may be complete) and ``cancels/`` (a
+cancel that may have stopped part-way), each key written by the same transaction as
+its cause. A sweep runs only when its index is written or a key of it falls due, as
+the leader's watch of the indexes tells it (``follow``, ``registry.sweeps``): keys
+put under ``delayed/``, ``cdelayed/`` and ``cancels/`` name their due time, which is
+kept per task (``Dues``), and only the tasks with a key due are read then. Another
+task's verification writes no wake key for the entries waiting on it across tasks
+(``TaskRecord.cross_deps``): the entries they wait for are followed instead
+(``registry.waits``). A replica that becomes the leader first looks once at tasks
+whose header an older registry wrote (``learn``): those have no such keys yet
+(docs/architecture.md). Verifications made by any replica also wake that replica's
+scheduler at once (``Core.verified``), leader or not: its own work, done as it
+happens. Every listing is read a page at a time, and one entry or task that cannot be
+handled (a corrupt record, a move that keeps conflicting) is logged and passed over
+(and looked at again soon): it never stops the sweep for the others.
 """
 
 from __future__ import annotations

@@ -256,8 +256,12 @@ def test_a_task_an_older_registry_wrote_is_looked_at_once_by_a_new_leader(
             old = {k: v for k, v in json.loads(header.value).items() if k != "cross_deps"}
             rec = EntryRecord.load(entry.value)
             rec.state = VERIFIED  # verified as an older registry did: no wake key
-            await conn.txn([], [Put(header.key, json.dumps(old).encode()),
-                                Put(entry.key, rec.dump())])
+            put = await conn.txn([], [Put(header.key, json.dumps(old).encode()),
+                                      Put(entry.key, rec.dump())])
+            deadline = time.monotonic() + 10  # the view (which learn reads) has it
+            while core.view is not None and core.view.revision < put.revision:
+                assert time.monotonic() < deadline, "the view never caught up"
+                await asyncio.sleep(0.01)
             scheduler = Scheduler(core)
             learnt = await scheduler.learn()
             z = EntryRecord.load((await conn.get(keys.entry("old", "z"))).value)  # type: ignore[union-attr]
