@@ -315,13 +315,17 @@ class WatchEvent:
 @dataclass(frozen=True, slots=True)
 class Watched:
     """A prefix a watch follows, and which of its events etcd sends (``puts``, ``deletes``):
-    etcd filters the others out before they are sent."""
+    etcd filters the others out before they are sent. ``progress``: whether it asks for
+    progress notifications (when the stream does; one prefix of a stream asking is
+    enough to hear that the stream lives, each costs a message per interval)."""
 
     prefix: bytes
     puts: bool = True
     deletes: bool = True
+    progress: bool = True
 
     def create_request(self, start_revision: int, notify: bool) -> Any:
+        notify = notify and self.progress
         filters = ([rpc.WatchCreateRequest.NOPUT] if not self.puts else []) + (
             [rpc.WatchCreateRequest.NODELETE] if not self.deletes else [])
         return rpc.WatchRequest(create_request=rpc.WatchCreateRequest(

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import math
@@ -219,7 +220,11 @@ class SweepWatch:
         self.starts += 1
         for alarm in self._alarms:
             alarm.look()
-        watch = self.core.etcd.watch_many([w for w, _ in self._routes], at + 1)
+        # Progress notifications on the first prefix only: one is enough to hear that
+        # the stream lives, and each costs a message per interval.
+        watched = [dataclasses.replace(w, progress=n == 0)
+                   for n, (w, _) in enumerate(self._routes)]
+        watch = self.core.etcd.watch_many(watched, at + 1)
         async with contextlib.aclosing(watch):
             async for item in watch:
                 if isinstance(item, int):
