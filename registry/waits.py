@@ -48,13 +48,11 @@ class CrossWaits:
     watches of the tasks they depend on."""
 
     def __init__(self, core: Core, alarm: Alarm,
-                 check: Callable[[str, str], Awaitable[bool | None]],
-                 headers: Callable[[], Awaitable[list[TaskRecord]]]) -> None:
+                 check: Callable[[str, str], Awaitable[bool | None]]) -> None:
         self.core = core
         self.keys = core.keys
         self.alarm = alarm
         self._check = check
-        self._headers = headers
         #: dependency entry key -> the waiting entries (task, file) that wait for it
         self._waiters: dict[bytes, set[Waiter]] = {}
         #: waiting entry -> the keys it waits for
@@ -84,12 +82,14 @@ class CrossWaits:
         for a dependency written since the last sweep; how many were released."""
         written, self._headers_written = self._headers_written, set()
         moved = 0
+        # The headers from etcd, not the view: the view may not have come as far as the
+        # revision the watch told of (or started from).
         if whole:
             self.close()
-            tasks = {h.task_id: h for h in await self._headers()}
+            tasks = await self._read_headers(None)
             written = {t for t, h in tasks.items() if _waits_across(h)}
         else:
-            tasks = {h.task_id: h for h in await self._headers()} if written else {}
+            tasks = await self._read_headers(written)
         for task_id in sorted(written):
             self._forget_task(task_id)
             header = tasks.get(task_id)
@@ -101,6 +101,26 @@ class CrossWaits:
                 moved += await self._check_one(waiter)
         self._unwatch_idle()
         return moved
+
+    async def _read_headers(self, task_ids: set[str] | None) -> dict[str, TaskRecord]:
+        """The headers of ``task_ids`` (None: every task) that exist and can be read."""
+        if task_ids is None:
+            kvs = [kv async for kv in self.core.etcd.scan(self.keys.tasks(), page=PAGE)]
+        else:
+            kvs = []
+            async for _, found in self.core.etcd.get_chunks(
+                    [self.keys.task(t) for t in sorted(task_ids)]):
+                kvs += [kv for _, kv in found if kv is not None]
+        headers = {}
+        for kv in kvs:
+            try:
+                header = TaskRecord.load(kv.value)
+            except (ValueError, TypeError) as e:
+                log.warning("cross-task waits: task header %s unreadable: %s",
+                            kv.key.decode(errors="replace"), e)
+                continue
+            headers[header.task_id] = header
+        return headers
 
     def close(self) -> None:
         """Forget everything and stop every watch (the lead lost, or a full look)."""
@@ -197,6 +217,10 @@ class CrossWaits:
         except BatonError as e:
             log.warning("cross-task waits: watch of task %s broken (%s); looking again",
                         task_id, e)
+            self.alarm.look()
+        except Exception:
+            log.exception("cross-task waits: watch of task %s crashed; looking again",
+                          task_id)
             self.alarm.look()
 
 
