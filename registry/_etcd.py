@@ -312,6 +312,27 @@ class WatchEvent:
     kv: KV
 
 
+@dataclass(frozen=True, slots=True)
+class Watched:
+    """A prefix a watch follows, and which of its events etcd sends (``puts``, ``deletes``):
+    etcd filters the others out before they are sent. ``progress``: whether it asks for
+    progress notifications (when the stream does; one prefix of a stream asking is
+    enough to hear that the stream lives, each costs a message per interval)."""
+
+    prefix: bytes
+    puts: bool = True
+    deletes: bool = True
+    progress: bool = True
+
+    def create_request(self, start_revision: int, notify: bool) -> Any:
+        notify = notify and self.progress
+        filters = ([rpc.WatchCreateRequest.NOPUT] if not self.puts else []) + (
+            [rpc.WatchCreateRequest.NODELETE] if not self.deletes else [])
+        return rpc.WatchRequest(create_request=rpc.WatchCreateRequest(
+            key=self.prefix, range_end=prefix_end(self.prefix), start_revision=start_revision,
+            progress_notify=notify, filters=filters))
+
+
 def parse_endpoints(endpoint: str, *, tls: bool = False) -> list[tuple[str, int]]:
     """The members of ``host:port[,host:port...]`` as (host, port); an IPv6 host is
     written in brackets and returned without them. A member may start with
@@ -986,21 +1007,33 @@ class Etcd:
             async for item in items:
                 yield item
 
+    async def watch_many(
+        self, watched: Sequence[Watched], start_revision: int,
+        keep: Callable[[bytes], bool] | None = None,
+    ) -> AsyncGenerator[list[WatchEvent] | int, None]:
+        """As :meth:`watch_progress`, of several prefixes on one stream, each with the
+        events it asks for (:class:`Watched`); with ``keep``, only events whose key it
+        accepts. An ``int`` is a revision one of the prefixes has been followed up to
+        (etcd's progress notification, sent while the watch is idle): the stream lives."""
+        async with contextlib.aclosing(
+                self._watch(watched, start_revision, keep, None, notify=True)) as items:
+            async for item in items:
+                yield item
+
     async def _watch(
         self,
-        prefix: bytes | Sequence[bytes],
+        prefix: bytes | Sequence[bytes] | Sequence[Watched],
         start_revision: int,
         keep: Callable[[bytes], bool] | None,
         progress: Callable[[int], None] | None,
         notify: bool,
     ) -> AsyncGenerator[list[WatchEvent] | int, None]:
-        prefixes = [prefix] if isinstance(prefix, bytes) else list(prefix)
+        watched = [p if isinstance(p, Watched) else Watched(p)
+                   for p in ([prefix] if isinstance(prefix, bytes) else prefix)]
 
         async def requests(stop: asyncio.Event) -> Any:
-            for p in prefixes:
-                yield rpc.WatchRequest(create_request=rpc.WatchCreateRequest(
-                    key=p, range_end=prefix_end(p), start_revision=start_revision,
-                    progress_notify=notify))
+            for w in watched:
+                yield w.create_request(start_revision, notify)
             await stop.wait()
 
         sent = self._metadata

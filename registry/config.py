@@ -57,8 +57,10 @@ class RegistryConfig:
     archive_retention: float = 90 * 86400.0
     archive_interval: float = 30.0
     archive_lease_ttl: int = 10
-    # the election of the replica that runs the periodic sweeps
+    # the election of the replica that runs the periodic sweeps, and how often it
+    # looks at every index whole besides what its watch tells it
     sweep_lease_ttl: int = 10
+    full_sweep_interval: float = 300.0
     # an entry written for longer is counted (status) and named (explain) as stuck
     stuck_written_after: float = 600.0
     # consumed entries' files out of staging (the watcher owning the shard removes them)
@@ -73,7 +75,9 @@ _HELP = {
     "listen": "gRPC address to serve on (port 0 = pick one)",
     "staging": "staging root; a task's files live under STAGING/TASK/",
     "prefix": "etcd key prefix (start and end with '/')",
-    "reap_interval": "seconds between sweeps for claims whose lease died",
+    "reap_interval": "seconds between two runs of one sweep at most (the reaper, "
+    "backoffs, deadlines, stalls...): the sweeps run when what they read is written or "
+    "falls due, and a burst of writes is swept together within this",
     "grace": "seconds in-flight calls get to finish on SIGTERM",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     "log_format": "kv (key=value lines) or json (one object per line)",
@@ -110,6 +114,10 @@ _HELP = {
     "sweep_lease_ttl": "seconds of the lease behind the sweeps' election: one replica "
     "runs the periodic sweeps (reaper, scheduler, deadlines, stalls) at a time, and a dead "
     "one is replaced within this",
+    "full_sweep_interval": "seconds between two full looks of the elected replica at "
+    "every index its sweeps read, besides those at its election and after its watch "
+    "broke (a bound on how long an event lost without the watch breaking could delay "
+    "due work); 0 = none",
     "stuck_written_after": "seconds after which an entry committed and not yet verified "
     "is counted by status and named by explain as stuck (no watcher settled it)",
     "staging_retention": "seconds a consumed entry's file stays in staging after its last "

@@ -14,6 +14,7 @@ import collections
 import contextlib
 import json
 import logging
+import math
 import random
 import time
 import uuid
@@ -73,6 +74,41 @@ async def every(interval: float, stop: asyncio.Event, sweep: Callable[[], Awaita
         await sweep_once(sweep, what)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), interval)
+
+
+async def on_change(changed: asyncio.Event, sweep: Callable[[], Awaitable[float | None]],
+                    clock: Callable[[], float], interval: float, stop: asyncio.Event,
+                    what: str) -> None:
+    """Run ``sweep`` once, then again whenever ``changed`` is set or the time it returned
+    (epoch seconds; None or inf: none) comes, at most once per ``interval`` seconds,
+    until ``stop``. A sweep that fails (logged) runs again after ``interval``."""
+    loop = asyncio.get_running_loop()
+    while not stop.is_set():
+        changed.clear()
+        started = loop.time()
+        due = math.inf
+        try:
+            due = await sweep() or math.inf
+        except BatonError as e:
+            log.warning("%s sweep failed: %s", what, e)
+            changed.set()
+        except Exception:
+            log.exception("%s sweep crashed", what)
+            changed.set()
+        while not stop.is_set() and not changed.is_set():
+            left = min(due - clock(), 30.0)  # the wall clock read again now and then
+            if left <= 0:
+                break
+            waits = [asyncio.ensure_future(w) for w in (changed.wait(), stop.wait())]
+            try:
+                await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
+        pause = started + interval - loop.time()
+        if pause > 0 and not stop.is_set():  # coalesced: what changes meanwhile waits
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), pause)
 
 
 async def sweep_once(sweep: Callable[[], Awaitable[object]], what: str) -> None:

@@ -31,6 +31,7 @@ from .claims import actor_of, claim_holder, voided
 from .core import Core, Gate
 from .model import EntryRecord
 from .scheduler import Complaints
+from .sweeps import Alarm, Dues, SweepWatch, follow_due, swept_due
 from .txn import Txn, write
 
 log = logging.getLogger("baton.registry")
@@ -84,6 +85,16 @@ class Deadlines:
         #: claims this replica took away at their deadline (for metrics)
         self.expired = 0
         self._complain = Complaints("deadlines")
+        #: when its next key is due, as far as the elected replica knows
+        self.dues = Dues()
+
+    def follow(self, watch: SweepWatch) -> Alarm:
+        """Follow the keys put under ``deadlines/`` on the leader's watch; its sweeps' alarm."""
+        return follow_due(watch, self.keys.deadlines(), self.dues)
+
+    async def woken(self, whole: bool) -> int:
+        """The elected replica's sweep, when a key is due (a full look is the same)."""
+        return await swept_due(self.core, self.keys.deadlines(), self.dues, self.sweep)
 
     async def sweep(self) -> int:
         """Revoke every claim whose deadline has passed; forget deadlines of claims

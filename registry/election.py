@@ -44,6 +44,9 @@ class Election:
         self.retry = retry
         #: set while this candidate leads; cleared the moment it may not
         self.leading = asyncio.Event()
+        #: the other way round: set while it does not lead
+        self._idle = asyncio.Event()
+        self._idle.set()
         #: times this candidate became the leader
         self.terms = 0
         self._lease = 0
@@ -60,6 +63,18 @@ class Election:
             await _first(stop.wait(), self.leading.wait())
         return not stop.is_set()
 
+    async def until_not_leading(self) -> None:
+        """Return once this candidate does not lead (at once if it does not)."""
+        await self._idle.wait()
+
+    def _lead(self, leads: bool) -> None:
+        if leads:
+            self._idle.clear()
+            self.leading.set()
+        else:
+            self.leading.clear()
+            self._idle.set()
+
     async def run(self, stop: asyncio.Event) -> None:
         """Campaign, lead, campaign again after losing, until ``stop``; then resign."""
         while not stop.is_set():
@@ -68,7 +83,7 @@ class Election:
             except BatonError as e:
                 log.warning("election %s: %s; campaigning again", self.prefix.decode(), e)
             finally:
-                self.leading.clear()
+                self._lead(False)
                 await self._resign()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.retry)
@@ -94,13 +109,13 @@ class Election:
                     await waiting
                 return
             waiting.result()  # its error, if it failed
-            self.leading.set()
+            self._lead(True)
             self.terms += 1
             log.info("election %s: leading (lease %x)", self.prefix.decode(), self._lease)
             await ended
             log.info("election %s: no longer leading", self.prefix.decode())
         finally:
-            self.leading.clear()
+            self._lead(False)
             keeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await keeper
@@ -117,7 +132,7 @@ class Election:
                             self.prefix.decode(), time.monotonic() - started, e)
                 left = 0
             if left <= 0:
-                self.leading.clear()
+                self._lead(False)
                 lost.set()
                 return
 

@@ -41,14 +41,16 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 
 from ..kernel.errors import BatonError, InvalidArgument, NotFound
 from ..kernel.v1 import baton_pb2 as pb
+from ._etcd import KV
 from .claim import end, give_back, reattach
 from .claims import SessionRecord, claim_holder, claim_session, voided
-from .core import Core, every
+from .core import Core, every, on_change
 from .identity import Caller
 from .manifest import check_id
 from .model import EntryRecord
@@ -83,6 +85,9 @@ class Leases:
         self.returned = 0
         self.rotated = 0
         self._complain = Complaints("drain sweep")
+        #: the earliest deadline of a drain not yet due; whether one is past its own
+        self.next_deadline = math.inf
+        self._overdue = False
 
     # choosing sessions ---------------------------------------------------------
 
@@ -415,26 +420,50 @@ class Leases:
         return await write(self.core.txns, plan, fresh=True)
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Every ``interval``: revoke what the sessions of drained hosts whose deadline
-        has passed still hold, whichever replica (or none) the drain came through."""
-        await every(self.interval, stop, self.sweep, "drain")
+        """Revoke what the sessions of drained hosts whose deadline has passed still
+        hold, whichever replica (or none) the drain came through: when a drain is
+        written, when a deadline comes, and, while a drain is past its deadline, when a
+        session is opened (on that host, perhaps); at most once per ``interval``. The
+        drains are read from the view: nothing is asked of etcd until one is due.
+        Without a view, every ``interval``."""
+        view = self.core.view
+        if view is None:
+            await every(self.interval, stop, self.sweep, "drain")
+            return
+        changed = asyncio.Event()
+        view.listen(self.keys.drains(), changed.set)
+        view.listen(self.keys.agents(), lambda: changed.set() if self._overdue else None)
+        await on_change(changed, self._sweep, self.core.clock, self.interval, stop, "drain")
+
+    async def _sweep(self) -> float:
+        await self.sweep()
+        return self.next_deadline
+
+    async def _drains(self) -> list[KV]:
+        """Every drain key: from the view (which mirrors them) once it is loaded."""
+        view = self.core.view
+        if view is not None and view.ready:
+            return await view.scan(self.keys.drains(), 0, False)
+        return [kv async for kv in self.core.etcd.scan(self.keys.drains(), page=LIST_PAGE)]
 
     async def sweep(self) -> int:
         """Revoke every session of each drained host past its deadline; how many."""
         due: dict[str, tuple[str, str]] = {}
-        base = self.keys.drains()
-        pages = self.core.etcd.scan(base, page=LIST_PAGE)
-        async with contextlib.aclosing(pages):
-            async for kv in pages:
-                try:
-                    drain = json.loads(kv.value)
-                    deadline, by = float(drain["deadline"]), str(drain.get("by", ""))
-                except (ValueError, KeyError, TypeError) as e:
-                    self._complain(kv.key.decode(errors="replace"), e)
-                    continue
-                if deadline <= self.core.clock():
-                    due[self.keys.last_segment(kv.key)] = (
-                        by or "operator", str(drain.get("evidence") or ""))
+        ahead = math.inf
+        clock = self.core.clock()
+        for kv in await self._drains():
+            try:
+                drain = json.loads(kv.value)
+                deadline, by = float(drain["deadline"]), str(drain.get("by", ""))
+            except (ValueError, KeyError, TypeError) as e:
+                self._complain(kv.key.decode(errors="replace"), e)
+                continue
+            if deadline <= clock:
+                due[self.keys.last_segment(kv.key)] = (
+                    by or "operator", str(drain.get("evidence") or ""))
+            else:
+                ahead = min(ahead, deadline)
+        self.next_deadline, self._overdue = ahead, bool(due)
         revoked = 0
         for host, (by, evidence) in due.items():
             async for record in self._records(host=host):

@@ -5,21 +5,24 @@ Each move is one guarded transaction (``txn.write``), so several replicas may
 run schedulers at once: the compares let exactly one of them apply each move.
 None moves an entry of a cancelled task (``Scheduler.unless_cancelled``): its entries
 stay as they were.
-Its periodic sweeps run on the elected replica only (``run`` with an ``Election``),
-and each reads the head of an index of what is due, never every stored entry or
-task: ``delayed/`` and ``cdelayed/`` (backoffs and nacks), ``wakes/`` (an entry
-became verified and something waits for it), ``finishing/`` (an entry finished: its
-task may be complete) and ``cancels/`` (a cancel that may have stopped part-way),
-each key written by the same transaction as its cause. Only the waiting entries of
-tasks whose entries wait for another task's (``TaskRecord.cross_deps``) are looked at
-whole, every few seconds: another task's verification writes no wake key for them.
-A replica that becomes the leader first looks once at tasks whose header an older
-registry wrote (``learn``): those have no such keys yet (docs/architecture.md).
-Verifications made by any replica also wake that replica's scheduler at once
-(``Core.verified``), leader or not: its own work, done as it happens. Every listing is
-read a page at a time, and one entry or task that cannot be handled (a corrupt record,
-a move that keeps conflicting) is logged and passed over: it never stops the sweep for
-the others.
+Its sweeps run on the elected replica only, and each reads the head of an index of
+what is due, never every stored entry or task: ``delayed/`` and ``cdelayed/``
+(backoffs and nacks), ``wakes/`` (an entry became verified and something waits for
+it), ``finishing/`` (an entry finished: its task may be complete) and ``cancels/`` (a
+cancel that may have stopped part-way), each key written by the same transaction as
+its cause. A sweep runs only when its index is written or a key of it falls due, as
+the leader's watch of the indexes tells it (``follow``, ``registry.sweeps``): keys
+put under ``delayed/``, ``cdelayed/`` and ``cancels/`` name their due time, which is
+kept per task (``Dues``), and only the tasks with a key due are read then. Another
+task's verification writes no wake key for the entries waiting on it across tasks
+(``TaskRecord.cross_deps``): the entries they wait for are followed instead
+(``registry.waits``). A replica that becomes the leader first looks once at tasks
+whose header an older registry wrote (``learn``): those have no such keys yet
+(docs/architecture.md). Verifications made by any replica also wake that replica's
+scheduler at once (``Core.verified``), leader or not: its own work, done as it
+happens. Every listing is read a page at a time, and one entry or task that cannot be
+handled (a corrupt record, a move that keeps conflicting) is logged and passed over
+(and looked at again soon): it never stops the sweep for the others.
 """
 
 from __future__ import annotations
@@ -31,24 +34,24 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 
 from ..kernel.contract import assembly_digest
 from ..kernel.errors import BatonError
-from ._etcd import KV, Delete, Guarded, empty, present, unchanged
+from ._etcd import KV, Delete, Guarded, Watched, empty, present, unchanged
 from .claims import need_task, voided
-from .core import Core, Gate, sweep_once
+from .core import Core, Gate
 from .election import Election
 from .keys import prefix_end
 from .machine import Event, apply
 from .model import CONSUMED, PENDING, VERIFIED, EntryRecord, TaskRecord, now
 from .operators import Operators
+from .sweeps import Alarm, Dues, SweepWatch, follow_due, rings, run_sweep, swept_due, told
 from .txn import Retry, Txn, write
 from .verify import Verifier
+from .waits import WAITING_STATUSES, CrossWaits
 
 log = logging.getLogger("baton.registry")
 
-#: seconds between looks at the wake, finishing and cancel keys, and at the waiting
-#: entries of tasks that depend on other tasks
+#: seconds between two looks at task completion at most (each walks the open index of
+#: the tasks in which something finished)
 SLOW_SWEEP = 2.0
-#: task statuses whose waiting entries may be released
-WAITING_STATUSES = frozenset({"creating", "active", "paused"})
 #: keys read per request when listing an index (delayed, waiting, task headers)
 SCAN_PAGE = 1000
 #: handled index keys deleted per etcd request (each guarded on its own)
@@ -93,39 +96,90 @@ class Scheduler:
         self._complain = Complaints("scheduler")
         #: task headers as last parsed, by key: (mod revision, record)
         self._parsed: dict[bytes, tuple[int, TaskRecord]] = {}
+        #: when the keys of ``delayed/``, ``cdelayed/`` (by task) and ``cancels/`` are
+        #: next due, as far as the elected replica knows (``follow``)
+        self.delayed, self.nacked, self.cancels = Dues(), Dues(), Dues()
+        #: the entries waiting on other tasks' entries (``follow``)
+        self.cross: CrossWaits | None = None
+        self._sweeps: list[tuple[Alarm, Callable[[bool], Awaitable[int]], str, float]] = []
 
-    async def run(self, stop: asyncio.Event, election: Election | None = None) -> None:
-        """Sweep every ``interval`` until ``stop``: while ``election`` leads (if given),
-        after one look at what older registries left (``learn``) each time it becomes
-        the leader. This replica's own verifications are followed up at once, leader or
-        not (``Core.verified``)."""
+    def follow(self, watch: SweepWatch) -> None:
+        """Follow the indexes its sweeps read on the leader's watch (``sweeps``): keys
+        put under ``delayed/``, ``cdelayed/`` and ``cancels/`` tell when they fall due,
+        a ``wakes/`` or ``finishing/`` key put rings its sweep, and a task header
+        written has that task's cross-task waits read again (``waits``)."""
+        k = self.keys
+        by_task: Callable[[list[str]], str] = lambda parts: parts[0]  # noqa: E731
+
+        def due_index(base: bytes, dues: Dues) -> Alarm:
+            alarm = watch.alarm(dues)
+            watch.follow(Watched(base, deletes=False), told(dues, alarm, base, by_task))
+            return alarm
+
+        def rung(base: bytes) -> Alarm:
+            alarm = watch.alarm()
+            watch.follow(Watched(base, deletes=False), rings(alarm))
+            return alarm
+
+        cross = watch.alarm()
+        self.cross = CrossWaits(self.core, cross, self._check)
+        watch.follow(Watched(k.tasks()), self.cross.headers_written)
+        watch.when_ended(self.cross.close)
+        self._sweeps = [
+            (due_index(k.delayed_all(), self.delayed), self._promote_woken,
+             "scheduler: backoffs over", self.interval),
+            (due_index(k.cdelayed_all(), self.nacked), self._return_woken,
+             "scheduler: nacks over", self.interval),
+            (rung(k.wakes()), self._wakes_woken, "scheduler: wake keys", self.interval),
+            (rung(k.finishing_all()), self._complete_woken, "scheduler: task completion",
+             SLOW_SWEEP),
+            (follow_due(watch, k.cancels(), self.cancels), self._cancels_woken,
+             "scheduler: cancels", self.interval),
+            (cross, self._cross_woken, "scheduler: cross-task waits", self.interval),
+        ]
+
+    async def run(self, stop: asyncio.Event, election: Election,
+                  full_every: float = 0.0) -> None:
+        """Run each sweep (``follow`` first) while ``election`` leads, when its index
+        is written or its due time comes, until ``stop``. This replica's own
+        verifications are followed up at once, leader or not (``Core.verified``)."""
         events = asyncio.create_task(self._on_verified(stop))
-        loops = 0
-        term = -1
         try:
-            while not stop.is_set():
-                if election is not None and not await election.until_leading(stop):
-                    break
-                now_term = election.terms if election is not None else 0
-                if now_term != term:
-                    term, loops = now_term, 0
-                    await sweep_once(self.learn, "scheduler (first look as leader)")
-                slow = loops % max(1, int(SLOW_SWEEP / self.interval)) == 0
-                sweeps: list[Callable[[], Awaitable[object]]] = [self.promote_due,
-                                                                 self.promote_nacked]
-                if slow:
-                    sweeps += [self.sweep_waiting, self.complete_tasks, self.finish_cancels]
-                for sweep in sweeps:  # one failing sweep does not skip the others
-                    if election is not None and not election.is_leader:
-                        break  # lost the lead mid-period: the next leader goes on
-                    await sweep_once(sweep, f"scheduler: {sweep.__name__}")
-                loops += 1
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), self.interval)
+            await asyncio.gather(*(run_sweep(election, alarm, sweep, what, interval, stop,
+                                             full_every)
+                                   for alarm, sweep, what, interval in self._sweeps))
         finally:
             events.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await events
+
+    async def _promote_woken(self, whole: bool) -> int:
+        return await self._promote_index(
+            self.keys.delayed_all(), "delayed entry",
+            lambda task_id, rest, key: self._promote_plan(task_id, rest[0], key),
+            self.delayed, None if whole else self.delayed.due(self.core.clock()))
+
+    async def _return_woken(self, whole: bool) -> int:
+        return await self._promote_index(
+            self.keys.cdelayed_all(), "nacked entry",
+            lambda task_id, rest, key: self._return_plan(task_id, rest[0], rest[1], key),
+            self.nacked, None if whole else self.nacked.due(self.core.clock()))
+
+    async def _wakes_woken(self, whole: bool) -> int:
+        return await self.sweep_wakes()
+
+    async def _complete_woken(self, whole: bool) -> int:
+        return await self.complete_tasks()
+
+    async def _cancels_woken(self, whole: bool) -> int:
+        return await swept_due(self.core, self.keys.cancels(), self.cancels,
+                               self.finish_cancels)
+
+    async def _cross_woken(self, whole: bool) -> int:
+        if whole:  # what older registries left first (they wrote no index keys for it)
+            await self.learn()
+        assert self.cross is not None
+        return await self.cross.sweep(whole)
 
     async def _on_verified(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -204,47 +258,72 @@ class Scheduler:
     async def _promote_index(
         self, base: bytes, what: str,
         plan_of: Callable[[str, list[str], bytes], Callable[[Txn], Awaitable[bool]]],
+        dues: Dues | None = None, tasks: Sequence[str] | None = None,
     ) -> int:
         """Run ``plan_of``'s plan for each key of an index ``{task}/{due}/…`` under
         ``base`` whose due time (epoch ms) has come, each its own transaction, many at
-        once; a task's keys past now are skipped whole (they sort by due time)."""
+        once; a task's keys past now are skipped whole (they sort by due time). Only
+        the keys of ``tasks``, if given (else of every task). ``dues`` learns when each
+        task looked at has its next key due (a task whose promotion failed: soon)."""
         now_ms = int(self.core.clock() * 1000)
         moved = 0
         gate = Gate(PROMOTE_PARALLEL)
+        marks = dues.marks() if dues is not None else {}
+        #: each task looked at: when its first key not due is (None: it has none)
+        found: dict[str, float | None] = {}
+        failed: set[str] = set()
 
-        async def promote(item: str, plan: Callable[[Txn], Awaitable[bool]]) -> None:
+        async def promote(task_id: str, item: str,
+                          plan: Callable[[Txn], Awaitable[bool]]) -> None:
             nonlocal moved
             try:
                 # Fresh: the plan peeks at the entry and may do nothing (see run()).
                 moved += await write(self.core.txns, plan, fresh=True)
             except Exception as e:
                 self._complain(item, e)
+                failed.add(task_id)
             else:
                 self._complain.cleared(item)
 
-        start: bytes | None = None
-        while True:
-            skip_to: bytes | None = None
-            pages = self.core.etcd.scan(base, page=SCAN_PAGE, keys_only=True, start=start)
+        async def walk(prefix: bytes, start: bytes | None) -> bytes | None:
+            """Promote the due keys under ``prefix`` from ``start``; where to go on
+            from (the next task's keys), or None once at its end."""
+            pages = self.core.etcd.scan(prefix, page=SCAN_PAGE, keys_only=True, start=start)
             async with contextlib.aclosing(pages):
                 async for key in pages:
                     try:
                         task_id, due, *rest = self.keys.parse_tail(key.key, base)
+                        found.setdefault(task_id, None)
                         if int(due) > now_ms:
                             # A task's keys sort by due time: the rest of this
                             # task's are not due either; go on with the next task.
-                            skip_to = prefix_end(base + task_id.encode() + b"/")
-                            break
+                            found[task_id] = int(due) / 1000
+                            return prefix_end(base + task_id.encode() + b"/")
                         plan = self.unless_cancelled(task_id, key.key,
                                                      plan_of(task_id, rest, key.key))
                     except (ValueError, IndexError) as e:
                         self._complain(f"{what} key {key.key!r}", e)
                         continue
-                    await gate.submit(promote(f"{what} {task_id}/{rest[-1]}", plan))
-            if skip_to is None:
-                await gate.drain()
-                return moved
-            start = skip_to
+                    await gate.submit(promote(task_id, f"{what} {task_id}/{rest[-1]}", plan))
+            return None
+
+        if tasks is None:
+            start: bytes | None = None
+            while (start := await walk(base, start)) is not None:
+                pass
+        else:
+            for task_id in tasks:
+                found.setdefault(task_id, None)
+                await walk(base + task_id.encode() + b"/", None)
+        await gate.drain()
+        if dues is not None:
+            retry = self.core.clock() + self.interval
+            for task_id in {*found, *(dues.scopes() if tasks is None else ())}:
+                due = found.get(task_id)
+                if task_id in failed:  # looked at again soon, as the sweeps did each period
+                    due = min(due if due is not None else retry, retry)
+                dues.learnt(task_id, due, marks)
+        return moved
 
     def _return_plan(self, task_id: str, group: str, file_id: str,
                      index: bytes) -> Callable[[Txn], Awaitable[bool]]:
@@ -298,6 +377,15 @@ class Scheduler:
     async def sweep_waiting(self) -> int:
         """The entries waiting for an entry verified since the last look (its wake key),
         and every waiting entry of a task whose entries wait for other tasks', checked."""
+        moved = await self.sweep_wakes()
+        for header in await self._headers():
+            if header.cross_deps is not False and header.status in WAITING_STATUSES:
+                moved += await self._sweep_waiting_of(header.task_id)
+        return moved
+
+    async def sweep_wakes(self) -> int:
+        """The entries waiting for an entry verified since the last look (its wake key),
+        checked; the wake keys handled deleted."""
         moved = 0
         done: list[KV] = []
         async for kv in self._listing(self.keys.wakes()):
@@ -319,9 +407,6 @@ class Scheduler:
             if not failed:  # else kept: looked at again next time
                 done.append(kv)
         await self._forget(done)
-        for header in await self._headers():
-            if header.cross_deps is not False and header.status in WAITING_STATUSES:
-                moved += await self._sweep_waiting_of(header.task_id)
         return moved
 
     async def _sweep_waiting_of(self, task_id: str) -> int:

@@ -45,6 +45,7 @@ from .service import Parts, serve_all
 from .sessions import Reaper
 from .shards import Assigner, Shards
 from .stalls import Stalls
+from .sweeps import SweepWatch, run_sweep
 from .tls import ServerCertificates, is_loopback
 
 log = logging.getLogger("baton.registry")
@@ -76,6 +77,8 @@ class Running:
     stalls: Stalls | None = None
     #: the election of the replica that runs the periodic sweeps
     sweeper: Election | None = None
+    #: that replica's watch of the indexes its sweeps read
+    sweep_watch: SweepWatch | None = None
 
     async def stop(self, grace: float | None = 5.0) -> None:
         """Stop taking calls, let in-flight ones finish within ``grace``, then close."""
@@ -244,27 +247,33 @@ async def _start(config: RegistryConfig, certificates: ServerCertificates | None
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     stop = asyncio.Event()
     who = f"{socket.gethostname()}:{os.getpid()}"
-    # The periodic sweeps over the shared store run on one replica at a time, elected;
-    # each reads only the head of an index of what is due (docs/architecture.md, Sweeps).
+    # The sweeps over the shared store run on one replica at a time, elected; each
+    # reads only the head of an index of what is due, and only when its index was
+    # written or a key of it falls due (docs/architecture.md, Sweeps).
     sweeper = Election(etcd, config.prefix, "sweeps", config.sweep_lease_ttl, who=who)
+    watch = SweepWatch(core, sweeper)
     reaper = Reaper(core, config.reap_interval)
     scheduler = Scheduler(core, config.reap_interval)
     deadlines = Deadlines(core)
     stalls = Stalls(core)
+    scheduler.follow(watch)
+    woken = [(reaper.follow(watch), reaper.woken, "reaper"),
+             (deadlines.follow(watch), deadlines.woken, "deadlines"),
+             (stalls.follow(watch), stalls.woken, "stalls")]
     assigner = Assigner(shards, config.reap_interval)
     service.leases.interval = config.reap_interval
+    full = config.full_sweep_interval
     background = [
         asyncio.create_task(sweeper.run(stop)),
-        asyncio.create_task(scheduler.run(stop, sweeper)),
-        asyncio.create_task(while_leading(sweeper, config.reap_interval, stop, reaper.sweep,
-                                          "reaper")),
-        asyncio.create_task(while_leading(sweeper, config.reap_interval, stop, deadlines.sweep,
-                                          "deadlines")),
-        asyncio.create_task(while_leading(sweeper, config.reap_interval, stop, stalls.sweep,
-                                          "stalls")),
+        asyncio.create_task(watch.run(stop)),
+        asyncio.create_task(scheduler.run(stop, sweeper, full)),
+        *(asyncio.create_task(run_sweep(sweeper, alarm, sweep, what, config.reap_interval,
+                                        stop, full))
+          for alarm, sweep, what in woken),
         # On every replica: the shard assigner and the drain deadlines read what is as
-        # small as the watchers and the drained hosts (never entries or tasks), and their
-        # guarded transactions race safely; the etcd check is this replica's own health.
+        # small as the watchers and the drained hosts (never entries or tasks), from the
+        # view, when it changes or a deadline comes; their guarded transactions race
+        # safely. The etcd check is this replica's own health.
         asyncio.create_task(assigner.run(stop)),
         asyncio.create_task(service.leases.run(stop)),
         asyncio.create_task(every(config.etcd_check_interval, stop, health_servicer.check_etcd,
@@ -284,7 +293,8 @@ async def _start(config: RegistryConfig, certificates: ServerCertificates | None
         metrics.bind(core, reaper, service.sessions, shards, service.leases, members,
                      deadlines, archiver, stalls)
     return Running(port, server, etcd, core, reaper, scheduler, health_servicer, stop, background,
-                   assigner, members, metrics, metrics_port, service.streams, stalls, sweeper)
+                   assigner, members, metrics, metrics_port, service.streams, stalls, sweeper,
+                   watch)
 
 
 def archive_store(config: RegistryConfig) -> ArchiveStore | None:

@@ -6,12 +6,14 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from ..kernel import logs
 from ..kernel.errors import BatonError, InvalidArgument, SessionExpired
 from ..kernel.v1 import baton_pb2 as pb
-from ._etcd import KV
+from ._etcd import KV, READ_CHUNK, Get, Watched, WatchEvent
 from .claim import end, give_back
 from .claims import (
     SessionRecord,
@@ -28,6 +30,7 @@ from .manifest import ID_RE, check_id
 from .model import EntryRecord, now
 from .pools import PoolAdmin
 from .scheduler import Complaints
+from .sweeps import Alarm, SweepWatch
 from .txn import Txn, write
 
 log = logging.getLogger("baton.registry")
@@ -168,14 +171,23 @@ class Reaper:
     """Moves entries on when the lease behind their claim is gone.
 
     etcd deletes a claim key when its lease expires; its durable twin under
-    ``inflight/`` stays. Every ``interval`` seconds the reaper walks the two
-    listings side by side, ``REAP_PAGE`` keys per request and both at one
-    revision: a claim key and its twin name the same claim after their
-    prefixes, so both listings come in the same order and a merge pairs them
-    with only a page of each in memory, however many claims are in flight.
-    For each twin left alone it runs one guarded transaction: the producer's
-    entry takes the retry path, a consumer's entry goes back to its group.
-    Replicas race safely: the compares let exactly one of them apply each move.
+    ``inflight/`` stays. A full look (``sweep``) walks the two listings side by
+    side, ``REAP_PAGE`` keys per request and both at one revision: a claim key
+    and its twin name the same claim after their prefixes, so both listings come
+    in the same order and a merge pairs them with only a page of each in memory,
+    however many claims are in flight. For each twin left alone it runs one
+    guarded transaction: the producer's entry takes the retry path, a consumer's
+    entry goes back to its group. Replicas race safely: the compares let exactly
+    one of them apply each move.
+
+    The elected replica looks whole only when it becomes the leader (a lease may
+    have died while none led), when its watch of the indexes breaks, and every few
+    minutes (``sweeps``); in between, the watch tells it of every claim key deleted
+    (``claims_gone``). A claim that ended (committed, acked, failed, taken back)
+    goes with its twin in one transaction, so a twin deleted at the same revision
+    says it was not lost; the others (a lease expired or revoked: etcd deleted the
+    claim alone) are read, claim and twin, and moved on if lost (``reap_lost``):
+    a look proportional to the claims lost, not to the claims in flight.
     """
 
     def __init__(self, core: Core, interval: float = 0.5) -> None:
@@ -187,9 +199,126 @@ class Reaper:
         #: frees pool units a bulk delete of twins left held, every ``REPAIR_EVERY`` sweeps
         self.pools = PoolAdmin(core)
         self._sweeps = 0
+        #: claim keys deleted (after ``claims/``) and twins deleted (after
+        #: ``inflight/``) since the last look, each at the revision it went
+        self._lost: dict[bytes, int] = {}
+        self._ended: dict[bytes, int] = {}
+        #: whether twins went since the last repair of pool units, and when it ran
+        self._twins_went = False
+        self._repaired = -math.inf
+        self.alarm: Alarm | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
         await every(self.interval, stop, self.sweep, "reaper")
+
+    def follow(self, watch: SweepWatch) -> Alarm:
+        """Follow the claim keys and twins deleted, on the leader's watch; the alarm
+        its sweeps run on (``woken``)."""
+        self.alarm = watch.alarm()
+        watch.follow(Watched(self.keys.claims_all(), puts=False), self.claims_gone)
+        watch.follow(Watched(self.keys.inflight_all(), puts=False), self.twins_gone)
+        return self.alarm
+
+    def claims_gone(self, batch: list[WatchEvent]) -> None:
+        """Claim keys deleted: lost, unless their twin went in the same transaction."""
+        base = self.keys.claims_all()
+        for ev in batch:
+            tail, revision = ev.kv.key[len(base):], ev.kv.mod_revision
+            if self._ended.get(tail) == revision:
+                del self._ended[tail]  # ended with its twin: not lost
+            else:
+                self._lost[tail] = revision
+        if self._lost and self.alarm is not None:
+            self.alarm.ring()
+
+    def twins_gone(self, batch: list[WatchEvent]) -> None:
+        """Twins deleted: their claims ended (or were reaped)."""
+        base = self.keys.inflight_all()
+        for ev in batch:
+            tail, revision = ev.kv.key[len(base):], ev.kv.mod_revision
+            if self._lost.get(tail) == revision:
+                del self._lost[tail]
+            else:
+                self._ended[tail] = revision
+        self._twins_went = True
+        if self.alarm is not None:
+            self.alarm.ring()  # a unit may be held without a claim now (``_repair``)
+
+    async def woken(self, whole: bool) -> int:
+        """One sweep of the elected replica: a full look, or the claims lost since."""
+        if whole:
+            self._lost.clear()
+            self._ended.clear()
+            self._twins_went = False
+            self._repaired = time.monotonic()
+            return await self.sweep(repair=True)
+        moved = await self.reap_lost()
+        if self._twins_went:
+            due = self._repaired + REPAIR_EVERY * self.interval
+            if time.monotonic() >= due:
+                self._twins_went = False
+                self._repaired = time.monotonic()
+                await self._repair()
+            elif self.alarm is not None:
+                self.alarm.wake_at(self.core.clock() + due - time.monotonic())
+        return moved
+
+    async def reap_lost(self) -> int:
+        """Each claim key deleted since the last look without its twin: read with its
+        twin, and its entry moved on if the twin is left alone. A claim that could not
+        be handled is kept for the next look."""
+        lost, self._lost = self._lost, {}
+        self._ended.clear()
+        base = self.keys.claims_all()
+        refs: list[ClaimRef] = []
+        for tail in lost:
+            try:
+                refs.append(self.keys.parse_claim(base + tail))
+            except ValueError as e:
+                self._complain(f"claim key {(base + tail).decode(errors='replace')}", e)
+        moved = 0
+        gate = Gate(REAP_PARALLEL)
+
+        async def one(ref: ClaimRef, token: int, item: str) -> None:
+            nonlocal moved
+            try:
+                if await self._reap(ref, token):
+                    moved += 1
+                    self.reaped += 1
+            except Exception as e:
+                self._complain(item, e)
+                self._retry(ref)
+
+        pair = READ_CHUNK // 2  # a claim and its twin read together, at one revision
+        try:
+            for i in range(0, len(refs), pair):
+                chunk = refs[i:i + pair]
+                try:
+                    found = await self.core.etcd.read(
+                        [Get(k) for ref in chunk for k in (self.keys.inflight(ref),
+                                                           self.keys.claim(ref))])
+                except BatonError:
+                    for ref in refs[i:]:
+                        self._retry(ref)
+                    raise
+                for n, ref in enumerate(chunk):
+                    twins, claims = found[2 * n], found[2 * n + 1]
+                    if not twins or (claims and claims[0].create_revision
+                                     == twins[0].create_revision):
+                        continue  # ended, or the claim lives (taken again)
+                    twin = twins[0]
+                    item = (f"twin {twin.key.decode(errors='replace')} "
+                            f"(token {twin.create_revision})")
+                    await gate.submit(one(ref, twin.create_revision, item))
+        finally:
+            await gate.drain()
+        return moved
+
+    def _retry(self, ref: ClaimRef) -> None:
+        """Look at a claim again next time (its reap failed)."""
+        self._lost[self.keys.claim(ref)[len(self.keys.claims_all()):]] = 0
+        if self.alarm is not None:
+            self.alarm.ring()
 
     async def orphans(self) -> AsyncIterator[tuple[KV, ClaimRef | None]]:
         """Every twin whose claim is gone (or is another claim), with what it names
@@ -218,9 +347,10 @@ class Reaper:
                     ref = None
                 yield twin, ref
 
-    async def sweep(self) -> int:
+    async def sweep(self, repair: bool = False) -> int:
         """Move on every entry whose claim's lease is gone, ``REAP_PARALLEL`` at a time
-        (their transactions share requests through group commit)."""
+        (their transactions share requests through group commit); pool units are
+        repaired every ``REPAIR_EVERY`` sweeps (``repair``: this one)."""
         moved = 0
         gate = Gate(REAP_PARALLEL)
 
@@ -241,12 +371,15 @@ class Reaper:
             await gate.submit(one(twin, ref, item))
         await gate.drain()
         self._sweeps += 1
-        if self._sweeps % REPAIR_EVERY == 0:
-            try:
-                await self.pools.repair()
-            except Exception as e:  # the reaper goes on; the next repair tries again
-                self._complain("pool units", e)
+        if repair or self._sweeps % REPAIR_EVERY == 0:
+            await self._repair()
         return moved
+
+    async def _repair(self) -> None:
+        try:
+            await self.pools.repair()
+        except Exception as e:  # the reaper goes on; the next repair tries again
+            self._complain("pool units", e)
 
     async def _reap(self, ref: ClaimRef, token: int) -> bool:
         """Move one entry on for a claim whose lease is gone; False if already done."""

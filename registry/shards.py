@@ -44,7 +44,7 @@ from ..kernel.v1 import baton_pb2 as pb
 from ._etcd import KV
 from .claims import check_owner, need_entry
 from .config import MOVE_DEADLINE
-from .core import Core, every
+from .core import Core, every, on_change
 from .identity import Caller
 from .model import EntryRecord, TaskRecord, now
 from .txn import Txn, write
@@ -540,17 +540,18 @@ class Shards:
             moves=[pb.ShardMove(shard=n, from_watcher=a, to_watcher=b) for n, a, b in moves])
 
 
-    async def assign(self, fresh: bool = False) -> None:
+    async def assign(self, fresh: bool = False) -> float:
         """Keep every shard owned by a live watcher and the watchers balanced.
 
         A shard whose owner is gone is owned again at once (by the watcher owning
         fewest); a move whose target left is called off; a move past its deadline is
         forced; then, with no move in flight, a rebalance starts if the counts differ
-        by more than one. ``fresh``: read etcd, not the view (which may lag).
+        by more than one. ``fresh``: read etcd, not the view (which may lag). Returns
+        the earliest deadline of a move left in flight (inf: none).
         """
         count, shards = await self.table(fresh)
         if not count:
-            return
+            return math.inf
         watchers = await self.watchers(fresh)
         takers = [w for w, r in watchers.items() if r.takes_shards]
         load = {w: 0 for w in takers}
@@ -578,6 +579,9 @@ class Shards:
                 self.forced += 1
         for n, _, to in await self.balance_moves(fresh):
             await self._start_move(n, to, self.move_deadline)
+        # (a move started or ended just now changed a shard: the view tells the assigner)
+        return min((rec.deadline for _, rec in shards.values() if rec.moving_to),
+                   default=math.inf)
 
     async def _set(self, n: int, kv: KV | None, new: ShardRecord, event: str,
                    level: int = logging.INFO, **details: Any) -> bool:
@@ -599,15 +603,33 @@ class Shards:
 
 
 class Assigner:
-    """Runs :meth:`Shards.assign` every ``interval`` seconds, on every replica (their
-    guarded transactions race safely)."""
+    """Runs :meth:`Shards.assign` on every replica (their guarded transactions race
+    safely): when the view's watchers, shards or shard map change, and when a move in
+    flight reaches its deadline; at most once per ``interval`` seconds. An idle
+    deployment's assigner does nothing (it reads only the view in any case). Without a
+    view, every ``interval`` seconds."""
 
     def __init__(self, shards: Shards, interval: float = 0.5) -> None:
         self.shards = shards
         self.interval = interval
+        #: times it ran (for tests)
+        self.runs = 0
 
     async def run(self, stop: asyncio.Event) -> None:
-        await every(self.interval, stop, self.shards.assign, "shard assigner")
+        view = self.shards.core.view
+        if view is None:
+            await every(self.interval, stop, self._assign, "shard assigner")
+            return
+        changed = asyncio.Event()
+        keys = self.shards.keys
+        for prefix in (keys.watchers(), keys.shards(), keys.shardmap()):
+            view.listen(prefix, changed.set)
+        await on_change(changed, self._assign, self.shards.core.clock, self.interval, stop,
+                        "shard assigner")
+
+    async def _assign(self) -> float:
+        self.runs += 1
+        return await self.shards.assign()
 
 
 def _capacity(cap: pb.WatcherCapacity) -> dict[str, Any]:

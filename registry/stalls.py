@@ -30,6 +30,7 @@ from .core import Core
 from .deadlines import sweep_due
 from .model import EntryRecord
 from .scheduler import Complaints
+from .sweeps import Alarm, Dues, SweepWatch, follow_due, swept_due
 from .txn import Txn, write
 
 log = logging.getLogger("baton.registry")
@@ -42,6 +43,16 @@ class Stalls:
         #: claims this replica took back as stalled (for metrics)
         self.stalled = 0
         self._complain = Complaints("stalls")
+        #: when its next key is due, as far as the elected replica knows
+        self.dues = Dues()
+
+    def follow(self, watch: SweepWatch) -> Alarm:
+        """Follow the keys put under ``stalls/`` on the leader's watch; its sweeps' alarm."""
+        return follow_due(watch, self.keys.stalls(), self.dues)
+
+    async def woken(self, whole: bool) -> int:
+        """The elected replica's sweep, when a key is due (a full look is the same)."""
+        return await swept_due(self.core, self.keys.stalls(), self.dues, self.sweep)
 
     async def sweep(self) -> int:
         """Take back every claim stalled by now; move on the keys of claims that

@@ -2,7 +2,8 @@
 
 Three kinds of keys are held:
 
-* **mirrored** — task headers, agent sessions, claim slots: every key, loaded
+* **mirrored** — task headers, agent sessions, claim slots (watchers, shards, pools,
+  drained hosts): every key, loaded
   at start and then followed by the watch, so a key missing here is absent;
 * **cached** — entries and claims this replica read or wrote (a bounded LRU),
   not watched: this replica makes most of their changes and takes its own
@@ -32,7 +33,7 @@ import contextlib
 import json
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from sortedcontainers import SortedDict
@@ -96,7 +97,7 @@ class View:
         self._root = keys.prefix.encode()
         self._mirror_bases = (keys.tasks(), keys.agents(), keys.slots_all(), keys.watchers(),
                               keys.shards(), keys.shardmap(), keys.pools(),
-                              keys.pool_units_all())
+                              keys.pool_units_all(), keys.drains())
         self._agents = keys.agents()
         self._cache_bases = (keys.entries_all(), keys.claims_all())
         self._tasks_base = keys.tasks()
@@ -116,6 +117,8 @@ class View:
         self._synced = asyncio.Event()
         #: session records seen deleted on the watch: closed or expired (for metrics)
         self.sessions_ended = 0
+        #: who is told of changes to mirrored keys, by prefix (``listen``)
+        self._listeners: list[tuple[bytes, Callable[[], None]]] = []
         # This replica's writes of watched keys set the revision ``current`` waits for.
         watched = tuple(self._watched)
         etcd.tracks = lambda key: key.startswith(watched)
@@ -148,7 +151,16 @@ class View:
         self.revision = at
         self.ready = True
         self._synced.set()
+        for _, tell in self._listeners:  # anything may have changed while it was away
+            tell()
         return at
+
+    def listen(self, prefix: bytes, tell: Callable[[], None]) -> None:
+        """Call ``tell`` whenever a mirrored key under ``prefix`` changes (the watch
+        brought it, or this replica wrote it) and whenever the view loads again: for
+        loops that act on what the mirror holds (the shard assigner, drains), so that
+        they run when it changes, not every so often."""
+        self._listeners.append((prefix, tell))
 
     async def _follow(self) -> None:
         while True:
@@ -247,6 +259,9 @@ class View:
                 self._mirror_pop(key)
             else:
                 self._mirror_put(kv)
+            for prefix, tell in self._listeners:
+                if key.startswith(prefix):
+                    tell()
             if self._group_of(key) == self._tasks_base and (kv is None or _done(kv.value)):
                 self._drop_windows(key[len(self._tasks_base):].decode())
         elif kind == _CACHE:
@@ -275,7 +290,8 @@ class View:
         for parent in (self.keys.slots_all(), self.keys.pool_units_all()):
             if prefix.startswith(parent):
                 return prefix.endswith(b"/") and prefix.count(b"/") == parent.count(b"/") + 1
-        return prefix in (self.keys.tasks(), self.keys.agents(), self.keys.pools())
+        return prefix in (self.keys.tasks(), self.keys.agents(), self.keys.pools(),
+                          self.keys.drains())
 
     def _mirror_put(self, kv: KV) -> None:
         self._mirror[kv.key] = kv

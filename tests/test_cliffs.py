@@ -308,30 +308,40 @@ def test_poisoned_records_do_not_stop_the_sweeps_or_the_reaper(
 # 3. listings longer than a page ------------------------------------------------------
 
 def test_reaper_pages_through_more_claims_than_a_page(
-        small_pages: None, ranges: list[tuple[bytes, int]], client: Client, prefix: str) -> None:
-    """With 3 keys a page, the reaper recovers 10 lost claims among 10 live ones."""
+        small_pages: None, ranges: list[tuple[bytes, int]], registry: RegistryHandle,
+        client: Client, prefix: str,
+        registry_factory: Callable[..., RegistryHandle]) -> None:
+    """With 3 keys a page, a new leader's first look recovers 10 claims whose lease died
+    while no replica led, among 10 live ones."""
     ids = [f"e{i:02d}" for i in range(20)]
     client.create_task({"task_id": "t", "backoff": FAST, "entries": entries(*ids)})
     lost = client.open_session("lost", ttl=30, keepalive=False)
-    with client.open_session("live", ttl=30) as live:
-        # Interleaved in key order, so the reaper's merge of the two listings
-        # meets live and lost claims on every page.
-        held = {f: client.claim("t", f, session=live if i % 2 else lost)
-                for i, f in enumerate(ids)}
-        client.close_session(lost.session_id)  # its claims die with its lease at once
+    live = client.open_session("live", ttl=30, keepalive=False)
+    # Interleaved in key order, so the reaper's merge of the two listings
+    # meets live and lost claims on every page.
+    held = {f: client.claim("t", f, session=live if i % 2 else lost)
+            for i, f in enumerate(ids)}
+    registry.stop()  # the only replica: nobody leads now
+
+    async def revoke(conn: Etcd) -> None:
+        await conn.revoke(lost.session_id)  # its claims die with its lease at once
+
+    on_etcd(registry.etcd, revoke)
+    ranges.clear()
+    with Client(registry_factory().address, timeout=10) as again:
 
         def settled() -> bool:
-            got = {e.file_id: e for e in client.list_entries("t")}
+            got = {e.file_id: e for e in again.list_entries("t")}
             return all(got[f].state == (pb.ENTRY_STATE_WRITING if i % 2 else pb.ENTRY_STATE_PENDING)
                        for i, f in enumerate(ids))
 
         wait_for(settled, what="the lost claims reaped")
         for i, f in enumerate(ids):
-            entry = client.get_entry("t", f)
+            entry = again.get_entry("t", f)
             assert entry.retry_count == (0 if i % 2 else 1), f
             if i % 2:  # a live claim's token is untouched
-                assert client.commit("t", f, held[f].token, 1,
-                                     digest(b"x")).state == pb.ENTRY_STATE_WRITTEN
+                assert again.commit("t", f, held[f].token, 1,
+                                    digest(b"x")).state == pb.ENTRY_STATE_WRITTEN
     assert paged(ranges, f"{prefix}inflight/", REAP_PAGE) >= 4
     assert paged(ranges, f"{prefix}claims/", REAP_PAGE) >= 4
 
