@@ -203,6 +203,8 @@ class RegistryMetrics:
         #: limited groups' backlogs, by task, as the last refresh counted them
         self._backlogs: list[tuple[str, GroupBacklog]] = []
         self._counted_at = -1.0
+        #: etcd's revision when the entry counts were read (-1: never)
+        self._counted_revision = -1
         #: concurrency pools: limit and units held (each scrape), entries waiting
         #: (once per ``count_ttl``)
         self._pools: dict[str, tuple[int, int]] = {}
@@ -367,6 +369,13 @@ class RegistryMetrics:
         now = time.monotonic()
         if self._counted_at >= 0 and now - self._counted_at < self.count_ttl:
             return
+        # A count-only read makes etcd walk every key of the index, however many are
+        # stored; when nothing was written since the last count (a stack at rest), the
+        # counts still hold, and one read of a single key says so.
+        _, revision, _ = await core.etcd.range(keys.shardmap(), limit=1, keys_only=True)
+        if revision == self._counted_revision:
+            self._counted_at = now
+            return
         if self._pools:
             self._pool_waiting = await PoolAdmin(core).waiting(set(self._pools))
         # Every task's part of an index: its prefix for one task, with no task named.
@@ -377,7 +386,7 @@ class RegistryMetrics:
                     keys.inflight_of_task("c", "").removesuffix(b"/"))
         counts = await asyncio.gather(*(core.etcd.count(p) for p in prefixes))
         self._indexes = dict(zip(INDEXES, counts, strict=True))
-        self._counted_at = now
+        self._counted_at, self._counted_revision = now, revision
 
     async def _count_pools(self, core: Core) -> None:
         """Each pool's limit and units held, from the view's mirror (else etcd)."""

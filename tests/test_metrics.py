@@ -20,6 +20,7 @@ from baton_relay.client import Client, put
 from baton_relay.kernel.errors import InvalidArgument, NotFound, NothingToClaim, StaleToken
 from baton_relay.kernel.metrics_endpoint import parse_address
 from baton_relay.kernel.v1 import baton_pb2 as pb
+from baton_relay.local.etcdproc import EtcdProcess
 from baton_relay.registry import RegistryConfig
 from baton_relay.registry.config import load_config as registry_config
 from baton_relay.registry.metrics import RegistryMetrics
@@ -561,3 +562,42 @@ def test_alerting_rules_pass_promtool() -> None:
         done = subprocess.run(argv, cwd=RULES.parent, capture_output=True, text=True,
                               timeout=120, check=False)
         assert done.returncode == 0, done.stdout + done.stderr
+
+
+def etcd_ranges(etcd: EtcdProcess) -> float:
+    """Range requests etcd has served so far (its own count)."""
+    text = etcd.get("/metrics", timeout=5).decode()
+    return sum(float(v) for v in re.findall(
+        r'^grpc_server_handled_total\{[^}]*grpc_method="Range"[^}]*\} (\S+)$', text, re.M))
+
+
+def test_entry_counts_are_not_read_again_while_nothing_is_written(
+    client: Client, registry: RegistryHandle, etcd: EtcdProcess,
+    wait_for: Callable[..., None],
+) -> None:
+    """A count-only read walks every key of an index; at rest (etcd's revision has not
+    moved since the last count) a scrape reads one key instead and serves the counts
+    it has; a write makes the next scrape count again (etcd's own count of requests)."""
+    client.create_task({"task_id": TASK, "entries": [{"file_id": f, "path": f}
+                                                     for f in FILES]})
+    metrics_of(registry).count_ttl = 0  # the counts have always aged
+    first = scrape(metrics_port(registry))
+    assert first.value("baton_entries", state="pending") == 3
+    before = [etcd_ranges(etcd)]
+
+    def quiet() -> bool:
+        # once the task's creation has been followed up (the sweeps), a scrape reads
+        # one key: not the nine indexes again
+        scrape(metrics_port(registry))
+        before.append(etcd_ranges(etcd))
+        return before[-1] - before[-2] <= 2
+    wait_for(quiet, what="a scrape that does not count the indexes again")
+    again = scrape(metrics_port(registry))
+    assert again.value("baton_entries", state="pending") == 3
+    assert again.value("baton_entry_counts_age_seconds") < 5
+    with client.open_session(PRODUCER, ttl=10) as producer:
+        client.claim(TASK, session=producer)
+        ranges = etcd_ranges(etcd)
+        moved = scrape(metrics_port(registry))
+        assert etcd_ranges(etcd) - ranges >= 9, "a write: every index counted again"
+        assert moved.value("baton_entries", state="writing") == 1
