@@ -3,6 +3,7 @@ compacts its history under it (issue 39)."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
 import queue
@@ -19,6 +20,7 @@ from baton_relay.client import Client, Session
 from baton_relay.kernel import errors, pki
 from baton_relay.local.etcdproc import EtcdProcess, free_port
 from baton_relay.local.stack import ETCD_UPKEEP
+from baton_relay.registry._etcd import KV, Etcd, EtcdAuth
 
 from .harness import (
     BenchError,
@@ -442,10 +444,40 @@ def run(p: Profile, root: Path, plot_dir: Path) -> Section:
             if len(readings) % max(1, round(60 / step)) == 0:
                 print(f"  rest: idle {readings[-1].at - readings[0].at:.0f}/{idle:.0f} s",
                       flush=True)
+        written = written_at_rest(stack, int(readings[0].store["revision"]))
         profile = profile_busiest(p, root, readings, pids)
         alone = etcd_alone(p, stack, (watcher, registry), period, notes)
+    if written:
+        notes.append("Keys written at rest (still in etcd at the window's end; a path "
+                     "segment with a digit shown as *): " + ", ".join(
+                         f"`{name}` {n}" for name, n in written[:10]) + ".")
     return section(p, todo, readings, period, idle, notify, load_seconds, sync_seconds,
                    profile, notes, plot_dir, time.monotonic() - t0, alone)
+
+
+def written_at_rest(stack: Stack, after: int) -> list[tuple[str, int]]:
+    """The keys written after revision ``after`` (still there: a deleted one is not
+    seen), by pattern (a path segment with a digit in it shown as ``*``), most first."""
+    flags = dict(zip(stack.etcd_flags[::2], stack.etcd_flags[1::2], strict=True))
+    auth = EtcdAuth(ca=flags.get("--etcd-ca", ""), cert=flags.get("--etcd-cert", ""),
+                    key=flags.get("--etcd-key", ""))
+
+    async def read() -> list[KV]:
+        etcd = Etcd(stack.etcd.endpoint, timeout=60, auth=auth)
+        await etcd.connect()
+        try:
+            kvs, _, _ = await etcd.range(b"\0", end=b"\xff", keys_only=True, limit=10_000,
+                                         min_mod_revision=after + 1)
+            return kvs
+        finally:
+            await etcd.close()
+
+    patterns: dict[str, int] = {}
+    for kv in asyncio.run(read()):
+        name = "/".join("*" if any(c.isdigit() for c in part) else part
+                        for part in kv.key.decode(errors="replace").split("/"))
+        patterns[name] = patterns.get(name, 0) + 1
+    return sorted(patterns.items(), key=lambda item: -item[1])
 
 
 def etcd_alone(p: Profile, stack: Stack, daemons: tuple[Daemon, ...], period: float,

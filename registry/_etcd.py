@@ -796,13 +796,15 @@ class Etcd:
         keys_only: bool = False,
         revision: int = 0,
         end: bytes = b"",
+        min_mod_revision: int = 0,
     ) -> tuple[list[KV], int, bool]:
         """Keys under ``prefix`` from ``start`` (inclusive), sorted by key; with ``end``,
         only those before it (etcd then walks no further: it visits every key of a range
         to count it, whatever the ``limit``).
 
-        ``revision`` reads an older snapshot (0 = now). Returns (kvs, revision
-        of the read, whether more keys follow).
+        ``revision`` reads an older snapshot (0 = now); ``min_mod_revision`` keeps
+        only keys last written at or after it (etcd still walks the whole range).
+        Returns (kvs, revision of the read, whether more keys follow).
         """
         req = rpc.RangeRequest(
             key=start or prefix,
@@ -810,6 +812,7 @@ class Etcd:
             limit=limit,
             keys_only=keys_only,
             revision=revision,
+            min_mod_revision=min_mod_revision,
         )
         resp = await self._unary(self._pick().kv.Range, req)
         return [KV._from_pb(kv) for kv in resp.kvs], resp.header.revision, bool(resp.more)

@@ -59,6 +59,9 @@ class Headers:
         self.registry.stop()
         self.registry = start_registry(self.etcd.endpoint, "/baton-heads/", self.staging,
                                        listen=self.registry.address)
+        # the client's channel reconnects on gRPC's own backoff (a second or more after
+        # the refused attempts of the stop), longer than the tests' short retry policy
+        grpc.channel_ready_future(self.client._channel).result(timeout=20)
 
     def tick(self) -> int:
         return on_etcd(self.etcd, tick)
