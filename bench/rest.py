@@ -490,6 +490,7 @@ def etcd_alone(p: Profile, stack: Stack, daemons: tuple[Daemon, ...], period: fl
         return None
     for daemon in daemons:
         terminate(daemon.process, timeout=10)
+    leases_gone(stack.etcd, notes)
     settled_compaction(stack.etcd, period, notes)
     pid = stack.etcd.pid or 0
     before, at = cpu_seconds(pid), time.monotonic()
@@ -497,6 +498,23 @@ def etcd_alone(p: Profile, stack: Stack, daemons: tuple[Daemon, ...], period: fl
         check_interrupted()
         time.sleep(min(5.0, max(0.0, at + p.rest_alone - time.monotonic())))
     return (cpu_seconds(pid) - before) / (time.monotonic() - at)
+
+
+def leases_gone(etcd: EtcdProcess, notes: list[str], wait: float = 120.0) -> None:
+    """Wait until every lease granted has been revoked or has expired (a lease left by
+    a stopped process deletes its keys when its TTL runs out: a write, then a
+    compaction, that belongs to no client of the window)."""
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        check_interrupted()
+        text = etcd.get("/metrics", timeout=5).decode()
+        held = [re.search(rf"^etcd_debugging_lease_{what}_total (\S+)$", text, re.MULTILINE)
+                for what in ("granted", "revoked")]
+        if None in held or float(held[0].group(1)) <= float(held[1].group(1)):  # type: ignore[union-attr]
+            return
+        time.sleep(1.0)
+    notes.append(f"etcd still held leases {wait:.0f} s after the daemons stopped: their "
+                 "expiry may fall in the etcd-alone window.")
 
 
 def settled_compaction(etcd: EtcdProcess, period: float, notes: list[str]) -> None:
