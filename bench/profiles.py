@@ -113,6 +113,9 @@ class Profile:
     #: seconds etcd is measured alone after the window, the registry and the watcher
     #: stopped (the cost of what it stores with no client; 0: not measured)
     rest_alone: float = 120.0
+    #: wait, before the window, until the load's request outcomes (kept
+    #: ``REQUEST_TTL`` s for retries, on leases) have expired, and report that tail
+    rest_tail: bool = True
 
 
 FULL = Profile(
@@ -206,4 +209,5 @@ QUICK = Profile(
     rest_sample=5.0,
     rest_profile=0.0,
     rest_alone=10.0,
+    rest_tail=False,
 )

@@ -11,6 +11,7 @@ import re
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from baton_relay.kernel import errors, pki
 from baton_relay.local.etcdproc import EtcdProcess, free_port
 from baton_relay.local.stack import ETCD_UPKEEP
 from baton_relay.registry._etcd import KV, Etcd, EtcdAuth
+from baton_relay.registry.txn import REQUEST_LEASE_SPAN, REQUEST_TTL
 
 from .harness import (
     BenchError,
@@ -361,6 +363,7 @@ STORE_SAMPLES = {
     "compactions": "etcd_debugging_mvcc_db_compaction_total_duration_milliseconds_count",
     "compaction_ms": "etcd_debugging_mvcc_db_compaction_total_duration_milliseconds_sum",
     "index_pause_ms": "etcd_debugging_mvcc_index_compaction_pause_duration_milliseconds_sum",
+    "leases_ended": "etcd_debugging_lease_revoked_total",
 }
 
 
@@ -422,12 +425,21 @@ def run(p: Profile, root: Path, plot_dir: Path) -> Section:
             *watcher_tls, *timeout))
         pids = {"registry": registry.pid, "watcher": watcher.pid, "etcd": stack.etcd.pid or 0}
         loaded, load_seconds = load(p, registry.address, registry.credentials, staging, todo)
+        load_end = time.monotonic()
         print(f"  rest: loaded {loaded.created:,} entries in {load_seconds:.0f} s; waiting "
               "for the watcher's first sync", flush=True)
         ca, cert, key = registry.credentials
         with Client(registry.address, timeout=60, ca=ca, cert=cert, key=key) as c:
             sync_seconds = first_sync(p, watcher_metrics, todo, c, watcher)
         print(f"  rest: first sync done after {sync_seconds:.0f} s", flush=True)
+        tail = None
+        if p.rest_tail:
+            tail = wait_tail(load_end, lambda: read(pids, registry_metrics, watcher_metrics,
+                                                    stack, registry))
+        else:
+            notes.append(f"The load's request outcomes (kept {REQUEST_TTL} s for retries, "
+                         "on leases) had not expired before the window (`rest_tail` off): "
+                         "their expiries are writes if they fall in it.")
         settled_compaction(stack.etcd, period, notes)
         print(f"  rest: idle for {idle:.0f} s", flush=True)
         readings = [read(pids, registry_metrics, watcher_metrics, stack, registry)]
@@ -452,7 +464,26 @@ def run(p: Profile, root: Path, plot_dir: Path) -> Section:
                      "segment with a digit shown as *): " + ", ".join(
                          f"`{name}` {n}" for name, n in written[:10]) + ".")
     return section(p, todo, readings, period, idle, notify, load_seconds, sync_seconds,
-                   profile, notes, plot_dir, time.monotonic() - t0, alone)
+                   profile, notes, plot_dir, time.monotonic() - t0, alone, tail)
+
+
+def wait_tail(load_end: float, reading: Callable[[], Reading]) -> tuple[Reading, Reading]:
+    """Wait until the load's request outcomes are gone: each mutating call's outcome is
+    kept ``REQUEST_TTL`` s for its retries, on a lease replaced every
+    ``REQUEST_LEASE_SPAN`` s, and each lease's expiry deletes its keys (a write, which
+    the next periodic compaction follows). Readings at the tail's start and end."""
+    end = load_end + REQUEST_TTL + REQUEST_LEASE_SPAN + 10
+    first = reading()
+    print(f"  rest: waiting {max(0.0, end - first.at):.0f} s for the load's request "
+          "outcomes to expire", flush=True)
+    last_said = first.at
+    while time.monotonic() < end:
+        check_interrupted()
+        time.sleep(min(5.0, max(0.0, end - time.monotonic())))
+        if time.monotonic() - last_said >= 60:
+            last_said = time.monotonic()
+            print(f"  rest: {max(0.0, end - last_said):.0f} s of the tail left", flush=True)
+    return first, reading()
 
 
 def written_at_rest(stack: Stack, after: int) -> list[tuple[str, int]]:
@@ -598,10 +629,26 @@ def baton_frame(name: str) -> bool:
         r"(^|/)(registry|watcher|client|kernel|local)/", where) is not None
 
 
+def tail_table(a: Reading, b: Reading) -> Table:
+    """What the expiry of the load's request outcomes cost, between the first sync and
+    the window: ``REQUEST_TTL`` s after a busy spell, then never again until the next."""
+    wall = b.at - a.at
+    table = Table(f"Before the window: the load's request outcomes expiring ({wall:.0f} s)",
+                  ["process", "CPU s", "% of a core", "revisions written", "leases ended",
+                   "compactions"])
+    moved = [round(b.store[k] - a.store[k]) for k in ("revision", "leases_ended",
+                                                       "compactions")]
+    for name in ("registry", "watcher", "etcd"):
+        table.rows.append([name, b.cpu[name] - a.cpu[name], 100 * cores(a, b, name),
+                           *(moved if name == "etcd" else ["", "", ""])])
+    return table
+
+
 def section(p: Profile, todo: list[Plan], readings: list[Reading], period: float,
             idle: float, notify: str, load_seconds: float, sync_seconds: float,
             profile: tuple[str, list[list[object]], str], notes: list[str], plot_dir: Path,
-            seconds: float, alone: float | None = None) -> Section:
+            seconds: float, alone: float | None = None,
+            tail: tuple[Reading, Reading] | None = None) -> Section:
     a, b = readings[0], readings[-1]
     wall = b.at - a.at
     entries = sum(x.entries for x in todo)
@@ -652,6 +699,8 @@ def section(p: Profile, todo: list[Plan], readings: list[Reading], period: float
     row("etcd: revisions written (every write moves it)", round(moved), "0")
     row("etcd: compactions run (each walks every stored key)",
         round(b.store["compactions"] - a.store["compactions"]), "0")
+    row("etcd: leases ended (revoked or expired: an expiry deletes its keys, a write)",
+        round(b.store["leases_ended"] - a.store["leases_ended"]))
     compaction_s = (b.store["compaction_ms"] - a.store["compaction_ms"]) / 1000
     load_table = Table("Loading and the first sync",
                        ["entries", "pending", "verified", "consumed", "load s", "entries/s",
@@ -660,6 +709,8 @@ def section(p: Profile, todo: list[Plan], readings: list[Reading], period: float
                             load_seconds, entries / load_seconds if load_seconds else None,
                             sync_seconds])
     tables = [cpu, counts, load_table]
+    if tail is not None:
+        tables.append(tail_table(*tail))
     busiest, rows, why = profile
     if rows:
         prof = Table(f"The {busiest} at rest, profiled after the window: py-spy, the functions "

@@ -96,6 +96,9 @@ class TaskView:
         default_factory=lambda: {state: set() for state in LIVE})
     #: file ids by the directory of their path ("" = the task's directory)
     by_dir: dict[str, set[str]] = field(default_factory=dict)
+    #: how many entries are in each state, every state (kept by ``Table``): the
+    #: metrics' census reads these, not the entries
+    counts: dict[int, int] = field(default_factory=dict)
 
     def needs_watch(self) -> bool:
         return not self.cold and any(self.by_state.values())
@@ -215,8 +218,11 @@ class Table:
             view.entries[entry.file_id] = known
             view.by_path[entry.path] = entry.file_id
             view.by_dir.setdefault(posixpath.dirname(entry.path), set()).add(entry.file_id)
+            view.counts[entry.state] = view.counts.get(entry.state, 0) + 1
         elif entry.state != known.state:
             view.by_state.get(known.state, set()).discard(entry.file_id)
+            view.counts[known.state] -= 1
+            view.counts[entry.state] = view.counts.get(entry.state, 0) + 1
         if entry.state in view.by_state:
             view.by_state[entry.state].add(entry.file_id)
         if entry.state != known.state:
@@ -245,6 +251,7 @@ class Table:
                 old = view.entries.pop(gone)
                 view.by_path.pop(old.path, None)
                 view.by_state.get(old.state, set()).discard(gone)
+                view.counts[old.state] -= 1
                 if (same := view.by_dir.get(d := posixpath.dirname(old.path))) is not None:
                     same.discard(gone)
                     if not same:
@@ -306,16 +313,19 @@ class Table:
 
     def census(self) -> tuple[dict[str, int], int]:
         """Entries of the served tasks by state name, and when the entry longest in
-        ``written`` was committed (epoch ns; 0: none is written). One pass under the lock,
-        for metrics."""
+        ``written`` was committed (epoch ns; 0: none is written). For metrics, scraped
+        at rest too: it reads each task's counts and its written entries only, never
+        every stored entry."""
         counts = {name: 0 for state, name in STATE_NAMES.items() if state}
         oldest = 0
         with self._lock:
             for view in self._tasks.values():
-                for e in view.entries.values():
-                    counts[e.state_name] = counts.get(e.state_name, 0) + 1
-                    if e.state == pb.ENTRY_STATE_WRITTEN and (at := e.updated_ns) and (
-                            not oldest or at < oldest):
+                for state, n in view.counts.items():
+                    name = STATE_NAMES.get(state, str(state))
+                    counts[name] = counts.get(name, 0) + n
+                for file_id in view.by_state[pb.ENTRY_STATE_WRITTEN]:
+                    at = view.entries[file_id].updated_ns
+                    if at and (not oldest or at < oldest):
                         oldest = at
         return counts, oldest
 
