@@ -50,8 +50,8 @@ with its digest, verified by the watcher) and {consumed:,} consumed (verified, t
 taken and acked by a consumer group) — by {workers} loading threads with
 `ClaimBatch`, `CommitBatch`, `ConsumeBatch` and `AckBatch` of 21. Once the load is done
 and the watcher's first sync is over (a snapshot of every task's Watch stream, its
-queues empty, its snapshots and hashes still for {settle:g} s) and etcd has compacted
-the load's history away, the stack is left alone for
+queues empty, its snapshots and hashes still for {settle:g} s){tail} and etcd has
+compacted the load's history away, the stack is left alone for
 {idle:g} s ({periods:g} compaction periods of {period:g} s at least), and measured
 over that window:
 
@@ -521,7 +521,10 @@ def etcd_alone(p: Profile, stack: Stack, daemons: tuple[Daemon, ...], period: fl
         return None
     for daemon in daemons:
         terminate(daemon.process, timeout=10)
-    leases_gone(stack.etcd, notes)
+    if p.rest_tail:
+        # (without the tail, the load's request outcomes hold their leases for
+        # REQUEST_TTL s: not worth waiting for in a short run)
+        leases_gone(stack.etcd, notes)
     settled_compaction(stack.etcd, period, notes)
     pid = stack.etcd.pid or 0
     before, at = cpu_seconds(pid), time.monotonic()
@@ -660,7 +663,11 @@ def section(p: Profile, todo: list[Plan], readings: list[Reading], period: float
         else ", plaintext", entries=entries, tasks=len(todo),
         pending=entries - verified - consumed, verified=verified, consumed=consumed,
         workers=p.rest_workers, settle=p.rest_settle, idle=idle, periods=p.rest_periods,
-        period=period)
+        period=period, tail=(
+            f", the load's request outcomes have expired (each mutating call's outcome is "
+            f"kept {REQUEST_TTL} s for its retries, on leases whose expiries delete them: "
+            "writes, each followed by a compaction; that tail is reported apart, below)"
+            if tail is not None else ""))
     cpu = Table(f"CPU at rest over {wall:.0f} s ({wall / period:.1f} compaction periods), "
                 f"{entries:,} entries in {len(todo)} tasks",
                 ["process", "CPU s", "cores", "% of a core", f"goal ≤ {GOAL_CORE:.0%}"])
