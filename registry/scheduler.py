@@ -122,7 +122,7 @@ class Scheduler:
             return alarm
 
         cross = watch.alarm()
-        self.cross = CrossWaits(self.core, cross, self._check)
+        self.cross = CrossWaits(self.core, cross, self._check, self._complain)
         watch.follow(Watched(k.tasks()), self.cross.headers_written)
         watch.when_ended(self.cross.close)
         self._sweeps = [

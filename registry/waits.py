@@ -48,11 +48,15 @@ class CrossWaits:
     watches of the tasks they depend on."""
 
     def __init__(self, core: Core, alarm: Alarm,
-                 check: Callable[[str, str], Awaitable[bool | None]]) -> None:
+                 check: Callable[[str, str], Awaitable[bool | None]],
+                 complain: Callable[[str, BaseException], None]) -> None:
         self.core = core
         self.keys = core.keys
         self.alarm = alarm
         self._check = check
+        #: the scheduler's: a record that cannot be read is reported once, not at
+        #: every look (the item named as the scheduler's own sweeps name it)
+        self._complain = complain
         #: dependency entry key -> the waiting entries (task, file) that wait for it
         self._waiters: dict[bytes, set[Waiter]] = {}
         #: waiting entry -> the keys it waits for
@@ -116,8 +120,7 @@ class CrossWaits:
             try:
                 header = TaskRecord.load(kv.value)
             except (ValueError, TypeError) as e:
-                log.warning("cross-task waits: task header %s unreadable: %s",
-                            kv.key.decode(errors="replace"), e)
+                self._complain(f"task header {kv.key.decode(errors='replace')}", e)
                 continue
             headers[header.task_id] = header
         return headers
@@ -148,7 +151,7 @@ class CrossWaits:
                 try:
                     rec = EntryRecord.load(kv.value)
                 except (ValueError, TypeError) as e:
-                    log.warning("cross-task waits: entry %s unreadable: %s", key.decode(), e)
+                    self._complain(f"entry key {key.decode(errors='replace')}", e)
                     continue
                 if rec.state != PENDING or rec.deps_ok:
                     continue
