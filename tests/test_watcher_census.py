@@ -35,11 +35,10 @@ def by_pass(table: Table) -> tuple[dict[str, int], int]:
 def test_the_census_follows_news_snapshots_and_dropped_tasks(tmp_path: object) -> None:
     rng = random.Random(39)
     table = Table(str(tmp_path))
-    revision = 0
     for step in range(400):
+        revision = step + 1
         task_id = f"t{rng.randrange(3)}"
         table.add_task(task_id)
-        revision += 1
         if step % 50 == 49:
             # a snapshot: some entries stay (some changed), the others are dropped
             table.replace(task_id, [entry(i, rng.choice(STATES), revision)
