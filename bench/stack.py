@@ -70,6 +70,8 @@ PG_BATCH = 8
 READY_TIMEOUT = 90.0
 #: seconds allowed for the last written files to turn verified
 VERIFY_TIMEOUT = 120.0
+#: seconds between two looks at the watcher's count of verified entries
+VERIFY_POLL = 0.1
 #: a stack is settled once its processes use at most SETTLE_BUSY of a core in two
 #: consecutive samples of SETTLE_SAMPLE seconds
 SETTLE_TIMEOUT = 300.0
@@ -151,12 +153,24 @@ class Up:
             total += int(float(m.group(1))) if m else 0
         return total
 
-    def registry_calls(self) -> dict[str, int]:
-        """Calls (and agent stream messages) the registry has handled so far, by method."""
-        argv = Path(f"/proc/{self.pids['registry']}/cmdline").read_bytes().split(b"\0")
+    def _metrics(self, process: str) -> str:
+        """The metrics page of ``process`` (its ``--metrics`` address, from /proc)."""
+        argv = Path(f"/proc/{self.pids[process]}/cmdline").read_bytes().split(b"\0")
         where = argv[argv.index(b"--metrics") + 1].decode()
         with urllib.request.urlopen(f"http://{where}/metrics", timeout=10) as response:
-            text = response.read().decode()
+            return response.read().decode()
+
+    def verified(self) -> int:
+        """Entries the watcher knows verified, every task it serves: its census, kept
+        as entries change, so asking costs the stack next to nothing (a ``GetTask``
+        reads every entry of the task, and that would be counted as the run's)."""
+        m = re.search(r'^baton_watcher_entries\{state="verified"\} (\S+)$',
+                      self._metrics("watcher"), re.MULTILINE)
+        return int(float(m.group(1))) if m else 0
+
+    def registry_calls(self) -> dict[str, int]:
+        """Calls (and agent stream messages) the registry has handled so far, by method."""
+        text = self._metrics("registry")
         calls: dict[str, int] = {}
         for method, value in re.findall(
                 r'^baton_grpc_calls_total\{[^}]*method="([^"]+)"[^}]*\} (\S+)$', text,
@@ -229,25 +243,26 @@ def baton_run(up: Up, agents: Agents, n: int, p: Profile, name: str) -> Sample:
                  "times": True} for i in range(n)]
         up.settle()
         cpu, keys, calls = up.cpu(), up.keys_written(), up.registry_calls()
+        seen = up.verified()
         start, results = agents.run(jobs, p.stack_seconds)
         written = {f: t for r in results for f, t in r["written"].items()}
         deadline = time.monotonic() + VERIFY_TIMEOUT
-        while True:
-            # GetTask counts every entry: asked twice a second, once the agents are done
-            states = c.get_task(name).states
-            if states.get("verified", 0) + states.get("consumed", 0) >= len(written):
-                break
+        while up.verified() - seen < len(written):
             if time.monotonic() > deadline:
+                states = c.get_task(name).states
                 raise BenchError(f"{name}: {len(written)} written, only "
                                  f"{states.get('verified', 0)} verified "
                                  f"in {VERIFY_TIMEOUT:.0f} s: {dict(states)}")
-            time.sleep(0.5)
+            time.sleep(VERIFY_POLL)
         used = {k: v - cpu[k] for k, v in up.cpu().items()}
         keys = up.keys_written() - keys
         after = up.registry_calls()
         calls = {m: after[m] - calls.get(m, 0) for m in after if after[m] > calls.get(m, 0)}
         entries = c.list_entries(name, state=pb.ENTRY_STATE_VERIFIED)
     verified = {e.file_id: _stamp(e.updated_at) for e in entries if e.file_id in written}
+    if missing := sorted(set(written) - set(verified)):
+        raise BenchError(f"{name}: {len(missing)} files written and not verified, e.g. "
+                         f"{missing[0]} (the watcher counted them verified)")
     latencies = [t - written[f] for f, t in verified.items()]
     # the last verification, on the agents' clock (the registry stamps wall-clock time)
     last = max(verified.values(), default=0.0) - (time.time() - time.monotonic())

@@ -42,7 +42,7 @@ from .observe import Watches
 from .reporter import Reporter
 from .retention import Retention
 from .shards import Membership
-from .state import CHECKED, UNCOMMITTED, Change, EntryView, Table, TaskView
+from .state import CHECKED, Change, Table, TaskView
 from .sync import TaskStreams
 from .taskdirs import TaskDirs
 
@@ -304,20 +304,11 @@ class Watcher:
         beside an entry not yet committed is remembered (one listing per directory),
         so news of its claim, which this watcher's events would otherwise answer, finds
         it known."""
-        wanted = set(self.table.files_under(task_id, rel_dir))
-        entries = [e for e in self.table.entries(task_id) if e.file_id in wanted]
-        by_dir: dict[str, list[EntryView]] = {}
-        for e in entries:
-            if e.state in UNCOMMITTED:
-                by_dir.setdefault(posixpath.dirname(e.path), []).append(e)
-        for rel, uncommitted in by_dir.items():
-            newest = self.hasher.attempts(task_id, rel)
-            for e in uncommitted:
-                if (found := newest.get(e.path)) is not None:
-                    self.table.saw_attempt(task_id, e.file_id, *found)
-        for e in entries:
-            if e.state in CHECKED:
-                self.jobs.submit((task_id, e.file_id))
+        dirs, checked = self.table.survey(task_id, rel_dir)
+        for rel in dirs:
+            self.table.saw_attempts(task_id, self.hasher.attempts(task_id, rel))
+        for file_id in checked:
+            self.jobs.submit((task_id, file_id))
 
     def _forget(self, task_id: str, view: TaskView | None = None) -> None:
         """Stop serving ``task_id``; with ``view``, only if that is still how it is

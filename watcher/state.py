@@ -296,6 +296,38 @@ class Table:
                         chosen.add(file_id)
             return sorted(chosen)
 
+    def survey(self, task_id: str, rel_dir: str) -> tuple[list[str], list[str]]:
+        """What a check of everything below ``rel_dir`` ("": the whole task) looks at:
+        the directories holding an uncommitted entry (whose attempts' files to list),
+        and the file ids in ``CHECKED`` states. From the indexes, copying no entry: a
+        new task's tree costs what it holds that is live, not what the task stores."""
+        with self._lock:
+            view = self._tasks.get(task_id)
+            if view is None:
+                return [], []
+            top = rel_dir.rstrip("/")
+
+            def below(d: str) -> bool:
+                return not top or d == top or d.startswith(top + "/")
+
+            entries = view.entries
+            dirs = [d for d, ids in view.by_dir.items() if below(d) and any(
+                entries[f].state in UNCOMMITTED for f in ids)]
+            checked = [f for state in CHECKED for f in view.by_state[state]
+                       if below(posixpath.dirname(entries[f].path))]
+            return dirs, checked
+
+    def saw_attempts(self, task_id: str, newest: dict[str, tuple[str, int]]) -> None:
+        """The newest attempt's file on disk of each path in ``newest`` (by the
+        entry's path: the file and its token), as ``Hasher.attempts`` lists them."""
+        with self._lock:
+            view = self._tasks.get(task_id)
+            if view is None:
+                return
+            for path, (rel, token) in newest.items():
+                if (file_id := view.by_path.get(path)) is not None:
+                    self._saw(view, file_id, rel, token)
+
     def dirs_of(self, task_id: str) -> list[str]:
         """The directories of the task's entries' paths ("" = the task's directory)."""
         with self._lock:
@@ -366,17 +398,6 @@ class Table:
         known = view.entries.get(file_id)
         if known is not None and token > known.token and known.state in UNCOMMITTED:
             known.attempt_path, known.token = rel, token
-
-    def files_under(self, task_id: str, rel_dir: str) -> list[str]:
-        """File ids of the task's entries inside ``rel_dir`` ("" = all of them)."""
-        with self._lock:
-            view = self._tasks.get(task_id)
-            if view is None:
-                return []
-            if not rel_dir:
-                return list(view.entries)
-            prefix = rel_dir.rstrip("/") + "/"
-            return [fid for path, fid in view.by_path.items() if path.startswith(prefix)]
 
 
 def _epoch_ns(stamp: str) -> int:
