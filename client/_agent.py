@@ -25,6 +25,7 @@ from ._wire import (
     Claim,
     Lease,
     encode_attributes,
+    events_of,
     raise_from_rpc,
 )
 
@@ -371,11 +372,11 @@ class AgentCalls(Connection):
         sent every entry written since that revision as ``KIND_CHANGED``, as it is now."""
         request = pb.WatchRequest(task_id=task_id, start_revision=start_revision,
                                   states=list(states), progress=progress,
-                                  catch_up=catch_up)
+                                  catch_up=catch_up, together=True)
         call = self._method("Watch")(request, timeout=timeout)
         try:
             for reply in call:
-                yield reply.event
+                yield from events_of(reply)
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 return

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -200,3 +200,8 @@ def raise_from_rpc(e: grpc.RpcError, method: str = "", timeout: float = 0.0
             f"{method}: no reply from the registry within {timeout:g} s (deadline exceeded)",
             method=method, timeout=timeout)
     return error
+
+
+def events_of(reply: pb.WatchResponse) -> Sequence[pb.TaskEvent]:
+    """The events of one ``Watch`` message: several (``events``) or one (``event``)."""
+    return reply.events if reply.events else (reply.event,)

@@ -30,6 +30,7 @@ served task's entries so: ``Client.spawn``).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import logging
@@ -54,6 +55,7 @@ from ._wire import (
     channel_options,
     encode_attributes,
     error_of,
+    events_of,
     raise_from_rpc,
 )
 from .retry import BACKPRESSURE_BACKOFF, BACKPRESSURE_WAIT, waiting_line
@@ -132,9 +134,8 @@ class AsyncClient:
         iteration ends quietly when ``timeout`` passes or the stream is cancelled."""
         request = pb.WatchRequest(task_id=task_id, start_revision=start_revision,
                                   states=list(states), progress=progress,
-                                  catch_up=catch_up)
-        return ServerStream(self._open(self._watch, request, timeout), "Watch",
-                            _task_event)
+                                  catch_up=catch_up, together=True)
+        return EventStream(self._open(self._watch, request, timeout))
 
     def watch_tasks(self, timeout: float | None = None) -> ServerStream[pb.Task]:
         """Every task header, then each again as it changes, as ``Client.watch_tasks``."""
@@ -191,6 +192,10 @@ class ServerStream(Generic[M]):
         return self
 
     async def __anext__(self) -> M:
+        return self._unwrap(await self._reply())
+
+    async def _reply(self) -> Any:
+        """The next message; ``StopAsyncIteration`` once the stream has ended."""
         try:
             reply = await self._call.read()
         except grpc.RpcError as e:
@@ -205,11 +210,31 @@ class ServerStream(Generic[M]):
             raise StopAsyncIteration from None  # the call was: cancel(), or channel closed
         if reply is _EOF:
             raise StopAsyncIteration
-        return self._unwrap(reply)
+        return reply
 
 
 def _task_event(reply: pb.WatchResponse) -> pb.TaskEvent:
     return reply.event
+
+
+class EventStream(ServerStream[pb.TaskEvent]):
+    """A task's ``Watch`` events, one at a time, however many a message carries (they
+    are asked for together: ``WatchRequest.together``; a registry that predates it
+    sends one a message)."""
+
+    def __init__(self, call: Any) -> None:
+        super().__init__(call, "Watch", _task_event)
+        self._queued: collections.deque[pb.TaskEvent] = collections.deque()
+
+    def cancel(self) -> None:
+        self._queued.clear()
+        super().cancel()
+
+    async def __anext__(self) -> pb.TaskEvent:
+        while not self._queued:
+            self._queued.extend(events_of(await self._reply()))
+        return self._queued.popleft()
+
 
 
 def _task(reply: pb.WatchTasksResponse) -> pb.Task:

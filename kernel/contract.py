@@ -162,6 +162,10 @@ MAX_REPLY_BYTES = 256 * MiB
 #: the most digest reports one ReportVerificationBatch carries (a watcher sends what
 #: queued while the batch before it was on its way, up to this many)
 MAX_REPORT_BATCH = 512
+#: the most events one Watch message carries when they are sent together
+#: (``WatchRequest.together``), and the bytes after which a message takes no more
+MAX_WATCH_EVENTS = 512
+MAX_WATCH_BYTES = MiB
 
 #: a client pings its registry this often (ms) when the connection is quiet, and
 #: drops the connection when a ping gets no answer within ``KEEPALIVE_TIMEOUT_MS``: a

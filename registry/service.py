@@ -12,13 +12,13 @@ translation, metrics and request-id scoping are the server's interceptors
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import grpc
 from google.protobuf.message_factory import GetMessageClass
 
-from ..kernel.contract import DEFAULT_SHARDS, MAX_REPORT_BATCH
+from ..kernel.contract import DEFAULT_SHARDS, MAX_REPORT_BATCH, MAX_WATCH_BYTES, MAX_WATCH_EVENTS
 from ..kernel.errors import InvalidArgument
 from ..kernel.v1 import baton_pb2 as pb
 from ..kernel.v1 import baton_pb2_grpc as pb_grpc
@@ -69,6 +69,21 @@ class Parts:
         check_id("task_id", task_id)
         _, task = await self.core.task(task_id)
         check_reader(caller, task_id, task.readers)
+
+
+def together(events: Sequence[pb.TaskEvent]) -> Iterator[list[pb.TaskEvent]]:
+    """``events`` in runs, one ``Watch`` message each: at most ``MAX_WATCH_EVENTS``, and
+    a run past ``MAX_WATCH_BYTES`` takes no more."""
+    run: list[pb.TaskEvent] = []
+    size = 0
+    for event in events:
+        run.append(event)
+        size += event.ByteSize()
+        if len(run) >= MAX_WATCH_EVENTS or size >= MAX_WATCH_BYTES:
+            yield run
+            run, size = [], 0
+    if run:
+        yield run
 
 
 def add_to_server(servicer: Any, server: grpc.aio.Server) -> None:
@@ -167,9 +182,15 @@ class AgentService(pb_grpc.AgentServiceServicer):
                     ) -> AsyncIterator[pb.WatchResponse]:
         caller = current()
         await self.parts.readable(request.task_id)
-        async for event in self.parts.tasks.watch(request):
-            redact(event.entry, caller)
-            yield pb.WatchResponse(event=event)
+        async for events in self.parts.tasks.watch(request):
+            for event in events:
+                redact(event.entry, caller)
+            if not request.together:
+                for event in events:
+                    yield pb.WatchResponse(event=event)
+                continue
+            for run in together(events):
+                yield pb.WatchResponse(events=run)
 
 
 class WatcherService(pb_grpc.WatcherServiceServicer):

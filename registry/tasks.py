@@ -440,8 +440,9 @@ class Tasks:
         async for kv in self._entries(task_id, start_after=start_after):
             yield kv.mod_revision, EntryRecord.load(kv.value)
 
-    async def watch(self, req: pb.WatchRequest) -> AsyncIterator[pb.TaskEvent]:
-        """A snapshot of the task's entries (unless resuming), then every change."""
+    async def watch(self, req: pb.WatchRequest) -> AsyncIterator[Sequence[pb.TaskEvent]]:
+        """A snapshot of the task's entries (unless resuming), then every change: in
+        runs of events, those of one write of the store (or one page of a listing)."""
         check_id("task_id", req.task_id)
         wanted = frozenset(STATE_FROM_PB.get(s, "") for s in req.states)
         if "" in wanted:
@@ -452,7 +453,7 @@ class Tasks:
         start = req.start_revision
         if start < 0:
             _, at, _ = await self.core.etcd.range(self.keys.task(req.task_id), limit=1)
-            yield pb.TaskEvent(kind=pb.TaskEvent.KIND_SYNCED, revision=at)
+            yield [pb.TaskEvent(kind=pb.TaskEvent.KIND_SYNCED, revision=at)]
             start = at + 1
         elif start == 0:
             # One consistent snapshot at revision ``at``, then changes after it.
@@ -466,12 +467,12 @@ class Tasks:
                     continue
                 page.append((rec, rec.to_pb(staging, revision=kv.mod_revision)))
                 if len(page) >= LIST_PAGE:
-                    for event in await self._events(pb.TaskEvent.KIND_SNAPSHOT, page, states):
-                        yield event
+                    if events := await self._events(pb.TaskEvent.KIND_SNAPSHOT, page, states):
+                        yield events
                     page = []
-            for event in await self._events(pb.TaskEvent.KIND_SNAPSHOT, page, states):
-                yield event
-            yield pb.TaskEvent(kind=pb.TaskEvent.KIND_SYNCED, revision=at)
+            if events := await self._events(pb.TaskEvent.KIND_SNAPSHOT, page, states):
+                yield events
+            yield [pb.TaskEvent(kind=pb.TaskEvent.KIND_SYNCED, revision=at)]
             start = at + 1
         while True:
             sent = False
@@ -480,8 +481,8 @@ class Tasks:
                     if isinstance(batch, Progress):
                         if req.progress:
                             sent = True
-                            yield pb.TaskEvent(kind=pb.TaskEvent.KIND_PROGRESS,
-                                               revision=batch.revision)
+                            yield [pb.TaskEvent(kind=pb.TaskEvent.KIND_PROGRESS,
+                                                revision=batch.revision)]
                         continue
                     changed = []
                     for ev in batch:
@@ -491,9 +492,9 @@ class Tasks:
                                 continue
                             changed.append(
                                 (rec, rec.to_pb(staging, revision=ev.kv.mod_revision)))
-                    for event in await self._events(pb.TaskEvent.KIND_CHANGED, changed):
+                    if events := await self._events(pb.TaskEvent.KIND_CHANGED, changed):
                         sent = True
-                        yield event
+                        yield events
                 return
             except Compacted:
                 if not req.catch_up or sent:
@@ -510,11 +511,11 @@ class Tasks:
                     continue
                 caught.append((rec, rec.to_pb(staging, revision=kv.mod_revision)))
                 if len(caught) >= LIST_PAGE:
-                    for event in await self._events(pb.TaskEvent.KIND_CHANGED, caught):
-                        yield event
+                    if events := await self._events(pb.TaskEvent.KIND_CHANGED, caught):
+                        yield events
                     caught = []
-            for event in await self._events(pb.TaskEvent.KIND_CHANGED, caught):
-                yield event
+            if events := await self._events(pb.TaskEvent.KIND_CHANGED, caught):
+                yield events
             log.info("watch of %s resumed from compacted revision %d: caught up to %d",
                      req.task_id, start, at)
             start = at + 1

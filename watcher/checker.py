@@ -88,6 +88,10 @@ class Checker:
     #: brought (``IN_FLIGHT`` until answered), so a check that began before that
     #: answer does not send the same bytes again (the newest ``SENT_KEPT`` entries)
     _sent: OrderedDict[Key, tuple[Identity, str, int]] = field(default_factory=OrderedDict)
+    #: how an entry is looked at again after a report's answer found it moved on (the
+    #: daemon checks it on the answering thread, a small file hashed there, as its
+    #: events are); None: the hash workers do
+    look_again: Callable[[Key], None] | None = None
     _sent_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def wants(self, change: Change, *, watched: bool) -> bool:
@@ -456,7 +460,10 @@ class Checker:
             # The entry moved on while the report was on its way (a commit): a check
             # in between sent nothing, these bytes being on their way; look again,
             # against what it is now.
-            self.jobs.submit(key)
+            if self.look_again is not None:
+                self.look_again(key)
+            else:
+                self.jobs.submit(key)
 
     def _reported(self, key: Key, entry: EntryView, hashed: Hashed, reply: pb.Entry) -> None:
         """The registry took a digest report: the entry is now ``reply``."""

@@ -112,6 +112,7 @@ class Watcher:
             self.table, self.cache, self.hasher, self.client, self.jobs, self.metrics,
             self.reporter, config.max_failures, config.retry_delay, self._registry_lost,
             membership=self.membership, batches=self.reports,
+            look_again=lambda key: self._check_now([key]),
         )
         self.retention = Retention(
             self.client, self.hasher, self.membership, self.metrics, self.reporter,
@@ -625,18 +626,21 @@ class Watcher:
         so is an entry a worker holds, checked again once it is done). Their reports
         leave together."""
         held = self.jobs.hold(keys) if keys else []
-        if not held:
-            return
-        self.metrics.add("inline_checks", len(held))
-        try:
-            with self.reports.gathering():
-                for key in held:
-                    try:
-                        self.checker.check(key, inline=True)
-                    except Exception:
-                        logger.exception("checking %s/%s failed", *key)
-        finally:
-            self.jobs.release(held)
+        while held:
+            self.metrics.add("inline_checks", len(held))
+            try:
+                with self.reports.gathering():
+                    for key in held:
+                        try:
+                            self.checker.check(key, inline=True)
+                        except Exception:
+                            logger.exception("checking %s/%s failed", *key)
+            except BaseException:
+                self.jobs.release(held)
+                raise
+            # News of an entry that came while it was checked here (another thread's
+            # event or stream) is checked again here, not handed to a worker.
+            held = self.jobs.release(held, keep_again=True)
 
     def _handle(self, event: FsEvent) -> tuple[str, str] | None:
         """Act on one event; the entry whose file to check, if it names one."""

@@ -36,6 +36,9 @@ class JobQueue:
         self._due: dict[Key, tuple[float, int]] = {}
         self._held: set[Key] = set()
         self._again: dict[Key, float] = {}
+        #: of those, the ones only an inline check asked for again (``hold``), not a
+        #: ``submit``, which wants a worker (a large file, a retry after a delay)
+        self._asked: set[Key] = set()
         self._seq = itertools.count()
         self._closed = False
 
@@ -51,6 +54,7 @@ class JobQueue:
             due = self._clock() + delay
             if key in self._held:
                 self._again[key] = min(due, self._again.get(key, due))
+                self._asked.discard(key)
                 return
             self._push(key, due)
 
@@ -97,6 +101,8 @@ class JobQueue:
             held = []
             for key in keys:
                 if key in self._held:
+                    if key not in self._again:
+                        self._asked.add(key)
                     self._again[key] = min(now, self._again.get(key, now))
                 else:
                     self._due.pop(key, None)  # its heap item is skipped as superseded
@@ -104,18 +110,29 @@ class JobQueue:
                     held.append(key)
             return held
 
-    def release(self, keys: list[Key]) -> None:
-        """The checks of ``keys`` (from :meth:`hold`) are done."""
+    def release(self, keys: list[Key], *, keep_again: bool = False) -> list[Key]:
+        """The checks of ``keys`` (from :meth:`hold`) are done. A key asked for again
+        meanwhile is queued for the workers; with ``keep_again``, one that only another
+        inline check asked for (``hold``) stays held instead and is returned, for the
+        caller to check again itself: no hand-off for news that raced its check. One
+        submitted meanwhile (a large file, a retry) is the workers' all the same."""
         if not keys:
-            return
+            return []
+        kept: list[Key] = []
         with self._cond:
             for key in keys:
-                self._held.discard(key)
                 again = self._again.pop(key, None)
+                asked = key in self._asked
+                self._asked.discard(key)
+                if again is not None and keep_again and asked and not self._closed:
+                    kept.append(key)
+                    continue
+                self._held.discard(key)
                 if again is not None and not self._closed:
                     self._push(key, again)
             if self._settling:
                 self._released.notify_all()
+        return kept
 
     def pending(self) -> list[Key]:
         """The keys due or delayed (a snapshot)."""
@@ -131,6 +148,7 @@ class JobQueue:
                 del self._due[key]  # its heap item is skipped as superseded
             for key in [k for k in self._again if which(k)]:
                 del self._again[key]
+                self._asked.discard(key)
             while any(which(k) for k in self._held):
                 left = deadline - time.monotonic()
                 if left <= 0:

@@ -4244,6 +4244,7 @@ class WatchRequest(_message.Message):
     STATES_FIELD_NUMBER: _builtins.int
     PROGRESS_FIELD_NUMBER: _builtins.int
     CATCH_UP_FIELD_NUMBER: _builtins.int
+    TOGETHER_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     start_revision: _builtins.int
     """0 = a snapshot of every entry, SYNCED, then changes; -1 = SYNCED at the
@@ -4260,6 +4261,13 @@ class WatchRequest(_message.Message):
     Compacted, send as CHANGED every entry written since revision N, as it is now
     (several changes of one entry as its last), then changes as usual. Off: Compacted.
     """
+    together: _builtins.bool
+    """Send events together: the changes one write of the store made to the task (a
+    group commit's, a batch's), or a page of the snapshot, in one message's `events`
+    (at most MAX_WATCH_EVENTS events or about 1 MiB a message). A follower of a busy
+    task is sent, and parses, a message per write instead of one per entry. Off: one
+    event per message, in `event` (older clients).
+    """
     @_builtins.property
     def states(self) -> _containers.RepeatedScalarFieldContainer[Global___EntryState.ValueType]:
         """Only entries in these states, in the snapshot and the changes (a change into
@@ -4275,10 +4283,11 @@ class WatchRequest(_message.Message):
         states: _abc.Iterable[Global___EntryState.ValueType] | None = ...,
         progress: _builtins.bool = ...,
         catch_up: _builtins.bool = ...,
+        together: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["catch_up", b"catch_up", "progress", b"progress", "start_revision", b"start_revision", "states", b"states", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["catch_up", b"catch_up", "progress", b"progress", "start_revision", b"start_revision", "states", b"states", "task_id", b"task_id", "together", b"together"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -4344,16 +4353,22 @@ class WatchResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     EVENT_FIELD_NUMBER: _builtins.int
+    EVENTS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def event(self) -> Global___TaskEvent: ...
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___TaskEvent]:
+        """With WatchRequest.together: the events of this message, in order (`event` unset)."""
+
     def __init__(
         self,
         *,
         event: Global___TaskEvent | None = ...,
+        events: _abc.Iterable[Global___TaskEvent] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "events", b"events"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
