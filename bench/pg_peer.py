@@ -165,7 +165,7 @@ class Postgres:
         for pid in [self.pid, *(int(c) for c in children.read_text().split())]:
             try:
                 stat = Path(f"/proc/{pid}/stat").read_text()
-            except FileNotFoundError:
+            except OSError:  # a backend that exited since the listing (ESRCH, ENOENT)
                 continue
             fields = stat[stat.rindex(")") + 2:].split()
             total += (int(fields[11]) + int(fields[12])) / tick
