@@ -58,7 +58,11 @@ watcher). CPU per file is counted from /proc for every process: the agents (thei
 `process_time`), and etcd, the registry and the watcher (or PostgreSQL's server and
 its backends), over the run. Keys written per file are etcd's own counters (puts and
 deletes) over the run. Write → verified runs from the instant the agent closed a file
-to the entry's verified time as the registry stamps it (milliseconds). Every id
+to the entry's verified time as the registry stamps it (milliseconds). The run waits
+for its last verification on the watcher's count of verified entries (its metrics,
+kept as entries change), which costs the stack next to nothing — `GetTask` reads every
+entry of the task and would be counted as the run's registry CPU — and then checks,
+with one `ListEntries` not counted, that every file written is verified. Every id
 claimed is checked for doubles; there must be none.
 """
 
