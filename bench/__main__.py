@@ -173,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             print("bench: interrupted; daemons stopped", file=sys.stderr)
             return 130
         section.busy_before = busy
+        section.load = section.load or load_average()  # at its end, if it did not say
         sections.append(section)
         for line in section.headlines:
             print(f"  {line}", flush=True)
