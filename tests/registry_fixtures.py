@@ -109,12 +109,33 @@ class RegistryHandle:
         finally:
             release.set()
 
+    def _tasks(self) -> str:
+        """The registry loop's unfinished tasks and where each waits (a stop that hangs
+        says what it waits for)."""
+        import io
+
+        out = io.StringIO()
+        done = threading.Event()
+
+        def dump() -> None:
+            for task in asyncio.all_tasks(self._loop):
+                task.print_stack(limit=8, file=out)
+            done.set()
+
+        self._loop.call_soon_threadsafe(dump)
+        done.wait(5)
+        return out.getvalue() or "(the loop did not answer)"
+
     def stop(self, grace: float = 0.5) -> None:
         if self.stopped:
             return
         self.stopped = True
         fut = asyncio.run_coroutine_threadsafe(self._running.stop(grace), self._loop)
-        fut.result(timeout=30)
+        try:
+            fut.result(timeout=30)
+        except TimeoutError:
+            raise TimeoutError("the registry did not stop within 30 s; its tasks:\n"
+                               + self._tasks()) from None
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=30)
 
