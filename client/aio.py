@@ -236,7 +236,6 @@ class EventStream(ServerStream[pb.TaskEvent]):
         return self._queued.popleft()
 
 
-
 def _task(reply: pb.WatchTasksResponse) -> pb.Task:
     return reply.task
 
