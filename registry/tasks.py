@@ -442,7 +442,8 @@ class Tasks:
 
     async def watch(self, req: pb.WatchRequest) -> AsyncIterator[Sequence[pb.TaskEvent]]:
         """A snapshot of the task's entries (unless resuming), then every change: in
-        runs of events, those of one write of the store (or one page of a listing)."""
+        runs of events, those one etcd watch response brought (or one page of a
+        listing)."""
         check_id("task_id", req.task_id)
         wanted = frozenset(STATE_FROM_PB.get(s, "") for s in req.states)
         if "" in wanted:
