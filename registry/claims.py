@@ -203,6 +203,20 @@ def need_active(kv: KV | None, task_id: str) -> dict[str, int]:
     """``need_task(..., active=True)`` for a caller that wants only the verdict (a
     claim's) and the task's backlog limits (empty: none): the header is parsed once
     per revision, not once per claim."""
+    status, reason, limits = _header(kv, task_id)
+    _hands_out_work(task_id, status, reason)
+    return limits
+
+
+def task_status(kv: KV | None, task_id: str) -> str:
+    """The status of the task whose header a read returned (``NotFound`` if none),
+    for a caller that needs nothing else of it: parsed once per revision."""
+    return _header(kv, task_id)[0]
+
+
+def _header(kv: KV | None, task_id: str) -> tuple[str, str, dict[str, int]]:
+    """A task header's status, status reason and backlog limits, from the memory of
+    headers read (by key and revision) or parsed and remembered."""
     if kv is None:
         raise NotFound(f"no task {task_id!r}", task_id=task_id)
     at = (kv.key, kv.mod_revision)
@@ -214,8 +228,7 @@ def need_active(kv: KV | None, task_id: str) -> dict[str, int]:
             if len(_STATUS) >= _STATUS_KEPT:
                 _STATUS.clear()
             _STATUS[at] = known
-    _hands_out_work(task_id, known[0], known[1])
-    return known[2]
+    return known
 
 
 def _hands_out_work(task_id: str, status: str, reason: str) -> None:
@@ -238,17 +251,17 @@ VOID = ("cancelled", "deleting")
 
 def voided(kv: KV | None) -> bool:
     """Whether a task header (as read) makes every token of its task void."""
-    return kv is not None and TaskRecord.load(kv.value).status in VOID
+    return kv is not None and task_status(kv, "") in VOID
 
 
 def check_tokens_live(kv: KV | None, task_id: str, what: str, token: int) -> None:
     """Refuse a token call (commit, fail, ack, nack) on a cancelled task. Read with the
     claim in the call's own transaction (the header is pinned), so the status change
     alone stops it: cancel deletes a large task's claims a chunk at a time after it."""
-    task = need_task(kv, task_id)
-    if task.status in VOID:
-        raise StaleToken(f"{what} is void: task {task_id!r} is {task.status}",
-                         task_id=task_id, token=token, status=task.status)
+    status = task_status(kv, task_id)
+    if status in VOID:
+        raise StaleToken(f"{what} is void: task {task_id!r} is {status}",
+                         task_id=task_id, token=token, status=status)
 
 
 def need_session(kv: KV | None, session_id: int) -> SessionRecord:

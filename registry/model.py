@@ -6,10 +6,12 @@ import functools
 import json
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
+
+import msgspec
 
 from ..kernel.contract import attempt_path
 from ..kernel.v1 import baton_pb2 as pb
@@ -94,9 +96,35 @@ def epoch_of(stamp: str) -> float:
 def _load(cls: type[Any], raw: bytes) -> Any:
     """A new ``cls`` record from its stored bytes (the fields it knows; a field stored
     by a later version is left out). Records are loaded several times per entry per
-    hand-off, so this does what the dataclass's constructor would, without its call
-    per field: the attributes in the same order (a record dumps the same bytes), a
-    default factory's value for each field not stored."""
+    hand-off, so the bytes go straight into the record through a compiled decoder made
+    once per class. One it refuses (a value of another type than the field's, which an
+    older registry may have stored, or a field missing) is loaded as before, field by
+    field, with the constructor's own refusal."""
+    try:
+        rec = _decoder(cls).decode(raw)
+    except msgspec.DecodeError:
+        return _load_fields(cls, raw)
+    # The decoder sets the fields it read (and those with a default factory); the
+    # others would read through to the class's defaults. Every field is set, in the
+    # constructor's order, so that a loaded record is the one the constructor makes.
+    rec.__dict__ = {**_form(cls).template, **rec.__dict__}
+    return rec
+
+
+def _decoder(cls: type[Any]) -> msgspec.json.Decoder[Any]:
+    decoder = _DECODERS.get(cls)
+    if decoder is None:
+        decoder = _DECODERS[cls] = msgspec.json.Decoder(cls)
+    return decoder
+
+
+_DECODERS: dict[type[Any], msgspec.json.Decoder[Any]] = {}
+
+
+def _load_fields(cls: type[Any], raw: bytes) -> Any:
+    """:func:`_load` without the decoder: what the dataclass's constructor would do,
+    without its call per field: the attributes in the same order, a default factory's
+    value for each field not stored."""
     form = _form(cls)
     values = {k: v for k, v in json.loads(raw).items() if k in form.template}
     if not form.required <= values.keys():
@@ -139,6 +167,12 @@ def _form(cls: type[Any]) -> _Form:
 
 
 _FORMS: dict[type[Any], _Form] = {}
+
+#: a record's stored form: compact JSON (what ``json.dumps`` with compact separators
+#: writes, but non-ASCII text is kept as UTF-8 rather than escaped)
+_encode = msgspec.json.Encoder().encode
+#: the same with every object's keys in order (a record's fields, and nested objects')
+_encode_sorted = msgspec.json.Encoder(order="sorted").encode
 
 
 @dataclass
@@ -282,7 +316,7 @@ class EntryRecord:
         else:  # an attribute set beside the fields is stored too
             data = {k: v for k, v in state.items()
                     if not k.startswith("_") and _ENTRY_DEFAULTS.get(k, _NO_DEFAULT) != v}
-        return json.dumps(data, separators=(",", ":")).encode()
+        return _encode(data)
 
     def remember(self, event: str, **details: Any) -> None:
         """Record an event for the journal, written with the entry's next ``put_entry``
@@ -486,7 +520,7 @@ class TaskRecord:
 
     def dump(self) -> bytes:
         self.updated_at = now()
-        return json.dumps(asdict(self), separators=(",", ":"), sort_keys=True).encode()
+        return _encode_sorted(self)
 
     def to_pb(self, states: dict[str, int] | None = None) -> pb.Task:
         spec = pb.TaskSpec(

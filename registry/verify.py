@@ -9,7 +9,7 @@ from ..kernel import tracing
 from ..kernel.errors import InvalidArgument, StaleReport, TaskNotActive
 from ..kernel.v1 import baton_pb2 as pb
 from .claim import end
-from .claims import VOID, entry_replay, need_task
+from .claims import VOID, entry_replay, need_task, task_status
 from .core import Core
 from .identity import ANONYMOUS, Caller
 from .keys import ClaimRef
@@ -157,12 +157,12 @@ class Verifier:
         cancel stays written. The header is pinned in the report's own transaction, so
         a cancel applied meanwhile fails its compare and the report, planned again, is
         refused: whichever etcd applies first decides, never a read made earlier."""
-        task = need_task(await txn.get(self.keys.task(rec.task_id)), rec.task_id)
-        if task.status in VOID:
+        status = task_status(await txn.get(self.keys.task(rec.task_id)), rec.task_id)
+        if status in VOID:
             raise TaskNotActive(
-                f"task {rec.task_id!r} is {task.status}: its entries stay as they were; "
+                f"task {rec.task_id!r} is {status}: its entries stay as they were; "
                 f"the {what} of {rec.file_id!r} is not taken", task_id=rec.task_id,
-                file_id=rec.file_id, status=task.status)
+                file_id=rec.file_id, status=status)
 
     @staticmethod
     def current(rec: EntryRecord, token: int) -> bool:
