@@ -405,48 +405,54 @@ class EntryRecord:
         file it names (else the committed attempt's, if any)."""
         root = staging_dir.rstrip("/")
         attempt = self.attempt_path(token)
-        return pb.Entry(
-            task_id=self.task_id,
-            file_id=self.file_id,
-            path=self.path,
+        given = {
+            "task_id": self.task_id,
+            "file_id": self.file_id,
+            "path": self.path,
             # Paths are validated relative and normalised: joining is all it takes.
-            abs_path=f"{root}/{self.path}",
-            attempt_path=attempt,
-            abs_attempt_path=f"{root}/{attempt}" if attempt else "",
-            state=_STATE_PB[self.state],
-            size=self.size,
+            "abs_path": f"{root}/{self.path}",
+            "attempt_path": attempt,
+            "abs_attempt_path": f"{root}/{attempt}" if attempt else "",
+            "state": _STATE_PB[self.state],
+            "size": self.size,
             # verified, else committed: a written entry's reply says what was stored
-            digest=self.digest or self.committed_digest,
-            retry_count=self.retry_count,
-            max_retries=self.max_retries,
-            owner=self.owner,
-            token=token,
-            consumers=self.consumers,
-            consumed_by=self.consumed_by,
-            depends_on=self.depends_on,
-            error=self.error,
-            updated_at=self.updated_at,
-            revision=revision,
-            consuming=consuming or {},
-            priority=self.priority,
-            not_before=_iso(self.not_before) if self.not_before > time.time() else "",
-            parts=self.parts,
-            assembly=self.assembly,
-            attributes=self.attributes,
-            routing_rule=self.rule if self.rule >= 0 else None,
-            routed_to=self.routed_to,
-            claim_deadline_seconds=self.claim_deadline,
-            consume_deadline_seconds=self.consume_deadline,
-            staging_retention_seconds=self.retention,
-            consumed_at=_iso(self.consumed_at) if self.consumed_at else "",
-            staging_removed_at=(self.staging_removed or {}).get("at", ""),
-            traceparent=self.traceparent,
-            pools=pb.Pools(produce=self.pool, consume={**self.consume_pools,
-                                                       **self.routed_pools})
-            if self.pool or self.consume_pools or self.routed_pools else None,
-            fairness_key=self.fairness_key,
-            expected_size=self.expected_size,
-        )
+            "digest": self.digest or self.committed_digest,
+            "retry_count": self.retry_count,
+            "max_retries": self.max_retries,
+            "owner": self.owner,
+            "token": token,
+            "consumers": self.consumers,
+            "consumed_by": self.consumed_by,
+            "depends_on": self.depends_on,
+            "error": self.error,
+            "updated_at": self.updated_at,
+            "revision": revision,
+            "consuming": consuming,
+            "priority": self.priority,
+            "not_before": _iso(self.not_before) if self.not_before > time.time() else "",
+            "parts": self.parts,
+            "assembly": self.assembly,
+            "attributes": self.attributes,
+            "routed_to": self.routed_to,
+            "claim_deadline_seconds": self.claim_deadline,
+            "consume_deadline_seconds": self.consume_deadline,
+            "staging_retention_seconds": self.retention,
+            "consumed_at": _iso(self.consumed_at) if self.consumed_at else "",
+            "staging_removed_at": (self.staging_removed or {}).get("at", ""),
+            "traceparent": self.traceparent,
+            "fairness_key": self.fairness_key,
+            "expected_size": self.expected_size,
+        }
+        # Only what holds something goes to the constructor: an empty value is the
+        # field's default on the wire, and the constructor costs per argument given
+        # (most of an entry's are empty). The fields with presence are added apart.
+        out = pb.Entry(**{k: v for k, v in given.items() if v})
+        if self.rule >= 0:
+            out.routing_rule = self.rule
+        if self.pool or self.consume_pools or self.routed_pools:
+            out.pools.produce = self.pool
+            out.pools.consume.update({**self.consume_pools, **self.routed_pools})
+        return out
 
 
 _NO_DEFAULT = object()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.registry import model
 from baton_relay.registry.model import EntryRecord, TaskRecord
 
@@ -63,3 +64,20 @@ def test_an_entry_stores_the_fields_that_differ_from_their_defaults() -> None:
     assert EntryRecord.load(rec.dump()) == rec
     rec.extra = "kept"  # type: ignore[attr-defined]
     assert model.json.loads(rec.dump())["extra"] == "kept"
+
+
+def test_an_entry_on_the_wire_keeps_the_fields_that_have_presence() -> None:
+    """``to_pb`` leaves empty values unsaid, but a routing rule numbered 0 is a rule,
+    and pools named only for consumer groups are pools: both stay present; an entry
+    without either has neither."""
+    rec = EntryRecord(task_id="t", file_id="f", path="d/f")
+    plain = rec.to_pb("/staging/", revision=3)
+    assert not plain.HasField("routing_rule") and not plain.HasField("pools")
+    assert (plain.task_id, plain.abs_path, plain.revision) == ("t", "/staging/d/f", 3)
+    assert plain.max_retries == rec.max_retries and plain.state == pb.ENTRY_STATE_PENDING
+    rec.rule, rec.routed_to, rec.consume_pools = 0, ["g"], {"g": "gpu"}
+    routed = rec.to_pb("/staging", token=7, consuming={"g": "agent-1"})
+    assert routed.HasField("routing_rule") and routed.routing_rule == 0
+    assert routed.HasField("pools") and routed.pools.produce == ""
+    assert dict(routed.pools.consume) == {"g": "gpu"} and list(routed.routed_to) == ["g"]
+    assert routed.token == 7 and dict(routed.consuming) == {"g": "agent-1"}
