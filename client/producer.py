@@ -54,6 +54,8 @@ NONCE_BYTES = 8
 NAME_MAX = 255
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+#: the staging root is the operator's: it may be a symlink, followed
+_ROOT_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _TEMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 # The umask decides the published file's mode, as it does for `cp` and for what this
 # helper wrote before: the watcher and the consumers may run as other users, and
@@ -108,11 +110,15 @@ def _is_link(name: str, dir_fd: int) -> bool:
         return False
 
 
-def _open_dir(name: str, dir_fd: int, where: str, refused: Refusal) -> int:
+def _open_dir(parts: list[str], depth: int, dir_fd: int, refused: Refusal) -> int:
+    """The directory ``parts[depth - 1]`` in ``dir_fd``, not followed if a symlink."""
+    name = parts[depth - 1]
     try:
         return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
     except OSError as e:
         if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            # where it is, for the error only: not joined on the path every file takes
+            where = "/".join(parts[:depth])
             if _is_link(name, dir_fd):
                 raise refused(f"{where} is a symlink (refused, not followed)") from e
             raise refused(f"{where} is not a directory") from e
@@ -129,21 +135,27 @@ def open_entry_dir(task_id: str, path: str, rel: str, refused: Refusal, *,
     closes the descriptor.
     """
     root, parts = entry_parts(task_id, path, rel, refused)
-    if create:
-        os.makedirs(root, exist_ok=True)
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        for depth, name in enumerate(parts[:-1], 1):
-            where = "/".join(parts[:depth])
+        fd = os.open(root, _ROOT_FLAGS)
+    except OSError:
+        if not create:
+            raise
+        # Made (as ``mkdir -p`` would) only when it cannot be opened: for every file
+        # after the first it exists, and making it first would cost a failed mkdir
+        # and two stats per file. One that cannot be made raises as it did.
+        os.makedirs(root, exist_ok=True)
+        fd = os.open(root, _ROOT_FLAGS)
+    try:
+        for depth in range(1, len(parts)):
             try:
-                child = _open_dir(name, fd, where, refused)
+                child = _open_dir(parts, depth, fd, refused)
             except FileNotFoundError:
                 if not create:
                     raise
                 with suppress(FileExistsError):  # made by another producer meanwhile
-                    os.mkdir(name, _DIR_MODE, dir_fd=fd)
+                    os.mkdir(parts[depth - 1], _DIR_MODE, dir_fd=fd)
                     os.fsync(fd)  # the new directory's name is durable before files in it
-                child = _open_dir(name, fd, where, refused)
+                child = _open_dir(parts, depth, fd, refused)
             os.close(fd)
             fd = child
     except BaseException:
