@@ -2,11 +2,12 @@
 
 The staging tree is shared, so nothing under a task's directory is trusted: the
 entry's directory is reached one component at a time from the staging root with
-``O_NOFOLLOW`` (a symlink on the way is refused, never followed, and a missing
-directory is created where it was looked for), and every later step names files
-relative to that directory's descriptor. The temp file gets a name nobody can
-guess and is created with ``O_EXCL``, so a file or symlink planted in advance,
-or one left by a crashed attempt, is never written through or reused.
+``O_NOFOLLOW`` (the task's directory as the last component of the root's path; a
+symlink on the way is refused, never followed, and a missing directory is created
+where it was looked for), and every later step names files relative to that
+directory's descriptor. The temp file gets a name nobody can guess and is created
+with ``O_EXCL``, so a file or symlink planted in advance, or one left by a crashed
+attempt, is never written through or reused.
 """
 
 from __future__ import annotations
@@ -127,6 +128,20 @@ def _open_dir(parts: list[str], depth: int, dir_fd: int, refused: Refusal) -> in
         raise
 
 
+def _open_root(root: str, create: bool) -> int:
+    """A descriptor of the staging root; with ``create``, made if it cannot be opened."""
+    try:
+        return os.open(root, _ROOT_FLAGS)
+    except OSError:
+        if not create:
+            raise
+    # Made (as ``mkdir -p`` would) only when it cannot be opened: for every file after
+    # the first it exists, and making it first would cost a failed mkdir and two stats
+    # per file. One that cannot be made raises as it did.
+    os.makedirs(root, exist_ok=True)
+    return os.open(root, _ROOT_FLAGS)
+
+
 def open_entry_dir(task_id: str, path: str, rel: str, refused: Refusal, *,
                    create: bool = False) -> tuple[int, str]:
     """A descriptor of the directory that holds an entry's file, and the file's name
@@ -138,17 +153,15 @@ def open_entry_dir(task_id: str, path: str, rel: str, refused: Refusal, *,
     """
     root, parts = entry_parts(task_id, path, rel, refused)
     try:
-        fd = os.open(root, _ROOT_FLAGS)
+        # The root and the task's directory in one call: the root's path is followed
+        # as it is below, and O_NOFOLLOW holds for its last component, the task's
+        # directory. Whatever fails takes the way below, one component at a time,
+        # which makes what is missing or says what is wrong.
+        fd, below = os.open(f"{root}/{parts[0]}", _DIR_FLAGS), 2
     except OSError:
-        if not create:
-            raise
-        # Made (as ``mkdir -p`` would) only when it cannot be opened: for every file
-        # after the first it exists, and making it first would cost a failed mkdir
-        # and two stats per file. One that cannot be made raises as it did.
-        os.makedirs(root, exist_ok=True)
-        fd = os.open(root, _ROOT_FLAGS)
+        fd, below = _open_root(root, create), 1
     try:
-        for depth in range(1, len(parts)):
+        for depth in range(below, len(parts)):
             try:
                 child = _open_dir(parts, depth, fd, refused)
             except FileNotFoundError:
