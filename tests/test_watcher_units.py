@@ -20,7 +20,7 @@ from baton_relay.watcher.emitter import InotifyEmitter
 from baton_relay.watcher.errors import FileChanged, Refused
 from baton_relay.watcher.events import FsEvent, Intake, Kind
 from baton_relay.watcher.fsinfo import REMOTE_MAGIC, blind_spot, fs_type
-from baton_relay.watcher.hashing import Hasher
+from baton_relay.watcher.hashing import Hashed, Hasher
 from baton_relay.watcher.jobs import JobQueue
 
 
@@ -151,6 +151,29 @@ def test_hash_refuses_symlinks_anywhere_and_escapes(hasher: Hasher, tmp_path: Pa
     with pytest.raises(Refused):
         hasher.stat("t", "link")
     assert hasher.stat("t", "absent") is None
+
+
+def test_look_with_a_known_identity_reads_nothing_and_refuses_symlinks(
+        hasher: Hasher, tmp_path: Path) -> None:
+    """``look`` of the file whose identity the caller knows returns that identity (no
+    bytes read); the same file behind a symlink, on the way or at its end, is refused
+    as by the walk, and a changed or missing one is looked at as without it."""
+    task = Path(hasher.root, "t")
+    (task / "d").mkdir()
+    (task / "d" / "f").write_bytes(b"one")
+    first = hasher.look("t", "d/f")
+    assert isinstance(first, Hashed) and first.digest == blake3.blake3(b"one").hexdigest()
+    assert hasher.look("t", "d/f", known=first.identity) == first.identity
+    (task / "dirlink").symlink_to(task / "d")
+    (task / "link").symlink_to(task / "d" / "f")
+    for rel in ("dirlink/f", "link"):
+        with pytest.raises(Refused):
+            hasher.look("t", rel, known=first.identity)
+    (task / "d" / "g").write_bytes(b"two!")
+    os.rename(task / "d" / "g", task / "d" / "f")
+    again = hasher.look("t", "d/f", known=first.identity)
+    assert isinstance(again, Hashed) and again.digest == blake3.blake3(b"two!").hexdigest()
+    assert hasher.look("t", "d/absent", known=first.identity) is None
 
 
 def test_hash_notices_a_file_replaced_while_hashed(hasher: Hasher,

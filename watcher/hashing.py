@@ -3,9 +3,11 @@
 Every path is opened one component at a time from the staging root with
 ``O_NOFOLLOW``, so neither the file nor any directory between the root and it
 may be a symlink, and the bytes hashed are the ones behind the descriptor that
-was checked. Sizes, times and the inode are compared before and after: a file
-that changed while it was read raises :class:`FileChanged` and is hashed again
-later.
+was checked. Where the kernel has ``openat2``, a path is first opened in one call
+that refuses a symlink anywhere on it (``_openat2.py``); on any error the walk is
+made as before, and says why. Sizes, times and the inode are compared before and
+after: a file that changed while it was read raises :class:`FileChanged` and is
+hashed again later.
 
 Small files are read and hashed on the calling thread. Large files are memory
 mapped and hashed on blake3's AUTO threads: about twice the speed of chunked
@@ -32,11 +34,15 @@ from dataclasses import dataclass, field
 import blake3
 
 from ..kernel.contract import attempt_path, parse_attempt, parse_temp
+from ._openat2 import open_no_symlinks
 from .config import LARGE_FILE
 from .errors import FileChanged, FileMissing, HashFailed, Refused
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+#: a descriptor that only says which file it is (``fstat``), the file not opened for
+#: reading (None where there is no ``O_PATH``)
+_PATH_FLAGS = (os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC) if hasattr(os, "O_PATH") else None
 
 SMALL_CHUNK = 1 << 20
 #: files below this many bytes are hashed wherever they are looked at, and their
@@ -183,6 +189,10 @@ class Hasher:
 
     def _parent(self, parts: Sequence[str], shown: str) -> int:
         """A descriptor of the directory holding the file, reached without symlinks."""
+        fd = open_no_symlinks(self._path(parts[:-1]), _DIR_FLAGS)
+        if fd is not None:
+            return fd
+        # one component at a time, which says which one is in the way, if one is
         try:
             fd = os.open(self.root, _DIR_FLAGS)
         except OSError as e:
@@ -201,6 +211,10 @@ class Hasher:
             os.close(fd)
             raise
         return fd
+
+    def _path(self, parts: Sequence[str]) -> str:
+        """The absolute path of ``parts`` (from :func:`split_path`: no escapes)."""
+        return "/".join((self.root, *parts))
 
     def stat(self, task_id: str, rel: str) -> Identity | None:
         """The file's identity, or None if it does not exist (cheap: no bytes read)."""
@@ -232,6 +246,19 @@ class Hasher:
         read); None if it does not exist. One walk from the root, one descriptor:
         what is hashed is the file whose identity was taken."""
         parts = split_path(task_id, rel)
+        if known is not None and _PATH_FLAGS is not None:
+            # Most often the news that follows a report (its commit, its verification):
+            # the file reported, unchanged. Its identity from a descriptor that reads
+            # nothing, opened in one call; anything else is looked at as below.
+            fd = open_no_symlinks(self._path(parts), _PATH_FLAGS)
+            if fd is not None:
+                try:
+                    st = os.fstat(fd)
+                finally:
+                    os.close(fd)
+                if stat.S_ISREG(st.st_mode) and (
+                        st.st_size >= self.small_file or Identity.of(st) == known):
+                    return Identity.of(st)
         shown = "/".join(parts)
         try:
             parent = self._parent(parts, shown)
