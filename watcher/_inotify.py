@@ -49,8 +49,14 @@ _HEAD = struct.Struct("iIII")  # struct inotify_event, before its name
 READ_SIZE = 64 << 10
 
 
-def parse(data: bytes) -> list[RawEvent]:
-    """The events in what a read of an inotify descriptor returned."""
+#: events about a name that is not a file's, or about no name (never dropped)
+NOT_A_FILE = IN_ISDIR | IN_Q_OVERFLOW | IN_IGNORED | IN_DELETE_SELF | IN_MOVE_SELF
+
+
+def parse(data: bytes, drop: bytes = b"") -> list[RawEvent]:
+    """The events in what a read of an inotify descriptor returned; with ``drop``, not
+    those about a file whose name contains it (left out before a name is decoded or an
+    event made: most events of a landing file are about the producer's temp file)."""
     events = []
     pos, end, head = 0, len(data), _HEAD.size
     unpack = _HEAD.unpack_from
@@ -59,14 +65,18 @@ def parse(data: bytes) -> list[RawEvent]:
         pos += head
         name = data[pos:pos + size].split(b"\0", 1)[0] if size else b""
         pos += size
+        if drop and drop in name and not mask & NOT_A_FILE:
+            continue
         events.append(RawEvent(wd, mask, cookie, os.fsdecode(name)))
     return events
 
 
 class Inotify:
-    """One inotify instance."""
+    """One inotify instance; events about files whose names contain ``drop`` (bytes,
+    if any) are not read out (:func:`parse`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, drop: bytes = b"") -> None:
+        self._drop = drop
         try:
             self._ino = inotify_simple.INotify()
         except OSError as e:
@@ -100,7 +110,7 @@ class Inotify:
         if self._ino.fileno() not in ready:
             return []
         try:
-            return parse(os.read(self._ino.fileno(), READ_SIZE))
+            return parse(os.read(self._ino.fileno(), READ_SIZE), self._drop)
         except BlockingIOError:
             return []
 

@@ -30,6 +30,7 @@ from ._inotify import (
     IN_MOVED_TO,
     IN_ONLYDIR,
     IN_Q_OVERFLOW,
+    NOT_A_FILE,
     Inotify,
     RawEvent,
 )
@@ -47,7 +48,7 @@ DIRS_MASK = IN_CREATE | IN_MOVED_TO | IN_MOVED_FROM | IN_DELETE | _SELF
 
 
 #: events about a name that is not an entry's file, or about no name
-_NOT_A_FILE = IN_ISDIR | IN_Q_OVERFLOW | IN_IGNORED | IN_DELETE_SELF | IN_MOVE_SELF
+_NOT_A_FILE = NOT_A_FILE
 
 
 class InotifyEmitter:
@@ -57,7 +58,8 @@ class InotifyEmitter:
     def __init__(self, sink: Callable[[list[FsEvent]], None],
                  inotify: Inotify | None = None) -> None:
         self._sink = sink
-        self._ino = inotify or Inotify()
+        # the producer helper's temp files: dropped when read (and in ``handle``)
+        self._ino = inotify or Inotify(os.fsencode(TEMP_MARKER))
         self._lock = threading.RLock()
         self._by_wd: dict[int, tuple[str, bool]] = {}
         self._by_path: dict[str, int] = {}
