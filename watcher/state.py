@@ -13,6 +13,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import NamedTuple
 
 from ..kernel.contract import parse_attempt
 from ..kernel.names import state_name
@@ -104,9 +105,9 @@ class TaskView:
         return not self.cold and any(self.by_state.values())
 
 
-@dataclass(frozen=True)
-class Change:
-    """An entry whose state (or revision) moved forward."""
+class Change(NamedTuple):
+    """An entry whose state (or revision) moved forward (a tuple: one is made for each
+    piece of news of each file)."""
 
     task_id: str
     entry: EntryView
@@ -207,32 +208,40 @@ class Table:
             return change
 
     def _apply(self, view: TaskView, entry: pb.Entry) -> Change | None:
+        # Each field of ``entry`` is read once: a read of a message's field makes a new
+        # Python object, and this runs for every piece of news of every file.
         if entry.parts:
             return None  # an assembly has no file of its own; its parts do
-        known = view.entries.get(entry.file_id)
-        if known is not None and entry.revision <= known.revision:
-            return None
-        old = known.state if known else None
+        file_id, state, revision = entry.file_id, entry.state, entry.revision
+        known = view.entries.get(file_id)
+        old: int | None
         if known is None:
-            known = EntryView(entry.file_id, entry.path, entry.state)
-            view.entries[entry.file_id] = known
-            view.by_path[entry.path] = entry.file_id
-            view.by_dir.setdefault(posixpath.dirname(entry.path), set()).add(entry.file_id)
-            view.counts[entry.state] = view.counts.get(entry.state, 0) + 1
-        elif entry.state != known.state:
-            view.by_state.get(known.state, set()).discard(entry.file_id)
-            view.counts[known.state] -= 1
-            view.counts[entry.state] = view.counts.get(entry.state, 0) + 1
-        if entry.state in view.by_state:
-            view.by_state[entry.state].add(entry.file_id)
-        if entry.state != known.state:
-            known.failures = 0
-        known.state, known.size, known.digest = entry.state, entry.size, entry.digest
-        if entry.attempt_path:  # committed: its attempt is decided
-            known.attempt_path = entry.attempt_path
-            attempt = parse_attempt(entry.attempt_path)
+            old, path = None, entry.path
+            known = EntryView(file_id, path, state)
+            view.entries[file_id] = known
+            view.by_path[path] = file_id
+            view.by_dir.setdefault(posixpath.dirname(path), set()).add(file_id)
+            view.counts[state] = view.counts.get(state, 0) + 1
+        elif revision <= known.revision:
+            return None
+        else:
+            old = known.state
+            if state != old:
+                if (was := view.by_state.get(old)) is not None:
+                    was.discard(file_id)
+                view.counts[old] -= 1
+                view.counts[state] = view.counts.get(state, 0) + 1
+                known.failures = 0
+        if (now := view.by_state.get(state)) is not None:
+            now.add(file_id)
+        known.state, known.size, known.digest = state, entry.size, entry.digest
+        attempt_path = entry.attempt_path
+        if attempt_path and attempt_path != known.attempt_path:
+            # committed: its attempt is decided (the same file: the same token)
+            known.attempt_path = attempt_path
+            attempt = parse_attempt(attempt_path)
             known.token = attempt[1] if attempt else 0
-        known.revision = entry.revision
+        known.revision = revision
         known.updated_at = entry.updated_at
         known.staging_retention_seconds = entry.staging_retention_seconds
         known.consumed_at = entry.consumed_at
