@@ -468,16 +468,19 @@ class Checker:
     def _reported(self, key: Key, entry: EntryView, hashed: Hashed, reply: pb.Entry) -> None:
         """The registry took a digest report: the entry is now ``reply``."""
         i = hashed.identity
-        self.metrics.reported(*key, "digest", STATE_NAMES.get(reply.state, ""))
+        state = reply.state
+        # (the names of the states known, looked up: a name is made for each report)
+        now = STATE_NAMES.get(state)
+        self.metrics.reported(*key, "digest", now or "")
         self._remember(key, hashed)
         self.table.apply(key[0], reply, failures=0)
-        if reply.state == pb.ENTRY_STATE_VERIFIED:
+        if state == pb.ENTRY_STATE_VERIFIED:
             self._mind_links(key, i)
         else:
             self.links.drop(key)
         log(logger, logging.INFO, "reported", task=key[0], file_id=key[1],
             revision=reply.revision, size=i.size, digest=hashed.digest, was=entry.state_name,
-            now=state_name(reply.state),
+            now=now or state_name(state),
             **({"trace_id": tracing.trace_id(reply.traceparent)} if reply.traceparent else {}))
 
     def _problem(self, key: Key, kind: int, reason: str, token: int) -> None:
