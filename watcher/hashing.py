@@ -84,7 +84,7 @@ class Hashed:
 def split_path(task_id: str, rel: str) -> list[str]:
     """The components from the staging root to an entry's file; refuses escapes."""
     parts = [task_id, *rel.split("/")]
-    if rel.startswith("/") or any(p in ("", ".", "..") for p in parts):
+    if rel.startswith("/") or "" in parts or "." in parts or ".." in parts:
         raise Refused(f"{task_id}/{rel}", "path escapes the task directory")
     return parts
 
