@@ -82,6 +82,8 @@ NEWS_WORKERS = 4
 NEWS_BACKLOG = 1024
 #: the key of the task headers' news
 HEADERS = "task headers"
+CHANGED, SNAPSHOT = pb.TaskEvent.KIND_CHANGED, pb.TaskEvent.KIND_SNAPSHOT
+SYNCED, PROGRESS = pb.TaskEvent.KIND_SYNCED, pb.TaskEvent.KIND_PROGRESS
 
 
 class News:
@@ -298,19 +300,20 @@ class TaskStreams:
                     heard += 1
                     if not self._current(view):
                         return
-                    if ev.kind == pb.TaskEvent.KIND_SNAPSHOT:
-                        snapshot.append(ev.entry)
-                    elif ev.kind == pb.TaskEvent.KIND_SYNCED:
-                        changes = self.table.replace(task_id, snapshot)
-                        revision = ev.revision + 1
-                        view.current = True  # every change from here on comes
-                        await self._tell(view, (changes, True))
-                    elif ev.kind == pb.TaskEvent.KIND_CHANGED:
+                    kind = ev.kind  # (changes first: three of them come for each file)
+                    if kind == CHANGED:
                         revision = max(revision, ev.revision + 1)
                         change = self.table.apply(task_id, ev.entry)
                         if change is not None:
                             await self._tell(view, ([change], False))
-                    elif ev.kind == pb.TaskEvent.KIND_PROGRESS and revision:
+                    elif kind == SNAPSHOT:
+                        snapshot.append(ev.entry)
+                    elif kind == SYNCED:
+                        changes = self.table.replace(task_id, snapshot)
+                        revision = ev.revision + 1
+                        view.current = True  # every change from here on comes
+                        await self._tell(view, (changes, True))
+                    elif kind == PROGRESS and revision:
                         # nothing of the task changed up to there: resume after it
                         revision = max(revision, ev.revision + 1)
                 if silence.fired:
