@@ -11,11 +11,10 @@ the batches grow by themselves, and the registry applies their reports together
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..client import Client
@@ -37,6 +36,26 @@ class _Queued:
     done: Done
 
 
+class _Gathering:
+    """``Reporter.gathering``'s context (a class, not a generator: it is entered for
+    each batch of checks, several times per file)."""
+
+    __slots__ = ("_reporter",)
+
+    def __init__(self, reporter: Reporter) -> None:
+        self._reporter = reporter
+
+    def __enter__(self) -> None:
+        self._reporter._local.gathering = True
+
+    def __exit__(self, *exc: object) -> None:
+        reporter = self._reporter
+        reporter._local.gathering = False
+        with reporter._cond:
+            if reporter._idle and reporter._queue:
+                reporter._cond.notify_all()
+
+
 class Reporter:
     """Batches ``ReportVerification`` calls on one thread (see the module)."""
 
@@ -50,6 +69,7 @@ class Reporter:
         #: the reporter thread waits for reports (a submit wakes it)
         self._idle = False
         self._local = threading.local()
+        self._gathering = _Gathering(self)
         self._thread = threading.Thread(target=self._run, name="watcher-reporter",
                                         daemon=True)
         #: batches sent and reports carried, for the watcher's metrics and tests
@@ -69,18 +89,10 @@ class Reporter:
             if self._idle and not getattr(self._local, "gathering", False):
                 self._cond.notify_all()  # notify() might wake one in ``settle`` instead
 
-    @contextlib.contextmanager
-    def gathering(self) -> Iterator[None]:
+    def gathering(self) -> _Gathering:
         """The reports the calling thread submits within go together: the reporter
         is woken once, at the end, not for the first of them."""
-        self._local.gathering = True
-        try:
-            yield
-        finally:
-            self._local.gathering = False
-            with self._cond:
-                if self._idle and self._queue:
-                    self._cond.notify_all()
+        return self._gathering
 
     def close(self, timeout: float = 30.0) -> None:
         """Send what is queued, then stop (waits at most ``timeout`` seconds)."""
