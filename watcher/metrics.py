@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -126,8 +126,10 @@ class Metrics:
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()
         #: digest reports per entry, for the most recent REPORTS_KEPT entries reported (a
-        #: watcher verifies millions of files over its life: not one count per file kept)
-        self._reports: dict[tuple[str, str], int] = {}
+        #: watcher verifies millions of files over its life: not one count per file kept).
+        #: Ordered: dropping a plain dict's first key scans the slots its deleted keys
+        #: left, thousands once it is full, and one is dropped for each file reported.
+        self._reports: OrderedDict[tuple[str, str], int] = OrderedDict()
         self._results: Counter[tuple[str, str]] = Counter()
         #: seconds spent hashing, for the rate a watcher registers with
         self._hashing = 0.0
@@ -174,7 +176,7 @@ class Metrics:
                 key = (task_id, file_id)
                 known = self._reports.get(key)
                 if known is None and len(self._reports) >= REPORTS_KEPT:
-                    del self._reports[next(iter(self._reports))]  # the longest known
+                    self._reports.popitem(last=False)  # the longest known
                 self._reports[key] = (known or 0) + 1
             self._results[(kind, result or "other")] += 1
 
