@@ -256,9 +256,10 @@ class Hasher:
                     st = os.fstat(fd)
                 finally:
                     os.close(fd)
+                identity = Identity.of(st)
                 if stat.S_ISREG(st.st_mode) and (
-                        st.st_size >= self.small_file or Identity.of(st) == known):
-                    return Identity.of(st)
+                        st.st_size >= self.small_file or identity == known):
+                    return identity
         shown = "/".join(parts)
         try:
             parent = self._parent(parts, shown)
