@@ -449,14 +449,19 @@ class Checker:
                     self.metrics.refused("digest", outcome)
                     self._refused_by_registry(key, outcome)
                 else:
-                    self._reported(key, entry, hashed, outcome)
+                    self._took(key, hashed, outcome)
             finally:  # the cache and the table know the answer: a check sees it now
                 if self._sent.get(key) == (hashed.identity, hashed.digest, IN_FLIGHT):
                     if isinstance(outcome, BatonError):
                         del self._sent[key]  # not taken: the next check sends it again
                     else:
                         self._sent[key] = (hashed.identity, hashed.digest, outcome.revision)
-        if isinstance(outcome, pb.Entry) and self.table.revision(*key) > outcome.revision:
+        if not isinstance(outcome, pb.Entry):
+            return
+        # Its line once the lock is released: checks on other threads wait for that
+        # lock, and the line costs more than all that the lock keeps together.
+        self._log_reported(key, entry, hashed, outcome)
+        if self.table.revision(*key) > outcome.revision:
             # The entry moved on while the report was on its way (a commit): a check
             # in between sent nothing, these bytes being on their way; look again,
             # against what it is now.
@@ -467,20 +472,26 @@ class Checker:
 
     def _reported(self, key: Key, entry: EntryView, hashed: Hashed, reply: pb.Entry) -> None:
         """The registry took a digest report: the entry is now ``reply``."""
-        i = hashed.identity
-        state = reply.state
-        # (the names of the states known, looked up: a name is made for each report)
-        now = STATE_NAMES.get(state)
-        self.metrics.reported(*key, "digest", now or "")
+        self._took(key, hashed, reply)
+        self._log_reported(key, entry, hashed, reply)
+
+    def _took(self, key: Key, hashed: Hashed, reply: pb.Entry) -> None:
+        """What the registry's taking a digest report changes here (``_reported``)."""
+        self.metrics.reported(*key, "digest", STATE_NAMES.get(reply.state, ""))
         self._remember(key, hashed)
         self.table.apply(key[0], reply, failures=0)
-        if state == pb.ENTRY_STATE_VERIFIED:
-            self._mind_links(key, i)
+        if reply.state == pb.ENTRY_STATE_VERIFIED:
+            self._mind_links(key, hashed.identity)
         else:
             self.links.drop(key)
+
+    @staticmethod
+    def _log_reported(key: Key, entry: EntryView, hashed: Hashed, reply: pb.Entry) -> None:
+        """The line of a digest report the registry took (``_reported``)."""
+        state = reply.state  # (the known states' names looked up: one is made per report)
         log(logger, logging.INFO, "reported", task=key[0], file_id=key[1],
-            revision=reply.revision, size=i.size, digest=hashed.digest, was=entry.state_name,
-            now=now or state_name(state),
+            revision=reply.revision, size=hashed.identity.size, digest=hashed.digest,
+            was=entry.state_name, now=STATE_NAMES.get(state) or state_name(state),
             **({"trace_id": tracing.trace_id(reply.traceparent)} if reply.traceparent else {}))
 
     def _problem(self, key: Key, kind: int, reason: str, token: int) -> None:
