@@ -12,6 +12,7 @@ from typing import Any
 
 import blake3
 import pytest
+from registry_fixtures import RegistryHandle
 
 from baton_relay.client import Client, Session
 from baton_relay.kernel import errors
@@ -161,18 +162,28 @@ def test_highest_priority_first_then_oldest(client: Client) -> None:
     assert [int(i[1]) for i in order] == [9, 9, 5, 5, 3, 3, 0, 0]
 
 
-def test_aging_lets_a_long_waiting_entry_overtake(client: Client) -> None:
+def test_aging_lets_a_long_waiting_entry_overtake(
+        registry: RegistryHandle, client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
     """An entry that waited longer than (priority gap * aging) goes before a newer higher one."""
-    client.create_task({"task_id": "t", "aging_seconds": 0.05, "backoff": FAST, "entries": [
+    # The registry's wall clock (Core.clock) 0.6 s behind while the entries are made, then
+    # right again: by it, "low" has waited 0.6 s > 9 * 0.05 s when "high" is requeued.
+    # (Set back, not forward: the sweeps' alarms keep the clock they started with.)
+    core = registry._running.core
+    wall = core.clock
+    monkeypatch.setattr(core, "clock", lambda: wall() - 0.6)
+    client.create_task({"task_id": "t", "aging_seconds": 0.05, "entries": [
         {"file_id": "low", "path": "low", "priority": 0},
         {"file_id": "high", "path": "high", "priority": 9}]})
+    monkeypatch.setattr(core, "clock", wall)
     with client.open_session("p", ttl=10) as s:
         high = client.claim("t", session=s)
         assert high.file_id == "high"
-        time.sleep(0.6)  # the scenario: "low" has now waited > 9 * 0.05 s
-        client.fail("t", "high", high.token, "requeued later")
-        wait_for(lambda: client.get_entry("t", "high").not_before == "")
+        # Given back unbegun: ready again at once, enqueued now. (A failed entry would
+        # wait in the delayed index, which a claim reads after the ready one: "low"
+        # would come first whatever the aging.)
+        client.fail("t", "high", high.token, "requeued later", release=True)
         assert client.claim("t", session=s).file_id == "low"
+        assert client.claim("t", session=s).file_id == "high"
 
 
 # 5. batches ------------------------------------------------------------------
