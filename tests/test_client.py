@@ -69,19 +69,28 @@ def test_call_succeeds_once_the_registry_comes_up(etcd: Any, prefix: str, stagin
     """A client started before its registry gets through when the registry appears."""
     port = free_port()
     handles: list[Any] = []
+    refused = threading.Event()  # the client found no registry and waits to retry
+
+    def sleep(seconds: float) -> None:
+        refused.set()
+        time.sleep(seconds)
 
     def late() -> None:
-        time.sleep(0.5)  # the registry is late on purpose: that is the scenario
-        handles.append(start_registry(etcd.endpoint, prefix, staging,
-                                      listen=f"127.0.0.1:{port}"))
+        # the registry is late on purpose (that is the scenario): up once the client
+        # has been refused
+        if refused.wait(30):
+            handles.append(start_registry(etcd.endpoint, prefix, staging,
+                                          listen=f"127.0.0.1:{port}"))
 
     starter = threading.Thread(target=late)
     starter.start()
     try:
-        policy = RetryPolicy(attempts=100, initial=0.05, cap=0.2, deadline=30)
+        policy = RetryPolicy(attempts=100, initial=0.05, cap=0.2, deadline=30, sleep=sleep)
         with Client(f"127.0.0.1:{port}", timeout=2, retry=policy) as c:
             assert c.list_tasks() == []
+        assert refused.is_set()
     finally:
+        refused.set()  # the starter ends even if the client never retried
         starter.join()
         for h in handles:
             h.stop()

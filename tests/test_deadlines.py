@@ -5,7 +5,6 @@ counted and named as stuck (real etcd, real registry)."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import pytest
@@ -106,7 +105,7 @@ def test_deadlines_in_a_manifest_are_checked(client: Client) -> None:
 
 
 def test_an_entry_written_and_never_verified_is_counted_and_named_as_stuck(
-    client: Client, wait_for: Wait,
+    registry: RegistryHandle, client: Client, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     client.create_task({"task_id": "t1", "digest_optional": True,
                         "entries": [{"file_id": "a", "path": "a"}, {"file_id": "b", "path": "b"}]})
@@ -114,7 +113,11 @@ def test_an_entry_written_and_never_verified_is_counted_and_named_as_stuck(
         claim = client.claim("t1", "a", session=session)
         client.commit("t1", "a", claim.token, 0, session=session)
     assert client.get_task("t1").stuck_written == 0  # just written
-    time.sleep(0.6)  # past --stuck-written-after (0.5 s): the age itself is under test
+    # 0.6 s later by the registry's clock (Core.clock), past --stuck-written-after
+    # (0.5 s): the age itself is under test
+    core = registry._running.core
+    wall = core.clock
+    monkeypatch.setattr(core, "clock", lambda: wall() + 0.6)
     assert client.get_task("t1").stuck_written == 1
     assert "it is stuck" in client.explain("t1", "a").text
     assert "stuck" not in client.explain("t1", "b").text
