@@ -11,8 +11,9 @@ that puts or deletes the first three (tests/test_claim_owner.py holds it to that
   the live claim, held by the caller, in a task not cancelled;
 - :func:`pick` chooses entries from the head of an index (producers' ready index,
   consumers' claimable index);
-- :func:`end` deletes a claim with its twin and slot (:func:`end_read` for claims a
-  bulk path read pinned);
+- :func:`end` deletes a claim with its twin, slot and pool unit (:func:`end_read` for
+  claims a bulk path read pinned, :func:`end_twins` for the twins it read: claims
+  whose lease is gone);
 - :func:`give_back` returns the entry of an ended claim: a producer's down the retry
   path when the attempt counts as failed (deadline, lease lost) or back to
   ``pending`` untouched when it does not (revoked by an operator or a lease
@@ -298,6 +299,26 @@ def end_read(core: Core, txn: Txn, read: Iterable[tuple[bytes, KV | None]]) -> i
             txn.delete(key)
             continue
         end(core, txn, ref, claim)
+        ended += 1
+    return ended
+
+
+def end_twins(core: Core, txn: Txn, read: Iterable[tuple[bytes, KV | None]]) -> int:
+    """End each claim whose twin ``read`` names (twin key, twin as read pinned): the
+    twin goes with the pool unit its value names, in this transaction, so a bulk
+    delete of a task's twins (a cancel, a task's removal) leaves no unit held. A twin
+    gone meanwhile was ended by its own path. A key under the twins prefix that names
+    no claim is deleted alone. Returns how many twins went."""
+    ended = 0
+    for key, twin in read:
+        if twin is None:
+            continue
+        try:
+            ref = core.keys.parse_inflight(key)
+        except ValueError:
+            txn.delete(key)
+            continue
+        end(core, txn, ref, None, twin=twin)
         ended += 1
     return ended
 

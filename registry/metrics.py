@@ -489,6 +489,11 @@ class RegistryMetrics:
                 "baton_reaped_claims", "Claims whose lease was gone, moved on by this "
                 "replica's reaper (producer: the entry retried; consumer: back to its group)",
                 value=sources.reaper.reaped)
+            yield CounterMetricFamily(
+                "baton_pool_units_repaired", "Pool units this replica's reaper freed "
+                "because no claim held them any more (a safety net: every path that ends "
+                "a claim frees its unit, so this stays 0)",
+                value=sources.reaper.pools.repaired)
         if sources.sessions is not None:
             yield CounterMetricFamily(
                 "baton_sessions_closed", "Sessions closed by CloseSession on this replica "

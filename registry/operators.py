@@ -17,7 +17,7 @@ from . import access, attempts
 from ._etcd import KV, Delete, Get
 from .checkpoints import CheckpointRecord
 from .checkpoints import peek as last_checkpoint
-from .claim import end_read
+from .claim import end_read, end_twins
 from .claims import (
     SessionRecord,
     claim_holder,
@@ -142,7 +142,10 @@ class Operators:
         for kind in ("p", "c"):
             await self._each_chunk(self.keys.claims_of_task(kind, task_id), CLAIM_CHUNK,
                                    self._revoke_chunk)
-        for prefix in self._revoked(task_id)[2:]:
+        for kind in ("p", "c"):
+            await self._each_chunk(self.keys.inflight_of_task(kind, task_id), CLAIM_CHUNK,
+                                   self._twins_chunk)
+        for prefix in self._revoked(task_id)[4:]:
             await self._each_chunk(prefix, DELETE_CHUNK, self._delete_chunk)
 
     def _revoked(self, task_id: str) -> list[bytes]:
@@ -192,6 +195,15 @@ class Operators:
 
         async def plan(txn: Txn) -> None:
             end_read(self.core, txn, zip(keys, await txn.get_many(keys), strict=True))
+
+        await write(self.core.txns, plan)
+
+    async def _twins_chunk(self, keys: list[bytes]) -> None:
+        """End the claims whose twins are left (their lease ended before the cancel
+        read them), each twin read pinned and deleted with the pool unit it names."""
+
+        async def plan(txn: Txn) -> None:
+            end_twins(self.core, txn, zip(keys, await txn.get_many(keys), strict=True))
 
         await write(self.core.txns, plan)
 

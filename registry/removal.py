@@ -20,7 +20,8 @@ Three steps, each safe to interrupt: a DeleteTask sent again finishes the job.
 2. The task's keys are deleted a page at a time, at most ``DELETE_CHUNK`` per
    transaction, through ``txn.write``: first its claims, each with its twin and the
    session slot it holds (read and pinned, as cancel does), so no token of the task
-   survives and the reaper never finds a twin alone; then twins of lost claims; then
+   survives and the reaper never finds a twin alone; then twins of lost claims, each
+   with the pool unit it names (``claim.end_twins``); then
    the entries, so that any transition of an entry still under way (it pins the
    entry) fails; then the indexes and the journal, which nothing writes any more.
 3. The header goes last, in a transaction that requires it still ``deleting`` and
@@ -198,6 +199,11 @@ class Removal:
             removed += await self._sweep(prefix, CLAIM_CHUNK,
                                          lambda kvs: self._claims_chunk(kvs, guard), before)
         for kind, prefix in self._prefixes(task_id):
+            if kind == "inflight":  # twins of claims whose lease ended: with their units
+                removed += await self._sweep(
+                    prefix, CLAIM_CHUNK, lambda kvs: self._twins_chunk(kvs, before, guard),
+                    before)
+                continue
             removed += await self._sweep(prefix, DELETE_CHUNK,
                                          self._plain_chunk(kind, bool(before), guard), before)
         return removed
@@ -278,6 +284,28 @@ class Removal:
             end_read(self.core, txn, zip(keys, claims, strict=True))
             counts["slots"] = sum(1 for k in txn.write_keys() if k.startswith(slots))
             return counts
+
+        return await write(self.core.txns, plan)
+
+    async def _twins_chunk(self, listed: list[KV], before: int = 0,
+                           guard: Guard | None = None) -> Counter[str]:
+        """Delete twins left by claims whose lease ended, each read (pinned) and deleted
+        with the pool unit it names (``claim.end_twins``); with ``before``, each only
+        if written before it. And as ``guard`` requires."""
+        keys = [kv.key for kv in listed]
+
+        async def plan(txn: Txn) -> Counter[str]:
+            if guard is not None:
+                await guard(txn)
+            twins = await txn.get_many(keys)
+            for twin in twins:
+                if before and twin is not None and twin.mod_revision >= before:
+                    raise IllegalTransition(
+                        f"{twin.key.decode(errors='replace')} was written at revision "
+                        f"{twin.mod_revision}, after the archive (revision {before - 1}): "
+                        "archive the task again")
+            return Counter({"inflight": end_twins(self.core, txn,
+                                                  zip(keys, twins, strict=True))})
 
         return await write(self.core.txns, plan)
 

@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import threading
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,8 +22,9 @@ from registry_fixtures import RegistryHandle, on_etcd
 from baton_relay.client import Client
 from baton_relay.kernel.errors import InvalidArgument, InvalidManifest, NotFound, NothingToClaim
 from baton_relay.kernel.v1 import baton_pb2 as pb
-from baton_relay.registry._etcd import Etcd
+from baton_relay.registry._etcd import Etcd, Put
 from baton_relay.registry.keys import Keys
+from baton_relay.registry.model import TaskRecord
 from tests.faults.checker import most_at_once
 
 Wait = Callable[..., None]
@@ -308,3 +310,83 @@ def test_a_routing_rule_naming_a_pool_for_another_group_is_refused(client: Clien
         client.create_task({"task_id": "t", "consumers": ["ocr"], "routing_rules": [
             {"condition": "$[?(@.a)]", "groups": ["ocr"], "pools": {"x": "p"}}],
             "entries": [{"file_id": "a", "path": "a"}]})
+
+
+def _nobody_sweeps(registry_factory: Callable[..., RegistryHandle], etcd: Any,
+                   prefix: str, **kw: Any) -> RegistryHandle:
+    """A replica that never leads the sweeps: a candidate of ours, planted first, holds
+    the election (lowest create revision) for the test, so no reaper gives back a claim
+    whose lease ended: only the path under test can end it."""
+
+    async def plant(conn: Etcd) -> None:
+        lease, _ = await conn.grant(300)
+        await conn.txn([], [Put(f"{prefix}election/sweeps/{lease:x}".encode(),
+                                b"test:0", lease=lease)])
+
+    on_etcd(etcd, plant)
+    return registry_factory(**kw)
+
+
+def _claim_keys(registry: RegistryHandle, task_id: str) -> list[bytes]:
+    keys = Keys(registry.prefix)
+
+    async def read(conn: Etcd) -> list[bytes]:
+        return [kv.key async for kv in conn.scan(keys.claims_of_task("p", task_id),
+                                                  keys_only=True)]
+
+    return on_etcd(registry.etcd, read)
+
+
+def _repair(registry: RegistryHandle) -> int:
+    """Run the reaper's repair of pool units once, on the replica's loop: units freed."""
+    repaired: int = asyncio.run_coroutine_threadsafe(
+        registry.reaper.pools.repair(), registry._loop).result(30)
+    return repaired
+
+
+def test_cancel_and_removal_give_back_every_unit_with_nothing_left_to_repair(
+        registry_factory: Callable[..., RegistryHandle], etcd: Any, prefix: str,
+        wait_for: Wait) -> None:
+    """A cancel and a task's removal end pooled claims, live ones and ones whose
+    session's lease already ended (their twin alone left), each with its unit: no
+    unit stays held, the repair frees nothing, and /metrics says 0."""
+    registry = _nobody_sweeps(registry_factory, etcd, prefix, metrics="127.0.0.1:0")
+    keys = Keys(registry.prefix)
+    with Client(registry.address, timeout=10) as client:
+        client.set_pool("p", 10)
+        for t in ("cancelled", "removed"):
+            task(client, t, 3, pools={"produce": "p"})
+        with client.open_session("live", ttl=60, keepalive=False) as s:
+            lost = client.open_session("lost", ttl=2, keepalive=False)
+            for t in ("cancelled", "removed"):
+                client.claim(t, session=s)
+                client.claim(t, session=lost)
+            assert len(units(registry, "p")) == 4
+            # the lost session's claim keys go with its lease; their twins and units stay
+            wait_for(lambda: all(len(_claim_keys(registry, t)) == 1
+                                 for t in ("cancelled", "removed")),
+                     timeout=15, what="the lost session's claims gone with its lease")
+            assert len(units(registry, "p")) == 4
+
+            client.cancel_task("cancelled", reason="test")
+            assert [u["task"] for u in units(registry, "p")] == ["removed", "removed"]
+
+            # A cancel whose replica stopped after its first transaction: the header is
+            # cancelled, the claims are still there; the removal ends them.
+            async def cancelled(conn: Etcd) -> None:
+                kv = await conn.get(keys.task("removed"))
+                assert kv is not None
+                header = TaskRecord.load(kv.value)
+                header.status = "cancelled"
+                await conn.txn([], [Put(kv.key, header.dump())])
+
+            on_etcd(registry.etcd, cancelled)
+            resp = client.delete_task("removed", discard_history=True)
+            assert resp.removed["claims"] == 1 and resp.removed["inflight"] == 2
+            assert units(registry, "p") == []
+        assert _repair(registry) == 0
+        port = registry._running.metrics_port
+        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
+                f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+        assert "baton_pool_units_repaired_total 0.0" in text.splitlines()

@@ -169,16 +169,19 @@ class _Seen:
 def check(records: list[dict[str, Any]], snap: Snapshot,
           created: dict[str, list[str]], nemeses: int = 0,
           staged: set[str] | None = None,
-          pool_samples: list[tuple[str, int, int]] | None = None) -> Report:
+          pool_samples: list[tuple[str, int, int]] | None = None,
+          pool_repaired: dict[str, int] | None = None) -> Report:
     """Check a run: agents' ``records``, the final ``snap``, the entries ``created`` per
     task; ``staged``: the files under the staging root at the end (``TASK/PATH``), when
     the staging retention removed files during the run; ``pool_samples``: the pools
-    as sampled during the run (pool, units in use, limit)."""
+    as sampled during the run (pool, units in use, limit); ``pool_repaired``: each
+    registry's ``baton_pool_units_repaired_total`` at the end."""
     hist = _Histories(records)
     report = Report(ops=hist.ops, nemeses=nemeses)
     # Counted below only when they happen; the summary line shows them at 0 too, so
     # every run's line carries the same keys (a reader's grep finds them).
-    for always in ("reaped", "retries", "tmp_left", "pool_claims", "pool_peak"):
+    for always in ("reaped", "retries", "tmp_left", "pool_claims", "pool_peak",
+                   "pool_repaired"):
         report.stats[always] += 0
     seen = _Seen()
     for key in sorted(set(snap.entries) | set(snap.journal)):
@@ -191,6 +194,7 @@ def check(records: list[dict[str, Any]], snap: Snapshot,
     _check_removals(snap, staged, report)
     _check_checkpoints(snap, hist, report)
     _check_pools(snap, pool_samples or [], report)
+    _check_repaired(pool_repaired or {}, report)
     report.stats[BADREMOVE] = report.count(BADREMOVE)
     report.stats[BADCHECKPOINT] = report.count(BADCHECKPOINT)
     report.stats[POOLOVER] = report.count(POOLOVER)
@@ -575,6 +579,17 @@ def most_at_once(intervals: list[tuple[int, int]]) -> int:
         held += step
         most = max(most, held)
     return most
+
+
+def _check_repaired(repaired: dict[str, int], report: Report) -> None:
+    """No registry's repair of pool units found anything: every path that ends a claim
+    frees its unit in the same transaction, so a unit the repair freed is one a path
+    leaked (a ``poolleak``)."""
+    for registry, n in sorted(repaired.items()):
+        report.stats["pool_repaired"] += n
+        if n:
+            report.add(POOLLEAK, ("-", registry), f"its repair freed {n} pool units "
+                       "whose claim was gone (baton_pool_units_repaired_total)")
 
 
 def _check_pools(snap: Snapshot, samples: list[tuple[str, int, int]],

@@ -452,17 +452,32 @@ def daemon_env() -> dict[str, str]:
 
 
 def registry_proc(name: str, etcd_endpoint: str, address: str, staging: Path, prefix: str,
-                  log_path: Path, tls: LocalPKI | None, etcd_version: str) -> Proc:
+                  log_path: Path, tls: LocalPKI | None, etcd_version: str,
+                  metrics: str = "") -> Proc:
     """A registry process on ``etcd_endpoint``, whose members run ``etcd_version``
-    (``EtcdCluster.version``: served even if it has known bugs)."""
+    (``EtcdCluster.version``: served even if it has known bugs), serving its
+    ``/metrics`` on ``metrics`` (HOST:PORT; empty: not)."""
     # --insecure runs only on the run's private network (or loopback)
     security = (list(tls.client_flags(REGISTRY, "tls")) if tls
                 else ["--insecure", "--insecure-beyond-loopback"])
     argv = [sys.executable, "-u", "-m", "baton_relay.registry", *security, "--etcd", etcd_endpoint,
             "--listen", address, "--staging", str(staging), "--prefix", prefix,
             "--reap-interval", "0.5", "--grace", "1", "--allow-etcd-version", etcd_version]
+    if metrics:
+        argv += ["--metrics", metrics]
     return Proc(name, argv, log_path, ready=lambda: grpc_health_probe(address, pki=tls),
                 env=daemon_env())
+
+
+def pool_units_repaired(metrics: str, timeout: float = 10.0) -> int:
+    """A registry's ``baton_pool_units_repaired_total``, read from its ``/metrics`` at
+    ``metrics`` (HOST:PORT)."""
+    with _OPENER.open(f"http://{metrics}/metrics", timeout=timeout) as reply:
+        text = reply.read().decode()
+    for line in text.splitlines():
+        if line.startswith("baton_pool_units_repaired_total "):
+            return int(float(line.split()[1]))
+    raise ValueError(f"{metrics}/metrics has no baton_pool_units_repaired_total")
 
 
 def watcher_proc(registries: Sequence[str], staging: Path, state_file: Path,

@@ -46,6 +46,7 @@ from .cluster import (
     etcd_node,
     host_number,
     make_pki,
+    pool_units_repaired,
     registry_node,
     registry_proc,
     watcher_node,
@@ -337,6 +338,10 @@ def _run(cfg: RunConfig, out: Path, staging: Path, driver: hist.History,
                           quota=cfg.etcd_quota_mib << 20, compaction=cfg.etcd_compaction)
     staging_fs = StagingFs(staging, cfg.staging_mib)
     addresses = [f"{host}:{free_port()}" for host in hosts]
+    metrics = [f"{host}:{free_port()}" for host in hosts]
+    #: each registry's baton_pool_units_repaired_total at the end, and those not read
+    repaired: dict[str, int] = {}
+    unread: list[str] = []
     def etcd_for(n: int) -> str:
         if not cfg.all_members:
             return cluster.endpoint(n)
@@ -344,7 +349,7 @@ def _run(cfg: RunConfig, out: Path, staging: Path, driver: hist.History,
 
     registries = [confine(registry_proc(f"registry-{n}", etcd_for(n), addresses[n], staging,
                                         cfg.prefix, out / "logs" / f"registry-{n}.log", tls,
-                                        cluster.version),
+                                        cluster.version, metrics[n]),
                           network, registry_node(n))
                   for n in range(2)]
     watchers = [confine(watcher_proc(addresses, staging, out / f"watcher-{n}-state.sqlite",
@@ -399,6 +404,11 @@ def _run(cfg: RunConfig, out: Path, staging: Path, driver: hist.History,
             slot.proc.stop(15.0)
         for w in watchers:
             w.stop(15.0)
+        for n, address in enumerate(metrics):
+            try:
+                repaired[f"registry-{n}"] = pool_units_repaired(address)
+            except (OSError, ValueError) as e:
+                unread.append(f"registry-{n}'s /metrics not read: {e}")
         for proc in registries:
             proc.stop(10.0)
         temps = temp_files(staging)
@@ -427,7 +437,8 @@ def _run(cfg: RunConfig, out: Path, staging: Path, driver: hist.History,
     records = hist.read_all(out / "history")
     report = check(records, snap, feeder.created, count,
                    staged=None if feeder.retention is None else staged,
-                   pool_samples=sampler.samples)
+                   pool_samples=sampler.samples, pool_repaired=repaired)
+    report.notes += unread
     report.stats["pool_samples"] = len(sampler.samples)
     _count_temp_files(report, temps, records)
     report.stats["seed"] = cfg.seed
