@@ -18,6 +18,9 @@ that puts or deletes the first three (tests/test_claim_owner.py holds it to that
   path when the attempt counts as failed (deadline, lease lost) or back to
   ``pending`` untouched when it does not (revoked by an operator or a lease
   rotation), a consumer's back to its group;
+- :func:`take_back` is the one take-back of a claim from its holder (a deadline, a
+  stall, a lost session, a revoked lease): :func:`end`, then :func:`give_back` unless
+  the task is cancelled;
 - :func:`reattach` puts a session's claim and slot keys again on its new lease.
 
 Commit, fail, ack, nack, the fused steps, the deadline expiry, the reaper, lease
@@ -350,6 +353,29 @@ def give_back(core: Core, txn: Txn, rec: EntryRecord, ref: ClaimRef, token: int,
         return False
     core.put_entry(rec, txn)
     return True
+
+
+def take_back(core: Core, txn: Txn, ref: ClaimRef, claim: KV | None,
+              rec: EntryRecord | None, *, cancelled: bool, actor: Mapping[str, str],
+              reason: str, event: str, spend: bool, twin: KV | None = None,
+              guard: bool = False, consumer_event: str = "",
+              details: Mapping[str, Any] | None = None) -> bool:
+    """Take a claim back from its holder, in the caller's transaction: a deadline, a
+    stall, a lost session (``claim`` None: its lease is gone, ``twin`` as read) or an
+    operator's revoke. The claim ends (:func:`end`, with ``guard``) and its entry
+    ``rec`` (as read; None: gone) is given back (:func:`give_back`, with ``actor``,
+    ``reason``, ``event``, ``spend``, ``consumer_event``, ``details``), unless its
+    task is ``cancelled``: a cancelled task's entries stay as they were, the claim
+    dies. The token is the claim's (or its twin's) create revision. True when the
+    entry was given back."""
+    held = claim if claim is not None else twin
+    assert held is not None, "a claim to take back, or its twin"
+    end(core, txn, ref, claim, guard=guard, twin=twin)
+    if rec is None or cancelled:
+        return False
+    return give_back(core, txn, rec, ref, held.create_revision, actor=actor, reason=reason,
+                     spend=spend, event=event, consumer_event=consumer_event,
+                     details=details)
 
 
 # rotate -------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 
 from ..kernel import logs
 from ._etcd import KV
-from .claim import end, give_back
+from .claim import take_back
 from .claims import actor_of, claim_holder, voided
 from .core import Core, Gate
 from .model import EntryRecord
@@ -117,17 +117,16 @@ class Deadlines:
             if claim is None or claim.create_revision != kv.create_revision:
                 return False  # that claim ended (committed, acked, reaped): just forget it
             token = claim.create_revision
-            end(self.core, txn, ref, claim, guard=True)
             holder = claim_holder(claim) or "?"
             entry, task = await txn.get_many([entry_key, self.keys.task(ref.task_id)])
-            if entry is not None and not voided(task):  # a cancelled task's stay as they are
-                rec = EntryRecord.load(entry.value)
-                reason = (f"claim deadline: no commit within {rec.claim_deadline:g} s of "
-                          f"the claim by {holder} (token {token})" if ref.kind == "p" else
-                          f"consume deadline: no ack within {rec.consume_deadline:g} s")
-                give_back(self.core, txn, rec, ref, token, actor=actor_of(claim), reason=reason,
-                          spend=True, event="deadline",
-                          details={"reason": reason} if ref.kind == "c" else None)
+            rec = EntryRecord.load(entry.value) if entry is not None else None
+            reason = "" if rec is None else (
+                f"claim deadline: no commit within {rec.claim_deadline:g} s of "
+                f"the claim by {holder} (token {token})" if ref.kind == "p" else
+                f"consume deadline: no ack within {rec.consume_deadline:g} s")
+            take_back(self.core, txn, ref, claim, rec, cancelled=voided(task), guard=True,
+                      actor=actor_of(claim), reason=reason, spend=True, event="deadline",
+                      details={"reason": reason} if ref.kind == "c" else None)
             txn.after(lambda: logs.log(
                 log, logging.WARNING, "claim taken away at its deadline", task=ref.task_id,
                 file_id=ref.file_id, revision=txn.revision, kind=ref.kind,

@@ -48,7 +48,7 @@ from datetime import UTC, datetime
 from ..kernel.errors import BatonError, InvalidArgument, NotFound
 from ..kernel.v1 import baton_pb2 as pb
 from ._etcd import KV
-from .claim import end, give_back, reattach
+from .claim import reattach, take_back
 from .claims import SessionRecord, claim_holder, claim_session, voided
 from .core import Core, every, on_change
 from .identity import Caller
@@ -189,11 +189,10 @@ class Leases:
             void = {t for t, kv in zip(task_ids, await txn.get_many(
                 [self.keys.task(t) for t in task_ids]), strict=True) if voided(kv)}
             for (_key, claim), ref, kv in zip(held, refs, entries, strict=True):
-                token = claim.create_revision
-                end(self.core, txn, ref, claim)
-                if kv is None or ref.task_id in void:
-                    continue  # a cancelled task's entry stays as it was: the claim dies
-                give_back(self.core, txn, EntryRecord.load(kv.value), ref, token,
+                # a cancelled task's entry stays as it was: the claim dies
+                take_back(self.core, txn, ref, claim,
+                          EntryRecord.load(kv.value) if kv is not None else None,
+                          cancelled=ref.task_id in void,
                           actor={"who": who, "label": claim_holder(claim)},
                           spend=False, event="revoked",
                           reason=f"claim revoked by {who}: {reason}"

@@ -14,7 +14,7 @@ from ..kernel import logs
 from ..kernel.errors import BatonError, InvalidArgument, SessionExpired
 from ..kernel.v1 import baton_pb2 as pb
 from ._etcd import KV, READ_CHUNK, Get, Watched, WatchEvent
-from .claim import end, give_back
+from .claim import take_back
 from .claims import (
     SessionRecord,
     actor_of,
@@ -395,18 +395,18 @@ class Reaper:
                 return ""  # another replica got there first
             if claim is not None:
                 return ""  # the claim lives (the listing was behind)
-            end(self.core, txn, ref, None, twin=twin)  # the claim key went with its lease
+            holder = claim_holder(twin) or "?"
+            # the claim key went with its lease: the twin is what is left to end
+            take_back(self.core, txn, ref, None,
+                      EntryRecord.load(kv.value) if kv is not None else None,
+                      twin=twin, cancelled=voided(task), actor=actor_of(twin), spend=True,
+                      event="failed", consumer_event="consumer lost",
+                      reason=f"lease of agent {holder} (session "
+                      f"{claim_session(twin):x}) lost (token {token})")
             if voided(task):
                 # A cancelled task's entries stay as they were: its cancel deletes the
                 # claims a chunk at a time, and a lease may end meanwhile: the twin goes.
                 return ""
-            holder = claim_holder(twin) or "?"
-            if kv is not None:
-                give_back(self.core, txn, EntryRecord.load(kv.value), ref, token,
-                          actor=actor_of(twin), spend=True, event="failed",
-                          consumer_event="consumer lost",
-                          reason=f"lease of agent {holder} (session "
-                          f"{claim_session(twin):x}) lost (token {token})")
             txn.after(lambda: logs.log(
                 log, logging.INFO, "reaped a lost claim", task=ref.task_id,
                 file_id=ref.file_id, revision=txn.revision, kind=ref.kind,

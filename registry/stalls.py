@@ -24,7 +24,7 @@ import logging
 from ..kernel import logs
 from ._etcd import KV
 from .checkpoints import CheckpointRecord
-from .claim import end, give_back
+from .claim import take_back
 from .claims import actor_of, claim_holder, voided
 from .core import Core
 from .deadlines import sweep_due
@@ -83,17 +83,16 @@ class Stalls:
                 # it checkpointed since: stalled only if it stops from there
                 self.core.arm_stall(txn, ref, after, token=token, since=kept.at)
                 return False
-            end(self.core, txn, ref, claim, guard=True)
             holder = claim_holder(claim) or "?"
             since = "its last checkpoint" if kept is not None and kept.token == token else (
                 "the claim" if ref.kind == "p" else "the consume")
             reason = f"stalled: no checkpoint within {after:g} s of {since} by {holder}"
             entry, task = await txn.get_many([entry_key, self.keys.task(ref.task_id)])
-            if entry is not None and not voided(task):  # a cancelled task's stay as they are
-                rec = EntryRecord.load(entry.value)
-                give_back(self.core, txn, rec, ref, token, actor=actor_of(claim),
-                          reason=reason, spend=True, event="stalled",
-                          details={"reason": reason} if ref.kind == "c" else None)
+            take_back(self.core, txn, ref, claim,
+                      EntryRecord.load(entry.value) if entry is not None else None,
+                      cancelled=voided(task), guard=True, actor=actor_of(claim),
+                      reason=reason, spend=True, event="stalled",
+                      details={"reason": reason} if ref.kind == "c" else None)
             txn.after(lambda: logs.log(
                 log, logging.WARNING, "stalled claim taken back", task=ref.task_id,
                 file_id=ref.file_id, revision=txn.revision, kind=ref.kind,

@@ -108,3 +108,64 @@ def test_the_check_finds_each_way_a_module_wrote_them() -> None:
         assert offences(source, what) != [], what
     assert offences("def f(txn, self):\n    txn.delete(self.keys.entry(t, f))\n",
                     "entry") == []
+
+
+#: the holder's own release gives its entry back as it was (``fail`` with ``release``):
+#: its claim is ended by the fail step itself, with the token checked. The one caller
+#: of ``give_back`` outside claim.py: nothing is taken from a holder there.
+RELEASES = {("producers.py", "fail")}
+
+
+def _called(node: ast.AST) -> str:
+    """The name a call calls: ``f(...)`` or ``x.f(...)``."""
+    assert isinstance(node, ast.Call)
+    func = node.func
+    if isinstance(func, ast.Name):
+        return func.id
+    return func.attr if isinstance(func, ast.Attribute) else ""
+
+
+def take_backs(source: str, filename: str) -> list[str]:
+    """Each call of ``give_back`` in ``source`` outside ``RELEASES`` (as ``file:line``):
+    a module that ends a claim and gives its entry back itself, instead of through
+    ``claim.take_back``."""
+    tree = ast.parse(source, filename)
+    allowed: set[int] = set()
+    for func in tree.body:
+        for node in ast.walk(func):
+            if (isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+                    and (filename, node.name) in RELEASES):
+                allowed |= {id(n) for n in ast.walk(node)}
+    return sorted(f"{filename}:{node.lineno}" for node in ast.walk(tree)
+                  if isinstance(node, ast.Call) and _called(node) == "give_back"
+                  and id(node) not in allowed)
+
+
+def test_a_claim_is_taken_back_only_through_take_back() -> None:
+    """Deadline, stall, lost session and lease revoke take a claim back through
+    ``claim.take_back``: no registry module but claim.py gives an entry back itself."""
+    found: list[str] = []
+    for path in sorted((ROOT / "registry").glob("*.py")):
+        if path.name != OWNER:
+            found += take_backs(path.read_text(), path.name)
+    assert found == []
+    callers = {path.name for path in (ROOT / "registry").glob("*.py")
+               if "take_back(" in path.read_text() and path.name != OWNER}
+    assert callers == {"deadlines.py", "stalls.py", "sessions.py", "leases.py"}
+
+
+def test_the_take_back_check_finds_a_module_giving_back_itself() -> None:
+    """A module ending a claim and giving its entry back itself is found; the release of
+    producers.py's ``fail`` is not, and neither is a call of take_back."""
+    glue = ("async def _expire(self, txn):\n"
+            "    async def plan(txn):\n"
+            "        end(self.core, txn, ref, claim, guard=True)\n"
+            "        give_back(self.core, txn, rec, ref, token, spend=True)\n"
+            "    return plan\n")
+    assert take_backs(glue, "deadlines.py") == ["deadlines.py:4"]
+    assert take_backs("def f():\n    claim.give_back(core, txn)\n", "x.py") == ["x.py:2"]
+    release = ("class Producers:\n    async def fail(self):\n"
+               "        async def planner(txn):\n            give_back(core, txn)\n")
+    assert take_backs(release, "producers.py") == []
+    assert take_backs(release, "consumers.py") == ["consumers.py:4"]
+    assert take_backs("def f():\n    take_back(core, txn, ref, claim, rec)\n", "x.py") == []
