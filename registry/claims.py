@@ -298,7 +298,7 @@ class Slots:
         self.agent = session.agent
         self.host = session.host
         self.limit = int(session.info.get("slots", 0) or 0)
-        self.taken = {int(kv.key.rsplit(b"/", 1)[-1]) for kv in used}
+        self.taken = {keys.unit_number(kv.key) for kv in used}
         #: the concurrency pools this planner's claims take units of
         self.pools = Pools(keys)
 

@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable
 from ..kernel.errors import BatonError
 from ._etcd import KV, Delete, Etcd, Get, Put, absent, created_at
 from .core import sweep_once
+from .keys import Keys
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,9 @@ class Election:
         if ttl < 2:
             raise BatonError(f"an election's lease TTL must be at least 2 seconds, not {ttl}")
         self.etcd = etcd
-        self.prefix = f"{prefix}election/{name}/".encode()
+        self._keys = Keys(prefix)
+        self.name = name
+        self.prefix = self._keys.election(name)
         self.ttl = ttl
         self.who = who
         self.retry = retry
@@ -91,7 +94,7 @@ class Election:
     async def _term(self, stop: asyncio.Event) -> None:
         """One lease: campaign on it, lead while it lives; returns when it is lost."""
         self._lease, _ = await self.etcd.grant(self.ttl)
-        self._key = self.prefix + f"{self._lease:x}".encode()
+        self._key = self._keys.candidate(self.name, self._lease)
         # Guarded: a candidate's key is its own lease's, never another's overwritten.
         result = await self.etcd.txn([absent(self._key)],
                                      [Put(self._key, self.who.encode(), self._lease)],

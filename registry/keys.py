@@ -151,6 +151,10 @@ class Keys:
     def open_all(self, task_id: str) -> bytes:
         return self._k("open", task_id, "")
 
+    def open_root(self) -> bytes:
+        """Every task's ``open`` index."""
+        return self._k("open", "")
+
     def finishing(self, task_id: str, file_id: str) -> bytes:
         return self._k("finishing", task_id, file_id)
 
@@ -186,6 +190,10 @@ class Keys:
     def dead_all(self, task_id: str) -> bytes:
         return self._k("dead", task_id, "")
 
+    def dead_root(self) -> bytes:
+        """Every task's ``dead`` index."""
+        return self._k("dead", "")
+
     def journal(self, task_id: str, file_id: str, seq: int) -> bytes:
         return self._k("journal", task_id, file_id, f"{seq:08d}")
 
@@ -201,6 +209,13 @@ class Keys:
 
     def slots_all(self) -> bytes:
         return self._k("slots", "")
+
+    # elections: a candidate's key per lease under each election's name
+    def election(self, name: str) -> bytes:
+        return self._k("election", name, "")
+
+    def candidate(self, name: str, lease: int) -> bytes:
+        return self._k("election", name, f"{lease:x}")
 
     # concurrency pools: a definition (its limit) and one key per unit held
     def pool(self, name: str) -> bytes:
@@ -224,6 +239,10 @@ class Keys:
     def inflight_of_task(self, kind: str, task_id: str) -> bytes:
         return self._k("inflight", kind, task_id, "")
 
+    def inflight_of_kind(self, kind: str) -> bytes:
+        """Every task's durable twins of one kind (``p`` producers', ``c`` consumers')."""
+        return self._k("inflight", kind, "")
+
     def inflight_of_group(self, task_id: str, group: str) -> bytes:
         """The durable twins of a consumer group's consume-claims in a task."""
         return self._k("inflight", "c", task_id, group, "")
@@ -234,6 +253,17 @@ class Keys:
     def last_segment(self, key: bytes) -> str:
         """The id at the end of an index key (the file id)."""
         return key.rsplit(b"/", 1)[-1].decode()
+
+    @staticmethod
+    def below(base: bytes, *segments: str) -> bytes:
+        """The prefix of ``segments`` under the prefix ``base`` (one task's part of an
+        index of every task: ``below(keys.delayed_all(), task_id)``)."""
+        return base + "".join(f"{s}/" for s in segments).encode()
+
+    @staticmethod
+    def unit_number(key: bytes) -> int:
+        """The number at the end of a pool unit's or a slot's key."""
+        return int(key.rsplit(b"/", 1)[-1])
 
     def parse_tail(self, key: bytes, base: bytes) -> list[str]:
         """The segments of ``key`` after ``base``."""

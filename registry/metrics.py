@@ -380,10 +380,9 @@ class RegistryMetrics:
             self._pool_waiting = await PoolAdmin(core).waiting(set(self._pools))
         # Every task's part of an index: its prefix for one task, with no task named.
         prefixes = (keys.ready_root(), keys.delayed_all(), keys.waiting_all(),
-                    keys.open_all("").removesuffix(b"/"), keys.dead_all("").removesuffix(b"/"),
+                    keys.open_root(), keys.dead_root(),
                     keys.cready_root(), keys.cdelayed_all(),
-                    keys.inflight_of_task("p", "").removesuffix(b"/"),
-                    keys.inflight_of_task("c", "").removesuffix(b"/"))
+                    keys.inflight_of_kind("p"), keys.inflight_of_kind("c"))
         counts = await asyncio.gather(*(core.etcd.count(p) for p in prefixes))
         self._indexes = dict(zip(INDEXES, counts, strict=True))
         self._counted_at, self._counted_revision = now, revision

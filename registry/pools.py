@@ -68,7 +68,7 @@ class Pools:
             limit = int(json.loads(kv.value).get("limit", 0)) if kv is not None else 0
             held = {}
             for unit in await txn.scan(self.keys.pool_units(name)):
-                held[int(unit.key.rsplit(b"/", 1)[-1])] = unit
+                held[self.keys.unit_number(unit.key)] = unit
             pool = self._pools[name] = _Pool(limit, held)
         return pool
 
@@ -154,7 +154,7 @@ def pool_info(name: str, definition: KV | None, units: list[KV], waiting: int = 
             task_id=str(v.get("task", "")), file_id=str(v.get("file", "")),
             group=str(v.get("group", "")), agent=str(v.get("agent", "")),
             session_id=int(v.get("session", 0) or 0), token=unit.mod_revision,
-            unit=int(unit.key.rsplit(b"/", 1)[-1])))
+            unit=Keys.unit_number(unit.key)))
     return pb.PoolInfo(name=name, limit=int(data.get("limit", 0)), in_use=len(units),
                        waiting=waiting, holders=holders,
                        updated_at=str(data.get("updated_at", "")))

@@ -298,7 +298,7 @@ class Scheduler:
                             # A task's keys sort by due time: the rest of this
                             # task's are not due either; go on with the next task.
                             found[task_id] = int(due) / 1000
-                            return prefix_end(base + task_id.encode() + b"/")
+                            return prefix_end(self.keys.below(base, task_id))
                         plan = self.unless_cancelled(task_id, key.key,
                                                      plan_of(task_id, rest, key.key))
                     except (ValueError, IndexError) as e:
@@ -314,7 +314,7 @@ class Scheduler:
         else:
             for task_id in tasks:
                 found.setdefault(task_id, None)
-                await walk(base + task_id.encode() + b"/", None)
+                await walk(self.keys.below(base, task_id), None)
         await gate.drain()
         if dues is not None:
             retry = self.core.clock() + self.interval

@@ -38,6 +38,7 @@ from ..kernel.errors import BatonError
 from ._etcd import Watched, WatchEvent
 from .core import Core
 from .election import Election
+from .keys import Keys
 
 log = logging.getLogger("baton.registry")
 
@@ -327,7 +328,7 @@ def told(dues: Dues, alarm: Alarm, base: bytes, scope_of: Callable[[list[str]], 
             parts = ev.kv.key[len(base):].decode(errors="replace").split("/")
             try:
                 scope = scope_of(parts)
-                due = due_of(ev.kv.key, base + (f"{scope}/".encode() if scope else b""))
+                due = due_of(ev.kv.key, Keys.below(base, scope) if scope else base)
             except (ValueError, IndexError):
                 alarm.ring()  # a key that names no due time: let the sweep complain of it
                 continue
