@@ -56,11 +56,13 @@ from typing import Any
 
 from ..kernel.errors import BatonError, IllegalTransition, NotFound, StorageFull
 from ..kernel.v1 import baton_pb2 as pb
+from . import lifecycle
 from ._etcd import KV, Compare, Get, empty
 from .archive_store import ArchiveCorrupt, Archived, ArchiveInfo, ArchiveStore, DirectoryStore
 from .core import Core
 from .election import Election
 from .keys import prefix_end
+from .lifecycle import TaskEvent
 from .manifest import check_id
 from .model import FINISHED, STATES, EntryRecord, TaskRecord, epoch_of, now
 from .removal import Removal
@@ -131,11 +133,9 @@ class _Handoff:
 
 def _mark(task: TaskRecord, reason: str) -> None:
     """``task`` as step 1 writes it (and as a task archived without puts is stored)."""
-    if task.status not in FINISHED:
-        raise IllegalTransition(
-            f"cannot archive task {task.task_id!r}: it is {task.status}; only a completed "
-            "or cancelled task is archived", task_id=task.task_id, status=task.status)
-    task.status = "archiving"
+    lifecycle.apply(task, TaskEvent.ARCHIVE, lambda: IllegalTransition(
+        f"cannot archive task {task.task_id!r}: it is {task.status}; only a completed "
+        "or cancelled task is archived", task_id=task.task_id, status=task.status))
     task.status_reason = f"archive ({task.status_reason or 'finished'})" + (
         f": {reason}" if reason else "")
 
@@ -318,12 +318,13 @@ class Archiver:
             task = TaskRecord.load(kv.value)
             if task.status == "archived":
                 return task
-            if task.status != "archiving":
+            if not lifecycle.allowed(task.status, TaskEvent.STORE):
                 raise IllegalTransition(f"task {task_id!r} is {task.status}; not archived",
                                         task_id=task_id)
             await self._require_empty(txn, task_id, "were written after its archive: "
                                       "archive it again")
-            task.status, task.archived_at, task.archive = "archived", now(), info.location
+            lifecycle.apply(task, TaskEvent.STORE)
+            task.archived_at, task.archive = now(), info.location
             task.archived_states = states
             txn.put(key, task.dump())
             return task
@@ -467,7 +468,8 @@ class Archiver:
         """The header of a task archived while etcd refused puts, as step d writes it."""
         archived = await self.load(task_id)
         task = archived.header
-        task.status, task.archived_at, task.archive = "archived", info.created_at, info.location
+        lifecycle.apply(task, TaskEvent.STORE)  # stored as step 1 marks it: archiving
+        task.archived_at, task.archive = info.created_at, info.location
         task.archived_states = _count_states(rec.state for _, rec in archived.entries)
         return task
 

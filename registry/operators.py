@@ -13,7 +13,7 @@ from typing import Any
 
 from ..kernel.errors import IllegalTransition, InvalidArgument, NotFound
 from ..kernel.v1 import baton_pb2 as pb
-from . import access, attempts
+from . import access, attempts, lifecycle
 from ._etcd import KV, Delete, Get
 from .checkpoints import CheckpointRecord
 from .checkpoints import peek as last_checkpoint
@@ -30,6 +30,7 @@ from .claims import (
 from .core import Core, Gate
 from .identity import Caller
 from .keys import ClaimRef
+from .lifecycle import TaskEvent
 from .machine import Event, apply
 from .manifest import check_id
 from .model import (
@@ -72,11 +73,8 @@ TTL_PARALLEL = 32
 #: stored without the token: it is that transaction's revision, the record's own
 TOKEN_IS_REVISION = frozenset({"claimed", "consuming"})
 
-_ALLOWED = {
-    "pause": ({"active"}, "paused"),
-    "resume": ({"paused", "completed"}, "active"),
-    "cancel": ({"active", "paused", "creating", "completed"}, "cancelled"),
-}
+#: the lifecycle's event of each operator's action (registry/lifecycle.py)
+_EVENTS = {"pause": TaskEvent.PAUSE, "resume": TaskEvent.RESUME, "cancel": TaskEvent.CANCEL}
 
 
 class Operators:
@@ -93,7 +91,8 @@ class Operators:
         recorded on the task (``status_reason``) and logged with who made it.
         """
         check_id("task_id", req.task_id)
-        allowed, target = _ALLOWED[action]
+        event = _EVENTS[action]
+        target = lifecycle.target(event)
         who = caller.name or "operator"
         marker: list[bytes] = []  # the cancel's key, if this call cancelled the task
 
@@ -102,10 +101,9 @@ class Operators:
             task = need_task(kv, req.task_id)
             if task.status == target:
                 return lambda _: task.to_pb()
-            if task.status not in allowed:
-                raise IllegalTransition(f"cannot {action} task {req.task_id!r}: it is "
-                                        f"{task.status}", task_id=req.task_id)
-            task.status = target
+            lifecycle.apply(task, event, lambda: IllegalTransition(
+                f"cannot {action} task {req.task_id!r}: it is {task.status}",
+                task_id=req.task_id))
             task.status_reason = f"{action}: {req.reason}" if req.reason else action
             if req.evidence:
                 task.status_reason += f" (evidence: {req.evidence})"
@@ -243,9 +241,9 @@ class Operators:
             why = f"{req.reason} (after: {rec.error})" if req.reason else f"after: {rec.error}"
             rec.remember("requeued", who=who, reason=why,
                          **({"evidence": req.evidence} if req.evidence else {}))
-            if task.status == "completed":  # it has work again
-                task.status, task.status_reason = "active", "entry requeued"
-                task.finished_at = ""
+            if lifecycle.allowed(task.status, TaskEvent.REOPEN):  # it has work again
+                lifecycle.apply(task, TaskEvent.REOPEN)
+                task.status_reason, task.finished_at = "entry requeued", ""
             # The header is written even when the task stays active: the entry is
             # open again, and the scheduler's completion of the task (planned on
             # the header, then on an open index it saw empty) must fail its compare.
@@ -332,9 +330,9 @@ class Operators:
                          reason=f"{reason} ({why})" if reason else why,
                          **({"evidence": evidence} if evidence else {}))
             txn.put(self.keys.cready(rec.task_id, group, rec.file_id), b"")
-            if task.status == "completed":  # it has work again
-                task.status, task.status_reason = "active", "entry requeued"
-                task.finished_at = ""
+            if lifecycle.allowed(task.status, TaskEvent.REOPEN):  # it has work again
+                lifecycle.apply(task, TaskEvent.REOPEN)
+                task.status_reason, task.finished_at = "entry requeued", ""
             txn.put(task_key, task.dump())  # see requeue: a completion racing it fails
             self.core.put_entry(rec, txn)
             return lambda rev: rec.to_pb(staging, revision=rev)

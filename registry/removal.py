@@ -39,11 +39,13 @@ from collections.abc import Awaitable, Callable
 
 from ..kernel.errors import Conflict, IllegalTransition, NotFound
 from ..kernel.v1 import baton_pb2 as pb
+from . import lifecycle
 from ._etcd import KV, Get, empty
-from .claim import end_read
+from .claim import end_read, end_twins
 from .claims import need_task
 from .core import Core
 from .identity import Caller
+from .lifecycle import TaskEvent
 from .manifest import check_id
 from .model import TaskRecord
 from .txn import Txn, write
@@ -128,7 +130,7 @@ class Removal:
                     self._check_history(req, task, self.keys.parse_tail(ran[0].key,
                                                                         journal)[0])
             was = task.status
-            task.status = "deleting"
+            lifecycle.apply(task, TaskEvent.DELETE)
             task.status_reason = f"delete ({was})" + (f": {req.reason}" if req.reason else "")
             txn.put(key, task.dump())
             return task

@@ -34,11 +34,13 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 
 from ..kernel.contract import assembly_digest
 from ..kernel.errors import BatonError
+from . import lifecycle
 from ._etcd import KV, Delete, Guarded, Watched, empty, present, unchanged
 from .claims import need_task, voided
 from .core import Core, Gate
 from .election import Election
 from .keys import prefix_end
+from .lifecycle import TaskEvent
 from .machine import Event, apply
 from .model import CONSUMED, PENDING, VERIFIED, EntryRecord, TaskRecord, now
 from .operators import Operators
@@ -663,7 +665,7 @@ class Scheduler:
             if kv is None:
                 return False
             task = need_task(kv, task_id)
-            if task.status != "active":
+            if not lifecycle.allowed(task.status, TaskEvent.COMPLETE):
                 return False
             if await txn.scan(self.keys.open_all(task_id), limit=1, keys_only=True):
                 return False  # work left (nothing pinned: no commit at all)
@@ -672,7 +674,8 @@ class Scheduler:
             # requeue, a verified file that changed) fails this completion.
             txn.require(empty(self.keys.open_all(task_id)))
             dead = await self.core.etcd.count(self.keys.dead_all(task_id))
-            task.status, task.finished_at = "completed", now()
+            lifecycle.apply(task, TaskEvent.COMPLETE)
+            task.finished_at = now()
             task.status_reason = (f"{task.entry_count - dead} consumed, {dead} dead"
                                   if dead else "every entry consumed")
             txn.put(key, task.dump())

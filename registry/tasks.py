@@ -19,13 +19,14 @@ from ..kernel.errors import (
     shown,
 )
 from ..kernel.v1 import baton_pb2 as pb
-from . import access
+from . import access, lifecycle
 from ._etcd import KV, empty
 from .claims import claim_holder, need_task
 from .core import Core
 from .fanout import Progress
 from .identity import ANONYMOUS, Caller
 from .keys import ClaimRef
+from .lifecycle import TaskEvent
 from .manifest import ValidTask, check_id, summary, validate
 from .model import (
     DEAD,
@@ -106,7 +107,7 @@ class Tasks:
         key = self.keys.task(valid.task_id)
         record = TaskRecord(
             task_id=valid.task_id,
-            status="creating",
+            status=lifecycle.INITIAL,
             staging_dir=self.core.staging_dir(valid.task_id),
             entry_count=len(valid.entries),
             manifest_digest=valid.digest,
@@ -175,8 +176,8 @@ class Tasks:
 
         async def activate(txn: Txn) -> TaskRecord:
             task = need_task(await txn.get(key), valid.task_id)
-            if task.status == "creating":
-                task.status = "active"
+            if lifecycle.allowed(task.status, TaskEvent.ACTIVATE):
+                lifecycle.apply(task, TaskEvent.ACTIVATE)
                 txn.put(key, task.dump())
             return task
 
