@@ -38,6 +38,7 @@ from typing import Protocol
 
 from sortedcontainers import SortedDict
 
+from ..kernel.backoff import Backoff
 from ..kernel.errors import BatonError
 from ._etcd import KV, Delete, Etcd, Put, TxnOp
 from .keys import Keys
@@ -67,8 +68,10 @@ WINDOWS_MAX = 1024
 _DONE = frozenset({"completed", "cancelled", "archiving", "archived", "deleting"})
 #: index keys read per window refill (also the entries prefetched with them)
 WINDOW_PAGE = 128
-#: seconds before a broken watch is set up again
+#: seconds before a broken watch is set up again: the bound after the first break in
+#: a row, and the largest (kernel/backoff.py, spread over half the bound and the bound)
 REWATCH_DELAY = 0.2
+REWATCH_CAP = 2.0
 
 _MIRROR, _CACHE, _WINDOW, _OTHER = range(4)
 
@@ -163,6 +166,8 @@ class View:
         self._listeners.append((prefix, tell))
 
     async def _follow(self) -> None:
+        backoff = Backoff(REWATCH_DELAY, REWATCH_CAP, floor=0.5)
+        broken = 0  # breaks in a row: none once a watch delivered
         while True:
             try:
                 at = await self._load()
@@ -171,6 +176,7 @@ class View:
                 # hundreds of thousands of ready keys nobody claims from yet).
                 async for batch in self.etcd.watch(self._watched, at + 1, keep=self._wanted,
                                                    progress=self._progress):
+                    broken = 0
                     for ev in batch:
                         self._apply(ev.kv.key, ev.kv if ev.kind == "put" else None,
                                     ev.kv.mod_revision, watched=True)
@@ -186,7 +192,8 @@ class View:
             except Exception:
                 log.exception("view: watch crashed; loading again")
             self.ready = False
-            await asyncio.sleep(REWATCH_DELAY)
+            broken += 1
+            await asyncio.sleep(backoff.delay(broken))
 
     def _progress(self, revision: int) -> None:
         """The watch has delivered (and the view applied) everything up to ``revision``."""

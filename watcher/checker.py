@@ -38,6 +38,7 @@ from typing import Any
 
 from ..client import Client
 from ..kernel import tracing
+from ..kernel.backoff import Backoff
 from ..kernel.errors import BatonError, NotFound, NotShardOwner, StaleReport, Unavailable
 from ..kernel.logs import log
 from ..kernel.names import kind_name, state_name
@@ -60,8 +61,14 @@ MISSING = pb.ReportProblemRequest.KIND_MISSING
 IN_FLIGHT = sys.maxsize
 #: batched reports remembered (the newest): one forgotten costs at most a report again
 SENT_KEPT = 65536
-#: seconds before a check that could not reach the registry is tried again
+#: seconds before a check that could not reach the registry is tried again: the
+#: bound after the first failure in a row, and the largest (kernel/backoff.py: spread
+#: over half the bound and the bound, so the files of a registry lost together do not
+#: all come back together)
 REGISTRY_BACKOFF = 1.0
+REGISTRY_BACKOFF_CAP = 10.0
+#: the largest wait before a failed hash is tried again (the first: ``retry_delay``)
+HASH_RETRY_CAP = 5.0
 
 
 @dataclass
@@ -93,6 +100,16 @@ class Checker:
     #: events are); None: the hash workers do
     look_again: Callable[[Key], None] | None = None
     _sent_lock: threading.Lock = field(default_factory=threading.Lock)
+    #: how long a check waits when the registry could not be reached, by how many
+    #: checks in a row could not reach it (``_unreachable``)
+    registry_backoff: Backoff = field(default_factory=lambda: Backoff(
+        REGISTRY_BACKOFF, REGISTRY_BACKOFF_CAP, floor=0.5))
+    _unreachable: int = 0
+
+    def hash_backoff(self) -> Backoff:
+        """How long a failed hash waits before it is tried again, by its failures: the
+        bound itself (``retry_delay``, twice that, ...), as a file may still settle."""
+        return Backoff(self.retry_delay, max(self.retry_delay, HASH_RETRY_CAP), floor=1.0)
 
     def wants(self, change: Change, *, watched: bool) -> bool:
         """Whether news of ``change`` from the registry calls for a check of its file
@@ -147,6 +164,8 @@ class Checker:
                 self._verified(key, entry, inline)
         except BatonError as e:
             self._refused_by_registry(key, e)
+        else:
+            self._unreachable = 0
 
     def _refused_by_registry(self, key: Key, error: BatonError) -> None:
         """What a call to the registry for ``key`` ended with, said and acted on."""
@@ -155,7 +174,8 @@ class Checker:
         except Unavailable as e:
             log(logger, logging.WARNING, "registry unavailable; will check again",
                 task=key[0], file_id=key[1], error=str(e))
-            self.jobs.submit(key, REGISTRY_BACKOFF)
+            self._unreachable += 1
+            self.jobs.submit(key, self.registry_backoff.delay(self._unreachable))
             self.registry_lost()
         except StaleReport as e:
             log(logger, logging.INFO, "the entry moved since the file was read; looking "
@@ -345,7 +365,7 @@ class Checker:
             log(logger, logging.INFO, "hash failed; trying again", task=key[0],
                 file_id=key[1], revision=entry.revision, attempt=failures, reason=e.reason)
             self.table.update(*key, failures=failures)
-            self.jobs.submit(key, self.retry_delay * failures)
+            self.jobs.submit(key, self.hash_backoff().delay(failures))
             return
         self.table.update(*key, failures=0)
         kind = MISSING if isinstance(e, FileMissing) else CORRUPTED
