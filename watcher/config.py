@@ -72,7 +72,7 @@ _HELP = {
     "hash_workers": "files hashed at the same time",
     "large_file": "bytes from which a file is hashed on several threads",
     "max_failures": "failed hashes in a row before a file is reported corrupted",
-    "retry_delay": "seconds before a failed hash is tried again (times the attempt)",
+    "retry_delay": "seconds before a failed hash is tried again (doubling per attempt)",
     "event_queue": "file events buffered before an overflow forces a full reconciliation",
     "stream_timeout": "seconds a registry stream lasts before it is ended and resumed (0 "
     "or less = none: a stream lasts while it is healthy)",
