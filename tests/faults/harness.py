@@ -439,6 +439,7 @@ def _run(cfg: RunConfig, out: Path, staging: Path, driver: hist.History,
                    staged=None if feeder.retention is None else staged,
                    pool_samples=sampler.samples, pool_repaired=repaired)
     report.notes += unread
+    report.stats["pool_repaired_read"] = len(repaired)  # registries whose /metrics was read
     report.stats["pool_samples"] = len(sampler.samples)
     _count_temp_files(report, temps, records)
     report.stats["seed"] = cfg.seed

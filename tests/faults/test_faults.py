@@ -67,5 +67,8 @@ def test_quick_fault_run_finds_nothing(tmp_path: Path) -> None:
         explain(result)
     assert result.report.stats["consumed"] > 0 and result.report.stats["crashes"] == 0
     assert result.report.stats["tmp_left"] == 0, explain(result)
+    # the repair of pool units found nothing, on every registry (read from /metrics)
+    assert result.report.stats["pool_repaired_read"] == 2, explain(result)
+    assert result.report.stats["pool_repaired"] == 0, explain(result)
     # where namespaces can be made, the network nemeses acted (they are not skipped)
     assert result.report.stats["netns"] == int(not netns.available()), explain(result)
