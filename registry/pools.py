@@ -167,13 +167,15 @@ def not_defined(name: str) -> NotFound:
 
 class PoolAdmin:
     """What operators do with pools (define, change, list, remove) and the repair that
-    frees a unit whose claim is gone without giving it back (its twin deleted in bulk
-    by a cancel or a task's removal)."""
+    frees a unit whose claim is gone without giving it back: a safety net, as every
+    path that ends a claim (cancel and task removal included) frees its unit in the
+    same transaction (``claim.end``)."""
 
     def __init__(self, core: Core) -> None:
         self.core = core
         self.keys = core.keys
-        #: units freed by the repair (for tests and logs)
+        #: units freed by the repair (``baton_pool_units_repaired_total``: 0 unless a
+        #: path ended a claim without its unit)
         self.repaired = 0
 
     async def define(self, req: pb.SetPoolRequest, caller: Caller) -> pb.PoolInfo:
@@ -264,8 +266,9 @@ class PoolAdmin:
 
     async def repair(self) -> int:
         """Free every unit whose claim is gone: its twin deleted (or another claim's)
-        without the unit, as a cancel or a task's removal deletes twins in bulk. Each
-        in a transaction guarded on the unit and the twin as read."""
+        without the unit, which no path does (each ends a claim through ``claim.end``):
+        what this frees is counted and logged as a leak. Each in a transaction guarded
+        on the unit and the twin as read."""
         freed = 0
         base = self.keys.pool_units_all()
         view = self.core.view

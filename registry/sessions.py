@@ -196,7 +196,8 @@ class Reaper:
         self.interval = interval
         self.reaped = 0
         self._complain = Complaints("reaper")
-        #: frees pool units a bulk delete of twins left held, every ``REPAIR_EVERY`` sweeps
+        #: frees pool units held without a claim, every ``REPAIR_EVERY`` sweeps (a
+        #: safety net: it should find none)
         self.pools = PoolAdmin(core)
         self._sweeps = 0
         #: claim keys deleted (after ``claims/``) and twins deleted (after
