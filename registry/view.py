@@ -72,6 +72,7 @@ WINDOW_PAGE = 128
 #: a row, and the largest (kernel/backoff.py, spread over half the bound and the bound)
 REWATCH_DELAY = 0.2
 REWATCH_CAP = 2.0
+REWATCH = Backoff(REWATCH_DELAY, REWATCH_CAP, floor=0.5)
 
 _MIRROR, _CACHE, _WINDOW, _OTHER = range(4)
 
@@ -166,7 +167,6 @@ class View:
         self._listeners.append((prefix, tell))
 
     async def _follow(self) -> None:
-        backoff = Backoff(REWATCH_DELAY, REWATCH_CAP, floor=0.5)
         broken = 0  # breaks in a row: none once a watch delivered
         while True:
             try:
@@ -193,7 +193,7 @@ class View:
                 log.exception("view: watch crashed; loading again")
             self.ready = False
             broken += 1
-            await asyncio.sleep(backoff.delay(broken))
+            await asyncio.sleep(REWATCH.delay(broken))
 
     def _progress(self, revision: int) -> None:
         """The watch has delivered (and the view applied) everything up to ``revision``."""

@@ -67,8 +67,15 @@ SENT_KEPT = 65536
 #: all come back together)
 REGISTRY_BACKOFF = 1.0
 REGISTRY_BACKOFF_CAP = 10.0
+REGISTRY_RETRY = Backoff(REGISTRY_BACKOFF, REGISTRY_BACKOFF_CAP, floor=0.5)
 #: the largest wait before a failed hash is tried again (the first: ``retry_delay``)
 HASH_RETRY_CAP = 5.0
+
+
+def hash_backoff(retry_delay: float) -> Backoff:
+    """How long a failed hash waits before it is tried again, by its failures: the bound
+    itself (``retry_delay``, twice that, ...), as a file may still settle."""
+    return Backoff(retry_delay, max(retry_delay, HASH_RETRY_CAP), floor=1.0)
 
 
 @dataclass
@@ -102,14 +109,9 @@ class Checker:
     _sent_lock: threading.Lock = field(default_factory=threading.Lock)
     #: how long a check waits when the registry could not be reached, by how many
     #: checks in a row could not reach it (``_unreachable``)
-    registry_backoff: Backoff = field(default_factory=lambda: Backoff(
-        REGISTRY_BACKOFF, REGISTRY_BACKOFF_CAP, floor=0.5))
+    registry_backoff: Backoff = REGISTRY_RETRY
     _unreachable: int = 0
 
-    def hash_backoff(self) -> Backoff:
-        """How long a failed hash waits before it is tried again, by its failures: the
-        bound itself (``retry_delay``, twice that, ...), as a file may still settle."""
-        return Backoff(self.retry_delay, max(self.retry_delay, HASH_RETRY_CAP), floor=1.0)
 
     def wants(self, change: Change, *, watched: bool) -> bool:
         """Whether news of ``change`` from the registry calls for a check of its file
@@ -365,7 +367,7 @@ class Checker:
             log(logger, logging.INFO, "hash failed; trying again", task=key[0],
                 file_id=key[1], revision=entry.revision, attempt=failures, reason=e.reason)
             self.table.update(*key, failures=failures)
-            self.jobs.submit(key, self.hash_backoff().delay(failures))
+            self.jobs.submit(key, hash_backoff(self.retry_delay).delay(failures))
             return
         self.table.update(*key, failures=0)
         kind = MISSING if isinstance(e, FileMissing) else CORRUPTED
