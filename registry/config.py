@@ -16,8 +16,7 @@ from ..kernel import settings
 from ..kernel.contract import DEFAULT_SHARDS
 from ..kernel.errors import BatonError
 from ..kernel.logs import FORMATS
-
-MOVE_DEADLINE = 30.0
+from .shards import MOVE_DEADLINE
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,7 @@ from .claim import take_back
 from .claims import actor_of, claim_holder, voided
 from .core import Core, Gate
 from .model import EntryRecord
-from .scheduler import Complaints
-from .sweeps import Alarm, Dues, SweepWatch, follow_due, swept_due
+from .sweeps import Alarm, Complaints, Dues, SweepWatch, follow_due, swept_due
 from .txn import Txn, write
 
 log = logging.getLogger("baton.registry")

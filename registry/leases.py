@@ -54,8 +54,8 @@ from .core import Core, every, on_change
 from .identity import Caller
 from .manifest import check_id
 from .model import EntryRecord
-from .scheduler import Complaints
 from .sessions import MAX_TTL, MIN_TTL
+from .sweeps import Complaints
 from .txn import MAX_TXN_OPS, Txn, write
 
 log = logging.getLogger("baton.registry")

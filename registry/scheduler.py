@@ -33,7 +33,6 @@ import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 
 from ..kernel.contract import assembly_digest
-from ..kernel.errors import BatonError
 from . import lifecycle
 from ._etcd import KV, Delete, Guarded, Watched, empty, present, unchanged
 from .claims import need_task, voided
@@ -44,7 +43,17 @@ from .lifecycle import TaskEvent
 from .machine import Event, apply
 from .model import CONSUMED, PENDING, VERIFIED, EntryRecord, TaskRecord, now
 from .operators import Operators
-from .sweeps import Alarm, Dues, SweepWatch, follow_due, rings, run_sweep, swept_due, told
+from .sweeps import (
+    Alarm,
+    Complaints,
+    Dues,
+    SweepWatch,
+    follow_due,
+    rings,
+    run_sweep,
+    swept_due,
+    told,
+)
 from .txn import Retry, Txn, write
 from .verify import Verifier
 from .waits import WAITING_STATUSES, CrossWaits
@@ -63,30 +72,6 @@ PROMOTE_PARALLEL = 32
 #: dependencies (parts) of one entry pinned by its release; beyond, read unpinned
 PIN_MAX = 100
 
-
-class Complaints:
-    """Logs a failure once per item and error (a poisoned record is not news every
-    half second); repeats go to debug. Shared by the scheduler and the reaper."""
-
-    def __init__(self, who: str) -> None:
-        self.who = who
-        self._seen: dict[str, str] = {}
-
-    def __call__(self, item: str, exc: BaseException) -> None:
-        what = f"{type(exc).__name__}: {exc}"
-        if self._seen.get(item) == what:
-            log.debug("%s: %s still fails: %s", self.who, item, what)
-            return
-        if len(self._seen) > 10_000:
-            self._seen.clear()
-        self._seen[item] = what
-        if isinstance(exc, BatonError):
-            log.warning("%s: %s failed: %s", self.who, item, what)
-        else:
-            log.error("%s: %s failed", self.who, item, exc_info=exc)
-
-    def cleared(self, item: str) -> None:
-        self._seen.pop(item, None)
 
 
 class Scheduler:

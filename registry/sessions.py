@@ -29,8 +29,7 @@ from .keys import ClaimRef
 from .manifest import ID_RE, check_id
 from .model import EntryRecord, now
 from .pools import PoolAdmin
-from .scheduler import Complaints
-from .sweeps import Alarm, SweepWatch
+from .sweeps import Alarm, Complaints, SweepWatch
 from .txn import Txn, write
 
 log = logging.getLogger("baton.registry")

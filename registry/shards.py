@@ -43,13 +43,15 @@ from ..kernel.errors import (
 from ..kernel.v1 import baton_pb2 as pb
 from ._etcd import KV
 from .claims import check_owner, need_entry
-from .config import MOVE_DEADLINE
 from .core import Core, every, on_change
 from .identity import Caller
 from .model import EntryRecord, TaskRecord, now
 from .txn import Txn, write
 
 log = logging.getLogger("baton.registry")
+
+#: seconds a watcher has to hand over a shard before it is taken (shard_move_deadline)
+MOVE_DEADLINE = 30.0
 
 #: seconds a watcher's registration may outlive its last heartbeat
 MIN_TTL, MAX_TTL = 2, 600

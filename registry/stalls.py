@@ -29,8 +29,7 @@ from .claims import actor_of, claim_holder, voided
 from .core import Core
 from .deadlines import sweep_due
 from .model import EntryRecord
-from .scheduler import Complaints
-from .sweeps import Alarm, Dues, SweepWatch, follow_due, swept_due
+from .sweeps import Alarm, Complaints, Dues, SweepWatch, follow_due, swept_due
 from .txn import Txn, write
 
 log = logging.getLogger("baton.registry")

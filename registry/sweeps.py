@@ -42,6 +42,31 @@ from .keys import Keys
 
 log = logging.getLogger("baton.registry")
 
+class Complaints:
+    """Logs a failure once per item and error (a poisoned record is not news every
+    half second); repeats go to debug. Shared by the sweeps and the reaper."""
+
+    def __init__(self, who: str) -> None:
+        self.who = who
+        self._seen: dict[str, str] = {}
+
+    def __call__(self, item: str, exc: BaseException) -> None:
+        what = f"{type(exc).__name__}: {exc}"
+        if self._seen.get(item) == what:
+            log.debug("%s: %s still fails: %s", self.who, item, what)
+            return
+        if len(self._seen) > 10_000:
+            self._seen.clear()
+        self._seen[item] = what
+        if isinstance(exc, BatonError):
+            log.warning("%s: %s failed: %s", self.who, item, what)
+        else:
+            log.error("%s: %s failed", self.who, item, exc_info=exc)
+
+    def cleared(self, item: str) -> None:
+        self._seen.pop(item, None)
+
+
 #: seconds an idle alarm sleeps at most before it reads the wall clock again (due
 #: times are wall-clock times, which may jump; no etcd request)
 NAP = 30.0
