@@ -85,7 +85,7 @@ class RawArgs:
 
 def raw_etcd_agent(args: RawArgs, ready: Ready) -> AgentResult:
     """Create-only transactions (compare version == 0, put) back to back."""
-    from baton_relay.registry._etcd import Etcd, Put, absent
+    from baton_relay.registry.store.etcd import Etcd, Put, absent
 
     out = AgentResult()
 

@@ -39,7 +39,7 @@ from baton_relay.local.etcdproc import (
 )
 
 if TYPE_CHECKING:
-    from baton_relay.registry._etcd import Etcd
+    from baton_relay.registry.store.etcd import Etcd
 
 T = TypeVar("T")
 
@@ -238,7 +238,7 @@ def tree_env(tree: Path) -> dict[str, str]:
 def knows_flag(tree: Path, flag: str) -> bool:
     """Whether ``tree``'s registry has command-line flag ``flag``."""
     return any(flag in f.read_text(errors="replace")
-               for f in (tree / "registry").glob("*.py"))
+               for f in (tree / "registry").rglob("*.py"))
 
 
 def first_line(e: BaseException) -> str:
@@ -419,7 +419,7 @@ def on_etcd(endpoint: str, body: Callable[[Etcd], Awaitable[T]], timeout: float 
     """Run ``body`` with a connection of its own to etcd, through the registry's client."""
     import asyncio
 
-    from baton_relay.registry._etcd import Etcd
+    from baton_relay.registry.store.etcd import Etcd
 
     async def main() -> T:
         etcd = Etcd(endpoint, timeout=timeout)

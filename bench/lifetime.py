@@ -16,8 +16,8 @@ import blake3
 
 from baton_relay.client import Client, Session
 from baton_relay.kernel import errors
-from baton_relay.registry._etcd import Etcd
-from baton_relay.registry.keys import Keys
+from baton_relay.registry.store.etcd import Etcd
+from baton_relay.registry.store.keys import Keys
 
 from .harness import (
     BenchError,

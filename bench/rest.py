@@ -21,8 +21,8 @@ from baton_relay.client import Client, Session
 from baton_relay.kernel import errors, pki
 from baton_relay.local.etcdproc import EtcdProcess, free_port
 from baton_relay.local.stack import ETCD_UPKEEP
-from baton_relay.registry._etcd import KV, Etcd, EtcdAuth
-from baton_relay.registry.txn import REQUEST_LEASE_SPAN, REQUEST_TTL
+from baton_relay.registry.store.etcd import KV, Etcd, EtcdAuth
+from baton_relay.registry.store.txn import REQUEST_LEASE_SPAN, REQUEST_TTL
 
 from .harness import (
     BenchError,

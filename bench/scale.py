@@ -122,8 +122,8 @@ def etcd_alone(endpoint: str, task: str, prefix: str = KEY_PREFIX) -> tuple[int,
     back from etcd, then written under another prefix) in transactions of 120 puts with
     40 create-only compares, 8 in flight, through the registry's etcd client. Returns
     (keys, seconds)."""
-    from baton_relay.registry._etcd import Etcd, Put, absent
-    from baton_relay.registry.keys import Keys
+    from baton_relay.registry.store.etcd import Etcd, Put, absent
+    from baton_relay.registry.store.keys import Keys
 
     keys = Keys(prefix)
     bases = [keys.entries(task), keys.ready_all(task), keys.open_all(task)]
@@ -147,8 +147,8 @@ def etcd_alone(endpoint: str, task: str, prefix: str = KEY_PREFIX) -> tuple[int,
 
 def head_read_ms(endpoint: str, task: str, reads: int = 50) -> float:
     """Median ms of the read a claim starts with: the first 64 keys of the ready index."""
-    from baton_relay.registry._etcd import Etcd
-    from baton_relay.registry.keys import Keys
+    from baton_relay.registry.store.etcd import Etcd
+    from baton_relay.registry.store.keys import Keys
 
     async def go(etcd: Etcd) -> list[float]:
         times = []
@@ -180,7 +180,7 @@ class Held:
 
 def weigh(endpoint: str, task: str, prefix: str = KEY_PREFIX) -> Held:
     """Every key under ``prefix`` read in pages; those naming ``task`` summed by family."""
-    from baton_relay.registry._etcd import Etcd
+    from baton_relay.registry.store.etcd import Etcd
 
     async def go(etcd: Etcd) -> Held:
         held = Held()
@@ -223,8 +223,8 @@ class InflightCount:
     """How many claims of a task have a durable twin left: etcd's count, not a scan."""
 
     def __init__(self, endpoint: str, task: str) -> None:
-        from baton_relay.registry._etcd import Etcd
-        from baton_relay.registry.keys import Keys
+        from baton_relay.registry.store.etcd import Etcd
+        from baton_relay.registry.store.keys import Keys
 
         self.prefix = Keys(KEY_PREFIX).inflight_of_task("p", task)
         self.etcd = Etcd(endpoint, timeout=30)

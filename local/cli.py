@@ -42,7 +42,7 @@ def _local() -> Any:
     return stack, demo
 
 
-#: the registry's archive settings (``registry/config.py``) ``baton up`` passes through:
+#: the registry's archive settings (``registry/edge/config.py``) ``baton up`` passes through:
 #: each is ``--archive-…`` / ``BATON_ARCHIVE_…`` as on ``baton-registry``
 ARCHIVE_OPTIONS: dict[str, tuple[click.ParamType[Any], str, str]] = {
     "archive_dir": (

@@ -33,7 +33,7 @@ from types import TracebackType
 from typing import Any, Self
 
 from ..kernel.errors import BatonError
-from ..registry.etcd_versions import KnownBug, affected_by, parse_version
+from ..registry.store.etcd_versions import KnownBug, affected_by, parse_version
 
 __all__ = [
     "DaemonFailed",

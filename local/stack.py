@@ -35,7 +35,7 @@ import grpc
 
 from ..kernel.contract import LOCAL_ETCD_PORT, REGISTRY_PORT, REGISTRY_SERVICE
 from ..kernel.errors import BatonError
-from ..registry.etcd_versions import parse_version, warning_lines
+from ..registry.store.etcd_versions import parse_version, warning_lines
 from .etcdproc import (
     BANNER_PREFIX,
     DaemonFailed,

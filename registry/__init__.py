@@ -5,7 +5,7 @@ if __name__ != "baton_relay.registry":  # one import name per file
                       "(the repository's root is the package baton_relay)")
 
 
-from .config import RegistryConfig, load_config
-from .server import Running, start
+from .edge.config import RegistryConfig, load_config
+from .edge.server import Running, start
 
 __all__ = ["RegistryConfig", "Running", "load_config", "start"]

@@ -1,3 +1,3 @@
-from .server import main
+from .edge.server import main
 
 raise SystemExit(main())

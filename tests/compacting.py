@@ -8,7 +8,7 @@ from pathlib import Path
 
 from baton_relay.kernel import errors
 from baton_relay.local.etcdproc import EtcdProcess
-from baton_relay.registry._etcd import Etcd, Put
+from baton_relay.registry.store.etcd import Etcd, Put
 
 #: etcd compacts its history every second, to the revision of a second ago
 COMPACTING = ("--auto-compaction-mode=periodic", "--auto-compaction-retention=1s")

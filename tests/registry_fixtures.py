@@ -25,7 +25,7 @@ import pytest
 from baton_relay.client import Client, RetryPolicy, Session
 from baton_relay.local.etcdproc import etcd_version, find_etcd
 from baton_relay.registry import RegistryConfig, Running, start
-from baton_relay.registry._etcd import Etcd, EtcdAuth
+from baton_relay.registry.store.etcd import Etcd, EtcdAuth
 
 T = TypeVar("T")
 

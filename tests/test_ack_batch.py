@@ -14,8 +14,8 @@ from test_cli import invoke, ok_json, one_error_line
 from baton_relay.client import Client, Lease, Session
 from baton_relay.kernel import errors
 from baton_relay.kernel.v1 import baton_pb2 as pb
-from baton_relay.registry._etcd import KV, Etcd
-from baton_relay.registry.consumers import MAX_ACKS
+from baton_relay.registry.store.etcd import KV, Etcd
+from baton_relay.registry.verbs.consumers import MAX_ACKS
 
 
 def digest(data: bytes) -> str:

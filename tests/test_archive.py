@@ -23,12 +23,12 @@ from baton_relay.client import Client, Session
 from baton_relay.client.cli import cli
 from baton_relay.kernel.errors import IllegalTransition, InvalidManifest, NotFound
 from baton_relay.kernel.v1 import baton_pb2 as pb
-from baton_relay.registry import archive as archive_mod
-from baton_relay.registry import operators as operators_mod
-from baton_relay.registry import removal
-from baton_relay.registry._etcd import Etcd, Put
-from baton_relay.registry.archive import Archiver, ArchiveStore, DirectoryStore
-from baton_relay.registry.keys import Keys
+from baton_relay.registry.store.etcd import Etcd, Put
+from baton_relay.registry.store.keys import Keys
+from baton_relay.registry.sweeps import archive as archive_mod
+from baton_relay.registry.sweeps.archive import Archiver, ArchiveStore, DirectoryStore
+from baton_relay.registry.verbs import operators as operators_mod
+from baton_relay.registry.verbs import removal
 
 T = TypeVar("T")
 Wait = Callable[..., None]

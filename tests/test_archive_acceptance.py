@@ -18,8 +18,8 @@ from test_metrics import scrape
 
 from baton_relay.client import Client
 from baton_relay.kernel.v1 import baton_pb2 as pb
-from baton_relay.registry._etcd import Etcd
-from baton_relay.registry.keys import Keys
+from baton_relay.registry.store.etcd import Etcd
+from baton_relay.registry.store.keys import Keys
 
 TASKS = 200
 Wait = Callable[..., None]

@@ -16,9 +16,9 @@ from test_archive import finish, on_loop, task_keys
 from baton_relay.client import Client
 from baton_relay.kernel.errors import BatonError
 from baton_relay.kernel.v1 import baton_pb2 as pb
-from baton_relay.registry.archive_s3 import ArchiveStoreUnavailable, S3Store
-from baton_relay.registry.archive_store import ArchiveCorrupt
-from baton_relay.registry.config import load_config
+from baton_relay.registry.edge.config import load_config
+from baton_relay.registry.records.archive_store import ArchiveCorrupt
+from baton_relay.registry.sweeps.archive_s3 import ArchiveStoreUnavailable, S3Store
 
 RECORDS = [{"kind": "entry", "file_id": f"f{i}", "n": i} for i in range(50)]
 

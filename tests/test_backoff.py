@@ -68,7 +68,7 @@ def test_no_other_backoff_formula_is_written() -> None:
                 if HAND_WRITTEN.search(line):
                     found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert not found, "\n".join(found)
-    for user in ("client/retry.py", "registry/txn.py",
-                 "registry/core.py",
+    for user in ("client/retry.py", "registry/store/txn.py",
+                 "registry/rules/core.py",
                  "local/supervisor.py", "watcher/sync.py"):
         assert "Backoff(" in (ROOT / user).read_text(), user

@@ -23,8 +23,8 @@ from baton_relay.client import Client, Session, produce, produce_each
 from baton_relay.client.aio import AsyncClient
 from baton_relay.kernel import errors
 from baton_relay.kernel.v1 import baton_pb2 as pb
-from baton_relay.registry._etcd import KV, Etcd
-from baton_relay.registry.keys import Keys
+from baton_relay.registry.store.etcd import KV, Etcd
+from baton_relay.registry.store.keys import Keys
 
 #: the pipeline's agents (producers and a consumer), as processes
 PIPELINE_PROC = Path(__file__).with_name("pipeline_proc.py")

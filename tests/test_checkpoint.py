@@ -20,8 +20,8 @@ from baton_relay.client.producer import produce
 from baton_relay.kernel.contract import MAX_CHECKPOINT_BYTES
 from baton_relay.kernel.errors import InvalidArgument, StaleToken
 from baton_relay.kernel.v1 import baton_pb2 as pb
-from baton_relay.registry._etcd import Etcd
-from baton_relay.registry.keys import ClaimRef, Keys
+from baton_relay.registry.store.etcd import Etcd
+from baton_relay.registry.store.keys import ClaimRef, Keys
 
 Wait = Callable[..., None]
 EMPTY = "af1349b9f5f9a1a6a0404dea36dcc9499bcb25c9adc112b7cc9a93cae41f3262"

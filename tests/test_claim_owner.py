@@ -15,7 +15,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 OWNER = "claim.py"
-#: the key builders of a claim's three keys (registry/keys.py)
+#: the key builders of a claim's three keys (registry/store/keys.py)
 BUILDERS = {"claim", "inflight", "slot"}
 #: what a transaction writes with
 WRITES = {"put", "create", "delete"}
@@ -77,7 +77,7 @@ def offences(source: str, filename: str) -> list[str]:
 def test_only_claim_py_writes_claim_twin_and_slot_keys() -> None:
     """No registry module but claim.py puts, creates or deletes a claim, twin or slot key."""
     found: list[str] = []
-    for path in sorted((ROOT / "registry").glob("*.py")):
+    for path in sorted((ROOT / "registry").rglob("*.py")):
         if path.name != OWNER:
             found += offences(path.read_text(), path.name)
     assert found == []
@@ -85,7 +85,7 @@ def test_only_claim_py_writes_claim_twin_and_slot_keys() -> None:
 
 def test_claim_py_writes_all_three() -> None:
     """The check sees claim.py's own writes: the claim key, the twin and the slot."""
-    source = (ROOT / "registry" / OWNER).read_text()
+    source = (ROOT / "registry" / "rules" / OWNER).read_text()
     assert len(offences(source, OWNER)) >= 5  # take: 3 puts (4 lines); end: 3 deletes
 
 
@@ -145,11 +145,11 @@ def test_a_claim_is_taken_back_only_through_take_back() -> None:
     """Deadline, stall, lost session and lease revoke take a claim back through
     ``claim.take_back``: no registry module but claim.py gives an entry back itself."""
     found: list[str] = []
-    for path in sorted((ROOT / "registry").glob("*.py")):
+    for path in sorted((ROOT / "registry").rglob("*.py")):
         if path.name != OWNER:
             found += take_backs(path.read_text(), path.name)
     assert found == []
-    callers = {path.name for path in (ROOT / "registry").glob("*.py")
+    callers = {path.name for path in (ROOT / "registry").rglob("*.py")
                if "take_back(" in path.read_text() and path.name != OWNER}
     assert callers == {"deadlines.py", "stalls.py", "sessions.py", "leases.py"}
 

@@ -23,16 +23,16 @@ from baton_relay.client.cli import cli
 from baton_relay.kernel import errors
 from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.local.etcdproc import EtcdProcess
-from baton_relay.registry import _etcd as etcd_mod
-from baton_relay.registry import operators as operators_mod
-from baton_relay.registry import scheduler as scheduler_mod
-from baton_relay.registry import sessions as sessions_mod
-from baton_relay.registry._etcd import KV, Etcd, Put
-from baton_relay.registry.core import Core
-from baton_relay.registry.keys import ClaimRef, Keys
-from baton_relay.registry.model import PENDING, VERIFIED, EntryRecord, TaskRecord
-from baton_relay.registry.scheduler import assembly_digest
-from baton_relay.registry.txn import Txn, write
+from baton_relay.registry.records.model import PENDING, VERIFIED, EntryRecord, TaskRecord
+from baton_relay.registry.rules.core import Core
+from baton_relay.registry.store import etcd as etcd_mod
+from baton_relay.registry.store.etcd import KV, Etcd, Put
+from baton_relay.registry.store.keys import ClaimRef, Keys
+from baton_relay.registry.store.txn import Txn, write
+from baton_relay.registry.sweeps import scheduler as scheduler_mod
+from baton_relay.registry.sweeps.scheduler import assembly_digest
+from baton_relay.registry.verbs import operators as operators_mod
+from baton_relay.registry.verbs import sessions as sessions_mod
 
 T = TypeVar("T")
 FAST = {"base_seconds": 0.001}

@@ -13,7 +13,7 @@ from test_cli import invoke, ok_json
 from baton_relay.client import Client
 from baton_relay.kernel import errors
 from baton_relay.kernel.v1 import baton_pb2 as pb
-from baton_relay.registry.consumers import MAX_CONSUMES
+from baton_relay.registry.verbs.consumers import MAX_CONSUMES
 
 
 def test_a_batch_of_leases_applies_together(client: Client) -> None:

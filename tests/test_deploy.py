@@ -36,9 +36,9 @@ from tools import KUBECTL_LINE, KUBECTL_WANTED, require
 from baton_relay.kernel import pki
 from baton_relay.kernel.contract import REGISTRY_PORT
 from baton_relay.kernel.sdnotify import Notifier
-from baton_relay.registry import health
-from baton_relay.registry.config import RegistryConfig
-from baton_relay.registry.config import load_config as registry_config
+from baton_relay.registry.edge import health
+from baton_relay.registry.edge.config import RegistryConfig
+from baton_relay.registry.edge.config import load_config as registry_config
 from baton_relay.watcher.config import WatcherConfig
 from baton_relay.watcher.config import load_config as watcher_config
 
@@ -50,7 +50,7 @@ UNITS = sorted((DEPLOY / "systemd").glob("*.service"))
 COMPOSE = DEPLOY / "compose" / "compose.yaml"
 #: the oldest Kubernetes these manifests are for, and a current one
 KUBERNETES_VERSIONS = ("1.30.0", "1.34.0")
-HEALTH = "baton_relay.registry.health"
+HEALTH = "baton_relay.registry.edge.health"
 
 
 # --- what the daemons accept ---------------------------------------------------------
@@ -726,7 +726,7 @@ def test_watcher_tells_systemd_it_watches_and_stops(
 def test_health_probe_presents_the_registry_certificate(
         registry_factory: Callable[..., RegistryHandle], tmp_path: Path) -> None:
     """Against a replica serving mutual TLS, the probe with the replica's own settings
-    answers 0 (as ``python -m baton_relay.registry.health`` too); without them, or with nothing
+    answers 0 (as ``python -m baton_relay.registry.edge.health`` too); without them, or with nothing
     listening, 1."""
     made = pki.local_pki(tmp_path / "pki")
     tls = {"tls_ca": str(made["ca"].cert), "tls_cert": str(made["registry"].cert),

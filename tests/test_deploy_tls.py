@@ -27,8 +27,8 @@ import pytest
 import yaml
 from test_deploy import COMPOSE, DEPLOY, KUBE, ROOT, KubectlUnfit, find_kubectl, kustomize
 
-from baton_relay.registry.config import RegistryConfig
-from baton_relay.registry.config import load_config as registry_config
+from baton_relay.registry.edge.config import RegistryConfig
+from baton_relay.registry.edge.config import load_config as registry_config
 
 KUSTOMIZATION_FILES = ("kustomization.yaml", "kustomization.yml", "Kustomization")
 #: every directory under deploy/kubernetes that kustomize builds: the base and each overlay

@@ -52,7 +52,7 @@ from baton_relay.kernel.contract import SERVICES
 from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.local.etcdproc import free_port
 from baton_relay.local.stack import LocalPKI
-from baton_relay.registry.etcd_versions import crash_loses_writes
+from baton_relay.registry.store.etcd_versions import crash_loses_writes
 
 BIN = PYTHON.parent
 CLI_MD = ROOT / "docs" / "cli.md"

@@ -1,4 +1,4 @@
-"""The archiver election (registry/election.py) between two real registry replicas on
+"""The archiver election (registry/rules/election.py) between two real registry replicas on
 one real etcd: one archives at a time, a replica that stops or whose lease ends is
 replaced within the lease's TTL, and every finished task is archived once."""
 
@@ -15,9 +15,9 @@ from registry_fixtures import RegistryHandle, on_etcd, produce_verified
 
 from baton_relay.client import Client
 from baton_relay.kernel.v1 import baton_pb2 as pb
-from baton_relay.registry._etcd import Etcd
-from baton_relay.registry.archive import Archiver, DirectoryStore
-from baton_relay.registry.election import Election
+from baton_relay.registry.rules.election import Election
+from baton_relay.registry.store.etcd import Etcd
+from baton_relay.registry.sweeps.archive import Archiver, DirectoryStore
 
 Wait = Callable[..., None]
 TTL = 2

@@ -12,14 +12,14 @@ import pytest
 
 from baton_relay.kernel.errors import NothingToClaim
 from baton_relay.kernel.v1 import baton_pb2 as pb
-from baton_relay.registry._etcd import Put
-from baton_relay.registry.consumers import Consumers
-from baton_relay.registry.core import Core
-from baton_relay.registry.identity import ANONYMOUS
-from baton_relay.registry.keys import Keys
-from baton_relay.registry.producers import Producers
-from baton_relay.registry.sessions import Sessions
-from baton_relay.registry.tasks import Tasks
+from baton_relay.registry.records.identity import ANONYMOUS
+from baton_relay.registry.rules.core import Core
+from baton_relay.registry.store.etcd import Put
+from baton_relay.registry.store.keys import Keys
+from baton_relay.registry.verbs.consumers import Consumers
+from baton_relay.registry.verbs.producers import Producers
+from baton_relay.registry.verbs.sessions import Sessions
+from baton_relay.registry.verbs.tasks import Tasks
 from tests.test_hotpath import EMPTY, CountingEtcd
 
 

@@ -21,7 +21,7 @@ from baton_relay.client.cli import cli
 from baton_relay.kernel import errors, pki
 from baton_relay.kernel.contract import MAX_DELAY_SECONDS
 from baton_relay.kernel.v1 import baton_pb2 as pb
-from baton_relay.registry._etcd import Etcd
+from baton_relay.registry.store.etcd import Etcd
 
 #: retries become claimable again at once (the default backoff starts at 1 s)
 FAST_RETRY = {"base_seconds": 0.001}
@@ -511,7 +511,7 @@ def test_a_retry_backoff_key_cancelled_meanwhile_is_passed_over_not_planned_agai
     again and again against a key that will not come back."""
     import asyncio
 
-    from baton_relay.registry.txn import write
+    from baton_relay.registry.store.txn import write
 
     client.create_task(manifest(max_retries=3))
     with client.open_session("p", ttl=10) as s:

@@ -21,7 +21,7 @@ from registry_fixtures import TEST_RETRY, on_etcd, start_registry
 from baton_relay.client import Client
 from baton_relay.kernel import errors
 from baton_relay.local.etcdproc import EtcdProcess, free_port
-from baton_relay.registry._etcd import Etcd, parse_endpoints
+from baton_relay.registry.store.etcd import Etcd, parse_endpoints
 
 T = TypeVar("T")
 

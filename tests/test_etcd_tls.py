@@ -26,7 +26,7 @@ from test_etcd_endpoints import Relay, needs_ipv6
 from baton_relay.client import Client
 from baton_relay.kernel import errors, pki
 from baton_relay.local.etcdproc import EtcdProcess, EtcdTLS, free_port
-from baton_relay.registry._etcd import Etcd, EtcdAuth, Get, Put, absent
+from baton_relay.registry.store.etcd import Etcd, EtcdAuth, Get, Put, absent
 
 T = TypeVar("T")
 

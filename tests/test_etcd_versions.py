@@ -35,13 +35,13 @@ from baton_relay.local.etcdproc import (
 )
 from baton_relay.local.stack import UpOptions, child_specs, run_up
 from baton_relay.registry import RegistryConfig, start
-from baton_relay.registry.etcd_members import (
+from baton_relay.registry.store.etcd_members import (
     MEMBERS_KEY,
     REASON_KEY,
     EtcdVersionRefused,
     allowed_versions,
 )
-from baton_relay.registry.etcd_versions import (
+from baton_relay.registry.store.etcd_versions import (
     KNOWN_BAD,
     affected_by,
     markdown_table,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from baton_relay.registry._etcd import (
+from baton_relay.registry.store.etcd import (
     Compare,
     Delete,
     Get,

@@ -16,10 +16,10 @@ from registry_fixtures import TEST_RETRY, RegistryHandle, agent_processes, on_et
 
 from baton_relay.client import Client, Session, parse_manifest
 from baton_relay.kernel import errors
-from baton_relay.registry._etcd import Etcd
-from baton_relay.registry.fairness import MAX_KEYS, MAX_WEIGHT
-from baton_relay.registry.keys import Keys
-from baton_relay.registry.manifest import validate
+from baton_relay.registry.records.fairness import MAX_KEYS, MAX_WEIGHT
+from baton_relay.registry.records.manifest import validate
+from baton_relay.registry.store.etcd import Etcd
+from baton_relay.registry.store.keys import Keys
 
 FAIR_AGENT = Path(__file__).with_name("fair_agent.py")
 WEIGHTS = {"acme": 1, "globex": 1, "initech": 2}

@@ -17,7 +17,7 @@ from registry_fixtures import RegistryHandle
 from baton_relay.client import Client, Session
 from baton_relay.kernel import errors
 from baton_relay.kernel.v1 import baton_pb2 as pb
-from baton_relay.registry.scheduler import assembly_digest
+from baton_relay.registry.sweeps.scheduler import assembly_digest
 
 FAST = {"base_seconds": 0.001}
 

@@ -10,15 +10,15 @@ from typing import Any
 import blake3
 
 from baton_relay.kernel.v1 import baton_pb2 as pb
-from baton_relay.registry._etcd import KV, Compare, Etcd, Guarded, TxnOp, TxnResult
-from baton_relay.registry.consumers import Consumers
-from baton_relay.registry.core import Core
-from baton_relay.registry.fused import Fused
-from baton_relay.registry.identity import ANONYMOUS
-from baton_relay.registry.keys import Keys
-from baton_relay.registry.producers import Producers
-from baton_relay.registry.sessions import Sessions
-from baton_relay.registry.tasks import Tasks
+from baton_relay.registry.records.identity import ANONYMOUS
+from baton_relay.registry.rules.core import Core
+from baton_relay.registry.store.etcd import KV, Compare, Etcd, Guarded, TxnOp, TxnResult
+from baton_relay.registry.store.keys import Keys
+from baton_relay.registry.verbs.consumers import Consumers
+from baton_relay.registry.verbs.fused import Fused
+from baton_relay.registry.verbs.producers import Producers
+from baton_relay.registry.verbs.sessions import Sessions
+from baton_relay.registry.verbs.tasks import Tasks
 
 #: the digest each commit carries (of no bytes: the cycles write no file, nothing compares)
 EMPTY = blake3.blake3(b"").hexdigest()
@@ -161,7 +161,7 @@ def test_manifest_validation_runs_off_the_event_loop(
     """CreateTask validates the manifest in a worker thread, never on the event loop."""
     import threading
 
-    import baton_relay.registry.tasks as tasks_module
+    import baton_relay.registry.verbs.tasks as tasks_module
 
     seen: list[str] = []
     real = tasks_module.validate
@@ -191,9 +191,9 @@ def test_manifest_validation_runs_off_the_event_loop(
 def test_completion_looks_at_the_tasks_whose_entries_finished(etcd: Any, prefix: str) -> None:
     """Finishing an entry writes its finishing key; the completion sweep reads only those,
     completes the task and deletes them."""
-    from baton_relay.registry.consumers import Consumers
-    from baton_relay.registry.scheduler import Scheduler
-    from baton_relay.registry.verify import Verifier
+    from baton_relay.registry.sweeps.scheduler import Scheduler
+    from baton_relay.registry.verbs.consumers import Consumers
+    from baton_relay.registry.verbs.verify import Verifier
 
     async def body() -> tuple[int, str, str, int]:
         client = Etcd(etcd.endpoint)
@@ -239,8 +239,8 @@ def test_completion_looks_at_the_tasks_whose_entries_finished(etcd: Any, prefix:
 def test_a_replica_whose_view_is_behind_still_releases_a_dependent(
         etcd: Any, prefix: str) -> None:
     """A dependency verified through another replica releases its dependent on this one."""
-    from baton_relay.registry.scheduler import Scheduler
-    from baton_relay.registry.verify import Verifier
+    from baton_relay.registry.sweeps.scheduler import Scheduler
+    from baton_relay.registry.verbs.verify import Verifier
 
     async def body() -> tuple[bool, str]:
         client = Etcd(etcd.endpoint)
@@ -280,7 +280,7 @@ def test_a_replica_whose_view_is_behind_still_releases_a_dependent(
 def test_routing_reads_nothing_from_etcd(etcd: Any, prefix: str) -> None:
     """A verification that routes by the task's rules costs the requests of one that
     does not: the rules come from the view's copy of the task header."""
-    from baton_relay.registry.verify import Verifier
+    from baton_relay.registry.verbs.verify import Verifier
 
     async def requests_per_verification(task: str, rules: list[pb.RoutingRule]) -> float:
         client, core = await _started(etcd.endpoint, prefix)

@@ -25,7 +25,7 @@ from registry_fixtures import TEST_RETRY, RegistryHandle, on_etcd, start_registr
 from baton_relay.client import Client, put
 from baton_relay.kernel import errors
 from baton_relay.kernel.v1 import baton_pb2 as pb
-from baton_relay.registry._etcd import Etcd
+from baton_relay.registry.store.etcd import Etcd
 from baton_relay.watcher import Watcher, WatcherConfig, start_watcher
 from baton_relay.watcher.sync import NEWS_WORKERS
 

@@ -1,4 +1,4 @@
-"""Keys are built in registry/keys.py only: no other registry module spells a key.
+"""Keys are built in registry/store/keys.py only: no other registry module spells a key.
 
 Every key lives under a namespace (``tasks/``, ``cready/``, ``inflight/``, ...) that
 keys.py names once, in its ``_k`` calls. The check reads each other registry module's
@@ -18,7 +18,7 @@ OWNER = "keys.py"
 
 def namespaces() -> set[str]:
     """The first segment of every key keys.py builds (its ``self._k("NAME", ...)``)."""
-    tree = ast.parse((ROOT / "registry" / OWNER).read_text(), OWNER)
+    tree = ast.parse((ROOT / "registry" / "store" / OWNER).read_text(), OWNER)
     return {node.args[0].value for node in ast.walk(tree)
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
             and node.func.attr == "_k" and node.args
@@ -72,7 +72,7 @@ def test_no_registry_module_but_keys_py_spells_a_key() -> None:
     """Every key (consumer indexes included) is built by a function of keys.py."""
     names = namespaces()
     found: list[str] = []
-    for path in sorted((ROOT / "registry").glob("*.py")):
+    for path in sorted((ROOT / "registry").rglob("*.py")):
         if path.name != OWNER:
             found += offences(path.read_text(), path.name, names)
     assert found == []

@@ -24,9 +24,9 @@ from test_leases import wait_for
 from baton_relay.client import Client, Session, consume_each, produce_each
 from baton_relay.kernel import errors
 from baton_relay.kernel.v1 import baton_pb2 as pb
-from baton_relay.registry._etcd import Put
-from baton_relay.registry.claims import SessionRecord
-from baton_relay.registry.leases import MOVE_CHUNK, Leases
+from baton_relay.registry.rules.checks import SessionRecord
+from baton_relay.registry.store.etcd import Put
+from baton_relay.registry.verbs.leases import MOVE_CHUNK, Leases
 
 #: a well-formed digest for commits that publish no file (the test reports it as watcher)
 DIGEST = "0" * 64

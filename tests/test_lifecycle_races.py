@@ -16,18 +16,18 @@ from registry_fixtures import on_etcd
 from baton_relay.client import Client
 from baton_relay.kernel import errors
 from baton_relay.kernel.v1 import baton_pb2 as pb
-from baton_relay.registry._etcd import Etcd
-from baton_relay.registry.consumers import Consumers
-from baton_relay.registry.core import Core
-from baton_relay.registry.identity import ANONYMOUS
-from baton_relay.registry.keys import ClaimRef, Keys
-from baton_relay.registry.operators import CANCEL_FINISHED_AFTER, CLAIM_CHUNK, Operators
-from baton_relay.registry.producers import Producers
-from baton_relay.registry.scheduler import Scheduler
-from baton_relay.registry.sessions import Sessions
-from baton_relay.registry.tasks import Tasks
-from baton_relay.registry.txn import Txn
-from baton_relay.registry.verify import Verifier
+from baton_relay.registry.records.identity import ANONYMOUS
+from baton_relay.registry.rules.core import Core
+from baton_relay.registry.store.etcd import Etcd
+from baton_relay.registry.store.keys import ClaimRef, Keys
+from baton_relay.registry.store.txn import Txn
+from baton_relay.registry.sweeps.scheduler import Scheduler
+from baton_relay.registry.verbs.consumers import Consumers
+from baton_relay.registry.verbs.operators import CANCEL_FINISHED_AFTER, CLAIM_CHUNK, Operators
+from baton_relay.registry.verbs.producers import Producers
+from baton_relay.registry.verbs.sessions import Sessions
+from baton_relay.registry.verbs.tasks import Tasks
+from baton_relay.registry.verbs.verify import Verifier
 
 
 def digest(data: bytes) -> str:

@@ -25,7 +25,7 @@ from baton_relay.client import Client
 from baton_relay.kernel import errors
 from baton_relay.kernel.contract import MAX_MANIFEST_BYTES, MAX_REQUEST_BYTES
 from baton_relay.kernel.v1 import baton_pb2 as pb
-from baton_relay.registry import server as registry_server
+from baton_relay.registry.edge import server as registry_server
 
 #: every method of the three services, by name
 METHODS = {m.name: m for s in pb.DESCRIPTOR.services_by_name.values() for m in s.methods}

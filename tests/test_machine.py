@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from baton_relay.kernel.errors import IllegalTransition
-from baton_relay.registry import machine
-from baton_relay.registry.machine import ATTEMPT, TABLE, Event, apply
-from baton_relay.registry.model import DEAD, PENDING, WRITING, EntryRecord, State
+from baton_relay.registry.records.model import DEAD, PENDING, WRITING, EntryRecord, State
+from baton_relay.registry.rules import machine
+from baton_relay.registry.rules.machine import ATTEMPT, TABLE, Event, apply
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -108,7 +108,7 @@ def _state_assignments(tree: ast.AST) -> list[int]:
 def test_only_the_machine_assigns_an_entry_state() -> None:
     """No registry module but machine.py assigns ``.state``: every move goes through apply."""
     found = {}
-    for path in sorted((ROOT / "registry").glob("*.py")):
+    for path in sorted((ROOT / "registry").rglob("*.py")):
         if path.name == "machine.py":
             continue
         lines = _state_assignments(ast.parse(path.read_text()))

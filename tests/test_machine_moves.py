@@ -11,8 +11,7 @@ import pytest
 
 from baton_relay.client import Client, Session, put
 from baton_relay.kernel.v1 import baton_pb2 as pb
-from baton_relay.registry.machine import TABLE, Event
-from baton_relay.registry.model import (
+from baton_relay.registry.records.model import (
     CONSUMED,
     DEAD,
     PENDING,
@@ -21,6 +20,7 @@ from baton_relay.registry.model import (
     WRITTEN,
     State,
 )
+from baton_relay.registry.rules.machine import TABLE, Event
 
 Wait = Callable[..., None]
 PB = {PENDING: pb.ENTRY_STATE_PENDING, WRITING: pb.ENTRY_STATE_WRITING,

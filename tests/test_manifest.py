@@ -8,7 +8,7 @@ import pytest
 
 from baton_relay.client import Client, parse_manifest
 from baton_relay.kernel import errors
-from baton_relay.registry.manifest import MAX_ENTRIES, MAX_PATH, path_problem, validate
+from baton_relay.registry.records.manifest import MAX_ENTRIES, MAX_PATH, path_problem, validate
 
 
 def spec(entries: list[dict[str, Any]], **fields: Any) -> Any:
@@ -106,7 +106,7 @@ def test_too_many_routing_rules_are_refused_without_parsing_them_all() -> None:
     looked into (fuzzing found such a manifest taking 12 s to refuse: every empty
     condition was parsed)."""
     from baton_relay.kernel.v1 import baton_pb2 as pb
-    from baton_relay.registry.routing import MAX_RULES
+    from baton_relay.registry.records.routing import MAX_RULES
 
     bad = pb.TaskSpec(task_id="t1", entries=[pb.EntrySpec(file_id="a", path="a")],
                       routing_rules=[pb.RoutingRule() for _ in range(2000)])

@@ -8,7 +8,7 @@ import pytest
 
 from baton_relay.client import parse_manifest
 from baton_relay.kernel import errors
-from baton_relay.registry.manifest import validate
+from baton_relay.registry.records.manifest import validate
 
 
 def spec(entries: list[dict[str, Any]]) -> Any:

@@ -22,8 +22,8 @@ from baton_relay.kernel.metrics_endpoint import parse_address
 from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.local.etcdproc import EtcdProcess
 from baton_relay.registry import RegistryConfig
-from baton_relay.registry.config import load_config as registry_config
-from baton_relay.registry.metrics import RegistryMetrics
+from baton_relay.registry.edge.config import load_config as registry_config
+from baton_relay.registry.edge.metrics import RegistryMetrics
 from baton_relay.watcher import Watcher
 from baton_relay.watcher.config import load_config as watcher_config
 

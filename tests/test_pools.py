@@ -22,9 +22,9 @@ from registry_fixtures import RegistryHandle, on_etcd
 from baton_relay.client import Client
 from baton_relay.kernel.errors import InvalidArgument, InvalidManifest, NotFound, NothingToClaim
 from baton_relay.kernel.v1 import baton_pb2 as pb
-from baton_relay.registry._etcd import Etcd, Put
-from baton_relay.registry.keys import Keys
-from baton_relay.registry.model import TaskRecord
+from baton_relay.registry.records.model import TaskRecord
+from baton_relay.registry.store.etcd import Etcd, Put
+from baton_relay.registry.store.keys import Keys
 from tests.faults.checker import most_at_once
 
 Wait = Callable[..., None]

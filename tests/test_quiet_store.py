@@ -14,7 +14,7 @@ from registry_fixtures import TEST_RETRY, on_etcd, start_registry
 from test_metrics import metrics_port, scrape
 
 from baton_relay.client import Client
-from baton_relay.registry._etcd import Etcd
+from baton_relay.registry.store.etcd import Etcd
 from baton_relay.watcher import WatcherConfig, start_watcher
 
 

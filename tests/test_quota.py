@@ -33,9 +33,9 @@ from baton_relay.client.cli import cli
 from baton_relay.kernel.errors import IllegalTransition, StorageFull, TaskExists
 from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.local.etcdproc import EtcdProcess, etcd_version
-from baton_relay.registry._etcd import Etcd, Guarded, Put
-from baton_relay.registry.archive import Archiver, DirectoryStore
-from baton_relay.registry.keys import Keys
+from baton_relay.registry.store.etcd import Etcd, Guarded, Put
+from baton_relay.registry.store.keys import Keys
+from baton_relay.registry.sweeps.archive import Archiver, DirectoryStore
 
 QUOTA = ("--quota-backend-bytes=4194304",)  # 4 MiB
 PREFIX = "/quota/"
@@ -115,7 +115,7 @@ async def _free_and_disarm(etcd: Etcd) -> None:
     compact, defragment, then `etcdctl alarm disarm` (through etcd's own stubs)."""
     from aetcd import rpc
 
-    from baton_relay.registry.keys import prefix_end
+    from baton_relay.registry.store.keys import prefix_end
 
     channel = etcd._pick()
     kvs, _, _ = await etcd.range(b"/quota/tasks/", keys_only=True)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from baton_relay.kernel.v1 import baton_pb2 as pb
-from baton_relay.registry import model
-from baton_relay.registry.model import EntryRecord, TaskRecord
+from baton_relay.registry.records import model
+from baton_relay.registry.records.model import EntryRecord, TaskRecord
 
 
 def _stored_entry() -> bytes:

@@ -17,10 +17,10 @@ from test_cli import invoke, ok_json, one_error_line
 from baton_relay.client import Client
 from baton_relay.kernel import errors
 from baton_relay.kernel.v1 import baton_pb2 as pb
-from baton_relay.registry import removal
-from baton_relay.registry._etcd import KV, Etcd, Put
-from baton_relay.registry.keys import Keys
-from baton_relay.registry.removal import Removal
+from baton_relay.registry.store.etcd import KV, Etcd, Put
+from baton_relay.registry.store.keys import Keys
+from baton_relay.registry.verbs import removal
+from baton_relay.registry.verbs.removal import Removal
 
 FAST = {"base_seconds": 0.001}
 
@@ -321,7 +321,7 @@ def test_a_claim_racing_the_delete_loses_once_the_task_is_marked(
         client: Client, store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     """A claim planned on the active task, the delete applied before it commits: the
     claim is refused and nothing of the task is left."""
-    from baton_relay.registry.producers import Producers
+    from baton_relay.registry.verbs.producers import Producers
 
     client.create_task({"task_id": "t1", "entries": entries("a", "b")})
     real = Producers._session
@@ -465,9 +465,9 @@ def test_cli_task_delete_asks_on_a_terminal(
 
 def test_entry_chunks_need_the_header_still_creating(etcd: Any, prefix: str) -> None:
     """A creation whose header stopped being `creating` writes no more entries."""
-    from baton_relay.registry.core import Core
-    from baton_relay.registry.manifest import validate
-    from baton_relay.registry.tasks import Tasks
+    from baton_relay.registry.records.manifest import validate
+    from baton_relay.registry.rules.core import Core
+    from baton_relay.registry.verbs.tasks import Tasks
 
     spec = pb.TaskSpec(task_id="t", entries=[pb.EntrySpec(file_id=f"e{i}", path=f"e{i}")
                                              for i in range(5)])

@@ -16,17 +16,17 @@ from registry_fixtures import RegistryHandle, on_etcd, produce_verified
 from baton_relay.client import Client
 from baton_relay.kernel import errors
 from baton_relay.kernel.v1 import baton_pb2 as pb
-from baton_relay.registry._etcd import Etcd
-from baton_relay.registry.core import Core
-from baton_relay.registry.deadlines import Deadlines
-from baton_relay.registry.election import Election
-from baton_relay.registry.identity import ANONYMOUS
-from baton_relay.registry.keys import Keys
-from baton_relay.registry.producers import Producers
-from baton_relay.registry.scheduler import Scheduler
-from baton_relay.registry.sessions import Reaper, Sessions
-from baton_relay.registry.stalls import Stalls
-from baton_relay.registry.tasks import Tasks
+from baton_relay.registry.records.identity import ANONYMOUS
+from baton_relay.registry.rules.core import Core
+from baton_relay.registry.rules.election import Election
+from baton_relay.registry.store.etcd import Etcd
+from baton_relay.registry.store.keys import Keys
+from baton_relay.registry.sweeps.deadlines import Deadlines
+from baton_relay.registry.sweeps.scheduler import Scheduler
+from baton_relay.registry.sweeps.stalls import Stalls
+from baton_relay.registry.verbs.producers import Producers
+from baton_relay.registry.verbs.sessions import Reaper, Sessions
+from baton_relay.registry.verbs.tasks import Tasks
 
 
 class ReadCounter(Etcd):
@@ -236,8 +236,8 @@ def test_a_task_an_older_registry_wrote_is_looked_at_once_by_a_new_leader(
     """A header without ``cross_deps`` (no wake or finishing keys behind it): ``learn``
     releases what its verified dependencies allow and records that it has none across
     tasks; after that the sweeps read nothing of it."""
-    from baton_relay.registry._etcd import Put
-    from baton_relay.registry.model import VERIFIED, EntryRecord, TaskRecord
+    from baton_relay.registry.records.model import VERIFIED, EntryRecord, TaskRecord
+    from baton_relay.registry.store.etcd import Put
 
     async def body() -> tuple[int, str, bool | None, tuple[int, int, int], int]:
         conn = ReadCounter(etcd.endpoint, timeout=60)

@@ -228,9 +228,9 @@ def test_baton_put_resume_copies_only_what_the_killed_put_did_not(
     a second `baton put --resume` is given a source whose adopted part is zeros: it seeks
     past that part, so the file committed is the first put's bytes there and the source's
     after — the whole payload, which a copy started over would not be."""
-    from baton_relay.registry._etcd import Etcd
-    from baton_relay.registry.checkpoints import CheckpointRecord
-    from baton_relay.registry.keys import ClaimRef, Keys
+    from baton_relay.registry.store.etcd import Etcd
+    from baton_relay.registry.store.keys import ClaimRef, Keys
+    from baton_relay.registry.verbs.checkpoints import CheckpointRecord
 
     payload = b"".join(block(i) for i in range(5))  # 5 MiB
     env = {**os.environ, "BATON_REGISTRY": registry.address}

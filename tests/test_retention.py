@@ -201,7 +201,7 @@ def test_the_archive_waits_for_files_about_to_leave_staging(
 def test_the_registry_default_comes_from_its_configuration() -> None:
     """--staging-retention sets the default (86400 unless given); a non-number is refused."""
     from baton_relay.kernel.errors import BatonError
-    from baton_relay.registry.config import load_config
+    from baton_relay.registry.edge.config import load_config
 
     assert load_config([], {}).staging_retention == 86400
     assert load_config(["--staging-retention", "0"], {}).staging_retention == 0

@@ -14,8 +14,8 @@ from baton_relay.client import Client, parse_manifest, produce, put
 from baton_relay.kernel import errors
 from baton_relay.kernel.contract import MAX_ATTRIBUTES_BYTES
 from baton_relay.kernel.v1 import baton_pb2 as pb
-from baton_relay.registry.manifest import validate
-from baton_relay.registry.routing import MAX_RULES, condition, parse_attributes
+from baton_relay.registry.records.manifest import validate
+from baton_relay.registry.records.routing import MAX_RULES, condition, parse_attributes
 
 #: the seed's report pipeline: a report that fails compliance goes to people instead
 REPORTS = {

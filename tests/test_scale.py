@@ -7,13 +7,13 @@ from pathlib import Path
 from typing import Any
 
 from baton_relay.kernel.v1 import baton_pb2 as pb
-from baton_relay.registry._etcd import KV, Etcd
-from baton_relay.registry.core import Core
-from baton_relay.registry.identity import ANONYMOUS
-from baton_relay.registry.keys import Keys
-from baton_relay.registry.producers import Producers
-from baton_relay.registry.sessions import Sessions
-from baton_relay.registry.tasks import Tasks
+from baton_relay.registry.records.identity import ANONYMOUS
+from baton_relay.registry.rules.core import Core
+from baton_relay.registry.store.etcd import KV, Etcd
+from baton_relay.registry.store.keys import Keys
+from baton_relay.registry.verbs.producers import Producers
+from baton_relay.registry.verbs.sessions import Sessions
+from baton_relay.registry.verbs.tasks import Tasks
 
 
 class CountingEtcd(Etcd):

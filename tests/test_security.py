@@ -26,15 +26,15 @@ from baton_relay.client import Client
 from baton_relay.kernel import errors, pki
 from baton_relay.kernel.contract import shard_of
 from baton_relay.kernel.v1 import baton_pb2 as pb
-from baton_relay.registry._etcd import Etcd
-from baton_relay.registry.identity import (
+from baton_relay.registry.records.identity import (
     AUDIENCE,
     AUDIENCE_ROLES,
     EXCEPTIONS,
     POLICY,
     SERVICE_AUDIENCE,
 )
-from baton_relay.registry.keys import Keys
+from baton_relay.registry.store.etcd import Etcd
+from baton_relay.registry.store.keys import Keys
 
 DIGEST = "ab" * 32
 #: every method of the three services, by name
@@ -684,7 +684,7 @@ def test_plaintext_client_of_a_tls_registry_is_told(secure: RegistryHandle) -> N
 
 def test_server_settings_from_flags_and_environment() -> None:
     """The TLS and etcd credential settings load from flags and BATON_* variables."""
-    from baton_relay.registry.config import load_config
+    from baton_relay.registry.edge.config import load_config
 
     cfg = load_config(["--tls-ca", "/a", "--tls-cert", "/b", "--tls-key", "/c"],
                       {"BATON_INSECURE": "0", "BATON_ETCD_CA": "/e"})

@@ -15,7 +15,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from registry_fixtures import allow_suite_etcd
 
 from baton_relay.kernel.contract import SERVICES
-from baton_relay.registry.config import RegistryConfig, load_config
+from baton_relay.registry.edge.config import RegistryConfig, load_config
 
 
 def test_config_precedence_flag_env_file(tmp_path: Path) -> None:

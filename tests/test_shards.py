@@ -27,7 +27,7 @@ from baton_relay.client import Client, Session
 from baton_relay.kernel.contract import shard_of
 from baton_relay.kernel.errors import NotFound, NotShardOwner
 from baton_relay.kernel.v1 import baton_pb2 as pb
-from baton_relay.registry.shards import moves_bound, plan_moves
+from baton_relay.registry.verbs.shards import moves_bound, plan_moves
 from baton_relay.watcher import Watcher, daemon
 
 Wait = Callable[..., None]

@@ -14,8 +14,8 @@ from registry_fixtures import RegistryHandle, on_etcd
 from baton_relay.client import Client
 from baton_relay.kernel.errors import InvalidManifest, StaleToken
 from baton_relay.kernel.v1 import baton_pb2 as pb
-from baton_relay.registry._etcd import Etcd
-from baton_relay.registry.keys import Keys
+from baton_relay.registry.store.etcd import Etcd
+from baton_relay.registry.store.keys import Keys
 
 Wait = Callable[..., None]
 EMPTY = "af1349b9f5f9a1a6a0404dea36dcc9499bcb25c9adc112b7cc9a93cae41f3262"

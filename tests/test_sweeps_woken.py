@@ -19,10 +19,10 @@ import pytest
 from registry_fixtures import RegistryHandle, allow_suite_etcd, on_etcd, produce_verified
 
 from baton_relay.client import Client
-from baton_relay.registry._etcd import Etcd
-from baton_relay.registry.keys import Keys
-from baton_relay.registry.model import EntryRecord
-from baton_relay.registry.sweeps import SweepWatch
+from baton_relay.registry.records.model import EntryRecord
+from baton_relay.registry.rules.sweeping import SweepWatch
+from baton_relay.registry.store.etcd import Etcd
+from baton_relay.registry.store.keys import Keys
 
 Wait = Callable[..., None]
 

@@ -20,7 +20,7 @@ from registry_fixtures import TEST_RETRY, RegistryHandle, on_etcd, start_registr
 from baton_relay.client import Client
 from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.local.etcdproc import EtcdProcess
-from baton_relay.registry._etcd import Etcd
+from baton_relay.registry.store.etcd import Etcd
 
 NOTIFYING = ("--experimental-watch-progress-notify-interval=200ms",)
 

@@ -1,4 +1,4 @@
-"""The task lifecycle as a table (registry/lifecycle.py): its moves and refusals, the
+"""The task lifecycle as a table (registry/rules/lifecycle.py): its moves and refusals, the
 diagram in the docs is the table's, and no module outside it assigns a task's status."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from baton_relay.kernel.errors import IllegalTransition, NotFound
-from baton_relay.registry import lifecycle
-from baton_relay.registry.lifecycle import STATUSES, TABLE, TaskEvent, apply
-from baton_relay.registry.model import TaskRecord
+from baton_relay.registry.records.model import TaskRecord
+from baton_relay.registry.rules import lifecycle
+from baton_relay.registry.rules.lifecycle import STATUSES, TABLE, TaskEvent, apply
 
 ROOT = Path(__file__).resolve().parents[1]
 OWNER = "lifecycle.py"
@@ -112,11 +112,11 @@ def offences(source: str, filename: str) -> list[str]:
 def test_no_module_but_the_lifecycle_assigns_a_tasks_status() -> None:
     """Every change of a task's status in the registry goes through ``lifecycle.apply``."""
     found: list[str] = []
-    for path in sorted((ROOT / "registry").glob("*.py")):
+    for path in sorted((ROOT / "registry").rglob("*.py")):
         if path.name != OWNER:
             found += offences(path.read_text(), path.name)
     assert found == []
-    writers = {path.name for path in (ROOT / "registry").glob("*.py")
+    writers = {path.name for path in (ROOT / "registry").rglob("*.py")
                if "lifecycle.apply(" in path.read_text()}
     assert writers == {"operators.py", "tasks.py", "scheduler.py", "archive.py",
                        "removal.py"}

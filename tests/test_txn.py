@@ -11,10 +11,10 @@ from registry_fixtures import on_etcd
 
 from baton_relay.kernel.errors import Conflict, NotFound
 from baton_relay.local.etcdproc import EtcdProcess
-from baton_relay.registry._etcd import Etcd, Put
-from baton_relay.registry.keys import Keys
-from baton_relay.registry.txn import Transactions, Txn, write
-from baton_relay.registry.view import View
+from baton_relay.registry.store.etcd import Etcd, Put
+from baton_relay.registry.store.keys import Keys
+from baton_relay.registry.store.txn import Transactions, Txn, write
+from baton_relay.registry.store.view import View
 
 T = TypeVar("T")
 

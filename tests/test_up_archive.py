@@ -20,7 +20,7 @@ from baton_relay.client import Client
 from baton_relay.client.cli import cli
 from baton_relay.local.etcdproc import free_port
 from baton_relay.local.stack import UpOptions, child_specs
-from baton_relay.registry.config import RegistryConfig
+from baton_relay.registry.edge.config import RegistryConfig
 
 
 def test_up_has_every_archive_option_of_the_registry() -> None:

@@ -15,9 +15,9 @@ from pathlib import Path
 
 from compacting import COMPACTING, compacted, start_etcd, tick
 
-from baton_relay.registry._etcd import Etcd, Put
-from baton_relay.registry.keys import Keys
-from baton_relay.registry.view import View
+from baton_relay.registry.store.etcd import Etcd, Put
+from baton_relay.registry.store.keys import Keys
+from baton_relay.registry.store.view import View
 
 PREFIX = "/baton-view-rest/"
 

@@ -15,8 +15,8 @@ from baton_relay.client import Client
 from baton_relay.kernel import errors
 from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.local.etcdproc import EtcdProcess
-from baton_relay.registry._etcd import Etcd, Put
-from baton_relay.registry.fanout import Fanout
+from baton_relay.registry.store.etcd import Etcd, Put
+from baton_relay.registry.store.fanout import Fanout
 
 DIGEST = "0" * 64
 

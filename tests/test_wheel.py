@@ -55,7 +55,7 @@ def test_the_wheel_and_sdist_carry_every_package_and_data_file(dist: Path) -> No
     names = set(zipfile.ZipFile(wheel).namelist())
     for needed in ("kernel/proto/baton/v1/baton.proto", "kernel/v1/baton_pb2.py", "kernel/py.typed",
                    "kernel/pki.py", "client/py.typed", "local/stack.py", "local/etcdproc.py",
-                   "local/cli.py", "registry/identity.py", "watcher/taskdirs.py",
+                   "local/cli.py", "registry/records/identity.py", "watcher/taskdirs.py",
                    "watcher/py.typed"):
         assert f"baton_relay/{needed}" in names, needed
     # one import root, named after the distribution: nothing else at the top

@@ -22,8 +22,8 @@ from registry_fixtures import TEST_RETRY, RegistryHandle
 
 from baton_relay.client import Client, Session, put
 from baton_relay.kernel.v1 import baton_pb2 as pb
-from baton_relay.registry._etcd import Etcd
-from baton_relay.registry.keys import Keys
+from baton_relay.registry.store.etcd import Etcd
+from baton_relay.registry.store.keys import Keys
 from baton_relay.watcher import Watcher, WatcherConfig, start_watcher
 from baton_relay.watcher.__main__ import READY
 

@@ -4,7 +4,7 @@ The watcher registers on its own lease and heartbeats every TTL/3; each reply
 lists the shards it owns, at which epoch, and those it is asked to hand over.
 It serves (watches, hashes, reports on) only the tasks of shards it owns, and
 every report names the shard's epoch: the registry believes the owner at the
-current epoch only (``baton_relay.registry.shards``).
+current epoch only (``baton_relay.registry.verbs.shards``).
 
 A handover runs on its own thread so the heartbeats go on meanwhile: the
 daemon stops serving the shard's tasks, the checks already in hand finish (and

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from baton_relay.local.etcdproc import etcd_version, find_etcd
-from baton_relay.registry.etcd_versions import crash_loses_writes
+from baton_relay.registry.store.etcd_versions import crash_loses_writes
 
 from .harness import RunConfig, run
 from .nemesis import NEMESES

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from baton_relay.kernel.contract import attempt_path
-from baton_relay.registry.keys import ClaimRef
+from baton_relay.registry.store.keys import ClaimRef
 
 from .state import EntryKey, JournalRecord, Snapshot
 

@@ -37,7 +37,7 @@ from baton_relay.local.etcdproc import (
     write_banner,
 )
 from baton_relay.local.stack import LocalPKI, grpc_health_probe, log_line_probe
-from baton_relay.registry.keys import prefix_end
+from baton_relay.registry.store.keys import prefix_end
 
 from .netns import Network
 

@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from baton_relay.registry._etcd import Etcd
-from baton_relay.registry.keys import ClaimRef, Keys
+from baton_relay.registry.store.etcd import Etcd
+from baton_relay.registry.store.keys import ClaimRef, Keys
 
 PAGE = 500
 

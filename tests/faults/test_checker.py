@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from baton_relay.registry.keys import ClaimRef
+from baton_relay.registry.store.keys import ClaimRef
 
 from . import payload
 from .checker import Report, check, leftover_temp_files

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from baton_relay.local.etcdproc import etcd_version, find_etcd
-from baton_relay.registry.etcd_versions import crash_loses_writes
+from baton_relay.registry.store.etcd_versions import crash_loses_writes
 
 from . import netns
 from .harness import Result, RunConfig, run

@@ -20,7 +20,7 @@ from baton_relay.client import Client
 from baton_relay.kernel import errors
 from baton_relay.kernel.errors import Unavailable
 from baton_relay.local.etcdproc import free_port
-from baton_relay.registry._etcd import Etcd
+from baton_relay.registry.store.etcd import Etcd
 
 from . import netns
 from .cluster import (

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from baton_relay.kernel.errors import InvalidManifest
 from baton_relay.kernel.v1 import baton_pb2 as pb
-from baton_relay.registry.manifest import ID_RE, path_problem, validate
+from baton_relay.registry.records.manifest import ID_RE, path_problem, validate
 
 from .strategies import fuzz_settings, messages
 

@@ -127,7 +127,7 @@ def keys_digest(w: World) -> str:
 def _range(w: World) -> Iterator[bytes]:
     import asyncio
 
-    from baton_relay.registry._etcd import Etcd
+    from baton_relay.registry.store.etcd import Etcd
 
     async def read() -> list[bytes]:
         etcd = Etcd(w.etcd.endpoint)

@@ -24,7 +24,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from baton_relay.registry.manifest import path_problem
+from baton_relay.registry.records.manifest import path_problem
 from baton_relay.watcher.errors import FileMissing, HashFailed, Refused
 from baton_relay.watcher.hashing import Hasher
 
