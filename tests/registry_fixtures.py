@@ -36,7 +36,7 @@ def suite_etcd_version() -> str:
 
     CI runs the suite on 3.4 and on the wheel's 3.5.1, which has known bugs: a registry
     the suite starts on it must be told to serve anyway, and only for that exact release
-    (tests/test_etcd_versions.py checks the refusal itself)."""
+    (tests/system/test_etcd_versions.py checks the refusal itself)."""
     return etcd_version(os.environ.get("BATON_TEST_ETCD") or find_etcd())
 
 

@@ -1,4 +1,4 @@
-"""A producer process writing one large entry resumably, for tests/test_resume.py.
+"""A producer process writing one large entry resumably, for tests/system/test_resume.py.
 
     python resume_writer.py REGISTRY TASK FILE_ID SIZE RESUME_EVERY TTL [CHUNK]
 

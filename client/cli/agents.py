@@ -277,7 +277,7 @@ def checkpoint(settings: Settings, task_id: str, file_id: str, token: int, group
               help="resumable: record a resume point every --resume-every MiB, and go on "
                    "from the partial file of an earlier attempt that recorded one")
 # The default is the library's RESUME_EVERY (8 MiB), not imported so that `baton
-# --help` does not load the producer's modules; tests/test_produce_promises.py checks.
+# --help` does not load the producer's modules; tests/integration/test_produce_promises.py checks.
 @click.option("--resume-every", type=click.IntRange(min=1), default=8, show_default=True,
               metavar="MIB",
               help="at most this many MiB written between two resume points, fewer where "

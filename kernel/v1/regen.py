@@ -1,7 +1,7 @@
 """Regenerate the committed stubs from the contract, ``kernel/proto/baton/v1/baton.proto``.
 
 Run ``python -m baton_relay.kernel.v1.regen`` from the repository root after editing the
-contract; ``tests/test_contract.py`` fails while the committed stubs are stale.
+contract; ``tests/unit/test_contract.py`` fails while the committed stubs are stale.
 Needs the ``dev`` extra (grpcio-tools, mypy-protobuf).
 """
 

@@ -4,7 +4,7 @@ A claim is four keys written together: the claim key (leased to the holder's ses
 its create revision is the fencing token), its durable twin ``inflight/…`` (not
 leased: the reaper finds it when the lease is gone), the session's slot it holds
 (leased) and, when the entry has one, its deadline key. This module is the only one
-that puts or deletes the first three (tests/test_claim_owner.py holds it to that):
+that puts or deletes the first three (tests/unit/test_claim_owner.py holds it to that):
 
 - :func:`take` writes them in the caller's transaction (a claim, a consume);
 - :func:`check_live` refuses a token call (commit, fail, ack, nack) whose token is not

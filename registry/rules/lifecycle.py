@@ -1,7 +1,7 @@
 """The task lifecycle, as a table: ``(status, event) -> status``, beside the entries'
 state machine (``machine.py``). Every change of a task's status in the registry goes
 through :func:`apply`, which makes the move the table lists or refuses it; no other
-module assigns a task's status (tests/test_task_lifecycle.py reads their syntax trees).
+module assigns a task's status (tests/unit/test_task_lifecycle.py reads their syntax trees).
 
 The table is the guard each writer used to spell as its own set of statuses: what
 else a move requires (a task that never ran, every entry finished, an archive

@@ -257,7 +257,7 @@ def _txn_pb(compares: Sequence[Compare], success: Sequence[TxnOp],
 
 # The hot path builds each request's messages in place (``add()`` and field
 # assignment): four times cheaper than constructing each message and copying it
-# into its parent, with the same bytes on the wire (tests/test_etcd_wire.py).
+# into its parent, with the same bytes on the wire (tests/unit/test_etcd_wire.py).
 
 def _add_compares(field: Any, compares: Sequence[Compare]) -> None:
     for c in compares:

@@ -9,7 +9,7 @@ the entry back, so no wrong bytes were verified or consumed, but a verified entr
 thrown away and consumers in between were handed bytes that failed their digest check.
 ``produce`` now checks its session before the rename; and since each attempt writes a
 file of its own (named for its token, ``a~tN.bin``), even a rename past that check
-lands beside the live attempt's file, never over it (tests/test_fenced_writes.py).
+lands beside the live attempt's file, never over it (tests/system/test_fenced_writes.py).
 """
 
 from __future__ import annotations

@@ -78,7 +78,7 @@ def test_the_install_step_names_each_missing_program_and_installs_nothing(
 def test_a_line_says_what_the_program_is_for_and_how_to_get_it() -> None:
     """Each line names the program, what needs it, and how to get it here and elsewhere."""
     line = tools.missing_line("promtool")
-    assert line.startswith("promtool is missing: tests/test_metrics.py")
+    assert line.startswith("promtool is missing: tests/system/test_metrics.py")
     assert "prometheus package" in line and "https://prometheus.io/download/" in line
     assert "\n" not in line
     assert "apt-get install b3sum" in tools.missing_line("b3sum")

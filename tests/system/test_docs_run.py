@@ -1,4 +1,4 @@
-"""The docs' remaining examples run as written, in order (tests/test_docs.py runs the
+"""The docs' remaining examples run as written, in order (tests/system/test_docs.py runs the
 README, docs/cli.md's manifests, its tour and its shell agents).
 
 What each test changes in an example to run it here is said in its docstring; nothing
@@ -676,15 +676,16 @@ PREPARE: dict[str, Callable[[Transcripts], None] | None] = {
 }
 #: transcripts not run, and why
 NOT_RUN = {
-    "baton console": "a web server until Ctrl-C: tests/test_console.py runs it (with "
+    "baton console": "a web server until Ctrl-C: tests/system/test_console.py runs it (with "
                      "--listen) and waits for the line shown",
     "baton top --once": "a live view of a busy stack: rates and ages over minutes, hundreds "
-                        "of entries; tests/test_top.py checks what it prints",
+                        "of entries; tests/system/test_top.py checks what it prints",
     **dict.fromkeys(
         ["baton watcher ls", "baton watcher drain 694d8e1fa03b2c51", "baton shard ls",
          "baton shard move 5 --to 694d8e1fa03b2e09", "baton shard rebalance --dry-run"],
-        "three watchers on other hosts, over a registry of 8 shards: tests/test_cli_shards.py "
-        "runs each command so and checks it prints the lines and columns shown"),
+        "three watchers on other hosts, over a registry of 8 shards: "
+        "tests/system/test_cli_shards.py runs each command so and checks it prints the "
+        "lines and columns shown"),
 }
 
 
@@ -1380,7 +1381,7 @@ def test_the_benchmark_commands_parse() -> None:
     """The benchmark commands named in docs/performance.md and docs/benchmarks.md parse
     with the benchmark's own options and profile fields; `make bench` is `python -m bench`
     through the venv. They are not run here: the full benchmark takes about ten minutes,
-    and `--quick` runs every scenario in tests/test_bench_quick.py (`--out FILE` too); the
+    and `--quick` runs every scenario in tests/system/test_bench_quick.py (`--out FILE` too); the
     claims comparison is a record of a run (about a minute even at 1 s per point, its
     other half in a worktree of an old commit); `python -m bench.watcher_latency` runs in
     test_the_watcher_measurements_run_as_written."""
@@ -1406,7 +1407,7 @@ def test_the_benchmark_commands_parse() -> None:
             parse_latency(shlex.split(line)[3:])  # one of them runs in the test below
         elif line.startswith("python -m bench.empty_poll "):
             from bench.empty_poll import parse as parse_empty_poll
-            parse_empty_poll(shlex.split(line)[3:])  # run in tests/test_empty_poll.py
+            parse_empty_poll(shlex.split(line)[3:])  # run in tests/integration/test_empty_poll.py
         else:
             assert line in ("python -m bench", "python -m bench.watcher_latency"), line
 

@@ -24,7 +24,7 @@ from baton_relay.watcher import Watcher
 from baton_relay.watcher.hashing import Hasher
 
 Wait = Callable[..., None]
-ZOMBIE = Path(__file__).with_name("zombie_producer.py")
+ZOMBIE = Path(__file__).parents[1] / "zombie_producer.py"
 SUCCESSOR = b"S" * 2000
 #: journal events that would say the verified bytes were doubted or lost
 TAMPER = {"failed", "unverified", "corrupted", "missing", "changed"}

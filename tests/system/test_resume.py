@@ -24,7 +24,7 @@ from baton_relay.client.producer import ResumePoint
 from baton_relay.kernel.contract import TEMP_MARKER
 from baton_relay.kernel.v1 import baton_pb2 as pb
 
-WRITER = Path(__file__).with_name("resume_writer.py")
+WRITER = Path(__file__).parents[1] / "resume_writer.py"
 #: the file: 2 GiB, a resume point every 100 MiB, killed at about 70 %
 SIZE = 2 << 30
 EVERY = 100 << 20

@@ -5,7 +5,7 @@ shard over when asked), and ``baton up --watchers N``.
 The registries here have a few shards, so that tables stay short and balancing is
 quick; each test waits for the registry's assigner with ``wait_for``. What a command
 prints is also compared with what docs/cli.md shows it printing (its transcripts of
-these commands are not run by tests/test_docs_run.py: they show three hosts).
+these commands are not run by tests/system/test_docs_run.py: they show three hosts).
 """
 
 from __future__ import annotations

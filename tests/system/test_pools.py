@@ -193,7 +193,7 @@ def test_a_bad_pool_definition_is_refused(client: Client, name: str, limit: int)
     assert client.list_pools() == []
 
 
-POOL_AGENT = Path(__file__).with_name("pool_agent.py")
+POOL_AGENT = Path(__file__).parents[1] / "pool_agent.py"
 
 
 def claim_intervals(registry: RegistryHandle, tasks: list[str]) -> list[tuple[int, int]]:

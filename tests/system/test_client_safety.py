@@ -23,7 +23,7 @@ from baton_relay.kernel import errors
 from baton_relay.kernel.contract import attempt_path, parse_attempt
 from baton_relay.kernel.v1 import baton_pb2 as pb
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 #: a temp file of entry ``a.bin``: the watcher's marker, the claim's token, 64 random bits
 TEMP_NAME = re.compile(r"\.a~t\d+\.bin\.baton-tmp-(\d+)-([0-9a-f]{16})")

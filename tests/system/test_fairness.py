@@ -21,7 +21,7 @@ from baton_relay.registry.records.manifest import validate
 from baton_relay.registry.store.etcd import Etcd
 from baton_relay.registry.store.keys import Keys
 
-FAIR_AGENT = Path(__file__).with_name("fair_agent.py")
+FAIR_AGENT = Path(__file__).parents[1] / "fair_agent.py"
 WEIGHTS = {"acme": 1, "globex": 1, "initech": 2}
 
 

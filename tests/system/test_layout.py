@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("kernel", "client", "registry", "watcher", "local")
 
 

@@ -10,7 +10,7 @@ import pytest
 from baton_relay.kernel import errors
 from baton_relay.kernel.v1 import regen
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_committed_stubs_match_the_proto(tmp_path: Path) -> None:

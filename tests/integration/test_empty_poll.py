@@ -20,7 +20,7 @@ from baton_relay.registry.verbs.consumers import Consumers
 from baton_relay.registry.verbs.producers import Producers
 from baton_relay.registry.verbs.sessions import Sessions
 from baton_relay.registry.verbs.tasks import Tasks
-from tests.test_hotpath import EMPTY, CountingEtcd
+from tests.integration.test_hotpath import EMPTY, CountingEtcd
 
 
 async def _current(core: Core) -> None:

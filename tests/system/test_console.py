@@ -35,7 +35,7 @@ from baton_relay.local.stack import LocalPKI
 
 pytestmark = pytest.mark.slow
 
-DOCS_SHOTS = Path(__file__).resolve().parent.parent / "docs" / "console"
+DOCS_SHOTS = Path(__file__).resolve().parents[2] / "docs" / "console"
 
 
 @dataclass

@@ -423,7 +423,7 @@ def test_watcher_metrics_without_a_registry_call(
 
 # --- deploy/: the alerting rules and the dashboard ----------------------------------
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 RULES = DEPLOY / "prometheus" / "baton-rules.yaml"
 DASHBOARD = DEPLOY / "grafana" / "baton.json"
 #: Grafana's own variables, which PromQL does not know, and what stands for them

@@ -10,7 +10,7 @@ sourcing the ``env`` file ``baton up`` writes there, as the README says.
 
 docs/cli.md: its manifests are created, its opening tour runs line by line against a
 stack, and its shell producer and consumer run as written. Its console transcripts run
-in tests/test_docs_run.py, with the other docs' examples; every ``baton`` command of
+in tests/system/test_docs_run.py, with the other docs' examples; every ``baton`` command of
 every example is also parsed by the CLI here, so a renamed command or option fails at
 once.
 """
@@ -38,7 +38,7 @@ from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.local.etcdproc import free_port
 from baton_relay.local.stack import LocalPKI
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PYTHON = ROOT / ".venv" / "bin" / "python"
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 RUN_TIMEOUT = 120

@@ -12,7 +12,7 @@ from baton_relay.client.retry import RetryPolicy
 from baton_relay.kernel.backoff import Backoff, upper
 from baton_relay.local.supervisor import RestartPolicy
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_bound_grows_by_its_factor_up_to_the_cap() -> None:

@@ -42,7 +42,7 @@ from baton_relay.registry.edge.config import load_config as registry_config
 from baton_relay.watcher.config import WatcherConfig
 from baton_relay.watcher.config import load_config as watcher_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 KUBE = DEPLOY / "kubernetes"
 KUSTOMIZATIONS = [KUBE / "base", *sorted((KUBE / "overlays").iterdir())]

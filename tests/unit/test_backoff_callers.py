@@ -10,7 +10,7 @@ from pathlib import Path
 from baton_relay.registry.store import view
 from baton_relay.watcher import checker
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_failed_hash_waits_as_it_did_then_grows_to_a_cap() -> None:

@@ -27,7 +27,7 @@ from baton_relay.registry.store.etcd import KV, Etcd
 from baton_relay.registry.store.keys import Keys
 
 #: the pipeline's agents (producers and a consumer), as processes
-PIPELINE_PROC = Path(__file__).with_name("pipeline_proc.py")
+PIPELINE_PROC = Path(__file__).parents[1] / "pipeline_proc.py"
 
 
 def digest(data: bytes) -> str:

@@ -14,7 +14,7 @@ from baton_relay.registry.records.model import TaskRecord
 from baton_relay.registry.rules import lifecycle
 from baton_relay.registry.rules.lifecycle import STATUSES, TABLE, TaskEvent, apply
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 OWNER = "lifecycle.py"
 
 #: every move a task makes, as the writers made them before the table (operators'

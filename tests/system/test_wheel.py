@@ -23,7 +23,7 @@ from registry_fixtures import allow_suite_etcd
 
 from baton_relay.local.etcdproc import free_port, wait_ready
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(argv: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:

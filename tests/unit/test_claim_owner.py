@@ -13,7 +13,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 OWNER = "claim.py"
 #: the key builders of a claim's three keys (registry/store/keys.py)
 BUILDERS = {"claim", "inflight", "slot"}
