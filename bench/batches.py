@@ -37,7 +37,7 @@ class Run:
 def one(pool: Pool, address: str, n: int, batch: int, p: Profile, label: str) -> Run:
     task = f"batch-{label}-{n}"
     with Client(address, timeout=120) as c:
-        c.create_task({"task_id": task, "digest_optional": True, "entries": [
+        c.operator.create_task({"task_id": task, "digest_optional": True, "entries": [
             {"file_id": f"e{i:06d}", "path": f"e{i:06d}"} for i in range(p.batch_entries)]})
     args = [AgentArgs(address, task, f"agent-{i}", p.seconds, batch=batch) for i in range(n)]
     rnd = pool.run(baton_agent, args, p.seconds)

@@ -107,7 +107,7 @@ def new_task(address: str, task: str, p: Profile,
              credentials: tuple[str, str, str] = ("", "", "")) -> None:
     ca, cert, key = credentials
     with Client(address, timeout=120, ca=ca, cert=cert, key=key) as c:
-        c.create_task({"task_id": task, "digest_optional": True, "entries": [
+        c.operator.create_task({"task_id": task, "digest_optional": True, "entries": [
             {"file_id": f"e{i:06d}", "path": f"e{i:06d}"} for i in range(p.claim_entries)]})
 
 

@@ -111,8 +111,8 @@ def prepare(address: str, runs: int, prefix: str) -> dict[str, int]:
     with Client(address, timeout=60) as c:
         ids = [f"{p}-{k}{i:04d}" for p in ("now", "before") for k in "cm" for i in range(runs)]
         # `baton commit --size 1` publishes no file: the task takes commits without digest.
-        c.create_task({"task_id": TASK, "digest_optional": True,
-                       "entries": [{"file_id": f, "path": f} for f in ids]})
+        c.operator.create_task({"task_id": TASK, "digest_optional": True,
+                                "entries": [{"file_id": f, "path": f} for f in ids]})
         session = c.open_session(f"bench-{prefix}", ttl=600, keepalive=False)
         return {f.removeprefix(f"{prefix}-"): c.claim(TASK, f, session=session).token
                 for f in ids if f.startswith(f"{prefix}-m")}

@@ -117,7 +117,7 @@ def agent(address: str, name: str, size: int, shared: Shared, data: bytes) -> No
                 if shared.task != task:
                     task = shared.task
                     if shared.created < task:  # the first agent to get there sends it
-                        c.create_task(spec(task, size))
+                        c.operator.create_task(spec(task, size))
                         shared.created = task
                 done_before = shared.done
             task_id = f"life-{task:06d}"

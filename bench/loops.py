@@ -187,12 +187,12 @@ def create_task(address: str, spec: dict[str, Any], env: dict[str, str] | None) 
     registry speaks only its own contract)."""
     if env is None:
         with Client(address, timeout=120) as c:
-            c.create_task(spec)
+            c.operator.create_task(spec)
         return
     code = ("import json, sys\n"
             "from baton_relay.client import Client\n"
             "with Client(sys.argv[1], timeout=120) as c:\n"
-            "    c.create_task(json.loads(sys.stdin.read()))\n")
+            "    c.operator.create_task(json.loads(sys.stdin.read()))\n")
     done = subprocess.run([sys.executable, "-c", code, address], input=json.dumps(spec),
                           env=env, capture_output=True, text=True, timeout=SLACK, check=False)
     if done.returncode != 0:

@@ -42,9 +42,9 @@ def one(pool: Pool, address: str, n: int, p: Profile, label: str, pooled: bool) 
         {"file_id": f"e{i:06d}", "path": f"e{i:06d}"} for i in range(p.batch_entries)]}
     with Client(address, timeout=120) as c:
         if pooled:
-            c.set_pool(task, n, reason="benchmark")
+            c.operator.set_pool(task, n, reason="benchmark")
             spec["pools"] = {"produce": task}
-        c.create_task(spec)
+        c.operator.create_task(spec)
     args = [AgentArgs(address, task, f"agent-{i}", p.seconds) for i in range(n)]
     rnd = pool.run(baton_agent, args, p.seconds)
     cycles = sum(r.calls for r in rnd.results)

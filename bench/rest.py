@@ -197,8 +197,8 @@ def plans(p: Profile) -> list[Plan]:
 
 def load_task(c: Client, session: Session, plan: Plan, staging: Path, digest: str,
               done: Loaded) -> None:
-    c.create_task({"task_id": plan.task, "digest_optional": False, "consumers": [GROUP],
-                   "entries": [{"file_id": f"e{i:06d}", "path": f"e{i:06d}"}
+    c.operator.create_task({"task_id": plan.task, "digest_optional": False, "consumers": [GROUP],
+                            "entries": [{"file_id": f"e{i:06d}", "path": f"e{i:06d}"}
                                for i in range(plan.entries)]})
     done.add(created=plan.entries)
     folder = staging / plan.task
@@ -316,7 +316,7 @@ def first_sync(p: Profile, watcher_metrics: str, tasks: list[Plan], client: Clie
             raise BenchError(f"no first sync within {deadline - t0:.0f} s: still "
                              f"unverified in {sorted(waiting)[:5]} ...; watcher {last}")
         for task in list(waiting):
-            states = client.get_task(task).states
+            states = client.operator.get_task(task).states
             if states.get("verified", 0) >= want[task]:
                 del waiting[task]
         now = watcher_state(watcher_metrics)

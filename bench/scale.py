@@ -110,7 +110,7 @@ def create(address: str, task: str, entries: int) -> Created:
         t0 = time.perf_counter()
         for attempt in range(1, CREATE_ATTEMPTS + 1):
             try:
-                c.create_task(spec)
+                c.operator.create_task(spec)
                 return Created(task, entries, time.perf_counter() - t0, attempt, error)
             except errors.BatonError as e:
                 error = f"{type(e).__name__}: {e}"
@@ -269,7 +269,7 @@ def reap(p: Profile, address: str, endpoint: str, task: str) -> Reaped:
     """Claim entries, revoke the sessions holding them, time the way back to pending."""
     out = Reaped(p.reap_claims, p.reap_sessions)
     with Client(address, timeout=120) as c, InflightCount(endpoint, task) as inflight:
-        pending0 = c.get_task(task).states.get("pending", 0)
+        pending0 = c.operator.get_task(task).states.get("pending", 0)
         want = min(p.reap_claims, pending0)
         sessions = [c.open_session(f"reaped-{i}", ttl=REAP_TTL, keepalive=False)
                     for i in range(p.reap_sessions)]
@@ -322,7 +322,7 @@ def wait_pending(c: Client, inflight: InflightCount, task: str, pending: int, si
             if count == 0 or now >= next_get:
                 t = time.perf_counter()
                 try:
-                    states = c.get_task(task).states
+                    states = c.operator.get_task(task).states
                 except errors.BatonError as e:
                     states, last_error = None, f"; last GetTask: {type(e).__name__}: {e}"
                 now = time.perf_counter()
@@ -381,7 +381,7 @@ def measure(p: Profile, root: Path, big_entries: int, pool: Pool, section: Secti
     with Stack(root) as stack:
         registry = stack.registry(root / "staging")
         with Client(registry.address) as c:
-            c.list_tasks()  # the registry has served one call before it is weighed
+            c.operator.list_tasks()  # the registry has served one call before it is weighed
         mem.rows.append(memory(stack, registry.pid, "idle, empty"))
         small = create(registry.address, f"small-{p.scale_small}", p.scale_small)
         big = create(registry.address, f"big-{big_entries}", big_entries)

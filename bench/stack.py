@@ -239,7 +239,7 @@ def _stamp(text: str) -> float:
 
 def baton_run(up: Up, agents: Agents, n: int, p: Profile, name: str) -> Sample:
     with up.client() as c:
-        c.create_task({"task_id": name, "entries": [
+        c.operator.create_task({"task_id": name, "entries": [
             {"file_id": f"e{i:06d}", "path": f"{name}/e{i:06d}"}
             for i in range(p.stack_entries)]})
         jobs = [{"runner": "baton", "loop": "each", "address": up.address, "task": name,
@@ -253,7 +253,7 @@ def baton_run(up: Up, agents: Agents, n: int, p: Profile, name: str) -> Sample:
         deadline = time.monotonic() + VERIFY_TIMEOUT
         while up.verified() - seen < len(written):
             if time.monotonic() > deadline:
-                states = c.get_task(name).states
+                states = c.operator.get_task(name).states
                 raise BenchError(f"{name}: {len(written)} written, only "
                                  f"{states.get('verified', 0)} verified "
                                  f"in {VERIFY_TIMEOUT:.0f} s: {dict(states)}")
@@ -262,7 +262,7 @@ def baton_run(up: Up, agents: Agents, n: int, p: Profile, name: str) -> Sample:
         keys = up.keys_written() - keys
         after = up.registry_calls()
         calls = {m: after[m] - calls.get(m, 0) for m in after if after[m] > calls.get(m, 0)}
-        entries = c.list_entries(name, state=pb.ENTRY_STATE_VERIFIED)
+        entries = c.operator.list_entries(name, state=pb.ENTRY_STATE_VERIFIED)
     verified = {e.file_id: _stamp(e.updated_at) for e in entries if e.file_id in written}
     if missing := sorted(set(written) - set(verified)):
         raise BenchError(f"{name}: {len(missing)} files written and not verified, e.g. "

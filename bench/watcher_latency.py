@@ -159,7 +159,7 @@ def drain(address: str, args: argparse.Namespace, start_watcher: Callable[[], No
     payload = os.urandom(args.size_kib << 10)
     landed: dict[str, float] = {}
     with Client(address) as c, c.open_session("bench-producer", ttl=60) as session:
-        c.create_task({"task_id": "lat", "entries": [
+        c.operator.create_task({"task_id": "lat", "entries": [
             {"file_id": f, "path": f"d{i % 8}/{f}.bin"} for i, f in enumerate(ids)]})
 
         def produce(k: int) -> None:
@@ -218,7 +218,7 @@ def helper(address: str, args: argparse.Namespace, pids: dict[str, int]) -> None
     verified: dict[str, float] = {}
     all_seen = threading.Event()
     with Client(address) as c:
-        c.create_task({"task_id": "lat", "entries": [
+        c.operator.create_task({"task_id": "lat", "entries": [
             {"file_id": f, "path": f"d{i % 8}/{f}.bin"} for i, f in enumerate(ids)]})
 
         def follow() -> None:
@@ -265,7 +265,7 @@ def run(address: str, args: argparse.Namespace) -> None:
     verified: dict[str, float] = {}
     all_seen = threading.Event()
     with Client(address) as c, c.open_session("bench-producer", ttl=30) as session:
-        c.create_task({"task_id": "lat", "entries": [
+        c.operator.create_task({"task_id": "lat", "entries": [
             {"file_id": f, "path": f"d{i % 8}/{f}.bin"} for i, f in enumerate(ids)]})
 
         def follow() -> None:

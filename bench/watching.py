@@ -164,19 +164,21 @@ def wake_up(root: Path, samples: int) -> list[float]:
     with Stack(root) as stack, Pool(1) as pool:
         address = stack.registry(root / "staging").address
         with Client(address, timeout=30) as c, c.open_session("bench-producer", ttl=30) as s:
-            c.create_task({"task_id": task, "entries": [{"file_id": f, "path": f} for f in ids]})
+            c.operator.create_task({"task_id": task,
+                                    "entries": [{"file_id": f, "path": f} for f in ids]})
             pool.start(consumer, [WakeArgs(address, task, samples)])
             previous = ""
             for f in ids:
                 claim = c.claim(task, f, session=s)
                 c.commit(task, f, claim.token, len(data), digest)
                 deadline = time.monotonic() + 30
-                while previous and c.get_entry(task, previous).state != pb.ENTRY_STATE_CONSUMED:
+                while previous and c.operator.get_entry(task,
+                                                        previous).state != pb.ENTRY_STATE_CONSUMED:
                     if time.monotonic() > deadline:
                         raise BenchError(f"the consumer did not take {previous}")
                     time.sleep(0.005)
                 time.sleep(0.05 if previous else 0.3)  # back in next_lease, its watch open
-                c.report(task, f, len(data), digest, reporter="bench")
+                c.watcher.report(task, f, len(data), digest, reporter="bench")
                 reported[f] = time.monotonic()
                 previous = f
             woken: dict[str, float] = pool.collect(60)[0].woken

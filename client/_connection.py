@@ -228,3 +228,18 @@ class Connection:
                 f"{error.message} (this client speaks plaintext: a registry serving TLS "
                 "needs BATON_CA, BATON_CERT and BATON_KEY)")
         return error
+
+
+class Calls:
+    """The calls of one of the registry's services, made over a connection they share
+    with the others (``Client.operator``, ``Client.watcher``)."""
+
+    def __init__(self, connection: Connection) -> None:
+        self._connection = connection
+
+    def _call(self, method: str, request: Any) -> Any:
+        return self._connection._call(method, request)
+
+    def _method(self, name: str) -> Any:
+        return self._connection._method(name)
+

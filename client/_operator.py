@@ -17,12 +17,13 @@ from ..kernel.contract import (
 )
 from ..kernel.errors import BatonError
 from ..kernel.v1 import baton_pb2 as pb
-from ._connection import Connection
+from ._connection import Calls
 from ._wire import raise_from_rpc
 
 
-class OperatorCalls(Connection):
-    """The OperatorService's calls."""
+class OperatorCalls(Calls):
+    """The OperatorService's calls: ``client.operator`` (tasks and entries, the journal,
+    sessions and leases, watchers and shards, pools)."""
 
     def create_task(self, spec: pb.TaskSpec | dict[str, Any]) -> tuple[pb.Task, bool]:
         """Create a task from a manifest; (task, created). Same manifest again: no-op."""

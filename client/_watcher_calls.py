@@ -10,12 +10,13 @@ from collections.abc import Sequence
 from ..kernel import errors
 from ..kernel.contract import version
 from ..kernel.v1 import baton_pb2 as pb
-from ._connection import Connection
+from ._connection import Calls
 from ._wire import error_of
 
 
-class WatcherCalls(Connection):
-    """The WatcherService's calls."""
+class WatcherCalls(Calls):
+    """The WatcherService's calls: ``client.watcher`` (membership, shards, and what a
+    watcher found on disk)."""
 
     def report(self, task_id: str, file_id: str, size: int, digest: str,
                identity: pb.FileIdentity | None = None, reporter: str = "", *,

@@ -138,7 +138,7 @@ class AsyncClient:
         return EventStream(self._open(self._watch, request, timeout))
 
     def watch_tasks(self, timeout: float | None = None) -> ServerStream[pb.Task]:
-        """Every task header, then each again as it changes, as ``Client.watch_tasks``."""
+        """Every task header, then each again as it changes, as ``client.operator.watch_tasks``."""
         return ServerStream(self._open(self._watch_tasks, pb.WatchTasksRequest(), timeout),
                             "WatchTasks", _task)
 

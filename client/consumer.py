@@ -26,6 +26,7 @@ from typing import Any
 import blake3
 
 from ..kernel import tracing
+from ..kernel.backoff import Backoff
 from ..kernel.contract import assembly_digest
 from ..kernel.errors import (
     BatonError,
@@ -74,6 +75,8 @@ def next_lease(
     #: the revision the watch has come to (0: none yet); an attempt is due when a
     #: verification for the group was seen, or no watch stood yet
     revision, attempt = 0, True
+    #: the watch's breaks in a row, which pace the next try (``WATCH_BACKOFF``)
+    broken = 0
     while True:
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
@@ -95,11 +98,12 @@ def next_lease(
                 try:
                     synced = next(events, None)  # SYNCED: the watch is in place
                 except Unavailable as e:
-                    _pause_or_raise(deadline, e)
+                    broken += 1
+                    time.sleep(pause_or_raise(deadline, e, broken))
                     continue
                 if synced is None:
                     continue
-                revision, attempt = synced.revision, True
+                revision, attempt, broken = synced.revision, True, 0
             if attempt:
                 # Unavailable here is not retried: the consume may have been applied
                 # with its reply lost, so a lease may be held; the caller must know it.
@@ -117,17 +121,28 @@ def next_lease(
                         break
             except Unavailable as e:
                 revision, attempt = 0, True  # start afresh: the watch, then an attempt
-                _pause_or_raise(deadline, e)
+                broken += 1
+                time.sleep(pause_or_raise(deadline, e, broken))
         finally:
             events.close()
 
 
-def _pause_or_raise(deadline: float | None, error: Unavailable) -> None:
-    """The watch broke (nothing was taken): wait a little and look again, unless the
-    caller's time is up."""
-    if deadline is not None and time.monotonic() >= deadline:
-        raise error
-    time.sleep(0.2)
+#: between a consumer's watch that broke and the next one: Baton's one jittered backoff
+WATCH_BACKOFF = Backoff(0.1, 2.0)
+
+
+def pause_or_raise(deadline: float | None, error: Unavailable, broken: int,
+                   backoff: Backoff = WATCH_BACKOFF) -> float:
+    """The watch broke (nothing was taken) for the ``broken``-th time in a row: the
+    seconds to wait before looking again (the backoff's, never past the caller's
+    deadline), or ``error`` raised once the caller's time is up."""
+    delay = backoff.delay(broken)
+    if deadline is not None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise error
+        delay = min(delay, left)
+    return delay
 
 
 def _refusal(lease: Lease) -> Refusal:
@@ -212,7 +227,7 @@ def parts_of(client: Client, lease: Lease) -> list[Lease]:
     and sizes are those the assembly was verified with. Raises ``ChecksumMismatch``
     otherwise (a part changed since; the registry takes the assembly back).
     """
-    parts = [client.get_entry(lease.task_id, name) for name in lease.entry.parts]
+    parts = [client.operator.get_entry(lease.task_id, name) for name in lease.entry.parts]
     what = f"assembly {lease.task_id}/{lease.file_id}"
     for part in parts:
         if part.state != pb.ENTRY_STATE_VERIFIED:

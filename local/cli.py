@@ -161,7 +161,7 @@ def _demo_when_ready(address: str, pki: LocalPKI | None) -> None:
     with Client(address, retry=RetryPolicy(attempts=1000, cap=0.5, deadline=60), ca=ca,
                 cert=cert, key=key) as client:
         try:
-            client.list_tasks()
+            client.operator.list_tasks()
             _report(_local()[1].run_demo(client))
         except errors.BatonError as e:
             click.echo(f"demo: {e}", err=True)

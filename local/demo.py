@@ -86,7 +86,7 @@ def run_demo(
     """Run the pipeline to completion (or ``timeout``); the outcome."""
     console = console or Console(stderr=True)
     task_id = f"demo-{int(time.time())}"
-    client.create_task({
+    client.operator.create_task({
         "task_id": task_id,
         "labels": {"kind": "demo"},
         "entries": [{"file_id": f"f{i:03d}", "path": f"out/f{i:03d}.bin"} for i in range(files)],
@@ -110,7 +110,7 @@ def run_demo(
             if console.is_terminal else None)
     with live or nullcontext():
         while clock() - start < timeout:
-            states = dict(client.get_task(task_id).states)
+            states = dict(client.operator.get_task(task_id).states)
             if live is not None:
                 live.update(_table(task_id, states, files, clock() - start))
             if states.get("consumed", 0) + states.get("dead", 0) >= files:

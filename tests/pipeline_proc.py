@@ -33,8 +33,9 @@ def producer(client: Client, task: str, seconds: float) -> None:
             except errors.NothingToClaim:
                 return
             assert out.entry is not None
-            client.report(task, out.entry.file_id, len(data), blake3.blake3(data).hexdigest(),
-                          reporter="pipeline-watcher")
+            client.watcher.report(task, out.entry.file_id, len(data),
+                                  blake3.blake3(data).hexdigest(),
+                                  reporter="pipeline-watcher")
             print(json.dumps({"produced": out.entry.file_id}), flush=True)
 
 

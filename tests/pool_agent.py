@@ -34,7 +34,7 @@ def main() -> None:
                 out.write(f"{task}/{out.claim.file_id} by {name}".encode())
             done += 1
         except errors.NothingToClaim:
-            states = client.get_task(task).states
+            states = client.operator.get_task(task).states
             if not states.get("pending", 0) and not states.get("writing", 0):
                 break
             time.sleep(random.uniform(0.01, 0.05))

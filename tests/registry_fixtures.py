@@ -227,7 +227,7 @@ def produce_verified(client: Client, session: Session, task_id: str, file_id: st
     Path(claim.path).write_bytes(data)
     digest = blake3.blake3(data).hexdigest()
     client.commit(task_id, file_id, claim.token, len(data), digest, session=session)
-    client.report(task_id, file_id, len(data), digest, reporter="test-watcher")
+    client.watcher.report(task_id, file_id, len(data), digest, reporter="test-watcher")
 
 
 #: an agent process that claims, tells the test its token, then waits to be told to commit

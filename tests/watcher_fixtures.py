@@ -96,7 +96,7 @@ def session(client: Client) -> Iterator[Session]:
 
 def make_task(client: Client, task_id: str, paths: dict[str, str]) -> pb.Task:
     """Create a task whose entries are ``file_id -> path``."""
-    task, _ = client.create_task({
+    task, _ = client.operator.create_task({
         "task_id": task_id,
         "entries": [{"file_id": f, "path": p} for f, p in paths.items()],
     })
@@ -142,7 +142,7 @@ def digest(data: bytes) -> str:
 
 
 def state_of(client: Client, task_id: str, file_id: str) -> int:
-    return int(client.get_entry(task_id, file_id).state)
+    return int(client.operator.get_entry(task_id, file_id).state)
 
 
 def is_state(client: Client, task_id: str, file_id: str, state: int) -> Callable[[], bool]:

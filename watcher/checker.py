@@ -428,10 +428,10 @@ class Checker:
             return
         span = self._verify_span(key, entry, hashed, request)
         try:
-            reply = self.client.report(key[0], key[1], i.size, hashed.digest, identity,
-                                       self.reporter, watcher_id=owner[0],
-                                       shard_epoch=owner[1], token=entry.token,
-                                       traceparent=request.traceparent)
+            reply = self.client.watcher.report(key[0], key[1], i.size, hashed.digest, identity,
+                                               self.reporter, watcher_id=owner[0],
+                                               shard_epoch=owner[1], token=entry.token,
+                                               traceparent=request.traceparent)
         except BatonError as e:
             tracing.end(span, e)
             self.metrics.refused("digest", e)
@@ -521,9 +521,9 @@ class Checker:
         if (owner := self._owner(key[0])) is None:
             return
         try:
-            reply = self.client.report_problem(key[0], key[1], kind, reason, self.reporter,
-                                               watcher_id=owner[0], shard_epoch=owner[1],
-                                               token=token)
+            reply = self.client.watcher.report_problem(key[0], key[1], kind, reason, self.reporter,
+                                                       watcher_id=owner[0], shard_epoch=owner[1],
+                                                       token=token)
         except BatonError as e:
             self.metrics.refused(name, e)
             raise

@@ -7,7 +7,7 @@ Threads, and what flows between them::
     reconciler: full (start, overflow, lost registry) ──every entry────────────────▶ │
                 routine (every N s) ──what may have changed────────────────────▶ │
                                                                 hash workers ◀──┘
-                                                       (hash, then Client.report)
+                                                       (hash, then client.watcher.report)
 
 Nothing but the workers reads file contents or reports, so intake never waits
 for a hash, and the number of files hashed at once is bounded.
@@ -331,7 +331,7 @@ class Watcher:
         header, if it came while the old view was still served, started nothing."""
         self._forget(view.task_id, view)
         try:
-            task = self.client.get_task(view.task_id)
+            task = self.client.operator.get_task(view.task_id)
         except NotFound:
             if self._serves(view.task_id):
                 self.retention.task_gone(view.task_id)
@@ -376,7 +376,7 @@ class Watcher:
         before = self.table.views()
         dirs = self._take_event_dirs()  # this pass looks at every file
         try:
-            tasks = self.client.list_tasks()
+            tasks = self.client.operator.list_tasks()
             counts["reconcile_listings"] += 1
         except BatonError as e:
             log(logger, logging.WARNING, "reconciliation: registry unreachable",
@@ -409,7 +409,7 @@ class Watcher:
         """List one served task's entries and check each file against them; False if
         the registry could not be reached."""
         try:
-            entries = self.client.list_entries(task_id)
+            entries = self.client.operator.list_entries(task_id)
         except BatonError as e:
             log(logger, logging.WARNING, "reconciliation: cannot list entries",
                 task=task_id, error=str(e))

@@ -131,7 +131,7 @@ class Reporter:
         while batch := self._take():
             outcomes: list[Outcome]
             try:
-                outcomes = self.client.report_batch([q.request for q in batch])
+                outcomes = self.client.watcher.report_batch([q.request for q in batch])
             except BatonError as e:  # the call as a whole: each report ends with it
                 outcomes = [e] * len(batch)
             except Exception as e:  # never lose the thread: each report hears of it

@@ -313,7 +313,7 @@ class Retention:
         if not self.membership.serves(task_id):
             return
         try:
-            entries = self.client.list_entries(task_id, state=pb.ENTRY_STATE_CONSUMED)
+            entries = self.client.operator.list_entries(task_id, state=pb.ENTRY_STATE_CONSUMED)
         except NotFound:
             return
         except BatonError as e:
@@ -356,7 +356,7 @@ class Retention:
             self._refused(key, Refused(f"{task_id}/{c.path}", why))
             return None
         try:
-            reply = self.client.remove_staged(
+            reply = self.client.watcher.remove_staged(
                 task_id, file_id, hashed.identity.size, hashed.digest, self.reporter,
                 watcher_id=self.membership.watcher_id, shard_epoch=epoch)
         except (NotFound, NotShardOwner) as e:
@@ -427,7 +427,7 @@ class Retention:
     def _task_gone(self, task_id: str) -> bool:
         """The registry's word that the task is archived or deleted (or deleting)."""
         try:
-            task = self.client.get_task(task_id)
+            task = self.client.operator.get_task(task_id)
         except NotFound:
             return True
         except BatonError:

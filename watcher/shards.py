@@ -125,8 +125,8 @@ class Membership:
 
     def _register(self) -> bool:
         try:
-            reply = self.client.register_watcher(self.root, self.reporter, self.ttl,
-                                                 self._capacity(), previous=self._previous)
+            reply = self.client.watcher.register_watcher(self.root, self.reporter, self.ttl,
+                                                         self._capacity(), previous=self._previous)
         except BatonError as e:
             log(logger, logging.WARNING, "cannot register with the registry; retrying",
                 error=f"{type(e).__name__}: {e}")
@@ -159,7 +159,7 @@ class Membership:
     def _beat(self) -> None:
         sent = time.monotonic()
         try:
-            reply = self.client.watcher_heartbeat(self.watcher_id, self._capacity())
+            reply = self.client.watcher.watcher_heartbeat(self.watcher_id, self._capacity())
         except NotFound as e:
             self._expired(str(e))
             return
@@ -224,7 +224,7 @@ class Membership:
         self._lost({n})
         self._handover(n)
         try:
-            self.client.release_shard(watcher_id, n, epoch)
+            self.client.watcher.release_shard(watcher_id, n, epoch)
         except BatonError as e:
             log(logger, logging.WARNING, "releasing a shard failed; the registry takes it at "
                 "the move's deadline", shard=n, error=f"{type(e).__name__}: {e}")

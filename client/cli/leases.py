@@ -60,7 +60,7 @@ def lease_ls(settings: Settings, output: str) -> None:
     (seconds its lease has left), claims (held now), draining (its host is drained).
     `baton lease show SESSION` lists the claims.
     """
-    agents = sorted(settings.client().list_agents(), key=lambda a: (a.agent, a.session_id))
+    agents = sorted(settings.client().operator.list_agents(), key=lambda a: (a.agent, a.session_id))
     rows = [session_row(a) for a in agents]
     if output == "json":
         emit_json(rows)
@@ -101,7 +101,7 @@ def lease_show(settings: Settings, session_id: int, output: str) -> None:
     the progress its last checkpoint gave with that checkpoint's age ("-": none yet).
     Exit 5 if there is no such live session.
     """
-    found = [a for a in settings.client().list_agents() if a.session_id == session_id]
+    found = [a for a in settings.client().operator.list_agents() if a.session_id == session_id]
     if not found:
         raise errors.NotFound(f"no live session {session_id}", session_id=session_id)
     (a,) = found
@@ -169,8 +169,8 @@ def lease_revoke(settings: Settings, session_id: int | None, agent: str, host: s
     one that was interrupted.
     """
     one_way(session_id, agent=agent, host=host)
-    done = settings.client().revoke_sessions(session_id or 0, agent=agent, host=host,
-                                             reason=reason, evidence=evidence)
+    done = settings.client().operator.revoke_sessions(session_id or 0, agent=agent, host=host,
+                                                      reason=reason, evidence=evidence)
     if output == "json":
         emit_json([{"session": session_json(s.session_id), "agent": s.agent, "host": s.host,
                     "claims_returned": s.claims_returned} for s in done])
@@ -204,8 +204,8 @@ def lease_rotate(settings: Settings, session_id: int | None, every: bool, host: 
     and only the agent's next keepalive gives the session its TTL again.
     """
     one_way(session_id, every=every, host=host)
-    done = settings.client().rotate_leases(session_id or 0, every=every, host=host,
-                                           ttl=ttl or 0)
+    done = settings.client().operator.rotate_leases(session_id or 0, every=every, host=host,
+                                                    ttl=ttl or 0)
     if output == "json":
         emit_json([{"session": session_json(s.session_id), "old_lease": str(s.old_lease),
                     "new_lease": str(s.new_lease), "ttl": s.ttl, "keys_moved": s.keys_moved,
@@ -220,7 +220,7 @@ def lease_rotate(settings: Settings, session_id: int | None, every: bool, host: 
 
 def host_claims(client: Client, host: str) -> tuple[int, int]:
     """(sessions, claims) the host's live sessions hold."""
-    mine = [a for a in client.list_agents() if a.host == host]
+    mine = [a for a in client.operator.list_agents() if a.host == host]
     return len(mine), sum(len(a.claims) for a in mine)
 
 
@@ -244,7 +244,7 @@ def lease_drain(settings: Settings, host: str, deadline: int, reason: str, evide
     none is left; `--no-wait` returns at once. `lease undrain` ends it.
     """
     client = settings.client()
-    reply = client.drain_host(host, deadline, reason, evidence)
+    reply = client.operator.drain_host(host, deadline, reason, evidence)
     click.echo(f"host {host} draining until {reply.deadline} (sessions {reply.sessions}, "
                f"claims {reply.claims})")
     if no_wait:
@@ -291,5 +291,5 @@ class _Quiet:
 @pass_settings
 def lease_undrain(settings: Settings, host: str) -> None:
     """End a host's drain: its sessions take work again."""
-    reply = settings.client().undrain_host(host)
+    reply = settings.client().operator.undrain_host(host)
     click.echo(f"host {host} undrained (sessions taking work again: {reply.sessions})")

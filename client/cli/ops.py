@@ -46,15 +46,15 @@ def requeue(settings: Settings, task_id: str, file_id: str, group: str, reason: 
     if not file_id:
         if not group:
             raise click.UsageError("FILE_ID is needed, unless --group replays a whole task")
-        replayed = settings.client().replay_task(task_id, group, reason=reason,
-                                                 evidence=evidence)
+        replayed = settings.client().operator.replay_task(task_id, group, reason=reason,
+                                                          evidence=evidence)
         if output == "json":
             emit_json({"task_id": task_id, "group": group, "replayed": replayed})
         else:
             click.echo(f"{task_id}: {replayed} entries handed to group {group} again")
         return
-    emit_entry(settings.client().requeue(task_id, file_id, group, reason=reason,
-                                         evidence=evidence), output)
+    emit_entry(settings.client().operator.requeue(task_id, file_id, group, reason=reason,
+                                                  evidence=evidence), output)
 
 
 @cli.command("log")
@@ -72,7 +72,7 @@ def journal(settings: Settings, task_id: str, file_id: str, limit: int, output: 
     gave itself), consumer group (when any record has one), token,
     reason and the evidence backing it (-o json: one JSON object per line).
     """
-    reply = settings.client().journal_reply(task_id, file_id, limit)
+    reply = settings.client().operator.journal_reply(task_id, file_id, limit)
     records = reply.records
     if reply.total > len(records) and not (limit and len(records) == limit):
         click.echo(f"baton: the newest {len(records):,} of {reply.total:,} records (the most "
@@ -119,7 +119,7 @@ def explain(settings: Settings, task_id: str, file_id: str, output: str) -> None
     the digest it committed, when and how it ended. -o json: {"entry": {...},
     "text": "...", "attempts": [...], "attempts_total": N}.
     """
-    explanation = settings.client().explain(task_id, file_id)
+    explanation = settings.client().operator.explain(task_id, file_id)
     if output == "json":
         emit_json(as_dict(explanation))
     else:

@@ -46,7 +46,7 @@ def pool_set(settings: Settings, name: str, limit: int, reason: str, evidence: s
     (others are claimed) until a unit comes back. Lowering the limit takes no
     unit away.
     """
-    info = settings.client().set_pool(name, limit, reason=reason, evidence=evidence)
+    info = settings.client().operator.set_pool(name, limit, reason=reason, evidence=evidence)
     if output == "json":
         emit_json(as_dict(info))
         return
@@ -65,7 +65,7 @@ def pool_ls(settings: Settings, output: str) -> None:
     holding its units (task/file, group, agent). A pool with units held but no
     definition (removed meanwhile) shows limit 0. -o json: a list of PoolInfo.
     """
-    pools = settings.client().list_pools()
+    pools = settings.client().operator.list_pools()
     if output == "json":
         emit_json([as_dict(p) for p in pools])
         return
@@ -95,6 +95,6 @@ def pool_rm(settings: Settings, name: str, reason: str, evidence: str) -> None:
     """
     from ...kernel import errors
 
-    if not settings.client().delete_pool(name, reason=reason, evidence=evidence):
+    if not settings.client().operator.delete_pool(name, reason=reason, evidence=evidence):
         raise errors.NotFound(f"no pool {name!r}", pool=name)
     click.echo(f"pool {name} removed")

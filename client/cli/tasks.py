@@ -69,7 +69,7 @@ def task_create(settings: Settings, manifest: IO[bytes], output: str) -> None:
     no-op; a different manifest under an existing task id is refused (exit 4).
     """
     spec = load_manifest(manifest)
-    created_task, created = settings.client().create_task(spec)
+    created_task, created = settings.client().operator.create_task(spec)
     if output == "json":
         emit_json({"created": created, "task": as_dict(created_task)})
     elif created:
@@ -86,7 +86,7 @@ def task_create(settings: Settings, manifest: IO[bytes], output: str) -> None:
 @pass_settings
 def task_get(settings: Settings, task_id: str, output: str) -> None:
     """Show a task and its entry counts."""
-    t = settings.client().get_task(task_id)
+    t = settings.client().operator.get_task(task_id)
     if output == "json":
         emit_json(as_dict(t))
         return
@@ -140,7 +140,7 @@ def task_ls(settings: Settings, archived: bool, output: str) -> None:
     done/total counts entries nothing more will happen to (consumed, dead, or
     verified with no consumer groups); dead ones are also counted on their own.
     """
-    tasks = settings.client().list_tasks(archived=archived)
+    tasks = settings.client().operator.list_tasks(archived=archived)
     if output == "json":
         emit_json([as_dict(t) for t in tasks])
         return
@@ -176,10 +176,10 @@ def _control(settings: Settings, action: str, task_id: str, reason: str, output:
              evidence: str = "") -> None:
     client = settings.client()
     if action == "archive":
-        t = client.archive_task(task_id, reason)
+        t = client.operator.archive_task(task_id, reason)
     else:
-        call = {"pause": client.pause_task, "resume": client.resume_task,
-                "cancel": client.cancel_task}[action]
+        call = {"pause": client.operator.pause_task, "resume": client.operator.resume_task,
+                "cancel": client.operator.cancel_task}[action]
         t = call(task_id, reason, evidence)
     if output == "json":
         emit_json(as_dict(t))
@@ -296,7 +296,7 @@ def task_delete(settings: Settings, task_id: str, reason: str, discard_history: 
     if not yes and interactive():
         click.confirm(f"Delete task {task_id} with its entries, journal and claims?",
                       abort=True, err=True)
-    resp = settings.client().delete_task(task_id, reason, discard_history=discard_history)
+    resp = settings.client().operator.delete_task(task_id, reason, discard_history=discard_history)
     if output == "json":
         emit_json(as_dict(resp))
         return
@@ -329,8 +329,8 @@ def status(settings: Settings, task_id: str, entries: bool, output: str) -> None
     owner, retries, size, digest, error.
     """
     client = settings.client()
-    t = client.get_task(task_id)
-    rows = client.list_entries(task_id)
+    t = client.operator.get_task(task_id)
+    rows = client.operator.list_entries(task_id)
     counts = {s: int(t.states.get(s, 0)) for s in STATES}
     groups = group_progress(t, rows)
     if output == "json":

@@ -175,7 +175,7 @@ class Sampler:
         )
 
     def _headers(self, first: bool) -> list[pb.Task]:
-        headers = self._client.list_tasks()
+        headers = self._client.operator.list_tasks()
         if not self._task_ids:
             return headers
         by_id = {t.spec.task_id: t for t in headers}
@@ -194,11 +194,11 @@ class Sampler:
         if settled is not None and settled[0] == key:
             return settled[1], settled[2]
         try:
-            task = self._client.get_task(task_id)
+            task = self._client.operator.get_task(task_id)
             entries: list[pb.Entry] = []
             for state, name in ((pb.ENTRY_STATE_WRITTEN, "written"), (pb.ENTRY_STATE_DEAD, "dead")):
                 if task.states.get(name, 0):
-                    entries += self._client.list_entries(task_id, state=state)
+                    entries += self._client.operator.list_entries(task_id, state=state)
         except errors.NotFound:
             return None
         if task.status in (pb.TASK_STATUS_COMPLETED, pb.TASK_STATUS_CANCELLED):
@@ -211,7 +211,8 @@ class Sampler:
         if self._leases_refused:
             return None  # roles do not change while the view runs: ask once
         try:
-            return sorted(self._client.list_agents(), key=lambda a: (a.agent, a.session_id))
+            return sorted(self._client.operator.list_agents(),
+                          key=lambda a: (a.agent, a.session_id))
         except errors.PermissionDenied:
             self._leases_refused = True
             return None
@@ -288,7 +289,7 @@ class HeaderWatch:
         # Resumed where it stood after a break (the registry away: the interval
         # refreshes meanwhile), so a header that did not change is not sent again.
         try:
-            for task in self._client.follow_tasks(self._stop, retry=WATCH_RETRY):
+            for task in self._client.operator.follow_tasks(self._stop, retry=WATCH_RETRY):
                 if self._task_ids and task.spec.task_id not in self._task_ids:
                     continue
                 with self._lock:

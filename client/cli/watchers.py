@@ -141,7 +141,8 @@ def watcher_ls(settings: Settings, output: str) -> None:
     has left, and whether it is draining. A watcher at 95% of its watches, or
     draining, takes no more shards.
     """
-    watchers = sorted(settings.client().list_watchers(), key=lambda w: (w.host, w.watcher_id))
+    watchers = sorted(settings.client().operator.list_watchers(),
+                      key=lambda w: (w.host, w.watcher_id))
     if output == "json":
         emit_json([watcher_json(w) for w in watchers])
         return
@@ -175,7 +176,7 @@ def watcher_drain(settings: Settings, watcher_id: str, undo: bool, wait: bool,
     stop. --undo: it takes shards again (the registry rebalances at once).
     """
     client = settings.client()
-    reply = client.drain_watcher(watcher_id, undo=undo)
+    reply = client.operator.drain_watcher(watcher_id, undo=undo)
     if undo:
         click.echo(f"watcher {watcher_id} takes shards again ({reply.watcher.shards} owned; "
                    "the registry balances the others onto it)")
@@ -187,11 +188,11 @@ def watcher_drain(settings: Settings, watcher_id: str, undo: bool, wait: bool,
 
     def left() -> int | None:
         """Shards the watcher still owns; None once its registration is gone."""
-        found = [w for w in client.list_watchers() if w.watcher_id == watcher_id]
+        found = [w for w in client.operator.list_watchers() if w.watcher_id == watcher_id]
         return found[0].shards if found else None
 
     if reply.watcher.shards and not any(
-            w.watcher_id != watcher_id and not w.draining for w in client.list_watchers()):
+            w.watcher_id != watcher_id and not w.draining for w in client.operator.list_watchers()):
         click.echo("no other watcher takes shards: its shards stay until one registers",
                    err=True)
     waiter = Waiter(limit)
@@ -240,7 +241,7 @@ def shard_ls(settings: Settings, output: str) -> None:
     and the checks queued for it at its owner. -o json: {"shard_count": N,
     "shards": [ShardInfo, ...]}.
     """
-    reply = settings.client().list_shards()
+    reply = settings.client().operator.list_shards()
     if output == "json":
         emit_json({"shard_count": reply.shard_count,
                    "shards": [as_dict(s) for s in reply.shards]})
@@ -280,7 +281,7 @@ def shard_move(settings: Settings, number: int, to: str, deadline: int, reason: 
     not last.
     """
     client = settings.client()
-    started = client.move_shard(number, to, deadline, reason, evidence)
+    started = client.operator.move_shard(number, to, deadline, reason, evidence)
     if started.owner == to and not started.moving_to:
         click.echo(f"shard {number} owned by {to} at epoch {started.epoch}")
         return
@@ -292,7 +293,7 @@ def shard_move(settings: Settings, number: int, to: str, deadline: int, reason: 
     with waiter.showing(f"shard {number}: waiting for {started.owner} to hand it over"):
 
         def done() -> str | None:
-            s = next(s for s in client.list_shards().shards if s.shard == number)
+            s = next(s for s in client.operator.list_shards().shards if s.shard == number)
             if s.owner == to:
                 # The shard's record does not say how the move ended: one done after
                 # its deadline was forced (the registry's clock and ours agree to well
@@ -323,12 +324,12 @@ def shard_rebalance(settings: Settings, dry_run: bool, output: str) -> None:
     {shard, from_watcher, to_watcher}.
     """
     client = settings.client()
-    moves = client.rebalance(dry_run=dry_run)
+    moves = client.operator.rebalance(dry_run=dry_run)
     if output == "json":
         emit_json([as_dict(m) for m in moves])
         return
     if not moves:
-        in_flight = sum(1 for s in client.list_shards().shards if s.moving_to)
+        in_flight = sum(1 for s in client.operator.list_shards().shards if s.moving_to)
         click.echo(f"{in_flight} moves in progress: nothing more starts until they are done"
                    if in_flight else "balanced: nothing to move")
         return

@@ -67,7 +67,7 @@ class Hub:
     def _watch_tasks(self) -> None:
         # Resumed where it stood when it breaks: only headers that changed come again.
         try:
-            for task in self.client.follow_tasks(self.stop, retry=WATCH_RETRY):
+            for task in self.client.operator.follow_tasks(self.stop, retry=WATCH_RETRY):
                 self._mark(task.spec.task_id)
                 if task.status in FINISHED:
                     with self.lock:
@@ -137,7 +137,7 @@ class Hub:
                 due, self.dirty = self.dirty, set()
             for task_id in due:
                 try:
-                    row = self.summary(self.client.get_task(task_id))
+                    row = self.summary(self.client.operator.get_task(task_id))
                 except errors.BatonError:
                     continue
                 self._send(json.dumps(row))

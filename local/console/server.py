@@ -103,17 +103,17 @@ class Console:
     # pages -------------------------------------------------------------------------
 
     async def tasks(self, request: Request) -> Response:
-        listed = await self.call(self.client.list_tasks)
+        listed = await self.call(self.client.operator.list_tasks)
         rows = []
         for t in listed:
-            task = await self.call(self.client.get_task, t.spec.task_id)
+            task = await self.call(self.client.operator.get_task, t.spec.task_id)
             row = self.hub.summary(task)
             row["oldest"] = await self.oldest_waiting(task.spec.task_id)
             rows.append(row)
         return self.page("tasks.html", rows=rows)
 
     async def oldest_waiting(self, task_id: str) -> str:
-        pending = await self.call(self.client.list_entries, task_id,
+        pending = await self.call(self.client.operator.list_entries, task_id,
                                   pb.ENTRY_STATE_PENDING, PAGE_ENTRIES)
         oldest = min(pending, key=lambda e: e.updated_at, default=None)
         return f"{oldest.file_id} since {oldest.updated_at}" if oldest else "-"
@@ -121,30 +121,30 @@ class Console:
     async def task(self, request: Request) -> Response:
         task_id = request.path_params["task_id"]
         checked_ids(task_id=task_id)
-        task = await self.call(self.client.get_task, task_id)
+        task = await self.call(self.client.operator.get_task, task_id)
         row = self.hub.summary(task)
-        dead = await self.call(self.client.list_entries, task_id, pb.ENTRY_STATE_DEAD,
+        dead = await self.call(self.client.operator.list_entries, task_id, pb.ENTRY_STATE_DEAD,
                                PAGE_ENTRIES)
         deaths = []
         for e in dead:
             # every attempt, from the journal as explain reads it: who, host, token,
             # how it ended, the digest it declared
-            explained = await self.call(self.client.explain, task_id, e.file_id)
+            explained = await self.call(self.client.operator.explain, task_id, e.file_id)
             deaths.append({"entry": e, "attempts": list(explained.attempts),
                            "more": explained.attempts_total - len(explained.attempts)})
-        written = await self.call(self.client.list_entries, task_id,
+        written = await self.call(self.client.operator.list_entries, task_id,
                                   pb.ENTRY_STATE_WRITTEN, PAGE_ENTRIES)
         stuck = []
         if task.stuck_written or task.blocked:
             candidates = list(written)
             if task.blocked:
-                pending = await self.call(self.client.list_entries, task_id,
+                pending = await self.call(self.client.operator.list_entries, task_id,
                                           pb.ENTRY_STATE_PENDING, PAGE_ENTRIES)
                 candidates += [e for e in pending if e.blocked]
             for e in candidates[:EXPLAINED]:
-                explained = await self.call(self.client.explain, task_id, e.file_id)
+                explained = await self.call(self.client.operator.explain, task_id, e.file_id)
                 stuck.append({"entry": e, "why": explained.text})
-        journal = await self.call(self.client.journal, task_id)
+        journal = await self.call(self.client.operator.journal, task_id)
         chart = throughput_svg([(r.at, r.to_state) for r in journal])
         return self.page("task.html", task=task, row=row, deaths=deaths, stuck=stuck,
                          groups=sorted(task.consumed_by_group.items()), chart=chart,
@@ -153,20 +153,20 @@ class Console:
     async def entry(self, request: Request) -> Response:
         task_id, file_id = request.path_params["task_id"], request.path_params["file_id"]
         checked_ids(task_id=task_id, file_id=file_id)
-        explained = await self.call(self.client.explain, task_id, file_id)
-        journal = await self.call(self.client.journal, task_id, file_id)
+        explained = await self.call(self.client.operator.explain, task_id, file_id)
+        journal = await self.call(self.client.operator.journal, task_id, file_id)
         return self.page("entry.html", task_id=task_id, entry=explained.entry,
                          why=explained.text, journal=journal, state_name=state_name,
                          attempts=list(explained.attempts),
                          more=explained.attempts_total - len(explained.attempts))
 
     async def sessions(self, request: Request) -> Response:
-        agents, refused = await self.tried(self.client.list_agents)
+        agents, refused = await self.tried(self.client.operator.list_agents)
         return self.page("sessions.html", agents=agents or [], refused=refused)
 
     async def watchers(self, request: Request) -> Response:
-        watchers, refused = await self.tried(self.client.list_watchers)
-        shards, refused_shards = await self.tried(self.client.list_shards)
+        watchers, refused = await self.tried(self.client.operator.list_watchers)
+        shards, refused_shards = await self.tried(self.client.operator.list_shards)
         return self.page("watchers.html", watchers=watchers or [],
                          shards=shards.shards if shards else [], refused=refused or refused_shards)
 

@@ -152,7 +152,7 @@ class Agent:
         age = time.monotonic() - self._tasks_at
         if age > (TASKS_IDLE if idle else TASKS_REFRESH):
             try:
-                self._tasks = [t.spec.task_id for t in self.client.list_tasks()
+                self._tasks = [t.spec.task_id for t in self.client.operator.list_tasks()
                                if t.status == pb.TASK_STATUS_ACTIVE]
                 self._tasks_at = time.monotonic()
             except errors.Unavailable:

@@ -191,7 +191,7 @@ class PoolSampler(threading.Thread):
     def run(self) -> None:
         while not self.stop.wait(0.25):
             try:
-                pools = self.replicas.call(lambda c: c.list_pools())
+                pools = self.replicas.call(lambda c: c.operator.list_pools())
             except errors.BatonError:
                 continue  # a nemesis: the next sample
             self.samples += [(p.name, p.in_use, p.limit) for p in pools]
@@ -215,7 +215,7 @@ class Feeder(threading.Thread):
         self.define_pools()
         while not self.stop.wait(0.5):
             try:
-                tasks = self.replicas.call(lambda c: c.list_tasks())
+                tasks = self.replicas.call(lambda c: c.operator.list_tasks())
             except errors.BatonError:
                 continue
             self.remove_completed(tasks)
@@ -224,7 +224,7 @@ class Feeder(threading.Thread):
                 continue  # the consumers are behind: let them catch up
             if self.newest in active:
                 try:
-                    newest = self.replicas.call(lambda c: c.get_task(self.newest))
+                    newest = self.replicas.call(lambda c: c.operator.get_task(self.newest))
                 except errors.BatonError:
                     continue
                 if newest.states.get("pending", 0) >= self.cfg.task_size // 2:
@@ -253,7 +253,7 @@ class Feeder(threading.Thread):
         for name, limit in POOLS.items():
             while not self.stop.is_set():
                 try:
-                    self.replicas.call(lambda c, n=name, lim=limit: c.set_pool(
+                    self.replicas.call(lambda c, n=name, lim=limit: c.operator.set_pool(
                         n, lim, reason="the fault run's pools"))
                     break
                 except errors.BatonError:
@@ -266,7 +266,7 @@ class Feeder(threading.Thread):
         while True:
             self.history.invoke("create-task", task=task_id, files=len(files))
             try:
-                self.replicas.call(lambda c: c.create_task(spec))
+                self.replicas.call(lambda c: c.operator.create_task(spec))
                 break
             except errors.BatonError as e:
                 # The same manifest again completes an interrupted creation.
@@ -281,7 +281,7 @@ class Feeder(threading.Thread):
     def done(self) -> bool:
         """Whether every task created so far has completed."""
         try:
-            tasks = self.replicas.call(lambda c: c.list_tasks())
+            tasks = self.replicas.call(lambda c: c.operator.list_tasks())
         except errors.BatonError:
             return False
         status = {t.spec.task_id: t.status for t in tasks}

@@ -232,7 +232,7 @@ def rotate_leases(w: World) -> dict[str, Any]:
     rounds, sessions = w.rng.randint(1, 3), []
     try:
         for _ in range(rounds):
-            done = w.operator(lambda c: c.rotate_leases(every=True))
+            done = w.operator(lambda c: c.operator.rotate_leases(every=True))
             sessions.append(len(done))
         if slot is not None:
             w.sleep(max(0.0, w.rng.uniform(0.2, 0.5) * w.ttl - (time.monotonic() - paused)))
@@ -370,15 +370,15 @@ def move_shard(w: World) -> dict[str, Any]:
     # and started again has a new id; its old one lingers for a TTL): the registry
     # refuses the move with NotFound, and an operator lists again and picks another.
     for attempt in range(5):
-        shards = [s for s in w.operator(lambda c: c.list_shards().shards) if s.owner]
-        ids = [x.watcher_id for x in w.operator(lambda c: c.list_watchers())]
+        shards = [s for s in w.operator(lambda c: c.operator.list_shards().shards) if s.owner]
+        ids = [x.watcher_id for x in w.operator(lambda c: c.operator.list_watchers())]
         if not shards or len(ids) < 2:
             return {"skipped": "fewer than two watchers registered"}
         busy = [s for s in shards if s.tasks] or shards
         shard = w.rng.choice(busy)
         to = w.rng.choice([i for i in ids if i != shard.owner])
         try:
-            w.operator(lambda c, n=shard.shard, t=to: c.move_shard(n, t))
+            w.operator(lambda c, n=shard.shard, t=to: c.operator.move_shard(n, t))
             break
         except errors.NotFound:
             if attempt == 4:
@@ -387,7 +387,8 @@ def move_shard(w: World) -> dict[str, Any]:
     deadline = time.monotonic() + 40.0
     owner = shard.owner
     while time.monotonic() < deadline and not w.stop.is_set():
-        now = {s.shard: s for s in w.operator(lambda c: c.list_shards().shards)}[shard.shard]
+        now = {s.shard: s for s in w.operator(
+            lambda c: c.operator.list_shards().shards)}[shard.shard]
         owner = now.owner
         if not now.moving_to:
             break
@@ -678,7 +679,7 @@ def etcd_quota(w: World) -> dict[str, Any]:
     read = ""
     try:
         assert w.operator is not None
-        tasks = w.operator(lambda c: c.list_tasks())
+        tasks = w.operator(lambda c: c.operator.list_tasks())
         read = f"list_tasks: {len(tasks)} tasks"
     except Exception as e:  # reads must go on at the quota: a finding, raised below
         read = f"{type(e).__name__}: {e}"[:300]

@@ -22,7 +22,7 @@ def test_an_aborted_connection_breaks_the_stream_and_the_session_resumes(
     require("ss")
     port = int(registry.address.rsplit(":", 1)[1])
     with Client(registry.address, retry=TEST_RETRY) as c:
-        c.create_task({"task_id": "t", "entries": [
+        c.operator.create_task({"task_id": "t", "entries": [
             {"file_id": f"f{i}", "path": f"f{i}"} for i in range(2)]})
         with c.open_session("p", ttl=10) as s:
             assert s.stream is not None

@@ -65,11 +65,11 @@ def until(condition: object, timeout: float) -> None:
 def test_a_stale_producer_does_not_overwrite_the_live_attempt(
         client: Client, staging: Path, request: pytest.FixtureRequest) -> None:
     """The bytes on disk stay those of the attempt whose commit was accepted."""
-    client.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "a.bin"}],
-                        "backoff": {"base_seconds": 0.001}})
+    client.operator.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "a.bin"}],
+                                 "backoff": {"base_seconds": 0.001}})
     stale = request.getfixturevalue("paused_producer")
     # Its lease expires while it is stopped; the reaper sends the entry back.
-    until(lambda: client.get_entry("t1", "a").state == pb.ENTRY_STATE_PENDING, 10)
+    until(lambda: client.operator.get_entry("t1", "a").state == pb.ENTRY_STATE_PENDING, 10)
     with client.open_session("live", ttl=10) as session:
         entry = put(client, session, "t1", "a", io.BytesIO(OTHER))
     assert entry.state == pb.ENTRY_STATE_WRITTEN
@@ -78,6 +78,6 @@ def test_a_stale_producer_does_not_overwrite_the_live_attempt(
     stale.stdin.flush()
     # its own session check refuses first: a lost session's claims are not used
     assert json.loads(stale.stdout.readline()) == {"outcome": errors.SessionExpired.__name__}
-    data = Path(client.get_entry("t1", "a").abs_attempt_path).read_bytes()
+    data = Path(client.operator.get_entry("t1", "a").abs_attempt_path).read_bytes()
     assert data != PAYLOAD, "the refused producer's bytes replaced the committed ones"
     assert data == OTHER

@@ -91,8 +91,8 @@ def world(etcd: EtcdProcess) -> Iterator[World]:
         try:
             with Client(registry.address, timeout=10, retry=TEST_RETRY) as c:
                 for task in ("t", "spare"):
-                    c.create_task({"task_id": task, "consumers": ["default", "sink"],
-                                   "digest_optional": True, "entries": [
+                    c.operator.create_task({"task_id": task, "consumers": ["default", "sink"],
+                                            "digest_optional": True, "entries": [
                                        {"file_id": f"f{i}", "path": f"d/f{i}.bin"}
                                        for i in range(5)]})
                 session = c.open_session("fuzz", ttl=3600, keepalive=False)
@@ -101,7 +101,7 @@ def world(etcd: EtcdProcess) -> Iterator[World]:
                 held = c.claim("t", "f0", session=session)
                 done = c.claim("t", "f1", session=session)
                 c.commit("t", "f1", done.token, 0, session=session)
-                watcher = c.register_watcher(tmp, ttl=600)
+                watcher = c.watcher.register_watcher(tmp, ttl=600)
             known: dict[str, tuple[Any, ...]] = {
                 "task_id": ("t",), "file_id": ("f0", "f1", "f2"),
                 "group": ("default", "sink"), "session_id": (session.session_id,),

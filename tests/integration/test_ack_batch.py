@@ -32,13 +32,13 @@ def keys_under(registry: Any) -> dict[bytes, KV]:
 
 def verified_task(client: Client, s: Session, n: int, consumers: list[str]) -> None:
     """Task t with ``n`` entries e00.. produced and verified (no file: the reports say so)."""
-    client.create_task({"task_id": "t", "consumers": consumers,
-                        "entries": [{"file_id": f"e{i:02d}", "path": f"e{i:02d}"}
+    client.operator.create_task({"task_id": "t", "consumers": consumers,
+                                 "entries": [{"file_id": f"e{i:02d}", "path": f"e{i:02d}"}
                                     for i in range(n)]})
     for i in range(n):
         c = client.claim("t", f"e{i:02d}", session=s)
         client.commit("t", c.file_id, c.token, 1, digest(b"x"))
-        client.report("t", c.file_id, 1, digest(b"x"))
+        client.watcher.report("t", c.file_id, 1, digest(b"x"))
 
 
 def leases(client: Client, s: Session, group: str, n: int) -> list[Lease]:
@@ -54,9 +54,9 @@ def test_a_batch_of_acks_applies_together(client: Client) -> None:
         assert [e.file_id for e in acked] == [x.file_id for x in held]
         assert {e.state for e in acked} == {pb.ENTRY_STATE_CONSUMED}
         assert len({e.revision for e in acked}) == 1
-        assert {e.state for e in client.list_entries("t")} == {pb.ENTRY_STATE_CONSUMED}
+        assert {e.state for e in client.operator.list_entries("t")} == {pb.ENTRY_STATE_CONSUMED}
         # Every slot is free again: five more claims of the session's would fit.
-        assert len(client.list_agents()[0].claims) == 0
+        assert len(client.operator.list_agents()[0].claims) == 0
 
 
 def test_two_groups_acking_one_entry_in_one_batch_both_count(client: Client) -> None:
@@ -65,10 +65,10 @@ def test_two_groups_acking_one_entry_in_one_batch_both_count(client: Client) -> 
         verified_task(client, s, 1, ["g", "h"])
         g, h = client.consume("t", "g", session=s), client.consume("t", "h", session=s)
         acked = client.ack_batch([("t", "e00", "g", g.token), ("t", "e00", "h", h.token)])
-        entry = client.get_entry("t", "e00")
+        entry = client.operator.get_entry("t", "e00")
         assert entry.state == pb.ENTRY_STATE_CONSUMED and sorted(entry.consumed_by) == ["g", "h"]
         assert [e.state for e in acked] == [pb.ENTRY_STATE_CONSUMED, pb.ENTRY_STATE_CONSUMED]
-        acks = [r for r in client.journal("t", "e00") if r.event == "acked"]
+        acks = [r for r in client.operator.journal("t", "e00") if r.event == "acked"]
         assert sorted(r.group for r in acks) == ["g", "h"]
 
 
@@ -126,7 +126,7 @@ def test_a_retried_batch_replays_its_reply(client: Client) -> None:
         again = client._call("AckBatch", req)
         assert again == first and len(first.entries) == 2
         for x in held:
-            assert [r.event for r in client.journal("t", x.file_id)].count("acked") == 1
+            assert [r.event for r in client.operator.journal("t", x.file_id)].count("acked") == 1
 
 
 def test_acks_of_a_cancelled_task_are_refused(client: Client) -> None:
@@ -134,10 +134,10 @@ def test_acks_of_a_cancelled_task_are_refused(client: Client) -> None:
     with client.open_session("a", ttl=30) as s:
         verified_task(client, s, 2, ["g"])
         held = leases(client, s, "g", 2)
-        client.cancel_task("t")
+        client.operator.cancel_task("t")
         with pytest.raises(errors.StaleToken):
             client.ack_batch([("t", x.file_id, "g", x.token) for x in held])
-        assert {e.state for e in client.list_entries("t")} == {pb.ENTRY_STATE_VERIFIED}
+        assert {e.state for e in client.operator.list_entries("t")} == {pb.ENTRY_STATE_VERIFIED}
 
 
 # --- the command line -----------------------------------------------------------------

@@ -60,13 +60,13 @@ def archiver(registry: RegistryHandle) -> Archiver:
 def finish(client: Client, session: Session, task_id: str, wait_for: Wait) -> None:
     """Create a task, produce, verify (as a lone watcher would) and consume every entry,
     and wait until the registry completes it."""
-    client.create_task({"task_id": task_id,
-                        "entries": [{"file_id": f, "path": f"{f}.bin"} for f in FILES]})
+    client.operator.create_task({"task_id": task_id,
+                                 "entries": [{"file_id": f, "path": f"{f}.bin"} for f in FILES]})
     for f in FILES:
         produce_verified(client, session, task_id, f)
         lease = client.consume(task_id, "default", f, session=session)
         client.ack(task_id, f, "default", lease.token, session=session)
-    wait_for(lambda: client.get_task(task_id).status == pb.TASK_STATUS_COMPLETED,
+    wait_for(lambda: client.operator.get_task(task_id).status == pb.TASK_STATUS_COMPLETED,
              what="task completed")
 
 
@@ -83,7 +83,7 @@ def task_keys(registry: RegistryHandle, task_id: str) -> list[str]:
 
 
 def before_archive(client: Client, task_id: str) -> tuple[list[pb.Entry], list[pb.JournalRecord]]:
-    return client.list_entries(task_id), client.journal(task_id)
+    return client.operator.list_entries(task_id), client.operator.journal(task_id)
 
 
 def test_a_finished_task_is_archived_and_read_back_from_the_archive(
@@ -92,38 +92,40 @@ def test_a_finished_task_is_archived_and_read_back_from_the_archive(
 ) -> None:
     finish(client, session, "t1", wait_for)
     entries, journal = before_archive(client, "t1")
-    explained = client.explain("t1", "b").entry
-    task = client.archive_task("t1", reason="test")
+    explained = client.operator.explain("t1", "b").entry
+    task = client.operator.archive_task("t1", reason="test")
     assert task.status == pb.TASK_STATUS_ARCHIVED and task.archive and task.archived_at
     # etcd keeps the header only
     assert task_keys(registry, "t1") == [Keys(registry.prefix).task("t1").decode()]
     assert sorted(p.name for p in archive_dir.iterdir()) == ["t1.jsonl.gz", "t1.meta.json"]
     # every read answers from the archive, as before
-    got = client.get_task("t1")
+    got = client.operator.get_task("t1")
     assert got.status == pb.TASK_STATUS_ARCHIVED and got.states["consumed"] == 3
-    assert [(e.file_id, e.state, e.digest, e.revision) for e in client.list_entries("t1")] \
+    assert [(e.file_id, e.state, e.digest,
+             e.revision) for e in client.operator.list_entries("t1")] \
         == [(e.file_id, e.state, e.digest, e.revision) for e in entries]
-    assert [e.file_id for e in client.list_entries("t1", pb.ENTRY_STATE_CONSUMED)] == FILES
-    assert [(r.file_id, r.event, r.revision) for r in client.journal("t1")] == \
+    assert [e.file_id for e in client.operator.list_entries("t1", pb.ENTRY_STATE_CONSUMED)] == FILES
+    assert [(r.file_id, r.event, r.revision) for r in client.operator.journal("t1")] == \
         [(r.file_id, r.event, r.revision) for r in journal]
-    assert [r.event for r in client.journal("t1", "a")] == \
+    assert [r.event for r in client.operator.journal("t1", "a")] == \
         [r.event for r in journal if r.file_id == "a"]
     # the archive's journal has the same bound on a reply as a live one
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(operators_mod, "MAX_JOURNAL_RECORDS", 2)
-        bounded = client.journal_reply("t1")
+        bounded = client.operator.journal_reply("t1")
     assert bounded.total == len(journal) > 2
     assert [r.revision for r in bounded.records] == [r.revision for r in journal[-2:]]
-    assert client.get_entry("t1", "b").digest == explained.digest
-    text = client.explain("t1", "b").text
+    assert client.operator.get_entry("t1", "b").digest == explained.digest
+    text = client.operator.explain("t1", "b").text
     assert "was consumed" in text and "archived" in text
     with pytest.raises(NotFound):
-        client.get_entry("t1", "zz")
-    assert [t.spec.task_id for t in client.list_tasks()] == []
-    assert [t.spec.task_id for t in client.list_tasks(archived=True)] == ["t1"]
-    assert client.archive_task("t1").status == pb.TASK_STATUS_ARCHIVED  # again: nothing to do
+        client.operator.get_entry("t1", "zz")
+    assert [t.spec.task_id for t in client.operator.list_tasks()] == []
+    assert [t.spec.task_id for t in client.operator.list_tasks(archived=True)] == ["t1"]
+    # again: nothing to do
+    assert client.operator.archive_task("t1").status == pb.TASK_STATUS_ARCHIVED
     with pytest.raises(IllegalTransition, match="its archive is kept"):
-        client.delete_task("t1", discard_history=True)
+        client.operator.delete_task("t1", discard_history=True)
     scraped = scrape(registry._running.metrics_port)
     assert scraped.value("baton_tasks_archived_total") == 1
     assert scraped.value("baton_tasks", status="archived") == 1
@@ -132,17 +134,17 @@ def test_a_finished_task_is_archived_and_read_back_from_the_archive(
 def test_only_a_finished_task_is_archived(
     client: Client, session: Session, registry: RegistryHandle, archive_dir: Path,
 ) -> None:
-    client.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "a"}]})
+    client.operator.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "a"}]})
     keys = task_keys(registry, "t1")
     with pytest.raises(IllegalTransition, match="only a completed or cancelled task"):
-        client.archive_task("t1")
+        client.operator.archive_task("t1")
     assert task_keys(registry, "t1") == keys and not archive_dir.exists()
     client.claim("t1", "a", session=session)
-    client.cancel_task("t1")
-    assert client.archive_task("t1").status == pb.TASK_STATUS_ARCHIVED
-    assert client.get_entry("t1", "a").state == pb.ENTRY_STATE_WRITING  # as it was left
+    client.operator.cancel_task("t1")
+    assert client.operator.archive_task("t1").status == pb.TASK_STATUS_ARCHIVED
+    assert client.operator.get_entry("t1", "a").state == pb.ENTRY_STATE_WRITING  # as it was left
     with pytest.raises(IllegalTransition):
-        client.resume_task("t1")
+        client.operator.resume_task("t1")
 
 
 class Crash(Exception):
@@ -190,7 +192,7 @@ def test_an_archive_interrupted_anywhere_finishes_when_run_again_with_one_copy(
     monkeypatch.setattr(DirectoryStore, "write", dies_writing)
     with pytest.raises(Exception, match="killed while writing"):
         on_loop(registry, archiver(registry).archive("t1"))
-    assert client.get_task("t1").status == pb.TASK_STATUS_ARCHIVING
+    assert client.operator.get_task("t1").status == pb.TASK_STATUS_ARCHIVING
     assert len(task_keys(registry, "t1")) > 1 and store.info("t1") is None
     monkeypatch.setattr(DirectoryStore, "write", real_write)
     keys_before = task_keys(registry, "t1")
@@ -203,12 +205,12 @@ def test_an_archive_interrupted_anywhere_finishes_when_run_again_with_one_copy(
     assert written is not None
     assert 1 < len(task_keys(registry, "t1")) < len(keys_before)
     # 3. run again: finishes, does not write the archive again, one copy
-    assert client.archive_task("t1").status == pb.TASK_STATUS_ARCHIVED
+    assert client.operator.archive_task("t1").status == pb.TASK_STATUS_ARCHIVED
     assert store.info("t1") == written
     assert sorted(p.name for p in archive_dir.iterdir()) == ["t1.jsonl.gz", "t1.meta.json"]
     assert task_keys(registry, "t1") == [Keys(registry.prefix).task("t1").decode()]
-    assert [e.file_id for e in client.list_entries("t1")] == [e.file_id for e in entries]
-    assert len(client.journal("t1")) == len(journal)
+    assert [e.file_id for e in client.operator.list_entries("t1")] == [e.file_id for e in entries]
+    assert len(client.operator.journal("t1")) == len(journal)
 
 
 def test_a_key_written_after_the_archive_stops_the_deletes(
@@ -232,7 +234,7 @@ def test_a_key_written_after_the_archive_stops_the_deletes(
     monkeypatch.setattr(removal.Removal, "sweep", late_write_then_sweep)
     with pytest.raises(IllegalTransition, match="after the archive"):
         on_loop(registry, archiver(registry).archive("t1"))
-    assert client.get_task("t1").status == pb.TASK_STATUS_ARCHIVING
+    assert client.operator.get_task("t1").status == pb.TASK_STATUS_ARCHIVING
     assert keys.entry("t1", "c").decode() in task_keys(registry, "t1")
 
 
@@ -241,27 +243,27 @@ def test_finished_tasks_are_archived_after_their_time_and_archives_expire(
     wait_for: Wait,
 ) -> None:
     finish(client, session, "t1", wait_for)
-    client.create_task({"task_id": "keep", "archive_after_seconds": -1,
-                        "entries": [{"file_id": "a", "path": "a"}]})
-    client.cancel_task("keep")
+    client.operator.create_task({"task_id": "keep", "archive_after_seconds": -1,
+                                 "entries": [{"file_id": "a", "path": "a"}]})
+    client.operator.cancel_task("keep")
     arch = archiver(registry)
     arch.after = 3600.0
     assert on_loop(registry, arch.sweep()) == 0  # finished a moment ago: not yet
     arch.after = 0.001
     assert on_loop(registry, arch.sweep()) == 1  # t1; "keep" says never
-    assert client.get_task("t1").status == pb.TASK_STATUS_ARCHIVED
-    assert client.get_task("keep").status == pb.TASK_STATUS_CANCELLED
+    assert client.operator.get_task("t1").status == pb.TASK_STATUS_ARCHIVED
+    assert client.operator.get_task("keep").status == pb.TASK_STATUS_CANCELLED
     arch.retention = 0.0
     on_loop(registry, arch.sweep())
     with pytest.raises(NotFound):
-        client.get_task("t1")
+        client.operator.get_task("t1")
     assert not list(archive_dir.iterdir())
 
 
 def test_a_manifest_archive_after_is_checked(client: Client) -> None:
     with pytest.raises(InvalidManifest, match="archive_after_seconds"):
-        client.create_task({"task_id": "t1", "archive_after_seconds": 10 * 366 * 86400,
-                            "entries": [{"file_id": "a", "path": "a"}]})
+        client.operator.create_task({"task_id": "t1", "archive_after_seconds": 10 * 366 * 86400,
+                                     "entries": [{"file_id": "a", "path": "a"}]})
 
 
 def test_a_corrupt_archive_is_refused_not_read(tmp_path: Path) -> None:
@@ -297,9 +299,9 @@ def test_cli_archives_and_lists_archived_tasks(
 
 def cancelled(client: Client, task_id: str, entries: int) -> None:
     """A task of ``entries`` entries that never ran, cancelled: ready to archive."""
-    client.create_task({"task_id": task_id, "entries": [
+    client.operator.create_task({"task_id": task_id, "entries": [
         {"file_id": f"f{n}", "path": f"f{n}.bin"} for n in range(entries)]})
-    client.cancel_task(task_id, "test")
+    client.operator.cancel_task(task_id, "test")
 
 
 def test_an_archive_holds_a_few_pages_of_the_task_not_all_of_it(
@@ -335,10 +337,10 @@ def test_an_archive_holds_a_few_pages_of_the_task_not_all_of_it(
 
     monkeypatch.setattr(Archiver, "_records", counted)
     monkeypatch.setattr(DirectoryStore, "write", watched)
-    assert client.archive_task("t1").status == pb.TASK_STATUS_ARCHIVED
+    assert client.operator.archive_task("t1").status == pb.TASK_STATUS_ARCHIVED
     assert len(behind) == 1 + len(entries) + len(journal) == 1 + read
     assert max(behind) <= (archive_mod.PAGES_AHEAD + 2) * page
-    assert [e.file_id for e in client.list_entries("t1")] == [e.file_id for e in entries]
+    assert [e.file_id for e in client.operator.list_entries("t1")] == [e.file_id for e in entries]
 
 
 def test_an_archive_whose_reading_fails_half_way_keeps_nothing_and_runs_again(
@@ -365,8 +367,8 @@ def test_an_archive_whose_reading_fails_half_way_keeps_nothing_and_runs_again(
     assert list(archive_dir.iterdir()) == []  # no half archive, no temporary file
     assert task_keys(registry, "t1") == keys_before
     monkeypatch.setattr(Archiver, "_records", real_records)
-    assert client.archive_task("t1").status == pb.TASK_STATUS_ARCHIVED
-    assert len(client.list_entries("t1")) == 100
+    assert client.operator.archive_task("t1").status == pb.TASK_STATUS_ARCHIVED
+    assert len(client.operator.list_entries("t1")) == 100
 
 
 def test_a_store_failing_half_way_stops_the_archive_and_keeps_nothing(
@@ -396,7 +398,7 @@ def test_a_store_failing_half_way_stops_the_archive_and_keeps_nothing(
     assert list(archive_dir.iterdir()) == []
     assert task_keys(registry, "t1") == keys_before
     monkeypatch.setattr(DirectoryStore, "write", real_write)
-    assert client.archive_task("t1").status == pb.TASK_STATUS_ARCHIVED
+    assert client.operator.archive_task("t1").status == pb.TASK_STATUS_ARCHIVED
 
 
 def test_the_sweep_leaves_a_task_this_replica_is_archiving_to_it(
@@ -418,11 +420,11 @@ def test_the_sweep_leaves_a_task_this_replica_is_archiving_to_it(
 
     monkeypatch.setattr(DirectoryStore, "write", slow)
     done: list[pb.Task] = []
-    explicit = threading.Thread(target=lambda: done.append(client.archive_task("t1")))
+    explicit = threading.Thread(target=lambda: done.append(client.operator.archive_task("t1")))
     explicit.start()
     try:
         wait_for(lambda: len(writes) == 1, what="the archive being written")
-        assert client.get_task("t1").status == pb.TASK_STATUS_ARCHIVING
+        assert client.operator.get_task("t1").status == pb.TASK_STATUS_ARCHIVING
         assert on_loop(registry, archiver(registry).sweep()) == 0
         assert len(writes) == 1
     finally:
@@ -475,11 +477,12 @@ def test_one_task_whose_store_fails_does_not_stop_the_sweep_archiving_others(
     arch = archiver(registry)
     monkeypatch.setattr(arch, "after", 0.001)
     assert on_loop(registry, arch.sweep()) == 1
-    assert client.get_task("t2").status == pb.TASK_STATUS_ARCHIVED
-    assert client.get_task("t1").status == pb.TASK_STATUS_ARCHIVING  # the next sweep goes on
+    assert client.operator.get_task("t2").status == pb.TASK_STATUS_ARCHIVED
+    # the next sweep goes on
+    assert client.operator.get_task("t1").status == pb.TASK_STATUS_ARCHIVING
     monkeypatch.setattr(DirectoryStore, "write", real_write)
     assert on_loop(registry, arch.sweep()) == 1
-    assert client.get_task("t1").status == pb.TASK_STATUS_ARCHIVED
+    assert client.operator.get_task("t1").status == pb.TASK_STATUS_ARCHIVED
 
 
 def test_the_index_windows_of_a_finished_task_are_let_go(
@@ -495,7 +498,7 @@ def test_the_index_windows_of_a_finished_task_are_let_go(
         cancelled_later = {"task_id": task_id, "consumers": ["ocr"],
                            "entries": [{"file_id": f"f{n}", "path": f"f{n}.bin"}
                                        for n in range(4)]}
-        client.create_task(cancelled_later)
+        client.operator.create_task(cancelled_later)
         produce_verified(client, session, task_id, "f0")
         client.consume(task_id, "ocr", session=session)  # its consumer index too
         client.claim(task_id, session=session)
@@ -505,9 +508,9 @@ def test_the_index_windows_of_a_finished_task_are_let_go(
         return [base for base in list(view._windows) if base.startswith(mine)]
 
     assert len(windows("t1")) == 2 and len(windows("t10")) == 2
-    client.cancel_task("t1")
+    client.operator.cancel_task("t1")
     wait_for(lambda: not windows("t1"), what="t1's windows let go")
     assert len(windows("t10")) == 2
     client.claim("t10", session=session)  # still served from its window
-    client.cancel_task("t10")
+    client.operator.cancel_task("t10")
     wait_for(lambda: not windows("t10"), what="t10's windows let go")

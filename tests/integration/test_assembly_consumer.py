@@ -21,16 +21,16 @@ PARTS = {"p1": b"first part, ", "p2": b"second part, ", "p3": b"third."}
 def produce_parts(client: Client, s: Session) -> None:
     """Task t: parts p1..p3 of assembly `whole`, written through the producer helper
     and verified as a watcher would (no watcher runs here)."""
-    client.create_task({"task_id": "t", "entries": [
+    client.operator.create_task({"task_id": "t", "entries": [
         *({"file_id": name, "path": f"whole.{name}"} for name in PARTS),
         {"file_id": "whole", "path": "whole", "parts": list(PARTS)}]})
     for name, data in reversed(PARTS.items()):  # the order they are produced in is free
         entry = put(client, s, "t", name, BytesIO(data))
-        client.report("t", name, entry.size, blake3.blake3(data).hexdigest())
+        client.watcher.report("t", name, entry.size, blake3.blake3(data).hexdigest())
 
 
 def events(client: Client, file_id: str) -> list[str]:
-    return [r.event for r in client.journal("t", file_id)]
+    return [r.event for r in client.operator.journal("t", file_id)]
 
 
 def test_an_assembly_is_delivered_as_its_parts_in_order_and_acked_once(
@@ -42,7 +42,7 @@ def test_an_assembly_is_delivered_as_its_parts_in_order_and_acked_once(
         with consume(client, s, "t", timeout=20) as got:
             assert got.lease.file_id == "whole"
             assert got.data == b"".join(PARTS.values())
-        whole = client.get_entry("t", "whole")
+        whole = client.operator.get_entry("t", "whole")
         assert whole.state == pb.ENTRY_STATE_CONSUMED
         assert events(client, "whole").count("acked") == 1
         assert "nacked" not in events(client, "whole")
@@ -63,12 +63,12 @@ def test_a_corrupted_part_is_a_checksum_mismatch_and_is_nacked(
     ChecksumMismatch names it, the assembly is nacked back to its group, not acked."""
     with client.open_session("a", ttl=30) as s:
         produce_parts(client, s)
-        corrupted = Path(client.get_entry("t", "p2").abs_attempt_path)
+        corrupted = Path(client.operator.get_entry("t", "p2").abs_attempt_path)
         corrupted.write_bytes(b"SECOND PART, ")
         with pytest.raises(errors.ChecksumMismatch, match=r"whole~t\d+\.p2"), \
                 consume(client, s, "t", timeout=20):
             pytest.fail("a corrupted assembly was delivered")
-        whole = client.get_entry("t", "whole")
+        whole = client.operator.get_entry("t", "whole")
         assert whole.state == pb.ENTRY_STATE_VERIFIED and not whole.consumed_by
         assert events(client, "whole").count("nacked") == 1
         assert "acked" not in events(client, "whole")
@@ -81,6 +81,6 @@ def test_a_part_that_left_verified_is_refused_before_any_read(client: Client) ->
     with client.open_session("a", ttl=30) as s:
         produce_parts(client, s)
         lease = next_lease(client, s, "t", timeout=20)
-        client.report("t", "p1", len(PARTS["p1"]), blake3.blake3(b"other").hexdigest())
+        client.watcher.report("t", "p1", len(PARTS["p1"]), blake3.blake3(b"other").hexdigest())
         with pytest.raises(errors.ChecksumMismatch, match="part p1 is pending"):
             next(iter_parts(client, lease))

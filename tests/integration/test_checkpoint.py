@@ -37,13 +37,13 @@ def kept(registry: RegistryHandle, ref: ClaimRef) -> dict[str, object] | None:
 
 
 def one_entry(client: Client, **task: object) -> None:
-    client.create_task({"task_id": "t1", "digest_optional": True, **task,
-                        "entries": [{"file_id": "a", "path": "a"}]})
+    client.operator.create_task({"task_id": "t1", "digest_optional": True, **task,
+                                 "entries": [{"file_id": "a", "path": "a"}]})
 
 
 def claimable(client: Client, wait_for: Wait, task_id: str, file_id: str) -> None:
     """Wait for the entry's retry backoff to end."""
-    wait_for(lambda: "claimable" in client.explain(task_id, file_id).text, timeout=10,
+    wait_for(lambda: "claimable" in client.operator.explain(task_id, file_id).text, timeout=10,
              what="backoff over")
 
 
@@ -81,7 +81,7 @@ def test_a_checkpoint_survives_a_deadline_and_a_commit_drops_it(
     with client.open_session("p", ttl=30) as session:
         first = client.claim("t1", "a", session=session)
         session.checkpoint("t1", "a", first.token, data=b"x" * 10, progress=0.9)
-        wait_for(lambda: client.get_entry("t1", "a").state == pb.ENTRY_STATE_PENDING,
+        wait_for(lambda: client.operator.get_entry("t1", "a").state == pb.ENTRY_STATE_PENDING,
                  timeout=10, what="the claim taken away at its deadline")
         claimable(client, wait_for, "t1", "a")
         second = client.claim("t1", "a", session=session)
@@ -132,11 +132,11 @@ def test_a_stale_token_is_refused_and_changes_nothing(
             session.checkpoint("t1", "a", claim.token + 1000, data=b"bad", progress=0.9)
         assert kept(registry, ref) == before
         client.fail("t1", "a", claim.token, "gave up", session=session)  # taken back
-        entry_before = client.get_entry("t1", "a")
+        entry_before = client.operator.get_entry("t1", "a")
         with pytest.raises(StaleToken):
             session.checkpoint("t1", "a", claim.token, data=b"late", progress=0.95)
     assert kept(registry, ref) == before
-    after = client.get_entry("t1", "a")
+    after = client.operator.get_entry("t1", "a")
     assert after.revision == entry_before.revision
 
 
@@ -145,12 +145,12 @@ def test_consumer_checkpoints_are_kept_per_group(
 ) -> None:
     """A consume lease's checkpoint goes to the next lease of its group only; an
     ack drops that group's."""
-    client.create_task({"task_id": "t1", "digest_optional": True, "consumers": ["g", "h"],
-                        "entries": [{"file_id": "a", "path": "a"}]})
+    client.operator.create_task({"task_id": "t1", "digest_optional": True, "consumers": ["g", "h"],
+                                 "entries": [{"file_id": "a", "path": "a"}]})
     with client.open_session("p", ttl=30) as producer:
         claim = client.claim("t1", "a", session=producer)
         client.commit("t1", "a", claim.token, 0, session=producer)
-    client.report("t1", "a", 0, EMPTY, reporter="test")
+    client.watcher.report("t1", "a", 0, EMPTY, reporter="test")
     with client.open_session("c", ttl=30) as session:
         g1 = client.consume("t1", "g", "a", session=session)
         assert g1.checkpoint is None and g1.attempt == 1
@@ -164,7 +164,7 @@ def test_consumer_checkpoints_are_kept_per_group(
         client.ack("t1", "a", "g", g2.token, session=session)
         assert kept(registry, ClaimRef("c", "t1", "a", "g")) is None
         client.ack("t1", "a", "h", h1.token, session=session)
-    assert client.get_entry("t1", "a").state == pb.ENTRY_STATE_CONSUMED
+    assert client.operator.get_entry("t1", "a").state == pb.ENTRY_STATE_CONSUMED
 
 
 def test_the_journal_records_checkpoints_sparingly(
@@ -177,7 +177,7 @@ def test_the_journal_records_checkpoints_sparingly(
         for i in range(5):
             session.checkpoint("t1", "a", claim.token, data=str(i).encode(),
                                progress=i / 10, message=f"step {i}")
-    events = [r.event for r in client.journal("t1", "a")]
+    events = [r.event for r in client.operator.journal("t1", "a")]
     assert events.count("checkpoint") == 1
     stored = kept(registry, ClaimRef("p", "t1", "a"))
     assert stored is not None and stored["message"] == "step 4"
@@ -197,16 +197,16 @@ def test_the_helpers_record_and_resume(client: Client, registry: RegistryHandle,
         claim = client.claim("t1", "a", session=session)
         assert claim.checkpoint is not None and claim.checkpoint.data == b"offset 3"
         client.fail("t1", "a", claim.token, "again", session=session)
-    client.create_task({"task_id": "t2", "consumers": ["g"], "digest_optional": True,
-                        "entries": [{"file_id": "b", "path": "b"}]})
+    client.operator.create_task({"task_id": "t2", "consumers": ["g"], "digest_optional": True,
+                                 "entries": [{"file_id": "b", "path": "b"}]})
     with client.open_session("c", ttl=30) as session:
         with produce(client, session, "t2", "b") as out:
             out.write(b"")
-        client.report("t2", "b", 0, EMPTY, reporter="test")
+        client.watcher.report("t2", "b", 0, EMPTY, reporter="test")
         with consume(client, session, "t2", "g", timeout=10) as delivery:
             kept_now = delivery.checkpoint(data=b"done 1", progress=1.0)
             assert kept_now.token == delivery.lease.token
-    assert client.get_entry("t2", "b").state == pb.ENTRY_STATE_CONSUMED
+    assert client.operator.get_entry("t2", "b").state == pb.ENTRY_STATE_CONSUMED
     assert kept(registry, ClaimRef("c", "t2", "b", "g")) is None
 
 
@@ -240,11 +240,11 @@ def test_explain_and_the_agents_list_show_progress(client: Client, registry: Reg
     one_entry(client, stall_after_seconds=600)
     with client.open_session("p", ttl=30) as session:
         claim = client.claim("t1", "a", session=session)
-        assert "has not checkpointed yet" in client.explain("t1", "a").text
+        assert "has not checkpointed yet" in client.operator.explain("t1", "a").text
         session.checkpoint("t1", "a", claim.token, progress=0.42, message="page 42")
-        text = client.explain("t1", "a").text
+        text = client.operator.explain("t1", "a").text
         assert "says 42% (page 42)" in text and "stalled after 600 s" in text
-        (info,) = [c for a in client.list_agents() if a.session_id == session.session_id
+        (info,) = [c for a in client.operator.list_agents() if a.session_id == session.session_id
                    for c in a.claims]
         assert info.progress == pytest.approx(0.42) and info.checkpoint_at
         run = CliRunner().invoke(cli, ["lease", "show", str(session.session_id), "-o", "json"],

@@ -52,7 +52,8 @@ def produce_verified(client: Client, task_id: str, file_id: str, data: bytes = b
     with client.open_session("maker", 30) as session:
         c = client.claim(task_id, file_id, session=session)
         client.commit(task_id, file_id, c.token, len(data), digest)
-    assert client.report(task_id, file_id, len(data), digest).state == pb.ENTRY_STATE_VERIFIED
+    assert client.watcher.report(task_id, file_id, len(data),
+                                 digest).state == pb.ENTRY_STATE_VERIFIED
 
 
 def kill(registry: Any, task_id: str, file_id: str, reason: str = "broken") -> None:
@@ -119,7 +120,7 @@ def test_requeue_brings_a_dead_entry_back_to_pending(registry: Any, client: Clie
     back = invoke(registry, "requeue", "t1", "a")
     assert back.exit_code == 0, back.output
     assert back.stdout.startswith("t1/a: pending")
-    entry = client.get_entry("t1", "a")
+    entry = client.operator.get_entry("t1", "a")
     assert entry.state == pb.ENTRY_STATE_PENDING and entry.retry_count == 0
     again = invoke(registry, "requeue", "t1", "a")
     assert again.exit_code == 4 and "only dead entries" in one_error_line(again.stderr)
@@ -135,7 +136,7 @@ def test_operator_actions_keep_their_reason_and_evidence(registry: Any,
     back = invoke(registry, "requeue", "t1", "a", "--reason", "disk replaced",
                   "--evidence", "https://tickets.example/OPS-9")
     assert back.exit_code == 0, back.output
-    requeued = [r for r in client.journal("t1", "a") if r.event == "requeued"]
+    requeued = [r for r in client.operator.journal("t1", "a") if r.event == "requeued"]
     assert [(r.reason, r.evidence) for r in requeued] == [
         ("disk replaced (after: producer failed: broken)", "https://tickets.example/OPS-9")]
     logged = [json.loads(line) for line in invoke(registry, "log", "t1", "a", "-o",
@@ -148,7 +149,8 @@ def test_operator_actions_keep_their_reason_and_evidence(registry: Any,
         revoked = invoke(registry, "lease", "revoke", str(session.session_id), "--reason",
                          "hung", "--evidence", "strace in OPS-10")
         assert revoked.exit_code == 0, revoked.output
-    assert [(r.who, r.evidence) for r in client.journal("t1", "a") if r.event == "revoked"] \
+    assert [(r.who, r.evidence) for r in client.operator.journal("t1",
+                                                                 "a") if r.event == "revoked"] \
         == [("operator", "strace in OPS-10")]
     paused = invoke(registry, "task", "pause", "t1", "--reason", "swap", "--evidence", "CH-3")
     assert paused.stdout.strip() == "task t1: paused (pause: swap (evidence: CH-3))"
@@ -326,8 +328,8 @@ def test_status_without_blocked_entries_keeps_its_rows(registry: Any) -> None:
 
 def test_status_shows_the_bytes_held_in_staging(registry: Any, client: Client) -> None:
     """`status` shows the bytes of files still in staging; a removal takes its off."""
-    client.create_task({"task_id": "t1", "staging_retention_seconds": 0,
-                        "entries": [{"file_id": f, "path": f} for f in ("a", "b")]})
+    client.operator.create_task({"task_id": "t1", "staging_retention_seconds": 0,
+                                 "entries": [{"file_id": f, "path": f} for f in ("a", "b")]})
     data = b"y" * 3000
     for f in ("a", "b"):
         produce_verified(client, "t1", f, data)
@@ -337,7 +339,7 @@ def test_status_shows_the_bytes_held_in_staging(registry: Any, client: Client) -
         lease = client.consume("t1", "default", "a", session=session)
         client.ack("t1", "a", "default", lease.token, session=session)
     digest = blake3.blake3(data).hexdigest()
-    assert client.remove_staged("t1", "a", len(data), digest).outcome == (
+    assert client.watcher.remove_staged("t1", "a", len(data), digest).outcome == (
         pb.RemoveStagedResponse.OUTCOME_MARKED)
     assert ok_json(invoke(registry, "status", "t1", "-o", "json"))["staging_bytes"] == 3000
     assert table_rows(invoke(registry, "status", "t1").stdout)["in staging"][1] == "2.9 KiB"
@@ -374,7 +376,7 @@ def test_claim_batch_then_commit_batch(registry: Any, client: Client, tmp_path: 
     assert sorted(e["file_id"] for e in entries) == sorted(c["file_id"] for c in claims)
     assert {e["state"] for e in entries} == {"written"}
     for c in commits:
-        assert client.get_entry("t1", c["file_id"]).size == c["size"]
+        assert client.operator.get_entry("t1", c["file_id"]).size == c["size"]
     # The sixth, as a table: one row per claim, then the session line.
     table = invoke(registry, "claim", "t1", "--batch", "5")
     assert table.exit_code == 0, table.output
@@ -392,7 +394,8 @@ def test_commit_batch_is_all_or_nothing(registry: Any, client: Client) -> None:
     result = run(registry, "commit-batch", "-", stdin=json.dumps(commits))
     assert result.returncode == 4 and "not the live claim" in one_error_line(result.stderr)
     assert result.stdout == ""
-    assert {client.get_entry("t1", c["file_id"]).state for c in claims} == {pb.ENTRY_STATE_WRITING}
+    assert {client.operator.get_entry("t1", c["file_id"]).state
+            for c in claims} == {pb.ENTRY_STATE_WRITING}
     done = invoke(registry, "commit-batch", "-", stdin=json.dumps(
         [{**c, "size": 0, "digest": EMPTY} for c in claims]))
     assert done.exit_code == 0, done.output

@@ -18,7 +18,7 @@ from baton_relay.local.etcdproc import free_port
 
 
 def one_entry(client: Client, task: str = "t1") -> None:
-    client.create_task({"task_id": task, "entries": [{"file_id": "a", "path": "a.bin"}]})
+    client.operator.create_task({"task_id": task, "entries": [{"file_id": "a", "path": "a.bin"}]})
 
 
 def test_unavailable_is_retried_with_jittered_backoff() -> None:
@@ -27,7 +27,7 @@ def test_unavailable_is_retried_with_jittered_backoff() -> None:
     policy = RetryPolicy(attempts=5, initial=0.1, cap=0.4, deadline=60, sleep=slept.append)
     with Client(f"127.0.0.1:{free_port()}", timeout=1, retry=policy) as c, \
             pytest.raises(errors.Unavailable):
-        c.list_tasks()
+        c.operator.list_tasks()
     assert len(slept) == 4  # five attempts, four waits between them
     assert all(0 <= s <= 0.4 for s in slept)
     assert len(set(slept)) > 1  # jitter: not a fixed schedule
@@ -87,7 +87,7 @@ def test_call_succeeds_once_the_registry_comes_up(etcd: Any, prefix: str, stagin
     try:
         policy = RetryPolicy(attempts=100, initial=0.05, cap=0.2, deadline=30, sleep=sleep)
         with Client(f"127.0.0.1:{port}", timeout=2, retry=policy) as c:
-            assert c.list_tasks() == []
+            assert c.operator.list_tasks() == []
         assert refused.is_set()
     finally:
         refused.set()  # the starter ends even if the client never retried
@@ -107,7 +107,7 @@ def test_consumer_waits_for_work_without_polling(client: Client) -> None:
         with client.open_session("producer", ttl=10) as ps:
             with produce(client, ps, "t1") as out:
                 out.write(b"data")
-            client.report("t1", "a", out.size, out.digest)  # what the watcher does
+            client.watcher.report("t1", "a", out.size, out.digest)  # what the watcher does
         waiter.join(25)
         assert got and got[0].file_id == "a" and got[0].digest == out.digest
 
@@ -128,7 +128,7 @@ def test_a_consume_whose_reply_is_lost_is_not_reported_as_nothing(client: Client
     with client.open_session("producer", ttl=10) as ps:
         with produce(client, ps, "t1") as out:
             out.write(b"data")
-        client.report("t1", "a", out.size, out.digest)
+        client.watcher.report("t1", "a", out.size, out.digest)
     applied: list[int] = []
     real = client.consume
 
@@ -141,7 +141,7 @@ def test_a_consume_whose_reply_is_lost_is_not_reported_as_nothing(client: Client
         with pytest.raises(errors.Unavailable):
             next_lease(client, s, "t1", timeout=5)
         assert len(applied) == 1  # not retried: a second lease would be another entry
-        (held,) = [a for a in client.list_agents() if a.session_id == s.session_id]
+        (held,) = [a for a in client.operator.list_agents() if a.session_id == s.session_id]
         assert [(c.file_id, c.token) for c in held.claims] == [("a", applied[0])]
 
 
@@ -151,11 +151,11 @@ def test_consume_refuses_bytes_that_differ_from_the_verified_digest(client: Clie
     with client.open_session("a", ttl=10) as s:
         with produce(client, s, "t1") as out:
             out.write(b"original")
-        client.report("t1", "a", out.size, out.digest)
+        client.watcher.report("t1", "a", out.size, out.digest)
         Path(out.claim.path).write_bytes(b"tampered")  # same size, other bytes
         with pytest.raises(errors.ChecksumMismatch), consume(client, s, "t1", timeout=5):
             pytest.fail("the body must not run with unverified bytes")
-        entry = client.get_entry("t1", "a")
+        entry = client.operator.get_entry("t1", "a")
         assert (entry.state == pb.ENTRY_STATE_VERIFIED
                 and not entry.consumed_by)  # handed back, not acked
 
@@ -166,10 +166,10 @@ def test_consume_acks_on_success(client: Client) -> None:
     with client.open_session("a", ttl=10) as s:
         with produce(client, s, "t1") as out:
             out.write(b"payload")
-        client.report("t1", "a", 7, blake3.blake3(b"payload").hexdigest())
+        client.watcher.report("t1", "a", 7, blake3.blake3(b"payload").hexdigest())
         with consume(client, s, "t1", timeout=5) as delivery:
             assert delivery.data == b"payload"
-        assert client.get_entry("t1", "a").state == pb.ENTRY_STATE_CONSUMED
+        assert client.operator.get_entry("t1", "a").state == pb.ENTRY_STATE_CONSUMED
 
 
 
@@ -182,8 +182,8 @@ def test_a_closed_client_refuses_calls_and_its_sessions_stop(
     c = Client(registry.address, retry=RetryPolicy(attempts=1))
     session = c.open_session("left-open", ttl=2)
     c.close()
-    for call in (c.list_tasks, lambda: c.keepalive(session.session_id),
-                 lambda: next(c.watch_tasks(timeout=1))):
+    for call in (c.operator.list_tasks, lambda: c.keepalive(session.session_id),
+                 lambda: next(c.operator.watch_tasks(timeout=1))):
         with pytest.raises(errors.ClientClosed):
             call()
     with pytest.raises(errors.ClientClosed):

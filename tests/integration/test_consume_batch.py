@@ -28,10 +28,10 @@ def test_a_batch_of_leases_applies_together(client: Client) -> None:
         # each lease names its entry's committed attempt's file
         assert all(x.path.endswith(f"/{x.entry.attempt_path}")
                    and x.entry.attempt_path.startswith(f"{x.file_id}~t") for x in held)
-        claims = client.list_agents()[0].claims
+        claims = client.operator.list_agents()[0].claims
         assert sorted(c.file_id for c in claims) == sorted(x.file_id for x in held)
         for x in held:
-            events = [r.event for r in client.journal("t", x.file_id)]
+            events = [r.event for r in client.operator.journal("t", x.file_id)]
             assert events.count("consuming") == 1
         acked = client.ack_batch([("t", x.file_id, "g", x.token) for x in held])
         assert {e.state for e in acked} == {pb.ENTRY_STATE_CONSUMED}
@@ -65,7 +65,7 @@ def test_a_batch_takes_no_more_than_the_sessions_free_slots(client: Client) -> N
 def entry_states(client: Client) -> list[tuple[str, str, int]]:
     """What a refused call must leave alone: every entry's state and revision."""
     return sorted((e.file_id, pb.EntryState.Name(e.state), e.revision)
-                  for e in client.list_entries("t"))
+                  for e in client.operator.list_entries("t"))
 
 
 def test_each_group_leases_its_own_copy(client: Client) -> None:
@@ -77,7 +77,7 @@ def test_each_group_leases_its_own_copy(client: Client) -> None:
         assert sorted(x.file_id for x in g) == sorted(x.file_id for x in h) == [
             "e00", "e01", "e02"]
         client.ack_batch([("t", x.file_id, x.group, x.token) for x in g + h])
-        assert {e.state for e in client.list_entries("t")} == {pb.ENTRY_STATE_CONSUMED}
+        assert {e.state for e in client.operator.list_entries("t")} == {pb.ENTRY_STATE_CONSUMED}
         with pytest.raises(errors.NothingToClaim):
             client.consume_batch("t", "g", 10, session=s)
 
@@ -93,7 +93,7 @@ def test_a_refused_batch_changes_nothing(registry: Any, client: Client) -> None:
         with pytest.raises(errors.NothingToClaim, match="group 'nope'"):
             client.consume_batch("t", "nope", 5, session=s)
         assert keys_under(registry) == before
-        client.pause_task("t")
+        client.operator.pause_task("t")
         paused = keys_under(registry)
         with pytest.raises(errors.TaskNotActive):
             client.consume_batch("t", "g", 5, session=s)
@@ -111,7 +111,7 @@ def test_a_retried_batch_is_answered_once(client: Client) -> None:
         assert [x.entry.file_id for x in again.leases] == [
             x.entry.file_id for x in first.leases]
         assert {x.token for x in again.leases} == {x.token for x in first.leases}
-        assert len(client.list_agents()[0].claims) == 2
+        assert len(client.operator.list_agents()[0].claims) == 2
 
 
 def test_leases_of_a_batch_are_counted_per_entry(registry_factory: Any) -> None:
@@ -146,7 +146,7 @@ def test_cli_consume_batch_feeds_ack_batch(registry: Any, client: Client, tmp_pa
     path.write_text(json.dumps(held))
     done = invoke(registry, "ack-batch", str(path))
     assert done.exit_code == 0, done.output
-    assert {e.state for e in client.list_entries("t")} == {pb.ENTRY_STATE_CONSUMED}
+    assert {e.state for e in client.operator.list_entries("t")} == {pb.ENTRY_STATE_CONSUMED}
 
 
 def test_cli_consume_batch_prints_a_table(registry: Any, client: Client) -> None:

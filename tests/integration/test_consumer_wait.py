@@ -30,8 +30,8 @@ def test_an_idle_consumer_resumes_its_wait_without_asking_again(
     with Client(registry.address, timeout=10) as client, \
             client.open_session("producer", ttl=30) as producer, \
             client.open_session("consumer", ttl=3) as consumer:
-        client.create_task({"task_id": "t", "consumers": ["g"],
-                            "entries": [{"file_id": "late", "path": "late"}]})
+        client.operator.create_task({"task_id": "t", "consumers": ["g"],
+                                     "entries": [{"file_id": "late", "path": "late"}]})
         got: list[Any] = []
         waiting = threading.Thread(target=lambda: got.append(
             next_lease(client, consumer, "t", "g", timeout=60)), daemon=True)
@@ -44,9 +44,9 @@ def test_an_idle_consumer_resumes_its_wait_without_asking_again(
         assert not got
         c = client.claim("t", "late", session=producer)
         client.commit("t", c.file_id, c.token, 1, digest(b"x"))
-        client.report("t", c.file_id, 1, digest(b"x"))
+        client.watcher.report("t", c.file_id, 1, digest(b"x"))
         waiting.join(10)
         assert got and got[0].file_id == "late"
         assert calls(registry, "Consume") == 2
-        assert client.get_entry("t", "late").state == pb.ENTRY_STATE_VERIFIED
+        assert client.operator.get_entry("t", "late").state == pb.ENTRY_STATE_VERIFIED
         assert got[0].token > 0

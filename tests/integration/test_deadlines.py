@@ -35,54 +35,58 @@ def deadline_keys(registry: RegistryHandle) -> int:
 def test_a_hung_producer_loses_its_claim_at_the_deadline(
     client: Client, wait_for: Wait,
 ) -> None:
-    client.create_task({"task_id": "t1", "digest_optional": True, "claim_deadline_seconds": 1,
-                        "entries": [{"file_id": "a", "path": "a"}]})
+    client.operator.create_task({"task_id": "t1", "digest_optional": True,
+                                 "claim_deadline_seconds": 1,
+                                 "entries": [{"file_id": "a", "path": "a"}]})
     with client.open_session("hung", ttl=30, slots=1) as session:  # keepalive runs
         claim = client.claim("t1", "a", session=session)
-        wait_for(lambda: client.get_entry("t1", "a").state == pb.ENTRY_STATE_PENDING, timeout=10,
+        wait_for(lambda: client.operator.get_entry("t1", "a").state == pb.ENTRY_STATE_PENDING,
+                 timeout=10,
                  what="the claim taken away")
-        entry = client.get_entry("t1", "a")
+        entry = client.operator.get_entry("t1", "a")
         assert entry.retry_count == 1 and "claim deadline" in entry.error
-        events = [r.event for r in client.journal("t1", "a")]
+        events = [r.event for r in client.operator.journal("t1", "a")]
         assert events[-1] == "deadline"
         with pytest.raises(StaleToken):  # it wakes up: too late
             client.commit("t1", "a", claim.token, 0, session=session)
         assert not session.lost.is_set()  # the session itself is fine
         # its slot was freed with the claim: it may claim again (after the backoff)
-        wait_for(lambda: "claimable" in client.explain("t1", "a").text, what="backoff over")
+        wait_for(lambda: "claimable" in client.operator.explain("t1", "a").text,
+                 what="backoff over")
         again = client.claim("t1", "a", session=session)
         client.commit("t1", "a", again.token, 0, session=session)
-    assert client.get_entry("t1", "a").state == pb.ENTRY_STATE_WRITTEN
+    assert client.operator.get_entry("t1", "a").state == pb.ENTRY_STATE_WRITTEN
 
 
 def test_a_hung_consumer_gives_the_entry_back_to_its_group(
     client: Client, wait_for: Wait,
 ) -> None:
-    client.create_task({"task_id": "t1", "digest_optional": True, "consumers": ["g"],
-                        "entries": [{"file_id": "a", "path": "a",
+    client.operator.create_task({"task_id": "t1", "digest_optional": True, "consumers": ["g"],
+                                 "entries": [{"file_id": "a", "path": "a",
                                      "consume_deadline_seconds": 1}]})
     with client.open_session("p", ttl=30) as producer:
         claim = client.claim("t1", "a", session=producer)
         client.commit("t1", "a", claim.token, 0, session=producer)
-    client.report("t1", "a", 0, EMPTY, reporter="test")
+    client.watcher.report("t1", "a", 0, EMPTY, reporter="test")
     with client.open_session("hung", ttl=30) as hung, \
             client.open_session("next", ttl=30) as other:
         lease = client.consume("t1", "g", "a", session=hung)
-        wait_for(lambda: client.journal("t1", "a")[-1].event == "deadline", timeout=10,
+        wait_for(lambda: client.operator.journal("t1", "a")[-1].event == "deadline", timeout=10,
                  what="the consume-claim taken away")
         with pytest.raises(StaleToken):
             client.ack("t1", "a", "g", lease.token, session=hung)
         taken = client.consume("t1", "g", session=other)
         assert taken.file_id == "a"
         client.ack("t1", "a", "g", taken.token, session=other)
-    assert client.get_entry("t1", "a").state == pb.ENTRY_STATE_CONSUMED
+    assert client.operator.get_entry("t1", "a").state == pb.ENTRY_STATE_CONSUMED
 
 
 def test_a_claim_that_ends_in_time_leaves_nothing_and_keeps_its_entry(
     client: Client, wait_for: Wait, registry: RegistryHandle,
 ) -> None:
-    client.create_task({"task_id": "t1", "digest_optional": True, "claim_deadline_seconds": 1,
-                        "entries": [{"file_id": "a", "path": "a"},
+    client.operator.create_task({"task_id": "t1", "digest_optional": True,
+                                 "claim_deadline_seconds": 1,
+                                 "entries": [{"file_id": "a", "path": "a"},
                                     {"file_id": "b", "path": "b", "claim_deadline_seconds": 60}]})
     with client.open_session("quick", ttl=30) as session:
         a = client.claim("t1", "a", session=session)
@@ -91,33 +95,34 @@ def test_a_claim_that_ends_in_time_leaves_nothing_and_keeps_its_entry(
         client.commit("t1", "a", a.token, 0, session=session)
         # a's key falls due and is dropped without touching a; b's own deadline is later
         wait_for(lambda: deadline_keys(registry) == 1, timeout=10, what="a's key dropped")
-        assert client.get_entry("t1", "a").state == pb.ENTRY_STATE_WRITTEN
-        assert client.get_entry("t1", "b").state == pb.ENTRY_STATE_WRITING
-        assert client.get_entry("t1", "b").claim_deadline_seconds == 60
+        assert client.operator.get_entry("t1", "a").state == pb.ENTRY_STATE_WRITTEN
+        assert client.operator.get_entry("t1", "b").state == pb.ENTRY_STATE_WRITING
+        assert client.operator.get_entry("t1", "b").claim_deadline_seconds == 60
         client.commit("t1", "b", b.token, 0, session=session)
 
 
 def test_deadlines_in_a_manifest_are_checked(client: Client) -> None:
     for bad in ({"claim_deadline_seconds": -1}, {"consume_deadline_seconds": 8 * 86400}):
         with pytest.raises(InvalidManifest, match="deadline_seconds"):
-            client.create_task({"task_id": "t1", **bad,
-                                "entries": [{"file_id": "a", "path": "a"}]})
+            client.operator.create_task({"task_id": "t1", **bad,
+                                         "entries": [{"file_id": "a", "path": "a"}]})
 
 
 def test_an_entry_written_and_never_verified_is_counted_and_named_as_stuck(
     registry: RegistryHandle, client: Client, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    client.create_task({"task_id": "t1", "digest_optional": True,
-                        "entries": [{"file_id": "a", "path": "a"}, {"file_id": "b", "path": "b"}]})
+    client.operator.create_task({"task_id": "t1", "digest_optional": True,
+                                 "entries": [{"file_id": "a", "path": "a"},
+                                             {"file_id": "b", "path": "b"}]})
     with client.open_session("p", ttl=30) as session:
         claim = client.claim("t1", "a", session=session)
         client.commit("t1", "a", claim.token, 0, session=session)
-    assert client.get_task("t1").stuck_written == 0  # just written
+    assert client.operator.get_task("t1").stuck_written == 0  # just written
     # 0.6 s later by the registry's clock (Core.clock), past --stuck-written-after
     # (0.5 s): the age itself is under test
     core = registry._running.core
     wall = core.clock
     monkeypatch.setattr(core, "clock", lambda: wall() + 0.6)
-    assert client.get_task("t1").stuck_written == 1
-    assert "it is stuck" in client.explain("t1", "a").text
-    assert "stuck" not in client.explain("t1", "b").text
+    assert client.operator.get_task("t1").stuck_written == 1
+    assert "it is stuck" in client.operator.explain("t1", "a").text
+    assert "stuck" not in client.operator.explain("t1", "b").text

@@ -110,12 +110,13 @@ def test_every_finished_task_is_archived_once(
             client.open_session("p", ttl=10) as session:
         ids = [f"t{i}" for i in range(6)]
         for task_id in ids:
-            client.create_task({"task_id": task_id,
-                                "entries": [{"file_id": "a", "path": "a.bin"}]})
+            client.operator.create_task({"task_id": task_id,
+                                         "entries": [{"file_id": "a", "path": "a.bin"}]})
             produce_verified(client, session, task_id, "a")
             lease = client.consume(task_id, "default", "a", session=session)
             client.ack(task_id, "a", "default", lease.token, session=session)
-        wait_for(lambda: all(client.get_task(t).status == pb.TASK_STATUS_ARCHIVED for t in ids),
+        wait_for(lambda: all(client.operator.get_task(t).status == pb.TASK_STATUS_ARCHIVED
+                             for t in ids),
                  timeout=30, what="every task archived")
     assert sorted(writes) == sorted(ids)
     archived = [r._running.core.archive.archived for r in replicas]  # type: ignore[union-attr]

@@ -67,7 +67,7 @@ def until_claimed(client: Client, session: Any, task: str, timeout: float = 10.0
 def test_permanent_fail_goes_dead_at_once_spending_no_retry(client: Client) -> None:
     """fail --permanent: dead at once, its retries untouched, its reason kept, and the
     journal says so; nothing is left to claim."""
-    client.create_task(manifest(max_retries=3))
+    client.operator.create_task(manifest(max_retries=3))
     with client.open_session("p", ttl=10) as s:
         c = client.claim("t", session=s)
         entry = client.fail("t", "f0", c.token, "the source is corrupt", permanent=True,
@@ -76,17 +76,17 @@ def test_permanent_fail_goes_dead_at_once_spending_no_retry(client: Client) -> N
         assert entry.error == "producer failed permanently: the source is corrupt"
         with pytest.raises(errors.NothingToClaim):
             client.claim("t", session=s)
-    last = client.journal("t", "f0")[-1]
+    last = client.operator.journal("t", "f0")[-1]
     assert (last.event, last.from_state, last.to_state, last.token) == (
         "failed", "writing", "dead", c.token)
-    assert "given up as permanent with 3 retries unspent" in client.explain("t", "f0").text
+    assert "given up as permanent with 3 retries unspent" in client.operator.explain("t", "f0").text
 
 
 def test_permanent_fail_with_a_stale_token_is_refused_and_changes_nothing(
         client: Client, registry: RegistryHandle) -> None:
     """A permanent fail naming an attempt that is over (its entry since claimed again)
     is refused with StaleToken, and no key changes."""
-    client.create_task(manifest(max_retries=3))
+    client.operator.create_task(manifest(max_retries=3))
     with client.open_session("p", ttl=10) as s:
         first = client.claim("t", session=s)
         client.fail("t", "f0", first.token, "transient", session=s)
@@ -95,7 +95,7 @@ def test_permanent_fail_with_a_stale_token_is_refused_and_changes_nothing(
         with pytest.raises(errors.StaleToken):
             client.fail("t", "f0", first.token, "too late", permanent=True, session=s)
         assert snapshot(registry) == before
-        entry = client.get_entry("t", "f0")
+        entry = client.operator.get_entry("t", "f0")
         assert (entry.state, entry.token, entry.retry_count) == (
             pb.ENTRY_STATE_WRITING, second.token, 1)
 
@@ -105,7 +105,7 @@ def test_absurd_delays_are_refused_naming_the_field(
         client: Client, registry: RegistryHandle, delay: float) -> None:
     """A negative, over-a-week or non-finite delay on fail or nack is InvalidArgument
     naming delay_seconds, and changes nothing."""
-    client.create_task(manifest(consumers=["g"]))
+    client.operator.create_task(manifest(consumers=["g"]))
     with client.open_session("p", ttl=10) as s:
         c = client.claim("t", session=s)
         before = snapshot(registry)
@@ -121,7 +121,7 @@ def test_absurd_delays_are_refused_naming_the_field(
 def test_permanent_with_a_delay_is_refused(client: Client, registry: RegistryHandle) -> None:
     """permanent and delay together make no sense (a dead entry is not retried): refused,
     nothing changed."""
-    client.create_task(manifest())
+    client.operator.create_task(manifest())
     with client.open_session("p", ttl=10) as s:
         c = client.claim("t", session=s)
         before = snapshot(registry)
@@ -133,18 +133,18 @@ def test_permanent_with_a_delay_is_refused(client: Client, registry: RegistryHan
 def test_permanent_error_in_a_produce_block_kills_the_entry(client: Client) -> None:
     """A produce block raising PermanentError fails its entry permanently, and the
     exception propagates; RetryAfter delays the retry instead of the backoff."""
-    client.create_task(manifest(n=2, max_retries=3))
+    client.operator.create_task(manifest(n=2, max_retries=3))
     with client.open_session("p", ttl=10) as s:
         with pytest.raises(PermanentError), produce(client, s, "t", "f0") as out:
             out.write(b"half")
             raise PermanentError("schema rejected")
-        dead = client.get_entry("t", "f0")
+        dead = client.operator.get_entry("t", "f0")
         assert (dead.state, dead.retry_count) == (pb.ENTRY_STATE_DEAD, 0)
         assert "PermanentError: schema rejected" in dead.error
         asked = time.time()
         with pytest.raises(RetryAfter), produce(client, s, "t", "f1"):
             raise RetryAfter(60, "upstream busy")
-        later = client.get_entry("t", "f1")
+        later = client.operator.get_entry("t", "f1")
         assert (later.state, later.retry_count) == (pb.ENTRY_STATE_PENDING, 1)
         assert _epoch(later.not_before) >= asked + 60 - 0.01
 
@@ -153,20 +153,20 @@ def test_permanent_error_in_a_consume_block_gives_the_entry_up(
         client: Client, wait_for: Callable[..., None]) -> None:
     """A consume block raising PermanentError nacks permanently: the entry goes dead for
     every group (the other group's lease dies with it), with the group's reason."""
-    client.create_task(manifest(consumers=["a", "b"]))
+    client.operator.create_task(manifest(consumers=["a", "b"]))
     with client.open_session("p", ttl=10) as s:
         produce_verified(client, s, "t", "f0")
         other = client.consume("t", "b", session=s)
         with pytest.raises(PermanentError), consume(client, s, "t", "a", timeout=5):
             raise PermanentError("cannot parse")
-        entry = client.get_entry("t", "f0")
+        entry = client.operator.get_entry("t", "f0")
         assert entry.state == pb.ENTRY_STATE_DEAD
         assert entry.error == "consumer group a gave it up: PermanentError: cannot parse"
         with pytest.raises(errors.StaleToken):
             client.ack("t", "f0", "b", other.token, session=s)
         with pytest.raises(errors.NothingToClaim):
             client.consume("t", "b", session=s)
-    wait_for(lambda: client.get_task("t").status == pb.TASK_STATUS_COMPLETED,
+    wait_for(lambda: client.operator.get_task("t").status == pb.TASK_STATUS_COMPLETED,
              what="the task completes with its entry dead")
 
 
@@ -181,7 +181,7 @@ def _epoch(stamp: str) -> float:
 def test_delayed_fail_is_claimable_no_sooner_than_asked(client: Client) -> None:
     """fail --delay S: not claimable before S has passed (by the registry's clock, the
     one of this process), claimable soon after; a retry is spent as for any failure."""
-    client.create_task(manifest(max_retries=3))
+    client.operator.create_task(manifest(max_retries=3))
     with client.open_session("p", ttl=10) as s:
         c = client.claim("t", session=s)
         asked = time.time()
@@ -201,7 +201,7 @@ def test_delayed_nack_is_consumable_no_sooner_than_asked(
         client: Client, registry: RegistryHandle) -> None:
     """nack --delay S: the group cannot take the entry before S has passed; then the
     scheduler hands it back, and a consumer waiting on the task's watch gets it."""
-    client.create_task(manifest(consumers=["g"]))
+    client.operator.create_task(manifest(consumers=["g"]))
     with client.open_session("c", ttl=10) as s:
         produce_verified(client, s, "t", "f0")
         lease = client.consume("t", "g", session=s)
@@ -211,13 +211,13 @@ def test_delayed_nack_is_consumable_no_sooner_than_asked(
             client.consume("t", "g", session=s)
         with pytest.raises(errors.IllegalTransition):
             client.consume("t", "g", "f0", session=s)
-        assert "handed back to g at" in client.explain("t", "f0").text
+        assert "handed back to g at" in client.operator.explain("t", "f0").text
         with consume(client, s, "t", "g", timeout=DELAY + 10) as got:
             assert time.time() - asked >= DELAY
             assert got.lease.file_id == "f0"
-    entry = client.get_entry("t", "f0")
+    entry = client.operator.get_entry("t", "f0")
     assert entry.state == pb.ENTRY_STATE_CONSUMED
-    events = [r.event for r in client.journal("t", "f0") if r.event != "consuming"]
+    events = [r.event for r in client.operator.journal("t", "f0") if r.event != "consuming"]
     assert events[-3:] == ["nacked", "returned", "acked"]
     assert not [k for k in snapshot(registry) if b"/cdelayed/" in k]
 
@@ -226,13 +226,14 @@ def test_a_delayed_nack_of_an_entry_whose_bytes_go_drops_its_key(
         client: Client, registry: RegistryHandle) -> None:
     """An entry that leaves verified while a group's nack delay runs takes its delayed
     key with it: nothing hands the group bytes that are gone."""
-    client.create_task(manifest(consumers=["g"]))
+    client.operator.create_task(manifest(consumers=["g"]))
     with client.open_session("c", ttl=10) as s:
         produce_verified(client, s, "t", "f0")
         lease = client.consume("t", "g", session=s)
         client.nack("t", "f0", "g", lease.token, delay=60, session=s)
         assert [k for k in snapshot(registry) if b"/cdelayed/" in k]
-        entry = client.report_problem("t", "f0", pb.ReportProblemRequest.KIND_MISSING, "gone")
+        entry = client.watcher.report_problem("t", "f0", pb.ReportProblemRequest.KIND_MISSING,
+                                              "gone")
         assert entry.state == pb.ENTRY_STATE_PENDING
     assert not [k for k in snapshot(registry) if b"/cdelayed/" in k]
 
@@ -241,13 +242,13 @@ def test_a_cancel_takes_the_delayed_nacks_with_it(
         client: Client, registry: RegistryHandle) -> None:
     """Cancelling a task deletes its delayed nacks' keys with its claimable ones, so the
     scheduler has nothing to hand back to a group of a cancelled task."""
-    client.create_task(manifest(consumers=["g"]))
+    client.operator.create_task(manifest(consumers=["g"]))
     with client.open_session("c", ttl=10) as s:
         produce_verified(client, s, "t", "f0")
         lease = client.consume("t", "g", session=s)
         client.nack("t", "f0", "g", lease.token, delay=60, session=s)
     assert [k for k in snapshot(registry) if b"/cdelayed/" in k]
-    client.cancel_task("t", reason="stop")
+    client.operator.cancel_task("t", reason="stop")
     assert not [k for k in snapshot(registry) if b"/cdelayed/" in k or b"/cready/" in k]
 
 
@@ -258,17 +259,17 @@ def test_requeue_of_one_group_replays_only_that_group(
         client: Client, wait_for: Callable[..., None]) -> None:
     """requeue --group a on a consumed entry: a is handed it again, b (which acked it
     too) is not; the completed task is active again, and completes again."""
-    client.create_task(manifest(consumers=["a", "b"]))
+    client.operator.create_task(manifest(consumers=["a", "b"]))
     with client.open_session("c", ttl=10) as s:
         produce_verified(client, s, "t", "f0")
         for group in ("a", "b"):
             lease = client.consume("t", group, session=s)
             client.ack("t", "f0", group, lease.token, session=s)
-        wait_for(lambda: client.get_task("t").status == pb.TASK_STATUS_COMPLETED,
+        wait_for(lambda: client.operator.get_task("t").status == pb.TASK_STATUS_COMPLETED,
                  what="the task completes")
-        entry = client.requeue("t", "f0", group="a")
+        entry = client.operator.requeue("t", "f0", group="a")
         assert (entry.state, list(entry.consumed_by)) == (pb.ENTRY_STATE_VERIFIED, ["b"])
-        assert client.get_task("t").status == pb.TASK_STATUS_ACTIVE
+        assert client.operator.get_task("t").status == pb.TASK_STATUS_ACTIVE
         with pytest.raises(errors.NothingToClaim):
             client.consume("t", "b", session=s)
         again = client.consume("t", "a", session=s)
@@ -277,21 +278,21 @@ def test_requeue_of_one_group_replays_only_that_group(
             pb.ENTRY_STATE_CONSUMED)
         with pytest.raises(errors.NothingToClaim):
             client.consume("t", "a", session=s)
-    wait_for(lambda: client.get_task("t").status == pb.TASK_STATUS_COMPLETED,
+    wait_for(lambda: client.operator.get_task("t").status == pb.TASK_STATUS_COMPLETED,
              what="the task completes again")
-    last = [r for r in client.journal("t", "f0") if r.event == "requeued"][-1]
+    last = [r for r in client.operator.journal("t", "f0") if r.event == "requeued"][-1]
     assert (last.group, last.from_state, last.to_state) == ("a", "consumed", "verified")
 
 
 def test_requeue_of_one_group_of_a_verified_entry(client: Client) -> None:
     """On an entry still verified (b has not acked), requeue --group a forgets a's ack
     only: a takes it again, b's own turn is untouched."""
-    client.create_task(manifest(consumers=["a", "b"]))
+    client.operator.create_task(manifest(consumers=["a", "b"]))
     with client.open_session("c", ttl=10) as s:
         produce_verified(client, s, "t", "f0")
         lease = client.consume("t", "a", session=s)
         client.ack("t", "f0", "a", lease.token, session=s)
-        entry = client.requeue("t", "f0", group="a")
+        entry = client.operator.requeue("t", "f0", group="a")
         assert (entry.state, list(entry.consumed_by)) == (pb.ENTRY_STATE_VERIFIED, [])
         assert client.consume("t", "a", session=s).file_id == "f0"
         assert client.consume("t", "b", session=s).file_id == "f0"
@@ -301,14 +302,14 @@ def test_requeue_of_a_group_that_did_not_ack_is_refused(
         client: Client, registry: RegistryHandle) -> None:
     """A group that has not acked the entry has nothing to replay (IllegalTransition), a
     group that is no consumer of it is bad input naming the field; neither changes a key."""
-    client.create_task(manifest(consumers=["a", "b"]))
+    client.operator.create_task(manifest(consumers=["a", "b"]))
     with client.open_session("c", ttl=10) as s:
         produce_verified(client, s, "t", "f0")
         before = snapshot(registry)
         with pytest.raises(errors.IllegalTransition, match="has not acked it"):
-            client.requeue("t", "f0", group="a")
+            client.operator.requeue("t", "f0", group="a")
         with pytest.raises(errors.InvalidArgument) as bad:
-            client.requeue("t", "f0", group="nobody")
+            client.operator.requeue("t", "f0", group="nobody")
         assert bad.value.fields.get("field") == "group"
         assert snapshot(registry) == before
 
@@ -317,7 +318,7 @@ def test_requeue_of_a_whole_task_for_one_group(client: Client, registry: Registr
                                                wait_for: Callable[..., None]) -> None:
     """requeue TASK --group a (no file): every entry a acked is handed to a again, none
     to b; sent again before a acks, it replays nothing twice; CLI and library agree."""
-    client.create_task(manifest(n=3, consumers=["a", "b"]))
+    client.operator.create_task(manifest(n=3, consumers=["a", "b"]))
     with client.open_session("c", ttl=10) as s:
         for f in ("f0", "f1", "f2"):
             produce_verified(client, s, "t", f)
@@ -325,20 +326,20 @@ def test_requeue_of_a_whole_task_for_one_group(client: Client, registry: Registr
             for group in groups:
                 lease = client.consume("t", group, f, session=s)
                 client.ack("t", f, group, lease.token, session=s)
-        assert client.replay_task("t", "a") == 2
-        assert client.replay_task("t", "a") == 0
+        assert client.operator.replay_task("t", "a") == 2
+        assert client.operator.replay_task("t", "a") == 0
         with pytest.raises(errors.NothingToClaim):
             client.consume("t", "b", session=s)
         taken = sorted(client.consume("t", "a", session=s).file_id for _ in range(3))
         assert taken == ["f0", "f1", "f2"]
         with pytest.raises(errors.InvalidArgument) as bad:
-            client.replay_task("t", "nobody")
+            client.operator.replay_task("t", "nobody")
         assert bad.value.fields.get("field") == "group"
     out = invoke(registry, "requeue", "t", "--group", "b", "--reason", "b's index rebuilt",
                  "--evidence", "OPS-9", "-o", "json")
     assert out.exit_code == 0, out.output
     assert json.loads(out.stdout) == {"task_id": "t", "group": "b", "replayed": 3}
-    replays = [r for r in client.journal("t", "f2") if r.event == "requeued"]
+    replays = [r for r in client.operator.journal("t", "f2") if r.event == "requeued"]
     assert len(replays) == 1 and replays[0].reason.startswith("b's index rebuilt")
     assert replays[0].evidence == "OPS-9"
     assert invoke(registry, "requeue", "t").exit_code == 2
@@ -387,19 +388,19 @@ def test_a_dead_entry_explains_every_attempt(as_: Callable[[str], Client]) -> No
     bytes for, a failure, a failure with no retry left. The explanation lists each with
     who, host, token, error, digest and times, oldest first."""
     op, w1, w2, watcher = as_("op"), as_("writer-1"), as_("writer-2"), as_("hasher")
-    op.create_task(manifest(max_retries=2))
+    op.operator.create_task(manifest(max_retries=2))
     good, bad = b"the bytes", b"other bytes"
     with w1.open_session("ocr-1", ttl=10, host="node-a") as s1, \
             w2.open_session("ocr-2", ttl=10, host="node-b") as s2:
         c1 = w1.claim("t", session=s1)
         w1.commit("t", "f0", c1.token, len(good), digest(good), session=s1)
-        watcher.report("t", "f0", len(bad), digest(bad))
+        watcher.watcher.report("t", "f0", len(bad), digest(bad))
         c2 = until_claimed(w2, s2, "t")
         w2.fail("t", "f0", c2.token, "disk full", session=s2)
         c3 = until_claimed(w1, s1, "t")
         assert w1.fail("t", "f0", c3.token, "disk still full",
                        session=s1).state == pb.ENTRY_STATE_DEAD
-    explained = op.explain("t", "f0")
+    explained = op.operator.explain("t", "f0")
     attempts = list(explained.attempts)
     assert explained.attempts_total == 3
     assert [(a.number, a.who, a.label, a.host, a.token) for a in attempts] == [
@@ -423,13 +424,13 @@ def test_a_dead_entry_explains_every_attempt(as_: Callable[[str], Client]) -> No
 
 def test_an_attempt_given_up_is_marked_permanent(client: Client) -> None:
     """The attempt that failed permanently says so; attempts in progress have no end."""
-    client.create_task(manifest(n=2))
+    client.operator.create_task(manifest(n=2))
     with client.open_session("p", ttl=10, host="node-c") as s:
         c = client.claim("t", "f0", session=s)
         client.fail("t", "f0", c.token, "never", permanent=True, session=s)
         held = client.claim("t", "f1", session=s)
-        (gone,) = client.explain("t", "f0").attempts
-        (live,) = client.explain("t", "f1").attempts
+        (gone,) = client.operator.explain("t", "f0").attempts
+        (live,) = client.operator.explain("t", "f1").attempts
     assert (gone.permanent, gone.outcome, gone.host) == (True, "failed", "node-c")
     assert (live.token, live.ended_at, live.outcome) == (held.token, "", "")
 
@@ -441,16 +442,16 @@ def test_an_archived_dead_entry_explains_its_attempts_from_the_archive(
     journal: the same attempts as before."""
     registry = registry_factory(archive_dir=str(tmp_path / "archive"))
     with Client(registry.address, timeout=10, retry=TEST_RETRY) as client:
-        client.create_task(manifest(max_retries=1))
+        client.operator.create_task(manifest(max_retries=1))
         with client.open_session("p", ttl=10, host="node-d") as s:
             for reason in ("first", "second"):
                 c = until_claimed(client, s, "t")
                 client.fail("t", "f0", c.token, reason, session=s)
-        wait_for(lambda: client.get_task("t").status == pb.TASK_STATUS_COMPLETED,
+        wait_for(lambda: client.operator.get_task("t").status == pb.TASK_STATUS_COMPLETED,
                  what="the task completes with its entry dead")
-        live = client.explain("t", "f0")
-        assert client.archive_task("t").status == pb.TASK_STATUS_ARCHIVED
-        archived = client.explain("t", "f0")
+        live = client.operator.explain("t", "f0")
+        assert client.operator.archive_task("t").status == pb.TASK_STATUS_ARCHIVED
+        archived = client.operator.explain("t", "f0")
     assert [a.error for a in live.attempts] == ["producer failed: first",
                                                  "producer failed: second"]
     assert list(archived.attempts) == list(live.attempts)
@@ -468,7 +469,7 @@ def test_cli_fail_nack_requeue_and_explain_flags(
         client: Client, registry: RegistryHandle, staging: Path) -> None:
     """baton fail --permanent / --delay, nack --delay, requeue --group and explain -o json
     do what the library calls do; a bad delay exits 2 naming the field."""
-    client.create_task(manifest(n=3, consumers=["a", "b"]))
+    client.operator.create_task(manifest(n=3, consumers=["a", "b"]))
     with client.open_session("p", ttl=30) as s:
         c0 = client.claim("t", "f0", session=s)
         out = invoke(registry, "fail", "t", "f0", "--token", str(c0.token), "--reason", "x",
@@ -513,12 +514,12 @@ def test_a_retry_backoff_key_cancelled_meanwhile_is_passed_over_not_planned_agai
 
     from baton_relay.registry.store.txn import write
 
-    client.create_task(manifest(max_retries=3))
+    client.operator.create_task(manifest(max_retries=3))
     with client.open_session("p", ttl=10) as s:
         c = client.claim("t", session=s)
         failed = client.fail("t", "f0", c.token, "later", delay=0.5, session=s)
     (index,) = [k for k in snapshot(registry) if b"/delayed/" in k]
-    client.cancel_task("t", reason="stop")
+    client.operator.cancel_task("t", reason="stop")
     assert index not in snapshot(registry)
     due = _epoch(failed.not_before)
     wait_for(lambda: time.time() > due + 0.05, 10, "the backoff to be over")

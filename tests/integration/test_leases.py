@@ -34,17 +34,18 @@ def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> float:
 def test_sigkilled_agent_entry_returns_to_pending(client: Client, agent: Callable) -> None:  # type: ignore[type-arg]
     """An agent killed with SIGKILL: its entry is pending again within TTL + a margin."""
     ttl = 2
-    client.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "a"}], **FAST})
+    client.operator.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "a"}],
+                                 **FAST})
     proc = agent("t1", ttl)
     claim = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
-    assert client.get_entry("t1", "a").state == pb.ENTRY_STATE_WRITING
+    assert client.operator.get_entry("t1", "a").state == pb.ENTRY_STATE_WRITING
     killed = time.monotonic()
     proc.kill()
-    wait_for(lambda: client.get_entry("t1", "a").state == pb.ENTRY_STATE_PENDING, ttl + 3,
+    wait_for(lambda: client.operator.get_entry("t1", "a").state == pb.ENTRY_STATE_PENDING, ttl + 3,
              "pending")
     # A lease is kept for its TTL after the last keepalive, at most ttl + margin after the kill.
     assert time.monotonic() - killed <= ttl + 3
-    entry = client.get_entry("t1", "a")
+    entry = client.operator.get_entry("t1", "a")
     assert entry.retry_count == 1 and "lost" in entry.error and entry.token == 0
     with pytest.raises(errors.StaleToken):
         client.commit("t1", "a", claim["token"], 1, DIGEST)
@@ -52,11 +53,13 @@ def test_sigkilled_agent_entry_returns_to_pending(client: Client, agent: Callabl
 
 def test_paused_agent_cannot_commit_with_stale_token(client: Client, agent: Callable) -> None:  # type: ignore[type-arg]
     """An agent paused past its TTL wakes up to find its token refused."""
-    client.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "a"}], **FAST})
+    client.operator.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "a"}],
+                                 **FAST})
     proc = agent("t1", 2)
     claim = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
     os.kill(proc.pid, signal.SIGSTOP)
-    wait_for(lambda: client.get_entry("t1", "a").state == pb.ENTRY_STATE_PENDING, 6, "reap")
+    wait_for(lambda: client.operator.get_entry("t1", "a").state == pb.ENTRY_STATE_PENDING, 6,
+             "reap")
     # Someone else claims the entry meanwhile.
     with client.open_session("other", ttl=10) as s:
         fresh = client.claim("t1", "a", session=s)
@@ -67,7 +70,7 @@ def test_paused_agent_cannot_commit_with_stale_token(client: Client, agent: Call
         outcome = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
         assert outcome == {"ok": False, "error": outcome["error"]}
         assert outcome["error"] in ("StaleToken", "SessionExpired")
-        entry = client.get_entry("t1", "a")
+        entry = client.operator.get_entry("t1", "a")
         assert (entry.state == pb.ENTRY_STATE_WRITING and entry.owner == "other" and entry.token
                 == fresh.token)
         assert client.commit("t1", "a", fresh.token, 1, DIGEST).state == pb.ENTRY_STATE_WRITTEN
@@ -79,18 +82,20 @@ def test_registry_refuses_token_of_expired_session_before_reap(
     """Even before any reaper runs, a commit after the lease expired is refused."""
     slow = registry_factory(reap_interval=3600.0)
     with Client(slow.address) as c:
-        c.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "a"}], **FAST})
+        c.operator.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "a"}],
+                                **FAST})
         s = c.open_session("p", ttl=2, keepalive=False)
         claim = c.claim("t1", session=s)
-        wait_for(lambda: c.get_entry("t1", "a").token == 0, 6, "claim key to expire")
+        wait_for(lambda: c.operator.get_entry("t1", "a").token == 0, 6, "claim key to expire")
         with pytest.raises(errors.StaleToken):
             c.commit("t1", "a", claim.token, 1, DIGEST)
-        assert c.get_entry("t1", "a").state == pb.ENTRY_STATE_WRITING  # nobody reaped yet
+        assert c.operator.get_entry("t1", "a").state == pb.ENTRY_STATE_WRITING  # nobody reaped yet
 
 
 def test_client_stops_trusting_lost_session(client: Client) -> None:
     """Once the lease is gone the client refuses to use the session at all."""
-    client.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "a"}], **FAST})
+    client.operator.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "a"}],
+                                 **FAST})
     s = client.open_session("p", ttl=2)
     client.close_session(s.session_id)  # the lease dies behind the keepalive's back
     wait_for(s.lost.is_set, 5, "keepalive to notice")
@@ -100,23 +105,25 @@ def test_client_stops_trusting_lost_session(client: Client) -> None:
 
 def test_keepalive_holds_claim_beyond_ttl(client: Client) -> None:
     """A kept-alive session keeps its claim well past one TTL."""
-    client.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "a"}], **FAST})
+    client.operator.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "a"}],
+                                 **FAST})
     with client.open_session("p", ttl=2) as s:
         claim = client.claim("t1", session=s)
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:  # 2.5 TTLs, checking all along
-            assert client.get_entry("t1", "a").token == claim.token
+            assert client.operator.get_entry("t1", "a").token == claim.token
             time.sleep(0.25)
         assert client.commit("t1", "a", claim.token, 1, DIGEST).state == pb.ENTRY_STATE_WRITTEN
 
 
 def test_dead_consumer_returns_entry_to_group(client: Client) -> None:
     """A consumer whose lease dies hands the entry back to its group."""
-    client.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "a"}], **FAST})
+    client.operator.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "a"}],
+                                 **FAST})
     with client.open_session("p", ttl=10) as s:
         c = client.claim("t1", session=s)
         client.commit("t1", "a", c.token, 1, DIGEST)
-        client.report("t1", "a", 1, DIGEST)
+        client.watcher.report("t1", "a", 1, DIGEST)
     dying = client.open_session("c1", ttl=2, keepalive=False)
     lease = client.consume("t1", "default", session=dying)
     with client.open_session("c2", ttl=10) as s2:
@@ -139,11 +146,11 @@ def test_dead_consumer_returns_entry_to_group(client: Client) -> None:
 
 def test_lease_losses_exhaust_retries_to_dead(client: Client) -> None:
     """Each lost lease costs a retry; after max_retries the entry is dead, with history."""
-    client.create_task({"task_id": "t1", "max_retries": 1,
-                        "entries": [{"file_id": "a", "path": "a"}], **FAST})
+    client.operator.create_task({"task_id": "t1", "max_retries": 1,
+                                 "entries": [{"file_id": "a", "path": "a"}], **FAST})
     for expected in (pb.ENTRY_STATE_PENDING, pb.ENTRY_STATE_DEAD):
         s = client.open_session("p", ttl=10, keepalive=False)
         client.claim("t1", session=s)
         client.close_session(s.session_id)
-        wait_for(lambda e=expected: client.get_entry("t1", "a").state == e, 5, "reap")
-    assert client.get_entry("t1", "a").retry_count == 1
+        wait_for(lambda e=expected: client.operator.get_entry("t1", "a").state == e, 5, "reap")
+    assert client.operator.get_entry("t1", "a").retry_count == 1

@@ -175,7 +175,7 @@ def _sweep(registry: Any) -> int:
 
 
 def _claimed_task(client: Client, session: Any) -> list[Any]:
-    client.create_task({"task_id": "t", "entries": [
+    client.operator.create_task({"task_id": "t", "entries": [
         {"file_id": f"e{i:03d}", "path": f"e{i:03d}"} for i in range(CLAIMS)]})
     claims: list[Any] = []
     while len(claims) < CLAIMS:
@@ -211,7 +211,7 @@ def test_commits_racing_a_cancel_are_refused_once_the_status_changed(
     with client.open_session("p", ttl=60, slots=CLAIMS) as s:
         claims = _claimed_task(client, s)
         done: list[pb.Task] = []
-        cancel = threading.Thread(target=lambda: done.append(client.cancel_task("t")))
+        cancel = threading.Thread(target=lambda: done.append(client.operator.cancel_task("t")))
         cancel.start()
         try:
             assert halfway.wait(30), "cancel never revoked a chunk"
@@ -223,7 +223,7 @@ def test_commits_racing_a_cancel_are_refused_once_the_status_changed(
                 client.commit("t", last.file_id, last.token, 1, digest(b"x"))
             with pytest.raises(errors.StaleToken, match="is void"):
                 client.fail("t", last.file_id, last.token, "racing the cancel")
-            assert client.get_entry("t", last.file_id).state == pb.ENTRY_STATE_WRITING
+            assert client.operator.get_entry("t", last.file_id).state == pb.ENTRY_STATE_WRITING
             assert _sweep(registry) == 0
         finally:
             go.set()
@@ -236,7 +236,7 @@ def test_commits_racing_a_cancel_are_refused_once_the_status_changed(
         assert registry.reaper.reaped == 0
         events = _journal_events(registry, "t")
         assert events.count("claimed") == CLAIMS and set(events) == {"claimed"}
-        assert {e.state for e in client.list_entries("t")} == {pb.ENTRY_STATE_WRITING}
+        assert {e.state for e in client.operator.list_entries("t")} == {pb.ENTRY_STATE_WRITING}
 
 
 @pytest.mark.parametrize("finish", ["cancel again", "scheduler"])
@@ -259,13 +259,14 @@ def test_a_cancel_interrupted_half_way_is_finished(
     with client.open_session("p", ttl=60, slots=CLAIMS) as s:
         claims = _claimed_task(client, s)
         with pytest.raises(errors.Internal):
-            client.cancel_task("t", "wrong input")
+            client.operator.cancel_task("t", "wrong input")
         assert _count(registry, keys.claims_of_task("p", "t")) == CLAIMS - CLAIM_CHUNK
         with pytest.raises(errors.StaleToken):
             client.commit("t", claims[-1].file_id, claims[-1].token, 1, digest(b"x"))
 
         if finish == "cancel again":
-            assert client.cancel_task("t", "wrong input").status == pb.TASK_STATUS_CANCELLED
+            assert client.operator.cancel_task("t",
+                                               "wrong input").status == pb.TASK_STATUS_CANCELLED
         else:
             # The cancel's key falls due 30 s on: as then (the scheduler's own sweep may
             # come first: the same code; then this finds none).
@@ -296,9 +297,9 @@ def test_a_lease_lost_during_a_cancel_leaves_the_entry_as_it_was(
         # the claim to lose is of the task being cancelled: hand one over to it
         last = claims[-1]
         client.fail("t", last.file_id, last.token, "handed on", session=s)
-        cancel = threading.Thread(target=lambda: client.cancel_task("t"))
+        cancel = threading.Thread(target=lambda: client.operator.cancel_task("t"))
         try:
-            while "claimable" not in client.explain("t", last.file_id).text:
+            while "claimable" not in client.operator.explain("t", last.file_id).text:
                 halfway.wait(0.05)
             client.claim("t", last.file_id, session=lost)
             cancel.start()
@@ -313,7 +314,7 @@ def test_a_lease_lost_during_a_cancel_leaves_the_entry_as_it_was(
             # race the test cannot order), and neither moves the entry.
             assert _sweep(registry) == 0
             assert _count(registry, twin) == 0
-            assert client.get_entry("t", last.file_id).state == pb.ENTRY_STATE_WRITING
+            assert client.operator.get_entry("t", last.file_id).state == pb.ENTRY_STATE_WRITING
         finally:
             go.set()
             if cancel.is_alive():

@@ -33,9 +33,9 @@ def _d(data: bytes) -> str:
 
 
 def _task(client: Client, retries: int = 3) -> None:
-    client.create_task({"task_id": "t", "max_retries": retries,
-                        "consumers": ["g"], "backoff": {"base_seconds": 0.001},
-                        "entries": [{"file_id": "f", "path": "f.bin"}]})
+    client.operator.create_task({"task_id": "t", "max_retries": retries,
+                                 "consumers": ["g"], "backoff": {"base_seconds": 0.001},
+                                 "entries": [{"file_id": "f", "path": "f.bin"}]})
 
 
 def _to(client: Client, s: Session, state: State, retries: int = 3) -> int:
@@ -45,12 +45,12 @@ def _to(client: Client, s: Session, state: State, retries: int = 3) -> int:
     if state in (WRITTEN, VERIFIED):
         client.commit("t", "f", token, 1, _d(b"x"))
     if state == VERIFIED:
-        client.report("t", "f", 1, _d(b"x"))
+        client.watcher.report("t", "f", 1, _d(b"x"))
     return token
 
 
 def _state(client: Client) -> int:
-    return client.get_entry("t", "f").state
+    return client.operator.get_entry("t", "f").state
 
 
 def claim(client: Client, s: Session, wait: Wait) -> None:
@@ -64,7 +64,7 @@ def commit(client: Client, s: Session, wait: Wait) -> None:
 
 def verify(client: Client, s: Session, wait: Wait) -> None:
     _to(client, s, WRITTEN)
-    client.report("t", "f", 1, _d(b"x"))
+    client.watcher.report("t", "f", 1, _d(b"x"))
 
 
 def consume(client: Client, s: Session, wait: Wait) -> None:
@@ -82,14 +82,14 @@ def fail_writing(retries: int) -> Callable[[Client, Session, Wait], None]:
 def mismatch_written(retries: int) -> Callable[[Client, Session, Wait], None]:
     def run(client: Client, s: Session, wait: Wait) -> None:
         _to(client, s, WRITTEN, retries)
-        client.report("t", "f", 1, _d(b"other"))
+        client.watcher.report("t", "f", 1, _d(b"other"))
     return run
 
 
 def missing_verified(retries: int) -> Callable[[Client, Session, Wait], None]:
     def run(client: Client, s: Session, wait: Wait) -> None:
         _to(client, s, VERIFIED, retries)
-        client.report_problem("t", "f", pb.ReportProblemRequest.KIND_MISSING, "gone")
+        client.watcher.report_problem("t", "f", pb.ReportProblemRequest.KIND_MISSING, "gone")
     return run
 
 
@@ -97,12 +97,12 @@ def revoke(client: Client, s: Session, wait: Wait) -> None:
     _task(client)
     with client.open_session("other", ttl=30) as other:
         client.claim("t", "f", session=other)
-        client.revoke_sessions(other.session_id, reason="moved")
+        client.operator.revoke_sessions(other.session_id, reason="moved")
 
 
 def requeue(client: Client, s: Session, wait: Wait) -> None:
     client.fail("t", "f", _to(client, s, WRITING, retries=0), "disk full")
-    client.requeue("t", "f")
+    client.operator.requeue("t", "f")
 
 
 def give_up_writing(client: Client, s: Session, wait: Wait) -> None:
@@ -117,25 +117,25 @@ def give_up_verified(client: Client, s: Session, wait: Wait) -> None:
 
 def replay(client: Client, s: Session, wait: Wait) -> None:
     consume(client, s, wait)
-    client.requeue("t", "f", group="g")
+    client.operator.requeue("t", "f", group="g")
 
 
 PARTS = {"p1": b"first, ", "p2": b"second."}
 
 
 def _assembly(client: Client, s: Session, wait: Wait) -> None:
-    client.create_task({"task_id": "t", "entries": [
+    client.operator.create_task({"task_id": "t", "entries": [
         *({"file_id": n, "path": f"f.{n}"} for n in PARTS),
         {"file_id": "f", "path": "f.bin", "parts": list(PARTS)}]})
     for name, data in PARTS.items():
         entry = put(client, s, "t", name, BytesIO(data))
-        client.report("t", name, entry.size, _d(data))
+        client.watcher.report("t", name, entry.size, _d(data))
     wait(lambda: _state(client) == pb.ENTRY_STATE_VERIFIED, what="the assembly verified")
 
 
 def unverify(client: Client, s: Session, wait: Wait) -> None:
     _assembly(client, s, wait)
-    client.report("t", "p1", len(PARTS["p1"]), _d(b"changed"))
+    client.watcher.report("t", "p1", len(PARTS["p1"]), _d(b"changed"))
 
 
 #: (state, event) -> the calls that make that move on entry t/f
@@ -180,5 +180,5 @@ def test_each_allowed_move_happens_on_etcd(client: Client, wait_for: Wait,
     with client.open_session("agent", ttl=30) as s:
         SCENARIOS[(state, event)](client, s, wait_for)
         assert _state(client) == PB[TABLE[(state, event)].to]
-        journal = [r.event for r in client.journal("t", "f")]
+        journal = [r.event for r in client.operator.journal("t", "f")]
         assert JOURNAL_OF.get((state, event), JOURNAL[event]) in journal, journal

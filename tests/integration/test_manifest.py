@@ -157,9 +157,10 @@ def test_unknown_manifest_field_is_refused() -> None:
 def test_refused_manifest_changes_nothing(client: Client) -> None:
     """The registry refuses a bad manifest over the wire and creates no task."""
     with pytest.raises(errors.InvalidManifest) as info:
-        client.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "../x"}]})
+        client.operator.create_task({"task_id": "t1",
+                                     "entries": [{"file_id": "a", "path": "../x"}]})
     assert "'..'" in str(info.value)
     assert info.value.problems  # type: ignore[attr-defined]  # the list survives the wire
     with pytest.raises(errors.NotFound):
-        client.get_task("t1")
-    assert client.list_tasks() == []
+        client.operator.get_task("t1")
+    assert client.operator.list_tasks() == []

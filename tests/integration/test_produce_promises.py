@@ -28,7 +28,7 @@ def manifest(n: int, **extra: Any) -> dict[str, Any]:
 
 
 def events(client: Client, file_id: str) -> list[pb.JournalRecord]:
-    return list(client.journal("t", file_id))
+    return list(client.operator.journal("t", file_id))
 
 
 def close_by_method(out: Output, data: bytes) -> None:
@@ -54,7 +54,7 @@ def test_breaking_out_after_closing_an_output_commits_it(
     """A loop that writes and closes an output, then breaks (a deadline), commits that
     output with its bytes: no `failed` record, no retry spent; the entries claimed
     ahead are released and none is left claimed (on a stream session or not)."""
-    client.create_task(manifest(12))
+    client.operator.create_task(manifest(12))
     outs: list[Output] = []
     with client.open_session("p", ttl=10, keepalive=stream) as s:
         steps = produce_each(client, s, "t", ahead=ahead, linger=5.0)
@@ -64,7 +64,7 @@ def test_breaking_out_after_closing_an_output_commits_it(
             if len(outs) == 3:
                 break  # the deadline
         steps.close()  # what leaving the loop does (CPython at once), the session open
-        by_id = {e.file_id: e for e in client.list_entries("t")}
+        by_id = {e.file_id: e for e in client.operator.list_entries("t")}
     last = outs[-1]
     assert last.entry is not None and last.entry.state == pb.ENTRY_STATE_WRITTEN
     for out in outs:
@@ -80,7 +80,7 @@ def test_breaking_out_with_an_output_written_but_not_closed_fails_it_saying_why(
     """An output written but not closed when the loop is left may be partial (a break
     and an exception in the body close the loop alike): it is failed, and the reason
     says it was left open and how much was written, not ``GeneratorExit``."""
-    client.create_task(manifest(3))
+    client.operator.create_task(manifest(3))
     with client.open_session("p", ttl=10) as s:
         steps = produce_each(client, s, "t", ahead=1)
         for out in steps:
@@ -90,28 +90,28 @@ def test_breaking_out_with_an_output_written_but_not_closed_fails_it_saying_why(
     failed = [r for r in events(client, out.claim.file_id) if r.event == "failed"]
     assert len(failed) == 1 and "GeneratorExit" not in failed[0].reason
     assert "not closed" in failed[0].reason and "4 bytes" in failed[0].reason
-    assert client.get_entry("t", out.claim.file_id).retry_count == 1
+    assert client.operator.get_entry("t", out.claim.file_id).retry_count == 1
 
 
 def test_an_output_is_refused_writes_once_closed(
         registry: RegistryHandle, client: Client) -> None:
     """Closing an output ends its bytes: a later write raises ValueError, as a closed
     file's does."""
-    client.create_task(manifest(1))
+    client.operator.create_task(manifest(1))
     with (client.open_session("p", ttl=10) as s, pytest.raises(ValueError, match="closed"),
           produce(client, s, "t", "f00") as out):
         out.write(b"all of it")
         out.close()
         out.write(b"more")
-    assert client.get_entry("t", "f00").state == pb.ENTRY_STATE_PENDING  # the block raised
+    assert client.operator.get_entry("t", "f00").state == pb.ENTRY_STATE_PENDING  # the block raised
 
 
 def test_produce_takes_its_progress_total_from_the_entry(
         registry: RegistryHandle, client: Client, wait_for: Callable[..., None]) -> None:
     """No ``expected_size`` passed: the claim carries the entry's, and a resume point's
     progress is the bytes written over it (1 MiB of 4 MiB: 0.25)."""
-    client.create_task({"task_id": "t", "backoff": {"base_seconds": 0.01},
-                        "entries": [{"file_id": "big", "path": "big.bin",
+    client.operator.create_task({"task_id": "t", "backoff": {"base_seconds": 0.01},
+                                 "entries": [{"file_id": "big", "path": "big.bin",
                                      "expected_size": 4 * MIB}]})
     with client.open_session("p", ttl=10) as s:
         with pytest.raises(RuntimeError), produce(client, s, "t", "big", resumable=True,
@@ -146,7 +146,7 @@ def test_resume_points_bound_the_work_a_killed_write_loses(
     (8 MiB) and ``resume_fraction`` (5 %) of the entry's expected size beyond its last
     resume point after each of its write calls."""
     size = 40 * MIB
-    client.create_task({"task_id": "t", "entries": [
+    client.operator.create_task({"task_id": "t", "entries": [
         {"file_id": "big", "path": "big.bin", "expected_size": size}]})
     behind: list[int] = []
     with (client.open_session("p", ttl=10) as s,

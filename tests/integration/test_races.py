@@ -25,7 +25,7 @@ def test_concurrent_claims_through_two_replicas_are_exclusive(
     """16 agents on 2 replicas claim 200 entries: each exactly once, none left over."""
     replicas = [registry_factory(), registry_factory()]
     setup = Client(replicas[0].address)
-    setup.create_task({
+    setup.operator.create_task({
         "task_id": "race",
         "entries": [{"file_id": f"e{i:04d}", "path": f"e{i:04d}"} for i in range(ENTRIES)],
     })
@@ -64,7 +64,7 @@ def test_concurrent_claims_through_two_replicas_are_exclusive(
     for file_id, token, _ in claims:
         by_token.setdefault(token, []).append(file_id)
     assert all(len(set(files)) == len(files) for files in by_token.values())
-    states = Counter(e.state for e in setup.list_entries("race"))
+    states = Counter(e.state for e in setup.operator.list_entries("race"))
     assert states == {pb.ENTRY_STATE_WRITTEN: ENTRIES}
     assert len({agent for _, _, agent in claims}) > 1  # the work really was shared
 
@@ -75,7 +75,7 @@ def test_replicas_reap_a_lost_claim_exactly_once(
     """Three replicas sweeping at once move a lost claim's entry on once (one retry)."""
     replicas = [registry_factory(reap_interval=0.05) for _ in range(3)]
     c = Client(replicas[0].address)
-    c.create_task({"task_id": "t", "entries": [{"file_id": f"e{i}", "path": f"e{i}"}
+    c.operator.create_task({"task_id": "t", "entries": [{"file_id": f"e{i}", "path": f"e{i}"}
                                                 for i in range(20)]})
     s = c.open_session("doomed", ttl=10, keepalive=False)
     for _ in range(20):
@@ -83,11 +83,11 @@ def test_replicas_reap_a_lost_claim_exactly_once(
     c.close_session(s.session_id)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        entries = c.list_entries("t")
+        entries = c.operator.list_entries("t")
         if all(e.state == pb.ENTRY_STATE_PENDING for e in entries):
             break
         time.sleep(0.05)
-    entries = c.list_entries("t")
+    entries = c.operator.list_entries("t")
     assert [e.retry_count for e in entries] == [1] * 20
     # A reaper counts a move once its transaction has returned, a moment after the
     # entry shows it: wait for the count, then a few more sweeps, and it is 20 still.

@@ -101,15 +101,15 @@ def slots_of(store: Store, session_id: int) -> list[bytes]:
 def test_a_task_stuck_creating_is_removed_with_every_key(
         client: Client, store: Store, small_pages: None) -> None:
     """A task left `creating` is removed; no key names it after; a task t10 is untouched."""
-    client.create_task({"task_id": "t1", "consumers": ["g"],
-                        "entries": entries(*(f"f{i:02d}" for i in range(40)))})
-    client.create_task({"task_id": "t10", "entries": entries("f00", "f01")})
+    client.operator.create_task({"task_id": "t1", "consumers": ["g"],
+                                 "entries": entries(*(f"f{i:02d}" for i in range(40)))})
+    client.operator.create_task({"task_id": "t10", "entries": entries("f00", "f01")})
     store.set_status("t1", "creating")
     before = store.naming("t1")
     other = store.naming("t10")
     assert len(before) == 1 + 40 * 3  # header; per entry: the entry, ready and open keys
 
-    resp = client.delete_task("t1", "stuck after an etcd outage")
+    resp = client.operator.delete_task("t1", "stuck after an etcd outage")
 
     assert resp.keys_removed == len(before)
     assert dict(resp.removed) == {"header": 1, "entries": 40, "ready": 40, "open": 40}
@@ -118,32 +118,32 @@ def test_a_task_stuck_creating_is_removed_with_every_key(
     assert store.naming("t1") == {}
     assert store.naming("t10") == other
     with pytest.raises(errors.NotFound):
-        client.get_task("t1")
-    assert [t.spec.task_id for t in client.list_tasks()] == ["t10"]
+        client.operator.get_task("t1")
+    assert [t.spec.task_id for t in client.operator.list_tasks()] == ["t10"]
 
 
 def test_a_creation_stops_writing_once_its_task_is_marked_deleting(
         client: Client, store: Store) -> None:
     """CreateTask of a task being deleted is refused and writes no entry chunk."""
     manifest = {"task_id": "t1", "entries": entries("a", "b")}
-    client.create_task({"task_id": "t1", "entries": entries("a", "b")})
+    client.operator.create_task({"task_id": "t1", "entries": entries("a", "b")})
     store.set_status("t1", "creating")
-    client.delete_task("t1")
-    client.create_task(manifest)  # created again, as a fresh task
+    client.operator.delete_task("t1")
+    client.operator.create_task(manifest)  # created again, as a fresh task
     store.set_status("t1", "deleting")  # a delete under way again
     before = store.naming("t1")
     with pytest.raises(errors.IllegalTransition, match="being deleted"):
-        client.create_task(manifest)
+        client.operator.create_task(manifest)
     assert store.naming("t1") == before
 
 
 def test_a_stuck_task_can_be_created_again_after_removal(client: Client, store: Store) -> None:
     """Once removed, the same task id can be created afresh and handed out."""
     manifest = {"task_id": "t1", "entries": entries("a", "b")}
-    client.create_task(manifest)
+    client.operator.create_task(manifest)
     store.set_status("t1", "creating")
-    client.delete_task("t1")
-    task, created = client.create_task(manifest)
+    client.operator.delete_task("t1")
+    task, created = client.operator.create_task(manifest)
     assert created and task.status == pb.TASK_STATUS_ACTIVE
     with client.open_session("p", ttl=10) as s:
         assert client.claim("t1", session=s).file_id == "a"
@@ -155,13 +155,13 @@ def test_a_stuck_task_can_be_created_again_after_removal(client: Client, store: 
 def test_a_cancelled_task_leaves_no_key_and_frees_the_slots(
         client: Client, store: Store, small_pages: None) -> None:
     """Create, claim, commit, consume, fail, cancel, rm: nothing of it is left; slots free."""
-    client.create_task({"task_id": "t1", "consumers": ["g"], "backoff": FAST,
-                        "entries": entries("a", "b", "c", "d", "e")})
+    client.operator.create_task({"task_id": "t1", "consumers": ["g"], "backoff": FAST,
+                                 "entries": entries("a", "b", "c", "d", "e")})
     with client.open_session("p", ttl=30, slots=3) as p, \
             client.open_session("c", ttl=30, slots=2) as c:
         done = client.claim("t1", "a", session=p)
         client.commit("t1", "a", done.token, 1, digest(b"x"))
-        client.report("t1", "a", 1, digest(b"x"))
+        client.watcher.report("t1", "a", 1, digest(b"x"))
         failed = client.claim("t1", "b", session=p)
         client.fail("t1", "b", failed.token, "disk full")
         client.claim("t1", "c", session=p)
@@ -170,8 +170,8 @@ def test_a_cancelled_task_leaves_no_key_and_frees_the_slots(
         assert len(slots_of(store, p.session_id)) == 2 and slots_of(store, c.session_id)
         assert store.under(store.keys.journal_all("t1"))
 
-        client.cancel_task("t1", "wrong input")
-        resp = client.delete_task("t1", discard_history=True)
+        client.operator.cancel_task("t1", "wrong input")
+        resp = client.operator.delete_task("t1", discard_history=True)
 
         assert store.naming("t1") == {}
         assert resp.removed["journal"] >= 6 and resp.removed["entries"] == 5
@@ -182,15 +182,15 @@ def test_a_cancelled_task_leaves_no_key_and_frees_the_slots(
 def test_claims_left_by_an_interrupted_cancel_are_revoked_with_their_slots(
         client: Client, store: Store, small_pages: None) -> None:
     """Live claims, consume claims and slots of a cancelled task go; another task's stay."""
-    client.create_task({"task_id": "t1", "consumers": ["g"],
-                        "entries": entries("a", "b", "c", "d")})
-    client.create_task({"task_id": "t10", "entries": entries("x", "y", "z")})
+    client.operator.create_task({"task_id": "t1", "consumers": ["g"],
+                                 "entries": entries("a", "b", "c", "d")})
+    client.operator.create_task({"task_id": "t10", "entries": entries("x", "y", "z")})
     with client.open_session("p", ttl=30, slots=4) as p, \
             client.open_session("c", ttl=30, slots=2) as c:
         for file_id in ("a", "b"):
             claim = client.claim("t1", file_id, session=p)
             client.commit("t1", file_id, claim.token, 1, digest(b"x"))
-            client.report("t1", file_id, 1, digest(b"x"))
+            client.watcher.report("t1", file_id, 1, digest(b"x"))
         client.consume("t1", "g", "a", session=c)
         client.consume("t1", "g", "b", session=c)
         live = client.claim("t1", "c", session=p)
@@ -200,7 +200,7 @@ def test_claims_left_by_an_interrupted_cancel_are_revoked_with_their_slots(
         store.set_status("t1", "cancelled")
         other = store.naming("t10")
 
-        resp = client.delete_task("t1", discard_history=True)
+        resp = client.operator.delete_task("t1", discard_history=True)
 
         assert resp.removed["claims"] == 4 and resp.removed["inflight"] == 4
         assert resp.removed["slots"] == 4
@@ -226,16 +226,16 @@ def test_a_task_that_ran_and_is_not_cancelled_is_refused_and_unchanged(
         client: Client, store: Store, status: str, discard_history: bool) -> None:
     """An active, paused or completed task that ran is refused (cancel it first), even
     when its history may go; no key changes."""
-    client.create_task({"task_id": "t1", "entries": entries("a", "b")})
+    client.operator.create_task({"task_id": "t1", "entries": entries("a", "b")})
     with client.open_session("p", ttl=30, slots=2) as s:
         client.claim("t1", "a", session=s)
         if status == "paused":
-            client.pause_task("t1")
+            client.operator.pause_task("t1")
         if status == "completed":
             store.set_status("t1", "completed")
         before = store.all()
         with pytest.raises(errors.IllegalTransition) as refused:
-            client.delete_task("t1", discard_history=discard_history)
+            client.operator.delete_task("t1", discard_history=discard_history)
         assert f"it is {status}" in str(refused.value) and "cancel it first" in str(refused.value)
         assert store.all() == before
 
@@ -244,21 +244,21 @@ def test_a_cancelled_task_that_ran_is_kept_unless_its_history_may_go(
         client: Client, store: Store) -> None:
     """A cancelled task with history is refused, naming the entry that ran, and left as it
     was; with discard_history it is deleted."""
-    client.create_task({"task_id": "t1", "entries": entries("a", "b")})
+    client.operator.create_task({"task_id": "t1", "entries": entries("a", "b")})
     with client.open_session("p", ttl=30) as s:
         claim = client.claim("t1", "b", session=s)
         client.fail("t1", "b", claim.token, "disk full")
-    client.cancel_task("t1")
+    client.operator.cancel_task("t1")
     before = store.all()
     with pytest.raises(errors.IllegalTransition) as refused:
-        client.delete_task("t1")
+        client.operator.delete_task("t1")
     assert str(refused.value) == (
         "cannot delete task 't1': it is cancelled and has history (entry 'b' ran; "
         "`baton log t1` shows it): a task that ran is kept for audit, not deleted; once "
         "finished it is archived out of etcd (`baton task archive t1`); --discard-history "
         "deletes a cancelled task with its journal")
     assert store.all() == before
-    assert client.delete_task("t1", discard_history=True).removed["journal"] == 2
+    assert client.operator.delete_task("t1", discard_history=True).removed["journal"] == 2
     assert store.naming("t1") == {}
 
 
@@ -267,32 +267,32 @@ def test_a_task_that_never_ran_is_deleted_with_every_key(
         client: Client, store: Store, small_pages: None, status: str) -> None:
     """No entry of it was ever claimed: deleted whatever its status; no key names it
     after, under any prefix; another task is untouched."""
-    client.create_task({"task_id": "t1", "consumers": ["g"],
-                        "entries": [*entries(*(f"f{i:02d}" for i in range(12))),
+    client.operator.create_task({"task_id": "t1", "consumers": ["g"],
+                                 "entries": [*entries(*(f"f{i:02d}" for i in range(12))),
                                     {"file_id": "late", "path": "late",
                                      "depends_on": ["f00"]}]})
-    client.create_task({"task_id": "t10", "entries": entries("f00")})
+    client.operator.create_task({"task_id": "t10", "entries": entries("f00")})
     if status == "paused":
-        client.pause_task("t1")
+        client.operator.pause_task("t1")
     if status == "cancelled":
-        client.cancel_task("t1")
+        client.operator.cancel_task("t1")
     other = store.naming("t10")
 
-    resp = client.delete_task("t1", "created by mistake")
+    resp = client.operator.delete_task("t1", "created by mistake")
 
     assert resp.removed["header"] == 1 and resp.removed["entries"] == 13
     assert "journal" not in resp.removed
     assert store.naming("t1") == {}
     assert store.naming("t10") == other
     with pytest.raises(errors.NotFound):
-        client.get_task("t1")
+        client.operator.get_task("t1")
 
 
 def test_a_claim_that_commits_first_makes_the_delete_refused(
         client: Client, store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     """A claim committing between the delete's look at the journal and its mark wins:
     the delete, planned again, finds the history and is refused; the claim stands."""
-    client.create_task({"task_id": "t1", "entries": entries("a", "b")})
+    client.operator.create_task({"task_id": "t1", "entries": entries("a", "b")})
     real = Removal._mark_plan
     claims: list[Any] = []
     session = client.open_session("p", ttl=30)
@@ -312,9 +312,9 @@ def test_a_claim_that_commits_first_makes_the_delete_refused(
     monkeypatch.setattr(Removal, "_mark_plan", racing)
     with session:
         with pytest.raises(errors.IllegalTransition, match="has history"):
-            client.delete_task("t1")
+            client.operator.delete_task("t1")
         assert claims and store.status("t1") == "active"
-        assert client.get_entry("t1", "a").state == pb.ENTRY_STATE_WRITING
+        assert client.operator.get_entry("t1", "a").state == pb.ENTRY_STATE_WRITING
 
 
 def test_a_claim_racing_the_delete_loses_once_the_task_is_marked(
@@ -323,14 +323,14 @@ def test_a_claim_racing_the_delete_loses_once_the_task_is_marked(
     claim is refused and nothing of the task is left."""
     from baton_relay.registry.verbs.producers import Producers
 
-    client.create_task({"task_id": "t1", "entries": entries("a", "b")})
+    client.operator.create_task({"task_id": "t1", "entries": entries("a", "b")})
     real = Producers._session
     deleted: list[pb.DeleteTaskResponse] = []
 
     async def delete_meanwhile(self: Producers, txn: Any, *args: Any) -> Any:
         slots = await real(self, txn, *args)
         if not deleted:
-            deleted.append(await asyncio.to_thread(client.delete_task, "t1"))
+            deleted.append(await asyncio.to_thread(client.operator.delete_task, "t1"))
         return slots
 
     monkeypatch.setattr(Producers, "_session", delete_meanwhile)
@@ -344,7 +344,7 @@ def test_a_claim_racing_the_delete_loses_once_the_task_is_marked(
 def test_an_unknown_task_is_not_found(client: Client) -> None:
     """Deleting a task that does not exist is NotFound."""
     with pytest.raises(errors.NotFound):
-        client.delete_task("nope")
+        client.operator.delete_task("nope")
 
 
 # --- twice, and interrupted -------------------------------------------------------------
@@ -352,13 +352,13 @@ def test_an_unknown_task_is_not_found(client: Client) -> None:
 
 def test_delete_twice_replays_then_finds_nothing(client: Client, store: Store) -> None:
     """A retried delete (same request id) gets the first reply; a new one is NotFound."""
-    client.create_task({"task_id": "t1", "entries": entries("a")})
-    client.cancel_task("t1")
+    client.operator.create_task({"task_id": "t1", "entries": entries("a")})
+    client.operator.cancel_task("t1")
     first = client._call("DeleteTask", pb.DeleteTaskRequest(task_id="t1", request_id="rm-1"))
     again = client._call("DeleteTask", pb.DeleteTaskRequest(task_id="t1", request_id="rm-1"))
     assert again == first and first.keys_removed > 0
     with pytest.raises(errors.NotFound):
-        client.delete_task("t1")
+        client.operator.delete_task("t1")
     assert store.naming("t1") == {}
 
 
@@ -366,11 +366,11 @@ def test_an_interrupted_delete_is_finished_by_the_next(
         client: Client, store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     """etcd lost mid-way: the task stays `deleting` (no claims, no re-create); rm finishes."""
     manifest = {"task_id": "t1", "entries": entries("a", "b", "c")}
-    client.create_task(manifest)
+    client.operator.create_task(manifest)
     with client.open_session("p", ttl=30) as s:
         claim = client.claim("t1", "a", session=s)
         client.commit("t1", "a", claim.token, 1, digest(b"x"))
-    client.cancel_task("t1")
+    client.operator.cancel_task("t1")
     journal = store.keys.journal_all("t1")
     down = threading.Event()
     down.set()
@@ -383,21 +383,21 @@ def test_an_interrupted_delete_is_finished_by_the_next(
 
     monkeypatch.setattr(Removal, "_sweep", failing)
     with pytest.raises(errors.Unavailable):
-        client.delete_task("t1", discard_history=True)
+        client.operator.delete_task("t1", discard_history=True)
 
     assert store.status("t1") == "deleting"
     assert store.under(store.keys.entries("t1")) == [] and store.under(journal)
-    assert [t.status for t in client.list_tasks()] == [pb.TASK_STATUS_DELETING]
+    assert [t.status for t in client.operator.list_tasks()] == [pb.TASK_STATUS_DELETING]
     with pytest.raises(errors.IllegalTransition, match="being deleted"):
-        client.create_task(manifest)
+        client.operator.create_task(manifest)
     assert store.status("t1") == "deleting" and store.under(store.keys.entries("t1")) == []
     with client.open_session("p", ttl=30) as s, pytest.raises(errors.TaskNotActive):
         client.claim("t1", session=s)
     with pytest.raises(errors.IllegalTransition):
-        client.cancel_task("t1")
+        client.operator.cancel_task("t1")
 
     down.clear()
-    resp = client.delete_task("t1", discard_history=True)
+    resp = client.operator.delete_task("t1", discard_history=True)
     assert resp.removed["header"] == 1 and resp.removed["journal"] >= 2
     assert store.naming("t1") == {}
 
@@ -408,12 +408,12 @@ def test_an_interrupted_delete_is_finished_by_the_next(
 def test_cli_task_delete(registry: Any, client: Client, store: Store) -> None:
     """`task delete --yes`: a task that ran is exit 4 until cancelled and its history
     discarded; unknown is exit 5, also through the old name `task rm`."""
-    client.create_task({"task_id": "t1", "entries": entries("a", "b")})
+    client.operator.create_task({"task_id": "t1", "entries": entries("a", "b")})
     with client.open_session("p", ttl=30) as s:
         client.claim("t1", "a", session=s)
         active = invoke(registry, "task", "delete", "t1", "--yes")
         assert active.exit_code == 4 and "cancel it first" in one_error_line(active.stderr)
-        client.cancel_task("t1")
+        client.operator.cancel_task("t1")
     kept = invoke(registry, "task", "delete", "t1", "--yes")
     assert kept.exit_code == 4 and "--discard-history" in one_error_line(kept.stderr)
     done = invoke(registry, "task", "delete", "t1", "--yes", "--discard-history",
@@ -430,7 +430,7 @@ def test_cli_task_delete(registry: Any, client: Client, store: Store) -> None:
 def test_cli_task_delete_of_a_task_that_never_ran(registry: Any, client: Client,
                                                   store: Store) -> None:
     """An active task nobody claimed from is deleted as it is, no cancel needed."""
-    client.create_task({"task_id": "t1", "entries": entries("a", "b")})
+    client.operator.create_task({"task_id": "t1", "entries": entries("a", "b")})
     done = invoke(registry, "task", "delete", "t1", "-y")
     assert done.exit_code == 0, done.output
     assert done.stdout.strip() == ("removed task t1: 7 keys (header 1, entries 2, ready 2, "
@@ -440,8 +440,8 @@ def test_cli_task_delete_of_a_task_that_never_ran(registry: Any, client: Client,
 
 def test_cli_task_delete_json_output(registry: Any, client: Client) -> None:
     """`task delete -o json` prints the reply: keys removed, by kind, and the last header."""
-    client.create_task({"task_id": "t1", "entries": entries("a")})
-    client.cancel_task("t1")
+    client.operator.create_task({"task_id": "t1", "entries": entries("a")})
+    client.operator.cancel_task("t1")
     data = ok_json(invoke(registry, "task", "delete", "t1", "-y", "-o", "json"))
     assert data["keys_removed"] == 3 and data["removed"] == {"header": 1, "entries": 1,
                                                               "open": 1}
@@ -454,8 +454,8 @@ def test_cli_task_delete_asks_on_a_terminal(
     from baton_relay.client.cli import tasks as task_commands
 
     monkeypatch.setattr(task_commands, "interactive", lambda: True)
-    client.create_task({"task_id": "t1", "entries": entries("a")})
-    client.cancel_task("t1")
+    client.operator.create_task({"task_id": "t1", "entries": entries("a")})
+    client.operator.cancel_task("t1")
     declined = invoke(registry, "task", "delete", "t1", stdin="n\n")
     assert declined.exit_code == 1 and store.status("t1") == "cancelled"
     accepted = invoke(registry, "task", "delete", "t1", stdin="y\n")

@@ -28,7 +28,7 @@ def rpc(registry: RegistryHandle, name: str, request: Any) -> Any:
 
 @pytest.fixture
 def session(client: Client) -> int:
-    client.create_task({"task_id": "t", "digest_optional": True, "entries": [
+    client.operator.create_task({"task_id": "t", "digest_optional": True, "entries": [
         {"file_id": f"f{i}", "path": f"f{i}"} for i in range(4)]})
     return client.open_session("p", ttl=60, keepalive=False).session_id
 
@@ -39,7 +39,7 @@ def test_a_retried_call_is_answered_from_its_record(
     req = pb.ClaimRequest(task_id="t", file_id="f0", session_id=session, request_id="r1")
     first, again = rpc(registry, "Claim", req), rpc(registry, "Claim", req)
     assert again == first
-    assert client.get_entry("t", "f0").token == first.token
+    assert client.operator.get_entry("t", "f0").token == first.token
 
 
 def test_one_request_id_on_another_method_is_another_request(
@@ -65,4 +65,4 @@ def test_one_request_id_with_other_arguments_is_another_request(
     b = rpc(registry, "Claim", pb.ClaimRequest(task_id="t", file_id="f1", session_id=session,
                                                request_id="dup"))
     assert (a.entry.file_id, b.entry.file_id) == ("f0", "f1")
-    assert client.get_entry("t", "f1").token == b.token
+    assert client.operator.get_entry("t", "f1").token == b.token

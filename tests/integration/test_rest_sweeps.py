@@ -202,8 +202,8 @@ def test_only_the_leader_sweeps_and_another_takes_over_within_the_ttl(
     wait_for(lambda: runs(other) > 0, timeout=TTL, what="the new leader's sweeps")
     stopped_at = runs(first)
     with Client(first.address, timeout=10) as client:
-        client.create_task({"task_id": "t", "backoff": {"base_seconds": 0.1},
-                            "entries": [{"file_id": "a", "path": "a"},
+        client.operator.create_task({"task_id": "t", "backoff": {"base_seconds": 0.1},
+                                     "entries": [{"file_id": "a", "path": "a"},
                                         {"file_id": "b", "path": "b"}]})
         with client.open_session("p", ttl=30) as s:
             produce_verified(client, s, "t", "a")
@@ -212,8 +212,8 @@ def test_only_the_leader_sweeps_and_another_takes_over_within_the_ttl(
         lost = client.open_session("lost", ttl=30, keepalive=False)
         client.claim("t", "b", session=lost)
         client.close_session(lost.session_id)
-        wait_for(lambda: client.get_entry("t", "b").state == pb.ENTRY_STATE_PENDING
-                 and client.get_entry("t", "b").retry_count == 1, what="b reaped")
+        wait_for(lambda: client.operator.get_entry("t", "b").state == pb.ENTRY_STATE_PENDING
+                 and client.operator.get_entry("t", "b").retry_count == 1, what="b reaped")
         with client.open_session("p", ttl=30) as s:
 
             def produced() -> bool:
@@ -226,7 +226,7 @@ def test_only_the_leader_sweeps_and_another_takes_over_within_the_ttl(
             wait_for(produced, what="b produced after its backoff")
             lease_b = client.consume("t", "default", "b", session=s)
             client.ack("t", "b", "default", lease_b.token, session=s)
-        wait_for(lambda: client.get_task("t").status == pb.TASK_STATUS_COMPLETED,
+        wait_for(lambda: client.operator.get_task("t").status == pb.TASK_STATUS_COMPLETED,
                  what="t completed")
     assert runs(first) == stopped_at  # the old leader swept no more
 

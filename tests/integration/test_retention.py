@@ -21,8 +21,8 @@ Outcome = pb.RemoveStagedResponse.Outcome
 
 
 def _task(client: Client, task_id: str, n: int = 1, **spec: Any) -> None:
-    client.create_task({"task_id": task_id, **spec,
-                        "entries": [{"file_id": f"f{i}", "path": f"d/f{i}.bin"}
+    client.operator.create_task({"task_id": task_id, **spec,
+                                 "entries": [{"file_id": f"f{i}", "path": f"d/f{i}.bin"}
                                     for i in range(n)]})
 
 
@@ -30,7 +30,7 @@ def _consumed(client: Client, session: Session, task_id: str, file_id: str,
               groups: tuple[str, ...] = ("default",)) -> pb.Entry:
     """Produce, verify, then consume and ack ``file_id`` for each of ``groups``."""
     produce_verified(client, session, task_id, file_id)
-    entry = client.get_entry(task_id, file_id)
+    entry = client.operator.get_entry(task_id, file_id)
     for group in groups:
         lease = client.consume(task_id, group, file_id, session=session)
         entry = client.ack(task_id, file_id, group, lease.token, session=session)
@@ -47,16 +47,16 @@ def test_the_retention_comes_from_the_entry_the_task_or_the_registry(
     """An entry's retention is its own, else its task's, else --staging-retention."""
     registry = registry_factory(staging_retention=7.0)
     with Client(registry.address, timeout=10) as client:
-        client.create_task({"task_id": "t", "staging_retention_seconds": 0,
-                            "entries": [{"file_id": "a", "path": "a"},
+        client.operator.create_task({"task_id": "t", "staging_retention_seconds": 0,
+                                     "entries": [{"file_id": "a", "path": "a"},
                                         {"file_id": "b", "path": "b",
                                          "staging_retention_seconds": -1}]})
-        client.create_task({"task_id": "u", "entries": [{"file_id": "a", "path": "a"}]})
-        assert client.get_entry("t", "a").staging_retention_seconds == 0
-        assert client.get_entry("t", "b").staging_retention_seconds == -1
-        assert client.get_entry("u", "a").staging_retention_seconds == 7
-        assert client.get_task("t").spec.staging_retention_seconds == 0
-        assert not client.get_task("u").spec.HasField("staging_retention_seconds")
+        client.operator.create_task({"task_id": "u", "entries": [{"file_id": "a", "path": "a"}]})
+        assert client.operator.get_entry("t", "a").staging_retention_seconds == 0
+        assert client.operator.get_entry("t", "b").staging_retention_seconds == -1
+        assert client.operator.get_entry("u", "a").staging_retention_seconds == 7
+        assert client.operator.get_task("t").spec.staging_retention_seconds == 0
+        assert not client.operator.get_task("u").spec.HasField("staging_retention_seconds")
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, 400 * 86400.0])
@@ -65,9 +65,9 @@ def test_a_retention_that_is_not_a_number_of_seconds_is_refused(
 ) -> None:
     """A retention not finite, or over a year, is refused and nothing is created."""
     with pytest.raises(InvalidManifest, match="staging_retention_seconds"):
-        client.create_task({"task_id": "t", "entries": [
+        client.operator.create_task({"task_id": "t", "entries": [
             {"file_id": "a", "path": "a", "staging_retention_seconds": value}]})
-    assert client.list_tasks() == []
+    assert client.operator.list_tasks() == []
 
 
 def test_a_consumed_entry_past_its_retention_is_marked_once_and_journalled(
@@ -78,18 +78,18 @@ def test_a_consumed_entry_past_its_retention_is_marked_once_and_journalled(
     entry = _consumed(client, session, "t", "f0")
     assert entry.state == pb.ENTRY_STATE_CONSUMED and entry.consumed_at
     produce_verified(client, session, "t", "f1")
-    held = client.get_task("t").staging_bytes
-    assert held == entry.size + client.get_entry("t", "f1").size
+    held = client.operator.get_task("t").staging_bytes
+    assert held == entry.size + client.operator.get_entry("t", "f1").size
     digest = _digest_of(entry.abs_attempt_path)
-    reply = client.remove_staged("t", "f0", entry.size, digest, reporter="w")
+    reply = client.watcher.remove_staged("t", "f0", entry.size, digest, reporter="w")
     assert reply.outcome == Outcome.OUTCOME_MARKED and reply.entry.staging_removed_at
-    marked = client.get_entry("t", "f0").revision
-    again = client.remove_staged("t", "f0", entry.size, digest, reporter="w")
+    marked = client.operator.get_entry("t", "f0").revision
+    again = client.watcher.remove_staged("t", "f0", entry.size, digest, reporter="w")
     assert again.outcome == Outcome.OUTCOME_MARKED
-    assert client.get_entry("t", "f0").revision == marked  # nothing written twice
-    events = [r.event for r in client.journal("t", "f0")]
+    assert client.operator.get_entry("t", "f0").revision == marked  # nothing written twice
+    events = [r.event for r in client.operator.journal("t", "f0")]
     assert events.count("staging_removed") == 1
-    assert client.get_task("t").staging_bytes == held - entry.size
+    assert client.operator.get_task("t").staging_bytes == held - entry.size
 
 
 def test_an_entry_one_group_has_not_acked_is_not_marked(
@@ -99,9 +99,9 @@ def test_an_entry_one_group_has_not_acked_is_not_marked(
     _task(client, "t", consumers=["g1", "g2"], staging_retention_seconds=0)
     entry = _consumed(client, session, "t", "f0", groups=("g1",))
     assert entry.state == pb.ENTRY_STATE_VERIFIED
-    reply = client.remove_staged("t", "f0", entry.size, _digest_of(entry.abs_attempt_path))
+    reply = client.watcher.remove_staged("t", "f0", entry.size, _digest_of(entry.abs_attempt_path))
     assert reply.outcome == Outcome.OUTCOME_NOT_CONSUMED
-    after = client.get_entry("t", "f0")
+    after = client.operator.get_entry("t", "f0")
     assert after.revision == entry.revision and not after.staging_removed_at
 
 
@@ -111,17 +111,17 @@ def test_before_its_retention_has_passed_an_entry_is_not_due(
     """Consumed but inside its retention: NOT_DUE with the seconds left."""
     _task(client, "t", staging_retention_seconds=3600)
     entry = _consumed(client, session, "t", "f0")
-    reply = client.remove_staged("t", "f0", entry.size, _digest_of(entry.abs_attempt_path))
+    reply = client.watcher.remove_staged("t", "f0", entry.size, _digest_of(entry.abs_attempt_path))
     assert reply.outcome == Outcome.OUTCOME_NOT_DUE
     assert 3500 < reply.due_in_seconds <= 3600
-    assert client.get_entry("t", "f0").revision == entry.revision
+    assert client.operator.get_entry("t", "f0").revision == entry.revision
 
 
 def test_a_negative_retention_keeps_the_file(client: Client, session: Session) -> None:
     """Retention below zero: KEPT, never marked."""
     _task(client, "t", staging_retention_seconds=-1)
     entry = _consumed(client, session, "t", "f0")
-    reply = client.remove_staged("t", "f0", entry.size, _digest_of(entry.abs_attempt_path))
+    reply = client.watcher.remove_staged("t", "f0", entry.size, _digest_of(entry.abs_attempt_path))
     assert reply.outcome == Outcome.OUTCOME_KEPT and not reply.entry.staging_removed_at
 
 
@@ -133,11 +133,11 @@ def test_a_file_changed_after_verification_is_journalled_and_not_marked(
     entry = _consumed(client, session, "t", "f0")
     other = blake3.blake3(b"other bytes").hexdigest()
     for _ in range(2):
-        reply = client.remove_staged("t", "f0", entry.size, other, reporter="w")
+        reply = client.watcher.remove_staged("t", "f0", entry.size, other, reporter="w")
         assert reply.outcome == Outcome.OUTCOME_CHANGED and not reply.entry.staging_removed_at
-    records = [r for r in client.journal("t", "f0") if r.event == "staging_changed"]
+    records = [r for r in client.operator.journal("t", "f0") if r.event == "staging_changed"]
     assert len(records) == 1
-    assert client.get_task("t").staging_bytes == entry.size
+    assert client.operator.get_task("t").staging_bytes == entry.size
 
 
 def test_bad_input_is_refused_precisely(client: Client, session: Session) -> None:
@@ -145,10 +145,10 @@ def test_bad_input_is_refused_precisely(client: Client, session: Session) -> Non
     _task(client, "t", staging_retention_seconds=0)
     entry = _consumed(client, session, "t", "f0")
     with pytest.raises(InvalidArgument, match="digest"):
-        client.remove_staged("t", "f0", entry.size, "abc")
+        client.watcher.remove_staged("t", "f0", entry.size, "abc")
     with pytest.raises(InvalidArgument, match="file_id"):
-        client.remove_staged("t", "../x", entry.size, entry.digest)
-    assert client.get_entry("t", "f0").revision == entry.revision
+        client.watcher.remove_staged("t", "../x", entry.size, entry.digest)
+    assert client.operator.get_entry("t", "f0").revision == entry.revision
 
 
 def test_only_the_shard_owner_at_its_epoch_may_mark(
@@ -157,19 +157,19 @@ def test_only_the_shard_owner_at_its_epoch_may_mark(
     """Once watchers hold shards, a removal from another watcher or epoch is refused."""
     _task(client, "t", staging_retention_seconds=0)
     entry = _consumed(client, session, "t", "f0")
-    reg = client.register_watcher(str(staging), reporter="w", ttl=30)
+    reg = client.watcher.register_watcher(str(staging), reporter="w", ttl=30)
     grant = reg.shards[0]
     assert len(reg.shards) == reg.shard_count  # the only watcher owns every shard
     digest = _digest_of(entry.abs_attempt_path)
     for watcher_id, epoch in [("", 0), (reg.watcher_id, grant.epoch + 1), ("nobody", 1)]:
         with pytest.raises(NotShardOwner):
-            client.remove_staged("t", "f0", entry.size, digest, watcher_id=watcher_id,
-                                 shard_epoch=epoch)
-    assert not client.get_entry("t", "f0").staging_removed_at
+            client.watcher.remove_staged("t", "f0", entry.size, digest, watcher_id=watcher_id,
+                                         shard_epoch=epoch)
+    assert not client.operator.get_entry("t", "f0").staging_removed_at
     epochs = {g.epoch for g in reg.shards}
     assert len(epochs) == 1  # all granted together, at one epoch
-    reply = client.remove_staged("t", "f0", entry.size, digest, watcher_id=reg.watcher_id,
-                                 shard_epoch=grant.epoch)
+    reply = client.watcher.remove_staged("t", "f0", entry.size, digest, watcher_id=reg.watcher_id,
+                                         shard_epoch=grant.epoch)
     assert reply.outcome == Outcome.OUTCOME_MARKED
 
 
@@ -185,16 +185,17 @@ def test_the_archive_waits_for_files_about_to_leave_staging(
         _task(client, "soon", staging_retention_seconds=0)
         _task(client, "later", staging_retention_seconds=86400)
         entry = _consumed(client, session, "soon", "f0")
-        wait_for(lambda: client.get_task("soon").status == pb.TASK_STATUS_COMPLETED,
+        wait_for(lambda: client.operator.get_task("soon").status == pb.TASK_STATUS_COMPLETED,
                  what="soon completed")
         _consumed(client, session, "later", "f0")
-        wait_for(lambda: client.get_task("later").status == pb.TASK_STATUS_ARCHIVED,
+        wait_for(lambda: client.operator.get_task("later").status == pb.TASK_STATUS_ARCHIVED,
                  what="the task whose files stay a day archived")
         # Swept since it completed (later finished after it): still waiting.
-        assert client.get_task("soon").status == pb.TASK_STATUS_COMPLETED
-        reply = client.remove_staged("soon", "f0", entry.size, _digest_of(entry.abs_attempt_path))
+        assert client.operator.get_task("soon").status == pb.TASK_STATUS_COMPLETED
+        reply = client.watcher.remove_staged("soon", "f0", entry.size,
+                                             _digest_of(entry.abs_attempt_path))
         assert reply.outcome == Outcome.OUTCOME_MARKED
-        wait_for(lambda: client.get_task("soon").status == pb.TASK_STATUS_ARCHIVED,
+        wait_for(lambda: client.operator.get_task("soon").status == pb.TASK_STATUS_ARCHIVED,
                  what="archived once its file is removed")
 
 

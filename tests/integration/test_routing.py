@@ -40,7 +40,7 @@ def verify(client: Client, task: str, file_id: str, data: bytes,
     with client.open_session("producer", ttl=10) as s, produce(
             client, s, task, file_id, attributes=attributes) as out:
         out.write(data)
-    return client.report(task, file_id, len(data), digest(data))
+    return client.watcher.report(task, file_id, len(data), digest(data))
 
 
 # conditions ------------------------------------------------------------------------
@@ -147,7 +147,7 @@ def test_reports_go_where_their_compliance_sends_them(client: Client) -> None:
     """The seed's example: a failing report goes to human-review, never to the
     pdf-composer, a passing one the other way; the task completes once the groups
     each was routed to acked it."""
-    task, _ = client.create_task(REPORTS)
+    task, _ = client.operator.create_task(REPORTS)
     assert [(r.condition, list(r.groups)) for r in task.spec.routing_rules] == [
         ("$[?(@.compliance == 'fail')]", ["human-review"]),
         ("$[?(@.compliance == 'pass')]", ["pdf-composer"])]
@@ -155,7 +155,7 @@ def test_reports_go_where_their_compliance_sends_them(client: Client) -> None:
     passed = verify(client, "reports", "r1", b"good", {"compliance": "pass", "score": 97.5})
     assert (failed.routing_rule, list(failed.routed_to)) == (0, ["human-review"])
     assert (passed.routing_rule, list(passed.routed_to)) == (1, ["pdf-composer"])
-    assert json.loads(client.get_entry("reports", "r1").attributes) == {
+    assert json.loads(client.operator.get_entry("reports", "r1").attributes) == {
         "compliance": "pass", "score": 97.5}
     with client.open_session("consumer", ttl=10) as s:
         review = client.consume("reports", "human-review", session=s)
@@ -173,17 +173,17 @@ def test_reports_go_where_their_compliance_sends_them(client: Client) -> None:
         assert client.ack("reports", "r1", "pdf-composer",
                           pdf.token).state == pb.ENTRY_STATE_CONSUMED
         # r2 is the last open entry: the task is not done before it is
-        assert client.get_task("reports").status == pb.TASK_STATUS_ACTIVE
+        assert client.operator.get_task("reports").status == pb.TASK_STATUS_ACTIVE
         verify(client, "reports", "r2", b"?", {"compliance": "fail"})
         last = client.consume("reports", "human-review", session=s)
         client.ack("reports", "r2", "human-review", last.token)
-    task = client.get_task("reports")
+    task = client.operator.get_task("reports")
     assert task.open == 0 and dict(task.consumed_by_group) == {
         "human-review": 2, "pdf-composer": 1}
-    (verified,) = [r for r in client.journal("reports", "r0") if r.event == "verified"]
+    (verified,) = [r for r in client.operator.journal("reports", "r0") if r.event == "verified"]
     assert (verified.routing_rule, list(verified.routed_to)) == (0, ["human-review"])
     assert "routing rule 0 held: to human-review" in verified.reason
-    text = client.explain("reports", "r0").text
+    text = client.operator.explain("reports", "r0").text
     assert "Routing rule 0 ($[?(@.compliance == 'fail')]) held" in text
     assert "human-review only, not to pdf-composer." in text
     assert '"compliance":"fail"' in text
@@ -192,18 +192,18 @@ def test_reports_go_where_their_compliance_sends_them(client: Client) -> None:
 def test_task_completes_when_routed_groups_acked(client: Client,
                                                  wait_for: Callable[..., None]) -> None:
     """Completion counts only the groups an entry was routed to."""
-    client.create_task({**REPORTS, "entries": REPORTS["entries"][:1]})
+    client.operator.create_task({**REPORTS, "entries": REPORTS["entries"][:1]})
     verify(client, "reports", "r0", b"bad", {"compliance": "fail"})
     with client.open_session("consumer", ttl=10) as s:
         lease = client.consume("reports", "human-review", session=s)
         client.ack("reports", "r0", "human-review", lease.token)
-    wait_for(lambda: client.get_task("reports").status == pb.TASK_STATUS_COMPLETED,
+    wait_for(lambda: client.operator.get_task("reports").status == pb.TASK_STATUS_COMPLETED,
              what="the task to complete")
 
 
 def test_no_rule_holds_every_group_receives_it(client: Client) -> None:
     """Without attributes (or when no rule holds) every consumer group gets the entry."""
-    client.create_task(REPORTS)
+    client.operator.create_task(REPORTS)
     entry = verify(client, "reports", "r0", b"x")
     assert not entry.HasField("routing_rule") and not entry.attributes
     with client.open_session("consumer", ttl=10) as s:
@@ -211,19 +211,20 @@ def test_no_rule_holds_every_group_receives_it(client: Client) -> None:
         b = client.consume("reports", "human-review", session=s)
         assert client.ack("reports", "r0", "pdf-composer", a.token).state == pb.ENTRY_STATE_VERIFIED
         assert client.ack("reports", "r0", "human-review", b.token).state == pb.ENTRY_STATE_CONSUMED
-    (verified,) = [r for r in client.journal("reports", "r0") if r.event == "verified"]
+    (verified,) = [r for r in client.operator.journal("reports", "r0") if r.event == "verified"]
     assert not verified.HasField("routing_rule")
     assert sorted(verified.routed_to) == ["human-review", "pdf-composer"]
-    assert "None of the task's 2 routing rules held" in client.explain("reports", "r0").text
+    assert "None of the task's 2 routing rules held" in client.operator.explain("reports",
+                                                                                "r0").text
 
 
 def test_routing_is_decided_again_after_the_bytes_change(client: Client) -> None:
     """An entry that leaves verified forgets where it went; its next verification
     routes it by the attributes of its next commit."""
-    client.create_task(REPORTS)
+    client.operator.create_task(REPORTS)
     first = verify(client, "reports", "r0", b"one", {"compliance": "pass"})
     assert list(first.routed_to) == ["pdf-composer"]
-    changed = client.report("reports", "r0", 5, digest(b"other"))
+    changed = client.watcher.report("reports", "r0", 5, digest(b"other"))
     assert changed.state == pb.ENTRY_STATE_PENDING and not changed.HasField("routing_rule")
     assert not changed.attributes
     again = verify(client, "reports", "r0", b"two", {"compliance": "fail"})
@@ -237,14 +238,14 @@ def test_routing_is_decided_again_after_the_bytes_change(client: Client) -> None
 def test_assembly_is_routed_when_its_parts_are_verified(client: Client,
                                                         wait_for: Callable[..., None]) -> None:
     """An assembly has no commit of its own: the rules see no attributes."""
-    client.create_task({**REPORTS, "routing_rules": [
+    client.operator.create_task({**REPORTS, "routing_rules": [
         {"condition": "$[?(!@.compliance)]", "groups": ["human-review"]}], "entries": [
         {"file_id": "p1", "path": "p1"}, {"file_id": "whole", "path": "whole",
                                           "parts": ["p1"]}]})
     verify(client, "reports", "p1", b"part", {"compliance": "pass"})
-    wait_for(lambda: client.get_entry("reports", "whole").state == pb.ENTRY_STATE_VERIFIED,
+    wait_for(lambda: client.operator.get_entry("reports", "whole").state == pb.ENTRY_STATE_VERIFIED,
              what="the assembly to be verified")
-    whole = client.get_entry("reports", "whole")
+    whole = client.operator.get_entry("reports", "whole")
     assert (whole.routing_rule, list(whole.routed_to)) == (0, ["human-review"])
     with client.open_session("consumer", ttl=10) as s:
         with pytest.raises(errors.NothingToClaim):
@@ -267,13 +268,13 @@ def test_bad_attributes_are_refused_and_change_nothing(client: Client, attribute
                                                         why: str) -> None:
     """Attributes must be a small JSON object: anything else is refused, naming the
     entry, and the claim is still there to commit properly."""
-    client.create_task(REPORTS)
+    client.operator.create_task(REPORTS)
     with client.open_session("producer", ttl=10) as s:
         claim = client.claim("reports", "r0", session=s)
         with pytest.raises(errors.InvalidArgument, match="reports/r0") as info:
             client.commit("reports", "r0", claim.token, 1, digest(b"x"), attributes=attributes)
         assert why in str(info.value)
-        assert client.get_entry("reports", "r0").state == pb.ENTRY_STATE_WRITING
+        assert client.operator.get_entry("reports", "r0").state == pb.ENTRY_STATE_WRITING
         entry = client.commit("reports", "r0", claim.token, 1, digest(b"x"),
                               attributes={"compliance": "fail"})
         assert entry.state == pb.ENTRY_STATE_WRITTEN and json.loads(entry.attributes) == {
@@ -283,7 +284,7 @@ def test_bad_attributes_are_refused_and_change_nothing(client: Client, attribute
 def test_commit_batch_and_put_carry_attributes(client: Client, tmp_path: Any) -> None:
     """Attributes ride on batch commits (as text, every digit kept) and on ``put``;
     an empty object is not stored."""
-    client.create_task(REPORTS)
+    client.operator.create_task(REPORTS)
     with client.open_session("producer", ttl=10) as s:
         a = client.claim("reports", "r0", session=s)
         b = client.claim("reports", "r1", session=s)
@@ -299,12 +300,12 @@ def test_commit_batch_and_put_carry_attributes(client: Client, tmp_path: Any) ->
 
 def test_attributes_set_while_producing_are_committed(client: Client) -> None:
     """A producer that learns the verdict while writing sets ``out.attributes``."""
-    client.create_task(REPORTS)
+    client.operator.create_task(REPORTS)
     with client.open_session("producer", ttl=10) as s, produce(
             client, s, "reports", "r0") as out:
         out.write(b"report")
         out.attributes = {"compliance": "fail"}
-    entry = client.report("reports", "r0", 6, digest(b"report"))
+    entry = client.watcher.report("reports", "r0", 6, digest(b"report"))
     assert list(entry.routed_to) == ["human-review"]
 
 
@@ -328,7 +329,7 @@ def test_cli_commits_attributes_as_written(registry: Any, client: Client,
         common = ["commit", "reports", "r0", "--token", str(claim.token), "--file", str(src)]
         bad = invoke(registry, *common, "--attributes", "[95]")
         assert bad.exit_code == 2 and "must be a JSON object" in bad.stderr
-        assert client.get_entry("reports", "r0").state == pb.ENTRY_STATE_WRITING
+        assert client.operator.get_entry("reports", "r0").state == pb.ENTRY_STATE_WRITING
         entry = ok_json(invoke(registry, *common, "--attributes",
                                '{"score": 95.0000000000000000001}', "-o", "json"))
         assert entry["attributes"] == '{"score": 95.0000000000000000001}'

@@ -33,13 +33,13 @@ def streams_of(registry: RegistryHandle) -> Any:
 def test_a_keepalive_session_sends_its_calls_on_its_stream(
         registry: RegistryHandle, client: Client) -> None:
     """Claim, commit, consume and ack of a kept-alive session travel as stream messages."""
-    client.create_task(manifest("t", 1))
+    client.operator.create_task(manifest("t", 1))
     streams = streams_of(registry)
     with client.open_session("p", ttl=10) as s:
         assert s.stream is not None and streams.open == 1
         claim = client.claim("t", session=s)
         client.commit("t", claim.file_id, claim.token, 1, DIGEST, session=s)
-        client.report("t", claim.file_id, 1, DIGEST)
+        client.watcher.report("t", claim.file_id, 1, DIGEST)
         lease = client.consume("t", "default", session=s)
         entry = client.ack("t", lease.file_id, "default", lease.token, session=s)
     assert entry.state == pb.ENTRY_STATE_CONSUMED
@@ -52,7 +52,7 @@ def test_concurrent_calls_on_one_stream_each_get_their_own_reply_or_error(
     """Thirty calls in flight at once on one stream: each reply is its own call's, and a
     call's error is that call's alone."""
     with Client(registry.address, retry=TEST_RETRY) as c:
-        c.create_task(manifest("t", 20))
+        c.operator.create_task(manifest("t", 20))
 
     async def run() -> list[Any]:
         async with AsyncClient(registry.address) as ac, ac.session("many", ttl=10) as s:
@@ -72,13 +72,13 @@ def test_concurrent_calls_on_one_stream_each_get_their_own_reply_or_error(
 def test_keepalive_rides_on_the_stream_and_holds_a_claim_past_its_ttl(
         registry: RegistryHandle, client: Client) -> None:
     """A 2 s session keeps its claim for 5 s on keepalive messages alone."""
-    client.create_task(manifest("t", 1))
+    client.operator.create_task(manifest("t", 1))
     streams = streams_of(registry)
     with client.open_session("p", ttl=2) as s:
         claim = client.claim("t", session=s)
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
-            assert client.get_entry("t", claim.file_id).token == claim.token
+            assert client.operator.get_entry("t", claim.file_id).token == claim.token
             time.sleep(0.25)
         assert streams.served["keepalive"] >= 4
         assert client.commit("t", claim.file_id, claim.token, 1, DIGEST,
@@ -90,7 +90,7 @@ def test_a_reply_lost_with_its_stream_is_answered_from_the_request_record(
     """The stream breaks after a commit applied and before its reply: the session is
     resumed on a new stream, the commit sent again answers as the first did, and the
     entry was committed once."""
-    client.create_task(manifest("t", 1))
+    client.operator.create_task(manifest("t", 1))
     streams = streams_of(registry)
     cuts: list[str] = []
 
@@ -107,7 +107,7 @@ def test_a_reply_lost_with_its_stream_is_answered_from_the_request_record(
         assert cuts == ["commit"] and s.stream is not None and s.stream.resumed == 1
         assert entry.state == pb.ENTRY_STATE_WRITTEN and entry.file_id == claim.file_id
         assert streams.served["commit"] == 2  # handled twice: sent again on the new stream
-    commits = [r for r in client.journal("t", claim.file_id) if r.event == "committed"]
+    commits = [r for r in client.operator.journal("t", claim.file_id) if r.event == "committed"]
     assert len(commits) == 1
 
 
@@ -117,7 +117,7 @@ def test_a_session_outlives_its_registry_restarting(
     its claim still commits."""
     first = registry_factory()
     with Client(first.address, retry=TEST_RETRY) as c:
-        c.create_task(manifest("t", 1))
+        c.operator.create_task(manifest("t", 1))
         s = c.open_session("p", ttl=10)
         claim = c.claim("t", session=s)
         first.stop()
@@ -134,7 +134,7 @@ def test_a_session_without_a_stream_for_its_whole_ttl_is_lost(
     """No registry for longer than the TTL: the session is lost and its calls refused."""
     first = registry_factory()
     with Client(first.address, retry=TEST_RETRY) as c:
-        c.create_task(manifest("t", 1))
+        c.operator.create_task(manifest("t", 1))
         s = c.open_session("p", ttl=2)
         first.stop()
         wait_for(s.lost.is_set, timeout=10, what="the session to be lost")
@@ -150,7 +150,7 @@ def test_a_call_in_flight_when_its_session_is_lost_is_said_unknown_not_refused(
     """A checkpoint applies, its stream breaks before the reply and the registry refuses
     to resume the session: the call raises OutcomeUnknown (it may have applied; here it
     did), not SessionExpired, which would say it certainly did not."""
-    client.create_task(manifest("t", 1))
+    client.operator.create_task(manifest("t", 1))
     streams = streams_of(registry)
 
     async def gone(session_id: int, caller: Any) -> pb.Session:
@@ -174,7 +174,7 @@ def test_a_call_in_flight_when_its_session_is_lost_is_said_unknown_not_refused(
         client.checkpoint("t", claim.file_id, claim.token, data=b"page 10", session=s)
     assert streams.served["checkpoint"] == 1
     client.close_session(s.session_id)  # its claim goes back, with what it checkpointed
-    wait_for(lambda: "claimable" in client.explain("t", claim.file_id).text, timeout=10,
+    wait_for(lambda: "claimable" in client.operator.explain("t", claim.file_id).text, timeout=10,
              what="the retry backoff to end")
     with client.open_session("q", ttl=10) as q:
         again = client.claim("t", session=q)
@@ -202,7 +202,7 @@ def test_a_stream_must_open_before_it_calls(registry: RegistryHandle) -> None:
 def test_the_asyncio_client_runs_a_whole_cycle(registry: RegistryHandle) -> None:
     """An asyncio agent claims, commits, consumes and acks through AsyncClient."""
     with Client(registry.address, retry=TEST_RETRY) as c:
-        c.create_task(manifest("t", 3))
+        c.operator.create_task(manifest("t", 3))
 
     async def run() -> list[int]:
         states = []
@@ -212,7 +212,7 @@ def test_the_asyncio_client_runs_a_whole_cycle(registry: RegistryHandle) -> None
                 await s.commit("t", claim.file_id, claim.token, 1, DIGEST)
             with Client(registry.address, retry=TEST_RETRY) as c:
                 for claim in claims:
-                    c.report("t", claim.file_id, 1, DIGEST)
+                    c.watcher.report("t", claim.file_id, 1, DIGEST)
             for _ in claims:
                 lease = await s.consume("t")
                 states.append((await s.ack("t", lease.file_id, lease.group,
@@ -227,17 +227,17 @@ def test_produce_each_commits_and_claims_the_next_in_one_step(
     """produce_each on a stream session, one at a time (``ahead=1``): one plain claim,
     then each step commits the entry written and claims the next in one message; every
     entry is committed once with its bytes."""
-    client.create_task(manifest("t", 5))
+    client.operator.create_task(manifest("t", 5))
     streams = streams_of(registry)
     with client.open_session("p", ttl=10) as s:
         for out in produce_each(client, s, "t", ahead=1):
             out.write(out.claim.file_id.encode())
     assert streams.served["claim"] == 1
     assert streams.served["commit_and_claim_batch"] == 5 and streams.served["commit"] == 0
-    for e in client.list_entries("t"):
+    for e in client.operator.list_entries("t"):
         assert (e.state == pb.ENTRY_STATE_WRITTEN and Path(e.abs_attempt_path).read_bytes()
                 == e.file_id.encode())
-        assert [r.event for r in client.journal("t", e.file_id)].count("committed") == 1
+        assert [r.event for r in client.operator.journal("t", e.file_id)].count("committed") == 1
 
 
 def test_a_quick_producer_loop_works_ahead_several_entries_per_message(
@@ -246,7 +246,7 @@ def test_a_quick_producer_loop_works_ahead_several_entries_per_message(
     together: 60 entries take fewer than a quarter as many messages as entries, each
     entry committed once with its bytes and its output's ``entry`` set, no retry spent,
     none left claimed."""
-    client.create_task(manifest("t", 60))
+    client.operator.create_task(manifest("t", 60))
     streams = streams_of(registry)
     outs = []
     with client.open_session("p", ttl=10) as s:
@@ -257,12 +257,12 @@ def test_a_quick_producer_loop_works_ahead_several_entries_per_message(
     assert len(outs) == 60 and steps < 60 / 4, steps
     assert all(o.entry is not None and o.entry.state == pb.ENTRY_STATE_WRITTEN
                for o in outs)
-    entries = client.list_entries("t")
+    entries = client.operator.list_entries("t")
     assert {e.state for e in entries} == {pb.ENTRY_STATE_WRITTEN}
     for e in entries:
         assert Path(e.abs_attempt_path).read_bytes() == e.file_id.encode()
         assert e.retry_count == 0
-        assert [r.event for r in client.journal("t", e.file_id)].count("committed") == 1
+        assert [r.event for r in client.operator.journal("t", e.file_id)].count("committed") == 1
 
 
 def test_leaving_a_loop_that_works_ahead_commits_the_written_and_releases_the_rest(
@@ -271,7 +271,7 @@ def test_leaving_a_loop_that_works_ahead_commits_the_written_and_releases_the_re
     the entry in hand (not written) is failed as ``produce`` does, and the entries
     claimed ahead and not begun are pending again at once, no retry spent, journalled
     ``released``; no claim is left."""
-    client.create_task(manifest("t", 30, backoff={"base_seconds": 60, "cap_seconds": 60}))
+    client.operator.create_task(manifest("t", 30, backoff={"base_seconds": 60, "cap_seconds": 60}))
     written: list[str] = []
     with client.open_session("p", ttl=10) as s:
         steps = produce_each(client, s, "t", ahead=8, linger=5.0)
@@ -282,11 +282,11 @@ def test_leaving_a_loop_that_works_ahead_commits_the_written_and_releases_the_re
             out.write(b"x")
             written.append(out.claim.file_id)
         steps.close()  # as the loop's end would, while the session is open
-        by_id = {e.file_id: e for e in client.list_entries("t")}
+        by_id = {e.file_id: e for e in client.operator.list_entries("t")}
     assert all(by_id[f].state == pb.ENTRY_STATE_WRITTEN for f in written)
     assert by_id[in_hand].state == pb.ENTRY_STATE_PENDING and by_id[in_hand].retry_count == 1
     released = [f for f, e in by_id.items()
-                if "released" in [r.event for r in client.journal("t", f)]]
+                if "released" in [r.event for r in client.operator.journal("t", f)]]
     assert released, "nothing was claimed ahead"
     for f in released:
         assert by_id[f].state == pb.ENTRY_STATE_PENDING and by_id[f].retry_count == 0
@@ -305,19 +305,19 @@ def test_release_is_refused_with_permanent_or_a_delay(
         registry: RegistryHandle, client: Client) -> None:
     """A release gives an unbegun claim back as it was: with ``permanent`` or a delay it
     is refused before anything changes."""
-    client.create_task(manifest("t", 1))
+    client.operator.create_task(manifest("t", 1))
     with client.open_session("p", ttl=10) as s:
         claim = client.claim("t", session=s)
         for extra in ({"permanent": True}, {"delay": 5.0}):
             with pytest.raises(errors.InvalidArgument, match="release"):
                 client.fail("t", claim.file_id, claim.token, session=s, release=True,
                             **extra)
-        assert client.get_entry("t", claim.file_id).state == pb.ENTRY_STATE_WRITING
+        assert client.operator.get_entry("t", claim.file_id).state == pb.ENTRY_STATE_WRITING
         entry = client.fail("t", claim.file_id, claim.token, session=s, release=True,
                             reason="stopping")
     assert entry.state == pb.ENTRY_STATE_PENDING and entry.retry_count == 0
     assert entry.error == ""  # a release is no failure
-    last = list(client.journal("t", claim.file_id))[-1]
+    last = list(client.operator.journal("t", claim.file_id))[-1]
     assert last.event == "released" and "stopping" in last.reason
 
 
@@ -325,7 +325,7 @@ def test_a_batch_step_commits_even_when_nothing_is_left_to_claim(
         registry: RegistryHandle, client: Client) -> None:
     """The batch step's commits apply when nothing is left to claim; ``next`` is empty.
     A step with neither commits nor claims, and two commits of one entry, are refused."""
-    client.create_task(manifest("t", 2))
+    client.operator.create_task(manifest("t", 2))
     with client.open_session("p", ttl=10) as s:
         claims = client.claim_batch("t", 2, session=s)
         entries, nxt = client.commit_and_claim_batch(
@@ -343,24 +343,24 @@ def test_consume_each_acks_and_takes_the_next_in_one_step(
         registry: RegistryHandle, client: Client) -> None:
     """consume_each on a stream session: each ack takes the next lease in the same step;
     every entry is consumed once."""
-    client.create_task(manifest("t", 4))
+    client.operator.create_task(manifest("t", 4))
     with client.open_session("p", ttl=10) as s:
         for out in produce_each(client, s, "t"):
             out.write(b"x")
-    for e in client.list_entries("t"):
-        client.report("t", e.file_id, 1, blake3.blake3(b"x").hexdigest())
+    for e in client.operator.list_entries("t"):
+        client.watcher.report("t", e.file_id, 1, blake3.blake3(b"x").hexdigest())
     streams = streams_of(registry)
     with client.open_session("c", ttl=10) as s:
         seen = [d.lease.file_id for d in consume_each(client, s, "t", timeout=1)]
     assert sorted(seen) == [f"f{i:03d}" for i in range(4)]
     assert streams.served["ack_and_consume"] == 4 and streams.served["ack"] == 0
-    assert {e.state for e in client.list_entries("t")} == {pb.ENTRY_STATE_CONSUMED}
+    assert {e.state for e in client.operator.list_entries("t")} == {pb.ENTRY_STATE_CONSUMED}
 
 
 def test_a_fused_step_with_nothing_next_still_commits(
         registry: RegistryHandle, client: Client) -> None:
     """The last entry's commit-and-claim commits it and says there is no next."""
-    client.create_task(manifest("t", 1))
+    client.operator.create_task(manifest("t", 1))
     with client.open_session("p", ttl=10) as s:
         claim = client.claim("t", session=s)
         entry, nxt = client.commit_and_claim("t", claim.file_id, claim.token, 1, DIGEST,
@@ -372,7 +372,7 @@ def test_a_fused_step_whose_reply_was_lost_hands_out_the_same_next_claim(
         registry: RegistryHandle, client: Client) -> None:
     """The stream breaks after a commit-and-claim applied: sent again, it answers with
     the same next claim, whose token then commits; nothing applied twice."""
-    client.create_task(manifest("t", 2))
+    client.operator.create_task(manifest("t", 2))
     streams = streams_of(registry)
     cut = [False]
 
@@ -391,8 +391,8 @@ def test_a_fused_step_whose_reply_was_lost_hands_out_the_same_next_claim(
         assert entry.state == pb.ENTRY_STATE_WRITTEN and nxt is not None
         assert client.commit("t", nxt.file_id, nxt.token, 1, DIGEST,
                              session=s).state == pb.ENTRY_STATE_WRITTEN
-    for e in client.list_entries("t"):
-        events = [r.event for r in client.journal("t", e.file_id)]
+    for e in client.operator.list_entries("t"):
+        events = [r.event for r in client.operator.journal("t", e.file_id)]
         assert events.count("claimed") == 1 and events.count("committed") == 1
 
 
@@ -401,7 +401,7 @@ def test_a_batch_step_whose_reply_was_lost_hands_out_the_same_claims(
     """The stream breaks after a batch step applied: sent again on a new stream, it is
     answered from its request record with the same commits and the same next claims,
     whose tokens then commit; nothing applied twice."""
-    client.create_task(manifest("t", 6))
+    client.operator.create_task(manifest("t", 6))
     streams = streams_of(registry)
     cut = [False]
 
@@ -421,10 +421,10 @@ def test_a_batch_step_whose_reply_was_lost_hands_out_the_same_claims(
         entries, more = client.commit_and_claim_batch(
             [(c.task_id, c.file_id, c.token, 1, DIGEST) for c in nxt], "t", 0, session=s)
         assert [e.state for e in entries] == [pb.ENTRY_STATE_WRITTEN] * 3 and more == []
-    by_id = {e.file_id: e for e in client.list_entries("t")}
+    by_id = {e.file_id: e for e in client.operator.list_entries("t")}
     assert [by_id[f].state for f in sorted(by_id)].count(pb.ENTRY_STATE_WRITTEN) == 5
     for f in [c.file_id for c in first + nxt]:
-        events = [r.event for r in client.journal("t", f)]
+        events = [r.event for r in client.operator.journal("t", f)]
         assert events.count("claimed") == 1 and events.count("committed") == 1
 
 
@@ -437,7 +437,7 @@ def test_two_clients_of_one_process_share_the_loop_their_streams_run_on(
 
     first, second = registry_factory(), registry_factory()
     with Client(first.address, retry=TEST_RETRY) as c:
-        c.create_task(manifest("t", 40))
+        c.operator.create_task(manifest("t", 40))
     done: list[int] = []
 
     def loop(address: str, name: str) -> None:
@@ -469,7 +469,7 @@ def test_a_call_unanswered_within_the_timeout_raises_deadline_exceeded_and_the_s
     """A registry that stops answering (its event loop held up) ends a stream call with
     DeadlineExceeded after the client's timeout, naming the call; the session still
     serves the next call once the registry answers again."""
-    client.create_task(manifest("t", 2))
+    client.operator.create_task(manifest("t", 2))
 
     async def run() -> tuple[float, str, Any]:
         async with AsyncClient(registry.address, timeout=0.5) as ac, \

@@ -33,16 +33,16 @@ def test_a_producer_that_stops_checkpointing_is_taken_back_as_stalled(
 ) -> None:
     """Alive (its keepalive runs) but silent past stall_after_seconds: the claim goes,
     the entry takes the retry path with reason "stalled", the token is dead."""
-    client.create_task({"task_id": "t1", "digest_optional": True, "stall_after_seconds": 1,
-                        "entries": [{"file_id": "a", "path": "a"}]})
+    client.operator.create_task({"task_id": "t1", "digest_optional": True, "stall_after_seconds": 1,
+                                 "entries": [{"file_id": "a", "path": "a"}]})
     with client.open_session("silent", ttl=30) as session:
         claim = client.claim("t1", "a", session=session)
         session.checkpoint("t1", "a", claim.token, progress=0.1)  # then nothing more
-        wait_for(lambda: client.get_entry("t1", "a").state == pb.ENTRY_STATE_PENDING,
+        wait_for(lambda: client.operator.get_entry("t1", "a").state == pb.ENTRY_STATE_PENDING,
                  timeout=10, what="the stalled claim taken back")
-        entry = client.get_entry("t1", "a")
+        entry = client.operator.get_entry("t1", "a")
         assert entry.retry_count == 1 and entry.error.startswith("stalled")
-        assert client.journal("t1", "a")[-1].event == "stalled"
+        assert client.operator.journal("t1", "a")[-1].event == "stalled"
         with pytest.raises(StaleToken):
             client.commit("t1", "a", claim.token, 0, session=session)
         assert not session.lost.is_set()  # the session itself lives on
@@ -54,8 +54,9 @@ def test_a_slow_producer_that_keeps_checkpointing_is_left_alone(
     client: Client, registry: RegistryHandle,
 ) -> None:
     """Checkpoints every 0.3 s for three times stall_after_seconds: never stalled."""
-    client.create_task({"task_id": "t1", "digest_optional": True,
-                        "entries": [{"file_id": "a", "path": "a", "stall_after_seconds": 1}]})
+    client.operator.create_task({"task_id": "t1", "digest_optional": True,
+                                 "entries": [{"file_id": "a", "path": "a",
+                                              "stall_after_seconds": 1}]})
     with client.open_session("slow", ttl=30) as session:
         claim = client.claim("t1", "a", session=session)
         end = time.monotonic() + 3
@@ -65,8 +66,8 @@ def test_a_slow_producer_that_keeps_checkpointing_is_left_alone(
             session.checkpoint("t1", "a", claim.token, progress=min(step / 20, 1.0))
             time.sleep(0.3)  # the pace of the work itself is under test
         client.commit("t1", "a", claim.token, 0, session=session)
-    assert client.get_entry("t1", "a").state == pb.ENTRY_STATE_WRITTEN
-    assert "stalled" not in [r.event for r in client.journal("t1", "a")]
+    assert client.operator.get_entry("t1", "a").state == pb.ENTRY_STATE_WRITTEN
+    assert "stalled" not in [r.event for r in client.operator.journal("t1", "a")]
     assert registry.stalls.stalled == 0
 
 
@@ -75,24 +76,25 @@ def test_a_stalled_consumer_gives_the_entry_back_to_its_group(
 ) -> None:
     """A consume lease that never checkpoints goes back to its group at the entry's
     stall_after_seconds (overriding the task's)."""
-    client.create_task({"task_id": "t1", "digest_optional": True, "consumers": ["g"],
-                        "stall_after_seconds": 600,
-                        "entries": [{"file_id": "a", "path": "a", "stall_after_seconds": 1}]})
+    client.operator.create_task({"task_id": "t1", "digest_optional": True, "consumers": ["g"],
+                                 "stall_after_seconds": 600,
+                                 "entries": [{"file_id": "a", "path": "a",
+                                              "stall_after_seconds": 1}]})
     with client.open_session("p", ttl=30) as producer:
         claim = client.claim("t1", "a", session=producer)
         assert claim.attempt == 1
         client.commit("t1", "a", claim.token, 0, session=producer)
-    client.report("t1", "a", 0, EMPTY, reporter="test")
+    client.watcher.report("t1", "a", 0, EMPTY, reporter="test")
     with client.open_session("silent", ttl=30) as silent, \
             client.open_session("next", ttl=30) as other:
         lease = client.consume("t1", "g", "a", session=silent)
-        wait_for(lambda: client.journal("t1", "a")[-1].event == "stalled", timeout=10,
+        wait_for(lambda: client.operator.journal("t1", "a")[-1].event == "stalled", timeout=10,
                  what="the lease taken back")
         with pytest.raises(StaleToken):
             client.ack("t1", "a", "g", lease.token, session=silent)
         taken = client.consume("t1", "g", session=other)
         client.ack("t1", "a", "g", taken.token, session=other)
-    assert client.get_entry("t1", "a").state == pb.ENTRY_STATE_CONSUMED
+    assert client.operator.get_entry("t1", "a").state == pb.ENTRY_STATE_CONSUMED
 
 
 def test_stall_after_in_a_manifest_is_checked(client: Client) -> None:
@@ -100,5 +102,5 @@ def test_stall_after_in_a_manifest_is_checked(client: Client) -> None:
     for task, entry in (({"stall_after_seconds": -1}, {}),
                         ({}, {"stall_after_seconds": 8 * 86400})):
         with pytest.raises(InvalidManifest, match="stall_after_seconds"):
-            client.create_task({"task_id": "t1", **task,
-                                "entries": [{"file_id": "a", "path": "a", **entry}]})
+            client.operator.create_task({"task_id": "t1", **task,
+                                         "entries": [{"file_id": "a", "path": "a", **entry}]})

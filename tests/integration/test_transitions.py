@@ -44,53 +44,54 @@ def write(path: str, data: bytes) -> None:
 
 def test_create_is_create_only(client: Client) -> None:
     """The same manifest twice is a no-op; a different one under the id is ALREADY_EXISTS."""
-    task, created = client.create_task(manifest())
+    task, created = client.operator.create_task(manifest())
     assert created and task.status == pb.TASK_STATUS_ACTIVE and task.entry_count == 2
-    again, created_again = client.create_task(manifest())
+    again, created_again = client.operator.create_task(manifest())
     assert not created_again and again.manifest_digest == task.manifest_digest
     with pytest.raises(errors.TaskExists):
-        client.create_task(manifest(n=3))
-    assert client.get_task("t1").entry_count == 2
+        client.operator.create_task(manifest(n=3))
+    assert client.operator.get_task("t1").entry_count == 2
 
 
 def test_claim_returns_token_and_absolute_path(client: Client, registry: object) -> None:
     """Claim moves pending → writing with a fencing token and the staging path."""
-    client.create_task(manifest())
+    client.operator.create_task(manifest())
     with client.open_session("p1", ttl=10) as s:
         claim = client.claim("t1", "f0", session=s)
         assert claim.token > 0
         # the attempt's own file: the token before the extension
         staging = registry.staging  # type: ignore[attr-defined]
         assert claim.path == f"{staging}/t1/out/f0~t{claim.token}.bin"
-        entry = client.get_entry("t1", "f0")
+        entry = client.operator.get_entry("t1", "f0")
         assert (entry.state == pb.ENTRY_STATE_WRITING and entry.owner == "p1" and entry.token
                 == claim.token)
 
 
 def test_full_lifecycle_commit_then_report(client: Client) -> None:
     """pending → writing → written → verified → consumed, with the report after the commit."""
-    client.create_task(manifest(n=1))
+    client.operator.create_task(manifest(n=1))
     data = b"payload"
     with client.open_session("agent", ttl=10) as s:
         c = client.claim("t1", session=s)
         write(c.path, data)
         assert client.commit("t1", c.file_id, c.token, len(data),
                              digest(data)).state == pb.ENTRY_STATE_WRITTEN
-        assert client.report("t1", c.file_id, len(data),
-                             digest(data)).state == pb.ENTRY_STATE_VERIFIED
+        assert client.watcher.report("t1", c.file_id, len(data),
+                                     digest(data)).state == pb.ENTRY_STATE_VERIFIED
         lease = client.consume("t1", "default", session=s)
         assert (lease.file_id, lease.size, lease.digest) == ("f0", len(data), digest(data))
-        assert client.get_entry("t1", "f0").consuming == {"default": "agent"}
+        assert client.operator.get_entry("t1", "f0").consuming == {"default": "agent"}
         assert client.ack("t1", "f0", "default", lease.token).state == pb.ENTRY_STATE_CONSUMED
 
 
 def test_report_before_commit_verifies_at_commit(client: Client) -> None:
     """A watcher report that arrives first is kept; the commit then verifies at once."""
-    client.create_task(manifest(n=1))
+    client.operator.create_task(manifest(n=1))
     data = b"early"
     with client.open_session("agent", ttl=10) as s:
         c = client.claim("t1", session=s)
-        assert client.report("t1", "f0", len(data), digest(data)).state == pb.ENTRY_STATE_WRITING
+        assert client.watcher.report("t1", "f0", len(data),
+                                     digest(data)).state == pb.ENTRY_STATE_WRITING
         entry = client.commit("t1", "f0", c.token, len(data), digest(data))
         assert entry.state == pb.ENTRY_STATE_VERIFIED and entry.digest == digest(data)
 
@@ -99,53 +100,55 @@ def test_a_report_of_other_bytes_before_the_commit_does_not_fail_it(client: Clie
     """Seen before the commit, bytes other than the committed ones (an earlier attempt's
     file, renamed over a moment later) neither verify nor fail the commit: the report
     after it decides. (A long fault run found such commits sent back as mismatches.)"""
-    client.create_task(manifest(n=1))
+    client.operator.create_task(manifest(n=1))
     old, new = b"old attempt", b"new attempt"  # the same size
     with client.open_session("agent", ttl=10) as s:
         c = client.claim("t1", session=s)
-        assert client.report("t1", "f0", len(old), digest(old)).state == pb.ENTRY_STATE_WRITING
+        assert client.watcher.report("t1", "f0", len(old),
+                                     digest(old)).state == pb.ENTRY_STATE_WRITING
         entry = client.commit("t1", "f0", c.token, len(new), digest(new))
         assert (entry.state, entry.retry_count) == (pb.ENTRY_STATE_WRITTEN, 0)
-        assert client.report("t1", "f0", len(new), digest(new)).state == pb.ENTRY_STATE_VERIFIED
+        assert client.watcher.report("t1", "f0", len(new),
+                                     digest(new)).state == pb.ENTRY_STATE_VERIFIED
 
 
 def test_a_report_before_a_commit_without_digest_waits_for_the_next(client: Client) -> None:
     """A commit without a digest (digest_optional) cannot tell whose bytes an earlier
     report saw: it stays written until the watcher reports again."""
-    client.create_task(manifest(n=1, digest_optional=True))
+    client.operator.create_task(manifest(n=1, digest_optional=True))
     with client.open_session("agent", ttl=10) as s:
         c = client.claim("t1", session=s)
-        client.report("t1", "f0", 3, digest(b"old"))
+        client.watcher.report("t1", "f0", 3, digest(b"old"))
         assert client.commit("t1", "f0", c.token, 3).state == pb.ENTRY_STATE_WRITTEN
-        entry = client.report("t1", "f0", 3, digest(b"new"))
+        entry = client.watcher.report("t1", "f0", 3, digest(b"new"))
         assert (entry.state, entry.digest) == (pb.ENTRY_STATE_VERIFIED, digest(b"new"))
 
 
 def test_digest_optional_commit_without_digest_takes_the_watchers(client: Client) -> None:
     """On a digest_optional task a producer may commit only the size; the watcher's digest
     becomes the entry's."""
-    client.create_task(manifest(n=1, digest_optional=True))
+    client.operator.create_task(manifest(n=1, digest_optional=True))
     with client.open_session("agent", ttl=10) as s:
         c = client.claim("t1", session=s)
         client.commit("t1", "f0", c.token, 3)
-        entry = client.report("t1", "f0", 3, digest(b"abc"))
+        entry = client.watcher.report("t1", "f0", 3, digest(b"abc"))
         assert entry.state == pb.ENTRY_STATE_VERIFIED and entry.digest == digest(b"abc")
 
 
 def test_mismatched_report_takes_the_retry_path(client: Client) -> None:
     """A report whose digest differs from the commit sends the entry back to pending."""
-    client.create_task(manifest(n=1))
+    client.operator.create_task(manifest(n=1))
     with client.open_session("agent", ttl=10) as s:
         c = client.claim("t1", session=s)
         client.commit("t1", "f0", c.token, 3, digest(b"abc"))
-        entry = client.report("t1", "f0", 3, digest(b"xyz"))
+        entry = client.watcher.report("t1", "f0", 3, digest(b"xyz"))
         assert entry.state == pb.ENTRY_STATE_PENDING and entry.retry_count == 1
         assert "mismatch" in entry.error
 
 
 def test_fail_retries_then_dead(client: Client) -> None:
     """Fail sends the entry back to pending until max_retries, then to dead."""
-    client.create_task(manifest(n=1, max_retries=1))
+    client.operator.create_task(manifest(n=1, max_retries=1))
     with client.open_session("agent", ttl=10) as s:
         c = client.claim("t1", session=s)
         entry = client.fail("t1", "f0", c.token, "disk full")
@@ -159,11 +162,11 @@ def test_fail_retries_then_dead(client: Client) -> None:
 
 def test_nack_returns_entry_to_group(client: Client) -> None:
     """Nack hands a consumed entry back so another agent of the group can take it."""
-    client.create_task(manifest(n=1))
+    client.operator.create_task(manifest(n=1))
     with client.open_session("a", ttl=10) as s:
         c = client.claim("t1", session=s)
         client.commit("t1", "f0", c.token, 1, digest(b"x"))
-        client.report("t1", "f0", 1, digest(b"x"))
+        client.watcher.report("t1", "f0", 1, digest(b"x"))
         first = client.consume("t1", "default", session=s)
         with pytest.raises(errors.NothingToClaim):
             client.consume("t1", "default", session=s)
@@ -177,11 +180,11 @@ def test_nack_returns_entry_to_group(client: Client) -> None:
 
 def test_every_group_must_ack(client: Client) -> None:
     """With two consumer groups the entry is consumed only after both acked."""
-    client.create_task(manifest(n=1, consumers=["index", "archive"]))
+    client.operator.create_task(manifest(n=1, consumers=["index", "archive"]))
     with client.open_session("a", ttl=10) as s:
         c = client.claim("t1", session=s)
         client.commit("t1", "f0", c.token, 1, digest(b"x"))
-        client.report("t1", "f0", 1, digest(b"x"))
+        client.watcher.report("t1", "f0", 1, digest(b"x"))
         a = client.consume("t1", "index", session=s)
         b = client.consume("t1", "archive", session=s)
         assert client.ack("t1", "f0", "index", a.token).state == pb.ENTRY_STATE_VERIFIED
@@ -193,21 +196,21 @@ def test_every_group_must_ack(client: Client) -> None:
 @pytest.mark.parametrize("state", ["writing", "verified"])
 def test_claiming_a_non_pending_entry_is_refused(client: Client, state: str) -> None:
     """Claim of an entry that is not pending fails and changes nothing."""
-    client.create_task(manifest(n=1))
+    client.operator.create_task(manifest(n=1))
     with client.open_session("a", ttl=10) as s:
         c = client.claim("t1", "f0", session=s)
         if state == "verified":
             client.commit("t1", "f0", c.token, 1, digest(b"x"))
-            client.report("t1", "f0", 1, digest(b"x"))
-        before = client.get_entry("t1", "f0")
+            client.watcher.report("t1", "f0", 1, digest(b"x"))
+        before = client.operator.get_entry("t1", "f0")
         with pytest.raises(errors.IllegalTransition):
             client.claim("t1", "f0", session=s)
-        assert client.get_entry("t1", "f0") == before
+        assert client.operator.get_entry("t1", "f0") == before
 
 
 def test_commit_twice_and_commit_after_fail_are_refused(client: Client) -> None:
     """A token is good for one commit or fail only."""
-    client.create_task(manifest(n=1))
+    client.operator.create_task(manifest(n=1))
     with client.open_session("a", ttl=10) as s:
         c = client.claim("t1", session=s)
         client.commit("t1", "f0", c.token, 1, digest(b"x"))
@@ -215,19 +218,19 @@ def test_commit_twice_and_commit_after_fail_are_refused(client: Client) -> None:
             client.commit("t1", "f0", c.token, 1, digest(b"x"))
         with pytest.raises(errors.StaleToken):
             client.fail("t1", "f0", c.token, "late")
-        assert client.get_entry("t1", "f0").state == pb.ENTRY_STATE_WRITTEN
+        assert client.operator.get_entry("t1", "f0").state == pb.ENTRY_STATE_WRITTEN
 
 
 def test_wrong_token_changes_nothing(client: Client) -> None:
     """A commit with a token that is not the live claim's is refused as StaleToken."""
-    client.create_task(manifest(n=1))
+    client.operator.create_task(manifest(n=1))
     with client.open_session("a", ttl=10) as s:
         c = client.claim("t1", session=s)
-        before = client.get_entry("t1", "f0")
+        before = client.operator.get_entry("t1", "f0")
         for bad in (c.token - 1, c.token + 1, 0):
             with pytest.raises(errors.StaleToken):
                 client.commit("t1", "f0", bad, 1, digest(b"x"))
-        assert client.get_entry("t1", "f0") == before
+        assert client.operator.get_entry("t1", "f0") == before
 
 
 def test_commit_checks_input(client: Client) -> None:
@@ -235,7 +238,7 @@ def test_commit_checks_input(client: Client) -> None:
     refused."""
     m = manifest(n=1)
     m["entries"][0]["expected_size"] = 5  # type: ignore[index]
-    client.create_task(m)
+    client.operator.create_task(m)
     with client.open_session("a", ttl=10) as s:
         c = client.claim("t1", session=s)
         with pytest.raises(errors.InvalidArgument):
@@ -246,7 +249,7 @@ def test_commit_checks_input(client: Client) -> None:
             client.commit("t1", "f0", c.token, 5)
         with pytest.raises(errors.InvalidArgument, match="expected_size"):
             client.commit("t1", "f0", c.token, 4, digest(b"1234"))
-        assert client.get_entry("t1", "f0").state == pb.ENTRY_STATE_WRITING
+        assert client.operator.get_entry("t1", "f0").state == pb.ENTRY_STATE_WRITING
         assert client.commit("t1", "f0", c.token, 5,
                              digest(b"12345")).state == pb.ENTRY_STATE_WRITTEN
 
@@ -254,17 +257,17 @@ def test_commit_checks_input(client: Client) -> None:
 def test_unknown_task_entry_and_session(client: Client) -> None:
     """Calls naming things that do not exist get NotFound / SessionExpired."""
     with pytest.raises(errors.NotFound):
-        client.get_task("nope")
-    client.create_task(manifest(n=1))
+        client.operator.get_task("nope")
+    client.operator.create_task(manifest(n=1))
     with pytest.raises(errors.NotFound):
-        client.get_entry("t1", "nope")
+        client.operator.get_entry("t1", "nope")
     with pytest.raises(errors.SessionExpired):
         client.claim("t1", session=0x7FFF_0000_0000)
 
 
 def test_producer_helper_publishes_atomically(client: Client) -> None:
     """produce() writes a temp file, renames it into place and commits size + digest."""
-    client.create_task(manifest(n=1))
+    client.operator.create_task(manifest(n=1))
     with client.open_session("a", ttl=10) as s:
         with produce(client, s, "t1") as out:
             out.write(b"hello ")
@@ -278,32 +281,32 @@ def test_producer_helper_publishes_atomically(client: Client) -> None:
 
 def test_producer_helper_fails_entry_when_body_raises(client: Client) -> None:
     """If the body of produce() raises, the temp file is removed and the entry failed."""
-    client.create_task(manifest(n=1))
+    client.operator.create_task(manifest(n=1))
     with client.open_session("a", ttl=10) as s:
         with pytest.raises(RuntimeError), produce(client, s, "t1") as out:
             out.write(b"half")
             raise RuntimeError("model crashed")
-        entry = client.get_entry("t1", "f0")
+        entry = client.operator.get_entry("t1", "f0")
         assert entry.state == pb.ENTRY_STATE_PENDING and "model crashed" in entry.error
         assert not any(Path(out.claim.path).parent.iterdir())
 
 
 def test_retried_claim_applies_once(client: Client) -> None:
     """The same request id sent twice claims once and returns the same answer."""
-    client.create_task(manifest(n=3))
+    client.operator.create_task(manifest(n=3))
     with client.open_session("a", ttl=10) as s:
         req = pb.ClaimRequest(task_id="t1", session_id=s.session_id, request_id="r-123")
         first = client._call("Claim", req)
         second = client._call("Claim", pb.ClaimRequest(task_id="t1", session_id=s.session_id,
                                                        request_id="r-123"))
         assert (first.entry.file_id, first.token) == (second.entry.file_id, second.token)
-        states = [e.state for e in client.list_entries("t1")]
+        states = [e.state for e in client.operator.list_entries("t1")]
         assert states.count(pb.ENTRY_STATE_WRITING) == 1
 
 
 def test_watch_streams_snapshot_then_changes(client: Client) -> None:
     """Watch sends every entry, SYNCED, then each change as it happens."""
-    client.create_task(manifest(n=2))
+    client.operator.create_task(manifest(n=2))
     events = client.watch("t1", timeout=10)
     kinds = [next(events).kind for _ in range(3)]
     assert kinds == [pb.TaskEvent.KIND_SNAPSHOT, pb.TaskEvent.KIND_SNAPSHOT,
@@ -319,13 +322,13 @@ def test_watch_streams_snapshot_then_changes(client: Client) -> None:
 
 def test_changed_verified_file_revokes_consumers(client: Client) -> None:
     """A report that a verified file changed takes it out of verified; its consumers' tokens die."""
-    client.create_task(manifest(n=1))
+    client.operator.create_task(manifest(n=1))
     with client.open_session("a", ttl=10) as s:
         c = client.claim("t1", session=s)
         client.commit("t1", "f0", c.token, 1, digest(b"x"))
-        client.report("t1", "f0", 1, digest(b"x"))
+        client.watcher.report("t1", "f0", 1, digest(b"x"))
         lease = client.consume("t1", "default", session=s)
-        entry = client.report("t1", "f0", 1, digest(b"y"))
+        entry = client.watcher.report("t1", "f0", 1, digest(b"y"))
         assert entry.state == pb.ENTRY_STATE_PENDING and "changed on disk" in entry.error
         with pytest.raises(errors.StaleToken):
             client.ack("t1", "f0", "default", lease.token)
@@ -337,23 +340,23 @@ def test_changed_verified_file_revokes_consumers(client: Client) -> None:
                                   pb.ReportProblemRequest.KIND_MISSING])
 def test_problem_reports_take_the_retry_path(client: Client, kind: int) -> None:
     """A corrupted or missing file sends a written or verified entry down the retry path."""
-    client.create_task(manifest(n=2))
+    client.operator.create_task(manifest(n=2))
     with client.open_session("a", ttl=10) as s:
         for file_id, verify in (("f0", False), ("f1", True)):
             c = client.claim("t1", file_id, session=s)
             client.commit("t1", file_id, c.token, 1, digest(b"x"))
             if verify:
-                client.report("t1", file_id, 1, digest(b"x"))
-            entry = client.report_problem("t1", file_id, kind, "unreadable three times")
+                client.watcher.report("t1", file_id, 1, digest(b"x"))
+            entry = client.watcher.report_problem("t1", file_id, kind, "unreadable three times")
             assert entry.state == pb.ENTRY_STATE_PENDING and entry.retry_count == 1
             assert "unreadable three times" in entry.error
         with pytest.raises(errors.InvalidArgument):
-            client.report_problem("t1", "f0", 0, "no kind")
+            client.watcher.report_problem("t1", "f0", 0, "no kind")
 
 
 def test_claim_next_waits_for_dependencies(client: Client) -> None:
     """An entry is handed out only once its dependencies are verified."""
-    client.create_task({"task_id": "t1", "entries": [
+    client.operator.create_task({"task_id": "t1", "entries": [
         {"file_id": "a", "path": "a"}, {"file_id": "b", "path": "b", "depends_on": ["a"]}]})
     with client.open_session("p", ttl=10) as s:
         first = client.claim("t1", session=s)
@@ -363,6 +366,6 @@ def test_claim_next_waits_for_dependencies(client: Client) -> None:
         with pytest.raises(errors.IllegalTransition, match="dependencies"):
             client.claim("t1", "b", session=s)
         client.commit("t1", "a", first.token, 1, digest(b"x"))
-        client.report("t1", "a", 1, digest(b"x"))
+        client.watcher.report("t1", "a", 1, digest(b"x"))
         # The registry releases dependents right after the verification, in the background.
         assert claim_soon(client, s, "t1").file_id == "b"

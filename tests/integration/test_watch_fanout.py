@@ -131,8 +131,9 @@ def test_client_watch_streams_on_a_task_share_the_replicas_one_watch(
         registry: RegistryHandle, client: Client) -> None:
     """Four clients watching one task hold one etcd watch on the replica between them,
     and each sees the task's changes."""
-    client.create_task({"task_id": "t", "digest_optional": True,
-                        "entries": [{"file_id": f"f{i}", "path": f"f{i}"} for i in range(3)]})
+    client.operator.create_task({"task_id": "t", "digest_optional": True,
+                                 "entries": [{"file_id": f"f{i}",
+                                              "path": f"f{i}"} for i in range(3)]})
     fanout = registry._running.core.fanout
     seen: list[list[pb.TaskEvent]] = [[] for _ in range(4)]
     synced = [threading.Event() for _ in range(4)]
@@ -176,8 +177,9 @@ def test_a_watch_of_some_states_is_sent_only_entries_in_them(
         registry: RegistryHandle, client: Client) -> None:
     """``states=[WRITTEN]``: the snapshot lists only written entries and the changes
     only moves into ``written`` (no claim's event); an unknown state is refused."""
-    client.create_task({"task_id": "t", "digest_optional": True,
-                        "entries": [{"file_id": f"f{i}", "path": f"f{i}"} for i in range(4)]})
+    client.operator.create_task({"task_id": "t", "digest_optional": True,
+                                 "entries": [{"file_id": f"f{i}",
+                                              "path": f"f{i}"} for i in range(4)]})
     with client.open_session("p", ttl=10) as s:
         first = client.claim("t", "f0", session=s)
         client.commit("t", "f0", first.token, 1, DIGEST, session=s)

@@ -26,7 +26,7 @@ def seen(events: list[pb.TaskEvent]) -> list[tuple[int, str, int]]:
 
 def test_one_write_of_several_entries_is_one_message_when_asked_together(
         registry: RegistryHandle, client: Client) -> None:
-    client.create_task({"task_id": "t", "entries": [
+    client.operator.create_task({"task_id": "t", "entries": [
         {"file_id": f"f{i}", "path": f"f{i}"} for i in range(N)]})
     with grpc.insecure_channel(registry.address) as channel:
         stub = pb_grpc.AgentServiceStub(channel)
@@ -57,7 +57,7 @@ def test_one_write_of_several_entries_is_one_message_when_asked_together(
 
 def test_the_async_client_hands_out_a_message_s_events_one_at_a_time(
         registry: RegistryHandle, client: Client) -> None:
-    client.create_task({"task_id": "t", "entries": [
+    client.operator.create_task({"task_id": "t", "entries": [
         {"file_id": f"f{i}", "path": f"f{i}"} for i in range(N)]})
 
     async def follow() -> list[pb.TaskEvent]:

@@ -100,8 +100,8 @@ def test_two_replicas_archive_200_tasks_once_through_a_leader_kill(
     with Client(other.address, timeout=10) as client, \
             client.open_session("pipeline", ttl=10) as session:
         for n, task_id in enumerate(ids):
-            client.create_task({"task_id": task_id,
-                                "entries": [{"file_id": "a", "path": "a.bin"}]})
+            client.operator.create_task({"task_id": task_id,
+                                         "entries": [{"file_id": "a", "path": "a.bin"}]})
             produce_verified(client, session, task_id, "a")
             lease = client.consume(task_id, "default", "a", session=session)
             client.ack(task_id, "a", "default", lease.token, session=session)
@@ -114,15 +114,15 @@ def test_two_replicas_archive_200_tasks_once_through_a_leader_kill(
         assert killed
         wait_for(other.leads, timeout=5, what="the other replica takes over within the TTL")
         wait_for(lambda: all(t.status == pb.TASK_STATUS_ARCHIVED
-                             for t in client.list_tasks(archived=True)) and
-                 len(client.list_tasks(archived=True)) == TASKS,
+                             for t in client.operator.list_tasks(archived=True)) and
+                 len(client.operator.list_tasks(archived=True)) == TASKS,
                  timeout=120, what="every task archived")
     restarted = replicas()
     for address in (other.address, restarted.address):
         with Client(address, timeout=10) as reader:
             for task_id in ids:
-                assert reader.get_task(task_id).status == pb.TASK_STATUS_ARCHIVED
-                (entry,) = reader.list_entries(task_id)
+                assert reader.operator.get_task(task_id).status == pb.TASK_STATUS_ARCHIVED
+                (entry,) = reader.operator.list_entries(task_id)
                 assert entry.state == pb.ENTRY_STATE_CONSUMED
     versions: dict[str, int] = {}
     for page in s3.get_paginator("list_object_versions").paginate(Bucket=bucket):

@@ -153,11 +153,11 @@ def test_a_registry_archives_to_s3_and_reads_it_back(
     with Client(registry.address, timeout=10) as client, \
             client.open_session("s3", ttl=10) as session:
         finish(client, session, "t1", wait_for)
-        entries = client.list_entries("t1")
-        assert client.archive_task("t1").status == pb.TASK_STATUS_ARCHIVED
+        entries = client.operator.list_entries("t1")
+        assert client.operator.archive_task("t1").status == pb.TASK_STATUS_ARCHIVED
         assert keys(s3_server, bucket) == ["tasks/t1.jsonl.gz", "tasks/t1.meta.json"]
-        assert [e.digest for e in client.list_entries("t1")] == [e.digest for e in entries]
-        assert client.get_task("t1").status == pb.TASK_STATUS_ARCHIVED
+        assert [e.digest for e in client.operator.list_entries("t1")] == [e.digest for e in entries]
+        assert client.operator.get_task("t1").status == pb.TASK_STATUS_ARCHIVED
 
 
 def test_an_unreachable_store_keeps_the_task_in_etcd(
@@ -178,5 +178,5 @@ def test_an_unreachable_store_keeps_the_task_in_etcd(
             on_loop(registry, archiver.archive("t1"))
         assert task_keys(registry, "t1") == before
         # marked as being archived (the next sweep finishes it), every entry still there
-        assert client.get_task("t1").status == pb.TASK_STATUS_ARCHIVING
-        assert len(client.list_entries("t1")) == 3
+        assert client.operator.get_task("t1").status == pb.TASK_STATUS_ARCHIVING
+        assert len(client.operator.list_entries("t1")) == 3

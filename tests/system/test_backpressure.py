@@ -71,23 +71,23 @@ def test_a_bad_limit_is_refused_naming_the_field(client: Client, limits: dict[st
     manifest is refused and the problem names the field; no task is created."""
     spec = {**manifest(2, None), "backlog_limits": limits}
     with pytest.raises(errors.InvalidManifest) as info:
-        client.create_task(spec)
+        client.operator.create_task(spec)
     assert any(p.startswith(problem) for p in info.value.problems), info.value.problems
     with pytest.raises(errors.NotFound):
-        client.get_task("t")
+        client.operator.get_task("t")
 
 
 def test_a_limit_is_kept_with_the_task(client: Client) -> None:
     """The manifest's limit travels back in the task's spec."""
-    client.create_task(manifest(2, 7))
-    assert client.get_task("t").spec.backlog_limits["g"].entries == 7
+    client.operator.create_task(manifest(2, 7))
+    assert client.operator.get_task("t").spec.backlog_limits["g"].entries == 7
 
 
 def test_a_claim_at_the_limit_is_refused_and_changes_nothing(
         client: Client, registry: Any) -> None:
     """Two verified entries waiting for g, limit 2: the next claim is refused with
     Backpressure naming the group, its backlog and limit; etcd is left as it was."""
-    client.create_task(manifest(5, 2))
+    client.operator.create_task(manifest(5, 2))
     with client.open_session("p", ttl=30, keepalive=False) as s:
         for f in ("e00", "e01"):
             produce_verified(client, s, "t", f)
@@ -96,19 +96,19 @@ def test_a_claim_at_the_limit_is_refused_and_changes_nothing(
         assert keys_under(registry) == before
     assert (e.task_id, e.group, e.backlog, e.limit, e.over) == ("t", "g", 2, 2, 0)
     assert "'g'" in e.message and "limit of 2" in e.message
-    assert client.get_entry("t", "e02").state == pb.ENTRY_STATE_PENDING
+    assert client.operator.get_entry("t", "e02").state == pb.ENTRY_STATE_PENDING
 
 
 def test_claims_in_flight_count_toward_the_backlog(client: Client) -> None:
     """Entries being produced will be the group's: two claims in hand reach a limit
     of 2, and a group that holds an entry still counts it until it acks."""
-    client.create_task(manifest(5, 2))
+    client.operator.create_task(manifest(5, 2))
     with client.open_session("p", ttl=30, keepalive=False) as s:
         a = client.claim("t", session=s)
         client.claim("t", session=s)
         assert refused(client, s).backlog == 2
         client.commit("t", a.file_id, a.token, 1, digest(b"x"), session=s)
-        client.report("t", a.file_id, 1, digest(b"x"))
+        client.watcher.report("t", a.file_id, 1, digest(b"x"))
         lease = client.consume("t", "g", session=s)
         assert refused(client, s).backlog == 2  # held by g, not acked: still its backlog
         client.ack("t", lease.file_id, "g", lease.token, session=s)
@@ -117,7 +117,7 @@ def test_claims_in_flight_count_toward_the_backlog(client: Client) -> None:
 
 def test_claims_resume_once_the_group_acks(client: Client) -> None:
     """Refused at the limit; once g consumes and acks one entry, a claim succeeds."""
-    client.create_task(manifest(4, 1))
+    client.operator.create_task(manifest(4, 1))
     with client.open_session("p", ttl=30, keepalive=False) as s:
         produce_verified(client, s, "t", "e00")
         refused(client, s)
@@ -128,7 +128,7 @@ def test_claims_resume_once_the_group_acks(client: Client) -> None:
 
 def test_only_a_limited_group_counts(client: Client) -> None:
     """The limit is g's: h's untouched backlog does not matter, g's does."""
-    client.create_task(manifest(4, 1, ("g", "h")))
+    client.operator.create_task(manifest(4, 1, ("g", "h")))
     with client.open_session("p", ttl=30, keepalive=False) as s:
         produce_verified(client, s, "t", "e00")
         lease = client.consume("t", "g", session=s)
@@ -140,7 +140,7 @@ def test_only_a_limited_group_counts(client: Client) -> None:
 def test_nothing_left_to_claim_is_not_back_pressure(client: Client) -> None:
     """At the limit with every entry produced: a claim says there is nothing to claim
     (the producer is done), not that it should wait."""
-    client.create_task(manifest(1, 1))
+    client.operator.create_task(manifest(1, 1))
     with client.open_session("p", ttl=30, keepalive=False) as s:
         produce_verified(client, s, "t", "e00")
         with pytest.raises(errors.NothingToClaim):
@@ -149,7 +149,7 @@ def test_nothing_left_to_claim_is_not_back_pressure(client: Client) -> None:
 
 def test_a_batch_claims_no_more_than_the_limit_leaves_room_for(client: Client) -> None:
     """Limit 3, one entry waiting: a batch of 10 takes 2; the next batch is refused."""
-    client.create_task(manifest(8, 3))
+    client.operator.create_task(manifest(8, 3))
     with client.open_session("p", ttl=30, keepalive=False) as s:
         produce_verified(client, s, "t", "e00")
         assert len(client.claim_batch("t", 10, session=s)) == 2
@@ -160,15 +160,15 @@ def test_a_batch_claims_no_more_than_the_limit_leaves_room_for(client: Client) -
 def test_a_fused_commit_applies_and_its_next_claim_is_refused(client: Client) -> None:
     """Commit-and-claim at the limit: the commit applies, no next claim is handed out,
     and the claim the helper then makes is refused with Backpressure."""
-    client.create_task(manifest(4, 1))
+    client.operator.create_task(manifest(4, 1))
     with client.open_session("p", ttl=30) as s:
         c = client.claim("t", session=s)
         entry, nxt = client.commit_and_claim("t", c.file_id, c.token, 1, digest(b"x"),
                                              session=s)
         assert entry.state == pb.ENTRY_STATE_WRITTEN and nxt is None
-        client.report("t", c.file_id, 1, digest(b"x"))
+        client.watcher.report("t", c.file_id, 1, digest(b"x"))
         assert refused(client, s).backlog == 1
-    assert [e.state for e in client.list_entries("t")].count(pb.ENTRY_STATE_PENDING) == 3
+    assert [e.state for e in client.operator.list_entries("t")].count(pb.ENTRY_STATE_PENDING) == 3
 
 
 class _Seen(logging.Handler):
@@ -188,7 +188,7 @@ class _Seen(logging.Handler):
 def test_produce_waits_for_the_group_instead_of_failing(client: Client) -> None:
     """``produce`` at the limit waits (logging once) while a consumer acks in another
     thread, then claims and commits."""
-    client.create_task(manifest(3, 1))
+    client.operator.create_task(manifest(3, 1))
     seen = _Seen()
     logger = logging.getLogger("baton.client")
     logger.addHandler(seen)
@@ -224,7 +224,7 @@ def test_produce_each_on_a_stream_waits_between_fused_steps(client: Client) -> N
     """``produce_each`` on a stream session: a fused step whose next claim is refused
     still commits, and the loop waits for the group (acking in another thread)
     instead of ending; every entry is produced."""
-    client.create_task(manifest(3, 1))
+    client.operator.create_task(manifest(3, 1))
     seen = _Seen()
     logger = logging.getLogger("baton.client")
     logger.addHandler(seen)
@@ -251,7 +251,7 @@ def test_produce_each_on_a_stream_waits_between_fused_steps(client: Client) -> N
 
     def verify(entry: pb.Entry | None) -> None:
         assert entry is not None
-        client.report("t", entry.file_id, 1, digest(b"x"))
+        client.watcher.report("t", entry.file_id, 1, digest(b"x"))
 
     thread = threading.Thread(target=consumer)
     thread.start()
@@ -280,7 +280,7 @@ def test_produce_each_on_a_stream_waits_between_fused_steps(client: Client) -> N
 
 def test_produce_gives_up_after_its_wait(client: Client) -> None:
     """Nobody consumes: ``produce`` raises Backpressure once its wait is over."""
-    client.create_task(manifest(3, 1))
+    client.operator.create_task(manifest(3, 1))
     with client.open_session("p", ttl=30, keepalive=False) as s:
         produce_verified(client, s, "t", "e00")
         with pytest.raises(errors.Backpressure), produce(client, s, "t", wait=0.3) as out:
@@ -291,7 +291,7 @@ def test_the_async_session_waits_then_claims(client: Client, registry: Any) -> N
     """``AsyncSession.claim_waiting`` at the limit waits, logging once, while another
     session of the same loop consumes and acks; then it claims. A bare ``claim``
     raises, and a wait that runs out raises the last refusal."""
-    client.create_task(manifest(3, 1))
+    client.operator.create_task(manifest(3, 1))
     with client.open_session("p", ttl=30, keepalive=False) as s:
         produce_verified(client, s, "t", "e00")
     seen = _Seen()
@@ -334,7 +334,7 @@ def test_the_async_session_waits_then_claims(client: Client, registry: Any) -> N
 def test_the_cli_exits_9_naming_the_group(client: Client, registry: Any) -> None:
     """`baton claim` on a back-pressured task: exit 9, one line naming the group;
     `baton put --wait 0` the same."""
-    client.create_task(manifest(3, 1))
+    client.operator.create_task(manifest(3, 1))
     with client.open_session("p", ttl=30, keepalive=False) as s:
         produce_verified(client, s, "t", "e00")
     out = invoke(registry, "claim", "t")
@@ -353,13 +353,13 @@ def test_explain_get_task_and_top_say_a_task_is_back_pressured(
     """A pending entry's explanation names the group, its backlog and limit; GetTask
     carries each limited group's backlog, and `baton task get` and `baton top -o json`
     show it."""
-    client.create_task(manifest(3, 1, ("g", "h")))
+    client.operator.create_task(manifest(3, 1, ("g", "h")))
     with client.open_session("p", ttl=30, keepalive=False) as s:
         produce_verified(client, s, "t", "e00")
-    text = client.explain("t", "e01").text
+    text = client.operator.explain("t", "e01").text
     assert "back-pressured" in text and "consumer group g has a backlog of 1" in text
     assert "limit of 1" in text
-    (b,) = client.get_task("t").backlog
+    (b,) = client.operator.get_task("t").backlog
     assert (b.group, b.backlog, b.limit, b.over) == ("g", 1, 1, True)
     shown = invoke(registry, "task", "get", "t")
     assert shown.exit_code == 0, shown.output
@@ -375,8 +375,8 @@ def test_refusals_and_backlogs_are_exported(
     group's backlog and limit are gauges; a task without limits is not labelled."""
     registry = registry_factory(metrics="127.0.0.1:0")
     with Client(registry.address, timeout=10) as client:
-        client.create_task(manifest(3, 1))
-        client.create_task({"task_id": "free", "entries": [{"file_id": "a", "path": "a"}]})
+        client.operator.create_task(manifest(3, 1))
+        client.operator.create_task({"task_id": "free", "entries": [{"file_id": "a", "path": "a"}]})
         with client.open_session("p", ttl=30, keepalive=False) as s:
             produce_verified(client, s, "t", "e00")
             refused(client, s)
@@ -425,7 +425,7 @@ def sample_backlog(registry: Any, task_id: str, group: str, until_over: int,
 def run_pipeline(client: Client, registry: Any, limit: int | None) -> list[int]:
     """Three producer processes and one consumer process on a task of 2,000 entries
     (more than they get through); the consumer's backlog as sampled while they run."""
-    client.create_task(manifest(2000, limit))
+    client.operator.create_task(manifest(2000, limit))
     with agent_processes(PIPELINE_PROC, registry) as spawn:
         consumer = spawn("consumer", "t", "g", CONSUME_SECONDS)
         producers = [spawn("producer", "t", PRODUCE_SECONDS) for _ in range(PRODUCERS)]
@@ -443,7 +443,7 @@ def test_a_backlog_limit_holds_a_fast_producer_back(client: Client, registry: An
     seen = run_pipeline(client, registry, LIMIT)
     assert max(seen) >= LIMIT - PRODUCERS, max(seen)  # the limit was what held them
     assert max(seen) <= LIMIT + PRODUCERS, (max(seen), seen)
-    assert client.get_task("t").spec.backlog_limits["g"].entries == LIMIT
+    assert client.operator.get_task("t").spec.backlog_limits["g"].entries == LIMIT
 
 
 @pytest.mark.slow

@@ -244,14 +244,15 @@ def test_claim_outlives_its_process_and_commit_from_another_succeeds(
     """A claim made by one CLI process is committed by another with its token."""
     create(registry, MANIFEST)
     claimed = ok_json(run(registry, "claim", "t1", "a", "-o", "json"))
-    assert lib.get_entry("t1", "a").state == pb.ENTRY_STATE_WRITING  # the claiming process is gone
+    # the claiming process is gone
+    assert lib.operator.get_entry("t1", "a").state == pb.ENTRY_STATE_WRITING
     data = b'{"hello": "world"}\n'
     write(claimed["path"], data)
     done = run(registry, "commit", "t1", "a", "--token", str(claimed["token"]),
                "--file", claimed["path"], "-o", "json")
     entry = ok_json(done)
     assert entry["state"] == "written" and entry["size"] == len(data)
-    committed = lib.get_entry("t1", "a")
+    committed = lib.operator.get_entry("t1", "a")
     assert committed.state == pb.ENTRY_STATE_WRITTEN and committed.size == len(data)
 
 
@@ -305,11 +306,11 @@ def test_put_then_status_shows_written(registry: Any, tmp_path: Path, lib: Clien
     done = run(registry, "put", "t1", "b", str(src), "--agent", "copier")
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("t1/b: written")
-    assert Path(lib.get_entry("t1", "b").abs_attempt_path).read_bytes() == data
+    assert Path(lib.operator.get_entry("t1", "b").abs_attempt_path).read_bytes() == data
     status = ok_json(run(registry, "status", "t1", "-o", "json"))
     assert status["states"]["written"] == 1 and status["states"]["pending"] == 1
     assert "written" in run(registry, "status", "t1").stdout
-    entry = lib.get_entry("t1", "b")
+    entry = lib.operator.get_entry("t1", "b")
     assert entry.owner == "copier" and entry.size == len(data)
 
 
@@ -318,7 +319,7 @@ def test_put_reads_stdin(registry: Any, lib: Client) -> None:
     create(registry, MANIFEST)
     result = invoke(registry, "put", "t1", "a", "-", stdin="from stdin\n")
     assert result.exit_code == 0, result.output
-    assert Path(lib.get_entry("t1", "a").abs_attempt_path).read_text() == "from stdin\n"
+    assert Path(lib.operator.get_entry("t1", "a").abs_attempt_path).read_text() == "from stdin\n"
 
 
 def test_fail_returns_entry_for_retry(registry: Any) -> None:
@@ -351,7 +352,7 @@ def test_fail_release_gives_an_unbegun_claim_back_as_it_was(registry: Any) -> No
 def produce_verified(registry: Any, lib: Client, data: bytes = b"payload\n") -> None:
     """Put entry a of t1 and report it as the watcher would, so it is verified."""
     ok_json(invoke(registry, "put", "t1", "a", "-", "-o", "json", stdin=data.decode()))
-    entry = lib.report("t1", "a", len(data), blake3.blake3(data).hexdigest())
+    entry = lib.watcher.report("t1", "a", len(data), blake3.blake3(data).hexdigest())
     assert entry.state == pb.ENTRY_STATE_VERIFIED
 
 
@@ -366,7 +367,7 @@ def test_consume_json_then_ack_consumes(registry: Any, lib: Client) -> None:
     assert wrong.returncode == 4 and one_error_line(wrong.stderr)
     done = run(registry, "ack", "t1", "a", "--group", "default", "--token", str(lease["token"]))
     assert done.returncode == 0, done.stderr
-    assert lib.get_entry("t1", "a").state == pb.ENTRY_STATE_CONSUMED
+    assert lib.operator.get_entry("t1", "a").state == pb.ENTRY_STATE_CONSUMED
     again = run(registry, "consume", "t1")
     assert again.returncode == 3
 
@@ -586,7 +587,7 @@ def test_up_restarted_on_the_same_data_dir_keeps_every_task_and_entry(tmp_path: 
         # The stack's watcher verifies `a`; let it finish so nothing moves meanwhile.
         with up.client() as c:
             deadline = time.monotonic() + 30
-            while c.get_entry("t1", "a").state != pb.ENTRY_STATE_VERIFIED:
+            while c.operator.get_entry("t1", "a").state != pb.ENTRY_STATE_VERIFIED:
                 assert time.monotonic() < deadline, "the watcher did not verify a"
                 time.sleep(0.05)
         before = ok_json(run(up, "status", "t1", "-o", "json"))

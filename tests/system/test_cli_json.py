@@ -99,7 +99,7 @@ def test_the_json_of_every_command_has_the_tables_names(registry: Any, client: C
 def test_watch_json_names_the_kind_and_state_as_the_tables_do(registry: Any,
                                                               client: Client) -> None:
     """`baton watch -o json`: kind `snapshot`/`synced`, entry state `pending`."""
-    client.create_task(MANIFEST)
+    client.operator.create_task(MANIFEST)
     proc = subprocess.Popen(
         [sys.executable, "-m", "baton_relay.client.cli", "watch", "t1", "--from-revision",
          "0", "-o", "json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -46,8 +46,8 @@ class Watcher:
         self.client = client
         self.capacity = capacity
         self.hands_over = hands_over
-        self.id = client.register_watcher(root, reporter=f"test@{root}", ttl=5,
-                                          capacity=capacity).watcher_id
+        self.id = client.watcher.register_watcher(root, reporter=f"test@{root}", ttl=5,
+                                                  capacity=capacity).watcher_id
         self.errors: list[errors.BatonError] = []
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._beat, name=f"watcher-{self.id}",
@@ -57,10 +57,10 @@ class Watcher:
     def _beat(self) -> None:
         while not self.stop.wait(HEARTBEAT):
             try:
-                reply = self.client.watcher_heartbeat(self.id, self.capacity)
+                reply = self.client.watcher.watcher_heartbeat(self.id, self.capacity)
                 for grant in reply.shards:
                     if grant.release and self.hands_over:
-                        self.client.release_shard(self.id, grant.shard, grant.epoch)
+                        self.client.watcher.release_shard(self.id, grant.shard, grant.epoch)
             except errors.BatonError as e:
                 self.errors.append(e)
 
@@ -118,12 +118,12 @@ def watchers(lib: Client, tmp_path: Path) -> Iterator[Callable[..., Watcher]]:
 
 
 def owners(client: Client) -> Counter[str]:
-    return Counter(s.owner for s in client.list_shards().shards)
+    return Counter(s.owner for s in client.operator.list_shards().shards)
 
 
 def balanced(client: Client, ws: list[Watcher]) -> bool:
     """Every shard owned by one of ``ws``, counts within one, no move in flight."""
-    shards = client.list_shards().shards
+    shards = client.operator.list_shards().shards
     counts = Counter(s.owner for s in shards)
     return (set(counts) == {w.id for w in ws} and max(counts.values()) - min(counts.values()) <= 1
             and not any(s.moving_to for s in shards))
@@ -250,7 +250,7 @@ def test_shard_move_waits_until_the_target_owns_it(
     b = Watcher(lib_held, str(tmp_path), capacity())
     try:
         wait_for(lambda: balanced(lib_held, [a, b]), what="6 shards each")
-        before = {s.shard: s for s in lib_held.list_shards().shards}
+        before = {s.shard: s for s in lib_held.operator.list_shards().shards}
         n = max(s.shard for s in before.values() if s.owner == a.id)
         result = invoke(held, "shard", "move", str(n), "--to", b.id)
         assert result.exit_code == 0, result.output
@@ -282,7 +282,7 @@ def test_shard_move_of_a_stuck_owner_is_forced_at_its_deadline(
     assert result.exit_code == 0, result.output
     assert result.stdout.splitlines()[-1].endswith(
         "(forced at its deadline: the owner did not hand it over)")
-    assert next(s for s in lib.list_shards().shards if s.shard == 0).owner == other.id
+    assert next(s for s in lib.operator.list_shards().shards if s.shard == 0).owner == other.id
 
 
 def test_shard_move_gives_up_waiting_at_its_timeout(
@@ -300,7 +300,7 @@ def test_shard_move_gives_up_waiting_at_its_timeout(
     assert one_error_line(result.stderr) == (
         f"baton: shard 0 still owned by {stuck.id} after 0.5 s; it goes on in the registry "
         "(see `baton shard ls`)")
-    assert next(s for s in lib.list_shards().shards if s.shard == 0).moving_to == other.id
+    assert next(s for s in lib.operator.list_shards().shards if s.shard == 0).moving_to == other.id
 
 
 def test_shard_move_to_an_unknown_watcher_exits_5(
@@ -353,10 +353,11 @@ def test_rebalance_dry_run_changes_nothing_and_rebalance_starts_the_moves(
         try:
             assert owners(lib_held) == Counter({a.id: SHARDS})
             b.capacity = capacity()
-            wait_for(lambda: {w.capacity.watches_used for w in lib_held.list_watchers()} == {100},
+            wait_for(lambda: {w.capacity.watches_used
+                              for w in lib_held.operator.list_watchers()} == {100},
                      what="b's room at its next heartbeat")
             before = [(s.shard, s.owner, s.epoch, s.moving_to)
-                      for s in lib_held.list_shards().shards]
+                      for s in lib_held.operator.list_shards().shards]
             dry = invoke(held, "shard", "rebalance", "--dry-run")
             assert dry.exit_code == 0, dry.output
             rows = table_rows(dry.stdout)
@@ -365,11 +366,12 @@ def test_rebalance_dry_run_changes_nothing_and_rebalance_starts_the_moves(
             assert dry.stdout.splitlines()[-1] == "6 moves would start (dry run)"
             as_shown("shard rebalance --dry-run", dry.stdout)
             assert [(s.shard, s.owner, s.epoch, s.moving_to)
-                    for s in lib_held.list_shards().shards] == before
+                    for s in lib_held.operator.list_shards().shards] == before
 
             moves = ok_json(invoke(held, "shard", "rebalance", "-o", "json"))
             assert {m["to_watcher"] for m in moves} == {b.id} and len(moves) == SHARDS // 2
-            moving = {s.shard for s in lib_held.list_shards().shards if s.moving_to == b.id}
+            moving = {s.shard for s in lib_held.operator.list_shards().shards
+                      if s.moving_to == b.id}
             assert moving == {m["shard"] for m in moves}
             again = invoke(held, "shard", "rebalance")
             assert again.stdout == \
@@ -421,7 +423,7 @@ def test_drain_moves_every_shard_away_and_undo_takes_shards_again(
     assert undo.exit_code == 0, undo.output
     assert undo.stdout.startswith(f"watcher {a.id} takes shards again")
     wait_for(lambda: balanced(lib, [a, b, c]), what="4 shards each again")
-    assert not next(w for w in lib.list_watchers() if w.watcher_id == a.id).draining
+    assert not next(w for w in lib.operator.list_watchers() if w.watcher_id == a.id).draining
 
 
 def test_drain_of_an_unknown_watcher_exits_5(sharded: RegistryHandle) -> None:
@@ -516,9 +518,9 @@ def test_up_with_two_watchers_lists_and_registers_both(
             assert any(line.startswith("metrics ") and line.endswith(f"({name})")
                        for line in seen), seen
         with Client(f"127.0.0.1:{opts.registry_port}") as c:
-            wait_for(lambda: len(c.list_watchers()) == 2, timeout=20,
+            wait_for(lambda: len(c.operator.list_watchers()) == 2, timeout=20,
                      what="both watchers registered")
-            wait_for(lambda: set(owners(c)) == {w.watcher_id for w in c.list_watchers()},
+            wait_for(lambda: set(owners(c)) == {w.watcher_id for w in c.operator.list_watchers()},
                      timeout=20, what="both watchers owning shards")
     finally:
         stop.set()

@@ -53,18 +53,18 @@ with Client(address, timeout=10) as c, c.open_session("reader", ttl=10) as s:
 
 
 def task(client: Client, path: str = "a.bin", task_id: str = "t1") -> None:
-    client.create_task({"task_id": task_id, "entries": [{"file_id": "a", "path": path}]})
+    client.operator.create_task({"task_id": task_id, "entries": [{"file_id": "a", "path": path}]})
 
 
 def verified(client: Client, session: Session, data: bytes) -> pb.Entry:
     """Produce ``data`` as entry t1/a and report it as the watcher would: verified."""
     put(client, session, "t1", "a", io.BytesIO(data))
-    return client.report("t1", "a", len(data), blake3.blake3(data).hexdigest())
+    return client.watcher.report("t1", "a", len(data), blake3.blake3(data).hexdigest())
 
 
 def handed_back(client: Client) -> bool:
     """The entry was nacked: verified again, consumed by no group, held by no consumer."""
-    entry = client.get_entry("t1", "a")
+    entry = client.operator.get_entry("t1", "a")
     return entry.state == pb.ENTRY_STATE_VERIFIED and not entry.consumed_by and not entry.consuming
 
 
@@ -97,7 +97,7 @@ def test_produce_refuses_a_symlink_at_the_final_name(
     assert target.read_bytes() == b"precious"
     [final] = (staging / "t1").iterdir()  # no temp file
     assert final.is_symlink() and parse_attempt(final.name) is not None
-    entry = client.get_entry("t1", "a")
+    entry = client.operator.get_entry("t1", "a")
     assert entry.state == pb.ENTRY_STATE_PENDING and "symlink" in entry.error
 
 
@@ -115,7 +115,7 @@ def test_produce_refuses_a_symlinked_directory_on_the_path(
           pytest.raises(errors.InvalidArgument, match=f"{link} is a symlink")):
         put(client, s, "t1", "a", io.BytesIO(b"payload"))
     assert not any(elsewhere.iterdir())
-    entry = client.get_entry("t1", "a")
+    entry = client.operator.get_entry("t1", "a")
     assert entry.state == pb.ENTRY_STATE_PENDING and "symlink" in entry.error
 
 
@@ -129,8 +129,8 @@ def _temp_file(directory: Path) -> re.Match[str]:
 
 def test_temp_names_carry_the_marker_and_cannot_be_guessed(client: Client, staging: Path) -> None:
     """Each attempt writes under .NAME.baton-tmp-TOKEN-NONCE, with a fresh random nonce."""
-    client.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "x/a.bin"},
-                                                     {"file_id": "b", "path": "y/a.bin"}]})
+    client.operator.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "x/a.bin"},
+                                                              {"file_id": "b", "path": "y/a.bin"}]})
     seen = []
     with client.open_session("p", ttl=10) as s:
         for file_id, directory in (("a", "x"), ("b", "y")):
@@ -202,7 +202,7 @@ def test_a_temp_name_taken_already_is_never_reused(
     assert target.read_bytes() == b"precious"
     [left] = list((staging / "t1").iterdir())
     assert left.is_symlink() if planted == "symlink" else left.read_bytes() == b"crashed attempt"
-    assert client.get_entry("t1", "a").state == pb.ENTRY_STATE_PENDING
+    assert client.operator.get_entry("t1", "a").state == pb.ENTRY_STATE_PENDING
 
 
 def test_a_long_name_keeps_the_marker_and_the_nonce() -> None:
@@ -235,7 +235,7 @@ def test_consume_still_reads_and_acks_a_regular_file(client: Client) -> None:
         verified(client, s, b"payload")
         with consume(client, s, "t1", timeout=5) as got:
             assert got.data == b"payload"
-    assert client.get_entry("t1", "a").state == pb.ENTRY_STATE_CONSUMED
+    assert client.operator.get_entry("t1", "a").state == pb.ENTRY_STATE_CONSUMED
 
 
 def test_consume_refuses_a_symlink_to_dev_zero(
@@ -245,7 +245,7 @@ def test_consume_refuses_a_symlink_to_dev_zero(
     task(client)
     with client.open_session("p", ttl=10) as s:
         verified(client, s, b"payload")
-    final = Path(client.get_entry("t1", "a").abs_attempt_path)
+    final = Path(client.operator.get_entry("t1", "a").abs_attempt_path)
     final.unlink()
     final.symlink_to("/dev/zero")
     report = consume_elsewhere(registry)
@@ -260,7 +260,7 @@ def test_consume_refuses_a_fifo_without_waiting(
     task(client)
     with client.open_session("p", ttl=10) as s:
         verified(client, s, b"payload")
-    final = Path(client.get_entry("t1", "a").abs_attempt_path)
+    final = Path(client.operator.get_entry("t1", "a").abs_attempt_path)
     final.unlink()
     os.mkfifo(final)
     report = consume_elsewhere(registry)
@@ -275,7 +275,7 @@ def test_consume_refuses_a_file_longer_than_the_entry(
     task(client)
     with client.open_session("p", ttl=10) as s:
         verified(client, s, b"payload")
-    final = Path(client.get_entry("t1", "a").abs_attempt_path)
+    final = Path(client.operator.get_entry("t1", "a").abs_attempt_path)
     os.truncate(final, len(b"payload") + grow)
     report = consume_elsewhere(registry)
     assert report.startswith("ChecksumMismatch") and "longer than the verified 7" in report, report

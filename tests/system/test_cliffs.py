@@ -67,14 +67,14 @@ def produce_all(client: Client, s: Session, task: str, data: dict[str, bytes]) -
         client.commit_batch([(task, c.file_id, c.token, len(data[c.file_id]),
                               digest(data[c.file_id])) for c in claims])
         for f in chunk:
-            assert client.report(task, f, len(data[f]),
-                                 digest(data[f])).state == pb.ENTRY_STATE_VERIFIED
+            assert client.watcher.report(task, f, len(data[f]),
+                                         digest(data[f])).state == pb.ENTRY_STATE_VERIFIED
 
 
 def verified(client: Client, task: str, file_id: str) -> pb.Entry | None:
     """The entry once verified (read through Explain: GetEntry cannot yet answer for an
     entry waiting on more than 128 others, see the xfail below)."""
-    entry = client.explain(task, file_id).entry
+    entry = client.operator.explain(task, file_id).entry
     return entry if entry.state == pb.ENTRY_STATE_VERIFIED else None
 
 
@@ -125,11 +125,11 @@ def test_assembly_of_300_parts_is_verified_when_every_part_is(client: Client) ->
     """An assembly of 300 parts is verified once all 300 are, and again after a part changes."""
     parts = [f"p{i:03d}" for i in range(300)]
     data = {p: f"page {i} of the scan".encode() for i, p in enumerate(parts)}
-    client.create_task({"task_id": "ocr", "backoff": FAST, "entries": [
+    client.operator.create_task({"task_id": "ocr", "backoff": FAST, "entries": [
         *entries(*parts), {"file_id": "doc", "path": "doc", "parts": parts}]})
     with client.open_session("ocr", ttl=30) as s:
         produce_all(client, s, "ocr", {p: data[p] for p in parts[:-1]})
-        waiting = client.explain("ocr", "doc")
+        waiting = client.operator.explain("ocr", "doc")
         assert waiting.entry.state == pb.ENTRY_STATE_PENDING
         assert waiting.text.endswith("It waits for parts: p299 (pending).")
         produce_all(client, s, "ocr", {parts[-1]: data[parts[-1]]})
@@ -139,8 +139,8 @@ def test_assembly_of_300_parts_is_verified_when_every_part_is(client: Client) ->
 
         # A part's file changes: the assembly leaves verified, and comes back once
         # the part is produced again (a check of all 300 parts, unpinned, again).
-        client.report("ocr", "p150", 3, digest(b"new"))
-        assert client.explain("ocr", "doc").entry.state == pb.ENTRY_STATE_PENDING
+        client.watcher.report("ocr", "p150", 3, digest(b"new"))
+        assert client.operator.explain("ocr", "doc").entry.state == pb.ENTRY_STATE_PENDING
         data["p150"] = b"page 150, again"
         produce_all(client, s, "ocr", {"p150": data["p150"]})
         doc = wait_for(lambda: verified(client, "ocr", "doc"), what="the assembly verified again")
@@ -153,13 +153,13 @@ def test_assembly_of_300_parts_is_verified_when_every_part_is(client: Client) ->
 def test_entry_with_300_dependencies_is_released(client: Client) -> None:
     """An entry depending on 300 others waits until the last is verified, then is claimable."""
     deps = [f"d{i:03d}" for i in range(300)]
-    client.create_task({"task_id": "t", "entries": [
+    client.operator.create_task({"task_id": "t", "entries": [
         *entries(*deps), {"file_id": "final", "path": "final", "depends_on": deps}]})
     with client.open_session("p", ttl=30) as s:
         produce_all(client, s, "t", {d: d.encode() for d in deps[:-1]})
         with pytest.raises(errors.IllegalTransition, match="waits"):
             client.claim("t", "final", session=s)
-        assert "d299" in client.explain("t", "final").text
+        assert "d299" in client.operator.explain("t", "final").text
 
         produce_all(client, s, "t", {deps[-1]: b"last"})
 
@@ -170,17 +170,18 @@ def test_entry_with_300_dependencies_is_released(client: Client) -> None:
                 return None
 
         claim = wait_for(claim_final, what="the dependent released")
-        assert client.get_entry("t", "final").state == pb.ENTRY_STATE_WRITING and claim.token > 0
-    released = [r for r in client.journal("t", "final") if r.event == "released"]
+        assert client.operator.get_entry("t", "final").state == pb.ENTRY_STATE_WRITING
+        assert claim.token > 0
+    released = [r for r in client.operator.journal("t", "final") if r.event == "released"]
     assert len(released) == 1
 
 
 def test_get_entry_of_an_entry_waiting_for_300_dependencies(client: Client) -> None:
     """GetEntry answers for an entry waiting on 300 dependencies (and says if one is dead)."""
     deps = [f"d{i:03d}" for i in range(300)]
-    client.create_task({"task_id": "t", "entries": [
+    client.operator.create_task({"task_id": "t", "entries": [
         *entries(*deps), {"file_id": "final", "path": "final", "depends_on": deps}]})
-    entry = client.get_entry("t", "final")
+    entry = client.operator.get_entry("t", "final")
     assert entry.state == pb.ENTRY_STATE_PENDING and not entry.blocked
 
 
@@ -260,12 +261,12 @@ def test_poisoned_records_do_not_stop_the_sweeps_or_the_reaper(
         ])
 
     on_etcd(etcd, poison)
-    client.create_task({"task_id": "t-dep", "entries": [
+    client.operator.create_task({"task_id": "t-dep", "entries": [
         *entries("a", "b", "c"), {"file_id": "z", "path": "z", "depends_on": ["a", "b", "c"]}]})
-    client.create_task({"task_id": "t-retry", "backoff": {"base_seconds": 0.2},
-                        "entries": entries("r")})
-    client.create_task({"task_id": "t-done", "entries": entries("e")})
-    client.create_task({"task_id": "t-lost", "backoff": FAST, "entries": entries("l")})
+    client.operator.create_task({"task_id": "t-retry", "backoff": {"base_seconds": 0.2},
+                                 "entries": entries("r")})
+    client.operator.create_task({"task_id": "t-done", "entries": entries("e")})
+    client.operator.create_task({"task_id": "t-lost", "backoff": FAST, "entries": entries("l")})
 
     async def verify_behind(conn: Etcd) -> None:
         """Dependencies verified behind the registry's back (with their wake keys, as a
@@ -291,11 +292,11 @@ def test_poisoned_records_do_not_stop_the_sweeps_or_the_reaper(
     assert raw_keys(etcd, keys.delayed_of_task("t-retry")) == []
     wait_for(lambda: any(k.endswith(b"/z") for k in raw_keys(etcd, keys.ready_all("t-dep"))),
              what="z released")
-    assert client.get_entry("t-dep", "z").state == pb.ENTRY_STATE_PENDING
-    assert [r.event for r in client.journal("t-dep", "z")][-1] == "released"
-    wait_for(lambda: client.get_task("t-done").status == pb.TASK_STATUS_COMPLETED,
+    assert client.operator.get_entry("t-dep", "z").state == pb.ENTRY_STATE_PENDING
+    assert [r.event for r in client.operator.journal("t-dep", "z")][-1] == "released"
+    wait_for(lambda: client.operator.get_task("t-done").status == pb.TASK_STATUS_COMPLETED,
              what="t-done completed")
-    wait_for(lambda: client.get_entry("t-lost", "l").state == pb.ENTRY_STATE_PENDING,
+    wait_for(lambda: client.operator.get_entry("t-lost", "l").state == pb.ENTRY_STATE_PENDING,
              what="l reaped")
     # Each poisoned record is reported, once: not again at every sweep.
     for item in (f"wake key {prefix}wakes/a-poison/x", f"wake key {prefix}wakes/a-poison/z",
@@ -314,7 +315,7 @@ def test_reaper_pages_through_more_claims_than_a_page(
     """With 3 keys a page, a new leader's first look recovers 10 claims whose lease died
     while no replica led, among 10 live ones."""
     ids = [f"e{i:02d}" for i in range(20)]
-    client.create_task({"task_id": "t", "backoff": FAST, "entries": entries(*ids)})
+    client.operator.create_task({"task_id": "t", "backoff": FAST, "entries": entries(*ids)})
     lost = client.open_session("lost", ttl=30, keepalive=False)
     live = client.open_session("live", ttl=30, keepalive=False)
     # Interleaved in key order, so the reaper's merge of the two listings
@@ -331,13 +332,13 @@ def test_reaper_pages_through_more_claims_than_a_page(
     with Client(registry_factory().address, timeout=10) as again:
 
         def settled() -> bool:
-            got = {e.file_id: e for e in again.list_entries("t")}
+            got = {e.file_id: e for e in again.operator.list_entries("t")}
             return all(got[f].state == (pb.ENTRY_STATE_WRITING if i % 2 else pb.ENTRY_STATE_PENDING)
                        for i, f in enumerate(ids))
 
         wait_for(settled, what="the lost claims reaped")
         for i, f in enumerate(ids):
-            entry = again.get_entry("t", f)
+            entry = again.operator.get_entry("t", f)
             assert entry.retry_count == (0 if i % 2 else 1), f
             if i % 2:  # a live claim's token is untouched
                 assert again.commit("t", f, held[f].token, 1,
@@ -376,7 +377,7 @@ def test_reaper_merge_pairs_claims_and_twins_across_pages(
 def test_agents_listing_pages_through_sessions_and_claims(
         small_pages: None, ranges: list[tuple[bytes, int]], client: Client, prefix: str) -> None:
     """With 2 keys a page, ListAgents still returns every session with every claim it holds."""
-    client.create_task({"task_id": "t", "entries": entries(*(f"e{i}" for i in range(9)))})
+    client.operator.create_task({"task_id": "t", "entries": entries(*(f"e{i}" for i in range(9)))})
     sessions = [client.open_session(f"agent{i}", ttl=30) for i in range(5)]
     try:
         want: dict[int, set[str]] = {}
@@ -384,7 +385,7 @@ def test_agents_listing_pages_through_sessions_and_claims(
             want[s.session_id] = {client.claim("t", f"e{j}", session=s).file_id
                                   for j in range(i * 2 - 1, i * 2 + 1) if j >= 0}
         ranges.clear()
-        agents = client.list_agents()
+        agents = client.operator.list_agents()
         got = {a.session_id: {c.file_id for c in a.claims} for a in agents}
         assert got == want
         assert {a.agent for a in agents} == {f"agent{i}" for i in range(5)}
@@ -397,8 +398,8 @@ def test_agents_listing_pages_through_sessions_and_claims(
 
 def failed_then_produced(client: Client, failures: int) -> None:
     """Task t: entry a claimed and failed ``failures`` times, entry b produced."""
-    client.create_task({"task_id": "t", "backoff": FAST, "max_retries": 5,
-                        "entries": entries("a", "b")})
+    client.operator.create_task({"task_id": "t", "backoff": FAST, "max_retries": 5,
+                                 "entries": entries("a", "b")})
     with client.open_session("p", ttl=30) as s:
         for _ in range(failures):
             c = wait_for(lambda: _claim(client, s, "a"), what="a claimable")
@@ -413,12 +414,12 @@ def test_journal_pages_through_every_record(
     failed_then_produced(client, 4)
     stored = raw_keys(etcd, Keys(prefix).journal_all("t"))
     ranges.clear()
-    whole = [(r.file_id, r.event, r.revision) for r in client.journal("t")]
+    whole = [(r.file_id, r.event, r.revision) for r in client.operator.journal("t")]
     assert len(whole) == len(stored) >= 10
     assert [r for _, _, r in whole] == sorted(r for _, _, r in whole)
-    last = [(r.file_id, r.event, r.revision) for r in client.journal("t", limit=3)]
+    last = [(r.file_id, r.event, r.revision) for r in client.operator.journal("t", limit=3)]
     assert last == whole[-3:]
-    assert [r.event for r in client.journal("t", "a")].count("failed") == 4
+    assert [r.event for r in client.operator.journal("t", "a")].count("failed") == 4
     assert paged(ranges, f"{prefix}journal/", LIST_PAGE) >= 5
 
 
@@ -432,13 +433,13 @@ def test_a_journal_reply_is_bounded_to_its_newest_records(
     failed_then_produced(client, 3)
     stored = raw_keys(etcd, Keys(prefix).journal_all("t"))
     assert len(stored) >= 8
-    reply = client.journal_reply("t")
+    reply = client.operator.journal_reply("t")
     assert reply.total == len(stored) and len(reply.records) == 4
     revisions = sorted(_create_revisions(etcd, prefix))
     assert [r.revision for r in reply.records] == revisions[-4:]
-    two = client.journal_reply("t", limit=2)
+    two = client.operator.journal_reply("t", limit=2)
     assert [r.revision for r in two.records] == revisions[-2:] and two.total == len(stored)
-    a = client.journal_reply("t", "a")
+    a = client.operator.journal_reply("t", "a")
     assert len(a.records) == 4
     assert a.total == len(raw_keys(etcd, Keys(prefix).journal_all("t", "a"))) >= 6
     env = {"BATON_REGISTRY": registry.address}
@@ -473,12 +474,12 @@ def test_cancel_revokes_more_claims_than_a_chunk_and_frees_their_slots(
     """Cancel deletes 7 claims 2 at a time: every token dies and every slot is free again."""
     monkeypatch.setattr(operators_mod, "CLAIM_CHUNK", 2)
     monkeypatch.setattr(operators_mod, "DELETE_CHUNK", 2)
-    client.create_task({"task_id": "t", "entries": entries(*(f"e{i}" for i in range(7)))})
-    client.create_task({"task_id": "u", "entries": entries(*(f"u{i}" for i in range(8)))})
+    client.operator.create_task({"task_id": "t", "entries": entries(*(f"e{i}" for i in range(7)))})
+    client.operator.create_task({"task_id": "u", "entries": entries(*(f"u{i}" for i in range(8)))})
     keys = Keys(prefix)
     with client.open_session("p", ttl=30, slots=8) as s:
         claims = [client.claim("t", f"e{i}", session=s) for i in range(7)]
-        client.cancel_task("t", "wrong input")
+        client.operator.cancel_task("t", "wrong input")
         for c in claims:
             with pytest.raises(errors.StaleToken):
                 client.commit("t", c.file_id, c.token, 1, digest(b"x"))

@@ -139,7 +139,7 @@ def shot(page: Any, tmp_path: Path, name: str) -> None:
 
 def create(stack: Stack, spec: dict[str, Any]) -> None:
     with stack.client() as c:
-        c.create_task(spec)
+        c.operator.create_task(spec)
 
 
 def entries(*names: str) -> list[dict[str, str]]:
@@ -158,7 +158,7 @@ def kill_entry(stack: Stack, task_id: str, file_id: str) -> None:
                         traceparent=f"00-{DOOMED_TRACE}-00f067aa0ba902b7-01")
         c.fail(task_id, file_id, claim.token, "disk full on the producer", session=session)
         session.close()
-        assert c.get_entry(task_id, file_id).state == pb.ENTRY_STATE_DEAD
+        assert c.operator.get_entry(task_id, file_id).state == pb.ENTRY_STATE_DEAD
 
 
 def test_the_tasks_page_shows_a_task_advancing_live(stack: Stack, page: Any,
@@ -179,7 +179,7 @@ def test_the_tasks_page_shows_a_task_advancing_live(stack: Stack, page: Any,
             done = stack.baton("put", "live", n, "-", "--agent", "pipe", stdin=f"{n}\n")
             assert done.returncode == 0, done.stderr
         # the stack's watcher verifies what was put before a consumer gets it
-        wait_for(lambda: c.get_task("live").states["verified"] == 2, timeout=30,
+        wait_for(lambda: c.operator.get_task("live").states["verified"] == 2, timeout=30,
                  what="the watcher to verify f0 and f1")
         for _ in range(2):
             lease = c.consume("live", "g", session=session)
@@ -214,7 +214,7 @@ def test_a_dead_entry_is_requeued_from_the_page_with_a_reason(stack: Stack, page
     dead = page.locator('#dead tr[data-entry="a"]')
     assert "disk full on the producer" in dead.inner_text()
     with stack.client() as c:
-        (attempt,) = c.explain("dead", "a").attempts
+        (attempt,) = c.operator.explain("dead", "a").attempts
     tried = dead.locator("ol.attempts li").inner_text()
     assert f"operator on {socket.gethostname()}, token {attempt.token}" in tried
     assert "disk full on the producer" in tried
@@ -226,7 +226,7 @@ def test_a_dead_entry_is_requeued_from_the_page_with_a_reason(stack: Stack, page
     page.click("#confirm")
     assert page.locator("#outcome").inner_text() == "a is pending"
     with stack.client() as c:
-        assert c.get_entry("dead", "a").state == pb.ENTRY_STATE_PENDING
+        assert c.operator.get_entry("dead", "a").state == pb.ENTRY_STATE_PENDING
     log = stack.baton("log", "dead", "a", "-o", "json")
     assert log.returncode == 0, log.stderr
     requeued = [json.loads(line) for line in log.stdout.splitlines()
@@ -257,14 +257,14 @@ def test_one_consumer_group_is_handed_its_entries_again_from_the_page(
         for n in ("a", "b"):
             done = stack.baton("put", "replay", n, "-", "--agent", "pipe", stdin=f"{n}\n")
             assert done.returncode == 0, done.stderr
-        wait_for(lambda: c.get_task("replay").states["verified"] == 2, timeout=30,
+        wait_for(lambda: c.operator.get_task("replay").states["verified"] == 2, timeout=30,
                  what="the watcher to verify a and b")
         session = c.open_session("reader", ttl=30)
         for group in ("g1", "g2"):
             for _ in range(2):
                 lease = c.consume("replay", group, session=session)
                 c.ack("replay", lease.file_id, group, lease.token, session=session)
-        assert c.get_task("replay").states["consumed"] == 2
+        assert c.operator.get_task("replay").states["consumed"] == 2
         page.goto(f"{stack.operator_url}/tasks/replay")
         page.locator('#groups tr[data-group="g1"]').get_by_role(
             "link", name="Hand again").click()
@@ -310,9 +310,9 @@ def test_a_session_is_revoked_from_the_page(stack: Stack, page: Any, tmp_path: P
         page.fill("#evidence", "stack dump in OPS-7")
         page.click("#confirm")
         assert "2 claims returned" in page.locator("#outcome").inner_text()
-        assert c.get_entry("held", "a").state == pb.ENTRY_STATE_PENDING
-        assert all(a.session_id != session.session_id for a in c.list_agents())
-        revoked = [r for r in c.journal("held", "a") if r.event == "revoked"]
+        assert c.operator.get_entry("held", "a").state == pb.ENTRY_STATE_PENDING
+        assert all(a.session_id != session.session_id for a in c.operator.list_agents())
+        revoked = [r for r in c.operator.journal("held", "a") if r.event == "revoked"]
         assert [(r.who, r.evidence) for r in revoked] == [("operator", "stack dump in OPS-7")]
     page.goto(f"{stack.operator_url}/watchers")
     assert page.locator("#watchers tr").count() >= 2
@@ -345,11 +345,11 @@ def test_an_action_without_a_reason_is_refused_by_the_server(stack: Stack) -> No
         status, body = _post(url, full, headers)
         assert status == 403 and "only from the console" in body, headers
     with stack.client() as c:
-        assert c.get_task("noreason").status == pb.TASK_STATUS_ACTIVE
+        assert c.operator.get_task("noreason").status == pb.TASK_STATUS_ACTIVE
     status, body = _post(url, full, {"Origin": stack.operator_url})
     assert status == 200 and "is paused" in body
     with stack.client() as c:
-        task = c.get_task("noreason")
+        task = c.operator.get_task("noreason")
         assert task.status == pb.TASK_STATUS_PAUSED
         assert task.status_reason == "pause: maintenance (evidence: change CH-1)"
 
@@ -379,4 +379,4 @@ def test_an_identity_without_the_operator_role_reads_only_and_has_no_buttons(
                       {"task_id": "open-task", "file_id": "a", "reason": "r", "evidence": "e"})
     assert status == 403
     with stack.client() as c:
-        assert c.get_entry("open-task", "a").state == pb.ENTRY_STATE_DEAD
+        assert c.operator.get_entry("open-task", "a").state == pb.ENTRY_STATE_DEAD

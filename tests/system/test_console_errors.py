@@ -76,7 +76,7 @@ def test_an_unknown_or_invalid_id_is_a_404_page_that_says_so(
         console: str, client: Client, path: str, says: str) -> None:
     """A task or entry that does not exist, or an id no task or entry can have, is a
     404 "Not found" page naming what was not found."""
-    client.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "a.bin"}]})
+    client.operator.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "a.bin"}]})
     status, body = get(console + path)
     assert status == 404, (path, status, body)
     assert "Not found" in body and says in body, body
@@ -97,14 +97,14 @@ def test_a_consumed_entrys_page_ends_its_attempt_with_the_commit(
     ("committed", the commit's time), not "in progress"."""
     data = b"payload"
     digest = blake3.blake3(data).hexdigest()
-    client.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "a.bin"}]})
+    client.operator.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "a.bin"}]})
     with client.open_session("p", ttl=30) as s:
         claim = client.claim("t1", "a", session=s)
         client.commit("t1", "a", claim.token, len(data), digest, session=s)
-        client.report("t1", "a", len(data), digest)
+        client.watcher.report("t1", "a", len(data), digest)
         lease = client.consume("t1", "default", "a", session=s)
         assert client.ack("t1", "a", "default", lease.token).state == pb.ENTRY_STATE_CONSUMED
-    (committed,) = [r for r in client.journal("t1", "a") if r.event == "committed"]
+    (committed,) = [r for r in client.operator.journal("t1", "a") if r.event == "committed"]
     status, body = get(f"{console}/tasks/t1/entries/a")
     assert status == 200, body
     table = body[body.index('<table id="attempts">'):]

@@ -148,7 +148,7 @@ def test_the_readme_runs_as_written(up_stack: UpStack, tmp_path: Path) -> None:
     assert printed[0] in ("a", "c"), ran[-1][1]
 
     with up_stack.client() as c:
-        states = {e.file_id: e.state for e in c.list_entries("hello")}
+        states = {e.file_id: e.state for e in c.operator.list_entries("hello")}
     assert states["b"] == pb.ENTRY_STATE_WRITING  # the shell agent's claim, alive for its TTL
     assert pb.ENTRY_STATE_CONSUMED in (states["a"], states["c"])
 
@@ -172,7 +172,7 @@ def test_the_cli_docs_manifests_and_shell_agents_run_as_written(
                                                 "scans"]
     with up_stack.client() as c:
         for manifest in manifests:
-            assert c.create_task(manifest)[1], manifest["task_id"]
+            assert c.operator.create_task(manifest)[1], manifest["task_id"]
     scripts = [text for language, text in blocks if language == "sh"]
     for skip in CLI_NOT_RUN:
         assert any(text.startswith(skip) for text in scripts), f"update CLI_NOT_RUN: {skip!r}"
@@ -189,7 +189,7 @@ def test_the_cli_docs_manifests_and_shell_agents_run_as_written(
             f"docs/cli.md shell agent failed (exit {done.returncode}):\n{text}\n"
             f"--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}")
     with up_stack.client() as c:
-        page = c.get_entry("scan-42", "p1")  # the highest priority: what the producer took
+        page = c.operator.get_entry("scan-42", "p1")  # the highest priority: what the producer took
     assert list(page.consumed_by) == ["ocr"]
     assert (workdir / "out" / "p1.txt").read_text().strip() == "2"  # "page p1": two words
 
@@ -216,8 +216,8 @@ def test_the_cli_tour_runs_as_written(up_stack: UpStack, tmp_path: Path) -> None
                                   f"--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}")
     assert "index" in done.stdout and "p1" in done.stdout  # status --entries, explain
     with up_stack.client() as c:
-        assert c.get_entry("scan-42", "p1").state in (pb.ENTRY_STATE_WRITTEN,
-                                                      pb.ENTRY_STATE_VERIFIED)
+        assert c.operator.get_entry("scan-42", "p1").state in (pb.ENTRY_STATE_WRITTEN,
+                                                               pb.ENTRY_STATE_VERIFIED)
 
 
 def baton_lines(path: Path) -> list[str]:

@@ -418,14 +418,14 @@ class Transcripts:
     def fresh(self) -> None:
         """scan-42 just created from manifest.json; no other task, no session."""
         with self.client() as c:
-            for task in c.list_tasks():
+            for task in c.operator.list_tasks():
                 if task.status not in (pb.TASK_STATUS_CANCELLED, pb.TASK_STATUS_DELETING):
-                    c.cancel_task(task.spec.task_id)
-                c.delete_task(task.spec.task_id, discard_history=True)
-            for agent in c.list_agents():
+                    c.operator.cancel_task(task.spec.task_id)
+                c.operator.delete_task(task.spec.task_id, discard_history=True)
+            for agent in c.operator.list_agents():
                 c.close_session(agent.session_id)
             shutil.rmtree(self.data_dir / "staging" / "scan-42", ignore_errors=True)
-            c.create_task(self.manifest)
+            c.operator.create_task(self.manifest)
 
     def session(self, c: Client, agent: str, ttl: int = 60, slots: int = 0) -> Session:
         """A session as `baton claim` leaves it: open for its TTL, with no keepalive."""
@@ -454,7 +454,7 @@ class Transcripts:
                 with self.session(c, "render-1") as s:
                     claim = c.claim("scan-42", "p2", session=s)
                     c.fail("scan-42", "p2", claim.token, "scanner jammed", session=s)
-            assert c.get_entry("scan-42", "p2").state == pb.ENTRY_STATE_DEAD
+            assert c.operator.get_entry("scan-42", "p2").state == pb.ENTRY_STATE_DEAD
 
     def state_a(self) -> None:
         """The task the operator transcripts show: p1 held by ocr-1, p3 and p4 by another
@@ -471,7 +471,7 @@ class Transcripts:
         spec = {"task_id": "scan-41", "max_retries": 0, "digest_optional": True,
                 "entries": [{"file_id": f"p{n}", "path": f"p{n}.png"} for n in range(1, 7)]}
         with self.client() as c:
-            c.create_task(spec)
+            c.operator.create_task(spec)
             with self.session(c, "render-1") as s:
                 for file_id in ("p1", "p2", "p3"):
                     claim = c.claim("scan-41", file_id, session=s)
@@ -489,8 +489,8 @@ class Transcripts:
                 c.commit("scan-42", file_id, claim.token, len(data), blake3_hex(data),
                          session=s)
             deadline = time.monotonic() + 30
-            while {c.get_entry("scan-42", f).state for f in ("p3",
-                                                             "p4")} != {pb.ENTRY_STATE_VERIFIED}:
+            while {c.operator.get_entry("scan-42", f).state
+                   for f in ("p3", "p4")} != {pb.ENTRY_STATE_VERIFIED}:
                 assert time.monotonic() < deadline, "p3 and p4 never verified"
                 time.sleep(0.05)
 
@@ -499,7 +499,7 @@ class Transcripts:
         self.fresh()
         self.dead_p2()
         with self.client() as c:
-            c.requeue("scan-42", "p2")
+            c.operator.requeue("scan-42", "p2")
 
     def p3_p4_acked_by_ocr(self) -> None:
         """p3 and p4 verified, then consumed and acked by group ocr."""
@@ -513,8 +513,8 @@ class Transcripts:
         """scan-40, a task cancelled as a duplicate."""
         spec = {"task_id": "scan-40", "entries": [{"file_id": "p1", "path": "p1.png"}]}
         with self.client() as c:
-            c.create_task(spec)
-            c.cancel_task("scan-40", "duplicate batch")
+            c.operator.create_task(spec)
+            c.operator.cancel_task("scan-40", "duplicate batch")
 
     def p1_file(self) -> None:
         """The reader wrote p1's page where the claim said."""
@@ -589,14 +589,14 @@ class Transcripts:
         spec = {"task_id": "scan-41", "consumers": ["archive"], "digest_optional": True,
                 "entries": [{"file_id": "p9", "path": "pages/p9.png"}]}
         with self.client() as c:
-            c.create_task(spec)
+            c.operator.create_task(spec)
             with self.session(c, "render-1") as s:
                 claim = c.claim("scan-41", "p9", session=s)
                 Path(claim.path).parent.mkdir(parents=True, exist_ok=True)
                 Path(claim.path).write_bytes(b"page 9")
                 c.commit("scan-41", "p9", claim.token, 6, session=s)
             deadline = time.monotonic() + 30
-            while c.get_entry("scan-41", "p9").state != pb.ENTRY_STATE_VERIFIED:
+            while c.operator.get_entry("scan-41", "p9").state != pb.ENTRY_STATE_VERIFIED:
                 assert time.monotonic() < deadline, "p9 never verified"
                 time.sleep(0.05)
             c.consume("scan-41", "archive", session=self.session(c, "archiver", 30, slots=4))
@@ -611,7 +611,7 @@ class Transcripts:
             self.fast.stop()
             self.fast = None
         with self.client() as c:
-            for agent in c.list_agents():
+            for agent in c.operator.list_agents():
                 if agent.agent == "archiver":
                     c.close_session(agent.session_id)
 
@@ -622,14 +622,14 @@ class Transcripts:
         (spec,) = [json.loads(text) for language, text in fenced_blocks(CLI_MD)
                    if language == "json" and '"compliance-3"' in text]
         with self.client() as c:
-            c.create_task(spec)
+            c.operator.create_task(spec)
         (self.work / "r1.json").write_bytes(b'{"report": "r1"}\n')
 
     def r1_verified(self) -> None:
         """r1, put above, verified by the watcher."""
         with self.client() as c:
             deadline = time.monotonic() + 30
-            while c.get_entry("compliance-3", "r1").state != pb.ENTRY_STATE_VERIFIED:
+            while c.operator.get_entry("compliance-3", "r1").state != pb.ENTRY_STATE_VERIFIED:
                 assert time.monotonic() < deadline, "r1 never verified"
                 time.sleep(0.05)
 
@@ -960,8 +960,8 @@ def test_the_etcd_setup_runs_as_written(tmp_path: Path) -> None:
             handle = start_registry(etcd.endpoint, prefix, staging, **auth, **who)
             try:
                 with Client(handle.address) as c:
-                    assert c.create_task({"task_id": f"t{len(who)}",
-                                          "entries": [{"file_id": "a", "path": "a"}]})[1]
+                    assert c.operator.create_task({"task_id": f"t{len(who)}",
+                                                   "entries": [{"file_id": "a", "path": "a"}]})[1]
             finally:
                 handle.stop()
 
@@ -971,20 +971,20 @@ def test_the_lease_runbook_runs_as_written(registry: RegistryHandle, client: Cli
     session of host scan01 holds two claims: the rotation moves it onto a new lease (its
     tokens still commit); the drain waits until the test, as the agent, has committed
     what the session holds, then the host is undrained."""
-    client.create_task({"task_id": "t", "entries": [{"file_id": f"e{i}", "path": f"e{i}"}
-                                                    for i in range(4)],
-                        "digest_optional": True})
+    client.operator.create_task({"task_id": "t", "entries": [{"file_id": f"e{i}", "path": f"e{i}"}
+                                                             for i in range(4)],
+                                 "digest_optional": True})
     env = {**clean_env(), "BATON_REGISTRY": registry.address,
            "PATH": os.pathsep.join([str(BIN), os.environ.get("PATH", "")])}
     rotate, drain = [t for language, t in fenced_blocks(OPERATIONS_MD)
                      if language == "sh" and t.startswith("baton lease ")]
     with client.open_session("ocr-1", ttl=20, host="scan01") as s:
         claims = client.claim_batch("t", 2, session=s)
-        before = [a.lease_id for a in client.list_agents()]
+        before = [a.lease_id for a in client.operator.list_agents()]
         done = subprocess.run(["bash", "-e", "-c", rotate], env=env, capture_output=True,
                               text=True, timeout=60, check=False)
         assert done.returncode == 0, done.stdout + done.stderr
-        (after,) = client.list_agents()
+        (after,) = client.operator.list_agents()
         assert before == [s.session_id] and after.lease_id != s.session_id
         assert f"-> {after.lease_id} " in done.stdout and str(s.session_id) in done.stdout
         waiting = subprocess.Popen(["bash", "-e", "-c", drain], env=env, text=True,
@@ -993,7 +993,7 @@ def test_the_lease_runbook_runs_as_written(registry: RegistryHandle, client: Cli
             assert waiting.stderr is not None
             # The drain is in place and waiting once it says what is left.
             assert waiting.stderr.readline() == "scan01: claims left 2 (sessions 1)\n"
-            assert all(a.draining for a in client.list_agents())
+            assert all(a.draining for a in client.operator.list_agents())
             for c in claims:
                 client.commit("t", c.file_id, c.token, 0, session=s)
             out, err = waiting.communicate(timeout=60)
@@ -1037,9 +1037,10 @@ def test_the_quota_runbook_runs_as_written(
     assert sorted(p.name for p in archive_dir.iterdir()) == ["scan-40.jsonl.gz",
                                                              "scan-40.meta.json"]
     with Client(archiving.address, timeout=10) as client:
-        client.create_task({"task_id": "after", "entries": [{"file_id": "a", "path": "a"}]})
+        client.operator.create_task({"task_id": "after",
+                                     "entries": [{"file_id": "a", "path": "a"}]})
         on_loop(archiving, archiver(archiving).sweep())
-        task = client.get_task("scan-40")
+        task = client.operator.get_task("scan-40")
         assert task.status == pb.TASK_STATUS_ARCHIVED and task.states["pending"] == 400
 
 
@@ -1068,7 +1069,8 @@ def test_the_grpcurl_lines_run_as_written(etcd: Any, prefix: str, tmp_path: Path
     try:
         with Client(handle.address, ca=env["BATON_CA"], cert=env["BATON_CERT"],
                     key=env["BATON_KEY"]) as c:
-            c.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "a.json"}]})
+            c.operator.create_task({"task_id": "t1",
+                                    "entries": [{"file_id": "a", "path": "a.json"}]})
         (block,) = [t for language, t in fenced_blocks(OPERATIONS_MD)
                     if language == "sh" and t.startswith("grpcurl ")]
         shown = []
@@ -1134,10 +1136,10 @@ def test_the_shard_runbooks_run_as_written(etcd: Any, prefix: str, tmp_path: Pat
             b = Watcher(c, str(staging), capacity())
             try:
                 deadline = time.monotonic() + 20
-                while {w.shards for w in c.list_watchers()} != {32}:
+                while {w.shards for w in c.operator.list_watchers()} != {32}:
                     assert time.monotonic() < deadline, "the two watchers never balanced"
                     time.sleep(0.05)
-                owner = next(s.owner for s in c.list_shards().shards if s.shard == 17)
+                owner = next(s.owner for s in c.operator.list_shards().shards if s.shard == 17)
                 target = b.id if owner == a.id else a.id
                 (shown_target,) = re.findall(r"--to (\S+)", move)
 
@@ -1149,10 +1151,11 @@ def test_the_shard_runbooks_run_as_written(etcd: Any, prefix: str, tmp_path: Pat
                     return done.stdout
 
                 run(move, {shown_target: target})
-                assert next(s for s in c.list_shards().shards if s.shard == 17).owner == target
+                assert next(s for s in c.operator.list_shards().shards
+                            if s.shard == 17).owner == target
                 out = run(drain, {drain.split()[-1]: target})
                 assert out.splitlines()[-1] == f"watcher {target} owns no shards: it may stop now"
-                assert {w.watcher_id: w.shards for w in c.list_watchers()}[target] == 0
+                assert {w.watcher_id: w.shards for w in c.operator.list_watchers()}[target] == 0
             finally:
                 a.close()
                 b.close()
@@ -1193,8 +1196,8 @@ def test_the_nfs_watcher_command_runs_as_written(etcd: Any, prefix: str,
         with Client(handle.address, ca=str(made["ca"].cert), cert=str(made["operator"].cert),
                     key=str(made["operator"].key)) as c:
             deadline = time.monotonic() + 30
-            while sorted(w.shards for w in c.list_watchers()) != [32, 32]:
-                assert time.monotonic() < deadline, c.list_watchers()
+            while sorted(w.shards for w in c.operator.list_watchers()) != [32, 32]:
+                assert time.monotonic() < deadline, c.operator.list_watchers()
                 time.sleep(0.1)
     finally:
         for process in processes:
@@ -1272,7 +1275,7 @@ def test_the_watcher_commands_run_as_written(etcd: Any, prefix: str, tmp_path: P
                        if language == "json"]
         with Client(tls.address, ca=str(made["ca"].cert), cert=str(made["operator"].cert),
                     key=str(made["operator"].key)) as c:
-            assert c.create_task(manifest)[1]
+            assert c.operator.create_task(manifest)[1]
     finally:
         plain.stop()
         tls.stop()
@@ -1364,14 +1367,14 @@ def test_the_security_examples_run_as_written(
     (manifest,) = [json.loads(text) for language, text in fenced_blocks(SECURITY_MD)
                    if language == "json"]
     with up_stack.client() as c:
-        assert c.create_task(manifest)[1]
+        assert c.operator.create_task(manifest)[1]
     with Client(up_stack.address, ca=up_stack.pki.ca, cert=str(cert), key=str(key)) as c:
         # An agent may open sessions, not claim what the task's rules keep for scanners,
         with (c.open_session("ocr-1", ttl=10) as s,
               pytest.raises(errors.PermissionDenied, match="scanner-")):
             c.claim(manifest["task_id"], "scan-1", session=s)
         with pytest.raises(errors.PermissionDenied):  # nor list sessions
-            c.list_agents()
+            c.operator.list_agents()
 
 
 # --- docs/performance.md, docs/benchmarks.md -------------------------------------------

@@ -244,9 +244,11 @@ def test_up_verifies_a_put_file(
     lines = stack.wait_for_line("ready")
     assert any(line.startswith(f"watcher   {opts.staging}") for line in lines)
     with operator(opts) as c, c.open_session("p", ttl=10) as s:
-        c.create_task({"task_id": "demo", "entries": [{"file_id": "a", "path": "in/a.txt"}]})
+        c.operator.create_task({"task_id": "demo",
+                                "entries": [{"file_id": "a", "path": "in/a.txt"}]})
         put(c, s, "demo", "a", io.BytesIO(b"hello from baton up"))
-        wait_for(lambda: c.get_entry("demo", "a").state == pb.ENTRY_STATE_VERIFIED, timeout=20,
+        wait_for(lambda: c.operator.get_entry("demo", "a").state == pb.ENTRY_STATE_VERIFIED,
+                 timeout=20,
                  what="a verified by the stack's watcher")
     # Both daemons serve the metrics of what just happened where the stack said.
     metrics = metrics_lines(lines)
@@ -300,7 +302,7 @@ def test_insecure_stack_serves_plaintext(
     assert not any("BATON_CA" in line for line in lines)
     assert not (opts.data_dir / "pki").exists()
     with Client(f"127.0.0.1:{opts.registry_port}", ca="", cert="", key="") as c:
-        assert c.list_tasks() == []
+        assert c.operator.list_tasks() == []
     stack.stop.set()
     assert stack.join() == 0
 
@@ -336,8 +338,8 @@ def test_a_killed_registry_is_restarted_and_serves(
     wait_for(grpc_health_probe(address, pki=LocalPKI(opts.data_dir / "pki")), timeout=30,
              what="the restarted registry serving")
     with operator(opts) as c:
-        c.create_task({"task_id": "after", "entries": [{"file_id": "a", "path": "a"}]})
-        assert [t.spec.task_id for t in c.list_tasks()] == ["after"]
+        c.operator.create_task({"task_id": "after", "entries": [{"file_id": "a", "path": "a"}]})
+        assert [t.spec.task_id for t in c.operator.list_tasks()] == ["after"]
     assert stack.thread.is_alive()
     stack.stop.set()
     assert stack.join() == 0

@@ -183,7 +183,8 @@ def test_registry_serves_through_named_and_ipv6_members(
     handle = start_registry(f"localhost:{etcd.client_port},[::1]:{relay.port}", prefix, staging)
     try:
         with Client(handle.address, timeout=10, retry=TEST_RETRY) as client:
-            client.create_task({"task_id": "t", "entries": [{"file_id": "a", "path": "a"}]})
+            client.operator.create_task({"task_id": "t",
+                                         "entries": [{"file_id": "a", "path": "a"}]})
             with client.open_session("p", ttl=10) as s:
                 assert client.claim("t", session=s).file_id == "a"
     finally:

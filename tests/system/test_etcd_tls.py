@@ -372,8 +372,8 @@ def test_a_registry_serves_through_the_restricted_user(
         etcd_user="baton", etcd_password_file=str(password))
     try:
         with Client(handle.address, timeout=10, retry=TEST_RETRY) as c:
-            c.create_task({"task_id": "t", "digest_optional": True,
-                           "entries": [{"file_id": "a", "path": "a"}]})
+            c.operator.create_task({"task_id": "t", "digest_optional": True,
+                                    "entries": [{"file_id": "a", "path": "a"}]})
             with c.open_session("p", ttl=10) as s:
                 claim = c.claim("t", session=s)
                 assert c.commit("t", claim.file_id, claim.token, 0, session=s).file_id == "a"

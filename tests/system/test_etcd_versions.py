@@ -380,7 +380,7 @@ def test_an_affected_member_joining_turns_health_not_serving(
         assert 'baton_etcd_server_info{member="m2",version="3.5.1"} 1.0' in text
         assert "baton_etcd_version_refused 1.0" in text
         with Client(handle.address, retry=TEST_RETRY) as client:  # calls still answered
-            assert client.list_tasks() == []
+            assert client.operator.list_tasks() == []
         listing = first.etcdctl("member", "list")
         (member_id,) = [line.split(",")[0] for line in listing.splitlines() if ", m2," in line]
 

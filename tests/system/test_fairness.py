@@ -103,10 +103,10 @@ def test_a_task_without_fairness_keeps_its_index_keys(client: Client,
                                                       registry: RegistryHandle) -> None:
     """A task that declares no fairness keys: entries without a key, ready keys as
     before (``ready/{task}/{order}/{file}``), no fairness on the task."""
-    task, _ = client.create_task({"task_id": "plain", "entries": [
+    task, _ = client.operator.create_task({"task_id": "plain", "entries": [
         {"file_id": "a", "path": "a"}]})
     assert not task.spec.HasField("fairness")
-    assert client.get_entry("plain", "a").fairness_key == ""
+    assert client.operator.get_entry("plain", "a").fairness_key == ""
     keys = Keys(registry.prefix)
 
     async def ready(etcd: Etcd) -> list[bytes]:
@@ -122,10 +122,10 @@ def test_task_get_shows_the_fair_shares(client: Client, registry: RegistryHandle
     without fairness has no such row."""
     from test_cli import invoke
 
-    client.create_task(fair_spec({"acme": 1, "initech": 1}) | {
+    client.operator.create_task(fair_spec({"acme": 1, "initech": 1}) | {
         "fairness": {"keys": {"acme": {"weight": 1}, "initech": {"weight": 2}},
                      "default_key": "acme"}})
-    client.create_task({"task_id": "plain", "entries": [{"file_id": "a", "path": "a"}]})
+    client.operator.create_task({"task_id": "plain", "entries": [{"file_id": "a", "path": "a"}]})
     shown = invoke(registry, "task", "get", "t")
     assert shown.exit_code == 0, shown.output
     assert "fairness     acme 1, initech 2  (default: acme)" in shown.stdout
@@ -137,18 +137,18 @@ def test_task_get_shows_the_fair_shares(client: Client, registry: RegistryHandle
 def test_one_claimer_interleaves_keys_by_weight(client: Client) -> None:
     """Keys of weights 1:1:2, listed one key after the other: a lone claimer takes
     them a, b, c, c, a, b, c, c, ... exactly, and the task shows its fairness."""
-    task, _ = client.create_task(fair_spec({"acme": 8, "globex": 8, "initech": 16}))
+    task, _ = client.operator.create_task(fair_spec({"acme": 8, "globex": 8, "initech": 16}))
     assert {k: v.weight for k, v in task.spec.fairness.keys.items()} == WEIGHTS
     with client.open_session("solo", ttl=30) as s:
         claimed = claim_all(client, s, "t")
     assert [key_of(f) for f in claimed] == ["acme", "globex", "initech", "initech"] * 8
-    assert client.get_entry("t", "initech-0003").fairness_key == "initech"
+    assert client.operator.get_entry("t", "initech-0003").fairness_key == "initech"
 
 
 def test_explain_names_the_fairness_key(client: Client) -> None:
     """`explain` of a claimable entry of a fair task names its key and weight."""
-    client.create_task(fair_spec({"acme": 1, "initech": 1}))
-    text = client.explain("t", "initech-0000").text
+    client.operator.create_task(fair_spec({"acme": 1, "initech": 1}))
+    text = client.operator.explain("t", "initech-0000").text
     assert "It is claimable (priority 0, fairness key initech of weight 2: it comes up " \
         "with its key's share of the claims)" in text, text
 
@@ -156,12 +156,12 @@ def test_explain_names_the_fairness_key(client: Client) -> None:
 def test_a_key_with_nothing_claimable_takes_nothing(client: Client) -> None:
     """A declared key whose entries all wait (for an entry of another task) reserves
     nothing: the other keys share every claim by their weights, 1:2, with no gap."""
-    client.create_task({"task_id": "gate", "entries": [{"file_id": "g", "path": "g"}]})
+    client.operator.create_task({"task_id": "gate", "entries": [{"file_id": "g", "path": "g"}]})
     spec = fair_spec({"acme": 6, "globex": 6, "initech": 12})
     for e in spec["entries"]:
         if key_of(e["file_id"]) == "acme":
             e["depends_on"] = ["gate:g"]
-    client.create_task(spec)
+    client.operator.create_task(spec)
     with client.open_session("solo", ttl=30) as s:
         claimed = claim_all(client, s, "t")
     assert [key_of(f) for f in claimed] == ["globex", "initech", "initech"] * 6
@@ -170,12 +170,12 @@ def test_a_key_with_nothing_claimable_takes_nothing(client: Client) -> None:
 def test_a_retried_entry_goes_behind(client: Client, wait_for: Callable[..., None]) -> None:
     """An entry failed and retried re-enters with a later enqueue time: behind every
     entry claimable before it, its key's other entries included."""
-    client.create_task(fair_spec({"acme": 2, "globex": 2}, {"acme": 1, "globex": 1}))
+    client.operator.create_task(fair_spec({"acme": 2, "globex": 2}, {"acme": 1, "globex": 1}))
     with client.open_session("solo", ttl=30) as s:
         first = client.claim("t", session=s)
         assert first.file_id == "acme-0000"
         client.fail("t", first.file_id, first.token, "try again", session=s, delay=0.05)
-        wait_for(lambda: not client.get_entry("t", first.file_id).not_before,
+        wait_for(lambda: not client.operator.get_entry("t", first.file_id).not_before,
                  what="the retry's delay to pass")
         claimed = claim_all(client, s, "t")
     assert claimed == ["globex-0000", "acme-0001", "globex-0001", "acme-0000"]
@@ -190,8 +190,9 @@ def test_claims_are_counted_by_fairness_key(registry_factory: Callable[..., Regi
     registry = registry_factory(metrics="127.0.0.1:0")
     with Client(registry.address, timeout=10, retry=TEST_RETRY) as client, \
             client.open_session("a", ttl=30) as s:
-        client.create_task(fair_spec({"acme": 2, "globex": 2, "initech": 4}))
-        client.create_task({"task_id": "plain", "entries": [{"file_id": "p", "path": "p"}]})
+        client.operator.create_task(fair_spec({"acme": 2, "globex": 2, "initech": 4}))
+        client.operator.create_task({"task_id": "plain",
+                                     "entries": [{"file_id": "p", "path": "p"}]})
         client.claim("plain", session=s)
         held = [client.claim("t", session=s) for _ in range(3)]
         _, taken = client.commit_and_claim("t", held[0].file_id, held[0].token, 1,
@@ -237,7 +238,7 @@ def test_agents_on_two_replicas_keep_shares_over_every_window(
     claimable takes nothing)."""
     replicas = [registry_factory(), registry_factory()]
     with Client(replicas[0].address, timeout=60) as client:
-        client.create_task(fair_spec({k: PER_KEY for k in WEIGHTS}))
+        client.operator.create_task(fair_spec({k: PER_KEY for k in WEIGHTS}))
     claims: list[tuple[int, str]] = []
     started = time.monotonic()
     with agent_processes(FAIR_AGENT, replicas[0]) as spawn0, \

@@ -50,10 +50,10 @@ def test_a_producer_whose_claim_died_never_replaces_the_verified_bytes(
     """Paused after writing, its claim expired, a successor verified: its late rename
     leaves the entry verified, consumers read the successor's bytes, no tamper event."""
     w = watcher_factory()
-    client.create_task({"task_id": "t1", "consumers": ["g"],
-                        "entries": [{"file_id": "a", "path": "out/a.bin"},
+    client.operator.create_task({"task_id": "t1", "consumers": ["g"],
+                                 "entries": [{"file_id": "a", "path": "out/a.bin"},
                                     {"file_id": "b", "path": "out/b.bin"}],
-                        "backoff": {"base_seconds": 0.001}})
+                                 "backoff": {"base_seconds": 0.001}})
     proc = zombie("t1", "a", 2)
     claim = _line(proc)
     os.kill(proc.pid, signal.SIGSTOP)
@@ -61,7 +61,7 @@ def test_a_producer_whose_claim_died_never_replaces_the_verified_bytes(
              what="the stopped producer's claim expired")
     put(client, session, "t1", "a", io.BytesIO(SUCCESSOR))
     wait_for(is_state(client, "t1", "a", pb.ENTRY_STATE_VERIFIED), what="successor verified")
-    verified = client.get_entry("t1", "a")
+    verified = client.operator.get_entry("t1", "a")
     successor = parse_attempt(verified.attempt_path)
     assert successor is not None and successor[0] == "out/a.bin"
     assert successor[1] > int(str(claim["token"]))
@@ -81,12 +81,12 @@ def test_a_producer_whose_claim_died_never_replaces_the_verified_bytes(
     wait_for(lambda: w.metrics.get("events") > events and w.jobs.idle(),
              what="the watcher done with the late file's events")
 
-    after = client.get_entry("t1", "a")
+    after = client.operator.get_entry("t1", "a")
     assert after.state == pb.ENTRY_STATE_VERIFIED and after.revision == verified.revision
     lease = client.consume("t1", "g", "a", session=session)
     assert lease.path == verified.abs_attempt_path
     assert read_verified(lease) == SUCCESSOR
-    journal = client.journal("t1", "a")
+    journal = client.operator.journal("t1", "a")
     since = max(i for i, r in enumerate(journal) if r.event == "verified")
     assert not [r.event for r in journal[since:] if r.event in TAMPER]
     assert [r.event for r in journal].count("verified") == 1
@@ -107,11 +107,11 @@ def test_an_attempt_path_keeps_the_extension_and_parses_back() -> None:
 def test_a_manifest_path_that_looks_like_an_attempt_is_refused(client: Client) -> None:
     """A path the watcher would take for an attempt's file is refused, field named."""
     with pytest.raises(InvalidManifest, match="attempt"):
-        client.create_task({"task_id": "t1", "entries": [{"file_id": "a",
-                                                          "path": "out/a~t5.png"}]})
+        client.operator.create_task({"task_id": "t1",
+                                     "entries": [{"file_id": "a", "path": "out/a~t5.png"}]})
     with pytest.raises(InvalidManifest, match="longer than"):
-        client.create_task({"task_id": "t1", "entries": [{"file_id": "a",
-                                                          "path": "x" * 240}]})
+        client.operator.create_task({"task_id": "t1",
+                                     "entries": [{"file_id": "a", "path": "x" * 240}]})
 
 
 def test_consume_reads_the_committed_attempt(
@@ -119,8 +119,8 @@ def test_consume_reads_the_committed_attempt(
 ) -> None:
     """The claim's path is its attempt's file; the consume reply names the same file."""
     watcher_factory()
-    client.create_task({"task_id": "t1", "consumers": ["g"],
-                        "entries": [{"file_id": "a", "path": "a.json"}]})
+    client.operator.create_task({"task_id": "t1", "consumers": ["g"],
+                                 "entries": [{"file_id": "a", "path": "a.json"}]})
     claim = client.claim("t1", "a", session=session)
     assert claim.path.endswith(f"/t1/a~t{claim.token}.json")
     assert claim.entry.attempt_path == f"a~t{claim.token}.json"

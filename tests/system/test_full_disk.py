@@ -46,26 +46,27 @@ def temp_files(root: Path) -> list[Path]:
 def test_a_full_staging_root_fails_the_producer_and_commits_nothing(
     client: Client, staging: Path, registry: RegistryHandle, wait_for: Wait,
 ) -> None:
-    client.create_task({"task_id": "t1", "digest_optional": True,
-                        "entries": [{"file_id": "big", "path": "big.bin"},
+    client.operator.create_task({"task_id": "t1", "digest_optional": True,
+                                 "entries": [{"file_id": "big", "path": "big.bin"},
                                     {"file_id": "small", "path": "small.bin"}]})
     with client.open_session("p", ttl=30) as session:
         with pytest.raises(OSError) as full:
             put(client, session, "t1", "big", io.BytesIO(os.urandom(3 << 20)))
         assert full.value.errno == errno.ENOSPC
-        entry = client.get_entry("t1", "big")
+        entry = client.operator.get_entry("t1", "big")
         assert entry.state == pb.ENTRY_STATE_PENDING and entry.size == 0
         assert "No space left on device" in entry.error
-        assert [r.event for r in client.journal("t1", "big")][-1] == "failed"
+        assert [r.event for r in client.operator.journal("t1", "big")][-1] == "failed"
         assert temp_files(staging) == [] and not (staging / "t1" / "big.bin").exists()
         # the CLI says what happened, and exits 1 (a local file error)
         src = staging.parent / "big.src"
         src.write_bytes(os.urandom(3 << 20))
-        wait_for(lambda: "claimable" in client.explain("t1", "big").text, what="backoff over")
+        wait_for(lambda: "claimable" in client.operator.explain("t1", "big").text,
+                 what="backoff over")
         result = CliRunner().invoke(cli, ["put", "t1", "big", str(src)],
                                     env={"BATON_REGISTRY": registry.address})
         assert result.exit_code == 1 and "No space left on device" in result.output
-        assert client.get_entry("t1", "big").state == pb.ENTRY_STATE_PENDING
+        assert client.operator.get_entry("t1", "big").state == pb.ENTRY_STATE_PENDING
         # what fits still goes through, and the staging root is usable again
         done = put(client, session, "t1", "small", io.BytesIO(b"fits"))
         assert done.state == pb.ENTRY_STATE_WRITTEN and done.size == 4

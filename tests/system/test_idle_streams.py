@@ -74,7 +74,7 @@ class Stack:
         return data
 
     def verified(self, task_id: str, file_id: str) -> Callable[[], bool]:
-        return lambda: (self.client.get_entry(task_id, file_id).state
+        return lambda: (self.client.operator.get_entry(task_id, file_id).state
                         == pb.ENTRY_STATE_VERIFIED)
 
     def close(self) -> None:
@@ -107,7 +107,7 @@ def idle_across_compactions(stack: Stack, w: Watcher, wait_for: Callable[..., No
     started after is compacted, then until its stream has been resumed ``resumes`` more
     times (or has taken another snapshot). The watcher's reconciliations once the
     task was served (those of its start done)."""
-    stack.client.create_task({"task_id": "idle", "entries": [
+    stack.client.operator.create_task({"task_id": "idle", "entries": [
         {"file_id": f"f{i}", "path": f"f{i}.bin"} for i in range(3)]})
     wait_for(lambda: w.metrics.get("stream_snapshots") >= 1, what="the task's snapshot")
     wait_for(lambda: not w._reconcile_now.is_set(), what="the start's reconciliations")
@@ -150,7 +150,7 @@ def test_a_silent_stream_is_resumed_and_caught_up_without_a_snapshot(
     silences = w.metrics.get("stream_silences")
     data = stack.put("idle", "f1")
     wait_for(stack.verified("idle", "f1"), what="f1 verified")
-    assert stack.client.get_entry("idle", "f1").digest == blake3.blake3(data).hexdigest()
+    assert stack.client.operator.get_entry("idle", "f1").digest == blake3.blake3(data).hexdigest()
     wait_for(lambda: w.metrics.get("stream_silences") >= silences + 2,
              timeout=4 * SILENCE, what="two more silences, each within the limit")
     stack.put("idle", "f2")
@@ -169,7 +169,7 @@ def test_the_streams_of_idle_tasks_share_one_thread(
     before = {t.ident for t in threading.enumerate()}
     tasks = 3 * NEWS_WORKERS
     for n in range(tasks):
-        stack.client.create_task({"task_id": f"t{n}", "entries": [
+        stack.client.operator.create_task({"task_id": f"t{n}", "entries": [
             {"file_id": "a", "path": "a.bin"}]})
     wait_for(lambda: w.metrics.get("stream_snapshots") >= tasks, what="every snapshot")
     assert sorted(w.table.task_ids()) == sorted(f"t{n}" for n in range(tasks))
@@ -190,7 +190,7 @@ def test_an_idle_stream_lasts_across_compactions(
     committed afterwards comes on that same stream and is verified."""
     stack = stack_factory(*COMPACTING, *NOTIFYING)
     w = stack.watcher()
-    stack.client.create_task({"task_id": "idle", "entries": [
+    stack.client.operator.create_task({"task_id": "idle", "entries": [
         {"file_id": f"f{i}", "path": f"f{i}.bin"} for i in range(3)]})
     wait_for(lambda: w.metrics.get("stream_snapshots") >= 1, what="the task's snapshot")
     for _ in range(4):  # four compactions, each past a revision written after the last
@@ -202,7 +202,7 @@ def test_an_idle_stream_lasts_across_compactions(
     assert w.metrics.get("stream_snapshots") == 1
     data = stack.put("idle", "f0")
     wait_for(stack.verified("idle", "f0"), what="f0 verified")
-    assert stack.client.get_entry("idle", "f0").digest == blake3.blake3(data).hexdigest()
+    assert stack.client.operator.get_entry("idle", "f0").digest == blake3.blake3(data).hexdigest()
     assert w.metrics.get("stream_resumes") == 0
     assert w.metrics.get("stream_snapshots") == 1
 
@@ -214,7 +214,7 @@ def test_a_stream_silenced_by_a_stuck_registry_is_resumed_and_loses_nothing(
     registry answers, then goes on from its revision; no snapshot, nothing lost."""
     stack = stack_factory(*NOTIFYING)
     w = stack.watcher()
-    stack.client.create_task({"task_id": "idle", "entries": [
+    stack.client.operator.create_task({"task_id": "idle", "entries": [
         {"file_id": f"f{i}", "path": f"f{i}.bin"} for i in range(2)]})
     wait_for(lambda: w.metrics.get("stream_snapshots") >= 1, what="the task's snapshot")
     stack.put("idle", "f0")
@@ -225,7 +225,7 @@ def test_a_stream_silenced_by_a_stuck_registry_is_resumed_and_loses_nothing(
                  what="the silent stream resumed twice")
     data = stack.put("idle", "f1")
     wait_for(stack.verified("idle", "f1"), what="f1 verified")
-    assert stack.client.get_entry("idle", "f1").digest == blake3.blake3(data).hexdigest()
+    assert stack.client.operator.get_entry("idle", "f1").digest == blake3.blake3(data).hexdigest()
     assert w.metrics.get("stream_snapshots") == 1
 
 
@@ -235,7 +235,7 @@ def test_a_caught_up_resume_is_sent_what_was_written_since(
     the entries written since that revision as they are now (not the others), then
     goes on with the task's changes."""
     stack = stack_factory(*COMPACTING)
-    stack.client.create_task({"task_id": "t", "entries": [
+    stack.client.operator.create_task({"task_id": "t", "entries": [
         {"file_id": f, "path": f} for f in ("a", "b", "c")]})
     old = stack.tick()
     with stack.client.open_session("producer", ttl=10) as session:
@@ -258,7 +258,7 @@ def test_a_resume_from_a_compacted_revision_raises_compacted(
     """A Watch resumed from a compacted revision fails with Compacted (an Unavailable
     older clients still see as such)."""
     stack = stack_factory(*COMPACTING)
-    stack.client.create_task({"task_id": "t", "entries": [{"file_id": "a", "path": "a"}]})
+    stack.client.operator.create_task({"task_id": "t", "entries": [{"file_id": "a", "path": "a"}]})
     old = stack.tick()
     wait_for(lambda: stack.tick() > 0 and stack.compacted(old), timeout=20,
              what="a compaction")
@@ -272,7 +272,7 @@ def test_progress_events_go_only_to_streams_that_ask(
     """An idle stream that asks is told its revision now and then, each past the
     last; one that does not ask (an older client) sees only the task's changes."""
     stack = stack_factory(*NOTIFYING)
-    stack.client.create_task({"task_id": "t", "entries": [{"file_id": "a", "path": "a"}]})
+    stack.client.operator.create_task({"task_id": "t", "entries": [{"file_id": "a", "path": "a"}]})
     plain = stack.client.watch("t", start_revision=-1, timeout=20)
     assert next(plain).kind == pb.TaskEvent.KIND_SYNCED
     told = stack.client.watch("t", start_revision=-1, timeout=20, progress=True)

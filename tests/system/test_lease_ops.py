@@ -54,7 +54,7 @@ def claim_all(client: Client, session: Session, task: str, n: int) -> list[Any]:
 
 def journal_events(client: Client, task: str) -> dict[str, list[pb.JournalRecord]]:
     by_event: dict[str, list[pb.JournalRecord]] = defaultdict(list)
-    for r in client.journal(task):
+    for r in client.operator.journal(task):
         by_event[r.event].append(r)
     return by_event
 
@@ -63,7 +63,7 @@ def assert_nothing_reaped(registry: RegistryHandle, client: Client, *tasks: str)
     """No claim was ever free: the reaper moved nothing, no journal says a lease was lost."""
     assert registry.reaper.reaped == 0
     for task in tasks:
-        lost = [r for r in client.journal(task) if "lost" in r.reason or "lost" in r.event]
+        lost = [r for r in client.operator.journal(task) if "lost" in r.reason or "lost" in r.event]
         assert lost == [], lost
 
 
@@ -77,8 +77,8 @@ def test_rotation_under_load_frees_no_claim(registry: RegistryHandle, client: Cl
     SIGSTOPped across rotations, within its TTL): every entry is committed once, by the
     token it was claimed with, and consumed; no agent errs; the reaper moves nothing."""
     n, stop = 240, threading.Event()
-    client.create_task(manifest("t", n, consumers=["c"]))
-    client.create_task(manifest("p", 1))
+    client.operator.create_task(manifest("t", n, consumers=["c"]))
+    client.operator.create_task(manifest("p", 1))
     committed: dict[str, list[int]] = defaultdict(list)
     claimed: dict[str, int] = {}
     acked: list[str] = []
@@ -99,7 +99,7 @@ def test_rotation_under_load_frees_no_claim(registry: RegistryHandle, client: Cl
                     c.commit("t", claim.file_id, claim.token, 1, DIGEST, session=s)
                     with lock:
                         committed[claim.file_id].append(claim.token)
-                    c.report("t", claim.file_id, 1, DIGEST)  # as the watcher would
+                    c.watcher.report("t", claim.file_id, 1, DIGEST)  # as the watcher would
         except errors.BatonError as e:
             failures.append(f"{name}: {type(e).__name__}: {e}")
 
@@ -137,7 +137,7 @@ def test_rotation_under_load_frees_no_claim(registry: RegistryHandle, client: Cl
             if stopped_at and (rounds == 14 or time.monotonic() - stopped_at > 5):
                 os.kill(paused.pid, signal.SIGCONT)
                 stopped_at = 0.0
-            for r in client.rotate_leases(every=True):
+            for r in client.operator.rotate_leases(every=True):
                 assert r.old_lease != r.new_lease and r.transactions == 1
                 moved_sessions.add(r.session_id)
             rounds += 1
@@ -155,7 +155,7 @@ def test_rotation_under_load_frees_no_claim(registry: RegistryHandle, client: Cl
     assert json.loads(paused.stdout.readline()) == {"ok": True, "state": pb.ENTRY_STATE_WRITTEN}
     (commit,) = journal_events(client, "p")["committed"]
     assert commit.token == paused_claim["token"]
-    entries = client.list_entries("t")
+    entries = client.operator.list_entries("t")
     assert sorted(e.file_id for e in entries if e.state
                   == pb.ENTRY_STATE_CONSUMED) == sorted(claimed)
     assert len(claimed) == n and sorted(acked) == sorted(claimed)
@@ -177,7 +177,7 @@ def rotate_every(client: Client, period: float, until: Callable[[], bool],
     while not until():
         if time.monotonic() > deadline:
             pytest.fail(f"{what}: not so by the deadline, after {rotated} rotations")
-        rotated += len(client.rotate_leases(every=True))
+        rotated += len(client.operator.rotate_leases(every=True))
         tick += period
         # The timer's cadence, not a wait for a condition: that is ``until``.
         time.sleep(max(0.0, tick - time.monotonic()))
@@ -190,24 +190,25 @@ def test_rotations_never_keep_a_killed_agent_alive(registry: RegistryHandle, cli
     session and claim die within its TTL (and a margin) of the kill, as without the
     rotations, and another agent claims the entry."""
     ttl = 4
-    client.create_task({"task_id": "t", "entries": [{"file_id": "a", "path": "a"}],
-                        "backoff": {"base_seconds": 0.001}})
+    client.operator.create_task({"task_id": "t", "entries": [{"file_id": "a", "path": "a"}],
+                                 "backoff": {"base_seconds": 0.001}})
     proc = agent("t", ttl)
     claim = json.loads(proc.stdout.readline())
-    (session,) = [a.session_id for a in client.list_agents()]
+    (session,) = [a.session_id for a in client.operator.list_agents()]
     proc.kill()
     killed = time.monotonic()
     proc.wait()
 
     def gone() -> bool:
-        return all(a.session_id != session for a in client.list_agents())
+        return all(a.session_id != session for a in client.operator.list_agents())
 
     # Its last keepalive came before the kill: the lease ends at most a TTL after it.
     rotated = rotate_every(client, 1.0, gone, killed + ttl + 1.5, "the killed agent's "
                            "session gone within its TTL")
     assert rotated >= 1  # a rotation did happen while it was dying
-    assert client.get_entry("t", "a").token == 0  # the claim went with the lease
-    wait_for(lambda: client.get_entry("t", "a").state == pb.ENTRY_STATE_PENDING, 5, "the reaper")
+    assert client.operator.get_entry("t", "a").token == 0  # the claim went with the lease
+    wait_for(lambda: client.operator.get_entry("t", "a").state == pb.ENTRY_STATE_PENDING, 5,
+             "the reaper")
     with client.open_session("other", ttl=10) as s:
         fresh = client.claim("t", "a", session=s)
         assert fresh.token > claim["token"]
@@ -223,17 +224,17 @@ def test_a_live_agent_keeps_its_claim_and_ttl_through_rotations(registry: Regist
     token; each keepalive after a rotation gives it its full TTL again (so it is rotated
     again and again, not just once), and it is left on a lease of its own TTL."""
     ttl = 3
-    client.create_task(manifest("t", 1))
+    client.operator.create_task(manifest("t", 1))
     with client.open_session("live", ttl=ttl) as s:
         claim = client.claim("t", session=s)
         until = time.monotonic() + 3 * ttl
         rotated = rotate_every(client, 0.5, lambda: time.monotonic() > until, until + 30,
                                "three TTLs of rotations")
         assert rotated >= 4, rotated
-        assert client.get_entry("t", "e0000").token == claim.token
+        assert client.operator.get_entry("t", "e0000").token == claim.token
 
         def full() -> bool:
-            (info,) = client.list_agents()
+            (info,) = client.operator.list_agents()
             left, granted = on_etcd(registry.etcd, lambda e: e.lease_times(info.lease_id))
             return granted == ttl and left > 0 and info.granted_ttl == ttl
 
@@ -248,21 +249,22 @@ def test_rotation_of_more_keys_than_one_transaction_moves_them_in_chunks(
         registry: RegistryHandle, client: Client) -> None:
     """300 claims do not fit one transaction: they move in chunks while both leases
     live, the old lease is revoked, and every token still commits."""
-    client.create_task(manifest("t", 300))
+    client.operator.create_task(manifest("t", 300))
     with client.open_session("bulk", ttl=20) as s:
         claims = claim_all(client, s, "t", 300)
-        (before,) = [a.lease_id for a in client.list_agents() if a.session_id == s.session_id]
-        (r,) = client.rotate_leases(s.session_id, ttl=15)
+        (before,) = [a.lease_id for a in client.operator.list_agents()
+                     if a.session_id == s.session_id]
+        (r,) = client.operator.rotate_leases(s.session_id, ttl=15)
         assert (r.old_lease, r.keys_moved, r.ttl) == (before, 300, 15)
         assert r.transactions == -(-300 // MOVE_CHUNK) > 1
-        (info,) = [a for a in client.list_agents() if a.session_id == s.session_id]
+        (info,) = [a for a in client.operator.list_agents() if a.session_id == s.session_id]
         assert info.lease_id == r.new_lease and info.granted_ttl == 15 and len(info.claims) == 300
         ttl, keys = on_etcd(registry.etcd, lambda e: e.lease_keys(r.old_lease))
         assert (ttl, keys) == (-1, [])
         wait_for(lambda: s.ttl == 15, 10, "the keepalive to adopt the new TTL")
         for c in claims:
             client.commit("t", c.file_id, c.token, 1, DIGEST, session=s)
-    assert {e.state for e in client.list_entries("t")} == {pb.ENTRY_STATE_WRITTEN}
+    assert {e.state for e in client.operator.list_entries("t")} == {pb.ENTRY_STATE_WRITTEN}
     assert_nothing_reaped(registry, client, "t")
 
 
@@ -270,7 +272,7 @@ def test_an_interrupted_rotation_is_finished_by_a_rerun(registry: RegistryHandle
                                                         client: Client) -> None:
     """A rotation stopped after its first chunk leaves both leases alive (keepalive
     refreshes both); `rotate` again finishes the move and revokes the old lease."""
-    client.create_task(manifest("t", 300))
+    client.operator.create_task(manifest("t", 300))
     with client.open_session("bulk", ttl=20) as s:
         claims = claim_all(client, s, "t", 300)
 
@@ -288,7 +290,7 @@ def test_an_interrupted_rotation_is_finished_by_a_rerun(registry: RegistryHandle
         assert 0 < client.keepalive(s.session_id) < 20
         ttl, keys = on_etcd(registry.etcd, lambda e: e.lease_keys(old))
         assert ttl > 0 and len(keys) == 300 - MOVE_CHUNK
-        (r,) = client.rotate_leases(s.session_id)
+        (r,) = client.operator.rotate_leases(s.session_id)
         assert r.old_lease == old and r.keys_moved == 300 - MOVE_CHUNK
         assert on_etcd(registry.etcd, lambda e: e.lease_keys(old)) == (-1, [])
         for c in claims:
@@ -303,13 +305,13 @@ def test_revoke_returns_claims_at_once_without_spending_a_retry(
         registry: RegistryHandle, client: Client) -> None:
     """Revoked: claims pending again at once, retry_count unchanged, journal `revoked`
     with who and why; the token is refused; the session is lost to its agent."""
-    client.create_task(manifest("t", 4, consumers=["c"]))
+    client.operator.create_task(manifest("t", 4, consumers=["c"]))
     holder = client.open_session("rev-a", ttl=30, keepalive=False)
     claims = client.claim_batch("t", 3, session=holder)
-    (r,) = client.revoke_sessions(holder.session_id, reason="node maintenance")
+    (r,) = client.operator.revoke_sessions(holder.session_id, reason="node maintenance")
     assert (r.session_id, r.agent, r.claims_returned) == (holder.session_id, "rev-a", 3)
     for c in claims:
-        entry = client.get_entry("t", c.file_id)
+        entry = client.operator.get_entry("t", c.file_id)
         assert (entry.state, entry.retry_count, entry.not_before) == (pb.ENTRY_STATE_PENDING, 0, "")
         with pytest.raises(errors.StaleToken):
             client.commit("t", c.file_id, c.token, 1, DIGEST)
@@ -319,7 +321,7 @@ def test_revoke_returns_claims_at_once_without_spending_a_retry(
         ("operator", "node maintenance", "writing", "pending")}
     with pytest.raises(errors.SessionExpired):
         client.keepalive(holder.session_id)
-    assert not [a for a in client.list_agents() if a.session_id == holder.session_id]
+    assert not [a for a in client.operator.list_agents() if a.session_id == holder.session_id]
     # The entries are claimable again, at once.
     with client.open_session("rev-b", ttl=30) as s:
         assert len(client.claim_batch("t", 4, session=s)) == 4
@@ -329,11 +331,11 @@ def test_revoke_returns_claims_at_once_without_spending_a_retry(
 def test_revoke_by_agent_and_by_host(registry: RegistryHandle, client: Client) -> None:
     """`lease revoke --agent NAME` and `--host HOST` revoke every matching session; a
     consume-claim goes back to its group."""
-    client.create_task(manifest("t", 3, consumers=["c"]))
+    client.operator.create_task(manifest("t", 3, consumers=["c"]))
     with client.open_session("maker", ttl=30) as s:
         c0 = client.claim("t", "e0000", session=s)
         client.commit("t", "e0000", c0.token, 1, DIGEST, session=s)
-    client.report("t", "e0000", 1, DIGEST)
+    client.watcher.report("t", "e0000", 1, DIGEST)
     eater = client.open_session("eater", ttl=30, keepalive=False)
     lease = client.consume("t", "c", session=eater)
     on_host = [client.open_session(f"w{i}", ttl=30, keepalive=False, host="rack-7")
@@ -350,13 +352,13 @@ def test_revoke_by_agent_and_by_host(registry: RegistryHandle, client: Client) -
         assert again.file_id == "e0000"  # back to its group
         # acked before the session closes: a claim left on it would be the reaper's
         client.ack("t", again.file_id, "c", again.token)
-    revoked = [r for r in client.journal("t", "e0000") if r.event == "revoked"]
+    revoked = [r for r in client.operator.journal("t", "e0000") if r.event == "revoked"]
     assert [(r.group, r.reason, r.to_state) for r in revoked] == [("c", "oom", "verified")]
 
     by_host = ok_json(invoke(registry, "lease", "revoke", "--host", "rack-7", "-o", "json"))
     assert sorted((x["session"], x["claims_returned"]) for x in by_host) == sorted(
         (str(s.session_id), 1) for s in on_host)
-    assert {e.state for e in client.list_entries("t") if e.file_id
+    assert {e.state for e in client.operator.list_entries("t") if e.file_id
             != "e0000"} == {pb.ENTRY_STATE_PENDING}
     assert_nothing_reaped(registry, client, "t")
 
@@ -365,7 +367,7 @@ def test_a_revoke_interrupted_after_marking_is_finished_by_a_rerun(
         registry: RegistryHandle, client: Client) -> None:
     """A session marked revoked takes no new claim and no keepalive; revoking it again
     returns its claims and revokes its lease."""
-    client.create_task(manifest("t", 3))
+    client.operator.create_task(manifest("t", 3))
     s = client.open_session("half", ttl=30, keepalive=False)
     claims = client.claim_batch("t", 2, session=s)
 
@@ -381,9 +383,10 @@ def test_a_revoke_interrupted_after_marking_is_finished_by_a_rerun(
         client.claim("t", session=s)
     with pytest.raises(errors.SessionExpired):
         client.keepalive(s.session_id)
-    (r,) = client.revoke_sessions(s.session_id, reason="again")
+    (r,) = client.operator.revoke_sessions(s.session_id, reason="again")
     assert r.claims_returned == 2
-    assert {client.get_entry("t", c.file_id).state for c in claims} == {pb.ENTRY_STATE_PENDING}
+    assert {client.operator.get_entry("t",
+                                      c.file_id).state for c in claims} == {pb.ENTRY_STATE_PENDING}
 
 
 # --- drain ------------------------------------------------------------------------------
@@ -394,11 +397,11 @@ def test_drain_refuses_new_work_then_revokes_what_is_left_at_the_deadline(
     """A host holding 200 claims is drained: new claims are refused with Draining (a
     session opened there later too), commits before the deadline succeed, the
     registry revokes the rest at the deadline; nothing is lost; undrain lets work in."""
-    client.create_task(manifest("t", 220))
+    client.operator.create_task(manifest("t", 220))
     worker = client.open_session("dx-1", ttl=10, host="drain-x")
     idle = client.open_session("dx-2", ttl=3, host="drain-x")
     claims = claim_all(client, worker, "t", 200)
-    reply = client.drain_host("drain-x", deadline=4, reason="kernel upgrade")
+    reply = client.operator.drain_host("drain-x", deadline=4, reason="kernel upgrade")
     assert (reply.sessions, reply.claims) == (2, 200)
     with pytest.raises(errors.Draining) as refused:
         client.claim("t", session=worker)
@@ -412,11 +415,11 @@ def test_drain_refuses_new_work_then_revokes_what_is_left_at_the_deadline(
     assert rows[str(worker.session_id)]["draining"] is True
     for c in claims[:50]:  # in flight: may finish before the deadline
         client.commit("t", c.file_id, c.token, 1, DIGEST, session=worker)
-    wait_for(lambda: not [a for a in client.list_agents() if a.host == "drain-x"], 15,
+    wait_for(lambda: not [a for a in client.operator.list_agents() if a.host == "drain-x"], 15,
              "the registry's sweep to revoke the drained host's sessions")
-    states = [e.state for e in client.list_entries("t")]
+    states = [e.state for e in client.operator.list_entries("t")]
     assert (states.count(pb.ENTRY_STATE_WRITTEN), states.count(pb.ENTRY_STATE_PENDING)) == (50, 170)
-    assert {e.retry_count for e in client.list_entries("t")} == {0}
+    assert {e.retry_count for e in client.operator.list_entries("t")} == {0}
     revoked = journal_events(client, "t")["revoked"]
     assert len(revoked) == 150 and {r.reason for r in revoked} == {"drain deadline"}
     with pytest.raises(errors.StaleToken):
@@ -432,16 +435,16 @@ def test_the_producer_helper_stops_cleanly_when_its_host_drains(
         registry: RegistryHandle, client: Client) -> None:
     """`produce_each` one at a time finishes the entry in hand, then ends without an
     error."""
-    client.create_task(manifest("t", 10, digest_optional=True))
+    client.operator.create_task(manifest("t", 10, digest_optional=True))
     done = []
     with client.open_session("helper", ttl=10, host="drain-y") as s:
         for out in produce_each(client, s, "t", ahead=1):
             out.write(b"page")
             done.append(out.claim.file_id)
             if len(done) == 3:
-                client.drain_host("drain-y", deadline=60)
+                client.operator.drain_host("drain-y", deadline=60)
         assert s.draining
-    states = {e.file_id: e.state for e in client.list_entries("t")}
+    states = {e.file_id: e.state for e in client.operator.list_entries("t")}
     assert sorted(f for f, st in states.items() if st == pb.ENTRY_STATE_WRITTEN) == sorted(done)
     assert len(done) == 3 and list(states.values()).count(pb.ENTRY_STATE_PENDING) == 7
 
@@ -451,16 +454,16 @@ def test_a_producer_loop_working_ahead_stops_at_its_next_step_once_drained(
     """Working ahead, `produce_each` learns of the drain at its next step: it finishes
     at most the entries it had claimed ahead, commits what it wrote, gives the rest
     back (no retry spent) and ends without an error; no claim is left."""
-    client.create_task(manifest("t", 40, digest_optional=True))
+    client.operator.create_task(manifest("t", 40, digest_optional=True))
     done = []
     with client.open_session("helper", ttl=10, host="drain-z") as s:
         for out in produce_each(client, s, "t", ahead=8, linger=5.0):
             out.write(b"page")
             done.append(out.claim.file_id)
             if len(done) == 3:
-                client.drain_host("drain-z", deadline=60)
+                client.operator.drain_host("drain-z", deadline=60)
         assert s.draining
-    entries = client.list_entries("t")
+    entries = client.operator.list_entries("t")
     written = sorted(e.file_id for e in entries if e.state == pb.ENTRY_STATE_WRITTEN)
     assert written == sorted(done) and 3 <= len(done) <= 3 + 8
     rest = [e for e in entries if e.state != pb.ENTRY_STATE_WRITTEN]
@@ -471,21 +474,22 @@ def test_a_producer_loop_working_ahead_stops_at_its_next_step_once_drained(
 def test_the_consumer_helper_stops_cleanly_when_its_host_drains(
         registry: RegistryHandle, client: Client) -> None:
     """`consume_each` acks the entry in hand, then ends without an error."""
-    client.create_task(manifest("t", 4, consumers=["g"], digest_optional=True))
+    client.operator.create_task(manifest("t", 4, consumers=["g"], digest_optional=True))
     with client.open_session("maker", ttl=10) as s:
         for c in client.claim_batch("t", 4, session=s):
             write_file(c.path, b"page")
             client.commit("t", c.file_id, c.token, 4, session=s)
-            client.report("t", c.file_id, 4, blake3.blake3(b"page").hexdigest())
+            client.watcher.report("t", c.file_id, 4, blake3.blake3(b"page").hexdigest())
     done = []
     with client.open_session("reader", ttl=10, host="drain-z") as s:
         for delivery in consume_each(client, s, "t", "g", timeout=5):
             assert delivery.data == b"page"
             done.append(delivery.lease.file_id)
             if len(done) == 2:
-                client.drain_host("drain-z", deadline=60)
+                client.operator.drain_host("drain-z", deadline=60)
         assert s.draining
-    consumed = [e.file_id for e in client.list_entries("t") if e.state == pb.ENTRY_STATE_CONSUMED]
+    consumed = [e.file_id for e in client.operator.list_entries("t")
+                if e.state == pb.ENTRY_STATE_CONSUMED]
     assert len(done) == 2 and sorted(consumed) == sorted(done)
 
 
@@ -498,7 +502,7 @@ def test_drain_cli_waits_for_the_claims_to_go_and_refused_claims_exit_8(
         registry: RegistryHandle, client: Client) -> None:
     """`baton claim` on a drained host exits 8; `lease drain` waits until the host holds
     nothing (here: the deadline's sweep), then says so."""
-    client.create_task(manifest("t", 3))
+    client.operator.create_task(manifest("t", 3))
     here = socket.gethostname()
     held = client.open_session("cli-1", ttl=20, keepalive=False)
     client.claim("t", session=held)
@@ -520,7 +524,7 @@ def test_drain_cli_waits_for_the_claims_to_go_and_refused_claims_exit_8(
 def test_lease_ls_and_show(registry: RegistryHandle, client: Client) -> None:
     """`lease ls` has one row per session with exactly its documented fields; `lease
     show` adds each claim; `agents` is `lease ls`; bad input has its exit status."""
-    client.create_task(manifest("t", 3, consumers=["g"]))
+    client.operator.create_task(manifest("t", 3, consumers=["g"]))
     s = client.open_session("lister", ttl=30, keepalive=False, host="h-1")
     claim = client.claim("t", "e0001", session=s)
     rows = ok_json(invoke(registry, "lease", "ls", "-o", "json"))

@@ -84,7 +84,7 @@ def test_300_bad_paths_are_a_readable_invalid_manifest(
     assert "is absolute" in line and "more)" in line, line
 
     with pytest.raises(errors.InvalidManifest) as info:
-        client.create_task(manifest)
+        client.operator.create_task(manifest)
     e = info.value
     assert len(e.problems) == errors.MAX_LIST_ITEMS  # type: ignore[attr-defined]
     assert e.problems_more == 300 - errors.MAX_LIST_ITEMS  # type: ignore[attr-defined]
@@ -146,7 +146,7 @@ def test_a_manifest_over_the_limit_is_refused_before_sending() -> None:
     # Nothing listens on port 9: only a refusal before any call can be InvalidManifest.
     with Client("127.0.0.1:9", retry=TEST_RETRY) as c, \
             pytest.raises(errors.InvalidManifest, match=r"at most 160\.0 MiB"):
-        c.create_task(spec)
+        c.operator.create_task(spec)
 
 
 def test_any_request_over_the_limit_is_refused_before_sending() -> None:
@@ -165,8 +165,8 @@ def test_the_registry_refuses_a_request_over_its_limit_at_once(
     entries = [{"file_id": f"f{i}", "path": f"dir/{i:06d}.bin"} for i in range(5_000)]
     with Client(registry.address, retry=TEST_RETRY) as c:
         with pytest.raises(errors.MessageTooLarge, match="larger than max"):
-            c.create_task({"task_id": "t1", "entries": entries})
-        assert c.list_tasks() == []
+            c.operator.create_task({"task_id": "t1", "entries": entries})
+        assert c.operator.list_tasks() == []
 
 
 def test_a_slow_upload_is_a_deadline_not_unavailable(
@@ -184,7 +184,7 @@ def test_a_slow_upload_is_a_deadline_not_unavailable(
 
     with Client(registry.address, timeout=0.05, retry=TEST_RETRY) as c, \
             pytest.raises(errors.DeadlineExceeded) as info:
-        c.create_task(manifest)
+        c.operator.create_task(manifest)
     assert info.value.method == "CreateTask"  # type: ignore[attr-defined]
 
 

@@ -32,15 +32,15 @@ def test_entry_lines_carry_task_file_and_revision(
     logger.addHandler(handler)
     logger.setLevel(logging.DEBUG)
     try:
-        client.create_task({"task_id": "lg", "max_retries": 0, "digest_optional": True,
-                            "entries": [{"file_id": "a", "path": "a"},
+        client.operator.create_task({"task_id": "lg", "max_retries": 0, "digest_optional": True,
+                                     "entries": [{"file_id": "a", "path": "a"},
                                         {"file_id": "b", "path": "b"}]})
         with client.open_session("p", ttl=10) as s:
             c = client.claim("lg", "a", session=s)
             client.fail("lg", "a", c.token, "broken", session=s)
         lost = client.open_session("q", ttl=2, keepalive=False)
         client.claim("lg", "b", session=lost)
-        wait_for(lambda: client.get_entry("lg", "b").state != 2, timeout=20,
+        wait_for(lambda: client.operator.get_entry("lg", "b").state != 2, timeout=20,
                  what="the lost claim reaped")
     finally:
         logger.removeHandler(handler)
@@ -49,7 +49,7 @@ def test_entry_lines_carry_task_file_and_revision(
     about = [line for line in seen if line.get("task") == "lg"]
     assert {line["msg"] for line in about} >= {"entry moved", "entry dead",
                                                "reaped a lost claim"}
-    revisions = {r.revision for f in ("a", "b") for r in client.journal("lg", f)}
+    revisions = {r.revision for f in ("a", "b") for r in client.operator.journal("lg", f)}
     for line in about:
         assert line["file_id"] in ("a", "b") and line["revision"] > 0, line
         if line["msg"] != "entry moved" or line["was"] != "new":  # creation: no record
@@ -57,7 +57,7 @@ def test_entry_lines_carry_task_file_and_revision(
     dead = next(line for line in about if line["msg"] == "entry dead")
     assert dead["file_id"] == "a" and dead["level"] == "warning"
     with pytest.raises(errors.NotFound):
-        client.get_entry("lg", "zz")
+        client.operator.get_entry("lg", "zz")
 
 
 def test_the_registry_process_logs_in_the_chosen_format(etcd: Any) -> None:
@@ -117,7 +117,7 @@ def test_the_watchers_lines_about_an_entry_carry_its_revision(
         put_bytes(client, s, "wl", "a", b"logged bytes")
     watcher_factory()
     wait_for(is_state(client, "wl", "a", 4), what="a verified")
-    revision = client.get_entry("wl", "a").revision
+    revision = client.operator.get_entry("wl", "a").revision
     reported = [getattr(r, "baton_fields", {}) for r in caplog.records
                 if r.getMessage() == "reported"]
     assert reported, [r.getMessage() for r in caplog.records]

@@ -134,7 +134,7 @@ def test_registry_counts_the_steps_of_a_handoff(
     the registry's /metrics shows each counted by outcome, the latencies, the etcd
     requests and the levels, under Baton's naming rules, with no id among label values."""
     watcher = watcher_factory(metrics="127.0.0.1:0")
-    client.create_task({"task_id": TASK, "consumers": [GROUP], "entries": [
+    client.operator.create_task({"task_id": TASK, "consumers": [GROUP], "entries": [
         {"file_id": f, "path": f"out/{f}.bin"} for f in FILES]})
     with client.open_session(PRODUCER, ttl=10) as producer:
         for file_id, data in FILES.items():
@@ -144,7 +144,8 @@ def test_registry_counts_the_steps_of_a_handoff(
         with pytest.raises(StaleToken):
             client.commit(TASK, "file-alpha-q7z", 12345, 1, digest(b"x"), session=producer)
     for file_id in FILES:
-        wait_for(lambda f=file_id: client.get_entry(TASK, f).state == pb.ENTRY_STATE_VERIFIED,  # type: ignore[misc]
+        wait_for(lambda f=file_id: client.operator.get_entry(TASK,
+                                                             f).state == pb.ENTRY_STATE_VERIFIED,  # type: ignore[misc]
                  what=f"{file_id} verified")
     with client.open_session(CONSUMER, ttl=10) as consumer:
         first = client.consume(TASK, GROUP, session=consumer)
@@ -219,8 +220,8 @@ def test_lost_leases_are_counted(
 ) -> None:
     """A claim whose session expired is reaped and counted; the session's end is seen on
     the watch, and a closed session is told apart by the closed counter."""
-    client.create_task({"task_id": TASK, "entries": [{"file_id": f, "path": f}
-                                                     for f in FILES]})
+    client.operator.create_task({"task_id": TASK, "entries": [{"file_id": f, "path": f}
+                                                              for f in FILES]})
     lost = client.open_session(LOST, ttl=2, keepalive=False)
     client.claim(TASK, "file-alpha-q7z", session=lost)
     with client.open_session(PRODUCER, ttl=10):
@@ -248,14 +249,14 @@ def test_watchers_and_shards_are_counted(
     after their owner was gone."""
     port = metrics_port(registry)
     assert "baton_watchers 0.0" in scrape(port).text  # no watcher: no shards either
-    kept = client.register_watcher("/r", "kept", ttl=30).watcher_id
+    kept = client.watcher.register_watcher("/r", "kept", ttl=30).watcher_id
     s = scrape(port)
     assert s.value("baton_watchers") == 1
     assert s.value("baton_shards", state="owned") == 64  # given at registration
     assert s.value("baton_shards", state="unowned") == 0
     reassigned = s.value("baton_shards_reassigned_total")
     assert reassigned == 64  # the first watcher was given every shard nobody owned
-    lost = client.register_watcher("/r", "lost", ttl=2).watcher_id
+    lost = client.watcher.register_watcher("/r", "lost", ttl=2).watcher_id
     assert scrape(port).value("baton_watchers") == 2
     # Shards start moving to it (two-phase); kept never hands any over here, and the
     # lost watcher expires first: the moves are called off, nothing is owned again.
@@ -263,7 +264,7 @@ def test_watchers_and_shards_are_counted(
              what="moves to the newcomer started")
 
     def kept_alive() -> bool:
-        client.watcher_heartbeat(kept)
+        client.watcher.watcher_heartbeat(kept)
         return scrape(port).value("baton_watchers") == 1
 
     wait_for(kept_alive, timeout=15, what="the lost watcher's registration expired")
@@ -279,8 +280,8 @@ def test_entry_counts_follow_the_indexes(
     """Entries by state come from count-only reads of the indexes, read again once their
     cache has aged; two replicas in one process keep metrics of their own."""
     other = registry_factory(metrics="127.0.0.1:0")
-    client.create_task({"task_id": TASK, "entries": [{"file_id": f, "path": f}
-                                                     for f in FILES]})
+    client.operator.create_task({"task_id": TASK, "entries": [{"file_id": f, "path": f}
+                                                              for f in FILES]})
     s = scrape(metrics_port(registry))
     assert s.value("baton_entries", state="pending") == 3
     assert s.value("baton_entries", state="unfinished") == 3
@@ -448,7 +449,7 @@ def exported(registry: RegistryHandle, client: Client, watcher_factory: Callable
     """The metric names a running registry and watcher export, and etcd's own."""
     watcher = watcher_factory(metrics="127.0.0.1:0")
     with client.open_session(PRODUCER, ttl=10) as producer:
-        client.create_task({"task_id": TASK, "entries": [{"file_id": "a", "path": "a"}]})
+        client.operator.create_task({"task_id": TASK, "entries": [{"file_id": "a", "path": "a"}]})
         client.claim(TASK, session=producer)
     return {
         "baton": declared(scrape(metrics_port(registry)).text)
@@ -578,8 +579,8 @@ def test_entry_counts_are_not_read_again_while_nothing_is_written(
     """A count-only read walks every key of an index; at rest (etcd's revision has not
     moved since the last count) a scrape reads one key instead and serves the counts
     it has; a write makes the next scrape count again (etcd's own count of requests)."""
-    client.create_task({"task_id": TASK, "entries": [{"file_id": f, "path": f}
-                                                     for f in FILES]})
+    client.operator.create_task({"task_id": TASK, "entries": [{"file_id": f, "path": f}
+                                                              for f in FILES]})
     metrics_of(registry).count_ttl = 0  # the counts have always aged
     first = scrape(metrics_port(registry))
     assert first.value("baton_entries", state="pending") == 3

@@ -41,8 +41,9 @@ def units(registry: RegistryHandle, pool: str) -> list[dict[str, Any]]:
 
 
 def task(client: Client, task_id: str, n: int, **spec: Any) -> None:
-    client.create_task({"task_id": task_id, "digest_optional": True, **spec,
-                        "entries": [{"file_id": f"e{i}", "path": f"e{i}"} for i in range(n)]})
+    client.operator.create_task({"task_id": task_id, "digest_optional": True, **spec,
+                                 "entries": [{"file_id": f"e{i}",
+                                              "path": f"e{i}"} for i in range(n)]})
 
 
 def commit(client: Client, claim: Any, session: Any) -> pb.Entry:
@@ -52,7 +53,7 @@ def commit(client: Client, claim: Any, session: Any) -> pb.Entry:
 
 def test_claims_hold_at_most_the_limit_and_commits_give_units_back(
         client: Client, registry: RegistryHandle) -> None:
-    client.set_pool("gpu", 2, reason="two cards")
+    client.operator.set_pool("gpu", 2, reason="two cards")
     task(client, "t", 4, pools={"produce": "gpu"})
     with client.open_session("p", ttl=30, keepalive=False) as s:
         first = [client.claim("t", session=s) for _ in range(2)]
@@ -60,13 +61,13 @@ def test_claims_hold_at_most_the_limit_and_commits_give_units_back(
         with pytest.raises(NothingToClaim, match="pool 'gpu' is at its limit") as refused:
             client.claim("t", session=s)
         assert refused.value.fields["pool"] == "gpu" and refused.value.fields["limit"] == 2
-        assert client.get_task("t").states["pending"] == 2  # nothing changed
+        assert client.operator.get_task("t").states["pending"] == 2  # nothing changed
         commit(client, first[0], s)
         assert len(units(registry, "gpu")) == 1
         third = client.claim("t", session=s)
         held = {(u["task"], u["file"]) for u in units(registry, "gpu")}
         assert held == {("t", first[1].file_id), ("t", third.file_id)}
-        (info,) = client.list_pools()
+        (info,) = client.operator.list_pools()
         assert (info.name, info.limit, info.in_use, info.waiting) == ("gpu", 2, 2, 1)
         assert {h.file_id for h in info.holders} == {first[1].file_id, third.file_id}
         assert all(h.agent == "p" and h.token > 0 for h in info.holders)
@@ -74,8 +75,8 @@ def test_claims_hold_at_most_the_limit_and_commits_give_units_back(
 
 def test_a_full_pool_passes_its_entries_over_and_others_are_claimed(
         client: Client, registry: RegistryHandle) -> None:
-    client.set_pool("api", 1)
-    client.create_task({"task_id": "t", "digest_optional": True, "entries": [
+    client.operator.set_pool("api", 1)
+    client.operator.create_task({"task_id": "t", "digest_optional": True, "entries": [
         *({"file_id": f"p{i}", "path": f"p{i}", "priority": 9, "pools": {"produce": "api"}}
           for i in range(3)),
         {"file_id": "free", "path": "free", "priority": 0}]})
@@ -92,12 +93,12 @@ def test_every_way_a_claim_ends_gives_its_unit_back(
         client: Client, registry: RegistryHandle, wait_for: Wait) -> None:
     """fail, a deadline, an operator's revoke, a lost session (the reaper), ack and
     nack of a consumer group's pool: each leaves no unit held."""
-    client.set_pool("p", 10)
+    client.operator.set_pool("p", 10)
     task(client, "t", 6, pools={"produce": "p", "consume": {"g": "p"}}, consumers=["g"],
          backoff={"base_seconds": 0.001}, claim_deadline_seconds=0)
-    client.create_task({"task_id": "late", "digest_optional": True,
-                        "claim_deadline_seconds": 1, "pools": {"produce": "p"},
-                        "entries": [{"file_id": "d", "path": "d"}]})
+    client.operator.create_task({"task_id": "late", "digest_optional": True,
+                                 "claim_deadline_seconds": 1, "pools": {"produce": "p"},
+                                 "entries": [{"file_id": "d", "path": "d"}]})
     with client.open_session("p", ttl=30, keepalive=False) as s:
         c = client.claim("t", "e0", session=s)
         client.fail("t", "e0", c.token, "no", session=s)
@@ -105,18 +106,18 @@ def test_every_way_a_claim_ends_gives_its_unit_back(
         client.claim("late", "d", session=s)
         wait_for(lambda: units(registry, "p") == [], what="the deadline's give-back")
         client.claim("t", "e1", session=s)
-        client.revoke_sessions(s.session_id, reason="test")
+        client.operator.revoke_sessions(s.session_id, reason="test")
         assert units(registry, "p") == []
     lost = client.open_session("gone", ttl=2, keepalive=False)  # never kept alive
     client.claim("t", "e2", session=lost)
     assert len(units(registry, "p")) == 1
     wait_for(lambda: units(registry, "p") == [], timeout=20, what="the reaper's give-back")
-    assert client.get_entry("t", "e2").state == pb.ENTRY_STATE_PENDING
+    assert client.operator.get_entry("t", "e2").state == pb.ENTRY_STATE_PENDING
     with client.open_session("c", ttl=30, keepalive=False) as s:
         for f in ("e3", "e4"):
             claim = client.claim("t", f, session=s)
             commit(client, claim, s)
-            client.report("t", f, 1, blake3.blake3(b"x").hexdigest(), reporter="w")
+            client.watcher.report("t", f, 1, blake3.blake3(b"x").hexdigest(), reporter="w")
         first = client.consume("t", "g", "e3", session=s)
         assert [u["group"] for u in units(registry, "p")] == ["g"]
         client.ack("t", "e3", "g", first.token, session=s)
@@ -128,11 +129,11 @@ def test_every_way_a_claim_ends_gives_its_unit_back(
 
 def test_the_limit_changes_live_and_lowering_it_takes_nothing_away(
         client: Client, registry: RegistryHandle) -> None:
-    client.set_pool("p", 3)
+    client.operator.set_pool("p", 3)
     task(client, "t", 6, pools={"produce": "p"})
     with client.open_session("a", ttl=30, keepalive=False) as s:
         held = [client.claim("t", session=s) for _ in range(3)]
-        client.set_pool("p", 1, reason="supplier cut our quota")
+        client.operator.set_pool("p", 1, reason="supplier cut our quota")
         assert len(units(registry, "p")) == 3  # nothing taken away
         commit(client, held[0], s)
         commit(client, held[1], s)
@@ -140,7 +141,7 @@ def test_the_limit_changes_live_and_lowering_it_takes_nothing_away(
             client.claim("t", session=s)  # one held, limit one: wait
         commit(client, held[2], s)
         client.claim("t", session=s)
-        client.set_pool("p", 4)
+        client.operator.set_pool("p", 4)
         assert len([client.claim("t", session=s) for _ in range(2)]) == 2
 
 
@@ -150,11 +151,11 @@ def test_entries_of_an_undefined_pool_wait_and_say_why(
     with client.open_session("a", ttl=30, keepalive=False) as s:
         with pytest.raises(NothingToClaim, match="pool 'nowhere' is not defined"):
             client.claim("t", session=s)
-        client.set_pool("nowhere", 1)
+        client.operator.set_pool("nowhere", 1)
         client.claim("t", session=s)
-        assert client.delete_pool("nowhere")
-        assert not client.delete_pool("nowhere")
-        (info,) = client.list_pools()  # a unit still held: listed, limit 0
+        assert client.operator.delete_pool("nowhere")
+        assert not client.operator.delete_pool("nowhere")
+        (info,) = client.operator.list_pools()  # a unit still held: listed, limit 0
         assert (info.name, info.limit, info.in_use) == ("nowhere", 0, 1)
 
 
@@ -162,13 +163,13 @@ def test_a_cancelled_tasks_units_come_back(client: Client, registry: RegistryHan
                                            wait_for: Wait) -> None:
     """A cancel deletes claims (and twins of claims whose lease ended) in bulk: every
     unit comes back, the lost ones' through the repair."""
-    client.set_pool("p", 5)
+    client.operator.set_pool("p", 5)
     task(client, "t", 3, pools={"produce": "p"})
     with client.open_session("a", ttl=30, keepalive=False) as s:
         client.claim("t", session=s)
     lost = client.open_session("gone", ttl=2, keepalive=False)
     client.claim("t", session=lost)
-    client.cancel_task("t", reason="test")
+    client.operator.cancel_task("t", reason="test")
     wait_for(lambda: units(registry, "p") == [], timeout=30, what="every unit back")
 
 
@@ -180,17 +181,17 @@ def test_a_cancelled_tasks_units_come_back(client: Client, registry: RegistryHan
 def test_a_manifest_naming_pools_wrongly_is_refused(client: Client, manifest: dict[str, Any],
                                                    said: str) -> None:
     with pytest.raises(InvalidManifest, match=said):
-        client.create_task({"task_id": "t", **manifest,
-                            "entries": [{"file_id": "a", "path": "a"}]})
+        client.operator.create_task({"task_id": "t", **manifest,
+                                     "entries": [{"file_id": "a", "path": "a"}]})
     with pytest.raises(NotFound):
-        client.get_task("t")
+        client.operator.get_task("t")
 
 
 @pytest.mark.parametrize(("name", "limit"), [("bad name", 1), ("p", 0), ("p", 10_001)])
 def test_a_bad_pool_definition_is_refused(client: Client, name: str, limit: int) -> None:
     with pytest.raises(InvalidArgument):
-        client.set_pool(name, limit)
-    assert client.list_pools() == []
+        client.operator.set_pool(name, limit)
+    assert client.operator.list_pools() == []
 
 
 POOL_AGENT = Path(__file__).parents[1] / "pool_agent.py"
@@ -230,7 +231,7 @@ def test_thirty_two_agents_on_four_tasks_never_hold_more_than_the_pools_limit(
     its claim to its end, never overlap more than 5), the dead agents' units come
     back with their claims, every entry is produced, and no unit is left held."""
     other = registry_factory()
-    client.set_pool("shared", 5)
+    client.operator.set_pool("shared", 5)
     tasks = [f"t{i}" for i in range(4)]
     for t in tasks:
         task(client, t, 60, pools={"produce": "shared"})
@@ -255,12 +256,13 @@ def test_thirty_two_agents_on_four_tasks_never_hold_more_than_the_pools_limit(
             procs.append(subprocess.Popen(
                 [sys.executable, str(POOL_AGENT), target.address, tasks[n % 4], f"a{n}"],
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        wait_for(lambda: sum(client.get_task(t).states.get("written", 0) for t in tasks) >= 40,
+        wait_for(lambda: sum(client.operator.get_task(t).states.get("written",
+                                                                    0) for t in tasks) >= 40,
                  timeout=120, what="work under way")
         for p in procs[:3]:
             p.kill()
         for name in ("a5", "a6"):
-            client.revoke_sessions(agent=name, reason="test: revoked while holding units")
+            client.operator.revoke_sessions(agent=name, reason="test: revoked while holding units")
         for p in procs[3:]:
             out, err = p.communicate(timeout=240)
             assert p.returncode == 0, (p.args, out, err)
@@ -271,7 +273,7 @@ def test_thirty_two_agents_on_four_tasks_never_hold_more_than_the_pools_limit(
             if p.poll() is None:
                 p.kill()
             p.wait()
-    assert all(client.get_task(t).states.get("written", 0) == 60 for t in tasks)
+    assert all(client.operator.get_task(t).states.get("written", 0) == 60 for t in tasks)
     assert seen and max(seen) <= 5, max(seen)
     assert max(seen) == 5  # the pool was the bound: it was full at times
     intervals = claim_intervals(registry, tasks)
@@ -284,8 +286,8 @@ def test_a_routing_rule_chooses_a_groups_pool_by_attributes(
         client: Client, registry: RegistryHandle) -> None:
     """The rule that routes an entry may name the pool of its groups' leases: a big
     file's consume takes a unit of `heavy`, a small one's none."""
-    client.set_pool("heavy", 1)
-    client.create_task({"task_id": "t", "consumers": ["ocr"], "routing_rules": [
+    client.operator.set_pool("heavy", 1)
+    client.operator.create_task({"task_id": "t", "consumers": ["ocr"], "routing_rules": [
         {"condition": "$[?(@.pages > 100)]", "groups": ["ocr"], "pools": {"ocr": "heavy"}},
         {"condition": "$[?(@.pages <= 100)]", "groups": ["ocr"]}],
         "entries": [{"file_id": f, "path": f} for f in ("big", "big2", "small")]})
@@ -294,9 +296,9 @@ def test_a_routing_rule_chooses_a_groups_pool_by_attributes(
         for f, pages in (("big", 500), ("big2", 300), ("small", 3)):
             c = client.claim("t", f, session=s)
             client.commit("t", f, c.token, 1, digest, session=s, attributes={"pages": pages})
-            client.report("t", f, 1, digest, reporter="w")
-        assert dict(client.get_entry("t", "big").pools.consume) == {"ocr": "heavy"}
-        assert not client.get_entry("t", "small").HasField("pools")
+            client.watcher.report("t", f, 1, digest, reporter="w")
+        assert dict(client.operator.get_entry("t", "big").pools.consume) == {"ocr": "heavy"}
+        assert not client.operator.get_entry("t", "small").HasField("pools")
         client.consume("t", "ocr", "big", session=s)
         assert [u["file"] for u in units(registry, "heavy")] == ["big"]
         with pytest.raises(NothingToClaim, match="heavy"):
@@ -307,7 +309,7 @@ def test_a_routing_rule_chooses_a_groups_pool_by_attributes(
 
 def test_a_routing_rule_naming_a_pool_for_another_group_is_refused(client: Client) -> None:
     with pytest.raises(InvalidManifest, match=r"routing_rules\[0\]: pools names group 'x'"):
-        client.create_task({"task_id": "t", "consumers": ["ocr"], "routing_rules": [
+        client.operator.create_task({"task_id": "t", "consumers": ["ocr"], "routing_rules": [
             {"condition": "$[?(@.a)]", "groups": ["ocr"], "pools": {"x": "p"}}],
             "entries": [{"file_id": "a", "path": "a"}]})
 

@@ -39,9 +39,9 @@ def test_an_idle_stack_moves_no_revision(tmp_path: Path,
     watcher = start_watcher(WatcherConfig(registry=registry.address, staging=str(staging),
                                           shard_ttl=3, retry_delay=0.05), retry=TEST_RETRY)
     try:
-        client.create_task({"task_id": "idle", "entries": [
+        client.operator.create_task({"task_id": "idle", "entries": [
             {"file_id": f"f{i}", "path": f"f{i}"} for i in range(3)]})
-        wait_for(lambda: any(w.capacity.tasks == 1 for w in client.list_watchers()),
+        wait_for(lambda: any(w.capacity.tasks == 1 for w in client.operator.list_watchers()),
                  what="the watcher's heartbeat recording the task it serves")
         # settled: the first heartbeats after the task recorded what changed
         wait_for(lambda: heartbeats(registry) >= 3, what="heartbeats")
@@ -49,8 +49,9 @@ def test_an_idle_stack_moves_no_revision(tmp_path: Path,
         wait_for(lambda: heartbeats(registry) >= beats + 4, timeout=20,
                  what="four heartbeats (one a second)")
         assert on_etcd(etcd, revision) == before, "an idle stack wrote to etcd"
-        client.create_task({"task_id": "second", "entries": [{"file_id": "a", "path": "a"}]})
-        wait_for(lambda: any(w.capacity.tasks == 2 for w in client.list_watchers()),
+        client.operator.create_task({"task_id": "second",
+                                     "entries": [{"file_id": "a", "path": "a"}]})
+        wait_for(lambda: any(w.capacity.tasks == 2 for w in client.operator.list_watchers()),
                  what="a heartbeat recording the capacity that changed")
     finally:
         watcher.stop()

@@ -191,8 +191,8 @@ def fill(client: Client) -> int:
     n = 0
     with pytest.raises(StorageFull, match="database is full") as refused:
         while n < 200:
-            client.create_task({"task_id": f"fill-{n}", "labels": {"pad": "x" * 200},
-                                "entries": [{"file_id": f"f{i:04d}", "path": f"p/{i:04d}",
+            client.operator.create_task({"task_id": f"fill-{n}", "labels": {"pad": "x" * 200},
+                                         "entries": [{"file_id": f"f{i:04d}", "path": f"p/{i:04d}",
                                              "labels": {"pad": "y" * 200}}
                                             for i in range(500)]})
             n += 1
@@ -209,8 +209,8 @@ def test_writes_are_refused_with_a_clear_error_and_reads_go_on(
             created = fill(client)
             assert created > 0
             # reads still work: tasks, entries
-            assert client.get_task("fill-0").entry_count == 500
-            assert len(client.list_entries("fill-0", limit=10)) == 10
+            assert client.operator.get_task("fill-0").entry_count == 500
+            assert len(client.operator.list_entries("fill-0", limit=10)) == 10
             with pytest.raises(StorageFull):  # etcd grants no lease either
                 client.open_session("p", ttl=10, keepalive=False)
             result = CliRunner().invoke(cli, ["task", "pause", "fill-0"],
@@ -219,8 +219,8 @@ def test_writes_are_refused_with_a_clear_error_and_reads_go_on(
         # The operator frees space and disarms the alarm: the same registry goes on.
         on_etcd(small_etcd.endpoint, _free_and_disarm)
         with Client(registry.address, timeout=10, retry=TEST_RETRY) as client:
-            assert client.pause_task("fill-0").status == pb.TASK_STATUS_PAUSED
-            client.create_task({"task_id": "after", "entries": [{"file_id": "a",
+            assert client.operator.pause_task("fill-0").status == pb.TASK_STATUS_PAUSED
+            client.operator.create_task({"task_id": "after", "entries": [{"file_id": "a",
                                                                   "path": "a"}]})
             with client.open_session("p", ttl=10) as s:
                 assert client.claim("after", session=s).file_id == "a"
@@ -245,7 +245,7 @@ def test_writes_sent_together_at_the_quota_are_refused_too(
             def pause(task_id: str) -> BaseException | None:
                 barrier.wait()
                 try:
-                    client.pause_task(task_id)
+                    client.operator.pause_task(task_id)
                 except StorageFull as e:
                     return e
                 return None
@@ -265,10 +265,10 @@ def test_writes_sent_together_at_the_quota_are_refused_too(
 
 def big_task(client: Client, task_id: str) -> None:
     """A cancelled task of ``BIG`` entries: finished, and worth archiving."""
-    client.create_task({"task_id": task_id, "labels": {"pad": "x" * 200},
-                        "entries": [{"file_id": f"f{i:04d}", "path": f"p/{i:04d}",
+    client.operator.create_task({"task_id": task_id, "labels": {"pad": "x" * 200},
+                                 "entries": [{"file_id": f"f{i:04d}", "path": f"p/{i:04d}",
                                      "labels": {"pad": "y" * 200}} for i in range(BIG)]})
-    client.cancel_task(task_id)
+    client.operator.cancel_task(task_id)
 
 
 def finished_then_full(client: Client, endpoint: str, wait_for: Any
@@ -278,7 +278,8 @@ def finished_then_full(client: Client, endpoint: str, wait_for: Any
     as read before."""
     with client.open_session("producer", ttl=30) as session:
         finish(client, session, "t1", wait_for)
-    seen = client.list_entries("t1"), client.journal("t1"), client.explain("t1", "b")
+    seen = (client.operator.list_entries("t1"), client.operator.journal("t1"),
+            client.operator.explain("t1", "b"))
     big_task(client, "big-0")
     big_task(client, "big-1")
     history(endpoint)
@@ -301,7 +302,7 @@ def test_a_finished_task_is_archived_at_the_quota_with_deletes_only(
     with Client(archiving.address, timeout=10, retry=TEST_RETRY) as client:
         entries, journal, explained = finished_then_full(client, small_etcd.endpoint,
                                                          wait_for)
-        task = client.archive_task("t1", reason="etcd full")
+        task = client.operator.archive_task("t1", reason="etcd full")
         # etcd 3.5's file can pass the quota again as the deletes are written, and it
         # then refuses even read-only transactions: the runbook compacts and
         # defragments (a no-op on 3.4, which applies them as it is)
@@ -312,33 +313,35 @@ def test_a_finished_task_is_archived_at_the_quota_with_deletes_only(
         assert task_keys(archiving, "t1") == []
         assert sorted(p.name for p in archive_dir.iterdir()) == ["t1.jsonl.gz",
                                                                  "t1.meta.json"]
-        got = client.get_task("t1")
+        got = client.operator.get_task("t1")
         assert got.status == pb.TASK_STATUS_ARCHIVED and got.states["consumed"] == 3
         assert [(e.file_id, e.state, e.digest, e.revision)
-                for e in client.list_entries("t1")] == [
+                for e in client.operator.list_entries("t1")] == [
             (e.file_id, e.state, e.digest, e.revision) for e in entries]
-        assert [(r.file_id, r.event, r.revision) for r in client.journal("t1")] == \
+        assert [(r.file_id, r.event, r.revision) for r in client.operator.journal("t1")] == \
             [(r.file_id, r.event, r.revision) for r in journal]
-        assert client.get_entry("t1", "b").digest == explained.entry.digest
-        text = client.explain("t1", "b").text
+        assert client.operator.get_entry("t1", "b").digest == explained.entry.digest
+        text = client.operator.explain("t1", "b").text
         assert "was consumed" in text and "archived" in text
-        assert [t.spec.task_id for t in client.list_tasks(archived=True)] == ["t1"]
+        assert [t.spec.task_id for t in client.operator.list_tasks(archived=True)] == ["t1"]
         # the CLI, and the library again: the big tasks go too
         done = CliRunner().invoke(cli, ["task", "archive", "big-0", "--reason", "etcd full"],
                                   env=env)
         assert done.exit_code == 0, done.output
         assert done.output.strip() == "task big-0: archived (archive (cancel): etcd full)"
         on_etcd(small_etcd.endpoint, _deletes_accepted)
-        assert client.archive_task("big-1").status == pb.TASK_STATUS_ARCHIVED
+        assert client.operator.archive_task("big-1").status == pb.TASK_STATUS_ARCHIVED
         on_etcd(small_etcd.endpoint, _deletes_accepted)
         assert task_keys(archiving, "big-0") == task_keys(archiving, "big-1") == []
-        assert [t.spec.task_id for t in client.list_tasks(archived=True)] == [
+        assert [t.spec.task_id for t in client.operator.list_tasks(archived=True)] == [
             "big-0", "big-1", "t1"]
-        assert client.archive_task("t1").status == pb.TASK_STATUS_ARCHIVED  # again: the same
+        # again: the same
+        assert client.operator.archive_task("t1").status == pb.TASK_STATUS_ARCHIVED
         with pytest.raises(IllegalTransition, match="its header is not back in etcd yet"):
-            client.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "a"}]})
+            client.operator.create_task({"task_id": "t1",
+                                         "entries": [{"file_id": "a", "path": "a"}]})
         with pytest.raises(IllegalTransition, match="it is archived; its archive is kept"):
-            client.delete_task("t1", discard_history=True)
+            client.operator.delete_task("t1", discard_history=True)
         assert sorted(p.name for p in archive_dir.iterdir()) == ["big-0.jsonl.gz",
                                                                  "big-0.meta.json",
                                                                  "big-1.jsonl.gz",
@@ -353,18 +356,20 @@ def test_a_finished_task_is_archived_at_the_quota_with_deletes_only(
         # a CreateTask of the id puts the header back first, then answers as for any
         # archived task
         with pytest.raises(TaskExists):
-            client.create_task({"task_id": "t1", "entries": [{"file_id": "z", "path": "z"}]})
+            client.operator.create_task({"task_id": "t1",
+                                         "entries": [{"file_id": "z", "path": "z"}]})
         assert task_keys(archiving, "t1") == [header_key("t1")]
         # the archiver's sweep puts back the others
         assert on_loop(archiving, archiver(archiving).sweep()) == 0
         for task_id in ("big-0", "big-1"):
             assert task_keys(archiving, task_id) == [header_key(task_id)]
-        back = client.get_task("t1")
+        back = client.operator.get_task("t1")
         assert back.status == pb.TASK_STATUS_ARCHIVED and back.states["consumed"] == 3
         assert back.archive == task.archive and back.archived_at == task.archived_at
-        assert len(client.list_entries("t1")) == 3
+        assert len(client.operator.list_entries("t1")) == 3
         # and the registry carries on
-        client.create_task({"task_id": "after", "entries": [{"file_id": "a", "path": "a"}]})
+        client.operator.create_task({"task_id": "after",
+                                     "entries": [{"file_id": "a", "path": "a"}]})
         with client.open_session("p", ttl=10) as s:
             assert client.claim("after", session=s).file_id == "a"
 
@@ -385,7 +390,7 @@ def test_an_archive_interrupted_at_the_quota_finishes_when_run_again_with_one_co
         with crashing(monkeypatch, DirectoryStore, "write"), pytest.raises(Crash):
             on_loop(archiving, arch.archive("big-0"))
         assert task_keys(archiving, "big-0") == keys_before and store.info("big-0") is None
-        assert client.get_task("big-0").status == pb.TASK_STATUS_CANCELLED
+        assert client.operator.get_task("big-0").status == pb.TASK_STATUS_CANCELLED
         # 2. killed once the archive is written, before the header goes: kept
         with crashing(monkeypatch, Archiver, "_drop_plan"), pytest.raises(Crash):
             on_loop(archiving, arch.archive("big-0"))
@@ -401,9 +406,9 @@ def test_an_archive_interrupted_at_the_quota_finishes_when_run_again_with_one_co
         assert header_key("big-0") not in left and 0 < len(left) < len(keys_before)
         assert store.info("big-0") == written  # the same archive, not read again
         # reads answer from the archive meanwhile
-        assert client.get_task("big-0").status == pb.TASK_STATUS_ARCHIVED
-        assert len(client.list_entries("big-0")) == BIG
-        assert "big-0" in [t.spec.task_id for t in client.list_tasks(archived=True)]
+        assert client.operator.get_task("big-0").status == pb.TASK_STATUS_ARCHIVED
+        assert len(client.operator.list_entries("big-0")) == BIG
+        assert "big-0" in [t.spec.task_id for t in client.operator.list_tasks(archived=True)]
         # 4. run again (the CLI): finishes, one copy, nothing left in etcd
         on_etcd(small_etcd.endpoint, _deletes_accepted)
         done = CliRunner().invoke(cli, ["task", "archive", "big-0"],
@@ -429,7 +434,7 @@ def test_a_key_written_after_the_archive_is_read_at_the_quota_is_not_deleted(
     keys = Keys(PREFIX)
     with Client(archiving.address, timeout=10, retry=TEST_RETRY) as client:
         finished_then_full(client, small_etcd.endpoint, wait_for)
-        client.archive_task("big-0")  # the space to free
+        client.operator.archive_task("big-0")  # the space to free
         real_write = DirectoryStore.write
 
         async def late_write(etcd: Etcd) -> None:
@@ -451,11 +456,11 @@ def test_a_key_written_after_the_archive_is_read_at_the_quota_is_not_deleted(
             on_loop(archiving, archiver(archiving).archive("t1"))
         monkeypatch.setattr(DirectoryStore, "write", real_write)
         assert task_keys(archiving, "t1") == keys_before
-        assert client.get_task("t1").status == pb.TASK_STATUS_COMPLETED
+        assert client.operator.get_task("t1").status == pb.TASK_STATUS_COMPLETED
         # etcd takes puts again: archived as usual, the late write with it
-        assert client.archive_task("t1").status == pb.TASK_STATUS_ARCHIVED
+        assert client.operator.archive_task("t1").status == pb.TASK_STATUS_ARCHIVED
         assert task_keys(archiving, "t1") == [header_key("t1")]
-        assert client.get_entry("t1", "c").error == "written after the archive"
+        assert client.operator.get_entry("t1", "c").error == "written after the archive"
 
 
 def test_an_etcd_refusing_every_transaction_at_its_quota_is_compacted_first(
@@ -474,13 +479,13 @@ def test_an_etcd_refusing_every_transaction_at_its_quota_is_compacted_first(
         on_etcd(small_etcd.endpoint, _over_quota)
         keys_before = task_keys(archiving, "big-0")
         with pytest.raises(StorageFull, match="compact and defragment etcd"):
-            client.archive_task("big-0")
+            client.operator.archive_task("big-0")
         assert task_keys(archiving, "big-0") == keys_before
-        assert client.get_task("big-0").status == pb.TASK_STATUS_CANCELLED
+        assert client.operator.get_task("big-0").status == pb.TASK_STATUS_CANCELLED
         written = archiver(archiving).store.info("big-0")
         on_etcd(small_etcd.endpoint, _compact_defrag)
         with pytest.raises(StorageFull):
-            client.pause_task("fill-0")  # puts: still refused
-        assert client.archive_task("big-0").status == pb.TASK_STATUS_ARCHIVED
+            client.operator.pause_task("fill-0")  # puts: still refused
+        assert client.operator.archive_task("big-0").status == pb.TASK_STATUS_ARCHIVED
         assert task_keys(archiving, "big-0") == []
         assert archiver(archiving).store.info("big-0") == written

@@ -43,7 +43,7 @@ def test_each_report_of_a_batch_has_its_own_answer(client: Client, session: Sess
     files = {"a": b"alpha", "b": b"bravo", "c": b"charlie"}
     make_task(client, "t1", {f: f"out/{f}.bin" for f in files})
     _committed(client, session, "t1", files)
-    outcomes = client.report_batch([
+    outcomes = client.watcher.report_batch([
         _report("t1", "a", files["a"]),
         _report("t1", "nope", b"x"),
         _report("t1", "b", b"not bravo"),
@@ -56,7 +56,7 @@ def test_each_report_of_a_batch_has_its_own_answer(client: Client, session: Sess
     assert isinstance(b, pb.Entry) and b.state == pb.ENTRY_STATE_PENDING
     assert "checksum mismatch" in b.error
     assert isinstance(c, pb.Entry) and c.state == pb.ENTRY_STATE_VERIFIED
-    assert client.get_entry("t1", "a").state == pb.ENTRY_STATE_VERIFIED
+    assert client.operator.get_entry("t1", "a").state == pb.ENTRY_STATE_VERIFIED
 
 
 def test_a_batch_sent_again_applies_nothing_twice(client: Client, session: Session) -> None:
@@ -67,13 +67,13 @@ def test_a_batch_sent_again_applies_nothing_twice(client: Client, session: Sessi
     make_task(client, "t1", {f: f"out/{f}.bin" for f in files})
     _committed(client, session, "t1", files)
     batch = [_report("t1", f, data) for f, data in files.items()]
-    first = client.report_batch(batch)
+    first = client.watcher.report_batch(batch)
     assert all(r.request_id for r in batch)  # given by the client, kept for the retry
-    again = client.report_batch(batch)
+    again = client.watcher.report_batch(batch)
     assert [e.revision for e in again if isinstance(e, pb.Entry)] == [
         e.revision for e in first if isinstance(e, pb.Entry)]
     for file_id in files:
-        events = [r.event for r in client.journal("t1", file_id)]
+        events = [r.event for r in client.operator.journal("t1", file_id)]
         assert events.count("verified") == 1, events
 
 
@@ -84,7 +84,7 @@ def test_one_entrys_reports_apply_in_the_order_sent(client: Client, session: Ses
     make_task(client, "t1", {"a": "out/a.bin"})
     claim = client.claim("t1", "a", session=session)
     versions = [f"version {i}".encode() for i in range(8)]
-    outcomes = client.report_batch([_report("t1", "a", v) for v in versions])
+    outcomes = client.watcher.report_batch([_report("t1", "a", v) for v in versions])
     revisions = [e.revision for e in outcomes if isinstance(e, pb.Entry)]
     assert len(revisions) == len(versions) and revisions == sorted(revisions)
     assert len(set(revisions)) == len(revisions)
@@ -105,21 +105,21 @@ def test_a_report_read_before_the_commit_is_not_judged_after_it(
     seen = {}
     for f in data:
         claim = client.claim("t1", f, session=session)
-        seen[f] = client.get_entry("t1", f).revision  # the watcher looks: writing
+        seen[f] = client.operator.get_entry("t1", f).revision  # the watcher looks: writing
         write(claim.path, data[f])
         client.commit("t1", f, claim.token, len(data[f]), digest(data[f]), session=session)
-    written = client.get_entry("t1", "a")
+    written = client.operator.get_entry("t1", "a")
     partial = b"alpha, wh"
-    (stale,) = client.report_batch([_report("t1", "a", partial, seen_revision=seen["a"])])
+    (stale,) = client.watcher.report_batch([_report("t1", "a", partial, seen_revision=seen["a"])])
     assert isinstance(stale, errors.StaleReport)
-    after = client.get_entry("t1", "a")
+    after = client.operator.get_entry("t1", "a")
     assert (after.state, after.revision, after.retry_count) == (
         pb.ENTRY_STATE_WRITTEN, written.revision, 0)
-    (judged,) = client.report_batch([_report("t1", "a", partial,
-                                             seen_revision=after.revision)])
+    (judged,) = client.watcher.report_batch([_report("t1", "a", partial,
+                                                     seen_revision=after.revision)])
     assert isinstance(judged, pb.Entry) and judged.state == pb.ENTRY_STATE_PENDING
     assert judged.retry_count == 1
-    (good,) = client.report_batch([_report("t1", "b", data["b"], seen_revision=seen["b"])])
+    (good,) = client.watcher.report_batch([_report("t1", "b", data["b"], seen_revision=seen["b"])])
     assert isinstance(good, pb.Entry) and good.state == pb.ENTRY_STATE_VERIFIED
 
 
@@ -130,8 +130,8 @@ def test_a_batch_over_the_limit_is_refused_whole(client: Client, session: Sessio
     _committed(client, session, "t1", {"a": b"alpha"})
     batch = [_report("t1", "a", b"alpha") for _ in range(MAX_REPORT_BATCH + 1)]
     with pytest.raises(errors.InvalidArgument, match=str(MAX_REPORT_BATCH)):
-        client.report_batch(batch)
-    assert client.get_entry("t1", "a").state == pb.ENTRY_STATE_WRITTEN
+        client.watcher.report_batch(batch)
+    assert client.operator.get_entry("t1", "a").state == pb.ENTRY_STATE_WRITTEN
 
 
 def test_reports_handed_over_faster_than_a_round_trip_travel_together(
@@ -176,10 +176,11 @@ def test_a_busy_watcher_verifies_each_file_once(
     for f in ids:
         put_bytes(client, session, "t1", f, os.urandom(2048))
     w = watcher_factory()
-    wait_for(lambda: all(e.state == pb.ENTRY_STATE_VERIFIED for e in client.list_entries("t1")),
+    wait_for(lambda: all(e.state == pb.ENTRY_STATE_VERIFIED
+                         for e in client.operator.list_entries("t1")),
              timeout=60, what="all verified")
     # the last batch's answer reaches the watcher after the registry applied it
     wait_for(lambda: w.reports.reports >= len(ids), what="every report answered")
     assert w.reports.reports == len(ids)
     for f in ids:
-        assert [r.event for r in client.journal("t1", f)].count("verified") == 1
+        assert [r.event for r in client.operator.journal("t1", f)].count("verified") == 1

@@ -80,8 +80,9 @@ def kill_at_seventy_percent(registry: RegistryHandle, size: int = SIZE,
 @pytest.fixture
 def big_task(client: Client, watcher_factory: Callable[..., Any]) -> Client:
     watcher_factory()
-    client.create_task({"task_id": "t", "max_retries": 3, "backoff": {"base_seconds": 0.01},
-                        "entries": [{"file_id": "big", "path": "big.bin"}]})
+    client.operator.create_task({"task_id": "t", "max_retries": 3,
+                                 "backoff": {"base_seconds": 0.01},
+                                 "entries": [{"file_id": "big", "path": "big.bin"}]})
     return client
 
 
@@ -103,9 +104,9 @@ def test_a_killed_large_write_resumes_where_its_last_resume_point_left_it(
     done = said[-1]
     assert done["written"] == SIZE - saved
     assert first_wrote + done["written"] <= 1.35 * SIZE
-    wait_for(lambda: big_task.get_entry("t", "big").state == pb.ENTRY_STATE_VERIFIED, 120,
+    wait_for(lambda: big_task.operator.get_entry("t", "big").state == pb.ENTRY_STATE_VERIFIED, 120,
              "the resumed file to be verified")
-    entry = big_task.get_entry("t", "big")
+    entry = big_task.operator.get_entry("t", "big")
     assert (entry.size, entry.digest) == (SIZE, payload_digest())
     assert not partials(staging)  # the adopted partial became the file
 
@@ -137,9 +138,9 @@ def test_a_write_killed_part_way_re_does_at_most_its_resume_bound(
     start = said[0]["start"]
     assert said[0]["attempt"] == 2 and 0 <= stopped_at - start <= bound, (stopped_at, start)
     assert said[-1]["written"] == size - start
-    wait_for(lambda: big_task.get_entry("t", "big").state == pb.ENTRY_STATE_VERIFIED, 120,
+    wait_for(lambda: big_task.operator.get_entry("t", "big").state == pb.ENTRY_STATE_VERIFIED, 120,
              "the resumed file to be verified")
-    entry = big_task.get_entry("t", "big")
+    entry = big_task.operator.get_entry("t", "big")
     assert (entry.size, entry.digest) == (size, payload_digest(size))
 
 
@@ -162,9 +163,9 @@ def test_a_damaged_partial_file_is_not_adopted_and_the_write_starts_over(
     assert said[0]["start"] == 0
     assert said[-1]["written"] == SIZE
     assert not partial.exists()
-    wait_for(lambda: big_task.get_entry("t", "big").state == pb.ENTRY_STATE_VERIFIED, 120,
+    wait_for(lambda: big_task.operator.get_entry("t", "big").state == pb.ENTRY_STATE_VERIFIED, 120,
              "the rewritten file to be verified")
-    entry = big_task.get_entry("t", "big")
+    entry = big_task.operator.get_entry("t", "big")
     assert (entry.size, entry.digest) == (SIZE, payload_digest())
 
 
@@ -176,16 +177,17 @@ def test_an_attempt_that_does_not_resume_removes_the_partial_it_was_handed(
     the new attempt's file is the one verified."""
     kill_at_seventy_percent(registry, size=64 << 20, every=4 << 20)
     (partial,) = partials(staging)
-    wait_for(lambda: big_task.get_entry("t", "big").state == pb.ENTRY_STATE_PENDING, 30,
+    wait_for(lambda: big_task.operator.get_entry("t", "big").state == pb.ENTRY_STATE_PENDING, 30,
              "the killed writer's claim to be taken back (its session's TTL)")
-    wait_for(lambda: "claimable" in big_task.explain("t", "big").text, 10, "the backoff to end")
+    wait_for(lambda: "claimable" in big_task.operator.explain("t", "big").text, 10,
+             "the backoff to end")
     with big_task.open_session("plain", ttl=10) as s, produce(big_task, s, "t", "big") as out:
         assert out.claim.checkpoint is not None and out.size == 0
         assert not partial.exists()
         out.write(b"small")
-    wait_for(lambda: big_task.get_entry("t", "big").state == pb.ENTRY_STATE_VERIFIED, 30,
+    wait_for(lambda: big_task.operator.get_entry("t", "big").state == pb.ENTRY_STATE_VERIFIED, 30,
              "the new file to be verified")
-    assert big_task.get_entry("t", "big").digest == blake3.blake3(b"small").hexdigest()
+    assert big_task.operator.get_entry("t", "big").digest == blake3.blake3(b"small").hexdigest()
     assert not partials(staging)
 
 
@@ -255,7 +257,7 @@ def test_baton_put_resume_copies_only_what_the_killed_put_did_not(
         first.kill()
         first.wait(timeout=30)
     adopted = resumed_at()
-    wait_for(lambda: big_task.get_entry("t", "big").state == pb.ENTRY_STATE_PENDING, 30,
+    wait_for(lambda: big_task.operator.get_entry("t", "big").state == pb.ENTRY_STATE_PENDING, 30,
              "the killed put's claim to be taken back (its session's TTL)")
     src = tmp_path / "src.bin"
     src.write_bytes(bytes(adopted) + payload[adopted:])
@@ -264,6 +266,6 @@ def test_baton_put_resume_copies_only_what_the_killed_put_did_not(
                             env=env, capture_output=True, text=True, timeout=120, check=False)
     assert second.returncode == 0, second.stdout + second.stderr
     assert json.loads(second.stdout)["size"] == len(payload)
-    wait_for(lambda: big_task.get_entry("t", "big").state == pb.ENTRY_STATE_VERIFIED, 30,
+    wait_for(lambda: big_task.operator.get_entry("t", "big").state == pb.ENTRY_STATE_VERIFIED, 30,
              "the file to be verified")
-    assert big_task.get_entry("t", "big").digest == blake3.blake3(payload).hexdigest()
+    assert big_task.operator.get_entry("t", "big").digest == blake3.blake3(payload).hexdigest()

@@ -265,7 +265,7 @@ def test_role_matrix(secure: RegistryHandle, clients: dict[str, Client], who: st
     (PERMISSION_DENIED, or no connection at all without a certificate of the CA) and
     changes nothing; what it allows gets past the table."""
     owner = clients["agent"]
-    owner.create_task(manifest())
+    owner.operator.create_task(manifest())
     session = owner.open_session("owner", ttl=30)
     claim = owner.claim("t", "f0", session=session)
     world = {"task": "t", "file": "f0", "session": session.session_id, "token": claim.token}
@@ -333,7 +333,7 @@ def test_a_stranger_cannot_use_another_agents_token(clients: dict[str, Client],
     """Knowing a claim's token and session is not enough: commit, fail, keepalive and
     close from another identity are refused, and the claim is untouched."""
     owner, stranger = clients["agent"], clients["agent2"]
-    owner.create_task(manifest())
+    owner.operator.create_task(manifest())
     s = owner.open_session("owner", ttl=30)
     claim = owner.claim("t", "f0", session=s)
     before = snapshot(secure)
@@ -348,7 +348,7 @@ def test_a_stranger_cannot_use_another_agents_token(clients: dict[str, Client],
         with pytest.raises(errors.PermissionDenied):
             attempt()
     assert snapshot(secure) == before
-    assert owner.get_entry("t", "f0").state == pb.ENTRY_STATE_WRITING
+    assert owner.operator.get_entry("t", "f0").state == pb.ENTRY_STATE_WRITING
     # the owner still can, and naming the wrong session is refused even for it
     s2 = owner.open_session("owner-2", ttl=30)
     with pytest.raises(errors.PermissionDenied):
@@ -360,18 +360,19 @@ def test_a_stranger_cannot_use_another_agents_token(clients: dict[str, Client],
 def test_only_watchers_verify(clients: dict[str, Client], secure: RegistryHandle) -> None:
     """A verification or a problem report from anyone but a watcher is refused."""
     agent = clients["agent"]
-    agent.create_task(manifest())
+    agent.operator.create_task(manifest())
     s = agent.open_session("p", ttl=30)
     c = agent.claim("t", "f0", session=s)
     agent.commit("t", "f0", c.token, 1, DIGEST, session=s)
     before = snapshot(secure)
     for who in ("agent", "operator"):
         with pytest.raises(errors.PermissionDenied):
-            clients[who].report("t", "f0", 1, DIGEST)
+            clients[who].watcher.report("t", "f0", 1, DIGEST)
         with pytest.raises(errors.PermissionDenied):
-            clients[who].report_problem("t", "f0", pb.ReportProblemRequest.KIND_CORRUPTED, "forged")
+            clients[who].watcher.report_problem("t", "f0", pb.ReportProblemRequest.KIND_CORRUPTED,
+                                                "forged")
     assert snapshot(secure) == before
-    assert clients["watcher"].report("t", "f0", 1, DIGEST).state == pb.ENTRY_STATE_VERIFIED
+    assert clients["watcher"].watcher.report("t", "f0", 1, DIGEST).state == pb.ENTRY_STATE_VERIFIED
 
 
 def test_a_watcher_is_its_certificate(clients: dict[str, Client],
@@ -382,49 +383,52 @@ def test_a_watcher_is_its_certificate(clients: dict[str, Client],
     nothing; the registered watcher goes on, and the
     journal names its certificate, with the name it gave itself as a label."""
     agent = clients["agent"]
-    agent.create_task(manifest())
+    agent.operator.create_task(manifest())
     s = agent.open_session("p", ttl=30)
     c = agent.claim("t", "f0", session=s)
     agent.commit("t", "f0", c.token, 1, DIGEST, session=s)
-    reg = clients["watcher"].register_watcher(str(secure.staging), reporter="wa@host", ttl=30)
+    reg = clients["watcher"].watcher.register_watcher(str(secure.staging), reporter="wa@host",
+                                                      ttl=30)
     n = shard_of("t", reg.shard_count)
     (epoch,) = [g.epoch for g in reg.shards if g.shard == n]
     me = {"watcher_id": reg.watcher_id, "shard_epoch": epoch}
     before = snapshot(secure)
     rogue = clients["watcher2"]
-    for forged in (lambda: rogue.report("t", "f0", 1, DIGEST, reporter="wa@host", **me),
-                   lambda: rogue.report("t", "f0", 1, "1" * 64, **me),
-                   lambda: rogue.report_problem("t", "f0", pb.ReportProblemRequest.KIND_MISSING,
-                                                "forged", **me),
-                   lambda: rogue.watcher_heartbeat(reg.watcher_id),
-                   lambda: rogue.release_shard(reg.watcher_id, n, epoch),
-                   lambda: rogue.register_watcher(str(secure.staging), ttl=30,
-                                                  previous=reg.watcher_id)):
+    for forged in (lambda: rogue.watcher.report("t", "f0", 1, DIGEST, reporter="wa@host", **me),
+                   lambda: rogue.watcher.report("t", "f0", 1, "1" * 64, **me),
+                   lambda: rogue.watcher.report_problem("t", "f0",
+                                                        pb.ReportProblemRequest.KIND_MISSING,
+                                                        "forged", **me),
+                   lambda: rogue.watcher.watcher_heartbeat(reg.watcher_id),
+                   lambda: rogue.watcher.release_shard(reg.watcher_id, n, epoch),
+                   lambda: rogue.watcher.register_watcher(str(secure.staging), ttl=30,
+                                                          previous=reg.watcher_id)):
         with pytest.raises(errors.PermissionDenied, match="another identity"):
             forged()
     assert snapshot(secure) == before
     watcher = clients["watcher"]
-    watcher.watcher_heartbeat(reg.watcher_id)
-    assert watcher.report("t", "f0", 1, DIGEST, reporter="wa@host",
+    watcher.watcher.watcher_heartbeat(reg.watcher_id)
+    assert watcher.watcher.report("t", "f0", 1, DIGEST, reporter="wa@host",
                           **me).state == pb.ENTRY_STATE_VERIFIED
-    (verified,) = [r for r in clients["operator"].journal("t", "f0") if r.event == "verified"]
+    (verified,) = [r for r in clients["operator"].operator.journal("t",
+                                                                   "f0") if r.event == "verified"]
     assert (verified.who, verified.label) == ("wa", "wa@host")
 
 
 def test_only_operators_list_sessions_and_see_tokens(clients: dict[str, Client]) -> None:
     """ListAgents is an operator's; entries and journal show tokens to operators only."""
     agent, op = clients["agent"], clients["operator"]
-    agent.create_task(manifest())
+    agent.operator.create_task(manifest())
     s = agent.open_session("p", ttl=30)
     c = agent.claim("t", "f0", session=s)
     with pytest.raises(errors.PermissionDenied):
-        agent.list_agents()
-    assert agent.get_entry("t", "f0").token == 0
-    assert all(e.token == 0 for e in agent.list_entries("t"))
-    assert all(r.token == 0 for r in agent.journal("t", "f0"))
-    assert op.get_entry("t", "f0").token == c.token
-    assert any(r.token == c.token for r in op.journal("t", "f0"))
-    listed = [a for a in op.list_agents() if a.session_id == s.session_id]
+        agent.operator.list_agents()
+    assert agent.operator.get_entry("t", "f0").token == 0
+    assert all(e.token == 0 for e in agent.operator.list_entries("t"))
+    assert all(r.token == 0 for r in agent.operator.journal("t", "f0"))
+    assert op.operator.get_entry("t", "f0").token == c.token
+    assert any(r.token == c.token for r in op.operator.journal("t", "f0"))
+    listed = [a for a in op.operator.list_agents() if a.session_id == s.session_id]
     assert listed and listed[0].claims[0].token == c.token
 
 
@@ -436,35 +440,35 @@ def test_operator_actions_record_the_operators_identity(
     deadline name ops-carol, and the registry's log names her for task controls, lease
     rotations and undrains."""
     agent, carol = clients["agent"], clients["ops-carol"]
-    agent.create_task(manifest(n=4, max_retries=0))
+    agent.operator.create_task(manifest(n=4, max_retries=0))
     caplog.set_level(logging.INFO, logger="baton.registry")
     with agent.open_session("p", ttl=30) as s:
         c = agent.claim("t", "f0", session=s)
         agent.fail("t", "f0", c.token, "scanner jammed", session=s)
-    assert agent.get_entry("t", "f0").state == pb.ENTRY_STATE_DEAD
-    carol.requeue("t", "f0")
-    (requeued,) = [r for r in carol.journal("t", "f0") if r.event == "requeued"]
+    assert agent.operator.get_entry("t", "f0").state == pb.ENTRY_STATE_DEAD
+    carol.operator.requeue("t", "f0")
+    (requeued,) = [r for r in carol.operator.journal("t", "f0") if r.event == "requeued"]
     assert requeued.who == "ops-carol"
 
     s = agent.open_session("p", ttl=30, keepalive=False)
     agent.claim("t", "f1", session=s)
-    assert carol.rotate_leases(s.session_id)
-    carol.revoke_sessions(s.session_id, reason="stuck")
-    (revoked,) = [r for r in carol.journal("t", "f1") if r.event == "revoked"]
+    assert carol.operator.rotate_leases(s.session_id)
+    carol.operator.revoke_sessions(s.session_id, reason="stuck")
+    (revoked,) = [r for r in carol.operator.journal("t", "f1") if r.event == "revoked"]
     assert (revoked.who, revoked.reason) == ("ops-carol", "stuck")
 
     s = agent.open_session("p", ttl=30, keepalive=False, host="h-9")
     agent.claim("t", "f2", session=s)
-    carol.drain_host("h-9", deadline=1, reason="reboot")
-    wait_for(lambda: agent.get_entry("t", "f2").state == pb.ENTRY_STATE_PENDING,
+    carol.operator.drain_host("h-9", deadline=1, reason="reboot")
+    wait_for(lambda: agent.operator.get_entry("t", "f2").state == pb.ENTRY_STATE_PENDING,
              what="the deadline")
-    (revoked,) = [r for r in carol.journal("t", "f2") if r.event == "revoked"]
+    (revoked,) = [r for r in carol.operator.journal("t", "f2") if r.event == "revoked"]
     assert (revoked.who, revoked.reason) == ("ops-carol", "drain deadline")
-    carol.undrain_host("h-9")
+    carol.operator.undrain_host("h-9")
 
-    carol.pause_task("t", "disk swap")
-    carol.resume_task("t")
-    carol.cancel_task("t")
+    carol.operator.pause_task("t", "disk swap")
+    carol.operator.resume_task("t")
+    carol.operator.cancel_task("t")
     logged = [r.getMessage() for r in caplog.records if r.name == "baton.registry"]
     for what in ("task t: pause by ops-carol, now paused (pause: disk swap)",
                  "task t: resume by ops-carol, now active", "task t: cancel by ops-carol",
@@ -477,7 +481,7 @@ def test_operator_actions_record_the_operators_identity(
 def test_request_ids_are_scoped_to_their_caller(clients: dict[str, Client]) -> None:
     """Another identity's request id replays nothing: it is a new request of its own."""
     a, b = clients["agent"], clients["agent2"]
-    a.create_task(manifest())
+    a.operator.create_task(manifest())
     sa, sb = a.open_session("a", ttl=30), b.open_session("b", ttl=30)
     first = a._call("Claim", pb.ClaimRequest(task_id="t", file_id="f0",
                                              session_id=sa.session_id, request_id="same-id"))
@@ -492,13 +496,13 @@ def test_request_ids_are_scoped_to_their_caller(clients: dict[str, Client]) -> N
 def test_commit_needs_a_digest_unless_the_task_opts_out(clients: dict[str, Client]) -> None:
     """A commit without the producer's digest is refused, unless digest_optional."""
     agent = clients["agent"]
-    agent.create_task(manifest())
-    agent.create_task(manifest("loose", digest_optional=True))
+    agent.operator.create_task(manifest())
+    agent.operator.create_task(manifest("loose", digest_optional=True))
     s = agent.open_session("p", ttl=30)
     c = agent.claim("t", "f0", session=s)
     with pytest.raises(errors.InvalidArgument, match="digest"):
         agent.commit("t", "f0", c.token, 1, session=s)
-    assert agent.get_entry("t", "f0").state == pb.ENTRY_STATE_WRITING
+    assert agent.operator.get_entry("t", "f0").state == pb.ENTRY_STATE_WRITING
     c2 = agent.claim("loose", "f0", session=s)
     assert agent.commit("loose", "f0", c2.token, 1, session=s).state == pb.ENTRY_STATE_WRITTEN
 
@@ -511,7 +515,7 @@ def test_task_access_rules(clients: dict[str, Client], certs: PKI,
     """Producers per entry, per directory and per task, and consumers per group, by
     identity name: others are refused (and passed over by claim-next), explain says why."""
     a, b = clients["agent"], clients["agent2"]  # identities "ag" and "ag2"
-    a.create_task({
+    a.operator.create_task({
         "task_id": "acl", "consumers": ["readers"], "digest_optional": True,
         "entries": [{"file_id": "mine", "path": "raw/mine", "producers": ["ag"]},
                     {"file_id": "dir", "path": "raw/x/dir"},
@@ -532,12 +536,12 @@ def test_task_access_rules(clients: dict[str, Client], certs: PKI,
         b.claim("acl", session=sb)
     got = {c.file_id: c for c in (a.claim("acl", session=sa) for _ in range(2))}
     assert set(got) == {"mine", "dir"}
-    text = b.explain("acl", "mine").text
+    text = b.operator.explain("acl", "mine").text
     assert "ag2 may not produce it" in text and "Group readers consumers must match ag2" in text
     # consumers of group readers: ag2 only
     for fid in ("mine", "dir"):
         a.commit("acl", fid, got[fid].token, 1, session=sa)
-        clients["watcher"].report("acl", fid, 1, DIGEST)
+        clients["watcher"].watcher.report("acl", fid, 1, DIGEST)
     with pytest.raises(errors.PermissionDenied):
         a.consume("acl", "readers", session=sa)
     assert b.consume("acl", "readers", session=sb).group == "readers"
@@ -549,21 +553,21 @@ def test_reads_follow_the_tasks_access_rules(clients: dict[str, Client]) -> None
     read it; a task without rules stays open to all. No read shows ag's token to
     anyone but an operator, explain included."""
     ag, ag2 = clients["agent"], clients["agent2"]
-    ag.create_task({"task_id": "private", "consumers": ["g"], "digest_optional": True,
-                    "entries": [{"file_id": "f0", "path": "f0"}],
-                    "access": {"producers": ["ag"],
+    ag.operator.create_task({"task_id": "private", "consumers": ["g"], "digest_optional": True,
+                             "entries": [{"file_id": "f0", "path": "f0"}],
+                             "access": {"producers": ["ag"],
                                "groups": [{"group": "g", "consumers": ["ag"]}]}})
-    ag.create_task({"task_id": "open", "digest_optional": True,
-                    "entries": [{"file_id": "f0", "path": "f0"}]})
+    ag.operator.create_task({"task_id": "open", "digest_optional": True,
+                             "entries": [{"file_id": "f0", "path": "f0"}]})
     s = ag.open_session("a", ttl=30)
     claim = ag.claim("private", "f0", session=s)
     reads = {
-        "GetTask": lambda c: c.get_task("private"),
-        "ListEntries": lambda c: c.list_entries("private"),
-        "GetEntry": lambda c: c.get_entry("private", "f0"),
-        "Journal": lambda c: c.journal("private"),
-        "Journal of an entry": lambda c: c.journal("private", "f0"),
-        "Explain": lambda c: c.explain("private", "f0"),
+        "GetTask": lambda c: c.operator.get_task("private"),
+        "ListEntries": lambda c: c.operator.list_entries("private"),
+        "GetEntry": lambda c: c.operator.get_entry("private", "f0"),
+        "Journal": lambda c: c.operator.journal("private"),
+        "Journal of an entry": lambda c: c.operator.journal("private", "f0"),
+        "Explain": lambda c: c.operator.explain("private", "f0"),
         "Watch": lambda c: next(iter(c.watch("private", timeout=5))),
     }
     # the task-rules dimension covers every read the access table opens beyond
@@ -576,17 +580,17 @@ def test_reads_follow_the_tasks_access_rules(clients: dict[str, Client]) -> None
             read(ag2)
         for who in ("agent", "operator", "watcher"):
             assert read(clients[who]) is not None, (name, who)
-    assert [t.spec.task_id for t in ag2.list_tasks()] == ["open"]
-    assert {t.spec.task_id for t in ag.list_tasks()} == {"open", "private"}
-    seen = [t.spec.task_id for t in itertools.islice(ag2.watch_tasks(timeout=3), 2)]
+    assert [t.spec.task_id for t in ag2.operator.list_tasks()] == ["open"]
+    assert {t.spec.task_id for t in ag.operator.list_tasks()} == {"open", "private"}
+    seen = [t.spec.task_id for t in itertools.islice(ag2.operator.watch_tasks(timeout=3), 2)]
     assert seen == ["open"]
-    assert ag2.get_task("open").spec.task_id == "open"
+    assert ag2.operator.get_task("open").spec.task_id == "open"
     # tokens: an operator's explanation names it; nobody else's reply carries it
-    assert f"token {claim.token}" in clients["operator"].explain("private", "f0").text
-    mine = ag.explain("private", "f0")
+    assert f"token {claim.token}" in clients["operator"].operator.explain("private", "f0").text
+    mine = ag.operator.explain("private", "f0")
     assert "token" not in mine.text and mine.entry.token == 0
-    assert ag.get_entry("private", "f0").token == 0
-    assert all(r.token == 0 for r in ag.journal("private", "f0"))
+    assert ag.operator.get_entry("private", "f0").token == 0
+    assert all(r.token == 0 for r in ag.operator.journal("private", "f0"))
 
 
 # --- TLS itself ----------------------------------------------------------------------
@@ -621,7 +625,7 @@ def test_certificate_rotation_without_restart(
     reg = registry_factory(tls_ca=certs.ca, tls_cert=str(files / "registry.crt"),
                            tls_key=str(files / "registry.key"))
     agent = certs.client(reg, "agent")
-    agent.create_task(manifest("rot", digest_optional=True))
+    agent.operator.create_task(manifest("rot", digest_optional=True))
     first = _served_serial(reg.address, certs)
     seen: list[pb.TaskEvent] = []
     stop = threading.Event()
@@ -652,7 +656,7 @@ def test_certificate_rotation_without_restart(
     stop.set()
     # and a new client connects through the new certificate
     with certs.client(reg, "operator") as op:
-        assert op.get_task("rot").entry_count == 3
+        assert op.operator.get_task("rot").entry_count == 3
     agent.close()
 
 
@@ -670,7 +674,7 @@ def test_plaintext_beyond_loopback_needs_a_second_flag(
         registry_factory(listen="0.0.0.0:0")
     handle = registry_factory(listen="0.0.0.0:0", insecure_beyond_loopback=True)
     with Client(f"127.0.0.1:{handle.port}", timeout=10, retry=TEST_RETRY) as c:
-        assert c.list_tasks() == []
+        assert c.operator.list_tasks() == []
     with pytest.raises(errors.InvalidArgument, match="goes with --insecure"):
         registry_factory(insecure=False, insecure_beyond_loopback=True)
 
@@ -679,7 +683,7 @@ def test_plaintext_client_of_a_tls_registry_is_told(secure: RegistryHandle) -> N
     """A client without TLS settings gets an error that names them."""
     with Client(secure.address, ca="", cert="", key="", timeout=3, retry=TEST_RETRY) as c, \
             pytest.raises(errors.Unavailable, match="BATON_CA"):
-        c.list_tasks()
+        c.operator.list_tasks()
 
 
 def test_server_settings_from_flags_and_environment() -> None:
@@ -746,6 +750,6 @@ def test_a_list_of_replicas_over_tls(registry_factory: Callable[..., RegistryHan
     target = f"ipv4:{first.address},{second.address}"
     with Client(target, ca=certs.ca, cert=str(ids.cert), key=str(ids.key), timeout=5,
                 retry=TEST_RETRY) as c:
-        c.create_task(manifest("both"))
+        c.operator.create_task(manifest("both"))
         first.stop()
-        assert c.get_task("both").entry_count == 3
+        assert c.operator.get_task("both").entry_count == 3

@@ -48,8 +48,8 @@ class FakeHost:
         self.client = client
         self.release = release
         self.capacity = capacity
-        self.id = client.register_watcher(f"/roots/{name}", name, ttl=ttl,
-                                          capacity=capacity()).watcher_id
+        self.id = client.watcher.register_watcher(f"/roots/{name}", name, ttl=ttl,
+                                                  capacity=capacity()).watcher_id
         self.grants: dict[int, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -58,13 +58,13 @@ class FakeHost:
     def _run(self) -> None:
         while not self._stop.wait(0.1):
             try:
-                reply = self.client.watcher_heartbeat(self.id, self.capacity())
+                reply = self.client.watcher.watcher_heartbeat(self.id, self.capacity())
             except Exception:  # the test stops the registry or the host under it
                 continue
             self.grants = {g.shard: g.epoch for g in reply.shards}
             for g in reply.shards:
                 if g.release and self.release:
-                    self.client.release_shard(self.id, g.shard, g.epoch)
+                    self.client.watcher.release_shard(self.id, g.shard, g.epoch)
 
     def stop(self) -> None:
         self._stop.set()
@@ -86,19 +86,19 @@ def hosts(client: Client) -> Iterator[Callable[..., FakeHost]]:
 
 
 def owners(client: Client) -> dict[int, pb.ShardInfo]:
-    return {s.shard: s for s in client.list_shards().shards}
+    return {s.shard: s for s in client.operator.list_shards().shards}
 
 
 def counts(client: Client) -> dict[str, int]:
     out: dict[str, int] = {}
-    for s in client.list_shards().shards:
+    for s in client.operator.list_shards().shards:
         out[s.owner] = out.get(s.owner, 0) + 1
     return out
 
 
 def balanced(client: Client, ids: list[str]) -> Callable[[], bool]:
     def check() -> bool:
-        shards = client.list_shards().shards
+        shards = client.operator.list_shards().shards
         c = counts(client)
         return (all(s.owner in ids and not s.moving_to for s in shards)
                 and max(c.values()) - min(c.get(i, 0) for i in ids) <= 1)
@@ -142,12 +142,12 @@ def test_a_donor_gives_up_its_oldest_shards_first() -> None:
 def test_shards_are_owned_and_balanced_and_listed(
     client: Client, hosts: Callable[..., FakeHost], wait_for: Wait,
 ) -> None:
-    assert client.list_shards().shard_count == 0  # no watcher yet: no shards
+    assert client.operator.list_shards().shard_count == 0  # no watcher yet: no shards
     a, b, c = hosts("a"), hosts("b"), hosts("c")
     wait_for(balanced(client, [a.id, b.id, c.id]), what="16 shards over 3 watchers")
-    listing = client.list_shards()
+    listing = client.operator.list_shards()
     assert listing.shard_count == SHARDS and len(listing.shards) == SHARDS
-    assert {w.watcher_id: w.shards for w in client.list_watchers()} == counts(client)
+    assert {w.watcher_id: w.shards for w in client.operator.list_watchers()} == counts(client)
     wait_for(lambda: sum(len(h.grants) for h in (a, b, c)) == SHARDS, what="grants")
 
 
@@ -169,10 +169,11 @@ def test_nothing_moves_while_load_merely_jitters(
 
     def new_figures(before: list[pb.WatcherInfo]) -> Callable[[], bool]:
         return lambda: all(w.capacity.backlog != x.capacity.backlog for w, x in
-                           zip(client.list_watchers(), before, strict=True))
+                           zip(client.operator.list_watchers(), before, strict=True))
 
     for _ in range(4):  # several sweeps of the assigner, each after new heartbeats
-        wait_for(new_figures(client.list_watchers()), what="new figures from every watcher")
+        wait_for(new_figures(client.operator.list_watchers()),
+                 what="new figures from every watcher")
     assert {n: s.epoch for n, s in owners(client).items()} == epochs
 
 
@@ -183,12 +184,13 @@ def test_a_watcher_near_its_watch_limit_keeps_its_shards_and_takes_no_more(
     a = hosts("a")
     wait_for(lambda: counts(client).get(a.id) == SHARDS, what="a owns every shard")
     b = hosts("b", capacity=lambda: full)
-    wait_for(lambda: b.id in {w.watcher_id for w in client.list_watchers()}, what="b listed")
-    assert client.rebalance(dry_run=True) == []  # b is full: nothing goes its way
+    wait_for(lambda: b.id in {w.watcher_id for w in client.operator.list_watchers()},
+             what="b listed")
+    assert client.operator.rebalance(dry_run=True) == []  # b is full: nothing goes its way
     assert counts(client) == {a.id: SHARDS}
     # a goes away: its shards have nowhere to go but to nobody... until a watcher with
     # room registers, which gets them all at once.
-    client.drain_watcher(a.id)
+    client.operator.drain_watcher(a.id)
     assert counts(client) == {a.id: SHARDS}  # no taker: a keeps them while draining
     c = hosts("c")
     wait_for(lambda: counts(client).get(c.id) == SHARDS, what="c took a's shards")
@@ -209,17 +211,17 @@ def test_a_report_from_anyone_but_the_owner_at_its_epoch_is_refused(
     client.commit("t1", "f", claim.token, len(data), digest(data), session=session)
     shard = owners(client)[shard_of("t1", SHARDS)]
     owner, other = (a, b) if shard.owner == a.id else (b, a)
-    before = client.get_entry("t1", "f")
+    before = client.operator.get_entry("t1", "f")
     for watcher_id, epoch in [(other.id, shard.epoch), ("", 0), (owner.id, shard.epoch - 1),
                               (owner.id, shard.epoch + 1)]:
         with pytest.raises(NotShardOwner) as refused:
-            client.report("t1", "f", len(data), digest(data), reporter="forger",
-                          watcher_id=watcher_id, shard_epoch=epoch)
+            client.watcher.report("t1", "f", len(data), digest(data), reporter="forger",
+                                  watcher_id=watcher_id, shard_epoch=epoch)
         assert refused.value.shard == shard.shard and refused.value.owner == owner.id
-    after = client.get_entry("t1", "f")
+    after = client.operator.get_entry("t1", "f")
     assert (after.state, after.revision) == (pb.ENTRY_STATE_WRITTEN, before.revision)
-    reply = client.report("t1", "f", len(data), digest(data), reporter="owner",
-                          watcher_id=owner.id, shard_epoch=shard.epoch)
+    reply = client.watcher.report("t1", "f", len(data), digest(data), reporter="owner",
+                                  watcher_id=owner.id, shard_epoch=shard.epoch)
     assert reply.state == pb.ENTRY_STATE_VERIFIED
 
 
@@ -230,7 +232,7 @@ def test_a_move_is_two_phase_and_the_old_epoch_dies_with_it(
     wait_for(balanced(client, [a.id, b.id]), what="shards balanced")
     n = next(s for s, i in owners(client).items() if i.owner == a.id)
     epoch = owners(client)[n].epoch
-    started = client.move_shard(n, b.id)
+    started = client.operator.move_shard(n, b.id)
     assert started.owner in (a.id, b.id)
     wait_for(lambda: owners(client)[n].owner == b.id and not owners(client)[n].moving_to,
              what="the shard handed over")
@@ -238,7 +240,7 @@ def test_a_move_is_two_phase_and_the_old_epoch_dies_with_it(
     wait_for(lambda: b.grants.get(n) == epoch + 1, what="b told of its new shard")
     in_n = next(t for t in (f"t{i}" for i in range(10_000)) if shard_of(t, SHARDS) == n)
     with pytest.raises(NotShardOwner):  # the releasing owner's epoch is over
-        client.report(in_n, "f", 1, "0" * 64, watcher_id=a.id, shard_epoch=epoch)
+        client.watcher.report(in_n, "f", 1, "0" * 64, watcher_id=a.id, shard_epoch=epoch)
 
 
 def test_an_owner_that_never_releases_loses_the_shard_at_the_deadline(
@@ -263,7 +265,7 @@ def test_a_dead_watchers_shards_are_owned_again_within_its_ttl(
     wait_for(lambda: all(owners(client)[n].owner == b.id for n in mine), timeout=2 + 5,
              what="a's shards owned by b")
     with pytest.raises(NotFound):
-        client.watcher_heartbeat(a.id)
+        client.watcher.watcher_heartbeat(a.id)
 
 
 def test_draining_a_watcher_moves_its_shards_away_and_undo_takes_them_back(
@@ -271,14 +273,14 @@ def test_draining_a_watcher_moves_its_shards_away_and_undo_takes_them_back(
 ) -> None:
     a, b = hosts("a"), hosts("b")
     wait_for(balanced(client, [a.id, b.id]), what="shards balanced")
-    reply = client.drain_watcher(a.id)
+    reply = client.operator.drain_watcher(a.id)
     assert reply.watcher.draining and reply.moves
     wait_for(lambda: counts(client).get(a.id, 0) == 0, what="a drained")
-    assert [w.draining for w in client.list_watchers() if w.watcher_id == a.id] == [True]
-    client.drain_watcher(a.id, undo=True)
+    assert [w.draining for w in client.operator.list_watchers() if w.watcher_id == a.id] == [True]
+    client.operator.drain_watcher(a.id, undo=True)
     wait_for(balanced(client, [a.id, b.id]), what="balanced again")
     with pytest.raises(NotFound):
-        client.drain_watcher("0123456789abcdef")
+        client.operator.drain_watcher("0123456789abcdef")
 
 
 def test_a_drain_reply_names_the_moves_under_way_away_from_the_watcher(
@@ -292,8 +294,8 @@ def test_a_drain_reply_names_the_moves_under_way_away_from_the_watcher(
     a = hosts("a", release=False)  # holds on to what it is asked to hand over
     wait_for(balanced(client, [a.id, b.id]), what="shards balanced")
     shard = next(n for n, info in owners(client).items() if info.owner == a.id)
-    client.move_shard(shard, b.id, deadline=120)
-    reply = client.drain_watcher(a.id)
+    client.operator.move_shard(shard, b.id, deadline=120)
+    reply = client.operator.drain_watcher(a.id)
     assert reply.watcher.draining
     assert [(m.shard, m.from_watcher, m.to_watcher) for m in reply.moves] == [
         (shard, a.id, b.id)]
@@ -319,18 +321,19 @@ def test_three_watchers_over_one_root_survive_a_kill_and_a_fourth_joins(
     for t in tasks:
         make_task(client, t, {f: f"{f}.bin" for f in files})
     w = [sharded(processes, f"w{i}") for i in range(3)]
-    wait_for(lambda: len(client.list_watchers()) == 3, what="3 registered")
-    ids = [x.watcher_id for x in client.list_watchers()]
+    wait_for(lambda: len(client.operator.list_watchers()) == 3, what="3 registered")
+    ids = [x.watcher_id for x in client.operator.list_watchers()]
     wait_for(balanced(client, ids), timeout=20, what="balanced over 3")
     producer = Producing(client, session, [(t, f) for f in files for t in tasks])
     total = len(tasks) * len(files)
-    verified = lambda: sum(len(client.list_entries(t, pb.ENTRY_STATE_VERIFIED)) for t in tasks)  # noqa: E731
+    verified = lambda: sum(len(client.operator.list_entries(t, pb.ENTRY_STATE_VERIFIED))  # noqa: E731
+                           for t in tasks)
     wait_for(lambda: verified() >= total // 4, timeout=60, what="a quarter verified")
     victim = w[0]
     victim.proc.send_signal(signal.SIGKILL)
     victim.proc.wait()
-    wait_for(lambda: len(client.list_watchers()) == 2, timeout=15, what="victim expired")
-    alive = [x.watcher_id for x in client.list_watchers()]
+    wait_for(lambda: len(client.operator.list_watchers()) == 2, timeout=15, what="victim expired")
+    alive = [x.watcher_id for x in client.operator.list_watchers()]
     wait_for(balanced(client, alive), timeout=15, what="victim's shards owned again")
     producer.join(180)
     wait_for(lambda: verified() == total, timeout=120, what="every file verified")
@@ -342,8 +345,8 @@ def test_three_watchers_over_one_root_survive_a_kill_and_a_fourth_joins(
     # A fourth joins: the shards it takes are the only ones that move.
     before = owners(client)
     sharded(processes, "w3")
-    wait_for(lambda: len(client.list_watchers()) == 3, what="fourth registered")
-    ids = [x.watcher_id for x in client.list_watchers()]
+    wait_for(lambda: len(client.operator.list_watchers()) == 3, what="fourth registered")
+    ids = [x.watcher_id for x in client.operator.list_watchers()]
     wait_for(balanced(client, ids), timeout=20, what="balanced over 3 again")
     moved = [n for n, s in owners(client).items() if s.owner != before[n].owner]
     assert len(moved) <= math.ceil(SHARDS / 3 * 1.05), moved
@@ -362,7 +365,7 @@ def test_a_cold_task_is_unwatched_left_to_reconciliation_and_warms_up_on_a_chang
     make_task(client, "t1", {"a": "a.bin", "b": "b.bin"})
     w = watcher_factory(cold_after=0.5, reconcile_interval=1.0)
     put_bytes(client, session, "t1", "a", b"verified while warm")
-    wait_for(lambda: client.get_entry("t1", "a").state == pb.ENTRY_STATE_VERIFIED,
+    wait_for(lambda: client.operator.get_entry("t1", "a").state == pb.ENTRY_STATE_VERIFIED,
              what="a verified")
     wait_for(lambda: w.table.task("t1").cold and not w.table.task("t1").watched,  # type: ignore[union-attr]
              what="t1 cold and unwatched")
@@ -378,11 +381,12 @@ def test_a_cold_task_is_unwatched_left_to_reconciliation_and_warms_up_on_a_chang
              what="three routine passes")
     assert w.metrics.get("reconcile_entries_checked") == checked, "an idle cold tree's files"
     # A file put into place there (written aside, renamed over) is seen at the next pass.
-    path = Path(client.get_entry("t1", "a").abs_attempt_path)
+    path = Path(client.operator.get_entry("t1", "a").abs_attempt_path)
     aside = path.with_name(".aside")
     aside.write_bytes(b"changed behind the watcher's back")
     aside.rename(path)
-    wait_for(lambda: client.get_entry("t1", "a").state != pb.ENTRY_STATE_VERIFIED, timeout=15,
+    wait_for(lambda: client.operator.get_entry("t1", "a").state != pb.ENTRY_STATE_VERIFIED,
+             timeout=15,
              what="the reconciliation saw the change")
     # That change, and the claim, reach the watcher from the registry: it warms up.
     claim = client.claim("t1", "b", session=session)
@@ -390,7 +394,7 @@ def test_a_cold_task_is_unwatched_left_to_reconciliation_and_warms_up_on_a_chang
     data = b"landed while warm"
     Path(claim.path).write_bytes(data)
     client.commit("t1", "b", claim.token, len(data), digest(data), session=session)
-    wait_for(lambda: client.get_entry("t1", "b").state == pb.ENTRY_STATE_VERIFIED,
+    wait_for(lambda: client.operator.get_entry("t1", "b").state == pb.ENTRY_STATE_VERIFIED,
              what="b verified")
 
 
@@ -421,16 +425,16 @@ def test_a_restart_naming_its_previous_registration_takes_its_shards_back_at_onc
     """Registering again with ``previous`` ends the old registration at once (not after
     its TTL) and the new one owns every shard the old one did; a previous id that is
     gone already is nothing to end."""
-    old = client.register_watcher("/roots/r", "w", ttl=600)
+    old = client.watcher.register_watcher("/roots/r", "w", ttl=600)
     assert {s.owner for s in owners(client).values()} == {old.watcher_id}
-    new = client.register_watcher("/roots/r", "w", ttl=600, previous=old.watcher_id)
+    new = client.watcher.register_watcher("/roots/r", "w", ttl=600, previous=old.watcher_id)
     with pytest.raises(NotFound):
-        client.watcher_heartbeat(old.watcher_id)
+        client.watcher.watcher_heartbeat(old.watcher_id)
     assert {s.owner for s in owners(client).values()} == {new.watcher_id}
     assert {g.shard for g in new.shards} == set(range(SHARDS))
-    again = client.register_watcher("/roots/r", "w", ttl=600, previous=old.watcher_id)
-    assert client.watcher_heartbeat(new.watcher_id).ttl > 0  # not touched
-    client.watcher_heartbeat(again.watcher_id)
+    again = client.watcher.register_watcher("/roots/r", "w", ttl=600, previous=old.watcher_id)
+    assert client.watcher.watcher_heartbeat(new.watcher_id).ttl > 0  # not touched
+    client.watcher.watcher_heartbeat(again.watcher_id)
 
 
 def test_a_killed_watcher_restarted_on_its_state_file_is_back_at_once(
@@ -441,14 +445,14 @@ def test_a_killed_watcher_restarted_on_its_state_file_is_back_at_once(
     file: the new registration ends the dead one and owns every shard within seconds."""
     state = str(tmp_path / "state.sqlite")
     first = processes("--state-file", state, "--shard-ttl", "600")
-    wait_for(lambda: len(client.list_watchers()) == 1, what="registered")
-    (dead,) = [w.watcher_id for w in client.list_watchers()]
+    wait_for(lambda: len(client.operator.list_watchers()) == 1, what="registered")
+    (dead,) = [w.watcher_id for w in client.operator.list_watchers()]
     first.proc.kill()
     first.proc.wait()
     processes("--state-file", state, "--shard-ttl", "600", log_name="again")
-    wait_for(lambda: [w.watcher_id for w in client.list_watchers()] not in ([], [dead]),
+    wait_for(lambda: [w.watcher_id for w in client.operator.list_watchers()] not in ([], [dead]),
              timeout=20, what="the restart registered")
-    (alive,) = [w.watcher_id for w in client.list_watchers()]
+    (alive,) = [w.watcher_id for w in client.operator.list_watchers()]
     assert alive != dead
     wait_for(lambda: {s.owner for s in owners(client).values()} == {alive}, timeout=10,
              what="every shard the restart's")

@@ -106,10 +106,10 @@ def test_an_idle_registry_asks_etcd_nothing(
     first = registry_factory()
     second = registry_factory()
     with Client(first.address, timeout=10) as client:
-        client.create_task({"task_id": "idle", "entries": [
+        client.operator.create_task({"task_id": "idle", "entries": [
             {"file_id": f"e{i}", "path": f"e{i}"} for i in range(50)] + [
             {"file_id": "late", "path": "late", "depends_on": ["e0"]}]})
-        client.create_task({"task_id": "held", "entries": [
+        client.operator.create_task({"task_id": "held", "entries": [
             {"file_id": "a", "path": "a", "claim_deadline_seconds": 3600,
              "stall_after_seconds": 3600},
             {"file_id": "b", "path": "b"}, {"file_id": "c", "path": "c"},
@@ -146,7 +146,7 @@ def test_a_backoff_ends_at_its_due_time_without_polling(
     """An entry failed with a 2 s delay is promoted (its ready key written) within
     ``LATE`` of its due time; until then the registry read etcd no more than a look at
     the delayed index's head (the watch told it when the key is due)."""
-    client.create_task({"task_id": "t", "entries": [{"file_id": "a", "path": "a"}]})
+    client.operator.create_task({"task_id": "t", "entries": [{"file_id": "a", "path": "a"}]})
     wait_for(lambda: settled(registry), what="the registry settled")
     with client.open_session("p", ttl=30) as session:
         claim = client.claim("t", "a", session=session)
@@ -168,8 +168,8 @@ def test_a_lost_lease_is_reaped_promptly(
         wait_for: Wait) -> None:
     """A claim whose session's lease expires goes back to pending soon after etcd
     deletes the claim key, found from that deletion (no full look at the claims)."""
-    client.create_task({"task_id": "t", "backoff": {"base_seconds": 0.1},
-                        "entries": [{"file_id": "a", "path": "a"}]})
+    client.operator.create_task({"task_id": "t", "backoff": {"base_seconds": 0.1},
+                                 "entries": [{"file_id": "a", "path": "a"}]})
     wait_for(lambda: settled(registry), what="the registry settled")
     reaper = registry.reaper
     looks = reaper._sweeps
@@ -191,9 +191,9 @@ def test_a_cross_task_dependency_releases_its_dependent_promptly(
         wait_for: Wait) -> None:
     """An entry of task B waiting on ``A:a`` is released within ``LATE`` of ``A:a``'s
     verification, told by the watch of A's entries (kept only while something waits)."""
-    client.create_task({"task_id": "A", "entries": [{"file_id": "a", "path": "a"},
+    client.operator.create_task({"task_id": "A", "entries": [{"file_id": "a", "path": "a"},
                                                      {"file_id": "x", "path": "x"}]})
-    client.create_task({"task_id": "B", "entries": [
+    client.operator.create_task({"task_id": "B", "entries": [
         {"file_id": "b", "path": "b", "depends_on": ["A:a"]}]})
     scheduler = registry._running.scheduler
     wait_for(lambda: settled(registry) and scheduler.cross is not None
@@ -216,7 +216,7 @@ def test_a_deadline_and_a_stall_fire_at_their_time(
         wait_for: Wait) -> None:
     """A claim with a 2 s deadline and one with a 2 s stall limit are taken back within
     ``LATE`` of their due times, told of by the keys their claims wrote."""
-    client.create_task({"task_id": "t", "backoff": {"base_seconds": 0.1}, "entries": [
+    client.operator.create_task({"task_id": "t", "backoff": {"base_seconds": 0.1}, "entries": [
         {"file_id": "d", "path": "d", "claim_deadline_seconds": 2},
         {"file_id": "s", "path": "s", "stall_after_seconds": 2}]})
     wait_for(lambda: settled(registry), what="the registry settled")
@@ -297,7 +297,7 @@ def test_after_the_elected_replica_is_killed_another_does_the_due_work(
     leader = leader_pid()
     survivor = next(a for p, a in zip(procs, addresses, strict=True) if p.pid != leader)
     with Client(survivor, timeout=10) as client:
-        client.create_task({"task_id": "t", "backoff": {"base_seconds": 0.1}, "entries": [
+        client.operator.create_task({"task_id": "t", "backoff": {"base_seconds": 0.1}, "entries": [
             {"file_id": "lost", "path": "lost"}, {"file_id": "later", "path": "later"}]})
         with client.open_session("p", ttl=30) as session:
             claim = client.claim("t", "later", session=session)

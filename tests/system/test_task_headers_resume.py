@@ -37,7 +37,7 @@ class Headers:
         self.client = Client(self.registry.address, timeout=10, retry=TEST_RETRY)
 
     def create(self, task_id: str) -> None:
-        self.client.create_task({"task_id": task_id, "entries": [
+        self.client.operator.create_task({"task_id": task_id, "entries": [
             {"file_id": "a", "path": "a"}]})
 
     def stream(self, start_revision: int = 0, progress: bool = True
@@ -114,7 +114,7 @@ def test_an_idle_header_stream_is_told_its_revision_and_resumes_with_nothing_res
     while not heads.compacted(synced.revision + 1):
         heads.tick()
     resumed = heads.stream(start_revision=last + 1)
-    heads.client.pause_task("t2", reason="a change after the resume point")
+    heads.client.operator.pause_task("t2", reason="a change after the resume point")
     first = next(reply for reply in resumed if reply.HasField("task"))
     resumed.close()  # type: ignore[attr-defined]
     assert first.task.spec.task_id == "t2" and first.revision > last
@@ -135,7 +135,7 @@ def test_a_resume_from_a_compacted_revision_sends_only_what_changed_since(
     assert first.task.spec.task_id == "new" and first.revision >= since
     caught_up = next(stream)
     assert not caught_up.HasField("task") and caught_up.revision >= first.revision
-    heads.client.pause_task("old", reason="changed after the catch-up")
+    heads.client.operator.pause_task("old", reason="changed after the catch-up")
     later = next(reply for reply in stream if reply.HasField("task"))
     stream.close()  # type: ignore[attr-defined]
     assert later.task.spec.task_id == "old"
@@ -146,7 +146,7 @@ def test_a_stream_without_progress_is_headers_only_as_before(heads: Headers) -> 
     heads.create("t")
     stream = heads.stream(progress=False)
     first = next(stream)
-    heads.client.pause_task("t", reason="a change")
+    heads.client.operator.pause_task("t", reason="a change")
     second = next(stream)
     stream.close()  # type: ignore[attr-defined]
     assert first.HasField("task") and second.HasField("task")
@@ -164,17 +164,17 @@ def test_follow_tasks_resumes_after_the_registry_restarts_without_resending(
     lost: list[BaseException] = []
 
     def follow() -> None:
-        for task in heads.client.follow_tasks(stop, retry=0.05, on_lost=lost.append):
+        for task in heads.client.operator.follow_tasks(stop, retry=0.05, on_lost=lost.append):
             seen.append(f"{task.spec.task_id}:{pb.TaskStatus.Name(task.status)}")
 
     thread = threading.Thread(target=follow, daemon=True)
     thread.start()
     wait_for(lambda: len(seen) == 2, what="the snapshot")  # type: ignore[operator]
     heads.restart()
-    heads.client.pause_task("b", reason="while followed")
+    heads.client.operator.pause_task("b", reason="while followed")
     wait_for(lambda: len(seen) == 3, what="the change after the restart")  # type: ignore[operator]
     stop.set()
-    heads.client.pause_task("a", reason="after the stop: not followed")
+    heads.client.operator.pause_task("a", reason="after the stop: not followed")
     thread.join(10)
     assert sorted(seen[:2]) == ["a:TASK_STATUS_ACTIVE", "b:TASK_STATUS_ACTIVE"]
     assert seen[2] == "b:TASK_STATUS_PAUSED"

@@ -33,7 +33,7 @@ def digest(data: bytes) -> str:
 @pytest.fixture
 def scan(client: Client) -> Iterator[Session]:
     """Task ``scan`` with one entry in each state; the session holding f3 stays open."""
-    client.create_task({
+    client.operator.create_task({
         "task_id": "scan", "digest_optional": True, "consumers": ["ocr"], "max_retries": 0,
         "entries": [{"file_id": f"f{i}", "path": f"pages/f{i}.png"} for i in range(6)],
     })
@@ -42,7 +42,7 @@ def scan(client: Client) -> Iterator[Session]:
             claim = client.claim("scan", file_id, session=session)
             client.commit("scan", file_id, claim.token, len(DATA))  # no digest: the watcher's
         for file_id in ("f0", "f1"):
-            client.report("scan", file_id, len(DATA), digest(DATA))  # as a watcher would
+            client.watcher.report("scan", file_id, len(DATA), digest(DATA))  # as a watcher would
         lease = client.consume("scan", "ocr", "f0", session=session)
         client.ack("scan", "f0", "ocr", lease.token)
         client.claim("scan", "f3", session=session)
@@ -139,7 +139,7 @@ def test_throughput_comes_from_successive_frames(registry: RegistryHandle, clien
         lines = Lines(proc)
         first = json.loads(lines.until(bool))
         assert first["frame"] == 1 and first["tasks"][0]["verified_per_s"] is None
-        client.report("scan", "f2", len(DATA), digest(DATA))  # written -> verified
+        client.watcher.report("scan", "f2", len(DATA), digest(DATA))  # written -> verified
         lease = client.consume("scan", "ocr", "f1", session=scan)
         client.ack("scan", "f1", "ocr", lease.token)  # verified -> consumed
         verified = consumed = 0.0
@@ -163,12 +163,12 @@ def test_throughput_comes_from_successive_frames(registry: RegistryHandle, clien
 def test_a_new_task_wakes_the_view_before_the_interval(registry: RegistryHandle,
                                                        client: Client) -> None:
     """A task created while the view waits is shown at once, not at the next interval."""
-    client.create_task({"task_id": "old", "entries": [{"file_id": "a", "path": "a"}]})
+    client.operator.create_task({"task_id": "old", "entries": [{"file_id": "a", "path": "a"}]})
     proc = top_process(registry, "--interval", "120")
     try:
         lines = Lines(proc)
         assert [t["task"] for t in json.loads(lines.until(bool))["tasks"]] == ["old"]
-        client.create_task({"task_id": "new", "entries": [{"file_id": "a", "path": "a"}]})
+        client.operator.create_task({"task_id": "new", "entries": [{"file_id": "a", "path": "a"}]})
         woken = json.loads(lines.until(bool, timeout=20))
         assert sorted(t["task"] for t in woken["tasks"]) == ["new", "old"]
         assert woken["elapsed"] < 60
@@ -214,7 +214,7 @@ def test_frames_into_a_pipe_are_printed_whole(registry: RegistryHandle, scan: Se
 def test_named_tasks_only_and_a_missing_one_exits_5(registry: RegistryHandle,
                                                     client: Client, scan: Session) -> None:
     """TASK arguments limit the view; naming a task that does not exist is exit 5."""
-    client.create_task({"task_id": "other", "entries": [{"file_id": "a", "path": "a"}]})
+    client.operator.create_task({"task_id": "other", "entries": [{"file_id": "a", "path": "a"}]})
     both = ok_json(invoke(registry, "top", "-o", "json", "--once"))
     assert [t["task"] for t in both["tasks"]] == ["other", "scan"]
     one = ok_json(invoke(registry, "top", "-o", "json", "--once", "scan"))
@@ -246,7 +246,7 @@ def test_leases_say_they_need_the_operator_role(
     secure, identity = agent_only
     with Client(secure.address, timeout=10, retry=TEST_RETRY, ca=identity["BATON_CA"],
                 cert=identity["BATON_CERT"], key=identity["BATON_KEY"]) as agent:
-        agent.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "a"}]})
+        agent.operator.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "a"}]})
     where = Address(secure.address, tuple(identity.items()))
     out = invoke(where, "top", "--once")
     assert out.exit_code == 0, out.output

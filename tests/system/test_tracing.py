@@ -146,7 +146,7 @@ def test_a_files_hand_off_is_one_trace_across_a_three_stage_pipeline(
         procs.append(watcher)
         with Client(address) as client:
             for task, groups in (("s1", ["next", "audit"]), ("s2", ["last"]), ("s3", ["end"])):
-                client.create_task({"task_id": task, "consumers": groups, "entries": [
+                client.operator.create_task({"task_id": task, "consumers": groups, "entries": [
                     {"file_id": f, "path": f"{f}.txt"} for f in IDS]})
             agents = [
                 ["produce", "s1"],
@@ -162,9 +162,9 @@ def test_a_files_hand_off_is_one_trace_across_a_three_stage_pipeline(
             for p in procs[2:]:
                 out, err = p.communicate(timeout=180)
                 assert p.returncode == 0, (p.args, out, err)
-            committed = {(t, f): token_of(client.get_entry(t, f))
+            committed = {(t, f): token_of(client.operator.get_entry(t, f))
                          for t in ("s1", "s2", "s3") for f in IDS}
-            assert all(client.get_entry(t, f).state == pb.ENTRY_STATE_CONSUMED
+            assert all(client.operator.get_entry(t, f).state == pb.ENTRY_STATE_CONSUMED
                        for t, f in committed)
         stop(watcher)
         stop(registry)
@@ -250,10 +250,11 @@ def test_a_claim_refused_while_produce_waits_out_back_pressure_leaves_no_trace(
         assert "listening on" in line, f"registry did not start: {line!r}"
         address = line.split()[-1]
         with Client(address) as client:
-            client.create_task({"task_id": "t", "consumers": ["g"],
-                                "backlog_limits": {"g": {"entries": 1}},
-                                "entries": [{"file_id": f, "path": f} for f in "ab"]})
-            client.create_task({"task_id": "m", "entries": [{"file_id": "x", "path": "x"}]})
+            client.operator.create_task({"task_id": "t", "consumers": ["g"],
+                                         "backlog_limits": {"g": {"entries": 1}},
+                                         "entries": [{"file_id": f, "path": f} for f in "ab"]})
+            client.operator.create_task({"task_id": "m",
+                                         "entries": [{"file_id": "x", "path": "x"}]})
             # a claim in hand is g's backlog to be: at the limit, b's claims are refused
             held = client.open_session("holder", ttl=30, keepalive=False)
             client.claim("t", "a", session=held)
@@ -273,7 +274,7 @@ def test_a_claim_refused_while_produce_waits_out_back_pressure_leaves_no_trace(
             done = subprocess.run([sys.executable, "-c", script], env=env, text=True,
                                   capture_output=True, timeout=60)
             assert done.returncode == 0 and done.stdout == "refused\n", done
-            assert client.get_entry("t", "b").state == pb.ENTRY_STATE_PENDING
+            assert client.operator.get_entry("t", "b").state == pb.ENTRY_STATE_PENDING
 
         # spans leave each process in the order they ended: once the registry's span of
         # the put's commit and the agent's attempt at it are in, the refused claims'
@@ -297,7 +298,7 @@ def test_traces_are_off_without_the_environment_and_nothing_is_imported(
         registry: RegistryHandle, client: Client, tmp_path: Path) -> None:
     """No OTEL_* variable: an agent that produces and consumes never imports
     OpenTelemetry, and its entries carry no trace context."""
-    client.create_task({"task_id": "t", "entries": [{"file_id": "a", "path": "a.txt"}]})
+    client.operator.create_task({"task_id": "t", "entries": [{"file_id": "a", "path": "a.txt"}]})
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     script = (
         "import io, sys\n"
@@ -306,7 +307,7 @@ def test_traces_are_off_without_the_environment_and_nothing_is_imported(
         f"c = Client({registry.address!r})\n"
         "s = c.open_session('quiet', ttl=10)\n"
         "put(c, s, 't', 'a', io.BytesIO(b'hello'))\n"
-        "print(c.get_entry('t', 'a').traceparent or '-')\n"
+        "print(c.operator.get_entry('t', 'a').traceparent or '-')\n"
         "print(tracing.ENABLED, any(m.startswith('opentelemetry') for m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
@@ -353,19 +354,19 @@ def test_the_standard_environment_decides(env: dict[str, str], on: bool) -> None
 ])
 def test_a_claim_with_a_malformed_trace_context_is_refused_and_changes_nothing(
         client: Client, bad: str, wait_for: Wait) -> None:
-    client.create_task({"task_id": "t", "backoff": {"base_seconds": 0.001},
-                        "entries": [{"file_id": "a", "path": "a.txt"}]})
+    client.operator.create_task({"task_id": "t", "backoff": {"base_seconds": 0.001},
+                                 "entries": [{"file_id": "a", "path": "a.txt"}]})
     with client.open_session("p", ttl=10, keepalive=False) as session:
         with pytest.raises(InvalidArgument, match="traceparent"):
             client.claim("t", "a", session=session, traceparent=bad)
-        entry = client.get_entry("t", "a")
+        entry = client.operator.get_entry("t", "a")
         assert entry.state == pb.ENTRY_STATE_PENDING and entry.traceparent == ""
         # a well-formed one is kept on the entry it claims; the next claim replaces it
         good = "00-" + "1" * 32 + "-" + "2" * 16 + "-01"
         claim = client.claim("t", "a", session=session, traceparent=good)
-        assert client.get_entry("t", "a").traceparent == good
+        assert client.operator.get_entry("t", "a").traceparent == good
         client.fail("t", "a", claim.token, "try again", session=session, delay=0.0)
-        assert client.get_entry("t", "a").traceparent == good  # the failed attempt's
+        assert client.operator.get_entry("t", "a").traceparent == good  # the failed attempt's
 
         def claimed_untraced() -> bool:
             try:
@@ -375,21 +376,21 @@ def test_a_claim_with_a_malformed_trace_context_is_refused_and_changes_nothing(
             return True
 
         wait_for(claimed_untraced, what="the entry claimable again")
-        assert client.get_entry("t", "a").traceparent == ""
+        assert client.operator.get_entry("t", "a").traceparent == ""
 
 
 def test_the_helpers_work_the_same_untraced(client: Client) -> None:
     """Off (this test process has no OTEL_*), produce and consume still hand a file
     over, and nothing about traces appears on the entry."""
     assert not tracing.ENABLED
-    client.create_task({"task_id": "t", "entries": [{"file_id": "a", "path": "a.txt"}]})
+    client.operator.create_task({"task_id": "t", "entries": [{"file_id": "a", "path": "a.txt"}]})
     with client.open_session("p", ttl=10) as session:
         with produce(client, session, "t", "a") as out:
             out.write(b"bytes")
-        client.report("t", "a", 5, out.digest, reporter="test-watcher")
+        client.watcher.report("t", "a", 5, out.digest, reporter="test-watcher")
         with consume(client, session, "t", timeout=10) as got:
             assert got.data == b"bytes" and got.traceparent == ""
-    assert client.get_entry("t", "a").traceparent == ""
+    assert client.operator.get_entry("t", "a").traceparent == ""
 
 
 def test_the_documented_environment_turns_traces_on() -> None:

@@ -77,11 +77,13 @@ def test_up_archives_a_finished_task_to_s3(tmp_path: Path, s3_server: S3Server, 
     try:
         Lines(proc).until(lambda line: line.startswith("ready"), timeout=60)
         with Client(address) as c:
-            c.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "a.bin"}]})
-            c.cancel_task("t1", "tried the archive")
+            c.operator.create_task({"task_id": "t1",
+                                    "entries": [{"file_id": "a", "path": "a.bin"}]})
+            c.operator.cancel_task("t1", "tried the archive")
             wait_for(lambda: "local/t1.jsonl.gz" in keys(s3_server, bucket, "local/"),
                      timeout=60, what="the archive in the bucket")
-            wait_for(lambda: [t.spec.task_id for t in c.list_tasks(archived=True)] == ["t1"],
+            wait_for(lambda: [t.spec.task_id
+                              for t in c.operator.list_tasks(archived=True)] == ["t1"],
                      timeout=30, what="the task listed as archived")
         assert not (tmp_path / "data" / "archive").exists()
         proc.send_signal(signal.SIGINT)

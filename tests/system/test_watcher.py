@@ -35,7 +35,7 @@ def test_published_by_rename_becomes_verified(
     data = os.urandom(64 << 10)
     put_bytes(client, session, "t1", "a", data)
     wait_for(is_state(client, "t1", "a", pb.ENTRY_STATE_VERIFIED), what="a verified")
-    assert client.get_entry("t1", "a").digest == digest(data)
+    assert client.operator.get_entry("t1", "a").digest == digest(data)
 
 
 def test_written_in_place_and_closed_becomes_verified(
@@ -63,8 +63,8 @@ def test_mismatching_digest_takes_the_retry_path(
     Path(claim.path).parent.mkdir(parents=True, exist_ok=True)
     Path(claim.path).write_bytes(b"actual bytes")
     client.commit("t1", "a", claim.token, 12, digest(b"other bytes!"))
-    wait_for(lambda: client.get_entry("t1", "a").retry_count == 1, what="a retried")
-    entry = client.get_entry("t1", "a")
+    wait_for(lambda: client.operator.get_entry("t1", "a").retry_count == 1, what="a retried")
+    entry = client.operator.get_entry("t1", "a")
     assert entry.state == pb.ENTRY_STATE_PENDING
     assert "checksum mismatch" in entry.error
 
@@ -134,9 +134,9 @@ def test_symlink_pointing_outside_the_root_is_refused(
         (task_dir / (link or Path(claim.path).name)).symlink_to(target)
         client.commit("t1", file_id, claim.token, 10, digest(b"not staged"))
     for file_id in ("a", "c"):
-        wait_for(lambda f=file_id: client.get_entry("t1", f).retry_count == 1,
+        wait_for(lambda f=file_id: client.operator.get_entry("t1", f).retry_count == 1,
                  what=f"{file_id} refused")
-        entry = client.get_entry("t1", file_id)
+        entry = client.operator.get_entry("t1", file_id)
         assert entry.state == pb.ENTRY_STATE_PENDING
         assert "symlink" in entry.error
 
@@ -153,7 +153,7 @@ def test_verified_file_modified_replaced_or_deleted_leaves_verified(
     for f in ("m", "r", "d"):
         wait_for(is_state(client, "t1", f, pb.ENTRY_STATE_VERIFIED), what=f"{f} verified")
     task_dir = staging / "t1"
-    m, r, d = (Path(client.get_entry("t1", f).abs_attempt_path) for f in ("m", "r", "d"))
+    m, r, d = (Path(client.operator.get_entry("t1", f).abs_attempt_path) for f in ("m", "r", "d"))
     with open(m, "r+b") as fh:
         fh.write(b"X")
     (task_dir / "new").write_bytes(b"replacement")
@@ -162,7 +162,7 @@ def test_verified_file_modified_replaced_or_deleted_leaves_verified(
     for f, why in (("m", "changed"), ("r", "changed"), ("d", "missing")):
         wait_for(lambda f=f: state_of(client, "t1", f) == pb.ENTRY_STATE_PENDING,
                  what=f"{f} unverified")
-        assert why in client.get_entry("t1", f).error
+        assert why in client.operator.get_entry("t1", f).error
 
 
 def test_polling_fallback_verifies(
@@ -176,7 +176,7 @@ def test_polling_fallback_verifies(
     put_bytes(client, session, "t1", "a", b"polled")
     wait_for(is_state(client, "t1", "a", pb.ENTRY_STATE_VERIFIED), what="a verified")
     assert w.watches.backend_of(str(staging / "t1")) == "poll"
-    Path(client.get_entry("t1", "a").abs_attempt_path).write_bytes(b"tampered")
+    Path(client.operator.get_entry("t1", "a").abs_attempt_path).write_bytes(b"tampered")
     wait_for(is_state(client, "t1", "a", pb.ENTRY_STATE_PENDING), what="a unverified")
 
 
@@ -190,7 +190,8 @@ def test_each_entry_verified_exactly_once(
     make_task(client, "t1", {f: f"d{int(f[1:]) % 4}/{f}.bin" for f in ids})
     for f in ids:
         put_bytes(client, session, "t1", f, os.urandom(4096))
-    wait_for(lambda: all(e.state == pb.ENTRY_STATE_VERIFIED for e in client.list_entries("t1")),
+    wait_for(lambda: all(e.state == pb.ENTRY_STATE_VERIFIED
+                         for e in client.operator.list_entries("t1")),
              what="all verified")
     wait_for(lambda: w.metrics.get("reconciliations") >= 3, what="reconciliations")
     hist = histories(registry.etcd, registry.prefix, "t1", ids)
@@ -203,7 +204,7 @@ def test_assembly_is_left_to_the_registry(
 ) -> None:
     """Parts are hashed; the assembly (no file of its own) is never reported missing."""
     w = watcher_factory(reconcile_interval=0.3)
-    client.create_task({"task_id": "asm", "entries": [
+    client.operator.create_task({"task_id": "asm", "entries": [
         {"file_id": "p1", "path": "p1"}, {"file_id": "p2", "path": "p2"},
         {"file_id": "big", "path": "big", "parts": ["p1", "p2"]}]})
     put_bytes(client, session, "asm", "p1", b"part one")
@@ -248,7 +249,7 @@ def test_hard_linked_file_changed_from_outside_the_tree_leaves_verified(
     with open(outside / "a.bin", "r+b") as fh:  # no inotify event reaches the staging tree
         fh.write(b"X")
     wait_for(lambda: state_of(client, "t1", "a") == pb.ENTRY_STATE_PENDING, what="a unverified")
-    assert "changed" in client.get_entry("t1", "a").error
+    assert "changed" in client.operator.get_entry("t1", "a").error
     assert ("t1", "a") not in w.checker.links
 
 
@@ -266,8 +267,8 @@ def test_a_file_with_one_name_is_not_polled(
 
 def _again(client: Client, task_id: str) -> None:
     """``task_id`` cancelled, deleted and created anew under the same id."""
-    client.cancel_task(task_id)
-    client.delete_task(task_id, discard_history=True)
+    client.operator.cancel_task(task_id)
+    client.operator.delete_task(task_id, discard_history=True)
     make_task(client, task_id, {"a": "a.bin"})
 
 
@@ -316,22 +317,22 @@ def test_a_reconciliation_listed_before_a_task_came_back_leaves_it_served(
     w = watcher_factory()
     make_task(client, "t1", {"a": "a.bin"})
     wait_for(lambda: w.table.task("t1") is not None, what="t1 served")
-    client.cancel_task("t1")
+    client.operator.cancel_task("t1")
     if listed == "deleted":
-        client.delete_task("t1", discard_history=True)
+        client.operator.delete_task("t1", discard_history=True)
     wait_for(lambda: w.table.task("t1") is None, what="the finished t1 no longer served")
-    list_tasks, test = w.client.list_tasks, threading.current_thread()
+    list_tasks, test = w.client.operator.list_tasks, threading.current_thread()
 
     def listing_then_t1_again() -> list[pb.Task]:
         tasks = list_tasks()
         if threading.current_thread() is test:  # this reconciliation, not the daemon's
             if listed == "cancelled":
-                client.delete_task("t1", discard_history=True)
+                client.operator.delete_task("t1", discard_history=True)
             make_task(client, "t1", {"a": "a.bin"})
             wait_for(lambda: w.table.task("t1") is not None, what="the new t1 served")
         return tasks
 
-    monkeypatch.setattr(w.client, "list_tasks", listing_then_t1_again)
+    monkeypatch.setattr(w.client.operator, "list_tasks", listing_then_t1_again)
     assert w.reconcile("test")
     monkeypatch.undo()
     assert w.table.task("t1") is not None

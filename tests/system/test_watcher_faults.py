@@ -52,7 +52,8 @@ def test_overflow_of_a_shrunk_queue_still_verifies_everything_once(
     gate.set()
     for c in claims:
         client.commit("t1", c.file_id, c.token, 2000, digest(c.file_id.encode() * 500))
-    wait_for(lambda: all(e.state == pb.ENTRY_STATE_VERIFIED for e in client.list_entries("t1")),
+    wait_for(lambda: all(e.state == pb.ENTRY_STATE_VERIFIED
+                         for e in client.operator.list_entries("t1")),
              timeout=30, what="all verified")
     assert w.metrics.get("overflows") >= 1
     assert w.metrics.get("reconciliations") >= 2  # the one at start, one after the overflow
@@ -73,7 +74,7 @@ def test_kernel_overflow_event_forces_a_reconciliation(
     assert isinstance(emitter, InotifyEmitter)
     # A change whose event is "lost": tamper while the tree is not watched...
     w.watches.unwatch_tree(str(staging / "t1"))
-    Path(client.get_entry("t1", "a").abs_attempt_path).write_bytes(b"changed unseen")
+    Path(client.operator.get_entry("t1", "a").abs_attempt_path).write_bytes(b"changed unseen")
     before = w.metrics.get("reconciliations")
     from baton_relay.watcher._inotify import IN_Q_OVERFLOW, RawEvent
 
@@ -102,8 +103,8 @@ def test_three_failed_hashes_report_the_file_corrupted(
     w = watcher_factory()
     make_task(client, "t1", {"a": "a.bin"})
     put_bytes(client, session, "t1", "a", b"never settles")
-    wait_for(lambda: client.get_entry("t1", "a").retry_count == 1, what="a retried")
-    entry = client.get_entry("t1", "a")
+    wait_for(lambda: client.operator.get_entry("t1", "a").retry_count == 1, what="a retried")
+    entry = client.operator.get_entry("t1", "a")
     assert entry.state == pb.ENTRY_STATE_PENDING
     assert entry.error.startswith("corrupted: 3 failed attempts")
     assert w.metrics.get("problems") == 1
@@ -204,7 +205,7 @@ def test_stop_finishes_and_reports_the_hash_in_hand(
     GatedHasher.gate.set()
     stopper.join(30)
     assert "stopped" in result
-    assert client.get_entry("t1", "a").state == pb.ENTRY_STATE_VERIFIED
+    assert client.operator.get_entry("t1", "a").state == pb.ENTRY_STATE_VERIFIED
 
 
 def test_committed_file_that_never_appears_is_reported_missing(
@@ -215,5 +216,5 @@ def test_committed_file_that_never_appears_is_reported_missing(
     watcher_factory()
     claim = client.claim("t1", "a", session=session)
     client.commit("t1", "a", claim.token, 5, digest(b"never"))
-    wait_for(lambda: client.get_entry("t1", "a").retry_count == 1, what="a retried")
-    assert client.get_entry("t1", "a").error.startswith("missing: 3 failed attempts")
+    wait_for(lambda: client.operator.get_entry("t1", "a").retry_count == 1, what="a retried")
+    assert client.operator.get_entry("t1", "a").error.startswith("missing: 3 failed attempts")

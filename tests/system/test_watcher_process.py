@@ -26,7 +26,7 @@ Wait = Callable[..., None]
 
 def all_verified(client: Client, task_id: str, n: int) -> Callable[[], bool]:
     def check() -> bool:
-        entries = client.list_entries(task_id, pb.ENTRY_STATE_VERIFIED)
+        entries = client.operator.list_entries(task_id, pb.ENTRY_STATE_VERIFIED)
         return len(entries) == n
 
     return check
@@ -55,11 +55,12 @@ def test_killed_and_restarted_while_files_land_verifies_each_once(
     make_task(client, "t1", {f: f"d{i % 5}/{f}.bin" for i, f in enumerate(ids)})
     first = processes("--reconcile-interval", "2")
     producer = Producing(client, session, [("t1", f) for f in ids], size=2048)
-    wait_for(lambda: len(client.list_entries("t1", pb.ENTRY_STATE_VERIFIED)) >= 150, timeout=60,
+    wait_for(lambda: len(client.operator.list_entries("t1", pb.ENTRY_STATE_VERIFIED)) >= 150,
+             timeout=60,
              what="150 verified before the kill")
     first.proc.send_signal(signal.SIGKILL)
     first.proc.wait()
-    verified_at_kill = len(client.list_entries("t1", pb.ENTRY_STATE_VERIFIED))
+    verified_at_kill = len(client.operator.list_entries("t1", pb.ENTRY_STATE_VERIFIED))
     processes("--reconcile-interval", "2")
     producer.join(120)
     wait_for(all_verified(client, "t1", len(ids)), timeout=120, what="all 500 verified")

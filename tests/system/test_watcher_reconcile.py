@@ -121,7 +121,7 @@ def test_after_an_overflow_a_full_pass_finds_what_the_events_missed(
     assert isinstance(emitter, InotifyEmitter)
     # Events lost: nothing watches the tree while a is changed and sub/ made.
     w.watches.unwatch_tree(str(staging / "t1"))
-    Path(client.get_entry("t1", "a").abs_attempt_path).write_bytes(b"changed unseen")
+    Path(client.operator.get_entry("t1", "a").abs_attempt_path).write_bytes(b"changed unseen")
     put_bytes(client, session, "t1", "b", b"in a directory made unseen")
     wait_for(is_state(client, "t1", "b", pb.ENTRY_STATE_VERIFIED), what="b verified")
     full = w.metrics.get("full_reconciliations")
@@ -129,7 +129,7 @@ def test_after_an_overflow_a_full_pass_finds_what_the_events_missed(
     emitter.handle([RawEvent(-1, IN_Q_OVERFLOW, 0, "")])
     wait_for(lambda: w.metrics.get("full_reconciliations") > full, what="a full pass")
     wait_for(is_state(client, "t1", "a", pb.ENTRY_STATE_PENDING), what="a unverified")
-    Path(client.get_entry("t1", "b").abs_attempt_path).write_bytes(b"changed, seen")
+    Path(client.operator.get_entry("t1", "b").abs_attempt_path).write_bytes(b"changed, seen")
     wait_for(is_state(client, "t1", "b", pb.ENTRY_STATE_PENDING), what="b unverified")
 
 
@@ -145,7 +145,7 @@ def test_what_changed_while_the_watcher_was_stopped_is_found_at_its_start(
     put_bytes(client, session, "t1", "a", b"verified before the stop")
     wait_for(is_state(client, "t1", "a", pb.ENTRY_STATE_VERIFIED), what="a verified")
     first.stop()
-    Path(client.get_entry("t1", "a").abs_attempt_path).write_bytes(b"changed while down")
+    Path(client.operator.get_entry("t1", "a").abs_attempt_path).write_bytes(b"changed while down")
     put_bytes(client, session, "t1", "b", b"landed while down")
     second = watcher_factory(state_file=state)
     assert second.metrics.get("full_reconciliations") >= 1  # its start

@@ -31,7 +31,7 @@ Wait = Callable[..., None]
 
 def _consume(client: Client, session: Session, task_id: str, file_id: str,
              groups: tuple[str, ...]) -> pb.Entry:
-    entry = client.get_entry(task_id, file_id)
+    entry = client.operator.get_entry(task_id, file_id)
     for group in groups:
         lease = client.consume(task_id, group, file_id, session=session)
         entry = client.ack(task_id, file_id, group, lease.token, session=session)
@@ -40,11 +40,11 @@ def _consume(client: Client, session: Session, task_id: str, file_id: str,
 
 def _file(client: Client, task_id: str, file_id: str) -> Path:
     """The committed attempt's file of an entry."""
-    return Path(client.get_entry(task_id, file_id).abs_attempt_path)
+    return Path(client.operator.get_entry(task_id, file_id).abs_attempt_path)
 
 
 def _journalled(client: Client, task_id: str, file_id: str, event: str) -> int:
-    return sum(1 for r in client.journal(task_id, file_id) if r.event == event)
+    return sum(1 for r in client.operator.journal(task_id, file_id) if r.event == event)
 
 
 @pytest.fixture
@@ -63,7 +63,7 @@ def test_only_fully_consumed_unchanged_files_leave_after_their_retention(
     verification, replaced by a symlink, a planted symlink: all untouched."""
     outside = tmp_path / "outside.txt"
     outside.write_bytes(b"not staging")
-    client.create_task({
+    client.operator.create_task({
         "task_id": "t", "consumers": ["g1", "g2"], "staging_retention_seconds": 1,
         "entries": [{"file_id": "gone", "path": "d/gone.bin"},
                     {"file_id": "half", "path": "d/half.bin"},
@@ -96,12 +96,12 @@ def test_only_fully_consumed_unchanged_files_leave_after_their_retention(
     assert outside.read_bytes() == b"not staging"
     assert _journalled(client, "t", "gone", "staging_removed") == 1
     assert _journalled(client, "t", "changed", "staging_changed") == 1
-    assert not client.get_entry("t", "changed").staging_removed_at
-    assert not client.get_entry("t", "linked").staging_removed_at
+    assert not client.operator.get_entry("t", "changed").staging_removed_at
+    assert not client.operator.get_entry("t", "linked").staging_removed_at
     assert watcher.metrics.get("staging_files_removed") == 1
     assert watcher.metrics.get("staging_bytes_removed") == gone.size
-    held = sum(client.get_entry("t", f).size for f in ("half", "changed", "linked"))
-    assert client.get_task("t").staging_bytes == held
+    held = sum(client.operator.get_entry("t", f).size for f in ("half", "changed", "linked"))
+    assert client.operator.get_task("t").staging_bytes == held
 
 
 def test_a_finished_tasks_files_go_and_its_directory_once_archived(
@@ -117,7 +117,8 @@ def test_a_finished_tasks_files_go_and_its_directory_once_archived(
     try:
         with Client(registry.address, timeout=10, retry=TEST_RETRY) as client, \
                 client.open_session("agent", ttl=10) as session:
-            client.create_task({"task_id": "t", "staging_retention_seconds": 0, "entries": [
+            client.operator.create_task({"task_id": "t", "staging_retention_seconds": 0,
+                                         "entries": [
                 {"file_id": f"f{i}", "path": f"sub/f{i}.bin"} for i in range(3)]})
             for i in range(3):
                 put_bytes(client, session, "t", f"f{i}", os.urandom(300))
@@ -125,12 +126,13 @@ def test_a_finished_tasks_files_go_and_its_directory_once_archived(
                 wait_for(is_state(client, "t", f"f{i}", pb.ENTRY_STATE_VERIFIED), what="verified")
             for i in range(3):
                 _consume(client, session, "t", f"f{i}", ("default",))
-            wait_for(lambda: client.get_task("t").status in (pb.TASK_STATUS_COMPLETED,
-                                                             pb.TASK_STATUS_ARCHIVED),
+            wait_for(lambda: client.operator.get_task("t").status in (pb.TASK_STATUS_COMPLETED,
+                                                                      pb.TASK_STATUS_ARCHIVED),
                      what="task completed")
             wait_for(lambda: w.metrics.get("staging_files_removed") == 3, timeout=15,
                      what="three files removed")
-            wait_for(lambda: client.get_task("t").status == pb.TASK_STATUS_ARCHIVED, timeout=20,
+            wait_for(lambda: client.operator.get_task("t").status == pb.TASK_STATUS_ARCHIVED,
+                     timeout=20,
                      what="task archived")
             wait_for(lambda: not (staging / "t").exists(), timeout=20,
                      what="the task's directory removed")
@@ -146,17 +148,17 @@ def test_a_removal_recorded_but_not_made_is_finished_by_the_next_owner(
 ) -> None:
     """A watcher that died between the mark and the unlink: the next owner of the
     shard unlinks the file, unless its bytes changed since (kept, counted)."""
-    client.create_task({"task_id": "t", "staging_retention_seconds": 0, "entries": [
+    client.operator.create_task({"task_id": "t", "staging_retention_seconds": 0, "entries": [
         {"file_id": f, "path": f"{f}.bin"} for f in ("a", "b")]})
     for f in ("a", "b"):
         produce_verified(client, session, "t", f)  # reported as a lone watcher would
         _consume(client, session, "t", f, ("default",))
-    crashed = client.register_watcher(str(staging), reporter="crashed", ttl=2)
+    crashed = client.watcher.register_watcher(str(staging), reporter="crashed", ttl=2)
     epoch = crashed.shards[0].epoch
     for f in ("a", "b"):
-        entry = client.get_entry("t", f)
-        reply = client.remove_staged("t", f, entry.size, entry.digest,
-                                     watcher_id=crashed.watcher_id, shard_epoch=epoch)
+        entry = client.operator.get_entry("t", f)
+        reply = client.watcher.remove_staged("t", f, entry.size, entry.digest,
+                                             watcher_id=crashed.watcher_id, shard_epoch=epoch)
         assert reply.outcome == pb.RemoveStagedResponse.OUTCOME_MARKED
     _file(client, "t", "b").write_bytes(b"changed after the removal was recorded")
     # It never beats again: its registration ends, and the next watcher owns its shards.
@@ -184,13 +186,13 @@ def test_a_directory_with_a_planted_symlink_stays(
     try:
         with Client(registry.address, timeout=10, retry=TEST_RETRY) as client:
             for task_id in ("kept", "emptied"):
-                client.create_task({"task_id": task_id, "entries": [
+                client.operator.create_task({"task_id": task_id, "entries": [
                     {"file_id": "a", "path": "x/a.bin"}]})
                 (staging / task_id / "x").mkdir(parents=True, exist_ok=True)
             (staging / "kept" / "x" / "link").symlink_to(tmp_path)
             for task_id in ("kept", "emptied"):
-                client.cancel_task(task_id)
-                client.delete_task(task_id)
+                client.operator.cancel_task(task_id)
+                client.operator.delete_task(task_id)
             wait_for(lambda: not (staging / "emptied").exists(), timeout=15,
                      what="the emptied task's directory removed")
             assert (staging / "kept" / "x" / "link").is_symlink()
@@ -214,14 +216,14 @@ def test_removals_survive_a_watcher_kill_and_a_shard_move(
     tasks = [f"t{i}" for i in range(6)]
     files = [f"f{j:02d}" for j in range(10)]
     for t in tasks:
-        client.create_task({"task_id": t, "consumers": ["g1", "g2"],
-                            "staging_retention_seconds": 1,
-                            "entries": [{"file_id": f, "path": f"{f}.bin"}
+        client.operator.create_task({"task_id": t, "consumers": ["g1", "g2"],
+                                     "staging_retention_seconds": 1,
+                                     "entries": [{"file_id": f, "path": f"{f}.bin"}
                                         for f in files]})
     watchers = [sharded(processes, "w0"), sharded(processes, "w1")]
-    wait_for(lambda: len(client.list_watchers()) == 2, what="both registered")
+    wait_for(lambda: len(client.operator.list_watchers()) == 2, what="both registered")
     Producing(client, session, [(t, f) for t in tasks for f in files]).join(120)
-    wait_for(lambda: all(len(client.list_entries(t, pb.ENTRY_STATE_VERIFIED)) == len(files)
+    wait_for(lambda: all(len(client.operator.list_entries(t, pb.ENTRY_STATE_VERIFIED)) == len(files)
                          for t in tasks), timeout=60, what="every file verified")
     half = [(t, f) for t in tasks for f in files[:2]]  # acked by g1 only
     full = [(t, f) for t in tasks for f in files[2:]]
@@ -234,14 +236,14 @@ def test_removals_survive_a_watcher_kill_and_a_shard_move(
         _consume(client, session, t, f, ("g1", "g2"))
     for t, f in half:
         _consume(client, session, t, f, ("g1",))
-    wait_for(lambda: len(client.list_watchers()) == 1, timeout=15, what="victim expired")
+    wait_for(lambda: len(client.operator.list_watchers()) == 1, timeout=15, what="victim expired")
     watchers.append(sharded(processes, "w2"))
-    wait_for(lambda: len(client.list_watchers()) == 2, what="a new watcher")
-    ids = {w.reporter: w.watcher_id for w in client.list_watchers()}
+    wait_for(lambda: len(client.operator.list_watchers()) == 2, what="a new watcher")
+    ids = {w.reporter: w.watcher_id for w in client.operator.list_watchers()}
     # a shard of the survivor's moves to the newcomer while removals are due
-    shard = next(s for s in client.list_shards().shards if s.owner == ids["w1"]
+    shard = next(s for s in client.operator.list_shards().shards if s.owner == ids["w1"]
                  and not s.moving_to)
-    client.move_shard(shard.shard, ids["w2"])
+    client.operator.move_shard(shard.shard, ids["w2"])
     wait_for(lambda: all(not _file(client, t, f).exists() for t, f in full),
              timeout=60, what="every fully consumed file removed")
     assert all(_file(client, t, f).exists() for t, f in half)
@@ -250,7 +252,7 @@ def test_removals_survive_a_watcher_kill_and_a_shard_move(
         marks = {f: sum(1 for e in h if e["event"] == "staging_removed")
                  for f, h in hist.items()}
         assert marks == {f: int(f not in files[:2]) for f in files}, (t, marks)
-        assert client.get_task(t).staging_bytes == sum(
-            client.get_entry(t, f).size for f in files[:2])
+        assert client.operator.get_task(t).staging_bytes == sum(
+            client.operator.get_entry(t, f).size for f in files[:2])
     for p in watchers[1:]:
         assert "step failed" not in p.log_tail(10_000), p.log_tail()

@@ -186,7 +186,7 @@ def test_new_task_gets_its_directories(
     """A task created while the watcher runs gets its directories with group and mode,
     and its files are verified as usual."""
     watcher_factory()
-    client.create_task({
+    client.operator.create_task({
         "task_id": "t1",
         "entries": [{"file_id": "a", "path": "raw/pages/a.bin"}],
         "access": {"paths": [{"dir": "raw", "unix_group": "users", "mode": "2770"},
@@ -207,7 +207,7 @@ def test_task_found_at_start_gets_its_directories(
     """A watcher that starts after the task was created makes its directories; later
     reconciliations find them as asked and change nothing."""
     caplog.set_level(logging.INFO, logger="baton.watcher")
-    client.create_task({
+    client.operator.create_task({
         "task_id": "t1",
         "entries": [{"file_id": "a", "path": "raw/a.bin"}],
         "access": {"paths": [{"dir": "raw", "unix_group": "users", "mode": "2770"}]},
@@ -236,7 +236,7 @@ def test_symlink_at_a_task_directory_is_refused(
     (staging / "t1" / "raw").symlink_to(outside)
     w = watcher_factory()
     for task_id in ("t1", "t2"):
-        client.create_task({
+        client.operator.create_task({
             "task_id": task_id,
             "entries": [{"file_id": "a", "path": "out/a.bin"}],
             "access": {"paths": [{"dir": "raw", "unix_group": "users", "mode": "2777"}]},
@@ -263,7 +263,7 @@ def test_unknown_group_is_logged_and_the_rest_served(
     directories are made and its files verified."""
     caplog.set_level(logging.INFO, logger="baton.watcher")
     watcher_factory()
-    client.create_task({
+    client.operator.create_task({
         "task_id": "t1",
         "entries": [{"file_id": "a", "path": "raw/a.bin"}],
         "access": {"paths": [{"dir": "raw", "unix_group": UNKNOWN_GROUP, "mode": "2770"},
