@@ -5,32 +5,21 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import socket
 import threading
 from collections.abc import Generator, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import grpc
-
-from ..kernel import errors, tracing
-from ..kernel.contract import version
+from ..kernel import errors
 from ..kernel.errors import SessionExpired
 from ..kernel.v1 import baton_pb2 as pb
 from ._connection import Connection
-from ._wire import (
-    Attributes,
-    Claim,
-    Lease,
-    encode_attributes,
-    events_of,
-    raise_from_rpc,
-)
+from ._wire import Attributes, Claim, Lease
 
 if TYPE_CHECKING:
-    from .aio import AsyncSession
+    from ._core import AgentCore
+    from .aio import AsyncSession, ServerStream
 
 log = logging.getLogger("baton.client")
 
@@ -157,7 +146,20 @@ class Session:
 
 
 class AgentCalls(Connection):
-    """The AgentService's calls."""
+    """The AgentService's calls, blocking: each runs the asyncio client's call of the
+    same name (``_core.AgentCore``) on the event loop of this client's streams, on the
+    session's stream when it has one, else as a unary RPC (``AsyncClient.unary``)."""
+
+    def _core(self, session: Session | int, *, check: bool = False) -> AgentCore:
+        """Where the calls naming ``session`` go: its stream, or unary calls naming its
+        id; ``check``: refuse a session that can no longer be trusted first."""
+        if isinstance(session, Session):
+            if session.stream is not None:
+                return session.stream
+            if check:
+                session.check()
+            session = session.session_id
+        return self._streams().unary(int(session))
 
     def open_session(self, agent: str, ttl: int = 10, *, keepalive: bool = True,
                      slots: int = 0, host: str = "") -> Session:
@@ -170,17 +172,15 @@ class AgentCalls(Connection):
         host the session says it runs on, which ``baton lease drain --host`` names
         (default: this machine's host name; a container may give its node's).
         """
+        aio = self._streams()
         if keepalive:
-            aio = self._streams()
             stream = self._run(aio.open_session(agent, ttl, slots=slots, host=host))
             session = Session(self, stream.session_id, stream.agent, stream.ttl, stream=stream,
                               carrier=self)
             stream.on_lost.append(session.lost.set)
             return session
-        req = pb.OpenSessionRequest(agent=agent, ttl=ttl, host=host or socket.gethostname(),
-                                    pid=os.getpid(), version=version(), slots=slots)
-        resp = self._call("OpenSession", req).session
-        return Session(self, resp.session_id, resp.agent, resp.ttl)
+        opened = self._run(aio.open_unary_session(agent, ttl, slots=slots, host=host))
+        return Session(self, opened.session_id, opened.agent, opened.ttl)
 
     def keepalive(self, session_id: int) -> int:
         """Refresh a session's lease once; the TTL it now has."""
@@ -189,45 +189,32 @@ class AgentCalls(Connection):
     def refresh_session(self, session_id: int) -> pb.KeepAliveResponse:
         """Refresh a session's lease once; the registry's whole reply: the TTL, and
         whether the session's host is drained."""
-        return self._call("KeepAlive", pb.KeepAliveRequest(session_id=session_id))  # type: ignore[no-any-return]
+        return self._run(self._streams().unary(session_id).refresh_reply())
 
     def close_session(self, session_id: int) -> None:
-        self._call("CloseSession", pb.CloseSessionRequest(session_id=session_id))
+        self._run(self._streams().unary(session_id).close())
 
     def claim(self, task_id: str, file_id: str = "", *, session: Session | int,
               traceparent: str | None = None) -> Claim:
         """Claim an entry (or the next claimable one) for writing. ``traceparent``: the
         span of the attempt, kept on the entry when traces are on (None: the current
         span; ``produce`` opens one per attempt)."""
-        if (stream := _stream_of(session)) is not None:
-            return self._run(stream.claim(task_id, file_id, traceparent=traceparent))
-        sid = _session_id(session)
+        core = self._core(session, check=True)
         with _draining(session):
-            resp = self._call("Claim", pb.ClaimRequest(
-                task_id=task_id, file_id=file_id, session_id=sid,
-                traceparent=tracing.current() if traceparent is None else traceparent))
-        return Claim.of(task_id, resp, sid)
+            return self._run(core.claim(task_id, file_id, traceparent=traceparent))
 
     def claim_batch(self, task_id: str, max_count: int, *, session: Session | int) -> list[Claim]:
         """Claim up to ``max_count`` entries in one transaction (all or nothing)."""
-        if (stream := _stream_of(session)) is not None:
-            return self._run(stream.claim_batch(task_id, max_count))
-        sid = _session_id(session)
+        core = self._core(session, check=True)
         with _draining(session):
-            resp = self._call("ClaimBatch", pb.ClaimBatchRequest(
-                task_id=task_id, session_id=sid, max=max_count))
-        return [Claim.of(task_id, c, sid) for c in resp.claims]
+            return self._run(core.claim_batch(task_id, max_count))
 
     def commit_batch(self, commits: Sequence[tuple[str, str, int, int, str]
                                              | tuple[str, str, int, int, str, Attributes]]
                      ) -> list[pb.Entry]:
         """Commit (task, file_id, token, size, digest[, attributes]) tuples in one
         transaction."""
-        req = pb.CommitBatchRequest(commits=[
-            pb.CommitRequest(task_id=c[0], file_id=c[1], token=c[2], size=c[3], digest=c[4],
-                             attributes=encode_attributes(c[5] if len(c) > 5 else None))
-            for c in commits])
-        return list(self._call("CommitBatch", req).entries)
+        return self._run(self._core(0).commit_batch(commits))
 
     def commit(self, task_id: str, file_id: str, token: int, size: int,
                digest: str = "", *, session: Session | int = 0,
@@ -236,13 +223,8 @@ class AgentCalls(Connection):
         task sets ``digest_optional``). ``session``: the one holding the claim (the
         registry then checks it holds it). ``attributes``: what the task's routing
         rules look at (see ``encode_attributes``)."""
-        if (stream := _stream_of(session)) is not None:
-            return self._run(stream.commit(task_id, file_id, token, size, digest,
-                                           attributes=attributes))
-        req = pb.CommitRequest(task_id=task_id, file_id=file_id, token=token, size=size,
-                               digest=digest, session_id=_named_session(session),
-                               attributes=encode_attributes(attributes))
-        return self._call("Commit", req).entry  # type: ignore[no-any-return]
+        return self._run(self._core(session).commit(task_id, file_id, token, size, digest,
+                                                    attributes=attributes))
 
     def commit_and_claim(self, task_id: str, file_id: str, token: int, size: int,
                          digest: str = "", *, session: Session,
@@ -276,13 +258,9 @@ class AgentCalls(Connection):
         seconds instead, when given), or goes dead at once, no retry spent, when
         ``permanent``. ``release``: the attempt never began (claimed ahead, not worked
         on): the entry is pending again at once, no retry spent."""
-        if (stream := _stream_of(session)) is not None:
-            return self._run(stream.fail(task_id, file_id, token, reason,
-                                         permanent=permanent, delay=delay, release=release))
-        req = pb.FailRequest(task_id=task_id, file_id=file_id, token=token, reason=reason,
-                             session_id=_named_session(session), permanent=permanent,
-                             delay_seconds=delay, release=release)
-        return self._call("Fail", req).entry  # type: ignore[no-any-return]
+        return self._run(self._core(session).fail(task_id, file_id, token, reason,
+                                                  permanent=permanent, delay=delay,
+                                                  release=release))
 
     def checkpoint(self, task_id: str, file_id: str, token: int, *, data: bytes = b"",
                    progress: float = 0.0, message: str = "", group: str = "",
@@ -291,46 +269,28 @@ class AgentCalls(Connection):
         ``group``, a consume lease): the next attempt's claim (consume) carries it if
         this one does not finish. ``data``: at most 64 KiB; ``progress``: 0..1;
         ``message``: at most 200 characters. The checkpoint as kept, without its data."""
-        if (stream := _stream_of(session)) is not None:
-            return self._run(stream.checkpoint(task_id, file_id, token, data=data,
-                                               progress=progress, message=message,
-                                               group=group))
-        req = pb.CheckpointRequest(task_id=task_id, file_id=file_id, token=token, group=group,
-                                   data=data, progress=progress, message=message,
-                                   session_id=_named_session(session))
-        return self._call("Checkpoint", req).checkpoint  # type: ignore[no-any-return]
+        return self._run(self._core(session).checkpoint(
+            task_id, file_id, token, data=data, progress=progress, message=message,
+            group=group))
 
     def consume(self, task_id: str, group: str = "default", file_id: str = "", *,
                 session: Session | int) -> Lease:
         """Take a verified entry (or the next one) for ``group``."""
-        if (stream := _stream_of(session)) is not None:
-            return self._run(stream.consume(task_id, group, file_id))
-        sid = _session_id(session)
-        req = pb.ConsumeRequest(task_id=task_id, group=group, file_id=file_id, session_id=sid)
+        core = self._core(session, check=True)
         with _draining(session):
-            r = self._call("Consume", req)
-        return Lease.of(task_id, r, sid)
+            return self._run(core.consume(task_id, group, file_id))
 
     def consume_batch(self, task_id: str, group: str = "default", max_count: int = 21, *,
                       session: Session | int) -> list[Lease]:
         """Take up to ``max_count`` verified entries for ``group`` in one transaction
         (all or nothing, at most 21); ack them together with :meth:`ack_batch`."""
-        if (stream := _stream_of(session)) is not None:
-            return self._run(stream.consume_batch(task_id, group, max_count))
-        sid = _session_id(session)
-        req = pb.ConsumeBatchRequest(task_id=task_id, group=group, session_id=sid,
-                                     max=max_count)
+        core = self._core(session, check=True)
         with _draining(session):
-            resp = self._call("ConsumeBatch", req)
-        return [Lease.of(task_id, r, sid) for r in resp.leases]
+            return self._run(core.consume_batch(task_id, group, max_count))
 
     def ack(self, task_id: str, file_id: str, group: str, token: int, *,
             session: Session | int = 0) -> pb.Entry:
-        if (stream := _stream_of(session)) is not None:
-            return self._run(stream.ack(task_id, file_id, group, token))
-        req = pb.AckRequest(task_id=task_id, file_id=file_id, group=group, token=token,
-                            session_id=_named_session(session))
-        return self._call("Ack", req).entry  # type: ignore[no-any-return]
+        return self._run(self._core(session).ack(task_id, file_id, group, token))
 
     def ack_and_consume(self, task_id: str, file_id: str, group: str, token: int, *,
                         session: Session) -> tuple[pb.Entry, Lease | None]:
@@ -343,22 +303,15 @@ class AgentCalls(Connection):
     def ack_batch(self, acks: list[tuple[str, str, str, int]]) -> list[pb.Entry]:
         """Ack (task, file_id, group, token) tuples in one transaction, all or nothing
         (at most 21); the entries as acked, in the same order."""
-        req = pb.AckBatchRequest(acks=[
-            pb.AckRequest(task_id=t, file_id=f, group=g, token=tok) for t, f, g, tok in acks])
-        return list(self._call("AckBatch", req).entries)
+        return self._run(self._core(0).ack_batch(acks))
 
     def nack(self, task_id: str, file_id: str, group: str, token: int,
              reason: str = "", *, session: Session | int = 0, delay: float = 0.0,
              permanent: bool = False) -> pb.Entry:
         """Hand a lease back to the group (after ``delay`` seconds, when given), or,
         ``permanent``, give the entry up: it goes dead for every group."""
-        if (stream := _stream_of(session)) is not None:
-            return self._run(stream.nack(task_id, file_id, group, token, reason,
-                                         delay=delay, permanent=permanent))
-        req = pb.NackRequest(task_id=task_id, file_id=file_id, group=group, token=token,
-                             reason=reason, session_id=_named_session(session),
-                             delay_seconds=delay, permanent=permanent)
-        return self._call("Nack", req).entry  # type: ignore[no-any-return]
+        return self._run(self._core(session).nack(task_id, file_id, group, token, reason,
+                                                  delay=delay, permanent=permanent))
 
     def watch(self, task_id: str, start_revision: int = 0,
               timeout: float | None = None, *,
@@ -369,22 +322,30 @@ class AgentCalls(Connection):
         ``progress``: also ``KIND_PROGRESS`` events (entry unset) while nothing changes,
         whose ``revision + 1`` is where to resume. A resume from a revision etcd has
         compacted raises ``Compacted`` (an ``Unavailable``), or, with ``catch_up``, is
-        sent every entry written since that revision as ``KIND_CHANGED``, as it is now."""
-        request = pb.WatchRequest(task_id=task_id, start_revision=start_revision,
-                                  states=list(states), progress=progress,
-                                  catch_up=catch_up, together=True)
-        call = self._method("Watch")(request, timeout=timeout)
+        sent every entry written since that revision as ``KIND_CHANGED``, as it is now.
+        The stream is the asyncio client's (``AsyncClient.watch``), read on its loop."""
+        aio = self._streams()
+
+        async def opened() -> ServerStream[pb.TaskEvent]:
+            return aio.watch(task_id, start_revision, timeout, states=states,
+                             progress=progress, catch_up=catch_up)
+
+        stream = self._run(opened())
         try:
-            for reply in call:
-                yield from events_of(reply)
-        except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                return
-            if e.code() == grpc.StatusCode.CANCELLED:
-                return
-            raise raise_from_rpc(e) from None
+            while (event := self._run(_next(stream))) is not None:
+                yield event
         finally:
-            call.cancel()
+            loop = self._loop
+            if loop is not None:
+                loop.loop.call_soon_threadsafe(stream.cancel)
+
+
+async def _next(stream: ServerStream[pb.TaskEvent]) -> pb.TaskEvent | None:
+    """The stream's next event; None once it has ended."""
+    try:
+        return await anext(stream)
+    except StopAsyncIteration:
+        return None
 
 
 @contextmanager
@@ -398,25 +359,8 @@ def _draining(session: Session | int) -> Iterator[None]:
         raise
 
 
-def _stream_of(session: Session | int) -> AsyncSession | None:
-    """The stream a session's calls travel on (None: unary calls)."""
-    return session.stream if isinstance(session, Session) else None
-
-
 def _needs_stream(session: Session, what: str) -> AsyncSession:
     if session.stream is None:
         raise errors.InvalidArgument(f"{what} needs a session kept on its stream "
                                      "(open_session with keepalive)")
     return session.stream
-
-
-def _named_session(session: Session | int) -> int:
-    """The id of the session a token call names (no check: the registry decides)."""
-    return session.session_id if isinstance(session, Session) else int(session)
-
-
-def _session_id(session: Session | int) -> int:
-    if isinstance(session, Session):
-        session.check()
-        return session.session_id
-    return int(session)

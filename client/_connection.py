@@ -1,28 +1,26 @@
 """A connection to a registry: one gRPC channel, typed errors, safe retries, and the
-event loop that carries stream sessions. The calls themselves are grouped as the
-registry's services are (``_agent``, ``_watcher_calls``, ``_operator``)."""
+event loop that carries the agents' calls. The calls themselves are grouped as the
+registry's services are (``_agent``, ``_watcher_calls``, ``_operator``); the agents'
+are the asyncio client's (``_core``, ``aio``), run on that loop."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import logging
-import os
 import threading
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
 from ..kernel import errors, tracing
-from ..kernel.contract import (
-    DEFAULT_REGISTRY,
-    MAX_REQUEST_BYTES,
-    mib,
-)
-from ..kernel.v1 import baton_pb2 as pb
+from ..kernel.contract import DEFAULT_REGISTRY
 from ._wire import (
     Credentials,
     channel_options,
+    checked,
+    explained,
+    method_of,
     raise_from_rpc,
 )
 from .retry import RetryPolicy
@@ -38,40 +36,26 @@ C = TypeVar("C", bound="Connection")
 log = logging.getLogger("baton.client")
 
 
-_METHODS = {method.name: method for service in pb.DESCRIPTOR.services_by_name.values()
-            for method in service.methods}
-
-
 class _Stub:
-    """The registry's methods on a channel, each made when first called, from the
-    services' descriptors. The generated stubs make every method at once, a cost
-    every short-lived ``baton`` process would pay for its one or two calls."""
+    """The registry's methods on a channel, each made when first called
+    (``method_of``)."""
 
     def __init__(self, channel: grpc.Channel) -> None:
         self._channel = channel
 
     def __getattr__(self, name: str) -> Any:
-        method = _METHODS.get(name)
-        if method is None:
-            raise AttributeError(name)
-        request = getattr(pb, method.input_type.name)
-        reply = getattr(pb, method.output_type.name)
-        make = self._channel.unary_stream if method.server_streaming else self._channel.unary_unary
-        call = make(f"/{method.containing_service.full_name}/{name}",
-                    request_serializer=request.SerializeToString,
-                    response_deserializer=reply.FromString,
-                    _registered_method=True)  # type: ignore[call-arg]  # as generated stubs do
+        call = method_of(self._channel, name)
         setattr(self, name, call)
         return call
 
 
 class _Loop:
     """The event loop, in a daemon thread, where every blocking client of the process
-    runs its stream sessions and its long-lived streams (``Connection.spawn``): the
-    asyncio client is the one implementation of a session, the blocking one hands it
-    each call. One per process, because gRPC's asyncio layer serves one running event
-    loop at a time (a second one, running in another thread, gets its futures
-    refused)."""
+    runs its agent calls (on a session's stream or unary) and its long-lived streams
+    (``Connection.spawn``): the asyncio client is the one implementation of the agent's
+    calls, the blocking one hands it each call. One per process, because gRPC's asyncio
+    layer serves one running event loop at a time (a second one, running in another
+    thread, gets its futures refused)."""
 
     _shared: _Loop | None = None
     _lock = threading.Lock()
@@ -90,6 +74,10 @@ class _Loop:
             return cls._shared
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if threading.current_thread() is self.thread:
+            coro.close()
+            raise RuntimeError("a blocking client's call made on its own event loop's thread "
+                               "would wait for itself: await the asyncio client's call there")
         # the caller's span goes with the call (traces on): the registry's is its child
         result: T = asyncio.run_coroutine_threadsafe(tracing.carried(coro), self.loop).result()
         return result
@@ -139,7 +127,8 @@ class Connection:
             loop.run(aio.close())
 
     def _streams(self) -> AsyncClient:
-        """The asyncio client that carries this client's stream sessions."""
+        """The asyncio client that carries this client's agent calls: its stream
+        sessions and its unary calls."""
         with self._lock:
             if self.closed:
                 raise errors.ClientClosed(f"this client of {self.target} is closed")
@@ -148,8 +137,8 @@ class Connection:
 
                 async def make() -> AsyncClient:
                     c = self.credentials
-                    return AsyncClient(self.target, timeout=self.timeout, ca=c.ca,
-                                       cert=c.cert, key=c.key)
+                    return AsyncClient(self.target, timeout=self.timeout, retry=self.retry,
+                                       ca=c.ca, cert=c.cert, key=c.key)
 
                 self._loop = _Loop.shared()
                 self._aio = self._loop.run(make())
@@ -169,7 +158,8 @@ class Connection:
         return loop.start(make(aio))
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run a stream session's call on the loop that carries it; its result."""
+        """Run an agent call of the asyncio client on the loop that carries it; its
+        result."""
         loop = self._loop
         if loop is None:
             coro.close()
@@ -192,13 +182,9 @@ class Connection:
         self.close()
 
     def _call(self, method: str, request: Any) -> Any:
-        if hasattr(request, "request_id") and not request.request_id:
-            request.request_id = os.urandom(16).hex()  # the same across retries
-        size = request.ByteSize()
-        if size > MAX_REQUEST_BYTES:
-            raise errors.MessageTooLarge(
-                f"{method}: the request is {mib(size)}; a registry accepts at most "
-                f"{mib(MAX_REQUEST_BYTES)}", size=size, limit=MAX_REQUEST_BYTES)
+        """A unary call of the operators' or the watchers' services (the agents' calls
+        are the asyncio client's, run on its loop: ``_run``)."""
+        checked(method, request)
         rpc = self._method(method)
 
         metadata = None
@@ -209,25 +195,10 @@ class Connection:
             try:
                 return rpc(request, timeout=self.timeout, metadata=metadata)
             except grpc.RpcError as e:
-                raise self._explain(raise_from_rpc(e, method, self.timeout)) from None
+                raise explained(raise_from_rpc(e, method, self.timeout), self.credentials,
+                                self.target) from None
 
         return self.retry.call(attempt)
-
-    def _explain(self, error: errors.BatonError) -> errors.BatonError:
-        """A connection refused by the transport, with what usually causes it."""
-        if type(error) is not errors.Unavailable:
-            return error
-        text = error.message.lower()
-        if self.credentials.tls and ("ssl" in text or "handshake" in text or "tls" in text):
-            return errors.Unavailable(
-                f"{error.message} (the TLS handshake with {self.target} failed: is "
-                "BATON_CA the CA of the registry's certificate, and BATON_CERT/BATON_KEY "
-                "an identity that CA signed?)")
-        if not self.credentials.tls and "refused" not in text:
-            return errors.Unavailable(
-                f"{error.message} (this client speaks plaintext: a registry serving TLS "
-                "needs BATON_CA, BATON_CERT and BATON_KEY)")
-        return error
 
 
 class Calls:
@@ -242,4 +213,3 @@ class Calls:
 
     def _method(self, name: str) -> Any:
         return self._connection._method(name)
-

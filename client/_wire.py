@@ -18,6 +18,7 @@ from ..kernel.contract import (
     KEEPALIVE_TIMEOUT_MS,
     MAX_REPLY_BYTES,
     MAX_REQUEST_BYTES,
+    mib,
 )
 from ..kernel.v1 import baton_pb2 as pb
 
@@ -205,3 +206,54 @@ def raise_from_rpc(e: grpc.RpcError, method: str = "", timeout: float = 0.0
 def events_of(reply: pb.WatchResponse) -> Sequence[pb.TaskEvent]:
     """The events of one ``Watch`` message: several (``events``) or one (``event``)."""
     return reply.events if reply.events else (reply.event,)
+
+
+#: the registry's methods by name, from the services' descriptors
+METHODS = {method.name: method for service in pb.DESCRIPTOR.services_by_name.values()
+           for method in service.methods}
+
+
+def method_of(channel: Any, name: str) -> Any:
+    """The callable of the registry's method ``name`` on ``channel`` (blocking or
+    asyncio), made from its descriptor: the generated stubs make every method at once,
+    a cost every short-lived ``baton`` process would pay for its one or two calls."""
+    method = METHODS.get(name)
+    if method is None:
+        raise AttributeError(name)
+    request = getattr(pb, method.input_type.name)
+    reply = getattr(pb, method.output_type.name)
+    make = channel.unary_stream if method.server_streaming else channel.unary_unary
+    return make(f"/{method.containing_service.full_name}/{name}",
+                request_serializer=request.SerializeToString,
+                response_deserializer=reply.FromString,
+                _registered_method=True)  # as generated stubs do
+
+
+def checked(method: str, request: Any) -> None:
+    """Give a request its id (the same across its retries) and refuse one larger than a
+    registry accepts, before it is sent."""
+    if hasattr(request, "request_id") and not request.request_id:
+        request.request_id = os.urandom(16).hex()
+    size = request.ByteSize()
+    if size > MAX_REQUEST_BYTES:
+        raise errors.MessageTooLarge(
+            f"{method}: the request is {mib(size)}; a registry accepts at most "
+            f"{mib(MAX_REQUEST_BYTES)}", size=size, limit=MAX_REQUEST_BYTES)
+
+
+def explained(error: errors.BatonError, credentials: Credentials, target: str
+              ) -> errors.BatonError:
+    """A connection refused by the transport, with what usually causes it."""
+    if type(error) is not errors.Unavailable:
+        return error
+    text = error.message.lower()
+    if credentials.tls and ("ssl" in text or "handshake" in text or "tls" in text):
+        return errors.Unavailable(
+            f"{error.message} (the TLS handshake with {target} failed: is "
+            "BATON_CA the CA of the registry's certificate, and BATON_CERT/BATON_KEY "
+            "an identity that CA signed?)")
+    if not credentials.tls and "refused" not in text:
+        return errors.Unavailable(
+            f"{error.message} (this client speaks plaintext: a registry serving TLS "
+            "needs BATON_CA, BATON_CERT and BATON_KEY)")
+    return error

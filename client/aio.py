@@ -15,8 +15,11 @@ is resumed on a new stream, to whichever replica answers, until its TTL runs out
 the calls not yet answered are sent again; their request ids make a call that did
 apply answer from its record, so nothing applies twice.
 
-This is the one implementation of an agent's session: the blocking :class:`Client`
-runs it on an event loop of its own thread, one per process (``Client.open_session``).
+This is the one implementation of an agent's session, and its calls (``_core``'s
+``AgentCore``) the one implementation of the agent's calls, on a stream or, for a
+session kept alive by its caller (``open_unary_session``) or for calls that name no
+session (``unary``), as unary RPCs: the blocking :class:`Client` runs them on an event
+loop of its own thread, one per process.
 gRPC's asyncio layer serves one running event loop per process: a program that runs
 its own loop uses this client there, and not blocking stream sessions beside it.
 
@@ -47,20 +50,24 @@ from ..kernel import errors, tracing
 from ..kernel.backoff import Backoff
 from ..kernel.contract import DEFAULT_REGISTRY, version
 from ..kernel.v1 import baton_pb2 as pb
+from ._core import AgentCore, UnarySession
 from ._wire import (
     Attributes,
     Claim,
     Credentials,
     Lease,
     channel_options,
+    checked,
     encode_attributes,
     error_of,
     events_of,
+    explained,
+    method_of,
     raise_from_rpc,
 )
-from .retry import BACKPRESSURE_BACKOFF, BACKPRESSURE_WAIT, waiting_line
+from .retry import RetryPolicy
 
-__all__ = ["AsyncClient", "AsyncSession", "ServerStream"]
+__all__ = ["AsyncClient", "AsyncSession", "ServerStream", "UnarySession"]
 
 M = TypeVar("M")
 
@@ -77,13 +84,16 @@ RESUME_BACKOFF = Backoff(0.05, 1.0)
 class AsyncClient:
     """A channel to a registry for asyncio agents. With ``ca``, ``cert`` and ``key``
     (or ``BATON_CA``, ``BATON_CERT``, ``BATON_KEY``) it speaks mutual TLS, as
-    :class:`~baton_relay.client.Client` does."""
+    :class:`~baton_relay.client.Client` does. Its unary calls (``unary``,
+    ``open_unary_session``) are tried again on ``Unavailable`` as ``retry`` says."""
 
     def __init__(self, target: str = DEFAULT_REGISTRY, *, timeout: float = 10.0,
-                 ca: str | None = None, cert: str | None = None,
-                 key: str | None = None) -> None:
+                 retry: RetryPolicy | None = None, ca: str | None = None,
+                 cert: str | None = None, key: str | None = None) -> None:
         self.target = target
         self.timeout = timeout
+        self.retry = retry or RetryPolicy()
+        self._methods: dict[str, Any] = {}
         self.credentials = Credentials.resolve(ca, cert, key)
         options = channel_options(target, self.credentials)
         if self.credentials.tls:
@@ -94,10 +104,6 @@ class AsyncClient:
         self._stream = self._channel.stream_stream(
             f"/{_SERVICE}/Session", request_serializer=pb.SessionRequest.SerializeToString,
             response_deserializer=pb.SessionResponse.FromString)
-        self._close_session = self._channel.unary_unary(
-            f"/{_SERVICE}/CloseSession",
-            request_serializer=pb.CloseSessionRequest.SerializeToString,
-            response_deserializer=pb.CloseSessionResponse.FromString)
         self._watch = self._channel.unary_stream(
             f"/{_SERVICE}/Watch", request_serializer=pb.WatchRequest.SerializeToString,
             response_deserializer=pb.WatchResponse.FromString)
@@ -116,6 +122,48 @@ class AsyncClient:
             version=version(), slots=slots))
         await session.open()
         return session
+
+    async def open_unary_session(self, agent: str, ttl: int = 10, *, slots: int = 0,
+                                 host: str = "") -> UnarySession:
+        """Open an agent session without a stream: its caller keeps it alive
+        (``refresh``) and its calls are unary RPCs, as a one-shot command's are.
+        ``slots`` and ``host`` as for ``open_session``."""
+        r = await self.unary_call("OpenSession", pb.OpenSessionRequest(
+            agent=agent, ttl=ttl, host=host or socket.gethostname(), pid=os.getpid(),
+            version=version(), slots=slots))
+        return UnarySession(self, r.session.session_id, r.session.agent, r.session.ttl)
+
+    def unary(self, session_id: int = 0) -> UnarySession:
+        """The agent's calls as unary RPCs naming ``session_id`` (0: none, as a commit,
+        a fail, an ack or a nack may, whose token is enough; and the batches)."""
+        return UnarySession(self, session_id)
+
+    async def unary_call(self, method: str, request: Any, *, wait: float | None = None,
+                         retry: bool = True) -> Any:
+        """One unary call of the registry's ``method``; its reply, or its domain error.
+        Tried again on ``Unavailable`` as the client's ``retry`` says (``retry``
+        False: once); each attempt waits ``wait`` seconds (default: ``timeout``)."""
+        if self.closed:
+            raise errors.ClientClosed(f"{method}: this client of {self.target} is closed")
+        checked(method, request)
+        rpc = self._methods.get(method)
+        if rpc is None:
+            rpc = self._methods[method] = method_of(self._channel, method)
+        metadata = None
+        if tracing.ENABLED and (parent := tracing.current()):
+            metadata = (("traceparent", parent),)  # the registry's span is its child
+        limit = self.timeout if wait is None else wait
+
+        async def attempt() -> Any:
+            try:
+                return await rpc(request, timeout=limit, metadata=metadata)
+            except grpc.RpcError as e:
+                raise explained(raise_from_rpc(e, method, limit), self.credentials,
+                                self.target) from None
+
+        if not retry:
+            return await attempt()
+        return await self.retry.acall(attempt)
 
     @contextlib.asynccontextmanager
     async def session(self, agent: str, ttl: int = 10, *, slots: int = 0,
@@ -255,8 +303,9 @@ class _Pending:
         self.sent_on: object = None
 
 
-class AsyncSession:
-    """An agent session on a stream: its calls, its keepalive, its resumption.
+class AsyncSession(AgentCore):
+    """An agent session on a stream: its calls (``AgentCore``'s, each a message on the
+    stream, and the fused steps only a stream carries), its keepalive, its resumption.
 
     ``lost`` turns True once the registry says the session is gone or no keepalive
     succeeded for a whole TTL; calls are then refused with ``SessionExpired`` (its
@@ -499,12 +548,9 @@ class AsyncSession:
             task.cancel()
         if revoke and not self.lost:
             try:
-                await self.client._close_session(
-                    pb.CloseSessionRequest(session_id=self.session_id),
-                    timeout=self.client.timeout)
-            except grpc.RpcError as e:
-                log.warning("closing session %x: %s", self.session_id,
-                            raise_from_rpc(e, "CloseSession"))
+                await self.client.unary(self.session_id).close(retry=False)
+            except errors.BatonError as e:
+                log.warning("closing session %x: %s", self.session_id, e)
         self.lost = True
 
     async def __aenter__(self) -> AsyncSession:
@@ -513,69 +559,7 @@ class AsyncSession:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    # what an agent calls -------------------------------------------------------------
-
-    async def _work(self, kind: str, request: Any) -> Any:
-        """A call that takes new work: a ``Draining`` refusal marks the session."""
-        try:
-            return await self._ask(kind, request)
-        except errors.Draining:
-            self.draining = True
-            raise
-
-    async def claim(self, task_id: str, file_id: str = "", *,
-                    traceparent: str | None = None) -> Claim:
-        """Claim an entry (or the next claimable one) for writing. ``traceparent``: the
-        span of the attempt, kept on the entry (traces on; None: the current span)."""
-        r = await self._work("claim", pb.ClaimRequest(
-            task_id=task_id, file_id=file_id, session_id=self.session_id,
-            traceparent=tracing.current() if traceparent is None else traceparent))
-        return Claim.of(task_id, r, self.session_id)
-
-    async def claim_waiting(self, task_id: str, file_id: str = "", *,
-                            wait: float = BACKPRESSURE_WAIT,
-                            backoff: Backoff = BACKPRESSURE_BACKOFF) -> Claim:
-        """``claim``, waiting out ``Backpressure`` (a consumer group of the task at its
-        backlog limit) with jittered backoff for up to ``wait`` seconds, then raising
-        the last refusal; logged at INFO once per wait."""
-        deadline = time.monotonic() + wait
-        failures = 0
-        while True:
-            try:
-                return await self.claim(task_id, file_id)
-            except errors.Backpressure as e:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise
-                failures += 1
-                if failures == 1:
-                    log.info(waiting_line(e, wait))
-                await asyncio.sleep(min(backoff.delay(failures), left))
-
-    async def claim_batch(self, task_id: str, max_count: int) -> list[Claim]:
-        """Claim up to ``max_count`` entries in one transaction (all or nothing)."""
-        r = await self._work("claim_batch", pb.ClaimBatchRequest(
-            task_id=task_id, session_id=self.session_id, max=max_count))
-        return [Claim.of(task_id, c, self.session_id) for c in r.claims]
-
-    async def commit(self, task_id: str, file_id: str, token: int, size: int,
-                     digest: str = "", *, attributes: Attributes = None) -> pb.Entry:
-        """Publish a claim's file: its size and BLAKE3 ``digest``."""
-        r = await self._ask("commit", pb.CommitRequest(
-            task_id=task_id, file_id=file_id, token=token, size=size, digest=digest,
-            session_id=self.session_id, attributes=encode_attributes(attributes)))
-        return r.entry  # type: ignore[no-any-return]
-
-    async def commit_batch(self, commits: Sequence[tuple[str, str, int, int, str]
-                                                   | tuple[str, str, int, int, str,
-                                                           Attributes]]) -> list[pb.Entry]:
-        """Commit (task, file_id, token, size, digest[, attributes]) tuples in one
-        transaction."""
-        r = await self._ask("commit_batch", pb.CommitBatchRequest(commits=[
-            pb.CommitRequest(task_id=c[0], file_id=c[1], token=c[2], size=c[3], digest=c[4],
-                             attributes=encode_attributes(c[5] if len(c) > 5 else None))
-            for c in commits]))
-        return list(r.entries)
+    # the fused steps: only a stream carries them ----------------------------------
 
     async def commit_and_claim(self, task_id: str, file_id: str, token: int, size: int,
                                digest: str = "", *, attributes: Attributes = None,
@@ -643,65 +627,6 @@ class AsyncSession:
             self.draining = True
         elif isinstance(error, errors.SessionExpired):
             self._lose(error)
-
-    async def fail(self, task_id: str, file_id: str, token: int, reason: str = "", *,
-                   permanent: bool = False, delay: float = 0.0,
-                   release: bool = False) -> pb.Entry:
-        """Give a claim up: the entry is retried after its backoff (after ``delay``
-        seconds instead, when given), or goes dead at once when ``permanent``.
-        ``release``: the attempt never began (claimed ahead, not worked on): pending
-        again at once, no retry spent."""
-        r = await self._ask("fail", pb.FailRequest(
-            task_id=task_id, file_id=file_id, token=token, reason=reason,
-            session_id=self.session_id, permanent=permanent, delay_seconds=delay,
-            release=release))
-        return r.entry  # type: ignore[no-any-return]
-
-    async def checkpoint(self, task_id: str, file_id: str, token: int, *, data: bytes = b"",
-                         progress: float = 0.0, message: str = "", group: str = ""
-                         ) -> pb.Checkpoint:
-        """Record how far the attempt holding ``token`` got (a producer's claim, or with
-        ``group`` a consume lease): ``data`` (at most 64 KiB) is handed to the next
-        attempt if this one does not finish. The checkpoint as kept, without its data."""
-        r = await self._ask("checkpoint", pb.CheckpointRequest(
-            task_id=task_id, file_id=file_id, token=token, group=group, data=data,
-            progress=progress, message=message, session_id=self.session_id))
-        return r.checkpoint  # type: ignore[no-any-return]
-
-    async def consume(self, task_id: str, group: str = "default", file_id: str = "") -> Lease:
-        """Take a verified entry (or the next one) for ``group``."""
-        r = await self._work("consume", pb.ConsumeRequest(
-            task_id=task_id, group=group, file_id=file_id, session_id=self.session_id))
-        return _lease(task_id, r, self.session_id)
-
-    async def consume_batch(self, task_id: str, group: str = "default",
-                            max_count: int = 21) -> list[Lease]:
-        """Take up to ``max_count`` verified entries for ``group`` in one transaction."""
-        r = await self._work("consume_batch", pb.ConsumeBatchRequest(
-            task_id=task_id, group=group, session_id=self.session_id, max=max_count))
-        return [_lease(task_id, lease, self.session_id) for lease in r.leases]
-
-    async def ack(self, task_id: str, file_id: str, group: str, token: int) -> pb.Entry:
-        r = await self._ask("ack", pb.AckRequest(
-            task_id=task_id, file_id=file_id, group=group, token=token,
-            session_id=self.session_id))
-        return r.entry  # type: ignore[no-any-return]
-
-    async def ack_batch(self, acks: list[tuple[str, str, str, int]]) -> list[pb.Entry]:
-        """Ack (task, file_id, group, token) tuples in one transaction, all or nothing."""
-        r = await self._ask("ack_batch", pb.AckBatchRequest(acks=[
-            pb.AckRequest(task_id=t, file_id=f, group=g, token=tok) for t, f, g, tok in acks]))
-        return list(r.entries)
-
-    async def nack(self, task_id: str, file_id: str, group: str, token: int,
-                   reason: str = "", *, delay: float = 0.0,
-                   permanent: bool = False) -> pb.Entry:
-        """Hand a lease back to the group (after ``delay`` seconds, when given), or,
-        ``permanent``, give the entry up: it goes dead for every group."""
-        r = await self._ask("nack", pb.NackRequest(
-            task_id=task_id, file_id=file_id, group=group, token=token, reason=reason,
-            session_id=self.session_id, delay_seconds=delay, permanent=permanent))
-        return r.entry  # type: ignore[no-any-return]
 
 
 def _expire(reply: asyncio.Future[pb.AgentReply], kind: str, limit: float) -> None:

@@ -13,9 +13,10 @@ wrong, a consumer group is behind. The producing helpers (``produce``,
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -73,4 +74,23 @@ class RetryPolicy:
                 if attempt >= self.attempts or self.clock() - start >= self.deadline:
                     raise
             self.sleep(self.wait(attempt))
+            attempt += 1
+
+    async def acall(self, fn: Callable[[], Awaitable[R]]) -> R:
+        """``call`` for a coroutine: ``await fn()``, tried again as ``call`` tries. The
+        waits are the event loop's, unless the policy was given a ``sleep`` of its own
+        (a test's), which is called as ``call`` calls it."""
+        start = self.clock()
+        attempt = 1
+        while True:
+            try:
+                return await fn()
+            except Unavailable:
+                if attempt >= self.attempts or self.clock() - start >= self.deadline:
+                    raise
+            delay = self.wait(attempt)
+            if self.sleep is time.sleep:
+                await asyncio.sleep(delay)
+            else:
+                self.sleep(delay)
             attempt += 1
