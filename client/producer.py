@@ -21,10 +21,10 @@ import stat
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, suppress
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Self, TypeVar
 
 import blake3
 
@@ -186,12 +186,11 @@ def refuse_link(name: str, dir_fd: int, where: str, refused: Refusal) -> None:
 
 
 @dataclass
-class Output:
-    """The open temp file of a claim: write to it; size and digest follow along.
-
-    ``close()`` (or leaving ``with out:`` without an error, or closing ``file``) says
-    the bytes are complete: nothing more is written, and ``produce_each`` commits the
-    output even if its loop is then left with ``break``."""
+class OutputFile:
+    """The open temp file of a claim, what both surfaces' outputs share: size and
+    digest follow along as bytes go in, and where the next resume point falls
+    (``produce(..., resumable=True)``). ``Output`` (blocking) and
+    ``aproducer.AsyncOutput`` (asyncio) add the writes and the checkpoints."""
 
     claim: Claim
     file: BinaryIO
@@ -202,9 +201,6 @@ class Output:
     #: once it knows (a report's verdict, say)
     attributes: Attributes = None
     _hash: blake3.blake3 = field(default_factory=blake3.blake3)
-    #: where ``checkpoint`` is recorded: the client and the session holding the claim
-    _client: Client | None = None
-    _session: Session | int = 0
     #: a resumable write (``produce(..., resumable=True)``): the temp file's name, the
     #: bytes between two resume points (0: not resumable), the size expected (for the
     #: progress shown), and how far the last resume point got
@@ -216,29 +212,39 @@ class Output:
     _trace: str = ""
     #: ``close()`` was called: the bytes are complete
     _closed: bool = False
+    #: an earlier attempt's partial file was adopted: a resume point is due at once,
+    #: naming the file's new name for an attempt after this one
+    _adopted: bool = False
 
-    def write(self, data: bytes | bytearray | memoryview) -> int:
-        """Append ``data``; a resumable write records a resume point each time
-        ``resume_every`` bytes have gone in since the last one, in the middle of a
-        call if need be (so a large call does not stretch the work a kill loses)."""
+    def _fill(self, data: bytes | bytearray | memoryview) -> Iterator[None]:
+        """Append ``data``, yielding each time a resume point is due: each time
+        ``resume_every`` bytes have gone in since the last one, in the middle of the
+        data if need be (so a large write does not stretch the work a kill loses)."""
         if self.closed:
             raise ValueError(f"write to a closed output ({self.claim.task_id}/"
                              f"{self.claim.file_id})")
         view = memoryview(data).cast("B")
-        n = len(view)
         every = self._resume_every
         while every and len(view) >= (room := every - (self.size - max(self._saved, 0))):
             self._append(view[:room])
-            self.save_point()
+            yield
             view = view[room:]
         if view:
             self._append(view)
-        return n
 
     def _append(self, data: memoryview) -> None:
         self._hash.update(data)
         self.size += len(data)
         self.file.write(data)
+
+    def _point(self) -> tuple[bytes, float, str]:
+        """Make what was written so far durable; the resume point's checkpoint (its
+        data, the progress over the expected size, its message)."""
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        point = ResumePoint(self._temp, self.size, self._hash.hexdigest())
+        progress = min(self.size / self._expected, 1.0) if self._expected else 0.0
+        return point.dump(), progress, f"{self.size} bytes written and on disk"
 
     def close(self) -> None:
         """The bytes are complete: later writes raise ``ValueError``, and leaving a
@@ -254,24 +260,45 @@ class Output:
         """Whether the bytes are complete (``close()``, or ``file`` closed)."""
         return self._closed or self.file.closed
 
-    def __enter__(self) -> Output:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
         if kind is None:  # an error in the block leaves it open: it may be partial
             self.close()
 
+    @property
+    def digest(self) -> str:
+        return self._hash.hexdigest()
+
+
+@dataclass
+class Output(OutputFile):
+    """The open temp file of a claim: write to it; size and digest follow along.
+
+    ``close()`` (or leaving ``with out:`` without an error, or closing ``file``) says
+    the bytes are complete: nothing more is written, and ``produce_each`` commits the
+    output even if its loop is then left with ``break``."""
+
+    #: where ``checkpoint`` is recorded: the client and the session holding the claim
+    _client: Client | None = None
+    _session: Session | int = 0
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        """Append ``data``; a resumable write records a resume point each time
+        ``resume_every`` bytes have gone in since the last one, in the middle of a
+        call if need be (so a large call does not stretch the work a kill loses)."""
+        for _ in self._fill(data):
+            self.save_point()
+        return memoryview(data).nbytes
+
     def save_point(self) -> pb.Checkpoint:
         """Make what was written so far durable and record it as the point a later
         attempt resumes from (a resumable write does this on its own, see
         ``produce``); the checkpoint as kept, with the progress over the expected size
         (the caller's ``expected_size``, else the entry's)."""
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        point = ResumePoint(self._temp, self.size, self._hash.hexdigest())
-        progress = min(self.size / self._expected, 1.0) if self._expected else 0.0
-        kept = self.checkpoint(data=point.dump(), progress=progress,
-                               message=f"{self.size} bytes written and on disk")
+        data, progress, message = self._point()
+        kept = self.checkpoint(data=data, progress=progress, message=message)
         self._saved = self.size
         return kept
 
@@ -285,10 +312,6 @@ class Output:
             return self._client.checkpoint(c.task_id, c.file_id, c.token, data=data,
                                            progress=progress, message=message,
                                            session=self._session)
-
-    @property
-    def digest(self) -> str:
-        return self._hash.hexdigest()
 
 
 def _unusable(claim: Claim) -> Refusal:
@@ -419,20 +442,31 @@ def _attempt_span(task_id: str, file_id: str) -> Any:
 
 def _claim(client: Client, session: Session | int, task_id: str, file_id: str,
            root: Any, wait: float) -> Claim:
-    """Claim for the attempt whose span is ``root``: the entry keeps it (the watcher's
-    and the consumers' spans follow it). A claim that takes nothing (refused with
+    """Claim for the attempt whose span is ``root`` (``claim_span``). Back-pressure is
+    waited out for up to ``wait`` seconds (``claim_waiting``)."""
+    with claim_span(root) as parent:
+        claim = claim_waiting(client, session, task_id, file_id, wait=wait,
+                              traceparent=parent)
+    _claimed(root, claim)
+    return claim
+
+
+@contextmanager
+def claim_span(root: Any) -> Iterator[str]:
+    """Within: a claim for the attempt whose span is ``root`` (None: untraced), made
+    with the traceparent yielded ("" untraced): the entry keeps it (the watcher's and
+    the consumers' spans follow it). A claim that takes nothing (refused with
     back-pressure, nothing to claim, a drained host) is no attempt and leaves no
-    trace: its spans are never ended, so never sent. Back-pressure is waited out for
-    up to ``wait`` seconds (``claim_waiting``)."""
+    trace: its spans are never ended, so never sent. ``_claimed`` notes what it took."""
     if root is None:
-        return claim_waiting(client, session, task_id, file_id, wait=wait, traceparent="")
+        yield ""
+        return
     parent = tracing.traceparent(root)
     span = tracing.start("baton.claim", parent=parent)
     try:
         # The registry sends no span of a refused call either (NOTHING_TAKEN).
         with tracing.active(span):
-            claim = claim_waiting(client, session, task_id, file_id, wait=wait,
-                                  traceparent=parent)
+            yield parent
     except NOTHING_TAKEN:
         raise  # nothing was taken: no trace of it
     except BaseException as e:
@@ -440,11 +474,11 @@ def _claim(client: Client, session: Session | int, task_id: str, file_id: str,
         tracing.end(root, e)
         raise
     tracing.end(span)
-    _claimed(root, claim)
-    return claim
 
 
 def _claimed(root: Any, claim: Claim) -> None:
+    if root is None:
+        return
     tracing.annotate(root, **{"baton.file_id": claim.file_id, "baton.token": claim.token,
                               "baton.attempt": claim.attempt})
 
@@ -510,16 +544,12 @@ def produce(
     A claim refused with ``Backpressure`` is tried again with jittered backoff for up
     to ``wait`` seconds (``claim_waiting``).
     """
-    if resumable and resume_every < 1:
-        raise InvalidArgument(f"resume_every must be at least 1 byte, not {resume_every}")
-    if not 0 <= resume_fraction <= 1:
-        raise InvalidArgument(f"resume_fraction must be within 0..1, not {resume_fraction}")
+    resume = Resume.of(resumable, resume_every, resume_fraction, expected_size)
     root = _attempt_span(task_id, file_id)
     claim = _claim(client, session, task_id, file_id, root, wait)
-    resume = _Resume(resume_every if resumable else 0, resume_fraction, expected_size)
     trace = tracing.traceparent(root)
     try:
-        with _written(client, session, claim, nonce, attributes, resume, trace) as out:
+        with _writing(client, session, claim, nonce, attributes, resume, trace) as out:
             yield out
         with tracing.child(trace, "baton.commit", size=out.size):
             out.entry = client.commit(task_id, claim.file_id, claim.token, out.size,
@@ -531,7 +561,7 @@ def produce(
 
 
 @dataclass(frozen=True)
-class _Resume:
+class Resume:
     """A write's resume points: at most ``every`` bytes apart (0: not resumable), or
     ``fraction`` of the ``expected`` size (0: the entry's, if it has one)."""
 
@@ -539,39 +569,83 @@ class _Resume:
     fraction: float = RESUME_FRACTION
     expected: int = 0
 
-
-def _written(client: Client, session: Session | int, claim: Claim,
-             nonce: Callable[[], str], attributes: Attributes,
-             resume: _Resume = _Resume(), trace: str = "") -> AbstractContextManager[Output]:
-    """Yield the claim's output; once the block ends, the file is under its final name
-    and on disk, ready to commit. A block that raises fails the entry. ``resume``:
-    where resume points go. ``trace``: the attempt's span ("" = untraced), the parent
-    of the write's."""
-    if not trace:  # no span to wrap the write in: one context less on every file's way
-        return _writing(client, session, claim, nonce, attributes, resume, trace)
-    return _traced(client, session, claim, nonce, attributes, resume, trace)
+    @classmethod
+    def of(cls, resumable: bool, every: int, fraction: float, expected: int) -> Resume:
+        """``produce``'s arguments, checked."""
+        if resumable and every < 1:
+            raise InvalidArgument(f"resume_every must be at least 1 byte, not {every}")
+        if not 0 <= fraction <= 1:
+            raise InvalidArgument(f"resume_fraction must be within 0..1, not {fraction}")
+        return cls(every if resumable else 0, fraction, expected)
 
 
 @contextmanager
-def _traced(client: Client, session: Session | int, claim: Claim,
-            nonce: Callable[[], str], attributes: Attributes,
-            resume: _Resume, trace: str) -> Iterator[Output]:
-    """``_writing`` in the write's span, the child of the attempt's (``trace``)."""
+def _writing(client: Client, session: Session | int, claim: Claim,
+             nonce: Callable[[], str], attributes: Attributes,
+             resume: Resume = Resume(), trace: str = "") -> Iterator[Output]:
+    """Yield the claim's output; once the block ends, the file is under its final name
+    and on disk, ready to commit. A block that raises fails the entry (``staged``)."""
+    made: list[Output] = []
+
+    def output(**fields: Any) -> Output:
+        made.append(Output(**fields, _client=client, _session=session))
+        return made[0]
+
+    # A claim lost while we wrote (paused past the TTL) must not publish over the
+    # attempt that replaced it; the registry would refuse the commit anyway.
+    check = session.check if isinstance(session, Session) else _trusted
+    try:
+        with staged(claim, nonce, attributes, resume, trace, output, check) as out:
+            if out._adopted:
+                out.save_point()  # the file's new name, for an attempt after this one
+            yield out
+    except BaseException as e:
+        permanent, delay = handing_back(e)
+        client.fail(claim.task_id, claim.file_id, claim.token,
+                    reason=failure(e, made[0] if made else None), session=session,
+                    permanent=permanent, delay=delay)
+        raise
+
+
+def _trusted() -> None:
+    """A session named by its id: the registry alone decides whether it still holds."""
+
+
+OutT = TypeVar("OutT", bound=OutputFile)
+
+
+@contextmanager
+def staged(claim: Claim, nonce: Callable[[], str], attributes: Attributes,
+           resume: Resume, trace: str, output: Callable[..., OutT],
+           check: Callable[[], None]) -> Iterator[OutT]:
+    """The file work of a claim's write, both surfaces': yield the output ``output``
+    makes (of ``OutputFile``'s fields) on a new temp file, or on an earlier attempt's
+    partial file it adopts (``resume``: where resume points go; the output's
+    ``_adopted`` says a point is due); once the block ends, make it durable, ``check``
+    the session still holds, and rename it into the claim's path, all reached from
+    the staging root without following a symlink. A block that raises removes the
+    temp file (unless a resume point keeps it for the next attempt) and the error
+    propagates: failing the entry is the caller's. ``trace``: the attempt's span
+    ("" = untraced), the parent of the write's."""
+    if not trace:  # no span to wrap the write in: one context less on every file's way
+        with _staged(claim, nonce, attributes, resume, trace, output, check) as out:
+            yield out
+        return
     with tracing.child(trace, "baton.write") as span:
-        with _writing(client, session, claim, nonce, attributes, resume, trace) as out:
+        with _staged(claim, nonce, attributes, resume, trace, output, check) as out:
             yield out
         tracing.annotate(span, **{"baton.size": out.size, "baton.resumed_at": out._saved
                                   if out._saved > 0 and out._resume_every else None})
 
 
 @contextmanager
-def _writing(client: Client, session: Session | int, claim: Claim,
-             nonce: Callable[[], str], attributes: Attributes,
-             resume: _Resume, trace: str) -> Iterator[Output]:
+def _staged(claim: Claim, nonce: Callable[[], str], attributes: Attributes,
+            resume: Resume, trace: str, output: Callable[..., OutT],
+            check: Callable[[], None]) -> Iterator[OutT]:
     refused = _unusable(claim)
     parent: int | None = None
     tmp = ""  # set once the temp file is ours to remove
-    out: Output | None = None
+    out: OutT | None = None
     expected = resume.expected or claim.entry.expected_size
     every = resume_interval(resume.every, resume.fraction, expected) if resume.every else 0
     try:
@@ -594,37 +668,29 @@ def _writing(client: Client, session: Session | int, claim: Claim,
             fd, hasher, length = adopted
         tmp = attempt
         with open(fd, "wb") as f:  # what os.fdopen opens, without its checks of its arguments
-            out = Output(claim, f, size=length, attributes=attributes, _hash=hasher,
-                         _client=client, _session=session, _temp=attempt,
-                         _resume_every=every, _expected=expected,
-                         _saved=length if adopted else -1, _trace=trace)
-            if adopted is not None:
-                out.save_point()  # the file's new name, for an attempt after this one
+            out = output(claim=claim, file=f, size=length, attributes=attributes,
+                         _hash=hasher, _temp=attempt, _resume_every=every,
+                         _expected=expected, _saved=length if adopted else -1,
+                         _trace=trace, _adopted=adopted is not None)
             yield out
             if f.closed:  # closed by the block: its bytes reached the file, not the disk
                 _fsync_file(attempt, parent)
             else:
                 f.flush()
                 os.fsync(f.fileno())
-        if isinstance(session, Session):
-            # A claim lost while we wrote (paused past the TTL) must not publish over
-            # the attempt that replaced it; the registry would refuse the commit anyway.
-            session.check()
+        check()
         # rename() replaces a symlink, never writes through it; one planted while we
         # wrote is refused all the same, not silently replaced.
         refuse_link(name, parent, "the final name", refused)
         os.rename(tmp, name, src_dir_fd=parent, dst_dir_fd=parent)
         tmp = ""
         os.fsync(parent)
-    except BaseException as e:
+    except BaseException:
         # A resumable write keeps what a resume point recorded, for the next attempt.
         kept = out is not None and out._resume_every and out._saved >= 0
         if tmp and parent is not None and not kept:
             with suppress(FileNotFoundError):
                 os.unlink(tmp, dir_fd=parent)
-        permanent, delay = handing_back(e)
-        client.fail(claim.task_id, claim.file_id, claim.token, reason=_failure(e, out),
-                    session=session, permanent=permanent, delay=delay)
         raise
     finally:
         if parent is not None:
@@ -641,7 +707,7 @@ def _fsync_file(name: str, parent: int) -> None:
         os.close(fd)
 
 
-def _failure(e: BaseException, out: Output | None) -> str:
+def failure(e: BaseException, out: OutputFile | None) -> str:
     """Why an attempt failed, as the journal says it."""
     if isinstance(e, GeneratorExit):  # the code that held the output let it go
         written = out.size if out is not None else 0
@@ -739,7 +805,7 @@ def produce_each(client: Client, session: Session, task_id: str, *,
             began = time.monotonic()
             left = False  # the loop was left with the output in hand closed
             try:
-                with _written(client, session, claim, nonce, None, trace=trace) as out:
+                with _writing(client, session, claim, nonce, None, trace=trace) as out:
                     try:
                         yield out
                     except GeneratorExit:
