@@ -1,6 +1,9 @@
 """Baton's client: the agent library and the ``baton`` CLI (the wire contract and the
 errors are the kernel's, :mod:`baton_relay.kernel`; ``errors`` is re-exported here).
 
+Two surfaces over one implementation of the agent's calls (the asyncio one; the
+blocking client runs it on an event loop of its own), with the same helpers:
+
     from baton_relay.client import Client, produce, consume
 
     with Client("127.0.0.1:7390") as c, c.open_session("ocr-1", ttl=10) as s:
@@ -8,6 +11,16 @@ errors are the kernel's, :mod:`baton_relay.kernel`; ``errors`` is re-exported he
             out.write(b"hello")
         with consume(c, s, "t1", group="default", timeout=30) as got:
             print(got.data)
+
+    from baton_relay.client import AsyncClient, aproduce, aconsume
+
+    async with AsyncClient("127.0.0.1:7390") as c, c.session("ocr-1", ttl=10) as s:
+        async with aproduce(s, "t1", "a") as out:
+            await out.write(b"hello")
+        async with aconsume(s, "t1", group="default", timeout=30) as got:
+            print(got.data)
+
+What operators and watchers call is on ``client.operator`` and ``client.watcher``.
 
 The names below are loaded on first use: ``import baton_relay.client`` (and the ``baton``
 command, whose every run starts a process) does not pay for gRPC, protobuf or
@@ -28,6 +41,9 @@ if TYPE_CHECKING:
     from ..kernel.contract import DEFAULT_REGISTRY
     from ._client import Client, Session, parse_manifest
     from ._wire import Claim, Lease
+    from .aconsumer import AsyncDelivery, aconsume, aconsume_each, anext_lease
+    from .aio import AsyncClient, AsyncSession
+    from .aproducer import AsyncOutput, aproduce, aproduce_each
     from .consumer import (
         Delivery,
         consume,
@@ -62,10 +78,23 @@ _HOME = {
     "produce": ".producer",
     "produce_each": ".producer",
     "put": ".producer",
+    "AsyncClient": ".aio",
+    "AsyncSession": ".aio",
+    "AsyncDelivery": ".aconsumer",
+    "aconsume": ".aconsumer",
+    "aconsume_each": ".aconsumer",
+    "anext_lease": ".aconsumer",
+    "AsyncOutput": ".aproducer",
+    "aproduce": ".aproducer",
+    "aproduce_each": ".aproducer",
 }
 
 __all__ = [
     "DEFAULT_REGISTRY",
+    "AsyncClient",
+    "AsyncDelivery",
+    "AsyncOutput",
+    "AsyncSession",
     "Claim",
     "Client",
     "Delivery",
@@ -75,6 +104,11 @@ __all__ = [
     "RetryAfter",
     "RetryPolicy",
     "Session",
+    "aconsume",
+    "aconsume_each",
+    "anext_lease",
+    "aproduce",
+    "aproduce_each",
     "claim_waiting",
     "consume",
     "consume_each",

@@ -165,6 +165,13 @@ class AsyncClient:
             return await attempt()
         return await self.retry.acall(attempt)
 
+    async def get_entry(self, task_id: str, file_id: str) -> pb.Entry:
+        """An entry as the registry has it now (the operators' ``GetEntry``; the consume
+        helpers read an assembly's parts with it)."""
+        r = await self.unary_call("GetEntry", pb.GetEntryRequest(task_id=task_id,
+                                                                 file_id=file_id))
+        return r.entry  # type: ignore[no-any-return]
+
     @contextlib.asynccontextmanager
     async def session(self, agent: str, ttl: int = 10, *, slots: int = 0,
                       host: str = "") -> AsyncIterator[AsyncSession]:

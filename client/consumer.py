@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import blake3
 
@@ -78,21 +78,11 @@ def next_lease(
     #: the watch's breaks in a row, which pace the next try (``WATCH_BACKOFF``)
     broken = 0
     while True:
-        left = None if deadline is None else deadline - time.monotonic()
-        if left is not None and left <= 0:
-            raise NothingToClaim(f"nothing verified for group {group!r} within {timeout}s",
-                                 task_id=task_id, group=group)
-        wait = left
-        if isinstance(session, Session):
-            if session.draining:
-                raise Draining(f"session {session.session_id:x} is draining: no new work",
-                               session_id=session.session_id)
-            wait = min(left if left is not None else session.ttl, max(session.ttl / 3, 0.5))
+        kept = session if isinstance(session, Session) else None
+        wait = wait_span(deadline, timeout, task_id, group, kept)
         # only moves into verified are sent: a waiting consumer is not woken by the
         # task's other moves
-        events = client.watch(task_id, start_revision=revision + 1 if revision else -1,
-                              timeout=wait, states=[pb.ENTRY_STATE_VERIFIED],
-                              progress=True, catch_up=True)
+        events = client.watch(task_id, timeout=wait, **watch_from(revision))
         try:
             if not revision:
                 try:
@@ -114,9 +104,7 @@ def next_lease(
             try:
                 for event in events:
                     revision = max(revision, event.revision)
-                    if (event.kind == pb.TaskEvent.KIND_CHANGED
-                            and event.entry.state == pb.ENTRY_STATE_VERIFIED
-                            and group in event.entry.consumers):
+                    if wakes(event, group):
                         attempt = True
                         break
             except Unavailable as e:
@@ -125,6 +113,50 @@ def next_lease(
                 time.sleep(pause_or_raise(deadline, e, broken))
         finally:
             events.close()
+
+
+class Kept(Protocol):
+    """What the wait for a lease reads of a session kept alive (blocking or asyncio)."""
+
+    session_id: int
+
+    @property
+    def ttl(self) -> int: ...
+
+    @property
+    def draining(self) -> bool: ...
+
+
+def wait_span(deadline: float | None, timeout: float | None, task_id: str, group: str,
+              session: Kept | None) -> float | None:
+    """How long the next watch of a wait for a lease may last (None: no end): to the
+    caller's deadline, and, for a session kept alive, at most a third of its TTL, so
+    that a drained host is seen. Raises ``NothingToClaim`` once the deadline passed,
+    ``Draining`` once the session's host is drained."""
+    left = None if deadline is None else deadline - time.monotonic()
+    if left is not None and left <= 0:
+        raise NothingToClaim(f"nothing verified for group {group!r} within {timeout}s",
+                             task_id=task_id, group=group)
+    if session is None:
+        return left
+    if session.draining:
+        raise Draining(f"session {session.session_id:x} is draining: no new work",
+                       session_id=session.session_id)
+    return min(left if left is not None else session.ttl, max(session.ttl / 3, 0.5))
+
+
+def watch_from(revision: int) -> dict[str, Any]:
+    """The watch a wait for a lease opens: from the revision it had come to (0: now,
+    its first message saying so), only moves into verified, with progress."""
+    return {"start_revision": revision + 1 if revision else -1,
+            "states": [pb.ENTRY_STATE_VERIFIED], "progress": True, "catch_up": True}
+
+
+def wakes(event: pb.TaskEvent, group: str) -> bool:
+    """Whether ``event`` is an entry verified for ``group``: a consume is worth trying."""
+    return (event.kind == pb.TaskEvent.KIND_CHANGED
+            and event.entry.state == pb.ENTRY_STATE_VERIFIED
+            and group in event.entry.consumers)
 
 
 #: between a consumer's watch that broke and the next one: Baton's one jittered backoff
@@ -227,7 +259,12 @@ def parts_of(client: Client, lease: Lease) -> list[Lease]:
     and sizes are those the assembly was verified with. Raises ``ChecksumMismatch``
     otherwise (a part changed since; the registry takes the assembly back).
     """
-    parts = [client.operator.get_entry(lease.task_id, name) for name in lease.entry.parts]
+    return part_leases(lease, [client.operator.get_entry(lease.task_id, name)
+                                for name in lease.entry.parts])
+
+
+def part_leases(lease: Lease, parts: list[pb.Entry]) -> list[Lease]:
+    """``parts_of``'s check of an assembly's ``parts`` as the registry has them now."""
     what = f"assembly {lease.task_id}/{lease.file_id}"
     for part in parts:
         if part.state != pb.ENTRY_STATE_VERIFIED:
@@ -253,10 +290,16 @@ def iter_parts(client: Client, lease: Lease) -> Iterator[bytes]:
 
 
 @dataclass
-class Delivery:
+class Delivered:
+    """A leased entry's checked bytes, what both surfaces' deliveries share."""
+
     lease: Lease
     #: the entry's checked bytes (an assembly's: its parts', in order)
     data: bytes
+
+
+@dataclass
+class Delivery(Delivered):
     #: where ``checkpoint`` is recorded: the client and the session holding the lease
     _client: Client | None = None
     _session: Session | int = 0
@@ -294,7 +337,7 @@ def consume(
     delay (``baton_relay.client.failures``).
     """
     lease = next_lease(client, session, task_id, group, timeout)
-    with _consumption(lease) as trace:
+    with consumption(lease) as trace:
         with _delivered(client, session, lease, trace) as delivery:
             yield delivery
         with tracing.child(trace, "baton.ack"):
@@ -302,7 +345,7 @@ def consume(
 
 
 @contextmanager
-def _consumption(lease: Lease) -> Iterator[str]:
+def consumption(lease: Lease) -> Iterator[str]:
     """Within: the span of one group's consumption of an entry, ended with the block's
     error if it raises; yields its traceparent ("" when traces are off). The span is the
     child of the one the entry carries (the watcher's verification, so the hand-off
@@ -333,12 +376,17 @@ def _delivered(client: Client, session: Session | int, lease: Lease,
         yield Delivery(lease, data, client, session, trace)
     except BaseException as e:
         # The lease may be gone already; the reaper hands the entry back then.
-        permanent, delay = handing_back(e)
         with suppress(BatonError):
             client.nack(lease.task_id, lease.file_id, lease.group, lease.token,
-                        reason=f"{type(e).__name__}: {e}", session=session,
-                        permanent=permanent, delay=delay)
+                        session=session, **nacked(e))
         raise
+
+
+def nacked(e: BaseException) -> dict[str, Any]:
+    """How a lease whose work raised ``e`` is handed back: the reason, and whether
+    for good (``PermanentError``) or after a delay (``RetryAfter``)."""
+    permanent, delay = handing_back(e)
+    return {"reason": f"{type(e).__name__}: {e}", "permanent": permanent, "delay": delay}
 
 
 def consume_each(client: Client, session: Session, task_id: str, group: str = "default",
@@ -363,7 +411,7 @@ def consume_each(client: Client, session: Session, task_id: str, group: str = "d
                 lease = next_lease(client, session, task_id, group, timeout)
             except (NothingToClaim, Draining):
                 return
-        with _consumption(lease) as trace:
+        with consumption(lease) as trace:
             with _delivered(client, session, lease, trace) as delivery:
                 yield delivery
             with tracing.child(trace, "baton.ack"):

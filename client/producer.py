@@ -430,7 +430,7 @@ def _adopt(parent: int, point: ResumePoint | None, attempt: str
     return None
 
 
-def _attempt_span(task_id: str, file_id: str) -> Any:
+def attempt_span(task_id: str, file_id: str) -> Any:
     """The span of a producer's attempt (None when traces are off): the root of a trace
     of its own, linked to the span current here (the work that makes the file, such as
     a consumer's of the stage before)."""
@@ -447,7 +447,7 @@ def _claim(client: Client, session: Session | int, task_id: str, file_id: str,
     with claim_span(root) as parent:
         claim = claim_waiting(client, session, task_id, file_id, wait=wait,
                               traceparent=parent)
-    _claimed(root, claim)
+    claimed(root, claim)
     return claim
 
 
@@ -457,7 +457,7 @@ def claim_span(root: Any) -> Iterator[str]:
     with the traceparent yielded ("" untraced): the entry keeps it (the watcher's and
     the consumers' spans follow it). A claim that takes nothing (refused with
     back-pressure, nothing to claim, a drained host) is no attempt and leaves no
-    trace: its spans are never ended, so never sent. ``_claimed`` notes what it took."""
+    trace: its spans are never ended, so never sent. ``claimed`` notes what it took."""
     if root is None:
         yield ""
         return
@@ -476,7 +476,7 @@ def claim_span(root: Any) -> Iterator[str]:
     tracing.end(span)
 
 
-def _claimed(root: Any, claim: Claim) -> None:
+def claimed(root: Any, claim: Claim) -> None:
     if root is None:
         return
     tracing.annotate(root, **{"baton.file_id": claim.file_id, "baton.token": claim.token,
@@ -545,7 +545,7 @@ def produce(
     to ``wait`` seconds (``claim_waiting``).
     """
     resume = Resume.of(resumable, resume_every, resume_fraction, expected_size)
-    root = _attempt_span(task_id, file_id)
+    root = attempt_span(task_id, file_id)
     claim = _claim(client, session, task_id, file_id, root, wait)
     trace = tracing.traceparent(root)
     try:
@@ -582,7 +582,7 @@ class Resume:
 @contextmanager
 def _writing(client: Client, session: Session | int, claim: Claim,
              nonce: Callable[[], str], attributes: Attributes,
-             resume: Resume = Resume(), trace: str = "") -> Iterator[Output]:
+             resume: Resume | None = None, trace: str = "") -> Iterator[Output]:
     """Yield the claim's output; once the block ends, the file is under its final name
     and on disk, ready to commit. A block that raises fails the entry (``staged``)."""
     made: list[Output] = []
@@ -595,7 +595,8 @@ def _writing(client: Client, session: Session | int, claim: Claim,
     # attempt that replaced it; the registry would refuse the commit anyway.
     check = session.check if isinstance(session, Session) else _trusted
     try:
-        with staged(claim, nonce, attributes, resume, trace, output, check) as out:
+        with staged(claim, nonce, attributes, resume or Resume(), trace, output,
+                    check) as out:
             if out._adopted:
                 out.save_point()  # the file's new name, for an attempt after this one
             yield out
@@ -723,12 +724,16 @@ AHEAD = 8
 LINGER = 0.5
 
 
-class _Pace:
+class Pace:
     """How long a loop's steps take (a moving average of the body's time), so that a
     step claims as many entries as the loop writes within ``linger``: a fast loop
     works ahead (one message for several entries), a slow one claims one at a time."""
 
     def __init__(self, ahead: int, linger: float) -> None:
+        if ahead < 1:
+            raise InvalidArgument(f"ahead must be at least 1, not {ahead}")
+        if linger < 0:
+            raise InvalidArgument(f"linger must not be negative, not {linger}")
         self.ahead, self.linger = ahead, linger
         self.step = 0.0  # 0: not measured yet
 
@@ -742,7 +747,7 @@ class _Pace:
 
 
 #: an output written and not committed yet: with its attempt's span and traceparent
-_Done = tuple[Output, Any, str]
+Done = tuple[OutputFile, Any, str]
 
 
 def produce_each(client: Client, session: Session, task_id: str, *,
@@ -782,20 +787,16 @@ def produce_each(client: Client, session: Session, task_id: str, *,
             if time.monotonic() > deadline:
                 break  # commits it, gives back what was claimed ahead
     """
-    if ahead < 1:
-        raise InvalidArgument(f"ahead must be at least 1, not {ahead}")
-    if linger < 0:
-        raise InvalidArgument(f"linger must not be negative, not {linger}")
-    pace = _Pace(ahead, linger)
+    pace = Pace(ahead, linger)
     hand: deque[tuple[Claim, Any]] = deque()  # claimed, not begun: with their spans
-    done: list[_Done] = []
+    done: list[Done] = []
     oldest = 0.0  # when the first output of ``done`` was written
     try:
         while True:
             if session.draining:
                 return
             if not hand:
-                root = _attempt_span(task_id, "")
+                root = attempt_span(task_id, "")
                 try:
                     hand.append((_claim(client, session, task_id, "", root, wait), root))
                 except (NothingToClaim, Draining):
@@ -833,7 +834,7 @@ def produce_each(client: Client, session: Session, task_id: str, *,
         _hand_back(client, session, done, hand)
 
 
-def _ended(done: _Done, entry: pb.Entry, started: int) -> None:
+def _ended(done: Done, entry: pb.Entry, started: int) -> None:
     """``done`` was committed as ``entry`` by a step that began at ``started``."""
     out, root, trace = done
     out.entry = entry
@@ -843,7 +844,7 @@ def _ended(done: _Done, entry: pb.Entry, started: int) -> None:
         tracing.end(root)
 
 
-def _commit_one(client: Client, session: Session, done: _Done) -> None:
+def _commit_one(client: Client, session: Session, done: Done) -> None:
     out, root, trace = done
     c = out.claim
     try:
@@ -856,17 +857,34 @@ def _commit_one(client: Client, session: Session, done: _Done) -> None:
     tracing.end(root)
 
 
-def _step(client: Client, session: Session, task_id: str, done: list[_Done],
+def _step(client: Client, session: Session, task_id: str, done: list[Done],
           more: int) -> list[tuple[Claim, Any]]:
     """Commit ``done`` and claim up to ``more`` next entries, in one message: the claims
     taken, with their attempts' spans (a span that claimed nothing is never ended,
     so never sent)."""
-    spans = [_attempt_span(task_id, "") for _ in range(more)] if tracing.ENABLED else []
-    started = time.time_ns()
+    spans, started = step_spans(task_id, more)
     entries, claims = client.commit_and_claim_batch(
-        [(o.claim.task_id, o.claim.file_id, o.claim.token, o.size, o.digest, o.attributes)
-         for o, _, _ in done], task_id, more, session=session,
+        step_commits(done), task_id, more, session=session,
         traceparents=[tracing.traceparent(s) for s in spans])
+    return stepped(done, entries, claims, spans, started)
+
+
+def step_spans(task_id: str, more: int) -> tuple[list[Any], int]:
+    """The spans of a step's next attempts (none when traces are off), and its start."""
+    spans = [attempt_span(task_id, "") for _ in range(more)] if tracing.ENABLED else []
+    return spans, time.time_ns()
+
+
+def step_commits(done: list[Done]) -> list[tuple[str, str, int, int, str, Attributes]]:
+    """The commits of a step: the outputs written since the last one."""
+    return [(o.claim.task_id, o.claim.file_id, o.claim.token, o.size, o.digest, o.attributes)
+            for o, _, _ in done]
+
+
+def stepped(done: list[Done], entries: list[pb.Entry], claims: list[Claim],
+            spans: list[Any], started: int) -> list[tuple[Claim, Any]]:
+    """What a step did: ``done`` committed as ``entries``, ``claims`` taken (with their
+    attempts' spans)."""
     for d, entry in zip(done, entries, strict=True):
         _ended(d, entry, started)
     taken = []
@@ -875,12 +893,12 @@ def _step(client: Client, session: Session, task_id: str, done: list[_Done],
         if root is not None:
             tracing.end(tracing.start("baton.claim", parent=tracing.traceparent(root),
                                       start_ns=started))
-            _claimed(root, claim)
+            claimed(root, claim)
         taken.append((claim, root))
     return taken
 
 
-def _hand_back(client: Client, session: Session, done: list[_Done],
+def _hand_back(client: Client, session: Session, done: list[Done],
                hand: deque[tuple[Claim, Any]]) -> None:
     """As a loop ends: commit what it wrote (one by one if the step of all of them is
     refused: one lost claim does not keep the others' files unpublished) and give
