@@ -9,7 +9,7 @@
                 with out:
                     await out.write(render(out.claim.file_id))
 
-The file work is the blocking helpers' own (``producer.staged``: the entry's
+The file work is the blocking helpers' own (``staging.staged``: the entry's
 directory reached without following a symlink, a temp file nobody can guess, fsync,
 the rename into the claim's path, BLAKE3 as bytes go in, an earlier attempt's partial
 file adopted); only the calls to the registry are awaited: the claim (back-pressure
@@ -35,23 +35,25 @@ from .failures import handing_back
 from .producer import (
     AHEAD,
     LINGER,
-    RESUME_EVERY,
-    RESUME_FRACTION,
     Done,
-    OutputFile,
     Pace,
-    Resume,
     attempt_span,
     claim_span,
     claimed,
-    failure,
-    new_nonce,
-    staged,
     step_commits,
     step_spans,
     stepped,
 )
 from .retry import BACKPRESSURE_WAIT
+from .staging import (
+    RESUME_EVERY,
+    RESUME_FRACTION,
+    OutputFile,
+    Resume,
+    failure,
+    new_nonce,
+    staged,
+)
 
 __all__ = ["AsyncOutput", "aproduce", "aproduce_each"]
 

@@ -40,7 +40,7 @@ from ..kernel.v1 import baton_pb2 as pb
 from ._client import Client, Session
 from ._wire import Lease
 from .failures import handing_back
-from .producer import Refusal, open_entry_dir
+from .staging import Refusal, open_entry_dir
 
 # O_NONBLOCK: opening a FIFO for reading must not wait for a writer (it is refused
 # after fstat); it changes nothing for a regular file. O_NOCTTY: a terminal device
