@@ -42,8 +42,10 @@ class Client(AgentCalls, _Moved):
     deprecated: they warn and go on working until the next release.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, target: str = DEFAULT_REGISTRY, *, timeout: float = 10.0,
+                 retry: RetryPolicy | None = None, ca: str | None = None,
+                 cert: str | None = None, key: str | None = None) -> None:
+        super().__init__(target, timeout=timeout, retry=retry, ca=ca, cert=cert, key=key)
         #: what operators call: tasks, entries, the journal, sessions, shards, pools
         self.operator = OperatorCalls(self)
         #: what watchers call: membership, shards, and what they found on disk
