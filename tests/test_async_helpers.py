@@ -183,3 +183,42 @@ def test_aproduce_each_and_aconsume_each_hand_off_a_whole_task(
 
     assert asyncio.run(consume()) == {f: f.encode() for f in ids}
     assert {e.state for e in client.operator.list_entries("t1")} == {pb.ENTRY_STATE_CONSUMED}
+
+
+def test_the_asyncio_client_makes_the_agents_unary_calls(
+        client: Client, registry: RegistryHandle) -> None:
+    """A session without a stream (open_unary_session) claims, commits, refreshes and
+    closes with unary calls, as the blocking client's keepalive=False session does; a
+    call naming no session (unary()) commits with the token alone."""
+    task(client, "t1", ["a", "b"], digest_optional=True)
+
+    async def run() -> tuple[int, list[int]]:
+        async with AsyncClient(registry.address) as c:
+            s = await c.open_unary_session("oneshot", ttl=30)
+            first = await s.claim("t1", "a")
+            second = await s.claim("t1", "b")
+            ttl = await s.refresh()
+            await s.commit("t1", "a", first.token, 0)
+            await c.unary().commit("t1", "b", second.token, 0)  # the token is enough
+            with pytest.raises(errors.StaleToken):
+                await c.unary().commit("t1", "b", second.token - 1, 0)
+            await s.close()
+            with pytest.raises(errors.BatonError):
+                await s.refresh()  # its lease is gone
+            return ttl, [(await c.get_entry("t1", f)).state for f in ("a", "b")]
+
+    ttl, states = asyncio.run(run())
+    assert ttl == 30
+    assert states == [pb.ENTRY_STATE_WRITTEN, pb.ENTRY_STATE_WRITTEN]
+
+
+def test_a_blocking_call_on_the_clients_own_loop_is_refused(client: Client) -> None:
+    """Waiting on the loop that would run the call is refused with an error that says
+    so, not a hang."""
+    task(client, "t1", ["a"])
+
+    async def blocking_inside() -> None:
+        client.claim("t1", session=0)
+
+    with pytest.raises(RuntimeError, match="would wait for itself"):
+        client.spawn(lambda _: blocking_inside()).result(timeout=10)
