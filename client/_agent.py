@@ -1,5 +1,8 @@
-"""What agents call (the registry's AgentService): sessions, producers' claims and
-commits, consumers' consumes and acks, a task's events."""
+"""What agents call (the registry's AgentService), blocking: sessions, producers'
+claims and commits, consumers' consumes and acks, a task's events. Each call runs the
+asyncio client's (``_core.AgentCore``, ``aio``) on the loop of this process's streams:
+on the session's stream, or as a unary call for a session kept by its caller or named
+by its id."""
 
 from __future__ import annotations
 
