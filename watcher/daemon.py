@@ -26,6 +26,7 @@ from collections import Counter
 from typing import Any
 
 from ..client import Client, RetryPolicy
+from ..kernel.backoff import Backoff
 from ..kernel.contract import shard_of
 from ..kernel.errors import BatonError, NotFound
 from ..kernel.logs import log
@@ -59,8 +60,10 @@ GONE = (pb.TASK_STATUS_ARCHIVED, pb.TASK_STATUS_DELETING)
 #: a directory whose times are this close to when it was looked at is looked at
 #: again at the next pass (a change within the same clock tick leaves them as they were)
 RACY_SECONDS = 2.0
-#: seconds between attempts of a reconciliation that could not reach the registry
-RECONCILE_RETRY = 1.0
+#: seconds before a reconciliation that could not reach the registry is tried again
+#: (the bound after one failure; it grows to the cap while they go on failing)
+RECONCILE_RETRY, RECONCILE_RETRY_CAP = 1.0, 8.0
+RECONCILE_BACKOFF = Backoff(RECONCILE_RETRY, RECONCILE_RETRY_CAP, floor=0.5)
 #: seconds a shard's handover waits for the checks in hand before releasing anyway
 HANDOVER_WAIT = 20.0
 #: share of the inotify watch limit above which cold tasks are shed, and down to which
@@ -545,6 +548,7 @@ class Watcher:
         ``full_reconcile_interval`` if set."""
         interval, every = self.config.reconcile_interval, self.config.full_reconcile_interval
         last_full = time.monotonic()
+        failed = 0  # reconciliations in a row that could not reach the registry
         while not self._stop.is_set():
             requested = self._reconcile_now.wait(interval)
             if self._stop.is_set():
@@ -555,10 +559,12 @@ class Watcher:
             self._full_due.clear()  # asked for again during the pass: one more after it
             reason = "requested" if requested and full else "timer" if timed else "interval"
             if self.reconcile(reason, full=full):
+                failed = 0
                 if full:
                     last_full = time.monotonic()
             else:
-                self._stop.wait(RECONCILE_RETRY)
+                failed += 1
+                self._stop.wait(RECONCILE_BACKOFF.delay(failed))
                 self._request_full()
 
     def _poll_links(self) -> None:

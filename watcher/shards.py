@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 
 from ..client import Client
+from ..kernel.backoff import Backoff
 from ..kernel.contract import shard_of
 from ..kernel.errors import BatonError, ClientClosed, NotFound
 from ..kernel.logs import log
@@ -30,8 +31,10 @@ from ..kernel.v1 import baton_pb2 as pb
 
 logger = logging.getLogger("baton.watcher")
 
-#: seconds between attempts to register while the registry cannot be reached
-REGISTER_RETRY = 1.0
+#: seconds before registering again while the registry cannot be reached (the bound
+#: after one failure; it grows to the cap while they go on failing)
+REGISTER_RETRY, REGISTER_RETRY_CAP = 1.0, 8.0
+REGISTER_BACKOFF = Backoff(REGISTER_RETRY, REGISTER_RETRY_CAP, floor=0.5)
 #: seconds between heartbeats while the watcher owns no shard yet
 FIRST_SHARDS = 0.5
 #: task ids whose shard is kept (beyond, the record starts over)
@@ -144,10 +147,12 @@ class Membership:
         return True
 
     def _run(self) -> None:
-        interval = 0.0 if self.watcher_id else REGISTER_RETRY
+        failed = 0  # registrations in a row that could not reach the registry
+        interval = 0.0 if self.watcher_id else REGISTER_BACKOFF.delay(1)
         while not self._stop.wait(interval):
             if not self.watcher_id:
-                interval = self.ttl / 3 if self._register() else REGISTER_RETRY
+                failed = 0 if self._register() else failed + 1
+                interval = REGISTER_BACKOFF.delay(failed) if failed else self.ttl / 3
                 if self.watcher_id:
                     self._beat()
                 continue

@@ -34,6 +34,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Iterable
 
+from ...kernel.backoff import Backoff
 from ...kernel.errors import BatonError
 from ..store.etcd import Watched, WatchEvent
 from ..store.keys import Keys
@@ -70,8 +71,10 @@ class Complaints:
 #: seconds an idle alarm sleeps at most before it reads the wall clock again (due
 #: times are wall-clock times, which may jump; no etcd request)
 NAP = 30.0
-#: seconds before a broken watch is set up again
-REWATCH_DELAY = 0.5
+#: seconds before a broken watch is set up again (the bound after one break), and the
+#: most it grows to while the watch keeps breaking
+REWATCH_DELAY, REWATCH_CAP = 0.5, 5.0
+REWATCH = Backoff(REWATCH_DELAY, REWATCH_CAP, floor=0.5)
 #: a sweep's head read first looks this many seconds ahead (etcd walks only the keys
 #: of the range it reads: the keys due soon, not every key of the index)
 NEAR = 60.0
@@ -223,7 +226,9 @@ class SweepWatch:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Follow the indexes while this replica leads, until ``stop``."""
+        broken = 0  # breaks in a row: a watch that ran REWATCH_CAP s starts them over
         while await self.election.until_leading(stop):
+            began = time.monotonic()
             try:
                 await _until(stop, self.election, self._follow())
             except BatonError as e:
@@ -235,8 +240,9 @@ class SweepWatch:
             finally:
                 for hook in self._ended:
                     hook()
+            broken = 1 if time.monotonic() - began >= REWATCH_CAP else broken + 1
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), REWATCH_DELAY)
+                await asyncio.wait_for(stop.wait(), REWATCH.delay(broken))
 
     async def _follow(self) -> None:
         # The revision now, read before any look is asked for: the watch brings

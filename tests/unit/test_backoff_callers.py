@@ -1,14 +1,20 @@
-"""The watcher's checker and the view wait with the one backoff (kernel/backoff.py),
-from the delays they waited before it: a failed hash ``retry_delay`` then twice it, a
-registry out of reach 1 s, a broken view watch 0.2 s; each grows from there to a cap."""
+"""Retries wait with the one backoff (kernel/backoff.py), from the delays they waited
+before it: the watcher's checker (a failed hash ``retry_delay`` then twice it, a registry
+out of reach 1 s), its reconciliation and its registration (1 s each), the registry's
+view (a broken watch 0.2 s) and its sweeps' watch (0.5 s); each grows from there to a
+cap."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
+from typing import Any
 
+import pytest
+
+from baton_relay.registry.rules import sweeping
 from baton_relay.registry.store import view
-from baton_relay.watcher import checker
+from baton_relay.watcher import checker, daemon, shards
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,14 +44,32 @@ def test_a_broken_view_watch_backs_off_from_its_old_delay() -> None:
     assert all(0.1 <= view.REWATCH.delay(1) <= 0.2 for _ in range(50))
 
 
+@pytest.mark.parametrize(("backoff", "old"), [
+    (sweeping.REWATCH, 0.5), (daemon.RECONCILE_BACKOFF, 1.0), (shards.REGISTER_BACKOFF, 1.0),
+], ids=["sweeps watch", "reconcile", "register"])
+def test_the_other_retries_back_off_from_their_old_delay(backoff: Any, old: float) -> None:
+    """The sweeps' watch set up again after 0.5 s, a reconciliation or a registration
+    that could not reach the registry after 1 s: the bound after one failure is the old
+    fixed delay, later ones grow to a cap of at most 10 s, each wait spread over half its
+    bound to it."""
+    assert backoff.bound(1) == old
+    assert backoff.bound(1) < backoff.bound(2) < backoff.bound(30) == backoff.cap <= 10
+    assert all(old / 2 <= backoff.delay(1) <= old for _ in range(50))
+
+
 #: the calls that wait, and which of their arguments is the delay
-WAITS = {"sleep": 0, "submit": 1}
+WAITS = {"sleep": 0, "submit": 1, "wait": 0, "wait_for": 1}
+#: the modules whose retries wait
+RETRYING = [ROOT / "registry" / "store" / "view.py", ROOT / "watcher" / "checker.py",
+            ROOT / "registry" / "rules" / "sweeping.py", ROOT / "watcher" / "daemon.py",
+            ROOT / "watcher" / "shards.py"]
 
 
-def test_neither_sleeps_a_fixed_delay() -> None:
-    """No ``sleep`` or job submission in view.py or the checker waits a bare constant
-    (``REWATCH_DELAY``, ``REGISTRY_BACKOFF``) or a delay of its own arithmetic."""
-    for path in (ROOT / "registry" / "store" / "view.py", ROOT / "watcher" / "checker.py"):
+def test_no_retry_waits_a_fixed_delay() -> None:
+    """No ``sleep``, ``wait``, ``wait_for`` or job submission in those modules waits a
+    bare constant (``REWATCH_DELAY``, ``RECONCILE_RETRY``) or a delay of its own
+    arithmetic."""
+    for path in RETRYING:
         for node in ast.walk(ast.parse(path.read_text())):
             if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
                     and node.func.attr in WAITS and len(node.args) > WAITS[node.func.attr]):
