@@ -1422,7 +1422,8 @@ MEASUREMENTS = "test_the_watcher_measurements_run_as_written"
 #: each fenced block of the docs (by how it starts): the test that runs or checks it
 EXAMPLES = {
     "architecture.md": {" agents (client library": "a diagram", "            ┌": "a diagram",
-                        "stateDiagram-v2": "test_machine.py: generated from the table"},
+                        "stateDiagram-v2": "test_machine.py: generated from the table",
+                        "registry/\n  edge/": "test_layers_doc.py: the folders it draws"},
     "faults.md": {
         "python -m pytest -m faults": FAULT_RUN,
         "faults: ops=": f"{FAULT_RUN}: its keys",

@@ -355,7 +355,7 @@ def test_cancel_and_removal_give_back_every_unit_with_nothing_left_to_repair(
     registry = _nobody_sweeps(registry_factory, etcd, prefix, metrics="127.0.0.1:0")
     keys = Keys(registry.prefix)
     with Client(registry.address, timeout=10) as client:
-        client.set_pool("p", 10)
+        client.operator.set_pool("p", 10)
         for t in ("cancelled", "removed"):
             task(client, t, 3, pools={"produce": "p"})
         with client.open_session("live", ttl=60, keepalive=False) as s:
@@ -370,7 +370,7 @@ def test_cancel_and_removal_give_back_every_unit_with_nothing_left_to_repair(
                      timeout=15, what="the lost session's claims gone with its lease")
             assert len(units(registry, "p")) == 4
 
-            client.cancel_task("cancelled", reason="test")
+            client.operator.cancel_task("cancelled", reason="test")
             assert [u["task"] for u in units(registry, "p")] == ["removed", "removed"]
 
             # A cancel whose replica stopped after its first transaction: the header is
@@ -383,7 +383,7 @@ def test_cancel_and_removal_give_back_every_unit_with_nothing_left_to_repair(
                 await conn.txn([], [Put(kv.key, header.dump())])
 
             on_etcd(registry.etcd, cancelled)
-            resp = client.delete_task("removed", discard_history=True)
+            resp = client.operator.delete_task("removed", discard_history=True)
             assert resp.removed["claims"] == 1 and resp.removed["inflight"] == 2
             assert units(registry, "p") == []
         assert _repair(registry) == 0
