@@ -80,11 +80,14 @@ MIN_LEASE_TTL = 2
 MAX_LEASE_TTL = 9_000_000_000
 #: revisions of history one watch response carries at most (etcd's watchBatchMaxRevs)
 WATCH_BATCH_REVISIONS = 1000
-#: the bytes etcd adds around a transaction to make it a raft entry: its header's
-#: field (2 bytes of tag, 1 of length) holding a request id (1 byte of tag and a
-#: 10-byte varint: etcd's ids carry the member id in their top bits), then the
-#: transaction's own tag and length (counted apart). Measured at the limit on etcd 3.4
-#: and 3.5; a member whose id is small makes ids of 9 bytes, and takes 1 byte more.
+#: the member id :meth:`MemoryEtcd.member_statuses` reports: etcd's request ids start
+#: with the lowest 16 bits of the member's id, and these (top bit set) make them take
+#: 10 bytes, as they do on half of etcd's members (the other half's take 9)
+MEMBER_ID = 0xC0DE
+#: the bytes etcd adds around a write to make it a raft entry, besides the write's own
+#: tag and length: a header field (2 bytes of tag, 1 of length) holding the request's
+#: id (1 byte of tag, a 10-byte varint with ``MEMBER_ID``). Measured at the limit on
+#: etcd 3.4 and 3.5: a member with 9-byte request ids takes writes 1 byte larger.
 _RAFT_HEADER_BYTES = 2 + 1 + 1 + 10
 
 # etcd's own words for what it refuses (the details of its gRPC errors)
@@ -487,7 +490,7 @@ class MemoryEtcd:
     async def member_statuses(self) -> list[Member]:
         """The one member, running ``version``."""
         async with self._request("status"):
-            return [Member(1, "memory", (f"memory://{self.endpoint}",), self.version)]
+            return [Member(MEMBER_ID, "memory", (f"memory://{self.endpoint}",), self.version)]
 
     # -- debugging aids ------------------------------------------------------------------
 
