@@ -650,6 +650,24 @@ def test_watches_replay_history_as_etcd_sends_it(etcd: EtcdProcess, prefix: str)
     conform(etcd.endpoint, prefix, scenario)
 
 
+def test_a_long_history_comes_in_responses_of_1000_revisions(
+        etcd: EtcdProcess, prefix: str) -> None:
+    async def scenario(side: Side) -> None:
+        s = side.store
+        start = (await s.txn([], [Put(side.k("w/0"), b"")])).revision
+        for i in range(1, 1003):
+            await s.txn([], [Put(side.k(f"w/{i % 5}"), b"%d" % i), Put(side.k(f"v/{i}"), b"")])
+        batches = await take(s.watch(side.k("w/"), start), 2)
+        side.note("batches", [(len(b), Rev(b[0].kv.mod_revision), Rev(b[-1].kv.mod_revision))
+                              for b in batches])
+        # A response whose events a filter drops entirely is not sent.
+        await s.txn([], [Delete(side.k("w/1"))])
+        side.note("deletes only", await take(s.watch_many(
+            [Watched(side.k("w/"), puts=False)], start), 1))
+
+    conform(etcd.endpoint, prefix, scenario)
+
+
 def test_compaction(private_etcd: EtcdProcess, prefix: str) -> None:
     async def scenario(side: Side) -> None:
         s, a, b, c = side.store, side.k("a"), side.k("b"), side.k("c")

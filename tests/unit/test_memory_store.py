@@ -278,6 +278,23 @@ def test_a_request_that_changes_nothing_keeps_the_revision() -> None:
     run(body)
 
 
+def test_a_request_lets_other_tasks_run_as_a_call_over_the_network_does() -> None:
+    """Each request yields to the loop once before it applies: callers that await it
+    in turn interleave (and the registry's group commit finds company)."""
+    async def body(store: MemoryEtcd, loop: ClockLoop) -> None:
+        order: list[str] = []
+
+        async def put(name: str) -> None:
+            order.append(f"{name} sent")
+            await store.txn([], [Put(name.encode(), b"")])
+            order.append(f"{name} applied")
+
+        await asyncio.gather(put("/a"), put("/b"))
+        assert order == ["/a sent", "/b sent", "/a applied", "/b applied"]
+
+    run(body)
+
+
 def test_close_ends_watches_and_requests_but_keeps_the_data() -> None:
     async def body(store: MemoryEtcd, loop: ClockLoop) -> None:
         await store.txn([], [Put(b"/a", b"1")])
