@@ -1000,7 +1000,9 @@ class MemoryEtcd:
 
     def _on_tick(self, stream: _Stream, when: float) -> None:
         """etcd's progress ticker: each watcher that asked for progress notifications and
-        was sent no event since the last tick is told the store's revision."""
+        was sent no event since the last tick is told the store's revision. (etcd tells
+        only watchers that have caught up with the history; here every watcher has: its
+        events are queued as they are written.)"""
         if stream not in self._streams:
             return
         for watcher in stream.watchers:
