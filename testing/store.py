@@ -847,11 +847,19 @@ class MemoryEtcd:
             if lease is not None:
                 self._end(lease)
 
-    def _refresh(self, lease: _Lease) -> None:
-        """Give a lease its whole TTL again from now, and set its timer."""
+    def hold(self, lease_id: int, until: float) -> None:
+        """Keep a lease alive up to ``until`` (the loop's time), as if its holder
+        refreshed it then (a test's clock moving on while the lease's holder lives);
+        a lease gone or already running longer is left as it is. Called on the loop."""
+        lease = self._leases.get(lease_id)
+        if lease is not None and lease.deadline < until + lease.ttl:
+            self._refresh(lease, since=until)
+
+    def _refresh(self, lease: _Lease, since: float | None = None) -> None:
+        """Give a lease its whole TTL again from now (or ``since``), and set its timer."""
         loop = self._loop
         assert loop is not None
-        lease.deadline = self._now() + lease.ttl
+        lease.deadline = (self._now() if since is None else since) + lease.ttl
         if lease.timer is not None:
             lease.timer.cancel()
         lease.timer = loop.call_at(lease.deadline, self._on_deadline, lease, lease.deadline)

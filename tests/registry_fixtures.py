@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from baton_relay.client import Client, RetryPolicy, Session
 from baton_relay.local.etcdproc import etcd_version, find_etcd
 from baton_relay.registry import RegistryConfig, Running, start
 from baton_relay.registry.store.etcd import Etcd, EtcdAuth
+from baton_relay.testing.registry import InProcessRegistry, start_in_process
 
 T = TypeVar("T")
 
@@ -55,8 +57,12 @@ def on_etcd(where: str | HasEndpoint, body: Callable[[Etcd], Awaitable[T]],
             timeout: float = 5.0, auth: EtcdAuth | None = None) -> T:
     """Run ``body`` with a connection of its own to etcd (an endpoint, or the session's
     etcd; with ``auth``'s credentials): for tests that read or write keys straight, not
-    through a registry."""
+    through a registry. A registry on the in-memory store (``registry.etcd`` names it)
+    is read and written on its own loop, through its store."""
     endpoint = where if isinstance(where, str) else where.endpoint
+    if endpoint in MEMORY:
+        memory = MEMORY[endpoint]
+        return memory.call(body(memory.store), timeout=max(timeout, 30.0))  # type: ignore[no-any-return]
 
     async def main() -> T:
         conn = Etcd(endpoint, timeout=timeout, auth=auth or EtcdAuth())
@@ -82,6 +88,8 @@ class RegistryHandle:
     _running: Running
     _thread: threading.Thread
     stopped: bool = field(default=False)
+    #: the in-process registry when it runs on the in-memory store (``store`` "memory")
+    memory: InProcessRegistry | None = None
 
     @property
     def reaper(self) -> Any:
@@ -130,6 +138,10 @@ class RegistryHandle:
         if self.stopped:
             return
         self.stopped = True
+        if self.memory is not None:
+            self.memory.stop(grace)
+            MEMORY.pop(self.etcd, None)
+            return
         fut = asyncio.run_coroutine_threadsafe(self._running.stop(grace), self._loop)
         try:
             fut.result(timeout=30)
@@ -182,18 +194,59 @@ def start_registry(
                           loop, running, thread)
 
 
+#: the in-process registries on the in-memory store, by the name their handle gives as
+#: its etcd (``on_etcd`` reads their store through it)
+MEMORY: dict[str, InProcessRegistry] = {}
+
+#: what a behavioural test runs on when marked ``both_stores``: etcd, the reference, and
+#: baton_relay.testing's in-memory store, held to the same tests
+STORES = ("etcd", "memory")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if (metafunc.definition.get_closest_marker("both_stores") is not None
+            and "store" in metafunc.fixturenames):
+        metafunc.parametrize("store", STORES)
+
+
+@pytest.fixture
+def store() -> str:
+    """The store this test's registries run on (parametrised by ``both_stores``)."""
+    return "etcd"
+
+
+def start_memory_registry(prefix: str, staging: Path, reap_interval: float = 0.2,
+                          **settings: Any) -> RegistryHandle:
+    """A registry in-process on the in-memory store (baton_relay.testing), handled as
+    one on etcd is."""
+    if any(k.startswith("tls_") for k in settings) or "listen" in settings:
+        pytest.skip("the in-memory registry serves plaintext on loopback only")
+    memory = start_in_process(staging, prefix=prefix, reap_interval=reap_interval, **settings)
+    name = f"memory:{uuid.uuid4().hex}"
+    MEMORY[name] = memory
+    return RegistryHandle(memory.address, memory.running.port, staging, prefix, name,
+                          memory._loop, memory.running, memory._thread, memory=memory)
+
+
 #: tests fail fast instead of retrying for the default 30 s
 TEST_RETRY = RetryPolicy(attempts=3, initial=0.05, cap=0.2, deadline=3.0)
 
 
 @pytest.fixture
 def registry_factory(
-    etcd: Any, prefix: str, staging: Path
+    etcd: Any, prefix: str, staging: Path, store: str
 ) -> Iterator[Callable[..., RegistryHandle]]:
-    """Start any number of replicas on this test's prefix; all stopped at teardown."""
+    """Start any number of replicas on this test's prefix; all stopped at teardown. On
+    the in-memory store (``store``), one: it lives in its registry's process."""
     handles: list[RegistryHandle] = []
 
     def make(**kw: Any) -> RegistryHandle:
+        if store == "memory":
+            if handles:
+                pytest.skip("a second replica: the in-memory store serves one registry")
+            handle = start_memory_registry(prefix, staging, **kw)
+            handles.append(handle)
+            return handle
         handle = start_registry(etcd.endpoint, prefix, staging, **kw)
         handles.append(handle)
         return handle

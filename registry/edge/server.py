@@ -171,18 +171,21 @@ def server_certificates(config: RegistryConfig) -> ServerCertificates | None:
     return ServerCertificates(config.tls_ca, config.tls_cert, config.tls_key)
 
 
-async def start(config: RegistryConfig) -> Running:
-    """Connect to etcd and serve on ``config.listen`` (port 0 picks a free port)."""
+async def start(config: RegistryConfig, *, store: Etcd | None = None) -> Running:
+    """Connect to etcd and serve on ``config.listen`` (port 0 picks a free port).
+
+    ``store``: serve on it instead of the etcd ``config.etcd`` names (an in-memory store
+    of ``baton_relay.testing``, which has etcd's interface)."""
     certificates = server_certificates(config)
     check_archive(config)  # before etcd is asked: a contradiction ends the start
     allowed = allowed_versions(config.allow_etcd_version)
     if not config.metrics:
-        return await _start(config, certificates, allowed, None, 0)
+        return await _start(config, certificates, allowed, None, 0, store)
     metrics = RegistryMetrics()
     # First: a --metrics address that cannot be served ends the start before etcd is asked.
     metrics_port = await metrics.serve(config.metrics)
     try:
-        return await _start(config, certificates, allowed, metrics, metrics_port)
+        return await _start(config, certificates, allowed, metrics, metrics_port, store)
     except BaseException:
         await metrics.close()
         raise
@@ -190,8 +193,8 @@ async def start(config: RegistryConfig) -> Running:
 
 async def _start(config: RegistryConfig, certificates: ServerCertificates | None,
                  allowed: frozenset[str], metrics: RegistryMetrics | None,
-                 metrics_port: int) -> Running:
-    etcd = Etcd(config.etcd, auth=etcd_auth(config))
+                 metrics_port: int, store: Etcd | None = None) -> Running:
+    etcd = store if store is not None else Etcd(config.etcd, auth=etcd_auth(config))
     if metrics is not None:
         etcd.observe = metrics.etcd_request
     await etcd.connect()
@@ -206,9 +209,9 @@ async def _start(config: RegistryConfig, certificates: ServerCertificates | None
     core.stuck_written_after = config.stuck_written_after
     core.staging_retention = config.staging_retention
     archiver = None
-    store = archive_store(config)
-    if store is not None:
-        archiver = Archiver(core, store, config.archive_after, config.archive_retention)
+    archives = archive_store(config)
+    if archives is not None:
+        archiver = Archiver(core, archives, config.archive_after, config.archive_retention)
         core.archive = archiver
     await core.start()
     server = grpc.aio.server(

@@ -16,6 +16,7 @@ import msgspec
 from ...kernel.contract import attempt_path
 from ...kernel.v1 import baton_pb2 as pb
 from .access import from_dict as access_from_dict
+from .clock import wall
 
 SCHEMA_VERSION = 1
 
@@ -74,7 +75,7 @@ def _iso(epoch: float) -> str:
 
 def now() -> str:
     """UTC timestamp, RFC 3339 with milliseconds: every record uses this form."""
-    t = time.time()
+    t = wall()
     second = int(t)
     return f"{_second(second)}.{int((t - second) * 1000):03d}Z"
 
@@ -429,7 +430,7 @@ class EntryRecord:
             "revision": revision,
             "consuming": consuming,
             "priority": self.priority,
-            "not_before": _iso(self.not_before) if self.not_before > time.time() else "",
+            "not_before": _iso(self.not_before) if self.not_before > wall() else "",
             "parts": self.parts,
             "assembly": self.assembly,
             "attributes": self.attributes,

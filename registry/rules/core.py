@@ -16,7 +16,6 @@ import json
 import logging
 import math
 import random
-import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
@@ -26,6 +25,7 @@ from ...kernel.backoff import Backoff
 from ...kernel.errors import BatonError, NotFound
 from ...kernel.v1 import baton_pb2 as pb
 from ..records.archive_store import Archived, Archives
+from ..records.clock import wall
 from ..records.model import CONSUMED, DEAD, PENDING, VERIFIED, EntryRecord, TaskRecord, now
 from ..store.backlog import Backlogs
 from ..store.etcd import KV, Etcd
@@ -131,7 +131,7 @@ class Core:
         staging_root: str,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         rng: random.Random | None = None,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = wall,
         view: bool = True,
     ) -> None:
         self.etcd = etcd

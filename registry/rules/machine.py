@@ -8,12 +8,12 @@ and the diagram in docs/architecture.md is generated from the table
 from __future__ import annotations
 
 import sys
-import time
 from dataclasses import MISSING, dataclass, fields
 from enum import StrEnum
 from typing import Any
 
 from ...kernel.errors import IllegalTransition
+from ..records.clock import wall
 from ..records.model import CONSUMED, DEAD, PENDING, VERIFIED, WRITING, WRITTEN, EntryRecord, State
 
 
@@ -107,7 +107,7 @@ def apply(rec: EntryRecord, event: Event) -> State:
     for name, value in move.sets:
         setattr(rec, name, value)
     if move.to == CONSUMED:  # the staging retention counts from the last ack
-        rec.consumed_at = time.time()
+        rec.consumed_at = wall()
     rec.state = move.to
     return move.to
 

@@ -176,9 +176,10 @@ class Alarm:
 
     async def wait(self, longest: float) -> None:
         """Return once the sweep is to run, or after ``longest`` seconds."""
-        until = time.monotonic() + longest
+        loop = asyncio.get_running_loop()
+        until = loop.time() + longest
         while not self.ready():
-            left = min(self.due - self.clock(), until - time.monotonic(), NAP)
+            left = min(self.due - self.clock(), until - loop.time(), NAP)
             if left <= 0:
                 return
             self._poke.clear()
@@ -299,23 +300,24 @@ async def run_sweep(election: Election, alarm: Alarm, sweep: Callable[[bool], Aw
     """Run ``sweep(whole)`` while ``election`` leads, each time ``alarm`` says, at most
     once per ``interval`` seconds, whole at least every ``full_every`` seconds (0: only
     when owed). A sweep that fails is logged and owes a full look."""
+    loop = asyncio.get_running_loop()
     last = -math.inf
-    last_whole = time.monotonic()
+    last_whole = loop.time()
     while await election.until_leading(stop):
-        longest = (last_whole + full_every - time.monotonic()) if full_every > 0 else math.inf
+        longest = (last_whole + full_every - loop.time()) if full_every > 0 else math.inf
         await _until(stop, election, alarm.wait(max(0.0, longest)))
         if stop.is_set() or not election.is_leader:
             continue
-        pause = last + interval - time.monotonic()
+        pause = last + interval - loop.time()
         if pause > 0:  # coalesced: what else comes meanwhile is swept with it
             await _until(stop, election, asyncio.sleep(pause))
             if stop.is_set() or not election.is_leader:
                 continue
-        overdue = full_every > 0 and time.monotonic() >= last_whole + full_every
+        overdue = full_every > 0 and loop.time() >= last_whole + full_every
         if not (alarm.ready() or overdue):
             continue
         whole = alarm.take() or overdue
-        last = time.monotonic()
+        last = loop.time()
         if whole:
             last_whole = last
         try:

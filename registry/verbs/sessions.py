@@ -7,7 +7,6 @@ import contextlib
 import json
 import logging
 import math
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from ...kernel import logs
@@ -246,21 +245,22 @@ class Reaper:
 
     async def woken(self, whole: bool) -> int:
         """One sweep of the elected replica: a full look, or the claims lost since."""
+        loop = asyncio.get_running_loop()
         if whole:
             self._lost.clear()
             self._ended.clear()
             self._twins_went = False
-            self._repaired = time.monotonic()
+            self._repaired = loop.time()
             return await self.sweep(repair=True)
         moved = await self.reap_lost()
         if self._twins_went:
             due = self._repaired + REPAIR_EVERY * self.interval
-            if time.monotonic() >= due:
+            if loop.time() >= due:
                 self._twins_went = False
-                self._repaired = time.monotonic()
+                self._repaired = loop.time()
                 await self._repair()
             elif self.alarm is not None:
-                self.alarm.wake_at(self.core.clock() + due - time.monotonic())
+                self.alarm.wake_at(self.core.clock() + due - loop.time())
         return moved
 
     async def reap_lost(self) -> int:

@@ -69,7 +69,7 @@ def test_the_wheel_and_sdist_carry_every_package_and_data_file(dist: Path) -> No
     packages = {n.rsplit("/", 1)[0].replace("/", ".") for n in names
                 if n.endswith("/__init__.py")}
     folders = {"baton_relay." + str(p.parent.relative_to(ROOT)).replace("/", ".")
-               for top in ("kernel", "client", "registry", "watcher", "local")
+               for top in ("kernel", "client", "registry", "watcher", "local", "testing")
                for p in (ROOT / top).rglob("__init__.py")} | {"baton_relay"}
     assert packages == folders, packages ^ folders
 
