@@ -88,7 +88,7 @@ class RegistryHandle:
     _running: Running
     _thread: threading.Thread
     stopped: bool = field(default=False)
-    #: the in-process registry when it runs on the in-memory store (``store`` "memory")
+    #: the in-process registry when it runs on the in-memory store (``registry_store``)
     memory: InProcessRegistry | None = None
 
     @property
@@ -203,14 +203,23 @@ MEMORY: dict[str, InProcessRegistry] = {}
 STORES = ("etcd", "memory")
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--registry-store", choices=(*STORES, "both"), default="both",
+        help="the store(s) the both_stores tests run their registry on (make test-fast: "
+             "memory; make test: both, etcd the reference)")
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if (metafunc.definition.get_closest_marker("both_stores") is not None
-            and "store" in metafunc.fixturenames):
-        metafunc.parametrize("store", STORES)
+            and metafunc.definition.get_closest_marker("etcd_only") is None
+            and "registry_store" in metafunc.fixturenames):
+        chosen = metafunc.config.getoption("registry_store")
+        metafunc.parametrize("registry_store", STORES if chosen == "both" else (chosen,))
 
 
 @pytest.fixture
-def store() -> str:
+def registry_store() -> str:
     """The store this test's registries run on (parametrised by ``both_stores``)."""
     return "etcd"
 
@@ -234,14 +243,14 @@ TEST_RETRY = RetryPolicy(attempts=3, initial=0.05, cap=0.2, deadline=3.0)
 
 @pytest.fixture
 def registry_factory(
-    etcd: Any, prefix: str, staging: Path, store: str
+    etcd: Any, prefix: str, staging: Path, registry_store: str
 ) -> Iterator[Callable[..., RegistryHandle]]:
     """Start any number of replicas on this test's prefix; all stopped at teardown. On
-    the in-memory store (``store``), one: it lives in its registry's process."""
+    the in-memory store (``registry_store``), one: it lives in its registry's process."""
     handles: list[RegistryHandle] = []
 
     def make(**kw: Any) -> RegistryHandle:
-        if store == "memory":
+        if registry_store == "memory":
             if handles:
                 pytest.skip("a second replica: the in-memory store serves one registry")
             handle = start_memory_registry(prefix, staging, **kw)

@@ -17,6 +17,9 @@ from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.registry.store.etcd import KV, Etcd
 from baton_relay.registry.verbs.consumers import MAX_ACKS
 
+#: a behaviour of the registry: held on etcd and on baton_relay.testing's store
+pytestmark = pytest.mark.both_stores
+
 
 def digest(data: bytes) -> str:
     return blake3.blake3(data).hexdigest()

@@ -15,6 +15,9 @@ from baton_relay.client import Client, Session, consume, iter_parts, next_lease,
 from baton_relay.kernel import errors
 from baton_relay.kernel.v1 import baton_pb2 as pb
 
+#: a behaviour of the registry: held on etcd and on baton_relay.testing's store
+pytestmark = pytest.mark.both_stores
+
 PARTS = {"p1": b"first part, ", "p2": b"second part, ", "p3": b"third."}
 
 

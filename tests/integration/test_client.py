@@ -16,6 +16,9 @@ from baton_relay.kernel import errors
 from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.local.etcdproc import free_port
 
+#: a behaviour of the registry: held on etcd and on baton_relay.testing's store
+pytestmark = pytest.mark.both_stores
+
 
 def one_entry(client: Client, task: str = "t1") -> None:
     client.operator.create_task({"task_id": task, "entries": [{"file_id": "a", "path": "a.bin"}]})

@@ -15,6 +15,9 @@ from baton_relay.kernel import errors
 from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.registry.verbs.consumers import MAX_CONSUMES
 
+#: a behaviour of the registry: held on etcd and on baton_relay.testing's store
+pytestmark = pytest.mark.both_stores
+
 
 def test_a_batch_of_leases_applies_together(client: Client) -> None:
     """Five verified entries, a batch of up to ten: all five leased at one token, each a

@@ -10,12 +10,16 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 from test_ack_batch import digest
 from test_metrics import metrics_port, scrape
 
 from baton_relay.client import Client
 from baton_relay.client.consumer import next_lease
 from baton_relay.kernel.v1 import baton_pb2 as pb
+
+#: a behaviour of the registry: held on etcd and on baton_relay.testing's store
+pytestmark = pytest.mark.both_stores
 
 
 def calls(registry: Any, method: str) -> float:

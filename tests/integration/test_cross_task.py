@@ -16,6 +16,9 @@ from baton_relay.client import Client, Session
 from baton_relay.kernel.errors import IllegalTransition, InvalidManifest
 from baton_relay.kernel.v1 import baton_pb2 as pb
 
+#: a behaviour of the registry: held on etcd and on baton_relay.testing's store
+pytestmark = pytest.mark.both_stores
+
 Wait = Callable[..., None]
 
 

@@ -16,6 +16,9 @@ from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.registry.store.etcd import Etcd
 from baton_relay.registry.store.keys import Keys
 
+#: a behaviour of the registry: held on etcd and on baton_relay.testing's store
+pytestmark = pytest.mark.both_stores
+
 Wait = Callable[..., None]
 EMPTY = "af1349b9f5f9a1a6a0404dea36dcc9499bcb25c9adc112b7cc9a93cae41f3262"
 

@@ -22,6 +22,9 @@ from baton_relay.registry.verbs.sessions import Sessions
 from baton_relay.registry.verbs.tasks import Tasks
 from tests.integration.test_hotpath import EMPTY, CountingEtcd
 
+#: a behaviour of the registry: held on etcd and on baton_relay.testing's store
+pytestmark = pytest.mark.both_stores
+
 
 async def _current(core: Core) -> None:
     """Wait (5 s at most) until the view's watch has seen every write of this replica."""

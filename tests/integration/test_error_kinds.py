@@ -23,6 +23,9 @@ from baton_relay.kernel.contract import MAX_DELAY_SECONDS
 from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.registry.store.etcd import Etcd
 
+#: a behaviour of the registry: held on etcd and on baton_relay.testing's store
+pytestmark = pytest.mark.both_stores
+
 #: retries become claimable again at once (the default backoff starts at 1 s)
 FAST_RETRY = {"base_seconds": 0.001}
 #: the delay the delayed fail and nack ask for: long enough to look in between

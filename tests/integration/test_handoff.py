@@ -19,6 +19,9 @@ from baton_relay.kernel import errors
 from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.registry.sweeps.scheduler import assembly_digest
 
+#: a behaviour of the registry: held on etcd and on baton_relay.testing's store
+pytestmark = pytest.mark.both_stores
+
 FAST = {"base_seconds": 0.001}
 
 

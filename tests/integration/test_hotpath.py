@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import blake3
+import pytest
 
 from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.registry.records.identity import ANONYMOUS
@@ -19,6 +20,9 @@ from baton_relay.registry.verbs.fused import Fused
 from baton_relay.registry.verbs.producers import Producers
 from baton_relay.registry.verbs.sessions import Sessions
 from baton_relay.registry.verbs.tasks import Tasks
+
+#: a behaviour of the registry: held on etcd and on baton_relay.testing's store
+pytestmark = pytest.mark.both_stores
 
 #: the digest each commit carries (of no bytes: the cycles write no file, nothing compares)
 EMPTY = blake3.blake3(b"").hexdigest()

@@ -14,6 +14,9 @@ from baton_relay.client import Client, Lease
 from baton_relay.kernel import errors
 from baton_relay.kernel.v1 import baton_pb2 as pb
 
+#: a behaviour of the registry: held on etcd and on baton_relay.testing's store
+pytestmark = pytest.mark.both_stores
+
 #: a lost claim's entry is claimable again at once (the default backoff starts at 1 s)
 FAST: dict[str, object] = {"backoff": {"base_seconds": 0.001}}
 #: a well-formed digest for commits that publish no file (no watcher compares it)

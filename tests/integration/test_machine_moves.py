@@ -22,6 +22,9 @@ from baton_relay.registry.records.model import (
 )
 from baton_relay.registry.rules.machine import TABLE, Event
 
+#: a behaviour of the registry: held on etcd and on baton_relay.testing's store
+pytestmark = pytest.mark.both_stores
+
 Wait = Callable[..., None]
 PB = {PENDING: pb.ENTRY_STATE_PENDING, WRITING: pb.ENTRY_STATE_WRITING,
       WRITTEN: pb.ENTRY_STATE_WRITTEN, VERIFIED: pb.ENTRY_STATE_VERIFIED,

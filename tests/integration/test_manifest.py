@@ -10,6 +10,9 @@ from baton_relay.client import Client, parse_manifest
 from baton_relay.kernel import errors
 from baton_relay.registry.records.manifest import MAX_ENTRIES, MAX_PATH, path_problem, validate
 
+#: a behaviour of the registry: held on etcd and on baton_relay.testing's store
+pytestmark = pytest.mark.both_stores
+
 
 def spec(entries: list[dict[str, Any]], **fields: Any) -> Any:
     return parse_manifest({"task_id": "t1", "entries": entries, **fields})

@@ -16,6 +16,9 @@ from baton_relay.client.producer import Output
 from baton_relay.kernel import errors
 from baton_relay.kernel.v1 import baton_pb2 as pb
 
+#: a behaviour of the registry: held on etcd and on baton_relay.testing's store
+pytestmark = pytest.mark.both_stores
+
 MIB = 1 << 20
 #: a retry backoff long enough that a failed entry stays failed while a test looks
 SLOW_BACKOFF = {"base_seconds": 60, "cap_seconds": 60}

@@ -7,11 +7,15 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
+import pytest
 from registry_fixtures import TEST_RETRY
 
 from baton_relay.client import Client
 from baton_relay.kernel import errors
 from baton_relay.kernel.v1 import baton_pb2 as pb
+
+#: a behaviour of the registry: held on etcd and on baton_relay.testing's store
+pytestmark = pytest.mark.both_stores
 
 AGENTS = 16
 ENTRIES = 200

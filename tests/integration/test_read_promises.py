@@ -33,6 +33,9 @@ from baton_relay.registry.verbs.sessions import Sessions
 from baton_relay.registry.verbs.tasks import Tasks
 from baton_relay.registry.verbs.verify import Verifier
 
+#: a behaviour of the registry: held on etcd and on baton_relay.testing's store
+pytestmark = pytest.mark.both_stores
+
 Wait = Callable[..., None]
 
 

@@ -22,6 +22,9 @@ from baton_relay.registry.store.keys import Keys
 from baton_relay.registry.verbs import removal
 from baton_relay.registry.verbs.removal import Removal
 
+#: a behaviour of the registry: held on etcd and on baton_relay.testing's store
+pytestmark = pytest.mark.both_stores
+
 FAST = {"base_seconds": 0.001}
 
 

@@ -13,6 +13,9 @@ from registry_fixtures import RegistryHandle
 from baton_relay.client import Client
 from baton_relay.kernel.v1 import baton_pb2 as pb
 
+#: a behaviour of the registry: held on etcd and on baton_relay.testing's store
+pytestmark = pytest.mark.both_stores
+
 
 def rpc(registry: RegistryHandle, name: str, request: Any) -> Any:
     """Call method ``name`` (whichever service has it) with ``request`` as it is."""

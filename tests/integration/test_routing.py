@@ -17,6 +17,9 @@ from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.registry.records.manifest import validate
 from baton_relay.registry.records.routing import MAX_RULES, condition, parse_attributes
 
+#: a behaviour of the registry: held on etcd and on baton_relay.testing's store
+pytestmark = pytest.mark.both_stores
+
 #: the seed's report pipeline: a report that fails compliance goes to people instead
 REPORTS = {
     "task_id": "reports",

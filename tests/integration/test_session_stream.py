@@ -18,6 +18,9 @@ from baton_relay.client.aio import AsyncClient
 from baton_relay.kernel import errors
 from baton_relay.kernel.v1 import baton_pb2 as pb
 
+#: a behaviour of the registry: held on etcd and on baton_relay.testing's store
+pytestmark = pytest.mark.both_stores
+
 DIGEST = "0" * 64
 
 

@@ -12,6 +12,9 @@ from baton_relay.client import Claim, Client, produce
 from baton_relay.kernel import errors
 from baton_relay.kernel.v1 import baton_pb2 as pb
 
+#: a behaviour of the registry: held on etcd and on baton_relay.testing's store
+pytestmark = pytest.mark.both_stores
+
 #: retries become claimable again at once (the default backoff starts at 1 s)
 FAST_RETRY = {"base_seconds": 0.001}
 

@@ -18,6 +18,9 @@ from baton_relay.local.etcdproc import EtcdProcess
 from baton_relay.registry.store.etcd import Etcd, Put
 from baton_relay.registry.store.fanout import Fanout
 
+#: a behaviour of the registry: held on etcd and on baton_relay.testing's store
+pytestmark = pytest.mark.both_stores
+
 DIGEST = "0" * 64
 
 

@@ -8,12 +8,16 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import pytest
 from registry_fixtures import RegistryHandle
 
 from baton_relay.client import Client
 from baton_relay.client.aio import AsyncClient
 from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.kernel.v1 import baton_pb2_grpc as pb_grpc
+
+#: a behaviour of the registry: held on etcd and on baton_relay.testing's store
+pytestmark = pytest.mark.both_stores
 
 N = 5
 CHANGED = pb.TaskEvent.KIND_CHANGED

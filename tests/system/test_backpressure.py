@@ -26,6 +26,9 @@ from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.registry.store.etcd import KV, Etcd
 from baton_relay.registry.store.keys import Keys
 
+#: a behaviour of the registry: held on etcd and on baton_relay.testing's store
+pytestmark = pytest.mark.both_stores
+
 #: the pipeline's agents (producers and a consumer), as processes
 PIPELINE_PROC = Path(__file__).parents[1] / "pipeline_proc.py"
 

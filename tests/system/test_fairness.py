@@ -21,6 +21,9 @@ from baton_relay.registry.records.manifest import validate
 from baton_relay.registry.store.etcd import Etcd
 from baton_relay.registry.store.keys import Keys
 
+#: a behaviour of the registry: held on etcd and on baton_relay.testing's store
+pytestmark = pytest.mark.both_stores
+
 FAIR_AGENT = Path(__file__).parents[1] / "fair_agent.py"
 WEIGHTS = {"acme": 1, "globex": 1, "initech": 2}
 

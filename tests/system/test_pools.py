@@ -27,6 +27,9 @@ from baton_relay.registry.store.etcd import Etcd, Put
 from baton_relay.registry.store.keys import Keys
 from tests.faults.checker import most_at_once
 
+#: a behaviour of the registry: held on etcd and on baton_relay.testing's store
+pytestmark = pytest.mark.both_stores
+
 Wait = Callable[..., None]
 
 
@@ -346,6 +349,7 @@ def _repair(registry: RegistryHandle) -> int:
     return repaired
 
 
+@pytest.mark.etcd_only("plants an election candidate in etcd before the registry starts")
 def test_cancel_and_removal_give_back_every_unit_with_nothing_left_to_repair(
         registry_factory: Callable[..., RegistryHandle], etcd: Any, prefix: str,
         wait_for: Wait) -> None:
