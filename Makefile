@@ -24,10 +24,13 @@ test: install
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # The fast tier, to run before each commit (under 3 minutes on two cores): the unit
-# tests and the in-process tests against one shared etcd (tests/unit, tests/integration).
+# tests and the in-process tests against one shared etcd (tests/unit, tests/integration);
+# the registry's behavioural tests (both_stores) on the in-memory store only, and the
+# tests that wait for real time left to their twins on the test's clock (real_time).
 # `make test` runs them too, with the system tier, the fault run and the fuzzing.
 test-fast: install
-	$(BIN)/python -m pytest -q tests/unit tests/integration $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q tests/unit tests/integration --registry-store=memory \
+		-m "not real_time" $(PYTEST_ARGS)
 
 # (Defined before the rules that name them: make expands prerequisites as it reads.)
 # The wire contract's checks: buf's CLI, from its npm package, pinned, in .tools/.

@@ -35,6 +35,7 @@ def deadline_keys(registry: RegistryHandle) -> int:
     return on_etcd(registry.etcd, count)
 
 
+@pytest.mark.real_time("test_on_the_clock.py::test_a_hung_producer_loses_its_claim_at_a_ten_minute_deadline")
 def test_a_hung_producer_loses_its_claim_at_the_deadline(
     client: Client, wait_for: Wait,
 ) -> None:
@@ -61,6 +62,7 @@ def test_a_hung_producer_loses_its_claim_at_the_deadline(
     assert client.operator.get_entry("t1", "a").state == pb.ENTRY_STATE_WRITTEN
 
 
+@pytest.mark.real_time("test_on_the_clock.py::test_a_hung_consumer_gives_the_entry_back_at_a_fifteen_minute_deadline")
 def test_a_hung_consumer_gives_the_entry_back_to_its_group(
     client: Client, wait_for: Wait,
 ) -> None:

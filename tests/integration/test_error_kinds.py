@@ -181,6 +181,7 @@ def _epoch(stamp: str) -> float:
     return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
 
 
+@pytest.mark.real_time("test_on_the_clock.py::test_a_delayed_fail_is_claimable_after_its_hour")
 def test_delayed_fail_is_claimable_no_sooner_than_asked(client: Client) -> None:
     """fail --delay S: not claimable before S has passed (by the registry's clock, the
     one of this process), claimable soon after; a retry is spent as for any failure."""
@@ -200,6 +201,7 @@ def test_delayed_fail_is_claimable_no_sooner_than_asked(client: Client) -> None:
         assert again.file_id == "f0"
 
 
+@pytest.mark.real_time("test_on_the_clock.py::test_a_delayed_nack_is_consumable_after_its_hour")
 def test_delayed_nack_is_consumable_no_sooner_than_asked(
         client: Client, registry: RegistryHandle) -> None:
     """nack --delay S: the group cannot take the entry before S has passed; then the

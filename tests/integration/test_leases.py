@@ -106,6 +106,7 @@ def test_client_stops_trusting_lost_session(client: Client) -> None:
         client.claim("t1", session=s)
 
 
+@pytest.mark.real_time("test_on_the_clock.py::test_a_kept_alive_session_holds_its_claim_for_a_day")
 def test_keepalive_holds_claim_beyond_ttl(client: Client) -> None:
     """A kept-alive session keeps its claim well past one TTL."""
     client.operator.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "a"}],
@@ -119,6 +120,7 @@ def test_keepalive_holds_claim_beyond_ttl(client: Client) -> None:
         assert client.commit("t1", "a", claim.token, 1, DIGEST).state == pb.ENTRY_STATE_WRITTEN
 
 
+@pytest.mark.real_time("test_on_the_clock.py::test_a_consumer_whose_agent_froze_hands_the_entry_back")
 def test_dead_consumer_returns_entry_to_group(client: Client) -> None:
     """A consumer whose lease dies hands the entry back to its group."""
     client.operator.create_task({"task_id": "t1", "entries": [{"file_id": "a", "path": "a"}],

@@ -31,6 +31,7 @@ def stall_keys(registry: RegistryHandle) -> int:
     return on_etcd(registry.etcd, count)
 
 
+@pytest.mark.real_time("test_on_the_clock.py::test_a_producer_silent_for_five_minutes_is_taken_back_as_stalled")
 def test_a_producer_that_stops_checkpointing_is_taken_back_as_stalled(
     client: Client, registry: RegistryHandle, wait_for: Wait,
 ) -> None:
@@ -53,6 +54,7 @@ def test_a_producer_that_stops_checkpointing_is_taken_back_as_stalled(
     wait_for(lambda: stall_keys(registry) == 0, what="the stall key gone")
 
 
+@pytest.mark.real_time("test_on_the_clock.py::test_a_producer_checkpointing_for_an_hour_is_left_alone")
 def test_a_slow_producer_that_keeps_checkpointing_is_left_alone(
     client: Client, registry: RegistryHandle,
 ) -> None:
@@ -74,6 +76,7 @@ def test_a_slow_producer_that_keeps_checkpointing_is_left_alone(
     assert registry.stalls.stalled == 0
 
 
+@pytest.mark.real_time("test_on_the_clock.py::test_a_consumer_silent_past_its_stall_time_gives_the_entry_back")
 def test_a_stalled_consumer_gives_the_entry_back_to_its_group(
     client: Client, wait_for: Wait,
 ) -> None:
