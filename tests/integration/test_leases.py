@@ -34,6 +34,7 @@ def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> float:
 
 
 
+@pytest.mark.real_time("test_on_the_clock.py::test_an_agent_gone_silent_loses_its_claim_when_its_lease_runs_out")
 def test_sigkilled_agent_entry_returns_to_pending(client: Client, agent: Callable) -> None:  # type: ignore[type-arg]
     """An agent killed with SIGKILL: its entry is pending again within TTL + a margin."""
     ttl = 2

@@ -267,3 +267,24 @@ def test_an_entry_written_and_never_verified_is_stuck_after_ten_minutes(
     assert client.operator.get_task("t").stuck_written == 1
     assert "it is stuck" in client.operator.explain("t", "a").text
     assert "stuck" not in client.operator.explain("t", "b").text
+
+
+def test_an_agent_gone_silent_loses_its_claim_when_its_lease_runs_out(
+        baton_registry: InProcessRegistry) -> None:
+    """Twin of test_leases.py::test_sigkilled_agent_entry_returns_to_pending: the agent
+    keeps its session alive no more (killed); at its lease's end, not before, the entry
+    is pending again, a retry spent, its token dead."""
+    client = baton_registry.client
+    client.operator.create_task({"task_id": "t", "digest_optional": True,
+                                 "backoff": {"base_seconds": 0.001},
+                                 "entries": [{"file_id": "a", "path": "a"}]})
+    gone = client.open_session("killed", ttl=30, keepalive=False)
+    claim = client.claim("t", "a", session=gone)
+    baton_registry.advance(28, hold_sessions=False)
+    assert entry(baton_registry).state == pb.ENTRY_STATE_WRITING
+    baton_registry.advance(3, hold_sessions=False)
+    got = entry(baton_registry)
+    assert (got.state, got.retry_count, got.token) == (pb.ENTRY_STATE_PENDING, 1, 0)
+    assert "lost" in got.error
+    with pytest.raises(errors.StaleToken):
+        client.commit("t", "a", claim.token, 0, EMPTY)
