@@ -1465,6 +1465,11 @@ EXAMPLES = {
                    "test_console.py: runs `baton console` and waits for its first line"},
     "performance.md": {},
     "benchmarks.md": {},
+    "testing.md": {
+        "pip install 'baton-relay[testing]'":
+            "test_docs_testing.py::test_the_extra_named_is_the_one_that_brings_the_fixture",
+        "# test_translator.py": "test_docs_testing.py::test_the_worked_example_passes_as_written",
+    },
 }
 
 
