@@ -40,7 +40,7 @@ def test_the_repository_holds_no_symbolic_link() -> None:
 
 
 def test_the_layer_contracts_are_kept() -> None:
-    """import-linter's contracts (pyproject.toml) hold: local above registry | watcher,
+    """import-linter's contracts (pyproject.toml) hold: local | testing above registry | watcher,
     above client, above kernel; the registry off the client library."""
     lint = Path(sys.executable).with_name("lint-imports")
     done = subprocess.run([str(lint), "--no-cache"], cwd=ROOT, capture_output=True,
