@@ -80,12 +80,19 @@ class MetricsEndpoint:
     def url(self) -> str:
         return url_of(self.host, self.port)
 
-    def close(self) -> None:
-        """Stop answering and free the port (blocks up to half a second: the server's
-        poll)."""
-        self._server.shutdown()
+    def close(self) -> bool:
+        """Stop answering and free the port: normally within half a second (the
+        server's poll), never more than twice :data:`CLOSE_TIMEOUT`, so that a daemon
+        whose server thread is stuck still stops. Whether the server's thread ended."""
+        # ``shutdown`` waits without a limit for the serving loop to notice; asked on a
+        # thread of its own, the wait is bounded here.
+        stopper = threading.Thread(target=self._server.shutdown, daemon=True,
+                                   name="metrics-shutdown")
+        stopper.start()
+        stopper.join(CLOSE_TIMEOUT)
         self._server.server_close()
         self._thread.join(CLOSE_TIMEOUT)
+        return not self._thread.is_alive()
 
 
 def serve_metrics(address: str, registry: Collector, logger: logging.Logger) -> MetricsEndpoint:

@@ -118,21 +118,33 @@ class RegistryHandle:
             release.set()
 
     def _tasks(self) -> str:
-        """The registry loop's unfinished tasks and where each waits (a stop that hangs
-        says what it waits for)."""
+        """The registry loop's unfinished tasks and where each waits, then every
+        thread's stack (a stop that hangs says what it waits for)."""
         import io
+        import sys
+        import traceback
 
         out = io.StringIO()
         done = threading.Event()
 
         def dump() -> None:
-            for task in asyncio.all_tasks(self._loop):
-                task.print_stack(limit=8, file=out)
-            done.set()
+            try:
+                for task in asyncio.all_tasks(self._loop):
+                    try:
+                        task.print_stack(limit=8, file=out)
+                    except Exception as e:  # a frame without a line number
+                        print(f"{task!r}: no stack ({e!r})", file=out)
+            finally:
+                done.set()
 
         self._loop.call_soon_threadsafe(dump)
-        done.wait(5)
-        return out.getvalue() or "(the loop did not answer)"
+        if not done.wait(5):
+            print("(the loop did not answer)", file=out)
+        names = {t.ident: t.name for t in threading.enumerate()}
+        for ident, frame in sys._current_frames().items():
+            print(f"--- thread {names.get(ident, ident)}", file=out)
+            traceback.print_stack(frame, limit=8, file=out)
+        return out.getvalue()
 
     def stop(self, grace: float = 0.5) -> None:
         if self.stopped:

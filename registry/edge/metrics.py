@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import json
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -48,7 +50,7 @@ from prometheus_client.registry import Collector
 
 from ...kernel import errors
 from ...kernel.errors import ERROR_NAMES, BatonError
-from ...kernel.metrics_endpoint import MetricsEndpoint, serve_metrics
+from ...kernel.metrics_endpoint import CLOSE_TIMEOUT, MetricsEndpoint, serve_metrics
 from ...kernel.names import state_name, status_name
 from ...kernel.v1 import baton_pb2 as pb
 from ..records.model import TaskRecord
@@ -614,9 +616,28 @@ class RegistryMetrics:
         return self._endpoint.port
 
     async def close(self) -> None:
-        if self._endpoint is not None:
-            await asyncio.to_thread(self._endpoint.close)
-            self._endpoint = None
+        """Stop serving ``/metrics``, within the endpoint's bounded close. It runs on a
+        thread of its own, not the loop's executor: a stop must not queue behind
+        whatever else the executor is busy with."""
+        endpoint, self._endpoint = self._endpoint, None
+        if endpoint is None:
+            return
+        loop = asyncio.get_running_loop()
+        closed: asyncio.Future[bool] = loop.create_future()
+
+        def answer(ended: bool) -> None:
+            if not closed.done():
+                closed.set_result(ended)
+
+        def close() -> None:
+            ended = endpoint.close()
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
+                loop.call_soon_threadsafe(answer, ended)
+
+        threading.Thread(target=close, name="metrics-close", daemon=True).start()
+        if not await closed:
+            log.warning("metrics: the /metrics server's thread did not end within %gs; "
+                        "the port is closed and the replica stops anyway", CLOSE_TIMEOUT)
 
     def scraped_levels(self) -> list[Metric]:
         """The levels for a scrape on the endpoint's thread: refreshed and read on the

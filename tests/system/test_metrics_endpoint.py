@@ -186,3 +186,43 @@ def test_the_documented_errors_are_what_the_daemons_print(
                 except OSError:  # another process holds it: in use all the same
                     pass
             assert refused(prog, address, etcd, prefix, registry, staging) == [line]
+
+
+def test_an_endpoint_whose_serving_loop_is_stuck_still_closes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A daemon stops even when its /metrics server's loop never comes back (here held
+    inside a request's acceptance): ``close`` gives up within its bound, says the
+    thread did not end, and the port is free again."""
+    import logging
+    import threading
+    import time
+
+    from prometheus_client import CollectorRegistry
+
+    from baton_relay.kernel import metrics_endpoint
+
+    monkeypatch.setattr(metrics_endpoint, "CLOSE_TIMEOUT", 0.5)
+    endpoint = metrics_endpoint.serve_metrics("127.0.0.1:0", CollectorRegistry(),
+                                              logging.getLogger("test"))
+    held, release = threading.Event(), threading.Event()
+
+    def stuck(request: Any, address: Any) -> bool:
+        held.set()
+        release.wait(30)
+        return False
+
+    monkeypatch.setattr(endpoint._server, "verify_request", stuck)
+    port = endpoint.port
+    with socket.create_connection(("127.0.0.1", port)):
+        assert held.wait(10), "the serving loop never took the connection"
+        started = time.monotonic()
+        try:
+            assert endpoint.close() is False
+            assert time.monotonic() - started < 5 * metrics_endpoint.CLOSE_TIMEOUT
+        finally:
+            release.set()
+    with socket.socket() as again:  # the listener is gone (Linux refuses a second one)
+        again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        again.bind(("127.0.0.1", port))
+        again.listen()
