@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: install deps test test-fast lint up faults-long bench fuzz proto-landed
+.PHONY: install deps test test-fast test-ts ts-client lint up faults-long bench fuzz proto-landed
 
 # The programs the tests run beside the virtualenv (b3sum, jq, promtool, nftables,
 # iproute2, systemd-analyze, PostgreSQL's server, Debian's etcd 3.4): installed on
@@ -20,8 +20,25 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -e '.[dev]'
 	touch $@
 
-test: install
+# The whole suite: the TypeScript client's own tests (node's test runner), then every
+# Python test, the conformance suite (tests/conformance) with both clients among them.
+test: install test-ts
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The TypeScript client (clients/typescript): its packages from the lockfile (npm ci,
+# again only when the lockfile changed), then built to dist/ (its conformance driver).
+TS := clients/typescript
+ts-client: $(TS)/node_modules/.package-lock.json
+	npm --prefix $(TS) run --silent build
+
+$(TS)/node_modules/.package-lock.json: $(TS)/package-lock.json
+	npm ci --prefix $(TS) --no-audit --no-fund --loglevel=error
+
+# Its own tests, on node's test runner (those needing a registry run in
+# tests/conformance, against the suite's stack), and its stubs checked against the contract.
+test-ts: ts-client
+	npm --prefix $(TS) run --silent check-generated
+	npm --prefix $(TS) run --silent test:only
 
 # The fast tier, to run before each commit (under 3 minutes on two cores): the unit
 # tests and the in-process tests against one shared etcd (tests/unit, tests/integration);

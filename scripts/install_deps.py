@@ -130,8 +130,10 @@ TOOLS = (
          "PostgreSQL server next to Baton", postgres, "postgresql",
          "a PostgreSQL server whose bin directory (initdb, postgres) you name in "
          "BATON_BENCH_PG_BIN", units=("postgresql.service",)),
-    Tool("npm", "`make lint` installs buf's CLI (the contract's lint and breaking-change "
-         "checks) from its npm package, @bufbuild/buf", on_path("npm"), "npm",
+    Tool("npm", "`make test` builds and tests the TypeScript client (clients/typescript, "
+         "npm ci from its lockfile) for the conformance suite, and `make lint` installs "
+         "buf's CLI (the contract's lint and breaking-change checks) from its npm package, "
+         "@bufbuild/buf", on_path("npm"), "npm",
          "Node.js with npm (https://nodejs.org/en/download)"),
     Tool("chromium", "tests/system/test_console.py drives `baton console` in a headless browser "
          "(Playwright, pointed at this chromium; no browser is downloaded)",

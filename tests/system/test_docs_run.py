@@ -1470,6 +1470,13 @@ EXAMPLES = {
             "test_docs_testing.py::test_the_extra_named_is_the_one_that_brings_the_fixture",
         "# test_translator.py": "test_docs_testing.py::test_the_worked_example_passes_as_written",
     },
+    "clients.md": {
+        'import { connect, consume, produce } from "@baton-relay/client";':
+            "conformance/test_docs_clients.py::test_the_typescript_examples_run_as_written",
+        "for await (const out of produceEach(s,":
+            "conformance/test_docs_clients.py::test_the_typescript_examples_run_as_written",
+        "make ts-client": "the Makefile's targets, which `make test` runs (and CI with it)",
+    },
 }
 
 
