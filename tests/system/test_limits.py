@@ -213,4 +213,6 @@ def test_raw_bytes_are_invalid_argument(
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert f"not a valid baton.v1.{request_type}" in e.details()
     assert ("baton-error", "InvalidArgument") in tuple(e.trailing_metadata())
-    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    # The registry's records only: a client of an earlier test may still be logging.
+    assert not [r for r in caplog.records
+                if r.levelno >= logging.WARNING and r.name.startswith("baton.registry")]
