@@ -42,6 +42,7 @@ def load(
     help: Mapping[str, str],
     choices: Mapping[str, Sequence[str]] | None = None,
     positive: Sequence[str] = (),
+    not_negative: Sequence[str] = (),
     check: Callable[[argparse.ArgumentParser, dict[str, Any]], None] | None = None,
 ) -> T:
     """The settings ``cls`` (a dataclass whose every field has a default) from ``argv``,
@@ -90,6 +91,8 @@ def load(
             parser.error(f"{name}: {value!r} is not one of {', '.join(choices[name])}")
         if name in positive and value <= 0:
             parser.error(f"{name}: must be positive, not {value!r}")
+        if name in not_negative and value < 0:
+            parser.error(f"{name}: must be 0 or more, not {value!r}")
         values[name] = value
     if check is not None:
         check(parser, values)

@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from types import FrameType
 
-from ..kernel import tracing
+from ..kernel import collector, tracing
 from ..kernel.errors import BatonError
 from ..kernel.logs import setup_logging
 from ..kernel.sdnotify import Notifier
@@ -41,6 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(config.log_level, config.log_format)
     _lighter_records()
     tracing.setup("baton-watcher")
+    collector.tune(config.gc_young)
     requested: list[int] = []
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

@@ -13,6 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..kernel import settings
+from ..kernel.collector import HELP as GC_YOUNG_HELP
+from ..kernel.collector import YOUNG
 from ..kernel.logs import FORMATS
 
 OBSERVERS = ("auto", "inotify", "poll")
@@ -49,6 +51,8 @@ class WatcherConfig:
     state_file: str = ""
     log_level: str = "INFO"
     log_format: str = "kv"
+    # Python's cyclic garbage collector (kernel/collector.py)
+    gc_young: int = YOUNG
     metrics: str = ""
     shard_ttl: int = 10
     cold_after: float = 24 * 3600.0
@@ -83,6 +87,7 @@ _HELP = {
     "(empty = memory only; a restart rehashes verified files once)",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     "log_format": "kv (key=value lines) or json (one object per line)",
+    "gc_young": GC_YOUNG_HELP,
     "metrics": "HOST:PORT to serve Prometheus metrics on, at /metrics (empty = off; "
     "port 0 = pick one and log it)",
     "shard_ttl": "seconds the watcher's registration (and its shards) outlives its last "
@@ -104,4 +109,4 @@ def load_config(argv: Sequence[str], environ: Mapping[str, str]) -> WatcherConfi
         WatcherConfig, argv, environ, prog="baton-watcher",
         description="Baton watcher: hashes files as they land in the staging area and "
         "reports their BLAKE3 digests to the registry.",
-        help=_HELP, choices=_CHOICES, positive=_POSITIVE)
+        help=_HELP, choices=_CHOICES, positive=_POSITIVE, not_negative=("gc_young",))

@@ -13,6 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ...kernel import settings
+from ...kernel.collector import HELP as GC_YOUNG_HELP
+from ...kernel.collector import YOUNG
 from ...kernel.contract import DEFAULT_SHARDS
 from ...kernel.errors import BatonError
 from ...kernel.logs import FORMATS
@@ -29,6 +31,8 @@ class RegistryConfig:
     grace: float = 10.0
     log_level: str = "INFO"
     log_format: str = "kv"
+    # Python's cyclic garbage collector (kernel/collector.py)
+    gc_young: int = YOUNG
     # mutual TLS towards clients
     tls_ca: str = ""
     tls_cert: str = ""
@@ -80,6 +84,7 @@ _HELP = {
     "grace": "seconds in-flight calls get to finish on SIGTERM",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     "log_format": "kv (key=value lines) or json (one object per line)",
+    "gc_young": GC_YOUNG_HELP,
     "tls_ca": "CA bundle client certificates must chain to (re-read when it changes)",
     "tls_cert": "the registry's server certificate, PEM (re-read when it changes)",
     "tls_key": "the server certificate's private key, PEM",
@@ -133,7 +138,7 @@ def load_config(argv: Sequence[str], environ: Mapping[str, str]) -> RegistryConf
     config = settings.load(
         RegistryConfig, argv, environ, prog="baton-registry",
         description="Baton registry: the gRPC server that owns the entry state machine.",
-        help=_HELP, choices={"log_format": FORMATS})
+        help=_HELP, choices={"log_format": FORMATS}, not_negative=("gc_young",))
     check_archive(config)
     if not math.isfinite(config.staging_retention):
         raise BatonError(f"--staging-retention {config.staging_retention} is not a number "

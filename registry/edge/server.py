@@ -16,7 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from ...kernel import tracing
+from ...kernel import collector, tracing
 from ...kernel.contract import (
     MAX_REPLY_BYTES,
     MAX_REQUEST_BYTES,
@@ -340,6 +340,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     setup_logging(config.log_level, config.log_format)
     tracing.setup("baton-registry")
+    collector.tune(config.gc_young)
     try:
         asyncio.run(serve(config, Notifier.from_environ(os.environ)))
     except BatonError as e:
