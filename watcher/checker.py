@@ -2,7 +2,9 @@
 
 What to do depends on the entry's state when a worker picks it up:
 
-- pending: nothing (no attempt is live: a file on disk is a dead attempt's);
+- pending: a file of an attempt newer than any known is reported as a writing one's
+  (its claim is most often not news here yet); anything else, nothing (no attempt is
+  live: a file on disk is a dead attempt's);
 - writing: hash the newest attempt's file and report it, naming its token (the
   registry keeps it and settles it at the commit of that very attempt);
 - written: report the committed attempt's file (from the cache if it is the one
@@ -157,7 +159,7 @@ class Checker:
     def _check(self, key: Key, entry: EntryView, inline: bool) -> None:
         try:
             if entry.state == pb.ENTRY_STATE_PENDING:
-                self._pending(key, entry)
+                self._pending(key, entry, inline)
             elif entry.state == pb.ENTRY_STATE_WRITING:
                 self._writing(key, entry, inline)
             elif entry.state == pb.ENTRY_STATE_WRITTEN:
@@ -225,8 +227,15 @@ class Checker:
             return Known(sent[0], sent[1])
         return self.cache.get(*key)
 
-    def _pending(self, key: Key, entry: EntryView) -> None:
-        """No attempt is live: whatever is on disk is a dead attempt's."""
+    def _pending(self, key: Key, entry: EntryView, inline: bool) -> None:
+        """No attempt is live as far as this table knows. A file of an attempt newer
+        than any it knew (``Table.file_at`` took it) is most often a live one whose
+        claim is not news here yet: it is reported as a written one's is, naming its
+        token, so that the registry has it before the commit (which then verifies at
+        once); the registry ignores a dead attempt's. Anything else on disk is a dead
+        attempt's."""
+        if entry.attempt_path and entry.token:
+            self._writing(key, entry, inline)
 
     def _writing(self, key: Key, entry: EntryView, inline: bool) -> None:
         if not entry.attempt_path:

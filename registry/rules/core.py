@@ -160,6 +160,10 @@ class Core:
         self.pool_refusals: collections.Counter[str] = collections.Counter()
         #: limited tasks' backlogs: counted for producers' claims (back-pressure)
         self.backlogs = Backlogs(etcd, keys)
+        #: what watchers saw of live attempts' files before their commits, by entry
+        #: (registry.verbs.verify: a hint this replica's commits take, never in etcd)
+        self.early: collections.OrderedDict[tuple[str, str], dict[str, Any]] = (
+            collections.OrderedDict())
 
     async def start(self) -> None:
         if self.view is not None:

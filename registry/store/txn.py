@@ -519,6 +519,14 @@ class Transactions:
         self.gave_up += 1
         raise Conflict("gave up after repeated concurrent changes; retry the call")
 
+    def peek(self) -> Txn | None:
+        """A transaction to read from the view and never commit, for a decision that
+        changes nothing in etcd; None unless the view is current (every write of this
+        replica in it)."""
+        if self.view is None or not self.view.ready or not self.view.current():
+            return None
+        return Txn(self.view, fresh=False)
+
     def _txn(self, fresh: bool, req_key: bytes) -> Txn:
         if fresh or self.view is None:
             return Txn(EtcdSource(self.etcd, req_key), fresh=True)

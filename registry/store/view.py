@@ -377,6 +377,11 @@ class View:
     def release(self, keys: Sequence[bytes]) -> None:
         self._reserved.difference_update(keys)
 
+    def reserved(self, key: bytes) -> bool:
+        """Whether a planner of this replica holds ``key`` while its transaction is on
+        its way."""
+        return key in self._reserved
+
     def taken(self, key: bytes) -> bool:
         """Whether an index key a planner listed is no longer free to it: another
         planner of this replica reserved it since, or it left its window (a write of

@@ -294,7 +294,8 @@ class Producers:
         rec.attributes = req.attributes if attributes else ""
         rec.remember("committed", **actor_of(claim), token=req.token, size=req.size,
                      **({"digest": req.digest} if req.digest else {}))
-        obs, rec.observed = rec.observation(), None
+        early = self.verifier.early_of(txn, rec.task_id, rec.file_id, req.token)
+        obs, rec.observed = early or rec.observation(), None
         expected = req.digest or rec.expected_digest
         if (obs is not None and obs.token in (0, req.token) and expected
                 and (obs.size, obs.digest) == (req.size, expected)

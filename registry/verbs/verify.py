@@ -4,13 +4,14 @@ a verified file that changed or vanished (out of verified), a file that cannot b
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from ...kernel import tracing
 from ...kernel.errors import InvalidArgument, StaleReport, TaskNotActive
 from ...kernel.v1 import baton_pb2 as pb
 from ..records.identity import ANONYMOUS, Caller
 from ..records.manifest import DIGEST_RE, check_id, check_traceparent
-from ..records.model import PENDING, VERIFIED, WRITING, WRITTEN, EntryRecord, now
+from ..records.model import PENDING, VERIFIED, WRITING, WRITTEN, EntryRecord, Observation, now
 from ..records.routing import Rule, route
 from ..rules.checks import VOID, entry_replay, need_task, task_status
 from ..rules.claim import end
@@ -20,11 +21,47 @@ from ..store.keys import ClaimRef
 from ..store.txn import Txn
 from .shards import reported_entry
 
+#: the most observations of uncommitted attempts a replica keeps in memory (the oldest
+#: go first: their commits then wait for the watcher's report after them)
+EARLY_KEPT = 65_536
+
 
 class Verifier:
     def __init__(self, core: Core) -> None:
         self.core = core
         self.keys = core.keys
+        #: what a watcher saw of a live attempt's file before its commit, by entry: the
+        #: observation (its ``token`` names the attempt). Kept here, not in etcd: it is
+        #: a hint the commit of that very attempt on this replica takes; a commit
+        #: elsewhere, or after a restart, waits for the watcher's report after it.
+        self.early = core.early
+
+    def keep_early(self, task_id: str, file_id: str, seen: dict[str, Any]) -> None:
+        key = (task_id, file_id)
+        self.early[key] = seen
+        self.early.move_to_end(key)
+        while len(self.early) > EARLY_KEPT:
+            self.early.popitem(last=False)
+
+    def early_of(self, txn: Txn, task_id: str, file_id: str, token: int
+                 ) -> Observation | None:
+        """For a commit's ``txn``: the observation kept of the attempt with ``token``,
+        if any (no longer kept once the commit applies, whatever it decided). While the
+        commit is on its way its entry is reserved: a report meanwhile goes the
+        transactional way (``_keep_early``), whose write makes one of the two plan
+        again and see the other, as a report kept on the entry always did."""
+        key = (task_id, file_id)
+        if self.core.view is not None and not txn.fresh:
+            self.core.view.reserve(txn, self.keys.entry(task_id, file_id))
+        seen = self.early.get(key)
+        if seen is None:
+            return None
+
+        def taken() -> None:
+            self.early.pop(key, None)
+
+        txn.after(taken)
+        return Observation(**seen) if seen["token"] == token else None
 
     def notify(self, rec: EntryRecord, txn: Txn) -> None:
         """In the transaction that makes ``rec`` verified: if anything waits for it
@@ -213,6 +250,26 @@ class Verifier:
 
         return await self.core.txns.run(planner, req.request_id, entry_replay)
 
+    async def _keep_early(self, req: pb.ReportVerificationRequest, caller: Caller,
+                          staging: str) -> pb.Entry | None:
+        """A report of a live attempt's file before its commit, kept in this replica's
+        memory with no transaction (``early``): the entry as this replica's view has it,
+        or None when the report must go the transactional way (the view is not current,
+        the entry is not being written, the report is of an attempt older than one
+        already seen). The watcher and its shard are checked as for any report."""
+        txn, view = self.core.txns.peek(), self.core.view
+        if txn is None or view is None:
+            return None
+        kv, rec = await reported_entry(txn, self.keys, req, caller)
+        if (kv is None or rec.state != WRITING or rec.parts or rec.observed is not None
+                or view.reserved(kv.key)):  # a commit of it on its way
+            return None
+        key = (rec.task_id, rec.file_id)
+        if (early := self.early.get(key)) is not None and early["token"] > req.token:
+            return None  # an older attempt's file, reported late: the newer one counts
+        self.keep_early(rec.task_id, rec.file_id, _observed(req, caller))
+        return rec.to_pb(staging, revision=kv.mod_revision)
+
     async def report(self, req: pb.ReportVerificationRequest,
                      caller: Caller = ANONYMOUS) -> pb.Entry:
         if tracing.ENABLED and req.traceparent and tracing.valid(req.traceparent):
@@ -230,6 +287,8 @@ class Verifier:
             raise InvalidArgument("a report needs size ≥ 0 and a 64-hex-digit BLAKE3 digest")
         check_traceparent(req.traceparent)
         staging = self.core.staging_dir(req.task_id)
+        if req.token and (kept := await self._keep_early(req, caller, staging)) is not None:
+            return kept
 
         async def planner(txn: Txn) -> Callable[[int], pb.Entry]:
             kv, rec = await reported_entry(txn, self.keys, req, caller)
@@ -253,13 +312,7 @@ class Verifier:
             if changes:
                 await self.not_cancelled(txn, rec, "verification report")
             if rec.state in (PENDING, WRITING):
-                rec.observed = {
-                    "size": req.size, "digest": req.digest, "inode": req.identity.inode,
-                    "device": req.identity.device, "mtime_ns": req.identity.mtime_ns,
-                    "reporter": req.reporter, "identity": caller.name, "at": now(),
-                    "token": req.token,
-                    **({"traceparent": req.traceparent} if req.traceparent else {}),
-                }
+                rec.observed = _observed(req, caller)
             elif rec.state == WRITTEN:
                 if await self.settle(txn, rec, req.size, req.digest, who=caller.name,
                                      label=req.reporter, traceparent=req.traceparent):
@@ -273,3 +326,14 @@ class Verifier:
             return lambda rev: rec.to_pb(staging, revision=rev)
 
         return await self.core.txns.run(planner, req.request_id, entry_replay)
+
+
+def _observed(req: pb.ReportVerificationRequest, caller: Caller) -> dict[str, Any]:
+    """What a report before the commit says was on disk (an ``Observation``'s fields)."""
+    return {
+        "size": req.size, "digest": req.digest, "inode": req.identity.inode,
+        "device": req.identity.device, "mtime_ns": req.identity.mtime_ns,
+        "reporter": req.reporter, "identity": caller.name, "at": now(),
+        "token": req.token,
+        **({"traceparent": req.traceparent} if req.traceparent else {}),
+    }

@@ -99,6 +99,44 @@ def test_report_before_commit_verifies_at_commit(client: Client) -> None:
         assert entry.state == pb.ENTRY_STATE_VERIFIED and entry.digest == digest(data)
 
 
+def test_a_report_of_the_live_attempt_before_its_commit_writes_nothing(
+        client: Client) -> None:
+    """A report naming the live attempt's token, before its commit, is kept in the
+    replica's memory, not on the entry: the entry does not move, and the commit of that
+    attempt still verifies at once (one transaction for both)."""
+    client.operator.create_task(manifest(n=1))
+    data = b"seen early"
+    with client.open_session("agent", ttl=10) as s:
+        c = client.claim("t1", session=s)
+        claimed = client.operator.get_entry("t1", "f0").revision
+        answer = client.watcher.report("t1", "f0", len(data), digest(data), token=c.token)
+        assert (answer.state, answer.revision) == (pb.ENTRY_STATE_WRITING, claimed)
+        assert client.operator.get_entry("t1", "f0").revision == claimed
+        entry = client.commit("t1", "f0", c.token, len(data), digest(data))
+        assert entry.state == pb.ENTRY_STATE_VERIFIED and entry.digest == digest(data)
+        assert [r.event for r in client.operator.journal("t1", "f0")] == [
+            "claimed", "committed", "verified"]
+        assert client.operator.journal("t1", "f0")[-1].revision == entry.revision
+
+
+def test_a_kept_report_of_another_attempt_does_not_verify_the_commit(client: Client) -> None:
+    """What was seen of a dead attempt's file (its token, reported late) never vouches
+    for the live attempt's commit, even with the same bytes: the report after the
+    commit decides."""
+    client.operator.create_task(manifest(n=1, max_retries=3))
+    data = b"same bytes"
+    with client.open_session("agent", ttl=10) as s:
+        first = client.claim("t1", session=s)
+        client.fail("t1", "f0", first.token, reason="try again", session=s)
+        second = claim_soon(client, s, "t1")
+        assert second.token > first.token
+        client.watcher.report("t1", "f0", len(data), digest(data), token=first.token)
+        entry = client.commit("t1", "f0", second.token, len(data), digest(data))
+        assert entry.state == pb.ENTRY_STATE_WRITTEN
+        assert client.watcher.report("t1", "f0", len(data), digest(data),
+                                     token=second.token).state == pb.ENTRY_STATE_VERIFIED
+
+
 def test_a_report_of_other_bytes_before_the_commit_does_not_fail_it(client: Client) -> None:
     """Seen before the commit, bytes other than the committed ones (an earlier attempt's
     file, renamed over a moment later) neither verify nor fail the commit: the report
