@@ -37,11 +37,11 @@ def tune(young: int) -> None:
     if young < 0:
         raise ValueError(f"young must be 0 (Python's own settings) or more, not {young}")
     if young == 0:
-        log.info("collector: Python's own thresholds %s", gc.get_threshold())
+        log.debug("collector: Python's own thresholds %s", gc.get_threshold())
         return
     gc.collect()  # what is garbage now is not frozen with the rest
     gc.freeze()
     _, older, oldest = gc.get_threshold()
     gc.set_threshold(young, older, oldest)
-    log.info("collector: youngest generation every %d allocations; %d objects frozen",
+    log.debug("collector: youngest generation every %d allocations; %d objects frozen",
              young, gc.get_freeze_count())

@@ -521,9 +521,10 @@ class Transactions:
 
     def peek(self) -> Txn | None:
         """A transaction to read from the view and never commit, for a decision that
-        changes nothing in etcd; None unless the view is current (every write of this
-        replica in it)."""
-        if self.view is None or not self.view.ready or not self.view.current():
+        changes nothing in etcd and may rest on what this replica wrote (its own writes
+        are in the view at once) but not on what other replicas wrote since (entries
+        are not watched); None while the view is not serving."""
+        if self.view is None or not self.view.ready:
             return None
         return Txn(self.view, fresh=False)
 

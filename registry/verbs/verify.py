@@ -252,17 +252,25 @@ class Verifier:
 
     async def _keep_early(self, req: pb.ReportVerificationRequest, caller: Caller,
                           staging: str) -> pb.Entry | None:
-        """A report of a live attempt's file before its commit, kept in this replica's
-        memory with no transaction (``early``): the entry as this replica's view has it,
-        or None when the report must go the transactional way (the view is not current,
-        the entry is not being written, the report is of an attempt older than one
-        already seen). The watcher and its shard are checked as for any report."""
+        """A report of an attempt's file before its commit, answered from this replica's
+        view with no transaction: kept in memory (``early``) while the entry is being
+        written, and nothing to do while it is pending (a dead attempt's file, or one
+        whose claim another replica made: its commit then waits for the report after
+        it). None when the report must go the transactional way: the view is not
+        serving, or older than the entry the watcher saw (another replica moved it),
+        the entry is in another state, its commit is on its way, or an attempt newer
+        than this one was seen already. The watcher and its shard are checked as for
+        any report."""
         txn, view = self.core.txns.peek(), self.core.view
         if txn is None or view is None:
             return None
         kv, rec = await reported_entry(txn, self.keys, req, caller)
-        if (kv is None or rec.state != WRITING or rec.parts or rec.observed is not None
-                or view.reserved(kv.key)):  # a commit of it on its way
+        if (kv is None or kv.mod_revision < req.seen_revision or rec.parts
+                or rec.observed is not None or view.reserved(kv.key)):
+            return None
+        if rec.state == PENDING:
+            return rec.to_pb(staging, revision=kv.mod_revision)
+        if rec.state != WRITING:
             return None
         key = (rec.task_id, rec.file_id)
         if (early := self.early.get(key)) is not None and early["token"] > req.token:

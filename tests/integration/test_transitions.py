@@ -119,6 +119,25 @@ def test_a_report_of_the_live_attempt_before_its_commit_writes_nothing(
         assert client.operator.journal("t1", "f0")[-1].revision == entry.revision
 
 
+def test_a_report_newer_than_the_replicas_view_goes_the_transactional_way(
+        client: Client) -> None:
+    """A watcher that saw the entry at a revision the replica's view has not reached
+    (another replica moved it) is not answered from that view: the report is decided
+    on etcd, and kept on the entry as before."""
+    client.operator.create_task(manifest(n=1))
+    data = b"seen later"
+    with client.open_session("agent", ttl=10) as s:
+        c = client.claim("t1", session=s)
+        claimed = client.operator.get_entry("t1", "f0").revision
+        req = pb.ReportVerificationRequest(
+            task_id="t1", file_id="f0", size=len(data), digest=digest(data), token=c.token,
+            seen_revision=claimed + 1_000)
+        (answer,) = client.watcher.report_batch([req])
+        assert isinstance(answer, pb.Entry) and answer.state == pb.ENTRY_STATE_WRITING
+        assert answer.revision > claimed
+        assert client.operator.get_entry("t1", "f0").revision == answer.revision
+
+
 def test_a_kept_report_of_another_attempt_does_not_verify_the_commit(client: Client) -> None:
     """What was seen of a dead attempt's file (its token, reported late) never vouches
     for the live attempt's commit, even with the same bytes: the report after the

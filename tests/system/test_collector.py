@@ -88,11 +88,13 @@ def _stop(proc: subprocess.Popen[str]) -> None:
 @pytest.mark.parametrize("young", [None, 777, 0])
 def test_the_registry_process_tunes_its_collector(etcd: Any, young: int | None) -> None:
     """By default every 50,000 allocations; ``--gc-young`` another figure; 0 Python's
-    own thresholds, untouched (700 at the youngest)."""
+    own thresholds, untouched (700 at the youngest). Said at DEBUG: a daemon that
+    cannot start prints one line only."""
     flag = [] if young is None else ["--gc-young", str(young)]
     proc = subprocess.Popen(
         [sys.executable, "-m", "baton_relay.registry", "--insecure", "--etcd", etcd.endpoint,
-         *allow_suite_etcd(), "--listen", "127.0.0.1:0", "--prefix", f"/gc-{young}/", *flag],
+         *allow_suite_etcd(), "--listen", "127.0.0.1:0", "--prefix", f"/gc-{young}/",
+         "--log-level", "DEBUG", *flag],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         if young == 0:
@@ -113,7 +115,7 @@ def test_the_watcher_process_tunes_its_collector(tmp_path: Path) -> None:
     started = time.monotonic()
     proc = subprocess.Popen(
         [sys.executable, "-m", "baton_relay.watcher", "--registry", "127.0.0.1:9",
-         "--staging", str(tmp_path), "--gc-young", "4321"],
+         "--staging", str(tmp_path), "--gc-young", "4321", "--log-level", "DEBUG"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         m = _said(proc, r"collector: youngest generation every (\d+) allocations")
