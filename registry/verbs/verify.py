@@ -19,7 +19,7 @@ from ..rules.core import Core
 from ..rules.machine import Event, apply
 from ..store.keys import ClaimRef
 from ..store.txn import Txn
-from .shards import reported_entry
+from .shards import check_reporter, reported_entry
 
 #: the most observations of uncommitted attempts a replica keeps in memory (the oldest
 #: go first: their commits then wait for the watcher's report after them)
@@ -264,9 +264,16 @@ class Verifier:
         txn, view = self.core.txns.peek(), self.core.view
         if txn is None or view is None:
             return None
-        kv, rec = await reported_entry(txn, self.keys, req, caller)
-        if (kv is None or kv.mod_revision < req.seen_revision or rec.parts
-                or rec.observed is not None or view.reserved(kv.key)):
+        # The entry first: most reports come after the commit, and go the other way.
+        (kv,) = await txn.peek_many([self.keys.entry(req.task_id, req.file_id)])
+        if kv is None or kv.mod_revision < req.seen_revision or view.reserved(kv.key):
+            return None
+        rec = EntryRecord.load(kv.value)
+        if rec.state not in (PENDING, WRITING) or rec.parts or rec.observed is not None:
+            return None
+        await check_reporter(txn, self.keys, req.task_id, req.watcher_id, req.shard_epoch,
+                             caller)
+        if view.reserved(kv.key):  # a commit of it began meanwhile
             return None
         if rec.state == PENDING:
             return rec.to_pb(staging, revision=kv.mod_revision)

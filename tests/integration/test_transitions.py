@@ -138,6 +138,28 @@ def test_a_report_newer_than_the_replicas_view_goes_the_transactional_way(
         assert client.operator.get_entry("t1", "f0").revision == answer.revision
 
 
+def test_kept_reports_are_bounded_the_oldest_going_first(
+        client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replica keeps at most ``EARLY_KEPT`` reports before their commits: past it the
+    oldest goes, and its commit waits for the report after it (nothing is lost)."""
+    from baton_relay.registry.verbs import verify
+
+    monkeypatch.setattr(verify, "EARLY_KEPT", 1)
+    client.operator.create_task(manifest(n=2))
+    data = b"kept"
+    with client.open_session("agent", ttl=10) as s:
+        first, second = client.claim("t1", session=s), client.claim("t1", session=s)
+        for c in (first, second):
+            assert client.watcher.report("t1", c.file_id, len(data), digest(data),
+                                         token=c.token).state == pb.ENTRY_STATE_WRITING
+        assert client.commit("t1", first.file_id, first.token, len(data),
+                             digest(data)).state == pb.ENTRY_STATE_WRITTEN
+        assert client.commit("t1", second.file_id, second.token, len(data),
+                             digest(data)).state == pb.ENTRY_STATE_VERIFIED
+        assert client.watcher.report("t1", first.file_id, len(data), digest(data),
+                                     token=first.token).state == pb.ENTRY_STATE_VERIFIED
+
+
 def test_a_kept_report_of_another_attempt_does_not_verify_the_commit(client: Client) -> None:
     """What was seen of a dead attempt's file (its token, reported late) never vouches
     for the live attempt's commit, even with the same bytes: the report after the
