@@ -84,13 +84,41 @@ class Running:
         """Stop taking calls, let in-flight ones finish within ``grace``, then close."""
         self.health.enter_graceful_shutdown()
         self._stop.set()
+        began = asyncio.get_running_loop().time()
         await self.server.stop(grace)
-        await asyncio.gather(*self._background)
+        await self._background_stopped()
+        ended = asyncio.get_running_loop().time()
+        if ended - began > STOP_SLOW:
+            log.warning("stop: calls and background tasks took %.1fs to end", ended - began)
         if self.metrics is not None:
             await self.metrics.close()
         await self.core.stop()
         await self.etcd.close()
 
+
+    async def _background_stopped(self) -> None:
+        """Every background task ended: each sees the stop and returns, and one that has
+        not within ``STOP_TIMEOUT`` (an etcd call retrying, a sweep in its middle) is
+        cancelled and named, so that a stop always ends. A task that failed raises here."""
+        if not self._background:
+            return
+        _, pending = await asyncio.wait(self._background, timeout=STOP_TIMEOUT)
+        if pending:
+            log.warning("stop: %d background task(s) did not end within %gs, cancelled: %s",
+                        len(pending), STOP_TIMEOUT,
+                        ", ".join(sorted(repr(t.get_coro()) for t in pending)))
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        for task in self._background:
+            if not task.cancelled() and (error := task.exception()) is not None:
+                raise error
+
+
+#: seconds the background tasks get to see a stop and end before they are cancelled
+STOP_TIMEOUT = 10.0
+#: a stop's first part (calls, background tasks) that takes longer is logged
+STOP_SLOW = 5.0
 
 #: the names the health service answers: the server, the registry as a whole and each
 #: of its services

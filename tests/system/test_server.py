@@ -67,3 +67,38 @@ def test_registry_process_serves_health_and_stops_on_sigterm(etcd: Any, prefix: 
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_background_task_that_ignores_the_stop_is_cancelled_and_named(
+    registry_factory: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A stop always ends: a background task still running ``STOP_TIMEOUT`` after the
+    stop was asked (here one that never looks) is cancelled, and the log names it."""
+    import asyncio
+    import logging
+    import time
+
+    from baton_relay.registry.edge import server
+
+    monkeypatch.setattr(server, "STOP_TIMEOUT", 0.5)
+    handle = registry_factory()
+    cancelled: list[bool] = []
+
+    async def stubborn_sweep() -> None:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+
+    async def add() -> None:
+        handle._running._background.append(asyncio.create_task(stubborn_sweep()))
+
+    asyncio.run_coroutine_threadsafe(add(), handle._loop).result(timeout=10)
+    caplog.set_level(logging.WARNING, logger="baton.registry")
+    started = time.monotonic()
+    handle.stop()
+    assert time.monotonic() - started < 20
+    assert cancelled == [True]
+    assert any("stubborn_sweep" in r.getMessage() and "cancelled" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
