@@ -43,7 +43,7 @@ from .observe import Watches
 from .reporter import Reporter
 from .retention import Retention
 from .shards import Membership
-from .state import CHECKED, Change, Table, TaskView
+from .state import CHECKED, Change, EntryView, Table, TaskView
 from .sync import TaskStreams
 from .taskdirs import TaskDirs
 
@@ -86,7 +86,7 @@ class Watcher:
         self.metrics_port = 0
         self.intake = Intake(config.event_queue)
         self.jobs = JobQueue()
-        self.table = Table(self.root)
+        self.table = Table(self.root, on_consumed=self._consumed)
         self.taskdirs = TaskDirs(self.root)
         # Explicit even when empty: the configuration has read BATON_CA/CERT/KEY
         # already, and "" for all three is plaintext, not "look in os.environ".
@@ -268,9 +268,15 @@ class Watcher:
         else:
             self._check_now([(task_id, c.entry.file_id) for c in changes
                              if self.checker.wants(c, watched=watched)])
-        if consumed := [c.entry for c in changes if c.entry.state == pb.ENTRY_STATE_CONSUMED]:
-            self.retention.offer(task_id, consumed)
         self._sync_watch(task_id, rescan=synced or warmed)
+
+    def _consumed(self, task_id: str, entries: list[EntryView]) -> None:
+        """Entries news made consumed, from a stream or a reply (``Table.on_consumed``):
+        their files are the staging retention's. A reply to a report that finds the
+        entry consumed can bring that news before the task's stream does, which then
+        brings nothing new: hearing it only from the stream would lose the file."""
+        if self._serves(task_id):
+            self.retention.offer(task_id, entries)
 
     def _sync_watch(self, task_id: str, *, rescan: bool = False, rewalk: bool = False) -> None:
         """Watch a task's tree while it has live entries, and not after.

@@ -1,8 +1,8 @@
 """The staging retention, the watcher's side: consumed entries' files of its shards
 leave staging once their retention has passed.
 
-Candidates come from the task views (an entry seen consumed on a task's Watch stream
-or in a reconciliation) and from one listing of each finished task of its shards (a
+Candidates come from the task views (an entry seen consumed on a task's Watch stream,
+in a reconciliation or in a reply: ``Table.on_consumed``) and from one listing of each finished task of its shards (a
 completed task is no longer followed, yet its files are the ones due). They wait in a
 heap by due time; one thread hands them out in turn to a few workers (each removal is
 a round trip to the registry), starting at most ``rate`` a second:

@@ -2,7 +2,9 @@
 
 Updated from the registry's Watch streams, the reconciliation listings and the
 replies to reports; an update older than what is known (by etcd revision) is
-ignored, so the three sources can race freely.
+ignored, so the three sources can race freely. Whichever of them brings the news
+that an entry is consumed, ``Table.on_consumed`` hears it once: a reply that brings
+it first makes the stream's later word of it old news, which nobody is told.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import os
 import posixpath
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import NamedTuple
@@ -23,6 +26,7 @@ from ..kernel.v1 import baton_pb2 as pb
 LIVE = frozenset({pb.ENTRY_STATE_PENDING, pb.ENTRY_STATE_WRITING, pb.ENTRY_STATE_WRITTEN,
                   pb.ENTRY_STATE_VERIFIED})
 STATE_NAMES: dict[int, str] = {int(v): state_name(v) for v in pb.EntryState.values()}
+CONSUMED = pb.ENTRY_STATE_CONSUMED
 #: states without a committed attempt: the newest attempt's file is the one to look at
 UNCOMMITTED = frozenset({pb.ENTRY_STATE_PENDING, pb.ENTRY_STATE_WRITING})
 #: states whose file a check looks at (a pending entry's file is a dead attempt's)
@@ -117,10 +121,14 @@ class Change(NamedTuple):
 class Table:
     """Thread-safe; views handed out are copies."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, *,
+                 on_consumed: Callable[[str, list[EntryView]], None] | None = None) -> None:
         self.root = root
         self._lock = threading.Lock()
         self._tasks: dict[str, TaskView] = {}
+        #: told (outside the lock) of every entry news of which made it consumed, or
+        #: changed it while consumed, whichever source brought the news
+        self.on_consumed = on_consumed
 
     def task_ids(self) -> list[str]:
         with self._lock:
@@ -205,7 +213,9 @@ class Table:
             change = self._apply(view, entry)
             if failures is not None and (known := view.entries.get(entry.file_id)):
                 known.failures = failures
-            return change
+        if change is not None and change.entry.state == CONSUMED and self.on_consumed:
+            self.on_consumed(task_id, [change.entry])
+        return change
 
     def _apply(self, view: TaskView, entry: pb.Entry) -> Change | None:
         # Each field of ``entry`` is read once: a read of a message's field makes a new
@@ -265,7 +275,11 @@ class Table:
                     same.discard(gone)
                     if not same:
                         del view.by_dir[d]
-            return [c for e in entries if (c := self._apply(view, e)) is not None]
+            changes = [c for e in entries if (c := self._apply(view, e)) is not None]
+        if self.on_consumed and (consumed := [c.entry for c in changes
+                                              if c.entry.state == CONSUMED]):
+            self.on_consumed(task_id, consumed)
+        return changes
 
     def entry(self, task_id: str, file_id: str) -> EntryView | None:
         with self._lock:

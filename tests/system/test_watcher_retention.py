@@ -10,6 +10,7 @@ import os
 import signal
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from registry_fixtures import TEST_RETRY, RegistryHandle, produce_verified
@@ -25,6 +26,7 @@ from watcher_fixtures import (
 from baton_relay.client import Client, Session
 from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.watcher import Watcher, WatcherConfig, start_watcher
+from baton_relay.watcher.state import Change, Table
 
 Wait = Callable[..., None]
 
@@ -256,3 +258,55 @@ def test_removals_survive_a_watcher_kill_and_a_shard_move(
             client.operator.get_entry(t, f).size for f in files[:2])
     for p in watchers[1:]:
         assert "step failed" not in p.log_tail(10_000), p.log_tail()
+
+
+class _LateStream:
+    """The task streams' view of the table, with the stream's news that ``file_id`` is
+    consumed held back: kept aside (the stream is late), to be applied later."""
+
+    def __init__(self, table: Table, file_id: str) -> None:
+        self.table, self.file_id = table, file_id
+        self.held: list[tuple[str, pb.Entry]] = []
+
+    def apply(self, task_id: str, entry: pb.Entry, **kw: Any) -> Change | None:
+        if entry.file_id == self.file_id and entry.state == pb.ENTRY_STATE_CONSUMED:
+            self.held.append((task_id, entry))
+            return None
+        return self.table.apply(task_id, entry, **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.table, name)
+
+
+def test_a_consumed_entry_first_heard_of_in_a_reply_still_leaves_staging(
+    client: Client, session: Session, watcher: Watcher, wait_for: Wait,
+) -> None:
+    """The file of an entry consumed and then changed is looked at before the task's
+    stream says it is consumed: the report's answer is the first news of it. Heard from
+    that answer, the file is still the retention's (here: changed, so kept and
+    journalled); the stream's word, late, is old news and changes nothing."""
+    client.operator.create_task({
+        "task_id": "t", "consumers": ["g1"], "staging_retention_seconds": 1,
+        "entries": [{"file_id": "f", "path": "d/f.bin"},
+                    {"file_id": "live", "path": "d/live.bin"}]})
+    put_bytes(client, session, "t", "f", b"verified bytes" * 100)
+    wait_for(is_state(client, "t", "f", pb.ENTRY_STATE_VERIFIED), what="f verified")
+    wait_for(lambda: (e := watcher.table.entry("t", "f")) is not None
+             and e.state == pb.ENTRY_STATE_VERIFIED, what="the watcher knows f verified")
+    late = _LateStream(watcher.table, "f")
+    watcher.streams.table = late  # type: ignore[assignment]
+    consumed = _consume(client, session, "t", "f", ("g1",))
+    assert consumed.state == pb.ENTRY_STATE_CONSUMED
+    wait_for(lambda: late.held, what="the stream's news of f held back")
+    _file(client, "t", "f").write_bytes(b"other bytes after the ack")
+    # the watcher sees the file change while it still believes f verified: it reports
+    # the new bytes, and the answer says f is consumed
+    wait_for(lambda: (e := watcher.table.entry("t", "f")) is not None
+             and e.state == pb.ENTRY_STATE_CONSUMED, what="the answer's news of f")
+    assert late.held  # the stream has said nothing yet
+    for task_id, entry in late.held:
+        assert watcher.table.apply(task_id, entry) is None  # old news by now
+    wait_for(lambda: watcher.metrics.get("staging_files_changed") == 1, timeout=15,
+             what="the changed file looked at by the retention")
+    assert _journalled(client, "t", "f", "staging_changed") == 1
+    assert _file(client, "t", "f").read_bytes() == b"other bytes after the ack"

@@ -15,6 +15,7 @@ import pytest
 
 from baton_relay.kernel.errors import BatonError
 from baton_relay.kernel.logs import formatter, log
+from baton_relay.kernel.v1 import baton_pb2 as pb
 from baton_relay.watcher import Watcher, WatcherConfig, load_config
 from baton_relay.watcher.emitter import InotifyEmitter
 from baton_relay.watcher.errors import FileChanged, Refused
@@ -22,6 +23,7 @@ from baton_relay.watcher.events import FsEvent, Intake, Kind
 from baton_relay.watcher.fsinfo import REMOTE_MAGIC, blind_spot, fs_type
 from baton_relay.watcher.hashing import Hashed, Hasher
 from baton_relay.watcher.jobs import JobQueue
+from baton_relay.watcher.state import CONSUMED, Table
 
 
 def test_config_precedence_flag_env_file_default(tmp_path: Path) -> None:
@@ -287,3 +289,32 @@ def test_per_entry_report_counts_are_kept_for_the_latest_entries_only(
     assert [m.reports_of("t", f) for f in ("a", "b", "c", "d")] == [0, 1, 1, 1]
     assert len(m._reports) == 3
     assert m.get("reports") == 5
+
+
+def test_the_table_tells_of_a_consumed_entry_once_whichever_source_brings_it(
+        tmp_path: Path) -> None:
+    """A reply that brings the news first (a report's answer) is heard; the stream's
+    word of the same revision after it is old news, told to nobody; a snapshot's
+    consumed entries are heard too, and news of other states is not."""
+    heard: list[tuple[str, str, int]] = []
+    table = Table(str(tmp_path), on_consumed=lambda task_id, entries: heard.extend(
+        (task_id, e.file_id, e.revision) for e in entries))
+    table.add_task("t")
+
+    def entry(file_id: str, state: int, revision: int) -> pb.Entry:
+        return pb.Entry(file_id=file_id, path=f"{file_id}.bin", state=state,
+                        revision=revision, digest="ab" * 32,
+                        consumed_at="2026-12-07T21:00:00Z" if state == CONSUMED else "")
+
+    assert table.apply("t", entry("a", pb.ENTRY_STATE_VERIFIED, 5)) is not None
+    assert heard == []
+    assert table.apply("t", entry("a", CONSUMED, 7), failures=0) is not None  # a reply
+    assert heard == [("t", "a", 7)]
+    assert table.apply("t", entry("a", CONSUMED, 7)) is None  # the stream, after it
+    assert heard == [("t", "a", 7)]
+    changes = table.replace("t", [entry("a", CONSUMED, 7), entry("b", CONSUMED, 9),
+                                  entry("c", pb.ENTRY_STATE_WRITING, 9)])
+    assert [c.entry.file_id for c in changes] == ["b", "c"]
+    assert heard == [("t", "a", 7), ("t", "b", 9)]
+    assert table.apply("elsewhere", entry("d", CONSUMED, 11)) is None  # not served
+    assert heard == [("t", "a", 7), ("t", "b", 9)]
