@@ -105,11 +105,11 @@ def test_the_watchers_lines_about_an_entry_carry_its_revision(
     client: Client, watcher_factory: Callable[..., Any], wait_for: Callable[..., None],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """The watcher's "reported" line names the task, the file and the revision the
-    registry's reply carried."""
+    """The watcher's "reported" line (DEBUG: one comes for each file) names the task,
+    the file and the revision the registry's reply carried."""
     from watcher_fixtures import is_state, make_task, put_bytes
 
-    caplog.set_level(logging.INFO, logger="baton.watcher")
+    caplog.set_level(logging.DEBUG, logger="baton.watcher")  # one line a file: DEBUG
     make_task(client, "wl", {"a": "a.bin"})
     with client.open_session("p", ttl=10) as s:
         # committed before the watcher starts: its one report is the one that verifies

@@ -141,7 +141,7 @@ def test_a_files_hand_off_is_one_trace_across_a_three_stage_pipeline(
         with watcher_log.open("w") as log:
             watcher = subprocess.Popen(
                 [sys.executable, "-m", "baton_relay.watcher", "--registry", address,
-                 "--staging", str(staging), "--log-format", "json", "--log-level", "info"],
+                 "--staging", str(staging), "--log-format", "json", "--log-level", "debug"],
                 stdout=subprocess.DEVNULL, stderr=log, env=env)
         procs.append(watcher)
         with Client(address) as client:
