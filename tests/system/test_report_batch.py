@@ -184,3 +184,64 @@ def test_a_busy_watcher_verifies_each_file_once(
     assert w.reports.reports == len(ids)
     for f in ids:
         assert [r.event for r in client.operator.journal("t1", f)].count("verified") == 1
+
+
+class _HeldFirstCall:
+    """The watcher client's calls as they are, but the first batch is held on its way
+    until ``release`` is set; each batch's (task, file) pairs are recorded as sent."""
+
+    def __init__(self, client: Client) -> None:
+        self.watcher = self
+        self._client = client
+        self.release = threading.Event()
+        self.sent: list[list[str]] = []
+        self._lock = threading.Lock()
+
+    def report_batch(self, reports: list[pb.ReportVerificationRequest]) -> list[Outcome]:
+        with self._lock:
+            first = not self.sent
+            self.sent.append([f"{r.file_id}:{r.size}" for r in reports])
+        if first:
+            assert self.release.wait(30), "the first batch was never released"
+        return self._client.watcher.report_batch(reports)
+
+
+def test_a_second_lane_sends_other_entries_while_one_entrys_report_waits_its_turn(
+    client: Client, session: Session, wait_for: Wait,
+) -> None:
+    """With the first batch on its way (held), a second lane sends the reports queued
+    since, except the one of an entry whose report is on its way: that one leaves only
+    once its predecessor is answered, so one entry's reports keep their order."""
+    files = {"a": b"first bytes", "b": b"bytes of b"}
+    make_task(client, "t1", {f: f"out/{f}.bin" for f in files})
+    _committed(client, session, "t1", files)
+    held = _HeldFirstCall(client)
+    reporter = Reporter(held, lanes=2).start()  # type: ignore[arg-type]
+    answered: list[str] = []
+    lock = threading.Lock()
+
+    def done(name: str) -> Callable[[Outcome], None]:
+        def take(outcome: Outcome) -> None:
+            with lock:
+                answered.append(name)
+        return take
+
+    try:
+        reporter.submit(_report("t1", "a", b"stale"), done("a:5"))
+        wait_for(lambda: len(held.sent) == 1, what="the first batch on its way")
+        reporter.submit(_report("t1", "a", files["a"]), done("a:11"))
+        reporter.submit(_report("t1", "b", files["b"]), done("b:10"))
+        wait_for(lambda: answered == ["b:10"], what="b's report answered by the second lane")
+        assert held.sent == [["a:5"], ["b:10"]]  # a's second report still queued
+        held.release.set()
+        wait_for(lambda: len(answered) == 3, what="every report answered")
+    finally:
+        held.release.set()
+        reporter.close()
+    assert answered == ["b:10", "a:5", "a:11"] and held.sent[2] == ["a:11"], (answered, held.sent)
+    assert client.operator.get_entry("t1", "b").state == pb.ENTRY_STATE_VERIFIED
+
+
+def test_a_reporter_needs_a_lane(client: Client) -> None:
+    with pytest.raises(ValueError, match="at least one lane"):
+        Reporter(client, lanes=0)
