@@ -1,25 +1,18 @@
 """The watcher's digest reports, sent many to a message.
 
-A hash worker hands its report over and goes on with the next file; a sender thread
-sends what queued while the batch before it was on its way, up to
-``MAX_REPORT_BATCH``, in one ``ReportVerificationBatch`` call, and hands each report's
-answer (the entry after it, or the error it alone ended with) to the callback given
-with it. Nothing waits for a batch to fill: on a quiet watcher a report leaves at
-once, alone; under load the batches grow by themselves, and the registry applies
-their reports together (their transactions share etcd round trips).
-
-``lanes`` senders have a batch on its way at once (two by default): a report does not
-wait behind a whole batch of others' transactions, so more of them reach the registry
-before their file's commit, which then verifies it in its own transaction (one
-transaction a file instead of two). One entry's reports stay in the order submitted: a
-report whose entry has one on its way waits in the queue until that one is answered.
+A hash worker hands its report over and goes on with the next file; one thread sends
+what queued while the batch before it was on its way, up to ``MAX_REPORT_BATCH``, in
+one ``ReportVerificationBatch`` call, and hands each report's answer (the entry after
+it, or the error it alone ended with) to the callback given with it. Nothing waits
+for a batch to fill: on a quiet watcher a report leaves at once, alone; under load
+the batches grow by themselves, and the registry applies their reports together
+(their transactions share etcd round trips).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,8 +28,6 @@ logger = logging.getLogger("baton.watcher")
 #: what a report's callback receives: the entry after it, or the error it ended with
 Outcome = pb.Entry | BatonError
 Done = Callable[[Outcome], None]
-#: batches on their way at once (senders)
-LANES = 2
 
 
 @dataclass
@@ -68,31 +59,25 @@ class _Gathering:
 class Reporter:
     """Batches ``ReportVerification`` calls on one thread (see the module)."""
 
-    def __init__(self, client: Client, max_batch: int = MAX_REPORT_BATCH,
-                 lanes: int = LANES) -> None:
-        if lanes < 1:
-            raise ValueError(f"a reporter needs at least one lane, not {lanes}")
+    def __init__(self, client: Client, max_batch: int = MAX_REPORT_BATCH) -> None:
         self.client = client
         self.max_batch = max_batch
         self._queue: deque[_Queued] = deque()
         self._cond = threading.Condition()
         self._closing = False
-        #: batches on their way, and the entries they carry reports of
-        self._sending = 0
-        self._on_way: set[tuple[str, str]] = set()
-        #: senders waiting for reports (a submit wakes them)
-        self._idle = 0
+        self._sending = False
+        #: the reporter thread waits for reports (a submit wakes it)
+        self._idle = False
         self._local = threading.local()
         self._gathering = _Gathering(self)
-        self._threads = [threading.Thread(target=self._run, name=f"watcher-reporter-{i}",
-                                          daemon=True) for i in range(lanes)]
+        self._thread = threading.Thread(target=self._run, name="watcher-reporter",
+                                        daemon=True)
         #: batches sent and reports carried, for the watcher's metrics and tests
         self.batches = 0
         self.reports = 0
 
     def start(self) -> Reporter:
-        for thread in self._threads:
-            thread.start()
+        self._thread.start()
         return self
 
     def submit(self, request: pb.ReportVerificationRequest, done: Done) -> None:
@@ -114,10 +99,8 @@ class Reporter:
         with self._cond:
             self._closing = True
             self._cond.notify_all()
-        deadline = time.monotonic() + timeout
-        for thread in self._threads:
-            if thread.ident is not None:
-                thread.join(max(0.0, deadline - time.monotonic()))
+        if self._thread.ident is not None:
+            self._thread.join(timeout)
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -130,40 +113,19 @@ class Reporter:
                                        timeout)
 
     def _take(self) -> list[_Queued]:
-        """The next batch: queued reports in order, but none of an entry that has one
-        on its way (those stay queued, in order); empty once closing with nothing left."""
         with self._cond:
-            while True:
-                batch = self._takeable()
-                if batch or (self._closing and not self._queue):
-                    break
-                # Nothing queued, or only reports of entries on their way (their batch's
-                # sender takes them once answered): wait for a submit or an answer.
-                self._idle += 1
+            while not self._queue and not self._closing:
+                self._idle = True
                 try:
                     self._cond.wait()
                 finally:
-                    self._idle -= 1
-            if batch:
-                self._sending += 1
-                self._cond.notify_all()
+                    self._idle = False
+            batch: list[_Queued] = []
+            while self._queue and len(batch) < self.max_batch:
+                batch.append(self._queue.popleft())
+            self._sending = bool(batch)
+            self._cond.notify_all()
             return batch
-
-    def _takeable(self) -> list[_Queued]:
-        queue, on_way = self._queue, self._on_way
-        if not on_way:  # the common case: the front of the queue, as it is
-            batch = [queue.popleft() for _ in range(min(len(queue), self.max_batch))]
-        else:
-            batch, kept = [], deque()
-            while queue and len(batch) < self.max_batch:
-                q = queue.popleft()
-                key = (q.request.task_id, q.request.file_id)
-                (kept if key in on_way else batch).append(q)
-            kept.extend(queue)
-            self._queue = kept
-        for q in batch:
-            on_way.add((q.request.task_id, q.request.file_id))
-        return batch
 
     def _run(self) -> None:
         while batch := self._take():
@@ -188,7 +150,5 @@ class Reporter:
                         task=queued.request.task_id, file_id=queued.request.file_id,
                         error=repr(e))
             with self._cond:
-                self._sending -= 1
-                for queued in batch:
-                    self._on_way.discard((queued.request.task_id, queued.request.file_id))
+                self._sending = False
                 self._cond.notify_all()
