@@ -2,10 +2,11 @@
 leave staging once their retention has passed.
 
 Candidates come from the task views (an entry seen consumed on a task's Watch stream,
-in a reconciliation or in a reply: ``Table.on_consumed``) and from one listing of each finished task of its shards (a
-completed task is no longer followed, yet its files are the ones due). They wait in a
-heap by due time; one thread hands them out in turn to a few workers (each removal is
-a round trip to the registry), starting at most ``rate`` a second:
+in a reconciliation or in a reply: ``Table.on_consumed``) and from one listing of each
+finished task of its shards (a completed task is no longer followed, yet its files are
+the ones due). They wait in a heap by due time; one thread hands them out in turn to
+a few workers (each removal is a round trip to the registry), starting at most
+``rate`` a second:
 
 1. hash the file through the safe path (``Hasher``: dir descriptors, ``O_NOFOLLOW``);
    a symlink or a non-regular file is left alone and counted;
