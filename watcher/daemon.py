@@ -546,7 +546,9 @@ class Watcher:
                 self.retention.task_gone(name)
 
     def _removal_reply(self, task_id: str, entry: pb.Entry) -> None:
-        self.table.apply(task_id, entry)
+        # quiet: the retention has the entry in hand (told of its own answer, it would
+        # look at the file it has just removed once more)
+        self.table.apply(task_id, entry, quiet=True)
 
     def _reconcile_loop(self) -> None:
         """A routine pass every ``reconcile_interval``; a full one when asked for (an

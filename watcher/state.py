@@ -202,10 +202,11 @@ class Table:
             return sum(1 for v in self._tasks.values() if v.cold)
 
     def apply(self, task_id: str, entry: pb.Entry, *,
-              failures: int | None = None) -> Change | None:
+              failures: int | None = None, quiet: bool = False) -> Change | None:
         """Record ``entry`` unless something newer is known; the change, if any.
         ``failures``: set the entry's count of failed hashes too (whether or not
-        ``entry`` was news)."""
+        ``entry`` was news). ``quiet``: ``on_consumed`` is not told (the staging
+        retention's own answers: it is handling that entry already)."""
         with self._lock:
             view = self._tasks.get(task_id)
             if view is None:
@@ -213,7 +214,8 @@ class Table:
             change = self._apply(view, entry)
             if failures is not None and (known := view.entries.get(entry.file_id)):
                 known.failures = failures
-        if change is not None and change.entry.state == CONSUMED and self.on_consumed:
+        if (change is not None and change.entry.state == CONSUMED and self.on_consumed
+                and not quiet):
             self.on_consumed(task_id, [change.entry])
         return change
 

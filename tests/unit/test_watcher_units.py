@@ -295,7 +295,8 @@ def test_the_table_tells_of_a_consumed_entry_once_whichever_source_brings_it(
         tmp_path: Path) -> None:
     """A reply that brings the news first (a report's answer) is heard; the stream's
     word of the same revision after it is old news, told to nobody; a snapshot's
-    consumed entries are heard too, and news of other states is not."""
+    consumed entries are heard too, and news of other states is not, nor the
+    retention's own answers."""
     heard: list[tuple[str, str, int]] = []
     table = Table(str(tmp_path), on_consumed=lambda task_id, entries: heard.extend(
         (task_id, e.file_id, e.revision) for e in entries))
@@ -317,4 +318,8 @@ def test_the_table_tells_of_a_consumed_entry_once_whichever_source_brings_it(
     assert [c.entry.file_id for c in changes] == ["b", "c"]
     assert heard == [("t", "a", 7), ("t", "b", 9)]
     assert table.apply("elsewhere", entry("d", CONSUMED, 11)) is None  # not served
+    assert heard == [("t", "a", 7), ("t", "b", 9)]
+    # the retention's own answer (quiet) is recorded, and the retention not told of it
+    assert table.apply("t", entry("b", CONSUMED, 12), quiet=True) is not None
+    assert table.entry("t", "b").revision == 12  # type: ignore[union-attr]
     assert heard == [("t", "a", 7), ("t", "b", 9)]
