@@ -519,9 +519,9 @@ class Checker:
     @staticmethod
     def _log_reported(key: Key, entry: EntryView, hashed: Hashed, reply: pb.Entry) -> None:
         """The line of a digest report the registry took (``_reported``): at DEBUG, as
-        the registry's line of each move is. One comes for every file; at INFO, its
-        formatting was about a sixth of the watcher's CPU under load, and the entry's
-        journal (``baton log TASK FILE_ID``) records each verification with its digest anyway."""
+        the registry's line of each move is. One comes for every file, and the entry's
+        journal (``baton log TASK FILE_ID``) records each verification with its digest
+        anyway (docs/performance.md: its CPU at INFO was below what the stack measures)."""
         if not logger.isEnabledFor(logging.DEBUG):
             return
         state = reply.state  # (the known states' names looked up: one is made per report)

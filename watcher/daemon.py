@@ -426,7 +426,8 @@ class Watcher:
         counts["reconcile_listings"] += 1
         counts["reconcile_entries_listed"] += len(entries)
         for entry in entries:
-            self.table.apply(task_id, entry)
+            # quiet: every entry listed is offered to the retention below, news or not
+            self.table.apply(task_id, entry, quiet=True)
             if entry.state in CHECKED and not entry.parts:
                 self.jobs.submit((task_id, entry.file_id))
                 counts["reconcile_entries_checked"] += 1

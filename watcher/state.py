@@ -205,8 +205,8 @@ class Table:
               failures: int | None = None, quiet: bool = False) -> Change | None:
         """Record ``entry`` unless something newer is known; the change, if any.
         ``failures``: set the entry's count of failed hashes too (whether or not
-        ``entry`` was news). ``quiet``: ``on_consumed`` is not told (the staging
-        retention's own answers: it is handling that entry already)."""
+        ``entry`` was news). ``quiet``: ``on_consumed`` is not told (the caller hands the
+        entry to the staging retention itself, or it is the retention's own answer)."""
         with self._lock:
             view = self._tasks.get(task_id)
             if view is None:
